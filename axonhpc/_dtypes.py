@@ -1,0 +1,115 @@
+"""Supported dtypes and the local buffer checks every collective runs first.
+
+Arrays are numpy arrays, or cupy arrays where cupy exists. Nothing here
+imports cupy or ml_dtypes at package import: both are looked up lazily, so
+``import axonhpc`` works without the optional extras.
+"""
+from __future__ import annotations
+
+import functools
+import sys
+from typing import Any, Tuple
+
+import numpy as np
+
+from .errors import (
+    NonContiguousBufferError,
+    ReadOnlyBufferError,
+    UnsupportedDtypeError,
+)
+
+_BASE_DTYPES: Tuple[np.dtype, ...] = tuple(
+    np.dtype(name) for name in ("float16", "float32", "float64", "int32", "int64", "uint8")
+)
+
+
+@functools.lru_cache(maxsize=None)
+def bfloat16_dtype():
+    """numpy dtype of bfloat16 from ml_dtypes, or None if it is not installed."""
+    try:
+        import ml_dtypes
+    except ImportError:
+        return None
+    return np.dtype(ml_dtypes.bfloat16)
+
+
+def supported_dtypes() -> Tuple[np.dtype, ...]:
+    """The dtypes the collectives accept on this installation."""
+    bf16 = bfloat16_dtype()
+    return _BASE_DTYPES + ((bf16,) if bf16 is not None else ())
+
+
+def is_low_precision_float(dtype: np.dtype) -> bool:
+    """float16 or bfloat16: MPI has no reduction for these, so they are widened."""
+    return dtype == np.float16 or (bfloat16_dtype() is not None and dtype == bfloat16_dtype())
+
+
+def is_integer(dtype: np.dtype) -> bool:
+    return np.dtype(dtype).kind in "iu"
+
+
+def is_cupy_array(x: Any) -> bool:
+    """True for a cupy ndarray, without importing cupy when it is not loaded."""
+    cupy = sys.modules.get("cupy")
+    return cupy is not None and isinstance(x, cupy.ndarray)
+
+
+def array_module(x: Any):
+    """numpy for host arrays, cupy for device arrays (array-module dispatch)."""
+    if is_cupy_array(x):
+        return sys.modules["cupy"]
+    return np
+
+
+def _describe(x: Any) -> str:
+    return f"{type(x).__module__}.{type(x).__name__} of shape {getattr(x, 'shape', '?')}"
+
+
+def check_array(x: Any, what: str, *, writable: bool = False) -> None:
+    """Raise a clear error if ``x`` cannot be handed to a collective.
+
+    Args:
+        x: the buffer.
+        what: how to name it in a message ("all_reduce buffer").
+        writable: the operation writes into ``x``.
+
+    Raises:
+        UnsupportedDtypeError: not an array, or a dtype outside ``supported_dtypes()``.
+        NonContiguousBufferError: not C-contiguous.
+        ReadOnlyBufferError: ``writable`` and the array is read-only.
+    """
+    if not (isinstance(x, np.ndarray) or is_cupy_array(x)):
+        raise UnsupportedDtypeError(
+            f"{what} must be a numpy or cupy array, got {type(x).__module__}.{type(x).__name__}"
+        )
+    if x.dtype not in supported_dtypes():
+        names = ", ".join(str(d) for d in supported_dtypes())
+        hint = "" if bfloat16_dtype() is not None else " (bfloat16 needs ml_dtypes: pip install axonhpc[bf16])"
+        raise UnsupportedDtypeError(f"{what} has dtype {x.dtype}, which is not supported; use one of {names}{hint}")
+    if not x.flags.c_contiguous:
+        raise NonContiguousBufferError(
+            f"{what} ({_describe(x)}, strides {x.strides}) is not C-contiguous; "
+            "pass numpy.ascontiguousarray(x) and copy the result back"
+        )
+    if writable and not x.flags.writeable:
+        raise ReadOnlyBufferError(f"{what} ({_describe(x)}) is read-only but the operation writes into it")
+
+
+def check_same_layout(a: Any, b: Any, what: str) -> None:
+    """Two buffers of one operation must share dtype (and array kind)."""
+    if a.dtype != b.dtype:
+        raise UnsupportedDtypeError(f"{what}: dtypes differ ({a.dtype} and {b.dtype})")
+    if is_cupy_array(a) != is_cupy_array(b):
+        raise UnsupportedDtypeError(f"{what}: one buffer is on the device and the other on the host")
+
+
+__all__ = [
+    "supported_dtypes",
+    "bfloat16_dtype",
+    "is_low_precision_float",
+    "is_integer",
+    "is_cupy_array",
+    "array_module",
+    "check_array",
+    "check_same_layout",
+]

@@ -1,0 +1,207 @@
+"""The backend interface: what a communication library must provide.
+
+[Note: backend contract]
+A backend moves data for one communicator: ``rank`` of ``size``. The layer
+above (``axonhpc.collectives``) has already checked every buffer (dtype,
+contiguity, shapes, ranks) and has already turned the operations no library
+does natively into ones they do: ``ReduceOp.AVG`` arrives here as ``SUM``
+(the division happens after completion) and float16/bfloat16 reductions
+arrive widened to float32. So a backend sees only SUM/PRODUCT/MIN/MAX on
+float32/64, int32/64 and uint8, plus plain data movement of any supported
+dtype. Every operation returns a ``Work``; with ``async_op=False`` a backend
+may complete the call before returning (and MPI's blocking calls are faster
+than their nonblocking twins, so it should).
+"""
+from __future__ import annotations
+
+import abc
+import enum
+import time
+from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+
+class ReduceOp(enum.Enum):
+    """Reduction operations of ``all_reduce`` and ``reduce_scatter``.
+
+    ``AVG`` is the sum divided by the group size. On integer dtypes it is the
+    floor of that quotient (numpy's ``//``), so ``[1, 2]`` averages to ``1``.
+    """
+
+    SUM = "sum"
+    PRODUCT = "product"
+    MIN = "min"
+    MAX = "max"
+    AVG = "avg"
+
+    @classmethod
+    def parse(cls, op: Any) -> "ReduceOp":
+        """Accept a ReduceOp or its name in any case ("sum", "AVG")."""
+        if isinstance(op, cls):
+            return op
+        if isinstance(op, str):
+            try:
+                return cls[op.upper()]
+            except KeyError:
+                pass
+        raise ValueError(f"unknown reduce op {op!r}; use one of {[m.name for m in cls]}")
+
+
+class Work:
+    """Handle of an operation that may still be running.
+
+    ``wait()`` blocks until it is done (or raises ``CollectiveTimeoutError``
+    after ``timeout`` seconds) and returns its result: the output array of
+    operations that produce one, otherwise None.
+    """
+
+    def __init__(self, result: Any = None):
+        self._result = result
+        self._callbacks: List[Callable[[], None]] = []
+        self._finished = False
+
+    # -- subclass hooks -----------------------------------------------------
+    def _test(self) -> bool:
+        """True once the underlying transfer is complete (non-blocking)."""
+        return True
+
+    def _block(self, timeout: Optional[float]) -> bool:
+        """Wait for completion; False if ``timeout`` expired first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        delay = 1e-5
+        while not self._test():
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            # Back off so that a rank waiting on an oversubscribed node
+            # leaves the core to the rank it is waiting for.
+            time.sleep(delay)
+            delay = min(delay * 2, 1e-3)
+        return True
+
+    def _timeout_error(self, timeout: float) -> Exception:
+        from ..errors import CollectiveTimeoutError
+
+        return CollectiveTimeoutError(f"operation timed out after {timeout:g} s; missing ranks: unknown")
+
+    # -- public API ---------------------------------------------------------
+    def then(self, callback: Callable[[], None]) -> "Work":
+        """Run ``callback()`` once the transfer is complete, before ``wait`` returns."""
+        self._callbacks.append(callback)
+        return self
+
+    def _finish(self) -> None:
+        if not self._finished:
+            self._finished = True
+            for callback in self._callbacks:
+                callback()
+
+    def is_completed(self) -> bool:
+        """True if the operation has finished (finishing it if it just did)."""
+        if self._finished:
+            return True
+        if self._test():
+            self._finish()
+            return True
+        return False
+
+    def wait(self, timeout: Optional[float] = None) -> Any:
+        """Block until done and return the result (an array, or None).
+
+        Args:
+            timeout: seconds to wait at most; None waits forever.
+
+        Raises:
+            CollectiveTimeoutError: the operation did not complete in time.
+        """
+        if not self._finished:
+            if not self._block(timeout):
+                raise self._timeout_error(timeout)
+            self._finish()
+        return self._result
+
+    def result(self) -> Any:
+        """Same as ``wait()`` with no timeout."""
+        return self.wait()
+
+
+class CompletedWork(Work):
+    """A Work whose transfer finished before it was returned."""
+
+
+class Backend(abc.ABC):
+    """One communicator of one backend library.
+
+    Attributes:
+        name: "mpi", "local" or "nccl".
+        rank: this process's rank in the communicator.
+        size: number of ranks.
+        global_ranks: world rank of each communicator rank, in order.
+    """
+
+    name: str = "abstract"
+    rank: int
+    size: int
+    global_ranks: Tuple[int, ...]
+
+    # collectives --------------------------------------------------------
+    @abc.abstractmethod
+    def all_reduce(self, buf, op: ReduceOp, async_op: bool) -> Work:
+        """Reduce ``buf`` over all ranks, result in ``buf`` on every rank."""
+
+    @abc.abstractmethod
+    def broadcast(self, buf, root: int, async_op: bool) -> Work:
+        """Copy ``buf`` of rank ``root`` into ``buf`` of every rank."""
+
+    @abc.abstractmethod
+    def all_gather(self, send, recv, async_op: bool) -> Work:
+        """``recv[i]`` of every rank becomes ``send`` of rank i."""
+
+    @abc.abstractmethod
+    def reduce_scatter(self, send, recv, op: ReduceOp, async_op: bool) -> Work:
+        """``recv`` of rank i becomes the reduction of part i of every ``send``.
+
+        ``send`` holds ``size`` equal parts along its first axis.
+        """
+
+    @abc.abstractmethod
+    def gather(self, send, recv, root: int, async_op: bool) -> Work:
+        """``recv[i]`` on ``root`` becomes ``send`` of rank i (``recv`` None elsewhere)."""
+
+    @abc.abstractmethod
+    def scatter(self, send, recv, root: int, async_op: bool) -> Work:
+        """``recv`` of rank i becomes ``send[i]`` of ``root`` (``send`` None elsewhere)."""
+
+    @abc.abstractmethod
+    def barrier(self, async_op: bool) -> Work:
+        """Return once every rank has entered the barrier."""
+
+    # point to point -------------------------------------------------------
+    @abc.abstractmethod
+    def send(self, buf, dst: int, tag: int, async_op: bool) -> Work:
+        """Send ``buf`` to rank ``dst``."""
+
+    @abc.abstractmethod
+    def recv(self, buf, src: int, tag: int, async_op: bool) -> Work:
+        """Fill ``buf`` with a message from rank ``src``."""
+
+    # communicators ----------------------------------------------------------
+    @abc.abstractmethod
+    def split(self, color: Optional[int], key: int) -> Optional["Backend"]:
+        """Collective: a new backend per color; None where ``color`` is None."""
+
+    @abc.abstractmethod
+    def create_group(self, ranks: Sequence[int]) -> Optional["Backend"]:
+        """Collective: a backend over these communicator ranks, in this order; None for non-members."""
+
+    def node_layout(self) -> Tuple[int, int, int, int]:
+        """(local_rank, local_size, node_rank, num_nodes) of this rank."""
+        return self.rank, self.size, 0, 1
+
+    def abort(self, code: int = 1) -> None:
+        """End the whole job (every rank of every communicator)."""
+        raise SystemExit(code)
+
+    def free(self) -> None:
+        """Release the communicator (no collective may follow)."""
+
+
+__all__ = ["ReduceOp", "Work", "CompletedWork", "Backend"]
