@@ -39,6 +39,10 @@ class UnsupportedDtypeError(AxonError, TypeError):
     """The array's dtype is not one the collectives support."""
 
 
+class ConfigurationError(AxonError, ValueError):
+    """Arguments that cannot work together (a mesh whose sizes do not multiply to the world size)."""
+
+
 class CollectiveMismatchError(AxonError):
     """Ranks called different collectives (debug mode); raised on every rank."""
 
@@ -51,6 +55,14 @@ class BackendUnavailableError(AxonError):
     """A requested backend (NCCL, cupy, CUDA-aware MPI) cannot work here."""
 
 
+class StateDictError(AxonError, ValueError):
+    """A state dict does not fit its module or optimizer (missing or unexpected keys, other shapes)."""
+
+
+class BackwardBeforeForwardError(AxonError, RuntimeError):
+    """``backward`` was called on a module with no forward activations cached for it."""
+
+
 __all__ = [
     "AxonError",
     "RankError",
@@ -60,7 +72,10 @@ __all__ = [
     "ReadOnlyBufferError",
     "ShapeError",
     "UnsupportedDtypeError",
+    "ConfigurationError",
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
     "BackendUnavailableError",
+    "StateDictError",
+    "BackwardBeforeForwardError",
 ]

@@ -58,6 +58,7 @@ class Work:
         self._result = result
         self._callbacks: List[Callable[[], None]] = []
         self._finished = False
+        self.label = "operation"  # what the collective layer calls it in messages
 
     # -- subclass hooks -----------------------------------------------------
     def _test(self) -> bool:
@@ -80,12 +81,21 @@ class Work:
     def _timeout_error(self, timeout: float) -> Exception:
         from ..errors import CollectiveTimeoutError
 
-        return CollectiveTimeoutError(f"operation timed out after {timeout:g} s; missing ranks: unknown")
+        return CollectiveTimeoutError(
+            f"{self.label} timed out after {timeout:g} s; missing ranks: unknown "
+            "(this backend cannot tell which ranks never arrived)"
+        )
 
     # -- public API ---------------------------------------------------------
     def then(self, callback: Callable[[], None]) -> "Work":
-        """Run ``callback()`` once the transfer is complete, before ``wait`` returns."""
-        self._callbacks.append(callback)
+        """Run ``callback()`` once the transfer is complete, before ``wait`` returns.
+
+        On a Work that has already finished the callback runs at once.
+        """
+        if self._finished:
+            callback()
+        else:
+            self._callbacks.append(callback)
         return self
 
     def _finish(self) -> None:

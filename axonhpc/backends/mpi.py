@@ -1,0 +1,323 @@
+"""MPI backend over any mpi4py intracommunicator.
+
+[Note: MPI backend]
+The backend works on a ``Dup`` of the communicator it is given, so its
+messages can never match the user's own traffic on that communicator.
+Blocking calls (``async_op=False``) use MPI's blocking collectives, which
+libraries tune better than their nonblocking twins; ``async_op=True`` uses
+the ``I*`` calls and returns a ``Work`` over the requests.
+
+Counts in MPI calls are C ints. A buffer of more than
+``settings.max_message_elements`` elements (2**31 - 1 by default) is moved
+in chunks; for the gather-like operations a chunk is a column block of every
+rank's part, staged through a contiguous temporary, and a chunk is kept at
+``max_message_elements // size`` elements per rank so that no single call
+moves more than the limit in total. Chunking is exact (elementwise
+reductions do not care how the buffer is split) and only costs the staging
+copies for the gather-like operations.
+
+Device (cupy) arrays are refused here until the GPU path exists: the staged
+and CUDA-aware transfers belong to the NCCL/CUDA-aware work, and a silent
+host round trip would hide a large cost.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from .._dtypes import bfloat16_dtype, is_cupy_array
+from ..errors import BackendUnavailableError, ShapeError
+from ..settings import settings
+from .base import Backend, CompletedWork, ReduceOp, Work
+
+
+def _mpi():
+    from mpi4py import MPI
+
+    return MPI
+
+
+def _datatype(dtype: np.dtype):
+    """The MPI datatype that moves (and, for reducible dtypes, reduces) ``dtype``."""
+    MPI = _mpi()
+    table = {
+        np.dtype(np.float32): MPI.FLOAT,
+        np.dtype(np.float64): MPI.DOUBLE,
+        np.dtype(np.int32): MPI.INT32_T,
+        np.dtype(np.int64): MPI.INT64_T,
+        np.dtype(np.uint8): MPI.UINT8_T,
+        # 16-bit floats are only moved, never reduced here (the collective
+        # layer widens them first), so an opaque 16-bit type is exact.
+        np.dtype(np.float16): MPI.UINT16_T,
+    }
+    bf16 = bfloat16_dtype()
+    if bf16 is not None:
+        table[bf16] = MPI.UINT16_T
+    return table[np.dtype(dtype)]
+
+
+def _mpi_op(op: ReduceOp):
+    MPI = _mpi()
+    return {ReduceOp.SUM: MPI.SUM, ReduceOp.PRODUCT: MPI.PROD, ReduceOp.MIN: MPI.MIN, ReduceOp.MAX: MPI.MAX}[op]
+
+
+def _blocks(n: int, step: int):
+    """[start, stop) blocks of at most ``step`` covering range(n) (one empty block for n == 0)."""
+    if n == 0:
+        yield 0, 0
+        return
+    for start in range(0, n, step):
+        yield start, min(start + step, n)
+
+
+class MPIWork(Work):
+    """Requests of one operation, plus what to do once they complete."""
+
+    def __init__(self, requests: List[Any], result=None):
+        super().__init__(result)
+        self._requests = requests
+
+    def _test(self) -> bool:
+        return _mpi().Request.Testall(self._requests)
+
+    def _block(self, timeout: Optional[float]) -> bool:
+        if timeout is None:
+            _mpi().Request.Waitall(self._requests)
+            return True
+        return super()._block(timeout)
+
+
+class _Plan:
+    """Steps of one (possibly chunked) operation: each starts a transfer, then finishes it."""
+
+    def __init__(self):
+        self.steps: List[Tuple[Callable[[], Any], Callable[[], Any], Optional[Callable[[], None]]]] = []
+
+    def add(self, blocking: Callable[[], Any], nonblocking: Callable[[], Any],
+            after: Optional[Callable[[], None]] = None) -> None:
+        self.steps.append((blocking, nonblocking, after))
+
+    def run(self, async_op: bool, result=None) -> Work:
+        if not async_op:
+            for blocking, _, after in self.steps:
+                blocking()
+                if after is not None:
+                    after()
+            return CompletedWork(result)
+        requests = [nonblocking() for _, nonblocking, _ in self.steps]
+        work = MPIWork(requests, result)
+        for _, _, after in self.steps:
+            if after is not None:
+                work.then(after)
+        return work
+
+
+class MPIBackend(Backend):
+    """Backend over an mpi4py intracommunicator (a private ``Dup`` of it).
+
+    Args:
+        comm: any intracommunicator, e.g. ``MPI.COMM_WORLD``.
+        dup: work on ``comm.Dup()`` (the default); False adopts ``comm``
+            itself, for communicators this library created.
+    """
+
+    name = "mpi"
+
+    def __init__(self, comm, dup: bool = True):
+        MPI = _mpi()
+        if comm == MPI.COMM_NULL:
+            raise ValueError("MPIBackend needs a communicator, got MPI.COMM_NULL")
+        if comm.Is_inter():
+            raise ValueError("MPIBackend needs an intracommunicator, got an intercommunicator")
+        self.comm = comm.Dup() if dup else comm
+        self.rank = self.comm.Get_rank()
+        self.size = self.comm.Get_size()
+        # The world that owns this backend renames these to its own ranks.
+        self.global_ranks = tuple(range(self.size))
+        self._layout: Optional[Tuple[int, int, int, int]] = None
+
+    # -- helpers --------------------------------------------------------------
+    @staticmethod
+    def _flat(buf) -> np.ndarray:
+        if is_cupy_array(buf):
+            raise BackendUnavailableError(
+                "the MPI backend does not take cupy arrays yet (no CUDA-aware or staged device path here); "
+                "move the array to the host with cupy.asnumpy"
+            )
+        return buf.reshape(-1)
+
+    @staticmethod
+    def _spec(flat: np.ndarray, start: int, stop: int):
+        return [flat[start:stop], stop - start, _datatype(flat.dtype)]
+
+    def _limit(self, per_rank_parts: int = 1) -> int:
+        return max(1, settings.max_message_elements // per_rank_parts)
+
+    # -- collectives ------------------------------------------------------------
+    def all_reduce(self, buf, op: ReduceOp, async_op: bool) -> Work:
+        MPI, comm, mop = _mpi(), self.comm, _mpi_op(op)
+        flat = self._flat(buf)
+        plan = _Plan()
+        for a, b in _blocks(flat.size, self._limit()):
+            spec = self._spec(flat, a, b)
+            plan.add(lambda s=spec: comm.Allreduce(MPI.IN_PLACE, s, mop),
+                     lambda s=spec: comm.Iallreduce(MPI.IN_PLACE, s, mop))
+        return plan.run(async_op)
+
+    def broadcast(self, buf, root: int, async_op: bool) -> Work:
+        comm = self.comm
+        flat = self._flat(buf)
+        plan = _Plan()
+        for a, b in _blocks(flat.size, self._limit()):
+            spec = self._spec(flat, a, b)
+            plan.add(lambda s=spec: comm.Bcast(s, root), lambda s=spec: comm.Ibcast(s, root))
+        return plan.run(async_op)
+
+    def all_gather(self, send, recv, async_op: bool) -> Work:
+        comm, size = self.comm, self.size
+        sflat = self._flat(send)
+        rows = self._flat(recv).reshape(size, sflat.size)
+        plan = _Plan()
+        limit = self._limit(size)
+        if sflat.size <= limit:
+            s, r = self._spec(sflat, 0, sflat.size), [rows, sflat.size, _datatype(sflat.dtype)]
+            plan.add(lambda: comm.Allgather(s, r), lambda: comm.Iallgather(s, r))
+        else:
+            for a, b in _blocks(sflat.size, limit):
+                tmp = np.empty((size, b - a), dtype=sflat.dtype)
+                s, r = self._spec(sflat, a, b), [tmp, b - a, _datatype(sflat.dtype)]
+                plan.add(lambda s=s, r=r: comm.Allgather(s, r), lambda s=s, r=r: comm.Iallgather(s, r),
+                         lambda a=a, b=b, tmp=tmp: rows.__setitem__((slice(None), slice(a, b)), tmp))
+        return plan.run(async_op, recv)
+
+    def reduce_scatter(self, send, recv, op: ReduceOp, async_op: bool) -> Work:
+        comm, size, mop = self.comm, self.size, _mpi_op(op)
+        rflat = self._flat(recv)
+        rows = self._flat(send).reshape(size, rflat.size)
+        plan = _Plan()
+        limit = self._limit(size)
+        T = _datatype(rflat.dtype)
+        if rflat.size <= limit:
+            s, r = [rows, rflat.size, T], self._spec(rflat, 0, rflat.size)
+            plan.add(lambda: comm.Reduce_scatter_block(s, r, mop), lambda: comm.Ireduce_scatter_block(s, r, mop))
+        else:
+            for a, b in _blocks(rflat.size, limit):
+                tmp = np.ascontiguousarray(rows[:, a:b])
+                s, r = [tmp, b - a, T], self._spec(rflat, a, b)
+                plan.add(lambda s=s, r=r: comm.Reduce_scatter_block(s, r, mop),
+                         lambda s=s, r=r: comm.Ireduce_scatter_block(s, r, mop))
+        return plan.run(async_op, recv)
+
+    def gather(self, send, recv, root: int, async_op: bool) -> Work:
+        comm, size = self.comm, self.size
+        sflat = self._flat(send)
+        is_root = self.rank == root
+        rows = self._flat(recv).reshape(size, sflat.size) if is_root else None
+        T = _datatype(sflat.dtype)
+        plan = _Plan()
+        limit = self._limit(size)
+        if sflat.size <= limit:
+            s, r = self._spec(sflat, 0, sflat.size), ([rows, sflat.size, T] if is_root else None)
+            plan.add(lambda: comm.Gather(s, r, root), lambda: comm.Igather(s, r, root))
+        else:
+            for a, b in _blocks(sflat.size, limit):
+                tmp = np.empty((size, b - a), dtype=sflat.dtype) if is_root else None
+                s, r = self._spec(sflat, a, b), ([tmp, b - a, T] if is_root else None)
+                after = (lambda a=a, b=b, tmp=tmp: rows.__setitem__((slice(None), slice(a, b)), tmp)) if is_root else None
+                plan.add(lambda s=s, r=r: comm.Gather(s, r, root), lambda s=s, r=r: comm.Igather(s, r, root), after)
+        return plan.run(async_op, recv)
+
+    def scatter(self, send, recv, root: int, async_op: bool) -> Work:
+        comm, size = self.comm, self.size
+        rflat = self._flat(recv)
+        is_root = self.rank == root
+        rows = self._flat(send).reshape(size, rflat.size) if is_root else None
+        T = _datatype(rflat.dtype)
+        plan = _Plan()
+        limit = self._limit(size)
+        if rflat.size <= limit:
+            s, r = ([rows, rflat.size, T] if is_root else None), self._spec(rflat, 0, rflat.size)
+            plan.add(lambda: comm.Scatter(s, r, root), lambda: comm.Iscatter(s, r, root))
+        else:
+            for a, b in _blocks(rflat.size, limit):
+                s = [np.ascontiguousarray(rows[:, a:b]), b - a, T] if is_root else None
+                r = self._spec(rflat, a, b)
+                plan.add(lambda s=s, r=r: comm.Scatter(s, r, root), lambda s=s, r=r: comm.Iscatter(s, r, root))
+        return plan.run(async_op, recv)
+
+    def barrier(self, async_op: bool) -> Work:
+        comm = self.comm
+        plan = _Plan()
+        plan.add(comm.Barrier, comm.Ibarrier)
+        return plan.run(async_op)
+
+    # -- point to point -----------------------------------------------------------
+    def send(self, buf, dst: int, tag: int, async_op: bool) -> Work:
+        comm = self.comm
+        flat = self._flat(buf)
+        plan = _Plan()
+        for a, b in _blocks(flat.size, self._limit()):
+            spec = self._spec(flat, a, b)
+            plan.add(lambda s=spec: comm.Send(s, dst, tag), lambda s=spec: comm.Isend(s, dst, tag))
+        return plan.run(async_op)
+
+    def recv(self, buf, src: int, tag: int, async_op: bool) -> Work:
+        MPI, comm = _mpi(), self.comm
+        flat = self._flat(buf)
+        plan = _Plan()
+        for a, b in _blocks(flat.size, self._limit()):
+            spec = self._spec(flat, a, b)
+
+            def blocking(s=spec, a=a, b=b):
+                status = MPI.Status()
+                comm.Recv(s, src, tag, status)
+                got = status.Get_count(s[2])
+                if got != b - a:
+                    raise ShapeError(f"recv from rank {self.global_ranks[src]} tag {tag}: got {got} elements "
+                                     f"of {buf.dtype}, the receive buffer {buf.shape} expects {b - a}")
+
+            plan.add(blocking, lambda s=spec: comm.Irecv(s, src, tag))
+        return plan.run(async_op, buf)
+
+    # -- communicators ------------------------------------------------------------
+    def split(self, color: Optional[int], key: int) -> Optional["MPIBackend"]:
+        MPI = _mpi()
+        new = self.comm.Split(MPI.UNDEFINED if color is None else int(color), int(key))
+        return None if new == MPI.COMM_NULL else MPIBackend(new, dup=False)
+
+    def create_group(self, ranks: Sequence[int]) -> Optional["MPIBackend"]:
+        MPI = _mpi()
+        parent = self.comm.Get_group()
+        group = parent.Incl(list(ranks))
+        new = self.comm.Create(group)
+        group.Free()
+        parent.Free()
+        return None if new == MPI.COMM_NULL else MPIBackend(new, dup=False)
+
+    def node_layout(self) -> Tuple[int, int, int, int]:
+        """(local_rank, local_size, node_rank, num_nodes) from ``Split_type(COMM_TYPE_SHARED)``."""
+        if self._layout is None:
+            MPI = _mpi()
+            local = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+            local_rank, local_size = local.Get_rank(), local.Get_size()
+            leaders = self.comm.Split(0 if local_rank == 0 else MPI.UNDEFINED, self.rank)
+            facts = np.zeros(2, dtype=np.int64)
+            if leaders != MPI.COMM_NULL:
+                facts[:] = (leaders.Get_rank(), leaders.Get_size())
+                leaders.Free()
+            local.Bcast([facts, MPI.INT64_T], root=0)
+            local.Free()
+            self._layout = (local_rank, local_size, int(facts[0]), int(facts[1]))
+        return self._layout
+
+    def abort(self, code: int = 1) -> None:
+        _mpi().COMM_WORLD.Abort(code)
+
+    def free(self) -> None:
+        MPI = _mpi()
+        if self.comm != MPI.COMM_NULL and not MPI.Is_finalized():
+            self.comm.Free()
+
+
+__all__ = ["MPIBackend", "MPIWork"]

@@ -1,0 +1,367 @@
+"""Collectives on arrays: checks first, then one backend call.
+
+[Note: what this layer adds over a backend]
+- Every argument is checked before anything is sent (dtype, contiguity,
+  writability, ranks, shapes, membership), with the values in the message.
+- ``ReduceOp.AVG`` is a SUM followed by a division by the group size once
+  the transfer completes (floor division for integer dtypes).
+- float16 and bfloat16 have no MPI reduction, so they are reduced in a
+  float32 copy and rounded back once; the result is the float32 sum rounded
+  to the 16-bit type (at least as accurate as summing in 16 bits).
+- ``async_op=True`` returns a ``Work`` whose ``wait()`` returns the result;
+  blocking calls wait with the group's (or the settings') timeout.
+"""
+from __future__ import annotations
+
+from typing import Any, List, Optional, Sequence
+
+import numpy as np
+
+from .._dtypes import array_module, check_array, check_same_layout, is_integer, is_low_precision_float
+from ..backends.base import ReduceOp, Work
+from ..errors import NotAMemberError, ShapeError
+from ..groups import ProcessGroup, resolve_group
+from ..settings import settings
+from . import fingerprint
+
+
+def _member(group: Optional[ProcessGroup], op: str) -> ProcessGroup:
+    pg = resolve_group(group)
+    if not pg.is_member:
+        raise NotAMemberError(
+            f"{op}: global rank {pg.world.rank} is not a member of process group {pg.name} "
+            f"(ranks {list(pg.ranks)}); only members may call collectives on it"
+        )
+    return pg
+
+
+def _start(pg: ProcessGroup, op: str, x: Any = None, reduce: Optional[ReduceOp] = None,
+           root: Optional[int] = None) -> str:
+    """Debug check, sequence number; returns the label used in messages."""
+    if settings.debug:
+        fingerprint.check(pg, op, x, None if reduce is None else reduce.name, root)
+    label = f"{op} #{pg.seq} on group {pg.name} {list(pg.ranks)}"
+    pg.seq += 1
+    return label
+
+
+def _timeout(pg: ProcessGroup) -> Optional[float]:
+    return pg.timeout if pg.timeout is not None else settings.timeout
+
+
+def _run(pg: ProcessGroup, label: str, issue, async_op: bool) -> Any:
+    """Call ``issue(nonblocking)`` and either return its Work or wait for it."""
+    timeout = _timeout(pg)
+    work: Work = issue(async_op or timeout is not None)
+    work.label = label
+    if async_op:
+        return work
+    return work.wait(timeout)
+
+
+def _reduction(pg: ProcessGroup, x, out, op: ReduceOp, issue_on, result=None):
+    """Shared AVG / 16-bit handling for all_reduce and reduce_scatter.
+
+    ``issue_on(src, dst, base_op, nonblocking)`` starts the backend transfer
+    from ``src`` into ``dst``; ``out`` receives the caller-visible values and
+    ``result`` is what ``Work.wait()`` returns.
+    """
+    base = ReduceOp.SUM if op is ReduceOp.AVG else op
+    xp = array_module(x)
+    if is_low_precision_float(x.dtype):
+        src = x.astype(np.float32)
+        dst = src if out is x else xp.empty(out.shape, dtype=np.float32)
+    else:
+        src, dst = x, out
+
+    def finish():
+        if op is ReduceOp.AVG:
+            if is_integer(dst.dtype):
+                xp.floor_divide(dst, pg.size, out=dst)
+            else:
+                xp.divide(dst, pg.size, out=dst)
+        if dst is not out:
+            out[...] = dst.astype(out.dtype)
+
+    def issue(nonblocking):
+        work = issue_on(src, dst, base, nonblocking).then(finish)
+        work._result = result
+        return work
+
+    return issue
+
+
+# -- reductions ------------------------------------------------------------------------
+def all_reduce(x, op=ReduceOp.SUM, group: Optional[ProcessGroup] = None, async_op: bool = False):
+    """Reduce ``x`` over the group, in place: every rank ends with the result.
+
+    Args:
+        x: contiguous, writable array of a supported dtype.
+        op: a ``ReduceOp`` (or its name). ``AVG`` on integers floors.
+        group: the group (None: the current world's default group).
+        async_op: return a ``Work`` instead of waiting.
+
+    Returns:
+        None, or a ``Work`` if ``async_op``.
+
+    Raises:
+        NotAMemberError, UnsupportedDtypeError, NonContiguousBufferError,
+        ReadOnlyBufferError, CollectiveTimeoutError.
+    """
+    op = ReduceOp.parse(op)
+    pg = _member(group, "all_reduce")
+    check_array(x, "all_reduce buffer", writable=True)
+    label = _start(pg, "all_reduce", x, op)
+    backend = pg.backend
+    issue = _reduction(pg, x, x, op, lambda s, d, base, nb: backend.all_reduce(s, base, nb))
+    return _run(pg, label, issue, async_op)
+
+
+def all_reduce_sum(x, group=None, async_op=False):
+    """``all_reduce`` with ``ReduceOp.SUM``."""
+    return all_reduce(x, ReduceOp.SUM, group, async_op)
+
+
+def all_reduce_mean(x, group=None, async_op=False):
+    """``all_reduce`` with ``ReduceOp.AVG`` (sum divided by the group size)."""
+    return all_reduce(x, ReduceOp.AVG, group, async_op)
+
+
+def all_reduce_min(x, group=None, async_op=False):
+    """``all_reduce`` with ``ReduceOp.MIN``."""
+    return all_reduce(x, ReduceOp.MIN, group, async_op)
+
+
+def all_reduce_max(x, group=None, async_op=False):
+    """``all_reduce`` with ``ReduceOp.MAX``."""
+    return all_reduce(x, ReduceOp.MAX, group, async_op)
+
+
+def all_reduce_product(x, group=None, async_op=False):
+    """``all_reduce`` with ``ReduceOp.PRODUCT``."""
+    return all_reduce(x, ReduceOp.PRODUCT, group, async_op)
+
+
+def reduce_scatter(x, op=ReduceOp.SUM, group: Optional[ProcessGroup] = None, async_op: bool = False):
+    """Reduce ``x`` over the group and give rank i the i-th part along axis 0.
+
+    Args:
+        x: array whose first dimension is divisible by the group size.
+
+    Returns:
+        This rank's part, shape ``(x.shape[0] // size, *x.shape[1:])`` (or a
+        ``Work`` returning it).
+
+    Raises:
+        ShapeError: ``x`` is 0-d or ``x.shape[0]`` is not divisible by the size.
+    """
+    op = ReduceOp.parse(op)
+    pg = _member(group, "reduce_scatter")
+    check_array(x, "reduce_scatter input")
+    if x.ndim == 0 or x.shape[0] % pg.size != 0:
+        raise ShapeError(
+            f"reduce_scatter: input shape {tuple(x.shape)} must have a first dimension divisible by the "
+            f"group size {pg.size}" + ("" if x.ndim == 0 else f" ({x.shape[0]} % {pg.size} = {x.shape[0] % pg.size})")
+        )
+    out = array_module(x).empty((x.shape[0] // pg.size,) + tuple(x.shape[1:]), dtype=x.dtype)
+    label = _start(pg, "reduce_scatter", x, op)
+    backend = pg.backend
+    issue = _reduction(pg, x, out, op, lambda s, d, base, nb: backend.reduce_scatter(s, d, base, nb), out)
+    return _run(pg, label, issue, async_op)
+
+
+def reduce_scatter_sum(x, group=None, async_op=False):
+    """``reduce_scatter`` with ``ReduceOp.SUM``."""
+    return reduce_scatter(x, ReduceOp.SUM, group, async_op)
+
+
+def reduce_scatter_mean(x, group=None, async_op=False):
+    """``reduce_scatter`` with ``ReduceOp.AVG``."""
+    return reduce_scatter(x, ReduceOp.AVG, group, async_op)
+
+
+# -- data movement ----------------------------------------------------------------------
+def broadcast(x, src: int = 0, group: Optional[ProcessGroup] = None, async_op: bool = False):
+    """Copy ``x`` of group rank ``src`` into ``x`` on every rank (in place).
+
+    Raises:
+        RankError: ``src`` out of range for the group.
+    """
+    pg = _member(group, "broadcast")
+    src = pg.check_rank(src, "broadcast src")
+    check_array(x, "broadcast buffer", writable=pg.rank != src)
+    label = _start(pg, "broadcast", x, root=src)
+    backend = pg.backend
+    return _run(pg, label, lambda nb: backend.broadcast(x, src, nb), async_op)
+
+
+def all_gather(x, group: Optional[ProcessGroup] = None, async_op: bool = False):
+    """Every rank's ``x``, stacked: result ``[i]`` is rank i's array.
+
+    Returns:
+        Array of shape ``(size, *x.shape)`` (or a ``Work`` returning it).
+    """
+    pg = _member(group, "all_gather")
+    check_array(x, "all_gather input")
+    out = array_module(x).empty((pg.size,) + tuple(x.shape), dtype=x.dtype)
+    label = _start(pg, "all_gather", x)
+    backend = pg.backend
+    return _run(pg, label, lambda nb: backend.all_gather(x, out, nb), async_op)
+
+
+def gather(x, dst: int = 0, group: Optional[ProcessGroup] = None, async_op: bool = False):
+    """Stack every rank's ``x`` on group rank ``dst``.
+
+    Returns:
+        On ``dst`` an array of shape ``(size, *x.shape)``; None elsewhere.
+    """
+    pg = _member(group, "gather")
+    dst = pg.check_rank(dst, "gather dst")
+    check_array(x, "gather input")
+    out = array_module(x).empty((pg.size,) + tuple(x.shape), dtype=x.dtype) if pg.rank == dst else None
+    label = _start(pg, "gather", x, root=dst)
+    backend = pg.backend
+    return _run(pg, label, lambda nb: backend.gather(x, out, dst, nb), async_op)
+
+
+_HEADER = 34  # status, dtype index, ndim, up to 31 dimensions
+
+
+def scatter(x, src: int = 0, group: Optional[ProcessGroup] = None, async_op: bool = False):
+    """Give rank i the part ``x[i]`` of group rank ``src``'s array.
+
+    ``x`` on ``src`` has shape ``(size, ...)``; other ranks pass None (their
+    argument is ignored). The part's shape and dtype travel from ``src`` in a
+    small header first, and a wrong ``x`` on ``src`` is reported on every
+    rank, so nobody is left waiting for a scatter that will never come.
+
+    Returns:
+        This rank's part (or a ``Work`` returning it).
+
+    Raises:
+        ShapeError: on every rank, if ``x.shape[0]`` on ``src`` is not the group size.
+    """
+    from .._dtypes import supported_dtypes
+
+    pg = _member(group, "scatter")
+    src = pg.check_rank(src, "scatter src")
+    backend = pg.backend
+    header = np.zeros(_HEADER, dtype=np.int64)
+    problem: Optional[Exception] = None
+    if pg.rank == src:
+        try:
+            check_array(x, "scatter input")
+            if x.ndim == 0 or x.shape[0] != pg.size:
+                raise ShapeError(f"scatter: the source array on group rank {src} has shape {tuple(x.shape)}; "
+                                 f"its leading size must equal the group size {pg.size}")
+            if x.ndim - 1 > _HEADER - 3:
+                raise ShapeError(f"scatter: arrays of {x.ndim} dimensions are not supported (at most {_HEADER - 2})")
+            header[:3] = (0, list(supported_dtypes()).index(x.dtype), x.ndim - 1)
+            header[3:3 + x.ndim - 1] = x.shape[1:]
+        except Exception as exc:  # noqa: BLE001 - reported to every rank, then raised here
+            problem = exc
+            header[0] = 1
+    label = _start(pg, "scatter", None, root=src)
+    backend.broadcast(header, src, async_op=False)
+    if header[0] != 0:
+        if problem is not None:
+            raise problem
+        raise ShapeError(f"scatter: the source array on group rank {src} was invalid (see the error on that rank)")
+    dtype = supported_dtypes()[int(header[1])]
+    shape = tuple(int(d) for d in header[3:3 + int(header[2])])
+    xp = array_module(x) if pg.rank == src else np
+    out = xp.empty(shape, dtype=dtype)
+    send = x if pg.rank == src else None
+    return _run(pg, label, lambda nb: backend.scatter(send, out, src, nb), async_op)
+
+
+def barrier(group: Optional[ProcessGroup] = None, async_op: bool = False):
+    """Return once every rank of the group has entered the barrier."""
+    pg = _member(group, "barrier")
+    label = _start(pg, "barrier")
+    backend = pg.backend
+    return _run(pg, label, lambda nb: backend.barrier(nb), async_op)
+
+
+# -- point to point ------------------------------------------------------------------------
+def _check_tag(tag: int) -> int:
+    if isinstance(tag, bool) or not hasattr(tag, "__index__") or int(tag) < 0:
+        raise ValueError(f"tag must be a non-negative integer, got {tag!r}")
+    return int(tag)
+
+
+def _p2p(kind: str, x, peer: int, tag: int, group, async_op: bool, writable: bool):
+    pg = _member(group, kind)
+    peer = pg.check_rank(peer, f"{kind} {'src' if kind.endswith('recv') else 'dst'}")
+    tag = _check_tag(tag)
+    check_array(x, f"{kind} buffer", writable=writable)
+    backend = pg.backend
+    label = f"{kind} with group rank {peer} (tag {tag}) on group {pg.name}"
+    call = backend.recv if writable else backend.send
+    return _run(pg, label, lambda nb: call(x, peer, tag, nb), async_op)
+
+
+def send(x, dst: int, tag: int = 0, group: Optional[ProcessGroup] = None) -> None:
+    """Send ``x`` to group rank ``dst`` (returns once ``x`` may be reused)."""
+    _p2p("send", x, dst, tag, group, False, writable=False)
+
+
+def recv(x, src: int, tag: int = 0, group: Optional[ProcessGroup] = None):
+    """Fill ``x`` with the message from group rank ``src``; returns ``x``."""
+    return _p2p("recv", x, src, tag, group, False, writable=True)
+
+
+def isend(x, dst: int, tag: int = 0, group: Optional[ProcessGroup] = None) -> Work:
+    """Start sending ``x``; do not modify it before ``wait()``."""
+    return _p2p("isend", x, dst, tag, group, True, writable=False)
+
+
+def irecv(x, src: int, tag: int = 0, group: Optional[ProcessGroup] = None) -> Work:
+    """Start receiving into ``x``; ``wait()`` returns ``x`` once filled."""
+    return _p2p("irecv", x, src, tag, group, True, writable=True)
+
+
+# -- gradients and facts ----------------------------------------------------------------------
+def sync_gradient(grad, group: Optional[ProcessGroup] = None) -> None:
+    """Average one gradient array over the group, in place."""
+    all_reduce(grad, ReduceOp.AVG, group)
+
+
+def sync_gradients(grads: Sequence, group: Optional[ProcessGroup] = None) -> None:
+    """Average several gradient arrays over the group, in place, one all-reduce per dtype.
+
+    Arrays of one dtype are concatenated into one flat buffer so that many
+    small gradients cost one message (``GradientSynchronizer`` does the same
+    with reusable compiled buckets).
+    """
+    grads = list(grads)
+    for i, g in enumerate(grads):
+        check_array(g, f"gradient {i}", writable=True)
+    pg = _member(group, "sync_gradients")
+    by_dtype: dict = {}
+    for g in grads:
+        by_dtype.setdefault(np.dtype(g.dtype).str + str(type(g)), []).append(g)
+    for key in sorted(by_dtype):
+        same: List = by_dtype[key]
+        xp = array_module(same[0])
+        flat = xp.concatenate([g.reshape(-1) for g in same])
+        all_reduce(flat, ReduceOp.AVG, pg)
+        offset = 0
+        for g in same:
+            g[...] = flat[offset:offset + g.size].reshape(g.shape)
+            offset += g.size
+
+
+def get_rank(group: Optional[ProcessGroup] = None) -> int:
+    """This process's rank in the group (-1 if not a member)."""
+    return resolve_group(group).rank
+
+
+def get_world_size(group: Optional[ProcessGroup] = None) -> int:
+    """Number of ranks in the group."""
+    return resolve_group(group).size
+
+
+def is_main_process(group: Optional[ProcessGroup] = None) -> bool:
+    """True on rank 0 of the group."""
+    return resolve_group(group).rank == 0

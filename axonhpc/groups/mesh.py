@@ -1,0 +1,59 @@
+"""Device mesh: dp/tp/pp groups for hybrid parallelism, tp fastest-varying."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Dict, NamedTuple
+
+from ..errors import ConfigurationError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .process_group import ProcessGroup
+    from .world import World
+
+DIMENSIONS = ("pp", "dp", "tp")  # slowest to fastest varying
+
+
+class MeshCoords(NamedTuple):
+    """This rank's index along each mesh dimension."""
+
+    pp: int
+    dp: int
+    tp: int
+
+
+def mesh_coords(rank: int, dp: int, tp: int, pp: int) -> MeshCoords:
+    """Coordinates of a global rank: ``rank == (pp * dp_size + dp) * tp_size + tp``."""
+    del pp  # the slowest dimension needs no size to decode
+    return MeshCoords(rank // (dp * tp), (rank // tp) % dp, rank % tp)
+
+
+class Mesh:
+    """One ProcessGroup per dimension, plus this rank's coordinates.
+
+    Neighbouring ranks share a tensor-parallel group (tp varies fastest), so
+    with ranks placed node by node a tp group stays inside a node.
+    """
+
+    def __init__(self, world: "World", dp: int = 1, tp: int = 1, pp: int = 1):
+        sizes = {"dp": dp, "tp": tp, "pp": pp}
+        for name, value in sizes.items():
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigurationError(f"mesh dimension {name} must be a positive integer, got {value!r}")
+        if dp * tp * pp != world.world_size:
+            raise ConfigurationError(
+                f"mesh dp={dp} x tp={tp} x pp={pp} = {dp * tp * pp} ranks, but the world has {world.world_size}"
+            )
+        self.shape: Dict[str, int] = sizes
+        self.coords = mesh_coords(world.rank, dp, tp, pp)
+        c = self.coords
+        # Every rank takes part in every split, in the same order.
+        self.tp: "ProcessGroup" = world._split_group(world.default_group, c.pp * dp + c.dp, c.tp, name="mesh.tp")
+        self.dp: "ProcessGroup" = world._split_group(world.default_group, c.pp * tp + c.tp, c.dp, name="mesh.dp")
+        self.pp: "ProcessGroup" = world._split_group(world.default_group, c.dp * tp + c.tp, c.pp, name="mesh.pp")
+
+    def __getitem__(self, name: str) -> "ProcessGroup":
+        if name not in DIMENSIONS:
+            raise KeyError(f"mesh has dimensions {DIMENSIONS}, not {name!r}")
+        return getattr(self, name)
+
+    def __repr__(self) -> str:
+        return f"Mesh(dp={self.shape['dp']}, tp={self.shape['tp']}, pp={self.shape['pp']}, coords={tuple(self.coords)})"

@@ -1,0 +1,131 @@
+"""ProcessGroup: an ordered set of world ranks with a backend to talk over."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional, Sequence, Tuple
+
+from ..backends.base import Backend
+from ..errors import NotAMemberError, RankError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .world import World
+
+
+class ProcessGroup:
+    """An ordered set of global ranks and, on its members, a backend.
+
+    Every rank of the world holds a ``ProcessGroup`` object for each group it
+    took part in creating; on ranks outside the group ``is_member`` is False
+    and any collective raises ``NotAMemberError`` at once.
+
+    Attributes:
+        ranks: global ranks of the members, in group-rank order (empty for the
+            non-member side of a ``split`` with ``color=None``).
+        name: a label used in messages ("world", "mesh.tp", "group[0, 2]").
+        timeout: seconds a blocking call on this group may wait (None: use
+            ``ax.settings.timeout``).
+    """
+
+    def __init__(self, world: "World", backend: Optional[Backend], ranks: Sequence[int], name: str):
+        self.world = world
+        self._backend = backend
+        self.ranks: Tuple[int, ...] = tuple(int(r) for r in ranks)
+        self.name = name
+        self.timeout: Optional[float] = None
+        self.seq = 0  # collectives issued on this group by this rank
+        if backend is not None:
+            backend.global_ranks = self.ranks
+
+    # -- facts --------------------------------------------------------------
+    @property
+    def is_member(self) -> bool:
+        """True on ranks that belong to the group."""
+        return self._backend is not None
+
+    @property
+    def rank(self) -> int:
+        """This process's rank inside the group, or -1 on a non-member."""
+        return self._backend.rank if self._backend is not None else -1
+
+    @property
+    def size(self) -> int:
+        """Number of ranks in the group."""
+        return len(self.ranks)
+
+    @property
+    def world_size(self) -> int:
+        """Same as ``size`` (the group's own world)."""
+        return len(self.ranks)
+
+    @property
+    def backend(self) -> Backend:
+        """The backend of this group on a member.
+
+        Raises:
+            NotAMemberError: this rank is not in the group.
+        """
+        if self._backend is None:
+            raise NotAMemberError(
+                f"global rank {self.world.rank} is not a member of process group {self.name} "
+                f"(ranks {list(self.ranks)})"
+            )
+        return self._backend
+
+    def contains(self, global_rank: int) -> bool:
+        """True if the global rank is a member."""
+        return int(global_rank) in self.ranks
+
+    def global_rank(self, group_rank: int) -> int:
+        """The global rank of a group rank.
+
+        Raises:
+            RankError: ``group_rank`` is outside ``[0, size)``.
+        """
+        if not 0 <= int(group_rank) < self.size:
+            raise RankError(f"group rank {group_rank} is out of range for group {self.name} of size {self.size}")
+        return self.ranks[int(group_rank)]
+
+    def group_rank(self, global_rank: int) -> int:
+        """The group rank of a global rank.
+
+        Raises:
+            RankError: the global rank is not in this group.
+        """
+        try:
+            return self.ranks.index(int(global_rank))
+        except ValueError:
+            raise RankError(
+                f"global rank {global_rank} is not in group {self.name} (ranks {list(self.ranks)})"
+            ) from None
+
+    def check_rank(self, rank: int, what: str) -> int:
+        """Validate a group rank argument (``src``, ``dst``, ``root``) before anything is sent.
+
+        Raises:
+            RankError: not an integer, or outside ``[0, size)``.
+        """
+        if isinstance(rank, bool) or not hasattr(rank, "__index__"):
+            raise RankError(f"{what} must be an integer group rank, got {rank!r}")
+        if not 0 <= int(rank) < self.size:
+            raise RankError(f"{what}={rank} is out of range for group {self.name} of size {self.size} "
+                            f"(valid: 0..{self.size - 1})")
+        return int(rank)
+
+    # -- derived groups --------------------------------------------------------
+    def split(self, color: Optional[int], key: int = 0) -> "ProcessGroup":
+        """Collective over this group: like ``MPI_Comm_split``.
+
+        Args:
+            color: members with the same color form one new group; None joins none.
+            key: orders the ranks inside a new group (ties: by group rank).
+        """
+        return self.world._split_group(self, color, key)
+
+    @classmethod
+    def mock(cls) -> "ProcessGroup":
+        """A one-rank group with no MPI at all."""
+        from .world import World
+
+        return World.mock().default_group
+
+    def __repr__(self) -> str:
+        return f"ProcessGroup({self.name}, ranks={list(self.ranks)}, rank={self.rank})"

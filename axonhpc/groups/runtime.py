@@ -1,0 +1,163 @@
+"""The current world: ``init``, ``run_local``, and ending the job on an uncaught error."""
+from __future__ import annotations
+
+import sys
+import threading
+import time
+import traceback
+from typing import Any, Callable, List, Optional
+
+from ..errors import BackendUnavailableError
+from ..settings import launcher_env, settings
+from .process_group import ProcessGroup
+from .world import World
+
+_BACKENDS = ("auto", "mpi", "nccl", "local")
+_global_world: Optional[World] = None
+_thread = threading.local()  # run_local gives each thread its own world
+_previous_excepthook = None
+
+
+def init(comm=None, backend: Optional[str] = None, debug: Optional[bool] = None,
+         timeout: Optional[float] = None) -> World:
+    """Build the world (once) and make it the default for ``group=None``.
+
+    Idempotent: a second call returns the same world (applying ``debug`` and
+    ``timeout`` if given). Passing ``comm`` builds a new world from that
+    communicator and makes it the default.
+
+    Args:
+        comm: an mpi4py intracommunicator (default ``MPI.COMM_WORLD``).
+        backend: "auto" (MPI where mpi4py is installed, else one local rank),
+            "mpi", "local" (one in-process rank; use ``run_local`` for more),
+            or "nccl". Default: ``ax.settings.backend``.
+        debug: overrides ``ax.settings.debug``.
+        timeout: overrides ``ax.settings.timeout`` (seconds; None keeps it).
+
+    Raises:
+        BackendUnavailableError: the requested backend cannot work here.
+        ValueError: unknown backend name.
+    """
+    global _global_world
+    if debug is not None:
+        settings.debug = bool(debug)
+    if timeout is not None:
+        settings.timeout = float(timeout) if timeout > 0 else None
+    if comm is None and _global_world is not None:
+        return _global_world
+    choice = (backend or settings.backend or "auto").lower()
+    if choice not in _BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; use one of {_BACKENDS}")
+    if choice == "nccl":
+        raise BackendUnavailableError(
+            "the NCCL backend is not available in this version of axonhpc: device arrays are not supported yet; "
+            "use backend='mpi' with numpy arrays"
+        )
+    if choice == "local":
+        world = World.mock()
+    else:
+        try:
+            from mpi4py import MPI
+        except ImportError as exc:
+            if choice == "mpi":
+                raise BackendUnavailableError(f"backend 'mpi' needs mpi4py, which failed to import: {exc}") from exc
+            world = World.mock()
+            world.launcher = launcher_env()
+            world.warn_launcher_problems()
+        else:
+            from ..backends.mpi import MPIBackend
+
+            world = World(MPIBackend(MPI.COMM_WORLD if comm is None else comm), launcher_env() if comm is None else None)
+            world.warn_launcher_problems()
+    _global_world = world
+    if settings.abort_on_exception:
+        install_abort_on_exception(world)
+    return world
+
+
+def current_world() -> World:
+    """The world of this thread (under ``run_local``), else the initialised one, else ``init()``."""
+    world = getattr(_thread, "world", None)
+    if world is not None:
+        return world
+    return _global_world if _global_world is not None else init()
+
+
+def resolve_group(group: Optional[ProcessGroup]) -> ProcessGroup:
+    """``group``, or the default group of the current world when None."""
+    if group is None:
+        return current_world().default_group
+    if not isinstance(group, ProcessGroup):
+        raise TypeError(f"group must be a ProcessGroup or None, got {type(group).__name__}")
+    return group
+
+
+def is_initialized() -> bool:
+    """True once ``init`` has built a world in this process."""
+    return _global_world is not None
+
+
+def install_abort_on_exception(world: World) -> None:
+    """Make an uncaught exception on this rank end the whole job.
+
+    The traceback is printed with the rank, flushed, and the launcher is given
+    a moment to forward it before the job is aborted: an MPI job whose rank
+    died silently otherwise leaves the other ranks waiting forever.
+    """
+    global _previous_excepthook
+    if _previous_excepthook is not None or world.world_size == 1:
+        return
+    _previous_excepthook = sys.excepthook
+
+    def hook(exc_type, exc, tb):
+        text = "".join(traceback.format_exception(exc_type, exc, tb))
+        sys.stderr.write(f"axonhpc: uncaught exception on rank {world.rank}; aborting the job "
+                         f"(set AXONHPC_ABORT_ON_EXCEPTION=0 to turn this off)\n{text}")
+        sys.stderr.flush()
+        sys.stdout.flush()
+        time.sleep(0.5)
+        world.abort(1)
+
+    sys.excepthook = hook
+
+
+def run_local(fn: Callable[[World], Any], world_size: int = 2) -> List[Any]:
+    """Run ``fn(world)`` on ``world_size`` ranks that are threads of this process.
+
+    Each thread gets its own ``World`` on the in-process backend (real data
+    movement), and ``group=None`` means that world inside the thread.
+
+    Returns:
+        ``fn``'s results, in rank order.
+
+    Raises:
+        The first exception of the lowest failing rank (the others are woken
+        with an error rather than left waiting).
+    """
+    from ..backends.local import LocalAbort, LocalBackend
+
+    backends = LocalBackend.create_world(world_size)
+    results: List[Any] = [None] * world_size
+    errors: List[Optional[BaseException]] = [None] * world_size
+
+    def body(rank: int) -> None:
+        _thread.world = World(backends[rank])
+        try:
+            results[rank] = fn(_thread.world)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
+            errors[rank] = exc
+            backends[rank].abort_quietly(f"rank {rank} raised {type(exc).__name__}: {exc}")
+        finally:
+            _thread.world = None
+
+    threads = [threading.Thread(target=body, args=(r,), name=f"axonhpc-rank{r}", daemon=True)
+               for r in range(world_size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    primary = [e for e in errors if e is not None and not isinstance(e, LocalAbort)]
+    failed = primary or [e for e in errors if e is not None]
+    if failed:
+        raise failed[0]
+    return results

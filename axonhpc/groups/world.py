@@ -1,0 +1,143 @@
+"""World: every rank of a job, with its node layout and group factories."""
+from __future__ import annotations
+
+import sys
+import warnings
+from typing import List, Optional, Sequence
+
+import numpy as np
+
+from ..backends.base import Backend
+from ..errors import RankError
+from ..settings import LauncherEnv, launcher_env
+from .mesh import Mesh
+from .process_group import ProcessGroup
+
+
+class World:
+    """All ranks of a job over one backend.
+
+    Attributes:
+        rank: global rank of this process.
+        world_size: number of ranks.
+        local_rank, local_size: rank and count of the ranks on this node.
+        node_rank, num_nodes: index of this node and number of nodes.
+        default_group: the ProcessGroup of all ranks.
+        launcher: what SLURM / Open MPI / PMI variables said about this process.
+    """
+
+    def __init__(self, backend: Backend, launcher: Optional[LauncherEnv] = None):
+        self.backend = backend
+        self.rank = backend.rank
+        self.world_size = backend.size
+        self.default_group = ProcessGroup(self, backend, range(backend.size), "world")
+        self.local_rank, self.local_size, self.node_rank, self.num_nodes = backend.node_layout()
+        self.launcher = launcher if launcher is not None else LauncherEnv(None, None, None, None, None, None, None)
+        self._groups_made = 0
+
+    # -- constructors -------------------------------------------------------------
+    @classmethod
+    def mock(cls) -> "World":
+        """A one-rank world on the in-process backend: no MPI at all."""
+        from ..backends.local import LocalBackend
+
+        return cls(LocalBackend.create_world(1)[0])
+
+    # -- launcher agreement ---------------------------------------------------------
+    def launcher_problems(self) -> List[str]:
+        """Disagreements between MPI's view of this job and the launcher's variables."""
+        env, problems = self.launcher, []
+        if env.source is None:
+            return problems
+        if env.size is not None and env.size > 1 and self.world_size == 1:
+            hint = (" Under SLURM this is the classic 'srun --mpi=none' mistake: use srun --mpi=pmi2 "
+                    "(MPICH) or --mpi=pmix (Open MPI), or mpiexec inside the allocation.")
+            problems.append(
+                f"the launcher ({env.source}) started {env.size} tasks but MPI reports a world of 1: every task "
+                f"is running alone, each training its own copy.{hint if env.source == 'slurm' else ''}"
+            )
+        elif env.size is not None and env.size != self.world_size:
+            problems.append(f"the launcher ({env.source}) says {env.size} tasks, MPI says {self.world_size}")
+        if env.rank is not None and env.size == self.world_size and env.rank != self.rank:
+            problems.append(f"the launcher ({env.source}) says rank {env.rank}, MPI says {self.rank}")
+        if (env.local_rank is not None and env.size == self.world_size and env.local_rank != self.local_rank):
+            problems.append(f"the launcher ({env.source}) says local rank {env.local_rank}, MPI says {self.local_rank}")
+        return problems
+
+    def warn_launcher_problems(self) -> None:
+        """Warn loudly (a warning and a line on stderr) about each launcher disagreement."""
+        for problem in self.launcher_problems():
+            message = f"axonhpc WARNING (rank {self.rank}): {problem}"
+            print(message, file=sys.stderr, flush=True)
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+    # -- groups ---------------------------------------------------------------------
+    def new_group(self, ranks: Sequence[int], name: Optional[str] = None) -> ProcessGroup:
+        """A ProcessGroup of these global ranks, in this order; every rank must call it.
+
+        Raises:
+            RankError: a rank is not an integer, out of range, or repeated; or
+                the list is empty.
+        """
+        ranks = list(ranks)
+        if not ranks:
+            raise RankError("new_group needs at least one rank, got an empty list")
+        for r in ranks:
+            if isinstance(r, bool) or not hasattr(r, "__index__"):
+                raise RankError(f"new_group ranks must be integers, got {r!r} in {ranks}")
+        bad = [int(r) for r in ranks if not 0 <= int(r) < self.world_size]
+        if bad:
+            raise RankError(f"new_group ranks {bad} are out of range for a world of size {self.world_size} "
+                            f"(valid: 0..{self.world_size - 1})")
+        seen, dups = set(), []
+        for r in ranks:
+            if int(r) in seen:
+                dups.append(int(r))
+            seen.add(int(r))
+        if dups:
+            raise RankError(f"new_group ranks {ranks} repeat {sorted(set(dups))}")
+        ranks = [int(r) for r in ranks]
+        backend = self.backend.create_group(ranks)
+        return ProcessGroup(self, backend, ranks, name or f"group{ranks}")
+
+    def split(self, color: Optional[int], key: int = 0) -> ProcessGroup:
+        """Collective: like ``MPI_Comm_split`` of the world.
+
+        Args:
+            color: ranks with the same color form one group; None (or a
+                negative number) joins none and gets a non-member group.
+            key: orders ranks inside a group; ties keep world-rank order.
+        """
+        return self._split_group(self.default_group, color, key)
+
+    def _split_group(self, parent: ProcessGroup, color: Optional[int], key: int,
+                     name: Optional[str] = None) -> ProcessGroup:
+        if color is not None:
+            if isinstance(color, bool) or not hasattr(color, "__index__"):
+                raise ValueError(f"split color must be an integer or None, got {color!r}")
+            color = None if int(color) < 0 else int(color)
+        if isinstance(key, bool) or not hasattr(key, "__index__"):
+            raise ValueError(f"split key must be an integer, got {key!r}")
+        backend = parent.backend.split(color, int(key))
+        if backend is None:
+            return ProcessGroup(self, None, (), name or f"split(color=None) of {parent.name}")
+        mine = np.array([self.rank], dtype=np.int64)
+        members = np.empty((backend.size, 1), dtype=np.int64)
+        backend.all_gather(mine, members, async_op=False)
+        return ProcessGroup(self, backend, members[:, 0].tolist(), name or f"split(color={color}) of {parent.name}")
+
+    def node_group(self) -> ProcessGroup:
+        """Collective: the group of the ranks on this node (in world-rank order)."""
+        return self._split_group(self.default_group, self.node_rank, self.rank, name=f"node{self.node_rank}")
+
+    def mesh(self, dp: int = 1, tp: int = 1, pp: int = 1) -> Mesh:
+        """Collective: dp/tp/pp groups whose sizes multiply to the world size (tp fastest)."""
+        return Mesh(self, dp=dp, tp=tp, pp=pp)
+
+    def abort(self, code: int = 1) -> None:
+        """End the whole job now (every rank)."""
+        self.backend.abort(code)
+
+    def __repr__(self) -> str:
+        return (f"World(rank={self.rank}, world_size={self.world_size}, backend={self.backend.name}, "
+                f"local_rank={self.local_rank}/{self.local_size}, node={self.node_rank}/{self.num_nodes})")
