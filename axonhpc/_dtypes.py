@@ -33,6 +33,7 @@ def bfloat16_dtype():
     return np.dtype(ml_dtypes.bfloat16)
 
 
+@functools.lru_cache(maxsize=None)
 def supported_dtypes() -> Tuple[np.dtype, ...]:
     """The dtypes the collectives accept on this installation."""
     bf16 = bfloat16_dtype()

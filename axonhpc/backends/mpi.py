@@ -32,14 +32,27 @@ from ..settings import settings
 from .base import Backend, CompletedWork, ReduceOp, Work
 
 
-def _mpi():
-    from mpi4py import MPI
+_MPI = None
+_DATATYPES: dict = {}
+_OPS: dict = {}
 
-    return MPI
+
+def _mpi():
+    """mpi4py.MPI, imported on first use (importing it initialises MPI)."""
+    global _MPI
+    if _MPI is None:
+        from mpi4py import MPI
+
+        _MPI = MPI
+    return _MPI
 
 
 def _datatype(dtype: np.dtype):
     """The MPI datatype that moves (and, for reducible dtypes, reduces) ``dtype``."""
+    try:
+        return _DATATYPES[dtype]
+    except KeyError:
+        pass
     MPI = _mpi()
     table = {
         np.dtype(np.float32): MPI.FLOAT,
@@ -54,12 +67,16 @@ def _datatype(dtype: np.dtype):
     bf16 = bfloat16_dtype()
     if bf16 is not None:
         table[bf16] = MPI.UINT16_T
-    return table[np.dtype(dtype)]
+    _DATATYPES.update(table)
+    return _DATATYPES[np.dtype(dtype)]
 
 
 def _mpi_op(op: ReduceOp):
-    MPI = _mpi()
-    return {ReduceOp.SUM: MPI.SUM, ReduceOp.PRODUCT: MPI.PROD, ReduceOp.MIN: MPI.MIN, ReduceOp.MAX: MPI.MAX}[op]
+    if not _OPS:
+        MPI = _mpi()
+        _OPS.update({ReduceOp.SUM: MPI.SUM, ReduceOp.PRODUCT: MPI.PROD, ReduceOp.MIN: MPI.MIN,
+                     ReduceOp.MAX: MPI.MAX})
+    return _OPS[op]
 
 
 def _blocks(n: int, step: int):
@@ -157,6 +174,11 @@ class MPIBackend(Backend):
     # -- collectives ------------------------------------------------------------
     def all_reduce(self, buf, op: ReduceOp, async_op: bool) -> Work:
         MPI, comm, mop = _mpi(), self.comm, _mpi_op(op)
+        if not async_op and buf.size <= settings.max_message_elements and not is_cupy_array(buf):
+            # The common case, kept short: small messages are dominated by
+            # per-call overhead.
+            comm.Allreduce(MPI.IN_PLACE, [buf, _datatype(buf.dtype)], mop)
+            return CompletedWork()
         flat = self._flat(buf)
         plan = _Plan()
         for a, b in _blocks(flat.size, self._limit()):

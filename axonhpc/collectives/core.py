@@ -35,12 +35,24 @@ def _member(group: Optional[ProcessGroup], op: str) -> ProcessGroup:
     return pg
 
 
+class _Label:
+    """How messages name one call; formatted only when a message needs it."""
+
+    __slots__ = ("op", "seq", "group")
+
+    def __init__(self, op: str, seq: int, group: ProcessGroup):
+        self.op, self.seq, self.group = op, seq, group
+
+    def __str__(self) -> str:
+        return f"{self.op} #{self.seq} on group {self.group.name} {list(self.group.ranks)}"
+
+
 def _start(pg: ProcessGroup, op: str, x: Any = None, reduce: Optional[ReduceOp] = None,
-           root: Optional[int] = None) -> str:
-    """Debug check, sequence number; returns the label used in messages."""
+           root: Optional[int] = None) -> _Label:
+    """Debug check and sequence number; returns the label used in messages."""
     if settings.debug:
         fingerprint.check(pg, op, x, None if reduce is None else reduce.name, root)
-    label = f"{op} #{pg.seq} on group {pg.name} {list(pg.ranks)}"
+    label = _Label(op, pg.seq, pg)
     pg.seq += 1
     return label
 
@@ -113,6 +125,9 @@ def all_reduce(x, op=ReduceOp.SUM, group: Optional[ProcessGroup] = None, async_o
     check_array(x, "all_reduce buffer", writable=True)
     label = _start(pg, "all_reduce", x, op)
     backend = pg.backend
+    if op is not ReduceOp.AVG and not async_op and not is_low_precision_float(x.dtype) and _timeout(pg) is None:
+        backend.all_reduce(x, op, False).wait()
+        return None
     issue = _reduction(pg, x, x, op, lambda s, d, base, nb: backend.all_reduce(s, base, nb))
     return _run(pg, label, issue, async_op)
 
@@ -296,7 +311,7 @@ def _p2p(kind: str, x, peer: int, tag: int, group, async_op: bool, writable: boo
     tag = _check_tag(tag)
     check_array(x, f"{kind} buffer", writable=writable)
     backend = pg.backend
-    label = f"{kind} with group rank {peer} (tag {tag}) on group {pg.name}"
+    label = f"{kind} with group rank {peer} (tag {tag}) on group {pg.name}"  # p2p: no sequence number
     call = backend.recv if writable else backend.send
     return _run(pg, label, lambda nb: call(x, peer, tag, nb), async_op)
 

@@ -1,0 +1,143 @@
+"""``axonhpc bench allreduce``: OSU-style all-reduce table against raw mpi4py.
+
+Run under MPI, e.g. ``mpiexec -n 2 axonhpc bench allreduce``. For each size
+(float32, in place) it times ``ax.all_reduce`` and mpi4py's
+``Allreduce(MPI.IN_PLACE, x)`` on the same buffer in interleaved rounds and
+prints the medians, the algorithm bandwidth (bytes / time), the bus bandwidth
+(algbw * 2(n-1)/n, the traffic each rank's link really carries in a ring),
+the ratio raw/ours (1.00 = as fast as raw MPI), and numpy ``copyto``
+bandwidth with every rank copying at once, as the memory limit. A second
+table compares synchronising 100 gradients of 1 KiB one by one against one
+fused bucket (``GradientSynchronizer``: pack, one all-reduce, unpack).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import List, Optional
+
+import numpy as np
+
+from ..backends import ReduceOp
+from ..collectives import all_reduce
+from ..groups import init
+from .timing import human_bytes, median_times, pin_blas_threads
+
+DEFAULT_SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20, 256 << 20]
+
+
+def _iters_for(nbytes: int) -> int:
+    return int(max(3, min(200, (64 << 20) // max(nbytes, 1) // 4)))
+
+
+def run_sizes(sizes: List[int], rounds: int) -> List[dict]:
+    """Rows of the bandwidth table (every rank runs it; rank 0's rows are the job's)."""
+    from mpi4py import MPI
+
+    world = init()
+    raw = MPI.COMM_WORLD.Dup()
+    n = world.world_size
+
+    def job_time(elapsed: float) -> float:
+        raw.Barrier()
+        return raw.allreduce(elapsed, op=MPI.MAX)
+
+    rows = []
+    for nbytes in sizes:
+        x = np.ones(nbytes // 4, dtype=np.float32)
+        dst = np.empty_like(x)
+        iters = _iters_for(nbytes)
+        for _ in range(2):  # warm-up: first-touch pages, MPI's internal buffers
+            all_reduce(x)
+            raw.Allreduce(MPI.IN_PLACE, [x, MPI.FLOAT])
+        t = median_times({
+            "ours": lambda: all_reduce(x),
+            "raw": lambda: raw.Allreduce(MPI.IN_PLACE, [x, MPI.FLOAT]),
+            "copy": lambda: np.copyto(dst, x),
+        }, iters, rounds, sync=job_time)
+        bus = 2 * (n - 1) / n if n > 1 else 1.0
+        rows.append(dict(
+            bytes=nbytes, iters=iters,
+            ours_us=t["ours"] * 1e6, raw_us=t["raw"] * 1e6,
+            ours_algbw=nbytes / t["ours"] / 1e9, raw_algbw=nbytes / t["raw"] / 1e9,
+            ours_busbw=nbytes / t["ours"] / 1e9 * bus, raw_busbw=nbytes / t["raw"] / 1e9 * bus,
+            ratio=t["raw"] / t["ours"], copy_gbs=nbytes / t["copy"] / 1e9,
+        ))
+    raw.Free()
+    return rows
+
+
+def run_fusion(count: int, nbytes: int, rounds: int) -> dict:
+    """100 small gradients: one all-reduce each, against one fused bucket."""
+    from mpi4py import MPI
+
+    from ..bucketing import GradientSynchronizer, GradSyncStrategy
+
+    world = init()
+    raw = MPI.COMM_WORLD.Dup()
+    grads = [np.full(nbytes // 4, world.rank + 1.0, dtype=np.float32) for _ in range(count)]
+    sync = GradientSynchronizer(GradSyncStrategy.SYNCHRONOUS, bucket_size=25_000_000, group=world.default_group)
+
+    def one_by_one():
+        for g in grads:
+            all_reduce(g, ReduceOp.AVG)
+
+    def raw_one_by_one():
+        for g in grads:
+            raw.Allreduce(MPI.IN_PLACE, [g, MPI.FLOAT])
+
+    def job_time(elapsed: float) -> float:
+        raw.Barrier()
+        return raw.allreduce(elapsed, op=MPI.MAX)
+
+    for _ in range(3):
+        one_by_one()
+        sync.synchronize(grads)
+    t = median_times({"one_by_one": one_by_one, "raw_one_by_one": raw_one_by_one,
+                      "bucketed": lambda: sync.synchronize(grads)}, 20, rounds, sync=job_time)
+    raw.Free()
+    return dict(count=count, bytes=nbytes, one_by_one_us=t["one_by_one"] * 1e6,
+                raw_one_by_one_us=t["raw_one_by_one"] * 1e6, bucketed_us=t["bucketed"] * 1e6,
+                speedup=t["one_by_one"] / t["bucketed"])
+
+
+def format_table(rows: List[dict], n: int) -> str:
+    lines = [f"# all_reduce, float32, in place, {n} ranks, medians (ratio = raw time / our time)",
+             f"{'size':>10} {'ours us':>10} {'raw us':>10} {'ours algbw':>11} {'raw algbw':>10} "
+             f"{'ours busbw':>11} {'raw busbw':>10} {'ratio':>6} {'copyto GB/s':>12}"]
+    for r in rows:
+        lines.append(f"{human_bytes(r['bytes']):>10} {r['ours_us']:>10.1f} {r['raw_us']:>10.1f} "
+                     f"{r['ours_algbw']:>9.2f}GB {r['raw_algbw']:>8.2f}GB {r['ours_busbw']:>9.2f}GB "
+                     f"{r['raw_busbw']:>8.2f}GB {r['ratio']:>6.2f} {r['copy_gbs']:>12.2f}")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="axonhpc bench allreduce", description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default=None,
+                        help="comma-separated sizes in bytes (default 4 KiB .. 256 MiB in steps of 4x)")
+    parser.add_argument("--max-size", type=int, default=None, help="drop default sizes above this many bytes")
+    parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds; the median is reported")
+    parser.add_argument("--no-fusion", action="store_true", help="skip the 100 x 1 KiB fusion table")
+    args = parser.parse_args(argv)
+    limiter = pin_blas_threads(1)  # noqa: F841 - keeps the limit in force
+    sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else list(DEFAULT_SIZES)
+    if args.max_size:
+        sizes = [s for s in sizes if s <= args.max_size]
+    world = init()
+    rows = run_sizes(sizes, args.rounds)
+    fusion = None if args.no_fusion else run_fusion(100, 1024, args.rounds)
+    if world.rank == 0:
+        print(format_table(rows, world.world_size))
+        if fusion:
+            print(f"\n# {fusion['count']} gradients of {human_bytes(fusion['bytes'])}, averaged, medians")
+            print(f"one by one (ax.all_reduce):      {fusion['one_by_one_us']:9.1f} us")
+            print(f"one by one (raw mpi4py):         {fusion['raw_one_by_one_us']:9.1f} us")
+            print(f"GradientSynchronizer (1 bucket): {fusion['bucketed_us']:9.1f} us")
+            print(f"speed-up of bucketing over one by one: {fusion['speedup']:.1f}x")
+        sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,51 @@
+"""Timing helpers shared by the benchmarks: interleaved rounds, medians, BLAS pinned."""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable, Dict, List, Optional
+
+
+def pin_blas_threads(n: int = 1):
+    """Limit BLAS/OpenMP pools to ``n`` threads (threadpoolctl when installed).
+
+    Returns:
+        The threadpoolctl limiter (keep a reference), or None without it.
+    """
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:
+        return None
+    return threadpool_limits(limits=n)
+
+
+def median_times(candidates: Dict[str, Callable[[], None]], iters: int, rounds: int,
+                 sync: Optional[Callable[[float], float]] = None) -> Dict[str, float]:
+    """Median seconds per call of each candidate over interleaved rounds.
+
+    Every round runs each candidate once, and the order rotates from round
+    to round (A B C, B C A, C A B, ...): a noisy neighbour slows all alike,
+    and no candidate always inherits the caches another one warmed or
+    flushed. ``sync(elapsed)`` turns one rank's elapsed time into the job's
+    (for example the maximum over ranks, after a barrier).
+    """
+    samples: Dict[str, List[float]] = {name: [] for name in candidates}
+    names = list(candidates)
+    for k in range(rounds):
+        for name in names[k % len(names):] + names[:k % len(names)]:
+            fn = candidates[name]
+            if sync is not None:
+                sync(0.0)
+            start = time.perf_counter()
+            for _ in range(iters):
+                fn()
+            elapsed = (time.perf_counter() - start) / iters
+            samples[name].append(sync(elapsed) if sync is not None else elapsed)
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def human_bytes(n: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:g} {unit}"
+    return f"{n} B"

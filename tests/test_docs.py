@@ -1,0 +1,42 @@
+"""Every runnable example in docs/ runs and exits 0.
+
+A fenced python block whose first line is ``# run with: mpiexec -n N`` runs on
+N ranks; ``# run with: python`` runs in one process.
+"""
+import glob
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BLOCK = re.compile(r"```python\n(# run with: (?P<how>[^\n]+)\n.*?)```", re.S)
+
+
+def _examples():
+    for path in sorted(glob.glob(os.path.join(ROOT, "docs", "*.md"))):
+        with open(path) as f:
+            text = f.read()
+        for i, m in enumerate(BLOCK.finditer(text)):
+            yield pytest.param(m.group(1), m.group("how").strip(), id=f"{os.path.basename(path)}-{i}")
+
+
+@pytest.mark.parametrize("code,how", list(_examples()))
+def test_doc_example_runs(code, how, tmp_path):
+    script = tmp_path / "example.py"
+    script.write_text(code)
+    if how == "python":
+        cmd = [sys.executable, str(script)]
+    else:
+        m = re.fullmatch(r"mpiexec -n (\d+)", how)
+        assert m, f"unknown run line {how!r}"
+        cmd = [os.path.join(os.path.dirname(sys.executable), "mpiexec"), "-n", m.group(1), sys.executable, str(script)]
+    env = dict(os.environ, AXONHPC_ABORT_ON_EXCEPTION="1")
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=ROOT, env=env)
+    assert out.returncode == 0, f"exit {out.returncode}\nstdout:\n{out.stdout}\nstderr:\n{out.stderr}"
+
+
+def test_there_are_runnable_examples():
+    assert len(list(_examples())) >= 5
