@@ -40,9 +40,20 @@ def supported_dtypes() -> Tuple[np.dtype, ...]:
     return _BASE_DTYPES + ((bf16,) if bf16 is not None else ())
 
 
+@functools.lru_cache(maxsize=None)
+def _supported_set() -> frozenset:
+    return frozenset(supported_dtypes())
+
+
+@functools.lru_cache(maxsize=None)
+def _low_precision_set() -> frozenset:
+    bf16 = bfloat16_dtype()
+    return frozenset([np.dtype(np.float16)] + ([bf16] if bf16 is not None else []))
+
+
 def is_low_precision_float(dtype: np.dtype) -> bool:
     """float16 or bfloat16: MPI has no reduction for these, so they are widened."""
-    return dtype == np.float16 or (bfloat16_dtype() is not None and dtype == bfloat16_dtype())
+    return dtype in _low_precision_set()
 
 
 def is_integer(dtype: np.dtype) -> bool:
@@ -83,16 +94,17 @@ def check_array(x: Any, what: str, *, writable: bool = False) -> None:
         raise UnsupportedDtypeError(
             f"{what} must be a numpy or cupy array, got {type(x).__module__}.{type(x).__name__}"
         )
-    if x.dtype not in supported_dtypes():
+    if x.dtype not in _supported_set():
         names = ", ".join(str(d) for d in supported_dtypes())
         hint = "" if bfloat16_dtype() is not None else " (bfloat16 needs ml_dtypes: pip install axonhpc[bf16])"
         raise UnsupportedDtypeError(f"{what} has dtype {x.dtype}, which is not supported; use one of {names}{hint}")
-    if not x.flags.c_contiguous:
+    flags = x.flags
+    if not flags.c_contiguous:
         raise NonContiguousBufferError(
             f"{what} ({_describe(x)}, strides {x.strides}) is not C-contiguous; "
             "pass numpy.ascontiguousarray(x) and copy the result back"
         )
-    if writable and not x.flags.writeable:
+    if writable and not flags.writeable:
         raise ReadOnlyBufferError(f"{what} ({_describe(x)}) is read-only but the operation writes into it")
 
 

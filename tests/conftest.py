@@ -7,6 +7,17 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 
 
+@pytest.fixture(autouse=True)
+def _settings_restored():
+    """No test may leak a change of ax.settings into the next one."""
+    from axonhpc.settings import settings
+
+    before = settings.as_dict()
+    yield
+    for name, value in before.items():
+        setattr(settings, name, value)
+
+
 @pytest.fixture(scope="session")
 def mpi_world():
     """The real MPI world (only under --with-mpi)."""

@@ -72,11 +72,13 @@ def _datatype(dtype: np.dtype):
 
 
 def _mpi_op(op: ReduceOp):
+    # Keyed by the member's string value: hashing an Enum member runs Python
+    # code, hashing a str is cached, and this is on every call's path.
     if not _OPS:
         MPI = _mpi()
-        _OPS.update({ReduceOp.SUM: MPI.SUM, ReduceOp.PRODUCT: MPI.PROD, ReduceOp.MIN: MPI.MIN,
-                     ReduceOp.MAX: MPI.MAX})
-    return _OPS[op]
+        _OPS.update({ReduceOp.SUM.value: MPI.SUM, ReduceOp.PRODUCT.value: MPI.PROD,
+                     ReduceOp.MIN.value: MPI.MIN, ReduceOp.MAX.value: MPI.MAX})
+    return _OPS[op.value]
 
 
 def _blocks(n: int, step: int):

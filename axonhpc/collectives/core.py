@@ -50,7 +50,7 @@ class _Label:
 def _start(pg: ProcessGroup, op: str, x: Any = None, reduce: Optional[ReduceOp] = None,
            root: Optional[int] = None) -> _Label:
     """Debug check and sequence number; returns the label used in messages."""
-    if settings.debug:
+    if pg.debug or (pg.debug is None and settings.debug):
         fingerprint.check(pg, op, x, None if reduce is None else reduce.name, root)
     label = _Label(op, pg.seq, pg)
     pg.seq += 1

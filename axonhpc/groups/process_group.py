@@ -23,6 +23,8 @@ class ProcessGroup:
         name: a label used in messages ("world", "mesh.tp", "group[0, 2]").
         timeout: seconds a blocking call on this group may wait (None: use
             ``ax.settings.timeout``).
+        debug: check every collective on this group across ranks first
+            (None: use ``ax.settings.debug``).
     """
 
     def __init__(self, world: "World", backend: Optional[Backend], ranks: Sequence[int], name: str):
@@ -31,6 +33,7 @@ class ProcessGroup:
         self.ranks: Tuple[int, ...] = tuple(int(r) for r in ranks)
         self.name = name
         self.timeout: Optional[float] = None
+        self.debug: Optional[bool] = None
         self.seq = 0  # collectives issued on this group by this rank
         if backend is not None:
             backend.global_ranks = self.ranks

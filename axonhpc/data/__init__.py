@@ -1,0 +1,16 @@
+"""Data input for distributed training: per-rank sampling and mini-batches.
+
+Nothing here communicates: ``DistributedSampler`` gives every rank a
+disjoint share of the indices by deterministic arithmetic, and
+``DataLoader`` batches in-memory numpy or cupy arrays.
+
+    sampler = DistributedSampler(len(x), num_replicas=world.world_size, rank=world.rank, seed=0)
+    loader = DataLoader((x, y), batch_size=32, sampler=sampler)
+    for epoch in range(epochs):
+        loader.set_epoch(epoch)
+        for xb, yb in loader: ...
+"""
+from .loader import DataLoader
+from .sampler import DistributedSampler
+
+__all__ = ["DistributedSampler", "DataLoader"]

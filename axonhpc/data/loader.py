@@ -1,0 +1,99 @@
+"""DataLoader: mini-batches of in-memory arrays, in sampler order."""
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable, Iterator, Optional, Sequence, Union
+
+import numpy as np
+
+from .._dtypes import array_module
+from ..errors import ConfigurationError, ShapeError
+
+
+class DataLoader:
+    """Iterate over mini-batches of one or several arrays that share their first axis.
+
+    Batch i holds the rows at positions [i * batch_size, (i + 1) * batch_size)
+    of the index order: the sampler's when one is given (e.g. a
+    ``DistributedSampler`` for this rank), else 0..n-1, or a permutation of
+    it when ``shuffle``. Arrays may be numpy or cupy; each batch is a copy
+    taken by fancy indexing on the array's own device.
+
+    The loader's own shuffle draws the permutation of pass e from a numpy
+    Generator seeded with ``seed + e``, where e counts the passes started
+    (from 0) unless ``set_epoch`` fixed it: different orders every pass,
+    and the same orders for the same seed. With a sampler, the sampler
+    decides the order; ``set_epoch`` is forwarded to it.
+
+    Args:
+        arrays: a single array, or a tuple/list of arrays with the same length.
+        batch_size: rows per batch.
+        sampler: iterable of int indices with ``len`` (e.g. DistributedSampler); excludes ``shuffle``.
+        shuffle: permute the rows each pass (without a sampler).
+        seed: base seed of the loader's own shuffle.
+        drop_last: drop a final batch smaller than ``batch_size``.
+
+    Yields:
+        For a single array, one batch array; for a tuple/list, a tuple of batches.
+
+    Raises:
+        ShapeError: the arrays have different lengths (the message lists them) or are 0-d.
+        ConfigurationError: batch_size < 1, no arrays, or both a sampler and shuffle.
+    """
+
+    def __init__(self, arrays: Union[Any, Sequence[Any]], batch_size: int, sampler: Optional[Iterable[int]] = None,
+                 shuffle: bool = False, seed: int = 0, drop_last: bool = False) -> None:
+        self._single = not isinstance(arrays, (tuple, list))
+        self.arrays = (arrays,) if self._single else tuple(arrays)
+        if not self.arrays:
+            raise ConfigurationError("DataLoader needs at least one array")
+        for i, a in enumerate(self.arrays):
+            if getattr(a, "ndim", 0) == 0:
+                raise ShapeError(f"DataLoader array {i} must have a leading (sample) axis, got "
+                                 f"{type(a).__name__} of shape {getattr(a, 'shape', '?')}")
+        lengths = [int(a.shape[0]) for a in self.arrays]
+        if len(set(lengths)) != 1:
+            raise ShapeError(f"DataLoader arrays must have the same length, got lengths {lengths}")
+        if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+            raise ConfigurationError(f"DataLoader batch_size must be a positive int, got {batch_size!r}")
+        if sampler is not None and shuffle:
+            raise ConfigurationError("DataLoader takes either a sampler or shuffle=True, not both "
+                                     "(let the sampler shuffle)")
+        self.n = lengths[0]
+        self.batch_size = int(batch_size)
+        self.sampler = sampler
+        self.shuffle = bool(shuffle)
+        self.seed = int(seed)
+        self.drop_last = bool(drop_last)
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Fix the epoch of the next pass (and of the sampler, if it has ``set_epoch``)."""
+        self.epoch = int(epoch)
+        if self.sampler is not None and hasattr(self.sampler, "set_epoch"):
+            self.sampler.set_epoch(epoch)
+
+    def _order(self) -> np.ndarray:
+        if self.sampler is not None:
+            return np.fromiter(iter(self.sampler), dtype=np.int64)
+        if self.shuffle:
+            return np.random.default_rng(self.seed + self.epoch).permutation(self.n)
+        return np.arange(self.n)
+
+    def __iter__(self) -> Iterator[Any]:
+        order = self._order()
+        self.epoch += 1
+        stop = len(order) - len(order) % self.batch_size if self.drop_last else len(order)
+        for start in range(0, stop, self.batch_size):
+            idx = order[start: start + self.batch_size]
+            batch = tuple(a[array_module(a).asarray(idx)] for a in self.arrays)
+            yield batch[0] if self._single else batch
+
+    def __len__(self) -> int:
+        count = len(self.sampler) if self.sampler is not None else self.n
+        if self.drop_last:
+            return count // self.batch_size
+        return math.ceil(count / self.batch_size)
+
+
+__all__ = ["DataLoader"]

@@ -1,0 +1,93 @@
+"""Element-wise activations: ReLU, GELU, Tanh."""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from .._dtypes import array_module
+from ..errors import ConfigurationError
+from .functional import erf
+from .module import Module
+
+_INV_SQRT2 = 1.0 / math.sqrt(2.0)
+_INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+_TANH_COEF = 0.044715
+
+
+class ReLU(Module):
+    """max(x, 0); the gradient at 0 is taken as 0, as in PyTorch."""
+
+    def forward(self, x: Any) -> Any:
+        """Apply ReLU element-wise."""
+        mask = x > 0
+        self._save_cache(mask)
+        return x * mask
+
+    def backward(self, grad_out: Any) -> Any:
+        """Pass the gradient where the input was positive."""
+        return grad_out * self._pop_cache()
+
+
+class Tanh(Module):
+    """Hyperbolic tangent."""
+
+    def forward(self, x: Any) -> Any:
+        """Apply tanh element-wise."""
+        y = array_module(x).tanh(x)
+        self._save_cache(y)
+        return y
+
+    def backward(self, grad_out: Any) -> Any:
+        """d tanh(x)/dx = 1 - tanh(x)^2."""
+        y = self._pop_cache()
+        return grad_out * (1 - y * y)
+
+
+class GELU(Module):
+    """Gaussian error linear unit, x * Phi(x), as PyTorch's ``nn.GELU``.
+
+    Args:
+        approximate: "none" (default) for the exact form 0.5 x (1 + erf(x / sqrt 2)),
+            computed with a Cody rational erf accurate to ~1e-16 in float64 and
+            ~1e-7 in float32 (see ``axonhpc.nn.functional``); or "tanh" for
+            0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), which differs
+            from the exact form by up to ~3e-4 (absolute, near |x| = 2).
+
+    Raises:
+        ConfigurationError: another ``approximate`` value.
+    """
+
+    def __init__(self, approximate: str = "none") -> None:
+        super().__init__()
+        if approximate not in ("none", "tanh"):
+            raise ConfigurationError(f"GELU approximate must be 'none' or 'tanh', got {approximate!r}")
+        self.approximate = approximate
+
+    def forward(self, x: Any) -> Any:
+        """Apply GELU element-wise."""
+        xp = array_module(x)
+        if self.approximate == "tanh":
+            t = xp.tanh(_SQRT_2_OVER_PI * (x + _TANH_COEF * x * x * x))
+            self._save_cache((x, t))
+            return 0.5 * x * (1 + t)
+        cdf = 0.5 * (1 + erf(x * _INV_SQRT2))
+        self._save_cache((x, cdf))
+        return x * cdf
+
+    def backward(self, grad_out: Any) -> Any:
+        """Exact form: Phi(x) + x phi(x); tanh form: the derivative of that formula."""
+        x, aux = self._pop_cache()
+        xp = array_module(x)
+        if self.approximate == "tanh":
+            t = aux
+            inner_grad = _SQRT_2_OVER_PI * (1 + 3 * _TANH_COEF * x * x)
+            return grad_out * (0.5 * (1 + t) + 0.5 * x * (1 - t * t) * inner_grad)
+        pdf = _INV_SQRT_2PI * xp.exp(-0.5 * x * x)
+        return grad_out * (aux + x * pdf)
+
+    def extra_repr(self) -> str:
+        return f"approximate={self.approximate!r}"
+
+
+__all__ = ["ReLU", "GELU", "Tanh"]

@@ -1,0 +1,118 @@
+"""Multi-head self-attention with an explicit backward."""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from .._dtypes import array_module
+from ..errors import ConfigurationError, ShapeError
+from . import _init
+from .functional import softmax
+from .linear import Linear
+from .module import Module
+
+
+class MultiHeadAttention(Module):
+    """Scaled dot-product self-attention over ``num_heads`` heads, batch first.
+
+    For x of shape (B, T, E): q, k, v = x W_q^T + b_q, ...; each head h
+    computes softmax(q_h k_h^T / sqrt(E / H)) v_h (with future positions
+    masked out when ``causal``); the heads are concatenated and passed
+    through ``out_proj``. The four projections are ``Linear`` submodules
+    ``q_proj``, ``k_proj``, ``v_proj``, ``out_proj``. PyTorch's
+    ``nn.MultiheadAttention`` packs the first three into ``in_proj_weight``
+    (rows q, then k, then v); splitting that along rows gives these weights.
+
+    Initialisation follows PyTorch: q/k/v weights Glorot-uniform over the
+    packed (3E, E) matrix, i.e. U(-sqrt(6 / 4E), sqrt(6 / 4E)); out_proj
+    weight Linear's default; all biases zero.
+
+    Args:
+        embed_dim: E, the model width.
+        num_heads: H; must divide ``embed_dim``.
+        bias: learn biases in the four projections.
+        causal: position t attends only to positions <= t.
+        dtype: parameter dtype.
+        seed: int, SeedSequence or Generator for the initial values (None: fresh entropy).
+
+    Raises:
+        ConfigurationError: ``num_heads`` does not divide ``embed_dim``, or a non-positive size.
+    """
+
+    def __init__(self, embed_dim: int, num_heads: int, bias: bool = True, causal: bool = False,
+                 dtype: Any = np.float32, seed: _init.SeedLike = None) -> None:
+        super().__init__()
+        if embed_dim <= 0 or num_heads <= 0 or embed_dim % num_heads:
+            raise ConfigurationError(f"MultiHeadAttention needs num_heads dividing embed_dim, both positive; "
+                                     f"got embed_dim={embed_dim}, num_heads={num_heads}")
+        self.embed_dim = int(embed_dim)
+        self.num_heads = int(num_heads)
+        self.head_dim = self.embed_dim // self.num_heads
+        self.causal = bool(causal)
+        seeds = _init.child_seeds(seed, 4)
+        self.q_proj = Linear(embed_dim, embed_dim, bias=bias, dtype=dtype, seed=seeds[0])
+        self.k_proj = Linear(embed_dim, embed_dim, bias=bias, dtype=dtype, seed=seeds[1])
+        self.v_proj = Linear(embed_dim, embed_dim, bias=bias, dtype=dtype, seed=seeds[2])
+        self.out_proj = Linear(embed_dim, embed_dim, bias=bias, dtype=dtype, seed=seeds[3])
+        in_bound = _init.xavier_bound(embed_dim, 3 * embed_dim)
+        for proj, s in zip((self.q_proj, self.k_proj, self.v_proj), seeds[:3]):
+            proj.weight.data[...] = _init.uniform(_init.make_rng(s), proj.weight.shape, in_bound, dtype)
+        for proj in (self.q_proj, self.k_proj, self.v_proj, self.out_proj):
+            if proj.bias is not None:
+                proj.bias.data[...] = 0
+
+    def _split_heads(self, t: Any, b: int, n: int) -> Any:
+        return t.reshape(b, n, self.num_heads, self.head_dim).transpose(0, 2, 1, 3)
+
+    def _merge_heads(self, t: Any, b: int, n: int) -> Any:
+        return t.transpose(0, 2, 1, 3).reshape(b, n, self.embed_dim)
+
+    def forward(self, x: Any) -> Any:
+        """Self-attention over ``x`` of shape (B, T, E); returns (B, T, E).
+
+        Raises:
+            ShapeError: ``x`` is not 3-D with last axis ``embed_dim``.
+        """
+        if x.ndim != 3 or x.shape[-1] != self.embed_dim:
+            raise ShapeError(f"MultiHeadAttention(embed_dim={self.embed_dim}) expects input (B, T, "
+                             f"{self.embed_dim}), got {tuple(x.shape)}")
+        xp = array_module(x)
+        b, n, _ = x.shape
+        q = self._split_heads(self.q_proj(x), b, n)
+        k = self._split_heads(self.k_proj(x), b, n)
+        v = self._split_heads(self.v_proj(x), b, n)
+        scale = 1.0 / math.sqrt(self.head_dim)
+        scores = (q @ k.transpose(0, 1, 3, 2)) * scale
+        if self.causal:
+            future = xp.triu(xp.ones((n, n), dtype=bool), 1)
+            # Same dtype on both sides so float32 scores stay float32.
+            scores = xp.where(future, xp.asarray(-xp.inf, dtype=scores.dtype), scores)
+        attn = softmax(scores, axis=-1)
+        self._save_cache((q, k, v, attn, scale))
+        return self.out_proj(self._merge_heads(attn @ v, b, n))
+
+    def backward(self, grad_out: Any) -> Any:
+        """Gradients through out_proj, the attention weights and the q/k/v projections."""
+        q, k, v, attn, scale = self._pop_cache()
+        b, _, n, _ = q.shape
+        dctx = self._split_heads(self.out_proj.backward(grad_out), b, n)
+        dattn = dctx @ v.transpose(0, 1, 3, 2)
+        dv = attn.transpose(0, 1, 3, 2) @ dctx
+        # Softmax backward; masked positions have attn == 0, so they get no gradient.
+        dscores = attn * (dattn - (dattn * attn).sum(axis=-1, keepdims=True))
+        dscores *= scale
+        dq = dscores @ k
+        dk = dscores.transpose(0, 1, 3, 2) @ q
+        # v, k, q order keeps the grad hooks in reverse registration order.
+        dx = self.v_proj.backward(self._merge_heads(dv, b, n))
+        dx = dx + self.k_proj.backward(self._merge_heads(dk, b, n))
+        dx = dx + self.q_proj.backward(self._merge_heads(dq, b, n))
+        return dx
+
+    def extra_repr(self) -> str:
+        return f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, causal={self.causal}"
+
+
+__all__ = ["MultiHeadAttention"]

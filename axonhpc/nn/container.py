@@ -1,0 +1,59 @@
+"""Sequential: modules applied in order, backward in reverse."""
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+from .module import Module
+
+
+class Sequential(Module):
+    """Chain modules: ``forward`` feeds each output to the next; ``backward`` runs them in reverse.
+
+    Submodules are registered as "0", "1", ..., so parameters are named
+    "0.weight", "0.bias", ... as in PyTorch.
+
+    Args:
+        *modules: the layers, in forward order.
+
+    Raises:
+        TypeError: an argument is not a Module.
+    """
+
+    def __init__(self, *modules: Module) -> None:
+        super().__init__()
+        for m in modules:
+            self.append(m)
+
+    def append(self, module: Module) -> "Sequential":
+        """Add ``module`` at the end; returns self."""
+        if not isinstance(module, Module):
+            raise TypeError(f"Sequential takes Modules, got {type(module).__name__}")
+        setattr(self, str(len(self._modules)), module)
+        return self
+
+    def __len__(self) -> int:
+        return len(self._modules)
+
+    def __iter__(self) -> Iterator[Module]:
+        return iter(list(self._modules.values()))
+
+    def __getitem__(self, index: Any) -> Any:
+        layers = list(self._modules.values())
+        if isinstance(index, slice):
+            return Sequential(*layers[index])
+        return layers[index]
+
+    def forward(self, x: Any) -> Any:
+        """Apply every layer in order."""
+        for m in self._modules.values():
+            x = m(x)
+        return x
+
+    def backward(self, grad_out: Any) -> Any:
+        """Backward through every layer in reverse order; returns d loss / d input."""
+        for m in reversed(list(self._modules.values())):
+            grad_out = m.backward(grad_out)
+        return grad_out
+
+
+__all__ = ["Sequential"]

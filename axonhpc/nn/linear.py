@@ -1,0 +1,80 @@
+"""Linear: y = x @ weight.T + bias, in PyTorch's layout and default initialisation."""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..errors import ConfigurationError, ShapeError
+from . import _init
+from .module import Module
+from .parameter import Parameter
+
+
+class Linear(Module):
+    """Affine map over the last axis: ``x @ weight.T + bias``.
+
+    Weights have PyTorch's layout (``weight`` is (out_features, in_features)),
+    so state dicts move between the two unchanged, and PyTorch's default
+    initialisation: kaiming-uniform with a=sqrt(5), which is
+    U(-1/sqrt(in_features), 1/sqrt(in_features)), for the weight and the bias.
+
+    Args:
+        in_features: size of the input's last axis.
+        out_features: size of the output's last axis.
+        bias: learn an additive bias.
+        dtype: parameter dtype.
+        seed: int, numpy SeedSequence or Generator for the initial values;
+            None draws fresh entropy (ranks then differ until a data-parallel
+            wrapper broadcasts rank 0's parameters).
+
+    Raises:
+        ConfigurationError: a negative size.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+                 dtype: Any = np.float32, seed: _init.SeedLike = None) -> None:
+        super().__init__()
+        if in_features < 0 or out_features < 0:
+            raise ConfigurationError(f"Linear sizes must be >= 0, got in_features={in_features}, "
+                                     f"out_features={out_features}")
+        self.in_features = int(in_features)
+        self.out_features = int(out_features)
+        rng = _init.make_rng(seed)
+        bound = _init.fan_in_bound(self.in_features)
+        self.weight = Parameter(_init.uniform(rng, (self.out_features, self.in_features), bound, dtype))
+        if bias:
+            self.bias = Parameter(_init.uniform(rng, (self.out_features,), bound, dtype))
+        else:
+            self.bias = None
+
+    def forward(self, x: Any) -> Any:
+        """Apply the map to ``x`` of shape (..., in_features); returns (..., out_features).
+
+        Raises:
+            ShapeError: the last axis of ``x`` is not ``in_features``.
+        """
+        if x.ndim == 0 or x.shape[-1] != self.in_features:
+            raise ShapeError(f"Linear({self.in_features}, {self.out_features}) got input of shape "
+                             f"{tuple(x.shape)}; the last axis must be {self.in_features}")
+        self._save_cache(x)
+        y = x @ self.weight.data.T
+        if self.bias is not None:
+            y = y + self.bias.data
+        return y
+
+    def backward(self, grad_out: Any) -> Any:
+        """Gradients for ``x``, ``weight`` and ``bias`` from d loss / d y of shape (..., out_features)."""
+        x = self._pop_cache()
+        g2 = grad_out.reshape(-1, self.out_features)
+        # Bias before weight: hooks fire in reverse registration order.
+        if self.bias is not None:
+            self.bias.accumulate_grad(g2.sum(axis=0))
+        self.weight.accumulate_grad(g2.T @ x.reshape(-1, self.in_features))
+        return grad_out @ self.weight.data
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+__all__ = ["Linear"]

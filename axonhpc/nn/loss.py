@@ -1,0 +1,100 @@
+"""Losses: CrossEntropyLoss and MSELoss, means over the batch as in PyTorch.
+
+A loss returns a Python float and keeps what it needs, so ``loss_fn.backward()``
+returns d loss / d prediction to feed into ``model.backward``.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from .._dtypes import array_module
+from ..errors import ShapeError
+from .functional import log_softmax
+from .module import Module
+
+
+def _working_dtype(x: Any):
+    """Half precision is widened to float32 for the reduction; other floats are kept."""
+    return "float32" if x.dtype.kind == "f" and x.dtype.itemsize < 4 else x.dtype
+
+
+class CrossEntropyLoss(Module):
+    """Mean over the batch of -log softmax(logits)[target].
+
+    ``loss_fn(logits, targets)`` takes logits (N, C) and integer class
+    indices (N,) and returns the loss as a float; ``loss_fn.backward()``
+    returns (softmax(logits) - one_hot(targets)) / N with the logits' dtype.
+    """
+
+    def forward(self, logits: Any, targets: Any) -> float:
+        """Compute the loss.
+
+        Args:
+            logits: floating array (N, C), unnormalised scores.
+            targets: integer array (N,) of class indices in [0, C).
+
+        Returns:
+            The mean loss as a Python float.
+
+        Raises:
+            ShapeError: shapes other than (N, C) and (N,) with N > 0, or a target outside [0, C).
+            TypeError: non-integer targets.
+        """
+        xp = array_module(logits)
+        targets = xp.asarray(targets)
+        if logits.ndim != 2 or targets.shape != (logits.shape[0],) or logits.shape[0] == 0:
+            raise ShapeError(f"CrossEntropyLoss expects logits (N, C) and targets (N,) with N > 0, "
+                             f"got {tuple(logits.shape)} and {tuple(targets.shape)}")
+        if targets.dtype.kind not in "iu":
+            raise TypeError(f"CrossEntropyLoss targets must be integer class indices, got dtype {targets.dtype}")
+        n, c = logits.shape
+        lo, hi = int(targets.min()), int(targets.max())
+        if lo < 0 or hi >= c:
+            raise ShapeError(f"CrossEntropyLoss targets must be in [0, {c}), got values in [{lo}, {hi}]")
+        logp = log_softmax(logits.astype(_working_dtype(logits), copy=False), axis=-1)
+        rows = xp.arange(n)
+        self._save_cache((logp, targets, rows, logits.dtype))
+        return float(-logp[rows, targets].mean())
+
+    def backward(self, grad_output: float = 1.0) -> Any:
+        """d loss / d logits, times ``grad_output`` (e.g. 1/M for M accumulated micro-batches)."""
+        logp, targets, rows, dtype = self._pop_cache()
+        xp = array_module(logp)
+        grad = xp.exp(logp)
+        grad[rows, targets] -= 1
+        grad *= grad_output / logp.shape[0]
+        return grad.astype(dtype, copy=False)
+
+
+class MSELoss(Module):
+    """Mean over all elements of (prediction - target)^2."""
+
+    def forward(self, prediction: Any, target: Any) -> float:
+        """Compute the loss.
+
+        Args:
+            prediction: floating array.
+            target: array of the same shape.
+
+        Returns:
+            The mean squared error as a Python float.
+
+        Raises:
+            ShapeError: the shapes differ (no broadcasting, which hides bugs) or are empty.
+        """
+        xp = array_module(prediction)
+        target = xp.asarray(target)
+        if tuple(prediction.shape) != tuple(target.shape) or prediction.size == 0:
+            raise ShapeError(f"MSELoss needs non-empty prediction and target of one shape, got "
+                             f"{tuple(prediction.shape)} and {tuple(target.shape)}")
+        diff = prediction.astype(_working_dtype(prediction), copy=False) - target
+        self._save_cache((diff, prediction.dtype))
+        return float((diff * diff).mean())
+
+    def backward(self, grad_output: float = 1.0) -> Any:
+        """d loss / d prediction = 2 (prediction - target) / numel, times ``grad_output``."""
+        diff, dtype = self._pop_cache()
+        return (diff * (2.0 * grad_output / diff.size)).astype(dtype, copy=False)
+
+
+__all__ = ["CrossEntropyLoss", "MSELoss"]

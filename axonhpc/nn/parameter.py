@@ -1,0 +1,134 @@
+"""Parameter: an array the optimizer updates, its gradient, and grad-ready hooks.
+
+[Note: gradients are written in place]
+A data-parallel wrapper may replace ``p.grad`` with a view into a flat
+communication bucket before backward, and other code (optimizers, sharded
+wrappers) may hold views of ``p.data``. So a gradient that arrives while
+``p.grad`` exists is added into that very array (``p.grad[...] += g``), and
+``zero_grad()`` fills it with zeros rather than dropping it, unless asked to.
+Only when ``p.grad`` is None does a new array get allocated.
+
+[Note: grad-ready hooks]
+Each layer calls ``accumulate_grad`` once per backward for each of its
+parameters, right after it computed that gradient, in reverse registration
+order. Hooks run at that moment, so across a whole model they fire in reverse
+layer order while backward is still running: a DDP wrapper can start reducing
+a bucket as soon as its last gradient is ready. A parameter shared by two
+layers (weight tying) receives one call, and fires its hooks once, per use.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, List
+
+from .._dtypes import array_module
+from ..errors import ShapeError
+
+GradHook = Callable[["Parameter"], None]
+
+
+class RemovableHandle:
+    """Handle returned by ``register_grad_hook``; ``remove()`` unregisters the hook."""
+
+    def __init__(self, hooks: List[GradHook], hook: GradHook) -> None:
+        self._hooks = hooks
+        self._hook = hook
+
+    def remove(self) -> None:
+        """Unregister the hook; calling it again does nothing."""
+        if self._hook in self._hooks:
+            self._hooks.remove(self._hook)
+
+
+class Parameter:
+    """A trainable array with an accumulated gradient.
+
+    Args:
+        data: the numpy or cupy array; kept as is (not copied).
+
+    Attributes:
+        data: the values. Optimizers update it in place and never rebind it.
+        grad: the accumulated gradient, same shape and dtype as ``data``, or
+            None before the first backward (and after ``zero_grad(set_to_none=True)``).
+    """
+
+    def __init__(self, data: Any) -> None:
+        if not hasattr(data, "shape") or not hasattr(data, "dtype"):
+            raise TypeError(f"Parameter data must be a numpy or cupy array, got {type(data).__name__}")
+        self.data = data
+        self.grad = None
+        self._grad_hooks: List[GradHook] = []
+
+    @property
+    def shape(self):
+        """Shape of ``data``."""
+        return self.data.shape
+
+    @property
+    def dtype(self):
+        """dtype of ``data``."""
+        return self.data.dtype
+
+    @property
+    def size(self) -> int:
+        """Number of elements of ``data``."""
+        return int(self.data.size)
+
+    @property
+    def ndim(self) -> int:
+        """Number of dimensions of ``data``."""
+        return self.data.ndim
+
+    def register_grad_hook(self, fn: GradHook) -> RemovableHandle:
+        """Call ``fn(param)`` during backward each time this gradient becomes final.
+
+        Args:
+            fn: called with this Parameter after its ``grad`` holds the newly
+                accumulated gradient; its return value is ignored.
+
+        Returns:
+            A handle whose ``remove()`` unregisters ``fn``.
+        """
+        if not callable(fn):
+            raise TypeError(f"grad hook must be callable, got {type(fn).__name__}")
+        self._grad_hooks.append(fn)
+        return RemovableHandle(self._grad_hooks, fn)
+
+    def accumulate_grad(self, g: Any) -> None:
+        """Add ``g`` into ``grad`` (in place when it exists) and run the grad hooks.
+
+        Layers call this from ``backward``; users rarely need it.
+
+        Args:
+            g: gradient with the shape of ``data``; cast to ``data``'s dtype.
+
+        Raises:
+            ShapeError: ``g`` does not have the parameter's shape.
+        """
+        if tuple(g.shape) != tuple(self.data.shape):
+            raise ShapeError(f"gradient of shape {tuple(g.shape)} for a parameter of shape {tuple(self.data.shape)}")
+        if self.grad is None:
+            # A copy: ``g`` may alias a layer's cache or the caller's array.
+            self.grad = g.astype(self.data.dtype, copy=True)
+        else:
+            self.grad[...] += g
+        for hook in list(self._grad_hooks):
+            hook(self)
+
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        """Reset the gradient.
+
+        Args:
+            set_to_none: drop ``grad`` (the next backward allocates a new array)
+                instead of filling the existing array with zeros in place.
+        """
+        if set_to_none:
+            self.grad = None
+        elif self.grad is not None:
+            self.grad[...] = 0
+
+    def __repr__(self) -> str:
+        xp = array_module(self.data)
+        return f"Parameter(shape={tuple(self.data.shape)}, dtype={self.data.dtype}, array={xp.__name__})"
+
+
+__all__ = ["Parameter", "RemovableHandle"]

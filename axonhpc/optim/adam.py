@@ -1,0 +1,100 @@
+"""Adam and AdamW with PyTorch's exact update order."""
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, Iterable, Tuple
+
+from .._dtypes import array_module
+from ..errors import ConfigurationError
+from .optimizer import Optimizer, check_non_negative
+
+
+def _check_betas(owner: str, betas: Tuple[float, float]) -> Tuple[float, float]:
+    betas = tuple(float(b) for b in betas)
+    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+        raise ConfigurationError(f"{owner} betas must be two numbers in [0, 1), got {betas}")
+    return betas
+
+
+class Adam(Optimizer):
+    """Adam (Kingma & Ba) exactly as torch.optim.Adam (amsgrad off).
+
+    Per step t, with g = grad + weight_decay * p (L2 added to the gradient):
+    m = m + (1 - beta1) (g - m); v = beta2 v + (1 - beta2) g^2;
+    p -= lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps).
+    Note eps is added after the bias-corrected square root.
+
+    Args:
+        params: Parameters to update.
+        lr: learning rate.
+        betas: decay rates of the first and second moments.
+        eps: added to the denominator.
+        weight_decay: L2 penalty added to the gradient.
+
+    Raises:
+        ConfigurationError: a negative lr, eps or weight_decay, or betas outside [0, 1).
+    """
+
+    _decoupled = False
+
+    def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.0) -> None:
+        name = type(self).__name__
+        check_non_negative(name, lr=lr, eps=eps, weight_decay=weight_decay)
+        super().__init__(params, lr=lr, betas=_check_betas(name, betas), eps=eps, weight_decay=weight_decay)
+
+    def _update(self, param: Any, grad: Any, state: Dict[str, Any]) -> None:
+        xp = array_module(param.data)
+        data = param.data
+        if not state:
+            state["step"] = 0
+            state["exp_avg"] = xp.zeros_like(data)
+            state["exp_avg_sq"] = xp.zeros_like(data)
+        state["step"] += 1
+        step = state["step"]
+        beta1, beta2 = self.betas
+        if self.weight_decay != 0:
+            if self._decoupled:
+                data *= 1 - self.lr * self.weight_decay
+            else:
+                grad = grad + self.weight_decay * data
+        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+        # torch uses lerp for the first moment: m + (1 - beta1)(g - m).
+        exp_avg += (1 - beta1) * (grad - exp_avg)
+        exp_avg_sq *= beta2
+        exp_avg_sq += (1 - beta2) * (grad * grad)
+        bias_correction1 = 1 - beta1 ** step
+        bias_correction2 = 1 - beta2 ** step
+        denom = xp.sqrt(exp_avg_sq)
+        denom /= math.sqrt(bias_correction2)
+        denom += self.eps
+        update = exp_avg / denom
+        update *= self.lr / bias_correction1
+        data -= update
+
+
+class AdamW(Adam):
+    """Adam with decoupled weight decay (Loshchilov & Hutter), as torch.optim.AdamW.
+
+    Each step first shrinks p *= 1 - lr * weight_decay, then applies the Adam
+    update to the plain gradient.
+
+    Args:
+        params: Parameters to update.
+        lr: learning rate.
+        betas: decay rates of the first and second moments.
+        eps: added to the denominator.
+        weight_decay: decoupled decay coefficient.
+
+    Raises:
+        ConfigurationError: a negative lr, eps or weight_decay, or betas outside [0, 1).
+    """
+
+    _decoupled = True
+
+    def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 1e-2) -> None:
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+
+
+__all__ = ["Adam", "AdamW"]

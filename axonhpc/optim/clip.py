@@ -1,0 +1,50 @@
+"""Gradient norm clipping, as torch.nn.utils.clip_grad_norm_."""
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable, Union
+
+from .._dtypes import array_module
+
+
+def clip_grad_norm(params: Union[Any, Iterable[Any]], max_norm: float, norm_type: float = 2.0) -> float:
+    """Scale gradients in place so that their joint norm is at most ``max_norm``.
+
+    The norm is taken over all gradients together, as if concatenated; they
+    are multiplied by min(1, max_norm / (total_norm + 1e-6)). Parameters
+    without a gradient are skipped.
+
+    Args:
+        params: a Parameter or an iterable of Parameters.
+        max_norm: largest allowed norm.
+        norm_type: p of the p-norm; ``float("inf")`` for the largest absolute value.
+
+    Returns:
+        The total norm before clipping, as a float (0.0 if no parameter has a gradient).
+
+    Raises:
+        ValueError: norm_type is not positive.
+    """
+    if hasattr(params, "data") and hasattr(params, "grad"):
+        params = [params]
+    grads = [p.grad for p in params if p.grad is not None]
+    norm_type = float(norm_type)
+    if not norm_type > 0:
+        raise ValueError(f"clip_grad_norm norm_type must be positive, got {norm_type}")
+    if not grads:
+        return 0.0
+    xp = array_module(grads[0])
+    if math.isinf(norm_type):
+        total = max(float(xp.abs(g).max()) if g.size else 0.0 for g in grads)
+    else:
+        # Per-gradient norms first, then the norm of those: one pass over each array.
+        norms = xp.stack([xp.linalg.norm(g.reshape(-1), norm_type) for g in grads])
+        total = float(xp.linalg.norm(norms, norm_type))
+    clip_coef = min(float(max_norm) / (total + 1e-6), 1.0)
+    if clip_coef < 1.0:
+        for g in grads:
+            g *= clip_coef
+    return total
+
+
+__all__ = ["clip_grad_norm"]

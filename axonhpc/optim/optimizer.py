@@ -1,0 +1,157 @@
+"""Optimizer base: the parameter list, per-parameter state, and state dicts.
+
+[Note: in-place updates]
+Optimizers change ``p.data`` in place and never rebind it: a sharded or
+bucketed wrapper may hold views of the parameter arrays. State arrays
+(momentum, Adam moments) are allocated with the parameter's array module, so
+the update runs on the device the parameter lives on.
+
+[Note: state dict format]
+``state_dict()`` returns plain data that a checkpoint can store without
+pickle: ``{"hyperparameters": {name: number | bool | list}, "state": [one
+dict per parameter, in parameter order, of "step": int and arrays]}``.
+Arrays are copies.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Iterable, List
+
+import numpy as np
+
+from .._dtypes import array_module, is_cupy_array
+from ..errors import ConfigurationError, StateDictError
+
+
+def _as_array_like(value: Any, like: Any) -> Any:
+    """A copy of ``value`` on the device and with the dtype of ``like``."""
+    if is_cupy_array(value) and not is_cupy_array(like):
+        value = value.get()
+    return array_module(like).array(value, dtype=like.dtype, copy=True)
+
+
+def _plain(value: Any) -> Any:
+    """Hyperparameter value as JSON-able data (tuples become lists, numpy scalars Python ones)."""
+    if isinstance(value, (tuple, list)):
+        return [_plain(v) for v in value]
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
+
+
+class Optimizer:
+    """Base class: holds ``params``, per-parameter ``state`` and hyperparameters.
+
+    Subclasses pass their hyperparameters to ``__init__`` (they become
+    attributes, so ``opt.lr = 0.1`` changes the learning rate) and implement
+    ``_update(param, grad, state)``.
+
+    Args:
+        params: iterable of Parameters (each once).
+        **hyperparameters: name -> value.
+
+    Raises:
+        ConfigurationError: an empty parameter list or a Parameter given twice.
+        TypeError: an element without ``.data`` and ``.grad``.
+    """
+
+    def __init__(self, params: Iterable[Any], **hyperparameters: Any) -> None:
+        params = list(params)
+        if not params:
+            raise ConfigurationError(f"{type(self).__name__} got an empty parameter list")
+        for i, p in enumerate(params):
+            if not (hasattr(p, "data") and hasattr(p, "grad")):
+                raise TypeError(f"{type(self).__name__} parameter {i} is a {type(p).__name__}, not a Parameter")
+        if len({id(p) for p in params}) != len(params):
+            raise ConfigurationError(f"{type(self).__name__} got the same Parameter more than once")
+        self.params: List[Any] = params
+        self.state: List[Dict[str, Any]] = [{} for _ in params]
+        self._hyperparameter_names = tuple(hyperparameters)
+        for name, value in hyperparameters.items():
+            setattr(self, name, value)
+
+    def hyperparameters(self) -> Dict[str, Any]:
+        """Current hyperparameters by name."""
+        return {name: getattr(self, name) for name in self._hyperparameter_names}
+
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        """Reset the gradients of ``params``.
+
+        Args:
+            set_to_none: drop the gradient arrays instead of zeroing them in place.
+        """
+        for p in self.params:
+            _zero(p, set_to_none)
+
+    def step(self) -> None:
+        """Update every parameter that has a gradient, in place."""
+        for p, state in zip(self.params, self.state):
+            if p.grad is not None:
+                self._update(p, p.grad, state)
+
+    def _update(self, param: Any, grad: Any, state: Dict[str, Any]) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not implement _update")
+
+    def state_dict(self) -> Dict[str, Any]:
+        """Hyperparameters and per-parameter state as plain data (see the module note).
+
+        Returns:
+            ``{"hyperparameters": {...}, "state": [dict per parameter]}`` with copied arrays.
+        """
+        state = []
+        for entry in self.state:
+            state.append({k: (v.copy() if hasattr(v, "shape") else _plain(v)) for k, v in entry.items()})
+        return {"hyperparameters": {k: _plain(v) for k, v in self.hyperparameters().items()}, "state": state}
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Restore hyperparameters and state saved by ``state_dict()``; arrays are copied in.
+
+        Raises:
+            StateDictError: before anything changes, if the hyperparameter names,
+                the number of parameters or an array's shape differ.
+        """
+        problems = []
+        if set(state_dict) != {"hyperparameters", "state"}:
+            raise StateDictError(f"{type(self).__name__} state dict must have keys 'hyperparameters' and "
+                                 f"'state', got {sorted(state_dict)}")
+        hyper, states = state_dict["hyperparameters"], state_dict["state"]
+        if set(hyper) != set(self._hyperparameter_names):
+            problems.append(f"hyperparameters {sorted(hyper)} differ from {sorted(self._hyperparameter_names)}")
+        if len(states) != len(self.params):
+            problems.append(f"state for {len(states)} parameters, the optimizer has {len(self.params)}")
+        else:
+            for i, (p, entry) in enumerate(zip(self.params, states)):
+                for k, v in entry.items():
+                    if hasattr(v, "shape") and tuple(v.shape) != tuple(p.data.shape):
+                        problems.append(f"state {k!r} of parameter {i} has shape {tuple(v.shape)}, "
+                                        f"the parameter has {tuple(p.data.shape)}")
+        if problems:
+            raise StateDictError(f"cannot load state dict into {type(self).__name__}: " + "; ".join(problems))
+        for name in self._hyperparameter_names:
+            current = getattr(self, name)
+            value = hyper[name]
+            setattr(self, name, tuple(value) if isinstance(current, tuple) else value)
+        self.state = [
+            {k: (_as_array_like(v, p.data) if hasattr(v, "shape") else v) for k, v in entry.items()}
+            for p, entry in zip(self.params, states)
+        ]
+
+    def __repr__(self) -> str:
+        hp = ", ".join(f"{k}={v!r}" for k, v in self.hyperparameters().items())
+        return f"{type(self).__name__}({len(self.params)} parameters, {hp})"
+
+
+def _zero(p: Any, set_to_none: bool) -> None:
+    if set_to_none:
+        p.grad = None
+    elif p.grad is not None:
+        p.grad[...] = 0
+
+
+def check_non_negative(owner: str, **values: float) -> None:
+    """Raise ConfigurationError naming each value that is negative (or NaN)."""
+    bad = {k: v for k, v in values.items() if not v >= 0}
+    if bad:
+        raise ConfigurationError(f"{owner}: " + ", ".join(f"{k}={v} must be >= 0" for k, v in bad.items()))
+
+
+__all__ = ["Optimizer"]

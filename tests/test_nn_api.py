@@ -1,0 +1,91 @@
+"""Public surface of nn, optim and data: exported names, docstrings, and no communication imports."""
+import ast
+import inspect
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import axonhpc.data as data
+import axonhpc.nn as nn
+import axonhpc.optim as optim
+
+PACKAGES = {"nn": nn, "optim": optim, "data": data}
+EXPECTED = {
+    "nn": {"Parameter", "Module", "Sequential", "Linear", "ReLU", "GELU", "Tanh", "Dropout", "LayerNorm",
+           "Embedding", "MultiHeadAttention", "CrossEntropyLoss", "MSELoss"},
+    "optim": {"Optimizer", "SGD", "Adam", "AdamW", "clip_grad_norm"},
+    "data": {"DistributedSampler", "DataLoader"},
+}
+# What these packages may import (the layer rule; lazily imported cupy counts as numpy's twin).
+ALLOWED_ROOTS = {"numpy", "cupy", "cupyx", "math", "sys", "typing", "collections", "__future__"}
+ALLOWED_AXONHPC = {"axonhpc._dtypes", "axonhpc.errors"}
+
+
+@pytest.mark.parametrize("pkg", sorted(PACKAGES))
+def test_exports(pkg):
+    module = PACKAGES[pkg]
+    assert EXPECTED[pkg] <= set(module.__all__)
+    for name in module.__all__:
+        assert hasattr(module, name), name
+
+
+@pytest.mark.parametrize("pkg", sorted(PACKAGES))
+def test_public_names_and_methods_have_docstrings(pkg):
+    module = PACKAGES[pkg]
+    for name in module.__all__:
+        obj = getattr(module, name)
+        assert inspect.getdoc(obj), f"{pkg}.{name} has no docstring"
+        if inspect.isclass(obj):
+            for attr, member in vars(obj).items():
+                if not attr.startswith("_") and callable(member):
+                    assert inspect.getdoc(member), f"{pkg}.{name}.{attr} has no docstring"
+
+
+def _source_files():
+    root = os.path.dirname(os.path.dirname(nn.__file__))
+    for pkg in PACKAGES:
+        folder = os.path.join(root, pkg)
+        for fname in sorted(os.listdir(folder)):
+            if fname.endswith(".py"):
+                yield pkg, os.path.join(folder, fname)
+
+
+def test_sources_import_only_numpy_and_core_helpers():
+    for pkg, path in _source_files():
+        tree = ast.parse(open(path).read())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level == 1:
+                    continue  # inside the same package
+                if node.level == 2:
+                    names = [f"axonhpc.{node.module}"]
+                else:
+                    names = [node.module]
+            else:
+                continue
+            for name in names:
+                ok = name.split(".")[0] in ALLOWED_ROOTS or name in ALLOWED_AXONHPC
+                assert ok, f"{path} imports {name}"
+
+
+def test_importing_models_loads_no_communication_code():
+    # Import the three packages without running axonhpc/__init__.py, so only their own imports count.
+    root = os.path.dirname(os.path.dirname(os.path.dirname(nn.__file__)))
+    code = textwrap.dedent(f"""
+        import sys, types
+        pkg = types.ModuleType("axonhpc")
+        pkg.__path__ = [{os.path.join(root, "axonhpc")!r}]
+        sys.modules["axonhpc"] = pkg
+        import axonhpc.nn, axonhpc.optim, axonhpc.data
+        bad = sorted(m for m in sys.modules if m.split(".")[0] in ("mpi4py", "cupy")
+                     or m.startswith(("axonhpc.backends", "axonhpc.groups", "axonhpc.collectives",
+                                      "axonhpc.comm", "axonhpc.bucketing", "axonhpc.parallel", "axonhpc._ext")))
+        print(bad)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

@@ -1,0 +1,272 @@
+"""Layer behaviour beyond gradients: initialisation, values, modes, dtypes, errors."""
+import math
+
+import numpy as np
+import pytest
+
+from axonhpc import nn
+from axonhpc.errors import AxonError, ConfigurationError, ShapeError
+from axonhpc.nn.functional import erf, log_softmax, softmax
+
+
+# ---------------------------------------------------------------- Linear
+
+def test_linear_seeded_init_matches_pytorch_distribution():
+    a, b = nn.Linear(400, 300, seed=3), nn.Linear(400, 300, seed=3)
+    np.testing.assert_array_equal(a.weight.data, b.weight.data)
+    np.testing.assert_array_equal(a.bias.data, b.bias.data)
+    assert not np.array_equal(a.weight.data, nn.Linear(400, 300, seed=4).weight.data)
+    bound = 1 / math.sqrt(400)
+    w = a.weight.data
+    assert a.weight.shape == (300, 400) and w.dtype == np.float32
+    assert np.abs(w).max() <= bound and np.abs(a.bias.data).max() <= bound
+    assert abs(w.std() - bound / math.sqrt(3)) < 0.01 * bound  # U(-b, b) has std b / sqrt(3)
+    assert abs(w.mean()) < 0.01 * bound
+    # Weight and bias come from one generator, weight first.
+    rng = np.random.default_rng(3)
+    np.testing.assert_array_equal(w, rng.uniform(-bound, bound, (300, 400)).astype(np.float32))
+    np.testing.assert_array_equal(a.bias.data, rng.uniform(-bound, bound, 300).astype(np.float32))
+
+
+def test_linear_computes_x_wt_plus_b_on_leading_axes():
+    layer = nn.Linear(3, 2, dtype=np.float64, seed=0)
+    x = np.random.default_rng(0).standard_normal((4, 5, 3))
+    np.testing.assert_allclose(layer(x), x @ layer.weight.data.T + layer.bias.data)
+    assert nn.Linear(3, 2, bias=False).bias is None
+    with pytest.raises(ShapeError, match=r"\(4, 2\).*3"):
+        layer(np.ones((4, 2)))
+
+
+def test_float32_model_stays_float32():
+    model = nn.Sequential(nn.Linear(6, 8, seed=0), nn.GELU(), nn.LayerNorm(8), nn.Dropout(0.1),
+                          nn.MultiHeadAttention(8, 2, causal=True, seed=1), nn.Tanh(), nn.Linear(8, 3, seed=2))
+    x = np.random.default_rng(0).standard_normal((2, 5, 6)).astype(np.float32)
+    y = model(x)
+    assert y.dtype == np.float32
+    dx = model.backward(np.ones_like(y))
+    assert dx.dtype == np.float32
+    assert all(p.grad.dtype == np.float32 for p in model.parameters())
+    ref = nn.Sequential(nn.Linear(6, 8, seed=0, dtype=np.float64), nn.GELU(), nn.LayerNorm(8, dtype=np.float64),
+                        nn.Dropout(0.1), nn.MultiHeadAttention(8, 2, causal=True, seed=1, dtype=np.float64),
+                        nn.Tanh(), nn.Linear(8, 3, seed=2, dtype=np.float64))
+    np.testing.assert_allclose(y, ref(x.astype(np.float64)), rtol=1e-4, atol=1e-5)
+
+
+# ---------------------------------------------------------------- activations and erf
+
+def test_erf_matches_math_erf():
+    x = np.concatenate([np.linspace(-8, 8, 20001), np.logspace(-12, 1.5, 500), [0.0, 27.0, 1e10, np.inf, -np.inf]])
+    ref = np.array([math.erf(v) for v in x])
+    np.testing.assert_allclose(erf(x), ref, rtol=2e-15, atol=1e-300)
+    x32 = x.astype(np.float32)
+    out32 = erf(x32)
+    assert out32.dtype == np.float32
+    np.testing.assert_allclose(out32, [math.erf(float(v)) for v in x32], rtol=5e-7, atol=1e-30)
+    assert np.isnan(erf(np.array([np.nan]))[0])
+    np.testing.assert_allclose(erf(np.array([1])), [math.erf(1)], rtol=1e-15)
+
+
+def test_gelu_exact_and_tanh_forms():
+    x = np.linspace(-6, 6, 241)
+    exact = x * 0.5 * (1 + np.array([math.erf(v / math.sqrt(2)) for v in x]))
+    np.testing.assert_allclose(nn.GELU()(x), exact, rtol=1e-14, atol=1e-15)
+    tanh_form = 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))
+    np.testing.assert_allclose(nn.GELU(approximate="tanh")(x), tanh_form, rtol=1e-14, atol=1e-15)
+    assert np.abs(tanh_form - exact).max() < 5e-4  # the documented accuracy of the approximation
+    with pytest.raises(ConfigurationError):
+        nn.GELU(approximate="sigmoid")
+
+
+def test_relu_and_tanh_values():
+    x = np.array([-2.0, 0.0, 3.0])
+    np.testing.assert_array_equal(nn.ReLU()(x), [0.0, 0.0, 3.0])
+    np.testing.assert_allclose(nn.Tanh()(x), np.tanh(x))
+
+
+def test_softmax_helpers_are_stable():
+    x = np.array([[1000.0, 1001.0, 999.0], [-1000.0, -1000.0, -1000.0]])
+    s = softmax(x)
+    np.testing.assert_allclose(s.sum(axis=-1), 1.0)
+    np.testing.assert_allclose(s[1], 1 / 3)
+    np.testing.assert_allclose(np.exp(log_softmax(x)), s)
+
+
+# ---------------------------------------------------------------- Dropout
+
+def test_dropout_reproducible_and_rescaled():
+    x = np.ones((200, 50))
+    a, b = nn.Dropout(0.3, seed=11), nn.Dropout(0.3, seed=11)
+    ya1, ya2 = a(x), a(x)
+    np.testing.assert_array_equal(ya1, b(x))
+    np.testing.assert_array_equal(ya2, b(x))
+    assert not np.array_equal(ya1, ya2)  # a new mask every forward
+    assert not np.array_equal(ya1, nn.Dropout(0.3, seed=12)(x))
+    assert set(np.unique(ya1)) <= {0.0, 1 / 0.7}
+    assert abs((ya1 == 0).mean() - 0.3) < 0.02
+    a.manual_seed(11)
+    np.testing.assert_array_equal(a(x), ya1)
+    assert nn.Dropout(0.5)(x).dtype == x.dtype
+
+
+def test_dropout_default_seed_is_reproducible():
+    x = np.ones((10, 10), dtype=np.float32)
+    np.testing.assert_array_equal(nn.Dropout(0.5)(x), nn.Dropout(0.5)(x))
+
+
+def test_dropout_identity_in_eval_and_edge_probabilities():
+    x = np.random.default_rng(0).standard_normal((5, 5))
+    layer = nn.Dropout(0.9, seed=0).eval()
+    assert layer(x) is x
+    np.testing.assert_array_equal(layer.backward(np.ones_like(x)), 1.0)
+    np.testing.assert_array_equal(nn.Dropout(0.0)(x), x)
+    full = nn.Dropout(1.0)
+    np.testing.assert_array_equal(full(x), 0.0)
+    np.testing.assert_array_equal(full.backward(np.ones_like(x)), 0.0)
+    for p in (-0.1, 1.5):
+        with pytest.raises(ConfigurationError, match=str(p)):
+            nn.Dropout(p)
+
+
+# ---------------------------------------------------------------- LayerNorm, Embedding
+
+def test_layernorm_normalises_trailing_axes():
+    x = np.random.default_rng(0).standard_normal((3, 4, 5)) * 7 + 2
+    y = nn.LayerNorm((4, 5), dtype=np.float64)(x)
+    np.testing.assert_allclose(y.mean(axis=(1, 2)), 0, atol=1e-12)
+    np.testing.assert_allclose(y.var(axis=(1, 2)), 1, rtol=1e-5)
+    with pytest.raises(ShapeError, match=r"\(4, 5\)"):
+        nn.LayerNorm((4, 5))(np.ones((5, 4)))
+    with pytest.raises(ShapeError):
+        nn.LayerNorm((4, 5))(np.ones(5))
+
+
+def test_embedding_lookup_and_errors():
+    emb = nn.Embedding(10, 3, seed=0)
+    idx = np.array([[1, 9], [0, 1]])
+    out = emb(idx)
+    assert out.shape == (2, 2, 3)
+    np.testing.assert_array_equal(out[0, 0], emb.weight.data[1])
+    np.testing.assert_array_equal(emb.weight.data, nn.Embedding(10, 3, seed=0).weight.data)
+    with pytest.raises(ShapeError, match=r"\[0, 10\)"):
+        emb(np.array([10]))
+    with pytest.raises(ShapeError):
+        emb(np.array([-1]))
+    with pytest.raises(TypeError, match="integers"):
+        emb(np.array([0.5]))
+
+
+# ---------------------------------------------------------------- MultiHeadAttention
+
+def test_causal_attention_ignores_the_future():
+    rng = np.random.default_rng(0)
+    layer = nn.MultiHeadAttention(8, 4, causal=True, dtype=np.float64, seed=0)
+    x = rng.standard_normal((2, 6, 8))
+    y = layer(x)
+    x2 = x.copy()
+    x2[:, 4:] = rng.standard_normal((2, 2, 8))
+    y2 = layer(x2)
+    np.testing.assert_allclose(y2[:, :4], y[:, :4], rtol=1e-13)
+    assert not np.allclose(y2[:, 4:], y[:, 4:])
+    # Without the mask the first positions do see the change.
+    full = nn.MultiHeadAttention(8, 4, causal=False, dtype=np.float64, seed=0)
+    assert not np.allclose(full(x2)[:, :4], full(x)[:, :4])
+
+
+def test_attention_matches_a_direct_formula():
+    rng = np.random.default_rng(1)
+    e, h = 6, 3
+    layer = nn.MultiHeadAttention(e, h, dtype=np.float64, seed=2)
+    for p in layer.parameters():
+        p.data[...] = rng.standard_normal(p.shape) * 0.4
+    x = rng.standard_normal((2, 4, e))
+    q, k, v = (x @ m.weight.data.T + m.bias.data for m in (layer.q_proj, layer.k_proj, layer.v_proj))
+    heads = []
+    for i in range(h):
+        s = slice(i * 2, (i + 1) * 2)
+        scores = q[..., s] @ np.swapaxes(k[..., s], 1, 2) / math.sqrt(2)
+        w = np.exp(scores - scores.max(-1, keepdims=True))
+        w /= w.sum(-1, keepdims=True)
+        heads.append(w @ v[..., s])
+    expected = np.concatenate(heads, -1) @ layer.out_proj.weight.data.T + layer.out_proj.bias.data
+    np.testing.assert_allclose(layer(x), expected, rtol=1e-12)
+
+
+def test_attention_init_and_errors():
+    layer = nn.MultiHeadAttention(16, 4, seed=0)
+    bound = math.sqrt(6 / (16 + 48))
+    for proj in (layer.q_proj, layer.k_proj, layer.v_proj):
+        assert np.abs(proj.weight.data).max() <= bound
+        np.testing.assert_array_equal(proj.bias.data, 0)
+    np.testing.assert_array_equal(layer.out_proj.bias.data, 0)
+    assert not np.array_equal(layer.q_proj.weight.data, layer.k_proj.weight.data)
+    np.testing.assert_array_equal(layer.q_proj.weight.data, nn.MultiHeadAttention(16, 4, seed=0).q_proj.weight.data)
+    with pytest.raises(ConfigurationError, match="embed_dim=10, num_heads=4"):
+        nn.MultiHeadAttention(10, 4)
+    with pytest.raises(ShapeError, match=r"\(3, 16\)"):
+        layer(np.ones((3, 16)))
+
+
+# ---------------------------------------------------------------- losses
+
+def test_cross_entropy_value_and_gradient():
+    logits = np.array([[2.0, 1.0, 0.1], [0.5, 2.5, 0.3]])
+    targets = np.array([0, 2])
+    loss_fn = nn.CrossEntropyLoss()
+    loss = loss_fn(logits, targets)
+    assert isinstance(loss, float)
+    expected = np.mean([-math.log(math.exp(r[t]) / sum(math.exp(v) for v in r)) for r, t in zip(logits, targets)])
+    assert loss == pytest.approx(expected, rel=1e-14)
+    grad = loss_fn.backward()
+    p = np.exp(logits) / np.exp(logits).sum(1, keepdims=True)
+    p[[0, 1], targets] -= 1
+    np.testing.assert_allclose(grad, p / 2, rtol=1e-14)
+    loss_fn(logits, targets)
+    np.testing.assert_allclose(loss_fn.backward(0.25), p / 8, rtol=1e-14)
+
+
+def test_cross_entropy_is_stable_for_large_logits():
+    loss_fn = nn.CrossEntropyLoss()
+    with np.errstate(over="raise", invalid="raise", divide="raise"):
+        loss = loss_fn(np.array([[1e4, 0.0], [0.0, 1e4]], dtype=np.float32), np.array([0, 0]))
+    assert loss == pytest.approx(5e3)
+    assert np.all(np.isfinite(loss_fn.backward()))
+
+
+def test_cross_entropy_errors():
+    loss_fn = nn.CrossEntropyLoss()
+    with pytest.raises(ShapeError, match=r"\(2, 3\).*\(3,\)"):
+        loss_fn(np.zeros((2, 3)), np.array([0, 1, 2]))
+    with pytest.raises(ShapeError, match=r"\[0, 3\).*\[0, 3\]"):
+        loss_fn(np.zeros((2, 3)), np.array([0, 3]))
+    with pytest.raises(TypeError):
+        loss_fn(np.zeros((2, 3)), np.array([0.0, 1.0]))
+    assert issubclass(ShapeError, AxonError)
+
+
+def test_mse_value_gradient_and_errors():
+    pred, target = np.array([[1.0, 2.0], [3.0, 5.0]]), np.array([[0.0, 2.0], [1.0, 1.0]])
+    loss_fn = nn.MSELoss()
+    assert loss_fn(pred, target) == pytest.approx((1 + 0 + 4 + 16) / 4)
+    np.testing.assert_allclose(loss_fn.backward(), 2 * (pred - target) / 4)
+    with pytest.raises(ShapeError, match=r"\(2, 2\).*\(2,\)"):
+        loss_fn(pred, np.zeros(2))
+
+
+def test_training_a_float32_mlp_lowers_the_loss():
+    from axonhpc import optim
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((64, 5)).astype(np.float32)
+    y = (x[:, 0] + x[:, 1] > 0).astype(np.int64)
+    model = nn.Sequential(nn.Linear(5, 16, seed=0), nn.ReLU(), nn.Linear(16, 2, seed=1))
+    loss_fn = nn.CrossEntropyLoss()
+    opt = optim.Adam(model.parameters(), lr=1e-2)
+    first = None
+    for _ in range(60):
+        loss = loss_fn(model(x), y)
+        first = loss if first is None else first
+        model.backward(loss_fn.backward())
+        opt.step()
+        opt.zero_grad()
+    assert loss < 0.5 * first
+    assert all(p.data.dtype == np.float32 for p in model.parameters())
