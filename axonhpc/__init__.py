@@ -46,8 +46,11 @@ _LAZY = {
     "unpack": "axonhpc.bucketing",
     "shard_bounds": "axonhpc.bucketing",
     "MPIBackend": "axonhpc.backends.mpi",
+    "DDP": "axonhpc.parallel",
+    "DistributedDataParallel": "axonhpc.parallel",
 }
-_SUBMODULES = ("nn", "optim", "data", "bucketing", "comm", "backends", "settings", "cli", "bench")
+_SUBMODULES = ("nn", "optim", "data", "bucketing", "comm", "backends", "settings", "cli", "bench", "parallel",
+               "checkpoint")
 
 
 def __getattr__(name):
@@ -108,4 +111,6 @@ __all__ = [
     "pack",
     "unpack",
     "shard_bounds",
+    "DDP",
+    "DistributedDataParallel",
 ]

@@ -63,6 +63,10 @@ class BackwardBeforeForwardError(AxonError, RuntimeError):
     """``backward`` was called on a module with no forward activations cached for it."""
 
 
+class CheckpointError(AxonError):
+    """A checkpoint cannot be written or read (unsupported value, corrupt or foreign file, failed write)."""
+
+
 __all__ = [
     "AxonError",
     "RankError",
@@ -78,4 +82,5 @@ __all__ = [
     "BackendUnavailableError",
     "StateDictError",
     "BackwardBeforeForwardError",
+    "CheckpointError",
 ]

@@ -21,7 +21,6 @@ from .._dtypes import array_module, check_array, check_same_layout, is_integer, 
 from ..backends.base import ReduceOp, Work
 from ..errors import NotAMemberError, ShapeError
 from ..groups import ProcessGroup, resolve_group
-from ..settings import settings
 from . import fingerprint
 
 
@@ -50,20 +49,16 @@ class _Label:
 def _start(pg: ProcessGroup, op: str, x: Any = None, reduce: Optional[ReduceOp] = None,
            root: Optional[int] = None) -> _Label:
     """Debug check and sequence number; returns the label used in messages."""
-    if pg.debug or (pg.debug is None and settings.debug):
+    if pg.debug_enabled():
         fingerprint.check(pg, op, x, None if reduce is None else reduce.name, root)
     label = _Label(op, pg.seq, pg)
     pg.seq += 1
     return label
 
 
-def _timeout(pg: ProcessGroup) -> Optional[float]:
-    return pg.timeout if pg.timeout is not None else settings.timeout
-
-
 def _run(pg: ProcessGroup, label: str, issue, async_op: bool) -> Any:
     """Call ``issue(nonblocking)`` and either return its Work or wait for it."""
-    timeout = _timeout(pg)
+    timeout = pg.effective_timeout()
     work: Work = issue(async_op or timeout is not None)
     work.label = label
     if async_op:
@@ -125,7 +120,7 @@ def all_reduce(x, op=ReduceOp.SUM, group: Optional[ProcessGroup] = None, async_o
     check_array(x, "all_reduce buffer", writable=True)
     label = _start(pg, "all_reduce", x, op)
     backend = pg.backend
-    if op is not ReduceOp.AVG and not async_op and not is_low_precision_float(x.dtype) and _timeout(pg) is None:
+    if op is not ReduceOp.AVG and not async_op and not is_low_precision_float(x.dtype) and pg.effective_timeout() is None:
         backend.all_reduce(x, op, False).wait()
         return None
     issue = _reduction(pg, x, x, op, lambda s, d, base, nb: backend.all_reduce(s, base, nb))

@@ -5,6 +5,7 @@ from typing import TYPE_CHECKING, Optional, Sequence, Tuple
 
 from ..backends.base import Backend
 from ..errors import NotAMemberError, RankError
+from ..settings import settings
 
 if TYPE_CHECKING:  # pragma: no cover
     from .world import World
@@ -72,6 +73,14 @@ class ProcessGroup:
                 f"(ranks {list(self.ranks)})"
             )
         return self._backend
+
+    def effective_timeout(self) -> Optional[float]:
+        """Seconds a blocking call on this group waits: ``timeout``, else ``ax.settings.timeout``."""
+        return self.timeout if self.timeout is not None else settings.timeout
+
+    def debug_enabled(self) -> bool:
+        """Whether collectives on this group are checked across ranks first."""
+        return self.debug if self.debug is not None else settings.debug
 
     def contains(self, global_rank: int) -> bool:
         """True if the global rank is a member."""

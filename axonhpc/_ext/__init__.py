@@ -1,0 +1,1 @@
+"""Compiled core built from ``cython_src/*.pyx``; use it through ``axonhpc.bucketing``."""

@@ -1,0 +1,91 @@
+"""``python -m axonhpc.bench.pack``: the compiled pack against numpy, in one process.
+
+Two comparisons, each timed in interleaved rounds (medians):
+
+- bandwidth: ``pack`` of a bucket of ``nbytes`` (split into ``count`` arrays)
+  into a preallocated flat buffer, against ``numpy.copyto`` of one array of the
+  same byte count (the memory-bandwidth ceiling of a single copy). The ratio
+  is ours / numpy's bandwidth; 1.00 means pack copies as fast as memcpy.
+- fusion overhead: ``pack`` of many small arrays into a preallocated buffer,
+  against ``numpy.concatenate`` of the same arrays into the same buffer
+  (``out=``). The ratio is numpy's time / ours; above 1 pack is cheaper.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from ..bucketing import pack
+from .timing import human_bytes, median_times
+
+# (number of arrays, total bytes) of each bandwidth case: a 25 MB bucket as
+# 25 gradients of 1 MB, as one gradient, and as 1000 gradients of 25 KB.
+DEFAULT_BANDWIDTH_CASES: Tuple[Tuple[int, int], ...] = ((25, 25_000_000), (1, 25_000_000), (1000, 25_000_000))
+# (number of arrays, bytes per array) of each fusion case.
+DEFAULT_SMALL_CASES: Tuple[Tuple[int, int], ...] = ((100, 1024), (1000, 1024))
+
+
+def _arrays(count: int, total_bytes: int) -> List[np.ndarray]:
+    per = max(1, total_bytes // count // 4)
+    rng = np.random.default_rng(0)
+    return [rng.standard_normal(per, dtype=np.float32) for _ in range(count)]
+
+
+def run(bandwidth_cases: Optional[Sequence[Tuple[int, int]]] = None,
+        small_cases: Optional[Sequence[Tuple[int, int]]] = None,
+        repeats: int = 15) -> List[Dict[str, object]]:
+    """Time pack against its numpy baselines.
+
+    Args:
+        bandwidth_cases: ``(count, total_bytes)`` pairs compared with ``copyto``
+            (None: ``DEFAULT_BANDWIDTH_CASES``).
+        small_cases: ``(count, bytes_each)`` pairs compared with ``concatenate``
+            (None: ``DEFAULT_SMALL_CASES``).
+        repeats: interleaved rounds per case; the median is reported.
+
+    Returns:
+        One dict per case: ``case``, ``count``, ``nbytes``, ``baseline``
+        (its name), ``ours_s`` and ``baseline_s`` (median seconds per call),
+        ``ours_gbps`` and ``baseline_gbps``, and ``ratio`` (baseline time over
+        ours: above 1 means pack is faster).
+    """
+    rows: List[Dict[str, object]] = []
+
+    def row(case, arrays, baseline, fn_ours, fn_base, iters):
+        nbytes = sum(a.nbytes for a in arrays)
+        t = median_times({"ours": fn_ours, "base": fn_base}, iters=iters, rounds=repeats)
+        rows.append({
+            "case": case, "count": len(arrays), "nbytes": nbytes, "baseline": baseline,
+            "ours_s": t["ours"], "baseline_s": t["base"],
+            "ours_gbps": nbytes / t["ours"] / 1e9, "baseline_gbps": nbytes / t["base"] / 1e9,
+            "ratio": t["base"] / t["ours"],
+        })
+
+    for count, total in DEFAULT_BANDWIDTH_CASES if bandwidth_cases is None else bandwidth_cases:
+        arrays = _arrays(count, total)
+        out = np.empty(sum(a.size for a in arrays), dtype=np.float32)
+        src = np.concatenate(arrays)
+        dst = np.empty_like(src)
+        row(f"{count} x {total // count:,} B", arrays, "numpy.copyto (one array)",
+            lambda: pack(arrays, out=out), lambda: np.copyto(dst, src), iters=5)
+    for count, each in DEFAULT_SMALL_CASES if small_cases is None else small_cases:
+        arrays = _arrays(count, count * each)
+        out = np.empty(sum(a.size for a in arrays), dtype=np.float32)
+        row(f"{count} x {human_bytes(each)}", arrays, "numpy.concatenate(out=)",
+            lambda: pack(arrays, out=out), lambda: np.concatenate(arrays, out=out), iters=200)
+    return rows
+
+
+def main() -> None:
+    """Print the table of ``run()``."""
+    print(f"{'case':>20} {'MB':>10} {'pack':>10} {'baseline':>10} {'pack GB/s':>10} "
+          f"{'base GB/s':>10} {'base/pack':>10}  baseline")
+    for r in run():
+        print(f"{r['case']:>20} {r['nbytes'] / 1e6:10.3f} {r['ours_s'] * 1e6:8.1f}us "
+              f"{r['baseline_s'] * 1e6:8.1f}us {r['ours_gbps']:10.2f} {r['baseline_gbps']:10.2f} "
+              f"{r['ratio']:10.2f}  {r['baseline']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,352 @@
+"""Gradient buckets and their synchronisation across a process group.
+
+Re-exports the compiled buffers (``GradientBucket``, ``pack``, ``unpack``,
+shard arithmetic and the flatten/pad/slice helpers) and defines
+``GradientSynchronizer``, which averages gradients through fused buckets:
+pack several gradients into one flat buffer, one all-reduce (mean) per
+bucket, unpack.
+
+[Note: bucket layout]
+A bucket holds gradients of one dtype and at most ``bucket_size`` bytes.
+Gradients are assigned in the order they are given: a gradient that would
+overflow its dtype's open bucket closes that bucket and opens a new one; a
+bucket closes as soon as it is exactly full; a gradient larger than
+``bucket_size`` gets a bucket of its own. Closed buckets are all-reduced in
+the order they close, and ``finish`` closes the still-open ones in the order
+they were opened. The layout is therefore a pure function of the gradients'
+sizes, dtypes and order (``plan_buckets`` computes it with no arrays at all),
+so every rank issues the same all-reduces, of the same lengths, in the same
+order. SYNCHRONOUS and OVERLAPPED share that rule and differ only in when
+they wait, so their results are bit for bit the same.
+
+[Note: buffer reuse]
+Bucket buffers are kept per (dtype, position of the bucket among that
+dtype's buckets in a step) and reused by the next step whenever they are
+large enough, so a training loop with a fixed set of gradients allocates no
+bucket memory after its first step. A buffer is never shared by two buckets
+of one step, so an all-reduce in flight never sees another bucket's data.
+"""
+from __future__ import annotations
+
+import enum
+import operator
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+# Imported as modules of the package: the import-linter (grimp) reads only .py
+# files, and names imported from a compiled module it cannot see are charged
+# to the top-level package, which breaks the layers contract.
+from ._ext import _bucket, _pack, _shard
+from .backends import ReduceOp
+from .collectives import all_reduce
+from .groups import resolve_group
+
+GradientBucket = _bucket.GradientBucket
+pack, unpack = _pack.pack, _pack.unpack
+shard_bounds, shard_size, padded_size = _shard.shard_bounds, _shard.shard_size, _shard.padded_size
+FlatLayout, flatten_into_padded = _shard.FlatLayout, _shard.flatten_into_padded
+shard_view, unflatten = _shard.shard_view, _shard.unflatten
+
+
+class GradSyncStrategy(enum.Enum):
+    """When gradients are averaged across the group.
+
+    SYNCHRONOUS: ``synchronize`` all-reduces bucket after bucket, waiting for each.
+    OVERLAPPED: each bucket's all-reduce starts as soon as the bucket is full
+    (``push``), so communication overlaps the rest of the backward pass;
+    ``finish`` waits for all of them.
+    NO_SYNC: nothing is communicated; gradients accumulate locally.
+    """
+
+    SYNCHRONOUS = "synchronous"
+    OVERLAPPED = "overlapped"
+    NO_SYNC = "no_sync"
+
+    @classmethod
+    def parse(cls, value: Any) -> "GradSyncStrategy":
+        """Accept a GradSyncStrategy or its name in any case ("overlapped", "NO_SYNC").
+
+        Raises:
+            ValueError: ``value`` names no strategy.
+        """
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                return cls[value.upper()]
+            except KeyError:
+                pass
+        raise ValueError(f"unknown gradient sync strategy {value!r}; use one of {[m.name for m in cls]}")
+
+
+def _bucket_capacity(bucket_size: int, dtype: np.dtype) -> int:
+    """Elements of ``dtype`` in a bucket of ``bucket_size`` bytes (at least one)."""
+    return max(1, bucket_size // dtype.itemsize)
+
+
+class _BucketAssigner:
+    """The bucketing rule of the note above, over element counts.
+
+    Items are opaque to it (indices when planning, gradients when pushing),
+    so the plan and the synchronizer cannot drift apart.
+    """
+
+    def __init__(self, bucket_size: int, first_bucket_size: Optional[int] = None):
+        self._bucket_size = bucket_size
+        self._first_bucket_size = first_bucket_size
+        self._opened: set = set()  # dtypes that have had a bucket
+        # dtype -> [items, elements used, capacity]; insertion order is opening order.
+        self._open: Dict[np.dtype, List[Any]] = {}
+
+    def add(self, item: Any, numel: int, dtype: np.dtype) -> List[Tuple[np.dtype, List[Any]]]:
+        """Assign ``item``; return the buckets this closes, in closing order."""
+        closed = []
+        bucket = self._open.get(dtype)
+        if bucket is not None and bucket[1] + numel > bucket[2]:
+            closed.append((dtype, self._open.pop(dtype)[0]))
+            bucket = None
+        if bucket is None:
+            first = dtype not in self._opened and self._first_bucket_size is not None
+            self._opened.add(dtype)
+            size = self._first_bucket_size if first else self._bucket_size
+            bucket = self._open[dtype] = [[], 0, _bucket_capacity(size, dtype)]
+        bucket[0].append(item)
+        bucket[1] += numel
+        if bucket[1] >= bucket[2]:
+            closed.append((dtype, self._open.pop(dtype)[0]))
+        return closed
+
+    def flush(self) -> List[Tuple[np.dtype, List[Any]]]:
+        """Close every open bucket, in the order they were opened."""
+        closed = [(dtype, bucket[0]) for dtype, bucket in self._open.items()]
+        self._open.clear()
+        return closed
+
+
+def _check_bucket_size(bucket_size: Any) -> int:
+    size = operator.index(bucket_size)
+    if size < 1:
+        raise ValueError(f"bucket_size must be at least 1 byte, got {size}")
+    return size
+
+
+def plan_buckets(specs: Sequence[Tuple[int, Any]], bucket_size: int,
+                 first_bucket_size: Optional[int] = None) -> List[Tuple[np.dtype, Tuple[int, ...]]]:
+    """The bucket layout ``GradientSynchronizer`` forms for gradients of these sizes.
+
+    Args:
+        specs: ``(numel, dtype)`` of each gradient, in the order they are given.
+        bucket_size: bucket size in bytes, >= 1.
+        first_bucket_size: cap in bytes of the first bucket of each dtype
+            (None: ``bucket_size``). DDP makes it small so that the first
+            all-reduce starts early in backward.
+
+    Returns:
+        One ``(dtype, indices)`` per bucket, in the order the buckets are
+        all-reduced; ``indices`` index ``specs``.
+
+    Raises:
+        ValueError: ``bucket_size`` < 1 or a negative ``numel``.
+    """
+    first = None if first_bucket_size is None else _check_bucket_size(first_bucket_size)
+    assigner = _BucketAssigner(_check_bucket_size(bucket_size), first)
+    plan: List[Tuple[np.dtype, Tuple[int, ...]]] = []
+    for index, (numel, dtype) in enumerate(specs):
+        if numel < 0:
+            raise ValueError(f"specs[{index}] has negative numel {numel}")
+        for bucket_dtype, items in assigner.add(index, numel, np.dtype(dtype)):
+            plan.append((bucket_dtype, tuple(items)))
+    plan.extend((dtype, tuple(items)) for dtype, items in assigner.flush())
+    return plan
+
+
+class GradientSynchronizer:
+    """Average lists of gradients across a process group through fused buckets.
+
+    Each bucket is one ``all_reduce(..., op=ReduceOp.AVG)``; the averages are
+    written back into the gradient arrays. See the module notes for the
+    layout rule and buffer reuse. ``synchronize`` keeps the layouts of the
+    last few gradient lists it saw, so a training loop plans once.
+
+    Args:
+        strategy: a ``GradSyncStrategy`` (or its name).
+        bucket_size: bucket size in BYTES (25_000_000 is torch DDP's 25 MB);
+            a gradient larger than this gets a bucket of its own.
+        group: the process group (None: the current world's default group).
+
+    Attributes:
+        last_layout: ``(dtype, indices)`` of each bucket of the last completed
+            step, in all-reduce order (what ``plan_buckets`` returns).
+
+    Raises:
+        ValueError: unknown strategy, or ``bucket_size`` < 1.
+    """
+
+    _MAX_PLANS = 8  # distinct gradient lists whose layouts synchronize keeps
+
+    def __init__(self, strategy: Any = GradSyncStrategy.SYNCHRONOUS, bucket_size: int = 25_000_000,
+                 group: Any = None):
+        self.strategy = GradSyncStrategy.parse(strategy)
+        self.bucket_size = _check_bucket_size(bucket_size)
+        self.group = group
+        self.last_layout: Tuple[Tuple[np.dtype, Tuple[int, ...]], ...] = ()
+        self._buffers: Dict[Tuple[np.dtype, int], np.ndarray] = {}
+        self._plans: Dict[bytes, List[Tuple[np.dtype, Tuple[int, ...], int]]] = {}
+        self._reset_step()
+
+    def _reset_step(self) -> None:
+        self._assigner = _BucketAssigner(self.bucket_size)
+        self._pushed = 0
+        self._ordinal: Dict[np.dtype, int] = {}
+        self._pending: List[Tuple[Any, np.ndarray, List[np.ndarray]]] = []
+        self._layout: List[Tuple[np.dtype, Tuple[int, ...]]] = []
+
+    def __repr__(self) -> str:
+        return (f"GradientSynchronizer(strategy={self.strategy.name}, bucket_size={self.bucket_size}, "
+                f"group={self.group!r})")
+
+    def _launch(self, dtype: np.dtype, indices: Tuple[int, ...], grads: List[np.ndarray], numel: int) -> None:
+        """Pack one closed bucket and start (OVERLAPPED) or complete (SYNCHRONOUS) its all-reduce."""
+        self._layout.append((dtype, indices))
+        if numel == 0:
+            return  # every rank skips it: the layout is the same everywhere
+        ordinal = self._ordinal.get(dtype, 0)
+        self._ordinal[dtype] = ordinal + 1
+        buffer = self._buffers.get((dtype, ordinal))
+        if buffer is None or buffer.size < numel:
+            buffer = np.empty(max(numel, _bucket_capacity(self.bucket_size, dtype)), dtype=dtype)
+            self._buffers[(dtype, ordinal)] = buffer
+        flat = pack(grads, out=buffer[:numel])
+        if self.strategy is GradSyncStrategy.OVERLAPPED:
+            self._pending.append((all_reduce(flat, ReduceOp.AVG, self.group, async_op=True), flat, grads))
+        else:
+            all_reduce(flat, ReduceOp.AVG, self.group)
+            unpack(flat, grads)
+
+    def _launch_items(self, dtype: np.dtype, items: List[Tuple[int, np.ndarray]]) -> None:
+        grads = [grad for _, grad in items]
+        self._launch(dtype, tuple(index for index, _ in items), grads, sum(grad.size for grad in grads))
+
+    def _complete(self, timeout: Optional[float]) -> None:
+        """Wait for the buckets in flight, write their averages back, end the step."""
+        try:
+            if timeout is None and self._pending:
+                # the limit a blocking all_reduce on this group would have
+                timeout = resolve_group(self.group).effective_timeout()
+            for work, flat, grads in self._pending:
+                work.wait(timeout)
+                unpack(flat, grads)
+            self.last_layout = tuple(self._layout)
+        finally:
+            self._reset_step()
+
+    def push(self, grad: np.ndarray) -> None:
+        """Add a final gradient to its dtype's bucket; a bucket that fills is all-reduced at once.
+
+        With OVERLAPPED the all-reduce of a full bucket starts and runs while
+        the caller goes on; with SYNCHRONOUS it completes before ``push``
+        returns; with NO_SYNC nothing happens. ``grad`` is copied when its
+        bucket closes and receives the average in ``finish()``, so it must
+        stay alive and unchanged until then. Every rank must push gradients of
+        the same sizes and dtypes in the same order.
+
+        Args:
+            grad: writable C-contiguous numpy array of a supported dtype.
+
+        Raises:
+            UnsupportedDtypeError, NonContiguousBufferError, ReadOnlyBufferError:
+                ``grad`` cannot be averaged in place (raised before it is sent).
+        """
+        if self.strategy is GradSyncStrategy.NO_SYNC:
+            return
+        what = f"GradientSynchronizer.push: gradient {self._pushed}"
+        dtype = _pack.checked_dtype(grad, what, writable=True)
+        for bucket_dtype, items in self._assigner.add((self._pushed, grad), grad.size, dtype):
+            self._launch_items(bucket_dtype, items)
+        self._pushed += 1
+
+    def finish(self, timeout: Optional[float] = None) -> None:
+        """All-reduce the still-open buckets, wait for every bucket, write the averages back.
+
+        Afterwards every pushed gradient holds the mean over the group and
+        ``last_layout`` describes the buckets of this step.
+
+        Args:
+            timeout: seconds to wait for each outstanding all-reduce; None takes
+                the group's ``timeout``, else ``ax.settings.timeout`` (None there
+                too: wait forever), the limit of a blocking all-reduce.
+
+        Raises:
+            CollectiveTimeoutError: an all-reduce did not complete in time.
+        """
+        try:
+            for dtype, items in self._assigner.flush():
+                self._launch_items(dtype, items)
+        except BaseException:
+            self._reset_step()  # a failed step must not leak its buckets into the next
+            raise
+        self._complete(timeout)
+
+    def _plan(self, grads: List[np.ndarray]) -> List[Tuple[np.dtype, Tuple[int, ...], int]]:
+        """The layout of ``grads`` with each bucket's element count, cached by sizes and dtypes."""
+        key = _pack.layout_key(grads, "GradientSynchronizer.synchronize: grads", writable=True)
+        plan = self._plans.get(key)
+        if plan is None:
+            sizes = [grad.size for grad in grads]
+            plan = [(dtype, indices, sum(sizes[i] for i in indices))
+                    for dtype, indices in plan_buckets([(g.size, g.dtype) for g in grads], self.bucket_size)]
+            if len(self._plans) >= self._MAX_PLANS:
+                del self._plans[next(iter(self._plans))]
+            self._plans[key] = plan
+        return plan
+
+    def synchronize(self, grads: Sequence[np.ndarray]) -> None:
+        """Average ``grads`` in place across the group (nothing with NO_SYNC).
+
+        All gradients are checked before any is sent. The buckets are those
+        that pushing the gradients in order would form; OVERLAPPED starts every
+        bucket's all-reduce before waiting for the first, SYNCHRONOUS waits for
+        each in turn, and both give the same result bit for bit.
+
+        Args:
+            grads: writable C-contiguous numpy arrays of supported dtypes; the
+                same sizes, dtypes and order on every rank.
+
+        Raises:
+            UnsupportedDtypeError, NonContiguousBufferError, ReadOnlyBufferError:
+                a gradient cannot be averaged in place.
+            RuntimeError: gradients were pushed and not yet finished.
+            CollectiveTimeoutError: an all-reduce did not complete in time.
+        """
+        if self.strategy is GradSyncStrategy.NO_SYNC:
+            return
+        if self._pushed:
+            raise RuntimeError(f"synchronize called while {self._pushed} pushed gradients are not finished; "
+                               "call finish() first")
+        grads = grads if type(grads) is list else list(grads)
+        plan = self._plan(grads)
+        try:
+            for dtype, indices, numel in plan:
+                self._launch(dtype, indices, [grads[i] for i in indices], numel)
+        except BaseException:
+            self._reset_step()
+            raise
+        self._complete(None)
+
+
+__all__ = [
+    "GradientBucket",
+    "GradientSynchronizer",
+    "GradSyncStrategy",
+    "FlatLayout",
+    "flatten_into_padded",
+    "pack",
+    "padded_size",
+    "plan_buckets",
+    "shard_bounds",
+    "shard_size",
+    "shard_view",
+    "unflatten",
+    "unpack",
+]

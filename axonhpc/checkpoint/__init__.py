@@ -1,0 +1,13 @@
+"""Checkpoints: nested training state in one ``.npz`` file, written atomically, read without pickle.
+
+``save(path, state, group=None)`` / ``load(path, group=None)`` store nested
+dicts, lists and tuples of numpy arrays and scalars (a model's and an
+optimizer's ``state_dict()``, the epoch, rng states). See ``format`` for the
+file layout and ``io`` for atomic writes and what each rank of a group does.
+"""
+from .format import FORMAT_VERSION
+from .io import load, save
+from .paths import latest
+from .rng import capture_rng_state, restore_rng_state
+
+__all__ = ["save", "load", "latest", "capture_rng_state", "restore_rng_state", "FORMAT_VERSION"]

@@ -1,0 +1,301 @@
+"""A state tree as flat named arrays plus a JSON description, and back.
+
+[Note: checkpoint format, version 1]
+A checkpoint is one ``.npz`` file (an uncompressed zip of ``.npy`` files, as
+``numpy.savez`` writes it). Every array of the state gets an entry named
+``a<index>`` (dict keys such as ``"0.weight"`` are not used as entry names, so
+any string key works). The entry ``__meta__`` is a uint8 array holding UTF-8
+JSON::
+
+    {"format": "axonhpc-checkpoint", "version": 1, "tree": <node>}
+
+A node is a small JSON object with a type tag ``"t"``:
+
+- ``dict`` with ``"items": [[key, node], ...]`` (order kept), ``list`` and
+  ``tuple`` with ``"items": [node, ...]``;
+- ``none``; ``bool`` / ``str`` with ``"v"``; ``int`` with ``"v"`` as a decimal
+  string (bit-generator states hold integers above 2**64, which JSON readers
+  other than Python's would round); ``float`` with ``"v"`` a JSON number or
+  ``"nan"`` / ``"inf"`` / ``"-inf"`` (so the JSON stays standard);
+- ``array`` with ``"entry"``, ``"dtype"``, ``"shape"`` and ``"sha256"`` of the
+  stored bytes; ``scalar`` is the same for a numpy scalar (``np.float32(1)``),
+  stored as a 0-d array and given back as a numpy scalar.
+
+Dtypes numpy saves without pickle (bool, integers, floats, complex) are stored
+as they are. ml_dtypes types (bfloat16, float8_*) are stored as an unsigned
+integer view of the same width with the ml_dtypes name recorded, because the
+``.npy`` header cannot name them. Object, string and structured arrays are
+refused: they would need pickle, or are not what a training state holds.
+
+Loading checks the recorded dtype, shape and sha256 of every array, so a
+flipped bit or a file stitched together from two checkpoints is reported with
+the key it hit, not returned as plausible numbers.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from typing import Any, Dict, List, Mapping, Tuple
+
+import numpy as np
+
+from .._dtypes import is_cupy_array
+from ..errors import CheckpointError
+
+FORMAT_NAME = "axonhpc-checkpoint"
+FORMAT_VERSION = 1
+META_ENTRY = "__meta__"
+
+_PLAIN_KINDS = "biufc"  # bool, signed, unsigned, float, complex: no pickle needed
+
+
+def key_path(keys: Tuple[Any, ...]) -> str:
+    """Render a position in the tree the way a user would index it: ``state['model']['0.weight']``."""
+    return "state" + "".join(f"[{k!r}]" for k in keys)
+
+
+def _ml_dtypes_name(dtype: np.dtype) -> str | None:
+    """The ml_dtypes name of ``dtype`` (``"bfloat16"``), or None for a numpy dtype."""
+    if getattr(dtype.type, "__module__", "") == "ml_dtypes":
+        return dtype.name
+    return None
+
+
+def _storage_view(array: np.ndarray, where: Tuple[Any, ...]) -> Tuple[np.ndarray, str]:
+    """The array as it goes into the file, and the dtype text recorded for it."""
+    dtype = array.dtype
+    ml_name = _ml_dtypes_name(dtype)
+    if ml_name is not None:
+        return array.view(np.dtype(f"<u{dtype.itemsize}")), ml_name
+    if dtype.kind not in _PLAIN_KINDS or dtype.fields is not None:
+        raise CheckpointError(
+            f"cannot checkpoint {key_path(where)}: arrays of dtype {dtype} are not supported "
+            f"(only bool, integer, float, complex and ml_dtypes arrays; object arrays would need pickle)"
+        )
+    return array, dtype.str
+
+
+def _sha256(array: np.ndarray) -> str:
+    # A flat uint8 view of the C-contiguous array: hashed without copying it.
+    return hashlib.sha256(array.reshape(-1).view(np.uint8)).hexdigest()
+
+
+def _encode_float(value: float) -> Any:
+    if math.isnan(value):
+        return "nan"
+    if math.isinf(value):
+        return "inf" if value > 0 else "-inf"
+    return value
+
+
+def _decode_float(value: Any) -> float:
+    return float(value)  # float("nan"), float("-inf") and numbers alike
+
+
+class _Encoder:
+    """One pass over the state: collects arrays and builds the JSON tree."""
+
+    def __init__(self) -> None:
+        self.arrays: Dict[str, np.ndarray] = {}
+        self._open: set = set()  # ids of the containers on the current path, to catch cycles
+
+    def node(self, value: Any, where: Tuple[Any, ...]) -> Dict[str, Any]:
+        if is_cupy_array(value):
+            value = value.get()  # checkpoints hold host arrays; loading gives numpy
+        if isinstance(value, np.str_):
+            value = str(value)  # a str that happens to come out of numpy, not a string array
+        # numpy scalars first: np.float64 is also a Python float, np.bool_ is not a bool.
+        if isinstance(value, np.generic):
+            return self._array(np.asarray(value), where, "scalar")
+        if isinstance(value, np.ndarray):
+            return self._array(value, where, "array")
+        if value is None:
+            return {"t": "none"}
+        if isinstance(value, bool):
+            return {"t": "bool", "v": value}
+        if isinstance(value, int):
+            return {"t": "int", "v": str(int(value))}
+        if isinstance(value, float):
+            return {"t": "float", "v": _encode_float(float(value))}
+        if isinstance(value, str):
+            return {"t": "str", "v": value}
+        if isinstance(value, (dict, list, tuple)):
+            return self._container(value, where)
+        raise CheckpointError(
+            f"cannot checkpoint {key_path(where)}: values of type {type(value).__module__}."
+            f"{type(value).__qualname__} are not supported (use arrays, int, float, bool, str, None, "
+            f"and dicts with str keys, lists or tuples of those)"
+        )
+
+    def _container(self, value: Any, where: Tuple[Any, ...]) -> Dict[str, Any]:
+        if id(value) in self._open:
+            raise CheckpointError(f"cannot checkpoint {key_path(where)}: the container contains itself")
+        self._open.add(id(value))
+        try:
+            if isinstance(value, dict):
+                items: List[Any] = []
+                for key, item in value.items():
+                    if not isinstance(key, str):
+                        raise CheckpointError(
+                            f"cannot checkpoint {key_path(where)}: dict key {key!r} is a "
+                            f"{type(key).__name__}; only str keys are supported"
+                        )
+                    items.append([key, self.node(item, where + (key,))])
+                return {"t": "dict", "items": items}
+            kind = "tuple" if isinstance(value, tuple) else "list"
+            return {"t": kind, "items": [self.node(item, where + (i,)) for i, item in enumerate(value)]}
+        finally:
+            self._open.discard(id(value))
+
+    def _array(self, array: np.ndarray, where: Tuple[Any, ...], tag: str) -> Dict[str, Any]:
+        # Not np.ascontiguousarray: it turns a 0-d array into shape (1,).
+        contiguous = array if array.flags.c_contiguous else array.copy(order="C")
+        stored, dtype_text = _storage_view(contiguous, where)
+        entry = f"a{len(self.arrays)}"
+        self.arrays[entry] = stored
+        return {"t": tag, "entry": entry, "dtype": dtype_text, "shape": list(stored.shape),
+                "sha256": _sha256(stored)}
+
+
+def encode(state: Any) -> Dict[str, np.ndarray]:
+    """Flatten ``state`` into the entries of a checkpoint file.
+
+    Args:
+        state: nested dicts (str keys), lists and tuples of numpy (or cupy)
+            arrays, numpy scalars, int, float, bool, str and None.
+
+    Returns:
+        Entry name -> array, including the ``__meta__`` JSON entry.
+
+    Raises:
+        CheckpointError: a value or key that cannot be stored, naming where it is.
+    """
+    encoder = _Encoder()
+    tree = encoder.node(state, ())
+    meta = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "tree": tree}
+    text = json.dumps(meta, allow_nan=False, separators=(",", ":"))
+    entries = dict(encoder.arrays)
+    entries[META_ENTRY] = np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
+    return entries
+
+
+def parse_meta(raw: np.ndarray, source: str) -> Dict[str, Any]:
+    """The checked metadata of a checkpoint from its ``__meta__`` entry.
+
+    Raises:
+        CheckpointError: not JSON, not an axonhpc checkpoint, or a newer format version.
+    """
+    if raw.dtype != np.uint8 or raw.ndim != 1:
+        raise CheckpointError(f"{source}: entry {META_ENTRY!r} is {raw.dtype} of shape {raw.shape}, "
+                              f"not the uint8 JSON text of an axonhpc checkpoint")
+    try:
+        meta = json.loads(raw.tobytes().decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise CheckpointError(f"{source}: the {META_ENTRY!r} entry is not valid JSON ({exc})") from exc
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME or "tree" not in meta:
+        raise CheckpointError(f"{source}: not an axonhpc checkpoint (its {META_ENTRY!r} entry does not "
+                              f"describe format {FORMAT_NAME!r})")
+    version = meta.get("version")
+    if not isinstance(version, int) or version > FORMAT_VERSION or version < 1:
+        raise CheckpointError(f"{source}: checkpoint format version {version!r}; this axonhpc reads "
+                              f"versions 1 to {FORMAT_VERSION}")
+    return meta
+
+
+def _ml_dtype(name: str, source: str, where: Tuple[Any, ...]) -> np.dtype:
+    try:
+        import ml_dtypes
+    except ImportError as exc:
+        raise CheckpointError(f"{source}: {key_path(where)} is a {name} array, which needs the ml_dtypes "
+                              f"package (pip install 'axonhpc[bf16]')") from exc
+    if not hasattr(ml_dtypes, name):
+        raise CheckpointError(f"{source}: {key_path(where)} has dtype {name!r}, which this ml_dtypes "
+                              f"{getattr(ml_dtypes, '__version__', '')} does not provide")
+    return np.dtype(getattr(ml_dtypes, name))
+
+
+class _Decoder:
+    """One pass over the JSON tree, reading and verifying each array entry."""
+
+    def __init__(self, entries: Mapping[str, np.ndarray], source: str) -> None:
+        self.entries = entries
+        self.source = source
+        self.used: set = set()
+
+    def fail(self, where: Tuple[Any, ...], problem: str) -> CheckpointError:
+        return CheckpointError(f"{self.source}: {key_path(where)}: {problem}")
+
+    def node(self, node: Any, where: Tuple[Any, ...]) -> Any:
+        tag = node.get("t") if isinstance(node, dict) else None
+        try:
+            if tag == "dict":
+                out = {}
+                for key, item in node["items"]:
+                    out[key] = self.node(item, where + (key,))
+                return out
+            if tag in ("list", "tuple"):
+                items = [self.node(item, where + (i,)) for i, item in enumerate(node["items"])]
+                return tuple(items) if tag == "tuple" else items
+            if tag == "none":
+                return None
+            if tag in ("bool", "str"):
+                return node["v"]
+            if tag == "int":
+                return int(node["v"])
+            if tag == "float":
+                return _decode_float(node["v"])
+            if tag in ("array", "scalar"):
+                array = self._array(node, where)
+                return array[()] if tag == "scalar" else array
+        except (KeyError, TypeError, ValueError) as exc:
+            raise self.fail(where, f"malformed metadata node {node!r} ({type(exc).__name__}: {exc})") from exc
+        raise self.fail(where, f"unknown metadata node {node!r}")
+
+    def _array(self, node: Dict[str, Any], where: Tuple[Any, ...]) -> np.ndarray:
+        entry, dtype_text, shape = node["entry"], node["dtype"], tuple(node["shape"])
+        try:
+            stored = self.entries[entry]
+        except KeyError as exc:
+            raise self.fail(where, f"entry {entry!r} is missing from the file") from exc
+        except Exception as exc:  # noqa: BLE001 - zip CRC errors, refused pickles: reported with the key
+            raise self.fail(where, f"entry {entry!r} cannot be read ({type(exc).__name__}: {exc})") from exc
+        self.used.add(entry)
+        ml_dtype = None
+        if dtype_text.startswith(("<", ">", "|", "=")):
+            expected = np.dtype(dtype_text)
+        else:
+            ml_dtype = _ml_dtype(dtype_text, self.source, where)
+            expected = np.dtype(f"<u{ml_dtype.itemsize}")
+        if stored.dtype != expected or stored.shape != shape:
+            raise self.fail(where, f"entry {entry!r} holds {stored.dtype} of shape {stored.shape}, the "
+                                   f"metadata records {expected} of shape {shape}")
+        digest = _sha256(stored if stored.flags.c_contiguous else stored.copy(order="C"))
+        if digest != node["sha256"]:
+            raise self.fail(where, f"checksum mismatch in entry {entry!r} (sha256 {digest}, recorded "
+                                   f"{node['sha256']}): the file is corrupt")
+        return stored.view(ml_dtype) if ml_dtype is not None else stored
+
+
+def decode(meta: Dict[str, Any], entries: Mapping[str, np.ndarray], names: List[str], source: str) -> Any:
+    """Rebuild the state tree from checked metadata and the file's entries.
+
+    Args:
+        meta: the result of ``parse_meta``.
+        entries: entry name -> array (read lazily, as ``numpy.load`` of an npz does).
+        names: every entry name in the file, to refuse entries the metadata does not describe.
+        source: how messages name the file.
+
+    Returns:
+        The state, with dicts, lists, tuples, numpy arrays and scalars as saved.
+
+    Raises:
+        CheckpointError: a missing, unreadable, mistyped or corrupt entry, naming its key.
+    """
+    decoder = _Decoder(entries, source)
+    state = decoder.node(meta["tree"], ())
+    extra = sorted(set(names) - decoder.used - {META_ENTRY})
+    if extra:
+        raise CheckpointError(f"{source}: entries {extra} are not described by the metadata; "
+                              f"the file was altered after it was written")
+    return state

@@ -1,0 +1,228 @@
+"""``save`` and ``load``: atomic checkpoint files and what the ranks of a group do.
+
+[Note: atomic writes]
+The file is written under a temporary name in the same directory
+(``<path>.tmp-<pid>-<thread>``), flushed and fsynced, then renamed over
+``path`` with ``os.replace``, which is atomic on POSIX filesystems. A crash at
+any point leaves either the previous checkpoint or the new one at ``path``,
+never a half-written file; a failed write removes its temporary file. The
+directory is fsynced after the rename so that the new name survives a power
+loss as well.
+
+[Note: groups]
+``save``: group rank 0 encodes and writes; the state passed on other ranks is
+not read. Rank 0 then broadcasts its outcome (empty, or the error message), so
+the others return only once the file is in place, and a failed write raises
+the same ``CheckpointError`` on every rank instead of leaving the others in a
+barrier. The waiting ranks are bound by the group's timeout (or
+``ax.settings.timeout``), like every collective.
+
+``load``: every rank reads the file itself. The ranks are about to train from
+the file rank 0 wrote, so a shared filesystem is assumed anyway, and reading
+locally moves no array through MPI and keeps one copy per rank. After reading,
+the ranks all-gather (ok?, sha256 of the metadata): if any rank failed, every
+rank raises; if ranks read different checkpoints (a node-local path, a file
+replaced during the load) every rank raises naming them. The metadata holds
+the sha256 of every array, each verified on reading, so equal metadata digests
+mean equal contents.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import threading
+from typing import Any, Optional, Tuple, Union
+
+import numpy as np
+
+from ..collectives import all_gather, broadcast
+from ..errors import CheckpointError, NotAMemberError
+from ..groups import ProcessGroup, resolve_group
+from .format import META_ENTRY, decode, encode, parse_meta
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+
+def _member_group(group: Optional[ProcessGroup], op: str) -> ProcessGroup:
+    pg = resolve_group(group)
+    if not pg.is_member:
+        raise NotAMemberError(
+            f"checkpoint {op}: global rank {pg.world.rank} is not a member of process group {pg.name} "
+            f"(ranks {list(pg.ranks)}); only members may call it"
+        )
+    return pg
+
+
+def _fsync_directory(directory: str) -> None:
+    if os.name != "posix":
+        return  # directories cannot be opened for fsync elsewhere; the rename is still atomic
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some network filesystems refuse fsync on a directory; the data itself is synced
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: str, entries: dict) -> None:
+    """Write ``entries`` as an npz file at ``path`` through a temporary file and a rename.
+
+    Args:
+        path: the final file name (written exactly, no ``.npz`` is appended).
+        entries: entry name -> numpy array, as ``format.encode`` returns them.
+
+    Raises:
+        OSError: the directory is not writable, the disk is full, ... (the
+            temporary file is removed and ``path`` is left as it was).
+    """
+    tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
+    try:
+        with open(tmp, "wb") as f:
+            np.savez(f, **entries)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    _fsync_directory(os.path.dirname(os.path.abspath(path)))
+
+
+def _broadcast_text(text: Optional[str], pg: ProcessGroup) -> Optional[str]:
+    """Group rank 0's ``text`` (or None) on every rank: a length header, then the UTF-8 bytes."""
+    header = np.zeros(1, dtype=np.int64)
+    data = b""
+    if pg.rank == 0 and text is not None:
+        data = text.encode("utf-8") or b" "  # length 0 means "no text", so never send an empty one
+        header[0] = len(data)
+    broadcast(header, 0, group=pg)
+    if header[0] == 0:
+        return None
+    buffer = np.frombuffer(data, dtype=np.uint8).copy() if pg.rank == 0 else np.empty(int(header[0]), np.uint8)
+    broadcast(buffer, 0, group=pg)
+    return buffer.tobytes().decode("utf-8")
+
+
+def save(path: PathLike, state: Any, group: Optional[ProcessGroup] = None) -> None:
+    """Write ``state`` to ``path`` as a checkpoint (group rank 0 writes, every rank returns after).
+
+    Args:
+        path: file to write; replaced atomically if it exists.
+        state: nested dicts (str keys), lists and tuples of numpy arrays, numpy
+            scalars, int, float, bool, str and None, e.g. ``{"model":
+            model.state_dict(), "optimizer": opt.state_dict(), "epoch": 3}``.
+            Only group rank 0's state is read; other ranks may pass None.
+        group: the ranks that take part; None means the default group.
+
+    Raises:
+        CheckpointError: on every rank, if rank 0 could not encode or write the
+            state (an unsupported value, an unwritable directory, a full disk);
+            the message names the key or the OS error.
+        NotAMemberError: this rank is not in ``group``.
+    """
+    path = os.fspath(path)
+    pg = _member_group(group, "save")
+    problem: Optional[BaseException] = None
+    message: Optional[str] = None
+    if pg.rank == 0:
+        try:
+            write_atomic(path, encode(state))
+        except Exception as exc:  # noqa: BLE001 - every failure is reported to every rank below
+            problem = exc
+            detail = str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
+            message = f"saving checkpoint {path!r} failed on group rank 0 (global rank {pg.ranks[0]}): {detail}"
+    if pg.size > 1:
+        message = _broadcast_text(message, pg)
+    if message is not None:
+        raise CheckpointError(message) from problem
+
+
+def _read(path: str) -> Tuple[Any, bytes]:
+    """The state in ``path`` and the sha256 of its metadata; every failure is a CheckpointError."""
+    source = f"checkpoint {path!r}"
+    try:
+        archive = np.load(path, allow_pickle=False)
+    except FileNotFoundError as exc:
+        raise CheckpointError(f"{source}: no such file") from exc
+    except Exception as exc:  # noqa: BLE001 - any unreadable file is the same error to the caller
+        raise CheckpointError(f"{source} cannot be read as an npz archive without pickle "
+                              f"({type(exc).__name__}: {exc})") from exc
+    if isinstance(archive, np.ndarray):
+        raise CheckpointError(f"{source} is a single .npy array, not an axonhpc checkpoint (.npz)")
+    with archive:
+        names = list(archive.files)
+        if META_ENTRY not in names:
+            raise CheckpointError(f"{source}: not an axonhpc checkpoint (no {META_ENTRY!r} entry; "
+                                  f"entries: {names[:10]})")
+        try:
+            raw = archive[META_ENTRY]
+        except Exception as exc:  # noqa: BLE001 - a pickled or corrupt metadata entry
+            raise CheckpointError(f"{source}: entry {META_ENTRY!r} cannot be read "
+                                  f"({type(exc).__name__}: {exc})") from exc
+        try:
+            meta = parse_meta(raw, source)
+            state = decode(meta, archive, names, source)
+        except RecursionError as exc:  # crafted metadata nested deeper than Python recurses
+            raise CheckpointError(f"{source}: the metadata is nested too deeply to read") from exc
+    return state, hashlib.sha256(raw.tobytes()).digest()
+
+
+def _agree(pg: ProcessGroup, path: str, failed_here: bool, digest: bytes) -> None:
+    """Raise on every rank if any rank failed to load, or the ranks read different files."""
+    verdict = np.zeros(1 + len(digest), dtype=np.uint8)
+    verdict[0] = failed_here
+    verdict[1:] = np.frombuffer(digest, dtype=np.uint8)
+    table = all_gather(verdict, group=pg)
+    failed = [r for r in range(pg.size) if table[r, 0]]
+    if failed:
+        if failed_here:
+            return  # this rank raises its own, more precise error
+        raise CheckpointError(f"loading checkpoint {path!r} failed on group ranks {failed} "
+                              f"(see the error raised there), so no rank uses it")
+    groups: dict = {}
+    for r in range(pg.size):
+        groups.setdefault(table[r, 1:].tobytes().hex()[:16], []).append(r)
+    if len(groups) > 1:
+        seen = "; ".join(f"ranks {ranks} read metadata sha256 {h}..." for h, ranks in groups.items())
+        raise CheckpointError(f"the ranks read different checkpoints at {path!r}: {seen} (is the path on a "
+                              f"filesystem every rank shares, and was it replaced during the load?)")
+
+
+def load(path: PathLike, group: Optional[ProcessGroup] = None) -> Any:
+    """Read a checkpoint written by ``save``; every rank of ``group`` reads ``path`` itself.
+
+    Loading never unpickles (``numpy.load(..., allow_pickle=False)``), so a
+    crafted file cannot run code; it is refused instead.
+
+    Args:
+        path: the checkpoint file (on a filesystem all ranks share).
+        group: the ranks that take part; None means the default group.
+
+    Returns:
+        The saved state: dicts, lists, tuples, numpy arrays (bfloat16 and other
+        ml_dtypes types restored), numpy scalars and Python scalars as saved.
+
+    Raises:
+        CheckpointError: on every rank, if any rank finds the file missing, not
+            a checkpoint, of a newer format, containing pickled data, or corrupt
+            (a checksum mismatch names the key), or if the ranks read different
+            files.
+        NotAMemberError: this rank is not in ``group``.
+    """
+    path = os.fspath(path)
+    pg = _member_group(group, "load")
+    state: Any = None
+    digest = bytes(32)
+    problem: Optional[BaseException] = None
+    try:
+        state, digest = _read(path)
+    except Exception as exc:  # noqa: BLE001 - the other ranks must hear of it before this rank raises
+        problem = exc
+    if pg.size > 1:
+        _agree(pg, path, problem is not None, digest)
+    if problem is not None:
+        raise problem
+    return state

@@ -1,0 +1,105 @@
+"""Random generator state as checkpointable data.
+
+[Note: rng state]
+A numpy ``Generator``'s state is its bit generator's state dict: plain ints
+(PCG64's are 128-bit, which the checkpoint format stores as decimal strings,
+so nothing is rounded) and, for MT19937, Philox and SFC64, uint arrays. The
+legacy ``RandomState`` and numpy's global RNG (``np.random.seed``) give the
+same kind of dict through ``get_state(legacy=False)``. The captured dict
+records which of the three it came from, so ``restore_rng_state`` can rebuild
+a generator of the right kind when no target is given.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any, Dict, Optional, Union
+
+import numpy as np
+
+from ..errors import CheckpointError
+
+RNG = Union[np.random.Generator, np.random.RandomState]
+
+_KINDS = ("generator", "random_state", "global")
+
+
+def capture_rng_state(generator: Optional[RNG] = None) -> Dict[str, Any]:
+    """The state of ``generator`` as plain data that ``save`` can store.
+
+    Args:
+        generator: a ``numpy.random.Generator``, a ``numpy.random.RandomState``,
+            or None for numpy's global RNG (the one ``np.random.seed`` sets).
+
+    Returns:
+        ``{"kind": "generator" | "random_state" | "global", "state": {...}}``;
+        the arrays in it are copies.
+
+    Raises:
+        TypeError: ``generator`` is of another type.
+    """
+    if isinstance(generator, np.random.Generator):
+        return {"kind": "generator", "state": copy.deepcopy(generator.bit_generator.state)}
+    if isinstance(generator, np.random.RandomState):
+        return {"kind": "random_state", "state": copy.deepcopy(generator.get_state(legacy=False))}
+    if generator is None:
+        return {"kind": "global", "state": copy.deepcopy(np.random.get_state(legacy=False))}
+    raise TypeError(f"capture_rng_state takes a numpy Generator, RandomState or None, "
+                    f"got {type(generator).__name__}")
+
+
+def _bit_generator_class(name: Any) -> type:
+    cls = getattr(np.random, name, None) if isinstance(name, str) else None
+    if not (isinstance(cls, type) and issubclass(cls, np.random.BitGenerator)):
+        raise CheckpointError(f"rng state names bit generator {name!r}, which numpy does not provide")
+    return cls
+
+
+def restore_rng_state(state: Dict[str, Any], generator: Optional[RNG] = None) -> Optional[RNG]:
+    """Put a state from ``capture_rng_state`` back into a generator.
+
+    Args:
+        state: the dict ``capture_rng_state`` returned (possibly after a
+            ``save`` / ``load`` round trip).
+        generator: the Generator or RandomState to set, in place. If None, a
+            new one of the recorded kind and bit generator is made, except for a
+            ``"global"`` state, which is put back into numpy's global RNG.
+
+    Returns:
+        The generator that now has the state (``generator`` itself if one was
+        given), or None when numpy's global RNG was restored.
+
+    Raises:
+        CheckpointError: ``state`` is not a captured rng state, or it belongs to
+            another kind of generator or another bit generator than ``generator``.
+    """
+    if not isinstance(state, dict) or state.get("kind") not in _KINDS or not isinstance(state.get("state"), dict):
+        raise CheckpointError(f"not an rng state from capture_rng_state: expected a dict with 'kind' in "
+                              f"{_KINDS} and a 'state' dict, got {type(state).__name__} "
+                              f"{sorted(state) if isinstance(state, dict) else ''}")
+    kind, inner = state["kind"], copy.deepcopy(state["state"])
+    name = inner.get("bit_generator")
+    if kind == "generator":
+        if generator is None:
+            generator = np.random.Generator(_bit_generator_class(name)())
+        elif not isinstance(generator, np.random.Generator):
+            raise CheckpointError(f"the rng state is a Generator's; cannot restore it into a "
+                                  f"{type(generator).__name__}")
+        have = type(generator.bit_generator).__name__
+        if have != name:
+            raise CheckpointError(f"the rng state is for bit generator {name!r}, the generator uses {have!r}")
+        generator.bit_generator.state = inner
+        return generator
+    # A RandomState's state, or the global RNG's (which is a RandomState too).
+    if generator is None and kind == "global":
+        np.random.set_state(inner)
+        return None
+    if generator is None:
+        generator = np.random.RandomState(_bit_generator_class(name)())
+    elif not isinstance(generator, np.random.RandomState):
+        raise CheckpointError(f"the rng state is a RandomState's; cannot restore it into a "
+                              f"{type(generator).__name__}")
+    have = generator.get_state(legacy=False)["bit_generator"]
+    if have != name:
+        raise CheckpointError(f"the rng state is for bit generator {name!r}, the RandomState uses {have!r}")
+    generator.set_state(inner)
+    return generator

@@ -1,0 +1,353 @@
+"""DistributedDataParallel: replicate a model, average its gradients in buckets.
+
+[Note: buckets and their order]
+Parameters are grouped into flat buckets by ``plan_buckets`` over the
+parameters in *reverse* registration order (backward produces the last
+layer's gradients first), with a small first bucket so that communication
+starts early, and ``bucket_size_mb`` as the cap; a bucket holds one dtype.
+The plan is a pure function of the parameters' sizes and dtypes, so it is
+identical on every rank. Buckets are all-reduced strictly in plan order: a
+bucket whose gradients are ready waits for the buckets before it, so every
+rank issues the same collectives in the same order whatever the hooks do.
+
+[Note: overlap and MPI progress]
+With ``OVERLAPPED`` each parameter's grad-ready hook (fired by the layer that
+computed the gradient, during backward) counts down its bucket; when a
+bucket's last gradient is final its non-blocking all-reduce (``Iallreduce``)
+starts at once. MPI libraries such as MPICH move a non-blocking collective
+forward only while the process is inside MPI, and nothing else calls MPI
+while numpy computes the next layer's backward. So every hook also tests
+the requests in flight (``MPI_Testall``): the transfer makes progress
+between layers, and by the time backward ends most buckets are done.
+``ddp.last_step`` records, per backward, how long the final wait took and
+how many buckets had already completed before it, so the overlap can be
+measured rather than assumed.
+
+[Note: gradients as bucket views]
+With ``gradient_as_bucket_view=True`` each ``p.grad`` is a view into its
+bucket's flat buffer: layers accumulate straight into the buffer that is
+all-reduced, and the averaged values need no copy back. If something
+replaces ``p.grad`` (``zero_grad(set_to_none=True)``), the next backward
+copies it into the bucket and restores the view.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from .._dtypes import array_module
+from ..bucketing import GradientBucket, GradSyncStrategy, pack, plan_buckets, unpack
+from ..collectives import all_reduce
+from ..backends import ReduceOp
+from ..errors import AxonError, ConfigurationError
+from ..groups import resolve_group
+from .replicate import broadcast_arrays
+
+FIRST_BUCKET_BYTES = 1 << 20  # PyTorch DDP's first bucket: 1 MiB
+
+
+class UnusedParameterError(AxonError, RuntimeError):
+    """A parameter got no gradient in a backward and ``find_unused_parameters`` is off."""
+
+
+class GradientAfterReductionError(AxonError, RuntimeError):
+    """A gradient arrived for a bucket whose all-reduce had already started."""
+
+
+class _Bucket:
+    """One flat bucket of gradients and the state of its current reduction."""
+
+    def __init__(self, index: int, params: List[Any], names: List[str], xp):
+        self.index = index
+        self.params = params
+        self.names = names
+        total = sum(p.size for p in params)
+        self.storage = GradientBucket(total, dtype=params[0].dtype) if xp is np else None
+        if self.storage is not None:
+            for p in params:
+                self.storage.add(np.zeros(p.shape, dtype=p.dtype))
+            self.flat = self.storage.data
+            self.views = self.storage.views()
+        else:  # device arrays: the compiled bucket is host-only, views made by hand
+            self.flat = xp.zeros(total, dtype=params[0].dtype)
+            self.views, offset = [], 0
+            for p in params:
+                self.views.append(self.flat[offset:offset + p.size].reshape(p.shape))
+                offset += p.size
+        self.pending = len(params)
+        self.ready = [False] * len(params)
+        self.work = None
+        self.launched = False
+
+    def reset(self) -> None:
+        self.pending = len(self.params)
+        self.ready = [False] * len(self.params)
+        self.work = None
+        self.launched = False
+
+
+class DistributedDataParallel:
+    """Data parallelism: every rank holds the model, gradients are averaged.
+
+    Args:
+        module: the model (an ``axonhpc.nn.Module``).
+        group: process group to replicate over (None: the current world's).
+        bucket_size_mb: cap of a gradient bucket in MiB (the first bucket is
+            at most 1 MiB, so communication starts early).
+        broadcast_buffers: copy rank 0's buffers to every rank before each forward.
+        gradient_as_bucket_view: make each ``p.grad`` a view into its flat bucket.
+        strategy: ``GradSyncStrategy.OVERLAPPED`` (all-reduce buckets during
+            backward), ``SYNCHRONOUS`` (one pass after backward) or
+            ``NO_SYNC`` (never, unless ``sync_gradients()`` is called).
+        find_unused_parameters: a parameter that got no gradient in a
+            backward is synchronised with what its gradient holds (zero after
+            ``zero_grad``); when False such a parameter raises
+            ``UnusedParameterError`` naming it, instead of leaving the other
+            ranks waiting for its bucket.
+
+    Raises:
+        ConfigurationError: a non-positive bucket size or a module without parameters.
+    """
+
+    def __init__(self, module: Any, group: Any = None, bucket_size_mb: float = 25.0,
+                 broadcast_buffers: bool = True, gradient_as_bucket_view: bool = True,
+                 strategy: Any = GradSyncStrategy.OVERLAPPED, find_unused_parameters: bool = False):
+        if not bucket_size_mb or bucket_size_mb <= 0:
+            raise ConfigurationError(f"bucket_size_mb must be positive, got {bucket_size_mb!r}")
+        named = list(module.named_parameters())
+        if not named:
+            raise ConfigurationError(f"DDP needs a module with parameters; {type(module).__name__} has none")
+        self.module = module
+        self.group = resolve_group(group)
+        self.strategy = GradSyncStrategy.parse(strategy)
+        self.broadcast_buffers = bool(broadcast_buffers)
+        self.gradient_as_bucket_view = bool(gradient_as_bucket_view)
+        self.find_unused_parameters = bool(find_unused_parameters)
+        self.bucket_bytes = int(bucket_size_mb * (1 << 20))
+        self._names = [name for name, _ in named]
+        self._params = [p for _, p in named]
+        self._buckets = self._build_buckets()
+        self._where: Dict[int, Tuple[_Bucket, int]] = {}
+        for bucket in self._buckets:
+            for slot, p in enumerate(bucket.params):
+                self._where[id(p)] = (bucket, slot)
+        self._hooks = [p.register_grad_hook(self._on_grad_ready) for p in self._params]
+        self._no_sync_depth = 0
+        self._overlapping = False
+        self._next_launch = 0
+        self.last_step: Dict[str, Any] = {}
+        self.sync_parameters()
+
+    # -- plan ------------------------------------------------------------------------------
+    def _build_buckets(self) -> List[_Bucket]:
+        order = list(range(len(self._params) - 1, -1, -1))  # reverse registration order
+        specs = [(self._params[i].size, self._params[i].dtype) for i in order]
+        first = min(FIRST_BUCKET_BYTES, self.bucket_bytes)
+        plan = plan_buckets(specs, self.bucket_bytes, first_bucket_size=first)
+        xp = array_module(self._params[0].data)
+        buckets = []
+        for k, (_, members) in enumerate(plan):
+            idx = [order[m] for m in members]
+            buckets.append(_Bucket(k, [self._params[i] for i in idx], [self._names[i] for i in idx], xp))
+        return buckets
+
+    @property
+    def bucket_plan(self) -> List[List[str]]:
+        """Parameter names of each bucket, in all-reduce order."""
+        return [list(b.names) for b in self._buckets]
+
+    # -- replication -----------------------------------------------------------------------
+    def sync_parameters(self) -> None:
+        """Copy rank 0's parameters and buffers into every rank (collective)."""
+        arrays = [p.data for p in self._params] + [b for _, b in self.module.named_buffers()]
+        broadcast_arrays(arrays, self.group)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.forward(*args, **kwargs)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the module; first copy rank 0's buffers if ``broadcast_buffers``."""
+        if self.broadcast_buffers:
+            buffers = [b for _, b in self.module.named_buffers()]
+            if buffers:
+                broadcast_arrays(buffers, self.group)
+        return self.module(*args, **kwargs)
+
+    # -- backward --------------------------------------------------------------------------
+    def _attach_grads(self) -> None:
+        """Make every ``p.grad`` its bucket view (or a separate array), keeping its values."""
+        for bucket in self._buckets:
+            for p, view in zip(bucket.params, bucket.views):
+                if self.gradient_as_bucket_view:
+                    if p.grad is not view:
+                        if p.grad is None:
+                            view[...] = 0
+                        else:
+                            view[...] = p.grad
+                        p.grad = view
+                elif p.grad is None:
+                    p.grad = array_module(p.data).zeros(p.shape, dtype=p.dtype)
+
+    def _syncing(self) -> bool:
+        return self._no_sync_depth == 0 and self.strategy is not GradSyncStrategy.NO_SYNC
+
+    def backward(self, grad_out: Any) -> Any:
+        """Backward through the module; on return gradients hold the group average.
+
+        Inside ``no_sync()`` (or with the ``NO_SYNC`` strategy) gradients only
+        accumulate locally; the next backward outside averages the sum.
+
+        Returns:
+            The gradient with respect to the module's input.
+
+        Raises:
+            UnusedParameterError: a parameter got no gradient (see
+                ``find_unused_parameters``).
+            GradientAfterReductionError: a parameter's gradient changed after
+                its bucket's all-reduce began (a parameter used twice under
+                OVERLAPPED; use SYNCHRONOUS for such models).
+        """
+        self._attach_grads()
+        for bucket in self._buckets:
+            bucket.reset()
+        self._next_launch = 0
+        syncing = self._syncing()
+        self._overlapping = syncing and self.strategy is GradSyncStrategy.OVERLAPPED
+        start = time.perf_counter()
+        try:
+            grad_in = self.module.backward(grad_out)
+        finally:
+            self._overlapping = False
+        backward_s = time.perf_counter() - start
+        if syncing:
+            self._finish(backward_s)
+        return grad_in
+
+    def _on_grad_ready(self, param: Any) -> None:
+        if not self._overlapping:
+            return
+        bucket, slot = self._where[id(param)]
+        if bucket.ready[slot]:
+            if bucket.launched:
+                raise GradientAfterReductionError(
+                    f"parameter {bucket.names[slot]!r} received a second gradient after its bucket {bucket.index} "
+                    "was already being all-reduced (is it used twice in forward?); use "
+                    "strategy=GradSyncStrategy.SYNCHRONOUS for models with shared parameters"
+                )
+            return
+        bucket.ready[slot] = True
+        bucket.pending -= 1
+        self._launch_ready()
+        # Drive MPI progress of the reductions in flight (see the module note).
+        for b in self._buckets[:self._next_launch]:
+            if b.work is not None:
+                b.work.is_completed()
+
+    def _launch_ready(self) -> None:
+        while self._next_launch < len(self._buckets) and self._buckets[self._next_launch].pending == 0:
+            self._launch(self._buckets[self._next_launch], async_op=True)
+            self._next_launch += 1
+
+    def _launch(self, bucket: _Bucket, async_op: bool) -> None:
+        if not self.gradient_as_bucket_view:
+            pack([p.grad for p in bucket.params], out=bucket.flat)
+        bucket.launched = True
+        bucket.work = all_reduce(bucket.flat, ReduceOp.AVG, self.group, async_op=async_op)
+
+    def _check_unused(self) -> None:
+        unused = [name for b in self._buckets for name, ok in zip(b.names, b.ready) if not ok]
+        if unused and not self.find_unused_parameters:
+            raise UnusedParameterError(
+                f"parameters {unused} received no gradient in this backward; pass "
+                "find_unused_parameters=True to DDP to synchronise their (zero) gradients, "
+                "or remove them from the model"
+            )
+        for b in self._buckets:
+            b.pending = 0
+            b.ready = [True] * len(b.ready)
+
+    def _finish(self, backward_s: float) -> None:
+        if self.strategy is GradSyncStrategy.OVERLAPPED:
+            self._check_unused()
+            self._launch_ready()
+            done_before_wait = sum(1 for b in self._buckets if b.work is not None and b.work.is_completed())
+            start = time.perf_counter()
+            for bucket in self._buckets:
+                bucket.work.wait()
+            wait_s = time.perf_counter() - start
+        else:  # SYNCHRONOUS: one pass after backward, in plan order
+            done_before_wait = 0
+            start = time.perf_counter()
+            for bucket in self._buckets:
+                self._launch(bucket, async_op=False)
+            wait_s = time.perf_counter() - start
+        if not self.gradient_as_bucket_view:
+            for bucket in self._buckets:
+                unpack(bucket.flat, [p.grad for p in bucket.params])
+        self.last_step = {"backward_s": backward_s, "final_wait_s": wait_s, "buckets": len(self._buckets),
+                          "completed_before_wait": done_before_wait}
+
+    def sync_gradients(self) -> None:
+        """Average the gradients across the group now (collective), bucket by bucket."""
+        self._attach_grads()
+        for bucket in self._buckets:
+            self._launch(bucket, async_op=False)
+        if not self.gradient_as_bucket_view:
+            for bucket in self._buckets:
+                unpack(bucket.flat, [p.grad for p in bucket.params])
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Inside, backward only accumulates gradients locally (no communication)."""
+        self._no_sync_depth += 1
+        try:
+            yield
+        finally:
+            self._no_sync_depth -= 1
+
+    # -- the wrapped module ------------------------------------------------------------------
+    def parameters(self) -> List[Any]:
+        """The wrapped module's parameters (for the optimizer)."""
+        return self.module.parameters()
+
+    def named_parameters(self) -> List[Tuple[str, Any]]:
+        """The wrapped module's named parameters."""
+        return self.module.named_parameters()
+
+    def state_dict(self):
+        """The wrapped module's state dict (identical on every rank)."""
+        return self.module.state_dict()
+
+    def load_state_dict(self, state: Dict[str, Any], strict: bool = True):
+        """Load into the wrapped module."""
+        return self.module.load_state_dict(state, strict=strict)
+
+    def train(self, mode: bool = True) -> "DistributedDataParallel":
+        """Training mode for the wrapped module."""
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> "DistributedDataParallel":
+        """Evaluation mode for the wrapped module."""
+        self.module.eval()
+        return self
+
+    def zero_grad(self) -> None:
+        """Zero every gradient in place (bucket views stay views)."""
+        for p in self._params:
+            p.zero_grad()
+
+    def remove_hooks(self) -> None:
+        """Detach from the module's parameters (the module stays usable alone)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
+
+DDP = DistributedDataParallel
+
+__all__ = ["DistributedDataParallel", "DDP", "UnusedParameterError", "GradientAfterReductionError",
+           "FIRST_BUCKET_BYTES"]

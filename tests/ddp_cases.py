@@ -1,0 +1,228 @@
+"""DDP parity cases, written once, run on threads (plain pytest) and on MPI ranks.
+
+Every case trains a model with DDP on each rank's shard of a global batch
+and a single-process reference on the whole batch, with the same seeds and
+data, and compares the parameters after several steps.
+"""
+import numpy as np
+import pytest
+
+import axonhpc as ax
+from axonhpc import nn, optim
+from axonhpc.bucketing import GradSyncStrategy
+from axonhpc.parallel import UnusedParameterError
+
+GLOBAL_BATCH = 24  # divisible by 1, 2, 3 and 4
+STEPS = 6
+TOL = {np.float64: 1e-12, np.float32: 1e-5}
+
+
+def make_model(dtype=np.float64, seed=0):
+    return nn.Sequential(nn.Linear(6, 16, dtype=dtype, seed=seed), nn.Tanh(),
+                         nn.Linear(16, 8, dtype=dtype, seed=seed + 1), nn.ReLU(),
+                         nn.Linear(8, 3, dtype=dtype, seed=seed + 2))
+
+
+def make_data(step, dtype=np.float64):
+    rng = np.random.default_rng(100 + step)
+    return rng.standard_normal((GLOBAL_BATCH, 6)).astype(dtype), rng.integers(0, 3, GLOBAL_BATCH)
+
+
+def make_optimizer(kind, params):
+    if kind == "sgd":
+        return optim.SGD(params, lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-3)
+    return optim.Adam(params, lr=1e-2)
+
+
+def shard(a, rank, n):
+    k = len(a) // n
+    return a[rank * k:(rank + 1) * k]
+
+
+def train_reference(dtype, kind, steps=STEPS, accumulate=1):
+    model = make_model(dtype)
+    opt = make_optimizer(kind, model.parameters())
+    loss_fn = nn.CrossEntropyLoss()
+    for step in range(steps):
+        opt.zero_grad()
+        for micro in range(accumulate):
+            x, y = make_data(step * accumulate + micro, dtype)
+            loss_fn(model(x), y)
+            model.backward(loss_fn.backward())
+        opt.step()
+    return model
+
+
+def train_ddp(world, dtype, kind, steps=STEPS, accumulate=1, **ddp_args):
+    n, r = world.world_size, world.rank
+    model = make_model(dtype, seed=0 if r == 0 else 1000 + r)  # DDP must copy rank 0's values
+    ddp = ax.DDP(model, **ddp_args)
+    opt = make_optimizer(kind, ddp.parameters())
+    loss_fn = nn.CrossEntropyLoss()
+    for step in range(steps):
+        opt.zero_grad()
+        for micro in range(accumulate):
+            x, y = make_data(step * accumulate + micro, dtype)
+            loss_fn(ddp(shard(x, r, n)), shard(y, r, n))
+            if micro < accumulate - 1:
+                with ddp.no_sync():
+                    ddp.backward(loss_fn.backward())
+            else:
+                ddp.backward(loss_fn.backward())
+        opt.step()
+    return ddp
+
+
+def assert_same_parameters(model, reference, dtype):
+    for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+        np.testing.assert_allclose(p.data, q.data, rtol=TOL[dtype], atol=TOL[dtype], err_msg=name)
+
+
+def parity(world, dtype, kind, accumulate=1, **ddp_args):
+    ddp = train_ddp(world, dtype, kind, accumulate=accumulate, **ddp_args)
+    assert_same_parameters(ddp.module, train_reference(dtype, kind, accumulate=accumulate), dtype)
+    return ddp
+
+
+def case_parity_sgd_float64(world):
+    parity(world, np.float64, "sgd")
+
+
+def case_parity_adam_float64(world):
+    parity(world, np.float64, "adam")
+
+
+def case_parity_adam_float32(world):
+    parity(world, np.float32, "adam")
+
+
+def case_parity_synchronous(world):
+    parity(world, np.float64, "sgd", strategy=GradSyncStrategy.SYNCHRONOUS)
+
+
+def case_parity_without_bucket_views(world):
+    ddp = parity(world, np.float64, "adam", gradient_as_bucket_view=False)
+    assert not any(np.shares_memory(p.grad, b.flat) for b in ddp._buckets for p in b.params)
+
+
+def case_parity_many_small_buckets(world):
+    ddp = parity(world, np.float64, "sgd", bucket_size_mb=200 / 2**20)  # 200 bytes: 25 doubles
+    assert len(ddp.bucket_plan) >= 6
+    ddp2 = parity(world, np.float64, "sgd", bucket_size_mb=200 / 2**20, strategy="synchronous",
+                  gradient_as_bucket_view=False)
+    assert ddp2.bucket_plan == ddp.bucket_plan
+
+
+def case_parity_no_sync_accumulation(world):
+    parity(world, np.float64, "sgd", accumulate=3)
+    parity(world, np.float64, "adam", accumulate=2, strategy=GradSyncStrategy.SYNCHRONOUS)
+
+
+def case_overlapped_matches_synchronous(world):
+    a = train_ddp(world, np.float64, "adam")
+    b = train_ddp(world, np.float64, "adam", strategy=GradSyncStrategy.SYNCHRONOUS)
+    for p, q in zip(a.parameters(), b.parameters()):
+        if world.world_size <= 2:  # a sum of two is exact in any order
+            np.testing.assert_array_equal(p.data, q.data)
+        else:
+            np.testing.assert_allclose(p.data, q.data, rtol=1e-13, atol=1e-13)
+
+
+def case_grads_are_bucket_views_and_averaged(world):
+    n, r = world.world_size, world.rank
+    ddp = ax.DDP(make_model(), bucket_size_mb=1e-4)
+    x, y = make_data(0)
+    loss_fn = nn.CrossEntropyLoss()
+    loss_fn(ddp(shard(x, r, n)), shard(y, r, n))
+    ddp.backward(loss_fn.backward())
+    for b in ddp._buckets:
+        for p, view in zip(b.params, b.views):
+            assert p.grad is view and np.shares_memory(p.grad, b.flat)
+    grads = [p.grad.copy() for p in ddp.parameters()]
+    everyone = [ax.all_gather(g) for g in grads]
+    for g, all_g in zip(grads, everyone):
+        assert all(np.array_equal(g, all_g[k]) for k in range(n))  # identical on every rank
+    # set_to_none breaks the views; the next backward restores them
+    for p in ddp.parameters():
+        p.zero_grad(set_to_none=True)
+    loss_fn(ddp(shard(x, r, n)), shard(y, r, n))
+    ddp.backward(loss_fn.backward())
+    for g, p in zip(grads, ddp.parameters()):
+        np.testing.assert_allclose(p.grad, g, rtol=1e-14, atol=1e-15)
+    assert all(p.grad is v for b in ddp._buckets for p, v in zip(b.params, b.views))
+
+
+def case_sync_parameters_copies_rank0(world):
+    r = world.rank
+    model = make_model(seed=r * 7)
+    ax.DDP(model)
+    reference = make_model(seed=0)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        np.testing.assert_array_equal(p.data, q.data)
+
+
+class WithBuffer(nn.Module):
+    """A linear layer with a running-mean buffer and an optionally unused extra layer."""
+
+    def __init__(self, use_extra=True):
+        super().__init__()
+        self.lin = nn.Linear(4, 2, dtype=np.float64, seed=3)
+        self.extra = nn.Linear(2, 2, dtype=np.float64, seed=4)
+        self.use_extra = use_extra
+        self.register_buffer("running", np.zeros(4))
+
+    def forward(self, x):
+        self.running[...] = 0.9 * self.running + 0.1 * x.mean(axis=0)
+        h = self.lin(x)
+        return self.extra(h) if self.use_extra else h
+
+    def backward(self, g):
+        if self.use_extra:
+            g = self.extra.backward(g)
+        return self.lin.backward(g)
+
+
+def case_broadcast_buffers(world):
+    r = world.rank
+    model = WithBuffer()
+    model.running[...] = r + 1.0  # rank-dependent on purpose
+    ddp = ax.DDP(model)
+    assert np.all(model.running == 1.0)  # sync_parameters copies buffers too
+    model.running[...] = r + 5.0
+    x = np.full((3, 4), float(r))
+    ddp(x)  # rank 0's buffer arrives before the forward
+    assert np.allclose(model.running, 0.9 * 5.0 + 0.1 * r)
+
+
+def case_unused_parameters(world):
+    model = WithBuffer(use_extra=False)
+    ddp = ax.DDP(model, bucket_size_mb=1e-5)
+    x = np.ones((2, 4))
+    out = ddp(x)
+    with pytest.raises(UnusedParameterError, match=r"extra\.weight.*extra\.bias|extra\.bias.*extra\.weight"):
+        ddp.backward(np.ones_like(out))
+    model2 = WithBuffer(use_extra=False)
+    ddp2 = ax.DDP(model2, bucket_size_mb=1e-5, find_unused_parameters=True)
+    out = ddp2(x * (world.rank + 1))
+    ddp2.backward(np.ones_like(out))
+    assert np.all(model2.extra.weight.grad == 0) and np.all(model2.extra.bias.grad == 0)
+    n = world.world_size
+    np.testing.assert_allclose(model2.lin.bias.grad, np.full(2, 2.0))
+    np.testing.assert_allclose(model2.lin.weight.grad, np.full((2, 4), 2.0 * (n + 1) / 2))
+
+
+def case_bucket_plan_is_identical_everywhere(world):
+    ddp = ax.DDP(make_model(), bucket_size_mb=300 / 2**20)
+    plan = ddp.bucket_plan
+    names = [name for name, _ in ddp.named_parameters()]
+    flat = [name for bucket in plan for name in bucket]
+    assert flat == names[::-1]  # reverse registration order
+    sizes = dict((name, p.data.nbytes) for name, p in ddp.named_parameters())
+    for bucket in plan:
+        assert len(bucket) == 1 or sum(sizes[b] for b in bucket) <= 300
+    code = np.frombuffer(repr(plan).encode().ljust(2048, b" ")[:2048], dtype=np.uint8).copy()
+    everyone = ax.all_gather(code)
+    assert all(np.array_equal(everyone[0], row) for row in everyone)
+
+
+CASES = {name[len("case_"):]: fn for name, fn in sorted(globals().items()) if name.startswith("case_")}

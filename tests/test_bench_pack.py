@@ -1,0 +1,20 @@
+"""The pack benchmark runs and reports consistent rows (no wall-clock assertions)."""
+from axonhpc.bench import pack as bench_pack
+
+
+def test_run_small_cases():
+    rows = bench_pack.run(bandwidth_cases=((2, 1 << 16),), small_cases=((3, 64),), repeats=1)
+    assert [r["count"] for r in rows] == [2, 3]
+    assert [r["nbytes"] for r in rows] == [1 << 16, 192]
+    for r in rows:
+        assert r["ours_s"] > 0 and r["baseline_s"] > 0
+        assert abs(r["ratio"] - r["baseline_s"] / r["ours_s"]) < 1e-12
+        assert abs(r["ours_gbps"] - r["nbytes"] / r["ours_s"] / 1e9) < 1e-9
+
+
+def test_main_prints_a_table(capsys, monkeypatch):
+    monkeypatch.setattr(bench_pack, "DEFAULT_BANDWIDTH_CASES", ((1, 4096),))
+    monkeypatch.setattr(bench_pack, "DEFAULT_SMALL_CASES", ((2, 64),))
+    bench_pack.main()
+    out = capsys.readouterr().out.splitlines()
+    assert "base/pack" in out[0] and len(out) == 3
