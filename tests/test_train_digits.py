@@ -1,0 +1,40 @@
+"""The main job: trains to >= 95% and resumes bit for bit (2 MPI ranks, launched here)."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from axonhpc import checkpoint
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytest.importorskip("sklearn", reason="the digits data set comes with scikit-learn (extra 'examples')")
+
+
+def run(tmp_path, *args):
+    cmd = [os.path.join(os.path.dirname(sys.executable), "mpiexec"), "-n", "2", sys.executable,
+           os.path.join(ROOT, "examples", "train_digits.py"), *args]
+    env = dict(os.environ, AXONHPC_ABORT_ON_EXCEPTION="1", OMP_NUM_THREADS="1")
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out.stdout
+
+
+@pytest.mark.timeout(600)
+def test_trains_to_95_percent_and_resumes_bit_for_bit(tmp_path):
+    straight = run(tmp_path, "--epochs", "6", "--checkpoint-dir", "a", "--min-accuracy", "0.9")
+    assert "final test accuracy" in straight
+    run(tmp_path, "--epochs", "3", "--checkpoint-dir", "b")
+    resumed = run(tmp_path, "--epochs", "6", "--checkpoint-dir", "b", "--resume")
+    assert "resuming from" in resumed and "(epoch 3)" in resumed
+    a = checkpoint.load(str(tmp_path / "a" / "ckpt-0006.npz"))
+    b = checkpoint.load(str(tmp_path / "b" / "ckpt-0006.npz"))
+    assert list(a["model"]) == list(b["model"])
+    for name in a["model"]:
+        assert np.array_equal(a["model"][name], b["model"][name]), name
+
+    def epoch6(text):  # loss and accuracy of the last epoch, without its wall time
+        return [line.split("(")[0] for line in text.splitlines() if line.startswith("epoch   6 ")]
+
+    assert epoch6(straight) and epoch6(straight) == epoch6(resumed)
