@@ -1,7 +1,7 @@
 """The ``axonhpc`` command (also ``python -m axonhpc``).
 
     axonhpc info                         what MPI, threads, GPU libraries, ranks and nodes this is
-    axonhpc bench NAME [args]            benchmarks (allreduce, pack); run under mpiexec for >1 rank
+    axonhpc bench NAME [args]            benchmarks (allreduce, ddp, pack); run under mpiexec for >1 rank
     axonhpc launch -n N [--] script.py   mpiexec wrapper that works as root and aborts on errors
 """
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import List, Optional
 
 BENCHMARKS = {
     "allreduce": "axonhpc.bench.allreduce",
+    "ddp": "axonhpc.bench.ddp",
     "pack": "axonhpc.bench.pack",
 }
 
