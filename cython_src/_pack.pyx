@@ -114,6 +114,51 @@ cdef object _flat_checked(object flat, object dtype, Py_ssize_t numel, bint writ
     return flat
 
 
+cdef class _Layout:
+    """Checked pointers and byte counts of a list of arrays, for one copy.
+
+    Built once per call from the caller's (private) list, which keeps the
+    arrays alive while the copy runs without the GIL; freed with the object.
+    """
+
+    cdef char** ptrs
+    cdef Py_ssize_t* nbytes
+    cdef Py_ssize_t n
+    cdef Py_ssize_t total
+
+    def __cinit__(self, list seq, dtype, bint writable, str what):
+        cdef Py_ssize_t i
+        self.n = len(seq)
+        self.total = 0
+        self.ptrs = <char**>PyMem_Malloc(max(self.n, 1) * sizeof(char*))
+        self.nbytes = <Py_ssize_t*>PyMem_Malloc(max(self.n, 1) * sizeof(Py_ssize_t))
+        if self.ptrs == NULL or self.nbytes == NULL:
+            raise MemoryError(f"{what}: cannot allocate the layout of {self.n} arrays")
+        for i in range(self.n):
+            a = seq[i]
+            if not usable(a, dtype, writable):
+                raise_unusable(a, f"{what}[{i}]", dtype, writable)
+            self.ptrs[i] = cnp.PyArray_BYTES(<cnp.ndarray>a)
+            self.nbytes[i] = cnp.PyArray_NBYTES(<cnp.ndarray>a)
+            self.total += self.nbytes[i]
+
+    def __dealloc__(self):
+        PyMem_Free(self.ptrs)
+        PyMem_Free(self.nbytes)
+
+    cdef int check_overlaps(self, const char* base, Py_ssize_t itemsize, str what, str other,
+                            str consequence) except -1:
+        """Each array must sit at its own offset of ``base`` or not overlap it at all."""
+        cdef Py_ssize_t i, offset = 0
+        for i in range(self.n):
+            if self.ptrs[i] != base + offset and _overlaps(self.ptrs[i], self.nbytes[i], base, self.total):
+                raise InvalidBufferError(
+                    f"{what}[{i}] overlaps {other} but does not sit at its own offset "
+                    f"{offset // itemsize}; {consequence}")
+            offset += self.nbytes[i]
+        return 0
+
+
 def pack(arrays, out=None):
     """Copy arrays one after another into one flat array.
 
@@ -138,46 +183,22 @@ def pack(arrays, out=None):
     # A private list: it keeps every array alive while the copy runs without
     # the GIL, whatever another thread does to the caller's list.
     cdef list seq = list(arrays)
-    cdef Py_ssize_t n = len(seq), i, total = 0, offset, itemsize
-    cdef char** ptrs
-    cdef Py_ssize_t* nbytes
+    cdef Py_ssize_t itemsize
     cdef char* dst
-    if n == 0:
+    if len(seq) == 0:
         if out is None:
             raise ShapeError("pack: got no arrays and no out= to take the dtype from")
         return _flat_checked(out, checked_dtype(out, "pack: out"), 0, True, "pack: out")
     dtype = checked_dtype(out if out is not None else seq[0], "pack: out" if out is not None else "pack: arrays[0]")
-    ptrs = <char**>PyMem_Malloc(n * sizeof(char*))
-    nbytes = <Py_ssize_t*>PyMem_Malloc(n * sizeof(Py_ssize_t))
-    if ptrs == NULL or nbytes == NULL:
-        PyMem_Free(ptrs)
-        PyMem_Free(nbytes)
-        raise MemoryError(f"pack: cannot allocate the layout of {n} arrays")
-    try:
-        for i in range(n):
-            a = seq[i]
-            if not usable(a, dtype, False):
-                raise_unusable(a, f"pack: arrays[{i}]", dtype, False)
-            ptrs[i] = cnp.PyArray_BYTES(<cnp.ndarray>a)
-            nbytes[i] = cnp.PyArray_NBYTES(<cnp.ndarray>a)
-            total += nbytes[i]
-        itemsize = (<cnp.dtype>dtype).itemsize
-        if out is None:
-            out = np.empty(total // itemsize, dtype=dtype)
-        else:
-            _flat_checked(out, dtype, total // itemsize, True, "pack: out")
-        dst = cnp.PyArray_BYTES(<cnp.ndarray>out)
-        offset = 0
-        for i in range(n):
-            if ptrs[i] != dst + offset and _overlaps(ptrs[i], nbytes[i], dst, total):
-                raise InvalidBufferError(
-                    f"pack: arrays[{i}] overlaps out but does not sit at its own offset "
-                    f"{offset // itemsize}; copying would overwrite inputs not yet read")
-            offset += nbytes[i]
-        gather(dst, ptrs, nbytes, n, total)
-    finally:
-        PyMem_Free(ptrs)
-        PyMem_Free(nbytes)
+    cdef _Layout layout = _Layout(seq, dtype, False, "pack: arrays")
+    itemsize = (<cnp.dtype>dtype).itemsize
+    if out is None:
+        out = np.empty(layout.total // itemsize, dtype=dtype)
+    else:
+        _flat_checked(out, dtype, layout.total // itemsize, True, "pack: out")
+    dst = cnp.PyArray_BYTES(<cnp.ndarray>out)
+    layout.check_overlaps(dst, itemsize, "pack: arrays", "out", "copying would overwrite inputs not yet read")
+    gather(dst, layout.ptrs, layout.nbytes, layout.n, layout.total)
     return out
 
 
@@ -200,39 +221,15 @@ def unpack(flat, outs):
         InvalidBufferError: an out overlaps ``flat`` other than at its own place.
     """
     cdef list seq = list(outs)  # private, as in pack
-    cdef Py_ssize_t n = len(seq), i, total = 0, offset, itemsize
-    cdef char** ptrs
-    cdef Py_ssize_t* nbytes
+    cdef Py_ssize_t itemsize
     cdef const char* src
     dtype = checked_dtype(flat, "unpack: flat")
-    ptrs = <char**>PyMem_Malloc(max(n, 1) * sizeof(char*))
-    nbytes = <Py_ssize_t*>PyMem_Malloc(max(n, 1) * sizeof(Py_ssize_t))
-    if ptrs == NULL or nbytes == NULL:
-        PyMem_Free(ptrs)
-        PyMem_Free(nbytes)
-        raise MemoryError(f"unpack: cannot allocate the layout of {n} arrays")
-    try:
-        for i in range(n):
-            a = seq[i]
-            if not usable(a, dtype, True):
-                raise_unusable(a, f"unpack: outs[{i}]", dtype, True)
-            ptrs[i] = cnp.PyArray_BYTES(<cnp.ndarray>a)
-            nbytes[i] = cnp.PyArray_NBYTES(<cnp.ndarray>a)
-            total += nbytes[i]
-        itemsize = (<cnp.dtype>dtype).itemsize
-        _flat_checked(flat, dtype, total // itemsize, False, "unpack: flat")
-        src = cnp.PyArray_BYTES(<cnp.ndarray>flat)
-        offset = 0
-        for i in range(n):
-            if ptrs[i] != src + offset and _overlaps(ptrs[i], nbytes[i], src, total):
-                raise InvalidBufferError(
-                    f"unpack: outs[{i}] overlaps flat but does not sit at its own offset "
-                    f"{offset // itemsize}; copying would overwrite values not yet read")
-            offset += nbytes[i]
-        scatter(src, ptrs, nbytes, n, total)
-    finally:
-        PyMem_Free(ptrs)
-        PyMem_Free(nbytes)
+    cdef _Layout layout = _Layout(seq, dtype, True, "unpack: outs")
+    itemsize = (<cnp.dtype>dtype).itemsize
+    _flat_checked(flat, dtype, layout.total // itemsize, False, "unpack: flat")
+    src = cnp.PyArray_BYTES(<cnp.ndarray>flat)
+    layout.check_overlaps(src, itemsize, "unpack: outs", "flat", "copying would overwrite values not yet read")
+    scatter(src, layout.ptrs, layout.nbytes, layout.n, layout.total)
 
 
 def layout_key(arrays, str what="arrays", bint writable=False):

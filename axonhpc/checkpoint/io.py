@@ -37,7 +37,7 @@ from typing import Any, Optional, Tuple, Union
 import numpy as np
 
 from ..collectives import all_gather, broadcast
-from ..errors import CheckpointError, NotAMemberError
+from ..errors import CheckpointError
 from ..groups import ProcessGroup, resolve_group
 from .format import META_ENTRY, decode, encode, parse_meta
 
@@ -45,13 +45,7 @@ PathLike = Union[str, "os.PathLike[str]"]
 
 
 def _member_group(group: Optional[ProcessGroup], op: str) -> ProcessGroup:
-    pg = resolve_group(group)
-    if not pg.is_member:
-        raise NotAMemberError(
-            f"checkpoint {op}: global rank {pg.world.rank} is not a member of process group {pg.name} "
-            f"(ranks {list(pg.ranks)}); only members may call it"
-        )
-    return pg
+    return resolve_group(group).require_member(f"checkpoint {op}")
 
 
 def _fsync_directory(directory: str) -> None:

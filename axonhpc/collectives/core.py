@@ -19,19 +19,13 @@ import numpy as np
 
 from .._dtypes import array_module, check_array, check_same_layout, is_integer, is_low_precision_float
 from ..backends.base import ReduceOp, Work
-from ..errors import NotAMemberError, ShapeError
+from ..errors import ShapeError
 from ..groups import ProcessGroup, resolve_group
 from . import fingerprint
 
 
 def _member(group: Optional[ProcessGroup], op: str) -> ProcessGroup:
-    pg = resolve_group(group)
-    if not pg.is_member:
-        raise NotAMemberError(
-            f"{op}: global rank {pg.world.rank} is not a member of process group {pg.name} "
-            f"(ranks {list(pg.ranks)}); only members may call collectives on it"
-        )
-    return pg
+    return resolve_group(group).require_member(op)
 
 
 class _Label:

