@@ -67,11 +67,7 @@ class ProcessGroup:
         Raises:
             NotAMemberError: this rank is not in the group.
         """
-        if self._backend is None:
-            raise NotAMemberError(
-                f"global rank {self.world.rank} is not a member of process group {self.name} "
-                f"(ranks {list(self.ranks)})"
-            )
+        self.require_member("using the group's backend")
         return self._backend
 
     def require_member(self, what: str) -> "ProcessGroup":
