@@ -108,14 +108,6 @@ def check_array(x: Any, what: str, *, writable: bool = False) -> None:
         raise ReadOnlyBufferError(f"{what} ({_describe(x)}) is read-only but the operation writes into it")
 
 
-def check_same_layout(a: Any, b: Any, what: str) -> None:
-    """Two buffers of one operation must share dtype (and array kind)."""
-    if a.dtype != b.dtype:
-        raise UnsupportedDtypeError(f"{what}: dtypes differ ({a.dtype} and {b.dtype})")
-    if is_cupy_array(a) != is_cupy_array(b):
-        raise UnsupportedDtypeError(f"{what}: one buffer is on the device and the other on the host")
-
-
 __all__ = [
     "supported_dtypes",
     "bfloat16_dtype",
@@ -124,5 +116,4 @@ __all__ = [
     "is_cupy_array",
     "array_module",
     "check_array",
-    "check_same_layout",
 ]

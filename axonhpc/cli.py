@@ -9,10 +9,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 from typing import List, Optional
+
+from .mpiexec import find_mpiexec, launch_command, mpiexec_flavour
 
 BENCHMARKS = {
     "allreduce": "axonhpc.bench.allreduce",
@@ -39,44 +40,6 @@ def _cmd_bench(args) -> int:
 
     module = importlib.import_module(BENCHMARKS[args.name])
     return int(module.main(args.rest) or 0)
-
-
-def find_mpiexec() -> Optional[str]:
-    """mpiexec beside this Python (a venv with an MPI wheel), else on PATH."""
-    beside = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    if os.access(beside, os.X_OK):
-        return beside
-    return shutil.which("mpiexec")
-
-
-def mpiexec_flavour(mpiexec: str) -> str:
-    """'openmpi', 'mpich' or 'unknown', from ``mpiexec --version``."""
-    try:
-        out = subprocess.run([mpiexec, "--version"], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return "unknown"
-    text = (out.stdout + out.stderr).lower()
-    if "open mpi" in text or "openrte" in text or "prte" in text:
-        return "openmpi"
-    if "hydra" in text or "mpich" in text:
-        return "mpich"
-    return "unknown"
-
-
-def launch_command(mpiexec: str, flavour: str, n: int, script: str, script_args: List[str],
-                   hosts: Optional[str] = None, is_root: bool = False) -> List[str]:
-    """The argument list (never a shell string) that runs ``script`` on ``n`` ranks."""
-    cmd = [mpiexec]
-    if flavour == "openmpi":
-        if is_root:
-            cmd.append("--allow-run-as-root")
-        cmd.append("--oversubscribe")
-        if hosts:
-            cmd += ["--host", hosts]
-    elif hosts:
-        cmd += ["-hosts", hosts]
-    cmd += ["-n", str(n), sys.executable, script] + list(script_args)
-    return cmd
 
 
 def _cmd_launch(args) -> int:

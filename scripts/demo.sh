@@ -8,5 +8,5 @@ cd "$(dirname "$0")/.."
 bash scripts/setup-env.sh
 N=${AXONHPC_RANKS:-2}
 export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 AXONHPC_ABORT_ON_EXCEPTION=1
-exec timeout -k 10 900 .venv/bin/axonhpc launch -n "$N" -- examples/train_digits.py \
+exec timeout -k 10 900 "${AXONHPC_VENV:-.venv}/bin/axonhpc" launch -n "$N" -- examples/train_digits.py \
     --epochs 20 --min-accuracy 0.95 --checkpoint-dir checkpoints/digits "$@"

@@ -7,8 +7,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup-env.sh || exit 1
-PY=.venv/bin/python
-MPIEXEC=.venv/bin/mpiexec
+VENV=${AXONHPC_VENV:-.venv}
+PY=$VENV/bin/python
+MPIEXEC=$VENV/bin/mpiexec
 LOGS=test-logs
 rm -rf "$LOGS"; mkdir -p "$LOGS"
 export PYTHONDONTWRITEBYTECODE=1 OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1

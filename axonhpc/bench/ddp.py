@@ -12,7 +12,7 @@ rounds whose order rotates, the plain model with no wrapper ("compute": the
 ceiling set by the ranks sharing the machine), DDP with ``OVERLAPPED`` and
 DDP with ``SYNCHRONOUS``. Every step starts after an untimed barrier; a
 step's time is the maximum over ranks, and a job reports the median over
-its timed steps. For OVERLAPPED it also reports the means of
+its timed steps. For OVERLAPPED it also reports the medians of
 ``ddp.last_step`` (the final wait, and how many buckets had completed before
 it: the evidence of overlap) and the time of one raw ``MPI_Allreduce`` of
 all the gradients, the floor for any synchronisation. The PyTorch job does
@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import signal
 import socket
 import statistics
@@ -40,6 +39,7 @@ from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
+from ..mpiexec import find_mpiexec
 from .timing import human_bytes, pin_blas_threads
 
 DEFAULT_SIZES = "512,1024,1024,10"
@@ -163,7 +163,7 @@ def _axon_worker(args) -> Optional[dict]:
     for name in AXON_CONFIGS:
         result["configs"][name] = {"ms": float(np.median(slowest(times[name]))) * 1e3}
     for name, records in stats.items():
-        means = {key: float(np.mean([r[key] for r in records])) for key in records[0]}
+        means = {key: float(np.median([r[key] for r in records])) for key in records[0]}
         result["configs"][name].update({
             "backward_ms": means["backward_s"] * 1e3, "final_wait_ms": means["final_wait_s"] * 1e3,
             "completed_before_wait": means["completed_before_wait"], "buckets": int(means["buckets"]),
@@ -235,14 +235,6 @@ def _run_worker(args) -> int:
 
 
 # -- driver ----------------------------------------------------------------------------------
-def find_mpiexec() -> Optional[str]:
-    """mpiexec beside this Python (a venv with an MPI wheel), else on PATH."""
-    beside = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    if os.access(beside, os.X_OK):
-        return beside
-    return shutil.which("mpiexec")
-
-
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago (for gloo's rendezvous)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -300,20 +292,30 @@ def run_job(mpiexec: str, kind: str, n: int, args, timeout: float) -> dict:
 
 
 def summarize(jobs: Dict[int, List[dict]]) -> List[dict]:
-    """Table rows: per config, the median over repeats of each rank count's job median."""
+    """Table rows: per config, the median over repeats of each rank count's job median.
+
+    The efficiencies are medians of per-repeat ratios: the 1-rank and 2-rank
+    jobs of one repeat run back to back, so a slow spell of the machine
+    (they last seconds to minutes on shared hosts) hits both sides of a ratio.
+    """
     rows = []
     configs = [c for c in LABELS if all(c in j["configs"] for n in RANKS for j in jobs[n])]
+    pairs = list(zip(jobs[1], jobs[2]))
     for name in configs:
         row = {"config": name, "label": LABELS[name]}
         for n in RANKS:
             row[f"ms_{n}"] = statistics.median(j["configs"][name]["ms"] for j in jobs[n])
-        row["efficiency"] = row["ms_1"] / row["ms_2"]
+        row["efficiency"] = statistics.median(a["configs"][name]["ms"] / b["configs"][name]["ms"] for a, b in pairs)
+        # Against the same library's plain model on one rank: ideal data parallelism costs nothing.
+        base = "torch_compute" if name.startswith("torch") else "compute"
+        row["vs_compute"] = (statistics.median(a["configs"][base]["ms"] / b["configs"][name]["ms"] for a, b in pairs)
+                             if base in configs else float("nan"))
         rows.append(row)
     return rows
 
 
 def overlap_lines(jobs: Dict[int, List[dict]]) -> List[str]:
-    """What ``ddp.last_step`` says about OVERLAPPED and SYNCHRONOUS, per rank count."""
+    """What ``ddp.last_step`` says about OVERLAPPED and SYNCHRONOUS, per rank count (medians over steps)."""
     lines = []
     for n in RANKS:
         axon = [j for j in jobs.get(n, []) if "overlapped" in j["configs"]]
@@ -338,10 +340,13 @@ def format_table(rows: List[dict], sizes: Sequence[int], args) -> str:
     lines = [f"# DDP weak scaling: MLP {'-'.join(map(str, sizes))} ({params:,} parameters, "
              f"{human_bytes(params * 4)} of float32 gradients), batch {args.batch} per rank, 1 BLAS thread per rank",
              f"# ms/step: median over {args.steps} steps after {args.warmup} warm-up (a step ends when its slowest "
-             f"rank does), median of {args.repeats} repeat(s); efficiency = T(1 rank) / T(2 ranks)",
-             f"{'config':<26} {'1 rank ms':>10} {'2 ranks ms':>11} {'efficiency':>11}"]
+             f"rank does), median of {args.repeats} repeat(s)",
+             "# efficiency = T(1 rank) / T(2 ranks); vs compute = T(1 rank, same library, no DDP) / T(2 ranks);",
+             "# both are medians over repeats of the ratio within a repeat (its 1- and 2-rank jobs run back to back)",
+             f"{'config':<26} {'1 rank ms':>10} {'2 ranks ms':>11} {'efficiency':>11} {'vs compute':>11}"]
     for r in rows:
-        lines.append(f"{r['label']:<26} {r['ms_1']:>10.2f} {r['ms_2']:>11.2f} {r['efficiency'] * 100:>10.1f}%")
+        lines.append(f"{r['label']:<26} {r['ms_1']:>10.2f} {r['ms_2']:>11.2f} {r['efficiency'] * 100:>10.1f}% "
+                     f"{r['vs_compute'] * 100:>10.1f}%")
     return "\n".join(lines)
 
 
@@ -349,12 +354,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="axonhpc bench ddp", description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default=DEFAULT_SIZES, help=f"MLP layer widths (default {DEFAULT_SIZES})")
     parser.add_argument("--batch", type=int, default=128, help="samples per rank (the same on 1 and 2 ranks)")
-    parser.add_argument("--steps", type=int, default=60, help="timed steps per configuration per job")
+    parser.add_argument("--steps", type=int, default=40, help="timed steps per configuration per job")
     parser.add_argument("--warmup", type=int, default=10, help="untimed steps per configuration first")
-    parser.add_argument("--repeats", type=int, default=3,
+    parser.add_argument("--repeats", type=int, default=5,
                         help="run the 1-rank and 2-rank jobs this many times, alternately; medians are reported")
     parser.add_argument("--no-torch", action="store_true", help="skip the PyTorch DDP (gloo) comparison")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds one worker job may take")
+    parser.add_argument("--json", default=None, help="also write every job's result to this JSON file")
     parser.add_argument("--worker", choices=("axon", "torch"), default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
@@ -406,8 +412,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     except BenchError as exc:
         print(f"axonhpc bench ddp: {exc}", file=sys.stderr)
         return 1
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({str(n): results for n, results in jobs.items()}, f, indent=1)
     print(format_table(summarize(jobs), sizes, args))
-    for line in overlap_lines(jobs):
+    lines = overlap_lines(jobs)
+    if lines:
+        print("# overlap, from ddp.last_step (medians over steps and repeats), beside one raw MPI_Allreduce:")
+    for line in lines:
         print("# " + line)
     sys.stdout.flush()
     return 0

@@ -9,7 +9,7 @@ import numpy as np
 
 from ..backends.base import Backend
 from ..errors import RankError
-from ..settings import LauncherEnv, launcher_env
+from ..settings import LauncherEnv
 from .mesh import Mesh
 from .process_group import ProcessGroup
 

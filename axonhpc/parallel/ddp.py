@@ -19,9 +19,10 @@ forward only while the process is inside MPI, and nothing else calls MPI
 while numpy computes the next layer's backward. So every hook also tests
 the requests in flight (``MPI_Testall``): the transfer makes progress
 between layers, and by the time backward ends most buckets are done.
-``ddp.last_step`` records, per backward, how long the final wait took and
-how many buckets had already completed before it, so the overlap can be
-measured rather than assumed.
+``ddp.last_step`` records, per backward, how long the final wait took (all
+of the synchronisation after backward: launching the last buckets and
+waiting for every reduction) and how many buckets the hooks had already seen
+complete, so the overlap can be measured rather than assumed.
 
 [Note: gradients as bucket views]
 With ``gradient_as_bucket_view=True`` each ``p.grad`` is a view into its
@@ -34,7 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Tuple
 
 import numpy as np
 
@@ -81,12 +82,14 @@ class _Bucket:
         self.ready = [False] * len(params)
         self.work = None
         self.launched = False
+        self.done = False  # its reduction was seen complete during backward
 
     def reset(self) -> None:
         self.pending = len(self.params)
         self.ready = [False] * len(self.params)
         self.work = None
         self.launched = False
+        self.done = False
 
 
 class DistributedDataParallel:
@@ -243,8 +246,8 @@ class DistributedDataParallel:
         self._launch_ready()
         # Drive MPI progress of the reductions in flight (see the module note).
         for b in self._buckets[:self._next_launch]:
-            if b.work is not None:
-                b.work.is_completed()
+            if b.work is not None and not b.done:
+                b.done = b.work.is_completed()
 
     def _launch_ready(self) -> None:
         while self._next_launch < len(self._buckets) and self._buckets[self._next_launch].pending == 0:
@@ -271,10 +274,12 @@ class DistributedDataParallel:
 
     def _finish(self, backward_s: float) -> None:
         if self.strategy is GradSyncStrategy.OVERLAPPED:
+            # Counted from what the hooks saw, without a probe of our own: a
+            # test drives MPI progress, and that work belongs in the wait.
+            done_before_wait = sum(1 for b in self._buckets if b.done)
+            start = time.perf_counter()
             self._check_unused()
             self._launch_ready()
-            done_before_wait = sum(1 for b in self._buckets if b.work is not None and b.work.is_completed())
-            start = time.perf_counter()
             for bucket in self._buckets:
                 bucket.work.wait()
             wait_s = time.perf_counter() - start
