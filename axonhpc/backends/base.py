@@ -202,8 +202,13 @@ class Backend(abc.ABC):
     def create_group(self, ranks: Sequence[int]) -> Optional["Backend"]:
         """Collective: a backend over these communicator ranks, in this order; None for non-members."""
 
-    def node_layout(self) -> Tuple[int, int, int, int]:
-        """(local_rank, local_size, node_rank, num_nodes) of this rank."""
+    def node_layout(self, local_key: Optional[int] = None) -> Tuple[int, int, int, int]:
+        """(local_rank, local_size, node_rank, num_nodes) of this rank.
+
+        Args:
+            local_key: orders the ranks of a node (the launcher's local rank,
+                when it gave one); None orders them by rank.
+        """
         return self.rank, self.size, 0, 1
 
     def abort(self, code: int = 1) -> None:

@@ -91,18 +91,62 @@ def _blocks(n: int, step: int):
 
 
 class MPIWork(Work):
-    """Requests of one operation, plus what to do once they complete."""
+    """The requests of one operation (several when it is chunked).
 
-    def __init__(self, requests: List[Any], result=None):
+    Collective chunks run one after the other: the next starts when the
+    previous one completes (in ``is_completed`` or ``wait``). Several
+    outstanding non-blocking collectives on one communicator are legal MPI,
+    but Open MPI 5.0 returns wrong sums for concurrent
+    ``MPI_Ireduce_scatter_block`` calls (seen here with 3 ranks), and a
+    chunked collective gains nothing from posting all chunks at once.
+    Point-to-point chunks are all posted at once instead: a receiver waiting
+    for chunk 2 must not depend on its peer calling ``wait`` on the send.
+    """
+
+    def __init__(self, steps: List[Tuple[Callable[[], Any], Optional[Callable[[], None]]]], result=None,
+                 sequential: bool = True):
         super().__init__(result)
-        self._requests = requests
+        self._steps = steps
+        self._sequential = sequential
+        self._next = 0
+        if sequential:
+            self._requests = [steps[0][0]()]
+        else:
+            self._requests = [start() for start, _ in steps]
+
+    def _advance(self) -> bool:
+        """The requests in flight are done: finish them, start the next chunk; True when all are done."""
+        if not self._sequential:
+            for _, after in self._steps:
+                if after is not None:
+                    after()
+            self._requests = []
+            return True
+        _, after = self._steps[self._next]
+        if after is not None:
+            after()
+        self._next += 1
+        if self._next == len(self._steps):
+            self._requests = []
+            return True
+        self._requests = [self._steps[self._next][0]()]
+        return False
 
     def _test(self) -> bool:
-        return _mpi().Request.Testall(self._requests)
+        MPI = _mpi()
+        while self._requests:
+            if not MPI.Request.Testall(self._requests):
+                return False
+            if self._advance():
+                return True
+        return True
 
     def _block(self, timeout: Optional[float]) -> bool:
         if timeout is None:
-            _mpi().Request.Waitall(self._requests)
+            MPI = _mpi()
+            while self._requests:
+                MPI.Request.Waitall(self._requests)
+                self._advance()
             return True
         return super()._block(timeout)
 
@@ -117,19 +161,14 @@ class _Plan:
             after: Optional[Callable[[], None]] = None) -> None:
         self.steps.append((blocking, nonblocking, after))
 
-    def run(self, async_op: bool, result=None) -> Work:
+    def run(self, async_op: bool, result=None, sequential: bool = True) -> Work:
         if not async_op:
             for blocking, _, after in self.steps:
                 blocking()
                 if after is not None:
                     after()
             return CompletedWork(result)
-        requests = [nonblocking() for _, nonblocking, _ in self.steps]
-        work = MPIWork(requests, result)
-        for _, _, after in self.steps:
-            if after is not None:
-                work.then(after)
-        return work
+        return MPIWork([(nonblocking, after) for _, nonblocking, after in self.steps], result, sequential)
 
 
 class MPIBackend(Backend):
@@ -284,7 +323,7 @@ class MPIBackend(Backend):
         for a, b in _blocks(flat.size, self._limit()):
             spec = self._spec(flat, a, b)
             plan.add(lambda s=spec: comm.Send(s, dst, tag), lambda s=spec: comm.Isend(s, dst, tag))
-        return plan.run(async_op)
+        return plan.run(async_op, sequential=False)
 
     def recv(self, buf, src: int, tag: int, async_op: bool) -> Work:
         MPI, comm = _mpi(), self.comm
@@ -302,7 +341,7 @@ class MPIBackend(Backend):
                                      f"of {buf.dtype}, the receive buffer {buf.shape} expects {b - a}")
 
             plan.add(blocking, lambda s=spec: comm.Irecv(s, src, tag))
-        return plan.run(async_op, buf)
+        return plan.run(async_op, buf, sequential=False)
 
     # -- communicators ------------------------------------------------------------
     def split(self, color: Optional[int], key: int) -> Optional["MPIBackend"]:
@@ -319,11 +358,19 @@ class MPIBackend(Backend):
         parent.Free()
         return None if new == MPI.COMM_NULL else MPIBackend(new, dup=False)
 
-    def node_layout(self) -> Tuple[int, int, int, int]:
-        """(local_rank, local_size, node_rank, num_nodes) from ``Split_type(COMM_TYPE_SHARED)``."""
+    def node_layout(self, local_key: Optional[int] = None) -> Tuple[int, int, int, int]:
+        """(local_rank, local_size, node_rank, num_nodes) from ``Split_type(COMM_TYPE_SHARED)``.
+
+        Args:
+            local_key: orders the ranks of a node. Launchers number local
+                ranks their own way (Open MPI's mapper need not follow the
+                global rank order), and device binding follows the
+                launcher's numbering, so the world passes it here.
+        """
         if self._layout is None:
             MPI = _mpi()
-            local = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+            key = self.rank if local_key is None else int(local_key)
+            local = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=key)
             local_rank, local_size = local.Get_rank(), local.Get_size()
             leaders = self.comm.Split(0 if local_rank == 0 else MPI.UNDEFINED, self.rank)
             facts = np.zeros(2, dtype=np.int64)

@@ -31,8 +31,11 @@ class World:
         self.rank = backend.rank
         self.world_size = backend.size
         self.default_group = ProcessGroup(self, backend, range(backend.size), "world")
-        self.local_rank, self.local_size, self.node_rank, self.num_nodes = backend.node_layout()
         self.launcher = launcher if launcher is not None else LauncherEnv(None, None, None, None, None, None, None)
+        # The launcher's local rank, when it describes this very world, orders each node's ranks.
+        same_world = self.launcher.size == backend.size and self.launcher.rank == backend.rank
+        local_key = self.launcher.local_rank if same_world else None
+        self.local_rank, self.local_size, self.node_rank, self.num_nodes = backend.node_layout(local_key)
         self._groups_made = 0
 
     # -- constructors -------------------------------------------------------------
