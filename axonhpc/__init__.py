@@ -48,6 +48,11 @@ _LAZY = {
     "MPIBackend": "axonhpc.backends.mpi",
     "DDP": "axonhpc.parallel",
     "DistributedDataParallel": "axonhpc.parallel",
+    "PipelineSchedule": "axonhpc.parallel",
+    "Action": "axonhpc.parallel",
+    "pipeline_schedule": "axonhpc.parallel",
+    "simulate_pipeline": "axonhpc.parallel",
+    "PipelineMemoryStats": "axonhpc.parallel",
 }
 _SUBMODULES = ("nn", "optim", "data", "bucketing", "comm", "backends", "settings", "cli", "bench", "parallel",
                "checkpoint")
@@ -113,4 +118,9 @@ __all__ = [
     "shard_bounds",
     "DDP",
     "DistributedDataParallel",
+    "PipelineSchedule",
+    "Action",
+    "pipeline_schedule",
+    "simulate_pipeline",
+    "PipelineMemoryStats",
 ]

@@ -1,4 +1,19 @@
 """Parallel strategies built on the collectives and the model layer."""
 from .ddp import DDP, DistributedDataParallel, GradientAfterReductionError, UnusedParameterError
+from .memory import PipelineMemoryStats
+from .schedules import Action, PipelineSchedule, format_schedule_table, pipeline_schedule
+from .simulate import SimulationResult, simulate_pipeline
 
-__all__ = ["DDP", "DistributedDataParallel", "UnusedParameterError", "GradientAfterReductionError"]
+__all__ = [
+    "DDP",
+    "DistributedDataParallel",
+    "UnusedParameterError",
+    "GradientAfterReductionError",
+    "PipelineSchedule",
+    "Action",
+    "pipeline_schedule",
+    "format_schedule_table",
+    "simulate_pipeline",
+    "SimulationResult",
+    "PipelineMemoryStats",
+]

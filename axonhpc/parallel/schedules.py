@@ -1,0 +1,318 @@
+"""Pipeline schedules as data: one list of actions per rank.
+
+``pipeline_schedule`` generates, for every rank of a pipeline, the order in
+which that rank runs the forward ("F") and backward ("B") passes of its stages
+on each micro-batch. The executor (over MPI) runs those lists; the simulator in
+``axonhpc.parallel.simulate`` replays them without any communication to find
+deadlocks, bubbles and activation memory; ``format_schedule_table`` prints them
+as a step-by-rank grid. Sends and receives are implied by the actions: the
+forward of stage ``s`` sends its activation to stage ``s + 1``, the backward of
+stage ``s`` sends its gradient to stage ``s - 1``.
+
+[Note: stage layout]
+There are ``num_stages`` stages in total and ``P = num_stages //
+stages_per_rank`` ranks. Rank ``r`` holds stages ``r, r + P, r + 2P, ...``
+(Megatron-LM's interleaved layout), so with ``stages_per_rank == 1`` stage and
+rank coincide, and with ``v = stages_per_rank > 1`` every micro-batch passes
+through every rank ``v`` times.
+
+[Note: orders]
+GPIPE: every rank runs all its forwards (micro-batches 0..m-1), then all its
+backwards in the same micro-batch order. Every rank holds all m activations at
+its peak.
+
+ONE_F_ONE_B (PipeDream-flush / Megatron's non-interleaved schedule): rank r
+runs ``w = min(P - r - 1, m)`` warm-up forwards, then alternates one forward
+and one backward (forward of micro-batch ``w + i``, backward of ``i``) until
+its forwards run out, then runs the remaining backwards (cool-down). Rank r
+holds at most ``min(P - r, m)`` activations, with the same bubble as GPipe.
+
+INTERLEAVED_1F1B (Megatron-LM's interleaved schedule): each rank's work is
+``m * v`` "virtual" forwards and as many backwards. Virtual forward ``k`` runs
+model chunk ``(k // P) % v`` (stage ``chunk * P + r``) on micro-batch
+``(k // (P * v)) * P + k % P``: micro-batches advance in groups of P through
+one chunk before moving on to the next chunk, which is why m must be a
+multiple of P. Virtual backward ``k`` uses the same micro-batch and chunk
+``v - 1 - (k // P) % v``. Rank r runs ``min((P - r - 1) * 2 + (v - 1) * P,
+m * v)`` warm-up forwards, then 1F1B over virtual indices, then the
+cool-down. With ``stages_per_rank == 1`` it is exactly ONE_F_ONE_B (m must
+still be a multiple of P). Its bubble shrinks by about a factor v against 1F1B, at the price
+of v times more point-to-point messages.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any, List, Optional, Sequence, Union
+
+from ..errors import ConfigurationError
+
+FORWARD = "F"
+BACKWARD = "B"
+
+
+class PipelineSchedule(enum.Enum):
+    """The order in which each pipeline rank runs its forwards and backwards.
+
+    GPIPE: all forwards, then all backwards (holds every micro-batch's activations).
+    ONE_F_ONE_B: warm-up forwards, then one forward / one backward, then cool-down.
+    INTERLEAVED_1F1B: 1F1B over several model chunks per rank (``stages_per_rank > 1``).
+    """
+
+    GPIPE = "gpipe"
+    ONE_F_ONE_B = "1f1b"
+    INTERLEAVED_1F1B = "interleaved_1f1b"
+
+    @classmethod
+    def parse(cls, value: Any) -> "PipelineSchedule":
+        """Accept a PipelineSchedule, its name or its value in any case.
+
+        ``"gpipe"``, ``"1f1b"``, ``"one_f_one_b"``, ``"interleaved_1f1b"``,
+        ``"interleaved"`` and the hyphenated spellings (``"interleaved-1f1b"``)
+        are all accepted.
+
+        Args:
+            value: a member or a string naming one.
+
+        Returns:
+            The member.
+
+        Raises:
+            ConfigurationError: ``value`` names no schedule.
+        """
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            key = value.strip().lower().replace("-", "_")
+            for member in cls:
+                if key in (member.value, member.name.lower()):
+                    return member
+            if key == "interleaved":
+                return cls.INTERLEAVED_1F1B
+        raise ConfigurationError(
+            f"unknown pipeline schedule {value!r}; use one of "
+            f"{[m.name for m in cls]} or {[m.value for m in cls]}"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Action:
+    """One unit of pipeline work: a forward or backward of one stage on one micro-batch.
+
+    ``str(Action(0, "F", 3))`` is ``"0F3"``.
+
+    Attributes:
+        stage: global stage index (0 is the first stage).
+        kind: ``"F"`` (forward) or ``"B"`` (backward).
+        microbatch: micro-batch index.
+    """
+
+    stage: int
+    kind: str
+    microbatch: int
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.stage) or self.stage < 0:
+            raise ConfigurationError(f"Action stage must be an int >= 0, got {self.stage!r}")
+        if self.kind not in (FORWARD, BACKWARD):
+            raise ConfigurationError(f"Action kind must be 'F' or 'B', got {self.kind!r}")
+        if not _is_int(self.microbatch) or self.microbatch < 0:
+            raise ConfigurationError(f"Action microbatch must be an int >= 0, got {self.microbatch!r}")
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.kind}{self.microbatch}"
+
+    @classmethod
+    def parse(cls, text: str) -> "Action":
+        """Build an Action from its string form, such as ``"0F3"`` or ``"12B7"``.
+
+        Args:
+            text: ``f"{stage}{kind}{microbatch}"``.
+
+        Returns:
+            The Action.
+
+        Raises:
+            ConfigurationError: ``text`` is not of that form.
+        """
+        for kind in (FORWARD, BACKWARD):
+            stage, sep, mb = str(text).partition(kind)
+            if sep and stage.isdigit() and mb.isdigit():
+                return cls(int(stage), kind, int(mb))
+        raise ConfigurationError(f"cannot parse {text!r} as an Action; expected e.g. '0F3' or '2B1'")
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check_positive_int(name: str, value: Any) -> None:
+    if not _is_int(value) or value < 1:
+        raise ConfigurationError(f"{name} must be a positive int, got {value!r}")
+
+
+def pipeline_schedule(
+    schedule: Union[PipelineSchedule, str],
+    num_stages: int,
+    num_microbatches: int,
+    stages_per_rank: int = 1,
+) -> List[List[Action]]:
+    """Generate the per-rank action lists of a pipeline schedule.
+
+    See the module notes for the layout (rank r holds stages r, r + P, ...)
+    and the order each schedule uses.
+
+    Args:
+        schedule: a PipelineSchedule or its name (``"gpipe"``, ``"1f1b"``,
+            ``"interleaved_1f1b"``).
+        num_stages: total number of stages (all ranks together).
+        num_microbatches: number of micro-batches m per step.
+        stages_per_rank: model chunks per rank v; must be 1 for GPIPE and
+            ONE_F_ONE_B.
+
+    Returns:
+        A list with one list of Actions per rank (``num_stages //
+        stages_per_rank`` ranks), each in the order that rank runs them. Every
+        rank's list holds exactly one forward and one backward per (own
+        stage, micro-batch).
+
+    Raises:
+        ConfigurationError: a count is not a positive int, ``num_stages`` is
+            not a multiple of ``stages_per_rank``, ``stages_per_rank != 1``
+            for GPIPE or ONE_F_ONE_B, or the interleaved schedule gets a
+            number of micro-batches that is not a multiple of the number of
+            ranks.
+    """
+    kind = PipelineSchedule.parse(schedule)
+    _check_positive_int("num_stages", num_stages)
+    _check_positive_int("num_microbatches", num_microbatches)
+    _check_positive_int("stages_per_rank", stages_per_rank)
+    if num_stages % stages_per_rank:
+        raise ConfigurationError(
+            f"num_stages={num_stages} is not a multiple of stages_per_rank={stages_per_rank}"
+        )
+    p, m, v = num_stages // stages_per_rank, num_microbatches, stages_per_rank
+    if kind is not PipelineSchedule.INTERLEAVED_1F1B and v != 1:
+        raise ConfigurationError(
+            f"{kind.name} runs one stage per rank, got stages_per_rank={v}; "
+            f"use INTERLEAVED_1F1B for several stages per rank"
+        )
+    if kind is PipelineSchedule.GPIPE:
+        return [_gpipe(r, m) for r in range(p)]
+    if kind is PipelineSchedule.ONE_F_ONE_B:
+        return [_one_f_one_b(r, p, m) for r in range(p)]
+    if m % p:
+        raise ConfigurationError(
+            f"INTERLEAVED_1F1B needs num_microbatches to be a multiple of the number of ranks: "
+            f"m={m} is not divisible by P={p} (num_stages={num_stages}, stages_per_rank={v})"
+        )
+    if v == 1:
+        # The extra warm-up forwards of the interleaved order only cover the hop
+        # from one chunk to the next; with a single chunk they would only hold
+        # more activations, so one chunk per rank is plain 1F1B.
+        return [_one_f_one_b(r, p, m) for r in range(p)]
+    return [_interleaved(r, p, m, v) for r in range(p)]
+
+
+def _gpipe(rank: int, m: int) -> List[Action]:
+    return [Action(rank, FORWARD, i) for i in range(m)] + [Action(rank, BACKWARD, i) for i in range(m)]
+
+
+def _one_f_one_b(rank: int, p: int, m: int) -> List[Action]:
+    warmup = min(p - rank - 1, m)
+    actions = [Action(rank, FORWARD, i) for i in range(warmup)]
+    for i in range(m - warmup):
+        actions.append(Action(rank, FORWARD, warmup + i))
+        actions.append(Action(rank, BACKWARD, i))
+    actions.extend(Action(rank, BACKWARD, i) for i in range(m - warmup, m))
+    return actions
+
+
+def _interleaved(rank: int, p: int, m: int, v: int) -> List[Action]:
+    total = m * v
+
+    def virtual(k: int, kind: str) -> Action:
+        chunk = (k // p) % v
+        if kind == BACKWARD:
+            chunk = v - 1 - chunk
+        microbatch = (k // (p * v)) * p + k % p
+        return Action(chunk * p + rank, kind, microbatch)
+
+    warmup = min((p - rank - 1) * 2 + (v - 1) * p, total)
+    actions = [virtual(k, FORWARD) for k in range(warmup)]
+    for i in range(total - warmup):
+        actions.append(virtual(warmup + i, FORWARD))
+        actions.append(virtual(i, BACKWARD))
+    actions.extend(virtual(k, BACKWARD) for k in range(total - warmup, total))
+    return actions
+
+
+def format_schedule_table(
+    actions_by_rank: Sequence[Sequence[Action]],
+    *,
+    timed: bool = True,
+    forward_cost: int = 1,
+    backward_cost: int = 1,
+) -> str:
+    """Render per-rank action lists as a step-by-rank grid (one row per rank).
+
+    With ``timed=True`` (the default) the schedule is simulated
+    (``simulate_pipeline``) with integer costs, by default one time step per
+    forward and per backward, and column t shows what each rank runs during
+    step t: idle steps appear as ``.``, so the bubbles and the diagonal of the
+    warm-up are visible, and an action longer than one step is followed by
+    ``-`` cells. If the schedule deadlocks, the grid shows what ran and a last
+    line names the stuck actions. With ``timed=False`` column i is simply the
+    i-th action of each rank's list (the order only, no waiting).
+
+    Example (1F1B, 4 stages, 8 micro-batches, unit costs; first columns)::
+
+        step    0   1   2   3   4   5   6   7   8   9
+        rank 0  0F0 0F1 0F2 0F3 .   .   .   0B0 0F4 0B1
+        rank 1  .   1F0 1F1 1F2 .   .   1B0 1F3 1B1 1F4
+
+    Args:
+        actions_by_rank: one list of Actions per rank, e.g. from ``pipeline_schedule``.
+        timed: lay actions out on the simulated time axis (True) or by position (False).
+        forward_cost: time steps per forward when ``timed`` (a positive int).
+        backward_cost: time steps per backward when ``timed`` (a positive int).
+
+    Returns:
+        The table as a string of lines, no trailing newline.
+
+    Raises:
+        ConfigurationError: a cost is not a positive int, or the lists are malformed.
+    """
+    rows = [[str(a) for a in actions] for actions in actions_by_rank]
+    note: Optional[str] = None
+    if timed:
+        _check_positive_int("forward_cost", forward_cost)
+        _check_positive_int("backward_cost", backward_cost)
+        from .simulate import simulate_pipeline  # sibling pure module; no cycle at import time
+
+        result = simulate_pipeline(actions_by_rank, forward_cost=forward_cost, backward_cost=backward_cost)
+        width_t = int(round(result.makespan))
+        rows = []
+        for timeline in result.timelines:
+            cells = ["."] * width_t
+            for action, start, end in timeline:
+                s, e = int(round(start)), int(round(end))
+                cells[s] = str(action)
+                for t in range(s + 1, e):
+                    cells[t] = "-"
+            rows.append(cells)
+        if result.deadlock:
+            note = "deadlock: " + result.deadlock_description
+    ncols = max((len(r) for r in rows), default=0)
+    labels = [f"rank {r}" for r in range(len(rows))]
+    label_w = max([len("step")] + [len(x) for x in labels])
+    cell_w = max([len(str(max(ncols - 1, 0)))] + [len(c) for r in rows for c in r])
+    lines = [" ".join([("step" if timed else "slot").ljust(label_w)] + [str(t).ljust(cell_w) for t in range(ncols)])]
+    for label, r in zip(labels, rows):
+        lines.append(" ".join([label.ljust(label_w)] + [c.ljust(cell_w) for c in r]).rstrip())
+    if note:
+        lines.append(note)
+    return "\n".join(line.rstrip() for line in lines)
+
+
+__all__ = ["PipelineSchedule", "Action", "pipeline_schedule", "format_schedule_table"]
