@@ -53,6 +53,9 @@ _LAZY = {
     "pipeline_schedule": "axonhpc.parallel",
     "simulate_pipeline": "axonhpc.parallel",
     "PipelineMemoryStats": "axonhpc.parallel",
+    "ColumnParallelLinear": "axonhpc.parallel",
+    "RowParallelLinear": "axonhpc.parallel",
+    "TensorParallelMLP": "axonhpc.parallel",
 }
 _SUBMODULES = ("nn", "optim", "data", "bucketing", "comm", "backends", "settings", "cli", "bench", "parallel",
                "checkpoint")
@@ -123,4 +126,7 @@ __all__ = [
     "pipeline_schedule",
     "simulate_pipeline",
     "PipelineMemoryStats",
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "TensorParallelMLP",
 ]

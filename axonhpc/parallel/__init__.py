@@ -3,6 +3,7 @@ from .ddp import DDP, DistributedDataParallel, GradientAfterReductionError, Unus
 from .memory import PipelineMemoryStats
 from .schedules import Action, PipelineSchedule, format_schedule_table, pipeline_schedule
 from .simulate import SimulationResult, simulate_pipeline
+from .tensor import ColumnParallelLinear, RowParallelLinear, TensorParallelMLP
 
 __all__ = [
     "DDP",
@@ -16,4 +17,7 @@ __all__ = [
     "simulate_pipeline",
     "SimulationResult",
     "PipelineMemoryStats",
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "TensorParallelMLP",
 ]

@@ -1,0 +1,80 @@
+"""Tensor parallelism equals the dense layers: threads as ranks (1-4) and MPI ranks."""
+import numpy as np
+import pytest
+
+import axonhpc as ax
+from axonhpc import nn
+from axonhpc.errors import ConfigurationError, ShapeError
+from axonhpc.parallel.tensor import partition_range
+from mpi_assert import collectively
+from tp_cases import CASES, FFN, HIDDEN
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_tp_case_local(case, world_size):
+    ax.run_local(CASES[case], world_size=world_size)
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_tp_case_mpi(case, mpi_world):
+    collectively(mpi_world, lambda: CASES[case](mpi_world))
+
+
+def test_partition_range():
+    assert [partition_range(12, r, 3) for r in range(3)] == [(0, 4), (4, 8), (8, 12)]
+    assert partition_range(0, 1, 2) == (0, 0)
+    with pytest.raises(ConfigurationError, match=r"features=10 must be .* group size 4 \(10 % 4 = 2\)"):
+        partition_range(10, 0, 4)
+    with pytest.raises(ConfigurationError, match="rank 4 is not in a group of size 4"):
+        partition_range(12, 4, 4)
+
+
+@pytest.mark.parametrize("layer", ["column", "row"])
+def test_init_makes_the_same_generator_calls_as_linear(layer):
+    # Same Generator in, same values out, and the Generator left in the same
+    # state: the draws are the same calls in the same order.
+    g_dense, g_tp = np.random.default_rng(9), np.random.default_rng(9)
+    dense = nn.Linear(HIDDEN, FFN, seed=g_dense)
+    cls = ax.ColumnParallelLinear if layer == "column" else ax.RowParallelLinear
+    tp = cls(HIDDEN, FFN, group=ax.ProcessGroup.mock(), seed=g_tp)
+    assert tp.weight.dtype == np.float32 and tp.bias.dtype == np.float32
+    np.testing.assert_array_equal(tp.weight.data, dense.weight.data)
+    np.testing.assert_array_equal(tp.bias.data, dense.bias.data)
+    assert g_dense.random() == g_tp.random()
+
+
+def test_without_bias():
+    group = ax.ProcessGroup.mock()
+    col = ax.ColumnParallelLinear(HIDDEN, FFN, group=group, bias=False, dtype=np.float64, seed=3)
+    row = ax.RowParallelLinear(FFN, HIDDEN, group=group, bias=False, dtype=np.float64, seed=4)
+    assert col.bias is None and [n for n, _ in row.named_parameters()] == ["weight"]
+    dense = nn.Linear(HIDDEN, FFN, bias=False, dtype=np.float64, seed=3)
+    np.testing.assert_array_equal(col.weight.data, dense.weight.data)
+    x = np.random.default_rng(0).standard_normal((4, HIDDEN))
+    np.testing.assert_allclose(row(col(x)), row(dense(x)), rtol=1e-14)
+
+
+def test_wrong_input_width():
+    group = ax.ProcessGroup.mock()
+    col = ax.ColumnParallelLinear(HIDDEN, FFN, group=group, seed=0)
+    with pytest.raises(ShapeError, match=rf"got input of shape \(2, 5\); the last axis must be {HIDDEN}"):
+        col(np.zeros((2, 5), dtype=np.float32))
+    row = ax.RowParallelLinear(FFN, HIDDEN, group=group, seed=0)
+    with pytest.raises(ShapeError, match=rf"the last axis must be {FFN}"):
+        row(np.zeros((2, 5), dtype=np.float32))
+
+
+def test_float32_mlp_matches_dense():
+    def case(world):
+        tp = ax.TensorParallelMLP(HIDDEN, FFN, seed=1)
+        dense = ax.TensorParallelMLP.dense_equivalent(HIDDEN, FFN, seed=1)
+        x = np.random.default_rng(2).standard_normal((5, HIDDEN)).astype(np.float32)
+        y = tp(x)
+        assert y.dtype == np.float32
+        np.testing.assert_allclose(y, dense(x), rtol=1e-5, atol=1e-6)
+        g = np.ones_like(y)
+        np.testing.assert_allclose(tp.backward(g), dense.backward(g), rtol=1e-5, atol=1e-6)
+
+    ax.run_local(case, world_size=2)
