@@ -1,0 +1,351 @@
+"""Pipeline parallelism: run the actions of a pipeline schedule over point-to-point messages.
+
+``Pipeline`` splits a model into stages, one (or ``stages_per_rank``) per rank
+of a group, and executes, on each rank, the action list that
+``axonhpc.parallel.schedules.pipeline_schedule`` generates for it: the forward
+and backward of its stages on every micro-batch, in order.
+
+[Note: the executor]
+Rank r of a group of P ranks owns stages r, r + P, r + 2P, ... (Megatron's
+layout, the one ``pipeline_schedule`` assumes). For ``F`` of stage s on
+micro-batch i the input is the micro-batch itself (s == 0) or the activation
+stage s - 1 sent; the module's activation cache is then stashed under (s, i)
+(``Module.stash_activations``), because the module keeps only one cache and
+other micro-batches run through it before this one's backward. The output goes
+to stage s + 1, or, on the last stage, into ``loss_fn``. ``B`` of stage s on i
+restores that cache, takes the gradient stage s + 1 sent (or the loss
+gradient) and sends the input gradient on to stage s - 1. When stages s and
+s + 1 live on the same rank (one rank holding every chunk) the hand-over is a
+local dictionary, not a message.
+
+[Note: loss gradient]
+The last stage seeds its backward with ``loss_fn.backward(1 / M)``. It is
+computed right after the loss, during the forward, and kept with the stashed
+activations: a loss object also keeps a single cache, and calling its
+backward at once means it never has to be stashed itself. The sum over the M
+micro-batches of these gradients is the gradient of the mean of the
+micro-batch losses, which, micro-batches being equal in size, is the gradient
+of the full-batch mean loss.
+
+[Note: messages, tags and deadlock freedom]
+Sends are non-blocking (``isend``); their handles and buffers are kept until
+the end of the step and then waited, so a rank only ever blocks in a receive.
+Every schedule ``pipeline_schedule`` produces is deadlock-free under exactly
+this model (sends never block, a rank waits only for the activation or
+gradient an action needs), which ``simulate_pipeline`` checks; hence the
+executor cannot deadlock either. Each message's tag encodes (micro-batch,
+stage, kind) uniquely within a step, so a receive can never match another
+message, whatever order the network delivers them in; the largest tag must
+stay within 32767, the bound MPI guarantees (``MPI_TAG_UB``), which limits
+``num_microbatches * num_stages`` to 6553.
+
+[Note: shapes]
+Receivers do not know the shapes of activations in advance (only rank 0 sees
+the batch). Once per step and stage boundary, with micro-batch 0's activation,
+the sender sends a small int64 header (dtype index, ndim, dimensions); all
+micro-batches of a step have the same shape, so the other M - 1 activations
+need none. Headers are not cached across steps, so the batch size may change
+from step to step. Gradients need no header at all: the gradient for the
+output of stage s has the shape and dtype of that output, which its receiver
+produced itself.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+from .._dtypes import array_module, supported_dtypes
+from ..collectives import isend, recv
+from ..errors import ConfigurationError, ShapeError
+from ..groups import resolve_group
+from .schedules import FORWARD, Action, PipelineSchedule, format_schedule_table, pipeline_schedule
+
+MAX_TAG = 32767  # the smallest MPI_TAG_UB the MPI standard allows
+_MAX_DIMS = 16
+# Message kinds, the last component of a tag.
+_ACT, _GRAD, _HDR, _EVAL_ACT, _EVAL_HDR = range(5)
+_NUM_KINDS = 5
+
+
+class Pipeline:
+    """Pipeline-parallel execution of a model split into stages.
+
+    Build it with ``Pipeline.from_modules``; see the module notes for how the
+    schedule is executed.
+
+    Args:
+        stage_modules: every stage's module, in order, the same list on every
+            rank (rank r only uses stages r, r + P, ...; the others are untouched).
+        group: the ranks of the pipeline (None: the current world's group).
+        num_microbatches: micro-batches M per step; the batch size must be a multiple of M.
+        schedule: a ``PipelineSchedule`` or its name.
+        loss_fn: called as ``loss_fn(out, y)`` on the last stage's output,
+            returning a float; ``loss_fn.backward(grad_output)`` returns the
+            loss gradient scaled by ``grad_output``. Only ``train_step`` needs it.
+        stages_per_rank: model chunks per rank (v > 1 needs INTERLEAVED_1F1B).
+
+    Attributes:
+        last_step_stats: after ``train_step``, a dict with ``peak_activations``
+            (the most (stage, micro-batch) caches this rank held at once),
+            ``timeline`` (``(action, start, end)`` per action, seconds since
+            the step began), ``messages_sent`` and ``step_time``.
+
+    Raises:
+        ConfigurationError: the number of modules is not ``P * stages_per_rank``,
+            or the schedule rejects the counts, or tags would not fit.
+        NotAMemberError: this rank is not in ``group``.
+    """
+
+    def __init__(self, stage_modules: Sequence[Any], group: Any = None, num_microbatches: int = 8,
+                 schedule: Union[PipelineSchedule, str] = PipelineSchedule.ONE_F_ONE_B,
+                 loss_fn: Any = None, stages_per_rank: int = 1):
+        self.group = resolve_group(group).require_member("building a Pipeline")
+        self.stage_modules = list(stage_modules)
+        p = self.group.size
+        if not isinstance(stages_per_rank, int) or isinstance(stages_per_rank, bool) or stages_per_rank < 1:
+            raise ConfigurationError(f"stages_per_rank must be a positive int, got {stages_per_rank!r}")
+        if len(self.stage_modules) != p * stages_per_rank:
+            raise ConfigurationError(
+                f"Pipeline got {len(self.stage_modules)} stage modules, but a group of {p} ranks with "
+                f"stages_per_rank={stages_per_rank} needs exactly {p * stages_per_rank}"
+            )
+        self.schedule = PipelineSchedule.parse(schedule)
+        self.num_stages = len(self.stage_modules)
+        self.num_microbatches = num_microbatches
+        self.stages_per_rank = stages_per_rank
+        # Validates the counts (positive ints, interleaving needs m % P == 0) once, here.
+        self._table = pipeline_schedule(self.schedule, self.num_stages, num_microbatches, stages_per_rank)
+        largest = self._tag(num_microbatches - 1, self.num_stages - 1, _NUM_KINDS - 1)
+        if largest > MAX_TAG:
+            raise ConfigurationError(
+                f"num_microbatches={num_microbatches} x num_stages={self.num_stages} needs message tags up "
+                f"to {largest}, above the {MAX_TAG} every MPI guarantees; use fewer micro-batches or stages"
+            )
+        self.loss_fn = loss_fn
+        self.rank = self.group.rank
+        self.size = p
+        self.stages = list(range(self.rank, self.num_stages, p))
+        self.last_step_stats: Dict[str, Any] = {}
+
+    @classmethod
+    def from_modules(cls, stage_modules: Sequence[Any], group: Any = None, num_microbatches: int = 8,
+                     schedule: Union[PipelineSchedule, str] = PipelineSchedule.ONE_F_ONE_B,
+                     loss_fn: Any = None, stages_per_rank: int = 1) -> "Pipeline":
+        """Build a pipeline from the full list of stage modules (same arguments as the class).
+
+        Returns:
+            The Pipeline for this rank.
+        """
+        return cls(stage_modules, group=group, num_microbatches=num_microbatches, schedule=schedule,
+                   loss_fn=loss_fn, stages_per_rank=stages_per_rank)
+
+    # -- facts --------------------------------------------------------------
+    def owner(self, stage: int) -> int:
+        """The group rank that holds ``stage``."""
+        return stage % self.size
+
+    @property
+    def is_last(self) -> bool:
+        """True on the rank that holds the last stage (where losses and outputs appear)."""
+        return self.owner(self.num_stages - 1) == self.rank
+
+    def parameters(self) -> List[Any]:
+        """This rank's stages' Parameters, in stage order (for its optimizer)."""
+        return [p for s in self.stages for p in self.stage_modules[s].parameters()]
+
+    def schedule_table(self, as_text: bool = False, **format_args: Any) -> Union[List[List[Action]], str]:
+        """The per-rank action lists this pipeline runs.
+
+        Args:
+            as_text: return the grid of ``format_schedule_table`` instead of the lists.
+            **format_args: passed to ``format_schedule_table`` (``timed``, costs).
+
+        Returns:
+            One list of Actions per rank (a fresh copy), or the table as a string.
+        """
+        if as_text:
+            return format_schedule_table(self._table, **format_args)
+        return [list(actions) for actions in self._table]
+
+    # -- training -----------------------------------------------------------
+    def train_step(self, x: Any, y: Any) -> Optional[float]:
+        """Run one forward and backward of the whole batch through the pipeline.
+
+        Gradients are accumulated (added) into the stage modules' Parameters;
+        zero them before the step, as with any backward.
+
+        Args:
+            x: the batch; only rank 0 (stage 0) needs it, other ranks may pass None
+                (an array passed there has its batch size checked too).
+            y: the targets; only the last stage's rank needs them (same rule).
+
+        Returns:
+            The mean of the micro-batch losses on the last stage's rank, None elsewhere.
+
+        Raises:
+            ConfigurationError: no ``loss_fn`` was given.
+            ShapeError: the batch size is not a multiple of ``num_microbatches``.
+        """
+        if self.loss_fn is None:
+            raise ConfigurationError("Pipeline.train_step needs a loss_fn (pass loss_fn= to from_modules)")
+        m = self.num_microbatches
+        # Arrays are checked on every rank that passes them, so a bad batch size fails on all
+        # those ranks together instead of leaving a middle stage waiting for an activation.
+        xs = self._split(x, "x") if self.rank == 0 or hasattr(x, "shape") else None
+        ys = self._split(y, "y") if self.is_last or hasattr(y, "shape") else None
+        step_start = time.perf_counter()
+        # (stage, mb) -> (module caches, (array module, shape, dtype) of the output, loss grad)
+        stash: Dict[Tuple[int, int], Any] = {}
+        local: Dict[Tuple[int, int, int], Any] = {}  # same-rank hand-overs
+        shapes: Dict[int, Tuple[Any, Tuple[int, ...]]] = {}  # stage -> (dtype, shape) of its input
+        pending: List[Tuple[Any, Any]] = []  # (Work, buffer): the buffer must live until the wait
+        losses: List[float] = []
+        timeline: List[Tuple[Action, float, float]] = []
+        peak = 0
+        for action in self._table[self.rank]:
+            start = time.perf_counter() - step_start
+            s, i = action.stage, action.microbatch
+            module = self.stage_modules[s]
+            if action.kind == FORWARD:
+                inp = xs[i] if s == 0 else self._receive_activation(s, i, shapes, local, _ACT, _HDR)
+                out = module(inp)
+                seed = None
+                if s == self.num_stages - 1:
+                    losses.append(float(self.loss_fn(out, ys[i])))
+                    seed = self.loss_fn.backward(1.0 / m)
+                else:
+                    self._send_activation(out, s, i, pending, local, _ACT, _HDR)
+                # Only the output's description is kept: the gradient for it is received into a
+                # fresh buffer, and holding the output itself would double the memory per stash.
+                stash[(s, i)] = (module.stash_activations(), (array_module(out), out.shape, out.dtype), seed)
+                peak = max(peak, len(stash))
+            else:
+                if (s, i) not in stash:
+                    raise RuntimeError(f"schedule runs {action} before its forward on rank {self.rank}")
+                caches, out_meta, seed = stash.pop((s, i))
+                module.restore_activations(caches)
+                grad = seed if seed is not None else self._receive_gradient(s, i, out_meta, local)
+                grad_in = module.backward(grad)
+                if s > 0:
+                    if s in shapes:  # the receiver allocates its output's dtype; match it exactly
+                        grad_in = grad_in.astype(shapes[s][0], copy=False)
+                    self._send(grad_in, s - 1, i, _GRAD, pending, local)
+            timeline.append((action, start, time.perf_counter() - step_start))
+        for work, _ in pending:
+            work.wait()
+        self.last_step_stats = {
+            "peak_activations": peak,
+            "timeline": timeline,
+            "messages_sent": len(pending),
+            "step_time": time.perf_counter() - step_start,
+        }
+        return sum(losses) / m if self.is_last else None
+
+    def forward(self, x: Any) -> Any:
+        """Inference: run the forwards of every micro-batch through the stages, keeping nothing.
+
+        The modules' train/eval mode is left as it is (call ``.eval()`` on
+        the stage modules first for layers such as dropout). The activation
+        caches the forwards leave behind are dropped, so nothing is held for a
+        backward.
+
+        Args:
+            x: the batch; only rank 0 reads it. Its size must be a multiple of
+                ``num_microbatches``.
+
+        Returns:
+            The last stage's output for the whole batch on its rank, None elsewhere.
+
+        Raises:
+            ShapeError: the batch size is not a multiple of ``num_microbatches``.
+        """
+        xs = self._split(x, "x") if self.rank == 0 or hasattr(x, "shape") else None
+        local: Dict[Tuple[int, int, int], Any] = {}
+        shapes: Dict[int, Tuple[Any, Tuple[int, ...]]] = {}
+        pending: List[Tuple[Any, Any]] = []
+        outputs = []
+        # Every rank walks (micro-batch, stage) in increasing order; an input only ever comes
+        # from an earlier pair, so with non-blocking sends this order cannot deadlock.
+        for i in range(self.num_microbatches):
+            for s in self.stages:
+                module = self.stage_modules[s]
+                inp = xs[i] if s == 0 else self._receive_activation(s, i, shapes, local, _EVAL_ACT, _EVAL_HDR)
+                out = module(inp)
+                module.stash_activations()  # drop the cache: no backward follows
+                if s == self.num_stages - 1:
+                    outputs.append(out)
+                else:
+                    self._send_activation(out, s, i, pending, local, _EVAL_ACT, _EVAL_HDR)
+        for work, _ in pending:
+            work.wait()
+        if not self.is_last:
+            return None
+        return array_module(outputs[0]).concatenate(outputs, axis=0)
+
+    # -- messages -----------------------------------------------------------
+    def _split(self, a: Any, name: str) -> List[Any]:
+        m = self.num_microbatches
+        if a is None or not hasattr(a, "shape") or len(a.shape) == 0:
+            raise ShapeError(f"Pipeline: rank {self.rank} needs {name} as an array with a batch axis, "
+                             f"got {type(a).__name__}")
+        n = a.shape[0]
+        if n % m:
+            raise ShapeError(f"Pipeline: the batch size of {name} ({n}) is not a multiple of "
+                             f"num_microbatches={m}")
+        b = n // m
+        return [a[k * b:(k + 1) * b] for k in range(m)]
+
+    def _tag(self, microbatch: int, stage: int, kind: int) -> int:
+        # Unique per (micro-batch, receiving stage, kind) within a step.
+        return (microbatch * self.num_stages + stage) * _NUM_KINDS + kind
+
+    def _send(self, array: Any, stage: int, microbatch: int, kind: int, pending: list, local: dict) -> None:
+        """Send ``array`` to the rank of ``stage`` (the receiving stage)."""
+        dst = self.owner(stage)
+        if dst == self.rank:
+            local[(stage, microbatch, kind)] = array
+            return
+        buf = array_module(array).ascontiguousarray(array)
+        pending.append((isend(buf, dst, tag=self._tag(microbatch, stage, kind), group=self.group), buf))
+
+    def _send_activation(self, out: Any, stage: int, microbatch: int, pending: list, local: dict,
+                         kind: int, header_kind: int) -> None:
+        nxt = stage + 1
+        if microbatch == 0 and self.owner(nxt) != self.rank:
+            dtypes = list(supported_dtypes())
+            if out.dtype not in dtypes or out.ndim > _MAX_DIMS:
+                raise ShapeError(f"Pipeline: stage {stage} produced a {out.dtype} array of {out.ndim} "
+                                 f"dimensions; messages carry at most {_MAX_DIMS} dimensions of {dtypes}")
+            header = np.zeros(2 + _MAX_DIMS, dtype=np.int64)
+            header[0], header[1] = dtypes.index(out.dtype), out.ndim
+            header[2:2 + out.ndim] = out.shape
+            self._send(header, nxt, 0, header_kind, pending, local)
+        self._send(out, nxt, microbatch, kind, pending, local)
+
+    def _receive_activation(self, stage: int, microbatch: int, shapes: dict, local: dict,
+                            kind: int, header_kind: int) -> Any:
+        src = self.owner(stage - 1)
+        if src == self.rank:
+            return local.pop((stage, microbatch, kind))
+        if stage not in shapes:
+            # The header always travels with micro-batch 0, whichever micro-batch comes first here.
+            header = np.empty(2 + _MAX_DIMS, dtype=np.int64)
+            recv(header, src, tag=self._tag(0, stage, header_kind), group=self.group)
+            ndim = int(header[1])
+            shapes[stage] = (supported_dtypes()[int(header[0])], tuple(int(d) for d in header[2:2 + ndim]))
+        dtype, shape = shapes[stage]
+        buf = np.empty(shape, dtype=dtype)
+        return recv(buf, src, tag=self._tag(microbatch, stage, kind), group=self.group)
+
+    def _receive_gradient(self, stage: int, microbatch: int, out_meta: Tuple[Any, Any, Any], local: dict) -> Any:
+        src = self.owner(stage + 1)
+        if src == self.rank:
+            return local.pop((stage, microbatch, _GRAD))
+        xp, shape, dtype = out_meta
+        buf = xp.empty(shape, dtype=dtype)
+        return recv(buf, src, tag=self._tag(microbatch, stage, _GRAD), group=self.group)
+
+
+__all__ = ["Pipeline"]

@@ -1,0 +1,230 @@
+"""Pipeline parity cases, written once, run on threads (plain pytest) and on MPI ranks.
+
+Every case builds the full list of P * v stage modules on every rank from the
+same seeds, runs the pipeline over the world's group (P = world size), and
+compares each rank's own stages with the same stages trained in one process
+on the whole batch (a Sequential of all stages, mean loss over the batch).
+Cases return early where a configuration does not apply to the world size.
+"""
+import numpy as np
+import pytest
+
+import axonhpc as ax
+from axonhpc import nn, optim
+from axonhpc.errors import BackwardBeforeForwardError, ConfigurationError, ShapeError
+from axonhpc.parallel.memory import PipelineMemoryStats
+from axonhpc.parallel.schedules import format_schedule_table, pipeline_schedule
+from axonhpc.parallel.simulate import simulate_pipeline
+
+BATCH = 24  # a multiple of every micro-batch count used below
+IN, HIDDEN, CLASSES = 6, 8, 3
+STEPS = 3
+TOL = 1e-12
+GPIPE, ONE_F_ONE_B, INTERLEAVED = (ax.PipelineSchedule.GPIPE, ax.PipelineSchedule.ONE_F_ONE_B,
+                                   ax.PipelineSchedule.INTERLEAVED_1F1B)
+
+
+def make_stages(num_stages):
+    stages = []
+    for k in range(num_stages):
+        fan_in = IN if k == 0 else HIDDEN
+        layers = [nn.Linear(fan_in, HIDDEN, dtype=np.float64, seed=10 + k), nn.Tanh()]
+        if k == num_stages - 1:
+            layers.append(nn.Linear(HIDDEN, CLASSES, dtype=np.float64, seed=99))
+        stages.append(nn.Sequential(*layers))
+    return stages
+
+
+def make_data(step):
+    rng = np.random.default_rng(500 + step)
+    return rng.standard_normal((BATCH, IN)), rng.integers(0, CLASSES, BATCH)
+
+
+def make_optimizer(kind, params):
+    if kind == "sgd":
+        return optim.SGD(params, lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-3)
+    return optim.Adam(params, lr=1e-2)
+
+
+def train_reference(num_stages, kind, steps=STEPS):
+    stages = make_stages(num_stages)
+    model = nn.Sequential(*stages)
+    opt = make_optimizer(kind, model.parameters())
+    loss_fn = nn.CrossEntropyLoss()
+    losses = []
+    for step in range(steps):
+        x, y = make_data(step)
+        opt.zero_grad()
+        losses.append(loss_fn(model(x), y))
+        model.backward(loss_fn.backward())
+        opt.step()
+    return stages, losses
+
+
+def close(actual, expected, what):
+    np.testing.assert_allclose(actual, expected, rtol=TOL, atol=TOL, err_msg=what)
+
+
+def parity(world, schedule, m, kind, v=1):
+    p, r = world.world_size, world.rank
+    stages = make_stages(p * v)
+    pipe = ax.Pipeline.from_modules(stages, num_microbatches=m, schedule=schedule,
+                                    loss_fn=nn.CrossEntropyLoss(), stages_per_rank=v)
+    assert pipe.stages == list(range(r, p * v, p))
+    opt = make_optimizer(kind, pipe.parameters())
+    reference, ref_losses = train_reference(p * v, kind)
+    last = (p * v - 1) % p
+    grads = None
+    for step in range(STEPS):
+        x, y = make_data(step)
+        if step % 2:  # only the ranks that read them get real arrays
+            x, y = (x if r == 0 else None), (y if r == last else None)
+        opt.zero_grad()
+        loss = pipe.train_step(x, y)
+        if grads is None:
+            grads = [q.grad for q in pipe.parameters()]
+        else:  # accumulated in place into the same arrays, never replaced
+            assert all(q.grad is g for q, g in zip(pipe.parameters(), grads))
+        if r == last:
+            close(loss, ref_losses[step], f"loss at step {step}")
+        else:
+            assert loss is None
+        opt.step()
+    untouched = make_stages(p * v)
+    for s in range(p * v):
+        for (name, q), (_, q_ref), (_, q0) in zip(stages[s].named_parameters(),
+                                                  reference[s].named_parameters(),
+                                                  untouched[s].named_parameters()):
+            if s in pipe.stages:
+                close(q.data, q_ref.data, f"stage {s} {name} ({schedule.name}, m={m}, {kind})")
+            else:
+                np.testing.assert_array_equal(q.data, q0.data, err_msg=f"stage {s} is not this rank's")
+                assert q.grad is None
+    return pipe
+
+
+# Over world sizes 1..4 these cover m < p (1; 3 with p = 4), m not a multiple of p
+# (3 with p = 2 or 4; 4 and 8 with p = 3) and m a multiple of p.
+MICROBATCH_COUNTS = (1, 3, 4, 8)
+
+
+def case_parity_gpipe(world):
+    for m in MICROBATCH_COUNTS:
+        for kind in ("sgd", "adam"):
+            parity(world, GPIPE, m, kind)
+
+
+def case_parity_one_f_one_b(world):
+    for m in MICROBATCH_COUNTS:
+        for kind in ("sgd", "adam"):
+            parity(world, ONE_F_ONE_B, m, kind)
+
+
+def case_parity_interleaved(world):
+    p = world.world_size
+    for m in (p, 2 * p):
+        for kind in ("sgd", "adam"):
+            parity(world, INTERLEAVED, m, kind, v=2)
+    parity(world, INTERLEAVED, p, "sgd", v=3)
+
+
+def case_measured_peak_activations(world):
+    p, r = world.world_size, world.rank
+    x, y = make_data(0)
+    for schedule, v, counts in ((GPIPE, 1, (1, 3, 8)), (ONE_F_ONE_B, 1, (1, 3, 8)),
+                                (INTERLEAVED, 2, (p, 2 * p))):
+        for m in counts:
+            pipe = ax.Pipeline.from_modules(make_stages(p * v), num_microbatches=m, schedule=schedule,
+                                            loss_fn=nn.CrossEntropyLoss(), stages_per_rank=v)
+            pipe.train_step(x, y)
+            stats = pipe.last_step_stats
+            expected = simulate_pipeline(pipe.schedule_table()).peak_activations[r]
+            assert stats["peak_activations"] == expected, (schedule, m, stats["peak_activations"], expected)
+            if schedule is GPIPE:
+                assert stats["peak_activations"] == PipelineMemoryStats.gpipe_peak_activations(p, m) == m
+            elif schedule is ONE_F_ONE_B:
+                assert stats["peak_activations"] == min(p - r, m)
+                if r == 0:
+                    assert stats["peak_activations"] == PipelineMemoryStats.one_f_one_b_peak_activations(p, m)
+            # the timeline is this rank's action list, run in order, with ordered times
+            timeline = stats["timeline"]
+            assert [a for a, _, _ in timeline] == pipe.schedule_table()[r]
+            assert all(0 <= t0 <= t1 for _, t0, t1 in timeline)
+            assert all(a[2] <= b[1] for a, b in zip(timeline, timeline[1:]))
+
+
+def case_forward_matches_reference(world):
+    p, r = world.world_size, world.rank
+    x, _ = make_data(7)
+    for schedule, v, m in ((ONE_F_ONE_B, 1, 3), (GPIPE, 1, 8), (INTERLEAVED, 2, 2 * p)):
+        stages = make_stages(p * v)
+        pipe = ax.Pipeline.from_modules(stages, num_microbatches=m, schedule=schedule, stages_per_rank=v)
+        out = pipe.forward(x)
+        expected = nn.Sequential(*make_stages(p * v))(x)
+        if r == (p * v - 1) % p:
+            assert out.shape == (BATCH, CLASSES)
+            close(out, expected, f"forward output ({schedule.name}, m={m})")
+        else:
+            assert out is None
+        for s in pipe.stages:  # nothing kept for a backward
+            with pytest.raises(BackwardBeforeForwardError):
+                stages[s].backward(np.ones((BATCH // m, HIDDEN)))
+            assert all(q.grad is None for q in stages[s].parameters())
+
+
+def case_deadlock_free_many_microbatches(world):
+    # Long schedules with every ordering: any mismatch or wait cycle would hang or raise here.
+    p, r = world.world_size, world.rank
+    x, y = make_data(3)
+    for schedule, v, m in ((GPIPE, 1, 24), (ONE_F_ONE_B, 1, 24), (ONE_F_ONE_B, 1, 2),
+                           (INTERLEAVED, 2, 4 * p if 24 % (4 * p) == 0 else 2 * p), (INTERLEAVED, 4, p)):
+        pipe = ax.Pipeline.from_modules(make_stages(p * v), num_microbatches=m, schedule=schedule,
+                                        loss_fn=nn.CrossEntropyLoss(), stages_per_rank=v)
+        for _ in range(2):
+            loss = pipe.train_step(x, y)
+            assert (loss is None) == (r != (p * v - 1) % p)
+            assert len(pipe.last_step_stats["timeline"]) == 2 * m * v
+            assert pipe.last_step_stats["peak_activations"] >= 1
+
+
+def case_schedule_table(world):
+    p = world.world_size
+    pipe = ax.Pipeline.from_modules(make_stages(2 * p), num_microbatches=2 * p, schedule="interleaved",
+                                    stages_per_rank=2)
+    assert pipe.schedule_table() == pipeline_schedule(INTERLEAVED, 2 * p, 2 * p, 2)
+    assert pipe.schedule_table(as_text=True) == format_schedule_table(pipeline_schedule(INTERLEAVED, 2 * p, 2 * p, 2))
+    assert pipe.schedule_table(as_text=True, timed=False).startswith("slot")
+    table = pipe.schedule_table()
+    table[0].clear()  # a copy: the pipeline's own lists stay intact
+    assert len(pipe.schedule_table()[0]) == 2 * (2 * p) * 2
+
+
+def case_configuration_errors(world):
+    p, r = world.world_size, world.rank
+    with pytest.raises(ConfigurationError, match=rf"got {p + 1} stage modules.*{p} ranks.*needs exactly {p}"):
+        ax.Pipeline.from_modules(make_stages(p + 1), num_microbatches=2)
+    with pytest.raises(ConfigurationError, match=rf"needs exactly {2 * p}"):
+        ax.Pipeline.from_modules(make_stages(p), schedule=INTERLEAVED, stages_per_rank=2)
+    with pytest.raises(ConfigurationError, match="one stage per rank"):
+        ax.Pipeline.from_modules(make_stages(2 * p), schedule=ONE_F_ONE_B, stages_per_rank=2)
+    if p > 1:
+        with pytest.raises(ConfigurationError, match="multiple of the number of ranks"):
+            ax.Pipeline.from_modules(make_stages(2 * p), num_microbatches=p + 1, schedule=INTERLEAVED,
+                                     stages_per_rank=2)
+    with pytest.raises(ConfigurationError, match="tags"):
+        ax.Pipeline.from_modules(make_stages(p), num_microbatches=7000)
+    pipe = ax.Pipeline.from_modules(make_stages(p), num_microbatches=5)
+    with pytest.raises(ConfigurationError, match="loss_fn"):
+        pipe.train_step(*make_data(0))
+    pipe = ax.Pipeline.from_modules(make_stages(p), num_microbatches=5, loss_fn=nn.CrossEntropyLoss())
+    x, y = make_data(0)  # 24 rows: not a multiple of 5; every rank is given the arrays, all raise
+    with pytest.raises(ShapeError, match=r"batch size of [xy] \(24\) is not a multiple of num_microbatches=5"):
+        pipe.train_step(x, y)
+    with pytest.raises(ShapeError, match="not a multiple"):
+        pipe.forward(x)
+    if r == 0:
+        with pytest.raises(ShapeError, match="needs x"):
+            pipe.forward(None)
+
+
+CASES = {name[len("case_"):]: fn for name, fn in sorted(globals().items()) if name.startswith("case_")}
