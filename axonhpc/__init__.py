@@ -57,6 +57,7 @@ _LAZY = {
     "ColumnParallelLinear": "axonhpc.parallel",
     "RowParallelLinear": "axonhpc.parallel",
     "TensorParallelMLP": "axonhpc.parallel",
+    "TensorParallelAttention": "axonhpc.parallel",
 }
 _SUBMODULES = ("nn", "optim", "data", "bucketing", "comm", "backends", "settings", "cli", "bench", "parallel",
                "checkpoint")
@@ -131,4 +132,5 @@ __all__ = [
     "ColumnParallelLinear",
     "RowParallelLinear",
     "TensorParallelMLP",
+    "TensorParallelAttention",
 ]

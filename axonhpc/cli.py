@@ -19,6 +19,7 @@ BENCHMARKS = {
     "allreduce": "axonhpc.bench.allreduce",
     "ddp": "axonhpc.bench.ddp",
     "pack": "axonhpc.bench.pack",
+    "pipeline": "axonhpc.bench.pipeline",
 }
 
 

@@ -15,6 +15,7 @@ from axonhpc.errors import BackwardBeforeForwardError, ConfigurationError, Shape
 from axonhpc.parallel.memory import PipelineMemoryStats
 from axonhpc.parallel.schedules import format_schedule_table, pipeline_schedule
 from axonhpc.parallel.simulate import simulate_pipeline
+from axonhpc.parallel.trace import chrome_trace, gather_timelines, timeline_bubble
 
 BATCH = 24  # a multiple of every micro-batch count used below
 IN, HIDDEN, CLASSES = 6, 8, 3
@@ -225,6 +226,70 @@ def case_configuration_errors(world):
     if r == 0:
         with pytest.raises(ShapeError, match="needs x"):
             pipe.forward(None)
+
+
+def dp_parity(world, schedule, m, kind, v=1):
+    """2 pipeline stages (x v chunks) x 2 data-parallel replicas vs one process on the whole batch."""
+    mesh = world.mesh(dp=2, pp=2)
+    dp, pp = mesh.coords.dp, mesh.coords.pp
+    stages = make_stages(2 * v)
+    if dp == 1:  # replica 1 starts elsewhere: the Pipeline must copy dp rank 0's parameters
+        for q in stages[pp].parameters():
+            q.data[...] += 1.0
+    pipe = ax.Pipeline.from_modules(stages, group=mesh.pp, num_microbatches=m, schedule=schedule,
+                                    loss_fn=nn.CrossEntropyLoss(), stages_per_rank=v, dp_group=mesh.dp)
+    assert pipe.stages == list(range(pp, 2 * v, 2))
+    opt = make_optimizer(kind, pipe.parameters())
+    reference, ref_losses = train_reference(2 * v, kind)
+    shard = BATCH // 2
+    for step in range(STEPS):
+        x, y = make_data(step)
+        x, y = x[dp * shard:(dp + 1) * shard], y[dp * shard:(dp + 1) * shard]
+        opt.zero_grad()
+        loss = pipe.train_step(x, y)
+        if pipe.is_last:  # the loss of the whole global batch, on both replicas
+            close(loss, ref_losses[step], f"dp loss at step {step}")
+        else:
+            assert loss is None
+        opt.step()
+    for s in pipe.stages:
+        for (name, q), (_, q_ref) in zip(stages[s].named_parameters(), reference[s].named_parameters()):
+            close(q.data, q_ref.data, f"stage {s} {name} dp={dp} ({schedule.name}, m={m}, {kind})")
+    assert pipe.last_step_stats["dp_sync_time"] > 0
+
+
+def case_pipeline_with_data_parallel(world):
+    if world.world_size != 4:
+        return
+    for schedule, m, v in ((GPIPE, 3, 1), (ONE_F_ONE_B, 4, 1), (ONE_F_ONE_B, 1, 1), (INTERLEAVED, 2, 2)):
+        for kind in ("sgd", "adam"):
+            dp_parity(world, schedule, m, kind, v)
+
+
+def case_gather_timelines(world):
+    p, r = world.world_size, world.rank
+    x, y = make_data(0)
+    for schedule, v, m in ((GPIPE, 1, 3), (ONE_F_ONE_B, 1, 4), (INTERLEAVED, 2, 2 * p)):
+        pipe = ax.Pipeline.from_modules(make_stages(p * v), num_microbatches=m, schedule=schedule,
+                                        loss_fn=nn.CrossEntropyLoss(), stages_per_rank=v)
+        with pytest.raises(RuntimeError, match="run train_step"):  # raised before any message
+            gather_timelines(pipe)
+        pipe.train_step(x, y)
+        gathered = gather_timelines(pipe, dst=p - 1)
+        if r != p - 1:
+            assert gathered is None
+            continue
+        assert len(gathered) == p
+        table = pipe.schedule_table()
+        for rank, timeline in enumerate(gathered):
+            assert [a for a, _, _ in timeline] == table[rank]
+            assert all(0 <= t0 <= t1 for _, t0, t1 in timeline)
+        assert gathered[r] == pipe.last_step_stats["timeline"]  # float64 carries the times exactly
+        doc = chrome_trace(gathered)
+        spans = [e for e in doc["traceEvents"] if e["ph"] == "X"]
+        assert len(spans) == sum(len(t) for t in table)
+        assert {e["pid"] for e in spans} == set(range(p))
+        assert 0.0 <= timeline_bubble(gathered) < 1.0
 
 
 CASES = {name[len("case_"):]: fn for name, fn in sorted(globals().items()) if name.startswith("case_")}

@@ -78,3 +78,55 @@ def test_float32_mlp_matches_dense():
         np.testing.assert_allclose(tp.backward(g), dense.backward(g), rtol=1e-5, atol=1e-6)
 
     ax.run_local(case, world_size=2)
+
+
+def test_attention_costs_one_all_reduce_each_way(monkeypatch):
+    from collections import Counter
+    import threading
+
+    import axonhpc.parallel.tensor as tensor
+
+    calls = []
+    real = tensor.all_reduce
+
+    def counting(*args, **kwargs):
+        calls.append(threading.get_ident())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(tensor, "all_reduce", counting)
+    phases = []
+
+    def case(world):
+        attn = ax.TensorParallelAttention(24, 12, dtype=np.float64, seed=0)
+        me = threading.get_ident()
+        x = np.random.default_rng(1).standard_normal((2, 3, 24))
+        before = calls.count(me)
+        y = attn(x)
+        forward = calls.count(me) - before
+        attn.backward(np.ones_like(y))
+        phases.append((forward, calls.count(me) - before - forward))
+
+    ax.run_local(case, world_size=2)
+    assert phases == [(1, 1), (1, 1)], phases
+    assert len(Counter(calls)) == 2
+
+
+def test_attention_init_makes_the_same_generator_calls_as_dense():
+    g_dense, g_tp = np.random.default_rng(9), np.random.default_rng(9)
+    dense = nn.MultiHeadAttention(24, 4, seed=g_dense)
+    tp = ax.TensorParallelAttention(24, 4, group=ax.ProcessGroup.mock(), seed=g_tp)
+    assert tp.q_proj.weight.dtype == np.float32
+    for (name, a), (_, b) in zip(tp.named_parameters(), dense.named_parameters()):
+        np.testing.assert_array_equal(a.data, b.data, err_msg=name)
+    assert g_dense.random() == g_tp.random()
+
+
+def test_attention_without_bias_and_wrong_input():
+    group = ax.ProcessGroup.mock()
+    tp = ax.TensorParallelAttention(24, 4, group=group, bias=False, causal=True, dtype=np.float64, seed=3)
+    dense = nn.MultiHeadAttention(24, 4, bias=False, causal=True, dtype=np.float64, seed=3)
+    assert [n for n, _ in tp.named_parameters()] == [n for n, _ in dense.named_parameters()]
+    x = np.random.default_rng(0).standard_normal((2, 5, 24))
+    np.testing.assert_allclose(tp(x), dense(x), rtol=1e-12, atol=1e-12)
+    with pytest.raises(ShapeError, match=r"expects input \(B, T, 24\), got \(2, 24\)"):
+        tp(np.zeros((2, 24)))

@@ -217,4 +217,114 @@ def case_divisibility_errors(world):
         assert ax.ColumnParallelLinear(HIDDEN, FFN, group=sub, seed=0).weight.shape == (FFN, HIDDEN)
 
 
+# Attention: 12 heads, so every world size from 1 to 4 divides them; head_dim 2.
+EMBED = 24
+HEADS = 12
+ATTN_STEPS = 3
+ATTN_PARAMS = ["q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias",
+               "out_proj.weight", "out_proj.bias"]
+
+
+def attention_slice(name, rank, size):
+    """The index of rank's shard in the dense attention's parameter ``name``."""
+    features = block(EMBED, rank, size)  # heads [r*H/P, (r+1)*H/P) are features [r*E/P, (r+1)*E/P)
+    if name == "out_proj.weight":
+        return (slice(None), features)
+    if name == "out_proj.bias":
+        return (slice(None),)
+    return (features,)
+
+
+def check_attention_shards(tp, dense, world, what, tol=TOL, grads=False, skip=()):
+    """Each rank's q/k/v/out shard (or its gradient) equals the slice of the dense attention's."""
+    attr = "grad" if grads else "data"
+    dense_params = dict(dense.named_parameters())
+    tp_params = dict(tp.named_parameters())
+    assert list(tp_params) == list(dense_params) == ATTN_PARAMS
+    for name in ATTN_PARAMS:
+        if name in skip:
+            continue
+        expected = getattr(dense_params[name], attr)[attention_slice(name, world.rank, world.world_size)]
+        actual = getattr(tp_params[name], attr)
+        if tol == 0:
+            np.testing.assert_array_equal(actual, expected, err_msg=f"{what}: {name}")
+        else:
+            close(actual, expected, f"{what}: {name}", tol)
+
+
+def randomise_biases(tp, dense, world, seed):
+    """Give the (zero-initialised) biases the same non-zero values, so their use is tested too."""
+    for name, param in dense.named_parameters():
+        if name.endswith("bias"):
+            param.data[...] = data(param.shape, seed)
+            seed += 1
+    dense_params = dict(dense.named_parameters())
+    for name, param in tp.named_parameters():
+        if name.endswith("bias"):
+            param.data[...] = dense_params[name].data[attention_slice(name, world.rank, world.world_size)]
+
+
+def case_attention_matches_dense(world):
+    p = world.world_size
+    for causal in (False, True):
+        tp = ax.TensorParallelAttention(EMBED, HEADS, causal=causal, dtype=np.float64, seed=41)
+        dense = nn.MultiHeadAttention(EMBED, HEADS, causal=causal, dtype=np.float64, seed=41)
+        assert tp.num_heads_per_rank == HEADS // p and tp.q_proj.weight.shape == (EMBED // p, EMBED)
+        assert tp.out_proj.weight.shape == (EMBED, EMBED // p)
+        # Shards are exact slices of the dense layer's draw, not merely close.
+        check_attention_shards(tp, dense, world, f"initial values, causal={causal}", tol=0)
+        randomise_biases(tp, dense, world, 50)
+        x = data((2, 5, EMBED), 42)
+        g = data((2, 5, EMBED), 43)
+        y_dense = dense(x)
+        gx_dense = dense.backward(g)
+        close(tp(x), y_dense, f"attention output, causal={causal}")
+        close(tp.backward(g), gx_dense, f"attention input gradient, causal={causal}")
+        check_attention_shards(tp, dense, world, f"gradients, causal={causal}", grads=True)
+
+
+def case_attention_training_parity_adam(world):
+    tp = ax.TensorParallelAttention(EMBED, HEADS, causal=True, dtype=np.float64, seed=44)
+    dense = ax.TensorParallelAttention.dense_equivalent(EMBED, HEADS, causal=True, dtype=np.float64, seed=44)
+    opts = [optim.Adam(m.parameters(), lr=1e-2) for m in (tp, dense)]
+    for step in range(ATTN_STEPS):
+        rng = np.random.default_rng(300 + step)
+        x, target = rng.standard_normal((3, 4, EMBED)), rng.standard_normal((3, 4, EMBED))
+        losses = []
+        for model, opt in zip((tp, dense), opts):
+            loss_fn = nn.MSELoss()
+            opt.zero_grad()
+            losses.append(loss_fn(model(x), target))
+            model.backward(loss_fn.backward())
+            opt.step()
+        close(losses[0], losses[1], f"attention loss at step {step}")
+    # The key bias's gradient is exactly zero (softmax ignores a shift shared by all keys), so
+    # both copies hold Adam-amplified round-off near 0 that need not agree to 1e-12.
+    check_attention_shards(tp, dense, world, f"after {ATTN_STEPS} Adam steps", skip=("k_proj.bias",))
+    assert np.abs(tp.k_proj.bias.data).max() < 1e-9 and np.abs(dense.k_proj.bias.data).max() < 1e-9
+
+
+def case_attention_seed_none_agrees_across_the_group(world):
+    # Without a seed the shards still come from one full draw: gathered, they form
+    # q weights and an out_proj weight that every rank agrees on.
+    tp = ax.TensorParallelAttention(EMBED, HEADS, dtype=np.float64)
+    q_full = np.concatenate(list(ax.all_gather(tp.q_proj.weight.data)), axis=0)
+    fulls = ax.all_gather(q_full)
+    for k in range(world.world_size):
+        np.testing.assert_array_equal(fulls[k], fulls[0])
+    assert len(np.unique(q_full.round(12))) == q_full.size  # no rank's shard repeats another's
+
+
+def case_attention_divisibility_errors(world):
+    p = world.world_size
+    with pytest.raises(ConfigurationError, match=r"num_heads dividing embed_dim.*embed_dim=24, num_heads=5"):
+        ax.TensorParallelAttention(EMBED, 5, seed=0)
+    if p == 1:
+        assert ax.TensorParallelAttention(26, 13, seed=0).num_heads_per_rank == 13
+        return
+    # 13 heads are indivisible by 2, 3 and 4; raised before any communication.
+    with pytest.raises(ConfigurationError, match=rf"num_heads=13 must be .* group size {p} \(13 % {p} = 1\)"):
+        ax.TensorParallelAttention(26, 13)
+
+
 CASES = {name[len("case_"):]: fn for name, fn in sorted(globals().items()) if name.startswith("case_")}

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Tuple
 
 import numpy as np
 
@@ -12,6 +12,57 @@ from . import _init
 from .functional import softmax
 from .linear import Linear
 from .module import Module
+
+
+def split_heads(t: Any, num_heads: int) -> Any:
+    """(B, T, H*D) -> (B, H, T, D): the heads of a projection, head h from features [h*D, (h+1)*D)."""
+    b, n, width = t.shape
+    return t.reshape(b, n, num_heads, width // num_heads).transpose(0, 2, 1, 3)
+
+
+def merge_heads(t: Any) -> Any:
+    """(B, H, T, D) -> (B, T, H*D): the inverse of ``split_heads``."""
+    b, h, n, d = t.shape
+    return t.transpose(0, 2, 1, 3).reshape(b, n, h * d)
+
+
+def attention_forward(q: Any, k: Any, v: Any, causal: bool) -> Tuple[Any, Any]:
+    """Scaled dot-product attention of each head on its own, for any number of heads.
+
+    The core of ``MultiHeadAttention`` without the projections; a
+    tensor-parallel block calls it on the heads it holds.
+
+    Args:
+        q, k, v: (B, H, T, D) per-head queries, keys and values.
+        causal: position t attends only to positions <= t.
+
+    Returns:
+        ``(context, cache)``: context (B, H, T, D), softmax(q k^T / sqrt(D)) v per head, and the
+        activations ``attention_backward`` needs.
+    """
+    xp = array_module(q)
+    n = q.shape[2]
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    scores = (q @ k.transpose(0, 1, 3, 2)) * scale
+    if causal:
+        future = xp.triu(xp.ones((n, n), dtype=bool), 1)
+        # Same dtype on both sides so float32 scores stay float32.
+        scores = xp.where(future, xp.asarray(-xp.inf, dtype=scores.dtype), scores)
+    attn = softmax(scores, axis=-1)
+    return attn @ v, (q, k, v, attn, scale)
+
+
+def attention_backward(dctx: Any, cache: Any) -> Tuple[Any, Any, Any]:
+    """Gradients (dq, dk, dv), each (B, H, T, D), from d loss / d context and ``attention_forward``'s cache."""
+    q, k, v, attn, scale = cache
+    dattn = dctx @ v.transpose(0, 1, 3, 2)
+    dv = attn.transpose(0, 1, 3, 2) @ dctx
+    # Softmax backward; masked positions have attn == 0, so they get no gradient.
+    dscores = attn * (dattn - (dattn * attn).sum(axis=-1, keepdims=True))
+    dscores *= scale
+    dq = dscores @ k
+    dk = dscores.transpose(0, 1, 3, 2) @ q
+    return dq, dk, dv
 
 
 class MultiHeadAttention(Module):
@@ -63,12 +114,6 @@ class MultiHeadAttention(Module):
             if proj.bias is not None:
                 proj.bias.data[...] = 0
 
-    def _split_heads(self, t: Any, b: int, n: int) -> Any:
-        return t.reshape(b, n, self.num_heads, self.head_dim).transpose(0, 2, 1, 3)
-
-    def _merge_heads(self, t: Any, b: int, n: int) -> Any:
-        return t.transpose(0, 2, 1, 3).reshape(b, n, self.embed_dim)
-
     def forward(self, x: Any) -> Any:
         """Self-attention over ``x`` of shape (B, T, E); returns (B, T, E).
 
@@ -78,41 +123,26 @@ class MultiHeadAttention(Module):
         if x.ndim != 3 or x.shape[-1] != self.embed_dim:
             raise ShapeError(f"MultiHeadAttention(embed_dim={self.embed_dim}) expects input (B, T, "
                              f"{self.embed_dim}), got {tuple(x.shape)}")
-        xp = array_module(x)
-        b, n, _ = x.shape
-        q = self._split_heads(self.q_proj(x), b, n)
-        k = self._split_heads(self.k_proj(x), b, n)
-        v = self._split_heads(self.v_proj(x), b, n)
-        scale = 1.0 / math.sqrt(self.head_dim)
-        scores = (q @ k.transpose(0, 1, 3, 2)) * scale
-        if self.causal:
-            future = xp.triu(xp.ones((n, n), dtype=bool), 1)
-            # Same dtype on both sides so float32 scores stay float32.
-            scores = xp.where(future, xp.asarray(-xp.inf, dtype=scores.dtype), scores)
-        attn = softmax(scores, axis=-1)
-        self._save_cache((q, k, v, attn, scale))
-        return self.out_proj(self._merge_heads(attn @ v, b, n))
+        q = split_heads(self.q_proj(x), self.num_heads)
+        k = split_heads(self.k_proj(x), self.num_heads)
+        v = split_heads(self.v_proj(x), self.num_heads)
+        ctx, cache = attention_forward(q, k, v, self.causal)
+        self._save_cache(cache)
+        return self.out_proj(merge_heads(ctx))
 
     def backward(self, grad_out: Any) -> Any:
         """Gradients through out_proj, the attention weights and the q/k/v projections."""
-        q, k, v, attn, scale = self._pop_cache()
-        b, _, n, _ = q.shape
-        dctx = self._split_heads(self.out_proj.backward(grad_out), b, n)
-        dattn = dctx @ v.transpose(0, 1, 3, 2)
-        dv = attn.transpose(0, 1, 3, 2) @ dctx
-        # Softmax backward; masked positions have attn == 0, so they get no gradient.
-        dscores = attn * (dattn - (dattn * attn).sum(axis=-1, keepdims=True))
-        dscores *= scale
-        dq = dscores @ k
-        dk = dscores.transpose(0, 1, 3, 2) @ q
+        cache = self._pop_cache()
+        dctx = split_heads(self.out_proj.backward(grad_out), self.num_heads)
+        dq, dk, dv = attention_backward(dctx, cache)
         # v, k, q order keeps the grad hooks in reverse registration order.
-        dx = self.v_proj.backward(self._merge_heads(dv, b, n))
-        dx = dx + self.k_proj.backward(self._merge_heads(dk, b, n))
-        dx = dx + self.q_proj.backward(self._merge_heads(dq, b, n))
+        dx = self.v_proj.backward(merge_heads(dv))
+        dx = dx + self.k_proj.backward(merge_heads(dk))
+        dx = dx + self.q_proj.backward(merge_heads(dq))
         return dx
 
     def extra_repr(self) -> str:
         return f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, causal={self.causal}"
 
 
-__all__ = ["MultiHeadAttention"]
+__all__ = ["MultiHeadAttention", "attention_backward", "attention_forward", "merge_heads", "split_heads"]

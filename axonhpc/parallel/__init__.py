@@ -5,6 +5,8 @@ from .pipeline import Pipeline
 from .schedules import Action, PipelineSchedule, format_schedule_table, pipeline_schedule
 from .simulate import SimulationResult, simulate_pipeline
 from .tensor import ColumnParallelLinear, RowParallelLinear, TensorParallelMLP
+from .trace import chrome_trace, gather_timelines, timeline_bubble, write_chrome_trace, write_gantt_png
+from .tensor import TensorParallelAttention
 
 __all__ = [
     "DDP",
@@ -22,4 +24,10 @@ __all__ = [
     "ColumnParallelLinear",
     "RowParallelLinear",
     "TensorParallelMLP",
+    "gather_timelines",
+    "timeline_bubble",
+    "chrome_trace",
+    "write_chrome_trace",
+    "write_gantt_png",
+    "TensorParallelAttention",
 ]

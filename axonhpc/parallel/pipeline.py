@@ -48,6 +48,21 @@ need none. Headers are not cached across steps, so the batch size may change
 from step to step. Gradients need no header at all: the gradient for the
 output of stage s has the shape and dtype of that output, which its receiver
 produced itself.
+
+[Note: pipeline x data parallelism]
+With ``dp_group`` (for example ``world.mesh(dp=D, pp=P)``: ``group=mesh.pp``,
+``dp_group=mesh.dp``) D replicas of the pipeline each run ``train_step`` on
+their own, equal-sized shard of the global batch. The members of a dp group
+hold the same stages (same pp coordinate), so once the pipeline's backward is
+complete each rank averages its stages' gradients over ``dp_group`` with
+bucketed all-reduces (a ``GradientSynchronizer``): each replica's gradient is
+that of the mean loss over its shard, so the average is the gradient of the
+mean loss over the global batch. This is the simplest correct composition; it
+does not overlap the all-reduces with the pipeline's cool-down. The last
+stage's returned loss is averaged over ``dp_group`` too (one scalar
+all-reduce), so every replica's last rank returns the global-batch loss. The
+replicas' stage parameters are copied from dp rank 0 when the Pipeline is
+built, as ``DDP`` does.
 """
 from __future__ import annotations
 
@@ -57,9 +72,12 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from .._dtypes import array_module, supported_dtypes
-from ..collectives import isend, recv
+from ..backends import ReduceOp
+from ..bucketing import GradientSynchronizer
+from ..collectives import all_reduce, isend, recv
 from ..errors import ConfigurationError, ShapeError
 from ..groups import resolve_group
+from .replicate import broadcast_arrays
 from .schedules import FORWARD, Action, PipelineSchedule, format_schedule_table, pipeline_schedule
 
 MAX_TAG = 32767  # the smallest MPI_TAG_UB the MPI standard allows
@@ -85,12 +103,20 @@ class Pipeline:
             returning a float; ``loss_fn.backward(grad_output)`` returns the
             loss gradient scaled by ``grad_output``. Only ``train_step`` needs it.
         stages_per_rank: model chunks per rank (v > 1 needs INTERLEAVED_1F1B).
+        dp_group: data-parallel group over which this rank's stages are
+            replicated (the ranks holding the same stages in the other
+            pipeline replicas, e.g. ``mesh.dp``); None: no data parallelism.
+            When given, the stages' parameters are copied from its rank 0 at
+            construction (collective), and ``train_step`` ends by averaging
+            the stages' gradients and the loss over it (see the module notes).
+        dp_bucket_size: bucket size in bytes of the gradient all-reduces over ``dp_group``.
 
     Attributes:
         last_step_stats: after ``train_step``, a dict with ``peak_activations``
             (the most (stage, micro-batch) caches this rank held at once),
             ``timeline`` (``(action, start, end)`` per action, seconds since
-            the step began), ``messages_sent`` and ``step_time``.
+            the step began), ``messages_sent``, ``dp_sync_time`` (seconds spent
+            averaging over ``dp_group``, 0.0 without one) and ``step_time``.
 
     Raises:
         ConfigurationError: the number of modules is not ``P * stages_per_rank``,
@@ -100,7 +126,8 @@ class Pipeline:
 
     def __init__(self, stage_modules: Sequence[Any], group: Any = None, num_microbatches: int = 8,
                  schedule: Union[PipelineSchedule, str] = PipelineSchedule.ONE_F_ONE_B,
-                 loss_fn: Any = None, stages_per_rank: int = 1):
+                 loss_fn: Any = None, stages_per_rank: int = 1, dp_group: Any = None,
+                 dp_bucket_size: int = 25_000_000):
         self.group = resolve_group(group).require_member("building a Pipeline")
         self.stage_modules = list(stage_modules)
         p = self.group.size
@@ -128,18 +155,28 @@ class Pipeline:
         self.size = p
         self.stages = list(range(self.rank, self.num_stages, p))
         self.last_step_stats: Dict[str, Any] = {}
+        self.dp_group = None
+        self._dp_sync: Optional[GradientSynchronizer] = None
+        if dp_group is not None:
+            self.dp_group = dp_group.require_member("building a Pipeline with dp_group")
+            self._dp_sync = GradientSynchronizer(bucket_size=dp_bucket_size, group=self.dp_group)
+            params = self.parameters()
+            if self.dp_group.size > 1 and params:
+                broadcast_arrays([q.data for q in params], self.dp_group)
 
     @classmethod
     def from_modules(cls, stage_modules: Sequence[Any], group: Any = None, num_microbatches: int = 8,
                      schedule: Union[PipelineSchedule, str] = PipelineSchedule.ONE_F_ONE_B,
-                     loss_fn: Any = None, stages_per_rank: int = 1) -> "Pipeline":
+                     loss_fn: Any = None, stages_per_rank: int = 1, dp_group: Any = None,
+                     dp_bucket_size: int = 25_000_000) -> "Pipeline":
         """Build a pipeline from the full list of stage modules (same arguments as the class).
 
         Returns:
             The Pipeline for this rank.
         """
         return cls(stage_modules, group=group, num_microbatches=num_microbatches, schedule=schedule,
-                   loss_fn=loss_fn, stages_per_rank=stages_per_rank)
+                   loss_fn=loss_fn, stages_per_rank=stages_per_rank, dp_group=dp_group,
+                   dp_bucket_size=dp_bucket_size)
 
     # -- facts --------------------------------------------------------------
     def owner(self, stage: int) -> int:
@@ -174,7 +211,9 @@ class Pipeline:
         """Run one forward and backward of the whole batch through the pipeline.
 
         Gradients are accumulated (added) into the stage modules' Parameters;
-        zero them before the step, as with any backward.
+        zero them before the step, as with any backward. With ``dp_group`` the
+        gradients are then averaged over it (so they must be zeroed before
+        every step, or the accumulated sum is averaged again).
 
         Args:
             x: the batch; only rank 0 (stage 0) needs it, other ranks may pass None
@@ -182,7 +221,8 @@ class Pipeline:
             y: the targets; only the last stage's rank needs them (same rule).
 
         Returns:
-            The mean of the micro-batch losses on the last stage's rank, None elsewhere.
+            The mean of the micro-batch losses on the last stage's rank (with
+            ``dp_group``: also averaged over the replicas), None elsewhere.
 
         Raises:
             ConfigurationError: no ``loss_fn`` was given.
@@ -205,11 +245,13 @@ class Pipeline:
         timeline: List[Tuple[Action, float, float]] = []
         peak = 0
         for action in self._table[self.rank]:
-            start = time.perf_counter() - step_start
             s, i = action.stage, action.microbatch
             module = self.stage_modules[s]
+            # An action starts once its input has arrived: the wait for it is
+            # idle time (the bubble), not part of the action.
             if action.kind == FORWARD:
                 inp = xs[i] if s == 0 else self._receive_activation(s, i, shapes, local, _ACT, _HDR)
+                start = time.perf_counter() - step_start
                 out = module(inp)
                 seed = None
                 if s == self.num_stages - 1:
@@ -225,8 +267,9 @@ class Pipeline:
                 if (s, i) not in stash:
                     raise RuntimeError(f"schedule runs {action} before its forward on rank {self.rank}")
                 caches, out_meta, seed = stash.pop((s, i))
-                module.restore_activations(caches)
                 grad = seed if seed is not None else self._receive_gradient(s, i, out_meta, local)
+                start = time.perf_counter() - step_start
+                module.restore_activations(caches)
                 grad_in = module.backward(grad)
                 if s > 0:
                     if s in shapes:  # the receiver allocates its output's dtype; match it exactly
@@ -235,13 +278,30 @@ class Pipeline:
             timeline.append((action, start, time.perf_counter() - step_start))
         for work, _ in pending:
             work.wait()
+        loss = sum(losses) / m if self.is_last else None
+        dp_sync_time = 0.0
+        if self._dp_sync is not None and self.dp_group.size > 1:
+            # Every member of dp_group holds the same stages, so all of them push the same gradients.
+            sync_start = time.perf_counter()
+            params = self.parameters()
+            missing = [k for k, q in enumerate(params) if q.grad is None]
+            if missing:
+                raise RuntimeError(f"Pipeline: parameters {missing} of rank {self.rank} got no gradient; "
+                                   f"they cannot be averaged over dp_group")
+            self._dp_sync.synchronize([q.grad for q in params])
+            if self.is_last:
+                box = np.array([loss], dtype=np.float64)
+                all_reduce(box, ReduceOp.AVG, self.dp_group)
+                loss = float(box[0])
+            dp_sync_time = time.perf_counter() - sync_start
         self.last_step_stats = {
             "peak_activations": peak,
             "timeline": timeline,
             "messages_sent": len(pending),
+            "dp_sync_time": dp_sync_time,
             "step_time": time.perf_counter() - step_start,
         }
-        return sum(losses) / m if self.is_last else None
+        return loss
 
     def forward(self, x: Any) -> Any:
         """Inference: run the forwards of every micro-batch through the stages, keeping nothing.

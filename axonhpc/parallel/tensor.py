@@ -22,6 +22,10 @@ over the P ranks of a tensor-parallel group:
 Chaining the two (column without gather, an element-wise activation, row
 with a parallel input) gives a tensor-parallel MLP with exactly one
 all-reduce in forward and one in backward.
+``TensorParallelAttention`` applies the same pattern to heads: q/k/v are
+column layers over blocks of whole heads, attention runs on the local heads,
+and out_proj is a row layer; its backward adds the three column layers'
+partial input gradients before a single all-reduce.
 
 [Note: initialisation equals the unsharded layer]
 Each layer draws the *full* weight and bias with the same Generator calls,
@@ -54,8 +58,9 @@ from ..backends import ReduceOp
 from ..collectives import all_gather, all_reduce, broadcast
 from ..errors import ConfigurationError, ShapeError
 from ..groups import ProcessGroup, resolve_group
-from ..nn import GELU, Linear, Module, Parameter, Sequential
+from ..nn import GELU, Linear, Module, MultiHeadAttention, Parameter, Sequential
 from ..nn import _init
+from ..nn.attention import attention_backward, attention_forward, merge_heads, split_heads
 
 
 def partition_range(total: int, rank: int, size: int, what: str = "features") -> Tuple[int, int]:
@@ -208,25 +213,32 @@ class ColumnParallelLinear(Module):
             d loss / d x (..., in_features), identical on every rank of the group.
         """
         x = self._pop_cache()
-        if self.gather_output:
-            expected = self.out_features
-            _check_last_axis(self, grad_out, expected, "output gradient")
-            start = self.group.rank * self.out_features_per_rank
-            grad_out = grad_out[..., start:start + self.out_features_per_rank]
-        else:
-            _check_last_axis(self, grad_out, self.out_features_per_rank, "output gradient")
+        grad_out = self._local_grad_out(grad_out)
         xp = array_module(grad_out)
         grad_in = xp.ascontiguousarray(grad_out @ self.weight.data)
         # Start the sum of the partial input gradients first, and compute the
         # parameter gradients while it travels (Megatron overlaps the same way).
         work = all_reduce(grad_in, ReduceOp.SUM, self.group, async_op=True)
+        self._accumulate_param_grads(grad_out, x)
+        work.wait(self.group.effective_timeout())
+        return grad_in
+
+    def _local_grad_out(self, grad_out: Any) -> Any:
+        """Check the output gradient's width and keep this rank's block of it (``gather_output``)."""
+        if self.gather_output:
+            _check_last_axis(self, grad_out, self.out_features, "output gradient")
+            start = self.group.rank * self.out_features_per_rank
+            return grad_out[..., start:start + self.out_features_per_rank]
+        _check_last_axis(self, grad_out, self.out_features_per_rank, "output gradient")
+        return grad_out
+
+    def _accumulate_param_grads(self, grad_out: Any, x: Any) -> None:
+        """Local weight/bias gradients from this rank's output-gradient block and the cached input."""
         g2 = grad_out.reshape(-1, self.out_features_per_rank)
         # Bias before weight: hooks fire in reverse registration order, as in nn.Linear.
         if self.bias is not None:
             self.bias.accumulate_grad(g2.sum(axis=0))
         self.weight.accumulate_grad(g2.T @ x.reshape(-1, self.in_features))
-        work.wait(self.group.effective_timeout())
-        return grad_in
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -408,4 +420,130 @@ class TensorParallelMLP(Module):
         return f"hidden={self.hidden}, ffn_hidden={self.ffn_hidden}, tp_size={self.fc1.group.size}"
 
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "TensorParallelMLP", "partition_range"]
+class TensorParallelAttention(Module):
+    """Multi-head self-attention with its heads split over a tensor-parallel group.
+
+    Rank r of a group of P holds heads ``[r*H/P, (r+1)*H/P)``. ``q_proj``,
+    ``k_proj`` and ``v_proj`` are ``ColumnParallelLinear(E, E)`` without output
+    gather (rank r keeps the rows of W_q, W_k, W_v, and of their biases, that
+    produce its heads); the attention runs on the local heads only; ``out_proj``
+    is a ``RowParallelLinear(E, E)`` taking the parallel input (the columns of
+    W_o that read its heads; the bias replicated). A step costs one all-reduce
+    in forward (in ``out_proj``) and one in backward: the three projections'
+    partial input gradients are added locally and summed over the group once.
+    Input and output are full (B, T, E) and identical on every rank.
+
+    Initialisation equals ``nn.MultiHeadAttention(embed_dim, num_heads, bias,
+    causal, dtype, seed)``: the same child seeds and draws (Glorot-uniform q/k/v
+    weights, Linear-default out_proj weight, zero biases), each rank keeping its
+    slice, so with an explicit seed the block computes the same function as that
+    dense layer and its parameters and gradients are slices of the dense ones.
+
+    Args:
+        embed_dim: E, the model width.
+        num_heads: H, the total number of heads; divides ``embed_dim`` and is divisible
+            by the group size.
+        group: the tensor-parallel process group (None: the current world's default group).
+        bias: learn biases in the four projections.
+        causal: position t attends only to positions <= t.
+        dtype: parameter dtype.
+        seed: int, SeedSequence or Generator, the same on every rank of the group
+            (None: group rank 0 picks fresh entropy and broadcasts it; collective).
+
+    Raises:
+        ConfigurationError: ``num_heads`` does not divide ``embed_dim``, a non-positive size,
+            or ``num_heads`` not divisible by the group size.
+        NotAMemberError: this rank is not in ``group``.
+    """
+
+    def __init__(self, embed_dim: int, num_heads: int, group: Optional[ProcessGroup] = None,
+                 bias: bool = True, causal: bool = False, dtype: Any = np.float32,
+                 seed: _init.SeedLike = None) -> None:
+        super().__init__()
+        pg = resolve_group(group).require_member("TensorParallelAttention")
+        if embed_dim <= 0 or num_heads <= 0 or embed_dim % num_heads:
+            raise ConfigurationError(f"TensorParallelAttention needs num_heads dividing embed_dim, both "
+                                     f"positive; got embed_dim={embed_dim}, num_heads={num_heads}")
+        # Before any communication (seed=None broadcasts), so every rank raises on its own.
+        head_start, head_stop = partition_range(int(num_heads), pg.rank, pg.size,
+                                                "TensorParallelAttention num_heads")
+        self.group = pg
+        self.embed_dim = int(embed_dim)
+        self.num_heads = int(num_heads)
+        self.num_heads_per_rank = head_stop - head_start
+        self.head_dim = self.embed_dim // self.num_heads
+        self.causal = bool(causal)
+        # As nn.MultiHeadAttention: four child seeds; each projection first draws like
+        # nn.Linear (so a Generator seed advances alike), then q/k/v weights are redrawn
+        # Glorot-uniform over the packed (3E, E) matrix and all biases zeroed.
+        seeds = _init.child_seeds(_shared_seed(seed, pg), 4)
+        self.q_proj, self.k_proj, self.v_proj = (
+            ColumnParallelLinear(embed_dim, embed_dim, group=pg, gather_output=False, bias=bias, dtype=dtype,
+                                 seed=s) for s in seeds[:3])
+        self.out_proj = RowParallelLinear(embed_dim, embed_dim, group=pg, input_is_parallel=True, bias=bias,
+                                          dtype=dtype, seed=seeds[3])
+        in_bound = _init.xavier_bound(embed_dim, 3 * embed_dim)
+        rows = slice(head_start * self.head_dim, head_stop * self.head_dim)
+        for proj, s in zip((self.q_proj, self.k_proj, self.v_proj), seeds[:3]):
+            full = _init.uniform(_init.make_rng(s), (self.embed_dim, self.embed_dim), in_bound, dtype)
+            proj.weight.data[...] = full[rows]
+        for proj in (self.q_proj, self.k_proj, self.v_proj, self.out_proj):
+            if proj.bias is not None:
+                proj.bias.data[...] = 0
+
+    @staticmethod
+    def dense_equivalent(embed_dim: int, num_heads: int, bias: bool = True, causal: bool = False,
+                         dtype: Any = np.float32, seed: _init.SeedLike = None) -> MultiHeadAttention:
+        """The single-process layer that ``TensorParallelAttention`` with the same arguments shards.
+
+        Returns:
+            ``nn.MultiHeadAttention(embed_dim, num_heads, bias, causal, dtype, seed)`` (pass a
+            seed that is not None, or the two differ).
+        """
+        return MultiHeadAttention(embed_dim, num_heads, bias=bias, causal=causal, dtype=dtype, seed=seed)
+
+    def forward(self, x: Any) -> Any:
+        """Self-attention over the full ``x`` (B, T, E); returns the full (B, T, E) on every rank.
+
+        Raises:
+            ShapeError: ``x`` is not 3-D with last axis ``embed_dim``.
+        """
+        if x.ndim != 3 or x.shape[-1] != self.embed_dim:
+            raise ShapeError(f"TensorParallelAttention(embed_dim={self.embed_dim}) expects input (B, T, "
+                             f"{self.embed_dim}), got {tuple(x.shape)}")
+        h = self.num_heads_per_rank
+        q = split_heads(self.q_proj(x), h)
+        k = split_heads(self.k_proj(x), h)
+        v = split_heads(self.v_proj(x), h)
+        ctx, cache = attention_forward(q, k, v, self.causal)
+        self._save_cache(cache)
+        return self.out_proj(merge_heads(ctx))
+
+    def backward(self, grad_out: Any) -> Any:
+        """Local parameter gradients; returns the full input gradient, summed over the group once."""
+        cache = self._pop_cache()
+        dctx = split_heads(self.out_proj.backward(grad_out), self.num_heads_per_rank)
+        dq, dk, dv = attention_backward(dctx, cache)
+        # v, k, q order keeps the grad hooks in reverse registration order, as in nn.MultiHeadAttention.
+        projs = (self.v_proj, self.k_proj, self.q_proj)
+        xs = [proj._pop_cache() for proj in projs]
+        grads = [proj._local_grad_out(merge_heads(g)) for proj, g in zip(projs, (dv, dk, dq))]
+        xp = array_module(dctx)
+        grad_in = grads[0] @ projs[0].weight.data
+        for proj, g in zip(projs[1:], grads[1:]):
+            grad_in = grad_in + g @ proj.weight.data
+        grad_in = xp.ascontiguousarray(grad_in)
+        # One sum of the three partial input gradients, overlapped with the parameter gradients.
+        work = all_reduce(grad_in, ReduceOp.SUM, self.group, async_op=True)
+        for proj, g, x in zip(projs, grads, xs):
+            proj._accumulate_param_grads(g, x)
+        work.wait(self.group.effective_timeout())
+        return grad_in
+
+    def extra_repr(self) -> str:
+        return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, "
+                f"num_heads_per_rank={self.num_heads_per_rank}, tp_size={self.group.size}, causal={self.causal}")
+
+
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "TensorParallelAttention", "TensorParallelMLP",
+           "partition_range"]

@@ -1,0 +1,242 @@
+"""``axonhpc bench pipeline``: pipeline schedules on 2 and 4 ranks, measured bubble beside the formula.
+
+Run it *without* mpiexec: the command is a driver that launches its own
+workers, ``mpiexec -n 2`` and ``mpiexec -n 4`` (the mpiexec beside this
+Python, else the one on PATH), with BLAS and OpenMP pinned to one thread per
+rank.
+
+[Note: what one worker job measures]
+One job (one ``mpiexec -n P``) runs the same model, ``P * layers_per_rank``
+blocks of ``Linear(width, width) + Tanh``, under each schedule: GPipe and
+1F1B with one stage of ``layers_per_rank`` blocks per rank, and, where
+``m % P == 0`` and ``layers_per_rank`` is even, interleaved 1F1B with v = 2
+chunks of half as many blocks. Every stage costs the same, the setting the
+bubble formulas assume: (p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/(v*m+p-1)
+interleaved. Each timed step starts after an untimed barrier; its time is the
+maximum over ranks of ``last_step_stats["step_time"]``, and its measured
+bubble is ``timeline_bubble`` of the gathered timelines: idle time over
+total rank-time within the step's span (the measured value also counts
+message latency and Python overhead, so it sits above the formula). A job
+reports medians over its timed steps.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+from typing import Dict, List, Optional, Sequence
+
+import numpy as np
+
+from ..mpiexec import NOT_FOUND, find_mpiexec, mpiexec_flavour
+from .timing import pin_blas_threads
+
+THREAD_ENV = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+LABELS = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "interleaved"}
+COLUMNS = ("schedule", "ranks", "m", "v", "step_ms", "bubble", "formula")
+
+
+class BenchError(RuntimeError):
+    """A worker job could not be started, failed, or timed out."""
+
+
+def bubble_formula(p: int, m: int, v: int = 1) -> float:
+    """The bubble fraction of equal stages: (p-1)/(v*m+p-1) (v = 1: GPipe and 1F1B)."""
+    return (p - 1) / (v * m + p - 1)
+
+
+def configurations(p: int, m: int, layers_per_rank: int) -> List[tuple]:
+    """(schedule, v) pairs that apply to ``p`` ranks: interleaving needs m % p == 0 and an even layer count."""
+    configs = [("gpipe", 1), ("1f1b", 1)]
+    if m % p == 0 and layers_per_rank % 2 == 0:
+        configs.append(("interleaved_1f1b", 2))
+    return configs
+
+
+def parse_ranks(text: str) -> List[int]:
+    """"2,4" -> [2, 4] (each at least 2)."""
+    try:
+        ranks = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise ValueError(f"--ranks must be comma-separated integers, got {text!r}") from None
+    if not ranks or min(ranks) < 2:
+        raise ValueError(f"--ranks needs rank counts of at least 2, got {text!r}")
+    return ranks
+
+
+# -- worker (runs under mpiexec) ---------------------------------------------------------------
+def _worker(args) -> Optional[dict]:
+    from ..backends import ReduceOp
+    from ..collectives import all_reduce, barrier
+    from ..groups import init
+    from ..nn import MSELoss, Linear, Sequential, Tanh
+    from ..parallel import Pipeline, gather_timelines, timeline_bubble
+
+    limiter = pin_blas_threads(1)  # noqa: F841 - keeps the limit in force
+    world = init()
+    p, rank = world.world_size, world.rank
+    rng = np.random.default_rng(1234)
+    x = rng.standard_normal((args.batch, args.width))
+    y = rng.standard_normal((args.batch, args.width))
+    result = {"world_size": p, "configs": []}
+    for schedule, v in configurations(p, args.microbatches, args.layers_per_rank):
+        blocks = args.layers_per_rank // v
+        stages = [Sequential(*[layer for k in range(blocks)
+                               for layer in (Linear(args.width, args.width, dtype=np.float64,
+                                                    seed=s * blocks + k), Tanh())])
+                  for s in range(p * v)]
+        pipe = Pipeline.from_modules(stages, num_microbatches=args.microbatches, schedule=schedule,
+                                     loss_fn=MSELoss(), stages_per_rank=v)
+        times: List[float] = []
+        bubbles: List[float] = []
+        for k in range(args.warmup + args.steps):
+            barrier()
+            pipe.train_step(x, y)  # gradients accumulate: harmless, nothing is updated
+            step = np.array([pipe.last_step_stats["step_time"]], dtype=np.float64)
+            all_reduce(step, ReduceOp.MAX)
+            gathered = gather_timelines(pipe)
+            if k >= args.warmup:
+                times.append(float(step[0]))
+                if gathered is not None:
+                    bubbles.append(timeline_bubble(gathered))
+        if rank == 0:
+            result["configs"].append({
+                "schedule": schedule, "v": v, "m": args.microbatches,
+                "step_ms": statistics.median(times) * 1e3, "bubble": statistics.median(bubbles),
+                "formula": bubble_formula(p, args.microbatches, v),
+            })
+    return result if rank == 0 else None
+
+
+def _run_worker(args) -> int:
+    result = _worker(args)
+    if result is not None:
+        tmp = args.out + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(result, f)
+        os.replace(tmp, args.out)
+    return 0
+
+
+# -- driver ----------------------------------------------------------------------------------
+def worker_env() -> Dict[str, str]:
+    """This environment with one BLAS/OpenMP thread per rank, and a failing rank ending the job."""
+    env = dict(os.environ)
+    for var in THREAD_ENV:
+        env[var] = "1"
+    env["AXONHPC_ABORT_ON_EXCEPTION"] = "1"
+    return env
+
+
+def run_job(mpiexec: str, n: int, args, timeout: float) -> dict:
+    """Run one worker job on ``n`` ranks and return rank 0's result.
+
+    Raises:
+        BenchError: the job failed, timed out or wrote no result.
+    """
+    with tempfile.TemporaryDirectory(prefix="axonhpc-bench-pipeline-") as tmp:
+        out = os.path.join(tmp, "result.json")
+        cmd = [mpiexec]
+        if mpiexec_flavour(mpiexec) == "openmpi":  # 4 ranks may exceed the cores of a small machine
+            cmd += (["--allow-run-as-root"] if os.geteuid() == 0 else []) + ["--oversubscribe"]
+        cmd += ["-n", str(n), sys.executable, "-m", "axonhpc.bench.pipeline", "--worker", "--out", out,
+                "--width", str(args.width), "--batch", str(args.batch), "--microbatches", str(args.microbatches),
+                "--layers-per-rank", str(args.layers_per_rank), "--steps", str(args.steps),
+                "--warmup", str(args.warmup)]
+        # A session of its own, so a timeout can end mpiexec and every rank it started.
+        proc = subprocess.Popen(cmd, env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, start_new_session=True)
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise BenchError(f"job on {n} ranks did not finish within {timeout:g} s (raise --timeout?): "
+                             f"{' '.join(cmd)}") from None
+        if proc.returncode != 0 or not os.path.exists(out):
+            tail = "\n".join((stdout + stderr).strip().splitlines()[-20:])
+            raise BenchError(f"job on {n} ranks failed (exit status {proc.returncode}): {' '.join(cmd)}\n{tail}")
+        with open(out) as f:
+            return json.load(f)
+
+
+def format_table(jobs: Sequence[dict], args) -> str:
+    """The table the driver prints: one row per (rank count, schedule)."""
+    lines = [f"# pipeline schedules: {args.layers_per_rank} x (Linear({args.width},{args.width}) + Tanh) per rank, "
+             f"float64, batch {args.batch}, m={args.microbatches} micro-batches, 1 BLAS thread per rank",
+             f"# step_ms: median over {args.steps} steps after {args.warmup} warm-up (a step ends when its slowest "
+             f"rank does); bubble: measured idle / total rank-time within the step (median);",
+             "# formula: (p-1)/(m+p-1), interleaved (p-1)/(v*m+p-1)",
+             f"{'schedule':<12} {'ranks':>5} {'m':>4} {'v':>3} {'step_ms':>10} {'bubble':>8} {'formula':>8}"]
+    for job in jobs:
+        for c in job["configs"]:
+            lines.append(f"{LABELS[c['schedule']]:<12} {job['world_size']:>5} {c['m']:>4} {c['v']:>3} "
+                         f"{c['step_ms']:>10.3f} {c['bubble']:>8.3f} {c['formula']:>8.3f}")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="axonhpc bench pipeline", description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", default="2,4", help="rank counts, one mpiexec job each (default 2,4)")
+    parser.add_argument("--width", type=int, default=256, help="width of every Linear layer (default 256)")
+    parser.add_argument("--batch", type=int, default=64, help="global batch (default 64)")
+    parser.add_argument("--microbatches", type=int, default=8, help="micro-batches m per step (default 8)")
+    parser.add_argument("--layers-per-rank", type=int, default=2,
+                        help="Linear+Tanh blocks per rank (even: interleaved v=2 splits them in two; default 2)")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per schedule")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per schedule first")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds one worker job may take")
+    parser.add_argument("--json", default=None, help="also write every job's result to this JSON file")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        ranks = parse_ranks(args.ranks)
+    except ValueError as exc:
+        parser.error(str(exc))
+    for name in ("width", "batch", "microbatches", "layers_per_rank", "steps"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.warmup < 0:
+        parser.error(f"--warmup must be at least 0, got {args.warmup}")
+    if args.batch % args.microbatches:
+        parser.error(f"--batch {args.batch} must be a multiple of --microbatches {args.microbatches}")
+    if args.worker:
+        if not args.out:
+            parser.error("--worker needs --out")
+        return _run_worker(args)
+    if os.environ.get("PMI_SIZE") or os.environ.get("OMPI_COMM_WORLD_SIZE"):
+        print("axonhpc bench pipeline: run it without mpiexec; it launches its own jobs", file=sys.stderr)
+        return 2
+    mpiexec = find_mpiexec()
+    if mpiexec is None:
+        print(f"axonhpc bench pipeline: {NOT_FOUND}", file=sys.stderr)
+        return 2
+    jobs = []
+    try:
+        for n in ranks:
+            jobs.append(run_job(mpiexec, n, args, args.timeout))
+    except BenchError as exc:
+        print(f"axonhpc bench pipeline: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(jobs, f, indent=1)
+    print(format_table(jobs, args))
+    sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
