@@ -292,4 +292,42 @@ def case_gather_timelines(world):
         assert 0.0 <= timeline_bubble(gathered) < 1.0
 
 
+def case_from_stages_holds_only_local_stages(world):
+    """Each rank builds only its own stages; training equals the single-process reference."""
+    p, r = world.world_size, world.rank
+    for v, schedule in ((1, ax.PipelineSchedule.ONE_F_ONE_B), (2, ax.PipelineSchedule.INTERLEAVED_1F1B)):
+        total = p * v
+        mine = [ax.PipelineStage(make_stages(total)[s], s, total) for s in range(r, total, p)]
+        pipe = ax.Pipeline.from_stages(mine[::-1], num_microbatches=2 * p, schedule=schedule,
+                                       loss_fn=nn.CrossEntropyLoss())
+        assert pipe.stages == list(range(r, total, p)) and pipe.stages_per_rank == v
+        opt = make_optimizer("adam", pipe.parameters())
+        reference, ref_losses = train_reference(total, "adam")
+        last = (total - 1) % p
+        for step in range(STEPS):
+            x, y = make_data(step)
+            opt.zero_grad()
+            loss = pipe.train_step(x, y)
+            if r == last:
+                close(loss, ref_losses[step], f"loss at step {step}")
+            opt.step()
+        for st in mine:
+            for (name, q), (_, q_ref) in zip(st.module.named_parameters(), reference[st.index].named_parameters()):
+                close(q.data, q_ref.data, f"stage {st.index} {name} (from_stages, v={v})")
+
+
+def case_from_stages_errors(world):
+    p, r = world.world_size, world.rank
+    with pytest.raises(ConfigurationError, match=f"group rank {r} gave none"):
+        ax.Pipeline.from_stages([])
+    wrong = (r + 1) % p if p > 1 else 1
+    with pytest.raises(ConfigurationError, match=rf"must hold stages \[{r}\] of {p}, got \[{wrong}\]"):
+        ax.Pipeline.from_stages([ax.PipelineStage(make_stages(p)[0], wrong, p)])
+    with pytest.raises(ConfigurationError, match="disagree on num_stages"):
+        ax.Pipeline.from_stages([ax.PipelineStage(None, r, p), ax.PipelineStage(None, r + p, 2 * p)])
+    if p > 1:
+        with pytest.raises(ConfigurationError, match=f"num_stages={p + 1} must be a positive multiple"):
+            ax.Pipeline.from_stages([ax.PipelineStage(None, r, p + 1)])
+
+
 CASES = {name[len("case_"):]: fn for name, fn in sorted(globals().items()) if name.startswith("case_")}

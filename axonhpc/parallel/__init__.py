@@ -1,7 +1,7 @@
 """Parallel strategies built on the collectives and the model layer."""
 from .ddp import DDP, DistributedDataParallel, GradientAfterReductionError, UnusedParameterError
 from .memory import PipelineMemoryStats
-from .pipeline import Pipeline
+from .pipeline import Pipeline, PipelineStage
 from .schedules import Action, PipelineSchedule, format_schedule_table, pipeline_schedule
 from .simulate import SimulationResult, simulate_pipeline
 from .tensor import ColumnParallelLinear, RowParallelLinear, TensorParallelMLP
@@ -14,6 +14,7 @@ __all__ = [
     "UnusedParameterError",
     "GradientAfterReductionError",
     "Pipeline",
+    "PipelineStage",
     "PipelineSchedule",
     "Action",
     "pipeline_schedule",

@@ -66,6 +66,8 @@ built, as ``DDP`` does.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -85,6 +87,21 @@ _MAX_DIMS = 16
 # Message kinds, the last component of a tag.
 _ACT, _GRAD, _HDR, _EVAL_ACT, _EVAL_HDR = range(5)
 _NUM_KINDS = 5
+
+
+@dataclass(frozen=True)
+class PipelineStage:
+    """One stage this rank holds: its module and its place among all stages.
+
+    Attributes:
+        module: the stage's ``nn.Module``.
+        index: the stage's position in the model, 0 .. num_stages - 1.
+        num_stages: how many stages the whole model has.
+    """
+
+    module: Any
+    index: int
+    num_stages: int
 
 
 class Pipeline:
@@ -177,6 +194,54 @@ class Pipeline:
         return cls(stage_modules, group=group, num_microbatches=num_microbatches, schedule=schedule,
                    loss_fn=loss_fn, stages_per_rank=stages_per_rank, dp_group=dp_group,
                    dp_bucket_size=dp_bucket_size)
+
+    @classmethod
+    def from_stages(cls, stages: Sequence[PipelineStage], group: Any = None, num_microbatches: int = 8,
+                    schedule: Union[PipelineSchedule, str] = PipelineSchedule.ONE_F_ONE_B,
+                    loss_fn: Any = None, dp_group: Any = None, dp_bucket_size: int = 25_000_000) -> "Pipeline":
+        """Build a pipeline from only the stages this rank holds.
+
+        Unlike ``from_modules`` no rank needs to build the whole model: rank r
+        passes the stages r, r + P, r + 2P, ... of a model of ``num_stages``
+        stages (``num_stages // P`` of them; more than one means interleaving).
+
+        Args:
+            stages: this rank's ``PipelineStage`` objects, in any order.
+            group, num_microbatches, schedule, loss_fn, dp_group, dp_bucket_size:
+                as for ``Pipeline``.
+
+        Returns:
+            The Pipeline for this rank.
+
+        Raises:
+            ConfigurationError: no stages, stages that disagree on
+                ``num_stages``, a stage count the group size does not divide,
+                or indices other than the ones this rank must hold (the
+                message names both); found before any message is sent.
+        """
+        pg = resolve_group(group).require_member("building a Pipeline")
+        stages = list(stages)
+        if not stages:
+            raise ConfigurationError(f"Pipeline.from_stages needs this rank's stages; group rank {pg.rank} gave none")
+        totals = sorted({int(st.num_stages) for st in stages})
+        if len(totals) != 1:
+            raise ConfigurationError(f"the stages of group rank {pg.rank} disagree on num_stages: {totals}")
+        total = totals[0]
+        if total < 1 or total % pg.size != 0:
+            raise ConfigurationError(
+                f"num_stages={total} must be a positive multiple of the pipeline group size {pg.size}"
+            )
+        expected = list(range(pg.rank, total, pg.size))
+        given = sorted(int(st.index) for st in stages)
+        if given != expected:
+            raise ConfigurationError(
+                f"group rank {pg.rank} of {pg.size} must hold stages {expected} of {total}, got {given}"
+            )
+        modules: List[Any] = [None] * total
+        for st in stages:
+            modules[int(st.index)] = st.module
+        return cls(modules, group=pg, num_microbatches=num_microbatches, schedule=schedule, loss_fn=loss_fn,
+                   stages_per_rank=total // pg.size, dp_group=dp_group, dp_bucket_size=dp_bucket_size)
 
     # -- facts --------------------------------------------------------------
     def owner(self, stage: int) -> int:
