@@ -28,22 +28,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
 from ..mpiexec import NOT_FOUND, find_mpiexec
+from .jobs import BenchError, run_worker_job, write_result
 from .timing import human_bytes, pin_blas_threads
 
 DEFAULT_SIZES = "512,1024,1024,10"
-THREAD_ENV = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 ROUND_STEPS = 10  # steps of one configuration before the next one's turn
 RANKS = (1, 2)
 
@@ -56,10 +54,6 @@ LABELS = {
     "torch_compute": "torch compute (no DDP)",
     "torch_ddp": "torch DDP (gloo)",
 }
-
-
-class BenchError(RuntimeError):
-    """A worker job could not be started, failed, or timed out."""
 
 
 def parse_sizes(text: str) -> List[int]:
@@ -227,10 +221,7 @@ def _torch_worker(args) -> Optional[dict]:
 def _run_worker(args) -> int:
     result = _axon_worker(args) if args.worker == "axon" else _torch_worker(args)
     if result is not None:
-        tmp = args.out + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(result, f)
-        os.replace(tmp, args.out)
+        write_result(result, args.out)
     return 0
 
 
@@ -251,44 +242,17 @@ def torch_available(timeout: float = 120.0) -> bool:
     return out.returncode == 0
 
 
-def worker_env() -> Dict[str, str]:
-    """This environment with one BLAS/OpenMP thread per rank, and a failing rank ending the job."""
-    env = dict(os.environ)
-    for var in THREAD_ENV:
-        env[var] = "1"
-    env["AXONHPC_ABORT_ON_EXCEPTION"] = "1"
-    return env
-
-
 def run_job(mpiexec: str, kind: str, n: int, args, timeout: float) -> dict:
     """Run one worker job on ``n`` ranks and return rank 0's result.
 
     Raises:
         BenchError: the job failed, timed out or wrote no result.
     """
-    with tempfile.TemporaryDirectory(prefix="axonhpc-bench-ddp-") as tmp:
-        out = os.path.join(tmp, "result.json")
-        cmd = [mpiexec, "-n", str(n), sys.executable, "-m", "axonhpc.bench.ddp", "--worker", kind, "--out", out,
-               "--sizes", args.sizes, "--batch", str(args.batch), "--steps", str(args.steps),
-               "--warmup", str(args.warmup)]
-        if kind == "torch":
-            cmd += ["--port", str(free_port())]
-        # A session of its own, so a timeout can end mpiexec and every rank it started.
-        proc = subprocess.Popen(cmd, env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, start_new_session=True)
-        try:
-            stdout, stderr = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
-            raise BenchError(f"{kind} job on {n} rank(s) did not finish within {timeout:g} s "
-                             f"(raise --timeout?): {' '.join(cmd)}") from None
-        if proc.returncode != 0 or not os.path.exists(out):
-            tail = "\n".join((stdout + stderr).strip().splitlines()[-20:])
-            raise BenchError(f"{kind} job on {n} rank(s) failed (exit status {proc.returncode}): "
-                             f"{' '.join(cmd)}\n{tail}")
-        with open(out) as f:
-            return json.load(f)
+    worker_args = ["--worker", kind, "--sizes", args.sizes, "--batch", str(args.batch), "--steps", str(args.steps),
+                   "--warmup", str(args.warmup)]
+    if kind == "torch":
+        worker_args += ["--port", str(free_port())]
+    return run_worker_job(mpiexec, n, "axonhpc.bench.ddp", worker_args, f"{kind} job", timeout)
 
 
 def summarize(jobs: Dict[int, List[dict]]) -> List[dict]:

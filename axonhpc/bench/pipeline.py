@@ -24,26 +24,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
-import subprocess
 import sys
-import tempfile
-from typing import Dict, List, Optional, Sequence
+from typing import List, Optional, Sequence
 
 import numpy as np
 
-from ..mpiexec import NOT_FOUND, find_mpiexec, mpiexec_flavour
+from ..mpiexec import NOT_FOUND, find_mpiexec
+from .jobs import BenchError, run_worker_job, write_result
 from .timing import pin_blas_threads
 
-THREAD_ENV = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 LABELS = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "interleaved"}
 COLUMNS = ("schedule", "ranks", "m", "v", "step_ms", "bubble", "formula")
-
-
-class BenchError(RuntimeError):
-    """A worker job could not be started, failed, or timed out."""
 
 
 def bubble_formula(p: int, m: int, v: int = 1) -> float:
@@ -117,53 +110,21 @@ def _worker(args) -> Optional[dict]:
 def _run_worker(args) -> int:
     result = _worker(args)
     if result is not None:
-        tmp = args.out + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(result, f)
-        os.replace(tmp, args.out)
+        write_result(result, args.out)
     return 0
 
 
 # -- driver ----------------------------------------------------------------------------------
-def worker_env() -> Dict[str, str]:
-    """This environment with one BLAS/OpenMP thread per rank, and a failing rank ending the job."""
-    env = dict(os.environ)
-    for var in THREAD_ENV:
-        env[var] = "1"
-    env["AXONHPC_ABORT_ON_EXCEPTION"] = "1"
-    return env
-
-
 def run_job(mpiexec: str, n: int, args, timeout: float) -> dict:
     """Run one worker job on ``n`` ranks and return rank 0's result.
 
     Raises:
         BenchError: the job failed, timed out or wrote no result.
     """
-    with tempfile.TemporaryDirectory(prefix="axonhpc-bench-pipeline-") as tmp:
-        out = os.path.join(tmp, "result.json")
-        cmd = [mpiexec]
-        if mpiexec_flavour(mpiexec) == "openmpi":  # 4 ranks may exceed the cores of a small machine
-            cmd += (["--allow-run-as-root"] if os.geteuid() == 0 else []) + ["--oversubscribe"]
-        cmd += ["-n", str(n), sys.executable, "-m", "axonhpc.bench.pipeline", "--worker", "--out", out,
-                "--width", str(args.width), "--batch", str(args.batch), "--microbatches", str(args.microbatches),
-                "--layers-per-rank", str(args.layers_per_rank), "--steps", str(args.steps),
-                "--warmup", str(args.warmup)]
-        # A session of its own, so a timeout can end mpiexec and every rank it started.
-        proc = subprocess.Popen(cmd, env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, start_new_session=True)
-        try:
-            stdout, stderr = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
-            raise BenchError(f"job on {n} ranks did not finish within {timeout:g} s (raise --timeout?): "
-                             f"{' '.join(cmd)}") from None
-        if proc.returncode != 0 or not os.path.exists(out):
-            tail = "\n".join((stdout + stderr).strip().splitlines()[-20:])
-            raise BenchError(f"job on {n} ranks failed (exit status {proc.returncode}): {' '.join(cmd)}\n{tail}")
-        with open(out) as f:
-            return json.load(f)
+    worker_args = ["--worker", "--width", str(args.width), "--batch", str(args.batch),
+                   "--microbatches", str(args.microbatches), "--layers-per-rank", str(args.layers_per_rank),
+                   "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    return run_worker_job(mpiexec, n, "axonhpc.bench.pipeline", worker_args, "job", timeout)
 
 
 def format_table(jobs: Sequence[dict], args) -> str:

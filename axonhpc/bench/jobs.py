@@ -1,0 +1,75 @@
+"""Benchmark drivers that start their own MPI jobs: environment, launch, result files.
+
+A driver (run without mpiexec) launches ``mpiexec -n N python -m MODULE
+--worker ... --out FILE`` once per configuration; rank 0 of the worker job
+writes its result as JSON, and the driver reads it back.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from typing import Any, Dict, List
+
+from ..mpiexec import mpiexec_flavour
+
+THREAD_ENV = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+class BenchError(RuntimeError):
+    """A worker job could not be started, failed, or timed out."""
+
+
+def worker_env() -> Dict[str, str]:
+    """This environment with one BLAS/OpenMP thread per rank, and a failing rank ending the job."""
+    env = dict(os.environ)
+    for var in THREAD_ENV:
+        env[var] = "1"
+    env["AXONHPC_ABORT_ON_EXCEPTION"] = "1"
+    return env
+
+
+def write_result(result: Any, path: str) -> None:
+    """Write a worker's JSON result atomically (the driver must never read half a file)."""
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(result, f)
+    os.replace(tmp, path)
+
+
+def run_worker_job(mpiexec: str, n: int, module: str, worker_args: List[str], label: str,
+                   timeout: float) -> dict:
+    """Run ``python -m module --out FILE *worker_args`` on ``n`` ranks; return rank 0's JSON result.
+
+    Open MPI gets its root and oversubscription flags (more ranks than cores
+    is normal for these benchmarks on a small machine).
+
+    Raises:
+        BenchError: the job failed, timed out or wrote no result; the message
+            has the command and the end of its output.
+    """
+    with tempfile.TemporaryDirectory(prefix="axonhpc-bench-") as tmp:
+        out = os.path.join(tmp, "result.json")
+        cmd = [mpiexec]
+        if mpiexec_flavour(mpiexec) == "openmpi":
+            cmd += (["--allow-run-as-root"] if os.geteuid() == 0 else []) + ["--oversubscribe"]
+        cmd += ["-n", str(n), sys.executable, "-m", module, "--out", out, *worker_args]
+        # A session of its own, so a timeout can end mpiexec and every rank it started.
+        proc = subprocess.Popen(cmd, env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, start_new_session=True)
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise BenchError(f"{label} on {n} rank(s) did not finish within {timeout:g} s "
+                             f"(raise --timeout?): {' '.join(cmd)}") from None
+        if proc.returncode != 0 or not os.path.exists(out):
+            tail = "\n".join((stdout + stderr).strip().splitlines()[-20:])
+            raise BenchError(f"{label} on {n} rank(s) failed (exit status {proc.returncode}): "
+                             f"{' '.join(cmd)}\n{tail}")
+        with open(out) as f:
+            return json.load(f)
