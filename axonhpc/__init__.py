@@ -6,31 +6,8 @@ on the default group).
 """
 from . import errors
 from .backends import LocalBackend, ReduceOp, Work
-from .collectives import (
-    all_gather,
-    all_reduce,
-    all_reduce_max,
-    all_reduce_mean,
-    all_reduce_min,
-    all_reduce_product,
-    all_reduce_sum,
-    barrier,
-    broadcast,
-    gather,
-    get_rank,
-    get_world_size,
-    irecv,
-    is_main_process,
-    isend,
-    recv,
-    reduce_scatter,
-    reduce_scatter_mean,
-    reduce_scatter_sum,
-    scatter,
-    send,
-    sync_gradient,
-    sync_gradients,
-)
+from . import collectives as _collectives
+from .collectives import *  # noqa: F401,F403 - the collectives are the top-level API
 from .groups import Mesh, ProcessGroup, World, current_world, init, is_initialized, run_local
 from .info import info
 from .settings import settings
@@ -78,6 +55,7 @@ def __dir__():
     return sorted(set(globals()) | set(_LAZY) | set(_SUBMODULES))
 
 
+# The public names: the core objects, every collective, and the lazily loaded names.
 __all__ = [
     "errors",
     "settings",
@@ -89,50 +67,5 @@ __all__ = [
     "run_local",
     "current_world",
     "is_initialized",
-    "ReduceOp",
-    "Work",
     "LocalBackend",
-    "MPIBackend",
-    "all_reduce",
-    "all_reduce_sum",
-    "all_reduce_mean",
-    "all_reduce_min",
-    "all_reduce_max",
-    "all_reduce_product",
-    "broadcast",
-    "all_gather",
-    "reduce_scatter",
-    "reduce_scatter_sum",
-    "reduce_scatter_mean",
-    "gather",
-    "scatter",
-    "barrier",
-    "send",
-    "recv",
-    "isend",
-    "irecv",
-    "sync_gradient",
-    "sync_gradients",
-    "get_rank",
-    "get_world_size",
-    "is_main_process",
-    "GradientBucket",
-    "GradientSynchronizer",
-    "GradSyncStrategy",
-    "pack",
-    "unpack",
-    "shard_bounds",
-    "DDP",
-    "DistributedDataParallel",
-    "Pipeline",
-    "PipelineStage",
-    "PipelineSchedule",
-    "Action",
-    "pipeline_schedule",
-    "simulate_pipeline",
-    "PipelineMemoryStats",
-    "ColumnParallelLinear",
-    "RowParallelLinear",
-    "TensorParallelMLP",
-    "TensorParallelAttention",
-]
+] + list(_collectives.__all__) + list(_LAZY)

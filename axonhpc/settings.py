@@ -169,12 +169,7 @@ def launcher_env(environ: Optional[Mapping[str, str]] = None) -> LauncherEnv:
     return LauncherEnv(None, None, None, None, None, None, job)
 
 
-def environment_variable(name: str, default: Optional[str] = None) -> Optional[str]:
-    """Read one environment variable (for launch helpers that pass it on)."""
-    return os.environ.get(name, default)
-
-
 settings = Settings()
 settings.load_environment()
 
-__all__ = ["Settings", "settings", "LauncherEnv", "launcher_env", "environment_variable", "MPI_INT_MAX"]
+__all__ = ["Settings", "settings", "LauncherEnv", "launcher_env", "MPI_INT_MAX"]

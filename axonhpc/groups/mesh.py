@@ -20,9 +20,11 @@ class MeshCoords(NamedTuple):
     tp: int
 
 
-def mesh_coords(rank: int, dp: int, tp: int, pp: int) -> MeshCoords:
-    """Coordinates of a global rank: ``rank == (pp * dp_size + dp) * tp_size + tp``."""
-    del pp  # the slowest dimension needs no size to decode
+def mesh_coords(rank: int, dp: int, tp: int) -> MeshCoords:
+    """Coordinates of a global rank: ``rank == (pp * dp_size + dp) * tp_size + tp``.
+
+    The slowest dimension (pp) needs no size to decode, so only dp and tp sizes are taken.
+    """
     return MeshCoords(rank // (dp * tp), (rank // tp) % dp, rank % tp)
 
 
@@ -43,7 +45,7 @@ class Mesh:
                 f"mesh dp={dp} x tp={tp} x pp={pp} = {dp * tp * pp} ranks, but the world has {world.world_size}"
             )
         self.shape: Dict[str, int] = sizes
-        self.coords = mesh_coords(world.rank, dp, tp, pp)
+        self.coords = mesh_coords(world.rank, dp, tp)
         c = self.coords
         # Every rank takes part in every split, in the same order.
         self.tp: "ProcessGroup" = world._split_group(world.default_group, c.pp * dp + c.dp, c.tp, name="mesh.tp")
