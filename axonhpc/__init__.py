@@ -25,6 +25,13 @@ _LAZY = {
     "MPIBackend": "axonhpc.backends.mpi",
     "DDP": "axonhpc.parallel",
     "DistributedDataParallel": "axonhpc.parallel",
+    "FSDP": "axonhpc.parallel",
+    "FullyShardedDataParallel": "axonhpc.parallel",
+    "ShardingStrategy": "axonhpc.parallel",
+    "CPUOffload": "axonhpc.parallel",
+    "MixedPrecision": "axonhpc.parallel",
+    "FSDPMemoryStats": "axonhpc.parallel",
+    "GradScaler": "axonhpc.parallel",
     "Pipeline": "axonhpc.parallel",
     "PipelineStage": "axonhpc.parallel",
     "PipelineSchedule": "axonhpc.parallel",
@@ -36,6 +43,7 @@ _LAZY = {
     "RowParallelLinear": "axonhpc.parallel",
     "TensorParallelMLP": "axonhpc.parallel",
     "TensorParallelAttention": "axonhpc.parallel",
+    "ZeroRedundancyOptimizer": "axonhpc.parallel",
 }
 _SUBMODULES = ("nn", "optim", "data", "bucketing", "comm", "backends", "settings", "cli", "bench", "parallel",
                "checkpoint")

@@ -9,5 +9,7 @@ from .format import FORMAT_VERSION
 from .io import load, save
 from .paths import latest
 from .rng import capture_rng_state, restore_rng_state
+from .sharded import load_sharded, save_sharded
 
-__all__ = ["save", "load", "latest", "capture_rng_state", "restore_rng_state", "FORMAT_VERSION"]
+__all__ = ["save", "load", "latest", "capture_rng_state", "restore_rng_state", "save_sharded", "load_sharded",
+           "FORMAT_VERSION"]

@@ -1,5 +1,9 @@
 """Parallel strategies built on the collectives and the model layer."""
 from .ddp import DDP, DistributedDataParallel, GradientAfterReductionError, UnusedParameterError
+from .fsdp import FSDP, FullyShardedDataParallel
+from .fsdp_config import CPUOffload, MixedPrecision, ShardingStrategy
+from .fsdp_memory import FSDPMemoryStats
+from .grad_scaler import GradScaler
 from .memory import PipelineMemoryStats
 from .pipeline import Pipeline, PipelineStage
 from .schedules import Action, PipelineSchedule, format_schedule_table, pipeline_schedule
@@ -7,12 +11,20 @@ from .simulate import SimulationResult, simulate_pipeline
 from .tensor import ColumnParallelLinear, RowParallelLinear, TensorParallelMLP
 from .trace import chrome_trace, gather_timelines, timeline_bubble, write_chrome_trace, write_gantt_png
 from .tensor import TensorParallelAttention
+from .zero import ZeroRedundancyOptimizer
 
 __all__ = [
     "DDP",
     "DistributedDataParallel",
     "UnusedParameterError",
     "GradientAfterReductionError",
+    "FSDP",
+    "FullyShardedDataParallel",
+    "ShardingStrategy",
+    "CPUOffload",
+    "MixedPrecision",
+    "FSDPMemoryStats",
+    "GradScaler",
     "Pipeline",
     "PipelineStage",
     "PipelineSchedule",
@@ -31,4 +43,5 @@ __all__ = [
     "write_chrome_trace",
     "write_gantt_png",
     "TensorParallelAttention",
+    "ZeroRedundancyOptimizer",
 ]

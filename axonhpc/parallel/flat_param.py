@@ -1,0 +1,308 @@
+"""One FSDP unit: its parameters flattened into a padded flat parameter, sharded over a group.
+
+[Note: the flat parameter]
+The unit's parameters, in registration order, are packed into one flat
+vector of ``numel`` elements, zero-padded to a multiple of the shard group's
+size (``FlatLayout``), and each rank keeps only its slice
+``[start, stop)``: the *master shard*, a ``Parameter`` the optimizer
+updates. Padding positions start at zero, get zero gradients, and so stay
+zero under SGD, Adam and AdamW (elementwise optimizers; an optimizer whose
+update mixes elements, like LAMB's per-tensor norms, would see the flat
+shard instead of the tensors).
+
+Gathering all-gathers the shards (cast to the compute dtype first) into a
+new padded flat array and points every module Parameter's ``data`` at its
+view of that array; freeing drops the array and leaves each module
+Parameter with an empty placeholder of its dtype, so a freed parameter used
+by mistake fails loudly instead of computing with stale values. With a
+shard group of one rank and no dtype cast (NO_SHARD), the module Parameters
+are views of the master itself and are never freed.
+
+Reducing packs the module Parameters' gradients into a padded flat vector
+(in the reduce dtype), drops them, and reduce-scatters (mean) over the shard
+group, then all-reduces (mean) the shard over the replicate group, if any;
+the result is added into the master shard's gradient.
+
+[Note: placement]
+Device (cupy) models may keep the master shards in host memory
+(``CPUOffload``): the shard is copied to the device for each gather, and the
+reduced gradient shard back to the host. For host (numpy) models placement
+is the identity: no array is copied.
+"""
+from __future__ import annotations
+
+from typing import Any, List, Optional, Tuple
+
+import numpy as np
+
+from .._dtypes import array_module, is_cupy_array
+from ..backends import ReduceOp
+from ..bucketing import FlatLayout, pack, unflatten
+from ..collectives import all_gather, all_reduce, reduce_scatter
+from ..nn import Parameter
+from .fsdp_config import CPUOffload
+
+
+def _to_host(array: Any) -> Any:
+    return array.get() if is_cupy_array(array) else array
+
+
+def _pack_padded(arrays: List[Any], out: Any, numel: int) -> Any:
+    """Copy ``arrays`` into ``out[:numel]`` (host: compiled nogil copy; device: cupy) and zero the rest."""
+    if is_cupy_array(out):
+        xp = array_module(out)
+        out[:numel] = xp.concatenate([a.reshape(-1) for a in arrays]) if arrays else 0
+    else:
+        pack(arrays, out=out[:numel])
+    out[numel:] = 0
+    return out
+
+
+class Placement:
+    """Where master shards live (see the module note).
+
+    Args:
+        offload: the CPUOffload option.
+        device: True when the model's arrays are cupy arrays.
+    """
+
+    def __init__(self, offload: CPUOffload, device: bool):
+        self.offload = offload
+        self.device = device
+        self.host_master = device and offload.any
+
+    def master(self, array: Any) -> Any:
+        """The array the master shard keeps: a host copy when offloading a device model."""
+        return _to_host(array) if self.host_master else array
+
+    def to_compute(self, shard: Any, dtype: np.dtype) -> Any:
+        """The shard as the compute dtype on the compute device (cast on the host: half the copy)."""
+        out = shard if shard.dtype == dtype else shard.astype(dtype)
+        if self.host_master:
+            import cupy
+
+            out = cupy.asarray(out)
+        return out
+
+    def to_master(self, grad: Any) -> Any:
+        """A reduced gradient shard moved to where the master lives."""
+        return _to_host(grad) if self.host_master else grad
+
+
+class FlatUnit:
+    """The flat parameter of one FSDP unit (see the module notes).
+
+    Args:
+        name: the unit's module name ("" for the root's own parameters).
+        module: the unit's module (its forward and backward get wrapped).
+        named_params: ``(name, Parameter)`` of the unit, one dtype.
+        shard_group: group the flat parameter is sharded over, or None (this rank alone).
+        replicate_group: group the gradient shard is averaged over afterwards, or None.
+        compute_dtype: dtype the gathered parameters compute in.
+        reduce_dtype: dtype the gradients are reduced in.
+        placement: where the master shard lives.
+        tracker: the MemoryTracker to report transient arrays to.
+    """
+
+    def __init__(self, name: str, module: Any, named_params: List[Tuple[str, Parameter]], shard_group: Any,
+                 replicate_group: Any, compute_dtype: np.dtype, reduce_dtype: np.dtype, placement: Placement,
+                 tracker: Any):
+        self.name = name
+        self.module = module
+        self.param_names = [n for n, _ in named_params]
+        self.params = [p for _, p in named_params]
+        self.shard_group = shard_group
+        self.replicate_group = replicate_group
+        self.shard_world = shard_group.size if shard_group is not None else 1
+        self.shard_rank = shard_group.rank if shard_group is not None else 0
+        master_dtype = np.dtype(self.params[0].dtype)
+        self.layout = FlatLayout([p.shape for p in self.params], master_dtype, self.shard_world)
+        self.compute_layout = FlatLayout([p.shape for p in self.params], compute_dtype, self.shard_world)
+        self.reduce_dtype = np.dtype(reduce_dtype)
+        self.start, self.stop, self.pad = self.layout.shard_bounds(self.shard_rank)
+        self.placement = placement
+        self.tracker = tracker
+        self.xp = array_module(self.params[0].data)
+        full = _pack_padded([p.data for p in self.params], self.xp.empty(self.layout.padded_numel, master_dtype),
+                            self.layout.numel)
+        self.shard = Parameter(placement.master(full[self.start:self.stop].copy()))
+        # The module Parameters' own arrays are released here (views of the master when kept).
+        self.full: Optional[Any] = None
+        self.persistent_views = self.shard_world == 1 and compute_dtype == master_dtype and not placement.host_master
+        self._gather_work = None
+        self._gather_src = None
+        self._device_shard = None
+        self.gathered_bytes = self.compute_layout.padded_numel * compute_dtype.itemsize
+        if self.persistent_views:
+            self._attach(self.shard.data)
+        else:
+            self._detach()
+
+    # -- parameters ----------------------------------------------------------------------
+    @property
+    def numel(self) -> int:
+        """Elements of the unit's parameters (unpadded)."""
+        return self.layout.numel
+
+    @property
+    def is_gathered(self) -> bool:
+        """True while the module Parameters hold the full values."""
+        return self.persistent_views or self.full is not None
+
+    @property
+    def gathering(self) -> bool:
+        """True while a (prefetched) all-gather is in flight."""
+        return self._gather_work is not None
+
+    def _attach(self, flat: Any) -> None:
+        for p, view in zip(self.params, unflatten(flat, self.compute_layout)):
+            p.data = view
+
+    def _detach(self) -> None:
+        for p in self.params:
+            p.data = self.xp.empty(0, dtype=self.compute_layout.dtype)
+
+    def _compute_source(self) -> Any:
+        if self._device_shard is not None:
+            return self._device_shard
+        src = self.placement.to_compute(self.shard.data, self.compute_layout.dtype)
+        if self.placement.offload.keeps_device_copy and self.placement.host_master:
+            self._device_shard = src
+        return src
+
+    def new_step(self) -> None:
+        """Forget the step's device copy of the shard (the optimizer may have changed the master)."""
+        self._device_shard = None
+
+    def start_gather(self, async_op: bool) -> None:
+        """Begin gathering the full parameters (nothing if they are gathered or on their way)."""
+        if self.is_gathered or self.gathering:
+            return
+        src = self._compute_source()
+        if self.shard_world == 1:
+            self._set_full(src if src is not self.shard.data else src.copy())
+            return
+        if src is not self.shard.data:
+            self.tracker.allocate("communication", src.nbytes)
+        self._gather_src = src
+        self.tracker.allocate("gathered_params", self.gathered_bytes)
+        self._gather_work = all_gather(src, self.shard_group, async_op=True)
+        if not async_op:
+            self.wait_gather()
+
+    def _set_full(self, full: Any) -> None:
+        if self.shard_world == 1:
+            self.tracker.allocate("gathered_params", self.gathered_bytes)
+        self.full = full
+        self._attach(full)
+
+    def wait_gather(self) -> None:
+        """Finish an all-gather in flight and point the module Parameters at the result."""
+        if self._gather_work is None:
+            return
+        stacked = self._gather_work.wait()
+        self._gather_work = None
+        if self._gather_src is not self.shard.data:
+            self.tracker.release("communication", self._gather_src.nbytes)
+        self._gather_src = None
+        self.full = stacked.reshape(-1)
+        self._attach(self.full)
+
+    def gather(self) -> None:
+        """Make the full parameters available now (waits for a prefetch in flight)."""
+        self.start_gather(async_op=False)
+        self.wait_gather()
+
+    def progress(self) -> None:
+        """Let MPI move an all-gather in flight forward (see DDP's note on progress)."""
+        if self._gather_work is not None:
+            self._gather_work.is_completed()
+
+    def free(self) -> None:
+        """Drop the full parameters (no-op for persistent views); waits for a gather in flight first."""
+        if self.persistent_views:
+            return
+        self.wait_gather()
+        if self.full is None:
+            return
+        self.full = None
+        self.tracker.release("gathered_params", self.gathered_bytes)
+        self._detach()
+
+    # -- gradients -----------------------------------------------------------------------
+    def has_local_grads(self) -> bool:
+        """True if a module Parameter of the unit holds an unreduced gradient."""
+        return any(p.grad is not None for p in self.params)
+
+    def start_reduction(self) -> "PendingReduction":
+        """Pack the module gradients (zeros where None), drop them, and start the reduce-scatter.
+
+        Returns:
+            The reduction in flight; ``finish()`` adds the result into the master shard's gradient.
+        """
+        xp = self.xp
+        grads = [p.grad if p.grad is not None else xp.zeros(shape, dtype=self.compute_layout.dtype)
+                 for p, shape in zip(self.params, self.layout.shapes)]
+        grads = [g if g.dtype == self.compute_layout.dtype else g.astype(self.compute_layout.dtype) for g in grads]
+        unsharded = sum(int(g.nbytes) for g in grads)
+        self.tracker.allocate("unsharded_grads", unsharded)
+        flat = _pack_padded(grads, xp.empty(self.layout.padded_numel, self.compute_layout.dtype), self.numel)
+        if flat.dtype != self.reduce_dtype:
+            flat = flat.astype(self.reduce_dtype)
+        self.tracker.allocate("communication", flat.nbytes)
+        for p in self.params:
+            p.grad = None
+        self.tracker.release("unsharded_grads", unsharded)
+        if self.shard_world == 1:
+            work = None
+        else:
+            work = reduce_scatter(flat, ReduceOp.AVG, self.shard_group, async_op=True)
+        return PendingReduction(self, flat, work)
+
+    def add_grad(self, grad_shard: Any) -> None:
+        """Add a reduced gradient shard into the master shard's gradient."""
+        grad_shard = self.placement.to_master(grad_shard)
+        if self.shard.grad is None:
+            self.shard.grad = grad_shard.astype(self.shard.data.dtype, copy=True)  # never a communication buffer
+        else:
+            self.shard.grad += grad_shard
+        # Padding stays exactly zero whatever the reduction did with it.
+        if self.pad:
+            self.shard.grad[self.shard.grad.size - self.pad:] = 0
+
+    # -- state ---------------------------------------------------------------------------
+    def unpadded_range(self) -> Tuple[int, int]:
+        """``[start, stop)`` of the master shard inside the unpadded flat parameter."""
+        return min(self.start, self.numel), min(self.stop, self.numel)
+
+    def persistent_bytes(self) -> Tuple[int, int]:
+        """Bytes of the master shard and of its gradient."""
+        grad = self.shard.grad
+        return int(self.shard.data.nbytes), int(grad.nbytes) if grad is not None else 0
+
+
+class PendingReduction:
+    """A unit's gradient reduction in flight (see ``FlatUnit.start_reduction``)."""
+
+    def __init__(self, unit: FlatUnit, flat: Any, work: Any):
+        self.unit = unit
+        self.flat = flat
+        self.work = work
+
+    def progress(self) -> None:
+        """Let MPI move the reduce-scatter forward."""
+        if self.work is not None:
+            self.work.is_completed()
+
+    def finish(self) -> None:
+        """Wait for the reduce-scatter, average across replicas, add into the master gradient."""
+        unit = self.unit
+        shard = self.flat if self.work is None else self.work.wait()
+        if unit.replicate_group is not None and unit.replicate_group.size > 1:
+            all_reduce(shard, ReduceOp.AVG, unit.replicate_group)  # in place
+        unit.add_grad(shard)
+        unit.tracker.release("communication", self.flat.nbytes)
+        self.flat = None
+
+
+__all__ = ["FlatUnit", "PendingReduction", "Placement"]

@@ -1,0 +1,155 @@
+"""The options of FSDP: sharding strategy, CPU offload and mixed precision.
+
+Pure data with validation; nothing here communicates.
+"""
+from __future__ import annotations
+
+import enum
+from typing import Any, Optional
+
+import numpy as np
+
+from .._dtypes import bfloat16_dtype, is_low_precision_float
+from ..errors import ConfigurationError
+
+
+def _parse_enum(cls: Any, value: Any, what: str) -> Any:
+    if isinstance(value, cls):
+        return value
+    if isinstance(value, str):
+        try:
+            return cls[value.upper()]
+        except KeyError:
+            pass
+    raise ConfigurationError(f"unknown {what} {value!r}; use one of {[m.name for m in cls]}")
+
+
+class ShardingStrategy(enum.Enum):
+    """How FSDP spreads parameters, gradients and optimizer state over the group.
+
+    FULL_SHARD (ZeRO-3): parameters, gradients and optimizer state sharded;
+    a unit's parameters are gathered for its forward and again for its
+    backward, and freed after each.
+    SHARD_GRAD_OP (ZeRO-2): gradients and optimizer state sharded; a unit's
+    parameters stay gathered from its forward until its backward is done.
+    NO_SHARD: every rank holds everything; gradients are all-reduced (DDP).
+    HYBRID_SHARD: FULL_SHARD inside each node, replicated across nodes
+    (shard gradients are all-reduced between the nodes).
+    """
+
+    FULL_SHARD = "full_shard"
+    SHARD_GRAD_OP = "shard_grad_op"
+    NO_SHARD = "no_shard"
+    HYBRID_SHARD = "hybrid_shard"
+
+    @classmethod
+    def parse(cls, value: Any) -> "ShardingStrategy":
+        """Accept a ShardingStrategy or its name in any case.
+
+        Raises:
+            ConfigurationError: ``value`` names no strategy.
+        """
+        return _parse_enum(cls, value, "sharding strategy")
+
+    @property
+    def zero_stage(self) -> int:
+        """The ZeRO stage of this strategy's per-rank memory (NO_SHARD is 0)."""
+        return {"full_shard": 3, "shard_grad_op": 2, "no_shard": 0, "hybrid_shard": 3}[self.value]
+
+    @property
+    def frees_after_forward(self) -> bool:
+        """True when a unit's gathered parameters are freed right after its forward."""
+        return self in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
+
+
+class CPUOffload(enum.Enum):
+    """What lives in host memory when the model's arrays are on a GPU (cupy).
+
+    PARAMS: the parameter shards (and their gradients) stay on the host
+    between uses; each gather copies the shard to the device first, and the
+    optimizer steps on the host.
+    OPTIMIZER_STATES: the optimizer's parameter shards, gradients and states
+    stay on the host (the optimizer steps there); the device keeps a copy of
+    the shard for one step's gathers.
+    FULL: both.
+    For host (numpy) models every option is a no-op: everything already is
+    in host memory, and no copy is made.
+    """
+
+    NONE = "none"
+    PARAMS = "params"
+    OPTIMIZER_STATES = "optimizer_states"
+    FULL = "full"
+
+    @classmethod
+    def parse(cls, value: Any) -> "CPUOffload":
+        """Accept a CPUOffload, its name in any case, or a bool (True: FULL, False: NONE).
+
+        Raises:
+            ConfigurationError: ``value`` names no option.
+        """
+        if value is True:
+            return cls.FULL
+        if value is False or value is None:
+            return cls.NONE
+        return _parse_enum(cls, value, "cpu_offload option")
+
+    @property
+    def any(self) -> bool:
+        """True unless NONE."""
+        return self is not CPUOffload.NONE
+
+    @property
+    def keeps_device_copy(self) -> bool:
+        """True for OPTIMIZER_STATES: the device keeps the step's shard copy between gathers."""
+        return self is CPUOffload.OPTIMIZER_STATES
+
+
+def _float_dtype(value: Any, what: str) -> Optional[np.dtype]:
+    if value is None:
+        return None
+    if isinstance(value, str) and value.lower() == "bfloat16":
+        bf16 = bfloat16_dtype()
+        if bf16 is None:
+            raise ConfigurationError(f"{what}=bfloat16 needs ml_dtypes (pip install axonhpc[bf16])")
+        return bf16
+    try:
+        dtype = np.dtype(value)
+    except TypeError as exc:
+        raise ConfigurationError(f"{what} must be a floating dtype, got {value!r}") from exc
+    if dtype.kind != "f" and not is_low_precision_float(dtype):
+        raise ConfigurationError(f"{what} must be a floating dtype, got {dtype}")
+    return dtype
+
+
+class MixedPrecision:
+    """Compute and communicate in lower precision, keep the master shards as they are.
+
+    Args:
+        param_dtype: dtype of the gathered parameters the forward and
+            backward compute with (float16, bfloat16 with ml_dtypes, ...);
+            None keeps the parameters' own dtype.
+        reduce_dtype: dtype the gradients are reduced in (None:
+            ``param_dtype``). float16/bfloat16 reductions are summed in a
+            float32 copy and rounded once by the collectives.
+        buffer_dtype: dtype module buffers are cast to at wrapping (None: unchanged).
+
+    The master shards (``fsdp.parameters()``, what the optimizer updates)
+    keep the dtype the model was built with, e.g. float32, and the gradient
+    shards are accumulated in that dtype.
+
+    Raises:
+        ConfigurationError: a dtype that is not floating.
+    """
+
+    def __init__(self, param_dtype: Any = None, reduce_dtype: Any = None, buffer_dtype: Any = None):
+        self.param_dtype = _float_dtype(param_dtype, "param_dtype")
+        self.reduce_dtype = _float_dtype(reduce_dtype, "reduce_dtype")
+        self.buffer_dtype = _float_dtype(buffer_dtype, "buffer_dtype")
+
+    def __repr__(self) -> str:
+        return (f"MixedPrecision(param_dtype={self.param_dtype}, reduce_dtype={self.reduce_dtype}, "
+                f"buffer_dtype={self.buffer_dtype})")
+
+
+__all__ = ["ShardingStrategy", "CPUOffload", "MixedPrecision"]

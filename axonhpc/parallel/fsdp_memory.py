@@ -1,0 +1,158 @@
+"""Per-rank memory of sharded data parallelism: the ZeRO formulas, and what a rank really holds.
+
+[Note: the ZeRO formulas]
+With Psi parameters, N ranks, and per parameter ``param_bytes`` for the
+parameters, ``grad_bytes`` for the gradients and K = ``optimizer_bytes`` for
+the optimizer state (mixed-precision Adam: 2 + 2 + 12, where the 12 are the
+float32 master copy, momentum and variance), each rank holds
+
+- stage 0 (plain data parallelism): ``(2 + 2 + K) Psi``;
+- stage 1 (optimizer state sharded): ``(2 + 2) Psi + K Psi / N``;
+- stage 2 (and gradients): ``2 Psi + (2 + K) Psi / N``;
+- stage 3 (and parameters): ``(2 + 2 + K) Psi / N``.
+
+(Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion
+Parameter Models", 2020, figure 1: 7.5B parameters on 64 ranks take 120 GB,
+31.4 GB, 16.6 GB and 1.9 GB per rank.)
+
+[Note: measured memory]
+``MemoryTracker`` counts the bytes of arrays FSDP itself allocates and
+drops while it runs (gathered parameters, unsharded gradients on their way to
+the reduce-scatter, communication copies), and keeps the peak of that sum
+together with the persistent arrays (parameter shards, gradient shards)
+measured at each event from the arrays themselves. Activations belong to the
+model and are not counted.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Union
+
+from ..errors import ConfigurationError
+
+Number = Union[int, float]
+
+
+class FSDPMemoryStats:
+    """Per-rank bytes of parameters, gradients and optimizer state (see the module note).
+
+    Attributes:
+        param_bytes: bytes of parameters per rank.
+        grad_bytes: bytes of gradients per rank.
+        optimizer_bytes: bytes of optimizer state per rank.
+        total_bytes: their sum.
+        stage: the ZeRO stage (0-3).
+        world_size: number of ranks sharing the state.
+        num_params: number of parameters of the model.
+    """
+
+    def __init__(self, param_bytes: float, grad_bytes: float, optimizer_bytes: float, stage: int = 0,
+                 world_size: int = 1, num_params: Number = 0):
+        self.param_bytes = param_bytes
+        self.grad_bytes = grad_bytes
+        self.optimizer_bytes = optimizer_bytes
+        self.stage = stage
+        self.world_size = world_size
+        self.num_params = num_params
+        self._baseline = None
+
+    @property
+    def total_bytes(self) -> float:
+        """Parameters + gradients + optimizer state, per rank."""
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes
+
+    @classmethod
+    def estimate(cls, num_params: Number, world_size: int, stage: int, param_bytes: Number = 2,
+                 grad_bytes: Number = 2, optimizer_bytes: Number = 12) -> "FSDPMemoryStats":
+        """Per-rank memory by the ZeRO formulas.
+
+        Args:
+            num_params: parameters of the model (int or float, e.g. 7.5e9).
+            world_size: ranks sharing the state, >= 1.
+            stage: 0 (DDP), 1 (optimizer state), 2 (and gradients) or 3 (and parameters).
+            param_bytes: bytes per parameter (2 for float16 parameters).
+            grad_bytes: bytes per gradient element.
+            optimizer_bytes: K, bytes of optimizer state per parameter (12 for
+                mixed-precision Adam: float32 master, momentum, variance).
+
+        Returns:
+            The per-rank figures.
+
+        Raises:
+            ConfigurationError: a negative size, world_size < 1 or a stage outside 0-3.
+        """
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ConfigurationError(f"world_size must be a positive int, got {world_size!r}")
+        if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
+            raise ConfigurationError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
+        for name, value in (("num_params", num_params), ("param_bytes", param_bytes),
+                            ("grad_bytes", grad_bytes), ("optimizer_bytes", optimizer_bytes)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+                raise ConfigurationError(f"{name} must be a non-negative number, got {value!r}")
+        n = world_size
+        params = num_params * param_bytes / (n if stage >= 3 else 1)
+        grads = num_params * grad_bytes / (n if stage >= 2 else 1)
+        optimizer = num_params * optimizer_bytes / (n if stage >= 1 else 1)
+        stats = cls(params, grads, optimizer, stage, world_size, num_params)
+        stats._baseline = num_params * (param_bytes + grad_bytes + optimizer_bytes)
+        return stats
+
+    def total_memory_mb(self) -> float:
+        """``total_bytes`` in MiB."""
+        return self.total_bytes / 2**20
+
+    def memory_savings(self) -> float:
+        """Fraction of the stage-0 memory this stage saves (0.0 for stage 0)."""
+        if not self._baseline:  # no stage-0 figure to compare with, or an empty model
+            return 0.0
+        return 1.0 - self.total_bytes / self._baseline
+
+    def __repr__(self) -> str:
+        return (f"FSDPMemoryStats(stage={self.stage}, world_size={self.world_size}, "
+                f"param_bytes={self.param_bytes:.6g}, grad_bytes={self.grad_bytes:.6g}, "
+                f"optimizer_bytes={self.optimizer_bytes:.6g}, total_MiB={self.total_memory_mb():.6g})")
+
+
+class MemoryTracker:
+    """Current and peak bytes of FSDP's arrays (see the module note).
+
+    Args:
+        persistent: returns the bytes of the persistent arrays by category, now.
+    """
+
+    def __init__(self, persistent: Callable[[], Dict[str, int]]):
+        self._persistent = persistent
+        self.transient: Dict[str, int] = {"gathered_params": 0, "unsharded_grads": 0, "communication": 0}
+        self.peak = 0
+
+    def _update_peak(self) -> None:
+        total = sum(self._persistent().values()) + sum(self.transient.values())
+        if total > self.peak:
+            self.peak = total
+
+    def allocate(self, category: str, nbytes: int) -> None:
+        """Count ``nbytes`` more in ``category`` and update the peak."""
+        self.transient[category] += int(nbytes)
+        self._update_peak()
+
+    def release(self, category: str, nbytes: int) -> None:
+        """Count ``nbytes`` less in ``category``."""
+        self.transient[category] -= int(nbytes)
+
+    def snapshot(self, extra: Dict[str, int]) -> Dict[str, int]:
+        """Bytes by category now, plus ``current`` and ``peak`` totals (``extra`` counted in both)."""
+        self._update_peak()
+        out = dict(self._persistent())
+        out.update(self.transient)
+        out.update(extra)
+        added = sum(extra.values())
+        out["current"] = sum(out.values())
+        out["peak"] = self.peak + added
+        return out
+
+    def reset_peak(self) -> None:
+        """Start a new peak from the current total."""
+        self.peak = 0
+        self._update_peak()
+
+
+__all__ = ["FSDPMemoryStats", "MemoryTracker"]

@@ -1,0 +1,210 @@
+"""Sharded state dicts of FSDP, and reassembling them for any world size.
+
+[Note: resharding]
+A sharded state dict records, for every unit, the parameter names and
+shapes, the dtype, the unpadded length ``numel`` of the flat parameter, and
+the range ``[start, stop)`` of it that this shard holds (padding is never
+stored), with the values and the optimizer state arrays of that range. To
+load on a group of another size, each rank computes its new range from
+``shard_bounds`` and copies in the overlapping pieces of every shard given;
+positions not covered by any piece are an error, named with the unit and the
+range. A full state dict is turned into one piece covering everything, so
+the same code loads both. Everything is checked before anything is written.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy as np
+
+from .._dtypes import is_cupy_array
+from ..errors import StateDictError
+
+ROOT = "<root>"  # the unit of the parameters outside every wrapped module
+FORMAT = "axonhpc.fsdp.sharded/1"
+
+
+def _host(array: Any) -> np.ndarray:
+    return array.get() if is_cupy_array(array) else np.asarray(array)
+
+
+def _optimizer_units(fsdp: Any, optimizer: Any) -> List[Any]:
+    """The unit of each of the optimizer's parameters, in the optimizer's order."""
+    by_id = {id(u.shard): u for u in fsdp.units}
+    units = []
+    for i, p in enumerate(optimizer.params):
+        if id(p) not in by_id:
+            raise StateDictError(f"optimizer parameter {i} is not one of this FSDP's shards; build the "
+                                 "optimizer over fsdp.parameters()")
+        units.append(by_id[id(p)])
+    return units
+
+
+def sharded_state(fsdp: Any, optimizer: Any = None) -> Dict[str, Any]:
+    """This rank's shard of the model (and optimizer) state; see the module note.
+
+    Args:
+        fsdp: the FullyShardedDataParallel.
+        optimizer: its optimizer, or None.
+
+    Returns:
+        ``{"format", "shard_world_size", "shard_rank", "units": {unit: {"names",
+        "shapes", "dtype", "numel", "start", "stop", "values"}}, "buffers": {...}}``
+        and, with an optimizer, ``"optimizer": {"hyperparameters", "state": {unit: {...}}}``.
+    """
+    units = {}
+    for u in fsdp.units:
+        start, stop = u.unpadded_range()
+        units[u.name] = {"names": list(u.param_names), "shapes": [list(s) for s in u.layout.shapes],
+                         "dtype": str(u.layout.dtype), "numel": int(u.numel), "start": int(start), "stop": int(stop),
+                         "values": _host(u.shard.data[:stop - start]).copy()}
+    out: Dict[str, Any] = {"format": FORMAT, "shard_world_size": fsdp.shard_world_size,
+                           "shard_rank": fsdp.shard_rank, "units": units,
+                           "buffers": {name: _host(b).copy() for name, b in fsdp.module.named_buffers()}}
+    if optimizer is not None:
+        owners = _optimizer_units(fsdp, optimizer)
+        saved = optimizer.state_dict()
+        states = {}
+        for unit, entry in zip(owners, saved["state"]):
+            length = units[unit.name]["stop"] - units[unit.name]["start"]
+            states[unit.name] = {k: (_host(v[:length]) if hasattr(v, "shape") else v) for k, v in entry.items()}
+        out["optimizer"] = {"hyperparameters": saved["hyperparameters"], "state": states}
+    return out
+
+
+def full_to_sharded(fsdp: Any, state: Dict[str, Any]) -> Dict[str, Any]:
+    """A full state dict (name -> array) as one sharded piece covering every unit.
+
+    Raises:
+        StateDictError: a parameter is missing or has the wrong shape (all problems listed).
+    """
+    problems = []
+    units = {}
+    for u in fsdp.units:
+        pieces = []
+        for name, shape in zip(u.param_names, u.layout.shapes):
+            if name not in state:
+                problems.append(f"missing key {name!r}")
+                continue
+            value = _host(state[name])
+            if tuple(value.shape) != tuple(shape):
+                problems.append(f"shape mismatch for {name!r}: the state dict has {tuple(value.shape)}, "
+                                f"the model has {tuple(shape)}")
+                continue
+            pieces.append(value.reshape(-1).astype(u.layout.dtype))
+        values = np.concatenate(pieces) if len(pieces) == len(u.param_names) else np.zeros(0, u.layout.dtype)
+        units[u.name] = {"names": list(u.param_names), "shapes": [list(s) for s in u.layout.shapes],
+                         "dtype": str(u.layout.dtype), "numel": int(u.numel), "start": 0, "stop": int(u.numel),
+                         "values": values}
+    params = {n for u in fsdp.units for n in u.param_names}
+    buffers = {name for name, _ in fsdp.module.named_buffers()}
+    unexpected = [k for k in state if k not in params and k not in buffers]
+    if unexpected:
+        problems.append("unexpected keys: " + ", ".join(repr(k) for k in unexpected))
+    if problems:
+        raise StateDictError("cannot load state dict into FSDP: " + "; ".join(problems))
+    return {"format": FORMAT, "units": units, "buffers": {k: state[k] for k in buffers if k in state}}
+
+
+def _assemble(unit: Any, key: str, pieces: List[Tuple[int, int, Any]], problems: List[str]) -> Optional[np.ndarray]:
+    """This rank's padded shard of one flat array from ``(start, stop, values)`` pieces."""
+    start, stop, _ = unit.layout.shard_bounds(unit.shard_rank)
+    lo, hi = min(start, unit.numel), min(stop, unit.numel)
+    out = np.zeros(stop - start, dtype=unit.layout.dtype)
+    covered = np.zeros(hi - lo, dtype=bool)
+    for p_start, p_stop, values in pieces:
+        a, b = max(lo, p_start), min(hi, p_stop)
+        if a < b:
+            out[a - start:b - start] = values[a - p_start:b - p_start]
+            covered[a - lo:b - lo] = True
+    if not covered.all():
+        missing = np.flatnonzero(~covered)
+        problems.append(f"unit {unit.name!r} {key}: elements {lo + int(missing[0])}..{lo + int(missing[-1])} of "
+                        f"[{lo}, {hi}) are in none of the {len(pieces)} shards given")
+        return None
+    return out
+
+
+def load_sharded_state(fsdp: Any, shards: List[Dict[str, Any]], optimizer: Any = None) -> None:
+    """Copy this rank's ranges out of ``shards`` (from any world size) into the master shards.
+
+    Args:
+        fsdp: the FullyShardedDataParallel.
+        shards: sharded state dicts (or pieces from ``full_to_sharded``).
+        optimizer: its optimizer, to restore from the shards' "optimizer" entries, or None.
+
+    Raises:
+        StateDictError: before anything changes, if a unit is missing or
+            differs (names, shapes, dtype), a range is not covered, or the
+            optimizer state is missing or inconsistent.
+    """
+    problems: List[str] = []
+    if not shards or not all(isinstance(s, dict) and "units" in s for s in shards):
+        raise StateDictError("load_state_dict needs sharded state dicts (from sharded_state_dict) or a full one")
+    values: Dict[str, np.ndarray] = {}
+    for u in fsdp.units:
+        pieces = []
+        for shard in shards:
+            entry = shard["units"].get(u.name)
+            if entry is None:
+                continue
+            expect = (list(u.param_names), [list(s) for s in u.layout.shapes], str(u.layout.dtype), int(u.numel))
+            got = (list(entry["names"]), [list(s) for s in entry["shapes"]], str(entry["dtype"]), int(entry["numel"]))
+            if got != expect:
+                problems.append(f"unit {u.name!r} differs: the state has names/shapes/dtype/numel {got}, "
+                                f"the model {expect}")
+                continue
+            pieces.append((int(entry["start"]), int(entry["stop"]), entry["values"]))
+        assembled = _assemble(u, "values", pieces, problems)
+        if assembled is not None:
+            values[u.name] = assembled
+    opt_state = _optimizer_state(fsdp, shards, optimizer, problems) if optimizer is not None else None
+    if problems:
+        raise StateDictError("cannot load sharded state into FSDP: " + "; ".join(problems))
+    for u in fsdp.units:
+        u.shard.data[...] = values[u.name] if not is_cupy_array(u.shard.data) else _to_device(values[u.name])
+    buffers = next((s.get("buffers") for s in shards if s.get("buffers")), None)
+    if buffers:
+        for name, b in fsdp.module.named_buffers():
+            if name in buffers:
+                b[...] = _to_device(buffers[name]) if is_cupy_array(b) else np.asarray(buffers[name])
+    if opt_state is not None:
+        optimizer.load_state_dict(opt_state)
+
+
+def _to_device(array: np.ndarray) -> Any:
+    import cupy
+
+    return cupy.asarray(array)
+
+
+def _optimizer_state(fsdp: Any, shards: List[Dict[str, Any]], optimizer: Any,
+                     problems: List[str]) -> Optional[Dict[str, Any]]:
+    owners = _optimizer_units(fsdp, optimizer)
+    with_opt = [s for s in shards if "optimizer" in s]
+    if len(with_opt) != len(shards):
+        problems.append("an optimizer was given but some shards hold no optimizer state")
+        return None
+    states = []
+    for unit in owners:
+        entries = [(s["units"][unit.name], s["optimizer"]["state"].get(unit.name, {})) for s in with_opt
+                   if unit.name in s["units"]]
+        keys = {k for _, e in entries for k in e}
+        state: Dict[str, Any] = {}
+        for k in sorted(keys):
+            arrays = [(int(u["start"]), int(u["stop"]), e[k]) for u, e in entries if k in e]
+            if any(hasattr(v, "shape") for _, _, v in arrays):
+                assembled = _assemble(unit, f"optimizer state {k!r}", arrays, problems)
+                if assembled is not None:
+                    state[k] = assembled
+            else:
+                distinct = {repr(v) for _, _, v in arrays}
+                if len(distinct) != 1:
+                    problems.append(f"unit {unit.name!r}: optimizer state {k!r} differs between shards: "
+                                    f"{sorted(distinct)}")
+                state[k] = arrays[0][2]
+        states.append(state)
+    return {"hyperparameters": with_opt[0]["optimizer"]["hyperparameters"], "state": states}
+
+
+__all__ = ["ROOT", "FORMAT", "sharded_state", "full_to_sharded", "load_sharded_state"]

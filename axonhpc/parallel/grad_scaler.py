@@ -1,0 +1,139 @@
+"""Dynamic loss scaling for float16 training, with the skip decided by every rank together.
+
+[Note: loss scaling across ranks]
+float16 gradients underflow below about 6e-8, so the gradient of the loss
+is multiplied by a large scale before backward and the gradients are divided
+by it before the optimizer step. If a scaled gradient overflowed (inf or
+NaN) on any rank, the step must be skipped on every rank, or replicas and
+shards would drift apart: ``step`` checks this rank's gradients and
+all-reduces the verdict (MAX of a 0/1 flag) over the group before deciding.
+The scale then halves after an overflow and doubles after
+``growth_interval`` clean steps, the same on every rank because every rank
+saw the same verdicts (PyTorch's ``GradScaler`` rule).
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import numpy as np
+
+from .._dtypes import array_module
+from ..backends import ReduceOp
+from ..collectives import all_reduce
+from ..errors import ConfigurationError
+from ..groups import resolve_group
+
+
+class GradScaler:
+    """Scale the loss gradient, unscale and check the gradients, skip overflowing steps everywhere.
+
+    Usage: ``fsdp.backward(scaler.scale(loss_fn.backward())); scaler.step(opt); scaler.update()``.
+
+    Args:
+        init_scale: the first scale.
+        growth_factor: multiplier after ``growth_interval`` steps without overflow (> 1).
+        backoff_factor: multiplier after an overflow (in (0, 1)).
+        growth_interval: clean steps between growths (>= 1).
+        group: the ranks that skip together (None: the current world's group).
+        enabled: False makes every method a pass-through (scale 1, step always taken).
+
+    Attributes:
+        scale_value: the current scale.
+        found_inf: whether the last ``step`` found an overflow (and skipped).
+        skipped_steps: how many steps were skipped so far.
+
+    Raises:
+        ConfigurationError: a factor or interval out of range.
+    """
+
+    def __init__(self, init_scale: float = 2.0 ** 16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
+                 growth_interval: int = 2000, group: Any = None, enabled: bool = True):
+        if not init_scale > 0:
+            raise ConfigurationError(f"init_scale must be positive, got {init_scale!r}")
+        if not growth_factor > 1:
+            raise ConfigurationError(f"growth_factor must be > 1, got {growth_factor!r}")
+        if not 0 < backoff_factor < 1:
+            raise ConfigurationError(f"backoff_factor must be in (0, 1), got {backoff_factor!r}")
+        if isinstance(growth_interval, bool) or not isinstance(growth_interval, int) or growth_interval < 1:
+            raise ConfigurationError(f"growth_interval must be a positive int, got {growth_interval!r}")
+        self.scale_value = float(init_scale) if enabled else 1.0
+        self.growth_factor = float(growth_factor)
+        self.backoff_factor = float(backoff_factor)
+        self.growth_interval = growth_interval
+        self.group = group
+        self.enabled = bool(enabled)
+        self.found_inf = False
+        self.skipped_steps = 0
+        self._clean_steps = 0
+        self._unscaled: Optional[int] = None
+
+    def scale(self, grad: Any) -> Any:
+        """``grad * scale`` (a new array; the loss gradient before ``backward``)."""
+        return grad * grad.dtype.type(self.scale_value) if self.enabled else grad
+
+    def unscale(self, optimizer: Any) -> bool:
+        """Collective: divide the optimizer's gradients by the scale and agree on overflow.
+
+        Called by ``step`` if not before (call it yourself to clip gradients
+        first); a second call before ``update`` does nothing.
+
+        Returns:
+            True if any rank of the group found an inf or NaN.
+        """
+        if self._unscaled == id(optimizer):
+            return self.found_inf
+        bad = 0.0
+        inverse = 1.0 / self.scale_value
+        for p in optimizer.params:
+            if p.grad is None:
+                continue
+            if self.enabled:
+                p.grad *= p.grad.dtype.type(inverse)
+            if p.grad.size and not bool(array_module(p.grad).isfinite(p.grad).all()):
+                bad = 1.0
+        if self.enabled:
+            flag = np.array([bad], dtype=np.float64)
+            all_reduce(flag, ReduceOp.MAX, resolve_group(self.group))
+            bad = float(flag[0])
+        self.found_inf = bad > 0
+        self._unscaled = id(optimizer)
+        return self.found_inf
+
+    def step(self, optimizer: Any) -> bool:
+        """Collective: unscale, then ``optimizer.step()`` unless some rank overflowed.
+
+        Returns:
+            True if the step was taken (on every rank), False if skipped (on every rank).
+        """
+        if self.unscale(optimizer):
+            self.skipped_steps += 1
+            return False
+        optimizer.step()
+        return True
+
+    def update(self) -> None:
+        """Adjust the scale from the last step's verdict (the same on every rank)."""
+        self._unscaled = None
+        if not self.enabled:
+            return
+        if self.found_inf:
+            self.scale_value *= self.backoff_factor
+            self._clean_steps = 0
+        else:
+            self._clean_steps += 1
+            if self._clean_steps == self.growth_interval:
+                self.scale_value *= self.growth_factor
+                self._clean_steps = 0
+
+    def state_dict(self) -> dict:
+        """Scale and counters as plain data, for checkpoints."""
+        return {"scale": self.scale_value, "clean_steps": self._clean_steps, "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what ``state_dict`` returned."""
+        self.scale_value = float(state["scale"])
+        self._clean_steps = int(state["clean_steps"])
+        self.skipped_steps = int(state["skipped_steps"])
+
+
+__all__ = ["GradScaler"]

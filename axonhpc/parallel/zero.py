@@ -1,0 +1,337 @@
+"""ZeroRedundancyOptimizer: ZeRO stage 1, the optimizer state sharded under DDP.
+
+[Note: one padded flat vector per dtype]
+The parameters are grouped by dtype, in the order each dtype first appears.
+A dtype's parameters, concatenated in order, form one flat vector of
+``numel`` elements, padded to a multiple of the group size (``FlatLayout``);
+rank r owns ``[start, stop) = shard_bounds(numel, r, size)``, the same length
+on every rank, so odd group sizes work and the last ranks may own only
+padding. Each rank keeps one ``Parameter`` per dtype whose ``data`` is its
+owned slice (padding positions zero) and whose ``grad`` is filled at each
+step from the pieces of the parameters' gradients that fall into that slice
+(only those pieces are copied, never the whole model). The wrapped optimizer
+is built over these shard Parameters only, so its state (momentum, Adam
+moments) is 1/N of the model's. After the local update one ``all_gather``
+per dtype brings every rank's slice back, and the first ``numel`` elements
+are unpacked into every parameter's ``data`` in place.
+
+[Note: exact only for elementwise optimizers]
+An update that treats every element on its own (SGD with momentum, Nesterov
+and weight decay; Adam; AdamW) gives the same numbers on a slice as on the
+whole parameter, so ZeRO-1 training equals plain DDP training; padding
+positions have zero value and zero gradient, and such optimizers keep them
+at zero. An optimizer that looks across elements (a per-parameter norm as
+in LAMB or LARS, an update that depends on a parameter's shape) would see
+arbitrary slices that cut across parameters and compute something else.
+
+[Note: the shard follows the parameters]
+The shard is copied from the live parameters when the wrapper is built and
+again, only the owned slice, at the start of every ``step``. Between steps
+the two are equal anyway (the all-gather writes the shards into the
+parameters), so this costs one copy of 1/N of the model and nothing in
+accuracy; it keeps the wrapper right when the model's values change behind
+its back (``model.load_state_dict`` on resume, ``ddp.sync_parameters()``).
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Iterable, List, Optional, Tuple
+
+import numpy as np
+
+from .._dtypes import array_module, check_array
+from ..bucketing import FlatLayout, unflatten, unpack
+from ..collectives import all_gather
+from ..errors import ConfigurationError, ShapeError, StateDictError
+from ..groups import resolve_group
+from ..nn.parameter import Parameter
+from ..optim.optimizer import Optimizer
+
+_NAME = "ZeroRedundancyOptimizer"
+
+
+class _DtypeShard:
+    """One dtype's parameters as a padded flat vector, and this rank's slice of it."""
+
+    def __init__(self, params: List[Any], rank: int, world_size: int) -> None:
+        self.params = params
+        data = [p.data for p in params]
+        self.layout = FlatLayout([d.shape for d in data], data[0].dtype, world_size)
+        self.start, self.stop, self.pad = self.layout.shard_bounds(rank)
+        self.xp = array_module(data[0])
+        # (param, first, last) in the parameter's flat index and where that
+        # lands in the shard: only parameters that overlap [start, stop).
+        self.pieces: List[Tuple[Any, int, int, int, int]] = []
+        for p, offset, size in zip(params, self.layout.offsets, self.layout.sizes):
+            lo, hi = max(offset, self.start), min(offset + size, self.stop)
+            if lo < hi:
+                self.pieces.append((p, lo - offset, hi - offset, lo - self.start, hi - self.start))
+        length = self.stop - self.start
+        self.param = Parameter(self.xp.zeros(length, dtype=self.layout.dtype))
+        self.param.grad = self.xp.zeros(length, dtype=self.layout.dtype)
+        self.copy_values()
+
+    def copy_values(self) -> None:
+        """The owned slice of the parameters' values into the shard's ``data``."""
+        out = self.param.data
+        for p, a, b, c, d in self.pieces:
+            out[c:d] = p.data.reshape(-1)[a:b]
+
+    def copy_grads(self) -> None:
+        """The owned slice of the parameters' gradients (None as zeros) into the shard's ``grad``."""
+        out = self.param.grad
+        for p, a, b, c, d in self.pieces:
+            if p.grad is None:
+                out[c:d] = 0
+            else:
+                out[c:d] = p.grad.reshape(-1)[a:b]
+
+    def gather_into_params(self, group: Any) -> None:
+        """All-gather every rank's slice and write the values into the parameters in place."""
+        numel = self.layout.numel
+        if numel == 0:
+            return  # the same on every rank: nobody sends
+        if group.size == 1:
+            flat = self.param.data[:numel]
+        else:
+            flat = all_gather(self.param.data, group).reshape(-1)[:numel]
+        if self.xp is np:
+            unpack(flat, [p.data for p in self.params])
+        else:  # the compiled unpack is host-only
+            for p, view in zip(self.params, unflatten(flat, self.layout)):
+                p.data[...] = view
+
+    def describe(self) -> Dict[str, Any]:
+        """This rank's index range of the dtype's flat vector, as plain data."""
+        return {"dtype": str(self.layout.dtype), "numel": int(self.layout.numel), "start": int(self.start),
+                "stop": int(self.stop), "pad": int(self.pad)}
+
+
+def _check_params(params: Iterable[Any]) -> List[Any]:
+    """The parameter list, or ConfigurationError naming what is wrong with it."""
+    try:
+        params = list(params)
+    except TypeError:
+        raise ConfigurationError(f"{_NAME}: params must be an iterable of Parameters (e.g. ddp.parameters()), "
+                                 f"got a {type(params).__name__}") from None
+    if not params:
+        raise ConfigurationError(f"{_NAME} got an empty parameter list")
+    seen: Dict[int, int] = {}
+    modules = {}
+    for i, p in enumerate(params):
+        if not (hasattr(p, "data") and hasattr(p, "grad")):
+            raise ConfigurationError(f"{_NAME}: params[{i}] is a {type(p).__name__}, not a Parameter")
+        if id(p) in seen:
+            raise ConfigurationError(f"{_NAME}: params[{i}] is the same Parameter as params[{seen[id(p)]}] "
+                                     f"(shape {tuple(p.data.shape)}, dtype {p.data.dtype}); give each once")
+        seen[id(p)] = i
+        check_array(p.data, f"{_NAME}: params[{i}].data", writable=True)
+        xp = array_module(p.data)
+        first = modules.setdefault(p.data.dtype, (xp, i))
+        if first[0] is not xp:
+            raise ConfigurationError(f"{_NAME}: params[{i}] is a {xp.__name__} array but params[{first[1]}] of "
+                                     f"the same dtype {p.data.dtype} is a {first[0].__name__} array")
+    return params
+
+
+class ZeroRedundancyOptimizer:
+    """ZeRO stage 1: each rank keeps and updates 1/N of the optimizer state.
+
+    Use it under plain DDP, over ``ddp.parameters()``: DDP leaves the averaged
+    gradients on every rank; ``step()`` updates only this rank's slice of the
+    parameters (grouped per dtype into one padded flat vector, see the
+    module notes) with the wrapped optimizer, then all-gathers the slices so
+    that every rank holds all the updated parameters again (one all-gather
+    per dtype per step). The wrapped optimizer's state is therefore about
+    ``1/N`` of what it would be for the whole model.
+
+    The result equals unsharded training only for elementwise optimizers
+    (SGD, Adam, AdamW): an optimizer that combines elements of a parameter
+    (a per-parameter norm, as in LAMB) would see slices that cut across
+    parameters. The parameters must hold the same values on every rank when
+    the wrapper is built (DDP ensures that).
+
+    A parameter whose ``grad`` is None is stepped with a zero gradient (its
+    slice cannot be skipped on its own), so weight decay and momentum still
+    move it, where a plain optimizer would skip it; under DDP every
+    parameter has a gradient after backward. If no parameter has a gradient,
+    ``step()`` does nothing; that decision is local, so it must agree on
+    every rank (it does under DDP).
+
+    Hyperparameters of the wrapped optimizer can be read and set on the
+    wrapper (``opt.lr = 0.01`` changes the wrapped optimizer's ``lr``).
+
+    Args:
+        optimizer_class: an ``axonhpc.optim.Optimizer`` subclass (``optim.Adam``).
+        params: the model's parameters, each once, with the same values on
+            every rank (``ddp.parameters()``).
+        group: the process group the state is sharded over, the same group
+            DDP averages over (None: the current world's default group).
+        **optimizer_args: hyperparameters for ``optimizer_class`` (``lr=...``).
+
+    Attributes:
+        optimizer: the wrapped optimizer, over this rank's shard Parameters.
+        params: the model's parameters, in the order given.
+        group: the process group.
+
+    Raises:
+        ConfigurationError: ``optimizer_class`` is not an Optimizer subclass,
+            ``params`` is empty, holds something that is not a Parameter, or
+            holds a Parameter twice; or the wrapped optimizer rejects its
+            hyperparameters. Raised before any communication.
+        UnsupportedDtypeError, NonContiguousBufferError, ReadOnlyBufferError:
+            a parameter's data cannot be all-gathered into in place.
+        TypeError: ``group`` is neither a ProcessGroup nor None.
+        NotAMemberError: this rank is not in ``group``.
+    """
+
+    def __init__(self, optimizer_class: Any, params: Iterable[Any], group: Any = None,
+                 **optimizer_args: Any) -> None:
+        if isinstance(optimizer_class, Optimizer):
+            raise ConfigurationError(f"{_NAME}: optimizer_class must be an Optimizer class, got an instance of "
+                                     f"{type(optimizer_class).__name__}; pass the class and its hyperparameters, "
+                                     f"e.g. {_NAME}(optim.{type(optimizer_class).__name__}, params, lr=...)")
+        if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, Optimizer)):
+            raise ConfigurationError(f"{_NAME}: optimizer_class must be a subclass of axonhpc.optim.Optimizer "
+                                     f"(e.g. optim.Adam), got {optimizer_class!r}")
+        params = _check_params(params)
+        group = resolve_group(group).require_member(_NAME)
+        by_dtype: Dict[np.dtype, List[Any]] = {}
+        for p in params:
+            by_dtype.setdefault(p.data.dtype, []).append(p)
+        shards = [_DtypeShard(members, group.rank, group.size) for members in by_dtype.values()]
+        self.optimizer: Optimizer = optimizer_class([s.param for s in shards], **optimizer_args)
+        self.params: List[Any] = params
+        self.group = group
+        self._shards = shards
+        # Set last: from here on, assigning one of these names goes to the wrapped optimizer.
+        self._hyperparameter_names: Tuple[str, ...] = tuple(self.optimizer.hyperparameters())
+
+    # -- hyperparameters pass through to the wrapped optimizer ---------------------------------
+    def __getattr__(self, name: str) -> Any:
+        names = self.__dict__.get("_hyperparameter_names", ())
+        if name in names:
+            return getattr(self.__dict__["optimizer"], name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in self.__dict__.get("_hyperparameter_names", ()):
+            setattr(self.optimizer, name, value)
+        else:
+            object.__setattr__(self, name, value)
+
+    def hyperparameters(self) -> Dict[str, Any]:
+        """The wrapped optimizer's current hyperparameters by name.
+
+        Returns:
+            name -> value, as ``Optimizer.hyperparameters()``.
+        """
+        return self.optimizer.hyperparameters()
+
+    # -- training --------------------------------------------------------------------------------
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        """Reset the model parameters' gradients, as a plain optimizer does.
+
+        Args:
+            set_to_none: drop the gradient arrays instead of zeroing them in
+                place (DDP's bucket views are restored by its next backward).
+        """
+        for p in self.params:
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad[...] = 0
+
+    def step(self) -> None:
+        """Update this rank's slice with the wrapped optimizer, then all-gather every parameter.
+
+        Collective over ``group`` (one all-gather per dtype); does nothing, on
+        any rank, when no parameter has a gradient.
+
+        Raises:
+            ShapeError: a gradient's shape differs from its parameter's
+                (raised before anything changes or is sent).
+        """
+        if all(p.grad is None for p in self.params):
+            return
+        for i, p in enumerate(self.params):
+            if p.grad is not None and tuple(p.grad.shape) != tuple(p.data.shape):
+                raise ShapeError(f"{_NAME}.step: params[{i}].grad has shape {tuple(p.grad.shape)}, the parameter "
+                                 f"has {tuple(p.data.shape)}")
+        for shard in self._shards:
+            shard.copy_values()
+            shard.copy_grads()
+        self.optimizer.step()
+        for shard in self._shards:
+            shard.gather_into_params(self.group)
+
+    # -- inspection and state --------------------------------------------------------------------
+    def memory_bytes(self) -> int:
+        """Bytes of optimizer state this rank holds (the arrays in the wrapped optimizer's state).
+
+        Counts momentum buffers and moments only, not the shard copy of the
+        parameters or its gradient; 0 before the first step, as the state
+        is created lazily. With K state arrays per element, this is
+        ``K * ceil(numel / N) * itemsize`` summed over the dtypes, against
+        ``K * numel * itemsize`` for the unsharded optimizer.
+
+        Returns:
+            The byte count.
+        """
+        return int(sum(v.nbytes for entry in self.optimizer.state for v in entry.values() if hasattr(v, "nbytes")))
+
+    def shard_ranges(self) -> List[Dict[str, Any]]:
+        """This rank's index range of each dtype's padded flat vector, in dtype order.
+
+        Returns:
+            One dict per dtype: ``dtype`` (name), ``numel`` (unpadded length),
+            ``start`` and ``stop`` (this rank's slice), ``pad`` (positions of
+            the slice at or beyond ``numel``).
+        """
+        return [shard.describe() for shard in self._shards]
+
+    def state_dict(self) -> Dict[str, Any]:
+        """This rank's shard of the optimizer state and its index ranges, as plain data (no pickle).
+
+        Returns:
+            ``{"optimizer": the wrapped optimizer's state_dict (one state entry
+            per dtype shard), "shards": shard_ranges(), "rank": int,
+            "world_size": int}``; arrays are copies.
+        """
+        return {"optimizer": self.optimizer.state_dict(), "shards": self.shard_ranges(),
+                "rank": int(self.group.rank), "world_size": int(self.group.size)}
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Restore this rank's shard of state saved by ``state_dict()`` on the same rank and group size.
+
+        Only the optimizer state is loaded: restore the model's parameters
+        with ``model.load_state_dict``; the next ``step`` takes its slice of
+        them (see the module notes). Loading at another group size is not
+        supported.
+
+        Args:
+            state_dict: what ``state_dict()`` returned.
+
+        Raises:
+            StateDictError: before anything changes, if the keys, the group
+                size or the shard ranges differ from this optimizer's, or the
+                wrapped optimizer rejects its part.
+        """
+        expected = {"optimizer", "shards", "rank", "world_size"}
+        if not isinstance(state_dict, dict) or set(state_dict) != expected:
+            keys = sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict).__name__
+            raise StateDictError(f"{_NAME} state dict must have keys {sorted(expected)}, got {keys}")
+        mine = {"shards": self.shard_ranges(), "rank": int(self.group.rank), "world_size": int(self.group.size)}
+        theirs = {k: state_dict[k] for k in mine}
+        if theirs != mine:
+            raise StateDictError(f"{_NAME}: the state dict was saved by rank {theirs['rank']} of "
+                                 f"{theirs['world_size']} with shards {theirs['shards']}; this is rank "
+                                 f"{mine['rank']} of {mine['world_size']} with shards {mine['shards']}")
+        self.optimizer.load_state_dict(state_dict["optimizer"])
+
+    def __repr__(self) -> str:
+        ranges = ", ".join(f"{s['dtype']}[{s['start']}:{s['stop']}] of {s['numel']}" for s in self.shard_ranges())
+        return (f"{_NAME}({type(self.optimizer).__name__}, {len(self.params)} parameters, "
+                f"rank {self.group.rank} of {self.group.size}: {ranges})")
+
+
+__all__ = ["ZeroRedundancyOptimizer"]
