@@ -1,7 +1,7 @@
 """The ``axonhpc`` command (also ``python -m axonhpc``).
 
     axonhpc info                         what MPI, threads, GPU libraries, ranks and nodes this is
-    axonhpc bench NAME [args]            benchmarks (allreduce, ddp, pack); run under mpiexec for >1 rank
+    axonhpc bench NAME [args]            benchmarks (allreduce, ddp, fsdp, pack, pipeline)
     axonhpc launch -n N [--] script.py   mpiexec wrapper that works as root and aborts on errors
 """
 from __future__ import annotations
@@ -18,6 +18,7 @@ from .mpiexec import NOT_FOUND, find_mpiexec, launch_command, mpiexec_flavour
 BENCHMARKS = {
     "allreduce": "axonhpc.bench.allreduce",
     "ddp": "axonhpc.bench.ddp",
+    "fsdp": "axonhpc.bench.fsdp",
     "pack": "axonhpc.bench.pack",
     "pipeline": "axonhpc.bench.pipeline",
 }

@@ -85,6 +85,20 @@ def _strategy_cases():
     return cases
 
 
+def case_hybrid_groups(world):
+    """Without ranks_per_node the node layout decides; with it, blocks of consecutive ranks."""
+    n = world.world_size
+    fsdp = ax.FSDP(make_model(), sharding_strategy="hybrid_shard")
+    assert fsdp.shard_world_size == world.local_size  # one machine: every rank is on this node
+    if n % 2 == 0:
+        block = n // 2
+        fsdp = ax.FSDP(make_model(), sharding_strategy="hybrid_shard", ranks_per_node=block)
+        first = world.rank // block * block
+        assert list(fsdp.shard_group.ranks) == list(range(first, first + block))
+        assert fsdp.replicate_group.size == 2
+        assert fsdp.is_shard_writer == (world.rank < block)
+
+
 def case_no_sync_accumulation(world):
     parity(world, np.float64, "sgd", "full_shard", accumulate=3)
     parity(world, np.float64, "adam", "shard_grad_op", accumulate=2)
@@ -227,6 +241,29 @@ def case_memory_full_shard(world):
             assert peak > persistent  # a unit really was gathered
         est = fsdp.memory_estimate()
         assert abs(est.total_bytes - persistent) <= per_element * units
+
+
+def case_comm_volume_matches_zero_theory(world):
+    """Per step: ZeRO-3 sends 1.5x DDP's bytes, ZeRO-2 1x (up to the shards' padding)."""
+    n = world.world_size
+    sent = {}
+    for strategy in ("no_shard", "shard_grad_op", "full_shard"):
+        fsdp, _, _ = train_fsdp(world, np.float64, "sgd", strategy, steps=1)
+        sent[strategy] = fsdp.comm.total_sent()
+        calls = fsdp.comm.calls
+        units = len(fsdp.units)
+        if n == 1:
+            assert sent[strategy] == 0
+        elif strategy == "full_shard":
+            assert calls == {"all_gather": 2 * units, "reduce_scatter": units}
+        elif strategy == "shard_grad_op":
+            assert calls == {"all_gather": units, "reduce_scatter": units}
+        else:
+            assert calls == {"all_reduce": units}
+    if n > 1:
+        padding = sum(u.layout.padded_numel for u in fsdp.units) / sum(u.numel for u in fsdp.units)
+        assert sent["full_shard"] / sent["no_shard"] == pytest.approx(1.5 * padding, rel=1e-12)
+        assert sent["shard_grad_op"] / sent["no_shard"] == pytest.approx(1.0 * padding, rel=1e-12)
 
 
 def case_units_and_unused_unit(world):

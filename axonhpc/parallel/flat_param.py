@@ -102,11 +102,12 @@ class FlatUnit:
         reduce_dtype: dtype the gradients are reduced in.
         placement: where the master shard lives.
         tracker: the MemoryTracker to report transient arrays to.
+        counter: the CommCounter to record collectives in.
     """
 
     def __init__(self, name: str, module: Any, named_params: List[Tuple[str, Parameter]], shard_group: Any,
                  replicate_group: Any, compute_dtype: np.dtype, reduce_dtype: np.dtype, placement: Placement,
-                 tracker: Any):
+                 tracker: Any, counter: Any):
         self.name = name
         self.module = module
         self.param_names = [n for n, _ in named_params]
@@ -122,6 +123,7 @@ class FlatUnit:
         self.start, self.stop, self.pad = self.layout.shard_bounds(self.shard_rank)
         self.placement = placement
         self.tracker = tracker
+        self.counter = counter
         self.xp = array_module(self.params[0].data)
         full = _pack_padded([p.data for p in self.params], self.xp.empty(self.layout.padded_numel, master_dtype),
                             self.layout.numel)
@@ -187,6 +189,7 @@ class FlatUnit:
         self._gather_src = src
         self.tracker.allocate("gathered_params", self.gathered_bytes)
         self._gather_work = all_gather(src, self.shard_group, async_op=True)
+        self.counter.record("all_gather", self.gathered_bytes, self.shard_world)
         if not async_op:
             self.wait_gather()
 
@@ -257,6 +260,7 @@ class FlatUnit:
             work = None
         else:
             work = reduce_scatter(flat, ReduceOp.AVG, self.shard_group, async_op=True)
+            self.counter.record("reduce_scatter", flat.nbytes, self.shard_world)
         return PendingReduction(self, flat, work)
 
     def add_grad(self, grad_shard: Any) -> None:
@@ -300,6 +304,7 @@ class PendingReduction:
         shard = self.flat if self.work is None else self.work.wait()
         if unit.replicate_group is not None and unit.replicate_group.size > 1:
             all_reduce(shard, ReduceOp.AVG, unit.replicate_group)  # in place
+            unit.counter.record("all_reduce", shard.nbytes, unit.replicate_group.size)
         unit.add_grad(shard)
         unit.tracker.release("communication", self.flat.nbytes)
         self.flat = None

@@ -48,7 +48,7 @@ from ..errors import ConfigurationError
 from ..groups import resolve_group
 from .flat_param import FlatUnit, PendingReduction, Placement
 from .fsdp_config import CPUOffload, MixedPrecision, ShardingStrategy
-from .fsdp_memory import FSDPMemoryStats, MemoryTracker
+from .fsdp_memory import CommCounter, FSDPMemoryStats, MemoryTracker
 from .fsdp_state import ROOT, load_sharded_state, sharded_state
 from .replicate import broadcast_arrays
 
@@ -183,11 +183,12 @@ class FullyShardedDataParallel:
         device = is_cupy_array(all_params[0].data)
         placement = Placement(self.cpu_offload, device)
         self._tracker = MemoryTracker(self._persistent_bytes)
+        self.comm = CommCounter()  # the collectives the units issue (see fsdp_memory)
         self._units: List[FlatUnit] = []
         for name, unit_module, params in plan:
             compute = mp.param_dtype or np.dtype(params[0][1].dtype)
             self._units.append(FlatUnit(name, unit_module, params, self.shard_group, self.replicate_group, compute,
-                                        mp.reduce_dtype or compute, placement, self._tracker))
+                                        mp.reduce_dtype or compute, placement, self._tracker, self.comm))
         self._root = self._units[-1] if self._units[-1].name == ROOT else None
         self._hooked = [u for u in self._units if u is not self._root]
         for unit in self._hooked:

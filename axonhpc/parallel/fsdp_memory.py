@@ -155,4 +155,37 @@ class MemoryTracker:
         self._update_peak()
 
 
-__all__ = ["FSDPMemoryStats", "MemoryTracker"]
+class CommCounter:
+    """Collectives FSDP issued, and the bytes each rank sends for them.
+
+    The bytes are those a bandwidth-optimal algorithm (ring or
+    recursive halving/doubling) sends per rank for the buffer sizes FSDP
+    really passed: ``(S - 1) / S`` of the full buffer for an all-gather or a
+    reduce-scatter over S ranks, twice that for an all-reduce. They are
+    counted from the calls, not sniffed from the wire: an MPI library may
+    pick another algorithm.
+    """
+
+    FACTORS = {"all_gather": 1.0, "reduce_scatter": 1.0, "all_reduce": 2.0}
+
+    def __init__(self) -> None:
+        self.calls: Dict[str, int] = {}
+        self.sent_bytes: Dict[str, float] = {}
+
+    def record(self, op: str, full_bytes: int, group_size: int) -> None:
+        """Count one ``op`` over ``group_size`` ranks on a buffer of ``full_bytes`` (the unsharded size)."""
+        self.calls[op] = self.calls.get(op, 0) + 1
+        sent = self.FACTORS[op] * full_bytes * (group_size - 1) / group_size
+        self.sent_bytes[op] = self.sent_bytes.get(op, 0.0) + sent
+
+    def total_sent(self) -> float:
+        """Bytes this rank sent over all recorded collectives."""
+        return sum(self.sent_bytes.values())
+
+    def reset(self) -> None:
+        """Forget everything recorded."""
+        self.calls.clear()
+        self.sent_bytes.clear()
+
+
+__all__ = ["FSDPMemoryStats", "MemoryTracker", "CommCounter"]
