@@ -44,6 +44,16 @@ def _parse_positive_int(name: str, text: str) -> int:
     return value
 
 
+def _parse_choice(name: str, text: str, choices: tuple) -> str:
+    value = text.strip().lower()
+    if value not in choices:
+        raise ValueError(f"{name}={text!r} must be one of {', '.join(choices)}")
+    return value
+
+
+# The all-reduce algorithms (see axonhpc.collectives.algorithms).
+ALGORITHMS = ("native", "hierarchical")
+
 # The largest element count one MPI call takes with a C int count.
 MPI_INT_MAX = 2**31 - 1
 
@@ -63,6 +73,9 @@ class Settings:
         backend: backend ``init()`` picks by default (``AXONHPC_BACKEND``).
         max_message_elements: the most elements one MPI call moves; larger
             buffers are sent in chunks (``AXONHPC_MAX_MESSAGE_ELEMENTS``).
+        allreduce_algorithm: how ``all_reduce`` runs when the call does not
+            say: "native" (one MPI call) or "hierarchical" (inside each node,
+            then across nodes; ``AXONHPC_ALLREDUCE_ALGORITHM``).
     """
 
     debug: bool = False
@@ -70,6 +83,7 @@ class Settings:
     abort_on_exception: bool = False
     backend: str = "auto"
     max_message_elements: int = MPI_INT_MAX
+    allreduce_algorithm: str = "native"
 
     def load_environment(self, environ: Optional[Mapping[str, str]] = None) -> "Settings":
         """Fill every field whose ``AXONHPC_*`` variable is set.
@@ -102,6 +116,7 @@ _ENVIRONMENT = {
     "abort_on_exception": ("AXONHPC_ABORT_ON_EXCEPTION", _parse_bool),
     "backend": ("AXONHPC_BACKEND", lambda name, text: text.strip().lower()),
     "max_message_elements": ("AXONHPC_MAX_MESSAGE_ELEMENTS", _parse_positive_int),
+    "allreduce_algorithm": ("AXONHPC_ALLREDUCE_ALGORITHM", lambda name, text: _parse_choice(name, text, ALGORITHMS)),
 }
 
 

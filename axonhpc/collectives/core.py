@@ -21,7 +21,7 @@ from .._dtypes import array_module, check_array, is_integer, is_low_precision_fl
 from ..backends.base import CompletedWork, ReduceOp, Work
 from ..errors import ShapeError
 from ..groups import ProcessGroup, resolve_group
-from . import fingerprint
+from . import algorithms, fingerprint
 
 
 def _member(group: Optional[ProcessGroup], op: str) -> ProcessGroup:
@@ -93,7 +93,8 @@ def _reduction(pg: ProcessGroup, x, out, op: ReduceOp, issue_on, result=None):
 
 
 # -- reductions ------------------------------------------------------------------------
-def all_reduce(x, op=ReduceOp.SUM, group: Optional[ProcessGroup] = None, async_op: bool = False):
+def all_reduce(x, op=ReduceOp.SUM, group: Optional[ProcessGroup] = None, async_op: bool = False,
+               algorithm: Optional[str] = None):
     """Reduce ``x`` over the group, in place: every rank ends with the result.
 
     Args:
@@ -101,6 +102,10 @@ def all_reduce(x, op=ReduceOp.SUM, group: Optional[ProcessGroup] = None, async_o
         op: a ``ReduceOp`` (or its name). ``AVG`` on integers floors.
         group: the group (None: the current world's default group).
         async_op: return a ``Work`` instead of waiting.
+        algorithm: "native" (one MPI call) or "hierarchical" (inside each
+            node, then across nodes; see ``collectives.algorithms``); None
+            takes ``ax.settings.allreduce_algorithm``. Every rank must pick
+            the same. Non-native algorithms complete before returning.
 
     Returns:
         None, or a ``Work`` if ``async_op``.
@@ -112,8 +117,11 @@ def all_reduce(x, op=ReduceOp.SUM, group: Optional[ProcessGroup] = None, async_o
     op = ReduceOp.parse(op)
     pg = _member(group, "all_reduce")
     check_array(x, "all_reduce buffer", writable=True)
+    chosen = algorithms.resolve_algorithm(algorithm)
     label = _start(pg, "all_reduce", x, op)
     backend = pg.backend
+    if chosen != "native" and pg.size > 1:
+        return algorithms.run(chosen, x, op, pg, async_op)
     if pg.size == 1:
         # Every op over one rank is the identity (AVG too: x // 1 == x / 1 == x).
         return CompletedWork() if async_op else None

@@ -1,0 +1,143 @@
+"""All-reduce algorithms built from the plain collectives: hierarchical (node, then across nodes).
+
+[Note: hierarchical all-reduce]
+On a cluster the links inside a node (shared memory) are far faster than the
+links between nodes. With L ranks on each of K nodes, the hierarchical
+all-reduce of n elements runs in three steps:
+
+1. reduce-scatter inside each node: local rank i ends with the node's sum of
+   part i (n / L elements);
+2. all-reduce of part i among the K ranks that hold part i on their nodes
+   (local rank i of every node): only n / L elements per rank cross the
+   network, and all L ranks of a node use the network at once;
+3. all-gather inside each node: every rank gets every part.
+
+A bandwidth-optimal flat all-reduce sends ``2 (P - 1) / P * n`` elements per
+rank over whatever link connects the ranks, so inter-node traffic per node
+falls from about ``2 n L`` to ``2 n (K - 1) / K``. When the nodes hold
+different numbers of ranks the parts cannot line up, and the fallback is
+all-reduce inside the node, all-reduce among the node leaders (local rank 0),
+broadcast inside the node.
+
+The node groups come from the world's node layout (``Split_type(SHARED)``,
+which on a cluster means the host) unless ``ranks_per_node`` forces blocks of
+consecutive group ranks (tests on one machine). They are created on the
+first call for a group, which every rank makes, and kept on the group.
+
+The result equals the flat all-reduce up to the order of the additions
+(exact for integers, MIN and MAX); float16 and bfloat16 are reduced in a
+float32 copy and rounded once, as the flat path does. The call completes
+before it returns; with ``async_op`` it returns a completed ``Work``.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import numpy as np
+
+from .._dtypes import array_module, is_integer, is_low_precision_float
+from ..backends.base import CompletedWork, ReduceOp
+from ..errors import ConfigurationError
+from ..groups import ProcessGroup
+from ..settings import ALGORITHMS, settings
+
+
+def resolve_algorithm(algorithm: Optional[str]) -> str:
+    """The algorithm a call uses: its own, else ``settings.allreduce_algorithm``.
+
+    Raises:
+        ConfigurationError: an unknown name.
+    """
+    name = settings.allreduce_algorithm if algorithm is None else algorithm
+    if not isinstance(name, str) or name.lower() not in ALGORITHMS:
+        where = "settings.allreduce_algorithm" if algorithm is None else "algorithm"
+        raise ConfigurationError(f"{where}={name!r} is not an all-reduce algorithm; use one of {list(ALGORITHMS)}")
+    return name.lower()
+
+
+class _Levels:
+    """The node group and the cross-node group of one process group."""
+
+    def __init__(self, node: ProcessGroup, cross: Optional[ProcessGroup], uniform: bool):
+        self.node, self.cross, self.uniform = node, cross, uniform
+
+
+def node_levels(pg: ProcessGroup, ranks_per_node: Optional[int] = None) -> _Levels:
+    """Collective on the first call for ``(pg, ranks_per_node)``: the groups of the hierarchy.
+
+    Raises:
+        ConfigurationError: ``ranks_per_node`` does not divide the group size.
+    """
+    cache = pg.__dict__.setdefault("_hierarchy", {})
+    if ranks_per_node in cache:
+        return cache[ranks_per_node]
+    if ranks_per_node is not None:
+        if isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or ranks_per_node < 1 \
+                or pg.size % ranks_per_node:
+            raise ConfigurationError(f"ranks_per_node={ranks_per_node!r} must be a positive divisor of the group "
+                                     f"size {pg.size}")
+        color = pg.rank // ranks_per_node
+    else:
+        color = pg.world.node_rank
+    from .core import all_gather
+
+    node = pg.split(color, pg.rank)
+    sizes = all_gather(np.array([node.size], dtype=np.int64), pg).reshape(-1)
+    uniform = len(set(sizes.tolist())) == 1
+    # uniform: local rank i of every node; otherwise the node leaders (others join no group)
+    cross = pg.split(node.rank if uniform else (0 if node.rank == 0 else None), pg.rank)
+    levels = _Levels(node, cross if cross.is_member else None, uniform)
+    cache[ranks_per_node] = levels
+    return levels
+
+
+def hierarchical_all_reduce(x: Any, op: ReduceOp, pg: ProcessGroup, ranks_per_node: Optional[int] = None) -> None:
+    """All-reduce ``x`` in place inside each node, then across nodes (see the module note).
+
+    Args:
+        x: checked, writable, C-contiguous array.
+        op: the reduction (AVG divides the sum by the group size at the end).
+        pg: the group (every member calls).
+        ranks_per_node: force blocks of this many consecutive group ranks as nodes.
+    """
+    from .core import all_gather, all_reduce, broadcast, reduce_scatter
+
+    levels = node_levels(pg, ranks_per_node)
+    base = ReduceOp.SUM if op is ReduceOp.AVG else op
+    xp = array_module(x)
+    work = x.astype(np.float32) if is_low_precision_float(x.dtype) else x
+    flat = work.reshape(-1)
+    n = flat.size
+    if levels.uniform:
+        local = levels.node.size
+        chunk = -(-n // local)
+        padded = xp.zeros(chunk * local, dtype=flat.dtype)
+        padded[:n] = flat
+        part = reduce_scatter(padded, base, levels.node) if local > 1 else padded
+        if levels.cross is not None and levels.cross.size > 1:
+            all_reduce(part, base, levels.cross)
+        flat[...] = (all_gather(part, levels.node).reshape(-1) if local > 1 else part)[:n]
+    else:
+        all_reduce(work, base, levels.node)
+        if levels.cross is not None:
+            all_reduce(work, base, levels.cross)
+        broadcast(work, 0, levels.node)
+    if op is ReduceOp.AVG:
+        if is_integer(work.dtype):
+            xp.floor_divide(work, pg.size, out=work)
+        else:
+            xp.divide(work, pg.size, out=work)
+    if work is not x:
+        x[...] = work.astype(x.dtype)
+
+
+def run(algorithm: str, x: Any, op: ReduceOp, pg: ProcessGroup, async_op: bool) -> Any:
+    """Run a non-native all-reduce; a completed Work when ``async_op``."""
+    if algorithm == "hierarchical":
+        hierarchical_all_reduce(x, op, pg)
+    else:  # resolve_algorithm admits only known names
+        raise ConfigurationError(f"all-reduce algorithm {algorithm!r} has no implementation")
+    return CompletedWork() if async_op else None
+
+
+__all__ = ["resolve_algorithm", "hierarchical_all_reduce", "node_levels", "run"]
