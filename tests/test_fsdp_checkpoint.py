@@ -74,8 +74,13 @@ def test_a_missing_shard_is_reported_on_every_rank(tmp_path):
     os.remove(os.path.join(path, "shard-00001-of-00002.npz"))
 
     def resume(world):
+        fsdp = ax.FSDP(make_model(seed=77), group=world.default_group)
+        opt = make_optimizer("adam", fsdp.parameters())
+        before = [p.data.copy() for p in fsdp.parameters()]
         with pytest.raises(ax.errors.CheckpointError, match="no such file|failed on group ranks"):
-            _resume(path, world.default_group)
+            checkpoint.load_sharded(path, fsdp, opt)
+        for p, q in zip(fsdp.parameters(), before):  # no rank changed anything, not even the one that could read
+            np.testing.assert_array_equal(p.data, q)
 
     ax.run_local(resume, world_size=2)
 

@@ -38,11 +38,14 @@ THEORY = {"ddp": 1.0, "no_shard": 1.0, "shard_grad_op": 1.0, "full_shard": 1.5}
 
 
 def _worker(args) -> Optional[dict]:
-    import axonhpc as ax
-    from axonhpc import nn, optim
+    from .. import nn, optim
+    from ..backends import ReduceOp
+    from ..collectives import all_reduce, barrier
+    from ..groups import init
+    from ..parallel import DDP, FSDP
 
     _limiter = pin_blas_threads(1)  # noqa: F841 - kept alive for the job
-    world = ax.init()
+    world = init()
     n, r = world.world_size, world.rank
     sizes = parse_sizes(args.sizes)
     rng = np.random.default_rng(r)
@@ -60,7 +63,7 @@ def _worker(args) -> Optional[dict]:
     wrapped, optimizers = {}, {}
     for config in CONFIGS:
         model = mlp()
-        wrapped[config] = ax.DDP(model) if config == "ddp" else ax.FSDP(model, sharding_strategy=config)
+        wrapped[config] = DDP(model) if config == "ddp" else FSDP(model, sharding_strategy=config)
         optimizers[config] = optim.Adam(wrapped[config].parameters(), lr=1e-4)
     loss_fn = nn.CrossEntropyLoss()
 
@@ -72,9 +75,9 @@ def _worker(args) -> Optional[dict]:
         opt.step()
 
     def slowest(elapsed: float) -> float:
-        ax.barrier()
+        barrier()
         value = np.array([elapsed])
-        ax.all_reduce(value, ax.ReduceOp.MAX)
+        all_reduce(value, ReduceOp.MAX)
         return float(value[0])
 
     for config in CONFIGS:

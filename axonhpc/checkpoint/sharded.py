@@ -161,13 +161,14 @@ def load_sharded(path: "str | os.PathLike[str]", fsdp: Any, optimizer: Any = Non
                                   f"{index.get('format') if isinstance(index, dict) else None!r})")
         saved_world = int(index["shard_world_size"])
         pieces = [_read(os.path.join(path, shard_file(k, saved_world)))[0] for k in _needed_files(index, fsdp)]
-        fsdp.load_state_dict(pieces, optimizer)
+        apply = fsdp.prepare_load(pieces, optimizer)  # checks only: nothing changes yet
     except Exception as exc:  # noqa: BLE001 - the other ranks must hear of it before this rank raises
         problem = exc
     if pg.size > 1:
-        _agree(pg, path, problem is not None, digest)
+        _agree(pg, path, problem is not None, digest)  # raises on every rank if any rank failed
     if problem is not None:
         raise problem
+    apply()  # every rank read and checked its part: now all change together
     return index["extra"]
 
 

@@ -13,8 +13,11 @@ shard instead of the tensors).
 Gathering all-gathers the shards (cast to the compute dtype first) into a
 new padded flat array and points every module Parameter's ``data`` at its
 view of that array; freeing drops the array and leaves each module
-Parameter with an empty placeholder of its dtype, so a freed parameter used
-by mistake fails loudly instead of computing with stale values. With a
+Parameter with an empty (0,) placeholder of its dtype, so a layer that
+computes with a freed parameter fails on the shape instead of computing with
+stale values (a reduction such as ``.sum()`` of an empty array still gives 0:
+code outside a unit's forward and backward must not read its parameters;
+use ``gather_parameters()``). With a
 shard group of one rank and no dtype cast (NO_SHARD), the module Parameters
 are views of the master itself and are never freed.
 

