@@ -91,6 +91,9 @@ class Hosts:
         full_env = dict(self.env, UCX_TLS="tcp,self", UCX_NET_DEVICES="eth0", OMPI_ALLOW_RUN_AS_ROOT="1",
                         OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMP_NUM_THREADS="1", PYTHONPATH=REPO)
         full_env.update(env or {})
+        # A mapping policy inherited from the caller (scripts/test.sh sets ":oversubscribe" for one-host runs)
+        # would let Open MPI pack every rank onto host1; the host slots given here decide instead.
+        full_env.pop("PRTE_MCA_rmaps_default_mapping_policy", None)
         inner = " ".join(shlex.quote(a) for a in self.command(flavour, slots, argv))
         cmd = ["timeout", "-k", "5", str(timeout), "ip", "netns", "exec", "host1", "unshare", "--uts", "sh", "-c",
                f"hostname host1; exec {inner}"]
