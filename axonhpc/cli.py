@@ -3,6 +3,7 @@
     axonhpc info                         what MPI, threads, GPU libraries, ranks and nodes this is
     axonhpc bench NAME [args]            benchmarks (allreduce, ddp, fsdp, pack, pipeline)
     axonhpc launch -n N [--] script.py   mpiexec wrapper that works as root and aborts on errors
+    axonhpc slurm render TEMPLATE ...    a SLURM batch script from a template in slurm/ (docs/launching.md)
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import subprocess
 import sys
 from typing import List, Optional
 
+from .errors import AxonError
 from .mpiexec import NOT_FOUND, find_mpiexec, launch_command, mpiexec_flavour
 
 BENCHMARKS = {
@@ -72,6 +74,77 @@ def _cmd_launch(args) -> int:
     return subprocess.call(cmd, env=env)
 
 
+def _cmd_slurm_render(args) -> int:
+    from .slurm import SlurmOptions, render_file
+
+    try:
+        options = SlurmOptions(
+            nodes=args.nodes, tasks_per_node=args.tasks_per_node, gpus_per_node=args.gpus_per_node,
+            cpus_per_task=args.cpus_per_task, time=args.time, partition=args.partition, account=args.account,
+            job_name=args.job_name, requeue=args.requeue, resume=args.resume, signal_seconds=args.signal_seconds,
+            mpi=args.mpi, launcher=args.launcher, python=args.python, log_dir=args.log_dir, chdir=args.chdir,
+            collective_timeout=args.collective_timeout, command=tuple(args.script_words),
+        )
+        script = render_file(args.template, options)
+    except AxonError as exc:
+        print(f"axonhpc slurm render: {exc}", file=sys.stderr)
+        return 2
+    sys.stdout.write(script if script.endswith("\n") else script + "\n")
+    return 0
+
+
+def _add_slurm_parser(sub) -> None:
+    from .slurm import LAUNCHER_CHOICES, MPI_CHOICES, available_templates, template_dir
+
+    slurm = sub.add_parser("slurm", help="SLURM batch scripts from the templates in slurm/")
+    slurm_sub = slurm.add_subparsers(dest="slurm_cmd", required=True)
+    names = ", ".join(available_templates()) or f"none found in {template_dir()}"
+    p = slurm_sub.add_parser(
+        "render", help="print a filled-in SLURM batch script",
+        usage="axonhpc slurm render TEMPLATE --nodes N --tasks-per-node K [options] [-- script.py args...]",
+        description="Print a SLURM batch script rendered from TEMPLATE: a name from slurm/ or the path of a "
+                    "template file. Every value is validated and the words after -- are shell-quoted one by one. "
+                    "Submit the result with sbatch.",
+        epilog=f"templates: {names}. See docs/launching.md.")
+    # Values stay strings here: SlurmOptions validates them, with the messages the library gives.
+    p.add_argument("template", help="template name (e.g. cpu-ddp) or path")
+    p.add_argument("--nodes", required=True, metavar="N", help="nodes to allocate")
+    p.add_argument("--tasks-per-node", required=True, metavar="K", help="ranks per node")
+    p.add_argument("--gpus-per-node", metavar="G", help="GPUs per node (gpu template: one rank per GPU)")
+    p.add_argument("--cpus-per-task", metavar="C", help="cores per rank; OMP_NUM_THREADS follows it")
+    p.add_argument("--time", metavar="HH:MM:SS", help="time limit, HH:MM:SS (or MM, MM:SS, D-HH[:MM[:SS]])")
+    p.add_argument("--partition", metavar="P", help="partition (letters, digits, . _ -; several separated by ,)")
+    p.add_argument("--account", metavar="A", help="account to charge")
+    p.add_argument("--job-name", metavar="NAME", help="job name (default axonhpc-TEMPLATE)")
+    p.add_argument("--requeue", action="store_true",
+                   help="requeue on the SIGUSR1 notice before the time limit (and on preemption)")
+    p.add_argument("--resume", dest="resume", action="store_const", const=True, default=None,
+                   help="pass --resume to the script on every run (default: with --requeue)")
+    p.add_argument("--no-resume", dest="resume", action="store_const", const=False,
+                   help="never pass --resume to the script")
+    p.add_argument("--signal-seconds", metavar="S",
+                   help="send SIGUSR1 this many seconds before the time limit (default 120)")
+    p.add_argument("--mpi", metavar="{" + ",".join(MPI_CHOICES) + "}",
+                   help="srun --mpi plugin (default pmi2): pmi2 for MPICH, pmix for Open MPI")
+    p.add_argument("--launcher", metavar="{" + ",".join(LAUNCHER_CHOICES) + "}",
+                   help="how cpu-ddp starts the ranks (default srun)")
+    p.add_argument("--python", metavar="PATH", help="interpreter the job runs (default: the one running this command)")
+    p.add_argument("--log-dir", metavar="DIR",
+                   help="directory of the %%x-%%j.out/.err logs (default: the job's directory)")
+    p.add_argument("--chdir", metavar="DIR", help="working directory of the job (default: where sbatch runs)")
+    p.add_argument("--collective-timeout", metavar="SECONDS",
+                   help="AXONHPC_TIMEOUT for the job: seconds before a hung collective raises")
+    p.set_defaults(func=_cmd_slurm_render, script_words=[])
+
+
+def _split_script_words(argv: List[str]):
+    """``slurm render``'s words after the first ``--`` go to the script untouched, whatever they look like."""
+    if argv[:2] == ["slurm", "render"] and "--" in argv:
+        cut = argv.index("--")
+        return argv[:cut], argv[cut + 1:]
+    return argv, None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="axonhpc", description="MPI-native distributed training for HPC clusters")
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -88,11 +161,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-v", "--verbose", action="store_true", help="print the mpiexec command")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- script.py args...")
     p.set_defaults(func=_cmd_launch)
+    _add_slurm_parser(sub)
     return parser
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    argv, script_words = _split_script_words(list(sys.argv[1:] if argv is None else argv))
     args = build_parser().parse_args(argv)
+    if script_words is not None:
+        args.script_words = script_words
     return int(args.func(args) or 0)
 
 

@@ -41,6 +41,10 @@ if ! munge -n 2>/dev/null | unmunge >/dev/null 2>&1; then
 fi
 munge -n | unmunge >/dev/null || { say "munge does not work"; exit 1; }
 
+# Job ids start somewhere new on every start-up: MPICH names its shared-memory segments after the PMI
+# job id, and a segment a killed job left in /dev/shm must never be picked up by a new job with its id.
+FIRST_JOB_ID=$(( ($(date +%s) % 600000) * 100 + 1 ))
+
 # The cgroup plugins need cgroup controllers this container lacks: linuxproc and task/none.
 cat > /etc/slurm/slurm.conf <<CONF
 ClusterName=axonhpc
@@ -67,6 +71,7 @@ ReturnToService=2
 SlurmctldTimeout=30
 SlurmdTimeout=30
 MailProg=/bin/true
+FirstJobId=$FIRST_JOB_ID
 NodeName=$HOST CPUs=$CPUS State=UNKNOWN
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
 CONF
