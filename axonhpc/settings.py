@@ -52,7 +52,7 @@ def _parse_choice(name: str, text: str, choices: tuple) -> str:
 
 
 # The all-reduce algorithms (see axonhpc.collectives.algorithms).
-ALGORITHMS = ("native", "hierarchical")
+ALGORITHMS = ("native", "hierarchical", "ring", "rhd")
 
 # The largest element count one MPI call takes with a C int count.
 MPI_INT_MAX = 2**31 - 1
@@ -74,8 +74,10 @@ class Settings:
         max_message_elements: the most elements one MPI call moves; larger
             buffers are sent in chunks (``AXONHPC_MAX_MESSAGE_ELEMENTS``).
         allreduce_algorithm: how ``all_reduce`` runs when the call does not
-            say: "native" (one MPI call) or "hierarchical" (inside each node,
-            then across nodes; ``AXONHPC_ALLREDUCE_ALGORITHM``).
+            say: "native" (one MPI call), "hierarchical" (inside each node,
+            then across nodes), "ring" (reduce-scatter and all-gather around a
+            ring) or "rhd" (recursive halving-doubling);
+            ``AXONHPC_ALLREDUCE_ALGORITHM``.
     """
 
     debug: bool = False

@@ -9,18 +9,24 @@ the ratio raw/ours (1.00 = as fast as raw MPI), and numpy ``copyto``
 bandwidth with every rank copying at once, as the memory limit. A second
 table compares synchronising 100 gradients of 1 KiB one by one against one
 fused bucket (``GradientSynchronizer``: pack, one all-reduce, unpack).
+
+``--algorithms native,ring,rhd,hierarchical`` also times
+``ax.all_reduce(x, algorithm=name)`` for each name in the same interleaved
+rounds and prints a second table: each algorithm's median time and its ratio
+raw/algorithm at every size.
 """
 from __future__ import annotations
 
 import argparse
 import sys
-from typing import List, Optional
+from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
 from ..backends import ReduceOp
 from ..collectives import all_reduce
 from ..groups import init
+from ..settings import ALGORITHMS
 from .timing import human_bytes, median_times, pin_blas_threads
 
 DEFAULT_SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20, 256 << 20]
@@ -30,8 +36,15 @@ def _iters_for(nbytes: int) -> int:
     return int(max(3, min(200, (64 << 20) // max(nbytes, 1) // 4)))
 
 
-def run_sizes(sizes: List[int], rounds: int) -> List[dict]:
-    """Rows of the bandwidth table (every rank runs it; rank 0's rows are the job's)."""
+def run_sizes(sizes: List[int], rounds: int, algorithms: Sequence[str] = ()) -> List[dict]:
+    """Rows of the bandwidth table (every rank runs it; rank 0's rows are the job's).
+
+    Args:
+        sizes: message sizes in bytes.
+        rounds: interleaved rounds; medians are reported.
+        algorithms: all-reduce algorithms timed as well (``row["algorithms"][name]``
+            is the median in microseconds).
+    """
     from mpi4py import MPI
 
     world = init()
@@ -47,14 +60,17 @@ def run_sizes(sizes: List[int], rounds: int) -> List[dict]:
         x = np.ones(nbytes // 4, dtype=np.float32)
         dst = np.empty_like(x)
         iters = _iters_for(nbytes)
-        for _ in range(2):  # warm-up: first-touch pages, MPI's internal buffers
-            all_reduce(x)
-            raw.Allreduce(MPI.IN_PLACE, [x, MPI.FLOAT])
-        t = median_times({
+        candidates = {
             "ours": lambda: all_reduce(x),
             "raw": lambda: raw.Allreduce(MPI.IN_PLACE, [x, MPI.FLOAT]),
             "copy": lambda: np.copyto(dst, x),
-        }, iters, rounds, sync=job_time)
+        }
+        for name in algorithms:
+            candidates[f"algorithm:{name}"] = lambda name=name: all_reduce(x, algorithm=name)
+        for _ in range(2):  # warm-up: first-touch pages, MPI's internal buffers (and the algorithms' channels)
+            for name in ("ours", "raw", *(f"algorithm:{a}" for a in algorithms)):
+                candidates[name]()
+        t = median_times(candidates, iters, rounds, sync=job_time)
         bus = 2 * (n - 1) / n if n > 1 else 1.0
         rows.append(dict(
             bytes=nbytes, iters=iters,
@@ -62,6 +78,7 @@ def run_sizes(sizes: List[int], rounds: int) -> List[dict]:
             ours_algbw=nbytes / t["ours"] / 1e9, raw_algbw=nbytes / t["raw"] / 1e9,
             ours_busbw=nbytes / t["ours"] / 1e9 * bus, raw_busbw=nbytes / t["raw"] / 1e9 * bus,
             ratio=t["raw"] / t["ours"], copy_gbs=nbytes / t["copy"] / 1e9,
+            algorithms={name: t[f"algorithm:{name}"] * 1e6 for name in algorithms},
         ))
     raw.Free()
     return rows
@@ -112,6 +129,35 @@ def format_table(rows: List[dict], n: int) -> str:
     return "\n".join(lines)
 
 
+def format_algorithm_table(rows: List[dict], n: int) -> str:
+    """Each algorithm's median time beside raw mpi4py, with the ratio raw time / algorithm time."""
+    names: List[str] = list(rows[0]["algorithms"]) if rows else []
+    head = f"{'size':>10} {'raw us':>10}" + "".join(f" {name + ' us':>16} {'x raw':>6}" for name in names)
+    lines = [f"# all_reduce algorithms, float32, in place, {n} ranks, medians (x raw = raw time / its time)", head]
+    for r in rows:
+        times: Dict[str, float] = r["algorithms"]
+        lines.append(f"{human_bytes(r['bytes']):>10} {r['raw_us']:>10.1f}"
+                     + "".join(f" {times[name]:>16.1f} {r['raw_us'] / times[name]:>6.2f}" for name in names))
+    return "\n".join(lines)
+
+
+def parse_algorithms(text: Optional[str]) -> List[str]:
+    """The names of ``--algorithms``, checked against the known algorithms.
+
+    Raises:
+        ValueError: an unknown or repeated name.
+    """
+    if not text:
+        return []
+    names = [name.strip().lower() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in ALGORITHMS]
+    if unknown:
+        raise ValueError(f"unknown all-reduce algorithm(s) {unknown}; use some of {', '.join(ALGORITHMS)}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"--algorithms repeats a name: {names}")
+    return names
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="axonhpc bench allreduce", description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default=None,
@@ -119,16 +165,26 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--max-size", type=int, default=None, help="drop default sizes above this many bytes")
     parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds; the median is reported")
     parser.add_argument("--no-fusion", action="store_true", help="skip the 100 x 1 KiB fusion table")
+    parser.add_argument("--algorithms", default=None,
+                        help=f"comma-separated all-reduce algorithms to time beside raw mpi4py, e.g. "
+                             f"native,ring,rhd,hierarchical (known: {', '.join(ALGORITHMS)})")
     args = parser.parse_args(argv)
+    try:
+        algorithms = parse_algorithms(args.algorithms)
+    except ValueError as exc:
+        parser.error(str(exc))
     limiter = pin_blas_threads(1)  # noqa: F841 - keeps the limit in force
     sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else list(DEFAULT_SIZES)
     if args.max_size:
         sizes = [s for s in sizes if s <= args.max_size]
     world = init()
-    rows = run_sizes(sizes, args.rounds)
+    rows = run_sizes(sizes, args.rounds, algorithms)
     fusion = None if args.no_fusion else run_fusion(100, 1024, args.rounds)
     if world.rank == 0:
         print(format_table(rows, world.world_size))
+        if algorithms:
+            print()
+            print(format_algorithm_table(rows, world.world_size))
         if fusion:
             print(f"\n# {fusion['count']} gradients of {human_bytes(fusion['bytes'])}, averaged, medians")
             print(f"one by one (ax.all_reduce):      {fusion['one_by_one_us']:9.1f} us")

@@ -1,5 +1,8 @@
 """All-reduce algorithms built from the plain collectives: hierarchical (node, then across nodes).
 
+The point-to-point algorithms "ring" and "rhd" live in ``collectives.ring``;
+``run`` dispatches to every non-native algorithm.
+
 [Note: hierarchical all-reduce]
 On a cluster the links inside a node (shared memory) are far faster than the
 links between nodes. With L ranks on each of K nodes, the hierarchical
@@ -40,6 +43,7 @@ from ..backends.base import CompletedWork, ReduceOp
 from ..errors import ConfigurationError
 from ..groups import ProcessGroup
 from ..settings import ALGORITHMS, settings
+from .ring import rhd_all_reduce, ring_all_reduce
 
 
 def resolve_algorithm(algorithm: Optional[str]) -> str:
@@ -135,6 +139,10 @@ def run(algorithm: str, x: Any, op: ReduceOp, pg: ProcessGroup, async_op: bool) 
     """Run a non-native all-reduce; a completed Work when ``async_op``."""
     if algorithm == "hierarchical":
         hierarchical_all_reduce(x, op, pg)
+    elif algorithm == "ring":
+        ring_all_reduce(x, op, pg)
+    elif algorithm == "rhd":
+        rhd_all_reduce(x, op, pg)
     else:  # resolve_algorithm admits only known names
         raise ConfigurationError(f"all-reduce algorithm {algorithm!r} has no implementation")
     return CompletedWork() if async_op else None

@@ -102,8 +102,9 @@ def all_reduce(x, op=ReduceOp.SUM, group: Optional[ProcessGroup] = None, async_o
         op: a ``ReduceOp`` (or its name). ``AVG`` on integers floors.
         group: the group (None: the current world's default group).
         async_op: return a ``Work`` instead of waiting.
-        algorithm: "native" (one MPI call) or "hierarchical" (inside each
-            node, then across nodes; see ``collectives.algorithms``); None
+        algorithm: "native" (one MPI call), "hierarchical" (inside each
+            node, then across nodes; see ``collectives.algorithms``), "ring"
+            or "rhd" (point to point; see ``collectives.ring``); None
             takes ``ax.settings.allreduce_algorithm``. Every rank must pick
             the same. Non-native algorithms complete before returning.
 
