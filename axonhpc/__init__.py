@@ -33,6 +33,7 @@ _LAZY = {
     "FSDPMemoryStats": "axonhpc.parallel",
     "GradScaler": "axonhpc.parallel",
     "Pipeline": "axonhpc.parallel",
+    "DistributedTrainer": "axonhpc.trainer",
     "PipelineStage": "axonhpc.parallel",
     "PipelineSchedule": "axonhpc.parallel",
     "Action": "axonhpc.parallel",
@@ -46,7 +47,7 @@ _LAZY = {
     "ZeroRedundancyOptimizer": "axonhpc.parallel",
 }
 _SUBMODULES = ("nn", "optim", "data", "bucketing", "comm", "backends", "settings", "cli", "bench", "parallel",
-               "checkpoint")
+               "checkpoint", "trainer")
 
 
 def __getattr__(name):

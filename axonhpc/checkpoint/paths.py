@@ -19,6 +19,9 @@ def _step_regex(pattern: str) -> "re.Pattern[str]":
 def latest(dirpath: "str | os.PathLike[str]", pattern: str = "ckpt-*.npz") -> Optional[str]:
     """The checkpoint in ``dirpath`` with the highest step number, or None if there is none.
 
+    A checkpoint is a file, or a directory written by ``save_per_rank`` /
+    ``save_sharded`` (``pattern="ckpt-*"``) that holds its ``index.npz``.
+
     Steps are compared as numbers, so ``ckpt-100.npz`` is newer than
     ``ckpt-99.npz`` with or without zero padding. Names where the ``*`` part is
     not all digits, and the temporary files of a save in progress
@@ -45,7 +48,9 @@ def latest(dirpath: "str | os.PathLike[str]", pattern: str = "ckpt-*.npz") -> Op
     best = None
     for name in names:
         m = regex.fullmatch(name)
-        if m and os.path.isfile(os.path.join(dirpath, name)):
+        full = os.path.join(dirpath, name)
+        # a file, or a checkpoint directory that is complete (its index is written last)
+        if m and (os.path.isfile(full) or os.path.isfile(os.path.join(full, "index.npz"))):
             key = (int(m.group(1)), name)
             if best is None or key > best:
                 best = key

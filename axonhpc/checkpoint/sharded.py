@@ -12,12 +12,9 @@ sha256 per array) holding ``fsdp.sharded_state_dict(optimizer)``: the values
 and optimizer state of the shard's range ``[start, stop)`` of every flat
 parameter. Under HYBRID_SHARD only the first replica of each shard writes.
 
-All files go into ``path.tmp-<token>`` first. Once every rank reports its
-file written, rank 0 writes the index and renames the directory into place;
-an existing checkpoint at ``path`` is first renamed aside and removed only
-after the new one is in place, so a crash at any point leaves the previous
-checkpoint (at ``path``, or at ``path.old-<token>`` for the instant between
-the two renames) or the new one, never a mixture.
+The directory is written by the protocol of ``directory`` (a temporary
+directory, every rank's file, then the index and an atomic switch), so a
+crash leaves the previous checkpoint or the new one, never a mixture.
 
 ``load_sharded(path, fsdp, optimizer)`` reads the index, then on each rank
 only the shard files whose ranges overlap the rank's own shards under the
@@ -27,35 +24,19 @@ checkpoint saved on N ranks loads on M.
 from __future__ import annotations
 
 import os
-import shutil
-import uuid
 from typing import Any, List, Optional
 
-import numpy as np
-
 from ..bucketing import shard_bounds
-from ..collectives import all_gather
 from ..errors import CheckpointError
-from .format import encode
-from .io import _agree, _broadcast_text, _fsync_directory, _read, write_atomic
+from .directory import read_index, save_directory
+from .io import _agree, _read
 
-INDEX = "index.npz"
 INDEX_FORMAT = "axonhpc.fsdp.checkpoint/1"
 
 
 def shard_file(shard_rank: int, shard_world_size: int) -> str:
     """File name of one shard: ``shard-00002-of-00004.npz``."""
     return f"shard-{shard_rank:05d}-of-{shard_world_size:05d}.npz"
-
-
-def _report(pg: Any, problem: Optional[BaseException], what: str) -> None:
-    """Raise on every rank if any rank failed (its own error where it failed)."""
-    flags = all_gather(np.array([problem is not None], dtype=np.uint8), group=pg).reshape(-1)
-    failed = [r for r in range(pg.size) if flags[r]]
-    if problem is not None:
-        raise problem
-    if failed:
-        raise CheckpointError(f"{what} failed on group ranks {failed} (see the error raised there)")
 
 
 def save_sharded(path: "str | os.PathLike[str]", fsdp: Any, optimizer: Any = None, extra: Any = None) -> None:
@@ -71,49 +52,12 @@ def save_sharded(path: "str | os.PathLike[str]", fsdp: Any, optimizer: Any = Non
         CheckpointError: on every rank, if any rank could not write its file
             or rank 0 could not put the directory in place.
     """
-    path = os.fspath(path)
-    pg = fsdp.group
-    token = _broadcast_text(uuid.uuid4().hex[:12] if pg.rank == 0 else None, pg) if pg.size > 1 \
-        else uuid.uuid4().hex[:12]
-    tmp = f"{path}.tmp-{token}"
-    problem: Optional[BaseException] = None
-    if pg.rank == 0:
-        try:
-            os.makedirs(tmp)
-        except OSError as exc:
-            problem = CheckpointError(f"cannot create checkpoint directory {tmp!r}: {exc}")
-    _report(pg, problem, f"creating {tmp!r}")
-    try:
-        if fsdp.is_shard_writer:
-            state = fsdp.sharded_state_dict(optimizer)
-            write_atomic(os.path.join(tmp, shard_file(fsdp.shard_rank, fsdp.shard_world_size)), encode(state))
-    except Exception as exc:  # noqa: BLE001 - every failure is reported to every rank
-        problem = exc if isinstance(exc, CheckpointError) else CheckpointError(
-            f"writing shard {fsdp.shard_rank} of {path!r} failed: {type(exc).__name__}: {exc}")
-    try:
-        _report(pg, problem, f"saving the shards of {path!r}")
-    except CheckpointError:
-        if pg.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if pg.rank == 0:
-        try:
-            units = {u.name: int(u.numel) for u in fsdp.units}
-            index = {"format": INDEX_FORMAT, "shard_world_size": fsdp.shard_world_size, "units": units,
-                     "extra": extra}
-            write_atomic(os.path.join(tmp, INDEX), encode(index))
-            _fsync_directory(tmp)
-            old = f"{path}.old-{token}"
-            if os.path.exists(path):
-                os.rename(path, old)
-            os.rename(tmp, path)
-            _fsync_directory(os.path.dirname(os.path.abspath(path)))
-            shutil.rmtree(old, ignore_errors=True)
-        except Exception as exc:  # noqa: BLE001
-            problem = exc if isinstance(exc, CheckpointError) else CheckpointError(
-                f"finishing checkpoint {path!r} failed on rank 0: {type(exc).__name__}: {exc}")
-            shutil.rmtree(tmp, ignore_errors=True)
-    _report(pg, problem, f"finishing {path!r}")
+    mine = None
+    if fsdp.is_shard_writer:
+        mine = (shard_file(fsdp.shard_rank, fsdp.shard_world_size), lambda: fsdp.sharded_state_dict(optimizer))
+    save_directory(path, fsdp.group, mine,
+                   lambda: {"format": INDEX_FORMAT, "shard_world_size": fsdp.shard_world_size,
+                            "units": {u.name: int(u.numel) for u in fsdp.units}, "extra": extra})
 
 
 def _needed_files(index: dict, fsdp: Any) -> List[int]:
@@ -155,10 +99,7 @@ def load_sharded(path: "str | os.PathLike[str]", fsdp: Any, optimizer: Any = Non
     digest = bytes(32)
     problem: Optional[BaseException] = None
     try:
-        index, digest = _read(os.path.join(path, INDEX))
-        if not isinstance(index, dict) or index.get("format") != INDEX_FORMAT:
-            raise CheckpointError(f"{path!r} is not an axonhpc sharded checkpoint (index format "
-                                  f"{index.get('format') if isinstance(index, dict) else None!r})")
+        index, digest = read_index(path, INDEX_FORMAT)
         saved_world = int(index["shard_world_size"])
         pieces = [_read(os.path.join(path, shard_file(k, saved_world)))[0] for k in _needed_files(index, fsdp)]
         apply = fsdp.prepare_load(pieces, optimizer)  # checks only: nothing changes yet

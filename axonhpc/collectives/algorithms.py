@@ -38,11 +38,12 @@ from typing import Any, Optional
 
 import numpy as np
 
-from .._dtypes import array_module, is_integer, is_low_precision_float
+from .._dtypes import array_module
 from ..backends.base import CompletedWork, ReduceOp
 from ..errors import ConfigurationError
 from ..groups import ProcessGroup
 from ..settings import ALGORITHMS, settings
+from .widen import reduce_widened
 from .ring import rhd_all_reduce, ring_all_reduce
 
 
@@ -107,32 +108,27 @@ def hierarchical_all_reduce(x: Any, op: ReduceOp, pg: ProcessGroup, ranks_per_no
     from .core import all_gather, all_reduce, broadcast, reduce_scatter
 
     levels = node_levels(pg, ranks_per_node)
-    base = ReduceOp.SUM if op is ReduceOp.AVG else op
     xp = array_module(x)
-    work = x.astype(np.float32) if is_low_precision_float(x.dtype) else x
-    flat = work.reshape(-1)
-    n = flat.size
-    if levels.uniform:
-        local = levels.node.size
-        chunk = -(-n // local)
-        padded = xp.zeros(chunk * local, dtype=flat.dtype)
-        padded[:n] = flat
-        part = reduce_scatter(padded, base, levels.node) if local > 1 else padded
-        if levels.cross is not None and levels.cross.size > 1:
-            all_reduce(part, base, levels.cross)
-        flat[...] = (all_gather(part, levels.node).reshape(-1) if local > 1 else part)[:n]
-    else:
-        all_reduce(work, base, levels.node)
-        if levels.cross is not None:
-            all_reduce(work, base, levels.cross)
-        broadcast(work, 0, levels.node)
-    if op is ReduceOp.AVG:
-        if is_integer(work.dtype):
-            xp.floor_divide(work, pg.size, out=work)
+
+    def body(work: Any, base: ReduceOp) -> None:
+        flat = work.reshape(-1)
+        n = flat.size
+        if levels.uniform:
+            local = levels.node.size
+            chunk = -(-n // local)
+            padded = xp.zeros(chunk * local, dtype=flat.dtype)
+            padded[:n] = flat
+            part = reduce_scatter(padded, base, levels.node) if local > 1 else padded
+            if levels.cross is not None and levels.cross.size > 1:
+                all_reduce(part, base, levels.cross)
+            flat[...] = (all_gather(part, levels.node).reshape(-1) if local > 1 else part)[:n]
         else:
-            xp.divide(work, pg.size, out=work)
-    if work is not x:
-        x[...] = work.astype(x.dtype)
+            all_reduce(work, base, levels.node)
+            if levels.cross is not None:
+                all_reduce(work, base, levels.cross)
+            broadcast(work, 0, levels.node)
+
+    reduce_widened(x, op, pg.size, body)
 
 
 def run(algorithm: str, x: Any, op: ReduceOp, pg: ProcessGroup, async_op: bool) -> Any:

@@ -17,11 +17,12 @@ from typing import Any, List, Optional, Sequence
 
 import numpy as np
 
-from .._dtypes import array_module, check_array, is_integer, is_low_precision_float
+from .._dtypes import array_module, check_array, is_low_precision_float
 from ..backends.base import CompletedWork, ReduceOp, Work
 from ..errors import ShapeError
 from ..groups import ProcessGroup, resolve_group
 from . import algorithms, fingerprint
+from .widen import divide_average
 
 
 def _member(group: Optional[ProcessGroup], op: str) -> ProcessGroup:
@@ -76,11 +77,7 @@ def _reduction(pg: ProcessGroup, x, out, op: ReduceOp, issue_on, result=None):
         src, dst = x, out
 
     def finish():
-        if op is ReduceOp.AVG:
-            if is_integer(dst.dtype):
-                xp.floor_divide(dst, pg.size, out=dst)
-            else:
-                xp.divide(dst, pg.size, out=dst)
+        divide_average(dst, op, pg.size)
         if dst is not out:
             out[...] = dst.astype(out.dtype)
 

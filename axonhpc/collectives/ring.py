@@ -58,11 +58,10 @@ from __future__ import annotations
 
 from typing import Any, Callable, List, NamedTuple, Optional, Tuple
 
-import numpy as np
-
-from .._dtypes import array_module, is_integer, is_low_precision_float
+from .._dtypes import array_module
 from ..backends.base import Backend, ReduceOp
 from ..groups import ProcessGroup
+from .widen import reduce_widened
 
 RING_TAG = 1
 RHD_TAG = 2
@@ -218,18 +217,12 @@ def _all_reduce(x: Any, op: ReduceOp, pg: ProcessGroup, make: Callable[[int, int
                 name: str) -> None:
     if pg.size == 1 or x.size == 0:
         return  # the identity for every op (AVG too: x // 1 == x / 1 == x)
-    base = ReduceOp.SUM if op is ReduceOp.AVG else op
-    xp = array_module(x)
-    work = x.astype(np.float32) if is_low_precision_float(x.dtype) else x
     label = f"{name} all_reduce on group {pg.name} {list(pg.ranks)}"
-    execute(work.reshape(-1), make(pg.size, pg.rank), base, channel(pg), tag, pg.effective_timeout(), label)
-    if op is ReduceOp.AVG:
-        if is_integer(work.dtype):
-            xp.floor_divide(work, pg.size, out=work)
-        else:
-            xp.divide(work, pg.size, out=work)
-    if work is not x:
-        x[...] = work.astype(x.dtype)
+
+    def body(work: Any, base: ReduceOp) -> None:
+        execute(work.reshape(-1), make(pg.size, pg.rank), base, channel(pg), tag, pg.effective_timeout(), label)
+
+    reduce_widened(x, op, pg.size, body)
 
 
 def ring_all_reduce(x: Any, op: ReduceOp, pg: ProcessGroup) -> None:

@@ -1,0 +1,175 @@
+"""Checkpoint directories: one file per writing rank, an index, and an atomic switch into place.
+
+[Note: the protocol]
+``save_directory`` is collective over a group. Rank 0 creates
+``path.tmp-<token>`` (the token is broadcast), every writing rank writes its
+own file there (each an ordinary checkpoint file: no pickle, a sha256 per
+array), and the ranks agree that all files are written. Only then does rank 0
+write ``index.npz`` and rename the directory into place; an existing
+checkpoint at ``path`` is first renamed aside and removed only after the new
+one is in place. A crash at any point leaves the previous checkpoint (at
+``path``, or at ``path.old-<token>`` for the instant between the two renames)
+or the new one, never a mixture; a directory without ``index.npz`` is never
+taken for a checkpoint (``latest`` looks for it). Every failure is raised on
+every rank.
+
+``save_per_rank`` / ``load_per_rank`` use it for states that differ per rank
+and are reloaded at the same world size (pipeline stages, tensor-parallel
+shards, ZeRO-1 optimizer shards); FSDP's resharding checkpoints are in
+``sharded``.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from typing import Any, Callable, Optional, Tuple
+
+import numpy as np
+
+from ..collectives import all_gather
+from ..errors import CheckpointError
+from ..groups import resolve_group
+from .format import encode
+from .io import _agree, _broadcast_text, _fsync_directory, _read, write_atomic
+
+INDEX = "index.npz"
+PER_RANK_FORMAT = "axonhpc.per-rank/1"
+
+
+def report(pg: Any, problem: Optional[BaseException], what: str) -> None:
+    """Raise on every rank if any rank failed (its own error where it failed)."""
+    flags = all_gather(np.array([problem is not None], dtype=np.uint8), group=pg).reshape(-1)
+    failed = [r for r in range(pg.size) if flags[r]]
+    if problem is not None:
+        raise problem
+    if failed:
+        raise CheckpointError(f"{what} failed on group ranks {failed} (see the error raised there)")
+
+
+def _as_checkpoint_error(exc: Exception, what: str) -> CheckpointError:
+    return exc if isinstance(exc, CheckpointError) else CheckpointError(f"{what}: {type(exc).__name__}: {exc}")
+
+
+def save_directory(path: "str | os.PathLike[str]", pg: Any, my_file: Optional[Tuple[str, Callable[[], Any]]],
+                   index: Callable[[], Any]) -> None:
+    """Collective: write a checkpoint directory by the protocol of the module note.
+
+    Args:
+        path: the directory; replaced if it exists.
+        pg: the group whose ranks take part.
+        my_file: ``(file name, state())`` this rank writes, or None for a rank that writes nothing.
+        index: returns the index state (called on rank 0 only, after every file is written).
+
+    Raises:
+        CheckpointError: on every rank, if any rank failed.
+    """
+    path = os.fspath(path)
+    token = _broadcast_text(uuid.uuid4().hex[:12] if pg.rank == 0 else None, pg) if pg.size > 1 \
+        else uuid.uuid4().hex[:12]
+    tmp = f"{path}.tmp-{token}"
+    problem: Optional[BaseException] = None
+    if pg.rank == 0:
+        try:
+            os.makedirs(tmp)
+        except OSError as exc:
+            problem = CheckpointError(f"cannot create checkpoint directory {tmp!r}: {exc}")
+    report(pg, problem, f"creating {tmp!r}")
+    if my_file is not None:
+        name, state = my_file
+        try:
+            write_atomic(os.path.join(tmp, name), encode(state()))
+        except Exception as exc:  # noqa: BLE001 - every failure is reported to every rank
+            problem = _as_checkpoint_error(exc, f"writing {name} of {path!r} failed on group rank {pg.rank}")
+    try:
+        report(pg, problem, f"saving the files of {path!r}")
+    except CheckpointError:
+        if pg.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if pg.rank == 0:
+        try:
+            write_atomic(os.path.join(tmp, INDEX), encode(index()))
+            _fsync_directory(tmp)
+            old = f"{path}.old-{token}"
+            if os.path.exists(path):
+                os.rename(path, old)
+            os.rename(tmp, path)
+            _fsync_directory(os.path.dirname(os.path.abspath(path)))
+            shutil.rmtree(old, ignore_errors=True)
+        except Exception as exc:  # noqa: BLE001
+            problem = _as_checkpoint_error(exc, f"finishing checkpoint {path!r} failed on rank 0")
+            shutil.rmtree(tmp, ignore_errors=True)
+    report(pg, problem, f"finishing {path!r}")
+
+
+def read_index(path: str, expected_format: str) -> Tuple[dict, bytes]:
+    """The index of a checkpoint directory and the sha256 of its metadata.
+
+    Raises:
+        CheckpointError: no index, or one of another format.
+    """
+    index, digest = _read(os.path.join(path, INDEX))
+    if not isinstance(index, dict) or index.get("format") != expected_format:
+        found = index.get("format") if isinstance(index, dict) else None
+        raise CheckpointError(f"{path!r} is not a checkpoint of format {expected_format!r} (its index says "
+                              f"{found!r})")
+    return index, digest
+
+
+def rank_file(rank: int, world_size: int) -> str:
+    """File name of one rank's state: ``rank-00002-of-00004.npz``."""
+    return f"rank-{rank:05d}-of-{world_size:05d}.npz"
+
+
+def save_per_rank(path: "str | os.PathLike[str]", state: Any, group: Any = None, extra: Any = None) -> None:
+    """Collective: every rank writes its own ``state``; ``extra`` (rank 0's) goes into the index.
+
+    Args:
+        path: the checkpoint directory; replaced if it exists.
+        state: this rank's plain state (as ``save`` takes).
+        group: the ranks that take part (None: the default group).
+        extra: shared plain state (epoch, step, ...).
+
+    Raises:
+        CheckpointError: on every rank, if any rank failed.
+    """
+    pg = resolve_group(group).require_member("checkpoint save_per_rank")
+    save_directory(path, pg, (rank_file(pg.rank, pg.size), lambda: state),
+                   lambda: {"format": PER_RANK_FORMAT, "world_size": pg.size, "extra": extra})
+
+
+def load_per_rank(path: "str | os.PathLike[str]", group: Any = None) -> Tuple[Any, Any]:
+    """Collective: this rank's state and the shared ``extra`` from a ``save_per_rank`` directory.
+
+    Returns:
+        ``(state, extra)``.
+
+    Raises:
+        CheckpointError: on every rank, if any rank cannot read its file, the
+            world size differs from the one saved, or the ranks read different
+            checkpoints.
+    """
+    path = os.fspath(path)
+    pg = resolve_group(group).require_member("checkpoint load_per_rank")
+    state: Any = None
+    extra: Any = None
+    digest = bytes(32)
+    problem: Optional[BaseException] = None
+    try:
+        index, digest = read_index(path, PER_RANK_FORMAT)
+        if int(index["world_size"]) != pg.size:
+            raise CheckpointError(f"{path!r} was saved by {index['world_size']} ranks; this group has {pg.size} "
+                                  "(per-rank states load only at the same world size)")
+        state = _read(os.path.join(path, rank_file(pg.rank, pg.size)))[0]
+        extra = index["extra"]
+    except Exception as exc:  # noqa: BLE001 - the other ranks must hear of it before this rank raises
+        problem = exc
+    if pg.size > 1:
+        _agree(pg, path, problem is not None, digest)
+    if problem is not None:
+        raise problem
+    return state, extra
+
+
+__all__ = ["save_directory", "read_index", "report", "save_per_rank", "load_per_rank", "rank_file", "INDEX"]

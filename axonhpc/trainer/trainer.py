@@ -1,0 +1,388 @@
+"""DistributedTrainer: the training loop, with data, metrics, checkpoints, resume and preemption.
+
+[Note: the loop]
+``fit`` builds a ``DistributedSampler`` over the data-parallel ranks (every
+rank of a pipeline sees every sample), a ``DataLoader`` of ``batch_size``
+samples per rank, and runs ``epochs`` epochs of optimizer steps of
+``grad_accumulation`` batches each (the wrapper's ``no_sync`` on all but the
+last). After every step the step's loss is averaged over the data-parallel
+ranks and, on rank 0, appended as a JSON line to the log file; a tqdm bar
+shows progress on rank 0 when tqdm is installed. After every epoch (and
+every ``checkpoint_every`` steps) the run writes ``checkpoint_dir/ckpt-<step>``
+(a directory: see ``checkpoint.directory``) and keeps the newest
+``keep_checkpoints``.
+
+[Note: resume]
+A checkpoint holds each rank's model and optimizer state, the Dropout
+generators, the loss scaler, and where the run was: epoch, steps done in it,
+global step. The sampler's order is a pure function of its seed and the
+epoch, so a resumed run skips the steps already done in that epoch and from
+there computes exactly what the uninterrupted run would have: the final
+parameters are equal bit for bit (tested). FSDP checkpoints also reload on
+another world size; the others need the world size they were saved with.
+
+[Note: preemption]
+See ``preemption``: SIGTERM or SIGUSR1 on any rank stops every rank after the
+same step, a checkpoint is written, and ``fit`` raises
+``SystemExit(PREEMPTED_EXIT_CODE)`` (75) unless ``exit_on_preemption=False``,
+in which case it returns with ``trainer.preempted`` set.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import numpy as np
+
+from ..backends import ReduceOp
+from ..checkpoint import capture_rng_state, latest, restore_rng_state
+from ..collectives import all_reduce
+from ..data import DataLoader, DistributedSampler
+from ..errors import ConfigurationError
+from ..groups import resolve_group
+from .preemption import PREEMPTED_EXIT_CODE, Preemption
+from .strategies import STRATEGIES, Setup, batches_of, build, share_from, steps_per_epoch
+
+CHECKPOINT_PATTERN = "ckpt-*"
+
+
+def _arrays(data: Any, what: str) -> tuple:
+    if not isinstance(data, (tuple, list)) or len(data) != 2:
+        raise ConfigurationError(f"{what} must be a pair (inputs, targets) of arrays with one row per sample")
+    x, y = data
+    if len(x) != len(y):
+        raise ConfigurationError(f"{what}: {len(x)} inputs but {len(y)} targets")
+    return x, y
+
+
+def _positive_int(name: str, value: Any, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ConfigurationError(f"{name} must be a positive int, got {value!r}")
+
+
+class DistributedTrainer:
+    """Train a model with one of the parallel strategies (see the module notes).
+
+    Args:
+        model: an ``axonhpc.nn.Module`` (a ``Sequential`` for ``pipeline``).
+        optimizer: an ``axonhpc.optim`` optimizer over ``model.parameters()``
+            (for ``fsdp``, ``zero1`` and ``pipeline`` a new one of its class
+            and hyperparameters is built over what the strategy trains), or a
+            callable ``params -> optimizer``.
+        loss_fn: a loss module (``loss_fn(output, target)`` returns the mean,
+            ``loss_fn.backward()`` its gradient).
+        strategy: "ddp", "fsdp", "zero1", "pipeline" or "tp+dp".
+        group: the ranks that train (None: the current world's group).
+        mesh: for "tp+dp", the ``world.mesh(dp=..., tp=...)`` the model's
+            tensor-parallel layers were built on.
+        seed: seed of the data order (the same on every rank).
+        log_file: JSON-lines metrics file (rank 0); None: ``checkpoint_dir/metrics.jsonl``
+            when a checkpoint directory is given, else no file.
+        progress: show a tqdm bar on rank 0 (when tqdm is installed).
+        keep_checkpoints: how many of the newest checkpoints to keep.
+        exit_on_preemption: raise ``SystemExit(75)`` after the preemption checkpoint.
+        on_step: called as ``on_step(trainer, global_step, loss)`` on every rank after each step.
+        **strategy_options: passed to the wrapper (DDP, FSDP or Pipeline), e.g.
+            ``sharding_strategy=...`` or ``num_microbatches=...``.
+
+    Raises:
+        ConfigurationError: an unknown strategy or a bad option, before any communication.
+    """
+
+    def __init__(self, model: Any, optimizer: Any, loss_fn: Any, strategy: str = "ddp", group: Any = None,
+                 mesh: Any = None, seed: int = 0, log_file: Optional[str] = None, progress: bool = True,
+                 keep_checkpoints: int = 3, exit_on_preemption: bool = True,
+                 on_step: Optional[Callable[["DistributedTrainer", int, float], None]] = None,
+                 **strategy_options: Any):
+        if strategy not in STRATEGIES:
+            raise ConfigurationError(f"unknown strategy {strategy!r}; use one of {list(STRATEGIES)}")
+        _positive_int("keep_checkpoints", keep_checkpoints)
+        self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
+        self.strategy = strategy
+        self.group = group
+        self.mesh = mesh
+        self.seed = int(seed)
+        self.log_file = log_file
+        self.progress = progress
+        self.keep_checkpoints = keep_checkpoints
+        self.exit_on_preemption = exit_on_preemption
+        self.on_step = on_step
+        self.options = strategy_options
+        self.setup: Optional[Setup] = None
+        self._mixed_precision: Any = None
+        self.global_step = 0
+        self.epoch = 0
+        self.preempted = False
+        self.history: List[Dict[str, Any]] = []
+        self._preemption: Optional[Preemption] = None
+
+    # -- building ----------------------------------------------------------------------------
+    def _ensure_setup(self, mixed_precision: Any) -> Setup:
+        if self.setup is None:
+            self.setup = build(self.strategy, self.model, self.optimizer, self.loss_fn, self.group, self.mesh,
+                               mixed_precision, self.options)
+            self._mixed_precision = mixed_precision
+        elif mixed_precision is not self._mixed_precision and mixed_precision is not None:
+            raise ConfigurationError("mixed_precision is fixed when the model is first wrapped (the first fit or "
+                                     "evaluate); pass it to the first fit")
+        return self.setup
+
+    def request_stop(self) -> None:
+        """Ask ``fit`` to stop after the current step, as SIGTERM or SIGUSR1 would."""
+        if self._preemption is not None:
+            self._preemption.request()
+
+    @property
+    def rank(self) -> int:
+        """This rank in the trainer's group."""
+        return resolve_group(self.group).rank if self.setup is None else self.setup.group.rank
+
+    # -- data -------------------------------------------------------------------------------------
+    def _loader(self, x: Any, y: Any, batch_size: int) -> DataLoader:
+        setup = self.setup
+        if setup.dp_group is None:  # pipeline: every rank sees every sample
+            sampler = DistributedSampler(len(x), 1, 0, shuffle=True, seed=self.seed)
+        else:
+            sampler = DistributedSampler(len(x), setup.dp_group.size, setup.dp_group.rank, shuffle=True,
+                                         seed=self.seed, drop_last=True)
+        return DataLoader((x, y), batch_size, sampler=sampler)
+
+    def _dp_mean(self, total: float, count: int) -> float:
+        setup = self.setup
+        values = np.array([total, count], dtype=np.float64)
+        if setup.pipeline is not None:
+            share_from(setup, values)
+        elif setup.dp_group.size > 1:
+            all_reduce(values, ReduceOp.SUM, setup.dp_group)
+        return float(values[0] / values[1]) if values[1] else float("nan")
+
+    # -- checkpoints ------------------------------------------------------------------------------
+    def _rng_state(self) -> Dict[str, Any]:
+        states = {}
+        for module in self.setup.modules():
+            for name, m in module.named_modules():
+                rng = m.__dict__.get("_rng")
+                if isinstance(rng, np.random.Generator):
+                    states[name or "<root>"] = capture_rng_state(rng)
+        return states
+
+    def _restore_rng(self, states: Dict[str, Any]) -> None:
+        for module in self.setup.modules():
+            for name, m in module.named_modules():
+                key = name or "<root>"
+                if key in states and isinstance(m.__dict__.get("_rng"), np.random.Generator):
+                    object.__setattr__(m, "_rng", restore_rng_state(states[key]))
+
+    def save_checkpoint(self, checkpoint_dir: str, epoch: int, step_in_epoch: int) -> str:
+        """Collective: write ``checkpoint_dir/ckpt-<global step>`` and drop old ones beyond ``keep_checkpoints``.
+
+        Returns:
+            The checkpoint's path.
+        """
+        path = os.path.join(checkpoint_dir, f"ckpt-{self.global_step:08d}")
+        if self.setup.group.rank == 0:
+            os.makedirs(checkpoint_dir, exist_ok=True)
+        extra = {"epoch": epoch, "step_in_epoch": step_in_epoch, "global_step": self.global_step,
+                 "strategy": self.strategy}
+        self.setup.save(path, extra, {"rng": self._rng_state()})
+        if self.setup.group.rank == 0:
+            self._prune(checkpoint_dir)
+        return path
+
+    def _prune(self, checkpoint_dir: str) -> None:
+        from ..checkpoint.paths import _step_regex
+
+        regex = _step_regex(CHECKPOINT_PATTERN)
+        found = sorted((int(m.group(1)), name) for name in os.listdir(checkpoint_dir)
+                       for m in [regex.fullmatch(name)] if m and os.path.isdir(os.path.join(checkpoint_dir, name)))
+        for _, name in found[:-self.keep_checkpoints]:
+            shutil.rmtree(os.path.join(checkpoint_dir, name), ignore_errors=True)
+
+    def load_checkpoint(self, path: str) -> Dict[str, Any]:
+        """Collective: restore a checkpoint written by ``save_checkpoint``; returns where the run was."""
+        extra, rank_state = self.setup.load(path)
+        if extra.get("strategy") != self.strategy:
+            raise ConfigurationError(f"{path!r} was written with strategy {extra.get('strategy')!r}, this trainer "
+                                     f"uses {self.strategy!r}")
+        self._restore_rng(rank_state.get("rng", {}))
+        self.global_step = int(extra["global_step"])
+        return extra
+
+    # -- the loop ----------------------------------------------------------------------------------
+    def fit(self, train_arrays: Sequence[Any], epochs: int, eval_arrays: Optional[Sequence[Any]] = None,
+            batch_size: int = 32, grad_accumulation: int = 1, mixed_precision: Any = None,
+            checkpoint_dir: Optional[str] = None, checkpoint_every: Optional[int] = None,
+            resume: bool = True) -> List[Dict[str, Any]]:
+        """Collective: train for ``epochs`` epochs (see the module notes).
+
+        Args:
+            train_arrays: ``(inputs, targets)``, one row per sample (the same on every rank).
+            epochs: total epochs of the run (a resumed run continues up to it).
+            eval_arrays: ``(inputs, targets)`` evaluated after every epoch, or None.
+            batch_size: samples per rank per batch.
+            grad_accumulation: batches per optimizer step.
+            mixed_precision: an ``ax.MixedPrecision`` (strategy "fsdp" only).
+            checkpoint_dir: where checkpoints go (None: none are written).
+            checkpoint_every: also checkpoint every this many optimizer steps.
+            resume: continue from the newest checkpoint in ``checkpoint_dir``.
+
+        Returns:
+            One dict per epoch run now: epoch, train loss, eval metrics, seconds.
+
+        Raises:
+            ConfigurationError: before any communication, for bad arguments.
+            SystemExit: with ``PREEMPTED_EXIT_CODE`` after a preemption checkpoint.
+        """
+        x, y = _arrays(train_arrays, "train_arrays")
+        if eval_arrays is not None:
+            _arrays(eval_arrays, "eval_arrays")
+        for name, value in (("epochs", epochs), ("batch_size", batch_size), ("grad_accumulation", grad_accumulation)):
+            _positive_int(name, value)
+        _positive_int("checkpoint_every", checkpoint_every, allow_none=True)
+        if self.strategy == "pipeline" and grad_accumulation != 1:
+            raise ConfigurationError("strategy='pipeline' accumulates over its micro-batches; use "
+                                     "num_microbatches instead of grad_accumulation")
+        setup = self._ensure_setup(mixed_precision)
+        loader = self._loader(x, y, batch_size)
+        per_epoch = steps_per_epoch(loader, grad_accumulation)
+        if per_epoch == 0:
+            raise ConfigurationError(f"an epoch has no complete step: {len(loader)} batch(es) of {batch_size} per "
+                                     f"rank, grad_accumulation={grad_accumulation}")
+        start_epoch, skip = 0, 0
+        last = latest(checkpoint_dir, CHECKPOINT_PATTERN) if (checkpoint_dir and resume) else None
+        if last is not None:
+            where = self.load_checkpoint(last)
+            start_epoch, skip = int(where["epoch"]), int(where["step_in_epoch"])
+            if skip >= per_epoch:
+                start_epoch, skip = start_epoch + 1, 0
+            self._say(f"resuming from {last} (epoch {start_epoch}, step {skip} of {per_epoch})")
+        log_file = self.log_file or (os.path.join(checkpoint_dir, "metrics.jsonl") if checkpoint_dir else None)
+        self._preemption = Preemption(setup.group)
+        records = []
+        try:
+            for epoch in range(start_epoch, epochs):
+                self.epoch = epoch
+                loader.set_epoch(epoch)
+                started = time.perf_counter()
+                totals = [0.0, 0]
+                step = skip
+                bar = self._bar(per_epoch, skip, f"epoch {epoch + 1}/{epochs}")
+                for batches in batches_of(loader, grad_accumulation, skip):
+                    if step >= per_epoch:
+                        break
+                    loss = setup.train_step(batches, self.loss_fn)
+                    samples = sum(len(b[1]) for b in batches)
+                    mean = self._dp_mean(loss * samples, samples)
+                    totals[0] += mean * samples
+                    totals[1] += samples
+                    step += 1
+                    self.global_step += 1
+                    self._log(log_file, {"epoch": epoch + 1, "step": self.global_step, "loss": mean})
+                    if bar is not None:
+                        bar.update(1)
+                        bar.set_postfix(loss=f"{mean:.4f}")
+                    if self.on_step is not None:
+                        self.on_step(self, self.global_step, mean)
+                    stop = self._preemption.agreed()
+                    if checkpoint_dir and (stop or (checkpoint_every and self.global_step % checkpoint_every == 0)):
+                        self.save_checkpoint(checkpoint_dir, epoch, step)
+                    if stop:
+                        return self._preempt(bar, records)
+                if bar is not None:
+                    bar.close()
+                skip = 0
+                record = {"epoch": epoch + 1, "loss": totals[0] / max(totals[1], 1),
+                          "seconds": time.perf_counter() - started}
+                if eval_arrays is not None:
+                    record.update({f"eval_{k}": v for k, v in self.evaluate(eval_arrays, batch_size).items()})
+                if checkpoint_dir:
+                    self.save_checkpoint(checkpoint_dir, epoch, per_epoch)
+                records.append(record)
+                self.history.append(record)
+                self._log(log_file, record)
+                self._say(f"epoch {epoch + 1:3d}  " + "  ".join(f"{k} {v:.4f}" for k, v in record.items()
+                                                                  if k != "epoch"))
+        finally:
+            self._preemption.close()
+            self._preemption = None
+        return records
+
+    def _preempt(self, bar: Any, records: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+        if bar is not None:
+            bar.close()
+        self.preempted = True
+        self._say(f"preempted after step {self.global_step}: checkpoint written, exiting with "
+                  f"{PREEMPTED_EXIT_CODE} so a requeued run resumes")
+        if self.exit_on_preemption:
+            raise SystemExit(PREEMPTED_EXIT_CODE)
+        return records
+
+    def evaluate(self, eval_arrays: Sequence[Any], batch_size: int = 256) -> Dict[str, float]:
+        """Collective: mean loss (and accuracy for class targets) over the whole set, reduced across ranks.
+
+        Each data-parallel rank scores rows ``r, r + D, ...`` (every row once);
+        sums and counts are all-reduced, so the figures are those of the whole set.
+
+        Returns:
+            ``{"loss": ..., "accuracy": ...}`` (accuracy only for integer targets).
+        """
+        x, y = _arrays(eval_arrays, "eval_arrays")
+        setup = self._ensure_setup(None)
+        if setup.dp_group is None:
+            mine = np.arange(len(x))
+        else:
+            mine = np.arange(setup.dp_group.rank, len(x), setup.dp_group.size)
+        for m in setup.modules():
+            m.eval()
+        sums = np.zeros(3)  # loss * n, correct, n
+        try:
+            for start in range(0, max(len(mine), 1), batch_size):
+                rows = mine[start:start + batch_size]
+                out = setup.predict(x[rows]) if len(rows) or setup.pipeline is not None else None
+                if out is None or not len(rows):
+                    continue
+                sums[0] += float(self.loss_fn(out, y[rows])) * len(rows)
+                if np.asarray(y).dtype.kind in "iu" and out.ndim == 2:
+                    sums[1] += float((out.argmax(axis=1) == y[rows]).sum())
+                sums[2] += len(rows)
+        finally:
+            for m in setup.modules():
+                m.train()
+        if setup.pipeline is not None:
+            share_from(setup, sums)
+        elif setup.dp_group.size > 1:
+            all_reduce(sums, ReduceOp.SUM, setup.dp_group)
+        result = {"loss": sums[0] / sums[2] if sums[2] else float("nan")}
+        if np.asarray(y).dtype.kind in "iu":
+            result["accuracy"] = sums[1] / sums[2] if sums[2] else float("nan")
+        return result
+
+    # -- output --------------------------------------------------------------------------------------
+    def _say(self, text: str) -> None:
+        if self.rank == 0:
+            print(text, flush=True)
+
+    def _bar(self, total: int, initial: int, desc: str) -> Any:
+        if not self.progress or self.rank != 0:
+            return None
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            return None
+        return tqdm(total=total, initial=initial, desc=desc, leave=False, file=sys.stdout, dynamic_ncols=True)
+
+    def _log(self, log_file: Optional[str], record: Dict[str, Any]) -> None:
+        if log_file is None or self.rank != 0:
+            return
+        os.makedirs(os.path.dirname(os.path.abspath(log_file)), exist_ok=True)
+        with open(log_file, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+__all__ = ["DistributedTrainer", "PREEMPTED_EXIT_CODE"]

@@ -1,0 +1,182 @@
+"""DistributedTrainer cases, run on threads (1-4 ranks) and on MPI ranks.
+
+The reference trains one model in one process on exactly the global batches
+the ranks see together (each rank's k-th batch of the epoch, concatenated).
+"""
+import numpy as np
+import pytest
+
+import axonhpc as ax
+from axonhpc import nn, optim
+from axonhpc.data import DistributedSampler
+
+N_SAMPLES, BATCH, EPOCHS = 96, 4, 2
+
+
+def make_model(seed=0):
+    return nn.Sequential(nn.Linear(6, 16, dtype=np.float64, seed=seed), nn.Tanh(),
+                         nn.Linear(16, 8, dtype=np.float64, seed=seed + 1), nn.ReLU(),
+                         nn.Linear(8, 3, dtype=np.float64, seed=seed + 2))
+
+
+def make_data(n=N_SAMPLES, seed=5):
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((n, 6)), rng.integers(0, 3, n)
+
+
+def make_optimizer(params, kind="sgd"):
+    if kind == "sgd":
+        return optim.SGD(params, lr=0.05, momentum=0.9)
+    return optim.Adam(params, lr=1e-2)
+
+
+def reference(replicas, epochs=EPOCHS, accumulate=1, kind="sgd", seed=0):
+    """Single-process training on the batches ``replicas`` data-parallel ranks see together."""
+    x, y = make_data()
+    model = make_model()
+    opt = make_optimizer(model.parameters(), kind)
+    loss_fn = nn.CrossEntropyLoss()
+    for epoch in range(epochs):
+        parts = []
+        for r in range(replicas):
+            sampler = DistributedSampler(len(x), replicas, r, shuffle=True, seed=seed, drop_last=True)
+            sampler.set_epoch(epoch)
+            parts.append(sampler.indices())
+        batches = [np.concatenate([p[k:k + BATCH] for p in parts]) for k in range(0, len(parts[0]), BATCH)]
+        for s in range(len(batches) // accumulate):
+            opt.zero_grad()
+            for rows in batches[s * accumulate:(s + 1) * accumulate]:
+                loss_fn(model(x[rows]), y[rows])
+                model.backward(loss_fn.backward() / accumulate)
+            opt.step()
+    return model
+
+
+def train(world, strategy="ddp", epochs=EPOCHS, kind="sgd", checkpoint_dir=None, on_step=None, **options):
+    model = make_model(seed=0 if world.rank == 0 else 50 + world.rank)  # wrapping copies rank 0's values
+    fit_args = {k: options.pop(k) for k in ("grad_accumulation",) if k in options}
+    trainer = ax.DistributedTrainer(model, make_optimizer(model.parameters(), kind), nn.CrossEntropyLoss(),
+                                    strategy=strategy, progress=False, exit_on_preemption=False, on_step=on_step,
+                                    **options)
+    trainer.fit(make_data(), epochs, batch_size=BATCH, checkpoint_dir=checkpoint_dir, **fit_args)
+    return trainer
+
+
+def full_parameters(trainer):
+    if trainer.strategy == "fsdp":
+        return trainer.setup.wrapper.full_state_dict(rank0_only=False)
+    if trainer.strategy == "pipeline":
+        pipe = trainer.setup.pipeline
+        values = {}
+        for i in range(len(pipe.stage_modules)):
+            owner = i % pipe.group.size
+            for name, array in pipe.stage_modules[i].state_dict().items():
+                ax.broadcast(array, owner, pipe.group)  # state_dict() gave a copy: the owner's values land in it
+                values[f"{i}.{name}"] = array
+        return values
+    return trainer.model.state_dict()
+
+
+def assert_parity(trainer, ref, tol=1e-12):
+    got = full_parameters(trainer)
+    if trainer.strategy == "pipeline":
+        from axonhpc.trainer.strategies import split_stages
+
+        stages = split_stages(ref, trainer.setup.group.size)
+        want = {f"{i}.{k}": v for i, s in enumerate(stages) for k, v in s.state_dict().items()}
+    else:
+        want = ref.state_dict()
+    assert sorted(got) == sorted(want)
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=tol, atol=tol, err_msg=name)
+
+
+def _strategy_cases():
+    cases = {}
+    for strategy in ("ddp", "zero1", "fsdp"):
+        cases[f"case_parity_{strategy}"] = lambda world, s=strategy: assert_parity(
+            train(world, s), reference(world.world_size))
+        cases[f"case_parity_{strategy}_adam"] = lambda world, s=strategy: assert_parity(
+            train(world, s, kind="adam"), reference(world.world_size, kind="adam"))
+    return cases
+
+
+def case_grad_accumulation(world):
+    assert_parity(train(world, "ddp", grad_accumulation=2), reference(world.world_size, accumulate=2))
+    assert_parity(train(world, "fsdp", grad_accumulation=3), reference(world.world_size, accumulate=3))
+
+
+def case_pipeline_parity(world):
+    trainer = train(world, "pipeline", num_microbatches=2)
+    assert_parity(trainer, reference(1))
+
+
+def case_tp_dp_with_a_one_wide_tp_mesh(world):
+    mesh = world.mesh(dp=world.world_size, tp=1)
+    assert_parity(train(world, "tp+dp", mesh=mesh), reference(world.world_size))
+
+
+def _tmpdir(world):
+    import tempfile
+
+    path = tempfile.mkdtemp(prefix="axonhpc-trainer-") if world.rank == 0 else None
+    text = np.frombuffer((path or "").ljust(200).encode(), dtype=np.uint8).copy()
+    ax.broadcast(text, 0)
+    return text.tobytes().decode().strip()
+
+
+def case_resume_after_preemption_is_bit_for_bit(world):
+    import shutil
+
+    for strategy in ("ddp", "zero1", "fsdp"):
+        directory = _tmpdir(world)
+        try:
+            uninterrupted = train(world, strategy, kind="adam")
+
+            def stop_at_5(trainer, step, loss):
+                if step == 5 and trainer.rank == world.world_size - 1:  # one rank only, like a signal
+                    trainer.request_stop()
+
+            first = train(world, strategy, kind="adam", checkpoint_dir=directory, on_step=stop_at_5)
+            assert first.preempted and first.global_step == 5
+            resumed = train(world, strategy, kind="adam", checkpoint_dir=directory)
+            assert not resumed.preempted and resumed.global_step == uninterrupted.global_step
+            got, want = full_parameters(resumed), full_parameters(uninterrupted)
+            for name in want:
+                np.testing.assert_array_equal(got[name], want[name], err_msg=f"{strategy} {name}")
+        finally:
+            ax.barrier()
+            if world.rank == 0:
+                shutil.rmtree(directory, ignore_errors=True)
+
+
+def case_evaluate_reduces_over_the_whole_set(world):
+    trainer = train(world, "ddp", epochs=1)
+    x, y = make_data(37, seed=9)  # not a multiple of the world size
+    metrics = trainer.evaluate((x, y), batch_size=5)
+    out = trainer.model(x)
+    loss_fn = nn.CrossEntropyLoss()
+    np.testing.assert_allclose(metrics["loss"], loss_fn(out, y), rtol=1e-12)
+    assert metrics["accuracy"] == pytest.approx(float((out.argmax(axis=1) == y).mean()))
+
+
+def case_bad_arguments(world):
+    model = make_model()
+    errors = ax.errors.ConfigurationError
+    with pytest.raises(errors, match="unknown strategy 'dp'"):
+        ax.DistributedTrainer(model, make_optimizer(model.parameters()), nn.CrossEntropyLoss(), strategy="dp")
+    trainer = ax.DistributedTrainer(model, make_optimizer(model.parameters()), nn.CrossEntropyLoss(), progress=False)
+    with pytest.raises(errors, match="batch_size must be a positive int, got 0"):
+        trainer.fit(make_data(), 1, batch_size=0)
+    with pytest.raises(errors, match="train_arrays: 96 inputs but 5 targets"):
+        trainer.fit((make_data()[0], np.zeros(5)), 1)
+    with pytest.raises(errors, match="mixed_precision needs strategy='fsdp'"):
+        trainer.fit(make_data(), 1, mixed_precision=ax.MixedPrecision(np.float16))
+    with pytest.raises(errors, match="needs mesh="):
+        ax.DistributedTrainer(model, make_optimizer(model.parameters()), nn.CrossEntropyLoss(),
+                              strategy="tp+dp", progress=False).fit(make_data(), 1)
+    ax.barrier()
+
+
+CASES = {name: fn for name, fn in globals().items() if name.startswith("case_")}
+CASES.update(_strategy_cases())
