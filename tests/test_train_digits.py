@@ -28,11 +28,13 @@ def test_trains_to_95_percent_and_resumes_bit_for_bit(tmp_path):
     run(tmp_path, "--epochs", "3", "--checkpoint-dir", "b")
     resumed = run(tmp_path, "--epochs", "6", "--checkpoint-dir", "b", "--resume")
     assert "resuming from" in resumed and "(epoch 3)" in resumed
-    a = checkpoint.load(str(tmp_path / "a" / "ckpt-0006.npz"))
-    b = checkpoint.load(str(tmp_path / "b" / "ckpt-0006.npz"))
-    assert list(a["model"]) == list(b["model"])
-    for name in a["model"]:
-        assert np.array_equal(a["model"][name], b["model"][name]), name
+    # each rank's state is an ordinary checkpoint file inside the newest checkpoint directory
+    a = checkpoint.load(os.path.join(checkpoint.latest(tmp_path / "a", "ckpt-*"), "rank-00000-of-00002.npz"))
+    b = checkpoint.load(os.path.join(checkpoint.latest(tmp_path / "b", "ckpt-*"), "rank-00000-of-00002.npz"))
+    assert list(a["modules"][0]) == list(b["modules"][0])
+    for name in a["modules"][0]:
+        assert np.array_equal(a["modules"][0][name], b["modules"][0][name]), name
+    assert a["optimizer"]["state"][0]["step"] == b["optimizer"]["state"][0]["step"]
 
     def epoch6(text):  # loss and accuracy of the last epoch, without its wall time
         return [line.split("(")[0] for line in text.splitlines() if line.startswith("epoch   6 ")]

@@ -88,6 +88,9 @@ class DistributedTrainer:
         keep_checkpoints: how many of the newest checkpoints to keep.
         exit_on_preemption: raise ``SystemExit(75)`` after the preemption checkpoint.
         on_step: called as ``on_step(trainer, global_step, loss)`` on every rank after each step.
+        on_epoch: called as ``on_epoch(trainer, record)`` on every rank after each epoch
+            (the record: epoch, loss, eval metrics, seconds).
+        verbose: rank 0 prints a line per epoch (and when it resumes or is preempted).
         **strategy_options: passed to the wrapper (DDP, FSDP or Pipeline), e.g.
             ``sharding_strategy=...`` or ``num_microbatches=...``.
 
@@ -99,7 +102,8 @@ class DistributedTrainer:
                  mesh: Any = None, seed: int = 0, log_file: Optional[str] = None, progress: bool = True,
                  keep_checkpoints: int = 3, exit_on_preemption: bool = True,
                  on_step: Optional[Callable[["DistributedTrainer", int, float], None]] = None,
-                 **strategy_options: Any):
+                 on_epoch: Optional[Callable[["DistributedTrainer", Dict[str, Any]], None]] = None,
+                 verbose: bool = True, **strategy_options: Any):
         if strategy not in STRATEGIES:
             raise ConfigurationError(f"unknown strategy {strategy!r}; use one of {list(STRATEGIES)}")
         _positive_int("keep_checkpoints", keep_checkpoints)
@@ -113,6 +117,8 @@ class DistributedTrainer:
         self.keep_checkpoints = keep_checkpoints
         self.exit_on_preemption = exit_on_preemption
         self.on_step = on_step
+        self.on_epoch = on_epoch
+        self.verbose = verbose
         self.options = strategy_options
         self.setup: Optional[Setup] = None
         self._mixed_precision: Any = None
@@ -261,7 +267,7 @@ class DistributedTrainer:
             start_epoch, skip = int(where["epoch"]), int(where["step_in_epoch"])
             if skip >= per_epoch:
                 start_epoch, skip = start_epoch + 1, 0
-            self._say(f"resuming from {last} (epoch {start_epoch}, step {skip} of {per_epoch})")
+            self._say(f"resuming from {last} (epoch {start_epoch}" + (f", step {skip} of {per_epoch})" if skip else ")"))
         log_file = self.log_file or (os.path.join(checkpoint_dir, "metrics.jsonl") if checkpoint_dir else None)
         self._preemption = Preemption(setup.group)
         records = []
@@ -306,8 +312,11 @@ class DistributedTrainer:
                 records.append(record)
                 self.history.append(record)
                 self._log(log_file, record)
-                self._say(f"epoch {epoch + 1:3d}  " + "  ".join(f"{k} {v:.4f}" for k, v in record.items()
-                                                                  if k != "epoch"))
+                if self.verbose:
+                    self._say(f"epoch {epoch + 1:3d}  " + "  ".join(f"{k} {v:.4f}" for k, v in record.items()
+                                                                      if k != "epoch"))
+                if self.on_epoch is not None:
+                    self.on_epoch(self, record)
         finally:
             self._preemption.close()
             self._preemption = None
