@@ -67,10 +67,15 @@ class Hosts:
         return int(out.stdout)
 
     def shape(self, rate: str) -> None:
-        """Limit every host's outgoing eth0 to ``rate`` (tc tbf, e.g. "100mbit")."""
+        """Limit every host's outgoing eth0 to ``rate`` (tc tbf, e.g. "100mbit").
+
+        The queue is deep (2 s of traffic), so the shaper delays bursts
+        instead of dropping them: drops would add TCP retransmission timeouts
+        to the measurement.
+        """
         for i in range(1, self.n + 1):
             subprocess.run(["ip", "netns", "exec", f"host{i}", "tc", "qdisc", "replace", "dev", "eth0", "root", "tbf",
-                            "rate", rate, "burst", "32kb", "latency", "100ms"], check=True, capture_output=True)
+                            "rate", rate, "burst", "32kb", "latency", "2s"], check=True, capture_output=True)
 
     def command(self, flavour: str, slots: Sequence[int], argv: List[str]) -> List[str]:
         """The mpiexec command line (run from host1) for ``slots[i]`` ranks on host i+1."""
