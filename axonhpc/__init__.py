@@ -34,6 +34,7 @@ _LAZY = {
     "GradScaler": "axonhpc.parallel",
     "Pipeline": "axonhpc.parallel",
     "DistributedTrainer": "axonhpc.trainer",
+    "ParameterServer": "axonhpc.parallel",
     "PipelineStage": "axonhpc.parallel",
     "PipelineSchedule": "axonhpc.parallel",
     "Action": "axonhpc.parallel",

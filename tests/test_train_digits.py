@@ -40,3 +40,14 @@ def test_trains_to_95_percent_and_resumes_bit_for_bit(tmp_path):
         return [line.split("(")[0] for line in text.splitlines() if line.startswith("epoch   6 ")]
 
     assert epoch6(straight) and epoch6(straight) == epoch6(resumed)
+
+
+@pytest.mark.timeout(600)
+def test_parameter_server_example_reaches_95_percent_async(tmp_path):
+    """1 server + 3 workers, async with max_staleness 2, on 4 MPI ranks."""
+    cmd = [os.path.join(os.path.dirname(sys.executable), "mpiexec"), "-n", "4", sys.executable,
+           os.path.join(ROOT, "examples", "train_digits_ps.py"), "--min-accuracy", "0.95"]
+    env = dict(os.environ, AXONHPC_ABORT_ON_EXCEPTION="1", OMP_NUM_THREADS="1")
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "max 2" in out.stdout or "max 1" in out.stdout or "max 0" in out.stdout, out.stdout[-2000:]

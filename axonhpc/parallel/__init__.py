@@ -5,6 +5,7 @@ from .fsdp_config import CPUOffload, MixedPrecision, ShardingStrategy
 from .fsdp_memory import FSDPMemoryStats
 from .grad_scaler import GradScaler
 from .memory import PipelineMemoryStats
+from .parameter_server import ParameterServer, ParameterServerError, PeerFailedError
 from .pipeline import Pipeline, PipelineStage
 from .schedules import Action, PipelineSchedule, format_schedule_table, pipeline_schedule
 from .simulate import SimulationResult, simulate_pipeline
@@ -25,6 +26,9 @@ __all__ = [
     "MixedPrecision",
     "FSDPMemoryStats",
     "GradScaler",
+    "ParameterServer",
+    "ParameterServerError",
+    "PeerFailedError",
     "Pipeline",
     "PipelineStage",
     "PipelineSchedule",

@@ -1,0 +1,164 @@
+"""StalenessBound: the bookkeeping that keeps an asynchronous server's gradients at most k updates stale.
+
+[Note: what is counted]
+A server's ``version`` is the number of optimizer updates it has applied. A
+worker's gradient is computed on the parameters it last pulled, of version
+``base``; if the server applies it when its version is ``V`` (before the
+update), its staleness is ``V - base``: the number of other updates applied
+in between. The bound is ``V - base <= k`` for every applied gradient.
+
+[Note: outstanding gradients and the admission rule]
+From the moment a pull is answered until the gradient computed on it has
+been applied, the worker has one *outstanding* gradient on the server: in
+flight (the worker is computing it) or buffered (received, not applied).
+Each outstanding gradient has a deadline ``base + k``: the last version at
+which it may still be applied. Applying one gradient per version, a set of
+outstanding gradients can all meet their deadlines iff, sorted by ``base``,
+the i-th (from 0) satisfies ``V + i - base_i <= k`` (earliest deadline
+first is an optimal order for unit jobs). The server keeps that true:
+
+- a pull is answered only if the worker has no outstanding gradient and at
+  most ``k`` other gradients are outstanding (the new one, the newest, then
+  meets its deadline behind all of them); otherwise the pull waits;
+- a received gradient is applied at once if the others still outstanding
+  stay feasible at ``V + 1``; otherwise it waits in the buffer until the
+  older gradients it would overtake have arrived. The earliest-deadline
+  buffered gradient is always applicable once it is the oldest outstanding
+  one, so the buffer empties as soon as the workers computing the older
+  gradients deliver them.
+
+So k = 0 lets one worker compute at a time (staleness 0 means no other
+update in between); with k >= workers - 1 a pull never waits for room, only
+for the worker's own buffered gradient; and fast workers run at most k
+updates ahead of the slowest one. Nothing here communicates:
+``ParameterServer`` feeds it the requests as they arrive and does what it
+says, and the tests drive it with random schedules.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Tuple
+
+
+class StalenessBound:
+    """One server's versions and outstanding gradients under a staleness bound (see the module notes).
+
+    Args:
+        max_staleness: the bound ``k`` (an int >= 0), or None for no bound
+            (every pull is answered and every gradient applied at once).
+
+    Attributes:
+        version: updates applied so far.
+        max_observed: the largest staleness of an applied gradient (0 before any).
+        histogram: staleness -> number of gradients applied with it.
+    """
+
+    def __init__(self, max_staleness: Optional[int]) -> None:
+        if max_staleness is not None and (isinstance(max_staleness, bool) or int(max_staleness) < 0):
+            raise ValueError(f"max_staleness must be None or an integer >= 0, got {max_staleness!r}")
+        self.max_staleness = None if max_staleness is None else int(max_staleness)
+        self.version = 0
+        self.max_observed = 0
+        self.histogram: Dict[int, int] = {}
+        self._base: Dict[int, int] = {}  # worker -> version its outstanding gradient is computed on
+        self._buffered: Dict[int, Any] = {}  # worker -> payload of a received, unapplied gradient
+
+    # -- queries ---------------------------------------------------------------------------------
+    def outstanding(self) -> Dict[int, int]:
+        """Worker -> base version of each outstanding gradient (in flight or buffered)."""
+        return dict(self._base)
+
+    def buffered(self) -> List[int]:
+        """Workers whose received gradient waits to be applied."""
+        return sorted(self._buffered)
+
+    def _feasible(self, bases: List[int], version: int) -> bool:
+        if self.max_staleness is None:
+            return True
+        return all(version + i - base <= self.max_staleness for i, base in enumerate(sorted(bases)))
+
+    def can_pull(self, worker: int) -> bool:
+        """Whether ``worker``'s pull may be answered now.
+
+        Returns:
+            False while the worker's previous gradient waits in the buffer, or
+            while more than ``max_staleness`` other gradients are outstanding.
+        """
+        if worker in self._buffered:
+            return False
+        if self.max_staleness is None:
+            return True
+        others = sum(1 for w in self._base if w != worker)
+        return others <= self.max_staleness
+
+    # -- events ------------------------------------------------------------------------------------
+    def pull(self, worker: int) -> int:
+        """Answer ``worker``'s pull: its next gradient will be computed on the current version.
+
+        A gradient still in flight from an earlier pull is forgotten (the
+        worker pulled again instead of pushing it).
+
+        Returns:
+            The version handed out.
+
+        Raises:
+            RuntimeError: ``can_pull(worker)`` is False.
+        """
+        if not self.can_pull(worker):
+            raise RuntimeError(f"pull of worker {worker} answered against the staleness bound "
+                               f"(outstanding {self._base}, buffered {sorted(self._buffered)}, "
+                               f"version {self.version}, max_staleness {self.max_staleness})")
+        self._base[worker] = self.version
+        return self.version
+
+    def push(self, worker: int, payload: Any = None) -> int:
+        """A gradient of ``worker`` arrived: buffer it until ``ready()`` says it may be applied.
+
+        Returns:
+            The version the gradient was computed on.
+
+        Raises:
+            RuntimeError: the worker has no gradient in flight (it did not pull
+                since its last push).
+        """
+        if worker not in self._base or worker in self._buffered:
+            raise RuntimeError(f"worker {worker} pushed a gradient without pulling since its last push")
+        self._buffered[worker] = payload
+        return self._base[worker]
+
+    def ready(self) -> Optional[int]:
+        """The buffered gradient to apply next, or None if each would break the bound.
+
+        Candidates are tried oldest first (by base version, then worker), so
+        the result is a pure function of the state.
+        """
+        for worker in sorted(self._buffered, key=lambda w: (self._base[w], w)):
+            rest = [b for w, b in self._base.items() if w != worker]
+            if self._feasible(rest, self.version + 1):
+                return worker
+        return None
+
+    def apply(self, worker: int) -> Tuple[Any, int]:
+        """Apply ``worker``'s buffered gradient: the version advances by one.
+
+        Returns:
+            (the payload given to ``push``, the gradient's staleness).
+
+        Raises:
+            RuntimeError: nothing is buffered for ``worker``.
+        """
+        if worker not in self._buffered:
+            raise RuntimeError(f"worker {worker} has no buffered gradient to apply")
+        staleness = self.version - self._base.pop(worker)
+        payload = self._buffered.pop(worker)
+        self.version += 1
+        self.max_observed = max(self.max_observed, staleness)
+        self.histogram[staleness] = self.histogram.get(staleness, 0) + 1
+        return payload, staleness
+
+    def close(self, worker: int) -> None:
+        """``worker`` finished: forget its gradient in flight (a buffered one is still applied)."""
+        if worker not in self._buffered:
+            self._base.pop(worker, None)
+
+
+__all__ = ["StalenessBound"]
