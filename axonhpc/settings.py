@@ -44,6 +44,13 @@ def _parse_positive_int(name: str, text: str) -> int:
     return value
 
 
+def _parse_seconds(name: str, text: str) -> float:
+    value = float(text.strip())
+    if not value > 0:
+        raise ValueError(f"{name}={text!r} must be a positive number of seconds")
+    return value
+
+
 def _parse_choice(name: str, text: str, choices: tuple) -> str:
     value = text.strip().lower()
     if value not in choices:
@@ -73,6 +80,9 @@ class Settings:
         backend: backend ``init()`` picks by default (``AXONHPC_BACKEND``).
         max_message_elements: the most elements one MPI call moves; larger
             buffers are sent in chunks (``AXONHPC_MAX_MESSAGE_ELEMENTS``).
+        stall_report: with ``debug``, seconds a blocking collective with a
+            timeout may wait before the rank prints what it waits for, once
+            (``AXONHPC_STALL_REPORT``).
         allreduce_algorithm: how ``all_reduce`` runs when the call does not
             say: "native" (one MPI call), "hierarchical" (inside each node,
             then across nodes), "ring" (reduce-scatter and all-gather around a
@@ -86,6 +96,7 @@ class Settings:
     backend: str = "auto"
     max_message_elements: int = MPI_INT_MAX
     allreduce_algorithm: str = "native"
+    stall_report: float = 30.0
 
     def load_environment(self, environ: Optional[Mapping[str, str]] = None) -> "Settings":
         """Fill every field whose ``AXONHPC_*`` variable is set.
@@ -118,6 +129,7 @@ _ENVIRONMENT = {
     "abort_on_exception": ("AXONHPC_ABORT_ON_EXCEPTION", _parse_bool),
     "backend": ("AXONHPC_BACKEND", lambda name, text: text.strip().lower()),
     "max_message_elements": ("AXONHPC_MAX_MESSAGE_ELEMENTS", _parse_positive_int),
+    "stall_report": ("AXONHPC_STALL_REPORT", lambda name, text: _parse_seconds(name, text)),
     "allreduce_algorithm": ("AXONHPC_ALLREDUCE_ALGORITHM", lambda name, text: _parse_choice(name, text, ALGORITHMS)),
 }
 

@@ -17,7 +17,8 @@ def test_environment_fills_fields():
         "UNRELATED": "x",
     })
     assert s.as_dict() == {"debug": True, "timeout": 2.5, "abort_on_exception": True, "backend": "mpi",
-                           "max_message_elements": 1024, "allreduce_algorithm": "hierarchical"}
+                           "max_message_elements": 1024, "allreduce_algorithm": "hierarchical",
+                           "stall_report": 30.0}
 
 
 @pytest.mark.parametrize("text", ["0", "off", "none", ""])

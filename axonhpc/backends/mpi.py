@@ -22,7 +22,8 @@ host round trip would hide a large cost.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+import zlib
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -171,6 +172,74 @@ class _Plan:
         return MPIWork([(nonblocking, after) for _, nonblocking, after in self.steps], result, sequential)
 
 
+# The operations a notice can name (by CRC-32 of the name), for messages.
+_NOTICE_OPS = {zlib.crc32(name.encode()): name for name in (
+    "all_reduce", "reduce_scatter", "broadcast", "all_gather", "gather", "scatter", "barrier")}
+
+
+class Arrivals:
+    """Which ranks have entered one timed collective: notices on a side communicator.
+
+    [Note: naming the missing ranks]
+    MPI cannot say which ranks have not joined a collective. So when a
+    blocking collective has a timeout, every rank first sends an 8-byte
+    notice holding the collective's sequence number to every peer over a
+    private duplicate of the group's communicator, and posts a receive for
+    each peer's notice; the waiting loop tests those receives alongside the
+    collective. A rank whose notice has not arrived when the time is up has
+    not entered the collective: those are the missing ranks, and a notice
+    with another sequence number names a rank that is in a different
+    collective. After the collective completes every peer has sent its
+    notice, so the receives are drained at once. This costs 2 (P - 1) tiny
+    messages per timed collective and nothing without a timeout.
+    """
+
+    TAG_SPACE = 30000
+
+    def __init__(self, side, seq: int, op: str, rank: int, global_ranks: Sequence[int]):
+        MPI = _mpi()
+        self.seq = int(seq)
+        self.op = op
+        self.global_ranks = tuple(global_ranks)
+        self.peers = [r for r in range(len(self.global_ranks)) if r != rank]
+        tag = self.seq % self.TAG_SPACE
+        self._note = np.array([self.seq, zlib.crc32(op.encode())], dtype=np.int64)
+        self._sends = [side.Isend([self._note, MPI.INT64_T], dest=r, tag=tag) for r in self.peers]
+        self._boxes = {r: np.full(2, -1, dtype=np.int64) for r in self.peers}
+        self._recvs = {r: side.Irecv([self._boxes[r], MPI.INT64_T], source=r, tag=tag) for r in self.peers}
+        self._done = {r: False for r in self.peers}
+
+    def _poll(self) -> None:
+        for r, request in self._recvs.items():
+            if not self._done[r] and request.Test():
+                self._done[r] = True
+
+    def missing(self) -> List[int]:
+        """Global ranks whose notice for this collective has not arrived (this rank is never among them)."""
+        self._poll()
+        return [self.global_ranks[r] for r in self.peers if not self._done[r] or self._other(r)]
+
+    def _other(self, r: int) -> bool:
+        return (int(self._boxes[r][0]), int(self._boxes[r][1])) != (self.seq, int(self._note[1]))
+
+    def elsewhere(self) -> Dict[int, str]:
+        """Global rank -> "#seq op" of peers whose notice names another collective than this one."""
+        self._poll()
+        return {self.global_ranks[r]: f"#{int(self._boxes[r][0])} {_NOTICE_OPS.get(int(self._boxes[r][1]), 'another op')}"
+                for r in self.peers if self._done[r] and self._other(r)}
+
+    def drain(self) -> None:
+        """After the collective completed: receive every notice (all were sent) and finish the sends."""
+        MPI = _mpi()
+        MPI.Request.Waitall(list(self._recvs.values()) + self._sends)
+
+    def abandon(self) -> None:
+        """After a timeout: cancel the receives that never completed (the job is ending)."""
+        for r, request in self._recvs.items():
+            if not self._done[r]:
+                request.Cancel()
+
+
 class MPIBackend(Backend):
     """Backend over an mpi4py intracommunicator (a private ``Dup`` of it).
 
@@ -189,6 +258,9 @@ class MPIBackend(Backend):
         if comm.Is_inter():
             raise ValueError("MPIBackend needs an intracommunicator, got an intercommunicator")
         self.comm = comm.Dup() if dup else comm
+        # The side channel of timed collectives' arrival notices (see Arrivals): made now, while every
+        # rank takes part, because a timeout is exactly when some rank would not come to a Dup.
+        self._side = self.comm.Dup()
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
         # The world that owns this backend renames these to its own ranks.
@@ -344,6 +416,10 @@ class MPIBackend(Backend):
         return plan.run(async_op, buf, sequential=False)
 
     # -- communicators ------------------------------------------------------------
+    def announce(self, seq: int, op: str) -> "Arrivals":
+        """Tell every peer this rank entered collective ``seq`` (``op``); see ``Arrivals``."""
+        return Arrivals(self._side, seq, op, self.rank, self.global_ranks)
+
     def split(self, color: Optional[int], key: int) -> Optional["MPIBackend"]:
         MPI = _mpi()
         new = self.comm.Split(MPI.UNDEFINED if color is None else int(color), int(key))
@@ -387,7 +463,12 @@ class MPIBackend(Backend):
 
     def free(self) -> None:
         MPI = _mpi()
-        if self.comm != MPI.COMM_NULL and not MPI.Is_finalized():
+        if MPI.Is_finalized():
+            return
+        if getattr(self, "_side", None) is not None:
+            self._side.Free()
+            self._side = None
+        if self.comm != MPI.COMM_NULL:
             self.comm.Free()
 
 

@@ -21,7 +21,7 @@ from .._dtypes import array_module, check_array, is_low_precision_float
 from ..backends.base import CompletedWork, ReduceOp, Work
 from ..errors import ShapeError
 from ..groups import ProcessGroup, resolve_group
-from . import algorithms, fingerprint
+from . import algorithms, fingerprint, watch
 from .widen import divide_average
 
 
@@ -51,14 +51,18 @@ def _start(pg: ProcessGroup, op: str, x: Any = None, reduce: Optional[ReduceOp] 
     return label
 
 
-def _run(pg: ProcessGroup, label: str, issue, async_op: bool) -> Any:
-    """Call ``issue(nonblocking)`` and either return its Work or wait for it."""
+def _run(pg: ProcessGroup, label: _Label, issue, async_op: bool) -> Any:
+    """Call ``issue(nonblocking)`` and either return its Work or wait for it (see ``watch``)."""
     timeout = pg.effective_timeout()
+    announce = getattr(pg.backend, "announce", None) if timeout is not None and not async_op else None
+    arrivals = announce(label.seq, label.op) if announce is not None else None
     work: Work = issue(async_op or timeout is not None)
     work.label = label
     if async_op:
         return work
-    return work.wait(timeout)
+    if arrivals is None and not (timeout is not None and pg.debug_enabled()):
+        return work.wait(timeout)
+    return watch.wait(work, timeout, label, arrivals, pg)
 
 
 def _reduction(pg: ProcessGroup, x, out, op: ReduceOp, issue_on, result=None):

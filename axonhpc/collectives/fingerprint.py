@@ -75,7 +75,16 @@ def check(group, op: str, x: Any = None, reduce: Optional[str] = None, root: Opt
     mine = np.zeros(_SLOT, dtype=np.uint8)
     mine[: len(raw)] = np.frombuffer(raw, dtype=np.uint8)
     table = np.empty((group.size, _SLOT), dtype=np.uint8)
-    side.all_gather(mine, table, async_op=False)
+    timeout = group.effective_timeout()
+    if timeout is None:
+        side.all_gather(mine, table, async_op=False)
+    else:  # a rank that never comes must not hang the exchange: watch it like the collective
+        from . import watch
+
+        announce = getattr(group.backend, "announce", None)
+        arrivals = announce(group.seq, op) if announce is not None else None
+        label = f"{op} #{group.seq} on group {group.name} {list(group.ranks)} (debug fingerprint exchange)"
+        watch.wait(side.all_gather(mine, table, async_op=True), timeout, label, arrivals, group)
     prints = [json.loads(bytes(row).rstrip(b"\0").decode()) for row in table]
     keys = {tuple(json.dumps(p.get(k)) for k in _COMPARED) for p in prints}
     if len(keys) > 1:

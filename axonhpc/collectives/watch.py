@@ -1,0 +1,67 @@
+"""Waiting for a blocking collective under a timeout: stall reports and the names of the missing ranks.
+
+[Note: no silent hangs]
+A blocking collective on a group with a timeout (``pg.timeout`` or
+``ax.settings.timeout``) is waited for here. With the debug setting on, a
+rank still waiting after ``settings.stall_report`` seconds prints, once,
+what it waits for and which ranks have not arrived, and goes on waiting.
+When the timeout expires the rank raises ``CollectiveTimeoutError`` naming
+the group, the operation, its sequence number, the ranks that arrived and
+the missing ones (from the backend's arrival notices: see
+``backends.mpi.Arrivals``; the in-process backend knows them itself). Every
+rank that waits raises the same kind of message; under ``axonhpc launch``
+(``AXONHPC_ABORT_ON_EXCEPTION``) an uncaught one is printed and aborts the
+whole job, so the scheduler frees the nodes instead of holding them for the
+rest of the allocation.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any, Optional
+
+from ..errors import CollectiveTimeoutError
+from ..settings import settings
+
+
+def _who(arrivals: Any, pg: Any) -> str:
+    missing = arrivals.missing()
+    arrived = [g for g in pg.ranks if g not in missing]
+    text = f"arrived ranks: {arrived}; missing ranks: {missing}"
+    elsewhere = arrivals.elsewhere()
+    if elsewhere:
+        text += "; in another collective: " + ", ".join(f"rank {g} at {where}" for g, where in sorted(elsewhere.items()))
+    return text
+
+
+def wait(work: Any, timeout: Optional[float], label: Any, arrivals: Any, pg: Any) -> Any:
+    """Wait for ``work`` (see the module note); returns its result.
+
+    Raises:
+        CollectiveTimeoutError: ``timeout`` seconds passed; the message names the missing ranks.
+    """
+    start = time.monotonic()
+    stall = settings.stall_report if pg.debug_enabled() else None
+    reported = False
+    delay = 1e-5
+    while not work.is_completed():
+        elapsed = time.monotonic() - start
+        if stall is not None and not reported and elapsed >= stall:
+            reported = True
+            who = _who(arrivals, pg) if arrivals is not None else "missing ranks: unknown"
+            sys.stderr.write(f"axonhpc: rank {pg.world.rank} has waited {elapsed:.1f} s in {label}; {who}\n")
+            sys.stderr.flush()
+        if timeout is not None and elapsed >= timeout:
+            if arrivals is None:
+                raise work._timeout_error(timeout)
+            who = _who(arrivals, pg)
+            arrivals.abandon()
+            raise CollectiveTimeoutError(f"{label} timed out after {timeout:g} s on rank {pg.world.rank}; {who}")
+        time.sleep(delay)  # leave the core to the rank this one waits for (oversubscribed nodes)
+        delay = min(delay * 2, 1e-3)
+    if arrivals is not None:
+        arrivals.drain()
+    return work.wait()
+
+
+__all__ = ["wait"]

@@ -1,0 +1,34 @@
+"""An MPI job whose last rank misbehaves in a collective with a timeout (run by tests/test_timeouts.py).
+
+    timeout_job.py sleep    the last rank sleeps past the timeout before the all_reduce
+    timeout_job.py skip     the last rank skips the all_reduce and goes on to a barrier
+    timeout_job.py stall    debug mode, a long timeout: the last rank is 1 s late; the others report the stall
+"""
+import sys
+import time
+
+import numpy as np
+
+import axonhpc as ax
+
+world = ax.init()
+ax.settings.timeout = 30 if sys.argv[1] == "stall" else 1.5
+ax.settings.debug = sys.argv[1] == "stall"
+ax.settings.stall_report = 0.3
+ax.barrier()
+x = np.ones(4)
+last = world.rank == world.world_size - 1
+if sys.argv[1] == "stall":
+    if last:
+        time.sleep(1.0)
+    ax.all_reduce(x)
+    assert x[0] == world.world_size
+elif sys.argv[1] == "sleep":
+    if last:
+        time.sleep(20)
+    ax.all_reduce(x)
+elif last:
+    ax.barrier()
+else:
+    ax.all_reduce(x)
+print(f"rank {world.rank} finished", flush=True)
