@@ -5,6 +5,7 @@ and iproute2 and are skipped, with the reason, where namespaces cannot be made.
 """
 import json
 import os
+import subprocess
 import sys
 import time
 
@@ -73,3 +74,25 @@ def test_a_killed_rank_on_one_host_ends_the_job_on_all_hosts(hosts, flavour):
         time.sleep(0.2)
     for host in ("host1", "host2"):
         assert not netns.pids_in(host), f"processes left in {host}: {netns.pids_in(host)}"
+
+
+@pytest.mark.timeout(300)
+def test_a_partitioned_host_is_named_by_the_collective_timeout(hosts):
+    """host2's link goes down mid-job: host1's ranks time out naming ranks 2 and 3 instead of hanging.
+
+    The abort that follows cannot reach host2 through the cut link, so mpiexec itself hangs (and
+    ignores SIGTERM, as MPICH's does): the outer ``timeout -k`` ends it and the test kills what is left.
+    """
+    job = hosts.popen("mpich", [2, 2], [os.path.join(HERE, "cluster", "partition_job.py")], timeout=15)
+    try:
+        assert job.stdout.readline().strip() == "ready"
+        subprocess.run(["ip", "-n", "host2", "link", "set", "eth0", "down"], check=True)
+        out, err = job.communicate(timeout=90)
+    finally:
+        subprocess.run(["ip", "-n", "host2", "link", "set", "eth0", "up"], capture_output=True)
+        if job.poll() is None:
+            job.kill()
+        hosts.kill_all()
+    text = out + err
+    assert "timed out after 3 s" in text and "missing ranks: [2, 3]" in text, text[-3000:]
+    assert "rank 0 finished" not in text

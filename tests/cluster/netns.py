@@ -90,9 +90,8 @@ class Hosts:
         return [mpiexec, "--prtemca", "plm_ssh_agent", launcher, "--host", ",".join(hosts), "-n", str(n), python,
                 *argv]
 
-    def run(self, flavour: str, slots: Sequence[int], argv: List[str], timeout: float = 120,
-            env: Optional[Dict[str, str]] = None) -> subprocess.CompletedProcess:
-        """Run ``python argv`` on the hosts under mpiexec (outer ``timeout -k``); returns the finished process."""
+    def _launch(self, flavour: str, slots: Sequence[int], argv: List[str], timeout: float,
+                env: Optional[Dict[str, str]]) -> tuple:
         full_env = dict(self.env, UCX_TLS="tcp,self", UCX_NET_DEVICES="eth0", OMPI_ALLOW_RUN_AS_ROOT="1",
                         OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMP_NUM_THREADS="1", PYTHONPATH=REPO)
         full_env.update(env or {})
@@ -102,4 +101,25 @@ class Hosts:
         inner = " ".join(shlex.quote(a) for a in self.command(flavour, slots, argv))
         cmd = ["timeout", "-k", "5", str(timeout), "ip", "netns", "exec", "host1", "unshare", "--uts", "sh", "-c",
                f"hostname host1; exec {inner}"]
+        return cmd, full_env
+
+    def run(self, flavour: str, slots: Sequence[int], argv: List[str], timeout: float = 120,
+            env: Optional[Dict[str, str]] = None) -> subprocess.CompletedProcess:
+        """Run ``python argv`` on the hosts under mpiexec (outer ``timeout -k``); returns the finished process."""
+        cmd, full_env = self._launch(flavour, slots, argv, timeout, env)
         return subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=timeout + 30)
+
+    def popen(self, flavour: str, slots: Sequence[int], argv: List[str], timeout: float = 120,
+              env: Optional[Dict[str, str]] = None) -> subprocess.Popen:
+        """Start the job like ``run`` and return it running (stdout and stderr as text pipes)."""
+        cmd, full_env = self._launch(flavour, slots, argv, timeout, env)
+        return subprocess.Popen(cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def kill_all(self) -> None:
+        """Kill every process left in the hosts' namespaces (a partitioned job's mpiexec ignores SIGTERM)."""
+        for i in range(1, self.n + 1):
+            for pid in pids_in(f"host{i}"):
+                try:
+                    os.kill(pid, 9)
+                except ProcessLookupError:
+                    pass
