@@ -3,6 +3,7 @@
     axonhpc info                         what MPI, threads, GPU libraries, ranks and nodes this is
     axonhpc bench NAME [args]            benchmarks (allreduce, ddp, fsdp, pack, pipeline)
     axonhpc launch -n N [--] script.py   mpiexec wrapper that works as root and aborts on errors
+    axonhpc doctor DIR                   which rank diverged first, from the flight recorder dumps
     axonhpc slurm render TEMPLATE ...    a SLURM batch script from a template in slurm/ (docs/launching.md)
 """
 from __future__ import annotations
@@ -44,6 +45,12 @@ def _cmd_bench(args) -> int:
 
     module = importlib.import_module(BENCHMARKS[args.name])
     return int(module.main(args.rest) or 0)
+
+
+def _cmd_doctor(args) -> int:
+    from .doctor import main
+
+    return main(args.directory)
 
 
 def _cmd_launch(args) -> int:
@@ -155,6 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("name", choices=sorted(BENCHMARKS))
     p.add_argument("rest", nargs=argparse.REMAINDER, help="arguments of the benchmark (--help for each)")
     p.set_defaults(func=_cmd_bench)
+    p = sub.add_parser("doctor", help="merge the ranks' flight recorder dumps; say who diverged first and where")
+    p.add_argument("directory", help="the AXONHPC_FLIGHT_DIR of the job (flight-rank*.json)")
+    p.set_defaults(func=_cmd_doctor)
     p = sub.add_parser("launch", help="run a script on N ranks with mpiexec")
     p.add_argument("-n", "--np", dest="n", type=int, required=True, help="number of ranks")
     p.add_argument("--hosts", default=None, help="comma-separated host list passed to mpiexec")

@@ -44,6 +44,25 @@ def _parse_positive_int(name: str, text: str) -> int:
     return value
 
 
+def _parse_count(name: str, text: str) -> int:
+    value = int(text.strip())
+    if value < 0:
+        raise ValueError(f"{name}={text!r} must be a non-negative integer")
+    return value
+
+
+def _parse_signal(name: str, text: str) -> str:
+    value = text.strip().upper()
+    if value in ("", "NONE", "OFF", "0"):
+        return ""
+    value = value if value.startswith("SIG") else "SIG" + value
+    import signal
+
+    if not hasattr(signal, value):
+        raise ValueError(f"{name}={text!r} is not a signal name (e.g. SIGUSR1)")
+    return value
+
+
 def _parse_seconds(name: str, text: str) -> float:
     value = float(text.strip())
     if not value > 0:
@@ -83,6 +102,12 @@ class Settings:
         stall_report: with ``debug``, seconds a blocking collective with a
             timeout may wait before the rank prints what it waits for, once
             (``AXONHPC_STALL_REPORT``).
+        flight_recorder: collectives each rank remembers for the flight
+            recorder; 0 turns it off (``AXONHPC_FLIGHT_RECORDER``).
+        flight_dir: where the recorder writes ``flight-rank<r>.json``
+            (``AXONHPC_FLIGHT_DIR``).
+        flight_signal: the signal that makes every rank dump its recorder, or
+            "" for none (``AXONHPC_FLIGHT_SIGNAL``).
         allreduce_algorithm: how ``all_reduce`` runs when the call does not
             say: "native" (one MPI call), "hierarchical" (inside each node,
             then across nodes), "ring" (reduce-scatter and all-gather around a
@@ -97,6 +122,9 @@ class Settings:
     max_message_elements: int = MPI_INT_MAX
     allreduce_algorithm: str = "native"
     stall_report: float = 30.0
+    flight_recorder: int = 256
+    flight_dir: str = "axonhpc-flight"
+    flight_signal: str = "SIGUSR1"
 
     def load_environment(self, environ: Optional[Mapping[str, str]] = None) -> "Settings":
         """Fill every field whose ``AXONHPC_*`` variable is set.
@@ -129,6 +157,9 @@ _ENVIRONMENT = {
     "abort_on_exception": ("AXONHPC_ABORT_ON_EXCEPTION", _parse_bool),
     "backend": ("AXONHPC_BACKEND", lambda name, text: text.strip().lower()),
     "max_message_elements": ("AXONHPC_MAX_MESSAGE_ELEMENTS", _parse_positive_int),
+    "flight_recorder": ("AXONHPC_FLIGHT_RECORDER", lambda name, text: _parse_count(name, text)),
+    "flight_dir": ("AXONHPC_FLIGHT_DIR", lambda name, text: text),
+    "flight_signal": ("AXONHPC_FLIGHT_SIGNAL", lambda name, text: _parse_signal(name, text)),
     "stall_report": ("AXONHPC_STALL_REPORT", lambda name, text: _parse_seconds(name, text)),
     "allreduce_algorithm": ("AXONHPC_ALLREDUCE_ALGORITHM", lambda name, text: _parse_choice(name, text, ALGORITHMS)),
 }

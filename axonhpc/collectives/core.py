@@ -21,7 +21,7 @@ from .._dtypes import array_module, check_array, is_low_precision_float
 from ..backends.base import CompletedWork, ReduceOp, Work
 from ..errors import ShapeError
 from ..groups import ProcessGroup, resolve_group
-from . import algorithms, fingerprint, watch
+from . import algorithms, fingerprint, flight, watch
 from .widen import divide_average
 
 
@@ -32,10 +32,10 @@ def _member(group: Optional[ProcessGroup], op: str) -> ProcessGroup:
 class _Label:
     """How messages name one call; formatted only when a message needs it."""
 
-    __slots__ = ("op", "seq", "group")
+    __slots__ = ("op", "seq", "group", "entry")
 
-    def __init__(self, op: str, seq: int, group: ProcessGroup):
-        self.op, self.seq, self.group = op, seq, group
+    def __init__(self, op: str, seq: int, group: ProcessGroup, entry: Optional[dict] = None):
+        self.op, self.seq, self.group, self.entry = op, seq, group, entry
 
     def __str__(self) -> str:
         return f"{self.op} #{self.seq} on group {self.group.name} {list(self.group.ranks)}"
@@ -43,10 +43,13 @@ class _Label:
 
 def _start(pg: ProcessGroup, op: str, x: Any = None, reduce: Optional[ReduceOp] = None,
            root: Optional[int] = None) -> _Label:
-    """Debug check and sequence number; returns the label used in messages."""
-    if pg.debug_enabled():
-        fingerprint.check(pg, op, x, None if reduce is None else reduce.name, root)
-    label = _Label(op, pg.seq, pg)
+    """Flight record, debug check and sequence number; returns the label used in messages."""
+    debug = pg.debug_enabled()
+    reduce_name = None if reduce is None else reduce.name
+    entry = flight.record(pg, op, x, reduce_name, root, fingerprint.caller_location() if debug else None)
+    if debug:
+        fingerprint.check(pg, op, x, reduce_name, root)
+    label = _Label(op, pg.seq, pg, entry)
     pg.seq += 1
     return label
 
@@ -59,10 +62,16 @@ def _run(pg: ProcessGroup, label: _Label, issue, async_op: bool) -> Any:
     work: Work = issue(async_op or timeout is not None)
     work.label = label
     if async_op:
+        if label.entry is not None:
+            work.then(lambda: label.entry.__setitem__("done", True))
         return work
     if arrivals is None and not (timeout is not None and pg.debug_enabled()):
-        return work.wait(timeout)
-    return watch.wait(work, timeout, label, arrivals, pg)
+        result = work.wait(timeout)
+    else:
+        result = watch.wait(work, timeout, label, arrivals, pg)
+    if label.entry is not None:
+        label.entry["done"] = True
+    return result
 
 
 def _reduction(pg: ProcessGroup, x, out, op: ReduceOp, issue_on, result=None):

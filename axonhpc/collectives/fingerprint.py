@@ -89,4 +89,7 @@ def check(group, op: str, x: Any = None, reduce: Optional[str] = None, root: Opt
     keys = {tuple(json.dumps(p.get(k)) for k in _COMPARED) for p in prints}
     if len(keys) > 1:
         lines = ", ".join(f"rank {group.ranks[i]} called {describe(p)}" for i, p in enumerate(prints))
+        from . import flight
+
+        flight.dump(f"collective mismatch on group {group.name}")
         raise CollectiveMismatchError(f"collective mismatch on group {group.name}: {lines}")

@@ -22,6 +22,7 @@ from typing import Any, Optional
 
 from ..errors import CollectiveTimeoutError
 from ..settings import settings
+from . import flight
 
 
 def _who(arrivals: Any, pg: Any) -> str:
@@ -53,9 +54,11 @@ def wait(work: Any, timeout: Optional[float], label: Any, arrivals: Any, pg: Any
             sys.stderr.flush()
         if timeout is not None and elapsed >= timeout:
             if arrivals is None:
+                flight.dump(f"timeout in {label}")
                 raise work._timeout_error(timeout)
             who = _who(arrivals, pg)
             arrivals.abandon()
+            flight.dump(f"timeout in {label}")
             raise CollectiveTimeoutError(f"{label} timed out after {timeout:g} s on rank {pg.world.rank}; {who}")
         time.sleep(delay)  # leave the core to the rank this one waits for (oversubscribed nodes)
         delay = min(delay * 2, 1e-3)

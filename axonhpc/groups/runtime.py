@@ -97,6 +97,10 @@ def is_initialized() -> bool:
     return _global_world is not None
 
 
+# Called with a reason just before an uncaught exception aborts the job (layers above register here).
+BEFORE_ABORT: List[Callable[[str], Any]] = []
+
+
 def install_abort_on_exception(world: World) -> None:
     """Make an uncaught exception on this rank end the whole job.
 
@@ -110,6 +114,11 @@ def install_abort_on_exception(world: World) -> None:
     _previous_excepthook = sys.excepthook
 
     def hook(exc_type, exc, tb):
+        for last_words in BEFORE_ABORT:  # e.g. the flight recorder's dump
+            try:
+                last_words(f"uncaught {exc_type.__name__}")
+            except Exception:  # noqa: BLE001 - nothing may stop the abort
+                pass
         text = "".join(traceback.format_exception(exc_type, exc, tb))
         sys.stderr.write(f"axonhpc: uncaught exception on rank {world.rank}; aborting the job "
                          f"(set AXONHPC_ABORT_ON_EXCEPTION=0 to turn this off)\n{text}")

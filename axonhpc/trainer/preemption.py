@@ -48,6 +48,9 @@ class Preemption:
     def _handle(self, number: int, frame: Any) -> None:
         self.requested = True
         self.signal_name = signal.Signals(number).name
+        previous = self._previous.get(number)
+        if callable(previous):  # e.g. the flight recorder's dump on SIGUSR1
+            previous(number, frame)
 
     def request(self) -> None:
         """Ask for a stop after the current step (what the signal handler does)."""

@@ -3,6 +3,8 @@
     timeout_job.py sleep    the last rank sleeps past the timeout before the all_reduce
     timeout_job.py skip     the last rank skips the all_reduce and goes on to a barrier
     timeout_job.py stall    debug mode, a long timeout: the last rank is 1 s late; the others report the stall
+    timeout_job.py mismatch debug mode: the last rank calls a barrier where the others all-reduce
+    timeout_job.py usr1     a few collectives, "ready", then a pause in which the test sends SIGUSR1
 """
 import sys
 import time
@@ -13,7 +15,7 @@ import axonhpc as ax
 
 world = ax.init()
 ax.settings.timeout = 30 if sys.argv[1] == "stall" else 1.5
-ax.settings.debug = sys.argv[1] == "stall"
+ax.settings.debug = sys.argv[1] in ("stall", "mismatch")
 ax.settings.stall_report = 0.3
 ax.barrier()
 x = np.ones(4)
@@ -23,6 +25,13 @@ if sys.argv[1] == "stall":
         time.sleep(1.0)
     ax.all_reduce(x)
     assert x[0] == world.world_size
+elif sys.argv[1] == "usr1":
+    for _ in range(3):
+        ax.all_reduce(x)
+    ax.barrier()
+    print(f"ready {world.rank}", flush=True)
+    time.sleep(3)
+    ax.barrier()
 elif sys.argv[1] == "sleep":
     if last:
         time.sleep(20)

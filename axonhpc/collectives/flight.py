@@ -1,0 +1,105 @@
+"""The flight recorder: every rank's last collectives, dumped when something goes wrong.
+
+[Note: what is kept and when it is written]
+Each collective appends one small record to a ring buffer of the last
+``settings.flight_recorder`` calls (0 turns it off): wall-clock time, group
+(name and global ranks), sequence number, operation, dtype, shape, reduce op,
+root, the caller's file:line when debug mode is on (finding it costs a stack
+walk), and whether the call has completed. The buffer is written to
+``<settings.flight_dir>/flight-rank<r>.json`` (atomically: temporary file and
+rename) on a collective timeout, a collective mismatch, an uncaught exception
+that aborts the job, and on the signal ``settings.flight_signal`` (SIGUSR1 by
+default, which ``sbatch --signal`` can send; the handler chains to any handler
+installed before it, and the trainer's preemption handler chains to it).
+``axonhpc doctor DIR`` merges the dumps of all ranks and says which rank
+diverged first and where.
+"""
+from __future__ import annotations
+
+import collections
+import json
+import os
+import signal
+import threading
+import time
+from typing import Any, Deque, Dict, Optional
+
+from ..settings import settings
+
+_lock = threading.Lock()
+_buffer: Deque[Dict[str, Any]] = collections.deque(maxlen=256)
+_rank: Optional[int] = None
+_installed = False
+
+
+def record(pg: Any, op: str, x: Any, reduce: Optional[str], root: Optional[int], where: Optional[str]) -> Optional[dict]:
+    """Append one collective's record (see the module note); returns it, to be marked done later."""
+    size = settings.flight_recorder
+    if not size:
+        return None
+    global _rank
+    _rank = pg.world.rank
+    entry = {"t": time.time(), "group": pg.name, "ranks": pg.ranks, "seq": pg.seq, "op": op,
+             "dtype": None if x is None else str(x.dtype), "shape": None if x is None else list(x.shape),
+             "reduce": reduce, "root": root, "where": where, "done": False}
+    with _lock:
+        if _buffer.maxlen != size:
+            _resize(size)
+        _buffer.append(entry)
+    _install_signal()
+    return entry
+
+
+def _resize(size: int) -> None:
+    global _buffer
+    _buffer = collections.deque(_buffer, maxlen=size)
+
+
+def records() -> list:
+    """A copy of the buffer, oldest first."""
+    with _lock:
+        return [dict(e, ranks=list(e["ranks"])) for e in _buffer]
+
+
+def dump(reason: str, rank: Optional[int] = None) -> Optional[str]:
+    """Write this rank's buffer to ``settings.flight_dir``; returns the path (None when off or unwritable)."""
+    rank = _rank if rank is None else rank
+    if not settings.flight_recorder or rank is None:
+        return None
+    directory = settings.flight_dir
+    path = os.path.join(directory, f"flight-rank{rank:05d}.json")
+    try:
+        os.makedirs(directory, exist_ok=True)
+        tmp = f"{path}.tmp-{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump({"rank": rank, "pid": os.getpid(), "reason": reason, "time": time.time(),
+                       "records": records()}, f)
+        os.replace(tmp, path)
+    except OSError:
+        return None  # a dump must never turn one failure into another
+    return path
+
+
+def _install_signal() -> None:
+    global _installed
+    if _installed or threading.current_thread() is not threading.main_thread():
+        return
+    _installed = True
+    from ..groups import runtime
+
+    runtime.BEFORE_ABORT.append(dump)
+    name = settings.flight_signal
+    if not name:
+        return
+    number = getattr(signal, name)
+    previous = signal.getsignal(number)
+
+    def handler(signum: int, frame: Any) -> None:
+        dump(f"signal {name}")
+        if callable(previous):
+            previous(signum, frame)
+
+    signal.signal(number, handler)
+
+
+__all__ = ["record", "records", "dump"]

@@ -1,0 +1,120 @@
+"""``axonhpc doctor DIR``: merge the flight recorders of every rank and say who diverged first, and where.
+
+Each rank's dump (``flight-rank<r>.json``, see ``collectives.flight``) lists
+its last collectives with group, sequence number and call. Collectives of one
+group must match across its ranks call by call, so the diagnosis walks each
+group's sequence numbers in order and reports the first one where the ranks
+called different things (operation, dtype, shape, reduce op or root), or
+where some ranks of the group recorded a call and others never reached it.
+Ranks that were still waiting in a call when they dumped are listed too.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+from typing import Any, Dict, List, Optional, Tuple
+
+_COMPARED = ("op", "dtype", "shape", "reduce", "root")
+
+
+def load_dumps(directory: str) -> Dict[int, dict]:
+    """rank -> its dump, for every ``flight-rank*.json`` in ``directory``.
+
+    Raises:
+        FileNotFoundError: no dump in the directory.
+    """
+    dumps = {}
+    for path in sorted(glob.glob(os.path.join(directory, "flight-rank*.json"))):
+        with open(path) as f:
+            data = json.load(f)
+        dumps[int(data["rank"])] = data
+    if not dumps:
+        raise FileNotFoundError(f"no flight-rank*.json in {directory!r} (is AXONHPC_FLIGHT_DIR set to it?)")
+    return dumps
+
+
+def describe(entry: dict) -> str:
+    """``all_reduce float32 (17, 17) op=SUM at train.py:42``."""
+    text = entry["op"]
+    if entry.get("dtype"):
+        text += f" {entry['dtype']} {tuple(entry['shape'])}"
+    if entry.get("reduce"):
+        text += f" op={entry['reduce']}"
+    if entry.get("root") is not None:
+        text += f" root={entry['root']}"
+    if entry.get("where"):
+        text += f" at {entry['where']}"
+    return text
+
+
+def _signature(entry: dict) -> Tuple:
+    return tuple(json.dumps(entry.get(k)) for k in _COMPARED)
+
+
+def diagnose(dumps: Dict[int, dict]) -> List[str]:
+    """The report's lines: the first divergence (or that none was seen), then who was still waiting."""
+    by_group: Dict[Tuple[str, Tuple[int, ...]], Dict[int, Dict[int, dict]]] = {}
+    earliest_seq: Dict[Tuple[str, Tuple[int, ...]], Dict[int, int]] = {}
+    for rank, data in dumps.items():
+        for entry in data["records"]:
+            key = (entry["group"], tuple(entry["ranks"]))
+            by_group.setdefault(key, {}).setdefault(rank, {})[entry["seq"]] = entry
+            seqs = earliest_seq.setdefault(key, {})
+            seqs[rank] = min(seqs.get(rank, entry["seq"]), entry["seq"])
+    findings: List[Tuple[float, str]] = []
+    for (name, ranks), per_rank in by_group.items():
+        present = [r for r in ranks if r in dumps]
+        # compare only where every present rank's buffer still covers the call
+        start = max(earliest_seq[(name, ranks)].get(r, 0) for r in present)
+        last = max(max(calls) for calls in per_rank.values())
+        for seq in range(start, last + 1):
+            calls = {r: per_rank.get(r, {}).get(seq) for r in present}
+            made = {r: e for r, e in calls.items() if e is not None}
+            absent = sorted(r for r, e in calls.items() if e is None)
+            signatures = {}
+            for r, e in made.items():
+                signatures.setdefault(_signature(e), []).append(r)
+            if len(signatures) > 1:
+                parts = [f"ranks {rs} called {describe(made[rs[0]])}" for rs in
+                         sorted(signatures.values(), key=len, reverse=True)]
+                odd = min(signatures.values(), key=len)
+                when = min(e["t"] for e in made.values())
+                findings.append((when, f"rank{'s' if len(odd) > 1 else ''} {odd if len(odd) > 1 else odd[0]} "
+                                       f"diverged first, at group {name} #{seq}: " + "; ".join(parts)))
+                break
+            if absent and made:
+                first = made[min(made)]
+                findings.append((first["t"], f"ranks {absent} never reached group {name} #{seq}, where ranks "
+                                             f"{sorted(made)} called {describe(first)}"))
+                break
+    lines = [text for _, text in sorted(findings)] or ["no divergence in the recorded collectives"]
+    for rank, data in sorted(dumps.items()):
+        waiting = [e for e in data["records"] if not e.get("done")]
+        if waiting:
+            e = waiting[-1]
+            lines.append(f"rank {rank} was waiting in group {e['group']} #{e['seq']}: {describe(e)} "
+                         f"(dumped on {data.get('reason', '?')})")
+    missing = sorted(set(r for (_, ranks) in by_group for r in ranks) - set(dumps))
+    if missing:
+        lines.append(f"no dump from ranks {missing} (killed, hung outside Python, or never got there)")
+    return lines
+
+
+def main(directory: str, out: Optional[Any] = None) -> int:
+    """Print the diagnosis of ``directory``; 0 when a report was made, 2 without dumps."""
+    import sys
+
+    out = out or sys.stdout
+    try:
+        dumps = load_dumps(directory)
+    except FileNotFoundError as exc:
+        print(f"axonhpc doctor: {exc}", file=sys.stderr)
+        return 2
+    print(f"flight records of ranks {sorted(dumps)} in {directory}:", file=out)
+    for line in diagnose(dumps):
+        print("  " + line, file=out)
+    return 0
+
+
+__all__ = ["load_dumps", "diagnose", "describe", "main"]
