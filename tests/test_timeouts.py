@@ -76,3 +76,10 @@ def test_debug_mode_reports_a_stall_once_and_keeps_waiting():
         assert text.count(f"axonhpc: rank {rank} has waited") == 1, text[-3000:]
     assert "missing ranks: [2]" in text and "debug fingerprint exchange" in text, text[-3000:]
     assert text.count("finished") == 3
+
+
+@pytest.mark.timeout(120)
+def test_point_to_point_under_a_timeout_just_works():
+    out, _ = _run("p2p")
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    assert out.stdout.count("finished") == 3

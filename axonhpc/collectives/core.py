@@ -57,20 +57,22 @@ def _start(pg: ProcessGroup, op: str, x: Any = None, reduce: Optional[ReduceOp] 
 def _run(pg: ProcessGroup, label: _Label, issue, async_op: bool) -> Any:
     """Call ``issue(nonblocking)`` and either return its Work or wait for it (see ``watch``)."""
     timeout = pg.effective_timeout()
-    announce = getattr(pg.backend, "announce", None) if timeout is not None and not async_op else None
+    collective = isinstance(label, _Label)  # point-to-point calls carry a plain text label
+    announce = getattr(pg.backend, "announce", None) if collective and timeout is not None and not async_op else None
     arrivals = announce(label.seq, label.op) if announce is not None else None
+    entry = label.entry if collective else None
     work: Work = issue(async_op or timeout is not None)
     work.label = label
     if async_op:
-        if label.entry is not None:
-            work.then(lambda: label.entry.__setitem__("done", True))
+        if entry is not None:
+            work.then(lambda: entry.__setitem__("done", True))
         return work
-    if arrivals is None and not (timeout is not None and pg.debug_enabled()):
+    if arrivals is None and not (collective and timeout is not None and pg.debug_enabled()):
         result = work.wait(timeout)
     else:
         result = watch.wait(work, timeout, label, arrivals, pg)
-    if label.entry is not None:
-        label.entry["done"] = True
+    if entry is not None:
+        entry["done"] = True
     return result
 
 

@@ -5,6 +5,7 @@
     timeout_job.py stall    debug mode, a long timeout: the last rank is 1 s late; the others report the stall
     timeout_job.py mismatch debug mode: the last rank calls a barrier where the others all-reduce
     timeout_job.py usr1     a few collectives, "ready", then a pause in which the test sends SIGUSR1
+    timeout_job.py p2p      nothing goes wrong: blocking and non-blocking point to point under a timeout
 """
 import sys
 import time
@@ -14,7 +15,7 @@ import numpy as np
 import axonhpc as ax
 
 world = ax.init()
-ax.settings.timeout = 30 if sys.argv[1] == "stall" else 1.5
+ax.settings.timeout = 30 if sys.argv[1] in ("stall", "p2p") else 1.5
 ax.settings.debug = sys.argv[1] in ("stall", "mismatch")
 ax.settings.stall_report = 0.3
 ax.barrier()
@@ -25,6 +26,17 @@ if sys.argv[1] == "stall":
         time.sleep(1.0)
     ax.all_reduce(x)
     assert x[0] == world.world_size
+elif sys.argv[1] == "p2p":
+    n, r = world.world_size, world.rank
+    ring = np.empty(4)
+    works = [ax.irecv(ring, (r - 1) % n, tag=3), ax.isend(x * r, (r + 1) % n, tag=3)]
+    for w in works:
+        w.wait(5)
+    assert ring[0] == (r - 1) % n
+    if r % 2 == 0 and r + 1 < n:
+        ax.send(x, r + 1)
+    elif r % 2 == 1:
+        ax.recv(ring, r - 1)
 elif sys.argv[1] == "usr1":
     for _ in range(3):
         ax.all_reduce(x)
