@@ -16,37 +16,18 @@ scores them on the held-out images, and worker 0 prints the result and the
 server's staleness counters.
 """
 import argparse
+import os
 import sys
 import time
 
-import numpy as np
 
 import axonhpc as ax
 from axonhpc import nn, optim
 from axonhpc.data import DataLoader, DistributedSampler
 from axonhpc.parallel.parameter_server import ParameterServer
 
-
-def load_digits(seed=0, test_fraction=0.2):
-    """(x_train, y_train, x_test, y_test), features scaled to [0, 1], a fixed split (as train_digits.py)."""
-    try:
-        from sklearn.datasets import load_digits as sklearn_digits
-    except ImportError:
-        sys.exit("train_digits_ps needs scikit-learn for its bundled data set: pip install 'axonhpc[examples]'")
-    digits = sklearn_digits()
-    x = (digits.data / 16.0).astype(np.float32)
-    y = digits.target.astype(np.int64)
-    order = np.random.default_rng(seed).permutation(len(x))
-    n_test = int(round(len(x) * test_fraction))
-    test, train = order[:n_test], order[n_test:]
-    return x[train], y[train], x[test], y[test]
-
-
-def build_model(seed):
-    """The MLP of train_digits.py: 64 -> 128 -> 64 -> 10."""
-    return nn.Sequential(nn.Linear(64, 128, seed=seed), nn.ReLU(),
-                         nn.Linear(128, 64, seed=seed + 1), nn.ReLU(),
-                         nn.Linear(64, 10, seed=seed + 2))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from train_digits import build_model, load_digits  # noqa: E402 - the same data split and MLP as the main job
 
 
 def accuracy(model, x, y):
