@@ -20,7 +20,6 @@ import os
 import sys
 import time
 
-
 import axonhpc as ax
 from axonhpc import nn, optim
 from axonhpc.data import DataLoader, DistributedSampler
