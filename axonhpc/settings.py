@@ -108,6 +108,9 @@ class Settings:
             (``AXONHPC_FLIGHT_DIR``).
         flight_signal: the signal that makes every rank dump its recorder, or
             "" for none (``AXONHPC_FLIGHT_SIGNAL``).
+        skip_nonfinite_steps: the trainer checks the gradients before each
+            optimizer step and skips it on every rank if any rank has an inf or
+            NaN (``AXONHPC_SKIP_NONFINITE_STEPS``).
         allreduce_algorithm: how ``all_reduce`` runs when the call does not
             say: "native" (one MPI call), "hierarchical" (inside each node,
             then across nodes), "ring" (reduce-scatter and all-gather around a
@@ -125,6 +128,7 @@ class Settings:
     flight_recorder: int = 256
     flight_dir: str = "axonhpc-flight"
     flight_signal: str = "SIGUSR1"
+    skip_nonfinite_steps: bool = False
 
     def load_environment(self, environ: Optional[Mapping[str, str]] = None) -> "Settings":
         """Fill every field whose ``AXONHPC_*`` variable is set.
@@ -160,6 +164,7 @@ _ENVIRONMENT = {
     "flight_recorder": ("AXONHPC_FLIGHT_RECORDER", lambda name, text: _parse_count(name, text)),
     "flight_dir": ("AXONHPC_FLIGHT_DIR", lambda name, text: text),
     "flight_signal": ("AXONHPC_FLIGHT_SIGNAL", lambda name, text: _parse_signal(name, text)),
+    "skip_nonfinite_steps": ("AXONHPC_SKIP_NONFINITE_STEPS", _parse_bool),
     "stall_report": ("AXONHPC_STALL_REPORT", lambda name, text: _parse_seconds(name, text)),
     "allreduce_algorithm": ("AXONHPC_ALLREDUCE_ALGORITHM", lambda name, text: _parse_choice(name, text, ALGORITHMS)),
 }

@@ -19,7 +19,7 @@ def test_environment_fills_fields():
     assert s.as_dict() == {"debug": True, "timeout": 2.5, "abort_on_exception": True, "backend": "mpi",
                            "max_message_elements": 1024, "allreduce_algorithm": "hierarchical",
                            "stall_report": 30.0, "flight_recorder": 256, "flight_dir": "axonhpc-flight",
-                           "flight_signal": "SIGUSR1"}
+                           "flight_signal": "SIGUSR1", "skip_nonfinite_steps": False}
 
 
 @pytest.mark.parametrize("text", ["0", "off", "none", ""])

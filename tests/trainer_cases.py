@@ -160,6 +160,36 @@ def case_evaluate_reduces_over_the_whole_set(world):
     assert metrics["accuracy"] == pytest.approx(float((out.argmax(axis=1) == y).mean()))
 
 
+def case_nonfinite_gradients_skip_the_step_on_every_rank(world):
+    for strategy in ("ddp", "fsdp"):
+        x, y = make_data()
+        poisoned = x.copy()
+        model = make_model(seed=0 if world.rank == 0 else 50 + world.rank)
+        before = {}
+
+        def watch(trainer, step, loss):
+            if step == 2:  # parameters after step 2, before the poisoned step 3
+                before.update(full_parameters(trainer))
+
+        trainer = ax.DistributedTrainer(model, make_optimizer(model.parameters()), nn.CrossEntropyLoss(),
+                                        strategy=strategy, progress=False, verbose=False, on_step=watch,
+                                        skip_nonfinite_steps=True)
+        # the last rank's third batch holds a NaN: its gradients, and after averaging everyone's, are NaN
+        trainer._ensure_setup(None)
+        loader = trainer._loader(x, y, BATCH)
+        loader.set_epoch(0)
+        rows = list(loader.sampler)[2 * BATCH:3 * BATCH] if world.rank == world.world_size - 1 else []
+        poisoned[rows, 0] = np.nan
+        after = {}
+        trainer.on_step = lambda t, step, loss: (watch(t, step, loss), after.update(full_parameters(t))
+                                                  if step == 3 else None)
+        trainer.fit((poisoned, y), 1, batch_size=BATCH)
+        assert trainer.setup.skipped_steps == 1
+        for name in before:
+            np.testing.assert_array_equal(after[name], before[name], err_msg=f"{strategy} {name}")
+        assert all(np.isfinite(v).all() for v in full_parameters(trainer).values())
+
+
 def case_bad_arguments(world):
     model = make_model()
     errors = ax.errors.ConfigurationError

@@ -19,12 +19,14 @@ training loop in ``trainer`` has no per-strategy branches:
 from __future__ import annotations
 
 import contextlib
+import sys
 from typing import Any, Iterator, List, Optional
 
 import numpy as np
 
 from ..checkpoint import load_per_rank, load_sharded, save_per_rank, save_sharded
-from ..collectives import broadcast
+from ..backends import ReduceOp
+from ..collectives import all_reduce, broadcast
 from ..errors import ConfigurationError
 from ..optim.optimizer import Optimizer
 from ..parallel import DDP, FSDP, GradScaler, MixedPrecision, Pipeline, ZeroRedundancyOptimizer
@@ -61,6 +63,8 @@ class Setup:
         self.dp_group = dp_group
         self.scaler = scaler
         self.pipeline = pipeline
+        self.skip_nonfinite = False  # set by the trainer (settings.skip_nonfinite_steps)
+        self.skipped_steps = 0
 
     @property
     def output_rank(self) -> int:
@@ -98,9 +102,28 @@ class Setup:
         if self.scaler is not None:
             self.scaler.step(opt)
             self.scaler.update()
-        else:
+        elif not (self.skip_nonfinite and self._skip_for_nonfinite()):
             opt.step()
         return total / max(count, 1)
+
+    def _gradient_holders(self) -> List[Any]:
+        """``(name, Parameter)`` whose gradients the optimizer steps on (shards for FSDP)."""
+        if self.strategy == "fsdp":
+            return list(self.wrapper.named_parameters())
+        return [(n, p) for m in self.modules() for n, p in m.named_parameters()]
+
+    def _skip_for_nonfinite(self) -> bool:
+        """Collective: True on every rank if any rank has an inf or NaN gradient; the finders say which."""
+        bad = [name for name, p in self._gradient_holders()
+               if p.grad is not None and p.grad.size and not bool(np.isfinite(p.grad).all())]
+        flag = np.array([1.0 if bad else 0.0])
+        all_reduce(flag, ReduceOp.MAX, self.group)
+        if flag[0]:
+            self.skipped_steps += 1
+            where = f"non-finite gradients in {bad} on this rank" if bad else "non-finite gradients on another rank"
+            sys.stderr.write(f"axonhpc: rank {self.group.rank}: optimizer step skipped on every rank: {where}\n")
+            sys.stderr.flush()
+        return bool(flag[0])
 
     def predict(self, x: Any) -> Any:
         """The model's output for ``x`` (pipeline: on the last stage, None elsewhere)."""

@@ -44,6 +44,7 @@ from ..collectives import all_reduce
 from ..data import DataLoader, DistributedSampler
 from ..errors import ConfigurationError
 from ..groups import resolve_group
+from ..settings import settings
 from .preemption import PREEMPTED_EXIT_CODE, Preemption
 from .strategies import STRATEGIES, Setup, batches_of, build, share_from, steps_per_epoch
 
@@ -91,6 +92,9 @@ class DistributedTrainer:
         on_epoch: called as ``on_epoch(trainer, record)`` on every rank after each epoch
             (the record: epoch, loss, eval metrics, seconds).
         verbose: rank 0 prints a line per epoch (and when it resumes or is preempted).
+        skip_nonfinite_steps: before each optimizer step, check the gradients for
+            inf and NaN; if any rank finds one, every rank skips the step (the
+            finders print the parameter names). None: ``ax.settings.skip_nonfinite_steps``.
         **strategy_options: passed to the wrapper (DDP, FSDP or Pipeline), e.g.
             ``sharding_strategy=...`` or ``num_microbatches=...``.
 
@@ -103,7 +107,7 @@ class DistributedTrainer:
                  keep_checkpoints: int = 3, exit_on_preemption: bool = True,
                  on_step: Optional[Callable[["DistributedTrainer", int, float], None]] = None,
                  on_epoch: Optional[Callable[["DistributedTrainer", Dict[str, Any]], None]] = None,
-                 verbose: bool = True, **strategy_options: Any):
+                 verbose: bool = True, skip_nonfinite_steps: Optional[bool] = None, **strategy_options: Any):
         if strategy not in STRATEGIES:
             raise ConfigurationError(f"unknown strategy {strategy!r}; use one of {list(STRATEGIES)}")
         _positive_int("keep_checkpoints", keep_checkpoints)
@@ -119,6 +123,8 @@ class DistributedTrainer:
         self.on_step = on_step
         self.on_epoch = on_epoch
         self.verbose = verbose
+        self.skip_nonfinite_steps = (settings.skip_nonfinite_steps if skip_nonfinite_steps is None
+                                     else bool(skip_nonfinite_steps))
         self.options = strategy_options
         self.setup: Optional[Setup] = None
         self._mixed_precision: Any = None
@@ -133,6 +139,7 @@ class DistributedTrainer:
         if self.setup is None:
             self.setup = build(self.strategy, self.model, self.optimizer, self.loss_fn, self.group, self.mesh,
                                mixed_precision, self.options)
+            self.setup.skip_nonfinite = self.skip_nonfinite_steps
             self._mixed_precision = mixed_precision
         elif mixed_precision is not self._mixed_precision and mixed_precision is not None:
             raise ConfigurationError("mixed_precision is fixed when the model is first wrapped (the first fit or "
