@@ -81,3 +81,28 @@ def test_sigusr1_dumps_every_rank_and_the_job_goes_on(tmp_path):
         ops = [e["op"] for e in data["records"]]
         assert ops[-4:] == ["all_reduce", "all_reduce", "all_reduce", "barrier"], ops
         assert all(e["done"] for e in data["records"])
+
+
+def test_thread_ranks_keep_their_own_records(tmp_path):
+    import numpy as np
+
+    import axonhpc as ax
+    from axonhpc.collectives import flight
+
+    def body(world):
+        for _ in range(2):
+            ax.all_reduce(np.ones(2))
+        ax.broadcast(np.ones(3), src=0)
+        ax.barrier()  # every thread has recorded all three before any reads: a shared buffer would interleave
+        mine = flight.records(world.rank)[-4:-1]
+        return [e["op"] for e in mine], mine[-1]["root"]
+
+    before = ax.settings.flight_dir
+    ax.settings.flight_dir = str(tmp_path)
+    try:
+        results = ax.run_local(body, world_size=3)
+        assert results == [(["all_reduce", "all_reduce", "broadcast"], 0)] * 3
+        flight.dump("test")
+    finally:
+        ax.settings.flight_dir = before
+    assert {0, 1, 2} <= set(load_dumps(str(tmp_path)))

@@ -91,5 +91,5 @@ def check(group, op: str, x: Any = None, reduce: Optional[str] = None, root: Opt
         lines = ", ".join(f"rank {group.ranks[i]} called {describe(p)}" for i, p in enumerate(prints))
         from . import flight
 
-        flight.dump(f"collective mismatch on group {group.name}")
+        flight.dump(f"collective mismatch on group {group.name}", group.world.rank)
         raise CollectiveMismatchError(f"collective mismatch on group {group.name}: {lines}")

@@ -26,9 +26,9 @@ from typing import Any, Deque, Dict, Optional
 
 from ..settings import settings
 
-_lock = threading.Lock()
-_buffer: Deque[Dict[str, Any]] = collections.deque(maxlen=256)
-_rank: Optional[int] = None
+_lock = threading.RLock()  # reentrant: the signal handler may interrupt a holder of it
+# One ring buffer per world rank living in this process: one under MPI, several under run_local's threads.
+_buffers: Dict[int, Deque[Dict[str, Any]]] = {}
 _installed = False
 
 
@@ -37,35 +37,42 @@ def record(pg: Any, op: str, x: Any, reduce: Optional[str], root: Optional[int],
     size = settings.flight_recorder
     if not size:
         return None
-    global _rank
-    _rank = pg.world.rank
+    rank = pg.world.rank
     entry = {"t": time.time(), "group": pg.name, "ranks": pg.ranks, "seq": pg.seq, "op": op,
              "dtype": None if x is None else str(x.dtype), "shape": None if x is None else list(x.shape),
              "reduce": reduce, "root": root, "where": where, "done": False}
     with _lock:
-        if _buffer.maxlen != size:
-            _resize(size)
-        _buffer.append(entry)
+        buffer = _buffers.get(rank)
+        if buffer is None or buffer.maxlen != size:
+            buffer = _buffers[rank] = collections.deque(buffer or (), maxlen=size)
+        buffer.append(entry)
     _install_signal()
     return entry
 
 
-def _resize(size: int) -> None:
-    global _buffer
-    _buffer = collections.deque(_buffer, maxlen=size)
-
-
-def records() -> list:
-    """A copy of the buffer, oldest first."""
+def records(rank: int) -> list:
+    """A copy of world rank ``rank``'s buffer, oldest first."""
     with _lock:
-        return [dict(e, ranks=list(e["ranks"])) for e in _buffer]
+        return [dict(e, ranks=list(e["ranks"])) for e in _buffers.get(rank, ())]
 
 
 def dump(reason: str, rank: Optional[int] = None) -> Optional[str]:
-    """Write this rank's buffer to ``settings.flight_dir``; returns the path (None when off or unwritable)."""
-    rank = _rank if rank is None else rank
-    if not settings.flight_recorder or rank is None:
+    """Write a rank's buffer (None: every rank's in this process) to ``settings.flight_dir``.
+
+    Returns:
+        The path of the last file written, or None (off, nothing recorded, or unwritable).
+    """
+    if not settings.flight_recorder:
         return None
+    with _lock:
+        ranks = sorted(_buffers) if rank is None else [rank]
+    path = None
+    for r in ranks:
+        path = _write(r, reason) or path
+    return path
+
+
+def _write(rank: int, reason: str) -> Optional[str]:
     directory = settings.flight_dir
     path = os.path.join(directory, f"flight-rank{rank:05d}.json")
     try:
@@ -73,7 +80,7 @@ def dump(reason: str, rank: Optional[int] = None) -> Optional[str]:
         tmp = f"{path}.tmp-{os.getpid()}"
         with open(tmp, "w") as f:
             json.dump({"rank": rank, "pid": os.getpid(), "reason": reason, "time": time.time(),
-                       "records": records()}, f)
+                       "records": records(rank)}, f)
         os.replace(tmp, path)
     except OSError:
         return None  # a dump must never turn one failure into another

@@ -54,11 +54,11 @@ def wait(work: Any, timeout: Optional[float], label: Any, arrivals: Any, pg: Any
             sys.stderr.flush()
         if timeout is not None and elapsed >= timeout:
             if arrivals is None:
-                flight.dump(f"timeout in {label}")
+                flight.dump(f"timeout in {label}", pg.world.rank)
                 raise work._timeout_error(timeout)
             who = _who(arrivals, pg)
             arrivals.abandon()
-            flight.dump(f"timeout in {label}")
+            flight.dump(f"timeout in {label}", pg.world.rank)
             raise CollectiveTimeoutError(f"{label} timed out after {timeout:g} s on rank {pg.world.rank}; {who}")
         time.sleep(delay)  # leave the core to the rank this one waits for (oversubscribed nodes)
         delay = min(delay * 2, 1e-3)
