@@ -1,10 +1,14 @@
 """Shared fixtures. Multi-rank tests are marked ``mpi`` and run under mpiexec (scripts/test.sh)."""
 import os
 import sys
+import tempfile
 
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
+# Flight-recorder dumps of tests that time out on purpose go to a scratch directory, never into the
+# working tree; set before axonhpc reads its settings, and inherited by the jobs the tests start.
+os.environ.setdefault("AXONHPC_FLIGHT_DIR", os.path.join(tempfile.gettempdir(), f"axonhpc-flight-tests-{os.getuid()}"))
 
 
 @pytest.fixture(autouse=True)
