@@ -43,13 +43,14 @@ import numpy as np
 
 from .._dtypes import array_module, is_cupy_array, is_low_precision_float
 from ..backends import ReduceOp
+from ..bucketing import unflatten
 from ..collectives import all_gather, all_reduce, gather
 from ..errors import ConfigurationError
 from ..groups import resolve_group
 from .flat_param import FlatUnit, PendingReduction, Placement
 from .fsdp_config import CPUOffload, MixedPrecision, ShardingStrategy
 from .fsdp_memory import CommCounter, FSDPMemoryStats, MemoryTracker
-from .fsdp_state import ROOT, prepare_sharded_load, sharded_state
+from .fsdp_state import ROOT, full_to_sharded, prepare_sharded_load, sharded_state
 from .replicate import broadcast_arrays
 
 
@@ -548,7 +549,7 @@ class FullyShardedDataParallel:
             else:
                 full = all_gather(shard, unit.shard_group).reshape(-1)
             if keep and full is not None:
-                for p, view in zip(unit.params, _views(full, unit)):
+                for p, view in zip(unit.params, unflatten(full, unit.layout)):
                     values[id(p)] = view.copy()
         if not keep:
             return OrderedDict()
@@ -607,7 +608,7 @@ class FullyShardedDataParallel:
             StateDictError: as ``load_state_dict``.
         """
         if isinstance(state, dict) and "units" not in state:
-            write = prepare_sharded_load(self, [_full_as_shard(self, state)], None)
+            write = prepare_sharded_load(self, [full_to_sharded(self, state)], None)
         else:
             write = prepare_sharded_load(self, state if isinstance(state, list) else [state], optimizer)
 
@@ -618,18 +619,6 @@ class FullyShardedDataParallel:
             self.reshard_parameters()
 
         return apply
-
-
-def _views(full: Any, unit: FlatUnit) -> List[Any]:
-    from ..bucketing import unflatten
-
-    return unflatten(full, unit.layout)
-
-
-def _full_as_shard(fsdp: FullyShardedDataParallel, state: Dict[str, Any]) -> Dict[str, Any]:
-    from .fsdp_state import full_to_sharded
-
-    return full_to_sharded(fsdp, state)
 
 
 FSDP = FullyShardedDataParallel

@@ -25,7 +25,7 @@ model and are not counted.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Union
+from typing import Callable, Dict, Union
 
 from ..errors import ConfigurationError
 

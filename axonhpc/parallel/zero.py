@@ -34,7 +34,7 @@ its back (``model.load_state_dict`` on resume, ``ddp.sync_parameters()``).
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Tuple
 
 import numpy as np
 
