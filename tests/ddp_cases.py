@@ -225,4 +225,160 @@ def case_bucket_plan_is_identical_everywhere(world):
     assert all(np.array_equal(everyone[0], row) for row in everyone)
 
 
+# -- uneven inputs: ddp.join() ---------------------------------------------------------------
+def uneven_steps(rank):
+    """Batches of each rank under join: 2, 3, 4, 2, ... (rank 0 ends first)."""
+    return 2 + rank % 3
+
+
+def train_reference_uneven(n, kind, divide_by_initial_world_size=True, extra_even_steps=0, accumulate=1):
+    """One process: at step t, the gradient is the sum over the ranks still active, divided as join does."""
+    model = make_model()
+    opt = make_optimizer(kind, model.parameters())
+    loss_fn = nn.CrossEntropyLoss()
+    longest = max(uneven_steps(r) for r in range(n))
+    for step in range(longest + extra_even_steps):
+        active = [r for r in range(n) if step < uneven_steps(r) or step >= longest]
+        opt.zero_grad()
+        for r in active:
+            for micro in range(accumulate):
+                x, y = make_data(step * accumulate + micro)
+                loss_fn(model(shard(x, r, n)), shard(y, r, n))
+                model.backward(loss_fn.backward())
+        for p in model.parameters():
+            p.grad /= n if divide_by_initial_world_size else len(active)
+        opt.step()
+    return model
+
+
+def train_ddp_uneven(world, kind, extra_even_steps=0, accumulate=1, pass_optimizer=True, **join_args):
+    n, r = world.world_size, world.rank
+    ddp = ax.DDP(make_model(seed=0 if r == 0 else 1000 + r), bucket_size_mb=300 / 2**20)
+    opt = make_optimizer(kind, ddp.parameters())
+    loss_fn = nn.CrossEntropyLoss()
+
+    def step(t):
+        opt.zero_grad()
+        for micro in range(accumulate):
+            x, y = make_data(t * accumulate + micro)
+            loss_fn(ddp(shard(x, r, n)), shard(y, r, n))
+            if micro < accumulate - 1:
+                with ddp.no_sync():
+                    ddp.backward(loss_fn.backward())
+            else:
+                ddp.backward(loss_fn.backward())
+        opt.step()
+
+    with ddp.join(optimizer=opt if pass_optimizer else None, **join_args):
+        for t in range(uneven_steps(r)):
+            step(t)
+    longest = max(uneven_steps(q) for q in range(n))
+    assert ddp.last_join["iterations"] == [uneven_steps(q) * accumulate for q in range(n)]
+    assert ddp.last_join["shadowed"] == (longest - uneven_steps(r)) * accumulate
+    for t in range(longest, longest + extra_even_steps):  # even inputs again after the join
+        step(t)
+    return ddp
+
+
+def assert_identical_across_ranks(ddp):
+    for name, p in ddp.named_parameters():
+        everyone = ax.all_gather(p.data)
+        for k in range(len(everyone)):
+            np.testing.assert_array_equal(everyone[k], everyone[0], err_msg=f"{name} on rank {k}")
+
+
+def case_join_uneven_inputs(world):
+    ddp = train_ddp_uneven(world, "sgd")
+    assert_same_parameters(ddp, train_reference_uneven(world.world_size, "sgd"), np.float64)
+    assert_identical_across_ranks(ddp)
+
+
+def case_join_divide_by_active_ranks(world):
+    ddp = train_ddp_uneven(world, "adam", divide_by_initial_world_size=False)
+    reference = train_reference_uneven(world.world_size, "adam", divide_by_initial_world_size=False)
+    assert_same_parameters(ddp, reference, np.float64)
+
+
+def case_join_keeps_optimizer_state_in_step(world):
+    # Momentum and Adam moments of the joined ranks follow the active ones, so
+    # training on after the join still matches the reference.
+    for kind in ("sgd", "adam"):
+        ddp = train_ddp_uneven(world, kind, extra_even_steps=2)
+        assert_same_parameters(ddp, train_reference_uneven(world.world_size, kind, extra_even_steps=2), np.float64)
+        assert_identical_across_ranks(ddp)
+
+
+def case_join_with_no_sync_accumulation(world):
+    ddp = train_ddp_uneven(world, "sgd", accumulate=2)
+    assert_same_parameters(ddp, train_reference_uneven(world.world_size, "sgd", accumulate=2), np.float64)
+
+
+def case_join_synchronous_without_bucket_views(world):
+    n, r = world.world_size, world.rank
+    model = make_model()
+    ddp = ax.DDP(model, strategy=GradSyncStrategy.SYNCHRONOUS, gradient_as_bucket_view=False)
+    opt = make_optimizer("sgd", ddp.parameters())
+    loss_fn = nn.CrossEntropyLoss()
+    with ddp.join(optimizer=opt):
+        for t in range(uneven_steps(r)):
+            opt.zero_grad()
+            x, y = make_data(t)
+            loss_fn(ddp(shard(x, r, n)), shard(y, r, n))
+            ddp.backward(loss_fn.backward())
+            opt.step()
+    assert_same_parameters(ddp, train_reference_uneven(n, "sgd"), np.float64)
+
+
+def case_join_buffers_come_from_an_active_rank(world):
+    n, r = world.world_size, world.rank
+    model = WithBuffer()
+    ddp = ax.DDP(model)
+    seen = []
+    with ddp.join():
+        for t in range(uneven_steps(r)):
+            model.running[...] = 100.0 * r + t  # rank-dependent on purpose
+            ddp(np.zeros((2, 4)))
+            seen.append(float(model.running[0]))
+            ddp.backward(np.ones((2, 2)))
+    # Each forward used the buffer of the lowest rank still active (times 0.9: the forward's update).
+    for t, value in enumerate(seen):
+        lowest = min(q for q in range(n) if t < uneven_steps(q))
+        assert value == pytest.approx(0.9 * (100.0 * lowest + t)), (t, value, lowest)
+    everyone = ax.all_gather(model.running.copy())
+    assert all(np.array_equal(row, everyone[0]) for row in everyone)
+
+
+def case_join_refuses_disagreeing_ranks(world):
+    if world.world_size < 2:
+        return
+    r = world.rank
+    ddp = ax.DDP(make_model())
+    x, _ = make_data(0)
+    one = np.ones(1)
+    with pytest.raises(ax.errors.ConfigurationError, match=r"must agree on synchronising gradients"):
+        with ddp.join():
+            out = ddp(x[:2])
+            if r == 0:
+                with ddp.no_sync():
+                    ddp.backward(np.ones_like(out))
+            else:
+                ddp.backward(np.ones_like(out))
+    with pytest.raises(ax.errors.ConfigurationError, match=r"different points of an iteration"):
+        with ddp.join():
+            out = ddp(x[:2])
+            if r != 0:
+                ddp.backward(np.ones_like(out))  # rank 0 skips its backward
+            ddp(x[:2])
+    # Each error was raised on every rank together: the group still works.
+    ax.all_reduce(one)
+    assert one[0] == world.world_size
+
+
+def case_join_disabled_is_plain_ddp(world):
+    ddp = train_ddp(world, np.float64, "sgd")
+    with ddp.join(enable=False):
+        pass
+    assert ddp._join is None
+
+
 CASES = {name[len("case_"):]: fn for name, fn in sorted(globals().items()) if name.startswith("case_")}

@@ -30,6 +30,22 @@ bucket's flat buffer: layers accumulate straight into the buffer that is
 all-reduced, and the averaged values need no copy back. If something
 replaces ``p.grad`` (``zero_grad(set_to_none=True)``), the next backward
 copies it into the bucket and restores the view.
+
+[Note: uneven inputs and join]
+Every backward all-reduces every bucket, so a rank that runs out of data
+early would leave the others waiting in their next all-reduce. Inside
+``ddp.join()`` each forward first all-gathers two flags per rank (still
+active, will this iteration synchronise gradients). A rank whose loop has
+ended enters the context's exit and *shadows* the others: for each of their
+iterations it answers the flag exchange as joined, takes part in the buffer
+broadcast, and all-reduces zero gradients in plan order, so the active ranks'
+collectives always find a partner. By default the sum is still divided by the
+initial world size (PyTorch's default; joined ranks add zeros), or with
+``divide_by_initial_world_size=False`` by the number of active ranks. Given an
+``optimizer``, a joined rank steps it with the averaged gradients it received,
+so its parameters and optimizer state stay those of the active ranks. When
+every rank has joined, the rank that ran the most iterations broadcasts its
+parameters and buffers, so all ranks leave the context with one model.
 """
 from __future__ import annotations
 
@@ -41,7 +57,7 @@ import numpy as np
 
 from .._dtypes import array_module
 from ..bucketing import GradientBucket, GradSyncStrategy, pack, plan_buckets, unpack
-from ..collectives import all_reduce
+from ..collectives import all_gather, all_reduce
 from ..backends import ReduceOp
 from ..errors import AxonError, ConfigurationError
 from ..groups import resolve_group
@@ -56,6 +72,21 @@ class UnusedParameterError(AxonError, RuntimeError):
 
 class GradientAfterReductionError(AxonError, RuntimeError):
     """A gradient arrived for a bucket whose all-reduce had already started."""
+
+
+_FORWARD, _BACKWARD = 1, 2
+_PHASES = {_FORWARD: "forward", _BACKWARD: "backward"}
+
+
+class _JoinState:
+    """What ``DistributedDataParallel.join`` tracks while it is open."""
+
+    def __init__(self, divide_by_initial_world_size: bool, optimizer: Any):
+        self.divide_by_initial_world_size = divide_by_initial_world_size
+        self.optimizer = optimizer
+        self.iterations = 0  # forwards this rank ran inside the context
+        self.active = 0  # ranks active in the current iteration
+        self.shadowed = 0  # iterations this rank shadowed after its own data ended
 
 
 class _Bucket:
@@ -139,9 +170,11 @@ class DistributedDataParallel:
                 self._where[id(p)] = (bucket, slot)
         self._hooks = [p.register_grad_hook(self._on_grad_ready) for p in self._params]
         self._no_sync_depth = 0
+        self._join: Any = None
         self._overlapping = False
         self._next_launch = 0
         self.last_step: Dict[str, Any] = {}
+        self.last_join: Dict[str, Any] = {}
         self.sync_parameters()
 
     # -- plan ------------------------------------------------------------------------------
@@ -172,12 +205,25 @@ class DistributedDataParallel:
         return self.forward(*args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the module; first copy rank 0's buffers if ``broadcast_buffers``."""
+        """Run the module; first copy rank 0's buffers if ``broadcast_buffers``.
+
+        Inside ``join()`` the buffers come from the lowest active rank.
+        """
+        src = 0
+        if self._join is not None:
+            training = bool(getattr(self.module, "training", True))
+            active, _ = self._exchange_join_flags(_FORWARD, training)
+            self._join.iterations += 1
+            self._join.active = len(active)
+            src = int(active[0])
+        self._broadcast_buffers(src)
+        return self.module(*args, **kwargs)
+
+    def _broadcast_buffers(self, src: int) -> None:
         if self.broadcast_buffers:
             buffers = [b for _, b in self.module.named_buffers()]
             if buffers:
-                broadcast_arrays(buffers, self.group)
-        return self.module(*args, **kwargs)
+                broadcast_arrays(buffers, self.group, src=src)
 
     # -- backward --------------------------------------------------------------------------
     def _attach_grads(self) -> None:
@@ -213,11 +259,13 @@ class DistributedDataParallel:
                 its bucket's all-reduce began (a parameter used twice under
                 OVERLAPPED; use SYNCHRONOUS for such models).
         """
+        syncing = self._syncing()
+        if self._join is not None:
+            self._exchange_join_flags(_BACKWARD, syncing)
         self._attach_grads()
         for bucket in self._buckets:
             bucket.reset()
         self._next_launch = 0
-        syncing = self._syncing()
         self._overlapping = syncing and self.strategy is GradSyncStrategy.OVERLAPPED
         start = time.perf_counter()
         try:
@@ -254,11 +302,23 @@ class DistributedDataParallel:
             self._launch(self._buckets[self._next_launch], async_op=True)
             self._next_launch += 1
 
+    def _reduce_op(self) -> ReduceOp:
+        """AVG, or SUM when ``join`` divides by the active ranks instead (see ``_rescale``)."""
+        if self._join is not None and not self._join.divide_by_initial_world_size:
+            return ReduceOp.SUM
+        return ReduceOp.AVG
+
+    def _rescale(self) -> None:
+        """Divide the buckets' sums by the active ranks (``join(divide_by_initial_world_size=False)``)."""
+        if self._reduce_op() is ReduceOp.SUM:
+            for bucket in self._buckets:
+                array_module(bucket.flat).divide(bucket.flat, self._join.active, out=bucket.flat)
+
     def _launch(self, bucket: _Bucket, async_op: bool) -> None:
         if not self.gradient_as_bucket_view:
             pack([p.grad for p in bucket.params], out=bucket.flat)
         bucket.launched = True
-        bucket.work = all_reduce(bucket.flat, ReduceOp.AVG, self.group, async_op=async_op)
+        bucket.work = all_reduce(bucket.flat, self._reduce_op(), self.group, async_op=async_op)
 
     def _check_unused(self) -> None:
         unused = [name for b in self._buckets for name, ok in zip(b.names, b.ready) if not ok]
@@ -289,6 +349,7 @@ class DistributedDataParallel:
             for bucket in self._buckets:
                 self._launch(bucket, async_op=False)
             wait_s = time.perf_counter() - start
+        self._rescale()
         if not self.gradient_as_bucket_view:
             for bucket in self._buckets:
                 unpack(bucket.flat, [p.grad for p in bucket.params])
@@ -312,6 +373,123 @@ class DistributedDataParallel:
             yield
         finally:
             self._no_sync_depth -= 1
+
+    # -- uneven inputs ----------------------------------------------------------------------
+    @contextlib.contextmanager
+    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
+             optimizer: Any = None) -> Iterator[None]:
+        """Train on uneven inputs: a rank whose data ends first shadows the others (collective).
+
+        Wrap the whole loop; every rank enters, each leaves its loop when its
+        own data ends, and the context's exit returns once every rank has
+        finished (see the module note)::
+
+            with ddp.join(optimizer=opt):
+                for x, y in my_batches:          # a different count on each rank
+                    opt.zero_grad()
+                    loss = loss_fn(ddp(x), y)
+                    ddp.backward(loss_fn.backward())
+                    opt.step()
+
+        Inside, every forward in training mode outside ``no_sync`` must be
+        followed by ``ddp.backward`` (that is what the joined ranks expect),
+        and gradients are synchronised only by ``backward``.
+
+        Args:
+            divide_by_initial_world_size: divide the gradient sum by the group
+                size (True: joined ranks count as zeros, the default) or by
+                the number of ranks still active (False).
+            enable: False makes the context do nothing (same code on even inputs).
+            optimizer: stepped on a joined rank after each gradient it shadows,
+                so that its parameters and optimizer state follow the active ranks.
+
+        Raises:
+            ConfigurationError: nested ``join``, or active ranks disagree on
+                ``no_sync`` in one iteration (raised on every rank together).
+        """
+        if not enable:
+            yield
+            return
+        if self._join is not None:
+            raise ConfigurationError("ddp.join() is already open; it cannot be nested")
+        self._join = _JoinState(bool(divide_by_initial_world_size), optimizer)
+        try:
+            yield
+            self._shadow_until_all_joined()
+            self._sync_final_model()
+        finally:
+            self._join = None
+
+    def _exchange_join_flags(self, phase: int, flag: bool, active: bool = True) -> Tuple[np.ndarray, bool]:
+        """All-gather ``(phase, active, flag)`` of every rank.
+
+        ``phase`` is forward or backward (a joined rank gives the phase it
+        expects next) and ``flag`` says "training mode" (forward) or "will
+        synchronise gradients" (backward). Every rank sees the same rows, so
+        a disagreement raises on all of them together.
+
+        Returns:
+            The active group ranks, and whether they set the flag.
+        """
+        rows = all_gather(np.array([phase, int(active), int(active and flag)], dtype=np.int64), self.group)
+        active_ranks = np.flatnonzero(rows[:, 1])
+        if len(active_ranks) and len(set(rows[:, 0].tolist())) > 1:
+            where = {k: _PHASES.get(int(row[0]), "?") for k, row in enumerate(rows)}
+            raise ConfigurationError(
+                f"inside ddp.join() the group ranks are at different points of an iteration ({where}): every "
+                "forward in training mode must be followed by ddp.backward"
+            )
+        flagged = np.flatnonzero(rows[:, 2])
+        if len(flagged) and not np.array_equal(flagged, active_ranks):
+            what = "training mode in forward" if phase == _FORWARD else "synchronising gradients in backward"
+            raise ConfigurationError(
+                f"inside ddp.join() the active group ranks {active_ranks.tolist()} must agree on {what}, "
+                f"but only ranks {flagged.tolist()} do (no_sync or eval mode on the others)"
+            )
+        return active_ranks, bool(len(flagged))
+
+    def _shadow_until_all_joined(self) -> None:
+        """This rank's data has ended: answer the active ranks' collectives until none is left."""
+        while True:
+            active, training = self._exchange_join_flags(_FORWARD, False, active=False)
+            if len(active) == 0:
+                return
+            self._join.active = len(active)
+            self._join.shadowed += 1
+            self._broadcast_buffers(int(active[0]))
+            if training:
+                _, syncing = self._exchange_join_flags(_BACKWARD, False, active=False)
+                if syncing:
+                    self._shadow_backward()
+
+    def _shadow_backward(self) -> None:
+        """All-reduce zero gradients in plan order, as a backward would; step the optimizer if given."""
+        self._attach_grads()
+        # The same blocking or nonblocking calls as the active ranks: MPI never
+        # matches a nonblocking collective with a blocking one.
+        overlapped = self.strategy is GradSyncStrategy.OVERLAPPED
+        for bucket in self._buckets:
+            bucket.flat[...] = 0
+            if not self.gradient_as_bucket_view:
+                for p in bucket.params:
+                    p.grad[...] = 0
+            self._launch(bucket, async_op=overlapped)
+        if overlapped:
+            for bucket in self._buckets:
+                bucket.work.wait()
+        self._rescale()
+        if not self.gradient_as_bucket_view:
+            for bucket in self._buckets:
+                unpack(bucket.flat, [p.grad for p in bucket.params])
+        if self._join.optimizer is not None:
+            self._join.optimizer.step()
+
+    def _sync_final_model(self) -> None:
+        """Every rank takes the parameters and buffers of the rank that ran the most iterations."""
+        counts = all_gather(np.array([self._join.iterations], dtype=np.int64), self.group)[:, 0]
+        self.last_join = {"iterations": counts.tolist(), "shadowed": self._join.shadowed}
+        arrays = [p.data for p in self._params] + [b for _, b in self.module.named_buffers()]
+        broadcast_arrays(arrays, self.group, src=int(np.argmax(counts)))
 
     # -- the wrapped module ------------------------------------------------------------------
     def parameters(self) -> List[Any]:
