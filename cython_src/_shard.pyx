@@ -10,6 +10,8 @@ padded buffer; ``pad`` counts the positions of that slice at or beyond
 function of its arguments (torch's ``_get_unpadded_shard`` is the model), so
 it is tested without any communication.
 """
+from cpython.pyport cimport PY_SSIZE_T_MAX
+
 import numpy as np
 
 from axonhpc._dtypes import check_array
@@ -42,7 +44,14 @@ cpdef Py_ssize_t shard_size(Py_ssize_t numel, Py_ssize_t world_size) except -1:
     """
     _check_numel(numel)
     _check_world(world_size)
-    return (numel + world_size - 1) // world_size
+    # not (numel + world_size - 1) // world_size, which overflows for numel near PY_SSIZE_T_MAX
+    return numel // world_size + (1 if numel % world_size else 0)
+
+
+cdef inline void _check_fits(Py_ssize_t count, Py_ssize_t chunk, str what) except *:
+    """Raise OverflowError unless ``count * chunk`` fits in a Py_ssize_t."""
+    if chunk != 0 and count > PY_SSIZE_T_MAX // chunk:
+        raise OverflowError(f"{what}: {count} * {chunk} elements do not fit in a Py_ssize_t")
 
 
 cpdef Py_ssize_t padded_size(Py_ssize_t numel, Py_ssize_t world_size) except -1:
@@ -57,8 +66,11 @@ cpdef Py_ssize_t padded_size(Py_ssize_t numel, Py_ssize_t world_size) except -1:
 
     Raises:
         ValueError: ``numel`` < 0 or ``world_size`` < 1.
+        OverflowError: the padded size does not fit in a Py_ssize_t.
     """
-    return shard_size(numel, world_size) * world_size
+    cdef Py_ssize_t chunk = shard_size(numel, world_size)
+    _check_fits(world_size, chunk, "padded_size")
+    return chunk * world_size
 
 
 cpdef tuple shard_bounds(Py_ssize_t numel, Py_ssize_t rank, Py_ssize_t world_size):
@@ -77,11 +89,13 @@ cpdef tuple shard_bounds(Py_ssize_t numel, Py_ssize_t rank, Py_ssize_t world_siz
     Raises:
         ValueError: ``numel`` < 0 or ``world_size`` < 1.
         RankError: ``rank`` outside ``[0, world_size)``.
+        OverflowError: ``stop`` does not fit in a Py_ssize_t.
     """
     cdef Py_ssize_t chunk = shard_size(numel, world_size)
     cdef Py_ssize_t start, stop
     if rank < 0 or rank >= world_size:
         raise RankError(f"rank {rank} is out of range for world_size {world_size}")
+    _check_fits(rank + 1, chunk, "shard_bounds")
     start = rank * chunk
     stop = start + chunk
     return start, stop, stop - min(max(numel, start), stop)
@@ -119,15 +133,18 @@ cdef class FlatLayout:
             world_size: number of ranks, >= 1.
 
         Raises:
-            ValueError: ``world_size`` < 1.
+            ValueError: ``world_size`` < 1, or a negative dimension.
+            OverflowError: the arrays hold more elements than a Py_ssize_t counts.
         """
         cdef list offsets = []
         cdef list sizes = []
-        cdef Py_ssize_t total = 0, n
+        total = 0  # Python ints: a crafted shape cannot overflow the sums silently
         self.shapes = tuple(tuple(int(d) for d in s) for s in shapes)
-        for shape in self.shapes:
+        for i, shape in enumerate(self.shapes):
             n = 1
             for d in shape:
+                if d < 0:
+                    raise ValueError(f"FlatLayout: shape {shape} of array {i} has a negative dimension")
                 n *= d
             offsets.append(total)
             sizes.append(n)

@@ -210,8 +210,9 @@ class LocalBackend(Backend):
     def broadcast(self, buf, root: int, async_op: bool) -> Work:
         def compute(args):
             src = args[root][0].copy()
-            for (b,) in args:
-                b[...] = src
+            for i, (b,) in enumerate(args):
+                if i != root:  # the root's buffer is only read (it may be read-only, as with MPI_Bcast)
+                    b[...] = src
 
         return self._collective("broadcast", (buf.dtype, buf.shape, f"root={root}"), (buf,), compute, async_op)
 
@@ -232,7 +233,8 @@ class LocalBackend(Backend):
             total = args[0][0].copy()
             for s, _ in args[1:]:
                 reducer(total, s, out=total)
-            parts = total.reshape((n, -1) + total.shape[1:]) if total.ndim else total
+            # explicit part length: with a zero in the trailing dimensions, -1 would be ambiguous
+            parts = total.reshape((n, total.shape[0] // n) + total.shape[1:]) if total.ndim else total
             for i, (_, r) in enumerate(args):
                 r[...] = parts[i].reshape(r.shape)
 

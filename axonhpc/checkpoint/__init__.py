@@ -8,9 +8,9 @@ file layout and ``io`` for atomic writes and what each rank of a group does.
 from .directory import load_per_rank, save_per_rank
 from .format import FORMAT_VERSION
 from .io import load, save
-from .paths import latest
+from .paths import clean_interrupted, latest
 from .rng import capture_rng_state, restore_rng_state
 from .sharded import load_sharded, save_sharded
 
-__all__ = ["save", "load", "latest", "capture_rng_state", "restore_rng_state", "save_sharded", "load_sharded",
+__all__ = ["save", "load", "latest", "clean_interrupted", "capture_rng_state", "restore_rng_state", "save_sharded", "load_sharded",
            "save_per_rank", "load_per_rank", "FORMAT_VERSION"]

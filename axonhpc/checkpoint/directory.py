@@ -13,6 +13,16 @@ or the new one, never a mixture; a directory without ``index.npz`` is never
 taken for a checkpoint (``latest`` looks for it). Every failure is raised on
 every rank.
 
+[Note: reading an index from an untrusted directory]
+File names are never taken from an index: they are computed
+(``rank_file``, ``sharded.shard_file``) from integers the index records, and
+those integers are checked first (``index_int``: an int in a sane range, such
+as a world size of 1 to ``MAX_WORLD_SIZE``). Every file is then opened
+through ``member_path``, which refuses a name that is not a plain file name
+and a file that resolves (through symlinks) outside the checkpoint directory,
+so a checkpoint cannot make a reader open ``/etc/passwd`` or another run's
+files. Each file is then read as any untrusted checkpoint file (``archive``).
+
 ``save_per_rank`` / ``load_per_rank`` use it for states that differ per rank
 and are reloaded at the same world size (pipeline stages, tensor-parallel
 shards, ZeRO-1 optimizer shards); FSDP's resharding checkpoints are in
@@ -35,6 +45,57 @@ from .io import _agree, _broadcast_text, _fsync_directory, _read, write_atomic
 
 INDEX = "index.npz"
 PER_RANK_FORMAT = "axonhpc.per-rank/1"
+MAX_WORLD_SIZE = 1 << 24  # more ranks than any job has run; a larger "world size" is a corrupt index
+
+
+def check_file_name(name: Any, what: str) -> str:
+    """``name`` if it is a plain file name (no directory part, not ``.`` or ``..``).
+
+    Raises:
+        CheckpointError: anything else, naming ``what`` and the value.
+    """
+    if (not isinstance(name, str) or name in ("", ".", "..") or "\0" in name or "/" in name
+            or os.sep in name or (os.altsep is not None and os.altsep in name) or os.path.isabs(name)):
+        raise CheckpointError(f"{what}: {name!r} is not a plain file name inside the checkpoint directory")
+    return name
+
+
+def member_path(path: str, name: Any, what: str) -> str:
+    """``path/name``, checked to stay inside the checkpoint directory ``path``.
+
+    Args:
+        path: the checkpoint directory.
+        name: a file name in it.
+        what: how messages name the file ("index", "rank file of rank 3").
+
+    Returns:
+        The joined path (not resolved: messages show what the user gave).
+
+    Raises:
+        CheckpointError: ``name`` is not a plain file name, or the file
+            resolves (through symlinks) outside ``path``.
+    """
+    check_file_name(name, f"{path!r}: the {what}")
+    full = os.path.join(path, name)
+    root, real = os.path.realpath(path), os.path.realpath(full)
+    if os.path.commonpath([root, real]) != root:
+        raise CheckpointError(f"{path!r}: the {what} {name!r} resolves to {real!r}, outside the checkpoint "
+                              f"directory {root!r} (a symlink?); refused")
+    return full
+
+
+def index_int(index: dict, key: str, path: str, low: int, high: int) -> int:
+    """``index[key]``, checked to be an int in ``[low, high]``.
+
+    Raises:
+        CheckpointError: missing, not an int, or out of range; naming the key and the value.
+    """
+    value = index.get(key, None)
+    if type(value) is not int or not low <= value <= high:
+        shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:80] + "..."
+        raise CheckpointError(f"{path!r}: the index records {key}={shown}; expected an integer from {low} "
+                              f"to {high} (a corrupt or crafted index)")
+    return value
 
 
 def report(pg: Any, problem: Optional[BaseException], what: str) -> None:
@@ -65,6 +126,10 @@ def save_directory(path: "str | os.PathLike[str]", pg: Any, my_file: Optional[Tu
         CheckpointError: on every rank, if any rank failed.
     """
     path = os.fspath(path)
+    if my_file is not None:
+        check_file_name(my_file[0], f"saving checkpoint {path!r}: the file of group rank {pg.rank}")
+        if my_file[0] == INDEX:
+            raise CheckpointError(f"saving checkpoint {path!r}: a rank's file may not be named {INDEX!r}")
     token = _broadcast_text(uuid.uuid4().hex[:12] if pg.rank == 0 else None, pg) if pg.size > 1 \
         else uuid.uuid4().hex[:12]
     tmp = f"{path}.tmp-{token}"
@@ -107,13 +172,17 @@ def read_index(path: str, expected_format: str) -> Tuple[dict, bytes]:
     """The index of a checkpoint directory and the sha256 of its metadata.
 
     Raises:
-        CheckpointError: no index, or one of another format.
+        CheckpointError: no index, one of another format or without its
+            ``extra`` entry, or an index that resolves outside ``path``.
     """
-    index, digest = _read(os.path.join(path, INDEX))
+    index, digest = _read(member_path(path, INDEX, "index"))
     if not isinstance(index, dict) or index.get("format") != expected_format:
         found = index.get("format") if isinstance(index, dict) else None
         raise CheckpointError(f"{path!r} is not a checkpoint of format {expected_format!r} (its index says "
                               f"{found!r})")
+    if "extra" not in index:
+        raise CheckpointError(f"{path!r}: the index has no 'extra' entry (keys {sorted(index)[:10]}); a corrupt "
+                              f"or crafted index")
     return index, digest
 
 
@@ -147,7 +216,8 @@ def load_per_rank(path: "str | os.PathLike[str]", group: Any = None) -> Tuple[An
 
     Raises:
         CheckpointError: on every rank, if any rank cannot read its file, the
-            world size differs from the one saved, or the ranks read different
+            world size differs from the one saved, the index is malformed, a
+            file resolves outside ``path``, or the ranks read different
             checkpoints.
     """
     path = os.fspath(path)
@@ -158,10 +228,12 @@ def load_per_rank(path: "str | os.PathLike[str]", group: Any = None) -> Tuple[An
     problem: Optional[BaseException] = None
     try:
         index, digest = read_index(path, PER_RANK_FORMAT)
-        if int(index["world_size"]) != pg.size:
-            raise CheckpointError(f"{path!r} was saved by {index['world_size']} ranks; this group has {pg.size} "
+        saved_world = index_int(index, "world_size", path, 1, MAX_WORLD_SIZE)
+        if saved_world != pg.size:
+            raise CheckpointError(f"{path!r} was saved by {saved_world} ranks; this group has {pg.size} "
                                   "(per-rank states load only at the same world size)")
-        state = _read(os.path.join(path, rank_file(pg.rank, pg.size)))[0]
+        name = rank_file(pg.rank, pg.size)
+        state = _read(member_path(path, name, f"rank file of rank {pg.rank}"))[0]
         extra = index["extra"]
     except Exception as exc:  # noqa: BLE001 - the other ranks must hear of it before this rank raises
         problem = exc
@@ -172,4 +244,5 @@ def load_per_rank(path: "str | os.PathLike[str]", group: Any = None) -> Tuple[An
     return state, extra
 
 
-__all__ = ["save_directory", "read_index", "report", "save_per_rank", "load_per_rank", "rank_file", "INDEX"]
+__all__ = ["save_directory", "read_index", "report", "save_per_rank", "load_per_rank", "rank_file", "INDEX",
+           "MAX_WORLD_SIZE", "check_file_name", "index_int", "member_path"]

@@ -29,23 +29,32 @@ refused: they would need pickle, or are not what a training state holds.
 
 Loading checks the recorded dtype, shape and sha256 of every array, so a
 flipped bit or a file stitched together from two checkpoints is reported with
-the key it hit, not returned as plausible numbers.
+the key it hit, not returned as plausible numbers. The dtype and shape are
+compared with each entry's ``.npy`` header before the array is allocated
+(``archive``), so a crafted file cannot make the reader allocate more than the
+file itself could hold. The metadata is at most ``MAX_META_BYTES`` of JSON
+nested at most ``MAX_DEPTH`` containers deep; ``encode`` refuses a state
+beyond either limit, so everything written can be read back.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import math
-from typing import Any, Dict, List, Mapping, Tuple
+from typing import Any, Dict, List, Tuple
 
 import numpy as np
 
 from .._dtypes import is_cupy_array
 from ..errors import CheckpointError
+from .archive import Archive, EntryRefused
 
 FORMAT_NAME = "axonhpc-checkpoint"
 FORMAT_VERSION = 1
 META_ENTRY = "__meta__"
+MAX_META_BYTES = 64 << 20  # JSON of the metadata: about 400,000 arrays' worth
+MAX_DEPTH = 100  # containers nested in containers; training states nest a handful deep
+MAX_NDIM = 64  # numpy's own limit on dimensions
 
 _PLAIN_KINDS = "biufc"  # bool, signed, unsigned, float, complex: no pickle needed
 
@@ -129,6 +138,9 @@ class _Encoder:
         )
 
     def _container(self, value: Any, where: Tuple[Any, ...]) -> Dict[str, Any]:
+        if len(where) >= MAX_DEPTH:
+            raise CheckpointError(f"cannot checkpoint {key_path(where[:3])}...: containers are nested more than "
+                                  f"{MAX_DEPTH} deep, more than a checkpoint may hold")
         if id(value) in self._open:
             raise CheckpointError(f"cannot checkpoint {key_path(where)}: the container contains itself")
         self._open.add(id(value))
@@ -169,14 +181,19 @@ def encode(state: Any) -> Dict[str, np.ndarray]:
         Entry name -> array, including the ``__meta__`` JSON entry.
 
     Raises:
-        CheckpointError: a value or key that cannot be stored, naming where it is.
+        CheckpointError: a value or key that cannot be stored, naming where it
+            is; containers nested deeper than ``MAX_DEPTH``; metadata larger
+            than ``MAX_META_BYTES``.
     """
     encoder = _Encoder()
     tree = encoder.node(state, ())
     meta = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "tree": tree}
-    text = json.dumps(meta, allow_nan=False, separators=(",", ":"))
+    data = json.dumps(meta, allow_nan=False, separators=(",", ":")).encode("utf-8")
+    if len(data) > MAX_META_BYTES:
+        raise CheckpointError(f"cannot checkpoint this state: its metadata takes {len(data)} bytes of JSON, more "
+                              f"than the {MAX_META_BYTES} a checkpoint may hold ({len(encoder.arrays)} arrays)")
     entries = dict(encoder.arrays)
-    entries[META_ENTRY] = np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
+    entries[META_ENTRY] = np.frombuffer(data, dtype=np.uint8)
     return entries
 
 
@@ -218,7 +235,7 @@ def _ml_dtype(name: str, source: str, where: Tuple[Any, ...]) -> np.dtype:
 class _Decoder:
     """One pass over the JSON tree, reading and verifying each array entry."""
 
-    def __init__(self, entries: Mapping[str, np.ndarray], source: str) -> None:
+    def __init__(self, entries: Archive, source: str) -> None:
         self.entries = entries
         self.source = source
         self.used: set = set()
@@ -229,9 +246,13 @@ class _Decoder:
     def node(self, node: Any, where: Tuple[Any, ...]) -> Any:
         tag = node.get("t") if isinstance(node, dict) else None
         try:
+            if tag in ("dict", "list", "tuple") and len(where) >= MAX_DEPTH:
+                raise self.fail(where, f"the metadata is nested too deeply (more than {MAX_DEPTH} containers)")
             if tag == "dict":
                 out = {}
                 for key, item in node["items"]:
+                    if not isinstance(key, str):
+                        raise TypeError(f"dict key {key!r} is not a str")
                     out[key] = self.node(item, where + (key,))
                 return out
             if tag in ("list", "tuple"):
@@ -240,49 +261,88 @@ class _Decoder:
             if tag == "none":
                 return None
             if tag in ("bool", "str"):
-                return node["v"]
+                value = node["v"]
+                if not isinstance(value, bool if tag == "bool" else str):
+                    raise TypeError(f"a {tag} node holds {type(value).__name__}")
+                return value
             if tag == "int":
+                if not isinstance(node["v"], (str, int)) or isinstance(node["v"], bool):
+                    raise TypeError(f"an int node holds {type(node['v']).__name__}")
                 return int(node["v"])
             if tag == "float":
                 return _decode_float(node["v"])
             if tag in ("array", "scalar"):
                 array = self._array(node, where)
+                if tag == "scalar" and array.ndim != 0:
+                    raise ValueError(f"a scalar of shape {array.shape}")
                 return array[()] if tag == "scalar" else array
         except (KeyError, TypeError, ValueError) as exc:
-            raise self.fail(where, f"malformed metadata node {node!r} ({type(exc).__name__}: {exc})") from exc
-        raise self.fail(where, f"unknown metadata node {node!r}")
+            raise self.fail(where, f"malformed metadata node {_brief(node)} ({type(exc).__name__}: {exc})") from exc
+        raise self.fail(where, f"unknown metadata node {_brief(node)}")
+
+    def _shape(self, node: Dict[str, Any]) -> Tuple[int, ...]:
+        shape = node["shape"]
+        if (not isinstance(shape, list) or len(shape) > MAX_NDIM
+                or not all(type(d) is int and d >= 0 for d in shape)):
+            raise ValueError(f"shape {shape!r} is not a list of at most {MAX_NDIM} non-negative integers")
+        return tuple(shape)
 
     def _array(self, node: Dict[str, Any], where: Tuple[Any, ...]) -> np.ndarray:
-        entry, dtype_text, shape = node["entry"], node["dtype"], tuple(node["shape"])
-        try:
-            stored = self.entries[entry]
-        except KeyError as exc:
-            raise self.fail(where, f"entry {entry!r} is missing from the file") from exc
-        except Exception as exc:  # noqa: BLE001 - zip CRC errors, refused pickles: reported with the key
-            raise self.fail(where, f"entry {entry!r} cannot be read ({type(exc).__name__}: {exc})") from exc
-        self.used.add(entry)
+        entry, dtype_text, shape = node["entry"], node["dtype"], self._shape(node)
+        if not isinstance(entry, str) or not isinstance(dtype_text, str) or not isinstance(node["sha256"], str):
+            raise TypeError("entry, dtype and sha256 must be strings")
+        if entry in self.used:
+            raise self.fail(where, f"entry {entry!r} is described twice in the metadata")
         ml_dtype = None
         if dtype_text.startswith(("<", ">", "|", "=")):
             expected = np.dtype(dtype_text)
+            if expected.kind not in _PLAIN_KINDS or expected.fields is not None or expected.subdtype is not None:
+                raise ValueError(f"dtype {dtype_text!r} is not a plain bool, integer, float or complex dtype")
         else:
             ml_dtype = _ml_dtype(dtype_text, self.source, where)
             expected = np.dtype(f"<u{ml_dtype.itemsize}")
-        if stored.dtype != expected or stored.shape != shape:
-            raise self.fail(where, f"entry {entry!r} holds {stored.dtype} of shape {stored.shape}, the "
-                                   f"metadata records {expected} of shape {shape}")
-        digest = _sha256(stored if stored.flags.c_contiguous else stored.copy(order="C"))
+        try:
+            stored = self.entries.read(entry, expected, shape)
+        except EntryRefused as exc:
+            raise self.fail(where, str(exc)) from exc
+        self.used.add(entry)
+        digest = _sha256(stored)
         if digest != node["sha256"]:
             raise self.fail(where, f"checksum mismatch in entry {entry!r} (sha256 {digest}, recorded "
                                    f"{node['sha256']}): the file is corrupt")
         return stored.view(ml_dtype) if ml_dtype is not None else stored
 
 
-def decode(meta: Dict[str, Any], entries: Mapping[str, np.ndarray], names: List[str], source: str) -> Any:
+def _brief(node: Any) -> str:
+    """A metadata node for a message, cut short: a crafted one may be megabytes long."""
+    text = repr(node)
+    return text if len(text) <= 200 else text[:200] + "..."
+
+
+def _described(tree: Any) -> set:
+    """Entry names the metadata refers to (malformed nodes are skipped: decoding reports them)."""
+    found, stack = set(), [tree]
+    while stack:
+        node = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        if isinstance(node.get("entry"), str):
+            found.add(node["entry"])
+        items = node.get("items")
+        if isinstance(items, list):
+            for item in items:
+                stack.append(item[1] if node.get("t") == "dict" and isinstance(item, list) and len(item) == 2
+                             else item)
+    return found
+
+
+def decode(meta: Dict[str, Any], entries: Archive, names: List[str], source: str) -> Any:
     """Rebuild the state tree from checked metadata and the file's entries.
 
     Args:
         meta: the result of ``parse_meta``.
-        entries: entry name -> array (read lazily, as ``numpy.load`` of an npz does).
+        entries: the open archive; each entry is read only after its header
+            matches the dtype and shape the metadata records.
         names: every entry name in the file, to refuse entries the metadata does not describe.
         source: how messages name the file.
 
@@ -290,12 +350,12 @@ def decode(meta: Dict[str, Any], entries: Mapping[str, np.ndarray], names: List[
         The state, with dicts, lists, tuples, numpy arrays and scalars as saved.
 
     Raises:
-        CheckpointError: a missing, unreadable, mistyped or corrupt entry, naming its key.
+        CheckpointError: a missing, unreadable, mistyped or corrupt entry, or
+            a malformed or too deeply nested metadata node, naming its key.
     """
-    decoder = _Decoder(entries, source)
-    state = decoder.node(meta["tree"], ())
-    extra = sorted(set(names) - decoder.used - {META_ENTRY})
+    extra = sorted(set(names) - _described(meta["tree"]) - {META_ENTRY})
     if extra:
-        raise CheckpointError(f"{source}: entries {extra} are not described by the metadata; "
+        raise CheckpointError(f"{source}: entries {extra[:10]} are not described by the metadata; "
                               f"the file was altered after it was written")
-    return state
+    decoder = _Decoder(entries, source)
+    return decoder.node(meta["tree"], ())

@@ -39,7 +39,8 @@ import numpy as np
 from ..collectives import all_gather, broadcast
 from ..errors import CheckpointError
 from ..groups import ProcessGroup, resolve_group
-from .format import META_ENTRY, decode, encode, parse_meta
+from .archive import EntryRefused, open_archive
+from .format import MAX_META_BYTES, META_ENTRY, decode, encode, parse_meta
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -135,27 +136,21 @@ def save(path: PathLike, state: Any, group: Optional[ProcessGroup] = None) -> No
 
 
 def _read(path: str) -> Tuple[Any, bytes]:
-    """The state in ``path`` and the sha256 of its metadata; every failure is a CheckpointError."""
+    """The state in ``path`` and the sha256 of its metadata; every failure is a CheckpointError.
+
+    Nothing in the file is trusted: see ``archive`` for the checks made
+    before any array is allocated.
+    """
     source = f"checkpoint {path!r}"
-    try:
-        archive = np.load(path, allow_pickle=False)
-    except FileNotFoundError as exc:
-        raise CheckpointError(f"{source}: no such file") from exc
-    except Exception as exc:  # noqa: BLE001 - any unreadable file is the same error to the caller
-        raise CheckpointError(f"{source} cannot be read as an npz archive without pickle "
-                              f"({type(exc).__name__}: {exc})") from exc
-    if isinstance(archive, np.ndarray):
-        raise CheckpointError(f"{source} is a single .npy array, not an axonhpc checkpoint (.npz)")
-    with archive:
-        names = list(archive.files)
+    with open_archive(path, source) as archive:
+        names = archive.names
         if META_ENTRY not in names:
             raise CheckpointError(f"{source}: not an axonhpc checkpoint (no {META_ENTRY!r} entry; "
                                   f"entries: {names[:10]})")
         try:
-            raw = archive[META_ENTRY]
-        except Exception as exc:  # noqa: BLE001 - a pickled or corrupt metadata entry
-            raise CheckpointError(f"{source}: entry {META_ENTRY!r} cannot be read "
-                                  f"({type(exc).__name__}: {exc})") from exc
+            raw = archive.read(META_ENTRY, max_bytes=MAX_META_BYTES)
+        except EntryRefused as exc:  # a pickled, oversized or corrupt metadata entry
+            raise CheckpointError(f"{source}: entry {META_ENTRY!r} cannot be read ({exc})") from exc
         try:
             meta = parse_meta(raw, source)
             state = decode(meta, archive, names, source)
@@ -188,8 +183,10 @@ def _agree(pg: ProcessGroup, path: str, failed_here: bool, digest: bytes) -> Non
 def load(path: PathLike, group: Optional[ProcessGroup] = None) -> Any:
     """Read a checkpoint written by ``save``; every rank of ``group`` reads ``path`` itself.
 
-    Loading never unpickles (``numpy.load(..., allow_pickle=False)``), so a
-    crafted file cannot run code; it is refused instead.
+    Loading never unpickles, so a crafted file cannot run code, and checks
+    every size in the file against the metadata before allocating anything
+    (see ``archive``), so it cannot make the reader allocate more than the
+    file could hold; such a file is refused instead.
 
     Args:
         path: the checkpoint file (on a filesystem all ranks share).
@@ -201,9 +198,9 @@ def load(path: PathLike, group: Optional[ProcessGroup] = None) -> Any:
 
     Raises:
         CheckpointError: on every rank, if any rank finds the file missing, not
-            a checkpoint, of a newer format, containing pickled data, or corrupt
-            (a checksum mismatch names the key), or if the ranks read different
-            files.
+            a checkpoint, of a newer format, containing pickled data, with
+            sizes that disagree with the metadata, or corrupt (a checksum
+            mismatch names the key), or if the ranks read different files.
         NotAMemberError: this rank is not in ``group``.
     """
     path = os.fspath(path)

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Optional
+import shutil
+from typing import List, Optional
 
 from ..errors import ConfigurationError
 
@@ -55,3 +56,47 @@ def latest(dirpath: "str | os.PathLike[str]", pattern: str = "ckpt-*.npz") -> Op
             if best is None or key > best:
                 best = key
     return None if best is None else os.path.join(dirpath, best[1])
+
+
+_LEFTOVER = re.compile(r"(?P<base>.+)\.(?P<kind>tmp|old)-[0-9A-Za-z-]+")
+
+
+def _complete(path: str) -> bool:
+    return os.path.isfile(path) or os.path.isfile(os.path.join(path, "index.npz"))
+
+
+def clean_interrupted(dirpath: "str | os.PathLike[str]") -> List[str]:
+    """Tidy what killed saves left in ``dirpath``; returns one line per entry it handled.
+
+    - ``X.tmp-<token>``: a save that never finished (never taken for a
+      checkpoint): removed.
+    - ``X.old-<token>``: the checkpoint that was at ``X``, renamed aside in the
+      instant before its replacement took its place: removed if ``X`` is
+      complete, otherwise renamed back to ``X``, so nothing is lost.
+
+    Not collective: call it from one process per directory, before anything
+    saves there (``DistributedTrainer.fit`` does, on its rank 0).
+    """
+    dirpath = os.fspath(dirpath)
+    try:
+        names = sorted(os.listdir(dirpath))
+    except FileNotFoundError:
+        return []
+    done = []
+    for name in names:
+        m = _LEFTOVER.fullmatch(name)
+        if m is None:
+            continue
+        full, base = os.path.join(dirpath, name), os.path.join(dirpath, m.group("base"))
+        if m.group("kind") == "old" and not _complete(base) and _complete(full):
+            if os.path.isdir(base):
+                shutil.rmtree(base, ignore_errors=True)  # an incomplete directory where the checkpoint belongs
+            os.rename(full, base)
+            done.append(f"restored {m.group('base')} from {name}")
+            continue
+        if os.path.isdir(full):
+            shutil.rmtree(full, ignore_errors=True)
+        else:
+            os.unlink(full)
+        done.append(f"removed {name}")
+    return done

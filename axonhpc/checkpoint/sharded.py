@@ -19,16 +19,19 @@ crash leaves the previous checkpoint or the new one, never a mixture.
 ``load_sharded(path, fsdp, optimizer)`` reads the index, then on each rank
 only the shard files whose ranges overlap the rank's own shards under the
 current group (see ``parallel.fsdp_state``'s note on resharding), so a
-checkpoint saved on N ranks loads on M.
+checkpoint saved on N ranks loads on M. The index is checked before it is
+used (``shard_world_size`` an int from 1 to ``MAX_WORLD_SIZE``, ``units`` a
+dict of str to non-negative int) and every file is opened through
+``directory.member_path`` (see the note there).
 """
 from __future__ import annotations
 
 import os
 from typing import Any, List, Optional
 
-from ..bucketing import shard_bounds
+from ..bucketing import shard_size
 from ..errors import CheckpointError
-from .directory import read_index, save_directory
+from .directory import MAX_WORLD_SIZE, index_int, member_path, read_index, save_directory
 from .io import _agree, _read
 
 INDEX_FORMAT = "axonhpc.fsdp.checkpoint/1"
@@ -60,20 +63,28 @@ def save_sharded(path: "str | os.PathLike[str]", fsdp: Any, optimizer: Any = Non
                             "units": {u.name: int(u.numel) for u in fsdp.units}, "extra": extra})
 
 
-def _needed_files(index: dict, fsdp: Any) -> List[int]:
-    """Shard ranks of the saved files that overlap this rank's ranges."""
-    saved_world = int(index["shard_world_size"])
+_MAX_NUMEL = 1 << 62  # elements of one unit; more is a corrupt index, not a model
+
+
+def _needed_files(index: dict, fsdp: Any, path: str) -> List[int]:
+    """Shard ranks of the saved files that overlap this rank's ranges (the index checked first)."""
+    saved_world = index_int(index, "shard_world_size", path, 1, MAX_WORLD_SIZE)
+    units = index.get("units")
+    if not isinstance(units, dict):
+        raise CheckpointError(f"{path!r}: the index records units={type(units).__name__}; expected a dict of unit "
+                              f"names to element counts (a corrupt or crafted index)")
     needed = set()
     for unit in fsdp.units:
-        numel = int(index["units"].get(unit.name, -1))
+        numel = index_int(units, unit.name, path, 0, _MAX_NUMEL) if unit.name in units else -1
         if numel != unit.numel:
             raise CheckpointError(f"the checkpoint's unit {unit.name!r} has {numel} elements, the model's "
                                   f"{unit.numel} (-1: not in the checkpoint)")
+        # Saved shard k holds [k * chunk, (k + 1) * chunk) of the unit (shard_bounds), so the ones
+        # overlapping [lo, hi) are found by division, whatever the saved world size.
         lo, hi = unit.unpadded_range()
-        for k in range(saved_world):
-            start, stop, _ = shard_bounds(numel, k, saved_world)
-            if max(lo, start) < min(hi, min(stop, numel)):
-                needed.add(k)
+        chunk = shard_size(numel, saved_world)
+        if hi > lo and chunk > 0:
+            needed.update(range(lo // chunk, (hi - 1) // chunk + 1))
     return sorted(needed)
 
 
@@ -90,7 +101,8 @@ def load_sharded(path: "str | os.PathLike[str]", fsdp: Any, optimizer: Any = Non
 
     Raises:
         CheckpointError: on every rank, if any rank could not read what it
-            needs or the ranks read different checkpoints.
+            needs, the index is malformed, a file resolves outside ``path``,
+            or the ranks read different checkpoints.
         StateDictError: the checkpoint does not match the model (raised on every rank).
     """
     path = os.fspath(path)
@@ -100,8 +112,9 @@ def load_sharded(path: "str | os.PathLike[str]", fsdp: Any, optimizer: Any = Non
     problem: Optional[BaseException] = None
     try:
         index, digest = read_index(path, INDEX_FORMAT)
-        saved_world = int(index["shard_world_size"])
-        pieces = [_read(os.path.join(path, shard_file(k, saved_world)))[0] for k in _needed_files(index, fsdp)]
+        needed = _needed_files(index, fsdp, path)
+        saved_world = index["shard_world_size"]
+        pieces = [_read(member_path(path, shard_file(k, saved_world), f"shard file {k}"))[0] for k in needed]
         apply = fsdp.prepare_load(pieces, optimizer)  # checks only: nothing changes yet
     except Exception as exc:  # noqa: BLE001 - the other ranks must hear of it before this rank raises
         problem = exc
