@@ -26,7 +26,7 @@ extensions = [
     Extension(
         "axonhpc._ext." + os.path.splitext(os.path.basename(path))[0],
         [path],
-        include_dirs=[numpy.get_include()],
+        include_dirs=[numpy.get_include(), "cython_src"],
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
         extra_compile_args=["-O3"] if not DEBUG else ["-O0", "-g"],
     )

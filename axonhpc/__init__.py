@@ -10,6 +10,7 @@ from . import collectives as _collectives
 from .collectives import *  # noqa: F401,F403 - the collectives are the top-level API
 from .groups import Mesh, ProcessGroup, World, current_world, init, is_initialized, run_local
 from .info import info
+from .log import get_logger
 from .settings import settings
 
 __version__ = "0.1.0"
@@ -46,9 +47,10 @@ _LAZY = {
     "TensorParallelMLP": "axonhpc.parallel",
     "TensorParallelAttention": "axonhpc.parallel",
     "ZeroRedundancyOptimizer": "axonhpc.parallel",
+    "timeline": "axonhpc.profiling",
 }
 _SUBMODULES = ("nn", "optim", "data", "bucketing", "comm", "backends", "settings", "cli", "bench", "parallel",
-               "checkpoint", "trainer")
+               "checkpoint", "trainer", "tracing", "profiling")
 
 
 def __getattr__(name):
@@ -78,4 +80,5 @@ __all__ = [
     "current_world",
     "is_initialized",
     "LocalBackend",
+    "get_logger",
 ] + list(_collectives.__all__) + list(_LAZY)

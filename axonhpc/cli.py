@@ -4,6 +4,7 @@
     axonhpc bench NAME [args]            benchmarks (allreduce, ddp, fsdp, pack, pipeline)
     axonhpc launch -n N [--] script.py   mpiexec wrapper that works as root and aborts on errors
     axonhpc doctor DIR                   which rank diverged first, from the flight recorder dumps
+    axonhpc timeline merge DIR [-o F]    one Chrome trace from the ranks' timeline-rank*.json files
     axonhpc slurm render TEMPLATE ...    a SLURM batch script from a template in slurm/ (docs/launching.md)
 """
 from __future__ import annotations
@@ -51,6 +52,20 @@ def _cmd_doctor(args) -> int:
     from .doctor import main
 
     return main(args.directory)
+
+
+def _cmd_timeline(args) -> int:
+    from .errors import ConfigurationError
+    from .profiling import merge_directory
+
+    out = args.output or os.path.join(args.directory, "timeline.json")
+    try:
+        count = merge_directory(args.directory, out)
+    except ConfigurationError as exc:
+        print(f"axonhpc timeline: {exc}", file=sys.stderr)
+        return 1
+    print(f"merged the timelines of {count} rank(s) into {out} (open it at https://ui.perfetto.dev)")
+    return 0
 
 
 def _cmd_launch(args) -> int:
@@ -165,6 +180,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("doctor", help="merge the ranks' flight recorder dumps; say who diverged first and where")
     p.add_argument("directory", help="the AXONHPC_FLIGHT_DIR of the job (flight-rank*.json)")
     p.set_defaults(func=_cmd_doctor)
+    p = sub.add_parser("timeline", help="merge per-rank timelines (AXONHPC_TIMELINE_DIR) into one Chrome trace")
+    p.add_argument("action", choices=["merge"])
+    p.add_argument("directory", help="the AXONHPC_TIMELINE_DIR of the job (timeline-rank*.json)")
+    p.add_argument("-o", "--output", default=None, help="the merged file (default DIR/timeline.json)")
+    p.set_defaults(func=_cmd_timeline)
     p = sub.add_parser("launch", help="run a script on N ranks with mpiexec")
     p.add_argument("-n", "--np", dest="n", type=int, required=True, help="number of ranks")
     p.add_argument("--hosts", default=None, help="comma-separated host list passed to mpiexec")

@@ -1,7 +1,6 @@
 """``ax.info()``: what this installation and this job are running on."""
 from __future__ import annotations
 
-import importlib.util
 import platform
 import sys
 from typing import Any, Dict
@@ -9,7 +8,10 @@ from typing import Any, Dict
 import numpy as np
 
 from ._dtypes import bfloat16_dtype
+from .backends.cuda_aware import cuda_aware_mpi
+from .backends.devices import device_facts
 from .groups import is_initialized, current_world
+from .groups.device_path import device_report
 
 _THREAD_LEVELS = {0: "single", 1: "funneled", 2: "serialized", 3: "multiple"}
 
@@ -27,31 +29,40 @@ def _mpi_facts() -> Dict[str, Any]:
         "mpi_standard": "%d.%d" % MPI.Get_version(),
         "mpi_vendor": "%s %s" % (MPI.get_vendor()[0], ".".join(map(str, MPI.get_vendor()[1]))),
         "thread_level": _THREAD_LEVELS.get(MPI.Query_thread(), str(MPI.Query_thread())),
-        # Detecting CUDA-aware MPI safely belongs to the GPU path, which this
-        # version does not have: say so instead of guessing.
-        "cuda_aware_mpi": "not checked (no GPU path in this version)",
+        # "yes (how)" / "no (how)": see axonhpc.backends.cuda_aware for the order of the checks.
+        "cuda_aware_mpi": str(cuda_aware_mpi()),
     }
 
 
 def _gpu_facts() -> Dict[str, Any]:
-    facts: Dict[str, Any] = {"cupy": None, "nccl": None}
-    if importlib.util.find_spec("cupy") is None:
-        return facts
-    try:
-        import cupy
+    facts = device_facts()
+    out: Dict[str, Any] = {
+        "cupy": facts.cupy,
+        "cuda_devices": facts.devices,
+        "nccl": ".".join(map(str, facts.nccl)) if facts.nccl else None,
+    }
+    if facts.problems:
+        out["gpu_problems"] = "; ".join(facts.problems)
+    return out
 
-        facts["cupy"] = cupy.__version__
-        from cupy.cuda import nccl
 
-        if getattr(nccl, "available", False):
-            facts["nccl"] = str(nccl.get_version())
-    except Exception as exc:  # noqa: BLE001 - reported, not fatal
-        facts["gpu_error"] = f"{type(exc).__name__}: {exc}"
-    return facts
+def _device_path() -> Dict[str, Any]:
+    """What init decided: the backend for device arrays and this rank's device."""
+    report = device_report()
+    choice, binding = report.get("choice"), report.get("binding")
+    out: Dict[str, Any] = {}
+    if choice is not None:
+        out["device_arrays"] = f"{choice.device or choice.host}: {choice.reason}"
+    if binding is not None:
+        physical = f", CUDA_VISIBLE_DEVICES entry {binding.physical}" if binding.physical else ""
+        out["device"] = f"cuda:{binding.index}{physical} ({binding.reason})"
+    elif choice is not None:
+        out["device"] = None
+    return out
 
 
 def info() -> Dict[str, Any]:
-    """MPI vendor and version, thread level, CUDA-awareness, cupy/NCCL, ranks and nodes."""
+    """MPI vendor and version, thread level, CUDA-awareness, cupy/NCCL, the device binding, ranks and nodes."""
     from . import __version__
 
     facts: Dict[str, Any] = {
@@ -74,4 +85,5 @@ def info() -> Dict[str, Any]:
             node_rank=world.node_rank,
             num_nodes=world.num_nodes,
         )
+        facts.update(_device_path())
     return facts

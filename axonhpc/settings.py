@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, fields
-from typing import Mapping, Optional
+from typing import Dict, Mapping, Optional
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
@@ -77,8 +77,41 @@ def _parse_choice(name: str, text: str, choices: tuple) -> str:
     return value
 
 
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def _parse_slot_bytes(name: str, text: str) -> int:
+    value = int(text.strip())
+    if value < 4096 or value % 4096:
+        raise ValueError(f"{name}={text!r} must be a positive multiple of 4096")
+    return value
+
+
+def _parse_log_ranks(name: str, text: str) -> str:
+    value = text.strip().lower().replace(" ", "")
+    if value != "all" and not all(part.isdigit() for part in value.split(",")):
+        raise ValueError(f"{name}={text!r} must be 'all' or a comma list of ranks such as '0,3'")
+    return value
+
+
 # The all-reduce algorithms (see axonhpc.collectives.algorithms).
 ALGORITHMS = ("native", "hierarchical", "ring", "rhd")
+
+# How ``cuda_aware_mpi`` may be set: decide from the MPI library ("auto"), run a probe
+# transfer in a subprocess as well ("probe"), or say so ("yes", "no").
+CUDA_AWARE_CHOICES = ("auto", "probe", "yes", "no")
+
+
+def _parse_cuda_aware(name: str, text: str) -> str:
+    low = text.strip().lower()
+    if low == "":
+        return "auto"
+    if low in _TRUE:
+        return "yes"
+    if low in _FALSE:
+        return "no"
+    return _parse_choice(name, text, CUDA_AWARE_CHOICES)
+
 
 # The largest element count one MPI call takes with a C int count.
 MPI_INT_MAX = 2**31 - 1
@@ -116,6 +149,28 @@ class Settings:
             then across nodes), "ring" (reduce-scatter and all-gather around a
             ring) or "rhd" (recursive halving-doubling);
             ``AXONHPC_ALLREDUCE_ALGORITHM``.
+        cuda_aware_mpi: whether cupy arrays go to MPI directly: "auto"
+            decides from the MPI library (see ``axonhpc.backends.cuda_aware``),
+            "probe" also tries one device transfer in a subprocess, "yes" and
+            "no" (or 1/0) say so; otherwise they are staged through pinned
+            host memory (``AXONHPC_CUDA_AWARE_MPI``).
+        timeline_dir: when set, ``init`` records this rank's timeline spans for
+            the whole run and writes ``timeline-rank<r>.json`` there at exit
+            (``AXONHPC_TIMELINE_DIR``; merge with ``axonhpc timeline merge``).
+        log_level: level of the "axonhpc" logger: DEBUG, INFO, WARNING, ERROR
+            (``AXONHPC_LOG_LEVEL``).
+        log_ranks: the world ranks whose INFO and DEBUG records are shown:
+            "0", a comma list "0,3", or "all" (``AXONHPC_LOG_RANKS``); WARNING
+            and above are shown from every rank.
+        shm_collectives: "auto" runs all-reduce, reduce-scatter, all-gather
+            and broadcast of at least ``shm_min_bytes`` through a shared-memory
+            window when every rank of the group is on one node; "off" always
+            uses MPI (``AXONHPC_SHM_COLLECTIVES``).
+        shm_min_bytes: the smallest message that takes the shared-memory
+            path (``AXONHPC_SHM_MIN_BYTES``).
+        shm_slot_bytes, shm_slots: the geometry of each rank's segment: a
+            message passes through ``shm_slots`` slots of ``shm_slot_bytes``
+            (``AXONHPC_SHM_SLOT_BYTES``, ``AXONHPC_SHM_SLOTS``).
     """
 
     debug: bool = False
@@ -129,6 +184,14 @@ class Settings:
     flight_dir: str = "axonhpc-flight"
     flight_signal: str = "SIGUSR1"
     skip_nonfinite_steps: bool = False
+    cuda_aware_mpi: str = "auto"
+    timeline_dir: str = ""
+    log_level: str = "INFO"
+    log_ranks: str = "0"
+    shm_collectives: str = "auto"
+    shm_min_bytes: int = 16 << 20
+    shm_slot_bytes: int = 256 << 10
+    shm_slots: int = 4
 
     def load_environment(self, environ: Optional[Mapping[str, str]] = None) -> "Settings":
         """Fill every field whose ``AXONHPC_*`` variable is set.
@@ -167,6 +230,14 @@ _ENVIRONMENT = {
     "skip_nonfinite_steps": ("AXONHPC_SKIP_NONFINITE_STEPS", _parse_bool),
     "stall_report": ("AXONHPC_STALL_REPORT", lambda name, text: _parse_seconds(name, text)),
     "allreduce_algorithm": ("AXONHPC_ALLREDUCE_ALGORITHM", lambda name, text: _parse_choice(name, text, ALGORITHMS)),
+    "cuda_aware_mpi": ("AXONHPC_CUDA_AWARE_MPI", _parse_cuda_aware),
+    "timeline_dir": ("AXONHPC_TIMELINE_DIR", lambda name, text: text.strip()),
+    "log_level": ("AXONHPC_LOG_LEVEL", lambda name, text: _parse_choice(name, text, LOG_LEVELS).upper()),
+    "log_ranks": ("AXONHPC_LOG_RANKS", lambda name, text: _parse_log_ranks(name, text)),
+    "shm_collectives": ("AXONHPC_SHM_COLLECTIVES", lambda name, text: _parse_choice(name, text, ("auto", "off"))),
+    "shm_min_bytes": ("AXONHPC_SHM_MIN_BYTES", lambda name, text: _parse_count(name, text)),
+    "shm_slot_bytes": ("AXONHPC_SHM_SLOT_BYTES", lambda name, text: _parse_slot_bytes(name, text)),
+    "shm_slots": ("AXONHPC_SHM_SLOTS", _parse_positive_int),
 }
 
 
@@ -234,7 +305,49 @@ def launcher_env(environ: Optional[Mapping[str, str]] = None) -> LauncherEnv:
     return LauncherEnv(None, None, None, None, None, None, job)
 
 
+# What the GPU path reads from the environment: the devices a process may see
+# (CUDA_VISIBLE_DEVICES, and SLURM's record of the GPUs it bound), and the
+# switches MPI libraries use for their device support (see backends.cuda_aware).
+DEVICE_VARIABLES = (
+    "CUDA_VISIBLE_DEVICES",
+    "SLURM_STEP_GPUS",
+    "SLURM_JOB_GPUS",
+    "GPU_DEVICE_ORDINAL",
+    "MPIR_CVAR_ENABLE_GPU",
+    "MPICH_GPU_SUPPORT_ENABLED",
+    "MV2_USE_CUDA",
+    "I_MPI_OFFLOAD",
+    "OMPI_MCA_opal_cuda_support",
+)
+
+# Variables by which a launcher tells a process that it is one rank of a job. A
+# process that must start MPI on its own (the CUDA-aware probe) drops them, or it
+# would try to join the job it was started from.
+_LAUNCHER_PREFIXES = ("PMI_", "PMIX_", "OMPI_", "PRTE_", "HYDRA_", "MPI_LOCAL", "SLURM_")
+
+
+def device_env(environ: Optional[Mapping[str, str]] = None) -> Dict[str, str]:
+    """The ``DEVICE_VARIABLES`` that are set, by name.
+
+    Args:
+        environ: the mapping to read (``os.environ`` if None).
+    """
+    env = os.environ if environ is None else environ
+    return {name: env[name] for name in DEVICE_VARIABLES if name in env}
+
+
+def standalone_environment(environ: Optional[Mapping[str, str]] = None) -> Dict[str, str]:
+    """A copy of the environment without the launcher's rank variables, for a helper process.
+
+    Args:
+        environ: the mapping to copy (``os.environ`` if None).
+    """
+    env = os.environ if environ is None else environ
+    return {k: v for k, v in env.items() if not k.startswith(_LAUNCHER_PREFIXES)}
+
+
 settings = Settings()
 settings.load_environment()
 
-__all__ = ["Settings", "settings", "LauncherEnv", "launcher_env", "MPI_INT_MAX"]
+__all__ = ["Settings", "settings", "LauncherEnv", "launcher_env", "MPI_INT_MAX", "CUDA_AWARE_CHOICES",
+           "DEVICE_VARIABLES", "device_env", "standalone_environment"]

@@ -381,4 +381,84 @@ def case_join_disabled_is_plain_ddp(world):
     assert ddp._join is None
 
 
+# -- communication hooks ---------------------------------------------------------------------
+def _train_with_hook(world, hook, state=None, dtype=np.float32, kind="sgd"):
+    n, r = world.world_size, world.rank
+    ddp = ax.DDP(make_model(dtype, seed=0 if r == 0 else 1000 + r), bucket_size_mb=300 / 2**20)
+    if hook is not None:
+        ddp.register_comm_hook(state, hook)
+    opt = make_optimizer(kind, ddp.parameters())
+    loss_fn = nn.CrossEntropyLoss()
+    for step in range(STEPS):
+        opt.zero_grad()
+        x, y = make_data(step, dtype)
+        loss_fn(ddp(shard(x, r, n)), shard(y, r, n))
+        ddp.backward(loss_fn.backward())
+        opt.step()
+    return ddp
+
+
+def case_comm_hook_default_and_custom_equal_plain_ddp(world):
+    from axonhpc.parallel.comm_hooks import allreduce_hook
+
+    plain = _train_with_hook(world, None, dtype=np.float64)
+    default = _train_with_hook(world, allreduce_hook, dtype=np.float64)
+    calls = {"buckets": []}
+
+    def summing_hook(state, bucket):  # a user hook: SUM, then divide (what AVG does)
+        assert bucket.kind == "all_reduce" and bucket.group.size == world.world_size
+        state["buckets"].append(bucket.index)
+        work = ax.all_reduce(bucket.buffer, "SUM", bucket.group, async_op=True)
+        return work.then(lambda: np.divide(bucket.buffer, bucket.group.size, out=bucket.buffer))
+
+    custom = _train_with_hook(world, summing_hook, state=calls, dtype=np.float64)
+    buckets = len(custom.bucket_plan)
+    assert calls["buckets"] == list(range(buckets)) * STEPS  # in plan order, every step
+    for other in (default, custom):
+        for (name, p), (_, q) in zip(other.named_parameters(), plain.named_parameters()):
+            np.testing.assert_array_equal(p.data, q.data, err_msg=name)
+
+
+def case_comm_hook_fp16_and_bf16_compression(world):
+    from axonhpc._dtypes import bfloat16_dtype
+    from axonhpc.parallel import bf16_compress_hook, fp16_compress_hook
+
+    reference = train_reference(np.float32, "sgd")
+    for hook, tol in ((fp16_compress_hook, 2e-3), (bf16_compress_hook, 2e-2)):
+        if hook is bf16_compress_hook and bfloat16_dtype() is None:
+            continue
+        ddp = _train_with_hook(world, hook)
+        for (name, p), (_, q) in zip(ddp.named_parameters(), reference.named_parameters()):
+            np.testing.assert_allclose(p.data, q.data, rtol=tol, atol=tol, err_msg=f"{hook.__name__} {name}")
+        for name, p in ddp.named_parameters():  # the same bits everywhere
+            everyone = ax.all_gather(p.data)
+            assert all(np.array_equal(row, everyone[0]) for row in everyone), name
+
+
+def case_compressed_average_error_is_bounded(world):
+    """The error of one compressed average against the exact one: the bound of collectives.compressed."""
+    n, r = world.world_size, world.rank
+    grads = [np.random.default_rng(k).standard_normal(4099).astype(np.float32) for k in range(n)]
+    exact = np.mean(np.stack(grads).astype(np.float64), axis=0)
+    half = grads[r].copy()
+    ax.compressed_all_reduce(half, "float16")
+    scale = np.max(np.abs(exact))
+    error = np.max(np.abs(half - exact)) / scale
+    assert error <= (n + 1) * 2.0**-11, error  # one rounding per hop plus the first, in units of the largest
+    part = ax.compressed_reduce_scatter(np.concatenate([grads[r]] * n), "float16")
+    np.testing.assert_allclose(part, exact, rtol=0, atol=(n + 1) * 2.0**-11 * scale)
+
+
+def case_comm_hook_bad_registration(world):
+    ddp = ax.DDP(make_model())
+    with pytest.raises(TypeError, match="must be callable"):
+        ddp.register_comm_hook(None, "not a hook")
+    ddp.register_comm_hook(None, lambda state, bucket: None)
+    with pytest.raises(ax.errors.ConfigurationError, match="already has a communication hook"):
+        ddp.register_comm_hook(None, lambda state, bucket: None)
+    with pytest.raises(ax.errors.ConfigurationError, match="a communication hook always averages"):
+        with ddp.join(divide_by_initial_world_size=False):
+            pass
+
+
 CASES = {name[len("case_"):]: fn for name, fn in sorted(globals().items()) if name.startswith("case_")}

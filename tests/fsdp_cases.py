@@ -337,5 +337,49 @@ def case_bad_arguments(world):
     ax.barrier()  # every rank is still in step: nothing was sent by the failed constructors
 
 
+def case_comm_hooks(world):
+    """A user hook sees every unit's padded flat gradient; the fp16 hook trains within float16's error."""
+    from axonhpc.parallel import fp16_compress_hook
+
+    seen = []
+
+    def hook(state, bucket):
+        assert bucket.kind == "reduce_scatter" and bucket.buffer.size % bucket.group.size == 0
+        state.append(bucket.index)
+        return ax.reduce_scatter(bucket.buffer, "AVG", bucket.group, async_op=True)
+
+    model = make_model(np.float64, seed=0 if world.rank == 0 else 1000 + world.rank)
+    fsdp = ax.FSDP(model)
+    fsdp.register_comm_hook(seen, hook)
+    opt = make_optimizer("sgd", fsdp.parameters())
+    loss_fn = nn.CrossEntropyLoss()
+    n, r = world.world_size, world.rank
+    for step in range(STEPS):
+        opt.zero_grad()
+        x, y = make_data(step)
+        loss_fn(fsdp(shard(x, r, n)), shard(y, r, n))
+        fsdp.backward(loss_fn.backward())
+        opt.step()
+    assert_matches(fsdp, train_reference(np.float64, "sgd"), TOL[np.float64])
+    if n > 1:  # each of the three Linear units, in backward order, every step (one rank reduces nothing)
+        assert seen == [2, 1, 0] * STEPS, seen
+    else:
+        assert seen == []
+    with pytest.raises(ax.errors.ConfigurationError, match="already has a communication hook"):
+        fsdp.register_comm_hook(None, hook)
+
+    model16 = make_model(np.float32, seed=0)
+    fsdp16 = ax.FSDP(model16)
+    fsdp16.register_comm_hook(None, fp16_compress_hook)
+    opt = make_optimizer("sgd", fsdp16.parameters())
+    for step in range(STEPS):
+        opt.zero_grad()
+        x, y = make_data(step, np.float32)
+        loss_fn(fsdp16(shard(x, r, n)), shard(y, r, n))
+        fsdp16.backward(loss_fn.backward())
+        opt.step()
+    assert_matches(fsdp16, train_reference(np.float32, "sgd"), rtol=2e-3, atol=2e-3)
+
+
 CASES = {name: fn for name, fn in globals().items() if name.startswith("case_")}
 CASES.update(_strategy_cases())

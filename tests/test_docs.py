@@ -34,7 +34,7 @@ def test_doc_example_runs(code, how, tmp_path):
         assert m, f"unknown run line {how!r}"
         cmd = [os.path.join(os.path.dirname(sys.executable), "mpiexec"), "-n", m.group(1), sys.executable, str(script)]
     env = dict(os.environ, AXONHPC_ABORT_ON_EXCEPTION="1")
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=ROOT, env=env)
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=tmp_path, env=env)
     assert out.returncode == 0, f"exit {out.returncode}\nstdout:\n{out.stdout}\nstderr:\n{out.stderr}"
 
 

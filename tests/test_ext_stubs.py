@@ -8,7 +8,7 @@ import pytest
 
 import axonhpc.bucketing
 
-MODULES = ["_pack", "_bucket", "_shard"]
+MODULES = ["_pack", "_bucket", "_shard", "_shm"]
 
 
 def _public_defined_in(module):

@@ -3,6 +3,7 @@ import json
 import os
 import signal
 import subprocess
+import re
 import sys
 import time
 
@@ -65,8 +66,12 @@ def test_a_mismatch_is_dumped_by_every_rank_and_the_doctor_names_the_culprit(tmp
 def test_sigusr1_dumps_every_rank_and_the_job_goes_on(tmp_path):
     job = subprocess.Popen(["timeout", "-k", "5", "60", MPIEXEC, "-n", "2", sys.executable, JOB, "usr1"],
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(tmp_path))
-    ready = [job.stdout.readline().strip() for _ in range(2)]
-    assert sorted(ready) == ["ready 0", "ready 1"], ready
+    seen = ""
+    while len(re.findall(r"ready \d", seen)) < 2:
+        line = job.stdout.readline()
+        assert line, f"the job ended before both ranks were ready: {seen!r}"
+        seen += line
+    assert sorted(re.findall(r"ready \d", seen)) == ["ready 0", "ready 1"], seen
     pids = subprocess.run(["pgrep", "-f", f"{JOB} usr1"], capture_output=True, text=True).stdout.split()
     ranks = [int(p) for p in pids if open(f"/proc/{p}/cmdline", "rb").read().split(b"\0")[0].endswith(b"python")]
     assert len(ranks) == 2, pids

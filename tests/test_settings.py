@@ -19,7 +19,10 @@ def test_environment_fills_fields():
     assert s.as_dict() == {"debug": True, "timeout": 2.5, "abort_on_exception": True, "backend": "mpi",
                            "max_message_elements": 1024, "allreduce_algorithm": "hierarchical",
                            "stall_report": 30.0, "flight_recorder": 256, "flight_dir": "axonhpc-flight",
-                           "flight_signal": "SIGUSR1", "skip_nonfinite_steps": False}
+                           "flight_signal": "SIGUSR1", "skip_nonfinite_steps": False, "cuda_aware_mpi": "auto",
+                           "timeline_dir": "", "log_level": "INFO", "log_ranks": "0",
+                           "shm_collectives": "auto", "shm_min_bytes": 16777216, "shm_slot_bytes": 262144,
+                           "shm_slots": 4}
 
 
 @pytest.mark.parametrize("text", ["0", "off", "none", ""])

@@ -16,18 +16,23 @@ moves more than the limit in total. Chunking is exact (elementwise
 reductions do not care how the buffer is split) and only costs the staging
 copies for the gather-like operations.
 
-Device (cupy) arrays are refused here until the GPU path exists: the staged
-and CUDA-aware transfers belong to the NCCL/CUDA-aware work, and a silent
-host round trip would hide a large cost.
+Device (cupy) arrays: when MPI is CUDA-aware (``cuda_aware.cuda_aware_mpi``,
+decided once per process) they go to MPI as they are, mpi4py passing the
+device pointer from ``__cuda_array_interface__`` after the current stream is
+synchronised; otherwise each operation runs on reusable pinned host twins
+(``staging.run_staged``), copied in before and back after. Neither path has
+run on a GPU yet (none was available); the staging logic is tested with
+numpy stand-ins.
 """
 from __future__ import annotations
 
+import sys
 import zlib
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .._dtypes import bfloat16_dtype, is_cupy_array
+from .._dtypes import array_module, bfloat16_dtype, is_cupy_array
 from ..errors import BackendUnavailableError, ShapeError
 from ..settings import settings
 from .base import Backend, CompletedWork, ReduceOp, Work
@@ -89,6 +94,18 @@ def _blocks(n: int, step: int):
         return
     for start in range(0, n, step):
         yield start, min(start + step, n)
+
+
+def _cuda_aware() -> bool:
+    from .cuda_aware import cuda_aware_mpi
+
+    return cuda_aware_mpi().aware
+
+
+def _cuda_aware_reason() -> str:
+    from .cuda_aware import cuda_aware_mpi
+
+    return cuda_aware_mpi().how
 
 
 class MPIWork(Work):
@@ -271,11 +288,31 @@ class MPIBackend(Backend):
     @staticmethod
     def _flat(buf) -> np.ndarray:
         if is_cupy_array(buf):
-            raise BackendUnavailableError(
-                "the MPI backend does not take cupy arrays yet (no CUDA-aware or staged device path here); "
-                "move the array to the host with cupy.asnumpy"
-            )
+            # Only the CUDA-aware path gets here with a device array: MPI reads
+            # it without knowing about streams, so the kernels that wrote it
+            # must be done.
+            sys.modules["cupy"].cuda.get_current_stream().synchronize()
         return buf.reshape(-1)
+
+    def _staged(self, buf) -> bool:
+        """True when ``buf`` is a device array that MPI cannot take directly (it is staged)."""
+        return is_cupy_array(buf) and not _cuda_aware()
+
+    def _on_host(self, method, args: tuple, reads, writes) -> Work:
+        """Run ``method`` on pinned host twins of the device arrays in ``args``."""
+        from .staging import cupy_staging, run_staged
+
+        try:
+            staging = cupy_staging()
+        except Exception as exc:  # noqa: BLE001 - no pinned memory: say which path failed and why
+            raise BackendUnavailableError(
+                f"cupy arrays reached the MPI backend, MPI is not CUDA-aware ({_cuda_aware_reason()}), and "
+                f"staging through pinned host memory failed: {type(exc).__name__}: {exc}"
+            ) from exc
+        work = run_staged(lambda *host: method(self, *host), args, reads, writes, staging)
+        if not args[-1]:  # async_op=False: the copy back happens before returning
+            work.wait()
+        return work
 
     @staticmethod
     def _spec(flat: np.ndarray, start: int, stop: int):
@@ -287,7 +324,10 @@ class MPIBackend(Backend):
     # -- collectives ------------------------------------------------------------
     def all_reduce(self, buf, op: ReduceOp, async_op: bool) -> Work:
         MPI, comm, mop = _mpi(), self.comm, _mpi_op(op)
-        if not async_op and buf.size <= settings.max_message_elements and not is_cupy_array(buf):
+        if is_cupy_array(buf):
+            if self._staged(buf):
+                return self._on_host(MPIBackend.all_reduce, (buf, op, async_op), (0,), (0,))
+        elif not async_op and buf.size <= settings.max_message_elements:
             # The common case, kept short: small messages are dominated by
             # per-call overhead.
             comm.Allreduce(MPI.IN_PLACE, [buf, _datatype(buf.dtype)], mop)
@@ -301,6 +341,9 @@ class MPIBackend(Backend):
         return plan.run(async_op)
 
     def broadcast(self, buf, root: int, async_op: bool) -> Work:
+        if self._staged(buf):
+            mine = self.rank == root
+            return self._on_host(MPIBackend.broadcast, (buf, root, async_op), (0,) if mine else (), () if mine else (0,))
         comm = self.comm
         flat = self._flat(buf)
         plan = _Plan()
@@ -310,6 +353,8 @@ class MPIBackend(Backend):
         return plan.run(async_op)
 
     def all_gather(self, send, recv, async_op: bool) -> Work:
+        if self._staged(send):
+            return self._on_host(MPIBackend.all_gather, (send, recv, async_op), (0,), (1,))
         comm, size = self.comm, self.size
         sflat = self._flat(send)
         rows = self._flat(recv).reshape(size, sflat.size)
@@ -320,13 +365,15 @@ class MPIBackend(Backend):
             plan.add(lambda: comm.Allgather(s, r), lambda: comm.Iallgather(s, r))
         else:
             for a, b in _blocks(sflat.size, limit):
-                tmp = np.empty((size, b - a), dtype=sflat.dtype)
+                tmp = array_module(sflat).empty((size, b - a), dtype=sflat.dtype)
                 s, r = self._spec(sflat, a, b), [tmp, b - a, _datatype(sflat.dtype)]
                 plan.add(lambda s=s, r=r: comm.Allgather(s, r), lambda s=s, r=r: comm.Iallgather(s, r),
                          lambda a=a, b=b, tmp=tmp: rows.__setitem__((slice(None), slice(a, b)), tmp))
         return plan.run(async_op, recv)
 
     def reduce_scatter(self, send, recv, op: ReduceOp, async_op: bool) -> Work:
+        if self._staged(send):
+            return self._on_host(MPIBackend.reduce_scatter, (send, recv, op, async_op), (0,), (1,))
         comm, size, mop = self.comm, self.size, _mpi_op(op)
         rflat = self._flat(recv)
         rows = self._flat(send).reshape(size, rflat.size)
@@ -338,13 +385,15 @@ class MPIBackend(Backend):
             plan.add(lambda: comm.Reduce_scatter_block(s, r, mop), lambda: comm.Ireduce_scatter_block(s, r, mop))
         else:
             for a, b in _blocks(rflat.size, limit):
-                tmp = np.ascontiguousarray(rows[:, a:b])
+                tmp = array_module(rows).ascontiguousarray(rows[:, a:b])
                 s, r = [tmp, b - a, T], self._spec(rflat, a, b)
                 plan.add(lambda s=s, r=r: comm.Reduce_scatter_block(s, r, mop),
                          lambda s=s, r=r: comm.Ireduce_scatter_block(s, r, mop))
         return plan.run(async_op, recv)
 
     def gather(self, send, recv, root: int, async_op: bool) -> Work:
+        if self._staged(send):
+            return self._on_host(MPIBackend.gather, (send, recv, root, async_op), (0,), (1,))
         comm, size = self.comm, self.size
         sflat = self._flat(send)
         is_root = self.rank == root
@@ -357,13 +406,15 @@ class MPIBackend(Backend):
             plan.add(lambda: comm.Gather(s, r, root), lambda: comm.Igather(s, r, root))
         else:
             for a, b in _blocks(sflat.size, limit):
-                tmp = np.empty((size, b - a), dtype=sflat.dtype) if is_root else None
+                tmp = array_module(sflat).empty((size, b - a), dtype=sflat.dtype) if is_root else None
                 s, r = self._spec(sflat, a, b), ([tmp, b - a, T] if is_root else None)
                 after = (lambda a=a, b=b, tmp=tmp: rows.__setitem__((slice(None), slice(a, b)), tmp)) if is_root else None
                 plan.add(lambda s=s, r=r: comm.Gather(s, r, root), lambda s=s, r=r: comm.Igather(s, r, root), after)
         return plan.run(async_op, recv)
 
     def scatter(self, send, recv, root: int, async_op: bool) -> Work:
+        if self._staged(recv):
+            return self._on_host(MPIBackend.scatter, (send, recv, root, async_op), (0,), (1,))
         comm, size = self.comm, self.size
         rflat = self._flat(recv)
         is_root = self.rank == root
@@ -376,7 +427,7 @@ class MPIBackend(Backend):
             plan.add(lambda: comm.Scatter(s, r, root), lambda: comm.Iscatter(s, r, root))
         else:
             for a, b in _blocks(rflat.size, limit):
-                s = [np.ascontiguousarray(rows[:, a:b]), b - a, T] if is_root else None
+                s = [array_module(rows).ascontiguousarray(rows[:, a:b]), b - a, T] if is_root else None
                 r = self._spec(rflat, a, b)
                 plan.add(lambda s=s, r=r: comm.Scatter(s, r, root), lambda s=s, r=r: comm.Iscatter(s, r, root))
         return plan.run(async_op, recv)
@@ -389,6 +440,8 @@ class MPIBackend(Backend):
 
     # -- point to point -----------------------------------------------------------
     def send(self, buf, dst: int, tag: int, async_op: bool) -> Work:
+        if self._staged(buf):
+            return self._on_host(MPIBackend.send, (buf, dst, tag, async_op), (0,), ())
         comm = self.comm
         flat = self._flat(buf)
         plan = _Plan()
@@ -398,6 +451,8 @@ class MPIBackend(Backend):
         return plan.run(async_op, sequential=False)
 
     def recv(self, buf, src: int, tag: int, async_op: bool) -> Work:
+        if self._staged(buf):
+            return self._on_host(MPIBackend.recv, (buf, src, tag, async_op), (), (0,))
         MPI, comm = _mpi(), self.comm
         flat = self._flat(buf)
         plan = _Plan()

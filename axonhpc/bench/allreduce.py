@@ -6,9 +6,20 @@ Run under MPI, e.g. ``mpiexec -n 2 axonhpc bench allreduce``. For each size
 prints the medians, the algorithm bandwidth (bytes / time), the bus bandwidth
 (algbw * 2(n-1)/n, the traffic each rank's link really carries in a ring),
 the ratio raw/ours (1.00 = as fast as raw MPI), and numpy ``copyto``
-bandwidth with every rank copying at once, as the memory limit. A second
+bandwidth with every rank copying at once, as the memory limit. "ours" is
+``ax.all_reduce`` as configured (through the node's shared memory from
+``settings.shm_min_bytes`` on, when all ranks share a node); "MPI path" is
+the same call with ``shm_collectives="off"``. The shared-memory all-reduce
+must move the message through memory twice per rank (copied into the slots,
+and the result copied out; the reduction reads the slots from the cache), so
+its bound is ``2 x`` the ``copyto`` time, and "of bound" is that bound divided
+by our time. A second
 table compares synchronising 100 gradients of 1 KiB one by one against one
 fused bucket (``GradientSynchronizer``: pack, one all-reduce, unpack).
+
+``--device gpu`` runs the table on cupy arrays instead, NCCL against
+CUDA-aware MPI against MPI staged through pinned host memory (see
+``bench.allreduce_gpu``); without a CUDA device it refuses with exit status 2.
 
 ``--algorithms native,ring,rhd,hierarchical`` also times
 ``ax.all_reduce(x, algorithm=name)`` for each name in the same interleaved
@@ -26,7 +37,7 @@ import numpy as np
 from ..backends import ReduceOp
 from ..collectives import all_reduce
 from ..groups import init
-from ..settings import ALGORITHMS
+from ..settings import ALGORITHMS, settings
 from .timing import human_bytes, median_times, pin_blas_threads
 
 DEFAULT_SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20, 256 << 20]
@@ -62,13 +73,14 @@ def run_sizes(sizes: List[int], rounds: int, algorithms: Sequence[str] = ()) -> 
         iters = _iters_for(nbytes)
         candidates = {
             "ours": lambda: all_reduce(x),
+            "mpi_path": lambda: _without_shm(lambda: all_reduce(x)),
             "raw": lambda: raw.Allreduce(MPI.IN_PLACE, [x, MPI.FLOAT]),
             "copy": lambda: np.copyto(dst, x),
         }
         for name in algorithms:
             candidates[f"algorithm:{name}"] = lambda name=name: all_reduce(x, algorithm=name)
         for _ in range(2):  # warm-up: first-touch pages, MPI's internal buffers (and the algorithms' channels)
-            for name in ("ours", "raw", *(f"algorithm:{a}" for a in algorithms)):
+            for name in ("ours", "mpi_path", "raw", *(f"algorithm:{a}" for a in algorithms)):
                 candidates[name]()
         t = median_times(candidates, iters, rounds, sync=job_time)
         bus = 2 * (n - 1) / n if n > 1 else 1.0
@@ -78,10 +90,20 @@ def run_sizes(sizes: List[int], rounds: int, algorithms: Sequence[str] = ()) -> 
             ours_algbw=nbytes / t["ours"] / 1e9, raw_algbw=nbytes / t["raw"] / 1e9,
             ours_busbw=nbytes / t["ours"] / 1e9 * bus, raw_busbw=nbytes / t["raw"] / 1e9 * bus,
             ratio=t["raw"] / t["ours"], copy_gbs=nbytes / t["copy"] / 1e9,
+            mpi_path_us=t["mpi_path"] * 1e6, of_bound=2 * t["copy"] / t["ours"],
             algorithms={name: t[f"algorithm:{name}"] * 1e6 for name in algorithms},
         ))
     raw.Free()
     return rows
+
+
+def _without_shm(call):
+    saved = settings.shm_collectives
+    settings.shm_collectives = "off"
+    try:
+        return call()
+    finally:
+        settings.shm_collectives = saved
 
 
 def run_fusion(count: int, nbytes: int, rounds: int) -> dict:
@@ -119,13 +141,15 @@ def run_fusion(count: int, nbytes: int, rounds: int) -> dict:
 
 
 def format_table(rows: List[dict], n: int) -> str:
-    lines = [f"# all_reduce, float32, in place, {n} ranks, medians (ratio = raw time / our time)",
-             f"{'size':>10} {'ours us':>10} {'raw us':>10} {'ours algbw':>11} {'raw algbw':>10} "
-             f"{'ours busbw':>11} {'raw busbw':>10} {'ratio':>6} {'copyto GB/s':>12}"]
+    lines = [f"# all_reduce, float32, in place, {n} ranks, medians (ratio = raw time / our time; of bound = "
+             f"2 x copyto time / our time)",
+             f"{'size':>10} {'ours us':>10} {'raw us':>10} {'MPI path us':>12} {'ours algbw':>11} {'raw algbw':>10} "
+             f"{'ours busbw':>11} {'raw busbw':>10} {'ratio':>6} {'copyto GB/s':>12} {'of bound':>9}"]
     for r in rows:
         lines.append(f"{human_bytes(r['bytes']):>10} {r['ours_us']:>10.1f} {r['raw_us']:>10.1f} "
-                     f"{r['ours_algbw']:>9.2f}GB {r['raw_algbw']:>8.2f}GB {r['ours_busbw']:>9.2f}GB "
-                     f"{r['raw_busbw']:>8.2f}GB {r['ratio']:>6.2f} {r['copy_gbs']:>12.2f}")
+                     f"{r['mpi_path_us']:>12.1f} {r['ours_algbw']:>9.2f}GB {r['raw_algbw']:>8.2f}GB "
+                     f"{r['ours_busbw']:>9.2f}GB {r['raw_busbw']:>8.2f}GB {r['ratio']:>6.2f} {r['copy_gbs']:>12.2f} "
+                     f"{r['of_bound']:>8.0%}")
     return "\n".join(lines)
 
 
@@ -168,13 +192,24 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--algorithms", default=None,
                         help=f"comma-separated all-reduce algorithms to time beside raw mpi4py, e.g. "
                              f"native,ring,rhd,hierarchical (known: {', '.join(ALGORITHMS)})")
+    parser.add_argument("--device", choices=("cpu", "gpu"), default="cpu",
+                        help="cpu: numpy arrays against raw mpi4py (default); gpu: cupy arrays, NCCL against "
+                             "CUDA-aware and staged MPI (needs a CUDA device)")
     args = parser.parse_args(argv)
     try:
         algorithms = parse_algorithms(args.algorithms)
     except ValueError as exc:
         parser.error(str(exc))
+    if args.device == "gpu" and algorithms:
+        parser.error("--algorithms times numpy arrays; it does not combine with --device gpu")
     limiter = pin_blas_threads(1)  # noqa: F841 - keeps the limit in force
-    sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else list(DEFAULT_SIZES)
+    sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else None
+    if args.device == "gpu":
+        from . import allreduce_gpu
+
+        chosen = sizes or list(allreduce_gpu.DEFAULT_SIZES)
+        return allreduce_gpu.main([s for s in chosen if not args.max_size or s <= args.max_size], args.rounds)
+    sizes = sizes or list(DEFAULT_SIZES)
     if args.max_size:
         sizes = [s for s in sizes if s <= args.max_size]
     world = init()

@@ -1,5 +1,7 @@
 """Collectives on arrays (also importable as ``axonhpc.comm``)."""
 from ..backends.base import ReduceOp, Work
+from .compressed import compressed_all_reduce, compressed_reduce_scatter
+from .shm_path import shared_memory_array
 from .core import (
     all_gather,
     all_reduce,
@@ -28,6 +30,9 @@ from .core import (
 
 __all__ = [
     "ReduceOp",
+    "compressed_all_reduce",
+    "compressed_reduce_scatter",
+    "shared_memory_array",
     "Work",
     "all_reduce",
     "all_reduce_sum",

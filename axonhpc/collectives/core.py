@@ -13,15 +13,18 @@
 """
 from __future__ import annotations
 
+import importlib
+import time
 from typing import Any, List, Optional, Sequence
 
 import numpy as np
 
+from .. import tracing
 from .._dtypes import array_module, check_array, is_low_precision_float
 from ..backends.base import CompletedWork, ReduceOp, Work
 from ..errors import ShapeError
 from ..groups import ProcessGroup, resolve_group
-from . import algorithms, fingerprint, flight, watch
+from . import algorithms, fingerprint, flight, shm_path, watch
 from .widen import divide_average
 
 
@@ -61,8 +64,10 @@ def _run(pg: ProcessGroup, label: _Label, issue, async_op: bool) -> Any:
     announce = getattr(pg.backend, "announce", None) if collective and timeout is not None and not async_op else None
     arrivals = announce(label.seq, label.op) if announce is not None else None
     entry = label.entry if collective else None
+    start = time.perf_counter()
     work: Work = issue(async_op or timeout is not None)
     work.label = label
+    _trace(work, start, label, collective)
     if async_op:
         if entry is not None:
             work.then(lambda: entry.__setitem__("done", True))
@@ -74,6 +79,18 @@ def _run(pg: ProcessGroup, label: _Label, issue, async_op: bool) -> Any:
     if entry is not None:
         entry["done"] = True
     return result
+
+
+def _trace(work: Work, start: float, label: Any, collective: bool) -> None:
+    """A timeline span for this call, from its start until its completion is seen (if a timeline records)."""
+    if tracing.active() is None:
+        return
+    if collective:
+        entry = label.entry or {}
+        tracing.span_until_done(work, start, label.op, "comm", seq=label.seq, group=label.group.name,
+                                dtype=entry.get("dtype"), shape=entry.get("shape"))
+    else:
+        tracing.span_until_done(work, start, str(label).split(" ")[0], "comm", what=str(label))
 
 
 def _reduction(pg: ProcessGroup, x, out, op: ReduceOp, issue_on, result=None):
@@ -137,9 +154,21 @@ def all_reduce(x, op=ReduceOp.SUM, group: Optional[ProcessGroup] = None, async_o
         return algorithms.run(chosen, x, op, pg, async_op)
     if pg.size == 1:
         # Every op over one rank is the identity (AVG too: x // 1 == x / 1 == x).
-        return CompletedWork() if async_op else None
+        work = CompletedWork()
+        _trace(work, time.perf_counter(), label, True)
+        work.wait()  # nothing to wait for: marks it finished (and ends its timeline span)
+        return work if async_op else None
+    node = shm_path.path(pg, x, "all_reduce", reduction=True)
+    if node is not None and node.fuses(op, x):
+        return _run(pg, label, lambda nb: node.all_reduce(x, x, op), async_op)
+    if node is not None:
+        issue = _reduction(pg, x, x, op, lambda s, d, base, nb: node.all_reduce(s, d, base))
+        return _run(pg, label, issue, async_op)
     if op is not ReduceOp.AVG and not async_op and not is_low_precision_float(x.dtype) and pg.effective_timeout() is None:
-        backend.all_reduce(x, op, False).wait()
+        start = time.perf_counter()
+        work = backend.all_reduce(x, op, False)
+        work.wait()
+        _trace(work, start, label, True)
         return None
     issue = _reduction(pg, x, x, op, lambda s, d, base, nb: backend.all_reduce(s, base, nb))
     return _run(pg, label, issue, async_op)
@@ -170,18 +199,25 @@ def all_reduce_product(x, group=None, async_op=False):
     return all_reduce(x, ReduceOp.PRODUCT, group, async_op)
 
 
-def reduce_scatter(x, op=ReduceOp.SUM, group: Optional[ProcessGroup] = None, async_op: bool = False):
+def reduce_scatter(x, op=ReduceOp.SUM, group: Optional[ProcessGroup] = None, async_op: bool = False,
+                   out=None):
     """Reduce ``x`` over the group and give rank i the i-th part along axis 0.
 
     Args:
         x: array whose first dimension is divisible by the group size.
+        out: where to write this rank's part (contiguous, writable, of the
+            part's shape and ``x``'s dtype), so that a caller that reduces
+            every step reuses one buffer instead of a fresh allocation (whose
+            first touch costs about as much as the copy itself); None
+            allocates one.
 
     Returns:
         This rank's part, shape ``(x.shape[0] // size, *x.shape[1:])`` (or a
-        ``Work`` returning it).
+        ``Work`` returning it); ``out`` if given.
 
     Raises:
-        ShapeError: ``x`` is 0-d or ``x.shape[0]`` is not divisible by the size.
+        ShapeError: ``x`` is 0-d or ``x.shape[0]`` is not divisible by the
+            size, or ``out`` has the wrong shape or dtype.
     """
     op = ReduceOp.parse(op)
     pg = _member(group, "reduce_scatter")
@@ -191,9 +227,22 @@ def reduce_scatter(x, op=ReduceOp.SUM, group: Optional[ProcessGroup] = None, asy
             f"reduce_scatter: input shape {tuple(x.shape)} must have a first dimension divisible by the "
             f"group size {pg.size}" + ("" if x.ndim == 0 else f" ({x.shape[0]} % {pg.size} = {x.shape[0] % pg.size})")
         )
-    out = array_module(x).empty((x.shape[0] // pg.size,) + tuple(x.shape[1:]), dtype=x.dtype)
+    shape = (x.shape[0] // pg.size,) + tuple(x.shape[1:])
+    if out is None:
+        out = array_module(x).empty(shape, dtype=x.dtype)
+    else:
+        check_array(out, "reduce_scatter out", writable=True)
+        if tuple(out.shape) != shape or out.dtype != x.dtype:
+            raise ShapeError(f"reduce_scatter: out is {out.dtype} of shape {tuple(out.shape)}; this rank's part is "
+                             f"{x.dtype} of shape {shape}")
     label = _start(pg, "reduce_scatter", x, op)
     backend = pg.backend
+    node = shm_path.path(pg, x, "reduce_scatter", reduction=True)
+    if node is not None and node.fuses(op, x):
+        return _run(pg, label, lambda nb: node.reduce_scatter(x, out, op), async_op)
+    if node is not None:
+        issue = _reduction(pg, x, out, op, lambda s, d, base, nb: node.reduce_scatter(s, d, base), out)
+        return _run(pg, label, issue, async_op)
     issue = _reduction(pg, x, out, op, lambda s, d, base, nb: backend.reduce_scatter(s, d, base, nb), out)
     return _run(pg, label, issue, async_op)
 
@@ -220,6 +269,9 @@ def broadcast(x, src: int = 0, group: Optional[ProcessGroup] = None, async_op: b
     check_array(x, "broadcast buffer", writable=pg.rank != src)
     label = _start(pg, "broadcast", x, root=src)
     backend = pg.backend
+    node = shm_path.path(pg, x, "broadcast", reduction=False)
+    if node is not None:
+        return _run(pg, label, lambda nb: node.broadcast(x, src), async_op)
     return _run(pg, label, lambda nb: backend.broadcast(x, src, nb), async_op)
 
 
@@ -253,6 +305,7 @@ def gather(x, dst: int = 0, group: Optional[ProcessGroup] = None, async_op: bool
 
 
 _HEADER = 34  # status, dtype index, ndim, up to 31 dimensions
+_SCATTER_OK, _SCATTER_FAILED, _SCATTER_OK_DEVICE = 0, 1, 2  # the header's status: the source's array kind, or failure
 
 
 def scatter(x, src: int = 0, group: Optional[ProcessGroup] = None, async_op: bool = False):
@@ -284,20 +337,26 @@ def scatter(x, src: int = 0, group: Optional[ProcessGroup] = None, async_op: boo
                                  f"its leading size must equal the group size {pg.size}")
             if x.ndim - 1 > _HEADER - 3:
                 raise ShapeError(f"scatter: arrays of {x.ndim} dimensions are not supported (at most {_HEADER - 2})")
-            header[:3] = (0, list(supported_dtypes()).index(x.dtype), x.ndim - 1)
+            # The receivers make their part where the source's array lives: a device array travels
+            # device to device (NCCL) and must meet device buffers on every rank.
+            status = _SCATTER_OK_DEVICE if array_module(x) is not np else _SCATTER_OK
+            header[:3] = (status, list(supported_dtypes()).index(x.dtype), x.ndim - 1)
             header[3:3 + x.ndim - 1] = x.shape[1:]
         except Exception as exc:  # noqa: BLE001 - reported to every rank, then raised here
             problem = exc
-            header[0] = 1
+            header[0] = _SCATTER_FAILED
     label = _start(pg, "scatter", None, root=src)
     backend.broadcast(header, src, async_op=False)
-    if header[0] != 0:
+    if header[0] not in (_SCATTER_OK, _SCATTER_OK_DEVICE):
         if problem is not None:
             raise problem
         raise ShapeError(f"scatter: the source array on group rank {src} was invalid (see the error on that rank)")
     dtype = supported_dtypes()[int(header[1])]
     shape = tuple(int(d) for d in header[3:3 + int(header[2])])
-    xp = array_module(x) if pg.rank == src else np
+    if pg.rank == src:
+        xp = array_module(x)
+    else:
+        xp = importlib.import_module("cupy") if header[0] == _SCATTER_OK_DEVICE else np
     out = xp.empty(shape, dtype=dtype)
     send = x if pg.rank == src else None
     return _run(pg, label, lambda nb: backend.scatter(send, out, src, nb), async_op)

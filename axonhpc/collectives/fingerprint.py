@@ -20,6 +20,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from .._dtypes import is_cupy_array
 from ..errors import CollectiveMismatchError
 
 _SLOT = 512  # bytes per rank in the exchanged table
@@ -65,7 +66,9 @@ def check(group, op: str, x: Any = None, reduce: Optional[str] = None, root: Opt
     fp = {
         "seq": group.seq,
         "op": op,
-        "dtype": None if x is None else str(x.dtype),
+        # A device array names its kind: in a world with NCCL, a cupy array on one rank and a
+        # numpy array on another go to different backends and would never meet.
+        "dtype": None if x is None else str(x.dtype) + (" on device" if is_cupy_array(x) else ""),
         "shape": None if x is None else list(x.shape),
         "reduce": reduce,
         "root": root,

@@ -121,6 +121,16 @@ def ring_schedule(size: int, rank: int) -> Schedule:
     return Schedule(size, tuple(steps))
 
 
+def ring_reduce_scatter_schedule(size: int, rank: int) -> Schedule:
+    """The reduce-scatter half of the ring, shifted so that rank r ends holding chunk r (finished)."""
+    right, left = (rank + 1) % size, (rank - 1) % size
+    steps = []
+    for s in range(size - 1):
+        send, recv = (rank - s - 1) % size, (rank - s - 2) % size
+        steps.append(Step(right, (send, send + 1), left, (recv, recv + 1), True))
+    return Schedule(size, tuple(steps))
+
+
 def rhd_schedule(size: int, rank: int) -> Schedule:
     """Recursive halving then doubling, any size, non-powers of two folded (see the module note)."""
     pof2 = 1 << (size.bit_length() - 1)
@@ -247,5 +257,5 @@ def rhd_all_reduce(x: Any, op: ReduceOp, pg: ProcessGroup) -> None:
     _all_reduce(x, op, pg, rhd_schedule, RHD_TAG, "rhd")
 
 
-__all__ = ["Step", "Schedule", "chunk_offsets", "ring_schedule", "rhd_schedule", "channel", "execute",
+__all__ = ["Step", "Schedule", "chunk_offsets", "ring_schedule", "ring_reduce_scatter_schedule", "rhd_schedule", "channel", "execute",
            "ring_all_reduce", "rhd_all_reduce", "RING_TAG", "RHD_TAG"]

@@ -16,11 +16,11 @@ rest of the allocation.
 """
 from __future__ import annotations
 
-import sys
 import time
 from typing import Any, Optional
 
 from ..errors import CollectiveTimeoutError
+from ..log import get_logger
 from ..settings import settings
 from . import flight
 
@@ -50,8 +50,7 @@ def wait(work: Any, timeout: Optional[float], label: Any, arrivals: Any, pg: Any
         if stall is not None and not reported and elapsed >= stall:
             reported = True
             who = _who(arrivals, pg) if arrivals is not None else "missing ranks: unknown"
-            sys.stderr.write(f"axonhpc: rank {pg.world.rank} has waited {elapsed:.1f} s in {label}; {who}\n")
-            sys.stderr.flush()
+            get_logger("collectives").warning(f"rank {pg.world.rank} has waited {elapsed:.1f} s in {label}; {who}")
         if timeout is not None and elapsed >= timeout:
             if arrivals is None:
                 flight.dump(f"timeout in {label}", pg.world.rank)

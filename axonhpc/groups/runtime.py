@@ -5,10 +5,11 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List, Optional, Tuple
 
-from ..errors import BackendUnavailableError
-from ..settings import launcher_env, settings
+from .. import tracing
+from ..log import get_logger, set_rank_source
+from ..settings import settings
 from .process_group import ProcessGroup
 from .world import World
 
@@ -28,9 +29,12 @@ def init(comm=None, backend: Optional[str] = None, debug: Optional[bool] = None,
 
     Args:
         comm: an mpi4py intracommunicator (default ``MPI.COMM_WORLD``).
-        backend: "auto" (MPI where mpi4py is installed, else one local rank),
-            "mpi", "local" (one in-process rank; use ``run_local`` for more),
-            or "nccl". Default: ``ax.settings.backend``.
+        backend: "auto" (MPI where mpi4py is installed, else one local rank;
+            cupy arrays over NCCL when cupy, a GPU per rank and NCCL are
+            there), "mpi" (cupy arrays too, CUDA-aware or staged), "nccl"
+            (MPI for numpy arrays, NCCL for cupy arrays), or "local" (one
+            in-process rank; use ``run_local`` for more). Default:
+            ``ax.settings.backend``. See ``groups.device_path`` and docs/gpu.md.
         debug: overrides ``ax.settings.debug``.
         timeout: overrides ``ax.settings.timeout`` (seconds; None keeps it).
 
@@ -48,28 +52,15 @@ def init(comm=None, backend: Optional[str] = None, debug: Optional[bool] = None,
     choice = (backend or settings.backend or "auto").lower()
     if choice not in _BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; use one of {_BACKENDS}")
-    if choice == "nccl":
-        raise BackendUnavailableError(
-            "the NCCL backend is not available in this version of axonhpc: device arrays are not supported yet; "
-            "use backend='mpi' with numpy arrays"
-        )
     if choice == "local":
         world = World.mock()
     else:
-        try:
-            from mpi4py import MPI
-        except ImportError as exc:
-            if choice == "mpi":
-                raise BackendUnavailableError(f"backend 'mpi' needs mpi4py, which failed to import: {exc}") from exc
-            world = World.mock()
-            world.launcher = launcher_env()
-            world.warn_launcher_problems()
-        else:
-            from ..backends.mpi import MPIBackend
+        from .device_path import build_world
 
-            world = World(MPIBackend(MPI.COMM_WORLD if comm is None else comm), launcher_env() if comm is None else None)
-            world.warn_launcher_problems()
+        world = build_world(choice, comm)  # MPI, plus NCCL for cupy arrays where it works
     _global_world = world
+    if settings.timeline_dir:
+        tracing.record_run(world.rank, settings.timeline_dir)
     if settings.abort_on_exception:
         install_abort_on_exception(world)
     return world
@@ -90,6 +81,15 @@ def resolve_group(group: Optional[ProcessGroup]) -> ProcessGroup:
     if not isinstance(group, ProcessGroup):
         raise TypeError(f"group must be a ProcessGroup or None, got {type(group).__name__}")
     return group
+
+
+def _rank_facts() -> Optional[Tuple[int, int]]:
+    """``(rank, world size)`` of the caller's world, if one exists (never builds one)."""
+    world = getattr(_thread, "world", None) or _global_world
+    return None if world is None else (world.rank, world.world_size)
+
+
+set_rank_source(_rank_facts)
 
 
 def is_initialized() -> bool:
@@ -120,8 +120,8 @@ def install_abort_on_exception(world: World) -> None:
             except Exception:  # noqa: BLE001 - nothing may stop the abort
                 pass
         text = "".join(traceback.format_exception(exc_type, exc, tb))
-        sys.stderr.write(f"axonhpc: uncaught exception on rank {world.rank}; aborting the job "
-                         f"(set AXONHPC_ABORT_ON_EXCEPTION=0 to turn this off)\n{text}")
+        get_logger("runtime").error(f"uncaught exception on rank {world.rank}; aborting the job "
+                                    f"(set AXONHPC_ABORT_ON_EXCEPTION=0 to turn this off)\n{text}")
         sys.stderr.flush()
         sys.stdout.flush()
         time.sleep(0.5)

@@ -1,7 +1,6 @@
 """World: every rank of a job, with its node layout and group factories."""
 from __future__ import annotations
 
-import sys
 import warnings
 from typing import List, Optional, Sequence
 
@@ -9,6 +8,7 @@ import numpy as np
 
 from ..backends.base import Backend
 from ..errors import RankError
+from ..log import get_logger
 from ..settings import LauncherEnv
 from .mesh import Mesh
 from .process_group import ProcessGroup
@@ -70,9 +70,8 @@ class World:
     def warn_launcher_problems(self) -> None:
         """Warn loudly (a warning and a line on stderr) about each launcher disagreement."""
         for problem in self.launcher_problems():
-            message = f"axonhpc WARNING (rank {self.rank}): {problem}"
-            print(message, file=sys.stderr, flush=True)
-            warnings.warn(message, RuntimeWarning, stacklevel=3)
+            get_logger("launch").warning(problem)
+            warnings.warn(f"axonhpc (rank {self.rank}): {problem}", RuntimeWarning, stacklevel=3)
 
     # -- groups ---------------------------------------------------------------------
     def new_group(self, ranks: Sequence[int], name: Optional[str] = None) -> ProcessGroup:

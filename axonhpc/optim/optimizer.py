@@ -20,6 +20,7 @@ import numpy as np
 
 from .._dtypes import array_module, is_cupy_array
 from ..errors import ConfigurationError, StateDictError
+from ..tracing import span
 
 
 def _as_array_like(value: Any, like: Any) -> Any:
@@ -84,9 +85,10 @@ class Optimizer:
 
     def step(self) -> None:
         """Update every parameter that has a gradient, in place."""
-        for p, state in zip(self.params, self.state):
-            if p.grad is not None:
-                self._update(p, p.grad, state)
+        with span(f"{type(self).__name__}.step"):
+            for p, state in zip(self.params, self.state):
+                if p.grad is not None:
+                    self._update(p, p.grad, state)
 
     def _update(self, param: Any, grad: Any, state: Dict[str, Any]) -> None:
         raise NotImplementedError(f"{type(self).__name__} does not implement _update")

@@ -1,4 +1,6 @@
 """Parallel strategies built on the collectives and the model layer."""
+from . import comm_hooks
+from .comm_hooks import GradBucket, bf16_compress_hook, fp16_compress_hook
 from .ddp import DDP, DistributedDataParallel, GradientAfterReductionError, UnusedParameterError
 from .fsdp import FSDP, FullyShardedDataParallel
 from .fsdp_config import CPUOffload, MixedPrecision, ShardingStrategy
@@ -15,6 +17,10 @@ from .tensor import TensorParallelAttention
 from .zero import ZeroRedundancyOptimizer
 
 __all__ = [
+    "comm_hooks",
+    "GradBucket",
+    "fp16_compress_hook",
+    "bf16_compress_hook",
     "DDP",
     "DistributedDataParallel",
     "UnusedParameterError",

@@ -55,12 +55,15 @@ from typing import Any, Dict, Iterator, List, Tuple
 
 import numpy as np
 
+from .. import tracing
 from .._dtypes import array_module
 from ..bucketing import GradientBucket, GradSyncStrategy, pack, plan_buckets, unpack
-from ..collectives import all_gather, all_reduce
+from ..collectives import all_gather, all_reduce, shared_memory_array
 from ..backends import ReduceOp
 from ..errors import AxonError, ConfigurationError
 from ..groups import resolve_group
+from ..settings import settings
+from .comm_hooks import GradBucket, finished
 from .replicate import broadcast_arrays
 
 FIRST_BUCKET_BYTES = 1 << 20  # PyTorch DDP's first bucket: 1 MiB
@@ -92,19 +95,23 @@ class _JoinState:
 class _Bucket:
     """One flat bucket of gradients and the state of its current reduction."""
 
-    def __init__(self, index: int, params: List[Any], names: List[str], xp):
+    def __init__(self, index: int, params: List[Any], names: List[str], xp, group: Any):
         self.index = index
         self.params = params
         self.names = names
         total = sum(p.size for p in params)
-        self.storage = GradientBucket(total, dtype=params[0].dtype) if xp is np else None
+        dtype = np.dtype(params[0].dtype)
+        shared = xp is np and total * dtype.itemsize >= settings.shm_min_bytes
+        self.storage = GradientBucket(total, dtype=dtype) if xp is np and not shared else None
         if self.storage is not None:
             for p in params:
                 self.storage.add(np.zeros(p.shape, dtype=p.dtype))
             self.flat = self.storage.data
             self.views = self.storage.views()
-        else:  # device arrays: the compiled bucket is host-only, views made by hand
-            self.flat = xp.zeros(total, dtype=params[0].dtype)
+        else:
+            # A large bucket lives in the node's shared window where it can (its all-reduce then
+            # reads the other ranks' buckets in place); device arrays cannot use the compiled bucket.
+            self.flat = shared_memory_array(total, dtype, group) if shared else xp.zeros(total, dtype=dtype)
             self.views, offset = [], 0
             for p in params:
                 self.views.append(self.flat[offset:offset + p.size].reshape(p.shape))
@@ -170,6 +177,7 @@ class DistributedDataParallel:
                 self._where[id(p)] = (bucket, slot)
         self._hooks = [p.register_grad_hook(self._on_grad_ready) for p in self._params]
         self._no_sync_depth = 0
+        self._comm_hook: Any = None  # (state, hook): see comm_hooks
         self._join: Any = None
         self._overlapping = False
         self._next_launch = 0
@@ -187,7 +195,7 @@ class DistributedDataParallel:
         buckets = []
         for k, (_, members) in enumerate(plan):
             idx = [order[m] for m in members]
-            buckets.append(_Bucket(k, [self._params[i] for i in idx], [self._names[i] for i in idx], xp))
+            buckets.append(_Bucket(k, [self._params[i] for i in idx], [self._names[i] for i in idx], xp, self.group))
         return buckets
 
     @property
@@ -217,7 +225,8 @@ class DistributedDataParallel:
             self._join.active = len(active)
             src = int(active[0])
         self._broadcast_buffers(src)
-        return self.module(*args, **kwargs)
+        with tracing.span("forward"):
+            return self.module(*args, **kwargs)
 
     def _broadcast_buffers(self, src: int) -> None:
         if self.broadcast_buffers:
@@ -273,6 +282,9 @@ class DistributedDataParallel:
         finally:
             self._overlapping = False
         backward_s = time.perf_counter() - start
+        recorder = tracing.active()
+        if recorder is not None:
+            recorder.add("backward", "compute", start, start + backward_s)
         if syncing:
             self._finish(backward_s)
         return grad_in
@@ -304,7 +316,7 @@ class DistributedDataParallel:
 
     def _reduce_op(self) -> ReduceOp:
         """AVG, or SUM when ``join`` divides by the active ranks instead (see ``_rescale``)."""
-        if self._join is not None and not self._join.divide_by_initial_world_size:
+        if self._join is not None and not self._join.divide_by_initial_world_size and self._comm_hook is None:
             return ReduceOp.SUM
         return ReduceOp.AVG
 
@@ -318,7 +330,15 @@ class DistributedDataParallel:
         if not self.gradient_as_bucket_view:
             pack([p.grad for p in bucket.params], out=bucket.flat)
         bucket.launched = True
-        bucket.work = all_reduce(bucket.flat, self._reduce_op(), self.group, async_op=async_op)
+        start = time.perf_counter()
+        if self._comm_hook is not None:
+            state, hook = self._comm_hook
+            grads = GradBucket(bucket.index, bucket.flat, bucket.names, self.group, "all_reduce")
+            bucket.work = finished(hook(state, grads))
+        else:
+            bucket.work = all_reduce(bucket.flat, self._reduce_op(), self.group, async_op=async_op)
+        tracing.span_until_done(bucket.work, start, f"bucket {bucket.index}", "buckets",
+                                elements=int(bucket.flat.size), dtype=str(bucket.flat.dtype))
 
     def _check_unused(self) -> None:
         unused = [name for b in self._buckets for name, ok in zip(b.names, b.ready) if not ok]
@@ -374,6 +394,24 @@ class DistributedDataParallel:
         finally:
             self._no_sync_depth -= 1
 
+    def register_comm_hook(self, state: Any, hook: Any) -> None:
+        """Average each bucket with ``hook(state, bucket)`` instead of an all-reduce.
+
+        See ``parallel.comm_hooks``: ``bucket.kind`` is "all_reduce", and when
+        the hook's ``Work`` completes (or at once if it returns None)
+        ``bucket.buffer`` must hold the group average. ``fp16_compress_hook``
+        and ``bf16_compress_hook`` send 16-bit floats.
+
+        Raises:
+            ConfigurationError: a hook is already registered.
+            TypeError: ``hook`` is not callable.
+        """
+        if not callable(hook):
+            raise TypeError(f"a communication hook must be callable, got {type(hook).__name__}")
+        if self._comm_hook is not None:
+            raise ConfigurationError("this DDP already has a communication hook")
+        self._comm_hook = (state, hook)
+
     # -- uneven inputs ----------------------------------------------------------------------
     @contextlib.contextmanager
     def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
@@ -412,6 +450,9 @@ class DistributedDataParallel:
             return
         if self._join is not None:
             raise ConfigurationError("ddp.join() is already open; it cannot be nested")
+        if self._comm_hook is not None and not divide_by_initial_world_size:
+            raise ConfigurationError("join(divide_by_initial_world_size=False) needs the default reduction; a "
+                                     "communication hook always averages over the whole group")
         self._join = _JoinState(bool(divide_by_initial_world_size), optimizer)
         try:
             yield

@@ -42,6 +42,7 @@ from .._dtypes import array_module, is_cupy_array
 from ..backends import ReduceOp
 from ..bucketing import FlatLayout, pack, unflatten
 from ..collectives import all_gather, all_reduce, reduce_scatter
+from .comm_hooks import GradBucket, finished
 from ..nn import Parameter
 from .fsdp_config import CPUOffload
 
@@ -127,6 +128,7 @@ class FlatUnit:
         self.placement = placement
         self.tracker = tracker
         self.counter = counter
+        self.comm_hook: Optional[Tuple[Any, Any, int]] = None  # (state, hook, unit index): see comm_hooks
         self.xp = array_module(self.params[0].data)
         full = _pack_padded([p.data for p in self.params], self.xp.empty(self.layout.padded_numel, master_dtype),
                             self.layout.numel)
@@ -261,6 +263,11 @@ class FlatUnit:
         self.tracker.release("unsharded_grads", unsharded)
         if self.shard_world == 1:
             work = None
+        elif self.comm_hook is not None:
+            state, hook, index = self.comm_hook
+            bucket = GradBucket(index, flat, self.param_names, self.shard_group, "reduce_scatter")
+            work = finished(hook(state, bucket))
+            self.counter.record("reduce_scatter", flat.nbytes, self.shard_world)
         else:
             work = reduce_scatter(flat, ReduceOp.AVG, self.shard_group, async_op=True)
             self.counter.record("reduce_scatter", flat.nbytes, self.shard_world)

@@ -41,6 +41,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 
+from .. import tracing
 from .._dtypes import array_module, is_cupy_array, is_low_precision_float
 from ..backends import ReduceOp
 from ..bucketing import unflatten
@@ -238,15 +239,19 @@ class FullyShardedDataParallel:
         module = unit.module
         inner_forward, inner_backward = module.forward, module.backward
 
+        label = unit.name or "<root>"
+
         def forward(*args: Any, **kwargs: Any) -> Any:
             self._pre_forward(unit)
-            out = inner_forward(*args, **kwargs)
+            with tracing.span(f"forward {label}"):
+                out = inner_forward(*args, **kwargs)
             self._post_forward(unit)
             return out
 
         def backward(grad_out: Any) -> Any:
             self._pre_backward(unit)
-            grad_in = inner_backward(grad_out)
+            with tracing.span(f"backward {label}"):
+                grad_in = inner_backward(grad_out)
             self._post_backward(unit)
             return grad_in
 
@@ -359,6 +364,26 @@ class FullyShardedDataParallel:
                 for unit in self._units:
                     unit.free()
         return grad_in
+
+    def register_comm_hook(self, state: Any, hook: Any) -> None:
+        """Average each unit's gradient with ``hook(state, bucket)`` instead of a reduce-scatter.
+
+        ``bucket.kind`` is "reduce_scatter": the hook's ``Work`` must return
+        this rank's averaged part of ``bucket.buffer`` (see
+        ``parallel.comm_hooks``; ``fp16_compress_hook`` and
+        ``bf16_compress_hook`` send 16-bit floats). Replicas of HYBRID_SHARD
+        are still averaged with a plain all-reduce afterwards.
+
+        Raises:
+            ConfigurationError: a hook is already registered.
+            TypeError: ``hook`` is not callable.
+        """
+        if not callable(hook):
+            raise TypeError(f"a communication hook must be callable, got {type(hook).__name__}")
+        if any(unit.comm_hook is not None for unit in self._units):
+            raise ConfigurationError("this FSDP already has a communication hook")
+        for index, unit in enumerate(self._units):
+            unit.comm_hook = (state, hook, index)
 
     def sync_gradients(self) -> None:
         """Reduce the unsharded gradients the module's Parameters hold now (after ``no_sync`` backwards)."""

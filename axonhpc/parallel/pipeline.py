@@ -73,6 +73,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
+from .. import tracing
 from .._dtypes import array_module, supported_dtypes
 from ..backends import ReduceOp
 from ..bucketing import GradientSynchronizer
@@ -341,6 +342,11 @@ class Pipeline:
                         grad_in = grad_in.astype(shapes[s][0], copy=False)
                     self._send(grad_in, s - 1, i, _GRAD, pending, local)
             timeline.append((action, start, time.perf_counter() - step_start))
+            recorder = tracing.active()
+            if recorder is not None:
+                kind = "forward" if action.kind == FORWARD else "backward"
+                recorder.add(f"{kind} stage {s} mb {i}", "compute", step_start + start, step_start + timeline[-1][2],
+                             stage=s, microbatch=i)
         for work, _ in pending:
             work.wait()
         loss = sum(losses) / m if self.is_last else None

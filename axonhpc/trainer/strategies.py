@@ -19,7 +19,6 @@ training loop in ``trainer`` has no per-strategy branches:
 from __future__ import annotations
 
 import contextlib
-import sys
 from typing import Any, Iterator, List, Optional
 
 import numpy as np
@@ -28,6 +27,7 @@ from ..checkpoint import load_per_rank, load_sharded, save_per_rank, save_sharde
 from ..backends import ReduceOp
 from ..collectives import all_reduce, broadcast
 from ..errors import ConfigurationError
+from ..log import get_logger
 from ..optim.optimizer import Optimizer
 from ..parallel import DDP, FSDP, GradScaler, MixedPrecision, Pipeline, ZeroRedundancyOptimizer
 
@@ -121,8 +121,7 @@ class Setup:
         if flag[0]:
             self.skipped_steps += 1
             where = f"non-finite gradients in {bad} on this rank" if bad else "non-finite gradients on another rank"
-            sys.stderr.write(f"axonhpc: rank {self.group.rank}: optimizer step skipped on every rank: {where}\n")
-            sys.stderr.flush()
+            get_logger("trainer").warning(f"optimizer step skipped on every rank: {where}")
         return bool(flag[0])
 
     def predict(self, x: Any) -> Any:

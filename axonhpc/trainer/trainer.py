@@ -39,11 +39,12 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import numpy as np
 
 from ..backends import ReduceOp
-from ..checkpoint import capture_rng_state, latest, restore_rng_state
-from ..collectives import all_reduce
+from ..checkpoint import capture_rng_state, clean_interrupted, latest, restore_rng_state
+from ..collectives import all_reduce, barrier
 from ..data import DataLoader, DistributedSampler
 from ..errors import ConfigurationError
 from ..groups import resolve_group
+from ..log import get_logger
 from ..settings import settings
 from .preemption import PREEMPTED_EXIT_CODE, Preemption
 from .strategies import STRATEGIES, Setup, batches_of, build, share_from, steps_per_epoch
@@ -208,6 +209,13 @@ class DistributedTrainer:
             self._prune(checkpoint_dir)
         return path
 
+    def _clean_interrupted(self, checkpoint_dir: str, setup: Setup) -> None:
+        """Collective: rank 0 tidies the leftovers of killed saves before anything reads or writes there."""
+        if setup.group.rank == 0:
+            for line in clean_interrupted(checkpoint_dir):
+                get_logger("trainer").info(f"checkpoint directory {checkpoint_dir}: {line}")
+        barrier(setup.group)
+
     def _prune(self, checkpoint_dir: str) -> None:
         from ..checkpoint.paths import _step_regex
 
@@ -268,6 +276,8 @@ class DistributedTrainer:
             raise ConfigurationError(f"an epoch has no complete step: {len(loader)} batch(es) of {batch_size} per "
                                      f"rank, grad_accumulation={grad_accumulation}")
         start_epoch, skip = 0, 0
+        if checkpoint_dir:
+            self._clean_interrupted(checkpoint_dir, setup)
         last = latest(checkpoint_dir, CHECKPOINT_PATTERN) if (checkpoint_dir and resume) else None
         if last is not None:
             where = self.load_checkpoint(last)

@@ -41,7 +41,8 @@ elif sys.argv[1] == "usr1":
     for _ in range(3):
         ax.all_reduce(x)
     ax.barrier()
-    print(f"ready {world.rank}", flush=True)
+    sys.stdout.write(f"ready {world.rank}\n")  # one write: the two ranks' lines cannot interleave
+    sys.stdout.flush()
     time.sleep(3)
     ax.barrier()
 elif sys.argv[1] == "sleep":

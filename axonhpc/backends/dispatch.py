@@ -1,0 +1,114 @@
+"""One backend of two: host arrays to MPI, device arrays to NCCL.
+
+[Note: two backends in one world]
+A world that uses NCCL still needs MPI: for numpy arrays (metadata, the
+debug fingerprints, checkpoints' small exchanges), to bootstrap NCCL, and to
+find the node layout. Rather than teach every layer above about two
+backends, the world holds one ``DeviceDispatchBackend``: it looks at each
+call's buffer and hands the call to ``device`` for a cupy array and to
+``host`` otherwise. So the collectives, the process groups and the parallel
+strategies keep calling ``pg.backend.all_reduce(x, ...)`` unchanged.
+
+- Both sides cover the same ranks in the same order: ``split`` and
+  ``create_group`` split the host communicator and build the device
+  communicator over the result (``make_device(host)``), so every process
+  group has one NCCL communicator, made when the group is.
+- A barrier, the node layout, arrival notices (``announce``) and abort are
+  the host's. The host is ordered per communicator, and so is NCCL: every
+  rank issues the same calls in the same order, so a mix of host and device
+  calls cannot cross.
+- Both ends of a send/recv must use the same kind of array: a numpy send
+  travels over MPI and never meets a cupy receive posted on NCCL.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence, Tuple
+
+from .._dtypes import is_cupy_array
+from .base import Backend, ReduceOp, Work
+
+
+class DeviceDispatchBackend(Backend):
+    """Host arrays to ``host``, cupy arrays to ``device`` (see the module note).
+
+    Args:
+        host: the MPI backend of the group.
+        make_device: builds the device backend over a host backend of the
+            same ranks (collective, e.g. ``NCCLBackend``); called now and for
+            every group split from this one.
+    """
+
+    def __init__(self, host: Backend, make_device: Callable[[Backend], Backend]):
+        self.host = host
+        self._make_device = make_device
+        self.device = make_device(host)
+        self.name = f"{host.name}+{self.device.name}"
+        self.rank, self.size = host.rank, host.size
+        announce = getattr(host, "announce", None)
+        if announce is not None:
+            self.announce = announce  # the collective layer looks for it (timed collectives)
+
+    @property
+    def global_ranks(self) -> Tuple[int, ...]:
+        """World rank of each rank (the same on both sides)."""
+        return self.host.global_ranks
+
+    @global_ranks.setter
+    def global_ranks(self, ranks: Sequence[int]) -> None:
+        self.host.global_ranks = tuple(ranks)
+        self.device.global_ranks = tuple(ranks)
+
+    def _for(self, buf) -> Backend:
+        return self.device if is_cupy_array(buf) else self.host
+
+    # -- collectives ------------------------------------------------------------------------
+    def all_reduce(self, buf, op: ReduceOp, async_op: bool) -> Work:
+        return self._for(buf).all_reduce(buf, op, async_op)
+
+    def broadcast(self, buf, root: int, async_op: bool) -> Work:
+        return self._for(buf).broadcast(buf, root, async_op)
+
+    def all_gather(self, send, recv, async_op: bool) -> Work:
+        return self._for(send).all_gather(send, recv, async_op)
+
+    def reduce_scatter(self, send, recv, op: ReduceOp, async_op: bool) -> Work:
+        return self._for(send).reduce_scatter(send, recv, op, async_op)
+
+    def gather(self, send, recv, root: int, async_op: bool) -> Work:
+        return self._for(send).gather(send, recv, root, async_op)
+
+    def scatter(self, send, recv, root: int, async_op: bool) -> Work:
+        return self._for(recv).scatter(send, recv, root, async_op)
+
+    def barrier(self, async_op: bool) -> Work:
+        return self.host.barrier(async_op)
+
+    # -- point to point -----------------------------------------------------------------------
+    def send(self, buf, dst: int, tag: int, async_op: bool) -> Work:
+        return self._for(buf).send(buf, dst, tag, async_op)
+
+    def recv(self, buf, src: int, tag: int, async_op: bool) -> Work:
+        return self._for(buf).recv(buf, src, tag, async_op)
+
+    # -- communicators ------------------------------------------------------------------------
+    def _wrap(self, host: Optional[Backend]) -> Optional["DeviceDispatchBackend"]:
+        return None if host is None else DeviceDispatchBackend(host, self._make_device)
+
+    def split(self, color: Optional[int], key: int) -> Optional["DeviceDispatchBackend"]:
+        return self._wrap(self.host.split(color, key))
+
+    def create_group(self, ranks: Sequence[int]) -> Optional["DeviceDispatchBackend"]:
+        return self._wrap(self.host.create_group(ranks))
+
+    def node_layout(self, local_key: Optional[int] = None) -> Tuple[int, int, int, int]:
+        return self.host.node_layout(local_key)
+
+    def abort(self, code: int = 1) -> None:
+        self.host.abort(code)
+
+    def free(self) -> None:
+        self.device.free()
+        self.host.free()
+
+
+__all__ = ["DeviceDispatchBackend"]

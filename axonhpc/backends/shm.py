@@ -1,0 +1,141 @@
+"""The shared-memory window behind intra-node collectives (the engine is ``axonhpc._ext._shm``).
+
+[Note: one window per communicator]
+``engine_for(backend, ...)`` is collective the first time it is called for a
+backend: it checks that every rank of the backend's communicator shares one
+node (``Split_type(COMM_TYPE_SHARED)`` gives the whole communicator), then
+allocates one segment per rank with ``MPI.Win.Allocate_shared`` (each
+segment page-aligned on its owner's memory: ``alloc_shared_noncontig``),
+zeroes its own counters, and waits at a barrier so no rank reads a counter
+before its owner has zeroed it. The engine is kept on the backend and reused
+by every later call (persistent buffers: nothing is allocated per call);
+``close`` frees the window. A communicator that spans several nodes gets
+``None``, once, and is never asked again.
+
+The geometry (slot size and count) is the same on every rank: it comes from
+the settings, which every rank reads from the same environment.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import numpy as np
+
+from ..errors import ConfigurationError
+from ..settings import settings
+
+_ATTR = "_axonhpc_shm"  # where a backend keeps its engine (or False: not one node)
+_ARRAYS = "_axonhpc_shm_arrays"  # where it keeps the windows of arrays allocated in shared memory
+
+
+class SharedWindow:
+    """One node's shared segments and the compiled engine that runs collectives through them."""
+
+    def __init__(self, comm: Any, slot_bytes: int, nslots: int):
+        from mpi4py import MPI
+
+        from .._ext import _shm
+
+        self.slot_bytes, self.nslots = int(slot_bytes), int(nslots)
+        if self.slot_bytes < 4096 or self.slot_bytes % 4096 or self.nslots < 1:
+            raise ConfigurationError(f"shared-memory slots must be a positive multiple of 4096 bytes, at least "
+                                     f"one of them; got shm_slot_bytes={slot_bytes}, shm_slots={nslots}")
+        info = MPI.Info.Create()
+        info.Set("alloc_shared_noncontig", "true")
+        try:
+            self.win = MPI.Win.Allocate_shared(_shm.CTRL_BYTES + self.nslots * self.slot_bytes, 1, info, comm)
+        finally:
+            info.Free()
+        self._views = []
+        addresses = []
+        for r in range(comm.Get_size()):
+            buf, _ = self.win.Shared_query(r)
+            view = np.frombuffer(buf, dtype=np.uint8)
+            self._views.append(view)
+            addresses.append(view.ctypes.data)
+        self._views[comm.Get_rank()][:_shm.CTRL_BYTES] = 0
+        comm.Barrier()
+        self.engine = _shm.Engine(addresses, comm.Get_rank(), self.slot_bytes, self.nslots)
+        self.data = self._views[comm.Get_rank()][_shm.CTRL_BYTES:]  # this rank's slots, or its array
+
+    def close(self) -> None:
+        """Free the window (collective over the communicator)."""
+        self._views = []
+        self.win.Free()
+
+
+def _one_node(comm: Any) -> bool:
+    from mpi4py import MPI
+
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+    try:
+        return local.Get_size() == comm.Get_size()
+    finally:
+        local.Free()
+
+
+def engine_for(backend: Any, slot_bytes: int, nslots: int) -> Optional[Any]:
+    """The shared-memory engine of ``backend``'s communicator, or None (collective on first use).
+
+    None for a backend without an MPI communicator (threads, NCCL) or one
+    whose ranks are on more than one node.
+    """
+    backend = getattr(backend, "host", backend)  # a host/device dispatch backend: its MPI side
+    cached = getattr(backend, _ATTR, None)
+    if cached is not None:
+        return cached.engine if cached else None
+    comm = getattr(backend, "comm", None)
+    if comm is None or not hasattr(comm, "Split_type"):
+        return None
+    window: Any = SharedWindow(comm, slot_bytes, nslots) if _one_node(comm) else False
+    setattr(backend, _ATTR, window)
+    return window.engine if window else None
+
+
+def allocate_array(backend: Any, nbytes: int) -> Optional[np.ndarray]:
+    """``nbytes`` of this rank's memory in a shared window of its own, or None (collective).
+
+    Every rank of the communicator gets its own array at the same offset of
+    its own segment, and ``engine_in_window`` finds the engine that reduces
+    such arrays in place. None where ``engine_for`` would give None. The
+    window lives as long as the process (freeing it would be collective).
+    """
+    backend = getattr(backend, "host", backend)
+    if engine_for(backend, settings.shm_slot_bytes, settings.shm_slots) is None:  # not one node (cached)
+        return None
+    window = SharedWindow(backend.comm, max(4096, -(-int(nbytes) // 4096) * 4096), 1)
+    array = window.data[:int(nbytes)]
+    start = array.ctypes.data
+    arrays = getattr(backend, _ARRAYS, None)
+    if arrays is None:
+        arrays = []
+        setattr(backend, _ARRAYS, arrays)
+    arrays.append((start, start + window.slot_bytes, window))
+    return array
+
+
+def engine_in_window(backend: Any, x: np.ndarray) -> Optional[Any]:
+    """The engine of the shared window ``x`` lies in (see ``allocate_array``), or None."""
+    backend = getattr(backend, "host", backend)
+    arrays = getattr(backend, _ARRAYS, None)
+    if not arrays or not isinstance(x, np.ndarray):
+        return None
+    start = x.ctypes.data
+    end = start + x.nbytes
+    for lo, hi, window in arrays:
+        if lo <= start and end <= hi:
+            return window.engine
+    return None
+
+
+def release(backend: Any) -> None:
+    """Free ``backend``'s window if it has one (collective)."""
+    backend = getattr(backend, "host", backend)
+    window = getattr(backend, _ATTR, None)
+    if window:
+        window.close()
+    if window is not None:
+        setattr(backend, _ATTR, None)
+
+
+__all__ = ["SharedWindow", "engine_for", "allocate_array", "engine_in_window", "release"]

@@ -1,0 +1,186 @@
+"""Staging device arrays through reusable host buffers, for an MPI that is not CUDA-aware.
+
+[Note: staging]
+``run_staged`` runs one host-array operation for device arrays: it leases a
+host buffer for each device buffer, copies in the ones the operation reads,
+runs the operation on the host twins, and once that completes copies back
+the ones it writes and returns the buffers to the pool. The Work it returns
+is the host operation's, so ``async_op`` keeps working: the copy back runs
+when the transfer is done (in ``wait``/``is_completed``), and a buffer is
+never leased twice while an operation still uses it.
+
+``HostBuffers`` keeps the buffers between calls: a lease takes the smallest
+free buffer that fits, or allocates one rounded up to a power of two (and
+drops the free buffers too small for that size, so the pool tracks the
+largest messages instead of growing). The allocator and the copies are
+injected: cupy's pinned memory and ``ndarray.get``/``set`` on a GPU
+(``cupy_staging``), plain numpy in the tests.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Collection, List, Optional, Sequence
+
+import numpy as np
+
+from .base import Work
+
+_MIN_BYTES = 4096
+
+
+def _rounded(nbytes: int) -> int:
+    size = _MIN_BYTES
+    while size < nbytes:
+        size *= 2
+    return size
+
+
+class HostBuffers:
+    """A pool of reusable host byte buffers (pinned on a GPU machine).
+
+    Args:
+        allocate: ``allocate(nbytes)`` returns a new 1-d uint8 array of that size.
+    """
+
+    def __init__(self, allocate: Callable[[int], np.ndarray]):
+        self._allocate = allocate
+        self._free: List[np.ndarray] = []
+        self._lock = threading.Lock()
+        self.allocations = 0  # buffers allocated so far (a test and benchmark counter)
+
+    def lease(self, nbytes: int) -> np.ndarray:
+        """A uint8 buffer of at least ``nbytes`` bytes, the caller's until ``release``."""
+        with self._lock:
+            fits = [b for b in self._free if b.nbytes >= nbytes]
+            if fits:
+                best = min(fits, key=lambda b: b.nbytes)
+                self._free = [b for b in self._free if b is not best]
+                return best
+            size = _rounded(nbytes)
+            self._free = [b for b in self._free if b.nbytes >= size]
+            self.allocations += 1
+        return self._allocate(size)
+
+    def release(self, buf: np.ndarray) -> None:
+        """Give a leased buffer back."""
+        with self._lock:
+            self._free.append(buf)
+
+    @property
+    def free_bytes(self) -> int:
+        """Bytes held by buffers not leased now."""
+        with self._lock:
+            return sum(b.nbytes for b in self._free)
+
+
+def host_view(raw: np.ndarray, shape, dtype) -> np.ndarray:
+    """The first bytes of a leased buffer seen as an array of ``shape`` and ``dtype``."""
+    dtype = np.dtype(dtype)
+    count = int(np.prod(shape, dtype=np.int64))
+    return raw[:count * dtype.itemsize].view(dtype).reshape(shape)
+
+
+@dataclass
+class DeviceCopies:
+    """How bytes cross between a device array and a host array of the same shape and dtype.
+
+    Attributes:
+        to_host: ``to_host(device, host)``; the host array holds the values when it returns.
+        to_device: ``to_device(host, device)``; may return before the copy is done.
+        synchronize: waits until every ``to_device`` copy issued so far is done.
+    """
+
+    to_host: Callable[[Any, np.ndarray], None]
+    to_device: Callable[[np.ndarray, Any], None]
+    synchronize: Callable[[], None]
+
+
+class Staging:
+    """A buffer pool and the copies that go with it."""
+
+    def __init__(self, buffers: HostBuffers, copies: DeviceCopies):
+        self.buffers = buffers
+        self.copies = copies
+
+
+def run_staged(call: Callable[..., Work], args: Sequence[Any], reads: Collection[int], writes: Collection[int],
+               staging: Staging) -> Work:
+    """Run ``call`` on host twins of the device arrays in ``args`` (see the module note).
+
+    Args:
+        call: ``call(*host_args)`` starts the operation on host arrays and
+            returns its Work.
+        args: the operation's arguments; those at ``reads`` and ``writes``
+            are device arrays or None (a buffer a rank does not have).
+        reads: positions whose values the operation reads (copied in).
+        writes: positions the operation fills (copied back on completion).
+        staging: the buffer pool and the copies.
+
+    Returns:
+        The host operation's Work; its result, when it is a host twin, is
+        replaced by the device array.
+    """
+    host_args = list(args)
+    leased: List[np.ndarray] = []
+    try:
+        for i in sorted(set(reads) | set(writes)):
+            dev = args[i]
+            if dev is None:
+                continue
+            raw = staging.buffers.lease(dev.nbytes)
+            leased.append(raw)
+            twin = host_view(raw, dev.shape, dev.dtype)
+            if i in reads:
+                staging.copies.to_host(dev, twin)
+            host_args[i] = twin
+        work = call(*host_args)
+    except BaseException:
+        for raw in leased:
+            staging.buffers.release(raw)
+        raise
+
+    def copy_back() -> None:
+        try:
+            for i in writes:
+                if args[i] is not None:
+                    staging.copies.to_device(host_args[i], args[i])
+            staging.copies.synchronize()  # the host buffers are reused at once
+        finally:
+            for raw in leased:
+                staging.buffers.release(raw)
+
+    for i in writes:
+        if args[i] is not None and work._result is host_args[i]:
+            work._result = args[i]
+    return work.then(copy_back)
+
+
+_default: Optional[Staging] = None
+_default_lock = threading.Lock()
+
+
+def cupy_staging() -> Staging:
+    """The process's staging area on a GPU: pinned host buffers and cupy's copies on the current stream.
+
+    UNTESTED ON A GPU (none was available): follows cupy's documented
+    ``cupyx.empty_pinned``, ``ndarray.get(out=...)`` and ``ndarray.set``.
+    """
+    global _default
+    with _default_lock:
+        if _default is None:
+            import cupy
+            import cupyx
+
+            def allocate(nbytes: int) -> np.ndarray:
+                return cupyx.empty_pinned((nbytes,), dtype=np.uint8)
+
+            _default = Staging(HostBuffers(allocate), DeviceCopies(
+                to_host=lambda dev, host: dev.get(out=host),  # blocking, after the stream's earlier work
+                to_device=lambda host, dev: dev.set(host),
+                synchronize=lambda: cupy.cuda.get_current_stream().synchronize(),
+            ))
+        return _default
+
+
+__all__ = ["HostBuffers", "DeviceCopies", "Staging", "host_view", "run_staged", "cupy_staging"]

@@ -1,0 +1,335 @@
+/* Intra-node collectives over memory that every rank of a node maps (an MPI-3
+ * shared window). Used by _shm.pyx; the protocol is described there.
+ *
+ * Each rank owns one segment: a control block (three counters, written only by
+ * their owner, read by everyone) followed by NSLOTS slots of SLOT_BYTES. A
+ * message is cut into chunks that pass through the slots in turn, so the
+ * memory in use stays fixed (and in the last-level cache) whatever the
+ * message size, and one rank can copy chunk g+1 in while another still
+ * reduces chunk g.
+ */
+#ifndef AXONHPC_SHM_ENGINE_H
+#define AXONHPC_SHM_ENGINE_H
+
+#include <errno.h>
+#include <sched.h>
+#include <stdint.h>
+#include <string.h>
+#include <time.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define AX_HAVE_STREAM 1
+#define AX_CPU_RELAX() _mm_pause()
+#elif defined(__aarch64__)
+#define AX_CPU_RELAX() __asm__ __volatile__("yield" ::: "memory")
+#else
+#define AX_CPU_RELAX() do { } while (0)
+#endif
+
+/* One rank's counters: chunks it has copied in, reduced, and finished with. */
+typedef struct {
+    uint64_t copied;
+    uint64_t reduced;
+    uint64_t done;
+    uint64_t pad[5]; /* a cache line of its own */
+} ax_ctrl;
+
+enum { AX_COPIED = 0, AX_REDUCED = 1, AX_DONE = 2 };
+enum { AX_F32 = 0, AX_F64 = 1, AX_I32 = 2, AX_I64 = 3, AX_U8 = 4 };
+enum { AX_SUM = 0, AX_PROD = 1, AX_MIN = 2, AX_MAX = 3, AX_AVG = 4 };
+#define AX_MAX_RANKS 256
+#define AX_CTRL_BYTES 4096 /* the control block's share of a segment (keeps the slots page-aligned) */
+
+typedef struct {
+    int rank;
+    int size;
+    int nslots;
+    size_t slot_bytes;
+    char *segs[AX_MAX_RANKS];      /* each rank's first slot */
+    ax_ctrl *ctrls[AX_MAX_RANKS];  /* each rank's counters */
+    uint64_t seq;                  /* chunks passed through the slots so far (equal on every rank) */
+    uint64_t waits;                /* how often a wait had to yield or sleep (for benchmarks) */
+    double wait_seconds;           /* time spent waiting for other ranks (for benchmarks) */
+    long spin_iters;               /* busy polls before the first yield */
+    long yield_iters;              /* polls (spins included) before the first sleep */
+} ax_shm;
+
+static inline uint64_t ax_load(const uint64_t *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
+static inline void ax_store(uint64_t *p, uint64_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
+
+static inline uint64_t *ax_field(ax_ctrl *c, int field) {
+    return field == AX_COPIED ? &c->copied : field == AX_REDUCED ? &c->reduced : &c->done;
+}
+
+static inline double ax_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* Wait until every rank's counter `field` is at least `target`.
+ * Spins briefly, then yields the core, then sleeps with a growing delay: on an
+ * oversubscribed node the rank being waited for needs the core.
+ * Returns 0, or -1 after `timeout` seconds (timeout <= 0: never) with
+ * lagging[r] set for every rank r still behind. */
+static int ax_wait_all(ax_shm *s, int field, uint64_t target, double timeout, unsigned char *lagging) {
+    long iter = 0;
+    double start = 0.0, entered = 0.0;
+    long sleep_ns = 2000;
+    for (;;) {
+        int behind = -1;
+        for (int r = 0; r < s->size; r++) {
+            if (ax_load(ax_field(s->ctrls[r], field)) < target) { behind = r; break; }
+        }
+        if (behind < 0) {
+            if (iter) s->wait_seconds += ax_now() - entered;
+            return 0;
+        }
+        if (iter == 0) entered = ax_now();
+        iter++;
+        if (iter < s->spin_iters) { AX_CPU_RELAX(); continue; }
+        if (iter == s->spin_iters) { s->waits++; start = ax_now(); }
+        if (iter < s->yield_iters) {
+            sched_yield();
+        } else {
+            struct timespec ts = {0, sleep_ns};
+            nanosleep(&ts, NULL);
+            if (sleep_ns < 200000) sleep_ns += sleep_ns / 4;
+        }
+        if ((iter & 63) == 0 && timeout > 0 && ax_now() - start > timeout) {
+            for (int r = 0; r < s->size; r++)
+                lagging[r] = ax_load(ax_field(s->ctrls[r], field)) < target;
+            return -1;
+        }
+    }
+}
+
+/* Copy with streaming (non-temporal) stores: the destination is not read
+ * into the cache first and does not evict the slots. For the copy out of a
+ * large message into the caller's array, which is not read again soon. */
+static void ax_copy_stream(char *dst, const char *src, size_t n) {
+#ifdef AX_HAVE_STREAM
+    size_t head = (16 - ((uintptr_t)dst & 15)) & 15;
+    if (n < 4096 || head > n) { memcpy(dst, src, n); return; }
+    memcpy(dst, src, head);
+    dst += head; src += head; n -= head;
+    size_t blocks = n / 64;
+    for (size_t i = 0; i < blocks; i++) {
+        __m128i a = _mm_loadu_si128((const __m128i *)src);
+        __m128i b = _mm_loadu_si128((const __m128i *)(src + 16));
+        __m128i c = _mm_loadu_si128((const __m128i *)(src + 32));
+        __m128i d = _mm_loadu_si128((const __m128i *)(src + 48));
+        _mm_stream_si128((__m128i *)dst, a);
+        _mm_stream_si128((__m128i *)(dst + 16), b);
+        _mm_stream_si128((__m128i *)(dst + 32), c);
+        _mm_stream_si128((__m128i *)(dst + 48), d);
+        src += 64; dst += 64;
+    }
+    _mm_sfence();
+    memcpy(dst, src, n - blocks * 64);
+#else
+    memcpy(dst, src, n);
+#endif
+}
+
+static void ax_copy_plain(char *dst, const char *src, size_t n) { memcpy(dst, src, n); }
+
+/* Messages from this size on are copied out with streaming stores. */
+#define AX_STREAM_MIN_BYTES ((size_t)8 << 20)
+
+/* dst[i] = src[0][i] op src[1][i] op ... in rank order, blockwise through a small
+ * accumulator, so dst may be one of the sources. */
+#define AX_BLOCK 1024
+#define AX_DEFINE_REDUCE(NAME, T, EXPR, FINISH)                                      \
+    static void NAME(char *dst, char *const *srcs, int p, size_t n) {                \
+        T acc[AX_BLOCK];                                                              \
+        for (size_t b = 0; b < n; b += AX_BLOCK) {                                    \
+            size_t m = n - b < AX_BLOCK ? n - b : AX_BLOCK;                           \
+            const T *s0 = (const T *)srcs[0] + b;                                     \
+            for (size_t i = 0; i < m; i++) acc[i] = s0[i];                            \
+            for (int r = 1; r < p; r++) {                                             \
+                const T *sr = (const T *)srcs[r] + b;                                 \
+                for (size_t i = 0; i < m; i++) { T a = acc[i], v = sr[i]; acc[i] = (EXPR); } \
+            }                                                                         \
+            FINISH                                                                    \
+            memcpy((T *)dst + b, acc, m * sizeof(T));                                 \
+        }                                                                             \
+    }
+
+/* AVG of floats: the sum in rank order, then one correctly rounded division by
+ * p (numpy's `sum / p`, so the bits equal the MPI path's sum-then-divide). */
+#define AX_DIVIDE(T) for (size_t i = 0; i < m; i++) acc[i] = acc[i] / (T)p;
+
+#define AX_DEFINE_OPS(SUFFIX, T)                             \
+    AX_DEFINE_REDUCE(ax_sum_##SUFFIX, T, a + v, )            \
+    AX_DEFINE_REDUCE(ax_prod_##SUFFIX, T, a * v, )           \
+    AX_DEFINE_REDUCE(ax_min_##SUFFIX, T, (v < a ? v : a), )  \
+    AX_DEFINE_REDUCE(ax_max_##SUFFIX, T, (v > a ? v : a), )
+
+AX_DEFINE_OPS(f32, float)
+AX_DEFINE_OPS(f64, double)
+AX_DEFINE_OPS(i32, int32_t)
+AX_DEFINE_OPS(i64, int64_t)
+AX_DEFINE_OPS(u8, uint8_t)
+AX_DEFINE_REDUCE(ax_avg_f32, float, a + v, AX_DIVIDE(float))
+AX_DEFINE_REDUCE(ax_avg_f64, double, a + v, AX_DIVIDE(double))
+
+typedef void (*ax_reduce_fn)(char *, char *const *, int, size_t);
+
+/* op: SUM, PROD, MIN, MAX, and AVG for the float dtypes only (integer AVG
+ * floors, which the caller does after a SUM). */
+static ax_reduce_fn ax_reducer(int dtype, int op) {
+    static const ax_reduce_fn table[5][5] = {
+        {ax_sum_f32, ax_prod_f32, ax_min_f32, ax_max_f32, ax_avg_f32},
+        {ax_sum_f64, ax_prod_f64, ax_min_f64, ax_max_f64, ax_avg_f64},
+        {ax_sum_i32, ax_prod_i32, ax_min_i32, ax_max_i32, NULL},
+        {ax_sum_i64, ax_prod_i64, ax_min_i64, ax_max_i64, NULL},
+        {ax_sum_u8, ax_prod_u8, ax_min_u8, ax_max_u8, NULL},
+    };
+    if (dtype < 0 || dtype > 4 || op < 0 || op > 4) return NULL;
+    return table[dtype][op];
+}
+
+/* Rank k's share [lo, hi) of n elements, cut at multiples of `align` elements. */
+static inline void ax_share(size_t n, int k, int p, size_t align, size_t *lo, size_t *hi) {
+    size_t units = (n + align - 1) / align;
+    size_t a = units * (size_t)k / (size_t)p, b = units * (size_t)(k + 1) / (size_t)p;
+    *lo = a * align < n ? a * align : n;
+    *hi = b * align < n ? b * align : n;
+}
+
+static inline char *ax_slot(ax_shm *s, int rank, uint64_t g) {
+    return s->segs[rank] + (size_t)(g % (uint64_t)s->nslots) * s->slot_bytes;
+}
+
+/* The slot of chunk g may be filled once every rank is done with chunk g - nslots. */
+static inline int ax_wait_slot(ax_shm *s, uint64_t g, double timeout, unsigned char *lagging) {
+    if (g < (uint64_t)s->nslots) return 0;
+    return ax_wait_all(s, AX_DONE, g - (uint64_t)s->nslots + 1, timeout, lagging);
+}
+
+/* In-place all-reduce of `count` elements at x. Per chunk: copy in, wait for
+ * every copy, reduce this rank's share into its own slot, wait for every
+ * share, copy every share out. Returns 0, -1 (timeout, *lagging set) or -2
+ * (bad dtype/op). */
+static int ax_allreduce(ax_shm *s, char *x, size_t count, int dtype, int op, size_t itemsize,
+                        double timeout, unsigned char *lagging) {
+    ax_reduce_fn reduce = ax_reducer(dtype, op);
+    if (reduce == NULL) return -2;
+    const int p = s->size, me = s->rank;
+    const size_t per_chunk = s->slot_bytes / itemsize;
+    const size_t align = 64 / itemsize; /* shares start on cache lines */
+    void (*copy_out)(char *, const char *, size_t) =
+        count * itemsize >= AX_STREAM_MIN_BYTES ? ax_copy_stream : ax_copy_plain;
+    char *srcs[AX_MAX_RANKS];
+    for (size_t first = 0; first < count; first += per_chunk) {
+        const uint64_t g = s->seq++;
+        const size_t n = count - first < per_chunk ? count - first : per_chunk;
+        char *xc = x + first * itemsize;
+        if (ax_wait_slot(s, g, timeout, lagging)) return -1;
+        memcpy(ax_slot(s, me, g), xc, n * itemsize);
+        ax_store(&s->ctrls[me]->copied, g + 1);
+        if (ax_wait_all(s, AX_COPIED, g + 1, timeout, lagging)) return -1;
+        size_t lo, hi;
+        ax_share(n, me, p, align, &lo, &hi);
+        if (hi > lo) {
+            for (int r = 0; r < p; r++) srcs[r] = ax_slot(s, r, g) + lo * itemsize;
+            reduce(ax_slot(s, me, g) + lo * itemsize, srcs, p, hi - lo);
+        }
+        ax_store(&s->ctrls[me]->reduced, g + 1);
+        if (ax_wait_all(s, AX_REDUCED, g + 1, timeout, lagging)) return -1;
+        for (int k = 0; k < p; k++) {
+            ax_share(n, k, p, align, &lo, &hi);
+            if (hi > lo) copy_out(xc + lo * itemsize, ax_slot(s, k, g) + lo * itemsize, (hi - lo) * itemsize);
+        }
+        ax_store(&s->ctrls[me]->done, g + 1);
+    }
+    return 0;
+}
+
+/* Reduce-scatter: x holds p blocks of `block` elements; out receives the
+ * reduction of block `rank`. Per chunk every rank copies the same window of
+ * each of the p blocks into its slot (p pieces), and the owner of a block
+ * reduces its piece straight into `out`. */
+static int ax_reduce_scatter(ax_shm *s, const char *x, char *out, size_t block, int dtype, int op,
+                             size_t itemsize, double timeout, unsigned char *lagging) {
+    ax_reduce_fn reduce = ax_reducer(dtype, op);
+    if (reduce == NULL) return -2;
+    const int p = s->size, me = s->rank;
+    const size_t piece = s->slot_bytes / itemsize / (size_t)p;
+    if (piece == 0) return -2;
+    char *srcs[AX_MAX_RANKS];
+    for (size_t first = 0; first < block; first += piece) {
+        const uint64_t g = s->seq++;
+        const size_t n = block - first < piece ? block - first : piece;
+        if (ax_wait_slot(s, g, timeout, lagging)) return -1;
+        char *mine = ax_slot(s, me, g);
+        for (int k = 0; k < p; k++)
+            memcpy(mine + (size_t)k * piece * itemsize, x + ((size_t)k * block + first) * itemsize, n * itemsize);
+        ax_store(&s->ctrls[me]->copied, g + 1);
+        if (ax_wait_all(s, AX_COPIED, g + 1, timeout, lagging)) return -1;
+        for (int r = 0; r < p; r++) srcs[r] = ax_slot(s, r, g) + (size_t)me * piece * itemsize;
+        reduce(out + first * itemsize, srcs, p, n);
+        ax_store(&s->ctrls[me]->reduced, g + 1);
+        ax_store(&s->ctrls[me]->done, g + 1);
+    }
+    return 0;
+}
+
+/* Broadcast of `count` elements at x from `root`: the root copies each chunk
+ * into its slot, the others copy it out. */
+static int ax_broadcast(ax_shm *s, char *x, size_t count, size_t itemsize, int root, double timeout,
+                        unsigned char *lagging) {
+    const int me = s->rank;
+    const size_t per_chunk = s->slot_bytes / itemsize;
+    for (size_t first = 0; first < count; first += per_chunk) {
+        const uint64_t g = s->seq++;
+        const size_t n = count - first < per_chunk ? count - first : per_chunk;
+        if (ax_wait_slot(s, g, timeout, lagging)) return -1;
+        if (me == root) memcpy(ax_slot(s, me, g), x + first * itemsize, n * itemsize);
+        ax_store(&s->ctrls[me]->copied, g + 1);
+        ax_store(&s->ctrls[me]->reduced, g + 1);
+        if (ax_wait_all(s, AX_COPIED, g + 1, timeout, lagging)) return -1;
+        if (me != root) memcpy(x + first * itemsize, ax_slot(s, root, g), n * itemsize);
+        ax_store(&s->ctrls[me]->done, g + 1);
+    }
+    return 0;
+}
+
+/* All-reduce of an array that lives in every rank's segment at the same
+ * offset (a buffer allocated in the window: no copy in). Arrive, wait for
+ * every rank; reduce this rank's share from all ranks' arrays into its own;
+ * wait; copy the other ranks' shares from their arrays; wait until every
+ * rank has copied, because the caller may write into the array as soon as
+ * the call returns. One call is one step of the counters. */
+static int ax_allreduce_direct(ax_shm *s, size_t offset, size_t count, int dtype, int op, size_t itemsize,
+                               double timeout, unsigned char *lagging) {
+    ax_reduce_fn reduce = ax_reducer(dtype, op);
+    if (reduce == NULL) return -2;
+    const int p = s->size, me = s->rank;
+    const size_t align = 64 / itemsize;
+    char *srcs[AX_MAX_RANKS];
+    const uint64_t g = s->seq++;
+    size_t lo, hi;
+    ax_store(&s->ctrls[me]->copied, g + 1);
+    if (ax_wait_all(s, AX_COPIED, g + 1, timeout, lagging)) return -1;
+    ax_share(count, me, p, align, &lo, &hi);
+    if (hi > lo) {
+        for (int r = 0; r < p; r++) srcs[r] = s->segs[r] + offset + lo * itemsize;
+        reduce(s->segs[me] + offset + lo * itemsize, srcs, p, hi - lo);
+    }
+    ax_store(&s->ctrls[me]->reduced, g + 1);
+    if (ax_wait_all(s, AX_REDUCED, g + 1, timeout, lagging)) return -1;
+    for (int k = 0; k < p; k++) {
+        if (k == me) continue;
+        ax_share(count, k, p, align, &lo, &hi);
+        if (hi > lo) memcpy(s->segs[me] + offset + lo * itemsize, s->segs[k] + offset + lo * itemsize,
+                            (hi - lo) * itemsize);
+    }
+    ax_store(&s->ctrls[me]->done, g + 1);
+    if (ax_wait_all(s, AX_DONE, g + 1, timeout, lagging)) return -1;
+    return 0;
+}
+
+#endif /* AXONHPC_SHM_ENGINE_H */

@@ -1,0 +1,378 @@
+"""Thread-level stand-ins for cupy and ``cupy.cuda.nccl``: numpy arrays play device arrays.
+
+They check what axonhpc's device code asks of cupy and NCCL (pointers, counts,
+datatype and op codes, groups, call order) with real data movement between
+ranks that are threads of one process. They do not check NCCL, CUDA streams or
+cupy: nothing here runs on a GPU.
+
+- ``DeviceArray``: a numpy array with cupy's ``.data.ptr``; installed as
+  ``cupy.ndarray`` so the library takes it for a device array.
+- ``FakeCupy``: the module (numpy functions whose array results become
+  DeviceArrays, plus ``cuda.Stream``/``Event``/``get_current_stream``).
+- ``FakeNccl``: the module, with ``NcclCommunicator`` ranks that meet in a hub
+  keyed by the unique id, and a log of every call.
+- ``run_device_world(fn, n)``: ``fn(world)`` on n threads, each world on a
+  ``DeviceDispatchBackend`` (in-process host backend + ``NCCLBackend`` over the fakes).
+"""
+import ctypes
+import os
+import sys
+import threading
+import types
+from collections import defaultdict, deque
+
+import numpy as np
+
+from axonhpc.backends.nccl import NCCL_DATATYPES, NCCL_OPS
+
+WAIT = 30.0  # seconds any fake wait may take before the test fails instead of hanging
+
+
+class DeviceArray(np.ndarray):
+    """A numpy array that quacks like a cupy array where axonhpc looks (``.data.ptr``, ``.get()``)."""
+
+    @property
+    def data(self):
+        return types.SimpleNamespace(ptr=self.ctypes.data)
+
+    def get(self, stream=None, out=None, blocking=True):
+        if out is None:
+            return np.array(self).view(np.ndarray)
+        out[...] = self
+        return out
+
+    def set(self, arr, stream=None):
+        self[...] = arr
+
+
+def device(a):
+    """A DeviceArray copy of ``a``."""
+    return np.array(a).view(DeviceArray)
+
+
+class _Stream:
+    _current = threading.local()
+
+    def __init__(self, null=False, non_blocking=False):
+        self.ptr = id(self)
+        self.waited = 0
+
+    def wait_event(self, event):
+        self.waited += 1
+
+    def synchronize(self):
+        pass
+
+    def __enter__(self):
+        stack = _Stream._current.__dict__.setdefault("stack", [])
+        stack.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        _Stream._current.stack.pop()
+
+
+_NULL_STREAM = _Stream(null=True)
+
+
+class _Event:
+    def __init__(self, block=False, disable_timing=False, interprocess=False):
+        self.recorded = False
+
+    def record(self, stream=None):
+        self.recorded = True
+
+    @property
+    def done(self):
+        return True
+
+    def synchronize(self):
+        pass
+
+
+def _current_stream():
+    stack = _Stream._current.__dict__.get("stack")
+    return stack[-1] if stack else _NULL_STREAM
+
+
+class FakeCupy(types.ModuleType):
+    """``cupy`` for the tests: numpy underneath."""
+
+    def __init__(self, devices=1):
+        super().__init__("cupy")
+        self.__version__ = "0.0-fake"
+        self.ndarray = DeviceArray
+        self.bound = []
+        runtime = types.SimpleNamespace(getDeviceCount=lambda: devices)
+        self.cuda = types.SimpleNamespace(Stream=_Stream, Event=_Event, get_current_stream=_current_stream,
+                                          runtime=runtime,
+                                          Device=lambda i: types.SimpleNamespace(use=lambda: self.bound.append(i)))
+
+    def __getattr__(self, name):
+        fn = getattr(np, name)
+        if isinstance(fn, (type, np.ufunc)) or not callable(fn):
+            return fn
+
+        def wrapped(*args, **kwargs):
+            out = fn(*args, **kwargs)
+            if isinstance(out, np.ndarray) and not isinstance(out, DeviceArray):
+                return out.view(DeviceArray)
+            return out
+
+        return wrapped
+
+
+_DTYPES = {code: name for name, code in NCCL_DATATYPES.items()}
+_REDUCERS = {NCCL_OPS["sum"]: np.add, NCCL_OPS["prod"]: np.multiply, NCCL_OPS["max"]: np.maximum,
+             NCCL_OPS["min"]: np.minimum}
+
+
+def _memory(ptr, count, code):
+    """The ``count`` elements of NCCL datatype ``code`` at address ``ptr``, as a writable numpy view."""
+    name = _DTYPES[code]
+    if name == "bfloat16":
+        import ml_dtypes
+
+        dtype = np.dtype(ml_dtypes.bfloat16)
+    else:
+        dtype = np.dtype(name)
+    if count == 0:
+        return np.empty(0, dtype=dtype)
+    raw = (ctypes.c_uint8 * (count * dtype.itemsize)).from_address(ptr)
+    return np.ctypeslib.as_array(raw).view(dtype)
+
+
+class _Hub:
+    """The ranks of one fake NCCL communicator."""
+
+    def __init__(self, size):
+        self.size = size
+        self.lock = threading.Condition()
+        self.slots = {}
+        self.mail = defaultdict(deque)
+        self.failed = None
+
+    def wait(self, ready):
+        if not self.lock.wait_for(lambda: ready() or self.failed is not None, WAIT):
+            raise TimeoutError("fake NCCL: ranks never met (a rank missed a call)")
+        if self.failed is not None and not ready():
+            raise RuntimeError(f"fake NCCL: {self.failed}")
+
+
+class FakeNccl(types.ModuleType):
+    """``cupy.cuda.nccl`` for the tests. ``calls`` logs (rank, call, details) in call order."""
+
+    def __init__(self, version=23203):
+        super().__init__("cupy.cuda.nccl")
+        self.available = True
+        self._version = version
+        self._hubs = {}
+        self._lock = threading.Lock()
+        self._group = threading.local()
+        self.calls = []
+        for name, code in NCCL_DATATYPES.items():
+            setattr(self, f"NCCL_{name.upper()}", code)
+        for name, code in NCCL_OPS.items():
+            setattr(self, f"NCCL_{name.upper()}", code)
+        module = self
+
+        class NcclCommunicator:
+            def __init__(self, ndev, commId, rank):
+                if not isinstance(commId, bytes) or len(commId) != 128:
+                    raise TypeError("commId must be 128 bytes")
+                with module._lock:
+                    self.hub = module._hubs.setdefault(commId, _Hub(ndev))
+                self.rank, self.seq, self.module = rank, 0, module
+
+            def _log(self, *details):
+                self.module.calls.append((self.rank, *details, self.module._in_group()))
+
+            def _collective(self, entry, compute):
+                hub, seq = self.hub, self.seq
+                self.seq += 1
+                with hub.lock:
+                    slot = hub.slots.setdefault(seq, {})
+                    slot[self.rank] = entry
+                    if len(slot) == hub.size:
+                        entries = [slot[r] for r in range(hub.size)]
+                        if len({e[0] for e in entries}) != 1:
+                            hub.failed = f"ranks called different collectives: {[e[0] for e in entries]}"
+                        else:
+                            compute(entries)
+                        slot["done"] = True
+                        hub.lock.notify_all()
+                    hub.wait(lambda: slot.get("done"))
+                    if hub.failed is not None:
+                        raise RuntimeError(f"fake NCCL: {hub.failed}")
+
+            def allReduce(self, send, recv, count, dtype, op, stream):
+                self._log("allReduce", count, dtype, op)
+
+                def compute(entries):
+                    total = _memory(entries[0][1], count, dtype).copy()
+                    if op == NCCL_OPS["avg"]:
+                        for e in entries[1:]:
+                            total += _memory(e[1], count, dtype)
+                        total /= len(entries)
+                    else:
+                        for e in entries[1:]:
+                            _REDUCERS[op](total, _memory(e[1], count, dtype), out=total)
+                    for e in entries:
+                        _memory(e[2], count, dtype)[...] = total
+
+                self._collective(("allReduce", send, recv), compute)
+
+            def broadcast(self, send, recv, count, dtype, root, stream):
+                self._log("broadcast", count, dtype, root)
+
+                def compute(entries):
+                    src = _memory(entries[root][1], count, dtype).copy()
+                    for e in entries:
+                        _memory(e[2], count, dtype)[...] = src
+
+                self._collective(("broadcast", send, recv), compute)
+
+            def allGather(self, send, recv, count, dtype, stream):
+                self._log("allGather", count, dtype)
+
+                def compute(entries):
+                    parts = [_memory(e[1], count, dtype).copy() for e in entries]
+                    for e in entries:
+                        _memory(e[2], count * len(entries), dtype)[...] = np.concatenate(parts)
+
+                self._collective(("allGather", send, recv), compute)
+
+            def reduceScatter(self, send, recv, count, dtype, op, stream):
+                self._log("reduceScatter", count, dtype, op)
+
+                def compute(entries):
+                    n = len(entries)
+                    total = _memory(entries[0][1], count * n, dtype).copy()
+                    for e in entries[1:]:
+                        _REDUCERS[op](total, _memory(e[1], count * n, dtype), out=total)
+                    for r, e in enumerate(entries):
+                        _memory(e[2], count, dtype)[...] = total[r * count:(r + 1) * count]
+
+                self._collective(("reduceScatter", send, recv), compute)
+
+            def send(self, buf, count, dtype, peer, stream):
+                self._log("send", count, dtype, peer)
+                with self.hub.lock:
+                    self.hub.mail[(self.rank, peer)].append((count, dtype, _memory(buf, count, dtype).copy()))
+                    self.hub.lock.notify_all()
+
+            def recv(self, buf, count, dtype, peer, stream):
+                self._log("recv", count, dtype, peer)
+                pending = (self.hub, peer, self.rank, buf, count, dtype)
+                if self.module._in_group():
+                    self.module._group.pending.append(pending)
+                else:
+                    FakeNccl._deliver(pending)
+
+            def destroy(self):
+                self.module.calls.append((self.rank, "destroy", False))
+
+            def abort(self):
+                with self.hub.lock:
+                    self.hub.failed = "aborted"
+                    self.hub.lock.notify_all()
+
+        self.NcclCommunicator = NcclCommunicator
+
+    def _in_group(self):
+        return getattr(self._group, "depth", 0) > 0
+
+    @staticmethod
+    def _deliver(pending):
+        hub, src, dst, buf, count, dtype = pending
+        box = hub.mail[(src, dst)]
+        with hub.lock:
+            hub.wait(lambda: bool(box))
+            got_count, got_dtype, data = box.popleft()
+        if (got_count, got_dtype) != (count, dtype):
+            raise RuntimeError(f"fake NCCL: rank {src} sent {got_count} of type {got_dtype}, "
+                               f"rank {dst} receives {count} of type {dtype}")
+        _memory(buf, count, dtype)[...] = data
+
+    def get_version(self):
+        return self._version
+
+    def get_unique_id(self):
+        return os.urandom(128)
+
+    def groupStart(self):
+        g = self._group
+        g.depth = getattr(g, "depth", 0) + 1
+        if g.depth == 1:
+            g.pending = []
+
+    def groupEnd(self):
+        g = self._group
+        g.depth -= 1
+        if g.depth == 0:
+            pending, g.pending = g.pending, []
+            for p in pending:
+                FakeNccl._deliver(p)
+
+
+def install(modules, devices=1, version=23203):
+    """Put a FakeCupy (with ``cuda.nccl``) into ``modules`` (``sys.modules`` or a monkeypatched mapping).
+
+    Returns:
+        (cupy, nccl): the two fakes.
+    """
+    import importlib.machinery
+
+    cupy = FakeCupy(devices)
+    nccl = FakeNccl(version)
+    cupy.__spec__ = importlib.machinery.ModuleSpec("cupy", None)
+    cupy.cuda.nccl = nccl
+    modules["cupy"] = cupy
+    modules["cupy.cuda"] = cupy.cuda
+    modules["cupy.cuda.nccl"] = nccl
+    return cupy, nccl
+
+
+def run_device_world(fn, n, nccl=None, cupy=None):
+    """``fn(world)`` on n threads over DeviceDispatchBackend(local host, NCCLBackend on the fakes).
+
+    The fake cupy must be in ``sys.modules["cupy"]`` (the caller's monkeypatch) so that the
+    library takes DeviceArrays for device arrays. Returns the results in rank order; re-raises
+    the first failure.
+    """
+    import axonhpc as ax
+    from axonhpc.backends.dispatch import DeviceDispatchBackend
+    from axonhpc.backends.local import LocalBackend
+    from axonhpc.backends.nccl import NCCLBackend
+    from axonhpc.groups import runtime
+
+    nccl = nccl or FakeNccl()
+    cupy = cupy or sys.modules["cupy"]
+    hosts = LocalBackend.create_world(n)
+    results, errors = [None] * n, [None] * n
+
+    def body(rank):
+        try:
+            composite = DeviceDispatchBackend(hosts[rank], lambda h: NCCLBackend(h, cupy, nccl))
+            world = ax.World(composite)
+            runtime._thread.world = world
+            results[rank] = fn(world)
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            errors[rank] = exc
+            hosts[rank].abort_quietly(f"rank {rank} raised {exc!r}")
+            for hub in nccl._hubs.values():
+                with hub.lock:
+                    hub.failed = f"rank {rank} raised {exc!r}"
+                    hub.lock.notify_all()
+        finally:
+            runtime._thread.world = None
+
+    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(WAIT * 4)
+    failed = [e for e in errors if e is not None]
+    if failed:
+        raise failed[0]
+    return results
