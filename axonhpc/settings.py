@@ -80,6 +80,18 @@ def _parse_choice(name: str, text: str, choices: tuple) -> str:
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
+def _parse_bucket_mb(name: str, text: str) -> str:
+    value = text.strip().lower()
+    if value == "auto":
+        return value
+    try:
+        if float(value) > 0:
+            return value
+    except ValueError:
+        pass
+    raise ValueError(f"{name}={text!r} must be 'auto' or a positive number of MiB")
+
+
 def _parse_slot_bytes(name: str, text: str) -> int:
     value = int(text.strip())
     if value < 4096 or value % 4096:
@@ -168,6 +180,13 @@ class Settings:
             uses MPI (``AXONHPC_SHM_COLLECTIVES``).
         shm_min_bytes: the smallest message that takes the shared-memory
             path (``AXONHPC_SHM_MIN_BYTES``).
+        deterministic: float all-reduces and reduce-scatters add in an order
+            fixed by the group size alone (shared-memory kernels inside a node,
+            the ring across nodes) and DDP's bucket size is not measured, so a
+            job gives the same bits run after run (``AXONHPC_DETERMINISTIC``).
+        bucket_size_mb: DDP's bucket cap when the DDP call does not give one:
+            "auto" measures it at start-up (``parallel.autotune``), or a number
+            of MiB (``AXONHPC_BUCKET_SIZE_MB``).
         shm_slot_bytes, shm_slots: the geometry of each rank's segment: a
             message passes through ``shm_slots`` slots of ``shm_slot_bytes``
             (``AXONHPC_SHM_SLOT_BYTES``, ``AXONHPC_SHM_SLOTS``).
@@ -192,6 +211,8 @@ class Settings:
     shm_min_bytes: int = 16 << 20
     shm_slot_bytes: int = 256 << 10
     shm_slots: int = 4
+    deterministic: bool = False
+    bucket_size_mb: str = "auto"
 
     def load_environment(self, environ: Optional[Mapping[str, str]] = None) -> "Settings":
         """Fill every field whose ``AXONHPC_*`` variable is set.
@@ -238,6 +259,8 @@ _ENVIRONMENT = {
     "shm_min_bytes": ("AXONHPC_SHM_MIN_BYTES", lambda name, text: _parse_count(name, text)),
     "shm_slot_bytes": ("AXONHPC_SHM_SLOT_BYTES", lambda name, text: _parse_slot_bytes(name, text)),
     "shm_slots": ("AXONHPC_SHM_SLOTS", _parse_positive_int),
+    "deterministic": ("AXONHPC_DETERMINISTIC", _parse_bool),
+    "bucket_size_mb": ("AXONHPC_BUCKET_SIZE_MB", lambda name, text: _parse_bucket_mb(name, text)),
 }
 
 

@@ -31,7 +31,7 @@ def test_first_bucket_is_small():
 
 
 def test_bad_arguments():
-    with pytest.raises(ax.errors.ConfigurationError, match="bucket_size_mb must be positive, got 0"):
+    with pytest.raises(ax.errors.ConfigurationError, match="bucket_size_mb must be positive, 'auto' or None, got 0"):
         ax.DDP(make_model(), group=ax.ProcessGroup.mock(), bucket_size_mb=0)
     with pytest.raises(ValueError, match="unknown gradient sync strategy 'sometimes'"):
         ax.DDP(make_model(), group=ax.ProcessGroup.mock(), strategy="sometimes")

@@ -22,7 +22,7 @@ def test_environment_fills_fields():
                            "flight_signal": "SIGUSR1", "skip_nonfinite_steps": False, "cuda_aware_mpi": "auto",
                            "timeline_dir": "", "log_level": "INFO", "log_ranks": "0",
                            "shm_collectives": "auto", "shm_min_bytes": 16777216, "shm_slot_bytes": 262144,
-                           "shm_slots": 4}
+                           "shm_slots": 4, "deterministic": False, "bucket_size_mb": "auto"}
 
 
 @pytest.mark.parametrize("text", ["0", "off", "none", ""])
@@ -54,3 +54,11 @@ def test_launcher_env_openmpi_and_pmi():
     assert (pmi.source, pmi.rank, pmi.size) == ("pmi", 1, 2)
     none = launcher_env({})
     assert none.source is None and none.size is None
+
+
+def test_bucket_size_and_deterministic_settings():
+    s = Settings().load_environment({"AXONHPC_BUCKET_SIZE_MB": "Auto", "AXONHPC_DETERMINISTIC": "1"})
+    assert (s.bucket_size_mb, s.deterministic) == ("auto", True)
+    assert Settings().load_environment({"AXONHPC_BUCKET_SIZE_MB": "12.5"}).bucket_size_mb == "12.5"
+    with pytest.raises(ValueError, match="AXONHPC_BUCKET_SIZE_MB='-1' must be 'auto' or a positive number"):
+        Settings().load_environment({"AXONHPC_BUCKET_SIZE_MB": "-1"})

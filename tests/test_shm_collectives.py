@@ -211,8 +211,8 @@ def test_ddp_buckets_in_the_window_train_like_plain_buckets(mpi_world):
     from axonhpc.backends.shm import engine_in_window
     from ddp_cases import make_data, make_model, shard
 
-    def train(min_bytes):
-        with shm_settings(shm_min_bytes=min_bytes):
+    def train(mode):
+        with shm_settings(shm_collectives=mode):
             n, r = mpi_world.world_size, mpi_world.rank
             ddp = ax.DDP(make_model(np.float64), bucket_size_mb=300 / 2**20)
             opt = optim.Adam(ddp.parameters(), lr=1e-2)
@@ -226,7 +226,7 @@ def test_ddp_buckets_in_the_window_train_like_plain_buckets(mpi_world):
             return ddp
 
     def check():
-        shared, plain = train(0), train(2**40)
+        shared, plain = train("auto"), train("off")
         backend = mpi_world.default_group.backend
         assert all(engine_in_window(backend, b.flat) is not None for b in shared._buckets)
         assert all(engine_in_window(backend, b.flat) is None for b in plain._buckets)

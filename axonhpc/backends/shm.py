@@ -26,6 +26,7 @@ from ..settings import settings
 
 _ATTR = "_axonhpc_shm"  # where a backend keeps its engine (or False: not one node)
 _ARRAYS = "_axonhpc_shm_arrays"  # where it keeps the windows of arrays allocated in shared memory
+ANY_ARRAYS = False  # has this process allocated any (lets small calls skip the lookup)
 
 
 class SharedWindow:
@@ -106,12 +107,27 @@ def allocate_array(backend: Any, nbytes: int) -> Optional[np.ndarray]:
     window = SharedWindow(backend.comm, max(4096, -(-int(nbytes) // 4096) * 4096), 1)
     array = window.data[:int(nbytes)]
     start = array.ctypes.data
+    global ANY_ARRAYS
+    ANY_ARRAYS = True
     arrays = getattr(backend, _ARRAYS, None)
     if arrays is None:
         arrays = []
         setattr(backend, _ARRAYS, arrays)
     arrays.append((start, start + window.slot_bytes, window))
     return array
+
+
+def free_array(backend: Any, array: np.ndarray) -> None:
+    """Free the window of an ``allocate_array`` array (collective); the array must not be used after."""
+    backend = getattr(backend, "host", backend)
+    arrays = getattr(backend, _ARRAYS, None) or []
+    start = array.ctypes.data
+    for entry in arrays:
+        if entry[0] <= start < entry[1]:
+            arrays.remove(entry)
+            entry[2].close()
+            return
+    raise ValueError("free_array: the array was not allocated by allocate_array on this backend")
 
 
 def engine_in_window(backend: Any, x: np.ndarray) -> Optional[Any]:
@@ -138,4 +154,4 @@ def release(backend: Any) -> None:
         setattr(backend, _ATTR, None)
 
 
-__all__ = ["SharedWindow", "engine_for", "allocate_array", "engine_in_window", "release"]
+__all__ = ["SharedWindow", "engine_for", "allocate_array", "free_array", "engine_in_window", "release"]

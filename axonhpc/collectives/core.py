@@ -25,6 +25,7 @@ from ..backends.base import CompletedWork, ReduceOp, Work
 from ..errors import ShapeError
 from ..groups import ProcessGroup, resolve_group
 from . import algorithms, fingerprint, flight, shm_path, watch
+from .ring import ring_reduce_scatter
 from .widen import divide_average
 
 
@@ -150,6 +151,10 @@ def all_reduce(x, op=ReduceOp.SUM, group: Optional[ProcessGroup] = None, async_o
     chosen = algorithms.resolve_algorithm(algorithm)
     label = _start(pg, "all_reduce", x, op)
     backend = pg.backend
+    fixed = shm_path.fixed_order(x, op)  # settings.deterministic, and the order could change the bits
+    node = shm_path.path(pg, x, "all_reduce", reduction=True, any_size=fixed) if chosen == "native" else None
+    if fixed and chosen == "native" and node is None:
+        chosen = "ring"  # no shared memory (several nodes): the ring's order is fixed too
     if chosen != "native" and pg.size > 1:
         return algorithms.run(chosen, x, op, pg, async_op)
     if pg.size == 1:
@@ -158,7 +163,6 @@ def all_reduce(x, op=ReduceOp.SUM, group: Optional[ProcessGroup] = None, async_o
         _trace(work, time.perf_counter(), label, True)
         work.wait()  # nothing to wait for: marks it finished (and ends its timeline span)
         return work if async_op else None
-    node = shm_path.path(pg, x, "all_reduce", reduction=True)
     if node is not None and node.fuses(op, x):
         return _run(pg, label, lambda nb: node.all_reduce(x, x, op), async_op)
     if node is not None:
@@ -237,7 +241,10 @@ def reduce_scatter(x, op=ReduceOp.SUM, group: Optional[ProcessGroup] = None, asy
                              f"{x.dtype} of shape {shape}")
     label = _start(pg, "reduce_scatter", x, op)
     backend = pg.backend
-    node = shm_path.path(pg, x, "reduce_scatter", reduction=True)
+    fixed = shm_path.fixed_order(x, op)
+    node = shm_path.path(pg, x, "reduce_scatter", reduction=True, any_size=fixed)
+    if fixed and node is None and pg.size > 1:  # deterministic across nodes: the ring's fixed order
+        return _run(pg, label, lambda nb: ring_reduce_scatter(x, out, op, pg), async_op)
     if node is not None and node.fuses(op, x):
         return _run(pg, label, lambda nb: node.reduce_scatter(x, out, op), async_op)
     if node is not None:

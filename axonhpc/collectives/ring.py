@@ -246,6 +246,36 @@ def ring_all_reduce(x: Any, op: ReduceOp, pg: ProcessGroup) -> None:
     _all_reduce(x, op, pg, ring_schedule, RING_TAG, "ring")
 
 
+def ring_reduce_scatter(x: Any, out: Any, op: ReduceOp, pg: ProcessGroup) -> Any:
+    """Reduce-scatter around the ring in a fixed order: ``out`` gets part ``rank`` (deterministic mode).
+
+    Args:
+        x: checked array whose size is divisible by the group size.
+        out: contiguous, writable array of one part's shape and ``x``'s dtype.
+        op: the reduction (AVG divides at the end; 16-bit floats are reduced in float32).
+        pg: the group (every member calls).
+
+    Returns:
+        A finished ``Work`` whose ``wait()`` returns ``out``.
+    """
+    from ..backends.base import CompletedWork
+
+    work_copy = x.reshape(-1).copy()
+    if pg.size > 1 and work_copy.size:
+        label = f"ring reduce_scatter on group {pg.name} {list(pg.ranks)}"
+
+        def body(buf: Any, base: ReduceOp) -> None:
+            execute(buf.reshape(-1), ring_reduce_scatter_schedule(pg.size, pg.rank), base, channel(pg), RING_TAG,
+                    pg.effective_timeout(), label)
+
+        reduce_widened(work_copy, op, pg.size, body)
+    part = work_copy.size // pg.size
+    out.reshape(-1)[...] = work_copy[pg.rank * part:(pg.rank + 1) * part]
+    done = CompletedWork(out)
+    done.wait()
+    return done
+
+
 def rhd_all_reduce(x: Any, op: ReduceOp, pg: ProcessGroup) -> None:
     """All-reduce ``x`` in place by recursive halving and doubling (Rabenseifner), any group size.
 
@@ -258,4 +288,4 @@ def rhd_all_reduce(x: Any, op: ReduceOp, pg: ProcessGroup) -> None:
 
 
 __all__ = ["Step", "Schedule", "chunk_offsets", "ring_schedule", "ring_reduce_scatter_schedule", "rhd_schedule", "channel", "execute",
-           "ring_all_reduce", "rhd_all_reduce", "RING_TAG", "RHD_TAG"]
+           "ring_all_reduce", "ring_reduce_scatter", "rhd_all_reduce", "RING_TAG", "RHD_TAG"]

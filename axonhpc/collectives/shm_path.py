@@ -28,7 +28,8 @@ import numpy as np
 
 from .._dtypes import is_cupy_array, is_low_precision_float
 from ..backends.base import CompletedWork, ReduceOp, Work
-from ..backends.shm import allocate_array, engine_for, engine_in_window
+from ..backends import shm as shm_backend
+from ..backends.shm import allocate_array, engine_for, engine_in_window, free_array
 from ..errors import CollectiveTimeoutError
 from ..settings import settings
 
@@ -82,16 +83,30 @@ class _InWindowPath(_Path):
         return _done()
 
 
-def path(pg: Any, x: Any, op_name: str, reduction: bool) -> Optional[_Path]:
-    """The shared-memory path for this call, or None for MPI (collective on a group's first use)."""
-    if settings.shm_collectives == "off" or pg.size == 1 or is_cupy_array(x):
+def fixed_order(x: Any, op: ReduceOp) -> bool:
+    """True if ``settings.deterministic`` asks for a fixed order and the order could change the bits."""
+    return (settings.deterministic and np.dtype(x.dtype).kind == "f"
+            and op in (ReduceOp.SUM, ReduceOp.AVG, ReduceOp.PRODUCT))
+
+
+def path(pg: Any, x: Any, op_name: str, reduction: bool, any_size: bool = False) -> Optional[_Path]:
+    """The shared-memory path for this call, or None for MPI (collective on a group's first use).
+
+    ``any_size`` takes it whatever the message size (deterministic mode).
+    """
+    if settings.shm_collectives == "off" or pg.size == 1:
+        return None
+    small = x.nbytes < settings.shm_min_bytes and not any_size
+    if small and not shm_backend.ANY_ARRAYS:
+        return None  # the common case of a small message, decided in a few attribute reads
+    if is_cupy_array(x):
         return None
     if op_name == "all_reduce" and np.dtype(x.dtype) in _KERNEL_DTYPES:
         in_window = engine_in_window(pg.backend, x)
         if in_window is not None:  # every rank's array is in the window (allocated collectively)
             _set_timeout(in_window, pg)
             return _InWindowPath(in_window, pg, op_name)
-    if x.nbytes < settings.shm_min_bytes:
+    if small:
         return None
     if reduction and np.dtype(x.dtype) not in _KERNEL_DTYPES and not is_low_precision_float(x.dtype):
         return None  # 16-bit floats are reduced widened to float32, which the kernels take
@@ -120,6 +135,8 @@ def shared_memory_array(shape: Any, dtype: Any, group: Any = None) -> Any:
     from ..groups import resolve_group
 
     pg = resolve_group(group)
+    if not isinstance(shape, tuple):
+        shape = (int(shape),)
     dtype = np.dtype(dtype)
     count = int(np.prod(shape, dtype=np.int64))
     if settings.shm_collectives != "off" and pg.size > 1:
@@ -137,4 +154,20 @@ def _done(result: Any = None) -> Work:
     return work
 
 
-__all__ = ["path", "shared_memory_array"]
+def in_shared_memory(array: Any, group: Any = None) -> bool:
+    """True if ``array`` lies in a shared window of the group (``shared_memory_array`` gave one)."""
+    from ..groups import resolve_group
+
+    return engine_in_window(resolve_group(group).backend, array) is not None
+
+
+def free_shared_memory_array(array: Any, group: Any = None) -> None:
+    """Give back a ``shared_memory_array`` (collective); a plain array is left to the garbage collector."""
+    from ..groups import resolve_group
+
+    pg = resolve_group(group)
+    if engine_in_window(pg.backend, array) is not None:
+        free_array(pg.backend, array)
+
+
+__all__ = ["path", "shared_memory_array", "in_shared_memory", "free_shared_memory_array"]

@@ -24,6 +24,14 @@ of the synchronisation after backward: launching the last buckets and
 waiting for every reduction) and how many buckets the hooks had already seen
 complete, so the overlap can be measured rather than assumed.
 
+[Note: buckets in shared memory]
+When every rank of the group is on one node (and ``shm_collectives`` is not
+"off"), all buckets live in one shared-memory window allocated at
+construction (``collectives.shared_memory_array``; collective, once), so a
+bucket's all-reduce reduces straight from the other ranks' buckets with no
+copy in (``collectives.shm_path``). Otherwise each bucket is a compiled
+``GradientBucket`` (device arrays: a plain flat array).
+
 [Note: gradients as bucket views]
 With ``gradient_as_bucket_view=True`` each ``p.grad`` is a view into its
 bucket's flat buffer: layers accumulate straight into the buffer that is
@@ -59,10 +67,11 @@ from .. import tracing
 from .._dtypes import array_module
 from ..bucketing import GradientBucket, GradSyncStrategy, pack, plan_buckets, unpack
 from ..collectives import all_gather, all_reduce, shared_memory_array
+from ..collectives.shm_path import in_shared_memory
 from ..backends import ReduceOp
 from ..errors import AxonError, ConfigurationError
 from ..groups import resolve_group
-from ..settings import settings
+from .autotune import bucket_bytes
 from .comm_hooks import GradBucket, finished
 from .replicate import broadcast_arrays
 
@@ -95,23 +104,22 @@ class _JoinState:
 class _Bucket:
     """One flat bucket of gradients and the state of its current reduction."""
 
-    def __init__(self, index: int, params: List[Any], names: List[str], xp, group: Any):
+    def __init__(self, index: int, params: List[Any], names: List[str], xp, flat: Any = None):
         self.index = index
         self.params = params
         self.names = names
         total = sum(p.size for p in params)
         dtype = np.dtype(params[0].dtype)
-        shared = xp is np and total * dtype.itemsize >= settings.shm_min_bytes
-        self.storage = GradientBucket(total, dtype=dtype) if xp is np and not shared else None
+        self.storage = GradientBucket(total, dtype=dtype) if xp is np and flat is None else None
         if self.storage is not None:
             for p in params:
                 self.storage.add(np.zeros(p.shape, dtype=p.dtype))
             self.flat = self.storage.data
             self.views = self.storage.views()
         else:
-            # A large bucket lives in the node's shared window where it can (its all-reduce then
-            # reads the other ranks' buckets in place); device arrays cannot use the compiled bucket.
-            self.flat = shared_memory_array(total, dtype, group) if shared else xp.zeros(total, dtype=dtype)
+            # In the node's shared window (``flat`` given: its all-reduce reads the other ranks'
+            # buckets in place), or on the device (the compiled bucket is host-only): views by hand.
+            self.flat = flat if flat is not None else xp.zeros(total, dtype=dtype)
             self.views, offset = [], 0
             for p in params:
                 self.views.append(self.flat[offset:offset + p.size].reshape(p.shape))
@@ -137,7 +145,10 @@ class DistributedDataParallel:
         module: the model (an ``axonhpc.nn.Module``).
         group: process group to replicate over (None: the current world's).
         bucket_size_mb: cap of a gradient bucket in MiB (the first bucket is
-            at most 1 MiB, so communication starts early).
+            at most 1 MiB, so communication starts early); None takes
+            ``ax.settings.bucket_size_mb``, whose default "auto" measures the
+            size on this machine at start-up (``parallel.autotune``; 25 MiB
+            for threads as ranks, one rank, or ``settings.deterministic``).
         broadcast_buffers: copy rank 0's buffers to every rank before each forward.
         gradient_as_bucket_view: make each ``p.grad`` a view into its flat bucket.
         strategy: ``GradSyncStrategy.OVERLAPPED`` (all-reduce buckets during
@@ -153,11 +164,12 @@ class DistributedDataParallel:
         ConfigurationError: a non-positive bucket size or a module without parameters.
     """
 
-    def __init__(self, module: Any, group: Any = None, bucket_size_mb: float = 25.0,
+    def __init__(self, module: Any, group: Any = None, bucket_size_mb: Any = None,
                  broadcast_buffers: bool = True, gradient_as_bucket_view: bool = True,
                  strategy: Any = GradSyncStrategy.OVERLAPPED, find_unused_parameters: bool = False):
-        if not bucket_size_mb or bucket_size_mb <= 0:
-            raise ConfigurationError(f"bucket_size_mb must be positive, got {bucket_size_mb!r}")
+        if bucket_size_mb not in (None, "auto") and (isinstance(bucket_size_mb, (str, bool)) or not bucket_size_mb
+                                                      or bucket_size_mb <= 0):
+            raise ConfigurationError(f"bucket_size_mb must be positive, 'auto' or None, got {bucket_size_mb!r}")
         named = list(module.named_parameters())
         if not named:
             raise ConfigurationError(f"DDP needs a module with parameters; {type(module).__name__} has none")
@@ -167,7 +179,8 @@ class DistributedDataParallel:
         self.broadcast_buffers = bool(broadcast_buffers)
         self.gradient_as_bucket_view = bool(gradient_as_bucket_view)
         self.find_unused_parameters = bool(find_unused_parameters)
-        self.bucket_bytes = int(bucket_size_mb * (1 << 20))
+        self.bucket_bytes = bucket_bytes(self.group, named[0][1].dtype,
+                                         sum(int(p.data.nbytes) for _, p in named), bucket_size_mb)
         self._names = [name for name, _ in named]
         self._params = [p for _, p in named]
         self._buckets = self._build_buckets()
@@ -192,11 +205,27 @@ class DistributedDataParallel:
         first = min(FIRST_BUCKET_BYTES, self.bucket_bytes)
         plan = plan_buckets(specs, self.bucket_bytes, first_bucket_size=first)
         xp = array_module(self._params[0].data)
-        buckets = []
-        for k, (_, members) in enumerate(plan):
-            idx = [order[m] for m in members]
-            buckets.append(_Bucket(k, [self._params[i] for i in idx], [self._names[i] for i in idx], xp, self.group))
-        return buckets
+        groups = [[order[m] for m in members] for _, members in plan]
+        flats = self._shared_flats(groups) if xp is np else [None] * len(groups)
+        return [_Bucket(k, [self._params[i] for i in idx], [self._names[i] for i in idx], xp, flat)
+                for k, (idx, flat) in enumerate(zip(groups, flats))]
+
+    def _shared_flats(self, groups: List[List[int]]) -> List[Any]:
+        """One shared window holding every bucket, 64-byte aligned, or Nones (collective; see the note)."""
+        sizes = []
+        for idx in groups:
+            nbytes = sum(int(self._params[i].data.nbytes) for i in idx)
+            sizes.append(-(-nbytes // 64) * 64)
+        raw = shared_memory_array(sum(sizes), np.uint8, self.group)
+        if not in_shared_memory(raw, self.group):
+            return [None] * len(groups)
+        flats, offset = [], 0
+        for idx, size in zip(groups, sizes):
+            dtype = np.dtype(self._params[idx[0]].dtype)
+            count = sum(int(self._params[i].size) for i in idx)
+            flats.append(raw[offset:offset + count * dtype.itemsize].view(dtype))
+            offset += size
+        return flats
 
     @property
     def bucket_plan(self) -> List[List[str]]:
