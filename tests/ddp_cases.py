@@ -53,24 +53,31 @@ def train_reference(dtype, kind, steps=STEPS, accumulate=1):
     return model
 
 
-def train_ddp(world, dtype, kind, steps=STEPS, accumulate=1, **ddp_args):
+def train_ddp(world, dtype, kind, steps=STEPS, accumulate=1, comm_hook=None, **ddp_args):
     n, r = world.world_size, world.rank
     model = make_model(dtype, seed=0 if r == 0 else 1000 + r)  # DDP must copy rank 0's values
     ddp = ax.DDP(model, **ddp_args)
+    if comm_hook is not None:
+        ddp.register_comm_hook(*comm_hook)
     opt = make_optimizer(kind, ddp.parameters())
     loss_fn = nn.CrossEntropyLoss()
     for step in range(steps):
-        opt.zero_grad()
-        for micro in range(accumulate):
-            x, y = make_data(step * accumulate + micro, dtype)
-            loss_fn(ddp(shard(x, r, n)), shard(y, r, n))
-            if micro < accumulate - 1:
-                with ddp.no_sync():
-                    ddp.backward(loss_fn.backward())
-            else:
-                ddp.backward(loss_fn.backward())
-        opt.step()
+        train_step(ddp, opt, loss_fn, r, n, step, accumulate, dtype)
     return ddp
+
+
+def train_step(ddp, opt, loss_fn, r, n, step, accumulate=1, dtype=np.float64):
+    """One optimizer step on rank r's shard of ``accumulate`` global batches (no_sync before the last)."""
+    opt.zero_grad()
+    for micro in range(accumulate):
+        x, y = make_data(step * accumulate + micro, dtype)
+        loss_fn(ddp(shard(x, r, n)), shard(y, r, n))
+        if micro < accumulate - 1:
+            with ddp.no_sync():
+                ddp.backward(loss_fn.backward())
+        else:
+            ddp.backward(loss_fn.backward())
+    opt.step()
 
 
 def assert_same_parameters(model, reference, dtype):
@@ -258,16 +265,7 @@ def train_ddp_uneven(world, kind, extra_even_steps=0, accumulate=1, pass_optimiz
     loss_fn = nn.CrossEntropyLoss()
 
     def step(t):
-        opt.zero_grad()
-        for micro in range(accumulate):
-            x, y = make_data(t * accumulate + micro)
-            loss_fn(ddp(shard(x, r, n)), shard(y, r, n))
-            if micro < accumulate - 1:
-                with ddp.no_sync():
-                    ddp.backward(loss_fn.backward())
-            else:
-                ddp.backward(loss_fn.backward())
-        opt.step()
+        train_step(ddp, opt, loss_fn, r, n, t, accumulate)
 
     with ddp.join(optimizer=opt if pass_optimizer else None, **join_args):
         for t in range(uneven_steps(r)):
@@ -383,19 +381,8 @@ def case_join_disabled_is_plain_ddp(world):
 
 # -- communication hooks ---------------------------------------------------------------------
 def _train_with_hook(world, hook, state=None, dtype=np.float32, kind="sgd"):
-    n, r = world.world_size, world.rank
-    ddp = ax.DDP(make_model(dtype, seed=0 if r == 0 else 1000 + r), bucket_size_mb=300 / 2**20)
-    if hook is not None:
-        ddp.register_comm_hook(state, hook)
-    opt = make_optimizer(kind, ddp.parameters())
-    loss_fn = nn.CrossEntropyLoss()
-    for step in range(STEPS):
-        opt.zero_grad()
-        x, y = make_data(step, dtype)
-        loss_fn(ddp(shard(x, r, n)), shard(y, r, n))
-        ddp.backward(loss_fn.backward())
-        opt.step()
-    return ddp
+    return train_ddp(world, dtype, kind, comm_hook=None if hook is None else (state, hook),
+                     bucket_size_mb=300 / 2**20)
 
 
 def case_comm_hook_default_and_custom_equal_plain_ddp(world):

@@ -24,10 +24,12 @@ def hybrid_kwargs(world, strategy):
 
 
 def train_fsdp(world, dtype, kind, strategy="full_shard", steps=STEPS, accumulate=1, model=None, clip=None,
-               group=None, **kwargs):
+               group=None, comm_hook=None, **kwargs):
     n, r = (world.world_size, world.rank) if group is None else (group.size, group.rank)
     model = model or make_model(dtype, seed=0 if r == 0 else 1000 + r)  # FSDP must take rank 0's values
     fsdp = ax.FSDP(model, group=group, sharding_strategy=strategy, **hybrid_kwargs(world, strategy), **kwargs)
+    if comm_hook is not None:
+        fsdp.register_comm_hook(*comm_hook)
     opt = make_optimizer(kind, fsdp.parameters())
     loss_fn = nn.CrossEntropyLoss()
     norms = []
@@ -348,19 +350,9 @@ def case_comm_hooks(world):
         state.append(bucket.index)
         return ax.reduce_scatter(bucket.buffer, "AVG", bucket.group, async_op=True)
 
-    model = make_model(np.float64, seed=0 if world.rank == 0 else 1000 + world.rank)
-    fsdp = ax.FSDP(model)
-    fsdp.register_comm_hook(seen, hook)
-    opt = make_optimizer("sgd", fsdp.parameters())
-    loss_fn = nn.CrossEntropyLoss()
-    n, r = world.world_size, world.rank
-    for step in range(STEPS):
-        opt.zero_grad()
-        x, y = make_data(step)
-        loss_fn(fsdp(shard(x, r, n)), shard(y, r, n))
-        fsdp.backward(loss_fn.backward())
-        opt.step()
+    fsdp, _, _ = train_fsdp(world, np.float64, "sgd", comm_hook=(seen, hook))
     assert_matches(fsdp, train_reference(np.float64, "sgd"), TOL[np.float64])
+    n = world.world_size
     if n > 1:  # each of the three Linear units, in backward order, every step (one rank reduces nothing)
         assert seen == [2, 1, 0] * STEPS, seen
     else:
@@ -368,16 +360,7 @@ def case_comm_hooks(world):
     with pytest.raises(ax.errors.ConfigurationError, match="already has a communication hook"):
         fsdp.register_comm_hook(None, hook)
 
-    model16 = make_model(np.float32, seed=0)
-    fsdp16 = ax.FSDP(model16)
-    fsdp16.register_comm_hook(None, fp16_compress_hook)
-    opt = make_optimizer("sgd", fsdp16.parameters())
-    for step in range(STEPS):
-        opt.zero_grad()
-        x, y = make_data(step, np.float32)
-        loss_fn(fsdp16(shard(x, r, n)), shard(y, r, n))
-        fsdp16.backward(loss_fn.backward())
-        opt.step()
+    fsdp16, _, _ = train_fsdp(world, np.float32, "sgd", comm_hook=(None, fp16_compress_hook))
     assert_matches(fsdp16, train_reference(np.float32, "sgd"), rtol=2e-3, atol=2e-3)
 
 

@@ -5,7 +5,6 @@ after run whatever the timing (random delays before each call), through the
 shared-memory kernels on one node and through the ring when shared memory is
 off (standing in for several nodes), at every message size.
 """
-import contextlib
 import time
 
 import numpy as np
@@ -14,20 +13,9 @@ import pytest
 import axonhpc as ax
 from axonhpc.parallel import autotune
 from mpi_assert import collectively
+from settings_override import override
 
 pytestmark = pytest.mark.mpi(min_size=2)
-
-
-@contextlib.contextmanager
-def settings(**values):
-    saved = {name: getattr(ax.settings, name) for name in values}
-    try:
-        for name, value in values.items():
-            setattr(ax.settings, name, value)
-        yield
-    finally:
-        for name, value in saved.items():
-            setattr(ax.settings, name, value)
 
 
 def _runs(world, call, repeats=4):
@@ -44,7 +32,7 @@ def test_same_bits_run_after_run(mpi_world, shm):
     n = mpi_world.world_size
 
     def check():
-        with settings(deterministic=True, shm_collectives=shm):
+        with override(deterministic=True, shm_collectives=shm):
             for dtype in (np.float32, np.float64, np.float16):
                 for size in (1, 1000, 70001):
                     base = (np.random.default_rng(mpi_world.rank).standard_normal(size * n) * 1e3).astype(dtype)
@@ -82,9 +70,9 @@ def test_bucket_size_is_measured_once_and_agreed(mpi_world):
         again = ax.DDP(ax.nn.Linear(64, 64, dtype=np.float32, seed=0), group=group)
         assert ddp.bucket_bytes == again.bucket_bytes  # measured once per group and dtype
         assert group.__dict__["_axonhpc_bucket_autotune"] == {np.dtype(np.float32).str: ddp.bucket_bytes}
-        with settings(bucket_size_mb="3"):
+        with override(bucket_size_mb="3"):
             assert ax.DDP(ax.nn.Linear(4, 4, dtype=np.float32, seed=0), group=group).bucket_bytes == 3 << 20
-        with settings(deterministic=True):
+        with override(deterministic=True):
             fresh = mpi_world.new_group(list(range(mpi_world.world_size)), name="fixed")
             assert ax.DDP(ax.nn.Linear(4, 4, dtype=np.float32, seed=0), group=fresh).bucket_bytes == 25 << 20
     collectively(mpi_world, check)

@@ -7,8 +7,6 @@ bits where the order of the reduction cannot differ (data movement, MIN and
 MAX, SUM and PRODUCT on integers and on two ranks), float tolerance
 otherwise. Small slots make messages cross many chunks and slot reuses.
 """
-import contextlib
-
 import numpy as np
 import pytest
 
@@ -16,6 +14,7 @@ import axonhpc as ax
 from axonhpc.backends.shm import engine_for
 from axonhpc.errors import CollectiveTimeoutError
 from mpi_assert import collectively
+from settings_override import override
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
@@ -24,23 +23,10 @@ OPS = ["SUM", "PRODUCT", "MIN", "MAX", "AVG"]
 SIZES = [0, 1, 17, 1000, 65536 + 3]
 
 
-@contextlib.contextmanager
-def shm_settings(**values):
-    names = ["shm_collectives", "shm_min_bytes", "shm_slot_bytes", "shm_slots"]
-    saved = {name: getattr(ax.settings, name) for name in names}
-    try:
-        for name, value in values.items():
-            setattr(ax.settings, name, value)
-        yield
-    finally:
-        for name, value in saved.items():
-            setattr(ax.settings, name, value)
-
-
 @pytest.fixture
 def small_slots_group(mpi_world):
     """A group of every rank whose engine has 4 KiB slots, 2 of them (many chunks, much slot reuse)."""
-    with shm_settings(shm_slot_bytes=4096, shm_slots=2, shm_min_bytes=0):
+    with override(shm_slot_bytes=4096, shm_slots=2, shm_min_bytes=0):
         group = mpi_world.new_group(list(range(mpi_world.world_size)), name="shm-small")
         ax.all_reduce(np.ones(4), "SUM", group)  # the group's first eligible call sets its window up
     yield group
@@ -55,9 +41,9 @@ def _inputs(dtype, size, rank, seed=0):
 
 def _both(call, x, group):
     """``call`` on copies of ``x`` through shared memory and through MPI."""
-    with shm_settings(shm_collectives="auto", shm_min_bytes=0):
+    with override(shm_collectives="auto", shm_min_bytes=0):
         a = call(x.copy(), group)
-    with shm_settings(shm_collectives="off"):
+    with override(shm_collectives="off"):
         b = call(x.copy(), group)
     return a, b
 
@@ -83,7 +69,7 @@ def test_engine_is_used(mpi_world, small_slots_group):
         assert engine is not None
         before = engine.chunks
         x = np.ones(10000, dtype=np.float64)
-        with shm_settings(shm_min_bytes=0):
+        with override(shm_min_bytes=0):
             ax.all_reduce(x, "SUM", small_slots_group)
         assert engine.chunks - before == 20  # 80000 bytes in 4 KiB slots
         assert np.all(x == mpi_world.world_size)
@@ -147,7 +133,7 @@ def test_result_is_bit_identical_run_after_run(mpi_world, small_slots_group):
         results = []
         for _ in range(5):
             y = x.copy()
-            with shm_settings(shm_min_bytes=0):
+            with override(shm_min_bytes=0):
                 ax.all_reduce(y, "SUM", small_slots_group)
             results.append(y)
         for y in results[1:]:
@@ -160,7 +146,7 @@ def test_result_is_bit_identical_run_after_run(mpi_world, small_slots_group):
 
 def test_async_calls_complete_and_return_results(mpi_world, small_slots_group):
     def check():
-        with shm_settings(shm_min_bytes=0):
+        with override(shm_min_bytes=0):
             x = np.ones(5000)
             work = ax.all_reduce(x, "AVG", small_slots_group, async_op=True)
             assert work.wait() is None and np.all(x == 1.0)
@@ -174,7 +160,7 @@ def test_async_calls_complete_and_return_results(mpi_world, small_slots_group):
 def test_a_rank_that_never_arrives_is_named(mpi_world):
     """A rank that skips the call: the others time out naming it (global rank), none hangs."""
     def check():
-        with shm_settings(shm_min_bytes=0):
+        with override(shm_min_bytes=0):
             group = mpi_world.new_group(list(range(mpi_world.world_size)), name="shm-timeout")
             ax.all_reduce(np.ones(8), "SUM", group)  # sets the window up on every rank
             group.timeout = 1.0
@@ -189,7 +175,7 @@ def test_arrays_in_the_window_are_reduced_in_place(mpi_world):
     from axonhpc.backends.shm import engine_in_window
 
     def check():
-        with shm_settings(shm_min_bytes=0):
+        with override(shm_min_bytes=0):
             for dtype in (np.float32, np.float64, np.int64, np.uint8):
                 for op in ("SUM", "MAX", "AVG"):
                     shared = ax.shared_memory_array((1001,), dtype)
@@ -197,10 +183,10 @@ def test_arrays_in_the_window_are_reduced_in_place(mpi_world):
                     shared[...] = _inputs(dtype, 1001, mpi_world.rank, seed=5)
                     plain = shared.copy()
                     ax.all_reduce(shared, op)
-                    with shm_settings(shm_collectives="off"):
+                    with override(shm_collectives="off"):
                         ax.all_reduce(plain, op)
                     _same(shared, plain, mpi_world.world_size == 2 or op == "MAX", f"in window {op} {dtype}")
-        with shm_settings(shm_collectives="off"):
+        with override(shm_collectives="off"):
             plain = ax.shared_memory_array((7,), np.float32)  # no window when shared memory is off
             assert engine_in_window(mpi_world.default_group.backend, plain) is None
     collectively(mpi_world, check)
@@ -212,7 +198,7 @@ def test_ddp_buckets_in_the_window_train_like_plain_buckets(mpi_world):
     from ddp_cases import make_data, make_model, shard
 
     def train(mode):
-        with shm_settings(shm_collectives=mode):
+        with override(shm_collectives=mode):
             n, r = mpi_world.world_size, mpi_world.rank
             ddp = ax.DDP(make_model(np.float64), bucket_size_mb=300 / 2**20)
             opt = optim.Adam(ddp.parameters(), lr=1e-2)
