@@ -19,6 +19,13 @@ import slurm  # noqa: E402
 REPO = slurm.REPO
 MULTI = "/tmp/axonhpc-slurm/multi"
 pytestmark = pytest.mark.timeout(600)
+# MPICH sends its UCX address to the other ranks in PMI2 "put" requests long
+# enough that slurmstepd's mpi/pmi2 plugin sometimes reads one in two pieces
+# ("value not properly terminated in client request"), and MPI_Init fails
+# (seen once in ~10 runs here; the same symptom is reported for other MPICH
+# jobs under srun --mpi=pmi2). MPICH's OFI netmod over TCP has short
+# addresses, which fit one request, and still moves the data over the veth link.
+PMI_ENV = {"MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp", "FI_TCP_IFACE": "eth0"}
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +48,7 @@ def cluster():
     try:
         yield slurm.Cluster(prefix=["nsenter", "--net=/run/netns/host1"],
                             env={"SLURM_CONF": f"{MULTI}/slurm.conf", "UCX_TLS": "tcp,self",
-                                 "UCX_NET_DEVICES": "eth0"})
+                                 "UCX_NET_DEVICES": "eth0", **PMI_ENV})
     finally:
         subprocess.run(["bash", os.path.join(HERE, "cluster", "slurm-netns-down.sh")], capture_output=True, env=env)
 

@@ -54,6 +54,8 @@ def resolve_algorithm(algorithm: Optional[str]) -> str:
         ConfigurationError: an unknown name.
     """
     name = settings.allreduce_algorithm if algorithm is None else algorithm
+    if name == "native":
+        return name
     if not isinstance(name, str) or name.lower() not in ALGORITHMS:
         where = "settings.allreduce_algorithm" if algorithm is None else "algorithm"
         raise ConfigurationError(f"{where}={name!r} is not an all-reduce algorithm; use one of {list(ALGORITHMS)}")

@@ -45,11 +45,14 @@ class _Label:
         return f"{self.op} #{self.seq} on group {self.group.name} {list(self.group.ranks)}"
 
 
+_OP_NAMES = {op: op.name for op in ReduceOp}  # Enum.name is a slow property; this is on every call
+
+
 def _start(pg: ProcessGroup, op: str, x: Any = None, reduce: Optional[ReduceOp] = None,
            root: Optional[int] = None) -> _Label:
     """Flight record, debug check and sequence number; returns the label used in messages."""
     debug = pg.debug_enabled()
-    reduce_name = None if reduce is None else reduce.name
+    reduce_name = None if reduce is None else _OP_NAMES[reduce]
     entry = flight.record(pg, op, x, reduce_name, root, fingerprint.caller_location() if debug else None)
     if debug:
         fingerprint.check(pg, op, x, reduce_name, root)
@@ -169,6 +172,11 @@ def all_reduce(x, op=ReduceOp.SUM, group: Optional[ProcessGroup] = None, async_o
         issue = _reduction(pg, x, x, op, lambda s, d, base, nb: node.all_reduce(s, d, base))
         return _run(pg, label, issue, async_op)
     if op is not ReduceOp.AVG and not async_op and not is_low_precision_float(x.dtype) and pg.effective_timeout() is None:
+        if tracing.active() is None:  # the hot path of small messages
+            work = backend.all_reduce(x, op, False)
+            if type(work) is not CompletedWork:  # a blocking MPI call is complete on return
+                work.wait()
+            return None
         start = time.perf_counter()
         work = backend.all_reduce(x, op, False)
         work.wait()

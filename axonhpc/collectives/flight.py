@@ -46,14 +46,15 @@ def record(pg: Any, op: str, x: Any, reduce: Optional[str], root: Optional[int],
         return None
     rank = pg.world.rank
     entry = {"t": time.time(), "group": pg.name, "ranks": pg.ranks, "seq": pg.seq, "op": op,
-             "dtype": None if x is None else _dtype_name(x.dtype), "shape": None if x is None else list(x.shape),
+             "dtype": None if x is None else _dtype_name(x.dtype), "shape": None if x is None else x.shape,
              "reduce": reduce, "root": root, "where": where, "done": False}
     with _lock:
         buffer = _buffers.get(rank)
         if buffer is None or buffer.maxlen != size:
             buffer = _buffers[rank] = collections.deque(buffer or (), maxlen=size)
         buffer.append(entry)
-    _install_signal()
+    if not _installed:
+        _install_signal()
     return entry
 
 
