@@ -26,7 +26,8 @@ complete, so the overlap can be measured rather than assumed.
 
 [Note: buckets in shared memory]
 When every rank of the group is on one node (and ``shm_collectives`` is not
-"off"), all buckets live in one shared-memory window allocated at
+"off"), and the gradients add up to at least ``SHARED_BUCKETS_MIN_BYTES``,
+all buckets live in one shared-memory window allocated at
 construction (``collectives.shared_memory_array``; collective, once), so a
 bucket's all-reduce reduces straight from the other ranks' buckets with no
 copy in (``collectives.shm_path``). Otherwise each bucket is a compiled
@@ -76,6 +77,9 @@ from .comm_hooks import GradBucket, finished
 from .replicate import broadcast_arrays
 
 FIRST_BUCKET_BYTES = 1 << 20  # PyTorch DDP's first bucket: 1 MiB
+# Gradients smaller than this stay in private buckets: their window would be held for the life of
+# the process (freeing it is collective) for a reduction that MPI does in microseconds anyway.
+SHARED_BUCKETS_MIN_BYTES = 1 << 20
 
 
 class UnusedParameterError(AxonError, RuntimeError):
@@ -216,6 +220,8 @@ class DistributedDataParallel:
         for idx in groups:
             nbytes = sum(int(self._params[i].data.nbytes) for i in idx)
             sizes.append(-(-nbytes // 64) * 64)
+        if sum(sizes) < SHARED_BUCKETS_MIN_BYTES:
+            return [None] * len(groups)
         raw = shared_memory_array(sum(sizes), np.uint8, self.group)
         if not in_shared_memory(raw, self.group):
             return [None] * len(groups)
