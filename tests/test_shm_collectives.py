@@ -7,8 +7,6 @@ bits where the order of the reduction cannot differ (data movement, MIN and
 MAX, SUM and PRODUCT on integers and on two ranks), float tolerance
 otherwise. Small slots make messages cross many chunks and slot reuses.
 """
-import contextlib
-
 import numpy as np
 import pytest
 
@@ -194,25 +192,17 @@ def test_arrays_in_the_window_are_reduced_in_place(mpi_world):
     collectively(mpi_world, check)
 
 
-@contextlib.contextmanager
-def _patched(module, name, value):
-    saved = getattr(module, name)
-    setattr(module, name, value)
-    try:
-        yield
-    finally:
-        setattr(module, name, saved)
-
-
-def test_ddp_buckets_in_the_window_train_like_plain_buckets(mpi_world):
+def test_ddp_buckets_in_the_window_train_like_plain_buckets(mpi_world, monkeypatch):
     from axonhpc import nn, optim
     from axonhpc.backends.shm import engine_in_window
     from ddp_cases import make_data, make_model, shard
 
-    def train(mode):
-        from axonhpc.parallel import ddp as ddp_module
+    from axonhpc.parallel import ddp as ddp_module
 
-        with override(shm_collectives=mode), _patched(ddp_module, "SHARED_BUCKETS_MIN_BYTES", 0):
+    monkeypatch.setattr(ddp_module, "SHARED_BUCKETS_MIN_BYTES", 0)  # the test model is small
+
+    def train(mode):
+        with override(shm_collectives=mode):
             n, r = mpi_world.world_size, mpi_world.rank
             ddp = ax.DDP(make_model(np.float64), bucket_size_mb=300 / 2**20)
             opt = optim.Adam(ddp.parameters(), lr=1e-2)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import collections
 import functools
-import json
 import os
 import signal
 import threading
@@ -26,6 +25,7 @@ import time
 from typing import Any, Deque, Dict, Optional
 
 from ..settings import settings
+from ..tracing import write_json_atomic
 
 _lock = threading.RLock()  # reentrant: the signal handler may interrupt a holder of it
 # One ring buffer per world rank living in this process: one under MPI, several under run_local's threads.
@@ -84,12 +84,8 @@ def _write(rank: int, reason: str) -> Optional[str]:
     directory = settings.flight_dir
     path = os.path.join(directory, f"flight-rank{rank:05d}.json")
     try:
-        os.makedirs(directory, exist_ok=True)
-        tmp = f"{path}.tmp-{os.getpid()}"
-        with open(tmp, "w") as f:
-            json.dump({"rank": rank, "pid": os.getpid(), "reason": reason, "time": time.time(),
-                       "records": records(rank)}, f)
-        os.replace(tmp, path)
+        write_json_atomic(path, {"rank": rank, "pid": os.getpid(), "reason": reason, "time": time.time(),
+                                 "records": records(rank)})
     except OSError:
         return None  # a dump must never turn one failure into another
     return path
