@@ -51,6 +51,11 @@ def _low_precision_set() -> frozenset:
     return frozenset([np.dtype(np.float16)] + ([bf16] if bf16 is not None else []))
 
 
+def is_supported(dtype: np.dtype) -> bool:
+    """True for a dtype the collectives take (``supported_dtypes()``)."""
+    return dtype in _supported_set()
+
+
 def is_low_precision_float(dtype: np.dtype) -> bool:
     """float16 or bfloat16: MPI has no reduction for these, so they are widened."""
     return dtype in _low_precision_set()

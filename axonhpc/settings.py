@@ -180,6 +180,10 @@ class Settings:
             uses MPI (``AXONHPC_SHM_COLLECTIVES``).
         shm_min_bytes: the smallest message that takes the shared-memory
             path (``AXONHPC_SHM_MIN_BYTES``).
+        shm_allgather_max_bytes: the largest all-gather result (bytes, all
+            ranks' parts together) that takes the shared-memory path; larger
+            ones go to MPI, whose single-copy transfers win there
+            (``AXONHPC_SHM_ALLGATHER_MAX_BYTES``).
         deterministic: float all-reduces and reduce-scatters add in an order
             fixed by the group size alone (shared-memory kernels inside a node,
             the ring across nodes) and DDP's bucket size is not measured, so a
@@ -208,7 +212,8 @@ class Settings:
     log_level: str = "INFO"
     log_ranks: str = "0"
     shm_collectives: str = "auto"
-    shm_min_bytes: int = 16 << 20
+    shm_min_bytes: int = 0
+    shm_allgather_max_bytes: int = 256 << 10
     shm_slot_bytes: int = 256 << 10
     shm_slots: int = 4
     deterministic: bool = False
@@ -232,6 +237,12 @@ class Settings:
             if var in env:
                 setattr(self, name, parse(var, env[var]))
         return self
+
+    def __setattr__(self, name: str, value: object) -> None:
+        object.__setattr__(self, name, value)
+        # ``revision`` counts assignments: the hot paths cache what they derive
+        # from the settings and check this one number instead of every field.
+        object.__setattr__(self, "revision", self.__dict__.get("revision", 0) + 1)
 
     def as_dict(self) -> dict:
         """The public fields and their current values."""
@@ -257,6 +268,7 @@ _ENVIRONMENT = {
     "log_ranks": ("AXONHPC_LOG_RANKS", lambda name, text: _parse_log_ranks(name, text)),
     "shm_collectives": ("AXONHPC_SHM_COLLECTIVES", lambda name, text: _parse_choice(name, text, ("auto", "off"))),
     "shm_min_bytes": ("AXONHPC_SHM_MIN_BYTES", lambda name, text: _parse_count(name, text)),
+    "shm_allgather_max_bytes": ("AXONHPC_SHM_ALLGATHER_MAX_BYTES", lambda name, text: _parse_count(name, text)),
     "shm_slot_bytes": ("AXONHPC_SHM_SLOT_BYTES", lambda name, text: _parse_slot_bytes(name, text)),
     "shm_slots": ("AXONHPC_SHM_SLOTS", _parse_positive_int),
     "deterministic": ("AXONHPC_DETERMINISTIC", _parse_bool),

@@ -34,8 +34,16 @@ LANES = ("compute", "comm", "buckets")
 RANK_FILE_FORMAT = "axonhpc-timeline-rank/1"
 Span = Tuple[str, str, float, float, Dict[str, Any]]
 
-_local = threading.local()
+
+class _ThreadRecorder(threading.local):
+    """This thread's recorder; None by default (a class default: a lookup raises nothing)."""
+
+    recorder: Optional["Recorder"] = None
+
+
+_local = _ThreadRecorder()
 _process: Optional["Recorder"] = None
+EVER_INSTALLED = False  # no recorder has been installed yet: hot paths skip ``active()``
 
 
 class Recorder:
@@ -80,7 +88,8 @@ def install(recorder: Optional[Recorder], process_wide: bool) -> Tuple[Optional[
     Returns:
         The previous ``(thread, process)`` recorders, for ``restore``.
     """
-    global _process
+    global _process, EVER_INSTALLED
+    EVER_INSTALLED = EVER_INSTALLED or recorder is not None
     previous = (getattr(_local, "recorder", None), _process)
     _local.recorder = recorder
     if process_wide:

@@ -65,6 +65,10 @@ cdef extern from "shm_engine.h":
                             double timeout, unsigned char *lagging) nogil
     int ax_broadcast(ax_shm *s, char *x, size_t count, size_t itemsize, int root, double timeout,
                      unsigned char *lagging) nogil
+    int ax_allgather(ax_shm *s, const char *x, char *out, size_t nbytes, double timeout,
+                     unsigned char *lagging) nogil
+    int ax_allgather_direct(ax_shm *s, size_t offset, size_t nbytes, char *out, double timeout,
+                            unsigned char *lagging) nogil
 
 CTRL_BYTES = AX_CTRL_BYTES
 MAX_RANKS = AX_MAX_RANKS
@@ -186,6 +190,39 @@ cdef class Engine:
             code = ax_allreduce_direct(&self.s, <size_t>(data - base), count, dtype, opcode, itemsize, timeout,
                                        self._lagging)
         self._check(code, "all_reduce")
+
+    def all_gather(self, cnp.ndarray x not None, cnp.ndarray out not None):
+        """``out`` = every rank's ``x`` in rank order (both C-contiguous; ``out`` holds size x ``x.nbytes``)."""
+        cdef int code
+        cdef size_t nbytes = <size_t>x.nbytes
+        cdef char* src = _address(x)
+        cdef char* dst = _address(out)
+        cdef double timeout = self.timeout
+        if <size_t>out.nbytes != nbytes * <size_t>self.s.size:
+            raise ValueError(f"all_gather: out holds {out.nbytes} bytes, not {self.s.size} x {nbytes}")
+        with nogil:
+            code = ax_allgather(&self.s, src, dst, nbytes, timeout, self._lagging)
+        self._check(code, "all_gather")
+
+    def all_gather_in_window(self, cnp.ndarray x not None, cnp.ndarray out not None):
+        """``out`` = every rank's ``x``, read where it lies in each rank's segment (no copy in).
+
+        Every rank passes the array at the same offset of its own segment, like
+        ``all_reduce_in_window``; ``out`` is any C-contiguous array of size x ``x.nbytes``.
+        """
+        cdef int code
+        cdef size_t nbytes = <size_t>x.nbytes
+        cdef char* data = _address(x)
+        cdef char* dst = _address(out)
+        cdef char* base = self.s.segs[self.s.rank]
+        cdef double timeout = self.timeout
+        if data < base or data + nbytes > base + self.s.slot_bytes * self.s.nslots:
+            raise ValueError("all_gather_in_window: the array does not lie in this rank's segment")
+        if <size_t>out.nbytes != nbytes * <size_t>self.s.size:
+            raise ValueError(f"all_gather_in_window: out holds {out.nbytes} bytes, not {self.s.size} x {nbytes}")
+        with nogil:
+            code = ax_allgather_direct(&self.s, <size_t>(data - base), nbytes, dst, timeout, self._lagging)
+        self._check(code, "all_gather")
 
     def broadcast(self, cnp.ndarray x not None, int root):
         """Copy ``root``'s ``x`` into ``x`` on every rank."""

@@ -19,7 +19,6 @@
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
-#define AX_HAVE_STREAM 1
 #define AX_CPU_RELAX() _mm_pause()
 #elif defined(__aarch64__)
 #define AX_CPU_RELAX() __asm__ __volatile__("yield" ::: "memory")
@@ -105,38 +104,6 @@ static int ax_wait_all(ax_shm *s, int field, uint64_t target, double timeout, un
     }
 }
 
-/* Copy with streaming (non-temporal) stores: the destination is not read
- * into the cache first and does not evict the slots. For the copy out of a
- * large message into the caller's array, which is not read again soon. */
-static void ax_copy_stream(char *dst, const char *src, size_t n) {
-#ifdef AX_HAVE_STREAM
-    size_t head = (16 - ((uintptr_t)dst & 15)) & 15;
-    if (n < 4096 || head > n) { memcpy(dst, src, n); return; }
-    memcpy(dst, src, head);
-    dst += head; src += head; n -= head;
-    size_t blocks = n / 64;
-    for (size_t i = 0; i < blocks; i++) {
-        __m128i a = _mm_loadu_si128((const __m128i *)src);
-        __m128i b = _mm_loadu_si128((const __m128i *)(src + 16));
-        __m128i c = _mm_loadu_si128((const __m128i *)(src + 32));
-        __m128i d = _mm_loadu_si128((const __m128i *)(src + 48));
-        _mm_stream_si128((__m128i *)dst, a);
-        _mm_stream_si128((__m128i *)(dst + 16), b);
-        _mm_stream_si128((__m128i *)(dst + 32), c);
-        _mm_stream_si128((__m128i *)(dst + 48), d);
-        src += 64; dst += 64;
-    }
-    _mm_sfence();
-    memcpy(dst, src, n - blocks * 64);
-#else
-    memcpy(dst, src, n);
-#endif
-}
-
-static void ax_copy_plain(char *dst, const char *src, size_t n) { memcpy(dst, src, n); }
-
-/* Messages from this size on are copied out with streaming stores. */
-#define AX_STREAM_MIN_BYTES ((size_t)8 << 20)
 
 /* dst[i] = src[0][i] op src[1][i] op ... in rank order, blockwise through a small
  * accumulator, so dst may be one of the sources. */
@@ -220,8 +187,6 @@ static int ax_allreduce(ax_shm *s, char *x, size_t count, int dtype, int op, siz
     const int p = s->size, me = s->rank;
     const size_t per_chunk = s->slot_bytes / itemsize;
     const size_t align = 64 / itemsize; /* shares start on cache lines */
-    void (*copy_out)(char *, const char *, size_t) =
-        count * itemsize >= AX_STREAM_MIN_BYTES ? ax_copy_stream : ax_copy_plain;
     char *srcs[AX_MAX_RANKS];
     for (size_t first = 0; first < count; first += per_chunk) {
         const uint64_t g = s->seq++;
@@ -241,7 +206,7 @@ static int ax_allreduce(ax_shm *s, char *x, size_t count, int dtype, int op, siz
         if (ax_wait_all(s, AX_REDUCED, g + 1, timeout, lagging)) return -1;
         for (int k = 0; k < p; k++) {
             ax_share(n, k, p, align, &lo, &hi);
-            if (hi > lo) copy_out(xc + lo * itemsize, ax_slot(s, k, g) + lo * itemsize, (hi - lo) * itemsize);
+            if (hi > lo) memcpy(xc + lo * itemsize, ax_slot(s, k, g) + lo * itemsize, (hi - lo) * itemsize);
         }
         ax_store(&s->ctrls[me]->done, g + 1);
     }
@@ -297,6 +262,27 @@ static int ax_broadcast(ax_shm *s, char *x, size_t count, size_t itemsize, int r
     return 0;
 }
 
+/* All-gather of `nbytes` bytes at x from every rank into out (p blocks of
+ * `nbytes`, in rank order): per chunk each rank copies its piece into its
+ * slot, and once every piece is there copies all of them out. */
+static int ax_allgather(ax_shm *s, const char *x, char *out, size_t nbytes, double timeout,
+                        unsigned char *lagging) {
+    const int p = s->size, me = s->rank;
+    const size_t per_chunk = s->slot_bytes;
+    for (size_t first = 0; first < nbytes; first += per_chunk) {
+        const uint64_t g = s->seq++;
+        const size_t n = nbytes - first < per_chunk ? nbytes - first : per_chunk;
+        if (ax_wait_slot(s, g, timeout, lagging)) return -1;
+        memcpy(ax_slot(s, me, g), x + first, n);
+        ax_store(&s->ctrls[me]->copied, g + 1);
+        ax_store(&s->ctrls[me]->reduced, g + 1);
+        if (ax_wait_all(s, AX_COPIED, g + 1, timeout, lagging)) return -1;
+        for (int k = 0; k < p; k++) memcpy(out + (size_t)k * nbytes + first, ax_slot(s, k, g), n);
+        ax_store(&s->ctrls[me]->done, g + 1);
+    }
+    return 0;
+}
+
 /* All-reduce of an array that lives in every rank's segment at the same
  * offset (a buffer allocated in the window: no copy in). Arrive, wait for
  * every rank; reduce this rank's share from all ranks' arrays into its own;
@@ -327,6 +313,24 @@ static int ax_allreduce_direct(ax_shm *s, size_t offset, size_t count, int dtype
         if (hi > lo) memcpy(s->segs[me] + offset + lo * itemsize, s->segs[k] + offset + lo * itemsize,
                             (hi - lo) * itemsize);
     }
+    ax_store(&s->ctrls[me]->done, g + 1);
+    if (ax_wait_all(s, AX_DONE, g + 1, timeout, lagging)) return -1;
+    return 0;
+}
+
+/* All-gather of `nbytes` bytes that live in every rank's segment at the same
+ * offset, into out (p blocks, rank order), with no copy in: arrive, wait for
+ * every rank, copy each rank's part straight from its segment, then wait
+ * until every rank has copied (the caller may write into its part as soon
+ * as the call returns). One call is one step of the counters. */
+static int ax_allgather_direct(ax_shm *s, size_t offset, size_t nbytes, char *out, double timeout,
+                               unsigned char *lagging) {
+    const int p = s->size, me = s->rank;
+    const uint64_t g = s->seq++;
+    ax_store(&s->ctrls[me]->copied, g + 1);
+    ax_store(&s->ctrls[me]->reduced, g + 1);
+    if (ax_wait_all(s, AX_COPIED, g + 1, timeout, lagging)) return -1;
+    for (int k = 0; k < p; k++) memcpy(out + (size_t)k * nbytes, s->segs[k] + offset, nbytes);
     ax_store(&s->ctrls[me]->done, g + 1);
     if (ax_wait_all(s, AX_DONE, g + 1, timeout, lagging)) return -1;
     return 0;

@@ -132,6 +132,15 @@ def case_all_gather(world):
     assert scalar.shape == (n,) and scalar.tolist() == [k * 1.5 for k in range(n)]
     empty = ax.all_gather(np.zeros((0, 4), dtype=np.float32))
     assert empty.shape == (n, 0, 4)
+    for count in (3, 100_000):  # through the slots, and over their cap (MPI), on one node
+        out = np.empty((n, count), dtype=np.float64)
+        x = np.full(count, r + 0.5)
+        assert ax.all_gather(x, out=out) is out
+        np.testing.assert_array_equal(out, np.repeat(np.arange(n) + 0.5, count).reshape(n, count))
+    with pytest.raises(ShapeError, match=r"out is float32 of shape \(2, 3\); the result is float64"):
+        ax.all_gather(np.ones(3), out=np.empty((2, 3), dtype=np.float32))
+    part = np.empty(2)
+    assert ax.reduce_scatter(np.ones(2 * n), out=part) is part and np.all(part == n)
 
 
 def case_gather_and_scatter(world):

@@ -56,3 +56,21 @@ def test_driver_prints_table():
         assert low - 0.05 <= float(m["eff"]) <= high + 0.05
     overlap = [line for line in lines if line.startswith("# 2 ranks: OVERLAPPED")]
     assert len(overlap) == 1 and "buckets done before it" in overlap[0]
+
+
+@pytest.mark.skipif(bench_ddp.find_mpiexec() is None, reason="no mpiexec")
+@pytest.mark.timeout(300)
+def test_shared_memory_ab_script_prints_both_sides():
+    """benchmarks/ddp_shm_ab.py: a DDP built with shared memory and one built without, in one 2-rank job."""
+    import os
+
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "ddp_shm_ab.py")
+    cmd = ["timeout", "-k", "5", "240", bench_ddp.find_mpiexec(), "-n", "2", sys.executable, script,
+           "--sizes", "8,16,4", "--batch", "8", "--steps", "2", "--rounds", "2"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=280)
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows = {line.split()[0]: line.split()[1:] for line in out.stdout.splitlines()[2:]}
+    assert set(rows) == {"compute", "MPI", "shared"}, out.stdout
+    for name in ("MPI", "shared"):
+        step, backward, sync, share = rows[name][-4:]
+        assert float(step) > 0 and float(backward) > 0 and float(sync) >= 0 and share.endswith("%")

@@ -43,6 +43,10 @@ def test_node_facts_groups_and_collectives_span_hosts(hosts, flavour):
     assert all(row["num_nodes"] == 2 and row["local_size"] == 2 for row in rows)
     assert [row["node_group"] for row in rows] == [[0, 1], [0, 1], [2, 3], [2, 3]]
     assert all(row["flat"] == 10.0 and row["equal"] for row in rows)
+    assert all(row["node_of"] == [0, 0, 1, 1] for row in rows)
+    # shared memory inside each host only: the world's calls go over the link, the node group's do not
+    assert all(row["one_node"] == [False, True] and row["engines"] == [False, True] for row in rows)
+    assert [row["on_node"] for row in rows] == [3.0, 3.0, 7.0, 7.0]
     assert hosts.rx_bytes("host2") - before > 3 * 8000  # the arrays really crossed the veth link
 
 

@@ -21,8 +21,20 @@ def test_environment_fills_fields():
                            "stall_report": 30.0, "flight_recorder": 256, "flight_dir": "axonhpc-flight",
                            "flight_signal": "SIGUSR1", "skip_nonfinite_steps": False, "cuda_aware_mpi": "auto",
                            "timeline_dir": "", "log_level": "INFO", "log_ranks": "0",
-                           "shm_collectives": "auto", "shm_min_bytes": 16777216, "shm_slot_bytes": 262144,
+                           "shm_collectives": "auto", "shm_min_bytes": 0, "shm_allgather_max_bytes": 262144,
+                           "shm_slot_bytes": 262144,
                            "shm_slots": 4, "deterministic": False, "bucket_size_mb": "auto"}
+
+
+def test_revision_counts_every_assignment():
+    """The hot paths cache what they derive from the settings, keyed on this one number."""
+    s = Settings()
+    first = s.revision
+    s.timeout = 3.0
+    s.shm_collectives = "off"
+    assert s.revision == first + 2
+    s.load_environment({"AXONHPC_DEBUG": "1"})
+    assert s.revision == first + 3 and "revision" not in s.as_dict()
 
 
 @pytest.mark.parametrize("text", ["0", "off", "none", ""])

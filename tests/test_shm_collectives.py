@@ -1,4 +1,4 @@
-"""Intra-node all-reduce, reduce-scatter and broadcast through the shared-memory window, against MPI.
+"""Intra-node all-reduce, reduce-scatter, broadcast and all-gather through the shared-memory window, against MPI.
 
 Every case runs the same call twice, once through the shared-memory engine
 and once through MPI (``settings.shm_collectives = "off"``), on the same
@@ -12,7 +12,7 @@ import pytest
 
 import axonhpc as ax
 from axonhpc.backends.shm import engine_for
-from axonhpc.errors import CollectiveTimeoutError
+from axonhpc.errors import CollectiveTimeoutError, ReadOnlyBufferError
 from mpi_assert import collectively
 from settings_override import override
 
@@ -116,8 +116,65 @@ def test_broadcast_matches_mpi(mpi_world, small_slots_group):
     collectively(mpi_world, check)
 
 
+def test_all_gather_matches_mpi(mpi_world, small_slots_group):
+    """Small all-gathers go through the slots (bits equal to MPI's); results over the cap go to MPI."""
+    engine = engine_for(small_slots_group.backend, 4096, 2)
+    n = mpi_world.world_size
+
+    def gather(v, g):
+        return ax.all_gather(v, g)
+
+    def check():
+        for dtype in DTYPES:
+            for shape in ((0,), (1,), (3, 5), (3001,)):
+                x = _inputs(np.float64, int(np.prod(shape)), mpi_world.rank, seed=6).astype(dtype).reshape(shape)
+                before = engine.chunks
+                a, b = _both(gather, x, small_slots_group)
+                assert a.shape == b.shape == (n,) + shape and a.dtype == b.dtype == np.dtype(dtype)
+                np.testing.assert_array_equal(a, b)
+                assert engine.chunks - before == -(-x.nbytes // 4096), (dtype, shape)  # through the slots
+        x = np.full(1000, mpi_world.rank, dtype=np.float64)
+        with override(shm_allgather_max_bytes=n * x.nbytes - 1):
+            before = engine.chunks
+            out = ax.all_gather(x, small_slots_group)
+            assert engine.chunks == before  # over the cap: MPI
+        np.testing.assert_array_equal(out, np.repeat(np.arange(n, dtype=np.float64)[:, None], 1000, axis=1))
+    collectively(mpi_world, check)
+
+
+def test_plain_all_reduce_is_recorded_and_follows_the_settings(mpi_world):
+    """The hot path of a plain all-reduce keeps the flight record and sequence, and re-routes on a change."""
+    from axonhpc.collectives import flight
+
+    group = mpi_world.new_group(list(range(mpi_world.world_size)), name="shm-plain")
+
+    def check():
+        x = np.ones(64, dtype=np.float32)
+        ax.all_reduce(x, ax.ReduceOp.SUM, group)  # the window is set up here
+        engine = engine_for(group.backend, ax.settings.shm_slot_bytes, ax.settings.shm_slots)
+        seq, chunks = group.seq, engine.chunks
+        ax.all_reduce(x, ax.ReduceOp.MAX, group)
+        assert group.seq == seq + 1 and engine.chunks == chunks + 1
+        last = flight.records(mpi_world.rank)[-1]
+        assert (last["group"], last["seq"], last["op"], last["reduce"], last["dtype"], last["shape"], last["done"]) == \
+            ("shm-plain", seq, "all_reduce", "MAX", "float32", (64,), True)
+        with override(shm_collectives="off"):  # a settings change re-routes the next call: MPI
+            ax.all_reduce(x, ax.ReduceOp.SUM, group)
+        assert engine.chunks == chunks + 1 and group.seq == seq + 2
+        with override(debug=True):  # debug mode: the general path, which checks the call across ranks
+            ax.all_reduce(x, ax.ReduceOp.SUM, group)
+        assert engine.chunks == chunks + 2
+        n = mpi_world.world_size
+        assert np.all(x == n ** 3)
+        with pytest.raises(ReadOnlyBufferError):  # refused by the general path's checks
+            x.setflags(write=False)
+            ax.all_reduce(x, ax.ReduceOp.SUM, group)
+        assert group.seq == seq + 3  # nothing was sent for the refused call
+    collectively(mpi_world, check)
+
+
 def test_large_messages_with_default_geometry(mpi_world):
-    """Messages of several MiB take the streaming copy out and cross many 1 MiB slots."""
+    """Messages of several MiB cross many slots of the default geometry."""
     def check():
         for count in (3 * 2**20 + 7, 5 * 2**20):  # 12 and 20 MiB of float32
             x = _inputs(np.float32, count, mpi_world.rank, seed=3)
@@ -225,4 +282,41 @@ def test_ddp_buckets_in_the_window_train_like_plain_buckets(mpi_world, monkeypat
                 np.testing.assert_array_equal(p.data, q.data, err_msg=name)
             else:
                 np.testing.assert_allclose(p.data, q.data, rtol=1e-12, atol=1e-12, err_msg=name)
+    collectively(mpi_world, check)
+
+
+def test_fsdp_shards_in_the_window_train_like_private_shards(mpi_world, monkeypatch):
+    """FSDP's master shards in the window: gathered with no copy in, updated in place, same training."""
+    from axonhpc.backends.shm import engine_in_window
+    from axonhpc.parallel import flat_param
+    from fsdp_cases import train_fsdp
+
+    monkeypatch.setattr(flat_param, "SHARED_SHARDS_MIN_BYTES", 0)  # the test model is small
+
+    def train(mode):
+        with override(shm_collectives=mode):
+            fsdp, _, _ = train_fsdp(mpi_world, np.float64, "adam", "full_shard")
+            return fsdp, fsdp.full_state_dict(rank0_only=False)
+
+    def check():
+        (shared, shared_state), (plain, plain_state) = train("auto"), train("off")
+        backend = mpi_world.default_group.backend
+        assert all(engine_in_window(backend, u.shard.data) is not None for u in shared._units)  # after 4 steps
+        assert all(engine_in_window(backend, u.shard.data) is None for u in plain._units)
+        for name, value in plain_state.items():
+            np.testing.assert_allclose(shared_state[name], value, rtol=1e-12, atol=1e-12, err_msg=name)
+    collectively(mpi_world, check)
+
+
+def test_all_gather_of_arrays_in_the_window(mpi_world):
+    """An all-gather of a window array reads every rank's part where it lies, at any size (no cap)."""
+    def check():
+        n = mpi_world.world_size
+        for dtype, count in ((np.float32, 1), (np.int64, 1001), (np.float64, 300_000)):
+            shared = ax.shared_memory_array((count,), dtype)
+            shared[...] = _inputs(dtype, count, mpi_world.rank, seed=7)
+            with override(shm_allgather_max_bytes=0):  # the cap is for the slots, not for arrays in the window
+                out = ax.all_gather(shared)
+            expected = np.stack([_inputs(dtype, count, r, seed=7) for r in range(n)])
+            np.testing.assert_array_equal(out, expected)
     collectively(mpi_world, check)

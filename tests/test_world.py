@@ -23,6 +23,7 @@ def test_mock_world_and_group_need_no_mpi():
     x = np.arange(4.0)
     ax.all_reduce(x, group=world.default_group)
     assert x.tolist() == [0, 1, 2, 3]
+    assert world.node_of == (0,) and world.default_group.on_one_node
     pg = ax.ProcessGroup.mock()
     assert (pg.rank, pg.size, pg.ranks, pg.is_member) == (0, 1, (0,), True)
     assert ax.all_gather(np.array([7]), group=pg).tolist() == [[7]]

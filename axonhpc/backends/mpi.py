@@ -84,7 +84,7 @@ def _mpi_op(op: ReduceOp):
         MPI = _mpi()
         _OPS.update({ReduceOp.SUM.value: MPI.SUM, ReduceOp.PRODUCT.value: MPI.PROD,
                      ReduceOp.MIN.value: MPI.MIN, ReduceOp.MAX.value: MPI.MAX})
-    return _OPS[op.value]
+    return _OPS[op._value_]
 
 
 def _blocks(n: int, step: int):

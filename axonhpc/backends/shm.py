@@ -2,14 +2,15 @@
 
 [Note: one window per communicator]
 ``engine_for(backend, ...)`` is collective the first time it is called for a
-backend: it checks that every rank of the backend's communicator shares one
-node (``Split_type(COMM_TYPE_SHARED)`` gives the whole communicator), then
-allocates one segment per rank with ``MPI.Win.Allocate_shared`` (each
+backend whose ranks share one node (the caller says so from the world's
+node table; without it ``Split_type(COMM_TYPE_SHARED)`` is asked, over every
+rank): it allocates one segment per rank with ``MPI.Win.Allocate_shared`` (each
 segment page-aligned on its owner's memory: ``alloc_shared_noncontig``),
 zeroes its own counters, and waits at a barrier so no rank reads a counter
 before its owner has zeroed it. The engine is kept on the backend and reused
 by every later call (persistent buffers: nothing is allocated per call);
-``close`` frees the window. A communicator that spans several nodes gets
+``close`` frees the window, and the windows still open are freed at exit,
+before ``MPI_Finalize``. A communicator that spans several nodes gets
 ``None``, once, and is never asked again.
 
 The geometry (slot size and count) is the same on every rank: it comes from
@@ -17,7 +18,8 @@ the settings, which every rank reads from the same environment.
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+import atexit
+from typing import Any, List, Optional
 
 import numpy as np
 
@@ -58,11 +60,30 @@ class SharedWindow:
         comm.Barrier()
         self.engine = _shm.Engine(addresses, comm.Get_rank(), self.slot_bytes, self.nslots)
         self.data = self._views[comm.Get_rank()][_shm.CTRL_BYTES:]  # this rank's slots, or its array
+        if not _OPEN:
+            atexit.register(_free_open_windows)  # after mpi4py's import: runs before MPI_Finalize
+        _OPEN.append(self)
 
     def close(self) -> None:
         """Free the window (collective over the communicator)."""
         self._views = []
+        _OPEN.remove(self)
         self.win.Free()
+
+
+# Windows not yet freed, in the order this rank made them (the same order, per communicator, on
+# every rank: each was made collectively). They are freed at exit, before MPI_Finalize: some
+# network modules (MPICH's OFI netmod) fail MPI_Finalize while a window is still open.
+_OPEN: List[SharedWindow] = []
+
+
+def _free_open_windows() -> None:
+    from mpi4py import MPI
+
+    if MPI.Is_finalized():
+        return
+    for window in list(_OPEN):
+        window.close()
 
 
 def _one_node(comm: Any) -> bool:
@@ -75,11 +96,14 @@ def _one_node(comm: Any) -> bool:
         local.Free()
 
 
-def engine_for(backend: Any, slot_bytes: int, nslots: int) -> Optional[Any]:
+def engine_for(backend: Any, slot_bytes: int, nslots: int, one_node: Optional[bool] = None) -> Optional[Any]:
     """The shared-memory engine of ``backend``'s communicator, or None (collective on first use).
 
     None for a backend without an MPI communicator (threads, NCCL) or one
-    whose ranks are on more than one node.
+    whose ranks are on more than one node. ``one_node`` says which, when
+    the caller knows (``ProcessGroup.on_one_node``): then only ranks of one
+    node ever communicate here. None asks the communicator (collective
+    over every rank, across nodes too).
     """
     backend = getattr(backend, "host", backend)  # a host/device dispatch backend: its MPI side
     cached = getattr(backend, _ATTR, None)
@@ -88,12 +112,14 @@ def engine_for(backend: Any, slot_bytes: int, nslots: int) -> Optional[Any]:
     comm = getattr(backend, "comm", None)
     if comm is None or not hasattr(comm, "Split_type"):
         return None
-    window: Any = SharedWindow(comm, slot_bytes, nslots) if _one_node(comm) else False
+    if one_node is None:
+        one_node = _one_node(comm)
+    window: Any = SharedWindow(comm, slot_bytes, nslots) if one_node else False
     setattr(backend, _ATTR, window)
     return window.engine if window else None
 
 
-def allocate_array(backend: Any, nbytes: int) -> Optional[np.ndarray]:
+def allocate_array(backend: Any, nbytes: int, one_node: Optional[bool] = None) -> Optional[np.ndarray]:
     """``nbytes`` of this rank's memory in a shared window of its own, or None (collective).
 
     Every rank of the communicator gets its own array at the same offset of
@@ -102,7 +128,7 @@ def allocate_array(backend: Any, nbytes: int) -> Optional[np.ndarray]:
     window lives as long as the process (freeing it would be collective).
     """
     backend = getattr(backend, "host", backend)
-    if engine_for(backend, settings.shm_slot_bytes, settings.shm_slots) is None:  # not one node (cached)
+    if engine_for(backend, settings.shm_slot_bytes, settings.shm_slots, one_node) is None:  # not one node
         return None
     window = SharedWindow(backend.comm, max(4096, -(-int(nbytes) // 4096) * 4096), 1)
     array = window.data[:int(nbytes)]

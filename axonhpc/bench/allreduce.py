@@ -9,13 +9,19 @@ the ratio raw/ours (1.00 = as fast as raw MPI), and numpy ``copyto``
 bandwidth with every rank copying at once, as the memory limit. "ours" is
 ``ax.all_reduce`` as configured (through the node's shared memory from
 ``settings.shm_min_bytes`` on, when all ranks share a node); "MPI path" is
-the same call with ``shm_collectives="off"``. The shared-memory all-reduce
-must move the message through memory twice per rank (copied into the slots,
-and the result copied out; the reduction reads the slots from the cache), so
-its bound is ``2 x`` the ``copyto`` time, and "of bound" is that bound divided
-by our time. A second
+the same call with ``shm_collectives="off"``. Bytes each rank must move
+through memory: its message read once and its result written once, 2 x the
+message size, which is what one ``copyto`` of the message moves (a read and
+a write), so the bound is the ``copyto`` time and "of bound" is that time
+divided by ours. (The shared-memory all-reduce meets it: its slots and the
+reduction stay in the cache.) A second
 table compares synchronising 100 gradients of 1 KiB one by one against one
 fused bucket (``GradientSynchronizer``: pack, one all-reduce, unpack).
+
+``--collectives`` adds a table of all-gather (the size is the gathered
+result), reduce-scatter (the size is the input) and broadcast: ``ax``'s call
+against the raw mpi4py one, in the same interleaved rounds, both writing
+into buffers made once (``out=``).
 
 ``--device gpu`` runs the table on cupy arrays instead, NCCL against
 CUDA-aware MPI against MPI staged through pinned host memory (see
@@ -30,7 +36,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -47,6 +53,21 @@ def _iters_for(nbytes: int) -> int:
     return int(max(3, min(200, (64 << 20) // max(nbytes, 1) // 4)))
 
 
+def _raw_world() -> Tuple[Any, Callable[[float], float]]:
+    """``init()``, a private duplicate of COMM_WORLD for the raw mpi4py calls, and the job's time of one
+    rank's elapsed time (the maximum over the ranks, after a barrier: every rank reports alike)."""
+    from mpi4py import MPI
+
+    init()
+    raw = MPI.COMM_WORLD.Dup()
+
+    def job_time(elapsed: float) -> float:
+        raw.Barrier()
+        return raw.allreduce(elapsed, op=MPI.MAX)
+
+    return raw, job_time
+
+
 def run_sizes(sizes: List[int], rounds: int, algorithms: Sequence[str] = ()) -> List[dict]:
     """Rows of the bandwidth table (every rank runs it; rank 0's rows are the job's).
 
@@ -58,14 +79,8 @@ def run_sizes(sizes: List[int], rounds: int, algorithms: Sequence[str] = ()) -> 
     """
     from mpi4py import MPI
 
-    world = init()
-    raw = MPI.COMM_WORLD.Dup()
-    n = world.world_size
-
-    def job_time(elapsed: float) -> float:
-        raw.Barrier()
-        return raw.allreduce(elapsed, op=MPI.MAX)
-
+    raw, job_time = _raw_world()
+    n = raw.Get_size()
     rows = []
     for nbytes in sizes:
         x = np.ones(nbytes // 4, dtype=np.float32)
@@ -90,11 +105,55 @@ def run_sizes(sizes: List[int], rounds: int, algorithms: Sequence[str] = ()) -> 
             ours_algbw=nbytes / t["ours"] / 1e9, raw_algbw=nbytes / t["raw"] / 1e9,
             ours_busbw=nbytes / t["ours"] / 1e9 * bus, raw_busbw=nbytes / t["raw"] / 1e9 * bus,
             ratio=t["raw"] / t["ours"], copy_gbs=nbytes / t["copy"] / 1e9,
-            mpi_path_us=t["mpi_path"] * 1e6, of_bound=2 * t["copy"] / t["ours"],
+            mpi_path_us=t["mpi_path"] * 1e6, of_bound=t["copy"] / t["ours"],
             algorithms={name: t[f"algorithm:{name}"] * 1e6 for name in algorithms},
         ))
     raw.Free()
     return rows
+
+
+def run_collectives(sizes: List[int], rounds: int) -> List[dict]:
+    """All-gather, reduce-scatter and broadcast of float32, ``ax`` against raw mpi4py (medians, us)."""
+    from mpi4py import MPI
+
+    from ..collectives import all_gather, broadcast, reduce_scatter
+
+    raw, job_time = _raw_world()
+    n = raw.Get_size()
+    rows = []
+    for nbytes in sizes:
+        part = max(1, nbytes // 4 // n)
+        piece = np.ones(part, dtype=np.float32)           # all-gather input: a 1/n part of the result
+        gathered = np.empty(part * n, dtype=np.float32)   # both sides gather into a buffer made once
+        ours = np.empty((n, part), dtype=np.float32)
+        whole = np.ones(part * n, dtype=np.float32)       # reduce-scatter input, broadcast buffer
+        block = np.empty(part, dtype=np.float32)
+        candidates = {
+            "all_gather": lambda: all_gather(piece, out=ours),
+            "raw_all_gather": lambda: raw.Allgather([piece, MPI.FLOAT], [gathered, MPI.FLOAT]),
+            "reduce_scatter": lambda: reduce_scatter(whole, out=block),
+            "raw_reduce_scatter": lambda: raw.Reduce_scatter_block([whole, MPI.FLOAT], [block, MPI.FLOAT], MPI.SUM),
+            "broadcast": lambda: broadcast(whole, 0),
+            "raw_broadcast": lambda: raw.Bcast([whole, MPI.FLOAT], 0),
+        }
+        for fn in candidates.values():  # warm-up
+            fn()
+        t = median_times(candidates, _iters_for(nbytes), rounds, sync=job_time)
+        rows.append(dict(bytes=part * n * 4, **{name: t[name] * 1e6 for name in candidates}))
+    raw.Free()
+    return rows
+
+
+def format_collectives_table(rows: List[dict], n: int) -> str:
+    """Each collective's median beside raw mpi4py's, with the ratio raw time / our time."""
+    names = ("all_gather", "reduce_scatter", "broadcast")
+    head = f"{'size':>10}" + "".join(f" {name + ' us':>17} {'raw us':>9} {'ratio':>6}" for name in names)
+    lines = [f"# all_gather (size = result), reduce_scatter (size = input), broadcast; float32, {n} ranks, "
+             f"medians (ratio = raw time / our time)", head]
+    for r in rows:
+        lines.append(f"{human_bytes(r['bytes']):>10}" + "".join(
+            f" {r[name]:>17.1f} {r['raw_' + name]:>9.1f} {r['raw_' + name] / r[name]:>6.2f}" for name in names))
+    return "\n".join(lines)
 
 
 def _without_shm(call):
@@ -112,8 +171,8 @@ def run_fusion(count: int, nbytes: int, rounds: int) -> dict:
 
     from ..bucketing import GradientSynchronizer, GradSyncStrategy
 
+    raw, job_time = _raw_world()
     world = init()
-    raw = MPI.COMM_WORLD.Dup()
     grads = [np.full(nbytes // 4, world.rank + 1.0, dtype=np.float32) for _ in range(count)]
     sync = GradientSynchronizer(GradSyncStrategy.SYNCHRONOUS, bucket_size=25_000_000, group=world.default_group)
 
@@ -124,10 +183,6 @@ def run_fusion(count: int, nbytes: int, rounds: int) -> dict:
     def raw_one_by_one():
         for g in grads:
             raw.Allreduce(MPI.IN_PLACE, [g, MPI.FLOAT])
-
-    def job_time(elapsed: float) -> float:
-        raw.Barrier()
-        return raw.allreduce(elapsed, op=MPI.MAX)
 
     for _ in range(3):
         one_by_one()
@@ -142,7 +197,7 @@ def run_fusion(count: int, nbytes: int, rounds: int) -> dict:
 
 def format_table(rows: List[dict], n: int) -> str:
     lines = [f"# all_reduce, float32, in place, {n} ranks, medians (ratio = raw time / our time; of bound = "
-             f"2 x copyto time / our time)",
+             f"copyto time / our time)",
              f"{'size':>10} {'ours us':>10} {'raw us':>10} {'MPI path us':>12} {'ours algbw':>11} {'raw algbw':>10} "
              f"{'ours busbw':>11} {'raw busbw':>10} {'ratio':>6} {'copyto GB/s':>12} {'of bound':>9}"]
     for r in rows:
@@ -189,6 +244,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--max-size", type=int, default=None, help="drop default sizes above this many bytes")
     parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds; the median is reported")
     parser.add_argument("--no-fusion", action="store_true", help="skip the 100 x 1 KiB fusion table")
+    parser.add_argument("--collectives", action="store_true",
+                        help="also time all-gather, reduce-scatter and broadcast against raw mpi4py")
     parser.add_argument("--algorithms", default=None,
                         help=f"comma-separated all-reduce algorithms to time beside raw mpi4py, e.g. "
                              f"native,ring,rhd,hierarchical (known: {', '.join(ALGORITHMS)})")
@@ -215,8 +272,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     world = init()
     rows = run_sizes(sizes, args.rounds, algorithms)
     fusion = None if args.no_fusion else run_fusion(100, 1024, args.rounds)
+    others = run_collectives(sizes, args.rounds) if args.collectives else None
     if world.rank == 0:
         print(format_table(rows, world.world_size))
+        if others:
+            print()
+            print(format_collectives_table(others, world.world_size))
         if algorithms:
             print()
             print(format_algorithm_table(rows, world.world_size))

@@ -33,6 +33,7 @@ from .._dtypes import array_module, bfloat16_dtype, check_array
 from ..backends.base import ReduceOp
 from ..errors import ShapeError, UnsupportedDtypeError
 from ..groups import ProcessGroup
+from . import flight
 from .core import _member, _start
 from .ring import RING_TAG, channel, execute, ring_reduce_scatter_schedule, ring_schedule
 
@@ -86,7 +87,7 @@ def compressed_all_reduce(x: Any, wire: str = "float16", group: Optional[Process
                 pg.effective_timeout(), f"compressed ({wire}) all_reduce on group {pg.name}")
     x.reshape(-1)[...] = half
     if entry is not None:
-        entry["done"] = True
+        entry[flight.DONE] = True
 
 
 def compressed_reduce_scatter(x: Any, wire: str = "float16", group: Optional[ProcessGroup] = None) -> Any:
@@ -114,7 +115,7 @@ def compressed_reduce_scatter(x: Any, wire: str = "float16", group: Optional[Pro
         execute(half, ring_reduce_scatter_schedule(pg.size, pg.rank), ReduceOp.SUM, channel(pg), RING_TAG,
                 pg.effective_timeout(), f"compressed ({wire}) reduce_scatter on group {pg.name}")
     if entry is not None:
-        entry["done"] = True
+        entry[flight.DONE] = True
     part = x.size // pg.size
     return half[pg.rank * part:(pg.rank + 1) * part].astype(x.dtype)
 

@@ -20,10 +20,12 @@ from typing import Any, List, Optional, Sequence
 import numpy as np
 
 from .. import tracing
-from .._dtypes import array_module, check_array, is_low_precision_float
+from .._dtypes import array_module, check_array, is_low_precision_float, is_supported
+from ..backends import shm as shm_backend
 from ..backends.base import CompletedWork, ReduceOp, Work
-from ..errors import ShapeError
+from ..errors import CollectiveTimeoutError, ShapeError
 from ..groups import ProcessGroup, resolve_group
+from ..settings import settings
 from . import algorithms, fingerprint, flight, shm_path, watch
 from .ring import ring_reduce_scatter
 from .widen import divide_average
@@ -38,7 +40,7 @@ class _Label:
 
     __slots__ = ("op", "seq", "group", "entry")
 
-    def __init__(self, op: str, seq: int, group: ProcessGroup, entry: Optional[dict] = None):
+    def __init__(self, op: str, seq: int, group: ProcessGroup, entry: Optional[list] = None):
         self.op, self.seq, self.group, self.entry = op, seq, group, entry
 
     def __str__(self) -> str:
@@ -69,19 +71,24 @@ def _run(pg: ProcessGroup, label: _Label, issue, async_op: bool) -> Any:
     arrivals = announce(label.seq, label.op) if announce is not None else None
     entry = label.entry if collective else None
     start = time.perf_counter()
-    work: Work = issue(async_op or timeout is not None)
+    try:
+        work: Work = issue(async_op or timeout is not None)
+    except CollectiveTimeoutError as exc:  # the shared-memory engine timed out inside the call
+        if arrivals is None:
+            raise
+        raise watch.engine_timed_out(exc, timeout, label, arrivals, pg) from exc
     work.label = label
     _trace(work, start, label, collective)
     if async_op:
         if entry is not None:
-            work.then(lambda: entry.__setitem__("done", True))
+            work.then(lambda: entry.__setitem__(flight.DONE, True))
         return work
     if arrivals is None and not (collective and timeout is not None and pg.debug_enabled()):
         result = work.wait(timeout)
     else:
         result = watch.wait(work, timeout, label, arrivals, pg)
     if entry is not None:
-        entry["done"] = True
+        entry[flight.DONE] = True
     return result
 
 
@@ -90,9 +97,11 @@ def _trace(work: Work, start: float, label: Any, collective: bool) -> None:
     if tracing.active() is None:
         return
     if collective:
-        entry = label.entry or {}
+        entry = label.entry
+        dtype = None if entry is None else entry[flight.DTYPE]
         tracing.span_until_done(work, start, label.op, "comm", seq=label.seq, group=label.group.name,
-                                dtype=entry.get("dtype"), shape=entry.get("shape"))
+                                dtype=None if dtype is None else str(dtype),
+                                shape=None if entry is None else entry[flight.SHAPE])
     else:
         tracing.span_until_done(work, start, str(label).split(" ")[0], "comm", what=str(label))
 
@@ -148,6 +157,9 @@ def all_reduce(x, op=ReduceOp.SUM, group: Optional[ProcessGroup] = None, async_o
         NotAMemberError, UnsupportedDtypeError, NonContiguousBufferError,
         ReadOnlyBufferError, CollectiveTimeoutError.
     """
+    if type(x) is np.ndarray and type(op) is ReduceOp and not async_op and algorithm is None:
+        if _all_reduce_plain(x, op, group):
+            return None
     op = ReduceOp.parse(op)
     pg = _member(group, "all_reduce")
     check_array(x, "all_reduce buffer", writable=True)
@@ -171,19 +183,70 @@ def all_reduce(x, op=ReduceOp.SUM, group: Optional[ProcessGroup] = None, async_o
     if node is not None:
         issue = _reduction(pg, x, x, op, lambda s, d, base, nb: node.all_reduce(s, d, base))
         return _run(pg, label, issue, async_op)
-    if op is not ReduceOp.AVG and not async_op and not is_low_precision_float(x.dtype) and pg.effective_timeout() is None:
-        if tracing.active() is None:  # the hot path of small messages
-            work = backend.all_reduce(x, op, False)
-            if type(work) is not CompletedWork:  # a blocking MPI call is complete on return
-                work.wait()
-            return None
-        start = time.perf_counter()
-        work = backend.all_reduce(x, op, False)
-        work.wait()
-        _trace(work, start, label, True)
-        return None
     issue = _reduction(pg, x, x, op, lambda s, d, base, nb: backend.all_reduce(s, base, nb))
     return _run(pg, label, issue, async_op)
+
+
+def _plain_route(x: Any, group: Optional[ProcessGroup], writable: bool) -> Optional[tuple]:
+    """``(group, engine, MPI backend)`` for a plain blocking call on host array ``x``, or None: the general path.
+
+    "Plain": a contiguous numpy array of a supported dtype (writable when
+    the call writes into it), not empty, not an array in a shared window, no
+    timeline recording, and ``shm_path.plain_route`` offers a way for the
+    group (no debug mode, no timeout, native algorithm). Nothing is sent.
+    """
+    if type(x) is not np.ndarray or not x.nbytes or not is_supported(x.dtype):
+        return None
+    flags = x.flags
+    if not flags.c_contiguous or (writable and not flags.writeable):
+        return None
+    if tracing.EVER_INSTALLED and tracing.active() is not None:
+        return None
+    pg = resolve_group(group)
+    if pg._backend is None:
+        return None
+    if shm_backend.ANY_ARRAYS and shm_backend.engine_in_window(pg._backend, x) is not None:
+        return None  # the general path works on it where it lies
+    engine, backend = shm_path.plain_route(pg)
+    if engine is None and backend is None:
+        return None
+    return pg, engine, backend
+
+
+def _plainly(pg: ProcessGroup, op: str, x: Any, reduce: Optional[str], root: Optional[int], call) -> None:
+    """What the general path does around a call, no more: a flight record and the next sequence number."""
+    entry = flight.record(pg, op, x, reduce, root, None)
+    pg.seq += 1
+    call()
+    if entry is not None:
+        entry[flight.DONE] = True
+
+
+def _all_reduce_plain(x: np.ndarray, op: ReduceOp, group: Optional[ProcessGroup]) -> bool:
+    """The hot path of a blocking all-reduce: the node's shared-memory engine, or one MPI call.
+
+    Returns False, having sent nothing, when the call needs anything more
+    (see ``_plain_route``; and an AVG the kernels do not finish or MPI does
+    not have); the general path then handles it.
+    """
+    names = shm_path.FUSED.get(x.dtype)
+    name = None if names is None else names.get(op._value_)
+    route = None if name is None else _plain_route(x, group, writable=True)
+    if route is None:
+        return False
+    pg, engine, backend = route
+    if engine is not None and x.nbytes >= settings.shm_min_bytes:
+        _plainly(pg, "all_reduce", x, name, None, lambda: engine.all_reduce(x, name))
+        return True
+    if backend is None or op is ReduceOp.AVG:
+        return False
+    _plainly(pg, "all_reduce", x, name, None, lambda: _finish(backend.all_reduce(x, op, False)))
+    return True
+
+
+def _finish(work: Work) -> None:
+    if type(work) is not CompletedWork:  # a blocking MPI call is complete on return
+        work.wait()
 
 
 def all_reduce_sum(x, group=None, async_op=False):
@@ -231,6 +294,24 @@ def reduce_scatter(x, op=ReduceOp.SUM, group: Optional[ProcessGroup] = None, asy
         ShapeError: ``x`` is 0-d or ``x.shape[0]`` is not divisible by the
             size, or ``out`` has the wrong shape or dtype.
     """
+    if type(op) is ReduceOp and not async_op and type(x) is np.ndarray and x.ndim:
+        names = shm_path.FUSED.get(x.dtype)
+        name = None if names is None else names.get(op._value_)
+        route = None if name is None else _plain_route(x, group, writable=False)
+        if route is not None:
+            pg, engine, backend = route
+            use_engine = engine is not None and x.nbytes >= settings.shm_min_bytes
+            shape = (x.shape[0] // pg.size,) + x.shape[1:]
+            if out is None and x.shape[0] % pg.size == 0:
+                out = np.empty(shape, dtype=x.dtype)
+            if ((use_engine or (backend is not None and op is not ReduceOp.AVG))
+                    and x.shape[0] % pg.size == 0 and type(out) is np.ndarray and out.shape == shape
+                    and out.dtype == x.dtype and out.flags.c_contiguous and out.flags.writeable):
+                part = out
+                call = ((lambda: engine.reduce_scatter(x, part, name)) if use_engine
+                        else (lambda: _finish(backend.reduce_scatter(x, part, op, False))))
+                _plainly(pg, "reduce_scatter", x, name, None, call)
+                return part
     op = ReduceOp.parse(op)
     pg = _member(group, "reduce_scatter")
     check_array(x, "reduce_scatter input")
@@ -279,6 +360,16 @@ def broadcast(x, src: int = 0, group: Optional[ProcessGroup] = None, async_op: b
     Raises:
         RankError: ``src`` out of range for the group.
     """
+    if not async_op and type(src) is int:
+        route = _plain_route(x, group, writable=False)
+        if route is not None:
+            pg, engine, backend = route
+            if 0 <= src < pg.size and (pg.rank == src or x.flags.writeable):
+                call = ((lambda: engine.broadcast(x, src)) if engine is not None and x.nbytes >= settings.shm_min_bytes
+                        else (lambda: _finish(backend.broadcast(x, src, False))) if backend is not None else None)
+                if call is not None:
+                    _plainly(pg, "broadcast", x, None, src, call)
+                    return None
     pg = _member(group, "broadcast")
     src = pg.check_rank(src, "broadcast src")
     check_array(x, "broadcast buffer", writable=pg.rank != src)
@@ -290,16 +381,51 @@ def broadcast(x, src: int = 0, group: Optional[ProcessGroup] = None, async_op: b
     return _run(pg, label, lambda nb: backend.broadcast(x, src, nb), async_op)
 
 
-def all_gather(x, group: Optional[ProcessGroup] = None, async_op: bool = False):
+def all_gather(x, group: Optional[ProcessGroup] = None, async_op: bool = False, out=None):
     """Every rank's ``x``, stacked: result ``[i]`` is rank i's array.
 
+    Args:
+        out: where to write the result (contiguous, writable, shape
+            ``(size, *x.shape)``, ``x``'s dtype), so that a caller that
+            gathers every step reuses one buffer instead of a fresh one whose
+            first touch costs page faults (for 64 MiB, as much as the transfer
+            itself); None allocates one.
+
     Returns:
-        Array of shape ``(size, *x.shape)`` (or a ``Work`` returning it).
+        Array of shape ``(size, *x.shape)`` (or a ``Work`` returning it); ``out`` if given.
+
+    Raises:
+        ShapeError: ``out`` has the wrong shape or dtype.
     """
+    if not async_op:
+        route = _plain_route(x, group, writable=False)
+        if route is not None:
+            pg, engine, backend = route
+            shape = (pg.size,) + x.shape
+            use_engine = (engine is not None and settings.shm_min_bytes <= x.nbytes
+                          and x.nbytes * pg.size <= settings.shm_allgather_max_bytes)
+            if (use_engine or backend is not None) and (
+                    out is None or (type(out) is np.ndarray and out.shape == shape and out.dtype == x.dtype
+                                    and out.flags.c_contiguous and out.flags.writeable)):
+                result = np.empty(shape, dtype=x.dtype) if out is None else out
+                call = ((lambda: engine.all_gather(x, result)) if use_engine
+                        else (lambda: _finish(backend.all_gather(x, result, False))))
+                _plainly(pg, "all_gather", x, None, None, call)
+                return result
     pg = _member(group, "all_gather")
     check_array(x, "all_gather input")
-    out = array_module(x).empty((pg.size,) + tuple(x.shape), dtype=x.dtype)
+    shape = (pg.size,) + tuple(x.shape)
+    if out is None:
+        out = array_module(x).empty(shape, dtype=x.dtype)
+    else:
+        check_array(out, "all_gather out", writable=True)
+        if tuple(out.shape) != shape or out.dtype != x.dtype:
+            raise ShapeError(f"all_gather: out is {out.dtype} of shape {tuple(out.shape)}; the result is "
+                             f"{x.dtype} of shape {shape}")
     label = _start(pg, "all_gather", x)
+    node = shm_path.path(pg, x, "all_gather", reduction=False)
+    if node is not None:
+        return _run(pg, label, lambda nb: node.all_gather(x, out), async_op)
     backend = pg.backend
     return _run(pg, label, lambda nb: backend.all_gather(x, out, nb), async_op)
 

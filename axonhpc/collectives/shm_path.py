@@ -1,18 +1,29 @@
 """Which collectives go through the node's shared memory instead of MPI, and how.
 
 [Note: choosing the shared-memory path]
-All-reduce, reduce-scatter and broadcast of host arrays of at least
-``settings.shm_min_bytes`` take the shared-memory engine
-(``axonhpc._ext._shm``, set up by ``axonhpc.backends.shm``) when every rank
-of the group is on one node and ``settings.shm_collectives`` is "auto".
-Everything the choice depends on is the same on every rank of a correct
-program (the group, the message size and dtype, the operation, the settings),
-so all ranks choose alike; the first eligible call of a group is the
-collective that sets the window up. Across nodes, the hierarchical
-all-reduce uses it for its steps inside each node. All-gather stays with
-MPI: through the slots it would copy every byte in and out (3 copies of the
-result per rank), where MPI's shared memory delivers each rank's data once
-(measured: 56 ms against 30 ms for 64 MiB on 2 ranks).
+All-reduce, reduce-scatter, broadcast and all-gather of host arrays take the
+shared-memory engine (``axonhpc._ext._shm``, set up by
+``axonhpc.backends.shm``) when every rank of the group is on one node and
+``settings.shm_collectives`` is "auto", whatever their size (from
+``settings.shm_min_bytes``, 0 by default): measured on 2-4 ranks here, the
+engine beat the MPICH wheel's own shared memory from 64 bytes to 256 MiB
+(docs/performance.md has the tables). All-gather takes it only up to
+``settings.shm_allgather_max_bytes`` of result (256 KiB): above that MPI's
+single-copy transfer, which moves each rank's part once, is faster than the
+slots, which copy every byte in and out. Everything the choice depends on
+is the same on every rank of a correct program (the group, the message size
+and dtype, the operation, the settings), so all ranks choose alike. The
+window is set up when the group is made (``ProcessGroup.prepare_shared_memory``),
+so a timeout is never stuck behind its set-up; a group made while shared
+memory was off sets it up at its first eligible call. Whether a group is one
+node's comes from the world's node table, with no communication. Across
+nodes, the hierarchical all-reduce uses it for its steps inside each node.
+
+A plain blocking all-reduce (no debug, no timeline, native algorithm)
+skips the general path altogether: ``plain_route`` keeps on the group,
+per settings revision, the engine (or, off the node, the MPI backend) the
+call goes to, and ``core._all_reduce_plain`` makes the call with nothing
+else looked up: about 5 us over the engine's own time.
 
 The engine completes the operation before returning, so a call with
 ``async_op=True`` returns a finished ``Work``: DDP's overlapped buckets
@@ -22,7 +33,7 @@ network card to overlap with).
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Tuple
 
 import numpy as np
 
@@ -44,18 +55,13 @@ class _Path:
 
     def fuses(self, op: ReduceOp, x: Any) -> bool:
         """True if the kernels finish ``op`` themselves: every op but AVG, and AVG of float32/float64."""
-        if op is ReduceOp.AVG:
-            return np.dtype(x.dtype) in (np.dtype(np.float32), np.dtype(np.float64))
-        return np.dtype(x.dtype) in _KERNEL_DTYPES
+        return op.value in FUSED.get(np.dtype(x.dtype), ())
 
     def _call(self, method: str, *args: Any) -> None:
         try:
             getattr(self.engine, method)(*args)
         except CollectiveTimeoutError as exc:
-            missing = [self.pg.ranks[k] for k in getattr(exc, "missing", [])]
-            raise CollectiveTimeoutError(
-                f"{self.op_name} on group {self.pg.name} {list(self.pg.ranks)} timed out after "
-                f"{self.engine.timeout:g} s in the shared-memory path; missing ranks: {missing}") from exc
+            raise timed_out(exc, self.engine, self.pg, self.op_name) from exc
 
     def all_reduce(self, src: Any, dst: Any, op: ReduceOp) -> Work:
         """Reduce ``src`` into ``dst`` (the same array, or a copy target) over the node."""
@@ -69,6 +75,11 @@ class _Path:
         self._call("reduce_scatter", np.ascontiguousarray(src).reshape(-1), dst.reshape(-1), op.name)
         return _done(dst)
 
+    def all_gather(self, x: Any, out: Any) -> Work:
+        """Every rank's ``x`` into ``out`` (group size blocks, in rank order)."""
+        self._call("all_gather", x.reshape(-1).view(np.uint8), out.reshape(-1).view(np.uint8))
+        return _done(out)
+
     def broadcast(self, x: Any, src: int) -> Work:
         """Group rank ``src``'s ``x`` into ``x``."""
         self._call("broadcast", x.reshape(-1).view(np.uint8), src)
@@ -76,11 +87,62 @@ class _Path:
 
 
 class _InWindowPath(_Path):
-    """All-reduce of an array that ``shared_memory_array`` placed in the window: no copy in."""
+    """All-reduce or all-gather of an array that ``shared_memory_array`` placed in the window: no copy in."""
 
     def all_reduce(self, src: Any, dst: Any, op: ReduceOp) -> Work:
         self._call("all_reduce_in_window", dst.reshape(-1), op.name)
         return _done()
+
+    def all_gather(self, x: Any, out: Any) -> Work:
+        self._call("all_gather_in_window", x.reshape(-1).view(np.uint8), out.reshape(-1).view(np.uint8))
+        return _done(out)
+
+
+def timed_out(exc: Exception, engine: Any, pg: Any, op_name: str) -> CollectiveTimeoutError:
+    """The engine's timeout, told in the group's terms: its name, and the missing ranks' global numbers."""
+    missing = [pg.ranks[k] for k in getattr(exc, "missing", [])]
+    error = CollectiveTimeoutError(
+        f"{op_name} on group {pg.name} {list(pg.ranks)} timed out after {engine.timeout:g} s in the "
+        f"shared-memory path; missing ranks: {missing}")
+    error.missing = getattr(exc, "missing", [])  # group ranks, as the engine's
+    return error
+
+
+# dtype -> {op value -> the kernels' name} for the ops they finish alone (AVG only for floats).
+# Keyed by the op's value: an Enum's hash is a Python-level call, too slow for the hot path.
+FUSED = {dtype: {op.value: op.name for op in ReduceOp if op is not ReduceOp.AVG or dtype.kind == "f"}
+         for dtype in _KERNEL_DTYPES}
+
+
+def plain_route(pg: Any) -> Tuple[Optional[Any], Optional[Any]]:
+    """How a plain blocking call on ``pg`` runs: ``(engine, backend)`` (collective if the window is not made yet).
+
+    ``engine`` is the group's shared-memory engine when the group is one
+    node's and shared memory is on; ``backend`` is the group's backend, to
+    call directly for what the engine does not take, when the order of a
+    reduction may vary (not deterministic mode); both None: the general path. Neither is offered in debug mode (the call
+    is checked across ranks first), under a timeout (the general path
+    announces each call, so a timeout can say where the missing ranks are)
+    or when the settings' all-reduce algorithm is not native.
+    Decided once per change of the settings or of the group's
+    ``timeout``/``debug`` and kept on the group, so the hot path of
+    ``all_reduce`` reads one attribute. The caller has checked membership.
+    """
+    key = (settings.revision, pg.timeout, pg.debug)
+    cached = pg.shm_route
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    engine = backend = None
+    if (pg.size > 1 and not pg.debug_enabled() and settings.allreduce_algorithm == "native"
+            and pg.effective_timeout() is None):
+        if settings.shm_collectives != "off":
+            engine = engine_for(pg.backend, settings.shm_slot_bytes, settings.shm_slots, pg.on_one_node)
+        if engine is not None:
+            _set_timeout(engine, pg)
+        if not settings.deterministic:
+            backend = pg.backend
+    pg.shm_route = (key, (engine, backend))
+    return engine, backend
 
 
 def fixed_order(x: Any, op: ReduceOp) -> bool:
@@ -101,16 +163,16 @@ def path(pg: Any, x: Any, op_name: str, reduction: bool, any_size: bool = False)
         return None  # the common case of a small message, decided in a few attribute reads
     if is_cupy_array(x):
         return None
-    if op_name == "all_reduce" and np.dtype(x.dtype) in _KERNEL_DTYPES:
+    if op_name == "all_gather" or (op_name == "all_reduce" and np.dtype(x.dtype) in _KERNEL_DTYPES):
         in_window = engine_in_window(pg.backend, x)
         if in_window is not None:  # every rank's array is in the window (allocated collectively)
             _set_timeout(in_window, pg)
             return _InWindowPath(in_window, pg, op_name)
-    if small:
+    if small or (op_name == "all_gather" and x.nbytes * pg.size > settings.shm_allgather_max_bytes):
         return None
     if reduction and np.dtype(x.dtype) not in _KERNEL_DTYPES and not is_low_precision_float(x.dtype):
         return None  # 16-bit floats are reduced widened to float32, which the kernels take
-    engine = engine_for(pg.backend, settings.shm_slot_bytes, settings.shm_slots)
+    engine = engine_for(pg.backend, settings.shm_slot_bytes, settings.shm_slots, pg.on_one_node)
     if engine is None:
         return None
     _set_timeout(engine, pg)
@@ -140,7 +202,7 @@ def shared_memory_array(shape: Any, dtype: Any, group: Any = None) -> Any:
     dtype = np.dtype(dtype)
     count = int(np.prod(shape, dtype=np.int64))
     if settings.shm_collectives != "off" and pg.size > 1:
-        raw = allocate_array(pg.backend, count * dtype.itemsize)
+        raw = allocate_array(pg.backend, count * dtype.itemsize, pg.on_one_node)
         if raw is not None:
             array = raw.view(dtype).reshape(shape)
             array[...] = 0

@@ -25,11 +25,13 @@ from ..settings import settings
 from . import flight
 
 
-def _who(arrivals: Any, pg: Any) -> str:
-    missing = arrivals.missing()
+def _who(arrivals: Any, pg: Any, missing: Optional[list] = None) -> str:
+    """Who arrived and who did not (``missing``: known already), and where the missing ones are instead."""
+    if missing is None:
+        missing = arrivals.missing()
     arrived = [g for g in pg.ranks if g not in missing]
     text = f"arrived ranks: {arrived}; missing ranks: {missing}"
-    elsewhere = arrivals.elsewhere()
+    elsewhere = {g: where for g, where in arrivals.elsewhere().items() if g in missing}
     if elsewhere:
         text += "; in another collective: " + ", ".join(f"rank {g} at {where}" for g, where in sorted(elsewhere.items()))
     return text
@@ -66,4 +68,18 @@ def wait(work: Any, timeout: Optional[float], label: Any, arrivals: Any, pg: Any
     return work.wait()
 
 
-__all__ = ["wait"]
+def engine_timed_out(exc: Exception, timeout: float, label: Any, arrivals: Any, pg: Any) -> CollectiveTimeoutError:
+    """The error for a call the shared-memory engine gave up on, named like ``wait``'s.
+
+    The engine's counters say who never arrived (a notice can be late: a rank
+    waiting in the engine does not drive MPI's progress); the notices say
+    where those ranks are instead.
+    """
+    who = _who(arrivals, pg, [pg.ranks[k] for k in getattr(exc, "missing", [])])
+    arrivals.abandon()
+    flight.dump(f"timeout in {label}", pg.world.rank)
+    return CollectiveTimeoutError(f"{label} timed out after {timeout:g} s on rank {pg.world.rank} in the "
+                                  f"shared-memory path; {who}")
+
+
+__all__ = ["wait", "engine_timed_out"]

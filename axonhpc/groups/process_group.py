@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Optional, Sequence, Tuple
 
 from ..backends.base import Backend
+from ..backends.shm import engine_for
 from ..errors import NotAMemberError, RankError
 from ..settings import settings
 
@@ -36,6 +37,8 @@ class ProcessGroup:
         self.timeout: Optional[float] = None
         self.debug: Optional[bool] = None
         self.seq = 0  # collectives issued on this group by this rank
+        self.shm_route: Optional[tuple] = None  # collectives.shm_path.plain_route's cached choice
+        self._one_node: Optional[bool] = None
         if backend is not None:
             backend.global_ranks = self.ranks
 
@@ -81,6 +84,28 @@ class ProcessGroup:
                 f"{what}: global rank {self.world.rank} is not a member of process group {self.name} "
                 f"(ranks {list(self.ranks)}); only members may call it"
             )
+        return self
+
+    @property
+    def on_one_node(self) -> bool:
+        """True if every member runs on one node (from the world's node table: no communication)."""
+        if self._one_node is None:
+            nodes = self.world.node_of
+            self._one_node = len({nodes[r] for r in self.ranks}) <= 1
+        return self._one_node
+
+    def prepare_shared_memory(self) -> "ProcessGroup":
+        """Make the group's shared-memory window now, if its collectives will use one; returns self.
+
+        Called when the group is made (a collective already), so that no
+        later call waits in a set-up that a timeout cannot interrupt: a rank
+        that is late to its first all-reduce is then named by the timeout
+        instead of holding the others in ``MPI_Win_allocate_shared``. A group
+        made while ``shm_collectives`` is "off" makes it at its first call.
+        """
+        if (self._backend is not None and self.size > 1 and settings.shm_collectives != "off"
+                and self.on_one_node):
+            engine_for(self._backend, settings.shm_slot_bytes, settings.shm_slots, True)
         return self
 
     def effective_timeout(self) -> Optional[float]:

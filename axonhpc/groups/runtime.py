@@ -15,7 +15,15 @@ from .world import World
 
 _BACKENDS = ("auto", "mpi", "nccl", "local")
 _global_world: Optional[World] = None
-_thread = threading.local()  # run_local gives each thread its own world
+
+
+class _ThreadWorld(threading.local):
+    """run_local gives each thread its own world; None elsewhere (a class default: no exception per lookup)."""
+
+    world: Optional[World] = None
+
+
+_thread = _ThreadWorld()
 _previous_excepthook = None
 
 

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import warnings
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -22,6 +22,7 @@ class World:
         world_size: number of ranks.
         local_rank, local_size: rank and count of the ranks on this node.
         node_rank, num_nodes: index of this node and number of nodes.
+        node_of: every global rank's node index.
         default_group: the ProcessGroup of all ranks.
         launcher: what SLURM / Open MPI / PMI variables said about this process.
     """
@@ -36,6 +37,13 @@ class World:
         same_world = self.launcher.size == backend.size and self.launcher.rank == backend.rank
         local_key = self.launcher.local_rank if same_world else None
         self.local_rank, self.local_size, self.node_rank, self.num_nodes = backend.node_layout(local_key)
+        # Every rank's node, so that whether a group shares one node needs no communication later
+        # (a collective then could hang where a timeout should have spoken: a cut link, a dead host).
+        mine = np.array([self.node_rank], dtype=np.int64)
+        nodes = np.empty((self.world_size, 1), dtype=np.int64)
+        backend.all_gather(mine, nodes, async_op=False).wait()
+        self.node_of: Tuple[int, ...] = tuple(nodes[:, 0].tolist())
+        self.default_group.prepare_shared_memory()
         self._groups_made = 0
 
     # -- constructors -------------------------------------------------------------
@@ -100,7 +108,7 @@ class World:
             raise RankError(f"new_group ranks {ranks} repeat {sorted(set(dups))}")
         ranks = [int(r) for r in ranks]
         backend = self.backend.create_group(ranks)
-        return ProcessGroup(self, backend, ranks, name or f"group{ranks}")
+        return ProcessGroup(self, backend, ranks, name or f"group{ranks}").prepare_shared_memory()
 
     def split(self, color: Optional[int], key: int = 0) -> ProcessGroup:
         """Collective: like ``MPI_Comm_split`` of the world.
@@ -126,7 +134,8 @@ class World:
         mine = np.array([self.rank], dtype=np.int64)
         members = np.empty((backend.size, 1), dtype=np.int64)
         backend.all_gather(mine, members, async_op=False)
-        return ProcessGroup(self, backend, members[:, 0].tolist(), name or f"split(color={color}) of {parent.name}")
+        group = ProcessGroup(self, backend, members[:, 0].tolist(), name or f"split(color={color}) of {parent.name}")
+        return group.prepare_shared_memory()
 
     def node_group(self) -> ProcessGroup:
         """Collective: the group of the ranks on this node (in world-rank order)."""

@@ -26,6 +26,16 @@ Reducing packs the module Parameters' gradients into a padded flat vector
 group, then all-reduces (mean) the shard over the replicate group, if any;
 the result is added into the master shard's gradient.
 
+[Note: shards in shared memory]
+When the shard group is one node's (and ``shm_collectives`` is not "off"),
+the master shards that are gathered as they are (host arrays, no cast to
+another compute dtype) and add up to at least ``SHARED_SHARDS_MIN_BYTES``
+move into one shared-memory window when FSDP is built
+(``share_shards``; collective, once). Each all-gather then copies every
+rank's shard straight from where it lies into the gathered array: one copy
+per byte, no copy into the slots first (``collectives.shm_path``). The
+optimizer updates the shards in place, so they stay there.
+
 [Note: placement]
 Device (cupy) models may keep the master shards in host memory
 (``CPUOffload``): the shard is copied to the device for each gather, and the
@@ -41,7 +51,8 @@ import numpy as np
 from .._dtypes import array_module, is_cupy_array
 from ..backends import ReduceOp
 from ..bucketing import FlatLayout, pack, unflatten
-from ..collectives import all_gather, all_reduce, reduce_scatter
+from ..collectives import all_gather, all_reduce, reduce_scatter, shared_memory_array
+from ..collectives.shm_path import in_shared_memory
 from .comm_hooks import GradBucket, finished
 from ..nn import Parameter
 from .fsdp_config import CPUOffload
@@ -91,6 +102,37 @@ class Placement:
     def to_master(self, grad: Any) -> Any:
         """A reduced gradient shard moved to where the master lives."""
         return _to_host(grad) if self.host_master else grad
+
+
+# Shards smaller than this together stay private: their window would be held for the life of the
+# process (freeing it is collective) for all-gathers that take microseconds anyway.
+SHARED_SHARDS_MIN_BYTES = 1 << 20
+
+
+def share_shards(units: List["FlatUnit"], group: Any) -> bool:
+    """Move the units' master shards into one shared window of ``group`` (see the note); True if they moved.
+
+    Collective over the group: every rank has the same units with shards of
+    the same sizes, so every rank decides alike and the shards sit at the
+    same offsets of every rank's segment.
+    """
+    if group is None or group.size == 1:
+        return False
+    eligible = [u for u in units if u.xp is np and u.gathers_master]
+    sizes = [-(-int(u.shard.data.nbytes) // 64) * 64 for u in eligible]
+    if sum(sizes) < SHARED_SHARDS_MIN_BYTES:
+        return False
+    raw = shared_memory_array(sum(sizes), np.uint8, group)
+    if not in_shared_memory(raw, group):
+        return False
+    offset = 0
+    for unit, size in zip(eligible, sizes):
+        data = unit.shard.data
+        view = raw[offset:offset + data.nbytes].view(data.dtype)
+        view[...] = data
+        unit.shard.data = view
+        offset += size
+    return True
 
 
 class FlatUnit:
@@ -146,6 +188,12 @@ class FlatUnit:
             self._detach()
 
     # -- parameters ----------------------------------------------------------------------
+    @property
+    def gathers_master(self) -> bool:
+        """True if the all-gather sends the master shard itself (no cast, no device copy)."""
+        return (self.shard_world > 1 and self.compute_layout.dtype == self.layout.dtype
+                and not self.placement.host_master)
+
     @property
     def numel(self) -> int:
         """Elements of the unit's parameters (unpadded)."""

@@ -48,7 +48,7 @@ from ..bucketing import unflatten
 from ..collectives import all_gather, all_reduce, gather
 from ..errors import ConfigurationError
 from ..groups import resolve_group
-from .flat_param import FlatUnit, PendingReduction, Placement
+from .flat_param import FlatUnit, PendingReduction, Placement, share_shards
 from .fsdp_config import CPUOffload, MixedPrecision, ShardingStrategy
 from .fsdp_memory import CommCounter, FSDPMemoryStats, MemoryTracker
 from .fsdp_state import ROOT, full_to_sharded, prepare_sharded_load, sharded_state
@@ -191,6 +191,7 @@ class FullyShardedDataParallel:
             compute = mp.param_dtype or np.dtype(params[0][1].dtype)
             self._units.append(FlatUnit(name, unit_module, params, self.shard_group, self.replicate_group, compute,
                                         mp.reduce_dtype or compute, placement, self._tracker, self.comm))
+        share_shards(self._units, self.shard_group)
         self._root = self._units[-1] if self._units[-1].name == ROOT else None
         self._hooked = [u for u in self._units if u is not self._root]
         for unit in self._hooked:
