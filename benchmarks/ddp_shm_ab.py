@@ -35,29 +35,22 @@ def main(argv=None) -> int:
     from mpi4py import MPI
 
     import axonhpc as ax
+    from axonhpc.bench.ddp import make_mlp, parse_sizes
     from axonhpc.bench.timing import pin_blas_threads
     from axonhpc.bucketing import GradSyncStrategy
-    from axonhpc.nn import CrossEntropyLoss, Linear, ReLU, Sequential
+    from axonhpc.nn import CrossEntropyLoss
     from axonhpc.optim import SGD
 
     limiter = pin_blas_threads(1)  # noqa: F841 - keeps the limit in force
     world = ax.init()
     comm = MPI.COMM_WORLD
-    sizes = [int(s) for s in args.sizes.split(",")]
-
-    def mlp():
-        layers = []
-        for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
-            if i:
-                layers.append(ReLU())
-            layers.append(Linear(a, b, dtype=np.float32, seed=i))
-        return Sequential(*layers)
+    sizes = parse_sizes(args.sizes)
 
     def build(mode: str):
         ax.settings.shm_collectives = mode
-        return ax.DDP(mlp(), strategy=GradSyncStrategy.SYNCHRONOUS, bucket_size_mb=25)
+        return ax.DDP(make_mlp(sizes), strategy=GradSyncStrategy.SYNCHRONOUS, bucket_size_mb=25)
 
-    models = {"shared memory": build("auto"), "MPI": build("off"), "compute": mlp()}
+    models = {"shared memory": build("auto"), "MPI": build("off"), "compute": make_mlp(sizes)}
     modes = {"shared memory": "auto", "MPI": "off", "compute": "off"}
     opts = {name: SGD(m.parameters(), lr=0.01) for name, m in models.items()}
     loss_fn = CrossEntropyLoss()

@@ -72,6 +72,18 @@ def parameter_count(sizes: Sequence[int]) -> int:
     return sum(a * b + b for a, b in zip(sizes[:-1], sizes[1:]))
 
 
+def make_mlp(sizes: Sequence[int]):
+    """The benchmarks' float32 MLP with these widths (Linear, then ReLU between layers; fixed seeds)."""
+    from ..nn import Linear, ReLU, Sequential
+
+    layers = []
+    for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
+        if i:
+            layers.append(ReLU())
+        layers.append(Linear(a, b, dtype=np.float32, seed=i))
+    return Sequential(*layers)
+
+
 def _step_schedule(configs: Sequence[str], steps: int) -> List[tuple]:
     """(config, n_steps) chunks in rotating order, ``steps`` per config in all."""
     chunks, done, k = [], 0, 0
@@ -90,7 +102,7 @@ def _axon_worker(args) -> Optional[dict]:
 
     from ..bucketing import GradSyncStrategy
     from ..groups import init
-    from ..nn import CrossEntropyLoss, Linear, ReLU, Sequential
+    from ..nn import CrossEntropyLoss
     from ..optim import SGD
     from ..parallel import DDP
 
@@ -100,20 +112,12 @@ def _axon_worker(args) -> Optional[dict]:
     rank, n = comm.Get_rank(), comm.Get_size()
     sizes = parse_sizes(args.sizes)
 
-    def mlp():
-        layers = []
-        for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
-            if i:
-                layers.append(ReLU())
-            layers.append(Linear(a, b, dtype=np.float32, seed=i))
-        return Sequential(*layers)
-
     rng = np.random.default_rng(1234 + rank)
     x = rng.standard_normal((args.batch, sizes[0])).astype(np.float32)
     y = rng.integers(0, sizes[-1], args.batch)
-    models = {"compute": mlp(),
-              "overlapped": DDP(mlp(), strategy=GradSyncStrategy.OVERLAPPED),
-              "synchronous": DDP(mlp(), strategy=GradSyncStrategy.SYNCHRONOUS)}
+    models = {"compute": make_mlp(sizes),
+              "overlapped": DDP(make_mlp(sizes), strategy=GradSyncStrategy.OVERLAPPED),
+              "synchronous": DDP(make_mlp(sizes), strategy=GradSyncStrategy.SYNCHRONOUS)}
     opts = {name: SGD(m.parameters(), lr=0.01) for name, m in models.items()}
     loss_fn = CrossEntropyLoss()
     stats: Dict[str, List[dict]] = {"overlapped": [], "synchronous": []}

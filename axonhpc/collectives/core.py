@@ -244,6 +244,20 @@ def _all_reduce_plain(x: np.ndarray, op: ReduceOp, group: Optional[ProcessGroup]
     return True
 
 
+def _result_buffer(x: Any, out: Any, shape: tuple, op: str, what: str) -> Any:
+    """``out``, checked to hold a result of ``shape`` and ``x``'s dtype, or a new array for it.
+
+    Raises:
+        ShapeError: ``out`` has another shape or dtype (and the usual buffer errors of ``check_array``).
+    """
+    if out is None:
+        return array_module(x).empty(shape, dtype=x.dtype)
+    check_array(out, f"{op} out", writable=True)
+    if tuple(out.shape) != shape or out.dtype != x.dtype:
+        raise ShapeError(f"{op}: out is {out.dtype} of shape {tuple(out.shape)}; {what} is {x.dtype} of shape {shape}")
+    return out
+
+
 def _finish(work: Work) -> None:
     if type(work) is not CompletedWork:  # a blocking MPI call is complete on return
         work.wait()
@@ -320,14 +334,7 @@ def reduce_scatter(x, op=ReduceOp.SUM, group: Optional[ProcessGroup] = None, asy
             f"reduce_scatter: input shape {tuple(x.shape)} must have a first dimension divisible by the "
             f"group size {pg.size}" + ("" if x.ndim == 0 else f" ({x.shape[0]} % {pg.size} = {x.shape[0] % pg.size})")
         )
-    shape = (x.shape[0] // pg.size,) + tuple(x.shape[1:])
-    if out is None:
-        out = array_module(x).empty(shape, dtype=x.dtype)
-    else:
-        check_array(out, "reduce_scatter out", writable=True)
-        if tuple(out.shape) != shape or out.dtype != x.dtype:
-            raise ShapeError(f"reduce_scatter: out is {out.dtype} of shape {tuple(out.shape)}; this rank's part is "
-                             f"{x.dtype} of shape {shape}")
+    out = _result_buffer(x, out, (x.shape[0] // pg.size,) + tuple(x.shape[1:]), "reduce_scatter", "this rank's part")
     label = _start(pg, "reduce_scatter", x, op)
     backend = pg.backend
     fixed = shm_path.fixed_order(x, op)
@@ -414,14 +421,7 @@ def all_gather(x, group: Optional[ProcessGroup] = None, async_op: bool = False, 
                 return result
     pg = _member(group, "all_gather")
     check_array(x, "all_gather input")
-    shape = (pg.size,) + tuple(x.shape)
-    if out is None:
-        out = array_module(x).empty(shape, dtype=x.dtype)
-    else:
-        check_array(out, "all_gather out", writable=True)
-        if tuple(out.shape) != shape or out.dtype != x.dtype:
-            raise ShapeError(f"all_gather: out is {out.dtype} of shape {tuple(out.shape)}; the result is "
-                             f"{x.dtype} of shape {shape}")
+    out = _result_buffer(x, out, (pg.size,) + tuple(x.shape), "all_gather", "the result")
     label = _start(pg, "all_gather", x)
     node = shm_path.path(pg, x, "all_gather", reduction=False)
     if node is not None:
