@@ -66,8 +66,11 @@ def train_ddp(world, dtype, kind, steps=STEPS, accumulate=1, comm_hook=None, **d
     return ddp
 
 
-def train_step(ddp, opt, loss_fn, r, n, step, accumulate=1, dtype=np.float64):
-    """One optimizer step on rank r's shard of ``accumulate`` global batches (no_sync before the last)."""
+def train_step(ddp, opt, loss_fn, r, n, step, accumulate=1, dtype=np.float64, before_step=None):
+    """One optimizer step on rank r's shard of ``accumulate`` global batches (no_sync before the last).
+
+    ``before_step()``, if given, runs after the last backward and before the optimizer step (clipping).
+    """
     opt.zero_grad()
     for micro in range(accumulate):
         x, y = make_data(step * accumulate + micro, dtype)
@@ -77,6 +80,8 @@ def train_step(ddp, opt, loss_fn, r, n, step, accumulate=1, dtype=np.float64):
                 ddp.backward(loss_fn.backward())
         else:
             ddp.backward(loss_fn.backward())
+    if before_step is not None:
+        before_step()
     opt.step()
 
 

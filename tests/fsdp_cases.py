@@ -10,7 +10,8 @@ import pytest
 import axonhpc as ax
 from axonhpc import nn, optim
 from axonhpc._dtypes import bfloat16_dtype
-from ddp_cases import STEPS, TOL, make_data, make_model, make_optimizer, shard, train_ddp, train_reference
+from ddp_cases import (STEPS, TOL, make_data, make_model, make_optimizer, shard, train_ddp, train_reference,
+                       train_step)
 
 STRATEGIES = ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard")
 
@@ -33,19 +34,9 @@ def train_fsdp(world, dtype, kind, strategy="full_shard", steps=STEPS, accumulat
     opt = make_optimizer(kind, fsdp.parameters())
     loss_fn = nn.CrossEntropyLoss()
     norms = []
+    clip_step = None if clip is None else (lambda: norms.append(fsdp.clip_grad_norm(clip)))
     for step in range(steps):
-        opt.zero_grad()
-        for micro in range(accumulate):
-            x, y = make_data(step * accumulate + micro, dtype)
-            loss_fn(fsdp(shard(x, r, n)), shard(y, r, n))
-            if micro < accumulate - 1:
-                with fsdp.no_sync():
-                    fsdp.backward(loss_fn.backward())
-            else:
-                fsdp.backward(loss_fn.backward())
-        if clip is not None:
-            norms.append(fsdp.clip_grad_norm(clip))
-        opt.step()
+        train_step(fsdp, opt, loss_fn, r, n, step, accumulate, dtype, before_step=clip_step)
     return fsdp, opt, norms
 
 

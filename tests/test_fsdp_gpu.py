@@ -2,24 +2,17 @@
 
 No GPU is lent to this project, so these tests have never run here; they skip.
 """
+import importlib
+
 import numpy as np
 import pytest
 
 import axonhpc as ax
 from axonhpc import nn, optim
+from axonhpc.backends.devices import device_facts
 
-
-def _cupy_with_device():
-    try:
-        import cupy
-        if cupy.cuda.runtime.getDeviceCount() < 1:
-            return None
-    except Exception:  # noqa: BLE001 - no cupy, no driver, no device: all mean "skip"
-        return None
-    return cupy
-
-
-cupy = _cupy_with_device()
+# cupy itself when a CUDA device is usable here (the library's own probe), else None: skip.
+cupy = importlib.import_module("cupy") if device_facts().devices > 0 else None
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(cupy is None, reason="needs cupy and a CUDA device")]
 
 

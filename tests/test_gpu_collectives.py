@@ -10,26 +10,18 @@ they skip. On a GPU node (one GPU per rank):
 run too; see docs/gpu.md for SLURM.) Multi-rank assertions are collective
 (``mpi_assert.collectively``), so a failure on one rank fails every rank.
 """
+import importlib
+
 import numpy as np
 import pytest
 
 import axonhpc as ax
 from axonhpc import nn, optim
+from axonhpc.backends.devices import device_facts
 from mpi_assert import collectively
 
-
-def _cupy_with_device():
-    try:
-        import cupy
-
-        if cupy.cuda.runtime.getDeviceCount() < 1:
-            return None
-    except Exception:  # noqa: BLE001 - no cupy, no driver, no device: all mean "skip"
-        return None
-    return cupy
-
-
-cupy = _cupy_with_device()
+# cupy itself when a CUDA device is usable here (the library's own probe), else None: skip.
+cupy = importlib.import_module("cupy") if device_facts().devices > 0 else None
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(cupy is None, reason="needs cupy and a CUDA device")]
 
 S = ax.ReduceOp.SUM
