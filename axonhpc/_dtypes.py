@@ -78,6 +78,11 @@ def array_module(x: Any):
     return np
 
 
+def to_host(x: Any) -> Any:
+    """``x`` in host memory: a numpy copy of a cupy array (``.get()``), anything else as it is."""
+    return x.get() if is_cupy_array(x) else x
+
+
 def _describe(x: Any) -> str:
     return f"{type(x).__module__}.{type(x).__name__} of shape {getattr(x, 'shape', '?')}"
 
@@ -109,7 +114,8 @@ def check_array(x: Any, what: str, *, writable: bool = False) -> None:
             f"{what} ({_describe(x)}, strides {x.strides}) is not C-contiguous; "
             "pass numpy.ascontiguousarray(x) and copy the result back"
         )
-    if writable and not flags.writeable:
+    # cupy arrays have no read-only state (their flags have no ``writeable``).
+    if writable and isinstance(x, np.ndarray) and not flags.writeable:
         raise ReadOnlyBufferError(f"{what} ({_describe(x)}) is read-only but the operation writes into it")
 
 
@@ -120,5 +126,6 @@ __all__ = [
     "is_integer",
     "is_cupy_array",
     "array_module",
+    "to_host",
     "check_array",
 ]

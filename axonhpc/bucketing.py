@@ -34,12 +34,15 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from ._dtypes import check_array
+from .errors import UnsupportedDtypeError
 # Imported as modules of the package: the import-linter (grimp) reads only .py
 # files, and names imported from a compiled module it cannot see are charged
 # to the top-level package, which breaks the layers contract.
 from ._ext import _bucket, _pack, _shard
 from .backends import ReduceOp
 from .collectives import all_reduce
+from .flatbuf import FlatOps, flat_ops_for
 from .groups import resolve_group
 
 GradientBucket = _bucket.GradientBucket
@@ -192,6 +195,7 @@ class GradientSynchronizer:
         self.group = group
         self.last_layout: Tuple[Tuple[np.dtype, Tuple[int, ...]], ...] = ()
         self._buffers: Dict[Tuple[np.dtype, int], np.ndarray] = {}
+        self._ops: Optional[FlatOps] = None  # host or device, fixed by the first gradients seen
         self._plans: Dict[bytes, List[Tuple[np.dtype, Tuple[int, ...], int]]] = {}
         self._reset_step()
 
@@ -215,14 +219,14 @@ class GradientSynchronizer:
         self._ordinal[dtype] = ordinal + 1
         buffer = self._buffers.get((dtype, ordinal))
         if buffer is None or buffer.size < numel:
-            buffer = np.empty(max(numel, _bucket_capacity(self.bucket_size, dtype)), dtype=dtype)
+            buffer = self._ops.empty(max(numel, _bucket_capacity(self.bucket_size, dtype)), dtype)
             self._buffers[(dtype, ordinal)] = buffer
-        flat = pack(grads, out=buffer[:numel])
+        flat = self._ops.pack(grads, out=buffer[:numel])
         if self.strategy is GradSyncStrategy.OVERLAPPED:
             self._pending.append((all_reduce(flat, ReduceOp.AVG, self.group, async_op=True), flat, grads))
         else:
             all_reduce(flat, ReduceOp.AVG, self.group)
-            unpack(flat, grads)
+            self._ops.unpack(flat, grads)
 
     def _launch_items(self, dtype: np.dtype, items: List[Tuple[int, np.ndarray]]) -> None:
         grads = [grad for _, grad in items]
@@ -236,7 +240,7 @@ class GradientSynchronizer:
                 timeout = resolve_group(self.group).effective_timeout()
             for work, flat, grads in self._pending:
                 work.wait(timeout)
-                unpack(flat, grads)
+                self._ops.unpack(flat, grads)
             self.last_layout = tuple(self._layout)
         finally:
             self._reset_step()
@@ -261,7 +265,8 @@ class GradientSynchronizer:
         if self.strategy is GradSyncStrategy.NO_SYNC:
             return
         what = f"GradientSynchronizer.push: gradient {self._pushed}"
-        dtype = _pack.checked_dtype(grad, what, writable=True)
+        ops = self._memory([grad], what)
+        dtype = _pack.checked_dtype(grad, what, writable=True) if ops.name == "host" else self._device_dtype(grad, what)
         for bucket_dtype, items in self._assigner.add((self._pushed, grad), grad.size, dtype):
             self._launch_items(bucket_dtype, items)
         self._pushed += 1
@@ -288,9 +293,28 @@ class GradientSynchronizer:
             raise
         self._complete(timeout)
 
+    def _memory(self, grads: List[Any], what: str) -> FlatOps:
+        """The flat-buffer operations for ``grads``: chosen by the first gradients, then held to."""
+        ops = flat_ops_for(grads, what=what)
+        if self._ops is None:
+            self._ops = ops
+        elif ops is not self._ops and ops.name != self._ops.name:
+            raise UnsupportedDtypeError(f"{what}: gradients in {ops.name} memory, but this synchronizer's buckets "
+                                        f"are in {self._ops.name} memory (one synchronizer per kind of memory)")
+        return self._ops
+
+    @staticmethod
+    def _device_dtype(grad: Any, what: str) -> np.dtype:
+        check_array(grad, what, writable=True)
+        return grad.dtype
+
     def _plan(self, grads: List[np.ndarray]) -> List[Tuple[np.dtype, Tuple[int, ...], int]]:
         """The layout of ``grads`` with each bucket's element count, cached by sizes and dtypes."""
-        key = _pack.layout_key(grads, "GradientSynchronizer.synchronize: grads", writable=True)
+        what = "GradientSynchronizer.synchronize: grads"
+        if self._ops.name == "host":
+            key = _pack.layout_key(grads, what, writable=True)
+        else:
+            key = repr([(self._device_dtype(g, f"{what}[{i}]").str, g.size) for i, g in enumerate(grads)]).encode()
         plan = self._plans.get(key)
         if plan is None:
             sizes = [grad.size for grad in grads]
@@ -325,6 +349,9 @@ class GradientSynchronizer:
             raise RuntimeError(f"synchronize called while {self._pushed} pushed gradients are not finished; "
                                "call finish() first")
         grads = grads if type(grads) is list else list(grads)
+        if not grads:
+            return
+        self._memory(grads, "GradientSynchronizer.synchronize: grads")
         plan = self._plan(grads)
         try:
             for dtype, indices, numel in plan:

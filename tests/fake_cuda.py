@@ -1,14 +1,15 @@
-"""Thread-level stand-ins for cupy and ``cupy.cuda.nccl``: numpy arrays play device arrays.
+"""Thread-level stand-ins for cupy and ``cupy.cuda.nccl``: strict wrappers of host memory play device arrays.
 
 They check what axonhpc's device code asks of cupy and NCCL (pointers, counts,
 datatype and op codes, groups, call order) with real data movement between
 ranks that are threads of one process. They do not check NCCL, CUDA streams or
 cupy: nothing here runs on a GPU.
 
-- ``DeviceArray``: a numpy array with cupy's ``.data.ptr``; installed as
-  ``cupy.ndarray`` so the library takes it for a device array.
-- ``FakeCupy``: the module (numpy functions whose array results become
-  DeviceArrays, plus ``cuda.Stream``/``Event``/``get_current_stream``).
+- ``DeviceArray``: the strict stand-in of ``strict_cupy`` (not a numpy
+  subclass; it refuses what cupy refuses), installed as ``cupy.ndarray`` so
+  the library takes it for a device array.
+- ``FakeCupy``: the strict ``cupy`` module plus ``cuda.Stream``/``Event``/
+  ``get_current_stream``/``runtime``.
 - ``FakeNccl``: the module, with ``NcclCommunicator`` ranks that meet in a hub
   keyed by the unique id, and a log of every call.
 - ``run_device_world(fn, n)``: ``fn(world)`` on n threads, each world on a
@@ -24,30 +25,9 @@ from collections import defaultdict, deque
 import numpy as np
 
 from axonhpc.backends.nccl import NCCL_DATATYPES, NCCL_OPS
+from strict_cupy import DeviceArray, StrictCupy, device  # noqa: F401 - re-exported for the tests
 
 WAIT = 30.0  # seconds any fake wait may take before the test fails instead of hanging
-
-
-class DeviceArray(np.ndarray):
-    """A numpy array that quacks like a cupy array where axonhpc looks (``.data.ptr``, ``.get()``)."""
-
-    @property
-    def data(self):
-        return types.SimpleNamespace(ptr=self.ctypes.data)
-
-    def get(self, stream=None, out=None, blocking=True):
-        if out is None:
-            return np.array(self).view(np.ndarray)
-        out[...] = self
-        return out
-
-    def set(self, arr, stream=None):
-        self[...] = arr
-
-
-def device(a):
-    """A DeviceArray copy of ``a``."""
-    return np.array(a).view(DeviceArray)
 
 
 class _Stream:
@@ -95,31 +75,17 @@ def _current_stream():
     return stack[-1] if stack else _NULL_STREAM
 
 
-class FakeCupy(types.ModuleType):
-    """``cupy`` for the tests: numpy underneath."""
+class FakeCupy(StrictCupy):
+    """``cupy`` for the tests: the strict stand-in's arrays and functions, plus ``cuda``."""
 
     def __init__(self, devices=1):
-        super().__init__("cupy")
-        self.__version__ = "0.0-fake"
-        self.ndarray = DeviceArray
+        super().__init__()
         self.bound = []
-        runtime = types.SimpleNamespace(getDeviceCount=lambda: devices)
+        runtime = types.SimpleNamespace(getDeviceCount=lambda: devices, driverGetVersion=lambda: 13000,
+                                        runtimeGetVersion=lambda: 13000)
         self.cuda = types.SimpleNamespace(Stream=_Stream, Event=_Event, get_current_stream=_current_stream,
                                           runtime=runtime,
                                           Device=lambda i: types.SimpleNamespace(use=lambda: self.bound.append(i)))
-
-    def __getattr__(self, name):
-        fn = getattr(np, name)
-        if isinstance(fn, (type, np.ufunc)) or not callable(fn):
-            return fn
-
-        def wrapped(*args, **kwargs):
-            out = fn(*args, **kwargs)
-            if isinstance(out, np.ndarray) and not isinstance(out, DeviceArray):
-                return out.view(DeviceArray)
-            return out
-
-        return wrapped
 
 
 _DTYPES = {code: name for name, code in NCCL_DATATYPES.items()}

@@ -259,7 +259,7 @@ import axonhpc as ax
 from axonhpc.backends import staging
 if {numpy_staging}:  # numpy buffers in place of pinned ones (the fakes have no cupyx)
     staging._default = staging.Staging(staging.HostBuffers(lambda n: np.empty(n, dtype=np.uint8)),
-        staging.DeviceCopies(lambda d, h: h.__setitem__(Ellipsis, d), lambda h, d: d.__setitem__(Ellipsis, h),
+        staging.DeviceCopies(lambda d, h: d.get(out=h), lambda h, d: d.set(h),
                              lambda: None))
 world = ax.init()
 x = fake_cuda.device(np.arange(3.0))

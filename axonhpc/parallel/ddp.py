@@ -66,11 +66,12 @@ import numpy as np
 
 from .. import tracing
 from .._dtypes import array_module
-from ..bucketing import GradientBucket, GradSyncStrategy, pack, plan_buckets, unpack
+from ..bucketing import GradientBucket, GradSyncStrategy, plan_buckets
 from ..collectives import all_gather, all_reduce, shared_memory_array
 from ..collectives.shm_path import in_shared_memory
 from ..backends import ReduceOp
 from ..errors import AxonError, ConfigurationError
+from ..flatbuf import HOST, FlatOps, flat_ops_for
 from ..groups import resolve_group
 from .autotune import bucket_bytes
 from .comm_hooks import GradBucket, finished
@@ -108,13 +109,13 @@ class _JoinState:
 class _Bucket:
     """One flat bucket of gradients and the state of its current reduction."""
 
-    def __init__(self, index: int, params: List[Any], names: List[str], xp, flat: Any = None):
+    def __init__(self, index: int, params: List[Any], names: List[str], ops: FlatOps, flat: Any = None):
         self.index = index
         self.params = params
         self.names = names
         total = sum(p.size for p in params)
         dtype = np.dtype(params[0].dtype)
-        self.storage = GradientBucket(total, dtype=dtype) if xp is np and flat is None else None
+        self.storage = GradientBucket(total, dtype=dtype) if ops is HOST and flat is None else None
         if self.storage is not None:
             for p in params:
                 self.storage.add(np.zeros(p.shape, dtype=p.dtype))
@@ -122,12 +123,9 @@ class _Bucket:
             self.views = self.storage.views()
         else:
             # In the node's shared window (``flat`` given: its all-reduce reads the other ranks'
-            # buckets in place), or on the device (the compiled bucket is host-only): views by hand.
-            self.flat = flat if flat is not None else xp.zeros(total, dtype=dtype)
-            self.views, offset = [], 0
-            for p in params:
-                self.views.append(self.flat[offset:offset + p.size].reshape(p.shape))
-                offset += p.size
+            # buckets in place), or in device memory: views into one flat buffer either way.
+            self.flat = flat if flat is not None else ops.zeros(total, dtype)
+            self.views = ops.views(self.flat, [p.shape for p in params])
         self.pending = len(params)
         self.ready = [False] * len(params)
         self.work = None
@@ -178,6 +176,8 @@ class DistributedDataParallel:
         if not named:
             raise ConfigurationError(f"DDP needs a module with parameters; {type(module).__name__} has none")
         self.module = module
+        # Host or device buffers, chosen once; a model in both kinds of memory is refused here.
+        self._ops = flat_ops_for([p.data for _, p in named], [name for name, _ in named], "DDP")
         self.group = resolve_group(group)
         self.strategy = GradSyncStrategy.parse(strategy)
         self.broadcast_buffers = bool(broadcast_buffers)
@@ -208,10 +208,9 @@ class DistributedDataParallel:
         specs = [(self._params[i].size, self._params[i].dtype) for i in order]
         first = min(FIRST_BUCKET_BYTES, self.bucket_bytes)
         plan = plan_buckets(specs, self.bucket_bytes, first_bucket_size=first)
-        xp = array_module(self._params[0].data)
         groups = [[order[m] for m in members] for _, members in plan]
-        flats = self._shared_flats(groups) if xp is np else [None] * len(groups)
-        return [_Bucket(k, [self._params[i] for i in idx], [self._names[i] for i in idx], xp, flat)
+        flats = self._shared_flats(groups) if self._ops is HOST else [None] * len(groups)
+        return [_Bucket(k, [self._params[i] for i in idx], [self._names[i] for i in idx], self._ops, flat)
                 for k, (idx, flat) in enumerate(zip(groups, flats))]
 
     def _shared_flats(self, groups: List[List[int]]) -> List[Any]:
@@ -363,7 +362,7 @@ class DistributedDataParallel:
 
     def _launch(self, bucket: _Bucket, async_op: bool) -> None:
         if not self.gradient_as_bucket_view:
-            pack([p.grad for p in bucket.params], out=bucket.flat)
+            self._ops.pack([p.grad for p in bucket.params], out=bucket.flat)
         bucket.launched = True
         start = time.perf_counter()
         if self._comm_hook is not None:
@@ -407,7 +406,7 @@ class DistributedDataParallel:
         self._rescale()
         if not self.gradient_as_bucket_view:
             for bucket in self._buckets:
-                unpack(bucket.flat, [p.grad for p in bucket.params])
+                self._ops.unpack(bucket.flat, [p.grad for p in bucket.params])
         self.last_step = {"backward_s": backward_s, "final_wait_s": wait_s, "buckets": len(self._buckets),
                           "completed_before_wait": done_before_wait}
 
@@ -418,7 +417,7 @@ class DistributedDataParallel:
             self._launch(bucket, async_op=False)
         if not self.gradient_as_bucket_view:
             for bucket in self._buckets:
-                unpack(bucket.flat, [p.grad for p in bucket.params])
+                self._ops.unpack(bucket.flat, [p.grad for p in bucket.params])
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -556,7 +555,7 @@ class DistributedDataParallel:
         self._rescale()
         if not self.gradient_as_bucket_view:
             for bucket in self._buckets:
-                unpack(bucket.flat, [p.grad for p in bucket.params])
+                self._ops.unpack(bucket.flat, [p.grad for p in bucket.params])
         if self._join.optimizer is not None:
             self._join.optimizer.step()
 

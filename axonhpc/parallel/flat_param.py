@@ -48,9 +48,10 @@ from typing import Any, List, Optional, Tuple
 
 import numpy as np
 
-from .._dtypes import array_module, is_cupy_array
+from .._dtypes import to_host
 from ..backends import ReduceOp
-from ..bucketing import FlatLayout, pack, unflatten
+from ..bucketing import FlatLayout
+from ..flatbuf import HOST, FlatOps
 from ..collectives import all_gather, all_reduce, reduce_scatter, shared_memory_array
 from ..collectives.shm_path import in_shared_memory
 from .comm_hooks import GradBucket, finished
@@ -58,50 +59,32 @@ from ..nn import Parameter
 from .fsdp_config import CPUOffload
 
 
-def _to_host(array: Any) -> Any:
-    return array.get() if is_cupy_array(array) else array
-
-
-def _pack_padded(arrays: List[Any], out: Any, numel: int) -> Any:
-    """Copy ``arrays`` into ``out[:numel]`` (host: compiled nogil copy; device: cupy) and zero the rest."""
-    if is_cupy_array(out):
-        xp = array_module(out)
-        out[:numel] = xp.concatenate([a.reshape(-1) for a in arrays]) if arrays else 0
-    else:
-        pack(arrays, out=out[:numel])
-    out[numel:] = 0
-    return out
-
-
 class Placement:
     """Where master shards live (see the module note).
 
     Args:
         offload: the CPUOffload option.
-        device: True when the model's arrays are cupy arrays.
+        ops: the flat-buffer operations of the model's memory (host or device).
     """
 
-    def __init__(self, offload: CPUOffload, device: bool):
+    def __init__(self, offload: CPUOffload, ops: FlatOps):
         self.offload = offload
-        self.device = device
-        self.host_master = device and offload.any
+        self.ops = ops
+        self.device = ops is not HOST
+        self.host_master = self.device and offload.any
 
     def master(self, array: Any) -> Any:
         """The array the master shard keeps: a host copy when offloading a device model."""
-        return _to_host(array) if self.host_master else array
+        return to_host(array) if self.host_master else array
 
     def to_compute(self, shard: Any, dtype: np.dtype) -> Any:
         """The shard as the compute dtype on the compute device (cast on the host: half the copy)."""
         out = shard if shard.dtype == dtype else shard.astype(dtype)
-        if self.host_master:
-            import cupy
-
-            out = cupy.asarray(out)
-        return out
+        return self.ops.from_host(out) if self.host_master else out
 
     def to_master(self, grad: Any) -> Any:
         """A reduced gradient shard moved to where the master lives."""
-        return _to_host(grad) if self.host_master else grad
+        return to_host(grad) if self.host_master else grad
 
 
 # Shards smaller than this together stay private: their window would be held for the life of the
@@ -118,7 +101,7 @@ def share_shards(units: List["FlatUnit"], group: Any) -> bool:
     """
     if group is None or group.size == 1:
         return False
-    eligible = [u for u in units if u.xp is np and u.gathers_master]
+    eligible = [u for u in units if u.ops is HOST and u.gathers_master]
     sizes = [-(-int(u.shard.data.nbytes) // 64) * 64 for u in eligible]
     if sum(sizes) < SHARED_SHARDS_MIN_BYTES:
         return False
@@ -171,9 +154,10 @@ class FlatUnit:
         self.tracker = tracker
         self.counter = counter
         self.comm_hook: Optional[Tuple[Any, Any, int]] = None  # (state, hook, unit index): see comm_hooks
-        self.xp = array_module(self.params[0].data)
-        full = _pack_padded([p.data for p in self.params], self.xp.empty(self.layout.padded_numel, master_dtype),
-                            self.layout.numel)
+        self.ops = placement.ops
+        self.xp = self.ops.xp
+        full = self.ops.pack_padded([p.data for p in self.params], self.ops.empty(self.layout.padded_numel,
+                                                                                  master_dtype), self.layout.numel)
         self.shard = Parameter(placement.master(full[self.start:self.stop].copy()))
         # The module Parameters' own arrays are released here (views of the master when kept).
         self.full: Optional[Any] = None
@@ -210,7 +194,7 @@ class FlatUnit:
         return self._gather_work is not None
 
     def _attach(self, flat: Any) -> None:
-        for p, view in zip(self.params, unflatten(flat, self.compute_layout)):
+        for p, view in zip(self.params, self.ops.views(flat, self.compute_layout.shapes)):
             p.data = view
 
     def _detach(self) -> None:
@@ -302,7 +286,8 @@ class FlatUnit:
         grads = [g if g.dtype == self.compute_layout.dtype else g.astype(self.compute_layout.dtype) for g in grads]
         unsharded = sum(int(g.nbytes) for g in grads)
         self.tracker.allocate("unsharded_grads", unsharded)
-        flat = _pack_padded(grads, xp.empty(self.layout.padded_numel, self.compute_layout.dtype), self.numel)
+        flat = self.ops.pack_padded(grads, self.ops.empty(self.layout.padded_numel, self.compute_layout.dtype),
+                                    self.numel)
         if flat.dtype != self.reduce_dtype:
             flat = flat.astype(self.reduce_dtype)
         self.tracker.allocate("communication", flat.nbytes)

@@ -42,11 +42,12 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 import numpy as np
 
 from .. import tracing
-from .._dtypes import array_module, is_cupy_array, is_low_precision_float
+from .._dtypes import array_module, is_low_precision_float
 from ..backends import ReduceOp
 from ..bucketing import unflatten
 from ..collectives import all_gather, all_reduce, gather
 from ..errors import ConfigurationError
+from ..flatbuf import flat_ops_for
 from ..groups import resolve_group
 from .flat_param import FlatUnit, PendingReduction, Placement, share_shards
 from .fsdp_config import CPUOffload, MixedPrecision, ShardingStrategy
@@ -163,6 +164,9 @@ class FullyShardedDataParallel:
             if "forward" in m.__dict__ or "backward" in m.__dict__:
                 raise ConfigurationError(f"{type(m).__name__} is already wrapped (by another FSDP?)")
         plan = _assign_parameters(module, _select_units(module, units))
+        named = module.named_parameters()
+        # Host or device buffers, chosen once; a model in both kinds of memory is refused before any message.
+        ops = flat_ops_for([p.data for _, p in named], [n for n, _ in named], "FSDP")
         self.group = resolve_group(group).require_member("FSDP")
         if ranks_per_node is not None and self.group.size % ranks_per_node:
             raise ConfigurationError(f"ranks_per_node={ranks_per_node} does not divide the group size "
@@ -182,8 +186,7 @@ class FullyShardedDataParallel:
                         setattr(m, name, b.astype(mp.buffer_dtype))
         self.master_dtype = np.dtype(all_params[0].dtype)
         self.compute_dtype = mp.param_dtype
-        device = is_cupy_array(all_params[0].data)
-        placement = Placement(self.cpu_offload, device)
+        placement = Placement(self.cpu_offload, ops)
         self._tracker = MemoryTracker(self._persistent_bytes)
         self.comm = CommCounter()  # the collectives the units issue (see fsdp_memory)
         self._units: List[FlatUnit] = []

@@ -74,8 +74,9 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from .._dtypes import array_module, check_array
-from ..bucketing import FlatLayout, unpack
+from .._dtypes import check_array
+from ..bucketing import FlatLayout
+from ..flatbuf import FlatOps, flat_ops_for
 from ..collectives import irecv, isend, recv, send
 from ..errors import AxonError, CollectiveTimeoutError, ConfigurationError, ShapeError
 from ..groups import resolve_group
@@ -146,22 +147,21 @@ def _encode(text: str) -> np.ndarray:
 class _DtypeSlices:
     """One dtype's parameters as a flat vector padded to a multiple of S, and each server's slice of it."""
 
-    def __init__(self, params: List[Any], num_servers: int) -> None:
+    def __init__(self, params: List[Any], num_servers: int, ops: FlatOps) -> None:
         self.params = params
+        self.ops = ops
         self.layout = FlatLayout([p.data.shape for p in params], params[0].data.dtype, num_servers)
         self.bounds = [self.layout.shard_bounds(s)[:2] for s in range(num_servers)]
         self.length = self.bounds[0][1] - self.bounds[0][0]
-        self.xp = array_module(params[0].data)
+        self.xp = ops.xp
 
     def empty_flat(self) -> Any:
         """A zeroed padded flat vector of this dtype."""
-        return self.xp.zeros(self.layout.padded_numel, dtype=self.layout.dtype)
+        return self.ops.zeros(self.layout.padded_numel, self.layout.dtype)
 
     def gather_values(self, out: Any) -> None:
         """The parameters' values into ``out`` (padded flat)."""
-        for p, offset, size in zip(self.params, self.layout.offsets, self.layout.sizes):
-            out[offset:offset + size] = p.data.reshape(-1)
-        out[self.layout.numel:] = 0
+        self.ops.pack_padded([p.data for p in self.params], out, self.layout.numel)
 
     def gather_grads(self, out: Any) -> None:
         """The parameters' gradients (None as zeros) into ``out`` (padded flat)."""
@@ -174,11 +174,7 @@ class _DtypeSlices:
 
     def scatter_values(self, flat: Any) -> None:
         """``flat``'s first ``numel`` elements into the parameters' ``data``, in place."""
-        if self.xp is np:
-            unpack(flat[:self.layout.numel], [p.data for p in self.params])
-            return
-        for p, offset, size in zip(self.params, self.layout.offsets, self.layout.sizes):  # device arrays
-            p.data[...] = flat[offset:offset + size].reshape(p.data.shape)
+        self.ops.unpack(flat[:self.layout.numel], [p.data for p in self.params])
 
 
 class ParameterServer:
@@ -275,10 +271,11 @@ class ParameterServer:
         num_servers = int(num_servers)
         for name, p in named:
             check_array(p.data, f"{_NAME}: parameter {name!r}", writable=True)
+        ops = flat_ops_for([p.data for _, p in named], [n for n, _ in named], _NAME)
         by_dtype: Dict[Any, List[Any]] = {}
         for _, p in named:
             by_dtype.setdefault(p.data.dtype, []).append(p)
-        slices = [_DtypeSlices(params, num_servers) for params in by_dtype.values()]
+        slices = [_DtypeSlices(params, num_servers, ops) for params in by_dtype.values()]
         num_workers = size - num_servers
         rank = group.rank
         server_index = rank - num_workers if rank >= num_workers else None

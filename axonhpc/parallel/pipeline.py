@@ -42,7 +42,9 @@ stay within 32767, the bound MPI guarantees (``MPI_TAG_UB``), which limits
 [Note: shapes]
 Receivers do not know the shapes of activations in advance (only rank 0 sees
 the batch). Once per step and stage boundary, with micro-batch 0's activation,
-the sender sends a small int64 header (dtype index, ndim, dimensions); all
+the sender sends a small int64 header (dtype index, ndim, whether it is a
+device array, dimensions), so the receiver allocates it in the same kind of
+memory (a cupy array for a device activation); all
 micro-batches of a step have the same shape, so the other M - 1 activations
 need none. Headers are not cached across steps, so the batch size may change
 from step to step. Gradients need no header at all: the gradient for the
@@ -68,13 +70,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import importlib
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
 from .. import tracing
-from .._dtypes import array_module, supported_dtypes
+from .._dtypes import array_module, is_cupy_array, supported_dtypes
 from ..backends import ReduceOp
 from ..bucketing import GradientSynchronizer
 from ..collectives import all_reduce, isend, recv
@@ -85,6 +88,7 @@ from .schedules import FORWARD, Action, PipelineSchedule, format_schedule_table,
 
 MAX_TAG = 32767  # the smallest MPI_TAG_UB the MPI standard allows
 _MAX_DIMS = 16
+_HEADER = 3 + _MAX_DIMS  # dtype index, ndim, on a device (0/1), dimensions
 # Message kinds, the last component of a tag.
 _ACT, _GRAD, _HDR, _EVAL_ACT, _EVAL_HDR = range(5)
 _NUM_KINDS = 5
@@ -449,9 +453,9 @@ class Pipeline:
             if out.dtype not in dtypes or out.ndim > _MAX_DIMS:
                 raise ShapeError(f"Pipeline: stage {stage} produced a {out.dtype} array of {out.ndim} "
                                  f"dimensions; messages carry at most {_MAX_DIMS} dimensions of {dtypes}")
-            header = np.zeros(2 + _MAX_DIMS, dtype=np.int64)
-            header[0], header[1] = dtypes.index(out.dtype), out.ndim
-            header[2:2 + out.ndim] = out.shape
+            header = np.zeros(_HEADER, dtype=np.int64)
+            header[0], header[1], header[2] = dtypes.index(out.dtype), out.ndim, int(is_cupy_array(out))
+            header[3:3 + out.ndim] = out.shape
             self._send(header, nxt, 0, header_kind, pending, local)
         self._send(out, nxt, microbatch, kind, pending, local)
 
@@ -462,12 +466,14 @@ class Pipeline:
             return local.pop((stage, microbatch, kind))
         if stage not in shapes:
             # The header always travels with micro-batch 0, whichever micro-batch comes first here.
-            header = np.empty(2 + _MAX_DIMS, dtype=np.int64)
+            header = np.empty(_HEADER, dtype=np.int64)
             recv(header, src, tag=self._tag(0, stage, header_kind), group=self.group)
             ndim = int(header[1])
-            shapes[stage] = (supported_dtypes()[int(header[0])], tuple(int(d) for d in header[2:2 + ndim]))
-        dtype, shape = shapes[stage]
-        buf = np.empty(shape, dtype=dtype)
+            # activations arrive where the sender computed them: host memory or the device
+            xp = importlib.import_module("cupy") if header[2] else np
+            shapes[stage] = (supported_dtypes()[int(header[0])], tuple(int(d) for d in header[3:3 + ndim]), xp)
+        dtype, shape, xp = shapes[stage]
+        buf = xp.empty(shape, dtype=dtype)
         return recv(buf, src, tag=self._tag(microbatch, stage, kind), group=self.group)
 
     def _receive_gradient(self, stage: int, microbatch: int, out_meta: Tuple[Any, Any, Any], local: dict) -> Any:

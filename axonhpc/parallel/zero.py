@@ -38,8 +38,9 @@ from typing import Any, Dict, Iterable, List, Tuple
 
 import numpy as np
 
-from .._dtypes import array_module, check_array
-from ..bucketing import FlatLayout, unflatten, unpack
+from .._dtypes import check_array
+from ..bucketing import FlatLayout
+from ..flatbuf import FlatOps, flat_ops_for
 from ..collectives import all_gather
 from ..errors import ConfigurationError, ShapeError, StateDictError
 from ..groups import resolve_group
@@ -52,12 +53,12 @@ _NAME = "ZeroRedundancyOptimizer"
 class _DtypeShard:
     """One dtype's parameters as a padded flat vector, and this rank's slice of it."""
 
-    def __init__(self, params: List[Any], rank: int, world_size: int) -> None:
+    def __init__(self, params: List[Any], rank: int, world_size: int, ops: FlatOps) -> None:
         self.params = params
+        self.ops = ops
         data = [p.data for p in params]
         self.layout = FlatLayout([d.shape for d in data], data[0].dtype, world_size)
         self.start, self.stop, self.pad = self.layout.shard_bounds(rank)
-        self.xp = array_module(data[0])
         # (param, first, last) in the parameter's flat index and where that
         # lands in the shard: only parameters that overlap [start, stop).
         self.pieces: List[Tuple[Any, int, int, int, int]] = []
@@ -66,8 +67,8 @@ class _DtypeShard:
             if lo < hi:
                 self.pieces.append((p, lo - offset, hi - offset, lo - self.start, hi - self.start))
         length = self.stop - self.start
-        self.param = Parameter(self.xp.zeros(length, dtype=self.layout.dtype))
-        self.param.grad = self.xp.zeros(length, dtype=self.layout.dtype)
+        self.param = Parameter(ops.zeros(length, self.layout.dtype))
+        self.param.grad = ops.zeros(length, self.layout.dtype)
         self.copy_values()
 
     def copy_values(self) -> None:
@@ -94,11 +95,7 @@ class _DtypeShard:
             flat = self.param.data[:numel]
         else:
             flat = all_gather(self.param.data, group).reshape(-1)[:numel]
-        if self.xp is np:
-            unpack(flat, [p.data for p in self.params])
-        else:  # the compiled unpack is host-only
-            for p, view in zip(self.params, unflatten(flat, self.layout)):
-                p.data[...] = view
+        self.ops.unpack(flat, [p.data for p in self.params])
 
     def describe(self) -> Dict[str, Any]:
         """This rank's index range of the dtype's flat vector, as plain data."""
@@ -116,7 +113,6 @@ def _check_params(params: Iterable[Any]) -> List[Any]:
     if not params:
         raise ConfigurationError(f"{_NAME} got an empty parameter list")
     seen: Dict[int, int] = {}
-    modules = {}
     for i, p in enumerate(params):
         if not (hasattr(p, "data") and hasattr(p, "grad")):
             raise ConfigurationError(f"{_NAME}: params[{i}] is a {type(p).__name__}, not a Parameter")
@@ -125,11 +121,6 @@ def _check_params(params: Iterable[Any]) -> List[Any]:
                                      f"(shape {tuple(p.data.shape)}, dtype {p.data.dtype}); give each once")
         seen[id(p)] = i
         check_array(p.data, f"{_NAME}: params[{i}].data", writable=True)
-        xp = array_module(p.data)
-        first = modules.setdefault(p.data.dtype, (xp, i))
-        if first[0] is not xp:
-            raise ConfigurationError(f"{_NAME}: params[{i}] is a {xp.__name__} array but params[{first[1]}] of "
-                                     f"the same dtype {p.data.dtype} is a {first[0].__name__} array")
     return params
 
 
@@ -194,11 +185,12 @@ class ZeroRedundancyOptimizer:
             raise ConfigurationError(f"{_NAME}: optimizer_class must be a subclass of axonhpc.optim.Optimizer "
                                      f"(e.g. optim.Adam), got {optimizer_class!r}")
         params = _check_params(params)
+        ops = flat_ops_for([p.data for p in params], what=_NAME)  # one kind of memory, or a clear refusal
         group = resolve_group(group).require_member(_NAME)
         by_dtype: Dict[np.dtype, List[Any]] = {}
         for p in params:
             by_dtype.setdefault(p.data.dtype, []).append(p)
-        shards = [_DtypeShard(members, group.rank, group.size) for members in by_dtype.values()]
+        shards = [_DtypeShard(members, group.rank, group.size, ops) for members in by_dtype.values()]
         self.optimizer: Optimizer = optimizer_class([s.param for s in shards], **optimizer_args)
         self.params: List[Any] = params
         self.group = group

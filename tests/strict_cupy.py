@@ -1,0 +1,436 @@
+"""A strict stand-in for cupy's arrays: NOT a numpy subclass, and it refuses what cupy refuses.
+
+The device path broke on its first real GPU run because the CPU tests played
+device arrays with numpy subclasses, which accept every numpy-only call. The
+``DeviceArray`` here holds a numpy array privately and behaves like
+``cupy.ndarray`` where cupy differs from numpy:
+
+- implicit conversion to numpy raises ``TypeError`` (``np.asarray(x)``,
+  ``np.array(x)``, the buffer protocol, so the compiled buffers and mpi4py's
+  host path refuse it too); ``.get()`` is the explicit way;
+- numpy arrays never mix with it: ufuncs and array functions given a numpy
+  array (``x + host``, ``np.add(x, host)``, ``x[...] = host``,
+  ``cupy.concatenate([x, host])``) raise ``TypeError``; so do Python lists
+  where cupy wants arrays (``cupy.sin([1, 2])``);
+- ``flags`` has ``c_contiguous``, ``f_contiguous`` and ``owndata`` and no
+  ``writeable``; there is no ``.ctypes``, ``setflags`` or ``tobytes``;
+- reductions return 0-d device arrays, not numpy scalars;
+- ``.data.ptr``, ``__cuda_array_interface__`` and ``cupy.get_array_module``
+  are there, as in cupy.
+
+Device memory is host memory underneath (nothing here runs on a GPU), so
+``.data.ptr`` can be read by the thread-level NCCL fake. Only the methods and
+module functions cupy has are offered; anything else raises ``AttributeError``.
+"""
+from __future__ import annotations
+
+import builtins
+import importlib.machinery
+import types
+from typing import Any
+
+import numpy as np
+
+IMPLICIT = ("Implicit conversion to a NumPy array is not allowed. "
+            "Please use `.get()` to construct a NumPy array explicitly.")
+
+
+def _refuse_host(value: Any, where: str) -> None:
+    if isinstance(value, np.ndarray) and value.ndim > 0:
+        raise TypeError(f"{where}: unsupported type {type(value)} (a numpy array given where cupy wants a "
+                        "cupy array; move it with cupy.asarray)")
+    if isinstance(value, list):
+        raise TypeError(f"{where}: unsupported type {type(value)} (cupy does not convert lists implicitly)")
+
+
+def _unwrap(value: Any, where: str) -> Any:
+    """The numpy array behind a DeviceArray, recursively in tuples; host arrays refused."""
+    if type(value) is DeviceArray:
+        return value._a
+    if isinstance(value, tuple):
+        return tuple(_unwrap(v, where) for v in value)
+    _refuse_host(value, where)
+    return value
+
+
+def _unwrap_seq(value: Any, where: str) -> Any:
+    """Like ``_unwrap`` for sequence arguments (``concatenate([a, b])``): lists of device arrays pass."""
+    if isinstance(value, (list, tuple)):
+        return type(value)(_unwrap_seq(v, where) for v in value)
+    return _unwrap(value, where)
+
+
+def _wrap(value: Any) -> Any:
+    """numpy results as device results: arrays and numpy scalars become DeviceArrays (cupy gives 0-d arrays)."""
+    if isinstance(value, np.ndarray):
+        return DeviceArray(value)
+    if isinstance(value, np.generic):
+        return DeviceArray(np.asarray(value))
+    if isinstance(value, tuple):
+        return tuple(_wrap(v) for v in value)
+    if isinstance(value, list):
+        return [_wrap(v) for v in value]
+    return value
+
+
+class _Flags:
+    __slots__ = ("c_contiguous", "f_contiguous", "owndata")
+
+    def __init__(self, a: np.ndarray):
+        self.c_contiguous = bool(a.flags.c_contiguous)
+        self.f_contiguous = bool(a.flags.f_contiguous)
+        self.owndata = bool(a.flags.owndata)
+
+    def __getitem__(self, key: str) -> bool:
+        names = {"C_CONTIGUOUS": "c_contiguous", "F_CONTIGUOUS": "f_contiguous", "OWNDATA": "owndata"}
+        return getattr(self, names[key])
+
+
+# cupy.ndarray's methods that behave as numpy's do (result arrays on the device).
+_METHODS = frozenset("""
+all any argmax argmin argsort astype clip conj conjugate copy cumprod cumsum diagonal dot fill flatten max mean
+min nonzero prod ptp ravel repeat reshape round sort squeeze std sum swapaxes take trace transpose var view
+""".split())
+_ATTRIBUTES = frozenset("dtype shape size ndim itemsize nbytes strides".split())
+
+
+class DeviceArray:
+    """A device array: numpy memory behind cupy's rules (see the module docstring)."""
+
+    __slots__ = ("_a", "__weakref__")
+    __array_priority__ = 100.0
+
+    def __init__(self, a: np.ndarray):
+        if type(a) is not np.ndarray:
+            raise TypeError(f"DeviceArray wraps a plain numpy array, got {type(a).__name__}")
+        self._a = a
+
+    # -- what cupy offers ---------------------------------------------------------------------
+    def __getattr__(self, name: str) -> Any:
+        if name in _ATTRIBUTES:
+            return getattr(self._a, name)
+        if name in _METHODS:
+            method = getattr(self._a, name)
+            where = f"cupy.ndarray.{name}"
+
+            def call(*args, **kwargs):
+                args = tuple(_unwrap(a, where) for a in args)
+                kwargs = {k: _unwrap(v, where) for k, v in kwargs.items()}
+                return _wrap(method(*args, **kwargs))
+
+            return call
+        raise AttributeError(f"'cupy.ndarray' object has no attribute {name!r}")
+
+    @property
+    def flags(self) -> _Flags:
+        return _Flags(self._a)
+
+    @property
+    def T(self) -> "DeviceArray":
+        return DeviceArray(self._a.T)
+
+    @property
+    def base(self) -> Any:
+        return None if self._a.base is None else DeviceArray(np.asarray(self._a.base))
+
+    @property
+    def data(self) -> types.SimpleNamespace:
+        return types.SimpleNamespace(ptr=self._a.__array_interface__["data"][0])
+
+    @property
+    def __cuda_array_interface__(self) -> dict:
+        a = self._a
+        return {"shape": a.shape, "typestr": a.dtype.str, "descr": a.dtype.descr,
+                "data": (a.__array_interface__["data"][0], False),
+                "strides": None if a.flags.c_contiguous else a.strides, "version": 3}
+
+    def get(self, stream: Any = None, order: str = "C", out: Any = None, blocking: bool = True) -> np.ndarray:
+        if out is None:
+            return np.array(self._a, order=order)
+        if type(out) is not np.ndarray or out.shape != self._a.shape or out.dtype != self._a.dtype:
+            raise ValueError(f"get(out=): out must be a numpy array of shape {self._a.shape} and dtype "
+                             f"{self._a.dtype}, got {type(out).__name__} {getattr(out, 'shape', None)}")
+        np.copyto(out, self._a)
+        return out
+
+    def set(self, arr: np.ndarray, stream: Any = None) -> None:
+        if type(arr) is not np.ndarray:
+            raise TypeError(f"set: only numpy.ndarray is supported, got {type(arr)}")
+        if arr.shape != self._a.shape or arr.dtype != self._a.dtype:
+            raise ValueError(f"set: shape or dtype mismatch ({arr.shape} {arr.dtype} into "
+                             f"{self._a.shape} {self._a.dtype})")
+        np.copyto(self._a, arr)
+
+    def item(self) -> Any:
+        return self._a.item()
+
+    def tolist(self) -> Any:
+        return self._a.tolist()
+
+    # -- what cupy refuses ------------------------------------------------------------------
+    def __array__(self, *args, **kwargs):
+        raise TypeError(IMPLICIT)
+
+    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        return getattr(_Ufunc(ufunc), method)(*inputs, **kwargs)
+
+    def __array_function__(self, func, types_, args, kwargs):
+        fn = getattr(StrictCupy(), func.__name__, None)
+        if fn is None:
+            return NotImplemented
+        return fn(*args, **kwargs)
+
+    # -- Python protocols -------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self._a)
+
+    def __iter__(self):
+        for i in range(len(self._a)):
+            yield self[i]
+
+    def __repr__(self) -> str:
+        return "array(" + np.array2string(self._a, separator=", ") + ")"
+
+    def __bool__(self) -> bool:
+        return bool(self._a)
+
+    def __float__(self) -> float:
+        return float(self._a)
+
+    def __int__(self) -> int:
+        return int(self._a)
+
+    def __index__(self) -> int:
+        return self._a.__index__()
+
+    def __getitem__(self, key: Any) -> "DeviceArray":
+        return DeviceArray(np.asarray(self._a[_index(key)]))
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self._a[_index(key)] = _unwrap(value, "cupy.ndarray.__setitem__")
+
+    def __copy__(self):
+        return DeviceArray(self._a.copy())
+
+    def __deepcopy__(self, memo):
+        return DeviceArray(self._a.copy())
+
+    def __reduce__(self):
+        raise TypeError("device arrays are not pickled here (axonhpc never pickles)")
+
+
+def _index(key: Any) -> Any:
+    """An index with device arrays unwrapped (cupy takes device and host index arrays)."""
+    if type(key) is DeviceArray:
+        return key._a
+    if isinstance(key, tuple):
+        return tuple(k._a if type(k) is DeviceArray else k for k in key)
+    return key
+
+
+def _operator(ufunc: np.ufunc, reflected: bool = False, inplace: bool = False):
+    u = None
+
+    def op(self, other):
+        nonlocal u
+        u = u or _Ufunc(ufunc)
+        if inplace:
+            return u(self, other, out=self)
+        return u(other, self) if reflected else u(self, other)
+
+    return op
+
+
+for _name, _uf in {"add": np.add, "sub": np.subtract, "mul": np.multiply, "truediv": np.true_divide,
+                   "floordiv": np.floor_divide, "mod": np.remainder, "pow": np.power, "matmul": np.matmul,
+                   "and": np.bitwise_and, "or": np.bitwise_or, "xor": np.bitwise_xor}.items():
+    setattr(DeviceArray, f"__{_name}__", _operator(_uf))
+    setattr(DeviceArray, f"__r{_name}__", _operator(_uf, reflected=True))
+    setattr(DeviceArray, f"__i{_name}__", _operator(_uf, inplace=True))
+for _name, _uf in {"lt": np.less, "le": np.less_equal, "gt": np.greater, "ge": np.greater_equal,
+                   "eq": np.equal, "ne": np.not_equal}.items():
+    setattr(DeviceArray, f"__{_name}__", _operator(_uf))
+DeviceArray.__neg__ = lambda self: _Ufunc(np.negative)(self)
+DeviceArray.__pos__ = lambda self: _Ufunc(np.positive)(self)
+DeviceArray.__abs__ = lambda self: _Ufunc(np.absolute)(self)
+DeviceArray.__invert__ = lambda self: _Ufunc(np.invert)(self)
+DeviceArray.__hash__ = None
+
+
+class _Ufunc:
+    """A numpy ufunc with cupy's argument rules."""
+
+    def __init__(self, ufunc: np.ufunc):
+        self._u = ufunc
+        self.__name__ = ufunc.__name__
+        self.nin, self.nout = ufunc.nin, ufunc.nout
+
+    def _args(self, args, kwargs):
+        where = f"cupy.{self.__name__}"
+        args = tuple(_unwrap(a, where) for a in args)
+        if "out" in kwargs:
+            out = kwargs["out"]
+            outs = out if isinstance(out, tuple) else (out,)
+            for o in outs:
+                if o is not None and type(o) is not DeviceArray:
+                    raise TypeError(f"{where}: output arrays must be cupy arrays, got {type(o)}")
+            kwargs["out"] = tuple(None if o is None else o._a for o in outs)
+        return args, {k: v if k == "out" else _unwrap(v, where) for k, v in kwargs.items()}
+
+    def __call__(self, *args, **kwargs):
+        args, kwargs = self._args(args, kwargs)
+        return _wrap(self._u(*args, **kwargs))
+
+    def reduce(self, *args, **kwargs):
+        args, kwargs = self._args(args, kwargs)
+        return _wrap(self._u.reduce(*args, **kwargs))
+
+    def accumulate(self, *args, **kwargs):
+        args, kwargs = self._args(args, kwargs)
+        return _wrap(self._u.accumulate(*args, **kwargs))
+
+    def outer(self, *args, **kwargs):
+        args, kwargs = self._args(args, kwargs)
+        return _wrap(self._u.outer(*args, **kwargs))
+
+    def at(self, a, indices, b=None):
+        where = f"cupy.{self.__name__}.at"
+        if type(a) is not DeviceArray:
+            raise TypeError(f"{where}: unsupported type {type(a)}")
+        _refuse_host(indices, where)
+        idx = _index(indices)
+        if b is None:
+            self._u.at(a._a, idx)
+        else:
+            self._u.at(a._a, idx, _unwrap(b, where))
+
+
+# Functions that take host data on purpose (they copy it to the device).
+_FROM_HOST = {"asarray", "array", "ascontiguousarray", "asanyarray"}
+# Functions whose first argument is a sequence of arrays.
+_SEQUENCE_FIRST = {"concatenate", "stack", "vstack", "hstack", "column_stack", "dstack"}
+# Creation functions (no array arguments).
+_CREATION = {"empty", "zeros", "ones", "full", "arange", "linspace", "eye", "identity"}
+# Everything else cupy has, as numpy's function of the same name, that axonhpc's code could reach.
+_FUNCTIONS = set("""
+abs absolute add all allclose amax amin any arccos arcsin arctan arctan2 argmax argmin argsort around array_equal
+broadcast_to ceil clip copy copyto cos cosh count_nonzero cumprod cumsum diag divide dot einsum empty_like equal
+erf exp expm1 expand_dims flatnonzero flip floor full_like greater greater_equal isclose isfinite isinf isnan
+less less_equal log log1p log2 logaddexp logical_and logical_not logical_or matmul max maximum mean min minimum
+moveaxis multiply negative nonzero not_equal ones_like outer power prod ravel reciprocal remainder repeat reshape
+round rsqrt sign sin sinh sort split sqrt square squeeze std subtract sum swapaxes take take_along_axis tanh tile
+transpose tril triu true_divide var where zeros_like argwhere bincount cbrt floor_divide fmax fmin tensordot
+""".split())
+
+
+def _strict_function(source: Any, name: str) -> Any:
+    """numpy's ``source`` with cupy's argument rules: device arrays in and out, host arrays refused."""
+    def call(*args, **kwargs):
+        where = f"cupy.{name}"
+        if "out" in kwargs and kwargs["out"] is not None and type(kwargs["out"]) is not DeviceArray:
+            raise TypeError(f"{where}: out must be a cupy array, got {type(kwargs['out'])}")
+        args = tuple(_unwrap(a, where) for a in args)
+        kwargs = {k: _unwrap(v, where) for k, v in kwargs.items()}
+        return _wrap(source(*args, **kwargs))
+
+    return call
+
+
+class _Linalg(types.ModuleType):
+    """``cupy.linalg``: the few functions numpy's linalg shares with it that code here may reach."""
+
+    _NAMES = frozenset("norm det inv solve svd qr eigh cholesky".split())
+
+    def __getattr__(self, name: str) -> Any:
+        if name in self._NAMES:
+            return _strict_function(getattr(np.linalg, name), f"linalg.{name}")
+        raise AttributeError(f"module 'cupy.linalg' (strict stand-in) has no attribute {name!r}")
+
+
+class StrictCupy(types.ModuleType):
+    """The ``cupy`` module over DeviceArrays; ``cuda`` is filled in by the caller (``fake_cuda``)."""
+
+    ndarray = DeviceArray
+
+    def __init__(self):
+        super().__init__("cupy")
+        self.__version__ = "14.0.0-strict-standin"
+        self.__spec__ = importlib.machinery.ModuleSpec("cupy", None)
+        self.linalg = _Linalg("cupy.linalg")
+        for name in ("float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "uint32",
+                     "uint64", "bool_", "dtype", "newaxis", "inf", "nan", "pi", "e", "integer", "floating"):
+            setattr(self, name, getattr(np, name))
+
+    def __getattr__(self, name: str) -> Any:
+        source = getattr(np, name, None)
+        if isinstance(source, np.ufunc):
+            return _Ufunc(source)
+        if name in _FROM_HOST:
+            def from_host(obj, dtype=None, *args, **kwargs):
+                kwargs.pop("order", None)
+                if type(obj) is DeviceArray:  # already on the device: asarray keeps it, array copies
+                    if name == "array" or kwargs.get("copy") or (dtype is not None and obj.dtype != dtype):
+                        return DeviceArray(np.array(obj._a, dtype=dtype))
+                    if name == "ascontiguousarray" and not obj._a.flags.c_contiguous:
+                        return DeviceArray(np.ascontiguousarray(obj._a))
+                    return obj
+                if isinstance(obj, (list, tuple)) and builtins.any(type(o) is DeviceArray for o in obj):
+                    raise TypeError(IMPLICIT)  # cupy.array([device, device]) converts through numpy
+                # host data is copied to the device (cupy.asarray(numpy) always copies)
+                return DeviceArray(np.array(obj, dtype=dtype, order="C"))
+
+            return from_host
+        if name in _CREATION:
+            return lambda *args, **kwargs: DeviceArray(getattr(np, name)(*args, **kwargs))
+        if name in _SEQUENCE_FIRST:
+            def joined(arrays, *args, **kwargs):
+                where = f"cupy.{name}"
+                return _wrap(getattr(np, name)(_unwrap_seq(list(arrays), where), *args,
+                                               **{k: _unwrap(v, where) for k, v in kwargs.items()}))
+
+            return joined
+        if name in _FUNCTIONS and source is not None:
+            return _strict_function(source, name)
+        raise AttributeError(f"module 'cupy' (strict stand-in) has no attribute {name!r}")
+
+    @staticmethod
+    def asnumpy(a: Any, stream: Any = None, order: str = "C", out: Any = None, blocking: bool = True) -> np.ndarray:
+        if type(a) is DeviceArray:
+            return a.get(out=out, order=order)
+        return np.array(a, order=order) if out is None else np.copyto(out, a) or out
+
+    @staticmethod
+    def get_array_module(*args: Any) -> types.ModuleType:
+        import sys
+
+        return sys.modules["cupy"] if builtins.any(type(a) is DeviceArray for a in args) else np
+
+    @staticmethod
+    def isscalar(value: Any) -> bool:
+        return np.isscalar(value)
+
+    @staticmethod
+    def result_type(*args: Any) -> np.dtype:
+        return np.result_type(*(a.dtype if type(a) is DeviceArray else a for a in args))
+
+    @staticmethod
+    def finfo(dtype: Any) -> Any:
+        return np.finfo(dtype)
+
+    @staticmethod
+    def iinfo(dtype: Any) -> Any:
+        return np.iinfo(dtype)
+
+    @staticmethod
+    def can_cast(from_: Any, to: Any, casting: str = "safe") -> bool:
+        return np.can_cast(from_.dtype if type(from_) is DeviceArray else from_, to, casting)
+
+
+def device(a: Any) -> DeviceArray:
+    """A DeviceArray copy of ``a`` (what ``cupy.asarray(numpy_array)`` returns)."""
+    return DeviceArray(np.array(a))
+
+
+def host(a: Any) -> np.ndarray:
+    """``a`` as a numpy array: ``.get()`` for device arrays."""
+    return a.get() if type(a) is DeviceArray else np.asarray(a)
