@@ -66,15 +66,17 @@ def train_ddp(world, dtype, kind, steps=STEPS, accumulate=1, comm_hook=None, **d
     return ddp
 
 
-def train_step(ddp, opt, loss_fn, r, n, step, accumulate=1, dtype=np.float64, before_step=None):
+def train_step(ddp, opt, loss_fn, r, n, step, accumulate=1, dtype=np.float64, before_step=None, put=None):
     """One optimizer step on rank r's shard of ``accumulate`` global batches (no_sync before the last).
 
-    ``before_step()``, if given, runs after the last backward and before the optimizer step (clipping).
+    ``before_step()``, if given, runs after the last backward and before the optimizer step (clipping);
+    ``put``, if given, moves each batch shard where the model lives (``cupy.asarray``).
     """
+    put = put or (lambda a: a)
     opt.zero_grad()
     for micro in range(accumulate):
         x, y = make_data(step * accumulate + micro, dtype)
-        loss_fn(ddp(shard(x, r, n)), shard(y, r, n))
+        loss_fn(ddp(put(shard(x, r, n))), put(shard(y, r, n)))
         if micro < accumulate - 1:
             with ddp.no_sync():
                 ddp.backward(loss_fn.backward())

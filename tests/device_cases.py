@@ -24,7 +24,7 @@ import pytest
 import axonhpc as ax
 from axonhpc import nn, optim
 from axonhpc.bucketing import GradSyncStrategy
-from ddp_cases import GLOBAL_BATCH, STEPS, TOL, make_data, make_model, make_optimizer, shard, train_reference
+from ddp_cases import STEPS, TOL, make_data, make_model, make_optimizer, shard, train_reference, train_step
 
 
 def host(a):
@@ -56,22 +56,11 @@ def device_batch(cupy, step, r, n, dtype=np.float64, micro=0, accumulate=1):
 
 
 def train(cupy, world, wrapper, opt, dtype=np.float64, steps=STEPS, accumulate=1, before_step=None):
-    n, r = world.world_size, world.rank
+    """``ddp_cases.train_step`` with every batch shard moved to the device."""
     loss_fn = nn.CrossEntropyLoss()
     for step in range(steps):
-        opt.zero_grad()
-        for micro in range(accumulate):
-            x, y = device_batch(cupy, step, r, n, dtype, micro, accumulate)
-            loss = loss_fn(wrapper(x), y)
-            assert isinstance(loss, (float, cupy.ndarray)) or np.isscalar(loss)
-            if micro < accumulate - 1:
-                with wrapper.no_sync():
-                    wrapper.backward(loss_fn.backward())
-            else:
-                wrapper.backward(loss_fn.backward())
-        if before_step is not None:
-            before_step()
-        opt.step()
+        train_step(wrapper, opt, loss_fn, world.rank, world.world_size, step, accumulate, dtype, before_step,
+                   put=cupy.asarray)
 
 
 # -- DDP -------------------------------------------------------------------------------------------
@@ -123,7 +112,7 @@ def case_ddp_comm_hook_fp16_compression(world, cupy):
 
 
 def case_ddp_join_uneven_inputs(world, cupy):
-    from ddp_cases import assert_identical_across_ranks, train_reference_uneven, uneven_steps
+    from ddp_cases import train_reference_uneven, uneven_steps
 
     n, r = world.world_size, world.rank
     model = device_model(cupy, world)
@@ -170,6 +159,7 @@ def _fsdp(cupy, world, strategy, dtype=np.float64, kind="sgd", **kwargs):
     fsdp = ax.FSDP(model, sharding_strategy=strategy, **hybrid_kwargs(world, strategy), **kwargs)
     opt = make_optimizer(kind, fsdp.parameters())
     train(cupy, world, fsdp, opt, dtype)
+    fsdp.optimizer_ = opt  # the trained optimizer, for the state-dict case
     return fsdp
 
 
@@ -232,6 +222,24 @@ def case_fsdp_mixed_precision_float16_with_loss_scaler(world, cupy):
         scaler.update()
     assert taken == [True] * STEPS
     _fsdp_matches(cupy, fsdp, train_reference(np.float32, "sgd"), np.float32, rtol=2e-2)
+
+
+def case_fsdp_sharded_and_full_state_dicts_load_back_onto_the_device(world, cupy):
+    fsdp = _fsdp(cupy, world, "full_shard", kind="adam")
+    saved = fsdp.sharded_state_dict(fsdp.optimizer_)
+    fresh = ax.FSDP(device_model(cupy, world, seed_others=False))
+    fresh_opt = make_optimizer("adam", fresh.parameters())
+    fresh.load_state_dict(saved, fresh_opt)
+    for p, q in zip(fsdp.parameters(), fresh.parameters()):
+        assert isinstance(q.data, cupy.ndarray)
+        np.testing.assert_array_equal(host(p.data), host(q.data))
+    for slot in fresh_opt.state if isinstance(fresh_opt.state, list) else fresh_opt.state.values():
+        for value in slot.values():
+            assert getattr(value, "ndim", 0) == 0 or isinstance(value, cupy.ndarray)
+    fresh.load_state_dict(fsdp.full_state_dict(rank0_only=False))
+    for p, q in zip(fsdp.parameters(), fresh.parameters()):
+        assert isinstance(q.data, cupy.ndarray)
+        np.testing.assert_array_equal(host(p.data), host(q.data))
 
 
 # -- tensor and pipeline parallelism -----------------------------------------------------------------

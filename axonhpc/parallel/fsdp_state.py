@@ -17,7 +17,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from .._dtypes import is_cupy_array
+from .._dtypes import array_module, to_host
 from ..errors import StateDictError
 
 ROOT = "<root>"  # the unit of the parameters outside every wrapped module
@@ -25,7 +25,7 @@ FORMAT = "axonhpc.fsdp.sharded/1"
 
 
 def _host(array: Any) -> np.ndarray:
-    return array.get() if is_cupy_array(array) else np.asarray(array)
+    return np.asarray(to_host(array))
 
 
 def _optimizer_units(fsdp: Any, optimizer: Any) -> List[Any]:
@@ -171,21 +171,20 @@ def prepare_sharded_load(fsdp: Any, shards: List[Dict[str, Any]], optimizer: Any
 
     def apply() -> None:
         for u in fsdp.units:
-            u.shard.data[...] = values[u.name] if not is_cupy_array(u.shard.data) else _to_device(values[u.name])
+            u.shard.data[...] = _like(values[u.name], u.shard.data)
         if buffers:
             for name, b in fsdp.module.named_buffers():
                 if name in buffers:
-                    b[...] = _to_device(buffers[name]) if is_cupy_array(b) else np.asarray(buffers[name])
+                    b[...] = _like(buffers[name], b)
         if opt_state is not None:
             optimizer.load_state_dict(opt_state)
 
     return apply
 
 
-def _to_device(array: np.ndarray) -> Any:
-    import cupy
-
-    return cupy.asarray(array)
+def _like(values: np.ndarray, target: Any) -> Any:
+    """Host ``values`` in the memory of ``target`` (moved to the device for a cupy array)."""
+    return array_module(target).asarray(values)
 
 
 def _optimizer_state(fsdp: Any, shards: List[Dict[str, Any]], optimizer: Any,
