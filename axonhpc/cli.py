@@ -12,12 +12,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 from typing import List, Optional
 
 from .errors import AxonError
 from .mpiexec import NOT_FOUND, find_mpiexec, launch_command, mpiexec_flavour
+
+# What a Python interpreter's file name looks like (python, python3, python3.11, pypy3).
+_PYTHON_NAME = re.compile(r"^(python|pypy)[0-9.]*$")
 
 BENCHMARKS = {
     "allreduce": "axonhpc.bench.allreduce",
@@ -28,12 +32,36 @@ BENCHMARKS = {
 }
 
 
+def _gather_lines(line: str) -> Optional[List[str]]:
+    """Every rank's ``line``, in rank order, on rank 0 (None on the others); just ``[line]`` without a world."""
+    from .groups import current_world, is_initialized
+
+    if not is_initialized() or current_world().world_size == 1:
+        return [line]
+    import numpy as np
+
+    from .collectives import all_gather, gather
+
+    data = np.frombuffer(line.encode("utf-8"), dtype=np.uint8)
+    lengths = all_gather(np.array([data.size], dtype=np.int64)).reshape(-1)
+    padded = np.zeros(max(1, int(lengths.max())), dtype=np.uint8)
+    padded[:data.size] = data
+    rows = gather(padded, dst=0)
+    if rows is None:
+        return None
+    return [bytes(rows[r, :int(n)]).decode("utf-8") for r, n in enumerate(lengths)]
+
+
 def _cmd_info(args) -> int:
     from .info import info
 
     facts = info()
     if args.json:
-        print(json.dumps(facts, indent=2, default=str))
+        # One JSON object per line, one line per rank in rank order, all printed by rank 0: under
+        # mpiexec every rank runs this, and documents printed by each rank would interleave.
+        lines = _gather_lines(json.dumps(facts, default=str, sort_keys=False))
+        if lines is not None:
+            print("\n".join(lines), flush=True)
     elif facts.get("rank", 0) == 0:
         width = max(len(k) for k in facts)
         for key, value in facts.items():
@@ -55,13 +83,12 @@ def _cmd_doctor(args) -> int:
 
 
 def _cmd_timeline(args) -> int:
-    from .errors import ConfigurationError
     from .profiling import merge_directory
 
     out = args.output or os.path.join(args.directory, "timeline.json")
     try:
         count = merge_directory(args.directory, out)
-    except ConfigurationError as exc:
+    except AxonError as exc:
         print(f"axonhpc timeline: {exc}", file=sys.stderr)
         return 1
     print(f"merged the timelines of {count} rank(s) into {out} (open it at https://ui.perfetto.dev)")
@@ -79,8 +106,14 @@ def _cmd_launch(args) -> int:
         print("axonhpc launch: no script given (usage: axonhpc launch -n N -- script.py args...)", file=sys.stderr)
         return 2
     script, script_args = rest[0], rest[1:]
+    if _PYTHON_NAME.match(os.path.basename(script)):
+        print(f"axonhpc launch: {script!r} is a Python interpreter, not a script: the launcher runs this "
+              f"environment's Python ({sys.executable}) itself, so drop {script!r} and give the script: "
+              f"axonhpc launch -n {args.n} -- {' '.join(script_args) or 'script.py'}", file=sys.stderr)
+        return 2
     if not os.path.isfile(script):
-        print(f"axonhpc launch: script {script!r} does not exist", file=sys.stderr)
+        print(f"axonhpc launch: script {script!r} does not exist (the launcher runs it with {sys.executable})",
+              file=sys.stderr)
         return 2
     mpiexec = find_mpiexec()
     if mpiexec is None:
@@ -171,7 +204,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="axonhpc", description="MPI-native distributed training for HPC clusters")
     sub = parser.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("info", help="MPI vendor and version, thread level, GPU libraries, ranks and nodes")
-    p.add_argument("--json", action="store_true", help="print every rank's facts as JSON")
+    p.add_argument("--json", action="store_true",
+                   help="print every rank's facts as JSON: one object per line, one line per rank in rank order, "
+                        "all printed by rank 0")
     p.set_defaults(func=_cmd_info)
     p = sub.add_parser("bench", help="benchmarks; run under mpiexec for more than one rank")
     p.add_argument("name", choices=sorted(BENCHMARKS))

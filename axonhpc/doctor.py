@@ -15,22 +15,63 @@ import json
 import os
 from typing import Any, Dict, List, Optional, Tuple
 
+from .errors import ConfigurationError, NotFoundError
+
 _COMPARED = ("op", "dtype", "shape", "reduce", "root")
 
 
-def load_dumps(directory: str) -> Dict[int, dict]:
-    """rank -> its dump, for every ``flight-rank*.json`` in ``directory``.
+def _read_dump(path: str) -> dict:
+    """One rank's dump, checked to have the fields the diagnosis reads.
 
     Raises:
-        FileNotFoundError: no dump in the directory.
+        ConfigurationError: the file cannot be read, is not JSON (a truncated
+            file: the rank died while writing it, or the disk was full), or
+            is not a flight-recorder dump; the message names the file.
     """
-    dumps = {}
-    for path in sorted(glob.glob(os.path.join(directory, "flight-rank*.json"))):
-        with open(path) as f:
+    try:
+        with open(path, encoding="utf-8") as f:
             data = json.load(f)
+    except OSError as exc:
+        raise ConfigurationError(f"flight dump {path!r} cannot be read: {exc}") from exc
+    except ValueError as exc:
+        size = os.path.getsize(path)
+        raise ConfigurationError(f"flight dump {path!r} ({size} bytes) is not valid JSON ({exc}); it may be truncated "
+                                 f"(the rank was killed while writing it, or the disk was full)") from exc
+    if (not isinstance(data, dict) or not isinstance(data.get("rank"), int)
+            or not isinstance(data.get("records"), list)):
+        raise ConfigurationError(f"flight dump {path!r} is not an axonhpc flight-recorder dump (no 'rank' and "
+                                 f"'records' fields)")
+    return data
+
+
+def load_dumps(directory: str, broken: Optional[List[str]] = None) -> Dict[int, dict]:
+    """rank -> its dump, for every ``flight-rank*.json`` in ``directory``.
+
+    Args:
+        directory: the ``AXONHPC_FLIGHT_DIR`` of the job.
+        broken: where to put a line for each file that cannot be used (it is
+            then skipped and the other dumps are used); None raises instead.
+
+    Raises:
+        NotFoundError: the folder does not exist or holds no usable dump.
+        ConfigurationError: a dump cannot be used and ``broken`` is None.
+    """
+    if not os.path.isdir(directory):
+        raise NotFoundError(f"flight-recorder folder {directory!r} does not exist (give the job's AXONHPC_FLIGHT_DIR)")
+    dumps = {}
+    paths = sorted(glob.glob(os.path.join(directory, "flight-rank*.json")))
+    for path in paths:
+        try:
+            data = _read_dump(path)
+        except ConfigurationError as exc:
+            if broken is None:
+                raise
+            broken.append(str(exc))
+            continue
         dumps[int(data["rank"])] = data
     if not dumps:
-        raise FileNotFoundError(f"no flight-rank*.json in {directory!r} (is AXONHPC_FLIGHT_DIR set to it?)")
+        why = f"none of its {len(paths)} flight-rank*.json can be used" if paths else "no flight-rank*.json"
+        raise NotFoundError(f"{why} in {directory!r} (is AXONHPC_FLIGHT_DIR set to it?)")
     return dumps
 
 
@@ -102,15 +143,24 @@ def diagnose(dumps: Dict[int, dict]) -> List[str]:
 
 
 def main(directory: str, out: Optional[Any] = None) -> int:
-    """Print the diagnosis of ``directory``; 0 when a report was made, 2 without dumps."""
+    """Print the diagnosis of ``directory``; 0 when a report was made, 2 without usable dumps.
+
+    A dump that cannot be read (truncated, not JSON) is named on stderr and
+    skipped; the diagnosis uses the others (and says which ranks have none).
+    """
     import sys
 
     out = out or sys.stdout
+    broken: List[str] = []
     try:
-        dumps = load_dumps(directory)
-    except FileNotFoundError as exc:
+        dumps = load_dumps(directory, broken)
+    except NotFoundError as exc:
+        for line in broken:
+            print(f"axonhpc doctor: skipped {line}", file=sys.stderr)
         print(f"axonhpc doctor: {exc}", file=sys.stderr)
         return 2
+    for line in broken:
+        print(f"axonhpc doctor: skipped {line}; diagnosing from the other dumps", file=sys.stderr)
     print(f"flight records of ranks {sorted(dumps)} in {directory}:", file=out)
     for line in diagnose(dumps):
         print("  " + line, file=out)

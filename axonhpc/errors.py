@@ -4,6 +4,16 @@ Local mistakes (a bad rank, a non-member, a buffer MPI cannot use) are found
 before any message is sent, so no other rank is left waiting, and their
 messages carry the offending values. Cross-rank disagreements and hangs have
 their own types so that a job script can tell them apart.
+
+[Note: one hierarchy, with the built-in type as a second base]
+Every class here derives from ``AxonError``, so ``except ax.errors.AxonError``
+catches whatever the library raised on purpose. Where a built-in exception
+says the same thing (a bad value, a bad type, a missing file), the class
+derives from it too, so ``except ValueError`` keeps working:
+``InvalidArgumentError`` is an ``AxonError`` and a ``ValueError``.
+``tests/test_errors.py`` walks every ``raise`` in the package and fails on
+one that raises anything else (a short list of protocol exceptions such as
+``NotImplementedError`` in abstract methods is allowed, each with its reason).
 """
 
 
@@ -11,8 +21,51 @@ class AxonError(Exception):
     """Base class of every error axonhpc raises on purpose."""
 
 
+# -- arguments -----------------------------------------------------------------------------------
+class InvalidArgumentError(AxonError, ValueError):
+    """An argument has a value the call cannot take (an unknown reduce op, a negative tag, a bad name)."""
+
+
+class ArgumentTypeError(AxonError, TypeError):
+    """An argument has a type the call cannot take (a float where a rank goes, a non-Module in Sequential)."""
+
+
+class InvalidGroupError(ArgumentTypeError):
+    """``group`` is neither a ``ProcessGroup`` nor None."""
+
+
+class InvalidKeyError(AxonError, KeyError):
+    """A name the object does not have or cannot take (a mesh dimension, a buffer name)."""
+
+    def __str__(self) -> str:  # KeyError's own str() quotes the message
+        return str(self.args[0]) if len(self.args) == 1 else super().__str__()
+
+
+class ConfigurationError(AxonError, ValueError):
+    """Arguments or settings that cannot work together (a mesh whose sizes do not multiply to the world
+    size, an ``AXONHPC_*`` variable with a value its setting cannot take)."""
+
+
+class MissingDependencyError(AxonError, ImportError):
+    """An optional package that this call needs is not installed; the message says what to install."""
+
+
+class NotFoundError(AxonError, FileNotFoundError):
+    """A file or folder the call needs is missing (no flight-recorder dumps, no timelines in a folder)."""
+
+
+class UsageError(AxonError, RuntimeError):
+    """A call made out of order, or in a state that does not allow it (the message says what comes first)."""
+
+
+class ModuleNotInitializedError(AxonError, AttributeError):
+    """A ``Module`` subclass assigned attributes before calling ``super().__init__()``."""
+
+
+# -- ranks, groups and buffers ------------------------------------------------------------------
 class RankError(AxonError, ValueError):
-    """A rank is out of range, duplicated, or not part of the parent group."""
+    """A rank is out of range, duplicated, not part of the parent group, or one the call cannot use
+    (a blocking send to this rank itself)."""
 
 
 class NotAMemberError(AxonError):
@@ -28,33 +81,46 @@ class NonContiguousBufferError(InvalidBufferError):
 
 
 class ReadOnlyBufferError(InvalidBufferError):
-    """The array is read-only but the operation writes into it."""
+    """The array is read-only but the operation writes into it (a broadcast buffer, on every rank)."""
 
 
 class ShapeError(InvalidBufferError):
-    """Shapes do not fit the operation (for example an indivisible reduce_scatter)."""
+    """Shapes or sizes do not fit the operation (an indivisible reduce_scatter, a receive buffer whose size
+    differs from the incoming message)."""
 
 
 class UnsupportedDtypeError(AxonError, TypeError):
     """The array's dtype is not one the collectives support."""
 
 
-class ConfigurationError(AxonError, ValueError):
-    """Arguments that cannot work together (a mesh whose sizes do not multiply to the world size)."""
+class SharedMemoryError(AxonError, MemoryError):
+    """The node's shared memory (``/dev/shm``) cannot hold what was asked for; found before anything is written."""
 
 
+# -- across ranks -------------------------------------------------------------------------------
 class CollectiveMismatchError(AxonError):
-    """Ranks called different collectives (debug mode); raised on every rank."""
+    """Ranks called different collectives, or passed arguments that must agree and do not; raised on
+    every rank."""
+
+
+class GroupMismatchError(CollectiveMismatchError, ValueError):
+    """Ranks passed different arguments to ``new_group``, or some passed arguments ``split`` cannot take;
+    raised on every rank of the parent group, naming the ranks and what each passed."""
 
 
 class CollectiveTimeoutError(AxonError, TimeoutError):
     """A blocking operation did not complete within its timeout."""
 
 
+class LocalAbort(AxonError):
+    """Another rank of a local (``run_local``) world aborted or died."""
+
+
 class BackendUnavailableError(AxonError):
     """A requested backend (NCCL, cupy, CUDA-aware MPI) cannot work here."""
 
 
+# -- models, strategies and checkpoints ------------------------------------------------------------
 class StateDictError(AxonError, ValueError):
     """A state dict does not fit its module or optimizer (missing or unexpected keys, other shapes)."""
 
@@ -63,12 +129,62 @@ class BackwardBeforeForwardError(AxonError, RuntimeError):
     """``backward`` was called on a module with no forward activations cached for it."""
 
 
+class UnusedParameterError(AxonError, RuntimeError):
+    """A parameter got no gradient in a backward and ``find_unused_parameters`` is off (DDP)."""
+
+
+class GradientAfterReductionError(AxonError, RuntimeError):
+    """A gradient arrived for a DDP bucket whose all-reduce had already started."""
+
+
+class ParameterServerError(AxonError, RuntimeError):
+    """A ParameterServer method was used out of turn on this rank (found before anything is sent)."""
+
+
+class PeerFailedError(AxonError, RuntimeError):
+    """Another rank of the parameter server failed, so this one stopped; the message says who and why."""
+
+
 class CheckpointError(AxonError):
     """A checkpoint cannot be written or read (unsupported value, corrupt or foreign file, failed write)."""
 
 
+class CheckpointEntryError(CheckpointError):
+    """One entry of a checkpoint archive cannot be read safely; the message names the entry and the values."""
+
+
+# -- tools ----------------------------------------------------------------------------------------
+class TemplateError(ConfigurationError):
+    """A SLURM template cannot be rendered: bad syntax, an unknown option, a failed ``#@ require``."""
+
+
+class MissingValueError(TemplateError):
+    """A SLURM template uses an option that was not given; ``.name`` is the option."""
+
+    def __init__(self, name: str, message: str) -> None:
+        super().__init__(message)
+        self.name = name
+
+
+class TemplateNotFoundError(ConfigurationError):
+    """No SLURM template of that name in ``slurm/`` and no file at that path."""
+
+
+class BenchError(AxonError, RuntimeError):
+    """A benchmark's worker job could not be started, failed, or timed out."""
+
+
 __all__ = [
     "AxonError",
+    "InvalidArgumentError",
+    "ArgumentTypeError",
+    "InvalidGroupError",
+    "InvalidKeyError",
+    "ConfigurationError",
+    "MissingDependencyError",
+    "NotFoundError",
+    "UsageError",
+    "ModuleNotInitializedError",
     "RankError",
     "NotAMemberError",
     "InvalidBufferError",
@@ -76,11 +192,22 @@ __all__ = [
     "ReadOnlyBufferError",
     "ShapeError",
     "UnsupportedDtypeError",
-    "ConfigurationError",
+    "SharedMemoryError",
     "CollectiveMismatchError",
+    "GroupMismatchError",
     "CollectiveTimeoutError",
+    "LocalAbort",
     "BackendUnavailableError",
     "StateDictError",
     "BackwardBeforeForwardError",
+    "UnusedParameterError",
+    "GradientAfterReductionError",
+    "ParameterServerError",
+    "PeerFailedError",
     "CheckpointError",
+    "CheckpointEntryError",
+    "TemplateError",
+    "MissingValueError",
+    "TemplateNotFoundError",
+    "BenchError",
 ]

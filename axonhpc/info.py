@@ -9,6 +9,16 @@ import numpy as np
 
 from ._dtypes import bfloat16_dtype
 from .backends.cuda_aware import cuda_aware_mpi
+from .backends.cuda_driver import (
+    CUPY_PACKAGES,
+    NCCL_PACKAGES,
+    DriverFacts,
+    extra_for,
+    gpu_stack_problems,
+    installed,
+    read_driver,
+    version_text,
+)
 from .backends.devices import device_facts
 from .groups import is_initialized, current_world
 from .groups.device_path import device_report
@@ -34,15 +44,38 @@ def _mpi_facts() -> Dict[str, Any]:
     }
 
 
+def _driver(cupy_imported: bool) -> DriverFacts:
+    """The CUDA driver's version: cupy's answer when cupy imports, else the driver library's, asked directly."""
+    if cupy_imported:
+        try:
+            import cupy
+
+            return DriverFacts(int(cupy.cuda.runtime.driverGetVersion()), None,
+                               "cupy.cuda.runtime.driverGetVersion")
+        except Exception:  # noqa: BLE001 - cupy's runtime unusable: ask the driver library itself
+            pass
+    return read_driver()
+
+
 def _gpu_facts() -> Dict[str, Any]:
     facts = device_facts()
+    driver = _driver(facts.cupy is not None)
+    cupy_packages = installed(CUPY_PACKAGES)
+    nccl_packages = installed(NCCL_PACKAGES)
+    devices = facts.devices if facts.cupy is not None or driver.devices is None else driver.devices
     out: Dict[str, Any] = {
+        "cuda_driver": version_text(driver.version) if driver.version else None,
+        "cuda_driver_source": driver.source,
+        "gpu_extra": extra_for(driver.version // 1000) if driver.version else None,
         "cupy": facts.cupy,
-        "cuda_devices": facts.devices,
+        "cupy_package": ", ".join(f"{n} {v}" for n, v in cupy_packages) or None,
+        "cuda_devices": devices,
         "nccl": ".".join(map(str, facts.nccl)) if facts.nccl else None,
+        "nccl_package": ", ".join(f"{n} {v}" for n, v in nccl_packages) or None,
     }
-    if facts.problems:
-        out["gpu_problems"] = "; ".join(facts.problems)
+    problems = list(facts.problems) + gpu_stack_problems(driver.version, cupy_packages)
+    if problems:
+        out["gpu_problems"] = "; ".join(problems)
     return out
 
 
@@ -62,7 +95,7 @@ def _device_path() -> Dict[str, Any]:
 
 
 def info() -> Dict[str, Any]:
-    """MPI vendor and version, thread level, CUDA-awareness, cupy/NCCL, the device binding, ranks and nodes."""
+    """MPI vendor, version, thread level, CUDA-awareness, CUDA driver, cupy/NCCL, device binding, ranks, nodes."""
     from . import __version__
 
     facts: Dict[str, Any] = {

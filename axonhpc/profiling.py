@@ -36,7 +36,7 @@ import numpy as np
 
 from . import tracing
 from .collectives import all_gather, barrier, gather
-from .errors import ConfigurationError
+from .errors import ConfigurationError, NotFoundError
 from .groups import resolve_group
 
 _LANE_TIDS = {lane: k for k, lane in enumerate(tracing.LANES)}
@@ -146,8 +146,18 @@ def merge_files(paths: Sequence[str]) -> Dict[str, Any]:
 
 
 def merge_directory(directory: str, out: str) -> int:
-    """Merge ``directory``'s ``timeline-rank*.json`` into ``out``; returns how many ranks were merged."""
+    """Merge ``directory``'s ``timeline-rank*.json`` into ``out``; returns how many ranks were merged.
+
+    Raises:
+        NotFoundError: ``directory`` does not exist or holds no ``timeline-rank*.json`` (both named).
+        ConfigurationError: a file there is not a rank timeline, or names a rank twice.
+    """
+    if not os.path.isdir(directory):
+        raise NotFoundError(f"timeline folder {directory!r} does not exist (give the AXONHPC_TIMELINE_DIR of the job)")
     paths = sorted(glob.glob(os.path.join(directory, "timeline-rank*.json")))
+    if not paths:
+        raise NotFoundError(f"no timeline-rank*.json in {directory!r} (is it the AXONHPC_TIMELINE_DIR of the job, "
+                            f"and did the job reach its end? each rank writes its file at exit)")
     trace = merge_files(paths)
     tracing.write_json_atomic(out, trace)
     return len(trace["otherData"]["ranks"])

@@ -14,6 +14,8 @@ import os
 from dataclasses import dataclass, fields
 from typing import Dict, Mapping, Optional
 
+from .errors import ConfigurationError
+
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 
@@ -24,30 +26,40 @@ def _parse_bool(name: str, text: str) -> bool:
         return True
     if low in _FALSE:
         return False
-    raise ValueError(f"{name}={text!r} is not a boolean (use 1/0, true/false, yes/no, on/off)")
+    raise ConfigurationError(f"{name}={text!r} is not a boolean (use 1/0, true/false, yes/no, on/off)")
 
 
 def _parse_timeout(name: str, text: str) -> Optional[float]:
     low = text.strip().lower()
     if low in ("", "none", "off", "0"):
         return None
-    value = float(low)
-    if value < 0:
-        raise ValueError(f"{name}={text!r} must be a positive number of seconds, or 0/off")
+    value = _number(name, text, float, "a positive number of seconds, or 0/off/none for no timeout")
+    if value == 0:
+        return None
+    if not value > 0 or value == float("inf"):
+        raise ConfigurationError(f"{name}={text!r} must be a positive number of seconds, or 0/off/none for no timeout")
     return value
 
 
+def _number(name: str, text: str, kind: type, what: str):
+    """``kind(text)``, or a ConfigurationError naming the variable, its value and what it takes."""
+    try:
+        return kind(text.strip())
+    except ValueError:
+        raise ConfigurationError(f"{name}={text!r} is not a number: it must be {what}") from None
+
+
 def _parse_positive_int(name: str, text: str) -> int:
-    value = int(text.strip())
+    value = _number(name, text, int, "a positive integer")
     if value < 1:
-        raise ValueError(f"{name}={text!r} must be a positive integer")
+        raise ConfigurationError(f"{name}={text!r} must be a positive integer")
     return value
 
 
 def _parse_count(name: str, text: str) -> int:
-    value = int(text.strip())
+    value = _number(name, text, int, "a non-negative integer")
     if value < 0:
-        raise ValueError(f"{name}={text!r} must be a non-negative integer")
+        raise ConfigurationError(f"{name}={text!r} must be a non-negative integer")
     return value
 
 
@@ -59,21 +71,21 @@ def _parse_signal(name: str, text: str) -> str:
     import signal
 
     if not hasattr(signal, value):
-        raise ValueError(f"{name}={text!r} is not a signal name (e.g. SIGUSR1)")
+        raise ConfigurationError(f"{name}={text!r} is not a signal name (e.g. SIGUSR1)")
     return value
 
 
 def _parse_seconds(name: str, text: str) -> float:
-    value = float(text.strip())
+    value = _number(name, text, float, "a positive number of seconds")
     if not value > 0:
-        raise ValueError(f"{name}={text!r} must be a positive number of seconds")
+        raise ConfigurationError(f"{name}={text!r} must be a positive number of seconds")
     return value
 
 
 def _parse_choice(name: str, text: str, choices: tuple) -> str:
     value = text.strip().lower()
     if value not in choices:
-        raise ValueError(f"{name}={text!r} must be one of {', '.join(choices)}")
+        raise ConfigurationError(f"{name}={text!r} must be one of {', '.join(choices)}")
     return value
 
 
@@ -89,22 +101,25 @@ def _parse_bucket_mb(name: str, text: str) -> str:
             return value
     except ValueError:
         pass
-    raise ValueError(f"{name}={text!r} must be 'auto' or a positive number of MiB")
+    raise ConfigurationError(f"{name}={text!r} must be 'auto' or a positive number of MiB")
 
 
 def _parse_slot_bytes(name: str, text: str) -> int:
-    value = int(text.strip())
+    value = _number(name, text, int, "a positive multiple of 4096")
     if value < 4096 or value % 4096:
-        raise ValueError(f"{name}={text!r} must be a positive multiple of 4096")
+        raise ConfigurationError(f"{name}={text!r} must be a positive multiple of 4096")
     return value
 
 
 def _parse_log_ranks(name: str, text: str) -> str:
     value = text.strip().lower().replace(" ", "")
     if value != "all" and not all(part.isdigit() for part in value.split(",")):
-        raise ValueError(f"{name}={text!r} must be 'all' or a comma list of ranks such as '0,3'")
+        raise ConfigurationError(f"{name}={text!r} must be 'all' or a comma list of ranks such as '0,3'")
     return value
 
+
+# What ``init()`` may build (see axonhpc.groups.runtime.init).
+BACKENDS = ("auto", "mpi", "nccl", "local")
 
 # The all-reduce algorithms (see axonhpc.collectives.algorithms).
 ALGORITHMS = ("native", "hierarchical", "ring", "rhd")
@@ -138,9 +153,11 @@ class Settings:
             dtype, shape, op and root before running it (``AXONHPC_DEBUG``).
         timeout: seconds a blocking call may wait before raising
             ``CollectiveTimeoutError``; ``None`` waits forever (``AXONHPC_TIMEOUT``).
-        abort_on_exception: an uncaught exception on one rank aborts the whole
-            MPI job instead of leaving the other ranks waiting
-            (``AXONHPC_ABORT_ON_EXCEPTION``; ``axonhpc launch`` turns it on).
+        abort_on_exception: an uncaught exception on one rank of an MPI world
+            of more than one rank prints its traceback and aborts the whole
+            job instead of leaving the other ranks waiting; on by default
+            (``AXONHPC_ABORT_ON_EXCEPTION=0`` turns it off). Read when
+            ``init`` builds the world.
         backend: backend ``init()`` picks by default (``AXONHPC_BACKEND``).
         max_message_elements: the most elements one MPI call moves; larger
             buffers are sent in chunks (``AXONHPC_MAX_MESSAGE_ELEMENTS``).
@@ -198,7 +215,7 @@ class Settings:
 
     debug: bool = False
     timeout: Optional[float] = None
-    abort_on_exception: bool = False
+    abort_on_exception: bool = True
     backend: str = "auto"
     max_message_elements: int = MPI_INT_MAX
     allreduce_algorithm: str = "native"
@@ -229,13 +246,23 @@ class Settings:
             self.
 
         Raises:
-            ValueError: a variable holds a value its field cannot take; the
-                message names the variable and the value.
+            ConfigurationError: a variable holds a value its field cannot
+                take; the message names every such variable, its value and
+                what it takes, and no field is changed.
         """
         env = os.environ if environ is None else environ
+        values, problems = {}, []
         for name, (var, parse) in _ENVIRONMENT.items():
             if var in env:
-                setattr(self, name, parse(var, env[var]))
+                try:
+                    values[name] = parse(var, env[var])
+                except ConfigurationError as exc:
+                    problems.append(str(exc))
+        if problems:
+            raise ConfigurationError("bad axonhpc environment variable" + ("s" if len(problems) > 1 else "")
+                                     + ": " + "; ".join(problems))
+        for name, value in values.items():
+            setattr(self, name, value)
         return self
 
     def __setattr__(self, name: str, value: object) -> None:
@@ -254,7 +281,7 @@ _ENVIRONMENT = {
     "debug": ("AXONHPC_DEBUG", _parse_bool),
     "timeout": ("AXONHPC_TIMEOUT", _parse_timeout),
     "abort_on_exception": ("AXONHPC_ABORT_ON_EXCEPTION", _parse_bool),
-    "backend": ("AXONHPC_BACKEND", lambda name, text: text.strip().lower()),
+    "backend": ("AXONHPC_BACKEND", lambda name, text: _parse_choice(name, text, BACKENDS)),
     "max_message_elements": ("AXONHPC_MAX_MESSAGE_ELEMENTS", _parse_positive_int),
     "flight_recorder": ("AXONHPC_FLIGHT_RECORDER", lambda name, text: _parse_count(name, text)),
     "flight_dir": ("AXONHPC_FLIGHT_DIR", lambda name, text: text),

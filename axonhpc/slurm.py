@@ -38,7 +38,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
-from .errors import ConfigurationError
+from .errors import ConfigurationError, MissingValueError, TemplateError, TemplateNotFoundError
 
 TEMPLATE_SUFFIX = ".sbatch"
 
@@ -63,22 +63,6 @@ MPI_CHOICES = ("pmi2", "pmix")
 LAUNCHER_CHOICES = ("srun", "mpiexec")
 DEFAULT_SIGNAL_SECONDS = 120
 MAX_SIGNAL_SECONDS = 65535  # SLURM's limit for --signal=...@sig_time
-
-
-class TemplateError(ConfigurationError):
-    """A template cannot be rendered: bad syntax, an unknown option, a failed ``#@ require``."""
-
-
-class MissingValueError(TemplateError):
-    """A template uses an option that was not given; ``.name`` is the option."""
-
-    def __init__(self, name: str, message: str) -> None:
-        super().__init__(message)
-        self.name = name
-
-
-class TemplateNotFoundError(ConfigurationError):
-    """No template of that name in ``slurm/`` and no file at that path."""
 
 
 def option_flag(name: str) -> str:

@@ -30,6 +30,8 @@ import threading
 import time
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
+from .errors import InvalidArgumentError
+
 LANES = ("compute", "comm", "buckets")
 RANK_FILE_FORMAT = "axonhpc-timeline-rank/1"
 Span = Tuple[str, str, float, float, Dict[str, Any]]
@@ -65,7 +67,7 @@ class Recorder:
     def add(self, name: str, lane: str, start: float, end: float, **args: Any) -> None:
         """Record one span; ``start``/``end`` are ``time.perf_counter`` readings."""
         if lane not in LANES:
-            raise ValueError(f"unknown timeline lane {lane!r}; use one of {LANES}")
+            raise InvalidArgumentError(f"unknown timeline lane {lane!r}; use one of {LANES}")
         with self._lock:
             self.spans.append((name, lane, start - self.origin, end - self.origin, args))
         if self.parent is not None:

@@ -2,6 +2,7 @@
 
     axonhpc launch -n 2 -- examples/train_digits.py --epochs 20
     axonhpc launch -n 2 -- examples/train_digits.py --epochs 30 --resume   # continues from the last checkpoint
+    axonhpc launch -n 2 -- examples/train_digits.py --device cuda          # on the GPU(s), with cupy
 
 The data is scikit-learn's bundled digits set (1,797 8x8 images, offline).
 ``ax.DistributedTrainer`` gives each rank its shard of every epoch
@@ -12,6 +13,13 @@ continues from the newest one and gives, bit for bit, the same parameters as
 an uninterrupted run. SIGTERM or SIGUSR1 (what SLURM sends before a time
 limit or a preemption) stops every rank after the same step, writes a
 checkpoint and exits with status 75, so a requeued job resumes.
+
+``--device cuda`` moves the model (``model.to("cuda")``) and the data (cupy
+arrays) to each rank's GPU, the one ``ax.init`` bound it to; the gradients
+then travel over NCCL when every rank has a GPU of its own, and staged
+through host memory over MPI otherwise (two ranks on one GPU). The reported
+metrics are host numbers either way. Without cupy and a CUDA device it stops
+at once, saying what is missing.
 """
 import argparse
 import json
@@ -38,10 +46,31 @@ def load_digits(seed=0, test_fraction=0.2):
     return x[train], y[train], x[test], y[test]
 
 
+def device_module(device):
+    """cupy for --device cuda (exits with the reason when it cannot work here), None for cpu."""
+    if device == "cpu":
+        return None
+    from axonhpc.backends.devices import device_facts
+
+    facts = device_facts()
+    if facts.cupy is None or facts.devices < 1:
+        why = "; ".join(facts.problems) or "cupy sees no CUDA device"
+        sys.exit(f"train_digits --device cuda needs cupy and a CUDA device: {why}")
+    import cupy
+
+    return cupy
+
+
 def build_model(seed):
     return nn.Sequential(nn.Linear(64, 128, seed=seed), nn.ReLU(),
                          nn.Linear(128, 64, seed=seed + 1), nn.ReLU(),
                          nn.Linear(64, 10, seed=seed + 2))
+
+
+def _device_line(world):
+    """Where device arrays go and which GPU rank 0 uses, from what init decided."""
+    facts = ax.info()
+    return f"device {facts.get('device')}, device arrays over {world.backend.name}"
 
 
 def main(argv=None):
@@ -55,12 +84,18 @@ def main(argv=None):
     parser.add_argument("--min-accuracy", type=float, default=None,
                         help="exit with status 1 if the final held-out accuracy is lower")
     parser.add_argument("--metrics", default=None, help="append one JSON line per epoch to this file (rank 0)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cpu: numpy arrays (default); cuda: the model and the data on each rank's GPU (cupy)")
     args = parser.parse_args(argv)
 
+    cupy = device_module(args.device)  # before init: a missing cupy stops every rank alike, with the reason
     world = ax.init()
     main_rank = world.rank == 0
     x_train, y_train, x_test, y_test = load_digits(args.seed)
     model = build_model(args.seed)
+    if cupy is not None:
+        model.to("cuda")  # before the optimizer and DDP see the parameters
+        x_train, y_train, x_test, y_test = (cupy.asarray(a) for a in (x_train, y_train, x_test, y_test))
 
     def report(trainer, record):
         if not main_rank:
@@ -75,7 +110,8 @@ def main(argv=None):
     trainer = ax.DistributedTrainer(model, optim.Adam(model.parameters(), lr=args.lr), nn.CrossEntropyLoss(),
                                     strategy="ddp", seed=args.seed, on_epoch=report, verbose=False)
     if main_rank:
-        print(f"training on {world.world_size} rank(s): {len(x_train)} train / {len(x_test)} test images, "
+        where = "" if cupy is None else f" ({_device_line(world)})"
+        print(f"training on {world.world_size} rank(s){where}: {len(x_train)} train / {len(x_test)} test images, "
               f"{sum(p.size for p in model.parameters())} parameters", flush=True)
     trainer.fit((x_train, y_train), args.epochs, eval_arrays=(x_test, y_test), batch_size=args.batch_size,
                 checkpoint_dir=args.checkpoint_dir, resume=args.resume)

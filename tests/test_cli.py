@@ -46,3 +46,64 @@ def test_launch_command_is_an_argument_list_with_open_mpi_settings():
     assert cmd[-2:] == ["--name", hostile]  # passed through untouched, never through a shell
     mpich = launch_command("/x/mpiexec", "mpich", 2, "t.py", [], hosts="a,b")
     assert mpich == ["/x/mpiexec", "-hosts", "a,b", "-n", "2", sys.executable, "t.py"]
+
+
+MPIEXEC = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+
+
+def test_info_json_under_mpiexec_is_one_object_per_rank_per_line():
+    """Every rank runs the command; rank 0 alone prints, one JSON object per line, in rank order."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    out = subprocess.run([MPIEXEC, "-n", "2", sys.executable, "-m", "axonhpc", "info", "--json"],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = out.stdout.strip().splitlines()
+    assert len(lines) == 2, out.stdout
+    facts = [json.loads(line) for line in lines]
+    assert [f["rank"] for f in facts] == [0, 1] and all(f["world_size"] == 2 for f in facts)
+
+
+def test_launch_with_python_before_the_script_says_to_drop_it():
+    for word in ("python", "python3", "/usr/bin/python3.11", sys.executable):
+        out = run("launch", "-n", "2", "--", word, "examples/collectives_demo.py")
+        assert out.returncode == 2, out.stderr
+        assert f"{word!r} is a Python interpreter, not a script" in out.stderr
+        assert f"drop {word!r}" in out.stderr and "axonhpc launch -n 2 -- examples/collectives_demo.py" in out.stderr
+        assert sys.executable in out.stderr  # the Python the launcher runs
+
+
+def test_bench_pack_runs_from_the_command_line():
+    out = run("bench", "pack", "--help")
+    assert out.returncode == 0 and "usage: axonhpc bench pack" in out.stdout, out.stderr
+    assert run("bench", "pack", "--bogus").returncode == 2
+
+
+def _dump(rank, records, reason="collective mismatch"):
+    return {"rank": rank, "pid": 1, "reason": reason, "time": 0.0, "records": records}
+
+
+def _record(seq, op, done=True, t=1.0):
+    return {"t": t, "group": "world", "ranks": [0, 1, 2], "seq": seq, "op": op, "dtype": "float64", "shape": [4],
+            "reduce": "SUM" if op == "all_reduce" else None, "root": None, "where": None, "done": done}
+
+
+def test_doctor_names_a_truncated_dump_and_uses_the_others(tmp_path):
+    for rank in (0, 1):
+        (tmp_path / f"flight-rank{rank:05d}.json").write_text(
+            json.dumps(_dump(rank, [_record(0, "all_reduce"), _record(1, "all_reduce", done=False)])))
+    whole = json.dumps(_dump(2, [_record(0, "all_reduce"), _record(1, "barrier", done=False)]))
+    (tmp_path / "flight-rank00002.json").write_text(whole[:len(whole) // 2])  # cut off mid-write
+    out = run("doctor", str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    broken = str(tmp_path / "flight-rank00002.json")
+    assert f"skipped flight dump {broken!r}" in out.stderr and "may be truncated" in out.stderr, out.stderr
+    assert "JSONDecodeError" not in out.stderr + out.stdout and "Traceback" not in out.stderr
+    assert "flight records of ranks [0, 1]" in out.stdout
+    assert "no dump from ranks [2]" in out.stdout, out.stdout
+    (tmp_path / "flight-rank00000.json").write_text("{")
+    (tmp_path / "flight-rank00001.json").write_text("[]")
+    none = run("doctor", str(tmp_path))
+    assert none.returncode == 2 and "none of its 3 flight-rank*.json can be used" in none.stderr, none.stderr
+    assert "is not an axonhpc flight-recorder dump" in none.stderr
+    gone = run("doctor", str(tmp_path / "nowhere"))
+    assert gone.returncode == 2 and "does not exist" in gone.stderr and "nowhere" in gone.stderr

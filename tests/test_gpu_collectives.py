@@ -1,7 +1,7 @@
 """The device path on real GPUs: collectives, NCCL, staging, DDP and FSDP parity on cupy arrays.
 
-NEVER RUN: no GPU was available where these were written; everywhere else
-they skip. On a GPU node (one GPU per rank):
+Everywhere without cupy and a CUDA device they skip. On a GPU node
+(``bash scripts/gpu-check.sh`` runs all of this and says what was skipped):
 
     python -m pytest -m gpu --with-mpi tests/test_gpu_collectives.py          # one rank
     axonhpc launch -n 2 -- scripts/mpi_pytest.py test-logs/gpu -m gpu tests/test_gpu_collectives.py
@@ -9,8 +9,15 @@ they skip. On a GPU node (one GPU per rank):
 (``scripts/mpi_pytest.py`` adds ``--with-mpi``, so the tests marked ``mpi``
 run too; see docs/gpu.md for SLURM.) Multi-rank assertions are collective
 (``mpi_assert.collectively``), so a failure on one rank fails every rank.
+
+Two ranks on one GPU (a one-GPU node): NCCL refuses such a communicator, so
+the tests that build one skip, saying which ranks share which GPU; the
+``auto`` world then moves cupy arrays over MPI (staged), and the tests on it
+run. Every skip is decided from facts gathered from every rank first, so all
+ranks skip together and none waits in a collective for one that skipped.
 """
 import importlib
+import sys
 
 import numpy as np
 import pytest
@@ -18,11 +25,41 @@ import pytest
 import axonhpc as ax
 from axonhpc import nn, optim
 from axonhpc.backends.devices import device_facts
+from axonhpc.backends.shared_device import device_identity, shared_devices
 from mpi_assert import collectively
 
-# cupy itself when a CUDA device is usable here (the library's own probe), else None: skip.
-cupy = importlib.import_module("cupy") if device_facts().devices > 0 else None
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(cupy is None, reason="needs cupy and a CUDA device")]
+
+def _device_on_every_rank():
+    """(usable here and on every rank of a running MPI job, why not): the same answer on every rank.
+
+    Under ``scripts/mpi_pytest.py`` (and pytest-mpi's ``--with-mpi``) MPI is up before collection, so
+    the ranks compare what each found; a rank without a device would otherwise skip alone and leave
+    the others waiting in the first collective.
+    """
+    here = device_facts().devices > 0
+    MPI = sys.modules.get("mpi4py.MPI")
+    if MPI is None or not MPI.Is_initialized() or MPI.Is_finalized() or MPI.COMM_WORLD.Get_size() == 1:
+        return here, "needs cupy and a CUDA device"
+    found = MPI.COMM_WORLD.allgather(here)
+    missing = [r for r, ok in enumerate(found) if not ok]
+    return not missing, f"needs cupy and a CUDA device on every rank; ranks {missing} have none"
+
+
+_usable, _why = _device_on_every_rank()
+# cupy itself when a CUDA device is usable on every rank (the library's own probe), else None: skip.
+cupy = importlib.import_module("cupy") if _usable else None
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(cupy is None, reason=_why)]
+
+
+def _skip_if_ranks_share_a_gpu(world):
+    """Collective: skip on every rank when two ranks are bound to one GPU (NCCL refuses that)."""
+    from mpi4py import MPI
+
+    shared = shared_devices(MPI.COMM_WORLD.allgather(device_identity(cupy)), range(world.world_size))
+    if shared:
+        which = "; ".join(f"ranks {ranks} share {label}" for label, ranks in shared)
+        pytest.skip(f"NCCL needs one GPU per rank: {which} (a node with one GPU per rank runs this)")
+
 
 S = ax.ReduceOp.SUM
 DTYPES = [np.float16, np.float32, np.float64, np.int32, np.int64, np.uint8]
@@ -115,13 +152,14 @@ def test_collective_suite_on_device_arrays(mpi_world):
 
 @pytest.mark.mpi(min_size=2)
 def test_collective_suite_on_a_subgroup_and_a_split(mpi_world):
-    def check():
-        sub = mpi_world.new_group(list(range(0, mpi_world.world_size, 2)))
-        if sub.is_member:
-            _collective_suite(mpi_world, sub)
-        _collective_suite(mpi_world, mpi_world.split(mpi_world.rank % 2))
-
-    collectively(mpi_world, check)
+    # Each step is its own collective verdict, so every rank reaches every world-wide call (the group
+    # creation, the split, the verdicts) in the same order: when the subgroup's members fail, the others
+    # are not left waiting for them in the split.
+    groups = {}
+    collectively(mpi_world, lambda: groups.update(sub=mpi_world.new_group(list(range(0, mpi_world.world_size, 2)))))
+    collectively(mpi_world, lambda: _collective_suite(mpi_world, groups["sub"]) if groups["sub"].is_member else None)
+    collectively(mpi_world, lambda: groups.update(half=mpi_world.split(mpi_world.rank % 2)))
+    collectively(mpi_world, lambda: _collective_suite(mpi_world, groups["half"]))
 
 
 @pytest.mark.mpi(min_size=1)
@@ -130,6 +168,8 @@ def test_nccl_backend_directly(mpi_world):
 
     from axonhpc.backends.mpi import MPIBackend
     from axonhpc.backends.nccl import NCCLBackend
+
+    _skip_if_ranks_share_a_gpu(mpi_world)
 
     def check():
         be = NCCLBackend(MPIBackend(MPI.COMM_WORLD))
@@ -149,6 +189,32 @@ def test_nccl_backend_directly(mpi_world):
         be.free()
 
     collectively(mpi_world, check)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_nccl_refuses_ranks_that_share_a_gpu_on_every_rank(mpi_world):
+    """The one-GPU node's case: a clear refusal on every rank, instead of NCCL_ERROR_INVALID_USAGE on some."""
+    from mpi4py import MPI
+
+    from axonhpc.backends.mpi import MPIBackend
+    from axonhpc.backends.nccl import NCCLBackend
+
+    shared = shared_devices(MPI.COMM_WORLD.allgather(device_identity(cupy)), range(mpi_world.world_size))
+    if not shared:
+        pytest.skip("every rank has a GPU of its own (run 2 ranks on one GPU to test the refusal)")
+
+    host = MPIBackend(MPI.COMM_WORLD)
+
+    def check():
+        with pytest.raises(ax.errors.BackendUnavailableError) as err:
+            NCCLBackend(host)
+        for label, ranks in shared:
+            assert f"ranks {ranks} share one GPU ({label})" in str(err.value)
+
+    try:
+        collectively(mpi_world, check)
+    finally:
+        host.free()
 
 
 @pytest.mark.mpi(min_size=1)

@@ -1,12 +1,18 @@
 """The settings object and the launcher variables it reads."""
+import os
+import subprocess
+import sys
+
 import pytest
 
-from axonhpc.settings import MPI_INT_MAX, Settings, launcher_env
+from axonhpc.errors import AxonError, ConfigurationError
+from axonhpc.settings import BACKENDS, MPI_INT_MAX, Settings, launcher_env
 
 
 def test_defaults():
     s = Settings()
-    assert (s.debug, s.timeout, s.abort_on_exception, s.backend) == (False, None, False, "auto")
+    # abort_on_exception is on by default: an uncaught exception on one rank of an MPI world ends the job
+    assert (s.debug, s.timeout, s.abort_on_exception, s.backend) == (False, None, True, "auto")
     assert s.max_message_elements == MPI_INT_MAX == 2**31 - 1
 
 
@@ -45,11 +51,65 @@ def test_timeout_off(text):
 @pytest.mark.parametrize("var,value,match", [
     ("AXONHPC_DEBUG", "maybe", "AXONHPC_DEBUG='maybe' is not a boolean"),
     ("AXONHPC_TIMEOUT", "-3", "AXONHPC_TIMEOUT='-3' must be a positive"),
+    ("AXONHPC_TIMEOUT", "abc", "AXONHPC_TIMEOUT='abc' is not a number: it must be a positive number of seconds"),
+    ("AXONHPC_TIMEOUT", "nan", "AXONHPC_TIMEOUT='nan' must be a positive number of seconds"),
     ("AXONHPC_MAX_MESSAGE_ELEMENTS", "0", "AXONHPC_MAX_MESSAGE_ELEMENTS='0' must be a positive integer"),
+    ("AXONHPC_MAX_MESSAGE_ELEMENTS", "1e3", "AXONHPC_MAX_MESSAGE_ELEMENTS='1e3' is not a number"),
+    ("AXONHPC_FLIGHT_RECORDER", "lots", "AXONHPC_FLIGHT_RECORDER='lots' is not a number"),
+    ("AXONHPC_STALL_REPORT", "soon", "AXONHPC_STALL_REPORT='soon' is not a number"),
+    ("AXONHPC_SHM_SLOT_BYTES", "4k", "AXONHPC_SHM_SLOT_BYTES='4k' is not a number"),
+    ("AXONHPC_BACKEND", "gloo", "AXONHPC_BACKEND='gloo' must be one of auto, mpi, nccl, local"),
 ])
 def test_bad_values_name_the_variable(var, value, match):
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ConfigurationError, match=match) as info:
         Settings().load_environment({var: value})
+    assert isinstance(info.value, ValueError) and isinstance(info.value, AxonError)
+
+
+def test_every_bad_variable_is_named_at_once_and_nothing_changes():
+    s = Settings()
+    with pytest.raises(ConfigurationError) as info:
+        s.load_environment({"AXONHPC_TIMEOUT": "abc", "AXONHPC_BACKEND": "gloo", "AXONHPC_DEBUG": "1"})
+    text = str(info.value)
+    assert "AXONHPC_TIMEOUT='abc'" in text and "AXONHPC_BACKEND='gloo'" in text
+    assert (s.timeout, s.backend, s.debug) == (None, "auto", False)  # all or nothing
+
+
+def test_zero_timeout_in_any_spelling_means_none():
+    assert Settings().load_environment({"AXONHPC_TIMEOUT": "0.0"}).timeout is None
+
+
+def test_abort_on_exception_opt_out():
+    assert Settings().load_environment({"AXONHPC_ABORT_ON_EXCEPTION": "0"}).abort_on_exception is False
+
+
+@pytest.mark.parametrize("var,value", [("AXONHPC_TIMEOUT", "abc"), ("AXONHPC_BACKEND", "gloo")])
+def test_a_bad_variable_stops_import_with_its_name_and_value(var, value):
+    """Decided: ``import axonhpc`` fails (every later use would otherwise run on a silent default)."""
+    env = dict(os.environ, **{var: value})
+    out = subprocess.run([sys.executable, "-c", "import axonhpc"], capture_output=True, text=True, env=env,
+                         timeout=120)
+    assert out.returncode != 0
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("axonhpc.errors.ConfigurationError: ") and f"{var}={value!r}" in last, out.stderr
+
+
+def test_backend_set_by_assignment_is_named_by_init():
+    import axonhpc as ax
+    from axonhpc.groups import runtime
+
+    saved = runtime._global_world
+    runtime._global_world = None
+    ax.settings.backend = "gloo"
+    try:
+        with pytest.raises(ConfigurationError, match=r"unknown backend 'gloo' from ax.settings.backend "
+                                                     r"\(AXONHPC_BACKEND\); use one of: auto, mpi, nccl, local"):
+            ax.init()
+        with pytest.raises(ConfigurationError, match=r"unknown backend 'tcp' from init\(backend=...\)"):
+            ax.init(backend="tcp")
+    finally:
+        runtime._global_world = saved
+    assert BACKENDS == ("auto", "mpi", "nccl", "local")
 
 
 def test_launcher_env_slurm_wins():

@@ -552,3 +552,17 @@ def test_shell_quote_round_trips_through_bash(words):
     assert out.returncode == 0, out.stderr
     got = out.stdout.split(b"\0")[:-1] if words else []
     assert got == [w.encode("utf-8", "surrogateescape") for w in words]
+
+
+def test_every_script_a_template_tells_you_to_render_with_exists():
+    """The "Render it" lines of slurm/*.sbatch name real scripts of this repository (issue 18)."""
+    named = []
+    for path in sorted(Path(ROOT, "slurm").glob("*.sbatch")):
+        for line in path.read_text().splitlines():
+            if line.startswith("#@") and " -- " in line:
+                script = line.split(" -- ", 1)[1].split()[0]
+                if script.endswith(".py"):
+                    named.append((path.name, script))
+    assert ("fsdp-hybrid.sbatch", "examples/train_fsdp.py") in named, named
+    missing = [(template, script) for template, script in named if not os.path.isfile(os.path.join(ROOT, script))]
+    assert not missing, f"templates name scripts that do not exist: {missing}"

@@ -79,4 +79,8 @@ def test_whole_run_recording_by_setting_then_cli_merge(tmp_path):
         assert names.count("all_reduce") == 5 and names.count("barrier") == 1, names
     missing = subprocess.run([sys.executable, "-m", "axonhpc", "timeline", "merge", str(tmp_path / "none")],
                              capture_output=True, text=True, timeout=120)
-    assert missing.returncode == 1 and "no timeline rank files" in missing.stderr
+    assert missing.returncode == 1 and f"timeline folder {str(tmp_path / 'none')!r} does not exist" in missing.stderr
+    (tmp_path / "empty").mkdir()
+    empty = subprocess.run([sys.executable, "-m", "axonhpc", "timeline", "merge", str(tmp_path / "empty")],
+                           capture_output=True, text=True, timeout=120)
+    assert empty.returncode == 1 and f"no timeline-rank*.json in {str(tmp_path / 'empty')!r}" in empty.stderr

@@ -12,13 +12,25 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytest.importorskip("sklearn", reason="the digits data set comes with scikit-learn (extra 'examples')")
 
 
-def run(tmp_path, *args):
+def launch(tmp_path, *args):
     cmd = [os.path.join(os.path.dirname(sys.executable), "mpiexec"), "-n", "2", sys.executable,
            os.path.join(ROOT, "examples", "train_digits.py"), *args]
     env = dict(os.environ, AXONHPC_ABORT_ON_EXCEPTION="1", OMP_NUM_THREADS="1")
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+
+
+def run(tmp_path, *args):
+    out = launch(tmp_path, *args)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return out.stdout
+
+
+def _no_gpu():
+    """Why --device cuda cannot work here (no cupy, or no CUDA device), or None where it can."""
+    from axonhpc.backends.devices import device_facts
+
+    facts = device_facts()
+    return None if facts.cupy is not None and facts.devices >= 1 else "; ".join(facts.problems) or "no device"
 
 
 @pytest.mark.timeout(600)
@@ -51,3 +63,24 @@ def test_parameter_server_example_reaches_95_percent_async(tmp_path):
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "max 2" in out.stdout or "max 1" in out.stdout or "max 0" in out.stdout, out.stdout[-2000:]
+
+
+def test_device_cuda_without_a_gpu_stops_every_rank_saying_cupy_is_needed(tmp_path):
+    why = _no_gpu()
+    if why is None:
+        pytest.skip("cupy and a CUDA device are here: test_trains_to_95_percent_on_the_gpu runs instead")
+    out = launch(tmp_path, "--device", "cuda", "--epochs", "1")
+    assert out.returncode == 1, out.stdout + out.stderr
+    line = f"train_digits --device cuda needs cupy and a CUDA device: {why}"
+    assert out.stderr.count(line) == 2, out.stderr  # each rank says it, before MPI is used
+    assert "training on" not in out.stdout
+    assert not os.path.exists(tmp_path / "checkpoints")
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(_no_gpu() is not None, reason="needs cupy and a CUDA device")
+def test_trains_to_95_percent_on_the_gpu(tmp_path):
+    """The main job with --device cuda (2 ranks: NCCL with a GPU each, staged MPI when they share one)."""
+    out = run(tmp_path, "--device", "cuda", "--epochs", "20", "--min-accuracy", "0.95", "--checkpoint-dir", "g")
+    assert "training on 2 rank(s) (device cuda:" in out and "final test accuracy" in out

@@ -1,5 +1,6 @@
 """World, groups and the in-process backend outside the shared collective suite."""
 import os
+import re
 import subprocess
 import sys
 import time
@@ -149,8 +150,33 @@ def test_uncaught_exception_on_one_rank_ends_the_job():
     assert time.monotonic() - start < 60
 
 
-def test_init_rejects_unknown_and_unavailable_backends():
+def _nccl_problem():
+    from axonhpc.backends.devices import device_facts, device_problem
+
+    return device_problem(device_facts())
+
+
+def test_init_rejects_unknown_backends_and_nccl_where_it_cannot_work():
     with pytest.raises(ValueError, match="unknown backend 'gloo'"):
         ax.groups.runtime.init(backend="gloo", comm=object())
-    with pytest.raises(ax.errors.BackendUnavailableError, match="NCCL"):
+    problem = _nccl_problem()
+    if problem is None:
+        pytest.skip("cupy, a CUDA device and NCCL are here: test_init_nccl_on_one_rank_with_a_gpu covers it")
+    # no cupy, no CUDA device or no NCCL: refused, saying which, before the communicator is touched
+    with pytest.raises(ax.errors.BackendUnavailableError,
+                       match=re.escape(f"backend 'nccl' cannot work here: {problem} (NCCL needs cupy")):
         ax.groups.runtime.init(backend="nccl", comm=object())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_nccl_problem() is not None, reason="needs cupy, a CUDA device and NCCL")
+def test_init_nccl_on_one_rank_with_a_gpu():
+    """Where NCCL can work, a one-rank job takes it for cupy arrays and MPI for numpy arrays."""
+    code = ("import cupy, numpy as np, axonhpc as ax\n"
+            "w = ax.init(backend='nccl')\n"
+            "x = cupy.full(4, 3.0, dtype=cupy.float32); ax.all_reduce(x)\n"
+            "y = np.full(2, 5); ax.all_reduce(y)\n"
+            "print(w.backend.name, x.get().tolist(), y.tolist())\n")
+    out = _run_mpi_script(code, 0, timeout=180)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.splitlines()[-1] == "mpi+nccl [3.0, 3.0, 3.0, 3.0] [5, 5]", out.stdout

@@ -19,6 +19,8 @@ import enum
 import time
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
+from ..errors import InvalidArgumentError
+
 
 class ReduceOp(enum.Enum):
     """Reduction operations of ``all_reduce`` and ``reduce_scatter``.
@@ -43,7 +45,7 @@ class ReduceOp(enum.Enum):
                 return cls[op.upper()]
             except KeyError:
                 pass
-        raise ValueError(f"unknown reduce op {op!r}; use one of {[m.name for m in cls]}")
+        raise InvalidArgumentError(f"unknown reduce op {op!r}; use one of {[m.name for m in cls]}")
 
 
 class Work:
@@ -192,6 +194,15 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def recv(self, buf, src: int, tag: int, async_op: bool) -> Work:
         """Fill ``buf`` with a message from rank ``src``."""
+
+    def recv_now(self, buf, src: int, tag: int, nonblocking: bool) -> Work:
+        """A receive whose caller waits for it at once (a blocking ``recv``, perhaps under a timeout).
+
+        The same as ``recv`` unless a backend can check more before it
+        receives when nothing else may happen in between (MPI matches the
+        message first and compares its size with ``buf``'s).
+        """
+        return self.recv(buf, src, tag, nonblocking)
 
     # communicators ----------------------------------------------------------
     @abc.abstractmethod

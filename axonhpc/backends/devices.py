@@ -27,7 +27,8 @@ from typing import Any, Callable, List, Mapping, Optional, Tuple
 
 from ..errors import BackendUnavailableError
 
-GPU_EXTRA_HINT = "pip install axonhpc[gpu]"
+GPU_EXTRA_HINT = ("pip install axonhpc[gpu-cuda12] or axonhpc[gpu-cuda13], for the CUDA major the driver supports: "
+                  "axonhpc info says which")
 
 
 @dataclass(frozen=True)
@@ -88,7 +89,8 @@ def device_facts(import_module: Optional[Callable[[str], Any]] = None) -> Device
     try:
         nccl = import_module("cupy.cuda.nccl")
         if not getattr(nccl, "available", False):
-            problems.append("cupy cannot load NCCL (install nvidia-nccl-cu12, part of axonhpc[gpu])")
+            problems.append("cupy cannot load NCCL (install nvidia-nccl-cu12 or -cu13 for cupy's CUDA major, part of "
+                            "axonhpc[gpu-cuda12] and axonhpc[gpu-cuda13])")
         else:
             nccl_version = nccl_version_tuple(nccl.get_version())
     except Exception as exc:  # noqa: BLE001

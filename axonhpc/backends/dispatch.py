@@ -90,6 +90,9 @@ class DeviceDispatchBackend(Backend):
     def recv(self, buf, src: int, tag: int, async_op: bool) -> Work:
         return self._for(buf).recv(buf, src, tag, async_op)
 
+    def recv_now(self, buf, src: int, tag: int, nonblocking: bool) -> Work:
+        return self._for(buf).recv_now(buf, src, tag, nonblocking)
+
     # -- communicators ------------------------------------------------------------------------
     def _wrap(self, host: Optional[Backend]) -> Optional["DeviceDispatchBackend"]:
         return None if host is None else DeviceDispatchBackend(host, self._make_device)

@@ -23,7 +23,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..errors import AxonError, CollectiveMismatchError, CollectiveTimeoutError, ShapeError
+from ..errors import CollectiveMismatchError, CollectiveTimeoutError, InvalidArgumentError, LocalAbort, ShapeError
 from .base import Backend, CompletedWork, ReduceOp, Work
 
 _POLL = 0.05  # seconds between checks of the abort flag while waiting
@@ -34,10 +34,6 @@ _REDUCERS: Dict[ReduceOp, Callable[[Any, Any], Any]] = {
     ReduceOp.MIN: np.minimum,
     ReduceOp.MAX: np.maximum,
 }
-
-
-class LocalAbort(AxonError):
-    """Another rank of a local world aborted or died."""
 
 
 class _Hub:
@@ -144,7 +140,7 @@ class LocalBackend(Backend):
     def create_world(cls, n: int) -> List["LocalBackend"]:
         """n backends of one new world, one per thread that will use it."""
         if not isinstance(n, (int, np.integer)) or n < 1:
-            raise ValueError(f"a local world needs at least one rank, got {n!r}")
+            raise InvalidArgumentError(f"a local world needs at least one rank, got {n!r}")
         hub = _Hub()
         comm = hub.comm(("world",), tuple(range(int(n))))
         return [cls(comm, r) for r in range(int(n))]
@@ -285,8 +281,10 @@ class LocalBackend(Backend):
                 return False
             msg = box.popleft()
             if msg.size != buf.size or msg.dtype != buf.dtype:
-                raise ShapeError(f"recv from rank {comm.global_ranks[src]} tag {tag}: message is {msg.dtype} "
-                                 f"{msg.shape} but the receive buffer is {buf.dtype} {buf.shape}")
+                raise ShapeError(f"recv from rank {comm.global_ranks[src]} tag {tag}: the incoming message is "
+                                 f"{msg.size} elements of {msg.dtype} {msg.shape} ({msg.nbytes} bytes), but the "
+                                 f"receive buffer is {buf.size} elements of {buf.dtype} {buf.shape} ({buf.nbytes} "
+                                 f"bytes); the message was received and dropped")
             buf[...] = msg.reshape(buf.shape)
             state["taken"] = True
             return True

@@ -33,7 +33,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from .._dtypes import array_module, bfloat16_dtype, is_cupy_array
-from ..errors import BackendUnavailableError, ShapeError
+from ..errors import BackendUnavailableError, InvalidArgumentError, ShapeError
 from ..settings import settings
 from .base import Backend, CompletedWork, ReduceOp, Work
 
@@ -169,6 +169,115 @@ class MPIWork(Work):
         return super()._block(timeout)
 
 
+class _MatchedReceive(Work):
+    """A receive that matches each message before receiving it, so that its size is checked first.
+
+    [Note: checking a receive's size]
+    MPI reports a message longer than the receive buffer only as a raw
+    "Message truncated" error, after the fact, and carries no dtype at all.
+    So a receive first matches the message (``MPI_Mprobe``, or
+    ``MPI_Improbe`` while a wait polls), reads its size (``Get_count`` in
+    bytes) and compares it with the buffer's. On a difference the matched
+    message is received into a scratch buffer (its sender is not left
+    waiting) and ``ShapeError`` names both sizes; otherwise the matched
+    message goes straight into the buffer (``MPI_Mrecv``/``MPI_Imrecv``).
+    A posted ``irecv`` cannot be matched early without changing MPI's
+    semantics (a sender may rely on the receive being posted), so it checks
+    its statuses on completion instead (``_PostedReceive``).
+    """
+
+    def __init__(self, backend: "MPIBackend", buf, flat, blocks, src: int, tag: int):
+        super().__init__(buf)
+        self._backend, self._buf, self._flat = backend, buf, flat
+        self._pending = list(blocks)
+        self._src, self._tag = src, tag
+        self._requests: List[Any] = []
+
+    def _accept(self, message, status, a: int, b: int, blocking: bool):
+        """Receive the matched ``message`` into ``flat[a:b]``, or drop it and raise when its size differs."""
+        MPI = _mpi()
+        got = status.Get_count(MPI.BYTE)
+        want = (b - a) * self._flat.dtype.itemsize
+        if got != want:
+            message.Recv([np.empty(max(got, 1), dtype=np.uint8), got, MPI.BYTE])
+            chunk = None if (a, b) == (0, self._flat.size) else (a, b)
+            raise self._backend._size_problem(self._buf, self._src, self._tag, got, b - a, chunk=chunk)
+        spec = MPIBackend._spec(self._flat, a, b)
+        if blocking:
+            message.Recv(spec)
+            return None
+        return message.Irecv(spec)
+
+    def run_blocking(self) -> Work:
+        comm, MPI = self._backend.comm, _mpi()
+        while self._pending:
+            a, b = self._pending.pop(0)
+            status = MPI.Status()
+            message = comm.Mprobe(self._src, self._tag, status)
+            self._accept(message, status, a, b, blocking=True)
+        return CompletedWork(self._buf)
+
+    def _match(self) -> bool:
+        """Match every chunk whose message has arrived; True once all are matched."""
+        comm, MPI = self._backend.comm, _mpi()
+        while self._pending:
+            status = MPI.Status()
+            message = comm.Improbe(self._src, self._tag, status)
+            if message is None:
+                return False
+            a, b = self._pending.pop(0)
+            self._requests.append(self._accept(message, status, a, b, blocking=False))
+        return True
+
+    def _test(self) -> bool:
+        return self._match() and _mpi().Request.Testall(self._requests)
+
+
+class _PostedReceive(MPIWork):
+    """``irecv``'s posted receives, whose statuses are checked when they complete (see ``_MatchedReceive``)."""
+
+    def __init__(self, steps, buf, problem, facts):
+        super().__init__(steps, buf, sequential=False)
+        self._problem, self._facts = problem, facts
+
+    def _check(self, call) -> Any:
+        MPI = _mpi()
+        statuses = [MPI.Status() for _ in self._requests]
+        buf, blocks, src, tag = self._facts
+        try:
+            done = call(self._requests, statuses)
+        except MPI.Exception as exc:
+            # One request reports ERR_TRUNCATE itself; with statuses MPI reports ERR_IN_STATUS and puts
+            # each request's error code in its status.
+            big = [i for i, s in enumerate(statuses) if MPI.Get_error_class(s.Get_error()) == MPI.ERR_TRUNCATE]
+            if not big and exc.Get_error_class() != MPI.ERR_TRUNCATE:
+                raise
+            a, b = blocks[(big or [0])[0]]
+            raise self._problem(buf, src, tag, None, b - a, larger=True,
+                                chunk=None if len(blocks) == 1 else (a, b)) from None
+        if done is False:
+            return False
+        for (a, b), status in zip(blocks, statuses):
+            got = status.Get_count(MPI.BYTE)
+            if got != (b - a) * buf.dtype.itemsize:
+                raise self._problem(buf, src, tag, got, b - a, chunk=None if len(blocks) == 1 else (a, b))
+        return True
+
+    def _test(self) -> bool:
+        if not self._requests:
+            return True
+        if not self._check(_mpi().Request.Testall):
+            return False
+        return self._advance()
+
+    def _block(self, timeout: Optional[float]) -> bool:
+        if timeout is None and self._requests:
+            self._check(_mpi().Request.Waitall)
+            self._advance()
+            return True
+        return Work._block(self, timeout)
+
+
 class _Plan:
     """Steps of one (possibly chunked) operation: each starts a transfer, then finishes it."""
 
@@ -271,9 +380,9 @@ class MPIBackend(Backend):
     def __init__(self, comm, dup: bool = True):
         MPI = _mpi()
         if comm == MPI.COMM_NULL:
-            raise ValueError("MPIBackend needs a communicator, got MPI.COMM_NULL")
+            raise InvalidArgumentError("MPIBackend needs a communicator, got MPI.COMM_NULL")
         if comm.Is_inter():
-            raise ValueError("MPIBackend needs an intracommunicator, got an intercommunicator")
+            raise InvalidArgumentError("MPIBackend needs an intracommunicator, got an intercommunicator")
         self.comm = comm.Dup() if dup else comm
         # The side channel of timed collectives' arrival notices (see Arrivals): made now, while every
         # rank takes part, because a timeout is exactly when some rank would not come to a Dup.
@@ -451,24 +560,53 @@ class MPIBackend(Backend):
         return plan.run(async_op, sequential=False)
 
     def recv(self, buf, src: int, tag: int, async_op: bool) -> Work:
+        """Receive into ``buf``; see the note of ``_MatchedReceive`` for how sizes are checked.
+
+        Blocking: each chunk's message is matched first (``Mprobe``) and its
+        size compared with the buffer's before any byte lands in it.
+        Non-blocking (``irecv``): the receives are posted at once, as MPI's
+        ``Irecv`` (a sender may depend on it), and their statuses are
+        checked on completion.
+        """
         if self._staged(buf):
             return self._on_host(MPIBackend.recv, (buf, src, tag, async_op), (), (0,))
-        MPI, comm = _mpi(), self.comm
         flat = self._flat(buf)
-        plan = _Plan()
-        for a, b in _blocks(flat.size, self._limit()):
-            spec = self._spec(flat, a, b)
+        blocks = list(_blocks(flat.size, self._limit()))
+        if not async_op:
+            return _MatchedReceive(self, buf, flat, blocks, src, tag).run_blocking()
+        comm = self.comm
+        steps = [(lambda s=self._spec(flat, a, b): comm.Irecv(s, src, tag), None) for a, b in blocks]
+        return _PostedReceive(steps, buf, self._size_problem, (buf, blocks, src, tag))
 
-            def blocking(s=spec, a=a, b=b):
-                status = MPI.Status()
-                comm.Recv(s, src, tag, status)
-                got = status.Get_count(s[2])
-                if got != b - a:
-                    raise ShapeError(f"recv from rank {self.global_ranks[src]} tag {tag}: got {got} elements "
-                                     f"of {buf.dtype}, the receive buffer {buf.shape} expects {b - a}")
+    def recv_now(self, buf, src: int, tag: int, nonblocking: bool) -> Work:
+        """A receive whose caller waits for it at once (a blocking ``recv`` under a timeout).
 
-            plan.add(blocking, lambda s=spec: comm.Irecv(s, src, tag))
-        return plan.run(async_op, buf, sequential=False)
+        Like the blocking ``recv``, each message is matched (``Improbe``, as
+        the wait polls) and its size checked before it is received, so a
+        message larger than ``buf`` is named with its own size.
+        """
+        if self._staged(buf):
+            return self._on_host(MPIBackend.recv_now, (buf, src, tag, nonblocking), (), (0,))
+        flat = self._flat(buf)
+        receive = _MatchedReceive(self, buf, flat, list(_blocks(flat.size, self._limit())), src, tag)
+        return receive if nonblocking else receive.run_blocking()
+
+    def _size_problem(self, buf, src: int, tag: int, got_bytes: Optional[int], want: int, larger: bool = False,
+                      chunk: Optional[Tuple[int, int]] = None) -> ShapeError:
+        """The error of a message whose size differs from the receive buffer's (both sizes named)."""
+        itemsize = buf.dtype.itemsize
+        where = "" if chunk is None else f" (chunk [{chunk[0]}, {chunk[1]}) of the buffer)"
+        buffer = (f"the receive buffer{where} of {want} elements of {buf.dtype} ({want * itemsize} bytes; buffer "
+                  f"shape {tuple(buf.shape)})")
+        if larger:
+            said = (f"the incoming message is larger than {buffer}, so MPI cut it off (a posted irecv cannot tell "
+                    f"the message's full size; a blocking recv names it)")
+        else:
+            elements = f" = {got_bytes // itemsize} elements of {buf.dtype}" if got_bytes % itemsize == 0 else ""
+            said = f"the incoming message holds {got_bytes} bytes{elements}, but {buffer}"
+        return ShapeError(
+            f"recv from rank {self.global_ranks[src]} tag {tag}: {said}; the message was received and dropped. "
+            f"MPI carries no dtype: a message of another dtype shows up as another byte count")
 
     # -- communicators ------------------------------------------------------------
     def announce(self, seq: int, op: str) -> "Arrivals":

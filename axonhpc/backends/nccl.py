@@ -11,6 +11,8 @@ API and have never run.
   communicator. ``ncclCommInitRank`` waits for every rank, so before it the
   ranks vote over MPI on whether each is ready, and all raise together when
   one is not: no rank is left waiting inside NCCL for one that failed early.
+  Then they compare their devices (``shared_device``): NCCL refuses two ranks
+  on one GPU, so that too is refused on every rank before NCCL starts.
 - Streams: each backend issues its NCCL calls on its own non-blocking stream.
   Each call first makes that stream wait for the caller's current stream (so
   the kernels that produced the data have finished), and records an event
@@ -42,6 +44,7 @@ from .._dtypes import is_integer
 from ..errors import BackendUnavailableError, UnsupportedDtypeError
 from .base import Backend, CompletedWork, ReduceOp, Work
 from .devices import nccl_version_tuple
+from .shared_device import agree_distinct_devices, device_identity
 
 NCCL_UNIQUE_ID_BYTES = 128  # NCCL_UNIQUE_ID_BYTES in nccl.h
 
@@ -200,6 +203,16 @@ def _host_bytes_broadcast(host: Backend) -> Callable[[bytes], bytes]:
     return broadcast_bytes
 
 
+def _host_bytes_gather(host: Backend) -> Callable[[bytes], Sequence[bytes]]:
+    def gather(payload: bytes) -> Sequence[bytes]:
+        mine = np.frombuffer(payload, dtype=np.uint8).copy()
+        table = np.empty((host.size, mine.size), dtype=np.uint8)
+        host.all_gather(mine, table, async_op=False).wait()
+        return [row.tobytes() for row in table]
+
+    return gather
+
+
 def _host_flag_gather(host: Backend) -> Callable[[int], Sequence[int]]:
     def gather(flag: int) -> Sequence[int]:
         mine = np.array([flag], dtype=np.int32)
@@ -251,7 +264,7 @@ class NCCLBackend(Backend):
 
     Raises:
         BackendUnavailableError: on every rank, when cupy/NCCL cannot start
-            on any rank.
+            on any rank, or when ranks share a GPU (naming them).
     """
 
     name = "nccl"
@@ -259,7 +272,7 @@ class NCCLBackend(Backend):
     def __init__(self, host: Backend, cupy_module: Any = None, nccl_module: Any = None):
         self._host = host
         self.rank, self.size, self.global_ranks = host.rank, host.size, tuple(host.global_ranks)
-        problem = None
+        problem, identity = None, None
         try:  # everything that can fail on one rank alone, before the ranks vote
             if cupy_module is None:
                 import cupy as cupy_module
@@ -271,9 +284,12 @@ class NCCLBackend(Backend):
                 self.version = nccl_version_tuple(nccl_module.get_version())
                 self._codes = nccl_constants(nccl_module)
                 self._stream = cupy_module.cuda.Stream(non_blocking=True)
+                identity = device_identity(cupy_module)
         except Exception as exc:  # noqa: BLE001 - voted on below
             problem = f"{type(exc).__name__}: {exc}"
         agree_ready(problem, _host_flag_gather(host), self.global_ranks)
+        if self.size > 1:  # NCCL refuses two ranks on one GPU: say so on every rank, before it starts
+            agree_distinct_devices(identity, _host_bytes_gather(host), self.global_ranks)
         self._cp, self._nccl = cupy_module, nccl_module
         uid = bootstrap_unique_id(self.rank, _host_bytes_broadcast(host), nccl_module.get_unique_id)
         self._comm = self._communicator(uid)

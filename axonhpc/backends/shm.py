@@ -19,11 +19,12 @@ the settings, which every rank reads from the same environment.
 from __future__ import annotations
 
 import atexit
+import os
 from typing import Any, List, Optional
 
 import numpy as np
 
-from ..errors import ConfigurationError
+from ..errors import ConfigurationError, InvalidArgumentError, SharedMemoryError
 from ..settings import settings
 
 _ATTR = "_axonhpc_shm"  # where a backend keeps its engine (or False: not one node)
@@ -119,6 +120,53 @@ def engine_for(backend: Any, slot_bytes: int, nslots: int, one_node: Optional[bo
     return window.engine if window else None
 
 
+SHM_DIR = "/dev/shm"  # where MPI's shared windows live on Linux (a tmpfs, often small in containers)
+
+
+def free_shm_bytes(path: str = SHM_DIR) -> Optional[int]:
+    """Bytes an unprivileged process may still write under ``path``, or None where it cannot be told."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    return int(st.f_bavail) * int(st.f_frsize)
+
+
+def check_room(comm: Any, segment: int, nbytes: int) -> None:
+    """Refuse, on every rank alike, a window the node's shared memory cannot hold (collective over ``comm``).
+
+    A tmpfs that runs out does not fail the allocation: the first write past
+    its end kills the process with SIGBUS, and the other ranks wait forever.
+    So every rank tells the others its segment size and the free bytes it
+    sees under ``/dev/shm`` (one all-gather of two numbers), and all decide
+    from the same numbers before anything is allocated or written.
+
+    Raises:
+        SharedMemoryError: the segments of all ranks do not fit in the least
+            free space any rank saw.
+    """
+    from mpi4py import MPI
+
+    from .._ext import _shm
+
+    free = free_shm_bytes()
+    mine = np.array([_shm.CTRL_BYTES + segment, -1 if free is None else free], dtype=np.int64)
+    table = np.empty((comm.Get_size(), 2), dtype=np.int64)
+    comm.Allgather([mine, MPI.INT64_T], [table, MPI.INT64_T])
+    need = int(table[:, 0].sum())
+    seen = table[:, 1]
+    if (seen < 0).all() or need <= int(seen[seen >= 0].min()):
+        return
+    least = int(seen[seen >= 0].min())
+    who = int(np.flatnonzero(seen == least)[0])
+    raise SharedMemoryError(
+        f"shared_memory_array of {nbytes} bytes: the {len(table)} ranks of this node need {need} bytes "
+        f"({need / 2**20:.1f} MiB: a segment of {segment} bytes plus {_shm.CTRL_BYTES} of counters each) in "
+        f"{SHM_DIR}, but only {least} bytes ({least / 2**20:.1f} MiB) are free there (as seen by group rank {who}); "
+        f"nothing was allocated or written. Enlarge {SHM_DIR} (docker run --shm-size=..., or the tmpfs size), use a "
+        f"smaller array, or set AXONHPC_SHM_COLLECTIVES=off for plain memory")
+
+
 def allocate_array(backend: Any, nbytes: int, one_node: Optional[bool] = None) -> Optional[np.ndarray]:
     """``nbytes`` of this rank's memory in a shared window of its own, or None (collective).
 
@@ -126,11 +174,17 @@ def allocate_array(backend: Any, nbytes: int, one_node: Optional[bool] = None) -
     its own segment, and ``engine_in_window`` finds the engine that reduces
     such arrays in place. None where ``engine_for`` would give None. The
     window lives as long as the process (freeing it would be collective).
+
+    Raises:
+        SharedMemoryError: the node's ``/dev/shm`` cannot hold the arrays of
+            all its ranks (``check_room``); raised on every rank alike.
     """
     backend = getattr(backend, "host", backend)
     if engine_for(backend, settings.shm_slot_bytes, settings.shm_slots, one_node) is None:  # not one node
         return None
-    window = SharedWindow(backend.comm, max(4096, -(-int(nbytes) // 4096) * 4096), 1)
+    segment = max(4096, -(-int(nbytes) // 4096) * 4096)
+    check_room(backend.comm, segment, int(nbytes))
+    window = SharedWindow(backend.comm, segment, 1)
     array = window.data[:int(nbytes)]
     start = array.ctypes.data
     global ANY_ARRAYS
@@ -153,7 +207,7 @@ def free_array(backend: Any, array: np.ndarray) -> None:
             arrays.remove(entry)
             entry[2].close()
             return
-    raise ValueError("free_array: the array was not allocated by allocate_array on this backend")
+    raise InvalidArgumentError("free_array: the array was not allocated by allocate_array on this backend")
 
 
 def engine_in_window(backend: Any, x: np.ndarray) -> Optional[Any]:

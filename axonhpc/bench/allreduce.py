@@ -42,6 +42,7 @@ import numpy as np
 
 from ..backends import ReduceOp
 from ..collectives import all_reduce
+from ..errors import InvalidArgumentError
 from ..groups import init
 from ..settings import ALGORITHMS, settings
 from .timing import human_bytes, median_times, pin_blas_threads
@@ -231,9 +232,9 @@ def parse_algorithms(text: Optional[str]) -> List[str]:
     names = [name.strip().lower() for name in text.split(",") if name.strip()]
     unknown = [name for name in names if name not in ALGORITHMS]
     if unknown:
-        raise ValueError(f"unknown all-reduce algorithm(s) {unknown}; use some of {', '.join(ALGORITHMS)}")
+        raise InvalidArgumentError(f"unknown all-reduce algorithm(s) {unknown}; use some of {', '.join(ALGORITHMS)}")
     if len(set(names)) != len(names):
-        raise ValueError(f"--algorithms repeats a name: {names}")
+        raise InvalidArgumentError(f"--algorithms repeats a name: {names}")
     return names
 
 

@@ -37,6 +37,7 @@ from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
+from ..errors import InvalidArgumentError
 from ..mpiexec import NOT_FOUND, find_mpiexec
 from .jobs import BenchError, check_counts, run_worker_job, write_result
 from .timing import human_bytes, pin_blas_threads
@@ -61,9 +62,9 @@ def parse_sizes(text: str) -> List[int]:
     try:
         sizes = [int(s) for s in text.split(",") if s.strip()]
     except ValueError:
-        raise ValueError(f"--sizes must be comma-separated integers, got {text!r}") from None
+        raise InvalidArgumentError(f"--sizes must be comma-separated integers, got {text!r}") from None
     if len(sizes) < 2 or min(sizes) < 1:
-        raise ValueError(f"--sizes needs at least two positive widths (input, ..., classes), got {text!r}")
+        raise InvalidArgumentError(f"--sizes needs at least two positive widths (input, ..., classes), got {text!r}")
     return sizes
 
 

@@ -14,13 +14,10 @@ import sys
 import tempfile
 from typing import Any, Dict, List, Sequence
 
+from ..errors import BenchError
 from ..mpiexec import mpiexec_flavour
 
 THREAD_ENV = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
-
-
-class BenchError(RuntimeError):
-    """A worker job could not be started, failed, or timed out."""
 
 
 def worker_env() -> Dict[str, str]:

@@ -77,15 +77,29 @@ def run(bandwidth_cases: Optional[Sequence[Tuple[int, int]]] = None,
     return rows
 
 
-def main() -> None:
-    """Print the table of ``run()``."""
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Print the table of ``run()`` (``axonhpc bench pack``; no options but ``--help``).
+
+    Args:
+        argv: the command-line words after ``pack`` (None: none).
+
+    Returns:
+        0, the exit status.
+    """
+    import argparse
+
+    argparse.ArgumentParser(prog="axonhpc bench pack",
+                            description="The compiled pack against numpy.copyto / numpy.concatenate, in this one "
+                                        "process (no MPI needed); prints one row per case.").parse_args(
+        [] if argv is None else list(argv))
     print(f"{'case':>20} {'MB':>10} {'pack':>10} {'baseline':>10} {'pack GB/s':>10} "
           f"{'base GB/s':>10} {'base/pack':>10}  baseline")
     for r in run():
         print(f"{r['case']:>20} {r['nbytes'] / 1e6:10.3f} {r['ours_s'] * 1e6:8.1f}us "
               f"{r['baseline_s'] * 1e6:8.1f}us {r['ours_gbps']:10.2f} {r['baseline_gbps']:10.2f} "
               f"{r['ratio']:10.2f}  {r['baseline']}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -30,6 +30,7 @@ from typing import List, Optional, Sequence
 
 import numpy as np
 
+from ..errors import InvalidArgumentError
 from ..mpiexec import NOT_FOUND, find_mpiexec
 from .jobs import BenchError, check_counts, run_worker_job, write_result
 from .timing import pin_blas_threads
@@ -57,9 +58,9 @@ def parse_ranks(text: str) -> List[int]:
     try:
         ranks = [int(s) for s in text.split(",") if s.strip()]
     except ValueError:
-        raise ValueError(f"--ranks must be comma-separated integers, got {text!r}") from None
+        raise InvalidArgumentError(f"--ranks must be comma-separated integers, got {text!r}") from None
     if not ranks or min(ranks) < 2:
-        raise ValueError(f"--ranks needs rank counts of at least 2, got {text!r}")
+        raise InvalidArgumentError(f"--ranks needs rank counts of at least 2, got {text!r}")
     return ranks
 
 

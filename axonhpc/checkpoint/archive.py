@@ -42,7 +42,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 from numpy.lib import format as npy_format
 
-from ..errors import CheckpointError
+from ..errors import CheckpointEntryError, CheckpointError
 
 MAX_DEFLATE_RATIO = 1032  # deflate's own ceiling: at most 258 bytes out per 2 bits in
 MAX_HEADER_BYTES = 10_000  # numpy.load's own limit on a .npy header
@@ -53,8 +53,8 @@ _LOCAL_HEADER = struct.Struct("<4s2B4HL2L2H")  # zip local file header, 30 bytes
 _PLAIN_KINDS = "biufc"
 
 
-class EntryRefused(Exception):
-    """One entry cannot be read safely; the message names the entry and the offending values."""
+# One entry cannot be read safely; the message names the entry and the offending values.
+EntryRefused = CheckpointEntryError
 
 
 def _shape_text(shape: Sequence[int]) -> str:

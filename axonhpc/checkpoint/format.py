@@ -46,7 +46,7 @@ from typing import Any, Dict, List, Tuple
 import numpy as np
 
 from .._dtypes import is_cupy_array
-from ..errors import CheckpointError
+from ..errors import ArgumentTypeError, CheckpointError, InvalidArgumentError
 from .archive import Archive, EntryRefused
 
 FORMAT_NAME = "axonhpc-checkpoint"
@@ -252,7 +252,7 @@ class _Decoder:
                 out = {}
                 for key, item in node["items"]:
                     if not isinstance(key, str):
-                        raise TypeError(f"dict key {key!r} is not a str")
+                        raise ArgumentTypeError(f"dict key {key!r} is not a str")
                     out[key] = self.node(item, where + (key,))
                 return out
             if tag in ("list", "tuple"):
@@ -263,18 +263,18 @@ class _Decoder:
             if tag in ("bool", "str"):
                 value = node["v"]
                 if not isinstance(value, bool if tag == "bool" else str):
-                    raise TypeError(f"a {tag} node holds {type(value).__name__}")
+                    raise ArgumentTypeError(f"a {tag} node holds {type(value).__name__}")
                 return value
             if tag == "int":
                 if not isinstance(node["v"], (str, int)) or isinstance(node["v"], bool):
-                    raise TypeError(f"an int node holds {type(node['v']).__name__}")
+                    raise ArgumentTypeError(f"an int node holds {type(node['v']).__name__}")
                 return int(node["v"])
             if tag == "float":
                 return _decode_float(node["v"])
             if tag in ("array", "scalar"):
                 array = self._array(node, where)
                 if tag == "scalar" and array.ndim != 0:
-                    raise ValueError(f"a scalar of shape {array.shape}")
+                    raise InvalidArgumentError(f"a scalar of shape {array.shape}")
                 return array[()] if tag == "scalar" else array
         except (KeyError, TypeError, ValueError) as exc:
             raise self.fail(where, f"malformed metadata node {_brief(node)} ({type(exc).__name__}: {exc})") from exc
@@ -284,20 +284,20 @@ class _Decoder:
         shape = node["shape"]
         if (not isinstance(shape, list) or len(shape) > MAX_NDIM
                 or not all(type(d) is int and d >= 0 for d in shape)):
-            raise ValueError(f"shape {shape!r} is not a list of at most {MAX_NDIM} non-negative integers")
+            raise InvalidArgumentError(f"shape {shape!r} is not a list of at most {MAX_NDIM} non-negative integers")
         return tuple(shape)
 
     def _array(self, node: Dict[str, Any], where: Tuple[Any, ...]) -> np.ndarray:
         entry, dtype_text, shape = node["entry"], node["dtype"], self._shape(node)
         if not isinstance(entry, str) or not isinstance(dtype_text, str) or not isinstance(node["sha256"], str):
-            raise TypeError("entry, dtype and sha256 must be strings")
+            raise ArgumentTypeError("entry, dtype and sha256 must be strings")
         if entry in self.used:
             raise self.fail(where, f"entry {entry!r} is described twice in the metadata")
         ml_dtype = None
         if dtype_text.startswith(("<", ">", "|", "=")):
             expected = np.dtype(dtype_text)
             if expected.kind not in _PLAIN_KINDS or expected.fields is not None or expected.subdtype is not None:
-                raise ValueError(f"dtype {dtype_text!r} is not a plain bool, integer, float or complex dtype")
+                raise InvalidArgumentError(f"dtype {dtype_text!r} is not a plain bool, integer, float or complex dtype")
         else:
             ml_dtype = _ml_dtype(dtype_text, self.source, where)
             expected = np.dtype(f"<u{ml_dtype.itemsize}")

@@ -16,7 +16,7 @@ from typing import Any, Dict, Optional, Union
 
 import numpy as np
 
-from ..errors import CheckpointError
+from ..errors import ArgumentTypeError, CheckpointError
 
 RNG = Union[np.random.Generator, np.random.RandomState]
 
@@ -43,7 +43,7 @@ def capture_rng_state(generator: Optional[RNG] = None) -> Dict[str, Any]:
         return {"kind": "random_state", "state": copy.deepcopy(generator.get_state(legacy=False))}
     if generator is None:
         return {"kind": "global", "state": copy.deepcopy(np.random.get_state(legacy=False))}
-    raise TypeError(f"capture_rng_state takes a numpy Generator, RandomState or None, "
+    raise ArgumentTypeError(f"capture_rng_state takes a numpy Generator, RandomState or None, "
                     f"got {type(generator).__name__}")
 
 

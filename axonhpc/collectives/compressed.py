@@ -31,7 +31,7 @@ import numpy as np
 
 from .._dtypes import array_module, bfloat16_dtype, check_array
 from ..backends.base import ReduceOp
-from ..errors import ShapeError, UnsupportedDtypeError
+from ..errors import InvalidArgumentError, ShapeError, UnsupportedDtypeError
 from ..groups import ProcessGroup
 from . import flight
 from .core import _member, _start
@@ -54,7 +54,7 @@ def wire_dtype(name: str) -> np.dtype:
         if bf16 is None:
             raise UnsupportedDtypeError("bfloat16 compression needs ml_dtypes (pip install axonhpc[bf16])")
         return bf16
-    raise ValueError(f"unknown wire dtype {name!r}; use one of {WIRE_DTYPES}")
+    raise InvalidArgumentError(f"unknown wire dtype {name!r}; use one of {WIRE_DTYPES}")
 
 
 def _compressed(x: Any, wire: str, pg: ProcessGroup, what: str) -> Any:

@@ -23,7 +23,7 @@ from .. import tracing
 from .._dtypes import array_module, check_array, is_low_precision_float, is_supported
 from ..backends import shm as shm_backend
 from ..backends.base import CompletedWork, ReduceOp, Work
-from ..errors import CollectiveTimeoutError, ShapeError
+from ..errors import CollectiveTimeoutError, InvalidArgumentError, RankError, ReadOnlyBufferError, ShapeError
 from ..groups import ProcessGroup, resolve_group
 from ..settings import settings
 from . import algorithms, fingerprint, flight, shm_path, watch
@@ -368,14 +368,21 @@ def reduce_scatter_mean(x, group=None, async_op=False):
 def broadcast(x, src: int = 0, group: Optional[ProcessGroup] = None, async_op: bool = False):
     """Copy ``x`` of group rank ``src`` into ``x`` on every rank (in place).
 
+    ``x`` must be writable on every rank, the source included: the call
+    writes into it everywhere but on the source, and a check that only the
+    receivers made would leave the source sending to ranks that had already
+    refused (the source would wait forever). So every rank refuses a
+    read-only buffer alike, before anything is sent.
+
     Raises:
         RankError: ``src`` out of range for the group.
+        ReadOnlyBufferError: ``x`` is read-only (on any rank that passes one).
     """
     if not async_op and type(src) is int:
-        route = _plain_route(x, group, writable=False)
+        route = _plain_route(x, group, writable=True)
         if route is not None:
             pg, engine, backend = route
-            if 0 <= src < pg.size and (pg.rank == src or x.flags.writeable):
+            if 0 <= src < pg.size:
                 call = ((lambda: engine.broadcast(x, src)) if engine is not None and x.nbytes >= settings.shm_min_bytes
                         else (lambda: _finish(backend.broadcast(x, src, False))) if backend is not None else None)
                 if call is not None:
@@ -383,7 +390,13 @@ def broadcast(x, src: int = 0, group: Optional[ProcessGroup] = None, async_op: b
                     return None
     pg = _member(group, "broadcast")
     src = pg.check_rank(src, "broadcast src")
-    check_array(x, "broadcast buffer", writable=pg.rank != src)
+    if isinstance(x, np.ndarray) and not x.flags.writeable:
+        role = " (the source)" if pg.rank == src else ""
+        raise ReadOnlyBufferError(
+            f"broadcast buffer ({x.dtype} array of shape {x.shape}) on group rank {pg.rank}{role} of group "
+            f"{pg.name} is read-only; a broadcast buffer must be writable on every rank, the source included "
+            f"(src={src}), so that every rank refuses it alike before anything is sent")
+    check_array(x, "broadcast buffer", writable=True)
     label = _start(pg, "broadcast", x, root=src)
     backend = pg.backend
     node = shm_path.path(pg, x, "broadcast", reduction=False)
@@ -518,7 +531,7 @@ def barrier(group: Optional[ProcessGroup] = None, async_op: bool = False):
 # -- point to point ------------------------------------------------------------------------
 def _check_tag(tag: int) -> int:
     if isinstance(tag, bool) or not hasattr(tag, "__index__") or int(tag) < 0:
-        raise ValueError(f"tag must be a non-negative integer, got {tag!r}")
+        raise InvalidArgumentError(f"tag must be a non-negative integer, got {tag!r}")
     return int(tag)
 
 
@@ -526,20 +539,37 @@ def _p2p(kind: str, x, peer: int, tag: int, group, async_op: bool, writable: boo
     pg = _member(group, kind)
     peer = pg.check_rank(peer, f"{kind} {'src' if kind.endswith('recv') else 'dst'}")
     tag = _check_tag(tag)
+    if kind == "send" and peer == pg.rank:
+        raise RankError(f"send: dst={peer} is this rank itself (group rank {pg.rank} of group {pg.name}); a blocking "
+                        f"send to oneself waits for a receive that this rank could only post after it returns: use "
+                        f"isend (then recv, then wait on the isend's Work)")
     check_array(x, f"{kind} buffer", writable=writable)
     backend = pg.backend
     label = f"{kind} with group rank {peer} (tag {tag}) on group {pg.name}"  # p2p: no sequence number
-    call = backend.recv if writable else backend.send
+    # A blocking recv is waited for at once, so the backend may match the message and check its size
+    # before receiving it (recv_now); irecv keeps MPI's posted-receive semantics.
+    call = (backend.recv if async_op else backend.recv_now) if writable else backend.send
     return _run(pg, label, lambda nb: call(x, peer, tag, nb), async_op)
 
 
 def send(x, dst: int, tag: int = 0, group: Optional[ProcessGroup] = None) -> None:
-    """Send ``x`` to group rank ``dst`` (returns once ``x`` may be reused)."""
+    """Send ``x`` to group rank ``dst`` (returns once ``x`` may be reused).
+
+    Raises:
+        RankError: ``dst`` is out of range, or this rank itself (a blocking send to oneself could wait forever;
+            ``isend`` to oneself works).
+    """
     _p2p("send", x, dst, tag, group, False, writable=False)
 
 
 def recv(x, src: int, tag: int = 0, group: Optional[ProcessGroup] = None):
-    """Fill ``x`` with the message from group rank ``src``; returns ``x``."""
+    """Fill ``x`` with the message from group rank ``src``; returns ``x``.
+
+    Raises:
+        ShapeError: the message's size differs from ``x``'s (both sizes in the message; the message is
+            consumed, so its sender is not left waiting). The in-process backend also compares dtypes;
+            MPI carries no dtype, so there a message of another dtype is found when its byte size differs.
+    """
     return _p2p("recv", x, src, tag, group, False, writable=True)
 
 

@@ -15,12 +15,12 @@ from typing import Iterator
 
 import numpy as np
 
-from ..errors import ConfigurationError, RankError
+from ..errors import ArgumentTypeError, ConfigurationError, RankError
 
 
 def _check_int(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"DistributedSampler {name} must be an int, got {type(value).__name__} {value!r}")
+        raise ArgumentTypeError(f"DistributedSampler {name} must be an int, got {type(value).__name__} {value!r}")
     return int(value)
 
 

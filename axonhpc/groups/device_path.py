@@ -11,7 +11,10 @@
 4. For "auto" and "nccl" every rank votes over MPI on NCCL (each needs the
    facts above and a device of its own; a rank without them still votes,
    or the others would wait for it): "auto" uses NCCL only when every rank
-   can, "nccl" raises on every rank when one cannot. Then the world's backend becomes a
+   can, "nccl" raises on every rank when one cannot. The NCCL backend then
+   checks, on every rank alike, that no two ranks share a GPU (the counts
+   above cannot see every such case); "auto" falls back to MPI when it
+   refuses, "nccl" raises. Then the world's backend becomes a
    ``DeviceDispatchBackend``: numpy arrays over MPI, cupy arrays over NCCL.
    Without NCCL, cupy arrays go to MPI, directly when MPI is CUDA-aware and
    staged through pinned host memory otherwise.
@@ -128,7 +131,15 @@ def agree_on_nccl(world: World, requested: str, choice: BackendChoice, facts: De
 
     if make_device is None:
         from ..backends.nccl import NCCLBackend as make_device
-    return World(DeviceDispatchBackend(world.backend, make_device), launcher), choice
+    try:
+        backend = DeviceDispatchBackend(world.backend, make_device)
+    except BackendUnavailableError as exc:
+        # Raised on every rank alike (the backend's own votes: readiness, ranks sharing a GPU), so
+        # every rank takes the same way out here.
+        if requested == "nccl":
+            raise
+        return world, BackendChoice("mpi", None, f"auto: NCCL refused ({exc}), so device arrays go through MPI")
+    return World(backend, launcher), choice
 
 
 def device_report() -> Dict[str, Any]:

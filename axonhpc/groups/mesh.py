@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Dict, NamedTuple
 
-from ..errors import ConfigurationError
+from ..errors import ConfigurationError, GroupMismatchError, InvalidKeyError
+from .agreement import compare
 
 if TYPE_CHECKING:  # pragma: no cover
     from .process_group import ProcessGroup
@@ -28,6 +29,15 @@ def mesh_coords(rank: int, dp: int, tp: int) -> MeshCoords:
     return MeshCoords(rank // (dp * tp), (rank // tp) % dp, rank % tp)
 
 
+def _check_sizes(sizes: Dict[str, int], world_size: int) -> None:
+    for name, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigurationError(f"mesh dimension {name} must be a positive integer, got {value!r}")
+    dp, tp, pp = sizes["dp"], sizes["tp"], sizes["pp"]
+    if dp * tp * pp != world_size:
+        raise ConfigurationError(f"mesh dp={dp} x tp={tp} x pp={pp} = {dp * tp * pp} ranks, but the world has {world_size}")
+
+
 class Mesh:
     """One ProcessGroup per dimension, plus this rank's coordinates.
 
@@ -36,25 +46,41 @@ class Mesh:
     """
 
     def __init__(self, world: "World", dp: int = 1, tp: int = 1, pp: int = 1):
+        """Collective over the world: every rank must pass the same sizes (compared first, see ``agreement``).
+
+        Raises:
+            ConfigurationError: a size is not a positive integer, or the sizes do not multiply to the world size.
+            GroupMismatchError: ranks passed different sizes (on every rank, naming them).
+        """
         sizes = {"dp": dp, "tp": tp, "pp": pp}
-        for name, value in sizes.items():
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigurationError(f"mesh dimension {name} must be a positive integer, got {value!r}")
-        if dp * tp * pp != world.world_size:
-            raise ConfigurationError(
-                f"mesh dp={dp} x tp={tp} x pp={pp} = {dp * tp * pp} ranks, but the world has {world.world_size}"
-            )
+        problem = None
+        try:
+            _check_sizes(sizes, world.world_size)
+        except ConfigurationError as exc:
+            problem = exc
+        if world.world_size > 1:
+            seen = compare(world.default_group, problem is None, f"dp={dp!r}, tp={tp!r}, pp={pp!r}", same=True)
+            texts = set() if seen is None else {text for _, text in seen}
+            if len(texts) > 1:
+                passed = "; ".join(f"rank {r} passed mesh({text})" for r, (_, text) in enumerate(seen))
+                raise GroupMismatchError(f"mesh: the ranks passed different sizes ({passed}); every rank must pass "
+                                         f"the same, and every rank raises this") from problem
+        if problem is not None:
+            raise problem
         self.shape: Dict[str, int] = sizes
         self.coords = mesh_coords(world.rank, dp, tp)
         c = self.coords
         # Every rank takes part in every split, in the same order.
-        self.tp: "ProcessGroup" = world._split_group(world.default_group, c.pp * dp + c.dp, c.tp, name="mesh.tp")
-        self.dp: "ProcessGroup" = world._split_group(world.default_group, c.pp * tp + c.tp, c.dp, name="mesh.dp")
-        self.pp: "ProcessGroup" = world._split_group(world.default_group, c.dp * tp + c.tp, c.pp, name="mesh.pp")
+        self.tp: "ProcessGroup" = world._split_group(world.default_group, c.pp * dp + c.dp, c.tp, name="mesh.tp",
+                                                        trusted=True)
+        self.dp: "ProcessGroup" = world._split_group(world.default_group, c.pp * tp + c.tp, c.dp, name="mesh.dp",
+                                                        trusted=True)
+        self.pp: "ProcessGroup" = world._split_group(world.default_group, c.dp * tp + c.tp, c.pp, name="mesh.pp",
+                                                        trusted=True)
 
     def __getitem__(self, name: str) -> "ProcessGroup":
         if name not in DIMENSIONS:
-            raise KeyError(f"mesh has dimensions {DIMENSIONS}, not {name!r}")
+            raise InvalidKeyError(f"mesh has dimensions {DIMENSIONS}, not {name!r}")
         return getattr(self, name)
 
     def __repr__(self) -> str:

@@ -8,12 +8,12 @@ import traceback
 from typing import Any, Callable, List, Optional, Tuple
 
 from .. import tracing
+from ..errors import ConfigurationError, InvalidGroupError
 from ..log import get_logger, set_rank_source
-from ..settings import settings
+from ..settings import BACKENDS, settings
 from .process_group import ProcessGroup
 from .world import World
 
-_BACKENDS = ("auto", "mpi", "nccl", "local")
 _global_world: Optional[World] = None
 
 
@@ -48,7 +48,7 @@ def init(comm=None, backend: Optional[str] = None, debug: Optional[bool] = None,
 
     Raises:
         BackendUnavailableError: the requested backend cannot work here.
-        ValueError: unknown backend name.
+        ConfigurationError: unknown backend name (also a ``ValueError``).
     """
     global _global_world
     if debug is not None:
@@ -57,9 +57,11 @@ def init(comm=None, backend: Optional[str] = None, debug: Optional[bool] = None,
         settings.timeout = float(timeout) if timeout > 0 else None
     if comm is None and _global_world is not None:
         return _global_world
-    choice = (backend or settings.backend or "auto").lower()
-    if choice not in _BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; use one of {_BACKENDS}")
+    given = backend if backend is not None else settings.backend
+    choice = given.lower() if isinstance(given, str) else given
+    if choice not in BACKENDS:
+        where = "init(backend=...)" if backend is not None else "ax.settings.backend (AXONHPC_BACKEND)"
+        raise ConfigurationError(f"unknown backend {given!r} from {where}; use one of: {', '.join(BACKENDS)}")
     if choice == "local":
         world = World.mock()
     else:
@@ -87,7 +89,7 @@ def resolve_group(group: Optional[ProcessGroup]) -> ProcessGroup:
     if group is None:
         return current_world().default_group
     if not isinstance(group, ProcessGroup):
-        raise TypeError(f"group must be a ProcessGroup or None, got {type(group).__name__}")
+        raise InvalidGroupError(f"group must be a ProcessGroup or None, got {type(group).__name__}")
     return group
 
 

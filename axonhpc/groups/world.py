@@ -2,14 +2,15 @@
 from __future__ import annotations
 
 import warnings
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from ..backends.base import Backend
-from ..errors import RankError
+from ..errors import GroupMismatchError, InvalidArgumentError, RankError
 from ..log import get_logger
 from ..settings import LauncherEnv
+from .agreement import compare, show
 from .mesh import Mesh
 from .process_group import ProcessGroup
 
@@ -85,11 +86,43 @@ class World:
     def new_group(self, ranks: Sequence[int], name: Optional[str] = None) -> ProcessGroup:
         """A ProcessGroup of these global ranks, in this order; every rank must call it.
 
+        Every rank must pass the same list. The ranks compare their lists
+        first (one all-gather of three numbers per rank over the world), so
+        a rank that passed another list, or one that cannot work, makes
+        every rank raise instead of leaving the others waiting in the
+        group's creation.
+
         Raises:
             RankError: a rank is not an integer, out of range, or repeated; or
-                the list is empty.
+                the list is empty (on every rank, when every rank passed it).
+            GroupMismatchError: ranks passed different lists; raised on every
+                rank, naming which ranks passed which list.
         """
         ranks = list(ranks)
+        problem: Optional[RankError] = None
+        try:
+            ranks = self._checked_ranks(ranks)
+        except RankError as exc:
+            problem = exc
+        if self.world_size > 1:
+            seen = compare(self.default_group, problem is None, show(ranks), same=True)
+            if seen is not None:
+                by_list: Dict[str, List[int]] = {}
+                for rank, (_, text) in enumerate(seen):
+                    by_list.setdefault(text, []).append(rank)
+                if len(by_list) > 1:
+                    passed = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {rs if len(rs) > 1 else rs[0]} passed {text}"
+                                       for text, rs in sorted(by_list.items(), key=lambda item: item[1][0]))
+                    raise GroupMismatchError(
+                        f"new_group: the ranks passed different lists ({passed}); every rank must pass the same "
+                        f"ranks in the same order, and every rank raises this") from problem
+        if problem is not None:
+            raise problem
+        backend = self.backend.create_group(ranks)
+        return ProcessGroup(self, backend, ranks, name or f"group{ranks}").prepare_shared_memory()
+
+    def _checked_ranks(self, ranks: List) -> List[int]:
+        """``ranks`` as ints, or RankError: not integers, empty, out of range or repeated."""
         if not ranks:
             raise RankError("new_group needs at least one rank, got an empty list")
         for r in ranks:
@@ -106,9 +139,7 @@ class World:
             seen.add(int(r))
         if dups:
             raise RankError(f"new_group ranks {ranks} repeat {sorted(set(dups))}")
-        ranks = [int(r) for r in ranks]
-        backend = self.backend.create_group(ranks)
-        return ProcessGroup(self, backend, ranks, name or f"group{ranks}").prepare_shared_memory()
+        return [int(r) for r in ranks]
 
     def split(self, color: Optional[int], key: int = 0) -> ProcessGroup:
         """Collective: like ``MPI_Comm_split`` of the world.
@@ -117,17 +148,40 @@ class World:
             color: ranks with the same color form one group; None (or a
                 negative number) joins none and gets a non-member group.
             key: orders ranks inside a group; ties keep world-rank order.
+
+        Raises:
+            InvalidArgumentError: ``color`` or ``key`` is not an integer, on
+                every rank when every rank passed such a value.
+            GroupMismatchError: some ranks passed a ``color`` or ``key`` that
+                is not an integer and others did not; raised on every rank,
+                naming those ranks and their values (the ranks check each
+                other's arguments first: one all-gather of three numbers per
+                rank over the parent group).
         """
         return self._split_group(self.default_group, color, key)
 
     def _split_group(self, parent: ProcessGroup, color: Optional[int], key: int,
-                     name: Optional[str] = None) -> ProcessGroup:
+                     name: Optional[str] = None, trusted: bool = False) -> ProcessGroup:
+        """``split`` of ``parent``; ``trusted``: the library computed the arguments (skips their exchange)."""
+        problem: Optional[InvalidArgumentError] = None
         if color is not None:
             if isinstance(color, bool) or not hasattr(color, "__index__"):
-                raise ValueError(f"split color must be an integer or None, got {color!r}")
-            color = None if int(color) < 0 else int(color)
-        if isinstance(key, bool) or not hasattr(key, "__index__"):
-            raise ValueError(f"split key must be an integer, got {key!r}")
+                problem = InvalidArgumentError(f"split color must be an integer or None, got {color!r}")
+            else:
+                color = None if int(color) < 0 else int(color)
+        if problem is None and (isinstance(key, bool) or not hasattr(key, "__index__")):
+            problem = InvalidArgumentError(f"split key must be an integer, got {key!r}")
+        if not trusted and parent.size > 1:
+            seen = compare(parent.require_member("split"), problem is None, f"color={color!r}, key={key!r}",
+                            same=False)
+            if seen is not None and not all(not ok for ok, _ in seen):
+                bad = "; ".join(f"rank {parent.ranks[r]} passed {text}" for r, (ok, text) in enumerate(seen) if not ok)
+                raise GroupMismatchError(
+                    f"split of group {parent.name}: some ranks passed a color or key that is not an integer ({bad}); "
+                    f"color must be an integer or None and key an integer, on every rank, and every rank of the "
+                    f"group raises this") from problem
+        if problem is not None:
+            raise problem
         backend = parent.backend.split(color, int(key))
         if backend is None:
             return ProcessGroup(self, None, (), name or f"split(color=None) of {parent.name}")
@@ -139,7 +193,8 @@ class World:
 
     def node_group(self) -> ProcessGroup:
         """Collective: the group of the ranks on this node (in world-rank order)."""
-        return self._split_group(self.default_group, self.node_rank, self.rank, name=f"node{self.node_rank}")
+        return self._split_group(self.default_group, self.node_rank, self.rank, name=f"node{self.node_rank}",
+                                 trusted=True)
 
     def mesh(self, dp: int = 1, tp: int = 1, pp: int = 1) -> Mesh:
         """Collective: dp/tp/pp groups whose sizes multiply to the world size (tp fastest)."""
@@ -152,3 +207,4 @@ class World:
     def __repr__(self) -> str:
         return (f"World(rank={self.rank}, world_size={self.world_size}, backend={self.backend.name}, "
                 f"local_rank={self.local_rank}/{self.local_size}, node={self.node_rank}/{self.num_nodes})")
+

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Any, Iterator
 
+from ..errors import ArgumentTypeError
 from .module import Module
 
 
@@ -27,7 +28,7 @@ class Sequential(Module):
     def append(self, module: Module) -> "Sequential":
         """Add ``module`` at the end; returns self."""
         if not isinstance(module, Module):
-            raise TypeError(f"Sequential takes Modules, got {type(module).__name__}")
+            raise ArgumentTypeError(f"Sequential takes Modules, got {type(module).__name__}")
         setattr(self, str(len(self._modules)), module)
         return self
 

@@ -6,7 +6,7 @@ from typing import Any
 import numpy as np
 
 from .._dtypes import array_module
-from ..errors import ConfigurationError, ShapeError
+from ..errors import ConfigurationError, ShapeError, UnsupportedDtypeError
 from . import _init
 from .module import Module
 from .parameter import Parameter
@@ -58,7 +58,7 @@ class Embedding(Module):
             ShapeError: an index outside [0, num_embeddings).
         """
         if indices.dtype.kind not in "iu":
-            raise TypeError(f"Embedding indices must be integers, got dtype {indices.dtype}")
+            raise UnsupportedDtypeError(f"Embedding indices must be integers, got dtype {indices.dtype}")
         if indices.size:
             lo, hi = int(indices.min()), int(indices.max())
             if lo < 0 or hi >= self.num_embeddings:

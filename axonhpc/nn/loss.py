@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from .._dtypes import array_module
-from ..errors import ShapeError
+from ..errors import ShapeError, UnsupportedDtypeError
 from .functional import log_softmax
 from .module import Module
 
@@ -46,7 +46,7 @@ class CrossEntropyLoss(Module):
             raise ShapeError(f"CrossEntropyLoss expects logits (N, C) and targets (N,) with N > 0, "
                              f"got {tuple(logits.shape)} and {tuple(targets.shape)}")
         if targets.dtype.kind not in "iu":
-            raise TypeError(f"CrossEntropyLoss targets must be integer class indices, got dtype {targets.dtype}")
+            raise UnsupportedDtypeError(f"CrossEntropyLoss targets must be integer class indices, got dtype {targets.dtype}")
         n, c = logits.shape
         lo, hi = int(targets.min()), int(targets.max())
         if lo < 0 or hi >= c:

@@ -22,7 +22,8 @@ from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 import numpy as np
 
 from .._dtypes import array_module, is_cupy_array
-from ..errors import BackendUnavailableError, BackwardBeforeForwardError, ShapeError, StateDictError
+from ..errors import (ArgumentTypeError, BackendUnavailableError, BackwardBeforeForwardError, InvalidArgumentError,
+                      InvalidKeyError, ModuleNotInitializedError, ShapeError, StateDictError)
 from .parameter import Parameter
 
 
@@ -72,7 +73,7 @@ class Module:
         try:
             return self.__dict__["_parameters"], self.__dict__["_modules"], self.__dict__["_buffers"]
         except KeyError:
-            raise AttributeError(
+            raise ModuleNotInitializedError(
                 f"{type(self).__name__}.__init__ must call super().__init__() before assigning attributes"
             ) from None
 
@@ -90,7 +91,7 @@ class Module:
             modules[name] = value
         elif name in params:
             if value is not None:
-                raise TypeError(
+                raise ArgumentTypeError(
                     f"cannot assign {type(value).__name__} to parameter {name!r} of {type(self).__name__}; "
                     "assign a Parameter, or write into the existing one with param.data[...] = values"
                 )
@@ -143,9 +144,9 @@ class Module:
         """
         params, modules, buffers = self._registries()
         if not isinstance(name, str) or not name or "." in name:
-            raise KeyError(f"buffer name must be a non-empty string without '.', got {name!r}")
+            raise InvalidKeyError(f"buffer name must be a non-empty string without '.', got {name!r}")
         if name in params or name in modules:
-            raise KeyError(f"{name!r} is already a parameter or submodule of {type(self).__name__}")
+            raise InvalidKeyError(f"{name!r} is already a parameter or submodule of {type(self).__name__}")
         self.__dict__.pop(name, None)
         buffers[name] = array
         if persistent:
@@ -362,7 +363,7 @@ class Module:
             BackendUnavailableError: "cuda" without an importable cupy.
         """
         if device not in (None, "cpu", "cuda"):
-            raise ValueError(f"device must be 'cpu', 'cuda' or None, got {device!r}")
+            raise InvalidArgumentError(f"device must be 'cpu', 'cuda' or None, got {device!r}")
         cupy = None
         if device == "cuda":
             try:

@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import Any, Callable, List
 
 from .._dtypes import array_module
-from ..errors import ShapeError
+from ..errors import ArgumentTypeError, ShapeError
 
 GradHook = Callable[["Parameter"], None]
 
@@ -53,7 +53,7 @@ class Parameter:
 
     def __init__(self, data: Any) -> None:
         if not hasattr(data, "shape") or not hasattr(data, "dtype"):
-            raise TypeError(f"Parameter data must be a numpy or cupy array, got {type(data).__name__}")
+            raise ArgumentTypeError(f"Parameter data must be a numpy or cupy array, got {type(data).__name__}")
         self.data = data
         self.grad = None
         self._grad_hooks: List[GradHook] = []
@@ -89,7 +89,7 @@ class Parameter:
             A handle whose ``remove()`` unregisters ``fn``.
         """
         if not callable(fn):
-            raise TypeError(f"grad hook must be callable, got {type(fn).__name__}")
+            raise ArgumentTypeError(f"grad hook must be callable, got {type(fn).__name__}")
         self._grad_hooks.append(fn)
         return RemovableHandle(self._grad_hooks, fn)
 

@@ -5,6 +5,7 @@ import math
 from typing import Any, Iterable, Union
 
 from .._dtypes import array_module
+from ..errors import InvalidArgumentError
 
 
 def clip_grad_norm(params: Union[Any, Iterable[Any]], max_norm: float, norm_type: float = 2.0) -> float:
@@ -30,7 +31,7 @@ def clip_grad_norm(params: Union[Any, Iterable[Any]], max_norm: float, norm_type
     grads = [p.grad for p in params if p.grad is not None]
     norm_type = float(norm_type)
     if not norm_type > 0:
-        raise ValueError(f"clip_grad_norm norm_type must be positive, got {norm_type}")
+        raise InvalidArgumentError(f"clip_grad_norm norm_type must be positive, got {norm_type}")
     if not grads:
         return 0.0
     xp = array_module(grads[0])

@@ -19,7 +19,7 @@ from typing import Any, Dict, Iterable, List
 import numpy as np
 
 from .._dtypes import array_module, is_cupy_array
-from ..errors import ConfigurationError, StateDictError
+from ..errors import ArgumentTypeError, ConfigurationError, StateDictError
 from ..tracing import span
 
 
@@ -61,7 +61,7 @@ class Optimizer:
             raise ConfigurationError(f"{type(self).__name__} got an empty parameter list")
         for i, p in enumerate(params):
             if not (hasattr(p, "data") and hasattr(p, "grad")):
-                raise TypeError(f"{type(self).__name__} parameter {i} is a {type(p).__name__}, not a Parameter")
+                raise ArgumentTypeError(f"{type(self).__name__} parameter {i} is a {type(p).__name__}, not a Parameter")
         if len({id(p) for p in params}) != len(params):
             raise ConfigurationError(f"{type(self).__name__} got the same Parameter more than once")
         self.params: List[Any] = params

@@ -26,6 +26,7 @@ from typing import Any, List, Optional
 from ..backends import ReduceOp
 from ..backends.base import CompletedWork
 from ..collectives import all_reduce, compressed_all_reduce, compressed_reduce_scatter, reduce_scatter
+from ..errors import InvalidArgumentError
 
 KINDS = ("all_reduce", "reduce_scatter")
 
@@ -43,7 +44,7 @@ class GradBucket:
 
     def __init__(self, index: int, buffer: Any, names: List[str], group: Any, kind: str):
         if kind not in KINDS:
-            raise ValueError(f"unknown bucket kind {kind!r}; use one of {KINDS}")
+            raise InvalidArgumentError(f"unknown bucket kind {kind!r}; use one of {KINDS}")
         self.index, self.buffer, self.names, self.group, self.kind = index, buffer, list(names), group, kind
 
     def __repr__(self) -> str:

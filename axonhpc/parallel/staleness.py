@@ -38,6 +38,8 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Tuple
 
+from ..errors import InvalidArgumentError, UsageError
+
 
 class StalenessBound:
     """One server's versions and outstanding gradients under a staleness bound (see the module notes).
@@ -54,7 +56,7 @@ class StalenessBound:
 
     def __init__(self, max_staleness: Optional[int]) -> None:
         if max_staleness is not None and (isinstance(max_staleness, bool) or int(max_staleness) < 0):
-            raise ValueError(f"max_staleness must be None or an integer >= 0, got {max_staleness!r}")
+            raise InvalidArgumentError(f"max_staleness must be None or an integer >= 0, got {max_staleness!r}")
         self.max_staleness = None if max_staleness is None else int(max_staleness)
         self.version = 0
         self.max_observed = 0
@@ -101,10 +103,10 @@ class StalenessBound:
             The version handed out.
 
         Raises:
-            RuntimeError: ``can_pull(worker)`` is False.
+            UsageError: ``can_pull(worker)`` is False.
         """
         if not self.can_pull(worker):
-            raise RuntimeError(f"pull of worker {worker} answered against the staleness bound "
+            raise UsageError(f"pull of worker {worker} answered against the staleness bound "
                                f"(outstanding {self._base}, buffered {sorted(self._buffered)}, "
                                f"version {self.version}, max_staleness {self.max_staleness})")
         self._base[worker] = self.version
@@ -117,11 +119,11 @@ class StalenessBound:
             The version the gradient was computed on.
 
         Raises:
-            RuntimeError: the worker has no gradient in flight (it did not pull
+            UsageError: the worker has no gradient in flight (it did not pull
                 since its last push).
         """
         if worker not in self._base or worker in self._buffered:
-            raise RuntimeError(f"worker {worker} pushed a gradient without pulling since its last push")
+            raise UsageError(f"worker {worker} pushed a gradient without pulling since its last push")
         self._buffered[worker] = payload
         return self._base[worker]
 
@@ -144,10 +146,10 @@ class StalenessBound:
             (the payload given to ``push``, the gradient's staleness).
 
         Raises:
-            RuntimeError: nothing is buffered for ``worker``.
+            UsageError: nothing is buffered for ``worker``.
         """
         if worker not in self._buffered:
-            raise RuntimeError(f"worker {worker} has no buffered gradient to apply")
+            raise UsageError(f"worker {worker} has no buffered gradient to apply")
         staleness = self.version - self._base.pop(worker)
         payload = self._buffered.pop(worker)
         self.version += 1

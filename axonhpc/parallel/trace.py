@@ -34,6 +34,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from ..collectives import gather
+from ..errors import MissingDependencyError, UsageError
 from .schedules import BACKWARD, FORWARD, Action
 
 Timeline = List[Tuple[Action, float, float]]
@@ -78,7 +79,7 @@ def gather_timelines(pipe: Any, dst: int = 0) -> Optional[List[Timeline]]:
     expected = len(table[pipe.rank])
     if timeline is None or len(timeline) != expected:
         got = "none" if timeline is None else f"{len(timeline)} actions"
-        raise RuntimeError(f"gather_timelines: rank {pipe.rank} has {got}, expected {expected} "
+        raise UsageError(f"gather_timelines: rank {pipe.rank} has {got}, expected {expected} "
                            f"(run train_step on every rank first)")
     longest = max(len(actions) for actions in table)
     rows = np.full((longest, 5), np.nan, dtype=np.float64)
@@ -176,7 +177,7 @@ def write_gantt_png(timelines: Timelines, path: str) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as exc:
-        raise ImportError("write_gantt_png needs matplotlib, which is not installed: "
+        raise MissingDependencyError("write_gantt_png needs matplotlib, which is not installed: "
                           "pip install matplotlib") from exc
     pairs = _by_rank(timelines)
     fig, ax = plt.subplots(figsize=(10, 0.6 * max(1, len(pairs)) + 1))

@@ -38,6 +38,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
+from .._dtypes import array_module
 from ..backends import ReduceOp
 from ..checkpoint import capture_rng_state, clean_interrupted, latest, restore_rng_state
 from ..collectives import all_reduce, barrier
@@ -59,6 +60,12 @@ def _arrays(data: Any, what: str) -> tuple:
     if len(x) != len(y):
         raise ConfigurationError(f"{what}: {len(x)} inputs but {len(y)} targets")
     return x, y
+
+
+def _dtype_kind(a: Any) -> str:
+    """numpy's kind letter of an array's dtype, without converting it (a cupy array stays on its device)."""
+    dtype = getattr(a, "dtype", None)
+    return np.dtype(dtype).kind if dtype is not None else np.asarray(a).dtype.kind
 
 
 def _positive_int(name: str, value: Any, allow_none: bool = False) -> None:
@@ -366,16 +373,19 @@ class DistributedTrainer:
             mine = np.arange(setup.dp_group.rank, len(x), setup.dp_group.size)
         for m in setup.modules():
             m.eval()
+        classes = _dtype_kind(y) in "iu"  # integer targets: class labels, so accuracy is reported too
         sums = np.zeros(3)  # loss * n, correct, n
         try:
             for start in range(0, max(len(mine), 1), batch_size):
                 rows = mine[start:start + batch_size]
-                out = setup.predict(x[rows]) if len(rows) or setup.pipeline is not None else None
+                out = (setup.predict(x[array_module(x).asarray(rows)]) if len(rows) or setup.pipeline is not None
+                       else None)
                 if out is None or not len(rows):
                     continue
-                sums[0] += float(self.loss_fn(out, y[rows])) * len(rows)
-                if np.asarray(y).dtype.kind in "iu" and out.ndim == 2:
-                    sums[1] += float((out.argmax(axis=1) == y[rows]).sum())
+                targets = y[array_module(y).asarray(rows)]  # on y's own device (numpy or cupy)
+                sums[0] += float(self.loss_fn(out, targets)) * len(rows)
+                if classes and out.ndim == 2:
+                    sums[1] += float((out.argmax(axis=1) == targets).sum())
                 sums[2] += len(rows)
         finally:
             for m in setup.modules():
@@ -385,7 +395,7 @@ class DistributedTrainer:
         elif setup.dp_group.size > 1:
             all_reduce(sums, ReduceOp.SUM, setup.dp_group)
         result = {"loss": sums[0] / sums[2] if sums[2] else float("nan")}
-        if np.asarray(y).dtype.kind in "iu":
+        if classes:
             result["accuracy"] = sums[1] / sums[2] if sums[2] else float("nan")
         return result
 

@@ -1,0 +1,68 @@
+"""Group-making calls compare their arguments across ranks before anything else is sent.
+
+[Note: why group creation compares arguments]
+``new_group``, ``split`` and ``mesh`` are collective: every rank of the
+parent must call them, with arguments that fit together. A rank whose local
+checks fail would raise alone and leave the others waiting inside
+``MPI_Comm_create`` or ``MPI_Comm_split`` forever, and ranks that pass
+different lists to ``new_group`` would build different groups (or hang).
+So each of these calls first runs ``compare``: one small all-gather over the
+parent group, after which every rank knows the same facts and raises the
+same error, or none does.
+"""
+from __future__ import annotations
+
+import hashlib
+from typing import TYPE_CHECKING, Any, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .process_group import ProcessGroup
+
+
+# The most bytes of one rank's arguments shown in a disagreement (the comparison covers all of them).
+_SHOWN_BYTES = 2048
+
+
+def show(values: Sequence[Any]) -> str:
+    """A list as every rank prints it alike: integers as plain numbers (numpy's too), anything else by repr."""
+    return "[" + ", ".join(str(int(v)) if hasattr(v, "__index__") and not isinstance(v, bool) else repr(v)
+                           for v in values) + "]"
+
+
+def compare(group: "ProcessGroup", ok: bool, text: str, same: bool) -> Optional[List[Tuple[bool, str]]]:
+    """Compare the arguments of a group-making call across ``group``, before anything else is sent.
+
+    Each rank gives whether its arguments passed its local checks and their
+    text. One all-gather of (ok, length, 64-bit digest) per rank settles the
+    common case; only when some rank failed its checks, or (``same``) the
+    texts differ, does a second all-gather bring every rank's text (at most
+    ``_SHOWN_BYTES`` of it), so that every rank can raise the same error.
+
+    Returns:
+        None when every rank passed its checks and (``same``) every text is
+        the same; else ``(ok, text)`` of every group rank.
+    """
+    data = text.encode("utf-8")
+    digest = int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little", signed=True)
+    mine = np.array([int(ok), len(data), digest], dtype=np.int64)
+    table = np.empty((group.size, 3), dtype=np.int64)
+    group.backend.all_gather(mine, table, async_op=False).wait()
+    if table[:, 0].all() and (not same or (table[:, 1:] == table[0, 1:]).all()):
+        return None
+    shown = data[:_SHOWN_BYTES]
+    width = max(1, min(int(table[:, 1].max()), _SHOWN_BYTES))
+    padded = np.zeros(width, dtype=np.uint8)
+    padded[:len(shown)] = np.frombuffer(shown, dtype=np.uint8)
+    texts = np.empty((group.size, width), dtype=np.uint8)
+    group.backend.all_gather(padded, texts, async_op=False).wait()
+    seen = []
+    for r in range(group.size):
+        n = int(table[r, 1])
+        text_r = bytes(texts[r, :min(n, width)]).decode("utf-8", "replace") + ("..." if n > width else "")
+        seen.append((bool(table[r, 0]), text_r))
+    return seen
+
+
+__all__ = ["compare", "show"]

@@ -1,0 +1,71 @@
+"""An uncaught exception on one rank ends the whole job under plain mpiexec (issue 18).
+
+Each test starts a real ``mpiexec -n 2 python tests/jobs/abort_job.py``:
+rank 1 raises, rank 0 waits in an all-reduce. By default (no variable set,
+as under a plain ``mpiexec``) the job must end with a non-zero exit status
+and rank 1's traceback; with ``AXONHPC_ABORT_ON_EXCEPTION=0`` it must still
+be waiting when a short outer timeout ends it. No wall-clock time is
+asserted: the generous timeout of the first test is only a hang guard.
+"""
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+JOB = os.path.join(ROOT, "tests", "jobs", "abort_job.py")
+MPIEXEC = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+HANG_GUARD = 120  # seconds; the job normally ends within a second or two of rank 1's exception
+OPT_OUT_WAIT = 10  # seconds the opted-out job must still be waiting after
+
+
+def _env(**extra):
+    env = dict(os.environ, OMP_NUM_THREADS="1", **extra)
+    for name in ("AXONHPC_TIMEOUT", "AXONHPC_DEBUG"):
+        env.pop(name, None)
+    if "AXONHPC_ABORT_ON_EXCEPTION" not in extra:
+        env.pop("AXONHPC_ABORT_ON_EXCEPTION", None)  # the default, as under a plain mpiexec
+    return env
+
+
+def _start(env):
+    return subprocess.Popen([MPIEXEC, "-n", "2", sys.executable, JOB], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT, start_new_session=True)
+
+
+def _kill(job):
+    try:
+        os.killpg(job.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    return job.communicate()[0]
+
+
+@pytest.mark.skipif(not os.path.exists(MPIEXEC), reason="no mpiexec in this environment")
+def test_an_uncaught_exception_on_one_rank_aborts_the_job_by_default():
+    job = _start(_env())
+    try:
+        out, _ = job.communicate(timeout=HANG_GUARD)
+    except subprocess.TimeoutExpired:
+        out = _kill(job)
+        pytest.fail(f"the job hung: rank 0 was left waiting after rank 1's exception\n{out}")
+    assert job.returncode != 0, out
+    assert "rank 1 fails on purpose" in out, out
+    assert "uncaught exception on rank 1; aborting the job" in out, out
+    assert "all-reduce returned" not in out, out
+
+
+@pytest.mark.skipif(not os.path.exists(MPIEXEC), reason="no mpiexec in this environment")
+def test_the_opt_out_leaves_the_other_rank_waiting():
+    job = _start(_env(AXONHPC_ABORT_ON_EXCEPTION="0"))
+    try:
+        out, _ = job.communicate(timeout=OPT_OUT_WAIT)
+        still_running = False
+    except subprocess.TimeoutExpired:
+        still_running = True
+        out = _kill(job)
+    assert still_running, f"the job ended (exit {job.returncode}) although the abort was turned off:\n{out}"
+    assert "rank 1 fails on purpose" in out, out
+    assert "aborting the job" not in out, out
