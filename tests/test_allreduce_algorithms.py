@@ -140,7 +140,7 @@ def test_setting_accepts_the_new_names():
     for name in ("ring", "rhd", "RING"):
         ax.settings.load_environment({"AXONHPC_ALLREDUCE_ALGORITHM": name})
         assert ax.settings.allreduce_algorithm == name.lower()
-    with pytest.raises(ValueError, match="must be one of: native, hierarchical, ring, rhd"):
+    with pytest.raises(ValueError, match="must be one of:? native, hierarchical, ring, rhd"):
         ax.settings.load_environment({"AXONHPC_ALLREDUCE_ALGORITHM": "tree"})
 
 

@@ -61,3 +61,25 @@ def test_free_shm_bytes_reads_statvfs(tmp_path):
     st = os.statvfs(tmp_path)
     assert shm_backend.free_shm_bytes(str(tmp_path)) == st.f_bavail * st.f_frsize
     assert shm_backend.free_shm_bytes(str(tmp_path / "missing")) is None
+
+
+@pytest.mark.mpi(min_size=2)
+def test_bucket_size_measurement_falls_back_to_private_memory_when_dev_shm_is_small(mpi_world, monkeypatch):
+    """DDP's start-up measurement asks for a 64 MiB window; a small /dev/shm must not stop DDP (issue 18)."""
+    from axonhpc.parallel.autotune import CANDIDATES, measure_bucket_bytes
+
+    pg = mpi_world.default_group
+    if not pg.on_one_node or ax.settings.shm_collectives == "off":
+        pytest.skip("shared memory needs every rank on one node")
+    before = _windows(pg)
+
+    def check():
+        monkeypatch.setattr(shm_backend, "free_shm_bytes", lambda path=shm_backend.SHM_DIR: 1 << 16)
+        try:
+            chosen, rows = measure_bucket_bytes(pg, np.float32, 1 << 20, budget_s=0.2)
+        finally:
+            monkeypatch.undo()
+        assert chosen in CANDIDATES and rows and all(row["gbs"] > 0 for row in rows)
+        assert _windows(pg) == before  # measured in private memory: no window was made
+
+    collectively(mpi_world, check)

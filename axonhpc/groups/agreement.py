@@ -13,7 +13,7 @@ same error, or none does.
 from __future__ import annotations
 
 import hashlib
-from typing import TYPE_CHECKING, Any, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -65,4 +65,19 @@ def compare(group: "ProcessGroup", ok: bool, text: str, same: bool) -> Optional[
     return seen
 
 
-__all__ = ["compare", "show"]
+def who_passed(seen: Sequence[Tuple[bool, str]], ranks: Sequence[int], template: str = "{}") -> str:
+    """``ranks [0, 2] passed X; rank 1 passed Y``: the texts of ``compare``, by the (world) ranks that passed each.
+
+    Args:
+        seen: ``compare``'s ``(ok, text)`` per group rank.
+        ranks: the world rank of each group rank.
+        template: how a text is shown (``"mesh({})"``).
+    """
+    by_text: Dict[str, List[int]] = {}
+    for r, (_, text) in enumerate(seen):
+        by_text.setdefault(text, []).append(int(ranks[r]))
+    return "; ".join(f"rank{'s' if len(rs) > 1 else ''} {rs if len(rs) > 1 else rs[0]} passed {template.format(text)}"
+                     for text, rs in sorted(by_text.items(), key=lambda item: item[1][0]))
+
+
+__all__ = ["compare", "show", "who_passed"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Dict, NamedTuple
 
 from ..errors import ConfigurationError, GroupMismatchError, InvalidKeyError
-from .agreement import compare
+from .agreement import compare, who_passed
 
 if TYPE_CHECKING:  # pragma: no cover
     from .process_group import ProcessGroup
@@ -35,7 +35,8 @@ def _check_sizes(sizes: Dict[str, int], world_size: int) -> None:
             raise ConfigurationError(f"mesh dimension {name} must be a positive integer, got {value!r}")
     dp, tp, pp = sizes["dp"], sizes["tp"], sizes["pp"]
     if dp * tp * pp != world_size:
-        raise ConfigurationError(f"mesh dp={dp} x tp={tp} x pp={pp} = {dp * tp * pp} ranks, but the world has {world_size}")
+        raise ConfigurationError(f"mesh dp={dp} x tp={tp} x pp={pp} = {dp * tp * pp} ranks, but the world has "
+                                 f"{world_size}")
 
 
 class Mesh:
@@ -60,9 +61,8 @@ class Mesh:
             problem = exc
         if world.world_size > 1:
             seen = compare(world.default_group, problem is None, f"dp={dp!r}, tp={tp!r}, pp={pp!r}", same=True)
-            texts = set() if seen is None else {text for _, text in seen}
-            if len(texts) > 1:
-                passed = "; ".join(f"rank {r} passed mesh({text})" for r, (_, text) in enumerate(seen))
+            if seen is not None and len({text for _, text in seen}) > 1:
+                passed = who_passed(seen, world.default_group.ranks, "mesh({})")
                 raise GroupMismatchError(f"mesh: the ranks passed different sizes ({passed}); every rank must pass "
                                          f"the same, and every rank raises this") from problem
         if problem is not None:

@@ -35,6 +35,12 @@ def init(comm=None, backend: Optional[str] = None, debug: Optional[bool] = None,
     ``timeout`` if given). Passing ``comm`` builds a new world from that
     communicator and makes it the default.
 
+    With ``ax.settings.abort_on_exception`` (on by default;
+    ``AXONHPC_ABORT_ON_EXCEPTION=0`` turns it off) a world of more than one
+    rank installs an exception hook: an uncaught exception on this rank
+    prints its traceback and aborts the whole job (``MPI_Abort``), under a
+    plain ``mpiexec`` as under ``axonhpc launch``, so no rank is left waiting.
+
     Args:
         comm: an mpi4py intracommunicator (default ``MPI.COMM_WORLD``).
         backend: "auto" (MPI where mpi4py is installed, else one local rank;

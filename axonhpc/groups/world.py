@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import warnings
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -10,7 +10,7 @@ from ..backends.base import Backend
 from ..errors import GroupMismatchError, InvalidArgumentError, RankError
 from ..log import get_logger
 from ..settings import LauncherEnv
-from .agreement import compare, show
+from .agreement import compare, show, who_passed
 from .mesh import Mesh
 from .process_group import ProcessGroup
 
@@ -106,16 +106,10 @@ class World:
             problem = exc
         if self.world_size > 1:
             seen = compare(self.default_group, problem is None, show(ranks), same=True)
-            if seen is not None:
-                by_list: Dict[str, List[int]] = {}
-                for rank, (_, text) in enumerate(seen):
-                    by_list.setdefault(text, []).append(rank)
-                if len(by_list) > 1:
-                    passed = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {rs if len(rs) > 1 else rs[0]} passed {text}"
-                                       for text, rs in sorted(by_list.items(), key=lambda item: item[1][0]))
-                    raise GroupMismatchError(
-                        f"new_group: the ranks passed different lists ({passed}); every rank must pass the same "
-                        f"ranks in the same order, and every rank raises this") from problem
+            if seen is not None and len({text for _, text in seen}) > 1:
+                raise GroupMismatchError(
+                    f"new_group: the ranks passed different lists ({who_passed(seen, self.default_group.ranks)}); "
+                    f"every rank must pass the same ranks in the same order, and every rank raises this") from problem
         if problem is not None:
             raise problem
         backend = self.backend.create_group(ranks)

@@ -31,6 +31,7 @@ import numpy as np
 from ..backends import ReduceOp
 from ..collectives import all_reduce
 from ..collectives.shm_path import free_shared_memory_array, shared_memory_array
+from ..errors import SharedMemoryError
 from ..log import get_logger
 from ..settings import settings
 
@@ -57,8 +58,13 @@ def measure_bucket_bytes(group: Any, dtype: Any, model_bytes: int,
     sizes = [s for s in CANDIDATES if s <= max(model_bytes, CANDIDATES[0])]
     rows: List[Dict[str, float]] = []
     started = time.perf_counter()
-    # The buffer DDP's buckets will be: in the node's shared window where it can (collective).
-    buffer = shared_memory_array(max(sizes) // dtype.itemsize, dtype, group)
+    # The buffer DDP's buckets will be: in the node's shared window where it can (collective). A /dev/shm
+    # too small for it (a container's 64 MiB) is refused on every rank alike: all measure in private memory.
+    try:
+        buffer = shared_memory_array(max(sizes) // dtype.itemsize, dtype, group)
+    except SharedMemoryError as exc:
+        get_logger("ddp").warning(f"measuring the bucket size in private memory: {exc}")
+        buffer = np.zeros(max(sizes) // dtype.itemsize, dtype=dtype)
     for nbytes in sizes:
         x = buffer[:max(nbytes // dtype.itemsize, 1)]
         x[...] = 1
