@@ -298,7 +298,7 @@ class GradientSynchronizer:
         ops = flat_ops_for(grads, what=what)
         if self._ops is None:
             self._ops = ops
-        elif ops is not self._ops and ops.name != self._ops.name:
+        elif ops.name != self._ops.name:
             raise UnsupportedDtypeError(f"{what}: gradients in {ops.name} memory, but this synchronizer's buckets "
                                         f"are in {self._ops.name} memory (one synchronizer per kind of memory)")
         return self._ops

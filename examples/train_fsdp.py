@@ -22,25 +22,10 @@ run). ``--min-accuracy`` makes the exit status say whether it learned.
 import argparse
 import sys
 
-import numpy as np
 
 import axonhpc as ax
 from axonhpc import nn, optim
-
-
-def load_digits(seed=0, test_fraction=0.2):
-    """(x_train, y_train, x_test, y_test), features scaled to [0, 1], a fixed split."""
-    try:
-        from sklearn.datasets import load_digits as sklearn_digits
-    except ImportError:
-        sys.exit("train_fsdp needs scikit-learn for its bundled data set: pip install 'axonhpc[examples]'")
-    digits = sklearn_digits()
-    x = (digits.data / 16.0).astype(np.float32)
-    y = digits.target.astype(np.int64)
-    order = np.random.default_rng(seed).permutation(len(x))
-    n_test = int(round(len(x) * test_fraction))
-    test, train = order[:n_test], order[n_test:]
-    return x[train], y[train], x[test], y[test]
+from train_digits import load_digits  # the same data split as the main job
 
 
 def build_model(seed):
