@@ -35,7 +35,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from ._dtypes import check_array
-from .errors import UnsupportedDtypeError
+from .errors import InvalidArgumentError, UnsupportedDtypeError, UsageError
 # Imported as modules of the package: the import-linter (grimp) reads only .py
 # files, and names imported from a compiled module it cannot see are charged
 # to the top-level package, which breaks the layers contract.
@@ -71,7 +71,7 @@ class GradSyncStrategy(enum.Enum):
         """Accept a GradSyncStrategy or its name in any case ("overlapped", "NO_SYNC").
 
         Raises:
-            ValueError: ``value`` names no strategy.
+            InvalidArgumentError: ``value`` names no strategy (a ``ValueError``).
         """
         if isinstance(value, cls):
             return value
@@ -80,7 +80,7 @@ class GradSyncStrategy(enum.Enum):
                 return cls[value.upper()]
             except KeyError:
                 pass
-        raise ValueError(f"unknown gradient sync strategy {value!r}; use one of {[m.name for m in cls]}")
+        raise InvalidArgumentError(f"unknown gradient sync strategy {value!r}; use one of {[m.name for m in cls]}")
 
 
 def _bucket_capacity(bucket_size: int, dtype: np.dtype) -> int:
@@ -130,7 +130,7 @@ class _BucketAssigner:
 def _check_bucket_size(bucket_size: Any) -> int:
     size = operator.index(bucket_size)
     if size < 1:
-        raise ValueError(f"bucket_size must be at least 1 byte, got {size}")
+        raise InvalidArgumentError(f"bucket_size must be at least 1 byte, got {size}")
     return size
 
 
@@ -150,14 +150,14 @@ def plan_buckets(specs: Sequence[Tuple[int, Any]], bucket_size: int,
         all-reduced; ``indices`` index ``specs``.
 
     Raises:
-        ValueError: ``bucket_size`` < 1 or a negative ``numel``.
+        InvalidArgumentError: ``bucket_size`` < 1 or a negative ``numel`` (a ``ValueError``).
     """
     first = None if first_bucket_size is None else _check_bucket_size(first_bucket_size)
     assigner = _BucketAssigner(_check_bucket_size(bucket_size), first)
     plan: List[Tuple[np.dtype, Tuple[int, ...]]] = []
     for index, (numel, dtype) in enumerate(specs):
         if numel < 0:
-            raise ValueError(f"specs[{index}] has negative numel {numel}")
+            raise InvalidArgumentError(f"specs[{index}] has negative numel {numel}")
         for bucket_dtype, items in assigner.add(index, numel, np.dtype(dtype)):
             plan.append((bucket_dtype, tuple(items)))
     plan.extend((dtype, tuple(items)) for dtype, items in assigner.flush())
@@ -183,7 +183,7 @@ class GradientSynchronizer:
             step, in all-reduce order (what ``plan_buckets`` returns).
 
     Raises:
-        ValueError: unknown strategy, or ``bucket_size`` < 1.
+        InvalidArgumentError: unknown strategy, or ``bucket_size`` < 1 (a ``ValueError``).
     """
 
     _MAX_PLANS = 8  # distinct gradient lists whose layouts synchronize keeps
@@ -340,14 +340,14 @@ class GradientSynchronizer:
         Raises:
             UnsupportedDtypeError, NonContiguousBufferError, ReadOnlyBufferError:
                 a gradient cannot be averaged in place.
-            RuntimeError: gradients were pushed and not yet finished.
+            UsageError: gradients were pushed and not yet finished (a ``RuntimeError``).
             CollectiveTimeoutError: an all-reduce did not complete in time.
         """
         if self.strategy is GradSyncStrategy.NO_SYNC:
             return
         if self._pushed:
-            raise RuntimeError(f"synchronize called while {self._pushed} pushed gradients are not finished; "
-                               "call finish() first")
+            raise UsageError(f"synchronize called while {self._pushed} pushed gradients are not finished; "
+                             "call finish() first")
         grads = grads if type(grads) is list else list(grads)
         if not grads:
             return

@@ -108,6 +108,12 @@ class GroupMismatchError(CollectiveMismatchError, ValueError):
     raised on every rank of the parent group, naming the ranks and what each passed."""
 
 
+class ModelMismatchError(CollectiveMismatchError, ValueError):
+    """The ranks of a parallel wrapper's group hold different models (parameter names, shapes or dtypes, or a
+    tensor-parallel layer's geometry); found when the wrapper is built, raised on every rank of the group,
+    naming the first parameter that differs and which ranks have which."""
+
+
 class CollectiveTimeoutError(AxonError, TimeoutError):
     """A blocking operation did not complete within its timeout."""
 
@@ -195,6 +201,7 @@ __all__ = [
     "SharedMemoryError",
     "CollectiveMismatchError",
     "GroupMismatchError",
+    "ModelMismatchError",
     "CollectiveTimeoutError",
     "LocalAbort",
     "BackendUnavailableError",

@@ -111,6 +111,16 @@ def _parse_slot_bytes(name: str, text: str) -> int:
     return value
 
 
+SHM_MAX_SLOTS = 63  # the engine keeps one call descriptor per slot in its 4 KiB control block (_shm.MAX_SLOTS)
+
+
+def _parse_slots(name: str, text: str) -> int:
+    value = _number(name, text, int, f"an integer from 1 to {SHM_MAX_SLOTS}")
+    if not 1 <= value <= SHM_MAX_SLOTS:
+        raise ConfigurationError(f"{name}={text!r} must be an integer from 1 to {SHM_MAX_SLOTS}")
+    return value
+
+
 def _parse_log_ranks(name: str, text: str) -> str:
     value = text.strip().lower().replace(" ", "")
     if value != "all" and not all(part.isdigit() for part in value.split(",")):
@@ -210,7 +220,13 @@ class Settings:
             of MiB (``AXONHPC_BUCKET_SIZE_MB``).
         shm_slot_bytes, shm_slots: the geometry of each rank's segment: a
             message passes through ``shm_slots`` slots of ``shm_slot_bytes``
-            (``AXONHPC_SHM_SLOT_BYTES``, ``AXONHPC_SHM_SLOTS``).
+            (``AXONHPC_SHM_SLOT_BYTES``, ``AXONHPC_SHM_SLOTS``; 1 to 63 slots).
+        check_collectives: compare every collective's kind, dtype, shape, op
+            and root across the ranks, and raise ``CollectiveMismatchError`` on
+            all of them on a difference (``collectives.agreement``). On by
+            default; off makes a mismatched call undefined, as in plain MPI
+            (``AXONHPC_CHECK_COLLECTIVES``); the measured cost is in
+            docs/performance.md.
     """
 
     debug: bool = False
@@ -235,6 +251,7 @@ class Settings:
     shm_slots: int = 4
     deterministic: bool = False
     bucket_size_mb: str = "auto"
+    check_collectives: bool = True
 
     def load_environment(self, environ: Optional[Mapping[str, str]] = None) -> "Settings":
         """Fill every field whose ``AXONHPC_*`` variable is set.
@@ -297,8 +314,9 @@ _ENVIRONMENT = {
     "shm_min_bytes": ("AXONHPC_SHM_MIN_BYTES", lambda name, text: _parse_count(name, text)),
     "shm_allgather_max_bytes": ("AXONHPC_SHM_ALLGATHER_MAX_BYTES", lambda name, text: _parse_count(name, text)),
     "shm_slot_bytes": ("AXONHPC_SHM_SLOT_BYTES", lambda name, text: _parse_slot_bytes(name, text)),
-    "shm_slots": ("AXONHPC_SHM_SLOTS", _parse_positive_int),
+    "shm_slots": ("AXONHPC_SHM_SLOTS", _parse_slots),
     "deterministic": ("AXONHPC_DETERMINISTIC", _parse_bool),
+    "check_collectives": ("AXONHPC_CHECK_COLLECTIVES", _parse_bool),
     "bucket_size_mb": ("AXONHPC_BUCKET_SIZE_MB", lambda name, text: _parse_bucket_mb(name, text)),
 }
 

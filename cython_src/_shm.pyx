@@ -30,19 +30,34 @@ never reset, so the engine needs no barrier between calls.
 
 Reduce-scatter and broadcast follow the same pattern (see
 ``shm_engine.h``). All loops run without the GIL.
+
+[Note: agreement on every call]
+Every call carries a descriptor of four integers (``describe``: the kind of
+collective, the caller's dtype, the reduce op, the element count, the root,
+a code of the shape, and whether this rank runs the call through the engine
+or only checks it here before MPI carries it). Each rank publishes it with
+the call's first chunk and compares the others' after the wait it makes
+anyway, so the check costs a few stores and one cache line read per peer.
+Ranks that disagree all return ``AX_MISMATCH`` at the same chunk, having
+moved no data, and ``Engine`` raises ``EngineMismatch``; the caller then
+explains the disagreement on every rank.
 """
-from libc.stdint cimport uint64_t
+import zlib
+
+from libc.stdint cimport int64_t, uint64_t
 cimport numpy as cnp
 
 import numpy as np
 
-from axonhpc.errors import CollectiveTimeoutError
+from axonhpc.errors import CollectiveMismatchError, CollectiveTimeoutError
 
 cnp.import_array()
 
 cdef extern from "shm_engine.h":
     enum: AX_MAX_RANKS
     enum: AX_CTRL_BYTES
+    enum: AX_MAX_SLOTS
+    enum: AX_DESC_WORDS
     ctypedef struct ax_ctrl:
         pass
     ctypedef struct ax_shm:
@@ -57,21 +72,23 @@ cdef extern from "shm_engine.h":
         double wait_seconds
         long spin_iters
         long yield_iters
+    int ax_agree(ax_shm *s, const int64_t *desc, double timeout, unsigned char *lagging) nogil
     int ax_allreduce(ax_shm *s, char *x, size_t count, int dtype, int op, size_t itemsize,
-                     double timeout, unsigned char *lagging) nogil
+                     const int64_t *desc, double timeout, unsigned char *lagging) nogil
     int ax_reduce_scatter(ax_shm *s, const char *x, char *out, size_t block, int dtype, int op,
-                          size_t itemsize, double timeout, unsigned char *lagging) nogil
+                          size_t itemsize, const int64_t *desc, double timeout, unsigned char *lagging) nogil
     int ax_allreduce_direct(ax_shm *s, size_t offset, size_t count, int dtype, int op, size_t itemsize,
+                            const int64_t *desc, double timeout, unsigned char *lagging) nogil
+    int ax_broadcast(ax_shm *s, char *x, size_t count, size_t itemsize, int root, const int64_t *desc,
+                     double timeout, unsigned char *lagging) nogil
+    int ax_allgather(ax_shm *s, const char *x, char *out, size_t nbytes, const int64_t *desc, double timeout,
+                     unsigned char *lagging) nogil
+    int ax_allgather_direct(ax_shm *s, size_t offset, size_t nbytes, char *out, const int64_t *desc,
                             double timeout, unsigned char *lagging) nogil
-    int ax_broadcast(ax_shm *s, char *x, size_t count, size_t itemsize, int root, double timeout,
-                     unsigned char *lagging) nogil
-    int ax_allgather(ax_shm *s, const char *x, char *out, size_t nbytes, double timeout,
-                     unsigned char *lagging) nogil
-    int ax_allgather_direct(ax_shm *s, size_t offset, size_t nbytes, char *out, double timeout,
-                            unsigned char *lagging) nogil
 
 CTRL_BYTES = AX_CTRL_BYTES
 MAX_RANKS = AX_MAX_RANKS
+MAX_SLOTS = AX_MAX_SLOTS  # the descriptors' ring after the counters holds one entry per slot
 # The dtypes and operations the kernels reduce (the backend contract's set).
 DTYPES = {np.dtype(np.float32): 0, np.dtype(np.float64): 1, np.dtype(np.int32): 2, np.dtype(np.int64): 3,
           np.dtype(np.uint8): 4}
@@ -80,6 +97,105 @@ OPS = {"SUM": 0, "PRODUCT": 1, "MIN": 2, "MAX": 3, "AVG": 4}  # AVG: float dtype
 
 cdef char* _address(cnp.ndarray a):
     return <char*>cnp.PyArray_DATA(a)
+
+
+# -- descriptors (see [Note: agreement on every call]) --------------------------------------
+# The kinds of collective, and the reduce ops by ReduceOp name (0: none).
+KINDS = {"all_reduce": 1, "reduce_scatter": 2, "broadcast": 3, "all_gather": 4, "gather": 5, "scatter": 6,
+         "barrier": 7}
+DESC_OPS = {"SUM": 1, "PRODUCT": 2, "MIN": 3, "MAX": 4, "AVG": 5}
+DEVICE = 1 << 24  # the dtype code's flag for an array in GPU memory
+ELSEWHERE = 1 << 25  # this rank only checks the call here; another transport carries it
+cdef int64_t _MASK = (1 << 62) - 1  # every word stays below 2**62, so -word fits too (the MPI check's MAX)
+cdef dict _DTYPE_CODES = {}
+
+
+cdef object _last_dtype = None  # the hot path asks about one dtype again and again: identity first
+cdef int64_t _last_code = 0
+
+
+cpdef int64_t dtype_code(object dtype) except -1:
+    """A number for ``dtype``, the same in every process: crc32 of its name and byte layout, 16 bits."""
+    global _last_dtype, _last_code
+    if dtype is _last_dtype:
+        return _last_code
+    code = _DTYPE_CODES.get(dtype)
+    if code is None:
+        d = np.dtype(dtype)
+        code = (zlib.crc32(f"{d.name}/{d.str}".encode()) & 0xFFFF) + 1
+        _DTYPE_CODES[dtype] = code
+    _last_dtype, _last_code = dtype, code
+    return code
+
+
+cdef inline void _describe(int64_t *w, int64_t kind, int64_t dcode, int64_t op, int64_t count, int ndim,
+                           cnp.npy_intp *dims, int64_t root) noexcept:
+    cdef uint64_t h = 1469598103934665603ULL  # FNV-1a over the dimensions
+    cdef int k
+    h = (h ^ <uint64_t>ndim) * 1099511628211ULL
+    for k in range(ndim):
+        h = (h ^ <uint64_t>dims[k]) * 1099511628211ULL
+    w[0] = kind | (op << 4) | (dcode << 8)
+    w[1] = count & _MASK
+    w[2] = root + 1
+    w[3] = <int64_t>(h & <uint64_t>_MASK)
+
+
+def describe(str kind, dtype=None, shape=(), reduce=None, int root=-1, bint device=False, bint elsewhere=False):
+    """The four words that say what a call is (see [Note: agreement on every call]).
+
+    Args:
+        kind: a key of ``KINDS``.
+        dtype, shape: the caller's array (the dtype before any widening), or None and ().
+        reduce: a ReduceOp name, or None.
+        root: the root's group rank, or -1.
+        device: the array lives in GPU memory.
+        elsewhere: this rank only checks here; MPI (or NCCL) carries the call.
+    """
+    cdef int64_t w[4]
+    cdef cnp.npy_intp dims[32]
+    cdef int k, ndim = len(shape)
+    cdef int64_t count = 1
+    if ndim > 32:
+        ndim = 32
+    for k in range(ndim):
+        dims[k] = shape[k]
+        count *= shape[k]
+    dcode = 0 if dtype is None else dtype_code(dtype) | (DEVICE if device else 0)
+    _describe(w, KINDS[kind], dcode | (ELSEWHERE if elsewhere else 0), DESC_OPS.get(reduce, 0),
+              count if dtype is not None else 0, ndim, dims, root)
+    return (w[0], w[1], w[2], w[3])
+
+
+def put_words(tuple desc not None, cnp.ndarray buf not None):
+    """Write ``desc`` and its negation into ``buf`` (eight int64): what the MPI check reduces with MAX."""
+    cdef int64_t *b = <int64_t*>cnp.PyArray_DATA(buf)
+    cdef int k
+    if buf.dtype != np.int64 or buf.size != 2 * AX_DESC_WORDS or not buf.flags.c_contiguous:
+        raise ValueError("put_words: the buffer must be 8 contiguous int64")
+    for k in range(AX_DESC_WORDS):
+        b[k] = desc[k]
+        b[AX_DESC_WORDS + k] = -b[k]
+
+
+def words_agree(tuple desc not None, cnp.ndarray buf not None):
+    """True if ``buf``, reduced with MAX over the ranks after ``put_words``, shows every rank sent ``desc``."""
+    cdef int64_t *b = <int64_t*>cnp.PyArray_DATA(buf)
+    cdef int k
+    cdef int64_t v
+    for k in range(AX_DESC_WORDS):
+        v = desc[k]
+        if b[k] != v or b[AX_DESC_WORDS + k] != -v:
+            return False
+    return True
+
+
+class EngineMismatch(CollectiveMismatchError):
+    """The ranks of a node disagreed about a call (its descriptor); nothing was moved.
+
+    The engine's own refusal; the collectives layer catches it and explains
+    the difference on every rank.
+    """
 
 
 cdef class Engine:
@@ -94,17 +210,20 @@ cdef class Engine:
     Attributes:
         timeout: seconds a wait for another rank may last before the call
             raises ``CollectiveTimeoutError`` (0: forever).
+        check: compare every call's descriptor across the ranks (the
+            default; off only to measure what the check costs).
     """
 
     cdef ax_shm s
     cdef unsigned char _lagging[256]
     cdef public double timeout
+    cdef public bint check
 
     def __init__(self, addresses, int rank, Py_ssize_t slot_bytes, int nslots):
         cdef Py_ssize_t k, size = len(addresses)
         if not 1 <= size <= AX_MAX_RANKS:
             raise ValueError(f"the shared-memory engine takes 1 to {AX_MAX_RANKS} ranks, got {size}")
-        if not 0 <= rank < size or slot_bytes < 64 * size or slot_bytes % 64 or nslots < 1:
+        if not 0 <= rank < size or slot_bytes < 64 * size or slot_bytes % 64 or not 1 <= nslots <= AX_MAX_SLOTS:
             raise ValueError(f"bad engine geometry: rank {rank} of {size}, slot_bytes {slot_bytes}, nslots {nslots}")
         self.s.rank = rank
         self.s.size = <int>size
@@ -119,6 +238,7 @@ cdef class Engine:
             self.s.ctrls[k] = <ax_ctrl*><size_t>addresses[k]
             self.s.segs[k] = <char*><size_t>addresses[k] + AX_CTRL_BYTES
         self.timeout = 0.0
+        self.check = True
 
     @property
     def chunks(self):
@@ -149,31 +269,55 @@ cdef class Engine:
                 f"group): {missing}")
             error.missing = missing
             raise error
+        if code == -3:
+            raise EngineMismatch(f"shared-memory {what}: the ranks of this node disagree about the call")
         if code != 0:
             raise ValueError(f"shared-memory {what}: unsupported dtype, operation or geometry")
 
-    def all_reduce(self, cnp.ndarray x not None, str op):
-        """Reduce ``x`` (C-contiguous, a kernel dtype) over the node's ranks, in place."""
+    def agree(self, tuple desc not None):
+        """One step that moves nothing: raise ``EngineMismatch`` unless every rank passes the same ``desc``."""
+        cdef int64_t w[4]
+        cdef int code
+        cdef double timeout = self.timeout
+        _fill(w, desc, 0, None, 0, -1)
+        with nogil:
+            code = ax_agree(&self.s, w, timeout, self._lagging)
+        self._check(code, "agreement check")
+
+    def all_reduce(self, cnp.ndarray x not None, str op, tuple desc=None):
+        """Reduce ``x`` (C-contiguous, a kernel dtype) over the node's ranks, in place.
+
+        ``desc``: the call's descriptor (``describe``), when ``x`` is not the
+        caller's own array (a widened copy); by default it is taken from ``x`` and ``op``.
+        """
         cdef int dtype = DTYPES[x.dtype], code, opcode = OPS[op]
         cdef size_t count = <size_t>x.size, itemsize = <size_t>x.itemsize
         cdef char* data = _address(x)
         cdef double timeout = self.timeout
+        cdef int64_t w[4]
+        cdef int64_t *dp = w if self.check else NULL
+        if dp != NULL:
+            _fill(w, desc, 1, x, DESC_OPS[op], -1)
         with nogil:
-            code = ax_allreduce(&self.s, data, count, dtype, opcode, itemsize, timeout, self._lagging)
+            code = ax_allreduce(&self.s, data, count, dtype, opcode, itemsize, dp, timeout, self._lagging)
         self._check(code, "all_reduce")
 
-    def reduce_scatter(self, cnp.ndarray x not None, cnp.ndarray out not None, str op):
+    def reduce_scatter(self, cnp.ndarray x not None, cnp.ndarray out not None, str op, tuple desc=None):
         """``out`` = the reduction over the ranks of block ``rank`` of ``x`` (``size`` blocks of ``out.size``)."""
         cdef int dtype = DTYPES[x.dtype], code, opcode = OPS[op]
         cdef size_t block = <size_t>out.size, itemsize = <size_t>x.itemsize
         cdef char* src = _address(x)
         cdef char* dst = _address(out)
         cdef double timeout = self.timeout
+        cdef int64_t w[4]
+        cdef int64_t *dp = w if self.check else NULL
+        if dp != NULL:
+            _fill(w, desc, 2, x, DESC_OPS[op], -1)
         with nogil:
-            code = ax_reduce_scatter(&self.s, src, dst, block, dtype, opcode, itemsize, timeout, self._lagging)
+            code = ax_reduce_scatter(&self.s, src, dst, block, dtype, opcode, itemsize, dp, timeout, self._lagging)
         self._check(code, "reduce_scatter")
 
-    def all_reduce_in_window(self, cnp.ndarray x not None, str op):
+    def all_reduce_in_window(self, cnp.ndarray x not None, str op, tuple desc=None):
         """Reduce ``x``, which lies in this rank's segment, over the node in place, with no copy in.
 
         Every rank passes the array at the same offset of its own segment
@@ -184,27 +328,36 @@ cdef class Engine:
         cdef char* data = _address(x)
         cdef char* base = self.s.segs[self.s.rank]
         cdef double timeout = self.timeout
+        cdef int64_t w[4]
+        cdef int64_t *dp = w if self.check else NULL
         if data < base or data + count * itemsize > base + self.s.slot_bytes * self.s.nslots:
             raise ValueError("all_reduce_in_window: the array does not lie in this rank's segment")
+        if dp != NULL:
+            _fill(w, desc, 1, x, DESC_OPS[op], -1)
+            w[2] += <int64_t>(data - base) << 16  # and every rank's array at the same offset
         with nogil:
-            code = ax_allreduce_direct(&self.s, <size_t>(data - base), count, dtype, opcode, itemsize, timeout,
+            code = ax_allreduce_direct(&self.s, <size_t>(data - base), count, dtype, opcode, itemsize, dp, timeout,
                                        self._lagging)
         self._check(code, "all_reduce")
 
-    def all_gather(self, cnp.ndarray x not None, cnp.ndarray out not None):
+    def all_gather(self, cnp.ndarray x not None, cnp.ndarray out not None, tuple desc=None):
         """``out`` = every rank's ``x`` in rank order (both C-contiguous; ``out`` holds size x ``x.nbytes``)."""
         cdef int code
         cdef size_t nbytes = <size_t>x.nbytes
         cdef char* src = _address(x)
         cdef char* dst = _address(out)
         cdef double timeout = self.timeout
+        cdef int64_t w[4]
+        cdef int64_t *dp = w if self.check else NULL
         if <size_t>out.nbytes != nbytes * <size_t>self.s.size:
             raise ValueError(f"all_gather: out holds {out.nbytes} bytes, not {self.s.size} x {nbytes}")
+        if dp != NULL:
+            _fill(w, desc, 4, x, 0, -1)
         with nogil:
-            code = ax_allgather(&self.s, src, dst, nbytes, timeout, self._lagging)
+            code = ax_allgather(&self.s, src, dst, nbytes, dp, timeout, self._lagging)
         self._check(code, "all_gather")
 
-    def all_gather_in_window(self, cnp.ndarray x not None, cnp.ndarray out not None):
+    def all_gather_in_window(self, cnp.ndarray x not None, cnp.ndarray out not None, tuple desc=None):
         """``out`` = every rank's ``x``, read where it lies in each rank's segment (no copy in).
 
         Every rank passes the array at the same offset of its own segment, like
@@ -216,20 +369,42 @@ cdef class Engine:
         cdef char* dst = _address(out)
         cdef char* base = self.s.segs[self.s.rank]
         cdef double timeout = self.timeout
+        cdef int64_t w[4]
+        cdef int64_t *dp = w if self.check else NULL
         if data < base or data + nbytes > base + self.s.slot_bytes * self.s.nslots:
             raise ValueError("all_gather_in_window: the array does not lie in this rank's segment")
         if <size_t>out.nbytes != nbytes * <size_t>self.s.size:
             raise ValueError(f"all_gather_in_window: out holds {out.nbytes} bytes, not {self.s.size} x {nbytes}")
+        if dp != NULL:
+            _fill(w, desc, 4, x, 0, -1)
+            w[2] += <int64_t>(data - base) << 16  # and every rank's array at the same offset
         with nogil:
-            code = ax_allgather_direct(&self.s, <size_t>(data - base), nbytes, dst, timeout, self._lagging)
+            code = ax_allgather_direct(&self.s, <size_t>(data - base), nbytes, dst, dp, timeout, self._lagging)
         self._check(code, "all_gather")
 
-    def broadcast(self, cnp.ndarray x not None, int root):
+    def broadcast(self, cnp.ndarray x not None, int root, tuple desc=None):
         """Copy ``root``'s ``x`` into ``x`` on every rank."""
         cdef int code
         cdef size_t count = <size_t>x.nbytes
         cdef char* data = _address(x)
         cdef double timeout = self.timeout
+        cdef int64_t w[4]
+        cdef int64_t *dp = w if self.check else NULL
+        if not 0 <= root < self.s.size:
+            raise ValueError(f"broadcast: root {root} is not a rank of this node's {self.s.size}")
+        if dp != NULL:
+            _fill(w, desc, 3, x, 0, root)
         with nogil:
-            code = ax_broadcast(&self.s, data, count, 1, root, timeout, self._lagging)
+            code = ax_broadcast(&self.s, data, count, 1, root, dp, timeout, self._lagging)
         self._check(code, "broadcast")
+
+
+cdef int _fill(int64_t *w, tuple desc, int64_t kind, cnp.ndarray x, int64_t op, int64_t root) except -1:
+    """``desc`` into ``w``, or (None) the descriptor of a call on the caller's own ``x``."""
+    if desc is not None:
+        if len(desc) != 4:
+            raise ValueError(f"a call's descriptor is four integers (see describe), got {desc!r}")
+        w[0], w[1], w[2], w[3] = desc[0], desc[1], desc[2], desc[3]
+        return 0
+    _describe(w, kind, dtype_code(x.dtype), op, x.size, x.ndim, cnp.PyArray_DIMS(x), root)
+    return 0

@@ -40,6 +40,27 @@ enum { AX_SUM = 0, AX_PROD = 1, AX_MIN = 2, AX_MAX = 3, AX_AVG = 4 };
 #define AX_MAX_RANKS 256
 #define AX_CTRL_BYTES 4096 /* the control block's share of a segment (keeps the slots page-aligned) */
 
+/* What a call is, as every rank must agree on it (kind, dtype, op, element
+ * count, root, shape): written by the caller, compared by the engine. Each
+ * rank publishes its call's descriptor with the first chunk of the call, in a
+ * ring after its counters (entry g % nslots for chunk g), and checks every
+ * other rank's once they have all copied that chunk in. The entry of chunk g is
+ * rewritten no sooner than chunk g + nslots, whose slot is free only once every
+ * rank is done with chunk g, and a rank is done with a chunk only after it has
+ * read the descriptors: so what a rank reads is its peer's call, never a later
+ * one. A descriptor that differs on any rank is seen by every rank at the
+ * same chunk; each then completes that chunk's steps without touching the data
+ * and returns AX_MISMATCH, so the counters stay in step and the engine can be
+ * used again. A NULL descriptor skips the check (settings.check_collectives off). */
+#define AX_DESC_WORDS 4
+typedef struct {
+    uint64_t g;                    /* the chunk this call began at */
+    int64_t w[AX_DESC_WORDS];
+    uint64_t pad[3];               /* a cache line each */
+} ax_desc;
+#define AX_MAX_SLOTS ((AX_CTRL_BYTES - (int)sizeof(ax_ctrl)) / (int)sizeof(ax_desc))
+#define AX_MISMATCH (-3)
+
 typedef struct {
     int rank;
     int size;
@@ -166,6 +187,39 @@ static inline void ax_share(size_t n, int k, int p, size_t align, size_t *lo, si
     *hi = b * align < n ? b * align : n;
 }
 
+static inline ax_desc *ax_desc_of(ax_shm *s, int rank, uint64_t g) {
+    return (ax_desc *)((char *)s->ctrls[rank] + sizeof(ax_ctrl)) + (g % (uint64_t)s->nslots);
+}
+
+/* Publish this rank's descriptor of the call that begins at chunk g (before its *copied* store). */
+static inline void ax_publish(ax_shm *s, uint64_t g, const int64_t *desc) {
+    ax_desc *d = ax_desc_of(s, s->rank, g);
+    for (int k = 0; k < AX_DESC_WORDS; k++) d->w[k] = desc[k];
+    d->g = g;
+}
+
+/* After every rank has copied chunk g: 1 if every rank began the same call at g. */
+static inline int ax_agrees(ax_shm *s, uint64_t g, const int64_t *desc) {
+    for (int r = 0; r < s->size; r++) {
+        if (r == s->rank) continue;
+        const ax_desc *d = ax_desc_of(s, r, g);
+        if (d->g != g) return 0;
+        for (int k = 0; k < AX_DESC_WORDS; k++)
+            if (d->w[k] != desc[k]) return 0;
+    }
+    return 1;
+}
+
+/* The ranks disagree about the call begun at chunk g: finish the chunk's steps
+ * without touching any data, and wait until every rank has (so no descriptor
+ * is rewritten while a slower rank still reads it). */
+static int ax_refuse(ax_shm *s, uint64_t g, double timeout, unsigned char *lagging) {
+    ax_store(&s->ctrls[s->rank]->reduced, g + 1);
+    ax_store(&s->ctrls[s->rank]->done, g + 1);
+    if (ax_wait_all(s, AX_DONE, g + 1, timeout, lagging)) return -1;
+    return AX_MISMATCH;
+}
+
 static inline char *ax_slot(ax_shm *s, int rank, uint64_t g) {
     return s->segs[rank] + (size_t)(g % (uint64_t)s->nslots) * s->slot_bytes;
 }
@@ -176,14 +230,36 @@ static inline int ax_wait_slot(ax_shm *s, uint64_t g, double timeout, unsigned c
     return ax_wait_all(s, AX_DONE, g - (uint64_t)s->nslots + 1, timeout, lagging);
 }
 
+/* One step that moves no data: every rank publishes its call's descriptor and
+ * checks the others'. Used for a call that moves nothing, and before a call
+ * that another transport (MPI) will carry. Returns 0, -1 or AX_MISMATCH. */
+static int ax_agree(ax_shm *s, const int64_t *desc, double timeout, unsigned char *lagging) {
+    const uint64_t g = s->seq++;
+    if (ax_wait_slot(s, g, timeout, lagging)) return -1;
+    ax_publish(s, g, desc);
+    ax_store(&s->ctrls[s->rank]->copied, g + 1);
+    if (ax_wait_all(s, AX_COPIED, g + 1, timeout, lagging)) return -1;
+    if (!ax_agrees(s, g, desc)) return ax_refuse(s, g, timeout, lagging);
+    ax_store(&s->ctrls[s->rank]->reduced, g + 1);
+    ax_store(&s->ctrls[s->rank]->done, g + 1);
+    return 0;
+}
+
+/* The first chunk of a call: publish before the *copied* store, check after
+ * the wait for every rank's. */
+#define AX_PUBLISH_FIRST(g, first) if ((first) == 0 && desc) ax_publish(s, g, desc)
+#define AX_CHECK_FIRST(g, first) \
+    if ((first) == 0 && desc && !ax_agrees(s, g, desc)) return ax_refuse(s, g, timeout, lagging)
+
 /* In-place all-reduce of `count` elements at x. Per chunk: copy in, wait for
  * every copy, reduce this rank's share into its own slot, wait for every
- * share, copy every share out. Returns 0, -1 (timeout, *lagging set) or -2
- * (bad dtype/op). */
+ * share, copy every share out. `desc` describes the call (see ax_desc).
+ * Returns 0, -1 (timeout, *lagging set), -2 (bad dtype/op) or AX_MISMATCH. */
 static int ax_allreduce(ax_shm *s, char *x, size_t count, int dtype, int op, size_t itemsize,
-                        double timeout, unsigned char *lagging) {
+                        const int64_t *desc, double timeout, unsigned char *lagging) {
     ax_reduce_fn reduce = ax_reducer(dtype, op);
     if (reduce == NULL) return -2;
+    if (count == 0) return desc ? ax_agree(s, desc, timeout, lagging) : 0;
     const int p = s->size, me = s->rank;
     const size_t per_chunk = s->slot_bytes / itemsize;
     const size_t align = 64 / itemsize; /* shares start on cache lines */
@@ -194,8 +270,10 @@ static int ax_allreduce(ax_shm *s, char *x, size_t count, int dtype, int op, siz
         char *xc = x + first * itemsize;
         if (ax_wait_slot(s, g, timeout, lagging)) return -1;
         memcpy(ax_slot(s, me, g), xc, n * itemsize);
+        AX_PUBLISH_FIRST(g, first);
         ax_store(&s->ctrls[me]->copied, g + 1);
         if (ax_wait_all(s, AX_COPIED, g + 1, timeout, lagging)) return -1;
+        AX_CHECK_FIRST(g, first);
         size_t lo, hi;
         ax_share(n, me, p, align, &lo, &hi);
         if (hi > lo) {
@@ -218,12 +296,13 @@ static int ax_allreduce(ax_shm *s, char *x, size_t count, int dtype, int op, siz
  * each of the p blocks into its slot (p pieces), and the owner of a block
  * reduces its piece straight into `out`. */
 static int ax_reduce_scatter(ax_shm *s, const char *x, char *out, size_t block, int dtype, int op,
-                             size_t itemsize, double timeout, unsigned char *lagging) {
+                             size_t itemsize, const int64_t *desc, double timeout, unsigned char *lagging) {
     ax_reduce_fn reduce = ax_reducer(dtype, op);
     if (reduce == NULL) return -2;
     const int p = s->size, me = s->rank;
     const size_t piece = s->slot_bytes / itemsize / (size_t)p;
     if (piece == 0) return -2;
+    if (block == 0) return desc ? ax_agree(s, desc, timeout, lagging) : 0;
     char *srcs[AX_MAX_RANKS];
     for (size_t first = 0; first < block; first += piece) {
         const uint64_t g = s->seq++;
@@ -232,8 +311,10 @@ static int ax_reduce_scatter(ax_shm *s, const char *x, char *out, size_t block, 
         char *mine = ax_slot(s, me, g);
         for (int k = 0; k < p; k++)
             memcpy(mine + (size_t)k * piece * itemsize, x + ((size_t)k * block + first) * itemsize, n * itemsize);
+        AX_PUBLISH_FIRST(g, first);
         ax_store(&s->ctrls[me]->copied, g + 1);
         if (ax_wait_all(s, AX_COPIED, g + 1, timeout, lagging)) return -1;
+        AX_CHECK_FIRST(g, first);
         for (int r = 0; r < p; r++) srcs[r] = ax_slot(s, r, g) + (size_t)me * piece * itemsize;
         reduce(out + first * itemsize, srcs, p, n);
         ax_store(&s->ctrls[me]->reduced, g + 1);
@@ -244,18 +325,26 @@ static int ax_reduce_scatter(ax_shm *s, const char *x, char *out, size_t block, 
 
 /* Broadcast of `count` elements at x from `root`: the root copies each chunk
  * into its slot, the others copy it out. */
-static int ax_broadcast(ax_shm *s, char *x, size_t count, size_t itemsize, int root, double timeout,
-                        unsigned char *lagging) {
+static int ax_broadcast(ax_shm *s, char *x, size_t count, size_t itemsize, int root, const int64_t *desc,
+                        double timeout, unsigned char *lagging) {
     const int me = s->rank;
     const size_t per_chunk = s->slot_bytes / itemsize;
+    if (count == 0) return desc ? ax_agree(s, desc, timeout, lagging) : 0;
     for (size_t first = 0; first < count; first += per_chunk) {
         const uint64_t g = s->seq++;
         const size_t n = count - first < per_chunk ? count - first : per_chunk;
         if (ax_wait_slot(s, g, timeout, lagging)) return -1;
         if (me == root) memcpy(ax_slot(s, me, g), x + first * itemsize, n * itemsize);
+        AX_PUBLISH_FIRST(g, first);
         ax_store(&s->ctrls[me]->copied, g + 1);
-        ax_store(&s->ctrls[me]->reduced, g + 1);
-        if (ax_wait_all(s, AX_COPIED, g + 1, timeout, lagging)) return -1;
+        if (first == 0) { /* *reduced* after the check: a refusal must be able to finish the step */
+            if (ax_wait_all(s, AX_COPIED, g + 1, timeout, lagging)) return -1;
+            AX_CHECK_FIRST(g, first);
+            ax_store(&s->ctrls[me]->reduced, g + 1);
+        } else {
+            ax_store(&s->ctrls[me]->reduced, g + 1);
+            if (ax_wait_all(s, AX_COPIED, g + 1, timeout, lagging)) return -1;
+        }
         if (me != root) memcpy(x + first * itemsize, ax_slot(s, root, g), n * itemsize);
         ax_store(&s->ctrls[me]->done, g + 1);
     }
@@ -265,18 +354,21 @@ static int ax_broadcast(ax_shm *s, char *x, size_t count, size_t itemsize, int r
 /* All-gather of `nbytes` bytes at x from every rank into out (p blocks of
  * `nbytes`, in rank order): per chunk each rank copies its piece into its
  * slot, and once every piece is there copies all of them out. */
-static int ax_allgather(ax_shm *s, const char *x, char *out, size_t nbytes, double timeout,
+static int ax_allgather(ax_shm *s, const char *x, char *out, size_t nbytes, const int64_t *desc, double timeout,
                         unsigned char *lagging) {
     const int p = s->size, me = s->rank;
     const size_t per_chunk = s->slot_bytes;
+    if (nbytes == 0) return desc ? ax_agree(s, desc, timeout, lagging) : 0;
     for (size_t first = 0; first < nbytes; first += per_chunk) {
         const uint64_t g = s->seq++;
         const size_t n = nbytes - first < per_chunk ? nbytes - first : per_chunk;
         if (ax_wait_slot(s, g, timeout, lagging)) return -1;
         memcpy(ax_slot(s, me, g), x + first, n);
+        AX_PUBLISH_FIRST(g, first);
         ax_store(&s->ctrls[me]->copied, g + 1);
-        ax_store(&s->ctrls[me]->reduced, g + 1);
         if (ax_wait_all(s, AX_COPIED, g + 1, timeout, lagging)) return -1;
+        AX_CHECK_FIRST(g, first);
+        ax_store(&s->ctrls[me]->reduced, g + 1);
         for (int k = 0; k < p; k++) memcpy(out + (size_t)k * nbytes + first, ax_slot(s, k, g), n);
         ax_store(&s->ctrls[me]->done, g + 1);
     }
@@ -290,7 +382,7 @@ static int ax_allgather(ax_shm *s, const char *x, char *out, size_t nbytes, doub
  * rank has copied, because the caller may write into the array as soon as
  * the call returns. One call is one step of the counters. */
 static int ax_allreduce_direct(ax_shm *s, size_t offset, size_t count, int dtype, int op, size_t itemsize,
-                               double timeout, unsigned char *lagging) {
+                               const int64_t *desc, double timeout, unsigned char *lagging) {
     ax_reduce_fn reduce = ax_reducer(dtype, op);
     if (reduce == NULL) return -2;
     const int p = s->size, me = s->rank;
@@ -298,8 +390,10 @@ static int ax_allreduce_direct(ax_shm *s, size_t offset, size_t count, int dtype
     char *srcs[AX_MAX_RANKS];
     const uint64_t g = s->seq++;
     size_t lo, hi;
+    if (desc) ax_publish(s, g, desc);
     ax_store(&s->ctrls[me]->copied, g + 1);
     if (ax_wait_all(s, AX_COPIED, g + 1, timeout, lagging)) return -1;
+    if (desc && !ax_agrees(s, g, desc)) return ax_refuse(s, g, timeout, lagging);
     ax_share(count, me, p, align, &lo, &hi);
     if (hi > lo) {
         for (int r = 0; r < p; r++) srcs[r] = s->segs[r] + offset + lo * itemsize;
@@ -323,13 +417,15 @@ static int ax_allreduce_direct(ax_shm *s, size_t offset, size_t count, int dtype
  * every rank, copy each rank's part straight from its segment, then wait
  * until every rank has copied (the caller may write into its part as soon
  * as the call returns). One call is one step of the counters. */
-static int ax_allgather_direct(ax_shm *s, size_t offset, size_t nbytes, char *out, double timeout,
-                               unsigned char *lagging) {
+static int ax_allgather_direct(ax_shm *s, size_t offset, size_t nbytes, char *out, const int64_t *desc,
+                               double timeout, unsigned char *lagging) {
     const int p = s->size, me = s->rank;
     const uint64_t g = s->seq++;
+    if (desc) ax_publish(s, g, desc);
     ax_store(&s->ctrls[me]->copied, g + 1);
-    ax_store(&s->ctrls[me]->reduced, g + 1);
     if (ax_wait_all(s, AX_COPIED, g + 1, timeout, lagging)) return -1;
+    if (desc && !ax_agrees(s, g, desc)) return ax_refuse(s, g, timeout, lagging);
+    ax_store(&s->ctrls[me]->reduced, g + 1);
     for (int k = 0; k < p; k++) memcpy(out + (size_t)k * nbytes, s->segs[k] + offset, nbytes);
     ax_store(&s->ctrls[me]->done, g + 1);
     if (ax_wait_all(s, AX_DONE, g + 1, timeout, lagging)) return -1;

@@ -527,6 +527,43 @@ def test_latest_picks_the_highest_step_number(tmp_path):
     assert latest(tmp_path, "step*") is None
 
 
+def test_latest_finds_checkpoint_directories_and_files_by_default(tmp_path):
+    """The default finds ``ckpt-<step>`` directories (save_per_rank, save_sharded, the trainer) as well as files."""
+    assert latest(tmp_path) is None
+    for step in (7, 12):
+        (tmp_path / f"ckpt-{step:08d}").mkdir()
+        (tmp_path / f"ckpt-{step:08d}" / "index.npz").write_bytes(b"")
+    (tmp_path / "ckpt-00000030").mkdir()  # no index.npz: a save that never finished
+    (tmp_path / "ckpt-00000031.tmp-1-2").mkdir()
+    (tmp_path / "ckpt-9.npz").write_bytes(b"")
+    assert latest(tmp_path) == os.path.join(str(tmp_path), "ckpt-00000012")
+    assert latest(tmp_path, "ckpt-*") == os.path.join(str(tmp_path), "ckpt-00000012")
+    assert latest(tmp_path, "ckpt-*.npz") == os.path.join(str(tmp_path), "ckpt-9.npz")  # files only, as before
+    (tmp_path / "ckpt-13.npz").write_bytes(b"")
+    assert latest(tmp_path) == os.path.join(str(tmp_path), "ckpt-13.npz")  # the highest step, whichever kind
+
+
+def test_latest_with_default_arguments_finds_what_the_trainer_writes(tmp_path):
+    import axonhpc as ax
+
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((16, 4)).astype(np.float32), rng.integers(0, 3, 16)
+    steps = []
+
+    def fit(world):  # every thread-rank builds its own model, as every process would
+        model = nn.Sequential(nn.Linear(4, 3, seed=0))
+        trainer = ax.DistributedTrainer(model, optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(),
+                                        verbose=False, progress=False, keep_checkpoints=5)
+        trainer.fit((x, y), 2, batch_size=4, checkpoint_dir=str(tmp_path))
+        steps.append(trainer.global_step)
+
+    ax.run_local(fit, world_size=2)
+    written = sorted(name for name in os.listdir(tmp_path) if name.startswith("ckpt-"))
+    assert len(written) == 2 and all(os.path.isfile(tmp_path / name / "index.npz") for name in written)
+    assert steps == [steps[0]] * 2 and written[-1] == f"ckpt-{steps[0]:08d}"
+    assert latest(tmp_path) == os.path.join(str(tmp_path), written[-1])
+
+
 @pytest.mark.parametrize("pattern", ["ckpt.npz", "ckpt-*-*.npz", "sub/ckpt-*.npz"])
 def test_latest_refuses_patterns_without_one_star(tmp_path, pattern):
     with pytest.raises(ConfigurationError, match="exactly one"):

@@ -12,7 +12,6 @@ is not a new error and is not checked.
 """
 import ast
 import builtins
-import collections
 import importlib
 import pathlib
 
@@ -40,28 +39,11 @@ FACTORIES = {
     ("collectives/watch.py", "work._timeout_error"): "CollectiveTimeoutError (Work._timeout_error)",
     ("collectives/core.py", "watch.engine_timed_out"): "CollectiveTimeoutError naming the missing ranks",
     ("collectives/shm_path.py", "timed_out"): "CollectiveTimeoutError naming the missing ranks",
+    ("collectives/agreement.py", "shm_path.timed_out"): "CollectiveTimeoutError naming the missing ranks",
+    ("collectives/agreement.py", "watch.engine_timed_out"): "CollectiveTimeoutError naming the missing ranks",
     ("checkpoint/format.py", "self.fail"): "CheckpointError naming the file and the metadata path",
     ("backends/mpi.py", "self._backend._size_problem"): "ShapeError naming the message's and the buffer's sizes",
     ("backends/mpi.py", "self._problem"): "ShapeError naming the message's and the buffer's sizes",
-}
-
-# Raise sites in files other engineers are changing (see the report of issue 18); each entry is
-# (file, what it raises): how many such sites may remain. Fixing one only lowers the count.
-PENDING = {
-    ("backends/cuda_driver.py", "ValueError"): 1,
-    ("backends/devices.py", "ValueError"): 2,
-    ("backends/nccl.py", "ValueError"): 2,
-    ("backends/shared_device.py", "ValueError"): 1,
-    ("bucketing.py", "ValueError"): 3,
-    ("bucketing.py", "RuntimeError"): 1,
-    ("parallel/ddp.py", "TypeError"): 1,
-    ("parallel/ddp.py", "UnusedParameterError"): 1,  # defined in ddp.py, not yet the class of ax.errors
-    ("parallel/ddp.py", "GradientAfterReductionError"): 1,
-    ("parallel/fsdp.py", "TypeError"): 1,
-    ("parallel/fsdp.py", "ValueError"): 1,
-    ("parallel/parameter_server.py", "ParameterServerError"): 9,
-    ("parallel/parameter_server.py", "PeerFailedError"): 4,
-    ("parallel/pipeline.py", "RuntimeError"): 2,
 }
 
 
@@ -129,16 +111,12 @@ def _raise_sites():
 
 
 def test_every_raise_is_an_axon_error():
-    wrong, pending, used_allowed, used_factories = [], collections.Counter(), set(), set()
+    wrong, used_allowed, used_factories = [], set(), set()
     for rel, line, text, obj, call, func in _raise_sites():
         where = f"axonhpc/{rel}:{line}: raise {text}"
         if isinstance(obj, type) and issubclass(obj, BaseException):
             if issubclass(obj, errors.AxonError):
                 if getattr(errors, obj.__name__, None) is obj:
-                    continue
-                key = (rel, obj.__name__)
-                if key in PENDING:
-                    pending[key] += 1
                     continue
                 wrong.append(f"{where}: {obj.__module__}.{obj.__name__} is an AxonError but not "
                              f"ax.errors.{obj.__name__} (define it in axonhpc/errors.py and import it from there)")
@@ -155,9 +133,6 @@ def test_every_raise_is_an_axon_error():
                 else:
                     used_allowed.add(name)
                 continue
-            if (rel, name) in PENDING:
-                pending[(rel, name)] += 1
-                continue
             wrong.append(f"{where}: {name} is not an axonhpc error; raise a subclass of ax.errors.AxonError "
                          f"(e.g. InvalidArgumentError for a ValueError, ArgumentTypeError for a TypeError)")
             continue
@@ -166,9 +141,7 @@ def test_every_raise_is_an_axon_error():
             continue
         wrong.append(f"{where}: raises what {text}(...) returns; list it in FACTORIES with what it returns, or "
                      f"raise an ax.errors class directly")
-    over = {key: count for key, count in pending.items() if count > PENDING[key]}
     assert not wrong, "raise sites that are not axonhpc errors:\n" + "\n".join(wrong)
-    assert not over, f"more raise sites than allowed while pending: {over}"
     # The lists must stay true: an entry nothing uses is stale.
     assert set(FACTORIES) == used_factories, f"unused FACTORIES entries: {set(FACTORIES) - used_factories}"
     assert used_allowed == set(ALLOWED), f"unused ALLOWED entries: {set(ALLOWED) - used_allowed}"
@@ -221,6 +194,10 @@ def test_every_error_class_is_exported_documented_and_keeps_its_builtin_base():
     ("axonhpc.bench.jobs", ["BenchError"]),
     ("axonhpc.backends.local", ["LocalAbort"]),
     ("axonhpc.backends", ["LocalAbort"]),
+    ("axonhpc.parallel.ddp", ["UnusedParameterError", "GradientAfterReductionError"]),
+    ("axonhpc.parallel.parameter_server", ["ParameterServerError", "PeerFailedError"]),
+    ("axonhpc.parallel", ["UnusedParameterError", "GradientAfterReductionError", "ParameterServerError",
+                          "PeerFailedError"]),
 ])
 def test_moved_errors_stay_importable_where_they_were(module, names):
     mod = importlib.import_module(module)

@@ -29,7 +29,8 @@ def test_environment_fills_fields():
                            "timeline_dir": "", "log_level": "INFO", "log_ranks": "0",
                            "shm_collectives": "auto", "shm_min_bytes": 0, "shm_allgather_max_bytes": 262144,
                            "shm_slot_bytes": 262144,
-                           "shm_slots": 4, "deterministic": False, "bucket_size_mb": "auto"}
+                           "shm_slots": 4, "deterministic": False, "bucket_size_mb": "auto",
+                          "check_collectives": True}
 
 
 def test_revision_counts_every_assignment():
@@ -134,3 +135,11 @@ def test_bucket_size_and_deterministic_settings():
     assert Settings().load_environment({"AXONHPC_BUCKET_SIZE_MB": "12.5"}).bucket_size_mb == "12.5"
     with pytest.raises(ValueError, match="AXONHPC_BUCKET_SIZE_MB='-1' must be 'auto' or a positive number"):
         Settings().load_environment({"AXONHPC_BUCKET_SIZE_MB": "-1"})
+
+
+def test_collective_checks_and_slot_count_settings():
+    s = Settings().load_environment({"AXONHPC_CHECK_COLLECTIVES": "0", "AXONHPC_SHM_SLOTS": "63"})
+    assert (s.check_collectives, s.shm_slots) == (False, 63)
+    # The engine keeps one call descriptor per slot in a 4 KiB control block: 63 at most.
+    with pytest.raises(ConfigurationError, match="AXONHPC_SHM_SLOTS='64' must be an integer from 1 to 63"):
+        Settings().load_environment({"AXONHPC_SHM_SLOTS": "64"})

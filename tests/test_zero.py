@@ -68,3 +68,18 @@ def test_state_dict_errors_name_the_keys():
 def test_repr_shows_the_ranges():
     opt = ax.ZeroRedundancyOptimizer(optim.Adam, make_model().parameters(), group=ax.ProcessGroup.mock())
     assert "float64[0:275] of 275" in repr(opt)
+
+
+def test_a_function_params_to_optimizer_is_taken_in_place_of_a_class():
+    """For a class whose constructor does not take its hyperparameters by name (the trainer's zero1 uses this)."""
+    mock = ax.ProcessGroup.mock()
+    model = make_model()
+    opt = ax.ZeroRedundancyOptimizer(lambda ps: optim.SGD(ps, lr=0.5, momentum=0.9), model.parameters(), group=mock)
+    assert isinstance(opt.optimizer, optim.SGD) and opt.lr == 0.5 and opt.momentum == 0.9
+    before = [p.data.copy() for p in model.parameters()]
+    for p in model.parameters():
+        p.grad = np.ones_like(p.data)
+    opt.step()
+    assert all(np.allclose(p.data, b - 0.5) for p, b in zip(model.parameters(), before))
+    with pytest.raises(ax.errors.ConfigurationError, match="returned a list, not an axonhpc.optim.Optimizer"):
+        ax.ZeroRedundancyOptimizer(lambda ps: list(ps), model.parameters(), group=mock)

@@ -20,6 +20,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
+from ..errors import InvalidArgumentError
+
 # The extras of pyproject.toml by the CUDA major their cupy and NCCL wheels are built for.
 GPU_EXTRAS = {12: "gpu-cuda12", 13: "gpu-cuda13"}
 # Distribution names cupy and NCCL ship under, newest CUDA first; "cupy" is the source build.
@@ -48,7 +50,7 @@ def version_text(code: int) -> str:
     """``"13.0"`` for the driver code 13000 (``1000 * major + 10 * minor``, as in cuda.h)."""
     code = int(code)
     if code <= 0:
-        raise ValueError(f"a CUDA driver version code is positive, got {code}")
+        raise InvalidArgumentError(f"a CUDA driver version code is positive, got {code}")
     return f"{code // 1000}.{(code % 1000) // 10}"
 
 

@@ -25,7 +25,7 @@ import importlib.util
 from dataclasses import dataclass
 from typing import Any, Callable, List, Mapping, Optional, Tuple
 
-from ..errors import BackendUnavailableError
+from ..errors import BackendUnavailableError, InvalidArgumentError, RankError
 
 GPU_EXTRA_HINT = ("pip install axonhpc[gpu-cuda12] or axonhpc[gpu-cuda13], for the CUDA major the driver supports: "
                   "axonhpc info says which")
@@ -168,7 +168,7 @@ def select_device(local_rank: int, visible_count: Optional[int], env: Mapping[st
         where = f" (CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']!r})" if "CUDA_VISIBLE_DEVICES" in env else ""
         raise BackendUnavailableError(f"no CUDA device is visible to local rank {local_rank}{where}")
     if local_rank < 0:
-        raise ValueError(f"local_rank must be non-negative, got {local_rank}")
+        raise RankError(f"local_rank must be non-negative, got {local_rank}")
     if count == 1:
         index, shared = 0, False
         if listed:
@@ -234,7 +234,7 @@ def choose_backend(requested: str, facts: Optional[DeviceFacts], mpi_available: 
             raise BackendUnavailableError("backend 'nccl' needs mpi4py: NCCL's unique id is broadcast over MPI")
         return BackendChoice("mpi", "nccl", "backend='nccl' asked for")
     if requested != "auto":
-        raise ValueError(f"unknown backend {requested!r}")
+        raise InvalidArgumentError(f"unknown backend {requested!r}")
     if not mpi_available:
         return BackendChoice("local", None, "mpi4py is not installed: one local rank")
     if problem is None:

@@ -41,7 +41,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from .._dtypes import is_integer
-from ..errors import BackendUnavailableError, UnsupportedDtypeError
+from ..errors import BackendUnavailableError, ShapeError, UnsupportedDtypeError
 from .base import Backend, CompletedWork, ReduceOp, Work
 from .devices import nccl_version_tuple
 from .shared_device import agree_distinct_devices, device_identity
@@ -123,14 +123,14 @@ def unique_id_bytes(uid: Any) -> bytes:
     cupy >= 14 returns bytes; older versions return a tuple of 128 signed chars.
 
     Raises:
-        ValueError: not 128 bytes long.
+        ShapeError: not 128 bytes long (a ``ValueError``).
     """
     if isinstance(uid, (bytes, bytearray)):
         raw = bytes(uid)
     else:
         raw = bytes(int(v) & 0xFF for v in uid)
     if len(raw) != NCCL_UNIQUE_ID_BYTES:
-        raise ValueError(f"an NCCL unique id has {NCCL_UNIQUE_ID_BYTES} bytes, got {len(raw)}")
+        raise ShapeError(f"an NCCL unique id has {NCCL_UNIQUE_ID_BYTES} bytes, got {len(raw)}")
     return raw
 
 
@@ -167,7 +167,7 @@ def bootstrap_unique_id(rank: int, broadcast_bytes: Callable[[bytes], bytes], ma
             payload = b"\1" + bytes(NCCL_UNIQUE_ID_BYTES)
     got = bytes(broadcast_bytes(payload))
     if len(got) != 1 + NCCL_UNIQUE_ID_BYTES:
-        raise ValueError(f"the unique-id broadcast returned {len(got)} bytes, expected {1 + NCCL_UNIQUE_ID_BYTES}")
+        raise ShapeError(f"the unique-id broadcast returned {len(got)} bytes, expected {1 + NCCL_UNIQUE_ID_BYTES}")
     if got[0] != 0:
         detail = f": {type(error).__name__}: {error}" if error is not None else " (see the error on rank 0)"
         raise BackendUnavailableError(f"rank 0 could not create the NCCL unique id{detail}") from error

@@ -20,7 +20,7 @@ from __future__ import annotations
 import socket
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from ..errors import BackendUnavailableError
+from ..errors import BackendUnavailableError, InvalidArgumentError
 
 IDENTITY_BYTES = 512  # room for a host name (at most 255 bytes) and a label
 SHARED_DEVICE_HINT = ("NCCL needs one GPU per rank and refuses a shared one (NCCL_ERROR_INVALID_USAGE): start one "
@@ -50,7 +50,7 @@ def encode_identity(identity: Optional[Tuple[str, str]]) -> bytes:
         return bytes(IDENTITY_BYTES)
     key, label = (part.replace("\t", " ").encode() for part in identity)
     if len(key) + 1 > IDENTITY_BYTES:
-        raise ValueError(f"a device key of {len(key)} bytes does not fit in {IDENTITY_BYTES}")
+        raise InvalidArgumentError(f"a device key of {len(key)} bytes does not fit in {IDENTITY_BYTES}")
     raw = (key + b"\t" + label)[:IDENTITY_BYTES]
     return raw.ljust(IDENTITY_BYTES, b"\0")
 

@@ -41,9 +41,9 @@ class SharedWindow:
         from .._ext import _shm
 
         self.slot_bytes, self.nslots = int(slot_bytes), int(nslots)
-        if self.slot_bytes < 4096 or self.slot_bytes % 4096 or self.nslots < 1:
-            raise ConfigurationError(f"shared-memory slots must be a positive multiple of 4096 bytes, at least "
-                                     f"one of them; got shm_slot_bytes={slot_bytes}, shm_slots={nslots}")
+        if self.slot_bytes < 4096 or self.slot_bytes % 4096 or not 1 <= self.nslots <= _shm.MAX_SLOTS:
+            raise ConfigurationError(f"shared-memory slots must be a positive multiple of 4096 bytes, 1 to "
+                                     f"{_shm.MAX_SLOTS} of them; got shm_slot_bytes={slot_bytes}, shm_slots={nslots}")
         info = MPI.Info.Create()
         info.Set("alloc_shared_noncontig", "true")
         try:

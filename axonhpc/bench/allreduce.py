@@ -27,6 +27,12 @@ into buffers made once (``out=``).
 CUDA-aware MPI against MPI staged through pinned host memory (see
 ``bench.allreduce_gpu``); without a CUDA device it refuses with exit status 2.
 
+``--check-cost`` prints what the always-on agreement check adds
+(``settings.check_collectives``, see ``collectives.agreement``): each
+size's all-reduce through the shared-memory path and through the MPI path
+(``shm_collectives="off"``, as across nodes), each with the check on and
+off in the same interleaved rounds, and the added fraction.
+
 ``--algorithms native,ring,rhd,hierarchical`` also times
 ``ax.all_reduce(x, algorithm=name)`` for each name in the same interleaved
 rounds and prints a second table: each algorithm's median time and its ratio
@@ -89,7 +95,7 @@ def run_sizes(sizes: List[int], rounds: int, algorithms: Sequence[str] = ()) -> 
         iters = _iters_for(nbytes)
         candidates = {
             "ours": lambda: all_reduce(x),
-            "mpi_path": lambda: _without_shm(lambda: all_reduce(x)),
+            "mpi_path": lambda: _with_settings(lambda: all_reduce(x), shm_collectives="off"),
             "raw": lambda: raw.Allreduce(MPI.IN_PLACE, [x, MPI.FLOAT]),
             "copy": lambda: np.copyto(dst, x),
         }
@@ -157,13 +163,66 @@ def format_collectives_table(rows: List[dict], n: int) -> str:
     return "\n".join(lines)
 
 
-def _without_shm(call):
-    saved = settings.shm_collectives
-    settings.shm_collectives = "off"
+def _with_settings(call, **values):
+    """``call()`` with the named settings fields changed for its length."""
+    saved = {name: getattr(settings, name) for name in values}
+    for name, value in values.items():
+        setattr(settings, name, value)
     try:
         return call()
     finally:
-        settings.shm_collectives = saved
+        for name, value in saved.items():
+            setattr(settings, name, value)
+
+
+def run_check_cost(sizes: List[int], rounds: int) -> List[dict]:
+    """All-reduce with the agreement check on and off, on the shared-memory and the MPI path (medians, us).
+
+    Each candidate changes the settings only when the one before it left
+    others (once per batch of calls, not per call: a change of the settings
+    makes the next call choose its route again).
+    """
+    from mpi4py import MPI
+
+    raw, job_time = _raw_world()
+    saved = (settings.shm_collectives, settings.check_collectives)
+
+    def configured(shm: str, on: bool):
+        def call():
+            if (settings.shm_collectives, settings.check_collectives) != (shm, on):
+                settings.shm_collectives, settings.check_collectives = shm, on
+            all_reduce(x)
+        return call
+
+    rows = []
+    try:
+        for nbytes in sizes:
+            x = np.ones(nbytes // 4, dtype=np.float32)
+            candidates = {f"{path}_{check}": configured(shm, on)
+                          for path, shm in (("shm", "auto"), ("mpi", "off")) for check, on in (("off", False), ("on", True))}
+            candidates["raw"] = lambda: raw.Allreduce(MPI.IN_PLACE, [x, MPI.FLOAT])
+            for _ in range(2):
+                for fn in candidates.values():
+                    fn()
+            t = median_times(candidates, _iters_for(nbytes), rounds, sync=job_time)
+            rows.append(dict(bytes=nbytes, **{name: t[name] * 1e6 for name in candidates}))
+    finally:
+        settings.shm_collectives, settings.check_collectives = saved
+    raw.Free()
+    return rows
+
+
+def format_check_cost_table(rows: List[dict], n: int) -> str:
+    """The check's cost: each path's time with it on and off, and the fraction it adds."""
+    lines = [f"# all_reduce with the agreement check on and off, float32, in place, {n} ranks, medians "
+             f"(added = on / off - 1)",
+             f"{'size':>10} {'shm on us':>10} {'shm off us':>11} {'added':>7} {'MPI on us':>10} {'MPI off us':>11} "
+             f"{'added':>7} {'raw us':>8}"]
+    for r in rows:
+        lines.append(f"{human_bytes(r['bytes']):>10} {r['shm_on']:>10.2f} {r['shm_off']:>11.2f} "
+                     f"{r['shm_on'] / r['shm_off'] - 1:>7.1%} {r['mpi_on']:>10.2f} {r['mpi_off']:>11.2f} "
+                     f"{r['mpi_on'] / r['mpi_off'] - 1:>7.1%} {r['raw']:>8.2f}")
+    return "\n".join(lines)
 
 
 def run_fusion(count: int, nbytes: int, rounds: int) -> dict:
@@ -247,6 +306,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--no-fusion", action="store_true", help="skip the 100 x 1 KiB fusion table")
     parser.add_argument("--collectives", action="store_true",
                         help="also time all-gather, reduce-scatter and broadcast against raw mpi4py")
+    parser.add_argument("--check-cost", action="store_true",
+                        help="also time the all-reduce with the agreement check on and off (shared memory and MPI)")
     parser.add_argument("--algorithms", default=None,
                         help=f"comma-separated all-reduce algorithms to time beside raw mpi4py, e.g. "
                              f"native,ring,rhd,hierarchical (known: {', '.join(ALGORITHMS)})")
@@ -274,11 +335,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     rows = run_sizes(sizes, args.rounds, algorithms)
     fusion = None if args.no_fusion else run_fusion(100, 1024, args.rounds)
     others = run_collectives(sizes, args.rounds) if args.collectives else None
+    checks = run_check_cost(sizes, args.rounds) if args.check_cost else None
     if world.rank == 0:
         print(format_table(rows, world.world_size))
         if others:
             print()
             print(format_collectives_table(others, world.world_size))
+        if checks:
+            print()
+            print(format_check_cost_table(checks, world.world_size))
         if algorithms:
             print()
             print(format_algorithm_table(rows, world.world_size))

@@ -17,11 +17,21 @@ def _step_regex(pattern: str) -> "re.Pattern[str]":
     return re.compile(re.escape(parts[0]) + r"(\d+)" + re.escape(parts[1]))
 
 
-def latest(dirpath: "str | os.PathLike[str]", pattern: str = "ckpt-*.npz") -> Optional[str]:
+# What ``latest`` finds by default: single-file checkpoints (``save``) and checkpoint directories
+# (``save_per_rank``, ``save_sharded``, and so ``DistributedTrainer``'s ``ckpt-NNNNNNNN``).
+DEFAULT_PATTERNS = ("ckpt-*.npz", "ckpt-*")
+
+
+def latest(dirpath: "str | os.PathLike[str]", pattern: Optional[str] = None) -> Optional[str]:
     """The checkpoint in ``dirpath`` with the highest step number, or None if there is none.
 
     A checkpoint is a file, or a directory written by ``save_per_rank`` /
-    ``save_sharded`` (``pattern="ckpt-*"``) that holds its ``index.npz``.
+    ``save_sharded`` that holds its ``index.npz`` (its index is written last,
+    so a directory without one is a save that did not finish). With the
+    default ``pattern`` both kinds are found: ``ckpt-<step>.npz`` files
+    written by ``save`` and ``ckpt-<step>`` directories, such as the
+    ``ckpt-00000012`` that ``DistributedTrainer`` writes; the highest step
+    wins whichever kind it is.
 
     Steps are compared as numbers, so ``ckpt-100.npz`` is newer than
     ``ckpt-99.npz`` with or without zero padding. Names where the ``*`` part is
@@ -31,16 +41,19 @@ def latest(dirpath: "str | os.PathLike[str]", pattern: str = "ckpt-*.npz") -> Op
     Args:
         dirpath: directory to look in; a directory that does not exist yet
             (the first run of a job) has no checkpoint.
-        pattern: file name with one ``*`` where the step number stands.
+        pattern: file name with one ``*`` where the step number stands
+            (``"ckpt-*.npz"``: files only, as before; ``"ckpt-*"``: names
+            without a suffix); None: both of ``DEFAULT_PATTERNS``.
 
     Returns:
-        The path (``dirpath`` joined with the file name), or None. Equal steps
-        written differently (``ckpt-12``, ``ckpt-0012``) are broken by name.
+        The path (``dirpath`` joined with the name), or None. Equal steps
+        written differently (``ckpt-12``, ``ckpt-0012``, ``ckpt-12.npz``) are
+        broken by name.
 
     Raises:
         ConfigurationError: ``pattern`` has no ``*``, more than one, or a path separator.
     """
-    regex = _step_regex(pattern)
+    regexes = [_step_regex(p) for p in (DEFAULT_PATTERNS if pattern is None else (pattern,))]
     dirpath = os.fspath(dirpath)
     try:
         names = os.listdir(dirpath)
@@ -48,13 +61,14 @@ def latest(dirpath: "str | os.PathLike[str]", pattern: str = "ckpt-*.npz") -> Op
         return None
     best = None
     for name in names:
-        m = regex.fullmatch(name)
-        full = os.path.join(dirpath, name)
-        # a file, or a checkpoint directory that is complete (its index is written last)
-        if m and (os.path.isfile(full) or os.path.isfile(os.path.join(full, "index.npz"))):
-            key = (int(m.group(1)), name)
-            if best is None or key > best:
-                best = key
+        for regex in regexes:
+            m = regex.fullmatch(name)
+            # a file, or a checkpoint directory that is complete (its index is written last)
+            if m and _complete(os.path.join(dirpath, name)):
+                key = (int(m.group(1)), name)
+                if best is None or key > best:
+                    best = key
+                break
     return None if best is None else os.path.join(dirpath, best[1])
 
 

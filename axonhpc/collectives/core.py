@@ -26,7 +26,7 @@ from ..backends.base import CompletedWork, ReduceOp, Work
 from ..errors import CollectiveTimeoutError, InvalidArgumentError, RankError, ReadOnlyBufferError, ShapeError
 from ..groups import ProcessGroup, resolve_group
 from ..settings import settings
-from . import algorithms, fingerprint, flight, shm_path, watch
+from . import agreement, algorithms, fingerprint, flight, shm_path, watch
 from .ring import ring_reduce_scatter
 from .widen import divide_average
 
@@ -38,10 +38,20 @@ def _member(group: Optional[ProcessGroup], op: str) -> ProcessGroup:
 class _Label:
     """How messages name one call; formatted only when a message needs it."""
 
-    __slots__ = ("op", "seq", "group", "entry")
+    __slots__ = ("op", "seq", "group", "entry", "call")
 
-    def __init__(self, op: str, seq: int, group: ProcessGroup, entry: Optional[list] = None):
+    def __init__(self, op: str, seq: int, group: ProcessGroup, entry: Optional[list] = None,
+                 call: tuple = (None, None, None)):
         self.op, self.seq, self.group, self.entry = op, seq, group, entry
+        self.call = call  # (x, reduce op name, root): what the ranks must agree on
+
+    def desc(self) -> tuple:
+        """The call's descriptor, compared across the ranks (see ``agreement``)."""
+        return agreement.describe(self.op, *self.call)
+
+    def refuse(self) -> None:
+        """The ranks disagreed about this call: raise the same error on every rank."""
+        agreement.refuse(self.group, self.seq, self.op, *self.call)
 
     def __str__(self) -> str:
         return f"{self.op} #{self.seq} on group {self.group.name} {list(self.group.ranks)}"
@@ -53,26 +63,44 @@ _OP_NAMES = {op: op.name for op in ReduceOp}  # Enum.name is a slow property; th
 def _start(pg: ProcessGroup, op: str, x: Any = None, reduce: Optional[ReduceOp] = None,
            root: Optional[int] = None) -> _Label:
     """Flight record, debug check and sequence number; returns the label used in messages."""
+    if "_unissued_calls" in pg.__dict__:
+        agreement.flush(pg)  # earlier asynchronous calls start first, in the same order on every rank
     debug = pg.debug_enabled()
     reduce_name = None if reduce is None else _OP_NAMES[reduce]
     entry = flight.record(pg, op, x, reduce_name, root, fingerprint.caller_location() if debug else None)
     if debug:
         fingerprint.check(pg, op, x, reduce_name, root)
-    label = _Label(op, pg.seq, pg, entry)
+    label = _Label(op, pg.seq, pg, entry, (x, reduce_name, root))
     pg.seq += 1
     return label
 
 
-def _run(pg: ProcessGroup, label: _Label, issue, async_op: bool) -> Any:
-    """Call ``issue(nonblocking)`` and either return its Work or wait for it (see ``watch``)."""
+def _run(pg: ProcessGroup, label: _Label, issue, async_op: bool, carried: bool = False) -> Any:
+    """Call ``issue(nonblocking)`` and either return its Work or wait for it (see ``watch``).
+
+    A collective is first compared across the ranks (``agreement.check``),
+    unless ``carried``: the shared-memory engine carries it and compares it
+    itself.
+    """
     timeout = pg.effective_timeout()
     collective = isinstance(label, _Label)  # point-to-point calls carry a plain text label
     announce = getattr(pg.backend, "announce", None) if collective and timeout is not None and not async_op else None
     arrivals = announce(label.seq, label.op) if announce is not None else None
     entry = label.entry if collective else None
+    pending = None
+    if collective and not carried and async_op:
+        pending = agreement.start_check(pg, label.seq, label.op, *label.call)
+    elif collective and not carried:
+        agreement.check(pg, label.seq, label.op, *label.call, arrivals=arrivals, label=label)
     start = time.perf_counter()
     try:
-        work: Work = issue(async_op or timeout is not None)
+        if pending is not None:  # issued once the check is done (agreement.CheckedWork)
+            work: Work = agreement.CheckedWork(pg, pending, lambda: issue(True))
+        else:
+            work = issue(async_op or timeout is not None)
+    except agreement.EngineMismatch:
+        label.refuse()
+        raise  # refuse raises; this keeps the engine's error should it not
     except CollectiveTimeoutError as exc:  # the shared-memory engine timed out inside the call
         if arrivals is None:
             raise
@@ -171,6 +199,7 @@ def all_reduce(x, op=ReduceOp.SUM, group: Optional[ProcessGroup] = None, async_o
     if fixed and chosen == "native" and node is None:
         chosen = "ring"  # no shared memory (several nodes): the ring's order is fixed too
     if chosen != "native" and pg.size > 1:
+        agreement.check(pg, label.seq, "all_reduce", x, label.call[1])
         return algorithms.run(chosen, x, op, pg, async_op)
     if pg.size == 1:
         # Every op over one rank is the identity (AVG too: x // 1 == x / 1 == x).
@@ -179,10 +208,12 @@ def all_reduce(x, op=ReduceOp.SUM, group: Optional[ProcessGroup] = None, async_o
         work.wait()  # nothing to wait for: marks it finished (and ends its timeline span)
         return work if async_op else None
     if node is not None and node.fuses(op, x):
-        return _run(pg, label, lambda nb: node.all_reduce(x, x, op), async_op)
+        desc = label.desc()
+        return _run(pg, label, lambda nb: node.all_reduce(x, x, op, desc), async_op, carried=True)
     if node is not None:
-        issue = _reduction(pg, x, x, op, lambda s, d, base, nb: node.all_reduce(s, d, base))
-        return _run(pg, label, issue, async_op)
+        desc = label.desc()
+        issue = _reduction(pg, x, x, op, lambda s, d, base, nb: node.all_reduce(s, d, base, desc))
+        return _run(pg, label, issue, async_op, carried=True)
     issue = _reduction(pg, x, x, op, lambda s, d, base, nb: backend.all_reduce(s, base, nb))
     return _run(pg, label, issue, async_op)
 
@@ -213,11 +244,21 @@ def _plain_route(x: Any, group: Optional[ProcessGroup], writable: bool, dtype_ch
     return pg, engine, backend
 
 
-def _plainly(pg: ProcessGroup, op: str, x: Any, reduce: Optional[str], root: Optional[int], call) -> None:
-    """What the general path does around a call, no more: a flight record and the next sequence number."""
+def _plainly(pg: ProcessGroup, op: str, x: Any, reduce: Optional[str], root: Optional[int], call,
+             engine: Any, carried: bool) -> None:
+    """What the general path does around a call, no more: a flight record, the next sequence number and the
+    agreement check (in the engine's call when ``carried``, else ``agreement.check`` first)."""
+    if "_unissued_calls" in pg.__dict__:
+        agreement.flush(pg)
     entry = flight.record(pg, op, x, reduce, root, None)
+    seq = pg.seq
     pg.seq += 1
-    call()
+    try:
+        if not carried:
+            agreement.check(pg, seq, op, x, reduce, root, engine=engine if engine is not None else False)
+        call()
+    except agreement.EngineMismatch:
+        agreement.refuse(pg, seq, op, x, reduce, root)
     if entry is not None:
         entry[flight.DONE] = True
 
@@ -238,13 +279,16 @@ def _all_reduce_plain(x: np.ndarray, op: ReduceOp, group: Optional[ProcessGroup]
     if engine is not None and x.nbytes >= settings.shm_min_bytes:
         entry = flight.record(pg, "all_reduce", x, name, None, None)  # _plainly's steps, inline: the hottest call
         pg.seq += 1
-        engine.all_reduce(x, name)
+        try:
+            engine.all_reduce(x, name)  # compares the call across the node as it goes (agreement)
+        except agreement.EngineMismatch:
+            agreement.refuse(pg, pg.seq - 1, "all_reduce", x, name, None)
         if entry is not None:
             entry[flight.DONE] = True
         return True
     if backend is None or op is ReduceOp.AVG:
         return False
-    _plainly(pg, "all_reduce", x, name, None, lambda: _finish(backend.all_reduce(x, op, False)))
+    _plainly(pg, "all_reduce", x, name, None, lambda: _finish(backend.all_reduce(x, op, False)), engine, False)
     return True
 
 
@@ -328,7 +372,7 @@ def reduce_scatter(x, op=ReduceOp.SUM, group: Optional[ProcessGroup] = None, asy
                 part = out
                 call = ((lambda: engine.reduce_scatter(x, part, name)) if use_engine
                         else (lambda: _finish(backend.reduce_scatter(x, part, op, False))))
-                _plainly(pg, "reduce_scatter", x, name, None, call)
+                _plainly(pg, "reduce_scatter", x, name, None, call, engine, use_engine)
                 return part
     op = ReduceOp.parse(op)
     pg = _member(group, "reduce_scatter")
@@ -345,11 +389,12 @@ def reduce_scatter(x, op=ReduceOp.SUM, group: Optional[ProcessGroup] = None, asy
     node = shm_path.path(pg, x, "reduce_scatter", reduction=True, any_size=fixed)
     if fixed and node is None and pg.size > 1:  # deterministic across nodes: the ring's fixed order
         return _run(pg, label, lambda nb: ring_reduce_scatter(x, out, op, pg), async_op)
-    if node is not None and node.fuses(op, x):
-        return _run(pg, label, lambda nb: node.reduce_scatter(x, out, op), async_op)
     if node is not None:
-        issue = _reduction(pg, x, out, op, lambda s, d, base, nb: node.reduce_scatter(s, d, base), out)
-        return _run(pg, label, issue, async_op)
+        desc = label.desc()
+        if node.fuses(op, x):
+            return _run(pg, label, lambda nb: node.reduce_scatter(x, out, op, desc), async_op, carried=True)
+        issue = _reduction(pg, x, out, op, lambda s, d, base, nb: node.reduce_scatter(s, d, base, desc), out)
+        return _run(pg, label, issue, async_op, carried=True)
     issue = _reduction(pg, x, out, op, lambda s, d, base, nb: backend.reduce_scatter(s, d, base, nb), out)
     return _run(pg, label, issue, async_op)
 
@@ -383,10 +428,11 @@ def broadcast(x, src: int = 0, group: Optional[ProcessGroup] = None, async_op: b
         if route is not None:
             pg, engine, backend = route
             if 0 <= src < pg.size:
-                call = ((lambda: engine.broadcast(x, src)) if engine is not None and x.nbytes >= settings.shm_min_bytes
+                use_engine = engine is not None and x.nbytes >= settings.shm_min_bytes
+                call = ((lambda: engine.broadcast(x, src)) if use_engine
                         else (lambda: _finish(backend.broadcast(x, src, False))) if backend is not None else None)
                 if call is not None:
-                    _plainly(pg, "broadcast", x, None, src, call)
+                    _plainly(pg, "broadcast", x, None, src, call, engine, use_engine)
                     return None
     pg = _member(group, "broadcast")
     src = pg.check_rank(src, "broadcast src")
@@ -401,7 +447,8 @@ def broadcast(x, src: int = 0, group: Optional[ProcessGroup] = None, async_op: b
     backend = pg.backend
     node = shm_path.path(pg, x, "broadcast", reduction=False)
     if node is not None:
-        return _run(pg, label, lambda nb: node.broadcast(x, src), async_op)
+        desc = label.desc()
+        return _run(pg, label, lambda nb: node.broadcast(x, src, desc), async_op, carried=True)
     return _run(pg, label, lambda nb: backend.broadcast(x, src, nb), async_op)
 
 
@@ -434,7 +481,7 @@ def all_gather(x, group: Optional[ProcessGroup] = None, async_op: bool = False, 
                 result = np.empty(shape, dtype=x.dtype) if out is None else out
                 call = ((lambda: engine.all_gather(x, result)) if use_engine
                         else (lambda: _finish(backend.all_gather(x, result, False))))
-                _plainly(pg, "all_gather", x, None, None, call)
+                _plainly(pg, "all_gather", x, None, None, call, engine, use_engine)
                 return result
     pg = _member(group, "all_gather")
     check_array(x, "all_gather input")
@@ -442,7 +489,8 @@ def all_gather(x, group: Optional[ProcessGroup] = None, async_op: bool = False, 
     label = _start(pg, "all_gather", x)
     node = shm_path.path(pg, x, "all_gather", reduction=False)
     if node is not None:
-        return _run(pg, label, lambda nb: node.all_gather(x, out), async_op)
+        desc = label.desc()
+        return _run(pg, label, lambda nb: node.all_gather(x, out, desc), async_op, carried=True)
     backend = pg.backend
     return _run(pg, label, lambda nb: backend.all_gather(x, out, nb), async_op)
 
@@ -504,6 +552,7 @@ def scatter(x, src: int = 0, group: Optional[ProcessGroup] = None, async_op: boo
             problem = exc
             header[0] = _SCATTER_FAILED
     label = _start(pg, "scatter", None, root=src)
+    agreement.check(pg, label.seq, "scatter", None, None, src)  # before the header: every rank must name one src
     backend.broadcast(header, src, async_op=False)
     if header[0] not in (_SCATTER_OK, _SCATTER_OK_DEVICE):
         if problem is not None:
@@ -517,7 +566,7 @@ def scatter(x, src: int = 0, group: Optional[ProcessGroup] = None, async_op: boo
         xp = importlib.import_module("cupy") if header[0] == _SCATTER_OK_DEVICE else np
     out = xp.empty(shape, dtype=dtype)
     send = x if pg.rank == src else None
-    return _run(pg, label, lambda nb: backend.scatter(send, out, src, nb), async_op)
+    return _run(pg, label, lambda nb: backend.scatter(send, out, src, nb), async_op, carried=True)
 
 
 def barrier(group: Optional[ProcessGroup] = None, async_op: bool = False):

@@ -52,8 +52,31 @@ def describe(fp: dict) -> str:
     return " ".join(parts) + f" at {fp['where']} (call #{fp['seq']})"
 
 
-def check(group, op: str, x: Any = None, reduce: Optional[str] = None, root: Optional[int] = None) -> None:
+def describe_call(op: str, x: Any = None, reduce: Optional[str] = None, root: Optional[int] = None) -> str:
+    """'all_reduce float32 (17, 17) op=SUM': a call without its site and number."""
+    return describe(_fingerprint(op, x, reduce, root, 0, "")).rsplit(" at ", 1)[0]
+
+
+def _fingerprint(op: str, x: Any, reduce: Optional[str], root: Optional[int], seq: int, where: str) -> dict:
+    return {
+        "seq": seq,
+        "op": op,
+        # A device array names its kind: in a world with NCCL, a cupy array on one rank and a
+        # numpy array on another go to different backends and would never meet.
+        "dtype": None if x is None else str(x.dtype) + (" on device" if is_cupy_array(x) else ""),
+        "shape": None if x is None else list(x.shape),
+        "reduce": reduce,
+        "root": root,
+        "where": where,
+    }
+
+
+def check(group, op: str, x: Any = None, reduce: Optional[str] = None, root: Optional[int] = None,
+          seq: Optional[int] = None) -> None:
     """Compare this collective's fingerprint across the group; raise on any difference.
+
+    ``seq``: the call's number (default: the group's next, as the debug mode
+    checks a call before it is numbered).
 
     Raises:
         CollectiveMismatchError: on every rank, if any rank's call differs.
@@ -63,17 +86,8 @@ def check(group, op: str, x: Any = None, reduce: Optional[str] = None, root: Opt
         side = group.backend.split(0, group.rank)
         side.global_ranks = group.ranks
         group._debug_channel = side
-    fp = {
-        "seq": group.seq,
-        "op": op,
-        # A device array names its kind: in a world with NCCL, a cupy array on one rank and a
-        # numpy array on another go to different backends and would never meet.
-        "dtype": None if x is None else str(x.dtype) + (" on device" if is_cupy_array(x) else ""),
-        "shape": None if x is None else list(x.shape),
-        "reduce": reduce,
-        "root": root,
-        "where": caller_location(),
-    }
+    seq = group.seq if seq is None else seq
+    fp = _fingerprint(op, x, reduce, root, seq, caller_location())
     raw = json.dumps(fp).encode()[:_SLOT]
     mine = np.zeros(_SLOT, dtype=np.uint8)
     mine[: len(raw)] = np.frombuffer(raw, dtype=np.uint8)
@@ -85,8 +99,8 @@ def check(group, op: str, x: Any = None, reduce: Optional[str] = None, root: Opt
         from . import watch
 
         announce = getattr(group.backend, "announce", None)
-        arrivals = announce(group.seq, op) if announce is not None else None
-        label = f"{op} #{group.seq} on group {group.name} {list(group.ranks)} (debug fingerprint exchange)"
+        arrivals = announce(seq, op) if announce is not None else None
+        label = f"{op} #{seq} on group {group.name} {list(group.ranks)} (debug fingerprint exchange)"
         watch.wait(side.all_gather(mine, table, async_op=True), timeout, label, arrivals, group)
     prints = [json.loads(bytes(row).rstrip(b"\0").decode()) for row in table]
     keys = {tuple(json.dumps(p.get(k)) for k in _COMPARED) for p in prints}

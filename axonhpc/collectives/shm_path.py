@@ -64,38 +64,40 @@ class _Path:
         except CollectiveTimeoutError as exc:
             raise timed_out(exc, self.engine, self.pg, self.op_name) from exc
 
-    def all_reduce(self, src: Any, dst: Any, op: ReduceOp) -> Work:
+    # ``desc``: the call's descriptor (``agreement.describe``), taken from the caller's own array: the
+    # engine sees flattened, byte or widened views of it, and compares ``desc`` across the node.
+    def all_reduce(self, src: Any, dst: Any, op: ReduceOp, desc: tuple) -> Work:
         """Reduce ``src`` into ``dst`` (the same array, or a copy target) over the node."""
         if dst is not src:
             dst[...] = src
-        self._call("all_reduce", dst.reshape(-1), op.name)
+        self._call("all_reduce", dst.reshape(-1), op.name, desc)
         return _done()
 
-    def reduce_scatter(self, src: Any, dst: Any, op: ReduceOp) -> Work:
+    def reduce_scatter(self, src: Any, dst: Any, op: ReduceOp, desc: tuple) -> Work:
         """This rank's block of the reduction of ``src`` into ``dst``."""
-        self._call("reduce_scatter", np.ascontiguousarray(src).reshape(-1), dst.reshape(-1), op.name)
+        self._call("reduce_scatter", np.ascontiguousarray(src).reshape(-1), dst.reshape(-1), op.name, desc)
         return _done(dst)
 
-    def all_gather(self, x: Any, out: Any) -> Work:
+    def all_gather(self, x: Any, out: Any, desc: tuple) -> Work:
         """Every rank's ``x`` into ``out`` (group size blocks, in rank order)."""
-        self._call("all_gather", x.reshape(-1).view(np.uint8), out.reshape(-1).view(np.uint8))
+        self._call("all_gather", x.reshape(-1).view(np.uint8), out.reshape(-1).view(np.uint8), desc)
         return _done(out)
 
-    def broadcast(self, x: Any, src: int) -> Work:
+    def broadcast(self, x: Any, src: int, desc: tuple) -> Work:
         """Group rank ``src``'s ``x`` into ``x``."""
-        self._call("broadcast", x.reshape(-1).view(np.uint8), src)
+        self._call("broadcast", x.reshape(-1).view(np.uint8), src, desc)
         return _done()
 
 
 class _InWindowPath(_Path):
     """All-reduce or all-gather of an array that ``shared_memory_array`` placed in the window: no copy in."""
 
-    def all_reduce(self, src: Any, dst: Any, op: ReduceOp) -> Work:
-        self._call("all_reduce_in_window", dst.reshape(-1), op.name)
+    def all_reduce(self, src: Any, dst: Any, op: ReduceOp, desc: tuple) -> Work:
+        self._call("all_reduce_in_window", dst.reshape(-1), op.name, desc)
         return _done()
 
-    def all_gather(self, x: Any, out: Any) -> Work:
-        self._call("all_gather_in_window", x.reshape(-1).view(np.uint8), out.reshape(-1).view(np.uint8))
+    def all_gather(self, x: Any, out: Any, desc: tuple) -> Work:
+        self._call("all_gather_in_window", x.reshape(-1).view(np.uint8), out.reshape(-1).view(np.uint8), desc)
         return _done(out)
 
 
@@ -139,7 +141,7 @@ def plain_route(pg: Any) -> Tuple[Optional[Any], Optional[Any]]:
         if settings.shm_collectives != "off":
             engine = engine_for(pg.backend, settings.shm_slot_bytes, settings.shm_slots, pg.on_one_node)
         if engine is not None:
-            _set_timeout(engine, pg)
+            set_timeout(engine, pg)
         if not settings.deterministic:
             backend = pg.backend
     pg.shm_route = (key, (engine, backend))
@@ -167,7 +169,7 @@ def path(pg: Any, x: Any, op_name: str, reduction: bool, any_size: bool = False)
     if op_name == "all_gather" or (op_name == "all_reduce" and np.dtype(x.dtype) in _KERNEL_DTYPES):
         in_window = engine_in_window(pg.backend, x)
         if in_window is not None:  # every rank's array is in the window (allocated collectively)
-            _set_timeout(in_window, pg)
+            set_timeout(in_window, pg)
             return _InWindowPath(in_window, pg, op_name)
     if small or (op_name == "all_gather" and x.nbytes * pg.size > settings.shm_allgather_max_bytes):
         return None
@@ -176,11 +178,13 @@ def path(pg: Any, x: Any, op_name: str, reduction: bool, any_size: bool = False)
     engine = engine_for(pg.backend, settings.shm_slot_bytes, settings.shm_slots, pg.on_one_node)
     if engine is None:
         return None
-    _set_timeout(engine, pg)
+    set_timeout(engine, pg)
     return _Path(engine, pg, op_name)
 
 
-def _set_timeout(engine: Any, pg: Any) -> None:
+def set_timeout(engine: Any, pg: Any) -> None:
+    """The engine's waits give up after the group's timeout (0: never); it compares calls unless the settings say not."""
+    engine.check = settings.check_collectives
     timeout = pg.effective_timeout()
     engine.timeout = 0.0 if timeout is None else float(timeout)
 

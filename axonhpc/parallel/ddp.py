@@ -31,7 +31,9 @@ all buckets live in one shared-memory window allocated at
 construction (``collectives.shared_memory_array``; collective, once), so a
 bucket's all-reduce reduces straight from the other ranks' buckets with no
 copy in (``collectives.shm_path``). Otherwise each bucket is a compiled
-``GradientBucket`` (device arrays: a plain flat array).
+``GradientBucket`` (device arrays: a plain flat array). A ``/dev/shm`` too
+small for the window is refused on every rank alike (``SharedMemoryError``,
+before anything is written); DDP then keeps private buckets, with a warning.
 
 [Note: gradients as bucket views]
 With ``gradient_as_bucket_view=True`` each ``p.grad`` is a view into its
@@ -70,25 +72,22 @@ from ..bucketing import GradientBucket, GradSyncStrategy, plan_buckets
 from ..collectives import all_gather, all_reduce, shared_memory_array
 from ..collectives.shm_path import in_shared_memory
 from ..backends import ReduceOp
-from ..errors import AxonError, ConfigurationError
+# UnusedParameterError and GradientAfterReductionError are defined in errors (ax.errors.<Name>) and stay
+# importable from here, where they were first defined.
+from ..errors import (ArgumentTypeError, AxonError, ConfigurationError, GradientAfterReductionError,
+                      SharedMemoryError, UnusedParameterError)
+from ..log import get_logger
 from ..flatbuf import HOST, FlatOps, flat_ops_for
 from ..groups import resolve_group
 from .autotune import bucket_bytes
 from .comm_hooks import GradBucket, finished
 from .replicate import broadcast_arrays
+from .same_model import check_same_model, parameter_lines
 
 FIRST_BUCKET_BYTES = 1 << 20  # PyTorch DDP's first bucket: 1 MiB
 # Gradients smaller than this stay in private buckets: their window would be held for the life of
 # the process (freeing it is collective) for a reduction that MPI does in microseconds anyway.
 SHARED_BUCKETS_MIN_BYTES = 1 << 20
-
-
-class UnusedParameterError(AxonError, RuntimeError):
-    """A parameter got no gradient in a backward and ``find_unused_parameters`` is off."""
-
-
-class GradientAfterReductionError(AxonError, RuntimeError):
-    """A gradient arrived for a bucket whose all-reduce had already started."""
 
 
 _FORWARD, _BACKWARD = 1, 2
@@ -164,6 +163,10 @@ class DistributedDataParallel:
 
     Raises:
         ConfigurationError: a non-positive bucket size or a module without parameters.
+        ModelMismatchError: the ranks of the group hold different models (parameter names,
+            shapes, dtypes), or another rank's model failed the checks above; raised on
+            every rank before anything else is sent.
+        NotAMemberError: this rank is not in ``group``.
     """
 
     def __init__(self, module: Any, group: Any = None, bucket_size_mb: Any = None,
@@ -172,14 +175,20 @@ class DistributedDataParallel:
         if bucket_size_mb not in (None, "auto") and (isinstance(bucket_size_mb, (str, bool)) or not bucket_size_mb
                                                       or bucket_size_mb <= 0):
             raise ConfigurationError(f"bucket_size_mb must be positive, 'auto' or None, got {bucket_size_mb!r}")
-        named = list(module.named_parameters())
-        if not named:
-            raise ConfigurationError(f"DDP needs a module with parameters; {type(module).__name__} has none")
-        self.module = module
-        # Host or device buffers, chosen once; a model in both kinds of memory is refused here.
-        self._ops = flat_ops_for([p.data for _, p in named], [name for name, _ in named], "DDP")
-        self.group = resolve_group(group)
         self.strategy = GradSyncStrategy.parse(strategy)
+        self.group = resolve_group(group).require_member("DDP")
+        named = list(module.named_parameters())
+        problem = None
+        try:
+            if not named:
+                raise ConfigurationError(f"DDP needs a module with parameters; {type(module).__name__} has none")
+            # Host or device buffers, chosen once; a model in both kinds of memory is refused here.
+            self._ops = flat_ops_for([p.data for _, p in named], [name for name, _ in named], "DDP")
+        except AxonError as exc:
+            problem = exc
+        # Before any other message: every rank holds the same model, or every rank raises (see same_model).
+        check_same_model(self.group, f"DDP over group {self.group.name}", parameter_lines(named), problem)
+        self.module = module
         self.broadcast_buffers = bool(broadcast_buffers)
         self.gradient_as_bucket_view = bool(gradient_as_bucket_view)
         self.find_unused_parameters = bool(find_unused_parameters)
@@ -221,7 +230,11 @@ class DistributedDataParallel:
             sizes.append(-(-nbytes // 64) * 64)
         if sum(sizes) < SHARED_BUCKETS_MIN_BYTES:
             return [None] * len(groups)
-        raw = shared_memory_array(sum(sizes), np.uint8, self.group)
+        try:
+            raw = shared_memory_array(sum(sizes), np.uint8, self.group)
+        except SharedMemoryError as exc:  # raised on every rank alike: all keep private buckets
+            get_logger("ddp").warning(f"DDP keeps its gradient buckets in private memory: {exc}")
+            return [None] * len(groups)
         if not in_shared_memory(raw, self.group):
             return [None] * len(groups)
         flats, offset = [], 0
@@ -438,10 +451,10 @@ class DistributedDataParallel:
 
         Raises:
             ConfigurationError: a hook is already registered.
-            TypeError: ``hook`` is not callable.
+            ArgumentTypeError: ``hook`` is not callable (a ``TypeError``).
         """
         if not callable(hook):
-            raise TypeError(f"a communication hook must be callable, got {type(hook).__name__}")
+            raise ArgumentTypeError(f"a communication hook must be callable, got {type(hook).__name__}")
         if self._comm_hook is not None:
             raise ConfigurationError("this DDP already has a communication hook")
         self._comm_hook = (state, hook)

@@ -26,6 +26,17 @@ Reducing packs the module Parameters' gradients into a padded flat vector
 group, then all-reduces (mean) the shard over the replicate group, if any;
 the result is added into the master shard's gradient.
 
+[Note: an optimizer over the module's own Parameters]
+``optim.SGD(model.parameters())`` instead of ``optim.SGD(fsdp.parameters())``
+would update nothing: the module Parameters hold placeholders between
+gathers, and their gradients went into the shards. So instead of None, a
+reduced module Parameter's ``grad`` is a ``MovedGradient``: an empty array
+whose arithmetic raises ``UsageError`` naming the parameter, its unit and
+what to pass instead. The optimizer's first ``step()`` computes with it and
+raises, on every rank alike (every rank runs the same step), before it has
+changed anything; FSDP drops these markers before each backward, and
+``zero_grad`` drops them too.
+
 [Note: shards in shared memory]
 When the shard group is one node's (and ``shm_collectives`` is not "off"),
 the master shards that are gathered as they are (host arrays, no cast to
@@ -34,7 +45,10 @@ move into one shared-memory window when FSDP is built
 (``share_shards``; collective, once). Each all-gather then copies every
 rank's shard straight from where it lies into the gathered array: one copy
 per byte, no copy into the slots first (``collectives.shm_path``). The
-optimizer updates the shards in place, so they stay there.
+optimizer updates the shards in place, so they stay there. A ``/dev/shm``
+too small for the window is refused on every rank alike
+(``SharedMemoryError``, before anything is written): the shards then stay in
+private memory, with a warning, as they would on several nodes.
 
 [Note: placement]
 Device (cupy) models may keep the master shards in host memory
@@ -44,6 +58,7 @@ is the identity: no array is copied.
 """
 from __future__ import annotations
 
+import weakref
 from typing import Any, List, Optional, Tuple
 
 import numpy as np
@@ -54,6 +69,8 @@ from ..bucketing import FlatLayout
 from ..flatbuf import HOST, FlatOps
 from ..collectives import all_gather, all_reduce, reduce_scatter, shared_memory_array
 from ..collectives.shm_path import in_shared_memory
+from ..errors import SharedMemoryError, UsageError
+from ..log import get_logger
 from .comm_hooks import GradBucket, finished
 from ..nn import Parameter
 from .fsdp_config import CPUOffload
@@ -105,7 +122,11 @@ def share_shards(units: List["FlatUnit"], group: Any) -> bool:
     sizes = [-(-int(u.shard.data.nbytes) // 64) * 64 for u in eligible]
     if sum(sizes) < SHARED_SHARDS_MIN_BYTES:
         return False
-    raw = shared_memory_array(sum(sizes), np.uint8, group)
+    try:
+        raw = shared_memory_array(sum(sizes), np.uint8, group)
+    except SharedMemoryError as exc:  # raised on every rank alike: all keep their shards in private memory
+        get_logger("fsdp").warning(f"FSDP keeps its shards in private memory: {exc}")
+        return False
     if not in_shared_memory(raw, group):
         return False
     offset = 0
@@ -116,6 +137,53 @@ def share_shards(units: List["FlatUnit"], group: Any) -> bool:
         unit.shard.data = view
         offset += size
     return True
+
+
+class MovedGradient(np.ndarray):
+    """A module Parameter's ``grad`` after FSDP reduced it into its unit's shard (see the note).
+
+    An empty array; any arithmetic on it (an optimizer's update, a norm)
+    raises ``UsageError`` with ``message``.
+    """
+
+    message = "this gradient was reduced into an FSDP shard; step an optimizer over fsdp.parameters()"
+
+    def __array_finalize__(self, obj: Any) -> None:
+        if obj is not None:
+            self.message = getattr(obj, "message", MovedGradient.message)
+
+    def __array_ufunc__(self, ufunc: Any, method: str, *inputs: Any, **kwargs: Any) -> Any:
+        raise UsageError(self.message)
+
+    def __repr__(self) -> str:
+        return f"MovedGradient({self.message!r})"
+
+
+# What FSDP made of each Parameter it holds (module Parameters and shards), for the checks of other wrappers.
+_MANAGED: "weakref.WeakKeyDictionary[Any, str]" = weakref.WeakKeyDictionary()
+
+
+def fsdp_role(param: Any) -> Optional[str]:
+    """How FSDP holds ``param`` ("the module Parameter 'fc.weight' of FSDP unit 'fc'", ...), or None."""
+    try:
+        return _MANAGED.get(param)
+    except TypeError:  # not weak-referenceable: not a Parameter FSDP made or wrapped
+        return None
+
+
+def moved(grad: Any) -> bool:
+    """True for a ``MovedGradient`` marker (a gradient FSDP already reduced into a shard)."""
+    return isinstance(grad, MovedGradient)
+
+
+def _marker(param_name: str, unit_name: str, dtype: Any) -> MovedGradient:
+    marker = np.empty(0, dtype=dtype).view(MovedGradient)
+    unit = f"FSDP unit {unit_name!r}" if unit_name else "FSDP's root unit"
+    marker.message = (
+        f"{param_name!r} is the module's own Parameter, whose gradient {unit} reduced into its flat shard: an "
+        f"optimizer over model.parameters() would update nothing under FSDP. Build the optimizer over the "
+        f"shards instead: optim.SGD(fsdp.parameters(), ...) (for clipping: fsdp.clip_grad_norm)")
+    return marker
 
 
 class FlatUnit:
@@ -165,6 +233,11 @@ class FlatUnit:
         self._gather_work = None
         self._gather_src = None
         self._device_shard = None
+        self._markers = [_marker(n, name, self.compute_layout.dtype) for n in self.param_names]
+        unit = f"FSDP unit {name!r}" if name else "FSDP's root unit"
+        for n, p in zip(self.param_names, self.params):
+            _MANAGED[p] = f"the module Parameter {n!r} of {unit}"
+        _MANAGED[self.shard] = f"the flat shard of {unit} (an fsdp.parameters() entry)"
         self.gathered_bytes = self.compute_layout.padded_numel * compute_dtype.itemsize
         if self.persistent_views:
             self._attach(self.shard.data)
@@ -272,16 +345,28 @@ class FlatUnit:
     # -- gradients -----------------------------------------------------------------------
     def has_local_grads(self) -> bool:
         """True if a module Parameter of the unit holds an unreduced gradient."""
-        return any(p.grad is not None for p in self.params)
+        return any(p.grad is not None and not moved(p.grad) for p in self.params)
+
+    def release_module_params(self) -> None:
+        """The module Parameters are the module's alone again (``FSDP.remove_hooks``): no markers, no role."""
+        self.drop_markers()
+        for p in self.params:
+            _MANAGED.pop(p, None)
+
+    def drop_markers(self) -> None:
+        """Set back to None the module gradients that are ``MovedGradient`` markers (before a backward)."""
+        for p in self.params:
+            if moved(p.grad):
+                p.grad = None
 
     def start_reduction(self) -> "PendingReduction":
-        """Pack the module gradients (zeros where None), drop them, and start the reduce-scatter.
+        """Pack the module gradients (zeros where None), replace them by markers, start the reduce-scatter.
 
         Returns:
             The reduction in flight; ``finish()`` adds the result into the master shard's gradient.
         """
         xp = self.xp
-        grads = [p.grad if p.grad is not None else xp.zeros(shape, dtype=self.compute_layout.dtype)
+        grads = [xp.zeros(shape, dtype=self.compute_layout.dtype) if p.grad is None or moved(p.grad) else p.grad
                  for p, shape in zip(self.params, self.layout.shapes)]
         grads = [g if g.dtype == self.compute_layout.dtype else g.astype(self.compute_layout.dtype) for g in grads]
         unsharded = sum(int(g.nbytes) for g in grads)
@@ -291,8 +376,8 @@ class FlatUnit:
         if flat.dtype != self.reduce_dtype:
             flat = flat.astype(self.reduce_dtype)
         self.tracker.allocate("communication", flat.nbytes)
-        for p in self.params:
-            p.grad = None
+        for p, marker in zip(self.params, self._markers):
+            p.grad = marker  # see the note on an optimizer over the module's own Parameters
         self.tracker.release("unsharded_grads", unsharded)
         if self.shard_world == 1:
             work = None
@@ -353,4 +438,4 @@ class PendingReduction:
         self.flat = None
 
 
-__all__ = ["FlatUnit", "PendingReduction", "Placement"]
+__all__ = ["FlatUnit", "PendingReduction", "Placement", "MovedGradient", "moved", "fsdp_role"]

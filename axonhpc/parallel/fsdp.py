@@ -46,7 +46,7 @@ from .._dtypes import array_module, is_low_precision_float
 from ..backends import ReduceOp
 from ..bucketing import unflatten
 from ..collectives import all_gather, all_reduce, gather
-from ..errors import ConfigurationError
+from ..errors import ArgumentTypeError, AxonError, ConfigurationError, InvalidArgumentError
 from ..flatbuf import flat_ops_for
 from ..groups import resolve_group
 from .flat_param import FlatUnit, PendingReduction, Placement, share_shards
@@ -54,6 +54,7 @@ from .fsdp_config import CPUOffload, MixedPrecision, ShardingStrategy
 from .fsdp_memory import CommCounter, FSDPMemoryStats, MemoryTracker
 from .fsdp_state import ROOT, full_to_sharded, prepare_sharded_load, sharded_state
 from .replicate import broadcast_arrays
+from .same_model import check_same_model, parameter_lines
 
 
 def _is_floating(dtype: Any) -> bool:
@@ -136,10 +137,14 @@ class FullyShardedDataParallel:
             computes (0: none); at most ``1 + prefetch`` units are gathered at once.
 
     Raises:
-        ConfigurationError: before any communication, for a bad option, a
-            model without parameters, units that are not disjoint
-            submodules, a unit mixing dtypes, or a group that
+        ConfigurationError: before any communication but the model check,
+            for a bad option, a model without parameters, units that are not
+            disjoint submodules, a unit mixing dtypes, or a group that
             ``ranks_per_node`` does not divide.
+        ModelMismatchError: the ranks of the group hold different models
+            (parameter names, shapes, dtypes, units), or another rank's model
+            failed the checks above; raised on every rank before anything
+            else is sent.
     """
 
     def __init__(self, module: Any, group: Any = None, sharding_strategy: Any = ShardingStrategy.FULL_SHARD,
@@ -158,16 +163,24 @@ class FullyShardedDataParallel:
                                          f"not {self.strategy.name}")
             if isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or ranks_per_node < 1:
                 raise ConfigurationError(f"ranks_per_node must be a positive int, got {ranks_per_node!r}")
-        if not module.named_parameters():
-            raise ConfigurationError(f"FSDP needs a module with parameters; {type(module).__name__} has none")
-        for _, m in module.named_modules():
-            if "forward" in m.__dict__ or "backward" in m.__dict__:
-                raise ConfigurationError(f"{type(m).__name__} is already wrapped (by another FSDP?)")
-        plan = _assign_parameters(module, _select_units(module, units))
-        named = module.named_parameters()
-        # Host or device buffers, chosen once; a model in both kinds of memory is refused before any message.
-        ops = flat_ops_for([p.data for _, p in named], [n for n, _ in named], "FSDP")
         self.group = resolve_group(group).require_member("FSDP")
+        named = module.named_parameters()
+        plan: List[Tuple[str, Any, List[Tuple[str, Any]]]] = []
+        problem = None
+        try:
+            if not named:
+                raise ConfigurationError(f"FSDP needs a module with parameters; {type(module).__name__} has none")
+            for _, m in module.named_modules():
+                if "forward" in m.__dict__ or "backward" in m.__dict__:
+                    raise ConfigurationError(f"{type(m).__name__} is already wrapped (by another FSDP?)")
+            plan = _assign_parameters(module, _select_units(module, units))
+            # Host or device buffers, chosen once; a model in both kinds of memory is refused before any message.
+            ops = flat_ops_for([p.data for _, p in named], [n for n, _ in named], "FSDP")
+        except AxonError as exc:
+            problem = exc
+        # Before any other message: every rank holds the same model and units, or every rank raises.
+        check_same_model(self.group, f"FSDP over group {self.group.name}", parameter_lines(named), problem,
+                         settings=[f"units: {[name for name, _, _ in plan]}"])
         if ranks_per_node is not None and self.group.size % ranks_per_node:
             raise ConfigurationError(f"ranks_per_node={ranks_per_node} does not divide the group size "
                                      f"{self.group.size}")
@@ -265,6 +278,8 @@ class FullyShardedDataParallel:
     def remove_hooks(self) -> None:
         """Gather the parameters for good and unwrap the units (the module works alone again)."""
         self.gather_parameters()
+        for unit in self._units:
+            unit.release_module_params()
         for unit in self._hooked:
             for attr in ("forward", "backward"):
                 unit.module.__dict__.pop(attr, None)
@@ -355,6 +370,8 @@ class FullyShardedDataParallel:
             grad_out = _cast(grad_out, self.compute_dtype)
         self._syncing = self._no_sync_depth == 0
         self._reduced = set()
+        for unit in self._units:
+            unit.drop_markers()  # layers add into p.grad: it must be None or a real gradient
         try:
             grad_in = self.module.backward(grad_out)
             if self._syncing:
@@ -380,10 +397,10 @@ class FullyShardedDataParallel:
 
         Raises:
             ConfigurationError: a hook is already registered.
-            TypeError: ``hook`` is not callable.
+            ArgumentTypeError: ``hook`` is not callable (a ``TypeError``).
         """
         if not callable(hook):
-            raise TypeError(f"a communication hook must be callable, got {type(hook).__name__}")
+            raise ArgumentTypeError(f"a communication hook must be callable, got {type(hook).__name__}")
         if any(unit.comm_hook is not None for unit in self._units):
             raise ConfigurationError("this FSDP already has a communication hook")
         for index, unit in enumerate(self._units):
@@ -451,11 +468,11 @@ class FullyShardedDataParallel:
             The global norm before clipping.
 
         Raises:
-            ValueError: ``norm_type`` is not positive.
+            InvalidArgumentError: ``norm_type`` is not positive (a ``ValueError``).
         """
         norm_type = float(norm_type)
         if not norm_type > 0:
-            raise ValueError(f"clip_grad_norm norm_type must be positive, got {norm_type}")
+            raise InvalidArgumentError(f"clip_grad_norm norm_type must be positive, got {norm_type}")
         grads = [u.shard.grad for u in self._units if u.shard.grad is not None]
         xp = array_module(grads[0]) if grads else np
         inf = np.isinf(norm_type)

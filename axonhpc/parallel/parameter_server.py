@@ -78,7 +78,8 @@ from .._dtypes import check_array
 from ..bucketing import FlatLayout
 from ..flatbuf import FlatOps, flat_ops_for
 from ..collectives import irecv, isend, recv, send
-from ..errors import AxonError, CollectiveTimeoutError, ConfigurationError, ShapeError
+# ParameterServerError and PeerFailedError live in errors (ax.errors.<Name>) and stay importable from here.
+from ..errors import CollectiveTimeoutError, ConfigurationError, ParameterServerError, PeerFailedError, ShapeError
 from ..groups import resolve_group
 from ..nn.parameter import Parameter
 from ..optim.optimizer import Optimizer
@@ -94,14 +95,6 @@ _OK, _ABORT = 0, 1
 _HEADER = 4
 _REASON_BYTES = 2000  # a failure's text is cut to this many bytes
 _POLL_MIN, _POLL_MAX = 1e-5, 1e-3  # seconds a server sleeps between idle sweeps
-
-
-class ParameterServerError(AxonError, RuntimeError):
-    """A ParameterServer method was used out of turn on this rank (found before anything is sent)."""
-
-
-class PeerFailedError(AxonError, RuntimeError):
-    """Another rank of the parameter server failed, so this one stopped; the message says who and why."""
 
 
 def _parse_mode(mode: Any) -> str:

@@ -81,9 +81,10 @@ from .._dtypes import array_module, is_cupy_array, supported_dtypes
 from ..backends import ReduceOp
 from ..bucketing import GradientSynchronizer
 from ..collectives import all_reduce, isend, recv
-from ..errors import ConfigurationError, ShapeError
+from ..errors import AxonError, ConfigurationError, ShapeError, UsageError
 from ..groups import resolve_group
 from .replicate import broadcast_arrays
+from .same_model import check_same_model, parameter_lines
 from .schedules import FORWARD, Action, PipelineSchedule, format_schedule_table, pipeline_schedule
 
 MAX_TAG = 32767  # the smallest MPI_TAG_UB the MPI standard allows
@@ -144,6 +145,10 @@ class Pipeline:
         ConfigurationError: the number of modules is not ``P * stages_per_rank``,
             or the schedule rejects the counts, or tags would not fit.
         NotAMemberError: this rank is not in ``group``.
+        ModelMismatchError: the ranks of ``group`` passed different counts or
+            schedules, or the replicas in ``dp_group`` hold different stage
+            parameters (names, shapes, dtypes); raised on every rank of that
+            group before anything else is sent.
     """
 
     def __init__(self, stage_modules: Sequence[Any], group: Any = None, num_microbatches: int = 8,
@@ -152,6 +157,43 @@ class Pipeline:
                  dp_bucket_size: int = 25_000_000):
         self.group = resolve_group(group).require_member("building a Pipeline")
         self.stage_modules = list(stage_modules)
+        p = self.group.size
+        problem = None
+        try:
+            self._check_counts(stages_per_rank, schedule, num_microbatches)
+        except AxonError as exc:
+            problem = exc
+        # Before any other message: the pipeline's ranks run the same schedule and counts (one exchange),
+        # or every rank raises instead of waiting for messages that never come.
+        setting = (f"pipeline: {len(self.stage_modules)} stages, num_microbatches={num_microbatches!r}, "
+                   f"schedule={self.schedule.name if problem is None else schedule!r}, "
+                   f"stages_per_rank={stages_per_rank!r}")
+        check_same_model(self.group, f"Pipeline over group {self.group.name}", [], problem, settings=[setting],
+                         hint="every rank of the pipeline must pass the same number of stages, micro-batches, "
+                              "schedule and stages_per_rank")
+        self.loss_fn = loss_fn
+        self.rank = self.group.rank
+        self.size = p
+        self.stages = list(range(self.rank, self.num_stages, p))
+        self.last_step_stats: Dict[str, Any] = {}
+        self.dp_group = None
+        self._dp_sync: Optional[GradientSynchronizer] = None
+        if dp_group is not None:
+            self.dp_group = dp_group.require_member("building a Pipeline with dp_group")
+            # The replicas of these stages hold the same stages with the same parameters, or every one raises
+            # (before the broadcast below and before any gradient is averaged).
+            named = [(f"stage{s}.{name}", q) for s in self.stages
+                     for name, q in self.stage_modules[s].named_parameters()]
+            check_same_model(self.dp_group, f"Pipeline stages {self.stages} over dp_group {self.dp_group.name}",
+                             parameter_lines(named), settings=[setting],
+                             hint="the data-parallel replicas of a stage must build the same stage modules")
+            self._dp_sync = GradientSynchronizer(bucket_size=dp_bucket_size, group=self.dp_group)
+            params = self.parameters()
+            if self.dp_group.size > 1 and params:
+                broadcast_arrays([q.data for q in params], self.dp_group)
+
+    def _check_counts(self, stages_per_rank: Any, schedule: Any, num_microbatches: Any) -> None:
+        """The constructor's local checks; sets the schedule and counts (see ``__init__``'s Raises)."""
         p = self.group.size
         if not isinstance(stages_per_rank, int) or isinstance(stages_per_rank, bool) or stages_per_rank < 1:
             raise ConfigurationError(f"stages_per_rank must be a positive int, got {stages_per_rank!r}")
@@ -172,19 +214,6 @@ class Pipeline:
                 f"num_microbatches={num_microbatches} x num_stages={self.num_stages} needs message tags up "
                 f"to {largest}, above the {MAX_TAG} every MPI guarantees; use fewer micro-batches or stages"
             )
-        self.loss_fn = loss_fn
-        self.rank = self.group.rank
-        self.size = p
-        self.stages = list(range(self.rank, self.num_stages, p))
-        self.last_step_stats: Dict[str, Any] = {}
-        self.dp_group = None
-        self._dp_sync: Optional[GradientSynchronizer] = None
-        if dp_group is not None:
-            self.dp_group = dp_group.require_member("building a Pipeline with dp_group")
-            self._dp_sync = GradientSynchronizer(bucket_size=dp_bucket_size, group=self.dp_group)
-            params = self.parameters()
-            if self.dp_group.size > 1 and params:
-                broadcast_arrays([q.data for q in params], self.dp_group)
 
     @classmethod
     def from_modules(cls, stage_modules: Sequence[Any], group: Any = None, num_microbatches: int = 8,
@@ -226,6 +255,22 @@ class Pipeline:
         """
         pg = resolve_group(group).require_member("building a Pipeline")
         stages = list(stages)
+        try:
+            total = cls._check_stages(stages, pg)
+        except AxonError as exc:
+            # The other ranks are in the constructor's first exchange: take part, marked as failed, so that
+            # they raise (naming this rank) instead of waiting; then raise here.
+            check_same_model(pg, f"Pipeline over group {pg.name}", [], exc)
+            raise
+        modules: List[Any] = [None] * total
+        for st in stages:
+            modules[int(st.index)] = st.module
+        return cls(modules, group=pg, num_microbatches=num_microbatches, schedule=schedule, loss_fn=loss_fn,
+                   stages_per_rank=total // pg.size, dp_group=dp_group, dp_bucket_size=dp_bucket_size)
+
+    @staticmethod
+    def _check_stages(stages: List[PipelineStage], pg: Any) -> int:
+        """``from_stages``' local checks; returns the number of stages."""
         if not stages:
             raise ConfigurationError(f"Pipeline.from_stages needs this rank's stages; group rank {pg.rank} gave none")
         totals = sorted({int(st.num_stages) for st in stages})
@@ -242,11 +287,7 @@ class Pipeline:
             raise ConfigurationError(
                 f"group rank {pg.rank} of {pg.size} must hold stages {expected} of {total}, got {given}"
             )
-        modules: List[Any] = [None] * total
-        for st in stages:
-            modules[int(st.index)] = st.module
-        return cls(modules, group=pg, num_microbatches=num_microbatches, schedule=schedule, loss_fn=loss_fn,
-                   stages_per_rank=total // pg.size, dp_group=dp_group, dp_bucket_size=dp_bucket_size)
+        return total
 
     # -- facts --------------------------------------------------------------
     def owner(self, stage: int) -> int:
@@ -335,7 +376,7 @@ class Pipeline:
                 peak = max(peak, len(stash))
             else:
                 if (s, i) not in stash:
-                    raise RuntimeError(f"schedule runs {action} before its forward on rank {self.rank}")
+                    raise UsageError(f"schedule runs {action} before its forward on rank {self.rank}")
                 caches, out_meta, seed = stash.pop((s, i))
                 grad = seed if seed is not None else self._receive_gradient(s, i, out_meta, local)
                 start = time.perf_counter() - step_start
@@ -361,7 +402,7 @@ class Pipeline:
             params = self.parameters()
             missing = [k for k, q in enumerate(params) if q.grad is None]
             if missing:
-                raise RuntimeError(f"Pipeline: parameters {missing} of rank {self.rank} got no gradient; "
+                raise UsageError(f"Pipeline: parameters {missing} of rank {self.rank} got no gradient; "
                                    f"they cannot be averaged over dp_group")
             self._dp_sync.synchronize([q.grad for q in params])
             if self.is_last:

@@ -56,11 +56,12 @@ import numpy as np
 from .._dtypes import array_module
 from ..backends import ReduceOp
 from ..collectives import all_gather, all_reduce, broadcast
-from ..errors import ConfigurationError, ShapeError
+from ..errors import AxonError, ConfigurationError, ShapeError
 from ..groups import ProcessGroup, resolve_group
 from ..nn import GELU, Linear, Module, MultiHeadAttention, Parameter, Sequential
 from ..nn import _init
 from ..nn.attention import attention_backward, attention_forward, merge_heads, split_heads
+from .same_model import agreed, check_same_model
 
 
 def partition_range(total: int, rank: int, size: int, what: str = "features") -> Tuple[int, int]:
@@ -124,6 +125,34 @@ def _check_sizes(layer: str, in_features: int, out_features: int) -> None:
                                  f"out_features={out_features}")
 
 
+def _agree_on_geometry(pg: ProcessGroup, layer: str, problem: Optional[AxonError], **geometry: Any) -> None:
+    """Collective: every rank of the tensor-parallel group builds ``layer`` with the same geometry (one exchange).
+
+    Runs before any other message of the constructor (``seed=None`` broadcasts
+    the seed), so a rank with other sizes, flags or dtype, or one whose own
+    checks failed (``problem``), makes every rank raise instead of leaving
+    the others waiting or computing with shards of different layers.
+
+    Raises:
+        ModelMismatchError: the geometry differs across the group (on every rank).
+        AxonError: ``problem``, on the rank that found it.
+    """
+    def shown(key: str, value: Any) -> str:
+        if key == "dtype":
+            try:
+                return str(np.dtype(value))  # np.float32, "float32" and np.dtype("f4") alike
+            except TypeError:
+                return repr(value)
+        if hasattr(value, "__index__") and not isinstance(value, bool):
+            return str(int(value))  # a numpy integer as a plain one
+        return repr(value)
+
+    text = ", ".join(f"{k}={shown(k, v)}" for k, v in geometry.items())
+    check_same_model(pg, f"{layer} over group {pg.name}", [], problem, settings=[f"layer: {layer}({text})"],
+                     hint=f"every rank of the tensor-parallel group must build the same {layer} (tp_size="
+                          f"{pg.size}), in the same order")
+
+
 def _check_last_axis(layer: Module, x: Any, expected: int, what: str) -> None:
     if x.ndim == 0 or x.shape[-1] != expected:
         raise ShapeError(f"{type(layer).__name__}({layer.in_features}, {layer.out_features}) on a group of "
@@ -164,15 +193,24 @@ class ColumnParallelLinear(Module):
     Raises:
         ConfigurationError: a negative size, or ``out_features`` not divisible by the group size.
         NotAMemberError: this rank is not in ``group``.
+        ModelMismatchError: the ranks of the group build it with different geometry
+            (sizes, flags, dtype), or another rank's checks failed; raised on every rank
+            before anything else is sent.
     """
 
     def __init__(self, in_features: int, out_features: int, group: Optional[ProcessGroup] = None,
                  gather_output: bool = False, bias: bool = True, dtype: Any = np.float32,
                  seed: _init.SeedLike = None) -> None:
         super().__init__()
-        _check_sizes("ColumnParallelLinear", in_features, out_features)
         pg = resolve_group(group).require_member("ColumnParallelLinear")
-        start, stop = partition_range(int(out_features), pg.rank, pg.size, "ColumnParallelLinear out_features")
+        problem, start, stop = None, 0, 0
+        try:
+            _check_sizes("ColumnParallelLinear", in_features, out_features)
+            start, stop = partition_range(int(out_features), pg.rank, pg.size, "ColumnParallelLinear out_features")
+        except AxonError as exc:
+            problem = exc
+        _agree_on_geometry(pg, "ColumnParallelLinear", problem, in_features=in_features, out_features=out_features,
+                           gather_output=bool(gather_output), bias=bool(bias), dtype=dtype)
         self.group = pg
         self.in_features = int(in_features)
         self.out_features = int(out_features)
@@ -273,15 +311,24 @@ class RowParallelLinear(Module):
     Raises:
         ConfigurationError: a negative size, or ``in_features`` not divisible by the group size.
         NotAMemberError: this rank is not in ``group``.
+        ModelMismatchError: the ranks of the group build it with different geometry
+            (sizes, flags, dtype), or another rank's checks failed; raised on every rank
+            before anything else is sent.
     """
 
     def __init__(self, in_features: int, out_features: int, group: Optional[ProcessGroup] = None,
                  input_is_parallel: bool = True, bias: bool = True, dtype: Any = np.float32,
                  seed: _init.SeedLike = None) -> None:
         super().__init__()
-        _check_sizes("RowParallelLinear", in_features, out_features)
         pg = resolve_group(group).require_member("RowParallelLinear")
-        start, stop = partition_range(int(in_features), pg.rank, pg.size, "RowParallelLinear in_features")
+        problem, start, stop = None, 0, 0
+        try:
+            _check_sizes("RowParallelLinear", in_features, out_features)
+            start, stop = partition_range(int(in_features), pg.rank, pg.size, "RowParallelLinear in_features")
+        except AxonError as exc:
+            problem = exc
+        _agree_on_geometry(pg, "RowParallelLinear", problem, in_features=in_features, out_features=out_features,
+                           input_is_parallel=bool(input_is_parallel), bias=bool(bias), dtype=dtype)
         self.group = pg
         self.in_features = int(in_features)
         self.out_features = int(out_features)
@@ -371,23 +418,33 @@ class TensorParallelMLP(Module):
     Raises:
         ConfigurationError: ``ffn_hidden`` not divisible by the group size, or a negative size.
         NotAMemberError: this rank is not in ``group``.
+        ModelMismatchError: the ranks of the group build it with different geometry
+            (sizes, flags, dtype), or another rank's checks failed; raised on every rank
+            before anything else is sent.
     """
 
     def __init__(self, hidden: int, ffn_hidden: int, group: Optional[ProcessGroup] = None,
                  dtype: Any = np.float32, seed: _init.SeedLike = None) -> None:
         super().__init__()
         pg = resolve_group(group).require_member("TensorParallelMLP")
-        # Checked here too, so the message names the block's own argument.
-        _check_sizes("TensorParallelMLP", hidden, ffn_hidden)
-        partition_range(int(ffn_hidden), pg.rank, pg.size, "TensorParallelMLP ffn_hidden")
+        problem = None
+        try:
+            # Checked here too, so the message names the block's own argument.
+            _check_sizes("TensorParallelMLP", hidden, ffn_hidden)
+            partition_range(int(ffn_hidden), pg.rank, pg.size, "TensorParallelMLP ffn_hidden")
+        except AxonError as exc:
+            problem = exc
+        # One exchange for the whole block: its two layers follow from these numbers.
+        _agree_on_geometry(pg, "TensorParallelMLP", problem, hidden=hidden, ffn_hidden=ffn_hidden, dtype=dtype)
         self.hidden = int(hidden)
         self.ffn_hidden = int(ffn_hidden)
         seeds = _init.child_seeds(_shared_seed(seed, pg), 2)
-        self.fc1 = ColumnParallelLinear(hidden, ffn_hidden, group=pg, gather_output=False, dtype=dtype,
-                                        seed=seeds[0])
-        self.act = GELU()
-        self.fc2 = RowParallelLinear(ffn_hidden, hidden, group=pg, input_is_parallel=True, dtype=dtype,
-                                     seed=seeds[1])
+        with agreed():
+            self.fc1 = ColumnParallelLinear(hidden, ffn_hidden, group=pg, gather_output=False, dtype=dtype,
+                                            seed=seeds[0])
+            self.act = GELU()
+            self.fc2 = RowParallelLinear(ffn_hidden, hidden, group=pg, input_is_parallel=True, dtype=dtype,
+                                         seed=seeds[1])
 
     @staticmethod
     def dense_equivalent(hidden: int, ffn_hidden: int, dtype: Any = np.float32,
@@ -454,6 +511,9 @@ class TensorParallelAttention(Module):
         ConfigurationError: ``num_heads`` does not divide ``embed_dim``, a non-positive size,
             or ``num_heads`` not divisible by the group size.
         NotAMemberError: this rank is not in ``group``.
+        ModelMismatchError: the ranks of the group build it with different geometry
+            (sizes, flags, dtype), or another rank's checks failed; raised on every rank
+            before anything else is sent.
     """
 
     def __init__(self, embed_dim: int, num_heads: int, group: Optional[ProcessGroup] = None,
@@ -461,12 +521,18 @@ class TensorParallelAttention(Module):
                  seed: _init.SeedLike = None) -> None:
         super().__init__()
         pg = resolve_group(group).require_member("TensorParallelAttention")
-        if embed_dim <= 0 or num_heads <= 0 or embed_dim % num_heads:
-            raise ConfigurationError(f"TensorParallelAttention needs num_heads dividing embed_dim, both "
-                                     f"positive; got embed_dim={embed_dim}, num_heads={num_heads}")
-        # Before any communication (seed=None broadcasts), so every rank raises on its own.
-        head_start, head_stop = partition_range(int(num_heads), pg.rank, pg.size,
-                                                "TensorParallelAttention num_heads")
+        problem, head_start, head_stop = None, 0, 0
+        try:
+            if embed_dim <= 0 or num_heads <= 0 or embed_dim % num_heads:
+                raise ConfigurationError(f"TensorParallelAttention needs num_heads dividing embed_dim, both "
+                                         f"positive; got embed_dim={embed_dim}, num_heads={num_heads}")
+            head_start, head_stop = partition_range(int(num_heads), pg.rank, pg.size,
+                                                    "TensorParallelAttention num_heads")
+        except AxonError as exc:
+            problem = exc
+        # Before any other message (seed=None broadcasts): one exchange for the whole block.
+        _agree_on_geometry(pg, "TensorParallelAttention", problem, embed_dim=embed_dim, num_heads=num_heads,
+                           bias=bool(bias), causal=bool(causal), dtype=dtype)
         self.group = pg
         self.embed_dim = int(embed_dim)
         self.num_heads = int(num_heads)
@@ -477,11 +543,12 @@ class TensorParallelAttention(Module):
         # nn.Linear (so a Generator seed advances alike), then q/k/v weights are redrawn
         # Glorot-uniform over the packed (3E, E) matrix and all biases zeroed.
         seeds = _init.child_seeds(_shared_seed(seed, pg), 4)
-        self.q_proj, self.k_proj, self.v_proj = (
-            ColumnParallelLinear(embed_dim, embed_dim, group=pg, gather_output=False, bias=bias, dtype=dtype,
-                                 seed=s) for s in seeds[:3])
-        self.out_proj = RowParallelLinear(embed_dim, embed_dim, group=pg, input_is_parallel=True, bias=bias,
-                                          dtype=dtype, seed=seeds[3])
+        with agreed():
+            self.q_proj, self.k_proj, self.v_proj = (
+                ColumnParallelLinear(embed_dim, embed_dim, group=pg, gather_output=False, bias=bias, dtype=dtype,
+                                     seed=s) for s in seeds[:3])
+            self.out_proj = RowParallelLinear(embed_dim, embed_dim, group=pg, input_is_parallel=True, bias=bias,
+                                              dtype=dtype, seed=seeds[3])
         in_bound = _init.xavier_bound(embed_dim, 3 * embed_dim)
         rows = slice(head_start * self.head_dim, head_stop * self.head_dim)
         for proj, s in zip((self.q_proj, self.k_proj, self.v_proj), seeds[:3]):

@@ -42,10 +42,12 @@ from .._dtypes import check_array
 from ..bucketing import FlatLayout
 from ..flatbuf import FlatOps, flat_ops_for
 from ..collectives import all_gather
-from ..errors import ConfigurationError, ShapeError, StateDictError
+from ..errors import AxonError, ConfigurationError, ShapeError, StateDictError, UsageError
 from ..groups import resolve_group
 from ..nn.parameter import Parameter
 from ..optim.optimizer import Optimizer
+from .flat_param import fsdp_role
+from .same_model import check_same_model, parameter_lines
 
 _NAME = "ZeroRedundancyOptimizer"
 
@@ -124,6 +126,16 @@ def _check_params(params: Iterable[Any]) -> List[Any]:
     return params
 
 
+def _check_not_fsdp(params: List[Any]) -> None:
+    """UsageError for a Parameter that FSDP holds: FSDP shards the optimizer state already."""
+    for i, p in enumerate(params):
+        role = fsdp_role(p)
+        if role is not None:
+            raise UsageError(f"{_NAME}: params[{i}] is {role}; FSDP already shards the parameters, gradients and "
+                             f"optimizer state. Under FSDP use a plain optimizer over fsdp.parameters() "
+                             f"(optim.Adam(fsdp.parameters(), ...)); {_NAME} is for DDP, over ddp.parameters()")
+
+
 class ZeroRedundancyOptimizer:
     """ZeRO stage 1: each rank keeps and updates 1/N of the optimizer state.
 
@@ -152,7 +164,9 @@ class ZeroRedundancyOptimizer:
     wrapper (``opt.lr = 0.01`` changes the wrapped optimizer's ``lr``).
 
     Args:
-        optimizer_class: an ``axonhpc.optim.Optimizer`` subclass (``optim.Adam``).
+        optimizer_class: an ``axonhpc.optim.Optimizer`` subclass (``optim.Adam``),
+            or a function ``params -> Optimizer`` (``lambda ps: optim.SGD(ps, lr=0.1)``)
+            for a class whose constructor does not take its hyperparameters by name.
         params: the model's parameters, each once, with the same values on
             every rank (``ddp.parameters()``).
         group: the process group the state is sharded over, the same group
@@ -168,7 +182,13 @@ class ZeroRedundancyOptimizer:
         ConfigurationError: ``optimizer_class`` is not an Optimizer subclass,
             ``params`` is empty, holds something that is not a Parameter, or
             holds a Parameter twice; or the wrapped optimizer rejects its
-            hyperparameters. Raised before any communication.
+            hyperparameters. Raised before any communication but the model check.
+        UsageError: a parameter is one FSDP holds (a module Parameter of an
+            FSDP model, or an ``fsdp.parameters()`` shard): FSDP shards the
+            optimizer state itself.
+        ModelMismatchError: the ranks of the group passed different
+            parameters (count, shapes, dtypes); raised on every rank before
+            anything else is sent.
         UnsupportedDtypeError, NonContiguousBufferError, ReadOnlyBufferError:
             a parameter's data cannot be all-gathered into in place.
         TypeError: ``group`` is neither a ProcessGroup nor None.
@@ -181,17 +201,31 @@ class ZeroRedundancyOptimizer:
             raise ConfigurationError(f"{_NAME}: optimizer_class must be an Optimizer class, got an instance of "
                                      f"{type(optimizer_class).__name__}; pass the class and its hyperparameters, "
                                      f"e.g. {_NAME}(optim.{type(optimizer_class).__name__}, params, lr=...)")
-        if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, Optimizer)):
+        if (not callable(optimizer_class) or isinstance(optimizer_class, type)
+                and not issubclass(optimizer_class, Optimizer)):
             raise ConfigurationError(f"{_NAME}: optimizer_class must be a subclass of axonhpc.optim.Optimizer "
-                                     f"(e.g. optim.Adam), got {optimizer_class!r}")
-        params = _check_params(params)
-        ops = flat_ops_for([p.data for p in params], what=_NAME)  # one kind of memory, or a clear refusal
+                                     f"(e.g. optim.Adam) or a function params -> Optimizer, got {optimizer_class!r}")
         group = resolve_group(group).require_member(_NAME)
+        given: List[Any] = []
+        problem = None
+        try:
+            params = given = _check_params(params)
+            _check_not_fsdp(params)
+            ops = flat_ops_for([p.data for p in params], what=_NAME)  # one kind of memory, or a clear refusal
+        except AxonError as exc:
+            problem = exc
+        # Before any other message: every rank shards the same parameters, or every rank raises.
+        check_same_model(group, f"{_NAME} over group {group.name}",
+                         parameter_lines((f"params[{i}]", p) for i, p in enumerate(given)), problem,
+                         hint="every rank must pass the same parameters (the same model's, in the same order)")
         by_dtype: Dict[np.dtype, List[Any]] = {}
         for p in params:
             by_dtype.setdefault(p.data.dtype, []).append(p)
         shards = [_DtypeShard(members, group.rank, group.size, ops) for members in by_dtype.values()]
         self.optimizer: Optimizer = optimizer_class([s.param for s in shards], **optimizer_args)
+        if not isinstance(self.optimizer, Optimizer):  # a function that returned something else
+            raise ConfigurationError(f"{_NAME}: {optimizer_class!r} returned a {type(self.optimizer).__name__}, not "
+                                     f"an axonhpc.optim.Optimizer")
         self.params: List[Any] = params
         self.group = group
         self._shards = shards

@@ -5,7 +5,8 @@ training loop in ``trainer`` has no per-strategy branches:
 
 - ``ddp``: ``DDP(model, group)``; the optimizer as given.
 - ``zero1``: ``DDP`` and ``ZeroRedundancyOptimizer`` of the given optimizer's
-  class and hyperparameters over the model's parameters.
+  class and hyperparameters (or of the callable ``params -> Optimizer`` given
+  instead) over the model's parameters.
 - ``fsdp``: ``FSDP(model, group, mixed_precision=...)``; the optimizer rebuilt
   (same class and hyperparameters) over the master shards; a ``GradScaler``
   for float16.
@@ -19,6 +20,7 @@ training loop in ``trainer`` has no per-strategy branches:
 from __future__ import annotations
 
 import contextlib
+import inspect
 from typing import Any, Iterator, List, Optional
 
 import numpy as np
@@ -34,15 +36,63 @@ from ..parallel import DDP, FSDP, GradScaler, MixedPrecision, Pipeline, ZeroRedu
 STRATEGIES = ("ddp", "fsdp", "zero1", "pipeline", "tp+dp")
 
 
+def check_rebuildable(optimizer: Any) -> None:
+    """ConfigurationError unless ``type(optimizer)(params, **optimizer.hyperparameters())`` can be called.
+
+    A strategy that rebuilds the optimizer over other parameters (FSDP's
+    shards, ZeRO-1's slices, a pipeline stage's) calls the class with every
+    hyperparameter the instance reports. A subclass whose constructor takes
+    fewer (``def __init__(self, params, lr)`` over ``optim.SGD``, which reports
+    ``momentum`` and the rest too) would fail there with a bare TypeError,
+    after the wrapper has already communicated; this check runs first, on
+    every rank alike (the same code and optimizer on each), before any message.
+    A callable ``params -> Optimizer`` passes.
+
+    Raises:
+        ConfigurationError: naming the class, the hyperparameters it does not
+            take (or the ones it needs and is not given) and the fix.
+    """
+    if not isinstance(optimizer, Optimizer):
+        return
+    cls = type(optimizer)
+    hyper = optimizer.hyperparameters()
+    try:
+        signature = inspect.signature(cls)
+    except (TypeError, ValueError):  # no signature to check (a C-implemented class): the call will tell
+        return
+    try:
+        signature.bind(None, **hyper)
+    except TypeError as exc:
+        taken = signature.parameters
+        takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in taken.values())
+        unknown = [] if takes_any else [name for name in hyper if name not in taken]
+        needed = [name for name, p in list(taken.items())[1:] if p.default is inspect.Parameter.empty
+                  and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+                  and name not in hyper]
+        what = []
+        if unknown:
+            what.append(f"does not take {', '.join(f'{n}={hyper[n]!r}' for n in unknown)}")
+        if needed:
+            what.append(f"needs {', '.join(needed)}, which hyperparameters() does not report")
+        shown = ", ".join(f"{k}={v!r}" for k, v in hyper.items() if k not in unknown)
+        raise ConfigurationError(
+            f"the strategy rebuilds the optimizer over its own parameters as {cls.__name__}(params, "
+            f"**optimizer.hyperparameters()), but {cls.__name__}{signature} "
+            f"{' and '.join(what) or f'cannot be called so ({exc})'}; pass a callable instead, e.g. "
+            f"optimizer=lambda params: {cls.__name__}(params, {shown})") from None
+
+
 def rebuild_optimizer(optimizer: Any, params: List[Any]) -> Any:
     """An optimizer of the same class and hyperparameters as ``optimizer`` over ``params``.
 
     ``optimizer`` may also be a callable ``params -> Optimizer``.
 
     Raises:
-        ConfigurationError: neither an Optimizer nor a callable.
+        ConfigurationError: neither an Optimizer nor a callable, or a class that
+            cannot be rebuilt from its hyperparameters (``check_rebuildable``).
     """
     if isinstance(optimizer, Optimizer):
+        check_rebuildable(optimizer)
         return type(optimizer)(params, **optimizer.hyperparameters())
     if callable(optimizer):
         return optimizer(params)
@@ -190,16 +240,22 @@ def build(strategy: str, model: Any, optimizer: Any, loss_fn: Any, group: Any, m
     """
     if mixed_precision is not None and strategy != "fsdp":
         raise ConfigurationError(f"mixed_precision needs strategy='fsdp' (strategy is {strategy!r})")
+    if strategy == "zero1" and not (isinstance(optimizer, Optimizer) or callable(optimizer)):
+        raise ConfigurationError("strategy='zero1' needs an Optimizer instance (its class and hyperparameters are "
+                                 "used for the shards) or a callable params -> Optimizer, got "
+                                 f"{type(optimizer).__name__}")
+    if strategy in ("fsdp", "zero1", "pipeline"):
+        check_rebuildable(optimizer)  # before the wrapper sends anything
     if strategy == "ddp":
         wrapper = DDP(model, group=group, **options)
         return Setup(strategy, model, wrapper, optimizer, wrapper.group, wrapper.group)
     if strategy == "zero1":
         wrapper = DDP(model, group=group, **options)
-        if not isinstance(optimizer, Optimizer):
-            raise ConfigurationError("strategy='zero1' needs an Optimizer instance (its class and "
-                                     "hyperparameters are used for the shards)")
-        zero = ZeroRedundancyOptimizer(type(optimizer), wrapper.parameters(), group=wrapper.group,
-                                       **optimizer.hyperparameters())
+        if isinstance(optimizer, Optimizer):
+            zero = ZeroRedundancyOptimizer(type(optimizer), wrapper.parameters(), group=wrapper.group,
+                                           **optimizer.hyperparameters())
+        else:  # a callable params -> Optimizer, called over the shards
+            zero = ZeroRedundancyOptimizer(optimizer, wrapper.parameters(), group=wrapper.group)
         return Setup(strategy, model, wrapper, zero, wrapper.group, wrapper.group)
     if strategy == "fsdp":
         wrapper = FSDP(model, group=group, mixed_precision=mixed_precision, **options)
@@ -269,5 +325,5 @@ def steps_per_epoch(loader: Any, accumulate: int) -> int:
     return len(loader) // accumulate
 
 
-__all__ = ["STRATEGIES", "Setup", "build", "rebuild_optimizer", "split_stages", "share_from", "batches_of",
-           "steps_per_epoch"]
+__all__ = ["STRATEGIES", "Setup", "build", "rebuild_optimizer", "check_rebuildable", "split_stages", "share_from",
+           "batches_of", "steps_per_epoch"]

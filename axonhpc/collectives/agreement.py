@@ -1,0 +1,248 @@
+"""Every collective is compared across the ranks before data is used, with no flag set.
+
+[Note: always-on agreement]
+A collective whose ranks disagree (a different length, dtype, reduce op,
+root or kind of call) must never return numbers: MPI and the shared-memory
+engine would reduce mismatched buffers into garbage, or wait forever. So
+every collective carries a descriptor (``_shm.describe``: four integers for
+kind, dtype, op, count, root and a code of the shape), and it is compared
+across the group in the cheapest way the group's transport allows:
+
+- **On one node** (the group has a shared-memory engine), the engine
+  compares it inside the call: each rank publishes it with the first chunk
+  and reads the others' after the wait it makes anyway (a few stores and
+  one cache line per peer; see [Note: agreement on every call] in
+  ``_shm.pyx``). A call the engine does not carry (MPI or NCCL carries it:
+  a large all-gather, gather, scatter, barrier, a dtype the kernels lack, a
+  GPU array) first takes one data-free step through the engine with its
+  descriptor marked "elsewhere", so a rank that would go to MPI while
+  another goes to the engine is caught too.
+- **Across nodes, or with shared memory off**, one all-reduce (MAX) of the
+  eight integers ``[d, -d]`` on the group's MPI communicator comes before the
+  call: the maximum of ``d`` and of ``-d`` are ``d`` and ``-d`` exactly when
+  every rank sent the same ``d``. Exact, and a fixed 64 bytes, so ranks that
+  would send different lengths meet in it before any data moves. It costs
+  one small-message latency per collective; ``docs/performance.md`` has
+  the measured figures.
+- **Threads** (``run_local``) take the same check as MPI through their
+  backend (which compares its own calls too, but sees an AVG as the SUM it
+  sends and a float16 reduction as the float32 it is widened to).
+
+On a difference every rank knows it at the same point, and all of them
+exchange their full fingerprints (the debug mode's: call, dtype, shape, op,
+root and call site) so that each raises the same ``CollectiveMismatchError``
+naming every rank's call. The debug mode (``ax.settings.debug``) still adds
+its exchange in front of every call, with the call sites in the comparison.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Optional, Tuple
+
+import numpy as np
+
+from .._dtypes import is_cupy_array
+from .._ext import _shm
+from ..backends.base import ReduceOp, Work
+from ..errors import CollectiveMismatchError, CollectiveTimeoutError
+from ..settings import settings
+from . import fingerprint, shm_path, watch
+
+Desc = Tuple[int, int, int, int]
+EngineMismatch = _shm.EngineMismatch
+
+
+def describe(op: str, x: Any = None, reduce: Optional[str] = None, root: Optional[int] = None,
+             elsewhere: bool = False) -> Desc:
+    """The descriptor of a call of collective ``op`` on the caller's array ``x`` (None: a call without one)."""
+    root = -1 if root is None else root
+    if x is None:
+        return _shm.describe(op, None, (), reduce, root, False, elsewhere)
+    return _shm.describe(op, x.dtype, x.shape, reduce, root, is_cupy_array(x), elsewhere)
+
+
+def node_engine(pg: Any) -> Optional[Any]:
+    """The group's shared-memory engine when it has one (one node, shared memory on), with the group's timeout."""
+    if settings.shm_collectives == "off":
+        return None
+    engine = shm_path.engine_for(pg.backend, settings.shm_slot_bytes, settings.shm_slots, pg.on_one_node)
+    if engine is not None:
+        shm_path.set_timeout(engine, pg)
+    return engine
+
+
+def check(pg: Any, seq: int, op: str, x: Any = None, reduce: Optional[str] = None, root: Optional[int] = None,
+          arrivals: Any = None, label: Any = None, engine: Any = None) -> None:
+    """Compare a call that the shared-memory engine will not carry, before it starts (see the note).
+
+    ``engine``: the group's engine if the caller has it at hand, False if
+    the caller knows the group has none (else it is looked up). ``arrivals`` and ``label``: the general path's arrival
+    notices and message label, so a timeout names the missing ranks as a
+    collective's would.
+
+    Raises:
+        CollectiveMismatchError: on every rank, if any rank's call differs.
+        CollectiveTimeoutError: a rank did not come within the group's timeout.
+    """
+    if pg.size == 1 or not settings.check_collectives:
+        return
+    if engine is None:
+        engine = node_engine(pg)
+    if engine:
+        try:
+            engine.agree(describe(op, x, reduce, root, elsewhere=True))
+        except EngineMismatch:
+            refuse(pg, seq, op, x, reduce, root)
+        except CollectiveTimeoutError as exc:
+            if arrivals is None:
+                raise shm_path.timed_out(exc, engine, pg, op) from exc
+            raise watch.engine_timed_out(exc, pg.effective_timeout(), label, arrivals, pg) from exc
+        return
+    desc = describe(op, x, reduce, root)
+    words, reduce_max, host = _mpi_check(pg)
+    _shm.put_words(desc, words)
+    timeout = pg.effective_timeout()
+    if timeout is None:
+        reduce_max()
+    else:
+        what = label if label is not None else f"{op} #{seq} on group {pg.name} {list(pg.ranks)} (agreement check)"
+        watch.wait(host.all_reduce(words, ReduceOp.MAX, True), timeout, what, arrivals, pg)
+    if not _shm.words_agree(desc, words):
+        refuse(pg, seq, op, x, reduce, root)
+
+
+def start_check(pg: Any, seq: int, op: str, x: Any = None, reduce: Optional[str] = None,
+                root: Optional[int] = None) -> Optional[Tuple[Work, Callable[[], None]]]:
+    """The check of an asynchronous call: ``(work, verify)`` to finish later, or None once it is done.
+
+    On one node the engine's check is made at once (the engine's calls
+    complete before they return anyway); elsewhere the MPI check is started
+    without blocking, and ``CheckedWork`` issues the call once it is done,
+    so ``async_op=True`` still returns at once.
+    """
+    if pg.size == 1 or not settings.check_collectives:
+        return None
+    engine = node_engine(pg)
+    if engine is not None:
+        check(pg, seq, op, x, reduce, root, engine=engine)
+        return None
+    desc = describe(op, x, reduce, root)
+    words = np.zeros(8, dtype=np.int64)  # its own: several asynchronous checks may be in flight
+    _shm.put_words(desc, words)
+    host = getattr(pg.backend, "host", pg.backend)
+
+    def verify() -> None:
+        if not _shm.words_agree(desc, words):
+            refuse(pg, seq, op, x, reduce, root)
+
+    return host.all_reduce(words, ReduceOp.MAX, True), verify
+
+
+class CheckedWork(Work):
+    """An asynchronous collective that is issued once its agreement check (a nonblocking all-reduce) is done.
+
+    ``wait()`` and ``is_completed()`` drive both; the result and the
+    callbacks are the issued call's. MPI needs every rank to start the
+    group's collectives in one order, so the next collective on the group
+    first issues every call still waiting for its check (``flush``): each
+    rank then starts check 1, call 1, check 2, call 2, ... whatever the
+    order its waits come in.
+    """
+
+    def __init__(self, pg: Any, pending: Tuple[Work, Callable[[], None]], issue: Callable[[], Work]):
+        super().__init__()
+        self._check, self._verify = pending
+        self._issue = issue
+        self._inner: Optional[Work] = None
+        self._waiting = _unissued(pg)
+        self._waiting.append(self)
+
+    def _start(self) -> None:
+        self._waiting.remove(self)
+        self._check.wait()
+        self._verify()  # raises CollectiveMismatchError on every rank on a difference
+        self._inner = self._issue()
+
+    def _test(self) -> bool:
+        if self._inner is None:
+            if not self._check._test():
+                return False
+            flush_before(self)
+        return self._inner._test()
+
+    def _block(self, timeout: Optional[float]) -> bool:
+        start = time.monotonic()
+        if self._inner is None:
+            if not self._check._block(timeout):
+                return False
+            flush_before(self)
+        left = None if timeout is None else max(0.0, timeout - (time.monotonic() - start))
+        return self._inner._block(left)
+
+    def _timeout_error(self, timeout: float) -> Exception:
+        return (self._inner or self._check)._timeout_error(timeout)
+
+    def _finish(self) -> None:
+        if not self._finished:
+            self._inner._finish()
+            self._result = self._inner._result
+            super()._finish()
+
+
+def _unissued(pg: Any) -> list:
+    """The group's asynchronous calls still waiting for their check, oldest first."""
+    waiting = pg.__dict__.get("_unissued_calls")
+    if waiting is None:
+        waiting = pg._unissued_calls = []
+    return waiting
+
+
+def flush(pg: Any) -> None:
+    """Issue every asynchronous call of the group still waiting for its check (before any other collective)."""
+    waiting = pg.__dict__.get("_unissued_calls")
+    while waiting:
+        waiting[0]._start()
+
+
+def flush_before(work: "CheckedWork") -> None:
+    """Issue ``work`` and every call of its group started before it, in the order they were started."""
+    while work._inner is None:
+        work._waiting[0]._start()
+
+
+def _mpi_check(pg: Any) -> Tuple[np.ndarray, Any, Any]:
+    """The group's MPI check, made once: its buffer (eight int64), a blocking MAX all-reduce of it, and the backend."""
+    cached = pg.__dict__.get("_agreement_check")
+    if cached is None:
+        host = getattr(pg.backend, "host", pg.backend)  # a host/device dispatch backend: its MPI side
+        words = np.zeros(8, dtype=np.int64)
+        comm = getattr(host, "comm", None)
+        if comm is not None and hasattr(comm, "Allreduce"):
+            from mpi4py import MPI
+
+            args = (MPI.IN_PLACE, [words, MPI.INT64_T], MPI.MAX)
+
+            def reduce_max() -> None:  # one MPI call: the check's whole cost is this latency
+                comm.Allreduce(*args)
+        else:
+            def reduce_max() -> None:
+                host.all_reduce(words, ReduceOp.MAX, False).wait()
+        cached = pg._agreement_check = (words, reduce_max, host)
+    return cached
+
+
+def refuse(pg: Any, seq: int, op: str, x: Any, reduce: Optional[str], root: Optional[int]) -> None:
+    """The ranks disagreed about call ``seq``: raise the same ``CollectiveMismatchError`` on every rank.
+
+    Every rank is here together (each saw the difference at the same
+    point), so all of them exchange their full fingerprints, which name each
+    rank's call and call site.
+    """
+    fingerprint.check(pg, op, x, reduce, root, seq=seq)
+    raise CollectiveMismatchError(
+        f"collective mismatch on group {pg.name}: every rank called {fingerprint.describe_call(op, x, reduce, root)} "
+        f"(call #{seq}), but not by the same way: some ranks ran it in the node's shared memory and others "
+        f"through MPI. The shared-memory settings (AXONHPC_SHM_*) differ between the ranks")
+
+
+__all__ = ["describe", "check", "start_check", "CheckedWork", "refuse", "node_engine", "EngineMismatch"]

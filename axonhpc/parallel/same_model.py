@@ -1,0 +1,163 @@
+"""Parallel wrappers check, when they are built, that every rank of their group holds the same model.
+
+[Note: why and how the wrappers compare their models]
+DDP, FSDP, ZeroRedundancyOptimizer, a pipeline's data-parallel replicas and
+the tensor-parallel layers assume that every rank of their group built the
+same model: the same parameter names, shapes and dtypes in the same order (and
+for a tensor-parallel layer, the same geometry). A rank that built another
+model (another config file, a seed-dependent architecture, a forgotten
+``.astype``) would otherwise broadcast, all-reduce or all-gather buffers of
+other sizes: a hang, a ``ShapeError`` on some ranks only, or, worst, numbers
+that are silently wrong. So each wrapper, before any other message of its
+constructor, describes its model as one line per parameter
+(``name:dtype:shape``) and runs ``groups.agreement.compare``: one all-gather
+of (ok, length, 64-bit digest) per rank. Only when the digests differ does
+anything more travel (the texts, then one digest per line to find the first
+line that differs), so that every rank raises the same
+``ModelMismatchError`` naming that parameter and which ranks have which.
+
+A rank whose own model fails a local check (no parameters, a unit mixing
+dtypes, a size the group does not divide) still takes part in the exchange,
+marked as failed: it raises its own error, and every other rank raises a
+``ModelMismatchError`` naming it, instead of waiting for it.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import threading
+from typing import Any, Iterable, Iterator, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from .._dtypes import is_cupy_array
+from ..collectives import all_gather
+from ..errors import AxonError, ModelMismatchError
+from ..groups.agreement import compare
+
+_state = threading.local()  # threads are ranks under run_local: one depth per rank
+
+
+def parameter_lines(named: Iterable[Tuple[str, Any]]) -> List[str]:
+    """``name:dtype:shape`` of each parameter (``:device`` appended for one in device memory).
+
+    Args:
+        named: ``(name, Parameter or array)`` pairs, in the model's order.
+    """
+    lines = []
+    for name, p in named:
+        data = getattr(p, "data", p)
+        line = f"{name}:{np.dtype(data.dtype)}:{tuple(int(d) for d in data.shape)}"
+        lines.append(line + (":device" if is_cupy_array(data) else ""))
+    return lines
+
+
+@contextlib.contextmanager
+def agreed() -> Iterator[None]:
+    """Inside, ``check_same_model`` does nothing on this rank: an enclosing layer has compared for it.
+
+    A tensor-parallel block (``TensorParallelMLP``) compares its whole
+    geometry once and builds its column and row layers inside this context,
+    so that building it costs one exchange, not one per layer. Every rank of
+    the group enters it alike (the same code runs on each).
+    """
+    _state.depth = getattr(_state, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _state.depth -= 1
+
+
+def _digest(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "little", signed=True)
+
+
+def _ranks_text(ranks: Sequence[int]) -> str:
+    return f"ranks {list(ranks)}" if len(ranks) > 1 else f"rank {ranks[0]}"
+
+
+def _by_value(values: Sequence[str], ranks: Sequence[int]) -> str:
+    """``ranks [0, 2] have X; rank 1 has Y``, in order of each value's first rank."""
+    groups: dict = {}
+    for r, value in enumerate(values):
+        groups.setdefault(value, []).append(int(ranks[r]))
+    return "; ".join(f"{_ranks_text(rs)} {'have' if len(rs) > 1 else 'has'} {value}"
+                     for value, rs in sorted(groups.items(), key=lambda item: item[1][0]))
+
+
+def _first_difference(group: Any, lines: Sequence[str], noun: str) -> Tuple[int, List[str], List[bool]]:
+    """Collective: the index of the first line that differs across the group, and every rank's line there.
+
+    Only called once ``compare`` found a difference: one all-gather of the
+    line counts, one of a digest per line, and one ``compare`` of the line
+    found, so that texts longer than ``compare`` shows still give the exact line.
+    """
+    counts = all_gather(np.array([len(lines)], dtype=np.int64), group).reshape(-1)
+    width = max(1, int(counts.max()))
+    mine = np.zeros(width, dtype=np.int64)
+    mine[:len(lines)] = [_digest(line) for line in lines]
+    table = all_gather(mine, group).reshape(group.size, width)
+    index = width - 1
+    for i in range(width):
+        column = {(i < int(counts[r]), int(table[r, i]) if i < int(counts[r]) else 0) for r in range(group.size)}
+        if len(column) > 1:
+            index = i
+            break
+    here = lines[index] if index < len(lines) else f"no {noun} there (only {len(lines)})"
+    seen = compare(group, True, here, same=True)
+    values = [text for _, text in seen] if seen is not None else [here] * group.size
+    return index, values, [index < int(c) for c in counts]
+
+
+def check_same_model(group: Any, what: str, lines: Sequence[str], problem: Optional[AxonError] = None,
+                     settings: Sequence[str] = (),
+                     hint: str = "every rank of the group must build the same model (the same layers, sizes and "
+                                 "dtypes, in the same order) before wrapping it") -> None:
+    """Collective over ``group``: every rank has the same model, or an error on every rank (see the note).
+
+    Args:
+        group: the wrapper's process group (every member calls).
+        what: how messages name the wrapper and its group ("DDP over group world").
+        lines: this rank's parameters, one ``name:dtype:shape`` line each (``parameter_lines``).
+        problem: the error this rank's own local checks found, or None.
+        settings: lines that must agree too, compared before the parameters,
+            each ``label: value`` (``"units: ['0', '2']"``, a layer's
+            geometry); the same number on every rank.
+        hint: what the message tells the user to do.
+
+    Raises:
+        ModelMismatchError: the descriptions differ across the group (every
+            rank), or another rank's local checks failed (on the ranks whose passed).
+        AxonError: ``problem``, on the rank that found it.
+    """
+    if group.size == 1 or getattr(_state, "depth", 0):
+        if problem is not None:
+            raise problem
+        return
+    described = list(settings) + list(lines)
+    text = f"{type(problem).__name__}: {problem}" if problem is not None else "\n".join(described)
+    seen = compare(group, problem is None, text, same=True)
+    if seen is None:
+        return
+    failed = [r for r, (ok, _) in enumerate(seen) if not ok]
+    if failed:
+        if problem is not None:
+            raise problem
+        first = failed[0]
+        raise ModelMismatchError(
+            f"{what}: {_ranks_text([group.ranks[r] for r in failed])} could not build it (rank "
+            f"{group.ranks[first]}: {seen[first][1]}); nothing else was sent")
+    index, values, present = _first_difference(group, described, "parameter")
+    if index < len(settings):
+        where = f"{settings[index].split(':', 1)[0]!r}"
+    else:
+        names = {v.split(":", 1)[0] for v, here in zip(values, present) if here}
+        position = index - len(settings)
+        where = (f"parameter {names.pop()!r} (position {position}" if len(names) == 1
+                 else f"the parameter at position {position}") + ", shown as name:dtype:shape)"
+    raise ModelMismatchError(
+        f"{what}: the {group.size} ranks hold different models; the first difference is "
+        f"{where}: {_by_value(values, group.ranks)}. {hint[0].upper()}{hint[1:]}; nothing else was sent")
+
+
+__all__ = ["parameter_lines", "check_same_model", "agreed"]
