@@ -118,7 +118,8 @@ def start_check(pg: Any, seq: int, op: str, x: Any = None, reduce: Optional[str]
     On one node the engine's check is made at once (the engine's calls
     complete before they return anyway); elsewhere the MPI check is started
     without blocking, and ``CheckedWork`` issues the call once it is done,
-    so ``async_op=True`` still returns at once.
+    so ``async_op=True`` still returns at once. For host arrays only: a
+    GPU call is checked before it is queued (see ``core._run``).
     """
     if pg.size == 1 or not settings.check_collectives:
         return None
@@ -241,8 +242,9 @@ def refuse(pg: Any, seq: int, op: str, x: Any, reduce: Optional[str], root: Opti
     fingerprint.check(pg, op, x, reduce, root, seq=seq)
     raise CollectiveMismatchError(
         f"collective mismatch on group {pg.name}: every rank called {fingerprint.describe_call(op, x, reduce, root)} "
-        f"(call #{seq}), but not by the same way: some ranks ran it in the node's shared memory and others "
-        f"through MPI. The shared-memory settings (AXONHPC_SHM_*) differ between the ranks")
+        f"(call #{seq}), but not in the same way: some ranks ran it through the node's shared memory and others "
+        f"through MPI (the AXONHPC_SHM_* settings differ between the ranks), or an array in a shared window "
+        f"lies at another offset on some ranks")
 
 
 __all__ = ["describe", "check", "start_check", "CheckedWork", "refuse", "node_engine", "EngineMismatch"]

@@ -20,7 +20,7 @@ from typing import Any, List, Optional, Sequence
 import numpy as np
 
 from .. import tracing
-from .._dtypes import array_module, check_array, is_low_precision_float, is_supported
+from .._dtypes import array_module, check_array, is_cupy_array, is_low_precision_float, is_supported
 from ..backends import shm as shm_backend
 from ..backends.base import CompletedWork, ReduceOp, Work
 from ..errors import CollectiveTimeoutError, InvalidArgumentError, RankError, ReadOnlyBufferError, ShapeError
@@ -88,7 +88,10 @@ def _run(pg: ProcessGroup, label: _Label, issue, async_op: bool, carried: bool =
     arrivals = announce(label.seq, label.op) if announce is not None else None
     entry = label.entry if collective else None
     pending = None
-    if collective and not carried and async_op:
+    if collective and not carried and async_op and not is_cupy_array(label.call[0]):
+        # A host call may start once its check is done (MPI progresses each communicator on its own).
+        # A device call may not: NCCL runs the calls of all its communicators in the order they were
+        # queued, so one started later on some ranks than on others could deadlock the GPUs.
         pending = agreement.start_check(pg, label.seq, label.op, *label.call)
     elif collective and not carried:
         agreement.check(pg, label.seq, label.op, *label.call, arrivals=arrivals, label=label)
