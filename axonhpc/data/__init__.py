@@ -2,7 +2,8 @@
 
 Nothing here communicates: ``DistributedSampler`` gives every rank a
 disjoint share of the indices by deterministic arithmetic, and
-``DataLoader`` batches in-memory numpy or cupy arrays.
+``DataLoader`` batches in-memory numpy or cupy arrays; ``TextCorpus``
+is byte-level text from the standard library's source for language models.
 
     sampler = DistributedSampler(len(x), num_replicas=world.world_size, rank=world.rank, seed=0)
     loader = DataLoader((x, y), batch_size=32, sampler=sampler)
@@ -12,5 +13,6 @@ disjoint share of the indices by deterministic arithmetic, and
 """
 from .loader import DataLoader
 from .sampler import DistributedSampler
+from .text import TextCorpus, sample_windows, stdlib_source_files
 
-__all__ = ["DistributedSampler", "DataLoader"]
+__all__ = ["DistributedSampler", "DataLoader", "TextCorpus", "sample_windows", "stdlib_source_files"]

@@ -13,6 +13,7 @@ dispatches on its input's array module.
 from . import functional
 from .activation import GELU, ReLU, Tanh
 from .attention import MultiHeadAttention
+from .checkpointing import Checkpoint, cached_nbytes, checkpoint
 from .container import Sequential
 from .dropout import Dropout
 from .embedding import Embedding
@@ -21,6 +22,7 @@ from .loss import CrossEntropyLoss, MSELoss
 from .module import IncompatibleKeys, Module
 from .normalization import LayerNorm
 from .parameter import Parameter, RemovableHandle
+from .transformer import GPT, TransformerBlock
 
 __all__ = [
     "Parameter",
@@ -36,6 +38,11 @@ __all__ = [
     "LayerNorm",
     "Embedding",
     "MultiHeadAttention",
+    "TransformerBlock",
+    "GPT",
+    "Checkpoint",
+    "checkpoint",
+    "cached_nbytes",
     "CrossEntropyLoss",
     "MSELoss",
     "functional",

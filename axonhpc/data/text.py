@@ -1,0 +1,159 @@
+"""Byte-level text from the Python standard library's own source, for language-model training.
+
+[Note: a corpus every machine already has]
+Every Python installation carries its standard library as ``.py`` files, so
+this corpus needs no download: the files under
+``sysconfig.get_paths()["stdlib"]`` (``site-packages``, ``dist-packages``
+and ``__pycache__`` left out), sorted by their path relative to that folder,
+read as raw bytes, so the vocabulary is the 256 byte values. Files are read
+in that order until ``max_bytes`` is reached (the last one cut), which keeps
+loading fast. A fixed fraction of the files read is held out, chosen by a
+numpy Generator with a fixed seed, so the split is by file (no text of a
+held-out file is trained on) and is the same on every run and every machine
+with the same Python version.
+"""
+from __future__ import annotations
+
+import math
+import os
+import sysconfig
+from typing import Iterator, List, Optional, Tuple
+
+import numpy as np
+
+from ..errors import ConfigurationError
+
+VOCAB_SIZE = 256
+_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
+
+
+def stdlib_source_files(root: Optional[str] = None) -> List[str]:
+    """The ``.py`` files under ``root`` (default: the standard library), as sorted relative paths.
+
+    Args:
+        root: folder to scan; None for ``sysconfig.get_paths()["stdlib"]``.
+
+    Returns:
+        Paths relative to ``root`` with "/" separators, sorted; folders named
+        site-packages, dist-packages and __pycache__ are skipped.
+    """
+    root = sysconfig.get_paths()["stdlib"] if root is None else root
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in _SKIP_DIRS]
+        rel = os.path.relpath(dirpath, root)
+        for name in filenames:
+            if name.endswith(".py"):
+                out.append(name if rel == "." else os.path.join(rel, name).replace(os.sep, "/"))
+    return sorted(out)
+
+
+def sample_windows(tokens: np.ndarray, batch_size: int, context: int,
+                   rng: np.random.Generator) -> Tuple[np.ndarray, np.ndarray]:
+    """``batch_size`` random windows of ``context + 1`` tokens, split into inputs and next-token targets.
+
+    Args:
+        tokens: 1-D token array.
+        batch_size: number of windows.
+        context: input length T.
+        rng: the numpy Generator that picks the window starts (uniform over all starts).
+
+    Returns:
+        ``(inputs, targets)``, both int64 (batch_size, context); targets[:, t] == inputs[:, t + 1]
+        for t < context - 1.
+
+    Raises:
+        ConfigurationError: non-positive sizes, or fewer than ``context + 1`` tokens.
+    """
+    if batch_size <= 0 or context <= 0:
+        raise ConfigurationError(f"sample_windows needs positive batch_size and context, got "
+                                 f"batch_size={batch_size}, context={context}")
+    if len(tokens) < context + 1:
+        raise ConfigurationError(f"sample_windows needs at least context + 1 = {context + 1} tokens, "
+                                 f"got {len(tokens)}")
+    starts = rng.integers(0, len(tokens) - context, size=batch_size)
+    windows = tokens[starts[:, None] + np.arange(context + 1)].astype(np.int64)
+    return windows[:, :-1], windows[:, 1:]
+
+
+class TextCorpus:
+    """Bytes of the standard library's source, split by file into train and held-out tokens.
+
+    Args:
+        max_bytes: read files (in sorted order) until this many bytes, the last file cut.
+        held_out: fraction of the files read that go to the held-out split (at least one file each side).
+        seed: seed of the Generator that picks the held-out files.
+        root: folder to read instead of the standard library (tests use a small one).
+
+    Attributes:
+        train, val: uint8 token arrays, the files of each split concatenated in sorted order.
+        train_files, val_files: the relative paths in each split.
+        vocab_size: 256.
+
+    Raises:
+        ConfigurationError: ``max_bytes`` < 1, ``held_out`` outside (0, 1), or fewer than two files to split.
+    """
+
+    vocab_size = VOCAB_SIZE
+
+    def __init__(self, max_bytes: int = 4_000_000, held_out: float = 0.1, seed: int = 0,
+                 root: Optional[str] = None) -> None:
+        if max_bytes < 1:
+            raise ConfigurationError(f"TextCorpus max_bytes must be >= 1, got {max_bytes}")
+        if not 0.0 < held_out < 1.0:
+            raise ConfigurationError(f"TextCorpus held_out must be in (0, 1), got {held_out}")
+        root = sysconfig.get_paths()["stdlib"] if root is None else root
+        texts, names, total = [], [], 0
+        for rel in stdlib_source_files(root):
+            if total >= max_bytes:
+                break
+            with open(os.path.join(root, rel), "rb") as f:
+                data = f.read(max_bytes - total)
+            if data:
+                texts.append(data)
+                names.append(rel)
+                total += len(data)
+        if len(names) < 2:
+            raise ConfigurationError(f"TextCorpus needs at least 2 non-empty .py files under {root!r} within "
+                                     f"max_bytes={max_bytes}, found {len(names)}")
+        n_val = min(len(names) - 1, max(1, math.floor(held_out * len(names) + 0.5)))
+        val_idx = set(np.random.default_rng(seed).choice(len(names), size=n_val, replace=False).tolist())
+        self.train_files = [n for i, n in enumerate(names) if i not in val_idx]
+        self.val_files = [n for i, n in enumerate(names) if i in val_idx]
+        self.train = np.frombuffer(b"".join(t for i, t in enumerate(texts) if i not in val_idx), dtype=np.uint8)
+        self.val = np.frombuffer(b"".join(t for i, t in enumerate(texts) if i in val_idx), dtype=np.uint8)
+
+    def split(self, name: str) -> np.ndarray:
+        """The tokens of ``"train"`` or ``"val"``.
+
+        Raises:
+            ConfigurationError: another name.
+        """
+        if name not in ("train", "val"):
+            raise ConfigurationError(f"TextCorpus split must be 'train' or 'val', got {name!r}")
+        return self.train if name == "train" else self.val
+
+    def batches(self, split: str, batch_size: int, context: int,
+                seed: int = 0) -> Iterator[Tuple[np.ndarray, np.ndarray]]:
+        """Endless ``(inputs, targets)`` batches of random windows (``sample_windows``) from one split.
+
+        Args:
+            split: "train" or "val".
+            batch_size: windows per batch.
+            context: input length.
+            seed: seed of the Generator choosing the windows; the same seed gives the same batches.
+
+        Yields:
+            int64 arrays (batch_size, context): inputs and next-token targets.
+        """
+        tokens = self.split(split)
+        rng = np.random.default_rng(seed)
+        while True:
+            yield sample_windows(tokens, batch_size, context, rng)
+
+    def __repr__(self) -> str:
+        return (f"TextCorpus(train={len(self.train)} bytes in {len(self.train_files)} files, "
+                f"val={len(self.val)} bytes in {len(self.val_files)} files)")
+
+
+__all__ = ["TextCorpus", "sample_windows", "stdlib_source_files", "VOCAB_SIZE"]

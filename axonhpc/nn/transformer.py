@@ -1,0 +1,188 @@
+"""A pre-LayerNorm transformer block and a GPT-style language model, with explicit backward.
+
+[Note: residual backward]
+A residual ``y = x + f(x)`` has d loss / d x = g + f.backward(g): the
+gradient flows both around and through the branch. ``TransformerBlock``
+does this twice (attention, then MLP), backward in reverse order, so
+parameter hooks fire in reverse registration order as everywhere in ``nn``.
+
+[Note: tied output head]
+With ``tie_weights`` the output head is the token embedding's weight
+transposed (logits = h @ W_emb^T), as in GPT-2. That one Parameter then
+receives two gradient contributions per backward, one from the head and
+one from the lookup, each through ``accumulate_grad`` (so its hooks fire
+once per use, as the Parameter note describes).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .._dtypes import array_module
+from ..errors import ConfigurationError, ShapeError, UnsupportedDtypeError
+from . import _init
+from .activation import GELU
+from .attention import MultiHeadAttention
+from .container import Sequential
+from .dropout import Dropout
+from .embedding import Embedding
+from .linear import Linear
+from .module import Module
+from .normalization import LayerNorm
+
+# GPT-2's initial standard deviation of the token and position embeddings.
+_EMBED_STD = 0.02
+
+
+class TransformerBlock(Module):
+    """Pre-LayerNorm transformer block: x + drop(attn(ln1(x))), then h + mlp(ln2(h)).
+
+    ``mlp`` is ``Sequential(Linear(width, mlp_ratio * width), GELU(),
+    Linear(mlp_ratio * width, width), Dropout(dropout))``; ``attn`` is a
+    ``MultiHeadAttention`` whose output passes through ``attn_dropout``.
+    Input and output are (B, T, width).
+
+    Args:
+        width: model width E.
+        heads: attention heads; must divide ``width``.
+        mlp_ratio: hidden width of the MLP as a multiple of ``width``.
+        dropout: drop probability after the attention and after the MLP.
+        causal: position t attends only to positions <= t.
+        dtype: parameter dtype.
+        seed: int, SeedSequence or Generator for the initial values and the
+            dropout masks (None: fresh entropy).
+
+    Raises:
+        ConfigurationError: a non-positive size, ``heads`` not dividing ``width``, or dropout outside [0, 1].
+    """
+
+    def __init__(self, width: int, heads: int, mlp_ratio: int = 4, dropout: float = 0.0, causal: bool = True,
+                 dtype: Any = np.float32, seed: _init.SeedLike = None) -> None:
+        super().__init__()
+        if width <= 0 or mlp_ratio <= 0:
+            raise ConfigurationError(f"TransformerBlock needs positive width and mlp_ratio, got width={width}, "
+                                     f"mlp_ratio={mlp_ratio}")
+        self.width = int(width)
+        self.heads = int(heads)
+        self.mlp_ratio = int(mlp_ratio)
+        seeds = _init.child_seeds(seed, 5)
+        hidden = self.mlp_ratio * self.width
+        self.ln1 = LayerNorm(width, dtype=dtype)
+        self.attn = MultiHeadAttention(width, heads, causal=causal, dtype=dtype, seed=seeds[0])
+        self.attn_dropout = Dropout(dropout, seed=seeds[1])
+        self.ln2 = LayerNorm(width, dtype=dtype)
+        self.mlp = Sequential(Linear(width, hidden, dtype=dtype, seed=seeds[2]), GELU(),
+                              Linear(hidden, width, dtype=dtype, seed=seeds[3]), Dropout(dropout, seed=seeds[4]))
+
+    def forward(self, x: Any) -> Any:
+        """Apply the block to ``x`` of shape (B, T, width); returns (B, T, width)."""
+        h = x + self.attn_dropout(self.attn(self.ln1(x)))
+        return h + self.mlp(self.ln2(h))
+
+    def backward(self, grad_out: Any) -> Any:
+        """d loss / d x through both residual branches, MLP first."""
+        dh = grad_out + self.ln2.backward(self.mlp.backward(grad_out))
+        return dh + self.ln1.backward(self.attn.backward(self.attn_dropout.backward(dh)))
+
+    def extra_repr(self) -> str:
+        return f"width={self.width}, heads={self.heads}, mlp_ratio={self.mlp_ratio}"
+
+
+class GPT(Module):
+    """A GPT-style decoder: token + position embeddings, causal blocks, final LayerNorm, output head.
+
+    ``forward(tokens)`` takes integer tokens (B, T) with T <= ``context`` and
+    returns logits (B, T, vocab_size); position t's logits predict token
+    t + 1 and depend only on tokens 0..t. ``backward(grad_logits)`` fills
+    every parameter's gradient and returns None (the input is integer).
+
+    Submodules: ``tok_emb`` (Embedding(vocab_size, width)), ``pos_emb``
+    (Embedding(context, width)), ``drop`` (Dropout on the summed embeddings),
+    ``blocks`` (a Sequential of ``layers`` ``TransformerBlock``), ``ln_f``
+    (LayerNorm) and ``head`` (Linear(width, vocab_size, bias=False)), which
+    is absent when ``tie_weights``: the head is then ``tok_emb.weight``
+    transposed. Both embeddings start as N(0, 0.02^2), as in GPT-2.
+
+    Args:
+        vocab_size: number of token values.
+        context: the longest sequence (rows of the position embedding).
+        width: model width.
+        heads: attention heads per block.
+        layers: number of blocks.
+        dropout: drop probability on the embeddings and inside every block.
+        tie_weights: share the token embedding with the output head.
+        mlp_ratio: MLP hidden width as a multiple of ``width``.
+        dtype: parameter dtype.
+        seed: int, SeedSequence or Generator for the initial values and dropout masks.
+
+    Raises:
+        ConfigurationError: a non-positive size (and the blocks' own checks).
+    """
+
+    def __init__(self, vocab_size: int, context: int, width: int, heads: int, layers: int, dropout: float = 0.0,
+                 tie_weights: bool = False, mlp_ratio: int = 4, dtype: Any = np.float32,
+                 seed: _init.SeedLike = None) -> None:
+        super().__init__()
+        if vocab_size <= 0 or context <= 0 or width <= 0 or layers < 0:
+            raise ConfigurationError(f"GPT needs positive vocab_size, context and width and layers >= 0, got "
+                                     f"vocab_size={vocab_size}, context={context}, width={width}, layers={layers}")
+        self.vocab_size = int(vocab_size)
+        self.context = int(context)
+        self.width = int(width)
+        self.tie_weights = bool(tie_weights)
+        seeds = _init.child_seeds(seed, 4 + layers)
+        self.tok_emb = Embedding(vocab_size, width, dtype=dtype, seed=seeds[0])
+        self.pos_emb = Embedding(context, width, dtype=dtype, seed=seeds[1])
+        for emb in (self.tok_emb, self.pos_emb):
+            emb.weight.data[...] *= _EMBED_STD
+        self.drop = Dropout(dropout, seed=seeds[2])
+        self.blocks = Sequential(*(TransformerBlock(width, heads, mlp_ratio=mlp_ratio, dropout=dropout, causal=True,
+                                                    dtype=dtype, seed=s) for s in seeds[4:]))
+        self.ln_f = LayerNorm(width, dtype=dtype)
+        if not self.tie_weights:
+            self.head = Linear(width, vocab_size, bias=False, dtype=dtype, seed=seeds[3])
+
+    def forward(self, tokens: Any) -> Any:
+        """Logits (B, T, vocab_size) for integer ``tokens`` (B, T).
+
+        Raises:
+            ShapeError: ``tokens`` is not 2-D, or T is 0 or longer than ``context``.
+            UnsupportedDtypeError: non-integer tokens.
+        """
+        if tokens.ndim != 2 or not 0 < tokens.shape[1] <= self.context:
+            raise ShapeError(f"GPT(context={self.context}) expects tokens (B, T) with 0 < T <= {self.context}, "
+                             f"got shape {tuple(tokens.shape)}")
+        if tokens.dtype.kind not in "iu":
+            raise UnsupportedDtypeError(f"GPT tokens must be integers, got dtype {tokens.dtype}")
+        xp = array_module(tokens)
+        positions = xp.arange(tokens.shape[1])
+        x = self.drop(self.tok_emb(tokens) + self.pos_emb(positions))
+        h = self.ln_f(self.blocks(x))
+        if self.tie_weights:
+            self._save_cache(h)
+            return h @ self.tok_emb.weight.data.T
+        self._save_cache(True)
+        return self.head(h)
+
+    def backward(self, grad_out: Any) -> None:
+        """Fill the parameter gradients from d loss / d logits (B, T, vocab_size); returns None."""
+        cache = self._pop_cache()
+        if self.tie_weights:
+            h = cache
+            w = self.tok_emb.weight
+            w.accumulate_grad(grad_out.reshape(-1, self.vocab_size).T @ h.reshape(-1, self.width))
+            dh = grad_out @ w.data
+        else:
+            dh = self.head.backward(grad_out)
+        dx = self.drop.backward(self.blocks.backward(self.ln_f.backward(dh)))
+        self.pos_emb.backward(dx.sum(axis=0))
+        self.tok_emb.backward(dx)
+        return None
+
+    def extra_repr(self) -> str:
+        return (f"vocab_size={self.vocab_size}, context={self.context}, width={self.width}, "
+                f"layers={len(self.blocks)}, tie_weights={self.tie_weights}")
+
+
+__all__ = ["TransformerBlock", "GPT"]
