@@ -125,6 +125,24 @@ def _check_sizes(layer: str, in_features: int, out_features: int) -> None:
                                  f"out_features={out_features}")
 
 
+def _my_part(pg: ProcessGroup, layer: str, in_features: int, out_features: int, split: str,
+             **geometry: Any) -> Tuple[int, int]:
+    """This rank's ``[start, stop)`` of the ``split`` dimension, once every rank agrees on the layer's geometry.
+
+    The local checks' error (sizes, a dimension the group does not divide)
+    joins the exchange instead of being raised first, so that no rank waits.
+    """
+    problem, start, stop = None, 0, 0
+    try:
+        _check_sizes(layer, in_features, out_features)
+        size = out_features if split == "out_features" else in_features
+        start, stop = partition_range(int(size), pg.rank, pg.size, f"{layer} {split}")
+    except AxonError as exc:
+        problem = exc
+    _agree_on_geometry(pg, layer, problem, in_features=in_features, out_features=out_features, **geometry)
+    return start, stop
+
+
 def _agree_on_geometry(pg: ProcessGroup, layer: str, problem: Optional[AxonError], **geometry: Any) -> None:
     """Collective: every rank of the tensor-parallel group builds ``layer`` with the same geometry (one exchange).
 
@@ -203,14 +221,8 @@ class ColumnParallelLinear(Module):
                  seed: _init.SeedLike = None) -> None:
         super().__init__()
         pg = resolve_group(group).require_member("ColumnParallelLinear")
-        problem, start, stop = None, 0, 0
-        try:
-            _check_sizes("ColumnParallelLinear", in_features, out_features)
-            start, stop = partition_range(int(out_features), pg.rank, pg.size, "ColumnParallelLinear out_features")
-        except AxonError as exc:
-            problem = exc
-        _agree_on_geometry(pg, "ColumnParallelLinear", problem, in_features=in_features, out_features=out_features,
-                           gather_output=bool(gather_output), bias=bool(bias), dtype=dtype)
+        start, stop = _my_part(pg, "ColumnParallelLinear", in_features, out_features, "out_features",
+                               gather_output=bool(gather_output), bias=bool(bias), dtype=dtype)
         self.group = pg
         self.in_features = int(in_features)
         self.out_features = int(out_features)
@@ -321,14 +333,8 @@ class RowParallelLinear(Module):
                  seed: _init.SeedLike = None) -> None:
         super().__init__()
         pg = resolve_group(group).require_member("RowParallelLinear")
-        problem, start, stop = None, 0, 0
-        try:
-            _check_sizes("RowParallelLinear", in_features, out_features)
-            start, stop = partition_range(int(in_features), pg.rank, pg.size, "RowParallelLinear in_features")
-        except AxonError as exc:
-            problem = exc
-        _agree_on_geometry(pg, "RowParallelLinear", problem, in_features=in_features, out_features=out_features,
-                           input_is_parallel=bool(input_is_parallel), bias=bool(bias), dtype=dtype)
+        start, stop = _my_part(pg, "RowParallelLinear", in_features, out_features, "in_features",
+                               input_is_parallel=bool(input_is_parallel), bias=bool(bias), dtype=dtype)
         self.group = pg
         self.in_features = int(in_features)
         self.out_features = int(out_features)
