@@ -73,6 +73,15 @@ def _device_line(world):
     return f"device {facts.get('device')}, device arrays over {world.backend.name}"
 
 
+def exit_status(accuracy, min_accuracy, main_rank):
+    """0, or 1 (said on rank 0) when ``min_accuracy`` is given and ``accuracy`` falls below it."""
+    if min_accuracy is not None and accuracy < min_accuracy:
+        if main_rank:
+            print(f"accuracy {accuracy:.4f} is below the required {min_accuracy}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=20)
@@ -118,11 +127,7 @@ def main(argv=None):
     accuracy = trainer.evaluate((x_test, y_test))["accuracy"]
     if main_rank:
         print(f"final test accuracy {accuracy:.4f} on {world.world_size} rank(s)", flush=True)
-    if args.min_accuracy is not None and accuracy < args.min_accuracy:
-        if main_rank:
-            print(f"accuracy {accuracy:.4f} is below the required {args.min_accuracy}", file=sys.stderr)
-        return 1
-    return 0
+    return exit_status(accuracy, args.min_accuracy, main_rank)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ import sys
 
 import axonhpc as ax
 from axonhpc import nn, optim
-from train_digits import load_digits  # the same data split as the main job
+from train_digits import exit_status, load_digits  # the same data split and accuracy gate as the main job
 
 
 def build_model(seed):
@@ -74,11 +74,7 @@ def main(argv=None):
         print(f"FSDP {args.sharding_strategy} on {world.world_size} rank(s): each parameter sharded over "
               f"{fsdp.shard_world_size} rank(s), {replicas} replica(s); final test accuracy {accuracy:.4f}",
               flush=True)
-    if args.min_accuracy is not None and accuracy < args.min_accuracy:
-        if main_rank:
-            print(f"accuracy {accuracy:.4f} is below the required {args.min_accuracy}", file=sys.stderr)
-        return 1
-    return 0
+    return exit_status(accuracy, args.min_accuracy, main_rank)
 
 
 if __name__ == "__main__":
