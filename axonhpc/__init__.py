@@ -47,6 +47,10 @@ _LAZY = {
     "TensorParallelMLP": "axonhpc.parallel",
     "TensorParallelAttention": "axonhpc.parallel",
     "ZeroRedundancyOptimizer": "axonhpc.parallel",
+    "ParallelGPT": "axonhpc.parallel",
+    "TensorParallelBlock": "axonhpc.parallel",
+    "gather_timelines": "axonhpc.parallel",
+    "write_gantt_png": "axonhpc.parallel",
     "timeline": "axonhpc.profiling",
 }
 _SUBMODULES = ("nn", "optim", "data", "bucketing", "comm", "backends", "settings", "cli", "bench", "parallel",

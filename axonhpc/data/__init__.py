@@ -13,6 +13,6 @@ is byte-level text from the standard library's source for language models.
 """
 from .loader import DataLoader
 from .sampler import DistributedSampler
-from .text import TextCorpus, sample_windows, stdlib_source_files
+from .text import TextCorpus, TextWindows, sample_windows, stdlib_source_files
 
-__all__ = ["DistributedSampler", "DataLoader", "TextCorpus", "sample_windows", "stdlib_source_files"]
+__all__ = ["DistributedSampler", "DataLoader", "TextCorpus", "TextWindows", "sample_windows", "stdlib_source_files"]

@@ -22,6 +22,7 @@ from typing import Iterator, List, Optional, Tuple
 import numpy as np
 
 from ..errors import ConfigurationError
+from .sampler import DistributedSampler
 
 VOCAB_SIZE = 256
 _SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
@@ -74,6 +75,72 @@ def sample_windows(tokens: np.ndarray, batch_size: int, context: int,
     starts = rng.integers(0, len(tokens) - context, size=batch_size)
     windows = tokens[starts[:, None] + np.arange(context + 1)].astype(np.int64)
     return windows[:, :-1], windows[:, 1:]
+
+
+class TextWindows:
+    """A data-parallel rank's batches of next-token windows, the same global batches on any number of ranks.
+
+    The token array is cut into ``n = (len(tokens) - 1) // context``
+    windows of ``context + 1`` tokens (window i starts at ``i * context``;
+    its first ``context`` tokens are the input, its last ``context`` the
+    targets). A ``DistributedSampler(n, num_replicas, rank, shuffle, seed)``
+    orders them per epoch; global batch k of an epoch is positions
+    ``[k * B, (k + 1) * B)`` of the shuffled order, and rank r takes the
+    positions among those congruent to r modulo ``num_replicas`` (the
+    sampler's rule), so the union over the ranks of batch k is the same set
+    of windows whatever the number of ranks. An epoch has ``n // B``
+    steps (the rest is dropped); ``batch(step)`` is a pure function of the
+    step, so a resumed run reads exactly the batches the uninterrupted one
+    would.
+
+    Args:
+        tokens: 1-D token array.
+        context: input length T.
+        global_batch: windows per step over all ranks B; ``num_replicas`` divides it.
+        num_replicas: data-parallel ranks.
+        rank: this rank's index among them.
+        shuffle: reshuffle every epoch (False: windows in order, for held-out data).
+        seed: the sampler's seed.
+
+    Raises:
+        ConfigurationError: non-positive sizes, ``num_replicas`` not dividing ``global_batch``,
+            or fewer than ``global_batch`` windows.
+    """
+
+    def __init__(self, tokens: np.ndarray, context: int, global_batch: int, num_replicas: int = 1, rank: int = 0,
+                 shuffle: bool = True, seed: int = 0) -> None:
+        if context <= 0 or global_batch <= 0 or num_replicas <= 0 or global_batch % num_replicas:
+            raise ConfigurationError(f"TextWindows needs positive context and global_batch divisible by "
+                                     f"num_replicas, got context={context}, global_batch={global_batch}, "
+                                     f"num_replicas={num_replicas}")
+        self.tokens = tokens
+        self.context = int(context)
+        self.global_batch = int(global_batch)
+        self.local_batch = self.global_batch // num_replicas
+        self.num_windows = max(0, (len(tokens) - 1) // self.context)
+        if self.num_windows < self.global_batch:
+            raise ConfigurationError(f"TextWindows: {len(tokens)} tokens make {self.num_windows} windows of "
+                                     f"context {context}, fewer than one global batch of {global_batch}")
+        self.steps_per_epoch = self.num_windows // self.global_batch
+        self.sampler = DistributedSampler(self.num_windows, num_replicas, rank, shuffle=shuffle, seed=seed)
+        self._epoch: Optional[int] = None
+        self._order = np.empty(0, dtype=np.int64)
+
+    def batch(self, step: int) -> Tuple[np.ndarray, np.ndarray]:
+        """This rank's inputs and targets of global step ``step``: int64 (B / num_replicas, context) each."""
+        epoch, k = divmod(int(step), self.steps_per_epoch)
+        if epoch != self._epoch:
+            self.sampler.set_epoch(epoch)
+            self._order = self.sampler.indices()
+            self._epoch = epoch
+        b = self.local_batch
+        starts = self._order[k * b:(k + 1) * b] * self.context
+        windows = self.tokens[starts[:, None] + np.arange(self.context + 1)].astype(np.int64)
+        return windows[:, :-1], windows[:, 1:]
+
+    def __repr__(self) -> str:
+        return (f"TextWindows({self.num_windows} windows of {self.context}, global batch {self.global_batch}, "
+                f"{self.steps_per_epoch} steps per epoch, rank {self.sampler.rank} of {self.sampler.num_replicas})")
 
 
 class TextCorpus:
@@ -156,4 +223,4 @@ class TextCorpus:
                 f"val={len(self.val)} bytes in {len(self.val_files)} files)")
 
 
-__all__ = ["TextCorpus", "sample_windows", "stdlib_source_files", "VOCAB_SIZE"]
+__all__ = ["TextCorpus", "TextWindows", "sample_windows", "stdlib_source_files", "VOCAB_SIZE"]

@@ -24,46 +24,54 @@ class CrossEntropyLoss(Module):
     ``loss_fn(logits, targets)`` takes logits (N, C) and integer class
     indices (N,) and returns the loss as a float; ``loss_fn.backward()``
     returns (softmax(logits) - one_hot(targets)) / N with the logits' dtype.
+    Logits (..., C) with targets (...) (a language model's (B, T, V) and
+    (B, T)) are the mean over every position, and the gradient has the
+    logits' shape.
     """
 
     def forward(self, logits: Any, targets: Any) -> float:
         """Compute the loss.
 
         Args:
-            logits: floating array (N, C), unnormalised scores.
-            targets: integer array (N,) of class indices in [0, C).
+            logits: floating array (N, C) or (..., C), unnormalised scores.
+            targets: integer array (N,) or (...) of class indices in [0, C), the logits' shape without C.
 
         Returns:
             The mean loss as a Python float.
 
         Raises:
-            ShapeError: shapes other than (N, C) and (N,) with N > 0, or a target outside [0, C).
-            TypeError: non-integer targets.
+            ShapeError: targets not of the logits' shape without the last axis, no position,
+                or a target outside [0, C).
+            UnsupportedDtypeError: non-integer targets.
         """
         xp = array_module(logits)
         targets = xp.asarray(targets)
-        if logits.ndim != 2 or targets.shape != (logits.shape[0],) or logits.shape[0] == 0:
-            raise ShapeError(f"CrossEntropyLoss expects logits (N, C) and targets (N,) with N > 0, "
-                             f"got {tuple(logits.shape)} and {tuple(targets.shape)}")
+        if logits.ndim < 2 or tuple(targets.shape) != tuple(logits.shape[:-1]) or targets.size == 0:
+            raise ShapeError(f"CrossEntropyLoss expects logits (N, C) or (..., C) and targets of the logits' shape "
+                             f"without C, with at least one position; got {tuple(logits.shape)} and "
+                             f"{tuple(targets.shape)}")
         if targets.dtype.kind not in "iu":
             raise UnsupportedDtypeError(f"CrossEntropyLoss targets must be integer class indices, got dtype {targets.dtype}")
-        n, c = logits.shape
+        c = logits.shape[-1]
+        shape = logits.shape
+        logits = logits.reshape(-1, c)
+        targets = targets.reshape(-1)
         lo, hi = int(targets.min()), int(targets.max())
         if lo < 0 or hi >= c:
             raise ShapeError(f"CrossEntropyLoss targets must be in [0, {c}), got values in [{lo}, {hi}]")
         logp = log_softmax(logits.astype(_working_dtype(logits), copy=False), axis=-1)
-        rows = xp.arange(n)
-        self._save_cache((logp, targets, rows, logits.dtype))
+        rows = xp.arange(logits.shape[0])
+        self._save_cache((logp, targets, rows, logits.dtype, shape))
         return float(-logp[rows, targets].mean())
 
     def backward(self, grad_output: float = 1.0) -> Any:
-        """d loss / d logits, times ``grad_output`` (e.g. 1/M for M accumulated micro-batches)."""
-        logp, targets, rows, dtype = self._pop_cache()
+        """d loss / d logits (the logits' shape), times ``grad_output`` (e.g. 1/M for M accumulated micro-batches)."""
+        logp, targets, rows, dtype, shape = self._pop_cache()
         xp = array_module(logp)
         grad = xp.exp(logp)
         grad[rows, targets] -= 1
         grad *= grad_output / logp.shape[0]
-        return grad.astype(dtype, copy=False)
+        return grad.astype(dtype, copy=False).reshape(shape)
 
 
 class MSELoss(Module):

@@ -15,7 +15,7 @@ once per use, as the Parameter note describes).
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Optional, Tuple
 
 import numpy as np
 
@@ -99,90 +99,153 @@ class GPT(Module):
 
     Submodules: ``tok_emb`` (Embedding(vocab_size, width)), ``pos_emb``
     (Embedding(context, width)), ``drop`` (Dropout on the summed embeddings),
-    ``blocks`` (a Sequential of ``layers`` ``TransformerBlock``), ``ln_f``
+    ``blocks`` (``layers`` ``TransformerBlock``, named "0", "1", ...), ``ln_f``
     (LayerNorm) and ``head`` (Linear(width, vocab_size, bias=False)), which
     is absent when ``tie_weights``: the head is then ``tok_emb.weight``
     transposed. Both embeddings start as N(0, 0.02^2), as in GPT-2.
+
+    [Note: a part of the model]
+    ``block_range``, ``with_embedding`` and ``with_head`` build a contiguous
+    part of the same model, as a pipeline stage holds it: blocks
+    ``[start, stop)`` (still named by their index in the whole model, so
+    parameter names and initial values are those of the whole model's), with
+    the embeddings only on the part that takes tokens and ``ln_f`` and the
+    head only on the part that gives logits. A part without the embedding
+    takes and gives back activations (B, T, width) in forward and backward;
+    a part without the head returns activations. ``make_block(index, seed)``
+    replaces ``TransformerBlock`` (a tensor-parallel block built from the
+    same seed, say); every seed is derived from ``seed`` the same way whatever
+    the part, so the parts of one seed together are the whole model.
 
     Args:
         vocab_size: number of token values.
         context: the longest sequence (rows of the position embedding).
         width: model width.
         heads: attention heads per block.
-        layers: number of blocks.
+        layers: number of blocks of the whole model.
         dropout: drop probability on the embeddings and inside every block.
         tie_weights: share the token embedding with the output head.
         mlp_ratio: MLP hidden width as a multiple of ``width``.
         dtype: parameter dtype.
         seed: int, SeedSequence or Generator for the initial values and dropout masks.
+        block_range: ``(start, stop)``, the blocks this part holds (None: all).
+        with_embedding: this part holds the embeddings and takes tokens.
+        with_head: this part holds ``ln_f`` and the head and returns logits.
+        make_block: ``make_block(index, seed) -> Module`` builds block ``index``
+            (None: ``TransformerBlock(width, heads, mlp_ratio, dropout, causal=True, dtype, seed)``).
 
     Raises:
-        ConfigurationError: a non-positive size (and the blocks' own checks).
+        ConfigurationError: a non-positive size, a ``block_range`` outside ``[0, layers]``,
+            or ``tie_weights`` on a part without both the embedding and the head (and the
+            blocks' own checks).
     """
 
     def __init__(self, vocab_size: int, context: int, width: int, heads: int, layers: int, dropout: float = 0.0,
                  tie_weights: bool = False, mlp_ratio: int = 4, dtype: Any = np.float32,
-                 seed: _init.SeedLike = None) -> None:
+                 seed: _init.SeedLike = None, block_range: Optional[Tuple[int, int]] = None,
+                 with_embedding: bool = True, with_head: bool = True,
+                 make_block: Optional[Callable[[int, Any], Module]] = None) -> None:
         super().__init__()
         if vocab_size <= 0 or context <= 0 or width <= 0 or layers < 0:
             raise ConfigurationError(f"GPT needs positive vocab_size, context and width and layers >= 0, got "
                                      f"vocab_size={vocab_size}, context={context}, width={width}, layers={layers}")
+        start, stop = (0, layers) if block_range is None else (int(block_range[0]), int(block_range[1]))
+        if not 0 <= start <= stop <= layers:
+            raise ConfigurationError(f"GPT block_range={block_range} must satisfy 0 <= start <= stop <= layers="
+                                     f"{layers}")
+        if tie_weights and not (with_embedding and with_head):
+            raise ConfigurationError("GPT tie_weights needs the embedding and the head in the same part "
+                                     f"(with_embedding={with_embedding}, with_head={with_head}); untie them to "
+                                     "split the model")
         self.vocab_size = int(vocab_size)
         self.context = int(context)
         self.width = int(width)
+        self.layers = int(layers)
+        self.block_range = (start, stop)
         self.tie_weights = bool(tie_weights)
+        self.with_embedding = bool(with_embedding)
+        self.with_head = bool(with_head)
         seeds = _init.child_seeds(seed, 4 + layers)
-        self.tok_emb = Embedding(vocab_size, width, dtype=dtype, seed=seeds[0])
-        self.pos_emb = Embedding(context, width, dtype=dtype, seed=seeds[1])
-        for emb in (self.tok_emb, self.pos_emb):
-            emb.weight.data[...] *= _EMBED_STD
-        self.drop = Dropout(dropout, seed=seeds[2])
-        self.blocks = Sequential(*(TransformerBlock(width, heads, mlp_ratio=mlp_ratio, dropout=dropout, causal=True,
-                                                    dtype=dtype, seed=s) for s in seeds[4:]))
-        self.ln_f = LayerNorm(width, dtype=dtype)
-        if not self.tie_weights:
-            self.head = Linear(width, vocab_size, bias=False, dtype=dtype, seed=seeds[3])
+        if make_block is None:
+            def make_block(index: int, block_seed: Any) -> Module:
+                return TransformerBlock(width, heads, mlp_ratio=mlp_ratio, dropout=dropout, causal=True,
+                                        dtype=dtype, seed=block_seed)
+        if self.with_embedding:
+            self.tok_emb = Embedding(vocab_size, width, dtype=dtype, seed=seeds[0])
+            self.pos_emb = Embedding(context, width, dtype=dtype, seed=seeds[1])
+            for emb in (self.tok_emb, self.pos_emb):
+                emb.weight.data[...] *= _EMBED_STD
+            self.drop = Dropout(dropout, seed=seeds[2])
+        self.blocks = Sequential()
+        for index in range(start, stop):
+            setattr(self.blocks, str(index), make_block(index, seeds[4 + index]))
+        if self.with_head:
+            self.ln_f = LayerNorm(width, dtype=dtype)
+            if not self.tie_weights:
+                self.head = Linear(width, vocab_size, bias=False, dtype=dtype, seed=seeds[3])
 
-    def forward(self, tokens: Any) -> Any:
-        """Logits (B, T, vocab_size) for integer ``tokens`` (B, T).
+    def forward(self, x: Any) -> Any:
+        """Logits (B, T, vocab_size) for integer tokens (B, T); a part's own input and output otherwise.
 
         Raises:
-            ShapeError: ``tokens`` is not 2-D, or T is 0 or longer than ``context``.
+            ShapeError: tokens not 2-D, or T is 0 or longer than ``context``;
+                activations not (B, T, width) on a part without the embedding.
             UnsupportedDtypeError: non-integer tokens.
         """
+        if self.with_embedding:
+            h = self._embed(x)
+        else:
+            if x.ndim != 3 or x.shape[-1] != self.width:
+                raise ShapeError(f"GPT part with blocks {self.block_range} and no embedding expects activations "
+                                 f"(B, T, {self.width}), got shape {tuple(x.shape)}")
+            h = x
+        h = self.blocks(h)
+        if not self.with_head:
+            return h
+        h = self.ln_f(h)
+        if self.tie_weights:
+            self._save_cache(h)
+            return h @ self.tok_emb.weight.data.T
+        return self.head(h)
+
+    def _embed(self, tokens: Any) -> Any:
         if tokens.ndim != 2 or not 0 < tokens.shape[1] <= self.context:
             raise ShapeError(f"GPT(context={self.context}) expects tokens (B, T) with 0 < T <= {self.context}, "
                              f"got shape {tuple(tokens.shape)}")
         if tokens.dtype.kind not in "iu":
             raise UnsupportedDtypeError(f"GPT tokens must be integers, got dtype {tokens.dtype}")
-        xp = array_module(tokens)
-        positions = xp.arange(tokens.shape[1])
-        x = self.drop(self.tok_emb(tokens) + self.pos_emb(positions))
-        h = self.ln_f(self.blocks(x))
-        if self.tie_weights:
-            self._save_cache(h)
-            return h @ self.tok_emb.weight.data.T
-        self._save_cache(True)
-        return self.head(h)
+        positions = array_module(tokens).arange(tokens.shape[1])
+        return self.drop(self.tok_emb(tokens) + self.pos_emb(positions))
 
-    def backward(self, grad_out: Any) -> None:
-        """Fill the parameter gradients from d loss / d logits (B, T, vocab_size); returns None."""
-        cache = self._pop_cache()
-        if self.tie_weights:
-            h = cache
-            w = self.tok_emb.weight
-            w.accumulate_grad(grad_out.reshape(-1, self.vocab_size).T @ h.reshape(-1, self.width))
-            dh = grad_out @ w.data
-        else:
-            dh = self.head.backward(grad_out)
-        dx = self.drop.backward(self.blocks.backward(self.ln_f.backward(dh)))
+    def backward(self, grad_out: Any) -> Any:
+        """Fill the parameter gradients from d loss / d output; returns None, or d loss / d input of a part.
+
+        ``grad_out`` is d loss / d logits (B, T, vocab_size), or d loss / d
+        activations on a part without the head.
+        """
+        dh = grad_out
+        if self.with_head:
+            if self.tie_weights:
+                h = self._pop_cache()
+                w = self.tok_emb.weight
+                w.accumulate_grad(grad_out.reshape(-1, self.vocab_size).T @ h.reshape(-1, self.width))
+                dh = grad_out @ w.data
+            else:
+                dh = self.head.backward(grad_out)
+            dh = self.ln_f.backward(dh)
+        dx = self.blocks.backward(dh)
+        if not self.with_embedding:
+            return dx
+        dx = self.drop.backward(dx)
         self.pos_emb.backward(dx.sum(axis=0))
         self.tok_emb.backward(dx)
         return None
 
     def extra_repr(self) -> str:
+        part = "" if self.block_range == (0, self.layers) and self.with_embedding and self.with_head else (
+            f", block_range={self.block_range}, with_embedding={self.with_embedding}, with_head={self.with_head}")
         return (f"vocab_size={self.vocab_size}, context={self.context}, width={self.width}, "
-                f"layers={len(self.blocks)}, tie_weights={self.tie_weights}")
+                f"layers={self.layers}, tie_weights={self.tie_weights}{part}")
 
 
 __all__ = ["TransformerBlock", "GPT"]

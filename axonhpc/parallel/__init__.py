@@ -5,6 +5,7 @@ from .ddp import DDP, DistributedDataParallel, GradientAfterReductionError, Unus
 from .fsdp import FSDP, FullyShardedDataParallel
 from .fsdp_config import CPUOffload, MixedPrecision, ShardingStrategy
 from .fsdp_memory import FSDPMemoryStats
+from .gpt import ParallelGPT, TensorParallelBlock
 from .grad_scaler import GradScaler
 from .memory import PipelineMemoryStats
 from .parameter_server import ParameterServer, ParameterServerError, PeerFailedError
@@ -54,4 +55,6 @@ __all__ = [
     "write_gantt_png",
     "TensorParallelAttention",
     "ZeroRedundancyOptimizer",
+    "ParallelGPT",
+    "TensorParallelBlock",
 ]

@@ -83,6 +83,7 @@ from ..bucketing import GradientSynchronizer
 from ..collectives import all_reduce, isend, recv
 from ..errors import AxonError, ConfigurationError, ShapeError, UsageError
 from ..groups import resolve_group
+from ..nn import cached_nbytes
 from .replicate import broadcast_arrays
 from .same_model import check_same_model, parameter_lines
 from .schedules import FORWARD, Action, PipelineSchedule, format_schedule_table, pipeline_schedule
@@ -137,6 +138,8 @@ class Pipeline:
     Attributes:
         last_step_stats: after ``train_step``, a dict with ``peak_activations``
             (the most (stage, micro-batch) caches this rank held at once),
+            ``peak_activation_bytes`` (the most bytes those caches held at once,
+            ``nn.cached_nbytes`` of each stage after its forward),
             ``timeline`` (``(action, start, end)`` per action, seconds since
             the step began), ``messages_sent``, ``dp_sync_time`` (seconds spent
             averaging over ``dp_group``, 0.0 without one) and ``step_time``.
@@ -355,6 +358,8 @@ class Pipeline:
         losses: List[float] = []
         timeline: List[Tuple[Action, float, float]] = []
         peak = 0
+        held_bytes, peak_bytes = 0, 0
+        stash_bytes: Dict[Tuple[int, int], int] = {}
         for action in self._table[self.rank]:
             s, i = action.stage, action.microbatch
             module = self.stage_modules[s]
@@ -372,12 +377,16 @@ class Pipeline:
                     self._send_activation(out, s, i, pending, local, _ACT, _HDR)
                 # Only the output's description is kept: the gradient for it is received into a
                 # fresh buffer, and holding the output itself would double the memory per stash.
+                stash_bytes[(s, i)] = cached_nbytes(module)
+                held_bytes += stash_bytes[(s, i)]
                 stash[(s, i)] = (module.stash_activations(), (array_module(out), out.shape, out.dtype), seed)
                 peak = max(peak, len(stash))
+                peak_bytes = max(peak_bytes, held_bytes)
             else:
                 if (s, i) not in stash:
                     raise UsageError(f"schedule runs {action} before its forward on rank {self.rank}")
                 caches, out_meta, seed = stash.pop((s, i))
+                held_bytes -= stash_bytes.pop((s, i))
                 grad = seed if seed is not None else self._receive_gradient(s, i, out_meta, local)
                 start = time.perf_counter() - step_start
                 module.restore_activations(caches)
@@ -412,6 +421,7 @@ class Pipeline:
             dp_sync_time = time.perf_counter() - sync_start
         self.last_step_stats = {
             "peak_activations": peak,
+            "peak_activation_bytes": peak_bytes,
             "timeline": timeline,
             "messages_sent": len(pending),
             "dp_sync_time": dp_sync_time,

@@ -1,0 +1,427 @@
+"""A GPT over a dp x tp x pp mesh: tensor-parallel blocks, pipeline stages, data-parallel replicas.
+
+[Note: the layout]
+``ParallelGPT`` builds, on every rank of ``world.mesh(dp=D, tp=T, pp=P)``, the
+part of one ``nn.GPT`` that rank holds:
+
+- **pp**: the blocks are split into P contiguous stages (``stage_blocks``),
+  the embeddings on stage 0, ``ln_f`` and the head on the last stage (each
+  stage is an ``nn.GPT`` part, see the note there). The stages of one
+  replica form a ``Pipeline`` over ``mesh.pp`` with the chosen schedule and
+  micro-batches; with ``stages_per_rank`` v > 1 (interleaved 1F1B) there
+  are P * v stages and rank r holds stages r, r + P, ...
+- **tp**: every block is a ``TensorParallelBlock`` over ``mesh.tp``: the
+  attention heads and the MLP's hidden features are split (column- then
+  row-parallel layers, one all-reduce in forward and one in backward for
+  each). The embeddings, LayerNorms and head are replicated on the tp ranks:
+  their inputs and output gradients are identical there, so their gradients
+  are too, and nothing reduces them.
+- **dp**: D replicas, each on its own equal share of the global batch. With
+  P = 1 the part is wrapped in ``DDP`` (or ``FSDP`` with ``fsdp=True``, one
+  unit per block) over ``mesh.dp``; with P > 1 the ``Pipeline`` averages
+  its stages' gradients over ``mesh.dp`` after the step (``dp_group``).
+  FSDP inside pipeline stages is refused.
+
+Every part is built from the same seed with the same derivation as the
+whole ``nn.GPT`` (its children seeds by block index; a tensor-parallel layer
+draws the full weight and keeps its slice), so with one seed the union of
+every rank's parameters is exactly ``nn.GPT(seed=seed)``, and parameter
+names are the whole model's ("blocks.3.attn.q_proj.weight") on every rank.
+``parameter_boxes`` says where each local array lies in the whole model's
+array of that name, which is what a layout-independent checkpoint needs.
+
+[Note: the loss of a step]
+``train_step`` takes this dp rank's share of the global batch and returns
+the mean loss over the global batch on every rank. Each replica's gradient
+is that of its share's mean loss (the micro-batch losses scaled by 1 / M),
+and the dp average of those is the gradient of the global mean, because the
+shares are equal in size. So every layout computes the same loss and
+gradients as one process up to the order of floating-point sums.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from ..backends import ReduceOp
+from ..collectives import all_reduce, broadcast
+from ..errors import AxonError, ConfigurationError, ShapeError
+from ..groups import resolve_group
+from ..nn import GELU, Checkpoint, CrossEntropyLoss, cached_nbytes, Dropout, LayerNorm, Module, Sequential, checkpoint
+from ..nn import _init
+from ..nn.transformer import GPT, TransformerBlock
+from .ddp import DDP
+from .fsdp import FSDP
+from .pipeline import Pipeline, PipelineStage
+from .same_model import agreed
+from .schedules import PipelineSchedule
+from .tensor import ColumnParallelLinear, RowParallelLinear, TensorParallelAttention, _agree_on_geometry, \
+    partition_range
+
+
+class TensorParallelBlock(TransformerBlock):
+    """``nn.TransformerBlock`` with its attention heads and MLP hidden features split over a tensor-parallel group.
+
+    ``attn`` is a ``TensorParallelAttention``; ``mlp`` is ``Sequential(
+    ColumnParallelLinear(width, mlp_ratio * width), GELU(), RowParallelLinear(
+    mlp_ratio * width, width), Dropout)``; the LayerNorms and dropouts are as in
+    ``TransformerBlock``, whose forward and backward it runs. Parameter names
+    and initial values are those of ``TransformerBlock(width, heads,
+    mlp_ratio, dropout, causal, dtype, seed)`` (each rank holding its slice),
+    so the same seed gives the same function. Input and output are full
+    (B, T, width) and identical on every rank of the group.
+
+    Args:
+        width, heads, mlp_ratio, dropout, causal, dtype: as ``TransformerBlock``.
+        group: the tensor-parallel group; its size divides ``heads`` and ``mlp_ratio * width``.
+        seed: int, SeedSequence or Generator, the same on every rank of the group (not None:
+            the replicated LayerNorm and dropout need one seed everywhere).
+
+    Raises:
+        ConfigurationError: a size the group does not divide, a non-positive size, or seed None.
+        ModelMismatchError: the ranks of the group build different blocks (on every rank).
+    """
+
+    def __init__(self, width: int, heads: int, group: Any = None, mlp_ratio: int = 4, dropout: float = 0.0,
+                 causal: bool = True, dtype: Any = np.float32, seed: _init.SeedLike = None) -> None:
+        Module.__init__(self)
+        pg = resolve_group(group).require_member("TensorParallelBlock")
+        problem = None
+        try:
+            if width <= 0 or heads <= 0 or mlp_ratio <= 0 or width % heads:
+                raise ConfigurationError(f"TensorParallelBlock needs positive width, heads and mlp_ratio with heads "
+                                         f"dividing width; got width={width}, heads={heads}, mlp_ratio={mlp_ratio}")
+            if seed is None:
+                raise ConfigurationError("TensorParallelBlock needs a seed, the same on every rank of the group")
+            partition_range(int(heads), pg.rank, pg.size, "TensorParallelBlock heads")
+            partition_range(int(mlp_ratio * width), pg.rank, pg.size, "TensorParallelBlock mlp_ratio * width")
+        except AxonError as exc:
+            problem = exc
+        # One exchange for the whole block, before any other message.
+        _agree_on_geometry(pg, "TensorParallelBlock", problem, width=width, heads=heads, mlp_ratio=mlp_ratio,
+                           dropout=float(dropout), causal=bool(causal), dtype=dtype)
+        self.width = int(width)
+        self.heads = int(heads)
+        self.mlp_ratio = int(mlp_ratio)
+        seeds = _init.child_seeds(seed, 5)  # as TransformerBlock
+        hidden = self.mlp_ratio * self.width
+        with agreed():
+            self.ln1 = LayerNorm(width, dtype=dtype)
+            self.attn = TensorParallelAttention(width, heads, group=pg, causal=causal, dtype=dtype, seed=seeds[0])
+            self.attn_dropout = Dropout(dropout, seed=seeds[1])
+            self.ln2 = LayerNorm(width, dtype=dtype)
+            self.mlp = Sequential(
+                ColumnParallelLinear(width, hidden, group=pg, gather_output=False, dtype=dtype, seed=seeds[2]), GELU(),
+                RowParallelLinear(hidden, width, group=pg, input_is_parallel=True, dtype=dtype, seed=seeds[3]),
+                Dropout(dropout, seed=seeds[4]))
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, tp_size={self.attn.group.size}"
+
+
+def stage_blocks(layers: int, num_stages: int) -> List[Tuple[int, int]]:
+    """The blocks ``[start, stop)`` of each of ``num_stages`` pipeline stages, as even as can be.
+
+    Args:
+        layers: blocks of the whole model.
+        num_stages: pipeline stages.
+
+    Returns:
+        One ``(start, stop)`` per stage, contiguous and covering ``[0, layers)``; sizes differ by at most one.
+
+    Raises:
+        ConfigurationError: ``num_stages`` < 1, or fewer blocks than stages.
+    """
+    if num_stages < 1 or layers < num_stages:
+        raise ConfigurationError(f"a GPT of {layers} blocks cannot be split into {num_stages} pipeline stages of at "
+                                 f"least one block each")
+    return [(s * layers // num_stages, (s + 1) * layers // num_stages) for s in range(num_stages)]
+
+
+def gpt_part(vocab_size: int, context: int, width: int, heads: int, layers: int, *, stage: int = 0,
+             num_stages: int = 1, tp_group: Any = None, dropout: float = 0.0, tie_weights: bool = False,
+             mlp_ratio: int = 4, dtype: Any = np.float32, seed: _init.SeedLike = None,
+             checkpoint_blocks: bool = False) -> GPT:
+    """Stage ``stage`` of ``num_stages`` of ``nn.GPT(..., seed=seed)``, its blocks tensor-parallel over ``tp_group``.
+
+    Args:
+        vocab_size, context, width, heads, layers, dropout, tie_weights, mlp_ratio, dtype, seed:
+            as ``nn.GPT`` (the whole model's).
+        stage: which stage (``stage_blocks(layers, num_stages)[stage]``).
+        num_stages: stages of the whole model.
+        tp_group: the tensor-parallel group of the blocks (None or size 1: plain ``TransformerBlock``).
+        checkpoint_blocks: wrap every block in ``nn.checkpoint`` (activations recomputed in backward).
+
+    Returns:
+        The ``nn.GPT`` part; its parameter names are the whole model's (see ``parameter_boxes``).
+
+    Raises:
+        ConfigurationError: as ``stage_blocks`` and ``nn.GPT``; seed None.
+    """
+    if seed is None:
+        raise ConfigurationError("a parallel GPT needs a seed, the same on every rank, so that its parts make one model")
+    if not 0 <= stage < num_stages:
+        raise ConfigurationError(f"stage {stage} is not one of the {num_stages} stages")
+    tp = resolve_group(tp_group) if tp_group is not None else None
+
+    def make_block(index: int, block_seed: Any) -> Module:
+        if tp is None or tp.size == 1:
+            block: Module = TransformerBlock(width, heads, mlp_ratio=mlp_ratio, dropout=dropout, causal=True,
+                                             dtype=dtype, seed=block_seed)
+        else:
+            block = TensorParallelBlock(width, heads, group=tp, mlp_ratio=mlp_ratio, dropout=dropout, causal=True,
+                                        dtype=dtype, seed=block_seed)
+        return checkpoint(block) if checkpoint_blocks else block
+
+    return GPT(vocab_size, context, width, heads, layers, dropout=dropout, tie_weights=tie_weights,
+               mlp_ratio=mlp_ratio, dtype=dtype, seed=seed, block_range=stage_blocks(layers, num_stages)[stage],
+               with_embedding=stage == 0, with_head=stage == num_stages - 1, make_block=make_block)
+
+
+def dense_names(module: Module) -> Dict[str, str]:
+    """Each parameter name of ``module`` -> the name without the ``module.`` parts that ``nn.Checkpoint`` adds."""
+    wrapped = sorted((name + "." if name else "" for name, m in module.named_modules() if isinstance(m, Checkpoint)),
+                     key=len, reverse=True)
+    out = {}
+    for name, _ in module.named_parameters():
+        dense = name
+        for prefix in wrapped:
+            if dense.startswith(prefix + "module."):
+                dense = prefix + dense[len(prefix) + len("module."):]
+        out[name] = dense
+    return out
+
+
+def parameter_boxes(module: Module) -> Dict[str, Tuple[str, Tuple[int, ...], Tuple[int, ...]]]:
+    """Where each parameter of ``module`` lies in the whole model: name -> (whole-model name, global shape, offset).
+
+    A column-parallel layer's weight and bias are its rows of the full ones
+    (offset along axis 0), a row-parallel layer's weight its columns (offset
+    along axis 1); every other parameter is the whole array (replicated).
+
+    Args:
+        module: a model or a part of one (a ``gpt_part``, a tensor-parallel block).
+
+    Returns:
+        A dict in ``named_parameters`` order.
+    """
+    owners: Dict[int, Module] = {}
+    for _, m in module.named_modules():
+        for p in m.parameters(recurse=False):
+            owners[id(p)] = m
+    names = dense_names(module)
+    out = {}
+    for name, p in module.named_parameters():
+        owner = owners[id(p)]
+        shape, offset = tuple(p.data.shape), (0,) * p.data.ndim
+        if isinstance(owner, ColumnParallelLinear):
+            start = owner.group.rank * owner.out_features_per_rank
+            shape = (owner.out_features,) + shape[1:]
+            offset = (start,) + offset[1:]
+        elif isinstance(owner, RowParallelLinear) and p is owner.weight:
+            shape = (shape[0], owner.in_features)
+            offset = (0, owner.group.rank * owner.in_features_per_rank)
+        out[name] = (names[name], shape, offset)
+    return out
+
+
+class ParallelGPT:
+    """One ``nn.GPT`` trained over a dp x tp x pp mesh (see the module notes).
+
+    Args:
+        mesh: ``world.mesh(dp=D, tp=T, pp=P)``.
+        vocab_size, context, width, heads, layers, dropout, tie_weights, mlp_ratio, dtype, seed:
+            the whole model, as ``nn.GPT`` (seed required, the same on every rank).
+        fsdp: shard the replicas' parameters, gradients and optimizer state over ``mesh.dp``
+            (FSDP, one unit per block); only with P = 1.
+        num_microbatches: micro-batches M per step (the pipeline's; with P = 1, gradient
+            accumulation over M pieces of the batch).
+        schedule: the pipeline schedule (a ``PipelineSchedule`` or its name).
+        stages_per_rank: model chunks per pipeline rank (v > 1 needs the interleaved schedule).
+        checkpoint_activations: recompute every block's activations in backward (``nn.checkpoint``).
+        device: "cuda" moves the parts to this rank's GPU (``Module.to``) before they are wrapped;
+            None or "cpu" keeps them in host memory.
+
+    Attributes:
+        module: this rank's stage (an ``nn.GPT`` part), or with v > 1 its first chunk.
+        parts: this rank's stages, in stage order.
+        stage_indices: their indices among the P * v stages.
+
+    Raises:
+        ConfigurationError: seed None, a size the mesh does not divide, too few blocks for
+            the stages, ``fsdp`` with P > 1 (and the wrappers' own checks).
+    """
+
+    def __init__(self, mesh: Any, vocab_size: int, context: int, width: int, heads: int, layers: int, *,
+                 dropout: float = 0.0, tie_weights: bool = False, mlp_ratio: int = 4, dtype: Any = np.float32,
+                 seed: _init.SeedLike = None, fsdp: bool = False, num_microbatches: int = 1,
+                 schedule: Any = PipelineSchedule.ONE_F_ONE_B, stages_per_rank: int = 1,
+                 checkpoint_activations: bool = False, device: Optional[str] = None) -> None:
+        self.mesh = mesh
+        self.world = resolve_group(None)
+        self.dp, self.tp, self.pp = mesh.dp, mesh.tp, mesh.pp
+        num_stages = self.pp.size * stages_per_rank
+        if fsdp and num_stages > 1:
+            raise ConfigurationError(f"ParallelGPT: fsdp=True inside pipeline stages (pp={self.pp.size}, "
+                                     f"stages_per_rank={stages_per_rank}) is not supported; the pipeline averages "
+                                     "its stages' gradients over dp itself, use fsdp with pp=1")
+        if not isinstance(num_microbatches, int) or isinstance(num_microbatches, bool) or num_microbatches < 1:
+            raise ConfigurationError(f"ParallelGPT num_microbatches must be a positive int, got {num_microbatches!r}")
+        self.num_microbatches = num_microbatches
+        self.fsdp = bool(fsdp)
+        self.stage_indices = list(range(self.pp.rank, num_stages, self.pp.size))
+        self.parts = [gpt_part(vocab_size, context, width, heads, layers, stage=s, num_stages=num_stages,
+                               tp_group=self.tp, dropout=dropout, tie_weights=tie_weights, mlp_ratio=mlp_ratio,
+                               dtype=dtype, seed=seed, checkpoint_blocks=checkpoint_activations)
+                      for s in self.stage_indices]
+        if device not in (None, "cpu"):
+            for part in self.parts:
+                part.to(device)  # before any wrapper sees the parameters
+        self.module = self.parts[0]
+        self.loss_fn = CrossEntropyLoss()
+        self.pipeline: Optional[Pipeline] = None
+        self._peak_bytes = 0
+        self.engine: Any = None
+        if num_stages > 1:
+            stages = [PipelineStage(part, s, num_stages) for part, s in zip(self.parts, self.stage_indices)]
+            self.pipeline = Pipeline.from_stages(stages, group=self.pp, num_microbatches=num_microbatches,
+                                                 schedule=schedule, loss_fn=self.loss_fn, dp_group=self.dp)
+        elif self.fsdp:
+            self.engine = FSDP(self.module, group=self.dp, units=list(self.module.blocks))
+        else:
+            self.engine = DDP(self.module, group=self.dp)
+        # The world rank that holds the global loss after a pipeline step: last stage, dp 0, tp 0.
+        last = self.pp.size - 1
+        self._loss_root = (last * self.dp.size + 0) * self.tp.size + 0
+
+    # -- what the optimizer and checkpoints see -------------------------------------------------
+    def parameters(self) -> List[Any]:
+        """The Parameters this rank's optimizer updates (FSDP: this rank's flat shards)."""
+        if self.engine is not None:
+            return self.engine.parameters()
+        return [p for part in self.parts for p in part.parameters()]
+
+    def named_parameters(self) -> List[Tuple[str, Any]]:
+        """``(whole-model name, Parameter)`` of every parameter of this rank's stages (not FSDP's shards)."""
+        out = []
+        for part in self.parts:
+            names = dense_names(part)
+            out += [(names[n], p) for n, p in part.named_parameters()]
+        return out
+
+    def parameter_boxes(self) -> Dict[str, Tuple[Tuple[int, ...], Tuple[int, ...], Any]]:
+        """Whole-model name -> (global shape, offset, Parameter) of every parameter of this rank's stages."""
+        out = {}
+        for part in self.parts:
+            params = dict(part.named_parameters())
+            for name, (dense, shape, offset) in parameter_boxes(part).items():
+                out[dense] = (shape, offset, params[name])
+        return out
+
+    # -- steps ------------------------------------------------------------------------------------
+    def train(self, mode: bool = True) -> "ParallelGPT":
+        """Training mode (dropout on) for every stage of this rank, or eval mode with ``mode=False``; returns self."""
+        for part in self.parts:
+            part.train(mode)
+        return self
+
+    def eval(self) -> "ParallelGPT":
+        """Eval mode (dropout off); returns self."""
+        return self.train(False)
+
+    def zero_grad(self) -> None:
+        """Drop every gradient of this rank's stages (before each step)."""
+        if self.engine is not None:
+            self.engine.zero_grad()
+        for part in self.parts:
+            part.zero_grad(set_to_none=True)
+
+    def _split(self, a: Any, name: str) -> List[Any]:
+        m = self.num_microbatches
+        if a.shape[0] % m:
+            raise ShapeError(f"ParallelGPT: the local batch of {name} ({a.shape[0]} rows) is not a multiple of "
+                             f"num_microbatches={m}")
+        b = a.shape[0] // m
+        return [a[k * b:(k + 1) * b] for k in range(m)]
+
+    def train_step(self, x: Any, y: Any) -> float:
+        """Forward and backward of this dp rank's share of the global batch; gradients averaged over dp.
+
+        Args:
+            x: int tokens (b, T), this dp rank's share (every tp and pp rank of the replica passes the same).
+            y: next-token targets (b, T).
+
+        Returns:
+            The mean loss over the global batch, on every rank.
+
+        Raises:
+            ShapeError: ``b`` not a multiple of ``num_microbatches``.
+        """
+        if self.pipeline is not None:
+            loss = self.pipeline.train_step(x, y)
+            return self._from_last_stage(loss)
+        xs, ys = self._split(x, "x"), self._split(y, "y")
+        m = len(xs)
+        total, peak = 0.0, 0
+        for k in range(m):
+            with self.engine.no_sync() if k < m - 1 else contextlib.nullcontext():
+                logits = self.engine(xs[k])
+                total += self.loss_fn(logits, ys[k])
+                peak = max(peak, cached_nbytes(self.module))
+                self.engine.backward(self.loss_fn.backward(1.0 / m))
+        self._peak_bytes = peak
+        return self._dp_mean(total / m)
+
+    @property
+    def peak_activation_bytes(self) -> int:
+        """The most bytes of forward caches (activations kept for backward) this rank held at once in the last step.
+
+        With pipeline stages, the stash of every micro-batch in flight (the
+        pipeline's ``peak_activation_bytes``); otherwise one micro-batch's
+        caches after its forward. Parameters and gradients are not counted.
+        """
+        if self.pipeline is not None:
+            return int(self.pipeline.last_step_stats.get("peak_activation_bytes", 0))
+        return self._peak_bytes
+
+    def loss(self, x: Any, y: Any) -> float:
+        """The mean loss of the model (in its current mode) on this dp rank's share, averaged over dp; no gradients.
+
+        Args:
+            x, y: as ``train_step``.
+
+        Returns:
+            The mean loss over every dp rank's share, on every rank.
+        """
+        if self.pipeline is not None:
+            logits = self.pipeline.forward(x)
+            loss = float(self.loss_fn(logits, y)) if logits is not None else None
+            if loss is not None:
+                self.loss_fn._pop_cache()
+                loss = self._dp_mean(loss)
+            return self._from_last_stage(loss)
+        total = 0.0
+        for xk, yk in zip(self._split(x, "x"), self._split(y, "y")):
+            total += self.loss_fn(self.engine(xk), yk)
+            self.loss_fn._pop_cache()
+            for part in self.parts:
+                part.stash_activations()  # no backward follows: drop the caches
+        return self._dp_mean(total / self.num_microbatches)
+
+    def _dp_mean(self, value: float) -> float:
+        if self.dp.size == 1:
+            return value
+        box = np.array([value], dtype=np.float64)
+        all_reduce(box, ReduceOp.AVG, self.dp)
+        return float(box[0])
+
+    def _from_last_stage(self, value: Optional[float]) -> float:
+        """The last stage's global loss on every rank (one 8-byte broadcast over the world)."""
+        box = np.array([0.0 if value is None else value], dtype=np.float64)
+        broadcast(box, src=self._loss_root, group=self.world)
+        return float(box[0])
+
+
+__all__ = ["ParallelGPT", "TensorParallelBlock", "dense_names", "gpt_part", "parameter_boxes", "stage_blocks"]

@@ -1,0 +1,202 @@
+"""Train a GPT-style transformer on the standard library's own source with data, tensor and pipeline parallelism.
+
+    python examples/train_gpt.py --steps 50                                # one process
+    axonhpc launch -n 4 -- examples/train_gpt.py --dp 2 --tp 2 --steps 200  # 2 replicas x 2-way tensor parallel
+    axonhpc launch -n 4 -- examples/train_gpt.py --tp 2 --pp 2 --microbatches 4
+    axonhpc launch -n 2 -- examples/train_gpt.py --dp 2 --fsdp --checkpoint-activations
+
+The text is byte-level (vocabulary 256) from the ``.py`` files of the
+standard library (``axonhpc.data.TextCorpus``), some files held out. The
+model is ``nn.GPT``; ``ax.ParallelGPT`` places its parts on a dp x tp x pp
+mesh of the ranks (``--dp D --tp T --pp P``, D * T * P ranks): blocks split
+into P pipeline stages run with ``--schedule`` over ``--microbatches``,
+attention heads and MLP features split over T ranks, D replicas averaging
+gradients with DDP (or sharding everything with ``--fsdp``, P = 1). Every
+layout computes the same losses as one process from the same ``--seed``.
+
+Rank 0 shows the loss as it goes and ends with exactly one ``final loss``
+line (the last step's training loss, printed with repr), one ``held-out
+loss`` line and the tokens per second. ``--save DIR`` writes a checkpoint
+that loads under any other layout (``--resume DIR``); ``--plot PREFIX``
+writes ``PREFIX-loss.png`` (train and held-out loss) and, with P > 1,
+``PREFIX-pipeline.png`` (the Gantt chart of the last step).
+"""
+import argparse
+import math
+import os
+import sys
+import time
+
+import numpy as np
+
+import axonhpc as ax
+from axonhpc import optim
+from axonhpc.data import TextCorpus, TextWindows
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dp", type=int, default=None, help="data-parallel replicas (default: the ranks left over)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per block")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages")
+    p.add_argument("--fsdp", action="store_true", help="shard parameters, gradients and optimizer state over dp")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--width", type=int, default=64)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--context", type=int, default=64)
+    p.add_argument("--batch", type=int, default=16, help="global batch (windows per step over all replicas)")
+    p.add_argument("--microbatches", type=int, default=None, help="micro-batches per step (default: 2 * pp)")
+    p.add_argument("--schedule", default="1f1b", help="gpipe, 1f1b or interleaved_1f1b (2 stages per rank)")
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=("float32", "float64"), default="float32")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--dropout", type=float, default=0.0)
+    p.add_argument("--checkpoint-activations", action="store_true",
+                   help="recompute each block's activations in backward instead of keeping them")
+    p.add_argument("--max-bytes", type=int, default=2_000_000, help="bytes of standard library source to read")
+    p.add_argument("--eval-batches", type=int, default=4, help="held-out batches for the held-out loss")
+    p.add_argument("--eval-every", type=int, default=0, help="held-out loss every N steps (0: only at the end)")
+    p.add_argument("--plot", default=None, metavar="PREFIX", help="write PREFIX-loss.png (and PREFIX-pipeline.png)")
+    return p.parse_args(argv)
+
+
+def layout(args, world_size):
+    """(dp, tp, pp) from the flags; dp defaults to the ranks that tp and pp leave."""
+    tp, pp = args.tp, args.pp
+    dp = args.dp if args.dp is not None else max(1, world_size // (tp * pp))
+    if dp * tp * pp != world_size:
+        sys.exit(f"train_gpt: --dp {dp} --tp {tp} --pp {pp} needs {dp * tp * pp} ranks, this run has {world_size}")
+    return dp, tp, pp
+
+
+class Progress:
+    """Rank 0's progress bar: redrawn in place on a terminal, a line every tenth of the run elsewhere."""
+
+    def __init__(self, total, enabled):
+        self.total, self.enabled = total, enabled
+        self.tty = sys.stdout.isatty()
+        self.start = time.perf_counter()
+
+    def update(self, step, loss):
+        if not self.enabled:
+            return
+        done = step + 1
+        if not self.tty and done % max(1, self.total // 10) and done != self.total:
+            return
+        width = 30
+        filled = width * done // self.total
+        bar = "#" * filled + "." * (width - filled)
+        line = f"[{bar}] step {done}/{self.total}  loss {loss:.4f}  {time.perf_counter() - self.start:.1f}s"
+        print("\r" + line if self.tty else line, end="" if self.tty else "\n", flush=True)
+        if self.tty and done == self.total:
+            print(flush=True)
+
+
+def held_out_loss(model, windows, batches):
+    """Mean loss over the first ``batches`` held-out global batches, in eval mode."""
+    model.eval()
+    total = sum(model.loss(*to_device(*windows.batch(k))) for k in range(batches))
+    model.train()
+    return total / batches
+
+
+_xp = np
+
+
+def to_device(x, y):
+    return _xp.asarray(x), _xp.asarray(y)
+
+
+def write_loss_plot(path, train, held):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(figsize=(7, 4))
+    axes.plot([s for s, _ in train], [v for _, v in train], label="train (per step)", lw=1)
+    axes.plot([s for s, _ in held], [v for _, v in held], "o-", label="held-out")
+    axes.set_xlabel("step")
+    axes.set_ylabel("cross-entropy (nats per byte)")
+    axes.legend()
+    axes.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv=None):
+    global _xp
+    args = parse_args(argv)
+    if args.device == "cuda":
+        from axonhpc.backends.devices import device_facts
+
+        facts = device_facts()
+        if facts.cupy is None or facts.devices < 1:
+            sys.exit(f"train_gpt --device cuda needs cupy and a CUDA device: "
+                     f"{'; '.join(facts.problems) or 'cupy sees no CUDA device'}")
+        import cupy
+
+        _xp = cupy
+    world = ax.init()
+    main_rank = world.rank == 0
+    dp, tp, pp = layout(args, world.world_size)
+    mesh = world.mesh(dp=dp, tp=tp, pp=pp)
+    stages_per_rank = 2 if ax.PipelineSchedule.parse(args.schedule) is ax.PipelineSchedule.INTERLEAVED_1F1B else 1
+    microbatches = args.microbatches or (2 * pp if pp > 1 else 1)
+    corpus = TextCorpus(max_bytes=args.max_bytes, held_out=0.1, seed=args.seed)
+    train = TextWindows(corpus.train, args.context, args.batch, dp, mesh.coords.dp, seed=args.seed)
+    held = TextWindows(corpus.val, args.context, args.batch, dp, mesh.coords.dp, shuffle=False)
+    eval_batches = min(args.eval_batches, held.steps_per_epoch)
+    model = ax.ParallelGPT(mesh, corpus.vocab_size, args.context, args.width, args.heads, args.layers,
+                           dropout=args.dropout, dtype=np.dtype(args.dtype), seed=args.seed, fsdp=args.fsdp,
+                           num_microbatches=microbatches, schedule=args.schedule, stages_per_rank=stages_per_rank,
+                           checkpoint_activations=args.checkpoint_activations,
+                           device=None if args.device == "cpu" else "cuda")
+    opt = optim.AdamW(model.parameters(), lr=args.lr)
+    n_params = int(sum(p.data.size for p in ax.nn.GPT(corpus.vocab_size, args.context, args.width, args.heads,
+                                                        args.layers, seed=0).parameters())) if main_rank else 0
+    if main_rank:
+        print(f"GPT: {args.layers} blocks, width {args.width}, {args.heads} heads, context {args.context}, "
+              f"{n_params} parameters, {args.dtype}, on dp={dp} x tp={tp} x pp={pp} = {world.world_size} rank(s)"
+              f"{' (FSDP)' if args.fsdp else ''}; {corpus}", flush=True)
+        if pp > 1:
+            print(f"pipeline: {args.schedule}, {microbatches} micro-batches, {pp * stages_per_rank} stages",
+                  flush=True)
+    progress = Progress(args.steps, main_rank)
+    curve, held_curve = [], []
+    loss = math.nan
+    tokens = 0
+    start = time.perf_counter()
+    for step in range(args.steps):
+        model.zero_grad()
+        loss = model.train_step(*to_device(*train.batch(step)))
+        opt.step()
+        tokens += args.batch * args.context
+        curve.append((step + 1, loss))
+        progress.update(step, loss)
+        if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.steps:
+            held_curve.append((step + 1, held_out_loss(model, held, eval_batches)))
+    seconds = time.perf_counter() - start
+    held_loss = held_out_loss(model, held, eval_batches)
+    held_curve.append((args.steps, held_loss))
+    timelines = ax.gather_timelines(model.pipeline) if (args.plot and model.pipeline is not None
+                                                       and mesh.coords.dp == 0 and mesh.coords.tp == 0) else None
+    if main_rank:
+        print(f"final loss {loss!r}")
+        print(f"held-out loss {held_loss!r}")
+        print(f"{tokens / seconds:.0f} tokens/s ({args.steps} steps of {args.batch} x {args.context} tokens in "
+              f"{seconds:.1f} s)", flush=True)
+        if args.plot:
+            os.makedirs(os.path.dirname(os.path.abspath(args.plot)), exist_ok=True)
+            write_loss_plot(args.plot + "-loss.png", curve, held_curve)
+            print(f"wrote {args.plot}-loss.png")
+            if timelines is not None:
+                ax.write_gantt_png(timelines, args.plot + "-pipeline.png")
+                print(f"wrote {args.plot}-pipeline.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
