@@ -31,6 +31,7 @@ import numpy as np
 
 import axonhpc as ax
 from axonhpc import optim
+from axonhpc.checkpoint import load_model_slices, save_model_slices
 from axonhpc.data import TextCorpus, TextWindows
 
 
@@ -58,6 +59,9 @@ def parse_args(argv=None):
     p.add_argument("--max-bytes", type=int, default=2_000_000, help="bytes of standard library source to read")
     p.add_argument("--eval-batches", type=int, default=4, help="held-out batches for the held-out loss")
     p.add_argument("--eval-every", type=int, default=0, help="held-out loss every N steps (0: only at the end)")
+    p.add_argument("--save", default=None, metavar="DIR", help="write a checkpoint here at the end (any layout loads it)")
+    p.add_argument("--save-every", type=int, default=0, help="also write --save every N steps")
+    p.add_argument("--resume", default=None, metavar="DIR", help="continue from this checkpoint (any layout's)")
     p.add_argument("--plot", default=None, metavar="PREFIX", help="write PREFIX-loss.png (and PREFIX-pipeline.png)")
     return p.parse_args(argv)
 
@@ -155,6 +159,14 @@ def main(argv=None):
                            checkpoint_activations=args.checkpoint_activations,
                            device=None if args.device == "cpu" else "cuda")
     opt = optim.AdamW(model.parameters(), lr=args.lr)
+    if (args.save or args.resume) and args.fsdp:
+        sys.exit("train_gpt: --save and --resume store the model by whole-model slices, which FSDP's flat shards do "
+                 "not map to yet; run without --fsdp (or use ax.checkpoint.save_sharded for FSDP alone)")
+    first_step = 0
+    if args.resume:
+        first_step = int(load_model_slices(args.resume, model.parameter_boxes(), opt)["step"])
+        if main_rank:
+            print(f"resumed from {args.resume} at step {first_step}", flush=True)
     n_params = int(sum(p.data.size for p in ax.nn.GPT(corpus.vocab_size, args.context, args.width, args.heads,
                                                         args.layers, seed=0).parameters())) if main_rank else 0
     if main_rank:
@@ -169,7 +181,7 @@ def main(argv=None):
     loss = math.nan
     tokens = 0
     start = time.perf_counter()
-    for step in range(args.steps):
+    for step in range(first_step, args.steps):
         model.zero_grad()
         loss = model.train_step(*to_device(*train.batch(step)))
         opt.step()
@@ -178,7 +190,13 @@ def main(argv=None):
         progress.update(step, loss)
         if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.steps:
             held_curve.append((step + 1, held_out_loss(model, held, eval_batches)))
+        if args.save and args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.steps:
+            save_model_slices(args.save, model.parameter_boxes(), opt, extra={"step": step + 1})
     seconds = time.perf_counter() - start
+    peak = np.array([model.peak_activation_bytes], dtype=np.int64)  # the last step's, the largest over the ranks
+    ax.all_reduce(peak, ax.ReduceOp.MAX)
+    if args.save:
+        save_model_slices(args.save, model.parameter_boxes(), opt, extra={"step": args.steps})
     held_loss = held_out_loss(model, held, eval_batches)
     held_curve.append((args.steps, held_loss))
     timelines = ax.gather_timelines(model.pipeline) if (args.plot and model.pipeline is not None
@@ -186,8 +204,9 @@ def main(argv=None):
     if main_rank:
         print(f"final loss {loss!r}")
         print(f"held-out loss {held_loss!r}")
-        print(f"{tokens / seconds:.0f} tokens/s ({args.steps} steps of {args.batch} x {args.context} tokens in "
-              f"{seconds:.1f} s)", flush=True)
+        print(f"{tokens / max(seconds, 1e-9):.0f} tokens/s ({args.steps - first_step} steps of {args.batch} x "
+              f"{args.context} tokens in {seconds:.1f} s)")
+        print(f"peak activations {peak[0] / 2**20:.2f} MiB on the busiest rank", flush=True)
         if args.plot:
             os.makedirs(os.path.dirname(os.path.abspath(args.plot)), exist_ok=True)
             write_loss_plot(args.plot + "-loss.png", curve, held_curve)
