@@ -295,6 +295,33 @@ def case_pipeline_1f1b(world, cupy):
     _pipeline(world, cupy, ax.PipelineSchedule.ONE_F_ONE_B, 3)
 
 
+# -- a GPT on a dp x tp x pp mesh ---------------------------------------------------------------------
+GPT_LAYOUTS = {1: (1, 1, 1), 2: (1, 1, 2), 3: (3, 1, 1), 4: (1, 2, 2)}
+
+
+def case_parallel_gpt_on_a_mesh(world, cupy):
+    """ParallelGPT with device parts and tokens: the one-process host losses, parameters left on the device."""
+    from gpt_parallel_cases import CONFIG, GLOBAL_BATCH, LR, batches, reference
+
+    dp, tp, pp = GPT_LAYOUTS[world.world_size]
+    data, held = batches(), batches(1, seed=99)[0]
+    ref_losses, ref_held, _ = reference(data, held)
+    mesh = world.mesh(dp=dp, tp=tp, pp=pp)
+    model = ax.ParallelGPT(mesh, **CONFIG, num_microbatches=pp, device="cuda")
+    opt = optim.AdamW(model.parameters(), lr=LR)
+    b, d = GLOBAL_BATCH // dp, mesh.coords.dp
+    for step, (x, y) in enumerate(data):
+        model.zero_grad()
+        loss = model.train_step(cupy.asarray(x[d * b:(d + 1) * b]), cupy.asarray(y[d * b:(d + 1) * b]))
+        np.testing.assert_allclose(loss, ref_losses[step], rtol=1e-10, err_msg=f"loss at step {step}")
+        opt.step()
+    model.eval()
+    held_loss = model.loss(cupy.asarray(held[0][d * b:(d + 1) * b]), cupy.asarray(held[1][d * b:(d + 1) * b]))
+    np.testing.assert_allclose(held_loss, ref_held, rtol=1e-10)
+    for part in model.parts:
+        assert_on_device(cupy, part)
+
+
 # -- parameter server --------------------------------------------------------------------------------
 def case_parameter_server_sync(world, cupy):
     """Device workers against the host reference; servers hold their slices in device memory too."""
