@@ -14,9 +14,6 @@ B whole (never a mixture); at most one of the six kills may miss.
 import glob
 import os
 import signal
-import subprocess
-import sys
-import time
 
 import numpy as np
 import pytest
@@ -25,6 +22,7 @@ from axonhpc import checkpoint
 from axonhpc.checkpoint import latest, load, load_per_rank
 from axonhpc.errors import CheckpointError
 from axonhpc.groups import ProcessGroup
+from crash_child import expect_line, kill_when_written, start_child
 
 ONE = ProcessGroup.mock()
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -90,45 +88,18 @@ def kill_mid_write(mode, path, fraction):
     20 ms. The child may win the race and finish (there, or when this watcher
     is descheduled for long), which the caller accepts.
     """
-    child = subprocess.Popen(
-        [sys.executable, "-c", CHILD, mode, path, STATES], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        env=dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", "")),
-        preexec_fn=lambda: os.nice(5),  # the writer yields the core to this watcher on a busy machine
-    )
+    child = start_child(CHILD, mode, path, STATES)
     try:
-        assert child.stdout.readline() == b"A saved\n", child.stderr.read().decode()
-        snapshot = open(path, "rb").read() if mode == "file" else None
-        pattern = f"{path}.tmp-*" if mode == "file" else f"{path}.tmp-*/rank-*.tmp-*"
-        threshold = int(fraction * B_BYTES)
-        deadline = time.monotonic() + 30
-        last_size, last_change = -1, time.monotonic()
-        while True:
-            found = glob.glob(pattern)
-            try:
-                size = os.path.getsize(found[0]) if found else -1
-            except FileNotFoundError:  # renamed into place between glob and stat
-                size = -1
-            if size != last_size:
-                last_size, last_change = size, time.monotonic()
-            settled = fraction < 1 or time.monotonic() - last_change > 0.02
-            if size >= threshold and settled:
-                child.send_signal(signal.SIGKILL)
-                break
-            if child.poll() == 0:
-                break  # the save won the race (a slow watcher on a busy machine): it completed
-            if child.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError(f"the child ended (code {child.returncode}) before its temporary file held "
-                                     f"{threshold} bytes: {child.stderr.read().decode()[-2000:]}")
-            time.sleep(0.0005)
-        child.wait(30)
-    finally:
-        if child.poll() is None:
-            child.kill()
-            child.wait()
-        child.stdout.close()
-        child.stderr.close()
+        expect_line(child, b"A saved\n")
+    except AssertionError:
+        child.kill()
+        raise
+    snapshot = open(path, "rb").read() if mode == "file" else None
+    pattern = f"{path}.tmp-*" if mode == "file" else f"{path}.tmp-*/rank-*.tmp-*"
+    code, size = kill_when_written(child, pattern, int(fraction * B_BYTES),
+                                   settled_for=0.02 if fraction >= 1 else None, timeout=30)
     leftovers = glob.glob(pattern)
-    return {"code": child.returncode, "size_seen": size, "leftovers": leftovers,
+    return {"code": code, "size_seen": size, "leftovers": leftovers,
             "leftover_sizes": [os.path.getsize(p) for p in leftovers], "snapshot": snapshot}
 
 

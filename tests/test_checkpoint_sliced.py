@@ -5,16 +5,13 @@ blocks of every array (uneven where the size does not divide), with 0-d
 arrays replicated on every rank. The same cases run on thread-ranks at world
 sizes 1 to 4 and, marked ``mpi``, on the ranks of an mpiexec job.
 """
-import glob
 import math
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -29,6 +26,7 @@ from axonhpc.checkpoint.directory import INDEX, MAX_WORLD_SIZE
 from axonhpc.checkpoint.sliced import INDEX_FORMAT, plan_slices, slice_file
 from axonhpc.errors import CheckpointError
 from axonhpc.groups import ProcessGroup
+from crash_child import expect_line, kill_when_written, start_child
 from mpi_assert import collectively
 
 try:
@@ -654,32 +652,13 @@ B_BYTES = 16 * (1 << 19) * 8
 
 
 def _kill_mid_save(path, fraction):
-    child = subprocess.Popen([sys.executable, "-c", CHILD, path], cwd=REPO, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, preexec_fn=lambda: os.nice(5),
-                             env=dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", "")))
+    child = start_child(CHILD, path)
     try:
-        assert child.stdout.readline() == b"A saved\n", child.stderr.read().decode()
-        deadline = time.monotonic() + 60
-        while True:
-            found = glob.glob(f"{path}.tmp-*/slices-*.tmp-*")
-            try:
-                size = os.path.getsize(found[0]) if found else -1
-            except FileNotFoundError:
-                size = -1
-            if size >= fraction * B_BYTES:
-                child.send_signal(signal.SIGKILL)
-                break
-            if child.poll() is not None or time.monotonic() > deadline:
-                break
-            time.sleep(0.0005)
-        child.wait(30)
-    finally:
-        if child.poll() is None:
-            child.kill()
-            child.wait()
-        child.stdout.close()
-        child.stderr.close()
-    return child.returncode
+        expect_line(child, b"A saved\n")
+    except AssertionError:
+        child.kill()
+        raise
+    return kill_when_written(child, f"{path}.tmp-*/slices-*.tmp-*", fraction * B_BYTES, strict=False)[0]
 
 
 @pytest.mark.timeout(180)

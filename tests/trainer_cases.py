@@ -54,7 +54,7 @@ def reference(replicas, epochs=EPOCHS, accumulate=1, kind="sgd", seed=0):
 
 def train(world, strategy="ddp", epochs=EPOCHS, kind="sgd", checkpoint_dir=None, on_step=None, **options):
     model = make_model(seed=0 if world.rank == 0 else 50 + world.rank)  # wrapping copies rank 0's values
-    fit_args = {k: options.pop(k) for k in ("grad_accumulation",) if k in options}
+    fit_args = {k: options.pop(k) for k in ("grad_accumulation", "checkpoint_every") if k in options}
     trainer = ax.DistributedTrainer(model, make_optimizer(model.parameters(), kind), nn.CrossEntropyLoss(),
                                     strategy=strategy, progress=False, exit_on_preemption=False, on_step=on_step,
                                     **options)

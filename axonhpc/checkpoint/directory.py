@@ -13,6 +13,13 @@ or the new one, never a mixture; a directory without ``index.npz`` is never
 taken for a checkpoint (``latest`` looks for it). Every failure is raised on
 every rank.
 
+The steps are separate functions: ``begin_directory`` (collective: the token
+and the temporary directory), ``write_member`` (local: one rank's file) and
+``put_in_place`` (local, rank 0: the index and the switch), joined by the
+agreement between ranks. ``save_directory`` runs them in order;
+``background`` runs ``write_member`` in a writer thread and the collective
+steps in the calling thread.
+
 [Note: reading an index from an untrusted directory]
 File names are never taken from an index: they are computed
 (``rank_file``, ``sharded.shard_file``) from integers the index records, and
@@ -112,6 +119,97 @@ def _as_checkpoint_error(exc: Exception, what: str) -> CheckpointError:
     return exc if isinstance(exc, CheckpointError) else CheckpointError(f"{what}: {type(exc).__name__}: {exc}")
 
 
+def begin_directory(path: str, pg: Any, my_name: Optional[str]) -> str:
+    """Collective: the first step of ``save_directory``: check the names, agree on a token, make the directory.
+
+    Args:
+        path: the checkpoint directory to be written.
+        pg: the group whose ranks take part.
+        my_name: the file this rank will write, or None.
+
+    Returns:
+        The token; the files go into ``temporary_directory(path, token)``.
+
+    Raises:
+        CheckpointError: on every rank, if rank 0 cannot create the
+            temporary directory (on this rank alone for a bad ``my_name``:
+            a local mistake, before any message).
+    """
+    if my_name is not None:
+        check_file_name(my_name, f"saving checkpoint {path!r}: the file of group rank {pg.rank}")
+        if my_name == INDEX:
+            raise CheckpointError(f"saving checkpoint {path!r}: a rank's file may not be named {INDEX!r}")
+    token = _broadcast_text(uuid.uuid4().hex[:12] if pg.rank == 0 else None, pg) if pg.size > 1 \
+        else uuid.uuid4().hex[:12]
+    tmp = temporary_directory(path, token)
+    problem: Optional[BaseException] = None
+    if pg.rank == 0:
+        try:
+            os.makedirs(tmp)
+        except OSError as exc:
+            problem = CheckpointError(f"cannot create checkpoint directory {tmp!r}: {exc}")
+    report(pg, problem, f"creating {tmp!r}")
+    return token
+
+
+def temporary_directory(path: str, token: str) -> str:
+    """Where the files of a directory save with ``token`` are written before the switch: ``path.tmp-<token>``."""
+    return f"{path}.tmp-{token}"
+
+
+def write_member(path: str, token: str, rank: int, name: str, state: Any) -> Optional[CheckpointError]:
+    """Local: encode ``state`` and write it atomically as ``name`` in the temporary directory.
+
+    No communication, so a background save can call it in its writer thread.
+
+    Args:
+        path: the checkpoint directory being written.
+        token: from ``begin_directory``.
+        rank: this rank in the group (for the message).
+        name: the file name (checked by ``begin_directory``).
+        state: the plain state to write.
+
+    Returns:
+        None when the file is written, else the CheckpointError to report.
+    """
+    try:
+        write_atomic(os.path.join(temporary_directory(path, token), name), encode(state))
+    except Exception as exc:  # noqa: BLE001 - every failure is reported to every rank
+        return _as_checkpoint_error(exc, f"writing {name} of {path!r} failed on group rank {rank}")
+    return None
+
+
+def put_in_place(path: str, token: str, index: Callable[[], Any]) -> Optional[CheckpointError]:
+    """Local, group rank 0, once every rank's file is written: the index, then the atomic switch.
+
+    An existing checkpoint at ``path`` is renamed aside first and removed
+    only after the new one is in place (see the module note); on failure the
+    temporary directory is removed and ``path`` is left as it was.
+
+    Args:
+        path: the checkpoint directory.
+        token: from ``begin_directory``.
+        index: returns the index state.
+
+    Returns:
+        None when the checkpoint is in place, else the CheckpointError to report.
+    """
+    tmp = temporary_directory(path, token)
+    try:
+        write_atomic(os.path.join(tmp, INDEX), encode(index()))
+        _fsync_directory(tmp)
+        old = f"{path}.old-{token}"
+        if os.path.exists(path):
+            os.rename(path, old)
+        os.rename(tmp, path)
+        _fsync_directory(os.path.dirname(os.path.abspath(path)))
+        shutil.rmtree(old, ignore_errors=True)
+    except Exception as exc:  # noqa: BLE001
+        shutil.rmtree(tmp, ignore_errors=True)
+        return _as_checkpoint_error(exc, f"finishing checkpoint {path!r} failed on rank 0")
+    return None
+
+
 def save_directory(path: "str | os.PathLike[str]", pg: Any, my_file: Optional[Tuple[str, Callable[[], Any]]],
                    index: Callable[[], Any]) -> None:
     """Collective: write a checkpoint directory by the protocol of the module note.
@@ -126,46 +224,21 @@ def save_directory(path: "str | os.PathLike[str]", pg: Any, my_file: Optional[Tu
         CheckpointError: on every rank, if any rank failed.
     """
     path = os.fspath(path)
-    if my_file is not None:
-        check_file_name(my_file[0], f"saving checkpoint {path!r}: the file of group rank {pg.rank}")
-        if my_file[0] == INDEX:
-            raise CheckpointError(f"saving checkpoint {path!r}: a rank's file may not be named {INDEX!r}")
-    token = _broadcast_text(uuid.uuid4().hex[:12] if pg.rank == 0 else None, pg) if pg.size > 1 \
-        else uuid.uuid4().hex[:12]
-    tmp = f"{path}.tmp-{token}"
+    token = begin_directory(path, pg, None if my_file is None else my_file[0])
     problem: Optional[BaseException] = None
-    if pg.rank == 0:
-        try:
-            os.makedirs(tmp)
-        except OSError as exc:
-            problem = CheckpointError(f"cannot create checkpoint directory {tmp!r}: {exc}")
-    report(pg, problem, f"creating {tmp!r}")
     if my_file is not None:
         name, state = my_file
         try:
-            write_atomic(os.path.join(tmp, name), encode(state()))
-        except Exception as exc:  # noqa: BLE001 - every failure is reported to every rank
+            problem = write_member(path, token, pg.rank, name, state())
+        except Exception as exc:  # noqa: BLE001 - state() itself failed: reported to every rank too
             problem = _as_checkpoint_error(exc, f"writing {name} of {path!r} failed on group rank {pg.rank}")
     try:
         report(pg, problem, f"saving the files of {path!r}")
     except CheckpointError:
         if pg.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.rmtree(temporary_directory(path, token), ignore_errors=True)
         raise
-    if pg.rank == 0:
-        try:
-            write_atomic(os.path.join(tmp, INDEX), encode(index()))
-            _fsync_directory(tmp)
-            old = f"{path}.old-{token}"
-            if os.path.exists(path):
-                os.rename(path, old)
-            os.rename(tmp, path)
-            _fsync_directory(os.path.dirname(os.path.abspath(path)))
-            shutil.rmtree(old, ignore_errors=True)
-        except Exception as exc:  # noqa: BLE001
-            problem = _as_checkpoint_error(exc, f"finishing checkpoint {path!r} failed on rank 0")
-            shutil.rmtree(tmp, ignore_errors=True)
-    report(pg, problem, f"finishing {path!r}")
+    report(pg, put_in_place(path, token, index) if pg.rank == 0 else None, f"finishing {path!r}")
 
 
 def read_index(path: str, expected_format: str) -> Tuple[dict, bytes]:
@@ -244,5 +317,6 @@ def load_per_rank(path: "str | os.PathLike[str]", group: Any = None) -> Tuple[An
     return state, extra
 
 
-__all__ = ["save_directory", "read_index", "report", "save_per_rank", "load_per_rank", "rank_file", "INDEX",
-           "MAX_WORLD_SIZE", "check_file_name", "index_int", "member_path"]
+__all__ = ["save_directory", "begin_directory", "write_member", "put_in_place", "temporary_directory", "read_index",
+           "report", "save_per_rank", "load_per_rank", "rank_file", "INDEX", "MAX_WORLD_SIZE", "check_file_name",
+           "index_int", "member_path"]

@@ -101,6 +101,47 @@ def _broadcast_text(text: Optional[str], pg: ProcessGroup) -> Optional[str]:
     return buffer.tobytes().decode("utf-8")
 
 
+def write_file(path: str, state: Any, pg: ProcessGroup) -> Optional[Tuple[BaseException, str]]:
+    """Group rank 0's local part of ``save``: encode ``state`` and write it atomically.
+
+    No communication: ``save`` calls it in the calling thread, a background
+    save (``background``) in its writer thread.
+
+    Args:
+        path: the file to write.
+        state: the state to encode.
+        pg: the group (only its ranks go into the message).
+
+    Returns:
+        None when the file is in place, else ``(exception, message)``: what
+        ``share_outcome`` reports to every rank.
+    """
+    try:
+        write_atomic(path, encode(state))
+    except Exception as exc:  # noqa: BLE001 - every failure is reported to every rank by share_outcome
+        detail = str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
+        return exc, f"saving checkpoint {path!r} failed on group rank 0 (global rank {pg.ranks[0]}): {detail}"
+    return None
+
+
+def share_outcome(path: str, pg: ProcessGroup, failure: Optional[Tuple[BaseException, str]]) -> None:
+    """Collective: raise the same ``CheckpointError`` on every rank if group rank 0's write failed.
+
+    Args:
+        path: the file (for the record; the message is rank 0's).
+        pg: the group; ``failure`` is read on its rank 0 only.
+        failure: what ``write_file`` returned on rank 0 (None elsewhere).
+
+    Raises:
+        CheckpointError: on every rank, with rank 0's message, if it failed.
+    """
+    problem, message = failure if failure is not None else (None, None)
+    if pg.size > 1:
+        message = _broadcast_text(message, pg)
+    if message is not None:
+        raise CheckpointError(message) from problem
+
+
 def save(path: PathLike, state: Any, group: Optional[ProcessGroup] = None) -> None:
     """Write ``state`` to ``path`` as a checkpoint (group rank 0 writes, every rank returns after).
 
@@ -120,19 +161,7 @@ def save(path: PathLike, state: Any, group: Optional[ProcessGroup] = None) -> No
     """
     path = os.fspath(path)
     pg = _member_group(group, "save")
-    problem: Optional[BaseException] = None
-    message: Optional[str] = None
-    if pg.rank == 0:
-        try:
-            write_atomic(path, encode(state))
-        except Exception as exc:  # noqa: BLE001 - every failure is reported to every rank below
-            problem = exc
-            detail = str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
-            message = f"saving checkpoint {path!r} failed on group rank 0 (global rank {pg.ranks[0]}): {detail}"
-    if pg.size > 1:
-        message = _broadcast_text(message, pg)
-    if message is not None:
-        raise CheckpointError(message) from problem
+    share_outcome(path, pg, write_file(path, state, pg) if pg.rank == 0 else None)
 
 
 def _read(path: str) -> Tuple[Any, bytes]:

@@ -26,6 +26,7 @@ from typing import Any, Iterator, List, Optional
 import numpy as np
 
 from ..checkpoint import load_per_rank, load_sharded, save_per_rank, save_sharded
+from ..checkpoint.background import AsyncCheckpointer
 from ..backends import ReduceOp
 from ..collectives import all_reduce, broadcast
 from ..errors import ConfigurationError
@@ -187,16 +188,32 @@ class Setup:
         return [self.module]
 
     # -- checkpoints -------------------------------------------------------------------------
-    def save(self, path: str, extra: dict, rank_state: dict) -> None:
-        """Collective: write a checkpoint directory of this strategy's state."""
+    def save(self, path: str, extra: dict, rank_state: dict, writer: Optional[AsyncCheckpointer] = None) -> None:
+        """Collective: write a checkpoint directory of this strategy's state.
+
+        Args:
+            path: the checkpoint directory.
+            extra: where the run was (shared: rank 0's goes into the index).
+            rank_state: this rank's own extra state (its Dropout generators).
+            writer: an ``AsyncCheckpointer`` over ``self.group`` to start the
+                save in the background with (the same directory), or None to
+                write it now.
+        """
         if self.strategy == "fsdp":
-            save_sharded(path, self.wrapper, self.optimizer, extra={**extra, "rank0": rank_state})
+            full_extra = {**extra, "rank0": rank_state}
+            if writer is not None:
+                writer.save_sharded(path, self.wrapper, self.optimizer, extra=full_extra)
+            else:
+                save_sharded(path, self.wrapper, self.optimizer, extra=full_extra)
             return
         state = {"modules": [m.state_dict() for m in self.modules()], "optimizer": self.optimizer.state_dict(),
                  "rank": rank_state}
         if self.scaler is not None:
             state["scaler"] = self.scaler.state_dict()
-        save_per_rank(path, state, self.group, extra)
+        if writer is not None:  # state_dict()s are copies already: the background save needs no second one
+            writer.save_per_rank(path, state, extra, copy=False)
+        else:
+            save_per_rank(path, state, self.group, extra)
 
     def load(self, path: str) -> tuple:
         """Collective: restore from ``save``; returns ``(extra, rank_state)``."""

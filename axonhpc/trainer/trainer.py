@@ -12,6 +12,22 @@ every ``checkpoint_every`` steps) the run writes ``checkpoint_dir/ckpt-<step>``
 (a directory: see ``checkpoint.directory``) and keeps the newest
 ``keep_checkpoints``.
 
+[Note: checkpoints in the background]
+With ``async_checkpoints=True`` the periodic and end-of-epoch checkpoints are
+started with an ``AsyncCheckpointer`` (``checkpoint.background``): the step
+that saves only copies this rank's state (its ``state_dict()``s, already
+copies) and the ranks agree on the temporary directory; the files are written
+in a writer thread while training goes on. The loop finishes the save in the
+calling thread, where collectives belong: after every step ``poll`` (one
+small all-reduce while a save is in flight) finishes it once every rank's
+file is written; the next checkpoint, the preemption checkpoint (which is
+then written synchronously) and the end of ``fit`` wait for it. Only a
+finished save is in place under ``ckpt-<step>``, and pruning runs after it,
+so pruning, ``latest`` and a resumed run only ever see complete checkpoints.
+If ``fit`` raises, the save in flight is abandoned without communication (the
+other ranks may not be there): its temporary directory stays until the next
+``fit`` tidies it.
+
 [Note: resume]
 A checkpoint holds each rank's model and optimizer state, the Dropout
 generators, the loss scaler, and where the run was: epoch, steps done in it,
@@ -41,6 +57,7 @@ import numpy as np
 from .._dtypes import array_module
 from ..backends import ReduceOp
 from ..checkpoint import capture_rng_state, clean_interrupted, latest, restore_rng_state
+from ..checkpoint.background import AsyncCheckpointer
 from ..collectives import all_reduce, barrier
 from ..data import DataLoader, DistributedSampler
 from ..errors import ConfigurationError
@@ -103,6 +120,9 @@ class DistributedTrainer:
         skip_nonfinite_steps: before each optimizer step, check the gradients for
             inf and NaN; if any rank finds one, every rank skips the step (the
             finders print the parameter names). None: ``ax.settings.skip_nonfinite_steps``.
+        async_checkpoints: write the periodic and end-of-epoch checkpoints in a
+            background thread (see the module note); the preemption checkpoint
+            is always written before ``fit`` stops.
         **strategy_options: passed to the wrapper (DDP, FSDP or Pipeline), e.g.
             ``sharding_strategy=...`` or ``num_microbatches=...``.
 
@@ -115,7 +135,8 @@ class DistributedTrainer:
                  keep_checkpoints: int = 3, exit_on_preemption: bool = True,
                  on_step: Optional[Callable[["DistributedTrainer", int, float], None]] = None,
                  on_epoch: Optional[Callable[["DistributedTrainer", Dict[str, Any]], None]] = None,
-                 verbose: bool = True, skip_nonfinite_steps: Optional[bool] = None, **strategy_options: Any):
+                 verbose: bool = True, skip_nonfinite_steps: Optional[bool] = None, async_checkpoints: bool = False,
+                 **strategy_options: Any):
         if strategy not in STRATEGIES:
             raise ConfigurationError(f"unknown strategy {strategy!r}; use one of {list(STRATEGIES)}")
         _positive_int("keep_checkpoints", keep_checkpoints)
@@ -133,6 +154,7 @@ class DistributedTrainer:
         self.verbose = verbose
         self.skip_nonfinite_steps = (settings.skip_nonfinite_steps if skip_nonfinite_steps is None
                                      else bool(skip_nonfinite_steps))
+        self.async_checkpoints = bool(async_checkpoints)
         self.options = strategy_options
         self.setup: Optional[Setup] = None
         self._mixed_precision: Any = None
@@ -141,6 +163,7 @@ class DistributedTrainer:
         self.preempted = False
         self.history: List[Dict[str, Any]] = []
         self._preemption: Optional[Preemption] = None
+        self._writer: Optional[AsyncCheckpointer] = None
 
     # -- building ----------------------------------------------------------------------------
     def _ensure_setup(self, mixed_precision: Any) -> Setup:
@@ -200,20 +223,60 @@ class DistributedTrainer:
                 if key in states and isinstance(m.__dict__.get("_rng"), np.random.Generator):
                     object.__setattr__(m, "_rng", restore_rng_state(states[key]))
 
-    def save_checkpoint(self, checkpoint_dir: str, epoch: int, step_in_epoch: int) -> str:
+    def save_checkpoint(self, checkpoint_dir: str, epoch: int, step_in_epoch: int, background: bool = False) -> str:
         """Collective: write ``checkpoint_dir/ckpt-<global step>`` and drop old ones beyond ``keep_checkpoints``.
+
+        A checkpoint still being written in the background is finished first.
+
+        Args:
+            checkpoint_dir: where checkpoints go.
+            epoch: the epoch the run is in.
+            step_in_epoch: optimizer steps done in that epoch.
+            background: start the save in a writer thread and return (see the
+                module note); it is in place, and older ones pruned, once
+                ``finish_checkpoint`` (or the next save) has finished it.
 
         Returns:
             The checkpoint's path.
         """
+        self.finish_checkpoint()
         path = os.path.join(checkpoint_dir, f"ckpt-{self.global_step:08d}")
         if self.setup.group.rank == 0:
             os.makedirs(checkpoint_dir, exist_ok=True)
         extra = {"epoch": epoch, "step_in_epoch": step_in_epoch, "global_step": self.global_step,
                  "strategy": self.strategy}
+        if background:
+            if self._writer is None or self._writer.group is not self.setup.group:
+                self._writer = AsyncCheckpointer(self.setup.group)
+            self.setup.save(path, extra, {"rng": self._rng_state()}, writer=self._writer)
+            return path
         self.setup.save(path, extra, {"rng": self._rng_state()})
         if self.setup.group.rank == 0:
             self._prune(checkpoint_dir)
+        return path
+
+    def finish_checkpoint(self, only_if_written: bool = False) -> Optional[str]:
+        """Collective: finish the checkpoint being written in the background, then prune old ones.
+
+        Args:
+            only_if_written: finish it only if every rank's files are already
+                written (one small all-reduce; never waits for a write), as
+                the loop does after every step.
+
+        Returns:
+            The path of the checkpoint this call put in place, or None.
+
+        Raises:
+            CheckpointError: on every rank, if any rank failed to write it.
+        """
+        writer = self._writer
+        if writer is None or writer.pending is None:
+            return None
+        path = writer.pending
+        if not (writer.poll() if only_if_written else writer.wait() is not None):
+            return None
+        if self.setup.group.rank == 0:
+            self._prune(os.path.dirname(path))
         return path
 
     def _clean_interrupted(self, checkpoint_dir: str, setup: Setup) -> None:
@@ -321,7 +384,10 @@ class DistributedTrainer:
                         self.on_step(self, self.global_step, mean)
                     stop = self._preemption.agreed()
                     if checkpoint_dir and (stop or (checkpoint_every and self.global_step % checkpoint_every == 0)):
-                        self.save_checkpoint(checkpoint_dir, epoch, step)
+                        background = self.async_checkpoints and not stop  # a preemption one is on disk at once
+                        self.save_checkpoint(checkpoint_dir, epoch, step, background=background)
+                    else:
+                        self.finish_checkpoint(only_if_written=True)
                     if stop:
                         return self._preempt(bar, records)
                 if bar is not None:
@@ -332,7 +398,7 @@ class DistributedTrainer:
                 if eval_arrays is not None:
                     record.update({f"eval_{k}": v for k, v in self.evaluate(eval_arrays, batch_size).items()})
                 if checkpoint_dir:
-                    self.save_checkpoint(checkpoint_dir, epoch, per_epoch)
+                    self.save_checkpoint(checkpoint_dir, epoch, per_epoch, background=self.async_checkpoints)
                 records.append(record)
                 self.history.append(record)
                 self._log(log_file, record)
@@ -341,6 +407,11 @@ class DistributedTrainer:
                                                                       if k != "epoch"))
                 if self.on_epoch is not None:
                     self.on_epoch(self, record)
+            self.finish_checkpoint()
+        except BaseException:
+            if self._writer is not None:
+                self._writer.abandon()  # no collective here: the other ranks may not reach one
+            raise
         finally:
             self._preemption.close()
             self._preemption = None
