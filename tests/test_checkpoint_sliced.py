@@ -5,6 +5,7 @@ blocks of every array (uneven where the size does not divide), with 0-d
 arrays replicated on every rank. The same cases run on thread-ranks at world
 sizes 1 to 4 and, marked ``mpi``, on the ranks of an mpiexec job.
 """
+import contextlib
 import math
 import os
 import shutil
@@ -684,18 +685,24 @@ def test_sigkill_mid_save_leaves_the_previous_checkpoint(tmp_path):
 
 # ------------------------------------------------------------------------------------ on MPI ranks
 
-def _shared_directory(prefix):
+@contextlib.contextmanager
+def _shared_checkpoint_path():
+    """A checkpoint path in a directory rank 0 makes for every rank, removed by rank 0 once every rank is done."""
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
-    return comm, comm.bcast(tempfile.mkdtemp(prefix=prefix) if comm.rank == 0 else None, root=0)
+    directory = comm.bcast(tempfile.mkdtemp(prefix="axonhpc-sliced-") if comm.rank == 0 else None, root=0)
+    try:
+        yield os.path.join(directory, "ckpt")
+    finally:
+        comm.barrier()
+        if comm.rank == 0:
+            shutil.rmtree(directory, ignore_errors=True)
 
 
 @pytest.mark.mpi(min_size=1)
 def test_mpi_save_on_all_ranks_load_under_other_layouts_on_each_smaller_group(mpi_world):
-    comm, directory = _shared_directory("axonhpc-sliced-")
-    path = os.path.join(directory, "ckpt")
-    try:
+    with _shared_checkpoint_path() as path:
         collectively(mpi_world, lambda: save_case(path, mpi_world.default_group, "rows", EXTRA))
         for m in range(1, mpi_world.world_size + 1):
             group = mpi_world.new_group(list(range(m)))
@@ -704,19 +711,13 @@ def test_mpi_save_on_all_ranks_load_under_other_layouts_on_each_smaller_group(mp
         collectively(mpi_world, lambda: read_full_case(path))
         n = mpi_world.world_size
         assert sorted(os.listdir(path)) == [INDEX] + [slice_file(r, n) for r in range(n)]
-    finally:
-        comm.barrier()
-        if comm.rank == 0:
-            shutil.rmtree(directory, ignore_errors=True)
 
 
 @pytest.mark.mpi(min_size=2)
 def test_mpi_replicas_are_written_once(mpi_world):
-    comm, directory = _shared_directory("axonhpc-sliced-")
-    path = os.path.join(directory, "ckpt")
     g = np.arange(30, dtype=np.int64).reshape(6, 5)
     n, rank = mpi_world.world_size, mpi_world.rank
-    try:
+    with _shared_checkpoint_path() as path:
         def save_replicated():
             box = Box.full(g.shape).split(1, rank % 2, 2)  # two column blocks, each held by every other rank
             save_slices(path, {"g": (box, g[box.slices]), "b": (Box.full((3,)), np.full(3, rank))})
@@ -726,18 +727,12 @@ def test_mpi_replicas_are_written_once(mpi_world):
         got, _ = read_full(path)
         assert_bits(got["g"], g)
         assert_bits(got["b"], np.zeros(3, dtype=got["b"].dtype))
-    finally:
-        comm.barrier()
-        if comm.rank == 0:
-            shutil.rmtree(directory, ignore_errors=True)
 
 
 @pytest.mark.mpi(min_size=2)
 def test_mpi_errors_are_raised_on_every_rank(mpi_world):
-    comm, directory = _shared_directory("axonhpc-sliced-")
-    path = os.path.join(directory, "ckpt")
     n, rank = mpi_world.world_size, mpi_world.rank
-    try:
+    with _shared_checkpoint_path() as path:
         def disagree():
             box = layout_box((7, 5), "rows", rank, n)
             shape = (7, 6) if rank == n - 1 else (7, 5)
@@ -759,7 +754,3 @@ def test_mpi_errors_are_raised_on_every_rank(mpi_world):
             assert expected in str(info.value)
 
         collectively(mpi_world, missing_on_one_rank)
-    finally:
-        comm.barrier()
-        if comm.rank == 0:
-            shutil.rmtree(directory, ignore_errors=True)
