@@ -21,7 +21,7 @@ shards: ``ParallelGPT`` with ``fsdp=True`` is refused by its caller).
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import Any, Dict, Mapping, Tuple
 
 import numpy as np
 
@@ -97,15 +97,10 @@ def _wanted_optimizer(path: str, boxes: Boxes, optimizer: Any) -> Tuple[Dict[str
                               f"expected lists of names (a corrupt or crafted index)")
     _optimizer_states(boxes, optimizer)  # every boxed parameter is the optimizer's
     wanted = {}
-    for name, (shape, offset, _) in boxes.items():
+    for name, (shape, offset, p) in boxes.items():
         for key in keys:
-            wanted[f"optimizer/{key}/{name}"] = Box((), (), ()) if key in scalars else Box(shape, offset, shape_of(
-                boxes[name][2]))
+            wanted[f"optimizer/{key}/{name}"] = Box((), (), ()) if key in scalars else Box(shape, offset, p.data.shape)
     return wanted, saved
-
-
-def shape_of(p: Any) -> Tuple[int, ...]:
-    return tuple(int(d) for d in p.data.shape)
 
 
 def load_model_slices(path: "str | os.PathLike[str]", boxes: Boxes, optimizer: Any = None,
