@@ -426,6 +426,15 @@ class StrictCupy(types.ModuleType):
         return np.can_cast(from_.dtype if type(from_) is DeviceArray else from_, to, casting)
 
 
+class UnreadableDeviceArray(DeviceArray):
+    """A device array whose copy to the host fails, as when host memory is exhausted."""
+
+    __slots__ = ()
+
+    def get(self, *args: Any, **kwargs: Any) -> np.ndarray:
+        raise MemoryError("cannot allocate 56 bytes of host memory")
+
+
 def device(a: Any) -> DeviceArray:
     """A DeviceArray copy of ``a`` (what ``cupy.asarray(numpy_array)`` returns)."""
     return DeviceArray(np.array(a))

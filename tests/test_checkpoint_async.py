@@ -22,15 +22,17 @@ import numpy as np
 import pytest
 
 import axonhpc as ax
-from axonhpc.checkpoint import (clean_interrupted, latest, load, load_per_rank, load_sharded, save, save_per_rank,
-                                save_sharded)
+from axonhpc.checkpoint import (Box, clean_interrupted, latest, load, load_per_rank, load_sharded, load_slices,
+                                read_full, save, save_per_rank, save_sharded, save_slices)
 from axonhpc.checkpoint import background, directory
 from axonhpc.checkpoint.background import AsyncCheckpointer, host_copy
+from axonhpc.checkpoint.sliced import flat_range_boxes, slice_file
 from axonhpc.errors import CheckpointError, ConfigurationError
 from axonhpc.groups import ProcessGroup
 from crash_child import expect_line, kill_when_written, start_child
 from mpi_assert import collectively
-from test_checkpoint_crash import B_ARRAYS, B_BYTES, FRACTIONS, STATES, assert_is_a
+from test_checkpoint_crash import B_ARRAYS, B_BYTES, B_ELEMENTS, FRACTIONS, STATES, assert_is_a
+from test_checkpoint_sliced import flat_pieces, flat_reference
 from trainer_cases import full_parameters, make_data, train
 
 try:
@@ -382,6 +384,113 @@ def case_trainer_async_checkpoints_resume_bit_for_bit(world, gate):
                     assert_same_directories(os.path.join(d, "sync", name), os.path.join(d, "async", name))
 
 
+ROWS = np.arange(18, dtype=np.float32).reshape(6, 3) / 4
+
+
+def slice_state(rank, size):
+    """``save_slices`` pieces: FSDP-like flat ranges of tensor-parallel column blocks (several boxes per rank),
+    uneven row blocks, and a 0-d array every rank holds (replicas: rank 0 writes it)."""
+    pieces = flat_pieces(rank, size, "tpflat")
+    rows = Box.full(ROWS.shape).split(0, rank, size)
+    pieces["rows"] = (rows, ROWS[rows.slices].copy())
+    pieces["step"] = (Box.full(()), np.array(41, dtype=np.int64))
+    return pieces
+
+
+def assert_slice_state(path, world):
+    """The checkpoint at ``path`` holds ``slice_state``'s arrays: loaded under columns and read whole."""
+    want = dict(flat_reference(), rows=ROWS, step=np.array(41, dtype=np.int64))
+    boxes = {name: Box.full(g.shape) if g.ndim == 0 else Box.full(g.shape).split(g.ndim - 1, world.rank,
+                                                                                  world.world_size)
+             for name, g in want.items()}
+    got, _ = load_slices(path, boxes)
+    for name, box in boxes.items():
+        assert_same_tree(got[name], np.asarray(want[name][box.slices]), f"{name} on rank {world.rank}")
+    whole, extra = read_full(path)
+    for name, g in want.items():
+        assert_same_tree(whole[name], g, name)
+    return extra
+
+
+def case_slices_are_the_sync_save_bit_for_bit(world, gate):
+    n = world.world_size
+    with shared_dir(world) as d, AsyncCheckpointer() as saver:
+        extra = {"step": 3, "rng": np.arange(4, dtype=np.uint64)}
+        sync, async_ = os.path.join(d, "sync"), os.path.join(d, "async")
+        save_slices(sync, slice_state(world.rank, n), extra=extra)
+        saver.save_slices(async_, slice_state(world.rank, n), extra=extra)
+        assert saver.pending == async_
+        assert saver.wait() == async_ and saver.pending is None
+        got = assert_slice_state(async_, world)
+        assert got["step"] == 3 and got["rng"].tolist() == [0, 1, 2, 3]
+        index = load(os.path.join(async_, "index.npz"))
+        assert any(len(entry) == 4 for entry in index["arrays"]["w"]["boxes"])  # several pieces of w per file
+        replicas = os.path.join(d, "replicas")  # every rank holds the whole array: only rank 0 has a file
+        saver.save_slices(replicas, {"rows": (Box.full(ROWS.shape), ROWS)}, extra=None, copy=False)
+        saver.wait()
+        assert_same_tree(read_full(replicas)[0]["rows"], ROWS)
+        if world.rank == 0:
+            assert_same_directories(sync, async_)
+            assert sorted(os.listdir(replicas)) == ["index.npz", slice_file(0, n)]
+            assert sorted(os.listdir(d)) == ["async", "replicas", "sync"]  # nothing left over
+
+
+def case_slices_the_caller_may_change_its_pieces_right_after_save(world, gate):
+    with shared_dir(world) as d, AsyncCheckpointer() as saver:
+        path = os.path.join(d, "ckpt")
+        pieces = slice_state(world.rank, world.world_size)
+        extra = {"step": 1, "items": [np.ones(2)]}
+        release = gate.hold(path, world.rank)  # nothing is written before ...
+        saver.save_slices(path, pieces, extra=extra)
+        # ... training goes on: the flat shards behind the pieces change in place, the extra too.
+        for value in pieces.values():
+            for _, array in value if isinstance(value, list) else [value]:
+                array[...] = -7
+        extra["step"] = 99
+        extra["items"][0] *= 5
+        pieces.clear()
+        release.set()
+        saver.wait()
+        got = assert_slice_state(path, world)
+        assert got["step"] == 1 and got["items"][0].tolist() == [1.0, 1.0]
+
+
+def case_a_refused_slices_save_raises_at_the_call_on_every_rank(world, gate):
+    n, last = world.world_size, world.world_size - 1
+    with shared_dir(world) as d, AsyncCheckpointer() as saver:
+        path = os.path.join(d, "ckpt")
+        saver.save_slices(path, slice_state(world.rank, n), extra={"which": "previous"})
+        pieces = slice_state(world.rank, n)
+        if world.rank == last:  # two pieces of one rank overlap
+            pieces["w"].append((Box((7, 5), (0, 0), (7, 5)), flat_reference()["w"]))
+        with pytest.raises(CheckpointError) as info:
+            saver.save_slices(path, pieces, extra={"which": "new"})  # finishes the previous save, then refuses
+        text = str(info.value)
+        assert text.startswith(f"saving checkpoint {path!r}: nothing was written, the pieces of 'w' (global shape "
+                               f"(7, 5)) do not cover it exactly once: the boxes at offset"), text
+        assert "overlap" in text and saver.pending is None
+        ax.barrier()
+        assert leftovers(path) == [] and sorted(os.listdir(d)) == ["ckpt"]
+        assert assert_slice_state(path, world) == {"which": "previous"}
+        messages = [text]
+        # A write that fails in the thread is raised at wait, on every rank, leaving the previous checkpoint.
+        gate.fail(slice_file(last, n), OSError(28, "No space left on device"))
+        saver.save_slices(path, slice_state(world.rank, n), extra={"which": "new"})
+        with pytest.raises(CheckpointError) as info:
+            saver.wait()
+        text = str(info.value)
+        assert f"failed on group ranks [{last}]" in text and "No space left on device" in text, text
+        messages.append(text)
+        gate.failing.clear()
+        ax.barrier()
+        assert leftovers(path) == [] and assert_slice_state(path, world) == {"which": "previous"}
+        table = ax.all_gather(np.frombuffer("\n".join(messages).encode().ljust(8192), dtype=np.uint8).copy())
+        assert all(row.tobytes() == table[0].tobytes() for row in table), "the ranks raised different errors"
+        saver.save_slices(path, slice_state(world.rank, n), extra={"which": "after"})  # the next save works
+        saver.wait()
+        assert assert_slice_state(path, world) == {"which": "after"}
+
+
 CASES = {name: fn for name, fn in globals().items() if name.startswith("case_")}
 
 
@@ -460,9 +569,13 @@ print("B saved", flush=True)
 
 def _kill_while_writing(mode, path, fraction):
     """Run the child; SIGKILL it once its writer thread has written ``fraction`` of B. Returns what happened."""
-    child = start_child(CHILD, mode, path, STATES)
     pattern = {"file": f"{path}.tmp-*", "directory": f"{path}.tmp-*/rank-*.tmp-*",
                "unfinished": f"{path}.tmp-*/rank-00000-of-00001.npz"}[mode]
+    return _kill_child_when_written(start_child(CHILD, mode, path, STATES), pattern, fraction)
+
+
+def _kill_child_when_written(child, pattern, fraction):
+    """SIGKILL ``child`` once the file matching ``pattern`` holds ``fraction`` of B (after A is saved)."""
     try:
         expect_line(child, b"A saved\n")
         expect_line(child, b"B started\n")
@@ -503,3 +616,111 @@ def test_sigkill_while_the_writer_thread_writes_leaves_the_previous_checkpoint(t
         outcomes.append(f"{fraction:.0%}: killed at {size} bytes, A intact")
     print(f"\n{mode}: " + "; ".join(outcomes))
     assert killed >= (len(FRACTIONS) if mode != "unfinished" else 1), outcomes
+
+
+def test_device_pieces_are_copied_to_the_host_before_save_slices_returns(tmp_path, monkeypatch, gate):
+    from strict_cupy import StrictCupy, device
+
+    monkeypatch.setitem(sys.modules, "cupy", StrictCupy())
+    g = np.arange(12.0).reshape(3, 4)
+    pieces = [(box, device(g[box.slices])) for box, _, _ in flat_range_boxes(Box.full(g.shape), 1, 12)]
+    pieces.append((Box((3, 4), (0, 0), (1, 1)), device(g[:1, :1])))
+    path = str(tmp_path / "ckpt")
+    release = gate.hold(path, 0)
+    with AsyncCheckpointer(ONE) as saver:
+        saver.save_slices(path, {"g": pieces})
+        for _, x in pieces:
+            x[...] = device(np.zeros(x.shape))  # the device arrays change before a byte is written
+        release.set()
+    got, _ = read_full(path)
+    assert type(got["g"]) is np.ndarray and got["g"].tolist() == g.tolist()
+    assert len(load(os.path.join(path, "index.npz"), group=ONE)["arrays"]["g"]["boxes"]) == 3
+
+
+
+def test_a_piece_that_cannot_be_copied_to_the_host_fails_the_save_at_wait_on_every_rank(tmp_path, monkeypatch):
+    from strict_cupy import StrictCupy, UnreadableDeviceArray, device
+
+    monkeypatch.setitem(sys.modules, "cupy", StrictCupy())
+    path = str(tmp_path / "ckpt")
+    g = np.arange(14.0).reshape(7, 2)
+
+    def body(world):
+        box = Box.full(g.shape).split(0, world.rank, 2)
+        with AsyncCheckpointer() as saver:
+            saver.save_slices(path, {"g": (box, device(g[box.slices]))}, extra={"which": "A"})
+            array = UnreadableDeviceArray(g[box.slices].copy()) if world.rank == 1 else device(g[box.slices])
+            saver.save_slices(path, {"g": [(box, array)]}, extra={"which": "B"})  # returns: the ranks go on
+            assert saver.pending == path
+            with pytest.raises(CheckpointError) as info:
+                saver.wait()
+            assert saver.pending is None
+        return str(info.value)
+
+    messages = ax.run_local(body, world_size=2)
+    assert messages[0] == messages[1], messages
+    assert "failed on group ranks [1]" in messages[0], messages[0]
+    assert "copying its pieces to host memory: MemoryError: cannot allocate 56 bytes" in messages[0], messages[0]
+    got, extra = read_full(path)
+    assert extra == {"which": "A"} and got["g"].tolist() == g.tolist() and leftovers(path) == []
+
+
+CHILD_SLICES = r"""
+import sys, time
+import numpy as np
+from axonhpc.checkpoint import Box
+from axonhpc.checkpoint.background import AsyncCheckpointer
+from axonhpc.checkpoint.sliced import flat_range_boxes
+from axonhpc.groups import ProcessGroup
+
+mode, path, arrays, elements = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+saver = AsyncCheckpointer(ProcessGroup.mock())
+saver.save_slices(path, {"w": (Box.full((7, 5)), np.arange(35.0).reshape(7, 5))}, extra={"which": "A"})
+saver.wait()
+print("A saved", flush=True)
+shape, cut = (elements // 1024, 1024), elements // 3 + 100
+shards = {f"p{i}": np.full(elements, float(i)) for i in range(arrays)}
+# each array as a rank holding two flat ranges of it: four boxes, each a view of the shard
+pieces = {name: [(box, shard[a:b].reshape(box.shape)) for lo, hi in ((0, cut), (cut, elements))
+                 for box, a, b in flat_range_boxes(Box.full(shape), lo, hi)] for name, shard in shards.items()}
+saver.save_slices(path, pieces, extra={"which": "B"})
+print("B started", flush=True)
+for shard in shards.values():
+    shard += 100.0  # training goes on while the writer thread writes B
+if mode == "unfinished":
+    time.sleep(600)  # the file gets written, but the save is never finished (no wait)
+saver.wait()
+print("B saved", flush=True)
+"""
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("mode", ["writing", "unfinished"])
+def test_sigkill_while_the_writer_thread_writes_slices_leaves_the_previous_checkpoint(tmp_path, mode):
+    """``unfinished``: killed after the file is written but before the save is finished (no index, no switch)."""
+    killed, outcomes = 0, []
+    for fraction in (FRACTIONS + [1.0]) if mode == "writing" else [1.0]:
+        run = tmp_path / f"run-{fraction}"
+        run.mkdir()
+        path = str(run / "ckpt-000001")
+        child = start_child(CHILD_SLICES, mode, path, str(B_ARRAYS), str(B_ELEMENTS))
+        pattern = f"{path}.tmp-*/slices-*.tmp-*" if mode == "writing" else f"{path}.tmp-*/slices-00000-of-00001.npz"
+        code, size = _kill_child_when_written(child, pattern, fraction)
+        got, extra = read_full(path)
+        if code == 0:  # the save completed before the kill: B whole, as it was when save_slices returned
+            assert extra == {"which": "B"} and len(got) == B_ARRAYS
+            assert all(np.all(got[f"p{i}"] == float(i)) for i in range(B_ARRAYS))
+            outcomes.append(f"{fraction:.0%}: completed first")
+            continue
+        assert code == -signal.SIGKILL, code
+        killed += 1
+        assert extra == {"which": "A"} and sorted(got) == ["w"]
+        assert got["w"].tolist() == np.arange(35.0).reshape(7, 5).tolist()
+        assert latest(str(run)) == path and sorted(os.listdir(path)) == ["index.npz", slice_file(0, 1)]
+        left = leftovers(path)
+        assert len(left) == 1, left
+        assert clean_interrupted(str(run)) == [f"removed {os.path.basename(left[0])}"]
+        assert read_full(path)[1] == {"which": "A"}
+        outcomes.append(f"{fraction:.0%}: killed at {size} bytes, A intact")
+    print(f"\n{mode}: " + "; ".join(outcomes))
+    assert killed >= (len(FRACTIONS) if mode == "writing" else 1), outcomes

@@ -6,6 +6,7 @@ arrays replicated on every rank. The same cases run on thread-ranks at world
 sizes 1 to 4 and, marked ``mpi``, on the ranks of an mpiexec job.
 """
 import contextlib
+import doctest
 import math
 import os
 import shutil
@@ -24,7 +25,7 @@ from axonhpc.checkpoint import archive as archive_module
 from axonhpc.checkpoint import directory as directory_module
 from axonhpc.checkpoint import sliced
 from axonhpc.checkpoint.directory import INDEX, MAX_WORLD_SIZE
-from axonhpc.checkpoint.sliced import INDEX_FORMAT, plan_slices, slice_file
+from axonhpc.checkpoint.sliced import INDEX_FORMAT, MAX_PIECES_PER_FILE, flat_range_boxes, plan_slices, slice_file
 from axonhpc.errors import CheckpointError
 from axonhpc.groups import ProcessGroup
 from crash_child import expect_line, kill_when_written, start_child
@@ -272,6 +273,27 @@ def test_device_pieces_are_saved_from_the_host_and_device_destinations_filled(tm
         assert_bits(dest.get(), g[box.slices])
 
     ax.run_local(load_device, world_size=3)
+
+
+
+def test_a_device_piece_that_cannot_be_copied_to_the_host_fails_the_save_on_every_rank(tmp_path, monkeypatch):
+    from strict_cupy import StrictCupy, UnreadableDeviceArray, device
+
+    monkeypatch.setitem(sys.modules, "cupy", StrictCupy())
+    path = str(tmp_path / "ckpt")
+    _saved_a(path, world_size=2)
+    g = reference()["w"]
+
+    def body(world):
+        box = Box.full(g.shape).split(0, world.rank, 2)
+        array = UnreadableDeviceArray(g[box.slices].copy()) if world.rank == 1 else device(g[box.slices])
+        save_slices(path, {"w": [(box, array)]})
+
+    messages = _messages(body, 2)
+    assert f"writing {slice_file(1, 2)} of {path!r} failed on group rank 1: MemoryError: cannot allocate" \
+        in messages[1], messages[1]
+    assert "failed on group ranks [1]" in messages[0], messages[0]
+    _still_a(path, tmp_path)
 
 
 # ------------------------------------------------------------------------------------ replicas and stages
@@ -683,6 +705,419 @@ def test_sigkill_mid_save_leaves_the_previous_checkpoint(tmp_path):
     assert killed >= 1  # at least one kill landed mid-save
 
 
+# ------------------------------------------------------------------------------------ flat ranges (FSDP shards)
+
+def _fewest_boxes(shape, start, stop):
+    """Brute force: the fewest flat-contiguous boxes that make up ``[start, stop)`` of a C-order flattening."""
+    def is_box(lo, hi):
+        cells = np.array(np.unravel_index(np.arange(lo, hi), shape)).reshape(len(shape), -1)
+        return int(np.prod(cells.max(axis=1) - cells.min(axis=1) + 1)) == hi - lo
+
+    best = {stop: 0}
+    for lo in range(stop - 1, start - 1, -1):
+        best[lo] = min(best[hi] + 1 for hi in range(lo + 1, stop + 1) if is_box(lo, hi))
+    return best[start]
+
+
+@pytest.mark.parametrize("global_shape,offset,shape", [
+    ((9,), (2,), (5,)),
+    ((5, 7), (1, 2), (3, 4)),
+    ((4, 3, 7), (1, 0, 2), (2, 3, 4)),            # the (2, 3, 4) block inside a larger array
+    ((2, 3, 4), (0, 0, 0), (2, 3, 4)),            # a whole array
+    ((3, 4, 5, 2), (0, 1, 1, 0), (2, 2, 3, 2)),
+    ((2, 3, 2, 4), (1, 0, 1, 1), (1, 3, 1, 2)),   # axes of extent 1
+])
+def test_flat_ranges_are_the_fewest_boxes_holding_the_elements_in_flat_order(global_shape, offset, shape):
+    block = Box(global_shape, offset, shape)
+    g = np.arange(int(np.prod(global_shape))).reshape(global_shape)
+    local = g[block.slices].ravel()
+    ndim = len(shape)
+    for start in range(block.size + 1):
+        for stop in range(start, block.size + 1):
+            pieces = flat_range_boxes(block, start, stop)
+            values = [g[piece.slices].ravel() for piece, _, _ in pieces]
+            got = np.concatenate(values).tolist() if values else []
+            assert got == local[start:stop].tolist(), (start, stop, pieces)
+            at = start
+            for piece, a, b in pieces:
+                assert (a, b) == (at, at + piece.size) and piece.size > 0, (start, stop, pieces)
+                assert piece.global_shape == global_shape and piece.intersect(block) == piece
+                assert local[a:b].tolist() == g[piece.slices].ravel().tolist()
+                at = b
+            assert at == stop
+            assert len(pieces) <= 2 * ndim - 1
+            if stop > start:
+                assert len(pieces) == _fewest_boxes(shape, start, stop), (start, stop, pieces)
+
+
+def test_flat_range_edge_cases_and_refusals():
+    whole = Box((7, 5), (0, 0), (7, 5))
+    assert flat_range_boxes(whole, 0, 35) == [(whole, 0, 35)]
+    assert flat_range_boxes(whole, 5, 15) == [(Box((7, 5), (1, 0), (2, 5)), 5, 15)]
+    assert flat_range_boxes(whole, 7, 7) == []
+    scalar = Box.full(())
+    assert flat_range_boxes(scalar, 0, 1) == [(scalar, 0, 1)] and flat_range_boxes(scalar, 1, 1) == []
+    empty = Box.full((0, 3))
+    assert flat_range_boxes(empty, 0, 0) == []
+    assert flat_range_boxes(whole, np.int64(2), np.int32(4)) == [(Box((7, 5), (0, 2), (1, 2)), 2, 4)]
+    block = Box((7, 5), (1, 2), (3, 3))
+    for start, stop in ((3, 2), (-1, 4), (0, 10), (0, 1 << 70)):
+        with pytest.raises(CheckpointError) as info:
+            flat_range_boxes(block, start, stop)
+        assert (f"the range [{start}, {stop}) is not inside the 9 elements of the block at offset (1, 2) of shape "
+                f"(3, 3)") in str(info.value)
+    with pytest.raises(CheckpointError, match="start 1.5 and stop 3 must be integers"):
+        flat_range_boxes(block, 1.5, 3)
+    with pytest.raises(CheckpointError, match="expected a Box, got tuple"):
+        flat_range_boxes(((7, 5), (0, 0), (7, 5)), 0, 1)
+    with pytest.raises(CheckpointError, match=r"the range \[0, 1\) is not inside the 0 elements"):
+        flat_range_boxes(empty, 0, 1)
+
+
+def test_the_flat_range_docstring_example_holds():
+    finder = doctest.DocTestFinder()
+    tests = finder.find(sliced.flat_range_boxes, "flat_range_boxes", globs={"np": np, "Box": Box,
+                                                                            "flat_range_boxes": flat_range_boxes})
+    assert len(tests) == 1 and len(tests[0].examples) == 5
+    runner = doctest.DocTestRunner()
+    runner.run(tests[0])
+    assert runner.summarize(verbose=False) == doctest.TestResults(failed=0, attempted=5)
+
+
+def flat_bounds(n, size, skew=1):
+    """Uneven cut points of ``n`` elements over ``size`` ranks: rank r's share grows with r (skew 1) or shrinks."""
+    weights = [r + 1 if skew > 0 else size - r for r in range(size)]
+    return [n * sum(weights[:k]) // sum(weights) for k in range(size + 1)]
+
+
+def flat_reference():
+    """2-d, 3-d and 1-d arrays for the flat layouts; NaN and -0.0 so only a bit-exact round trip passes."""
+    rng = np.random.default_rng(23)
+    w = rng.standard_normal((7, 5))
+    w[1, 1], w[5, 3] = np.nan, -0.0
+    return {"w": w, "t": rng.integers(-2**30, 2**30, size=(3, 4, 5)).astype(np.int32),
+            "b": np.array([1.5, -2.5], dtype=np.float32)}
+
+
+def flat_blocks(shape, layout):
+    """The blocks whose flattening a flat layout cuts: the array, or its 2 tensor-parallel column blocks."""
+    if layout == "tpflat" and len(shape) >= 2:
+        return [Box.full(shape).split(1, t, 2) for t in range(2)]
+    return [Box.full(shape)]
+
+
+def flat_ranges(shape, layout, rank, size, skew=1):
+    """This rank's ``(block, start, stop)`` of each block: its contiguous range of the block's flattening."""
+    out = []
+    for block in flat_blocks(shape, layout):
+        bounds = flat_bounds(block.size, size, skew)
+        out.append((block, bounds[rank], bounds[rank + 1]))
+    return out
+
+
+def flat_pieces(rank, size, layout, arrays=None):
+    """The pieces of FSDP-like flat shards: views of each shard, reshaped to the boxes of its range."""
+    arrays = flat_reference() if arrays is None else arrays
+    out = {}
+    for name, g in arrays.items():
+        out[name] = []
+        for block, start, stop in flat_ranges(g.shape, layout, rank, size):
+            shard = g[block.slices].ravel()[start:stop].copy()  # what the rank holds: one flat buffer
+            out[name] += [(piece, shard[a - start:b - start].reshape(piece.shape))
+                          for piece, a, b in flat_range_boxes(block, start, stop)]
+    return out
+
+
+def load_flat_case(path, group, layout):
+    """Load this rank's part under ``layout``: ``rows`` / ``cols`` boxes, or ``flat`` ranges into a 1-d buffer."""
+    want = flat_reference()
+    if layout in ("rows", "cols"):
+        boxes = {name: layout_box(g.shape, layout, group.rank, group.size) for name, g in want.items()}
+        got, extra = load_slices(path, boxes, group=group)
+        for name, box in boxes.items():
+            assert_bits(got[name], want[name][box.slices], f"{name} under {layout} on rank {group.rank}")
+        return extra
+    wanted, buffers, expected = {}, {}, {}
+    for name, g in want.items():
+        ranges = flat_ranges(g.shape, "flat", group.rank, group.size, skew=-1)  # another cut than the save's
+        start, stop = ranges[0][1], ranges[0][2]
+        buffers[name] = np.full(stop - start, 7, dtype=g.dtype)  # a flat shard, filled in place
+        expected[name] = g.ravel()[start:stop]
+        wanted[name] = [(piece, buffers[name][a - start:b - start].reshape(piece.shape))
+                        for piece, a, b in flat_range_boxes(Box.full(g.shape), start, stop)]
+    got, extra = load_slices(path, wanted, group=group)
+    for name in want:
+        assert isinstance(got[name], list) and len(got[name]) == len(wanted[name])
+        for array, (_, view) in zip(got[name], wanted[name]):
+            assert array is view and np.shares_memory(view, buffers[name])
+        assert_bits(buffers[name], expected[name], f"{name} as a flat shard on rank {group.rank}")
+    return extra
+
+
+def test_plan_numbers_the_pieces_a_rank_writes_several_of():
+    full = Box.full((6, 4))
+    a, b = Box((6, 4), (0, 0), (1, 4)), Box((6, 4), (1, 0), (1, 2))  # rank 0: row 0 and half of row 1
+    c, d = Box((6, 4), (1, 2), (1, 2)), Box((6, 4), (2, 0), (4, 4))  # rank 1: the rest
+    empty = Box((6, 4), (6, 0), (0, 4))
+    table = [
+        [("w", "<f8", a), ("w", "<f8", empty), ("w", "<f8", b), ("s", "<i8", Box.full(()))],
+        [("w", "<f8", c), ("w", "<f8", d), ("s", "<i8", Box.full(()))],
+        [("w", "<f8", a), ("w", "<f8", c), ("v", "<f4", Box.full((3,)))],  # replicas only: nothing of w to write
+        [("w", "<f8", d), ("w", "<f8", empty), ("w", "<f8", empty)],      # d is rank 1's; empty boxes may repeat
+    ]
+    writes, arrays = plan_slices(table)
+    assert writes == {0: ["s", "w#0", "w#1"], 1: ["w#0", "w#1"], 2: ["v"]}
+    assert arrays["w"]["boxes"] == [[0, [0, 0], [1, 4], 0], [0, [1, 0], [1, 2], 1], [1, [1, 2], [1, 2], 0],
+                                    [1, [2, 0], [4, 4], 1]]
+    assert arrays["s"]["boxes"] == [[0, [], []]] and arrays["v"]["boxes"] == [[2, [0], [3]]]
+    # Rank 1 gives two boxes but writes one (the other is rank 0's): the plain key and entry.
+    writes, arrays = plan_slices([[("w", "<f8", full.split(0, 0, 2))], [("w", "<f8", full.split(0, 0, 2)),
+                                                                        ("w", "<f8", full.split(0, 1, 2))]])
+    assert writes == {0: ["w"], 1: ["w"]} and arrays["w"]["boxes"] == [[0, [0, 0], [3, 4]], [1, [3, 0], [3, 4]]]
+    writes, arrays = plan_slices([[("w", "<f8", Box((4096,), (i,), (1,))) for i in range(4096)]])  # the bound: allowed
+    assert writes[0][-1] == "w#4095" and arrays["w"]["boxes"][-1] == [0, [4095], [1], 4095]
+
+
+@pytest.mark.parametrize("table,fragment", [
+    ([[("w", "<f8", Box((4,), (0,), (2,))), ("w", "<f8", Box((4,), (0,), (2,))), ("w", "<f8", Box((4,), (2,), (2,)))]],
+     "group rank 0 gives the box at offset (0,) of shape (2,) of 'w' twice (as its pieces 0 and 1)"),
+    ([[("w", "<f8", Box((4,), (0,), (3,))), ("w", "<f8", Box((4,), (2,), (2,)))]],
+     "the pieces of 'w' (global shape (4,)) do not cover it exactly once: the boxes at offset (0,) of shape (3,) "
+     "and at offset (2,) of shape (2,) overlap"),
+    ([[("w", "<f8", Box((4,), (0,), (2,))), ("w", "<f8", Box((5,), (2,), (2,)))]],
+     "the ranks disagree on the global shape of 'w': group rank 0 says (4,), group rank 0 says (5,)"),
+    ([[("w", "<f8", Box((4,), (0,), (2,))), ("w", "<f8", Box((4,), (2,), (2,))), ("w#1", "<f8", Box.full(()))]],
+     "group rank 0 writes several boxes of 'w', stored in its file as 'w#<i>', and a box of 'w#1': both would be "
+     "stored under the key 'w#1'; rename 'w#1'"),
+    ([[], [("w", "<f8", Box((5000,), (i,), (1,))) for i in range(4097)]],
+     "group rank 1 gives 'w' in 4097 pieces, more than MAX_PIECES_PER_FILE = 4096 (of one name from one rank)"),
+])
+def test_plan_refuses_a_box_twice_overlapping_pieces_a_key_collision_and_too_many_pieces(table, fragment):
+    with pytest.raises(CheckpointError) as info:
+        plan_slices(table)
+    assert fragment in str(info.value), str(info.value)
+    assert MAX_PIECES_PER_FILE == 4096
+
+
+@pytest.mark.parametrize("layout", ["flat", "tpflat"])
+@pytest.mark.parametrize("save_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("load_size", [1, 2, 3, 4])
+def test_flat_shards_load_under_rows_columns_and_other_flat_shards(tmp_path, layout, save_size, load_size):
+    path = str(tmp_path / "ckpt")
+    ax.run_local(lambda world: save_slices(path, flat_pieces(world.rank, world.world_size, layout), extra=EXTRA),
+                 world_size=save_size)
+    for load_layout in ("rows", "cols", "flat"):
+        extras = ax.run_local(lambda world: load_flat_case(path, world.default_group, load_layout),
+                              world_size=load_size)
+        assert extras == [EXTRA] * load_size
+    got, _ = read_full(path)
+    for name, g in flat_reference().items():
+        assert_bits(got[name], g, name)
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+
+
+def test_flat_shards_over_three_uneven_ranks_are_stored_as_numbered_pieces(tmp_path):
+    path = str(tmp_path / "ckpt")
+    g = flat_reference()["w"]
+    assert flat_bounds(35, 3) == [0, 5, 17, 35]  # row 0; rows 1-2 and 2 of row 3; the rest
+    ax.run_local(lambda world: save_slices(path, {"w": flat_pieces(world.rank, 3, "flat")["w"]}), world_size=3)
+    index = load(os.path.join(path, INDEX), group=ONE)
+    assert index["format"] == INDEX_FORMAT and index["arrays"]["w"]["boxes"] == [
+        [0, [0, 0], [1, 5]],                                # one box: the plain entry and key
+        [1, [1, 0], [2, 5], 0], [1, [3, 0], [1, 2], 1],     # several: numbered in flat order
+        [2, [3, 2], [1, 3], 0], [2, [4, 0], [3, 5], 1]]
+    files = [load(os.path.join(path, slice_file(r, 3)), group=ONE) for r in range(3)]
+    assert [sorted(f) for f in files] == [["w"], ["w#0", "w#1"], ["w#0", "w#1"]]
+    assert_bits(files[1]["w#1"], g[3:4, 0:2])
+    assert_bits(files[2]["w#0"], g[3:4, 2:5])
+
+
+def test_a_list_of_one_piece_and_an_empty_list_are_pieces_too(tmp_path):
+    path = str(tmp_path / "ckpt")
+    g = np.arange(12, dtype=np.int16).reshape(3, 4)
+
+    def body(world):
+        box = Box.full(g.shape).split(0, world.rank, 2)
+        pieces = {"g": [(box, g[box.slices])], "h": [] if world.rank else [(Box.full((2,)), np.ones(2))]}
+        save_slices(path, pieces)
+
+    ax.run_local(body, world_size=2)
+    index = load(os.path.join(path, INDEX), group=ONE)
+    assert index["arrays"]["g"]["boxes"] == [[0, [0, 0], [2, 4]], [1, [2, 0], [1, 4]]]
+    assert index["arrays"]["h"]["boxes"] == [[0, [0], [2]]]
+    got, _ = load_slices(path, {"g": [Box((3, 4), (1, 1), (2, 2)), Box.full((3, 4))], "h": []}, group=ONE)
+    assert got["h"] == [] and len(got["g"]) == 2
+    assert_bits(got["g"][0], g[1:3, 1:3])
+    assert_bits(got["g"][1], g)
+
+
+def _flat_saved(path, world_size=3):
+    ax.run_local(lambda world: save_slices(path, flat_pieces(world.rank, world.world_size, "flat"), extra=EXTRA),
+                 world_size=world_size)
+
+
+def test_a_list_request_reads_each_needed_entry_once(tmp_path, monkeypatch):
+    path = str(tmp_path / "ckpt")
+    _flat_saved(path)
+    opened, entries = _recording(monkeypatch)
+    g = flat_reference()["w"]
+    boxes = [Box((7, 5), (1, 0), (1, 5)), Box((7, 5), (1, 1), (2, 3)), Box((7, 5), (1, 0), (3, 5))]  # overlapping
+    got, _ = load_slices(path, {"w": boxes}, group=ONE)
+    for box, array in zip(boxes, got["w"]):
+        assert_bits(array, g[box.slices])
+    # rows 1-3 are file 1's w#0 (rows 1-2) and w#1 (row 3, columns 0-1), and file 2's w#0 (row 3, columns 2-4)
+    assert sorted(opened[threading.get_ident()]) == [slice_file(1, 3), slice_file(2, 3)]
+    read = entries[threading.get_ident()]
+    assert read.count("__meta__") == 3 and len(read) == 6, read  # the index's and 2 files' metadata, 3 pieces
+
+
+def test_overlapping_requests_are_not_taken_for_a_file_too_small(tmp_path):
+    """The size check counts each saved entry once, however many wanted boxes it serves."""
+    path = str(tmp_path / "ckpt")
+    g = np.arange(64 * 64, dtype=np.float64).reshape(64, 64)
+    save_slices(path, {"g": (Box.full(g.shape), g)}, group=ONE)
+    assert os.path.getsize(os.path.join(path, slice_file(0, 1))) < 2 * g.nbytes
+    got, _ = load_slices(path, {"g": [Box.full(g.shape)] * 3}, group=ONE)
+    for array in got["g"]:
+        assert_bits(array, g)
+
+
+def test_a_checkpoint_written_before_pieces_were_numbered_still_loads(tmp_path):
+    """Written by hand, file by file, as the first version of the format was: one box per file and name."""
+    path = str(tmp_path / "ckpt")
+    os.mkdir(path)
+    g = np.arange(35, dtype=np.float64).reshape(7, 5) - 0.5
+    save(os.path.join(path, slice_file(0, 2)), {"g": g[:4], "s": np.array(3, dtype=np.int64)}, group=ONE)
+    save(os.path.join(path, slice_file(1, 2)), {"g": g[4:]}, group=ONE)
+    save(os.path.join(path, INDEX), {"format": "axonhpc.sliced/1", "world_size": 2, "extra": {"step": 9},
+                                     "arrays": {"g": {"shape": [7, 5], "dtype": "<f8",
+                                                      "boxes": [[0, [0, 0], [4, 5]], [1, [4, 0], [3, 5]]]},
+                                                "s": {"shape": [], "dtype": "<i8", "boxes": [[0, [], []]]}}},
+         group=ONE)
+    got, extra = read_full(path)
+    assert extra == {"step": 9} and int(got["s"]) == 3
+    assert_bits(got["g"], g)
+    buffer = np.zeros(20)
+    wanted = [(piece, buffer[a - 10:b - 10].reshape(piece.shape))
+              for piece, a, b in flat_range_boxes(Box.full((7, 5)), 10, 30)]
+    got, _ = ax.run_local(lambda world: load_slices(path, {"g": wanted if world.rank == 0 else Box.full((7, 5))}),
+                          world_size=2)[0]
+    assert_bits(buffer, g.ravel()[10:30])
+
+
+@pytest.mark.parametrize("case,fragments", [
+    ("twice", ["group rank 1 gives the box at offset (2, 0) of shape (1, 5) of 'w' twice (as its pieces 0 and 3)"]),
+    ("overlap", ["the pieces of 'w' (global shape (7, 5)) do not cover it exactly once: the boxes at offset (3, 0) of "
+                 "shape (1, 5) and at offset (3, 3) of shape (2, 2) overlap"]),
+    ("many", ["a piece was refused on group rank 0: piece 'w': a list of 4097 pieces, more than MAX_PIECES_PER_FILE "
+              "= 4096 (of one name from one rank)"]),
+    ("item", ["a piece was refused on group rank 2: piece 'w' [2]: the array has shape (1, 2), its box (2, 2)"]),
+    ("form", ["a piece was refused on group rank 1: piece 'w' [0]: expected (Box, array) or (global_shape, offset, "
+              "array), got list"]),
+    ("key", ["group rank 0 writes several boxes of 'w', stored in its file as 'w#<i>', and a box of 'w#0': both "
+             "would be stored under the key 'w#0'; rename 'w#0'"]),
+])
+def test_bad_lists_of_pieces_raise_the_same_error_on_every_rank_before_writing(tmp_path, case, fragments):
+    """Rows 0-1, 2-4 and 5-6 over 3 ranks, each given as a list of one piece per row; then one rank's list spoilt."""
+    path = str(tmp_path / "ckpt")
+    _saved_a(path)
+    g = reference()["w"]
+
+    def body(world):
+        rows = range(*[(0, 2), (2, 5), (5, 7)][world.rank])
+        pieces = {"w": [(Box((7, 5), (r, 0), (1, 5)), g[r:r + 1]) for r in rows]}
+        mine = pieces["w"]
+        if case == "twice" and world.rank == 1:
+            mine.append(mine[0])
+        if case == "overlap" and world.rank == 1:  # two pieces of one rank
+            mine.append((Box((7, 5), (3, 3), (2, 2)), g[3:5, 3:5]))
+        if case == "many" and world.rank == 0:
+            mine += [(Box((7, 5), (0, 0), (0, 5)), g[:0])] * 4095
+        if case == "item" and world.rank == 2:
+            mine.append((Box((7, 5), (0, 0), (2, 2)), g[:1, :2]))
+        if case == "form" and world.rank == 1:
+            mine[0] = [mine[0][0], mine[0][1]]
+        if case == "key" and world.rank == 0:
+            pieces["w#0"] = (Box.full((1,)), np.zeros(1))
+        save_slices(path, pieces, extra={"which": "B"})
+
+    messages = _messages(body, 3)
+    assert len(set(messages)) == 1, messages
+    for fragment in fragments:
+        assert fragment in messages[0], messages[0]
+    assert messages[0].startswith(f"saving checkpoint {path!r}: nothing was written")
+    _still_a(path, tmp_path)
+
+
+def test_a_bad_list_request_on_one_rank_fails_on_every_rank_and_changes_nothing(tmp_path):
+    path = str(tmp_path / "ckpt")
+    _flat_saved(path)
+
+    def body(world):
+        buffer = np.full(35, 9.0)
+        wanted = [(piece, buffer[a:b].reshape(piece.shape))
+                  for piece, a, b in flat_range_boxes(Box.full((7, 5)), 0, 35)]
+        if world.rank == 1:
+            wanted.append((Box.full((7, 5)), np.zeros((7, 5), dtype=np.float32)))
+        if world.rank == 2:
+            readonly = np.zeros((7, 5))
+            readonly.flags.writeable = False
+            wanted.append((Box.full((7, 5)), readonly))
+        with pytest.raises(CheckpointError) as info:
+            load_slices(path, {"w": wanted})
+        assert np.all(buffer == 9.0)  # rank 0 could read its part, but nothing changed
+        return str(info.value)
+
+    messages = ax.run_local(body, world_size=3)
+    assert "array 'w' is float64 in the checkpoint; the destination is float32" in messages[1], messages[1]
+    assert "wanted 'w' [1]: the destination array is read-only" in messages[2], messages[2]
+    assert messages[0] == f"loading checkpoint {path!r} failed on group ranks [1, 2] (see the error raised there), " \
+                          f"so no rank uses it"
+
+
+def _crafted_flat(tmp_path, change):
+    """The 3-rank flat checkpoint of ``w`` (boxes as in the test above) with its index rewritten by ``change``."""
+    path = str(tmp_path / "ckpt")
+    ax.run_local(lambda world: save_slices(path, {"w": flat_pieces(world.rank, 3, "flat")["w"]}), world_size=3)
+    index = load(os.path.join(path, INDEX), group=ONE)
+    change(index["arrays"]["w"]["boxes"])
+    save(os.path.join(path, INDEX), index, group=ONE)
+    with pytest.raises(CheckpointError) as info:
+        read_full(path)
+    message = str(info.value)
+    assert path in message
+    return message
+
+
+def _swap_pieces(boxes):
+    boxes[1][3], boxes[2][3] = 1, 0
+
+
+@pytest.mark.parametrize("change,fragment", [
+    (lambda b: b[1].__setitem__(3, MAX_PIECES_PER_FILE), "arrays['w'].boxes[1] piece=[4096]; expected a list of 1 "
+                                                         "integers from 0 to 4095"),
+    (lambda b: b[1].__setitem__(3, -1), "arrays['w'].boxes[1] piece=[-1]"),
+    (lambda b: b[1].__setitem__(3, True), "arrays['w'].boxes[1] piece=[True]"),
+    (lambda b: b[1].__setitem__(3, "0"), "arrays['w'].boxes[1] piece=['0']"),
+    (lambda b: b[2].__setitem__(3, 0), "arrays['w'].boxes[2]=[1, [3, 0], [1, 2], 0]; expected a box inside the "
+                                       "global shape (7, 5), one per file, or numbered pieces"),
+    (lambda b: b[2].pop(), "arrays['w'].boxes[2]=[1, [3, 0], [1, 2]]; expected a box inside"),  # mixed kinds
+    (lambda b: b[0].append(0) or b.insert(1, [0, [0, 0], [1, 5]]), "arrays['w'].boxes[1]=[0, [0, 0], [1, 5]]"),
+    (lambda b: b[1].append(0), "arrays['w'].boxes[1]=[1, [1, 0], [2, 5], 0, 0]; expected [file rank, offset, "
+                               "shape] or [file rank, offset, shape, piece]"),
+    (lambda b: b.extend([b[0]] * (3 * MAX_PIECES_PER_FILE)),
+     "arrays['w'].boxes=[[0, [0, 0], [1, 5]], [1, [1, 0], [2, 5], 0], [1, [3, 0], [1, 2], 1], [2, [3, 2]...; "
+     "expected a list of at most 12288 boxes"),
+    (_swap_pieces, "'slices-00001-of-00003.npz' holds 'w#1' as float64 of shape (1, 2); the index says float64 of "
+                   "shape (2, 5)"),
+    (lambda b: b[4].__setitem__(3, 5), "holds ['w#5'] not exactly once, as the index says it does"),
+    (lambda b: b[0].append(0), "holds ['w#0'] not exactly once"),  # file 0 holds 'w', not a numbered piece
+])
+def test_a_crafted_index_of_numbered_pieces_is_refused(tmp_path, change, fragment):
+    message = _crafted_flat(tmp_path, change)
+    assert fragment in message, message
+
+
 # ------------------------------------------------------------------------------------ on MPI ranks
 
 @contextlib.contextmanager
@@ -754,3 +1189,44 @@ def test_mpi_errors_are_raised_on_every_rank(mpi_world):
             assert expected in str(info.value)
 
         collectively(mpi_world, missing_on_one_rank)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_mpi_flat_shards_load_under_other_layouts_on_each_smaller_group(mpi_world):
+    n = mpi_world.world_size
+    with _shared_checkpoint_path() as path:
+        for layout in ("flat", "tpflat"):
+            collectively(mpi_world, lambda: save_slices(path, flat_pieces(mpi_world.rank, n, layout), extra=EXTRA))
+            for m in range(1, n + 1):
+                group = mpi_world.new_group(list(range(m)))
+                for load_layout in ("cols", "flat"):
+                    collectively(mpi_world, lambda: load_flat_case(path, group, load_layout) if group.is_member
+                                 else None)
+
+            def whole():
+                got, extra = read_full(path)
+                assert extra == EXTRA
+                for name, g in flat_reference().items():
+                    assert_bits(got[name], g, name)
+
+            collectively(mpi_world, whole)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_mpi_a_box_given_twice_is_refused_on_every_rank(mpi_world):
+    n, rank = mpi_world.world_size, mpi_world.rank
+    last = flat_pieces(n - 1, n, "flat")["w"]  # the last rank's pieces of w (every rank can compute them)
+    with _shared_checkpoint_path() as path:
+        def twice():
+            pieces = flat_pieces(rank, n, "flat")
+            if rank == n - 1:
+                pieces["w"].append(pieces["w"][0])
+            with pytest.raises(CheckpointError) as info:
+                save_slices(path, pieces)
+            box = last[0][0]
+            assert str(info.value) == (f"saving checkpoint {path!r}: nothing was written, group rank {n - 1} gives "
+                                       f"the box at offset {box.offset} of shape {box.shape} of 'w' twice (as its "
+                                       f"pieces 0 and {len(last)})")
+            assert not os.path.exists(path)
+
+        collectively(mpi_world, twice)

@@ -1,9 +1,10 @@
 """Checkpoints saved in the background: copy the state to host memory, return, write in a thread.
 
-``AsyncCheckpointer(group)`` has the saves of ``io`` and ``directory`` with the
-same files and the same guarantees, but each ``save`` returns as soon as the
-state is copied: encoding (a sha256 per array), writing, fsync and the atomic
-rename run in a writer thread while training goes on.
+``AsyncCheckpointer(group)`` has the saves of ``io``, ``directory``, ``sharded``
+and ``sliced`` with the same files and the same guarantees, but each save
+returns as soon as the state is copied: encoding (a sha256 per array),
+writing, fsync and the atomic rename run in a writer thread while training
+goes on.
 
 [Note: no communication in the writer thread]
 The calling thread keeps issuing collectives on the same groups while a save
@@ -14,7 +15,9 @@ from rank to rank, so the writer thread does local file I/O only: it encodes
 and writes this rank's file (``io.write_file``, ``directory.write_member``)
 and records the outcome. Everything that needs the ranks to agree runs in
 the calling thread, in the calls that are collective: ``save`` (agreeing on
-a directory's temporary name, as the synchronous save does first),
+a directory's temporary name, as the synchronous save does first; for
+``save_slices`` also exchanging the descriptions of the pieces and planning
+who writes which box, so a refused layout raises at the call on every rank),
 ``wait``, ``poll`` (one small all-reduce: has every rank's write ended?),
 ``close``, and the next ``save``, which begins by finishing the last. There
 the ranks share their outcomes, so a failed write raises the same
@@ -24,11 +27,11 @@ directory's index and switch it into place.
 [Note: when a checkpoint becomes visible]
 A file (``save``) is renamed into place by rank 0's writer thread when its
 last byte is synced, without waiting for anyone; the ranks learn whether it
-worked at ``wait``. A directory (``save_per_rank``, ``save_sharded``) appears
-only when it is finished in the calling thread (``wait``, a ``poll`` that
-finds every write ended, ``close`` or the next save), because its index may
-be written only after every rank's file is. Until then it is
-``<path>.tmp-<token>``, which ``latest`` never picks and
+worked at ``wait``. A directory (``save_per_rank``, ``save_sharded``,
+``save_slices``) appears only when it is finished in the calling thread
+(``wait``, a ``poll`` that finds every write ended, ``close`` or the next
+save), because its index may be written only after every rank's file is.
+Until then it is ``<path>.tmp-<token>``, which ``latest`` never picks and
 ``clean_interrupted`` removes; so a process killed at any moment leaves the
 previous checkpoint intact and loadable (the directory protocol of
 ``directory``, the atomic writes of ``io``).
@@ -41,7 +44,8 @@ copy, so the encoder copies nothing more). A copy is needed because the
 caller may change or free its arrays as soon as ``save`` returns; states that
 are fresh copies already (``state_dict()``, ``optimizer.state_dict()``) can
 skip it with ``copy=False``. Device (cupy) arrays are always copied to the
-host, in the calling thread.
+host, in the calling thread. ``save_slices`` copies only the boxes this rank
+writes (not the replicas a lower rank writes).
 """
 from __future__ import annotations
 
@@ -63,6 +67,7 @@ from .directory import (PER_RANK_FORMAT, begin_directory, put_in_place, rank_fil
 from .format import MAX_DEPTH
 from .io import share_outcome, write_file
 from .sharded import INDEX_FORMAT, shard_file
+from .sliced import prepare_slices
 
 MAX_MESSAGE_BYTES = 4096  # of one rank's error message, when the ranks share them at ``wait``
 
@@ -266,13 +271,62 @@ class AsyncCheckpointer:
                  "units": {u.name: int(u.numel) for u in fsdp.units}, "extra": host_copy(extra)}
         self._start_directory(os.fspath(path), mine, index)
 
-    def _start_directory(self, path: str, mine: Optional[Tuple[str, Any]], index: Any) -> None:
+    def save_slices(self, path: "str | os.PathLike[str]", pieces: Any, extra: Any = None,
+                    copy: bool = True) -> None:
+        """Collective: start saving a ``checkpoint.save_slices`` directory (global arrays in pieces).
+
+        The same checks as the synchronous save, raised alike on every rank
+        before anything is written (and no save is then in flight), and the
+        same directory, loadable by ``load_slices`` under any layout. The
+        description exchange and the plan run here, in the calling thread;
+        the boxes this rank writes are then copied to host memory and its
+        file is written by the writer thread. The index and the switch into
+        place come when the save is finished (``wait``, ``poll``, ``close``,
+        the next save).
+
+        Args:
+            path: the checkpoint directory; replaced when the save is finished.
+            pieces: as ``checkpoint.save_slices`` takes them (a ``(Box,
+                array)`` or a list of them per name); free to change once
+                this returns.
+            extra: shared plain state (group rank 0's goes into the index).
+            copy: False if the numpy arrays are fresh copies nobody changes
+                (cupy arrays are always copied to the host).
+
+        Raises:
+            CheckpointError: on every rank, if the previous save failed, a
+                piece or the layout is refused (as ``save_slices``), or the
+                temporary directory cannot be created.
+        """
+        self.wait()
+        pg = self.group
+        path = os.fspath(path)
+        mine, index = prepare_slices(path, pieces, pg, host_copy(extra, copy), copy)
+        failed = None
+        if mine is not None:
+            name, state = mine
+            try:
+                mine = (name, state())  # to host memory, in this thread, before returning
+            except Exception as exc:  # noqa: BLE001 - a collective follows: every rank hears of it at wait
+                failed = CheckpointError(f"saving checkpoint {path!r} failed on group rank {pg.rank}: copying "
+                                         f"its pieces to host memory: {type(exc).__name__}: {exc}")
+        self._start_directory(path, mine, index(), failed)
+
+    def _start_directory(self, path: str, mine: Optional[Tuple[str, Any]], index: Any,
+                         failed: Optional[CheckpointError] = None) -> None:
+        """Agree on the temporary directory and start this rank's write of ``mine`` (``(file name, state)``).
+
+        ``failed``: this rank could not make its state; nothing is written,
+        and ``failed`` is reported at ``wait`` as a failed write would be.
+        """
         pg = self.group
         token = begin_directory(path, pg, None if mine is None else mine[0])
         work = None
-        if mine is not None:
+        if mine is not None and failed is None:
             work = functools.partial(write_member, path, token, pg.rank, *mine)
         self._save = _Save(path, pg, work, token=token, index=index)
+        if failed is not None:  # no thread was started to set it
+            self._save.outcome = failed
 
     def poll(self) -> bool:
         """Collective: finish the save in flight if every rank's write has ended; never blocks on a write.
