@@ -17,7 +17,8 @@ layout computes the same losses as one process from the same ``--seed``.
 Rank 0 shows the loss as it goes and ends with exactly one ``final loss``
 line (the last step's training loss, printed with repr), one ``held-out
 loss`` line and the tokens per second. ``--save DIR`` writes a checkpoint
-that loads under any other layout (``--resume DIR``); ``--plot PREFIX``
+(every ``--save-every`` steps in the background, and at the end) that loads
+under any other layout, FSDP's included (``--resume DIR``); ``--plot PREFIX``
 writes ``PREFIX-loss.png`` (train and held-out loss) and, with P > 1,
 ``PREFIX-pipeline.png`` (the Gantt chart of the last step).
 """
@@ -31,7 +32,7 @@ import numpy as np
 
 import axonhpc as ax
 from axonhpc import optim
-from axonhpc.checkpoint import load_model_slices, save_model_slices
+from axonhpc.checkpoint import AsyncCheckpointer, load_model_slices, save_model_slices
 from axonhpc.data import TextCorpus, TextWindows
 
 
@@ -159,12 +160,11 @@ def main(argv=None):
                            checkpoint_activations=args.checkpoint_activations,
                            device=None if args.device == "cpu" else "cuda")
     opt = optim.AdamW(model.parameters(), lr=args.lr)
-    if (args.save or args.resume) and args.fsdp:
-        sys.exit("train_gpt: --save and --resume store the model by whole-model slices, which FSDP's flat shards do "
-                 "not map to yet; run without --fsdp (or use ax.checkpoint.save_sharded for FSDP alone)")
+    writer = AsyncCheckpointer() if args.save else None  # --save-every writes in the background
     first_step = 0
     if args.resume:
         first_step = int(load_model_slices(args.resume, model.parameter_boxes(), opt)["step"])
+        model.step = first_step  # dropout masks are keyed by the step
         if main_rank:
             print(f"resumed from {args.resume} at step {first_step}", flush=True)
     n_params = int(sum(p.data.size for p in ax.nn.GPT(corpus.vocab_size, args.context, args.width, args.heads,
@@ -191,12 +191,15 @@ def main(argv=None):
         if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.steps:
             held_curve.append((step + 1, held_out_loss(model, held, eval_batches)))
         if args.save and args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.steps:
-            save_model_slices(args.save, model.parameter_boxes(), opt, extra={"step": step + 1})
+            save_model_slices(args.save, model.parameter_boxes(), opt, extra={"step": step + 1}, writer=writer)
+        elif writer is not None:
+            writer.poll()  # put a finished background save in place (one small all-reduce while one is in flight)
     seconds = time.perf_counter() - start
     peak = np.array([model.peak_activation_bytes], dtype=np.int64)  # the last step's, the largest over the ranks
     ax.all_reduce(peak, ax.ReduceOp.MAX)
     if args.save:
-        save_model_slices(args.save, model.parameter_boxes(), opt, extra={"step": args.steps})
+        save_model_slices(args.save, model.parameter_boxes(), opt, extra={"step": args.steps}, writer=writer)
+        writer.wait()
     held_loss = held_out_loss(model, held, eval_batches)
     held_curve.append((args.steps, held_loss))
     timelines = ax.gather_timelines(model.pipeline) if (args.plot and model.pipeline is not None

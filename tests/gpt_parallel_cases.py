@@ -34,8 +34,9 @@ def reference(data, eval_batch, **config):
     opt = optim.AdamW(model.parameters(), lr=LR)
     loss_fn = nn.CrossEntropyLoss()
     losses = []
-    for x, y in data:
+    for step, (x, y) in enumerate(data):
         opt.zero_grad()
+        nn.key_dropout_by_sample(model, step)  # as ParallelGPT keys its parts
         losses.append(loss_fn(model(x), y))
         model.backward(loss_fn.backward())
         opt.step()
@@ -70,24 +71,27 @@ def relative_error(got, want):
 def slices_match(model, dense_params, atol=1e-9):
     """Every local parameter equals its slice of the one-process model's (after training): the worst difference."""
     worst = 0.0
-    gathered = model.engine.gather_parameters() if model.fsdp else None  # FSDP keeps only shards between steps
-    for name, (shape, offset, p) in model.parameter_boxes().items():
+    for name, entry in model.parameter_boxes().items():
+        shape, offset, p = entry[:3]
         full = dense_params[name].data
         assert full.shape == shape, (name, full.shape, shape)
-        index = tuple(slice(o, o + k) for o, k in zip(offset, p.data.shape))
-        worst = max(worst, float(np.max(np.abs(full[index] - p.data))))
-    if gathered is not None:
-        model.engine.reshard_parameters()
+        if len(entry) == 4:  # FSDP: a range of the flattened block sits in the flat shard
+            local_shape, start, stop, at = entry[3]
+            block = full[tuple(slice(o, o + k) for o, k in zip(offset, local_shape))]
+            got, want = p.data[at:at + stop - start], block.ravel()[start:stop]
+        else:
+            got, want = p.data, full[tuple(slice(o, o + k) for o, k in zip(offset, p.data.shape))]
+        worst = max(worst, float(np.max(np.abs(want - got))))
     assert worst < atol, worst
     return worst
 
 
-def check_layout(world, dp, tp, pp, **options):
+def check_layout(world, dp, tp, pp, config=None, **options):
     """Losses, held-out loss and parameters of one layout against the one-process run."""
     data = batches()
     eval_batch = batches(1, seed=99)[0]
-    ref_losses, ref_held, ref_params = reference(data, eval_batch)
-    losses, held, model = parallel_run(world, dp, tp, pp, data, eval_batch, **options)
+    ref_losses, ref_held, ref_params = reference(data, eval_batch, **(config or {}))
+    losses, held, model = parallel_run(world, dp, tp, pp, data, eval_batch, config=config, **options)
     assert relative_error(losses, ref_losses) < RTOL, (dp, tp, pp, losses, ref_losses)
     assert relative_error([held], [ref_held]) < RTOL, (dp, tp, pp, held, ref_held)
     slices_match(model, ref_params)

@@ -19,15 +19,20 @@ DATA = batches(STEPS)
 
 
 def train(layout, start, stop, save=None, load=None, config=None):
-    """Steps [start, stop) on ``layout`` (threads), after loading ``load``; returns the losses (rank 0's)."""
-    dp, tp, pp = layout
+    """Steps [start, stop) on ``layout`` (threads), after loading ``load``; returns the losses (rank 0's).
+
+    ``layout`` is (dp, tp, pp), or (dp, tp, 1, "fsdp") to shard over dp with FSDP.
+    """
+    dp, tp, pp = layout[:3]
+    fsdp = layout[3:] == ("fsdp",)
 
     def fn(world):
         mesh = world.mesh(dp=dp, tp=tp, pp=pp)
-        model = ax.ParallelGPT(mesh, **dict(CONFIG, **(config or {})), num_microbatches=pp)
+        model = ax.ParallelGPT(mesh, **dict(CONFIG, **(config or {})), num_microbatches=pp, fsdp=fsdp)
         opt = optim.AdamW(model.parameters(), lr=LR)
         if load is not None:
             assert load_model_slices(load, model.parameter_boxes(), opt) == {"step": start}
+            model.step = start  # dropout masks are keyed by the step
         b, d = GLOBAL_BATCH // dp, mesh.coords.dp
         losses = []
         for x, y in DATA[start:stop]:
@@ -47,6 +52,11 @@ def train(layout, start, stop, save=None, load=None, config=None):
     ((1, 1, 1), (1, 1, 4)),
     ((1, 1, 3), (2, 2, 1)),
     ((4, 1, 1), (1, 3, 1)),
+    ((2, 1, 1, "fsdp"), (1, 2, 2)),
+    ((1, 2, 2), (3, 1, 1, "fsdp")),
+    ((3, 1, 1, "fsdp"), (2, 2, 1, "fsdp")),
+    ((2, 2, 1, "fsdp"), (1, 1, 1, "fsdp")),
+    ((4, 1, 1, "fsdp"), (1, 1, 1)),
 ], ids=str)
 def test_resuming_on_another_layout_continues_as_an_uninterrupted_run(tmp_path, saved, resumed):
     path = str(tmp_path / "ckpt")
@@ -54,6 +64,15 @@ def test_resuming_on_another_layout_continues_as_an_uninterrupted_run(tmp_path, 
     first = train(saved, 0, SAVE_AT, save=path)
     rest = train(resumed, SAVE_AT, STEPS, load=path)
     assert relative_error(first + rest, uninterrupted) < 1e-10, (first + rest, uninterrupted)
+
+
+def test_with_dropout_a_run_resumed_on_another_layout_draws_the_uninterrupted_masks(tmp_path):
+    path, config = str(tmp_path / "ckpt"), dict(dropout=0.25)
+    uninterrupted = train((1, 2, 2), 0, STEPS, config=config)
+    first = train((2, 1, 1, "fsdp"), 0, SAVE_AT, save=path, config=config)
+    rest = train((1, 2, 2), SAVE_AT, STEPS, load=path, config=config)
+    assert relative_error(first + rest, uninterrupted) < 1e-10, (first + rest, uninterrupted)
+    assert relative_error(uninterrupted, train((1, 2, 2), 0, STEPS)) > 1e-3  # the masks did drop something
 
 
 def test_a_checkpoint_of_any_layout_is_the_whole_model_for_one_process(tmp_path):
@@ -113,7 +132,7 @@ def _example(n, args, cwd):
     return float(finals[0].split()[-1]), out.stdout
 
 
-def test_the_example_resumes_a_tp_pp_checkpoint_in_one_process(tmp_path):
+def test_the_example_resumes_tp_pp_and_fsdp_checkpoints_in_one_process(tmp_path):
     small = ["--layers", "2", "--width", "32", "--heads", "4", "--context", "16", "--batch", "8", "--dtype", "float64",
              "--max-bytes", "200000", "--eval-batches", "1"]
     uninterrupted, _ = _example(1, small + ["--steps", "6"], tmp_path)
@@ -123,4 +142,9 @@ def test_the_example_resumes_a_tp_pp_checkpoint_in_one_process(tmp_path):
     assert (tmp_path / "pics" / "run-pipeline.png").stat().st_size > 0
     resumed, text = _example(1, small + ["--steps", "6", "--resume", "ck"], tmp_path)
     assert "resumed from ck at step 3" in text
+    assert abs(resumed - uninterrupted) <= 1e-10 * abs(uninterrupted)
+    # FSDP's flat shards, saved in the background every step, resume in one process as well.
+    _example(2, small + ["--steps", "4", "--dp", "2", "--fsdp", "--save", "fsdp-ck", "--save-every", "1"], tmp_path)
+    resumed, text = _example(1, small + ["--steps", "6", "--resume", "fsdp-ck"], tmp_path)
+    assert "resumed from fsdp-ck at step 4" in text
     assert abs(resumed - uninterrupted) <= 1e-10 * abs(uninterrupted)

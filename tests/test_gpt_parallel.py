@@ -43,6 +43,39 @@ def test_fsdp_with_tensor_parallel_and_checkpointing_on_mpi_ranks(mpi_world):
     collectively(mpi_world, lambda: check_layout(mpi_world, n // tp, tp, 1, fsdp=True, checkpoint_activations=True))
 
 
+@pytest.mark.parametrize("layout,options", [
+    ((1, 1, 1), dict(microbatches=3)),
+    ((2, 2, 1), {}),
+    ((2, 1, 2), dict(schedule="gpipe", microbatches=3)),
+    ((1, 2, 2), dict(checkpoint_activations=True)),
+    ((3, 1, 1), dict(fsdp=True)),
+    ((1, 1, 2), dict(schedule="interleaved_1f1b", stages_per_rank=2, microbatches=2)),
+], ids=str)
+def test_dropout_draws_the_one_process_masks_on_every_layout(layout, options):
+    dp, tp, pp = layout
+    config = dict(dropout=0.3)
+    ax.run_local(lambda world: check_layout(world, dp, tp, pp, config=config, **options), world_size=dp * tp * pp)
+
+
+def test_dropout_masks_depend_on_the_sample_not_on_the_rank():
+    x = batches(1)[0][0]
+
+    def fn(world):
+        model = ax.ParallelGPT(world.mesh(dp=2, tp=2), **dict(CONFIG, dropout=0.5))
+        nn.key_dropout_by_sample(model.module, 0, 0)  # every rank the same samples, keyed alike
+        logits = model.engine(x)
+        model.module.stash_activations()
+        return logits
+
+    outs = ax.run_local(fn, world_size=4)
+    assert all(np.array_equal(outs[0], o) for o in outs[1:])
+    one = nn.GPT(**dict(CONFIG, dropout=0.5))
+    nn.key_dropout_by_sample(one, 0, 0)
+    np.testing.assert_allclose(one(x), outs[0], rtol=1e-12)
+    nn.key_dropout_by_sample(one, 1, 0)
+    assert not np.allclose(one(x), outs[0])  # another step: other masks
+
+
 def test_activation_checkpointing_is_bit_identical_and_holds_less():
     data, held = batches(), batches(1, seed=99)[0]
 

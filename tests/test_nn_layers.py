@@ -127,6 +127,42 @@ def test_dropout_identity_in_eval_and_edge_probabilities():
             nn.Dropout(p)
 
 
+def test_dropout_keyed_by_sample_ignores_how_the_rows_are_split():
+    x = np.ones((12, 4, 6))
+    whole, split = nn.Dropout(0.4, seed=5), nn.Dropout(0.4, seed=5)
+    whole.key_by_sample(7)
+    split.key_by_sample(7, first_row=0)
+    parts = [split(x[:5]), split(x[5:9]), split(x[9:])]  # micro-batches, in order
+    np.testing.assert_array_equal(whole(x), np.concatenate(parts))
+    other = nn.Dropout(0.4, seed=5)
+    other.key_by_sample(7, first_row=9)  # another rank holding rows 9..11
+    np.testing.assert_array_equal(other(x[9:]), parts[2])
+    whole.key_by_sample(8)
+    assert not np.array_equal(whole(x), np.concatenate(parts))  # another step, other masks
+    assert abs((parts[0] == 0).mean() - 0.4) < 0.1
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ConfigurationError, match="non-negative int"):
+            whole.key_by_sample(bad)
+    whole.manual_seed(5)  # back to the plain sequence of masks
+    np.testing.assert_array_equal(whole(x), nn.Dropout(0.4, seed=5)(x))
+
+
+def test_activation_checkpointing_replays_keyed_dropout_masks():
+    rng = np.random.default_rng(0)
+    x, g = rng.standard_normal((6, 8)), rng.standard_normal((6, 8))
+
+    def run(wrap):
+        block = nn.Sequential(nn.Linear(8, 8, dtype=np.float64, seed=1), nn.Dropout(0.5, seed=2))
+        model = nn.checkpoint(block) if wrap else block
+        nn.key_dropout_by_sample(model, 3, 10)
+        out = model(x)
+        return out, model.backward(g)
+
+    (y0, g0), (y1, g1) = run(False), run(True)
+    np.testing.assert_array_equal(y0, y1)
+    np.testing.assert_array_equal(g0, g1)
+
+
 # ---------------------------------------------------------------- LayerNorm, Embedding
 
 def test_layernorm_normalises_trailing_axes():

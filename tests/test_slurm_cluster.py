@@ -130,3 +130,22 @@ def test_requeue_on_the_notice_resumes_from_the_checkpoint(cluster, tmp_path):
     assert "got SIGUSR1" in logs and "requeueing" in logs and "restart 1" in logs, logs
     assert "resuming from" in logs and "final test accuracy" in logs, logs
     assert fields["Restarts"] == "1", fields
+
+
+def test_the_transformer_page_job_runs_3d_parallel_and_saves_a_layout_free_checkpoint(cluster, tmp_path):
+    # docs/transformer.md "On SLURM", on the one node this cluster has (4 tasks instead of 2 nodes x 2).
+    small = ["--layers", "2", "--width", "32", "--heads", "4", "--context", "16", "--batch", "8", "--max-bytes",
+             "200000", "--eval-batches", "1"]
+    ckpt = tmp_path / "ckpt" / "gpt"
+    script = slurm.render("multinode", ["--nodes", "1", "--tasks-per-node", "4", "--time", "00:10:00", "--no-resume",
+                                        *_common(tmp_path)],
+                          ["examples/train_gpt.py", "--tp", "2", "--pp", "2", "--steps", "3", "--save", str(ckpt),
+                           *small])
+    job = cluster.submit(script, str(tmp_path))
+    fields = job.wait()
+    logs = job.logs()
+    assert fields["JobState"] == "COMPLETED" and fields["ExitCode"] == "0:0", logs
+    assert "on dp=1 x tp=2 x pp=2 = 4 rank(s)" in logs, logs
+    assert sum(line.startswith("final loss ") for line in logs.splitlines()) == 1, logs
+    arrays, extra = checkpoint.read_full(str(ckpt))
+    assert extra["user"] == {"step": 3} and "model/blocks.1.mlp.0.weight" in arrays, sorted(arrays)[:8]

@@ -1,27 +1,34 @@
 """A model and its optimizer as global arrays in pieces: saved under one parallel layout, resumed under another.
 
 [Note: what is stored]
-``save_model_slices`` takes, on every rank, the ``boxes`` of the parameters
-it holds (whole-model name -> (global shape, offset, Parameter), e.g.
-``ParallelGPT.parameter_boxes()``) and writes, through ``save_slices``:
+``save_model_slices`` takes, on every rank, the ``boxes`` of the values its
+optimizer updates (e.g. ``ParallelGPT.parameter_boxes()``): a whole-model
+name -> ``(global shape, offset, Parameter)`` when the Parameter is a block
+of the global array, or ``(global shape, offset, Parameter, (local shape,
+start, stop, at))`` when a flat Parameter (FSDP's shard) holds elements
+``[start, stop)`` of the C-order flattening of the block of ``local shape``
+at ``offset``, as ``Parameter.data[at:at + stop - start]``. Such a range is
+cut into the boxes of the global array it covers (``flat_range_boxes``). It
+writes, through ``save_slices``:
 
-- ``model/<name>``: each parameter's piece;
+- ``model/<name>``: each parameter's pieces;
 - ``optimizer/<key>/<name>``: each array of the optimizer's per-parameter
-  state (Adam's ``exp_avg``, ``exp_avg_sq``) with the parameter's box, since
+  state (Adam's ``exp_avg``, ``exp_avg_sq``) cut as the parameter is, since
   it is element-wise like the parameter; a scalar of that state (Adam's
   ``step``) as a 0-d array, replicated.
 
 The optimizer's class, hyperparameters and state keys go into the index
 (``extra["optimizer"]``), with the caller's ``extra``. A load under any other
-layout asks for the boxes it now holds and gets exactly those values, so
-the parameters and the optimizer continue where the saved run stopped. The
-optimizer must update the same Parameters the boxes name (not FSDP's flat
-shards: ``ParallelGPT`` with ``fsdp=True`` is refused by its caller).
+layout (FSDP's or not) asks for the pieces it now holds and gets exactly
+those values, written into the Parameters' arrays in place, so the
+parameters and the optimizer continue where the saved run stopped. A flat
+Parameter's elements that no name covers (FSDP's padding) keep their values,
+and their optimizer state is zero.
 """
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, Mapping, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Tuple
 
 import numpy as np
 
@@ -29,22 +36,68 @@ from .._dtypes import array_module
 from ..errors import CheckpointError
 from ..groups import resolve_group
 from .directory import read_index, report
-from .sliced import INDEX_FORMAT, Box, load_slices, save_slices
+from .sliced import INDEX_FORMAT, Box, flat_range_boxes, load_slices, save_slices
 
-Boxes = Mapping[str, Tuple[Tuple[int, ...], Tuple[int, ...], Any]]
+Boxes = Mapping[str, Tuple[Any, ...]]
+Piece = Tuple[Box, Callable[[Any], Any]]  # a block of the global array, and its view in an array shaped like the Parameter
 
 
-def _optimizer_states(boxes: Boxes, optimizer: Any) -> Dict[str, Dict[str, Any]]:
-    """Whole-model name -> the optimizer's state dict of that parameter (every boxed parameter must be in it)."""
+def _whole(array: Any) -> Any:
+    return array
+
+
+def _flat_view(at: int, length: int, shape: Tuple[int, ...]) -> Callable[[Any], Any]:
+    return lambda array: array[at:at + length].reshape(shape)
+
+
+def _pieces(boxes: Boxes) -> Dict[str, Tuple[Any, List[Piece]]]:
+    """Name -> (Parameter, its pieces), every entry checked.
+
+    Raises:
+        CheckpointError: an entry of another form, naming it.
+    """
+    if not isinstance(boxes, Mapping):
+        raise CheckpointError(f"boxes must map whole-model names to (global shape, offset, Parameter[, span]), got "
+                              f"{type(boxes).__name__}")
+    out: Dict[str, Tuple[Any, List[Piece]]] = {}
+    for name, entry in boxes.items():
+        if not isinstance(entry, tuple) or len(entry) not in (3, 4) or not hasattr(entry[2], "data"):
+            raise CheckpointError(f"boxes[{name!r}]: expected (global shape, offset, Parameter) or (global shape, "
+                                  f"offset, Parameter, (local shape, start, stop, at)), got {entry!r:.200}")
+        shape, offset, p = entry[:3]
+        if len(entry) == 3:
+            out[name] = (p, [(Box(shape, offset, p.data.shape), _whole)])
+            continue
+        span = entry[3]
+        if not (isinstance(span, tuple) and len(span) == 4):
+            raise CheckpointError(f"boxes[{name!r}]: the span must be (local shape, start, stop, at), got {span!r}")
+        local_shape, start, stop, at = span
+        block = Box(shape, offset, local_shape)
+        if p.data.ndim != 1 or not 0 <= at <= at + (stop - start) <= p.data.size:
+            raise CheckpointError(f"boxes[{name!r}]: elements [{at}, {at + stop - start}) of a Parameter of shape "
+                                  f"{tuple(p.data.shape)}; a span needs a flat Parameter that holds them")
+        out[name] = (p, [(box, _flat_view(at + a - start, b - a, box.shape))
+                         for box, a, b in flat_range_boxes(block, start, stop)])
+    return out
+
+
+def _as_pieces(pieces: List[Piece], array: Any) -> Any:
+    """``save_slices``'s value for the pieces of ``array``: one ``(Box, view)``, or a list of them."""
+    out = [(box, view(array)) for box, view in pieces]
+    return out[0] if len(out) == 1 else out
+
+
+def _optimizer_states(pieces: Mapping[str, Tuple[Any, List[Piece]]], optimizer: Any) -> Dict[int, Dict[str, Any]]:
+    """``id(Parameter)`` -> the optimizer's state dict of it (every Parameter named must be the optimizer's)."""
     index = {id(p): i for i, p in enumerate(optimizer.params)}
-    missing = [name for name, (_, _, p) in boxes.items() if id(p) not in index]
+    missing = [name for name, (p, _) in pieces.items() if id(p) not in index]
     if missing:
         raise CheckpointError(f"the optimizer does not update parameters {missing[:4]} of the model "
                               f"({len(missing)} in all); build it over the same Parameters")
-    return {name: optimizer.state[index[id(p)]] for name, (_, _, p) in boxes.items()}
+    return {id(p): optimizer.state[index[id(p)]] for p, _ in pieces.values()}
 
 
-def _describe_optimizer(states: Mapping[str, Dict[str, Any]], optimizer: Any) -> Dict[str, Any]:
+def _describe_optimizer(states: Mapping[int, Dict[str, Any]], optimizer: Any) -> Dict[str, Any]:
     keys = sorted({k for state in states.values() for k in state})
     scalars = sorted({k for state in states.values() for k, v in state.items() if not hasattr(v, "shape")})
     hyper = {k: (list(v) if isinstance(v, tuple) else v) for k, v in optimizer.hyperparameters().items()}
@@ -52,37 +105,56 @@ def _describe_optimizer(states: Mapping[str, Dict[str, Any]], optimizer: Any) ->
 
 
 def save_model_slices(path: "str | os.PathLike[str]", boxes: Boxes, optimizer: Any = None, group: Any = None,
-                      extra: Any = None) -> None:
+                      extra: Any = None, writer: Any = None) -> None:
     """Collective: write the model (and optimizer) pieces every rank holds as one layout-free checkpoint.
 
     Args:
         path: the checkpoint directory; replaced atomically if it exists.
-        boxes: whole-model name -> (global shape, offset, Parameter) for every parameter this rank holds.
+        boxes: whole-model name -> where this rank's Parameter holds it (see the module note).
         optimizer: the optimizer over those Parameters, or None.
-        group: every rank that holds a part of the model (None: the default group).
+        group: every rank that holds a part of the model (None: the default group; with
+            ``writer``, the writer's group).
         extra: more plain state (the step, ...); group rank 0's is kept.
+        writer: an ``AsyncCheckpointer``: copy the pieces to host buffers, return, and write
+            them in its thread (in place once ``writer.wait()`` or a later save finishes it).
 
     Raises:
         CheckpointError: on every rank, as ``save_slices`` (the previous checkpoint is then left
-            intact), or when the optimizer does not update a boxed parameter.
+            intact), or when an entry of ``boxes`` is malformed or the optimizer does not update
+            a Parameter named there.
     """
-    pieces: Dict[str, Any] = {f"model/{name}": (shape, offset, p.data) for name, (shape, offset, p) in boxes.items()}
-    described = None
-    if optimizer is not None:
-        states = _optimizer_states(boxes, optimizer)
-        described = _describe_optimizer(states, optimizer)
-        for name, state in states.items():
-            shape, offset, _ = boxes[name]
-            for key, value in state.items():
-                if hasattr(value, "shape"):
-                    pieces[f"optimizer/{key}/{name}"] = (shape, offset, value)
-                else:
-                    pieces[f"optimizer/{key}/{name}"] = ((), (), np.asarray(value))
-    save_slices(path, pieces, group=group, extra={"optimizer": described, "user": extra})
+    problem, pieces, described = None, {}, None
+    try:
+        pieces, described = _save_plan(boxes, optimizer)
+    except CheckpointError as exc:  # malformed boxes: every rank hears of it before anything is sent
+        problem = exc
+    pg = writer.group if writer is not None else resolve_group(group).require_member("checkpoint save_model_slices")
+    report(pg, problem, f"saving checkpoint {os.fspath(path)!r}")
+    extra = {"optimizer": described, "user": extra}
+    if writer is not None:
+        writer.save_slices(path, pieces, extra=extra)
+    else:
+        save_slices(path, pieces, group=pg, extra=extra)
 
 
-def _wanted_optimizer(path: str, boxes: Boxes, optimizer: Any) -> Tuple[Dict[str, Any], Dict[str, Any]]:
-    """The optimizer pieces to ask for, and the saved description (from the index, read locally)."""
+def _save_plan(boxes: Boxes, optimizer: Any) -> Tuple[Dict[str, Any], Any]:
+    """``save_slices``'s pieces of the model and optimizer, and the optimizer's description (or None)."""
+    held = _pieces(boxes)
+    pieces: Dict[str, Any] = {f"model/{name}": _as_pieces(cut, p.data) for name, (p, cut) in held.items()}
+    if optimizer is None:
+        return pieces, None
+    states = _optimizer_states(held, optimizer)
+    for name, (p, cut) in held.items():
+        for key, value in states[id(p)].items():
+            if hasattr(value, "shape"):
+                pieces[f"optimizer/{key}/{name}"] = _as_pieces(cut, value)
+            else:
+                pieces[f"optimizer/{key}/{name}"] = ((), (), np.asarray(value))
+    return pieces, _describe_optimizer(states, optimizer)
+
+
+def _saved_optimizer(path: str, optimizer: Any) -> Dict[str, Any]:
+    """The optimizer description in the index (read locally), checked against ``optimizer``."""
     index, _ = read_index(path, INDEX_FORMAT)
     extra = index.get("extra")
     saved = extra.get("optimizer") if isinstance(extra, dict) else None
@@ -95,24 +167,19 @@ def _wanted_optimizer(path: str, boxes: Boxes, optimizer: Any) -> Tuple[Dict[str
     if not (isinstance(keys, list) and isinstance(scalars, list) and all(isinstance(k, str) for k in keys)):
         raise CheckpointError(f"{path!r}: the index records optimizer keys {keys!r} and scalars {scalars!r}; "
                               f"expected lists of names (a corrupt or crafted index)")
-    _optimizer_states(boxes, optimizer)  # every boxed parameter is the optimizer's
-    wanted = {}
-    for name, (shape, offset, p) in boxes.items():
-        for key in keys:
-            wanted[f"optimizer/{key}/{name}"] = Box((), (), ()) if key in scalars else Box(shape, offset, p.data.shape)
-    return wanted, saved
+    return saved
 
 
 def load_model_slices(path: "str | os.PathLike[str]", boxes: Boxes, optimizer: Any = None,
                       group: Any = None) -> Any:
     """Collective: fill this rank's parameters (and optimizer state) from a ``save_model_slices`` checkpoint.
 
-    The checkpoint may come from any layout of the same model: each rank
-    reads only the files holding the boxes it now needs.
+    The checkpoint may come from any layout of the same model (FSDP's
+    included): each rank reads only the files holding the pieces it now needs.
 
     Args:
         path: the checkpoint directory.
-        boxes: whole-model name -> (global shape, offset, Parameter) for every parameter this rank holds now.
+        boxes: whole-model name -> where this rank's Parameter holds it now (see the module note).
         optimizer: the optimizer over those Parameters (its state and hyperparameters are replaced), or None.
         group: every rank that holds a part of the model (None: the default group).
 
@@ -122,32 +189,40 @@ def load_model_slices(path: "str | os.PathLike[str]", boxes: Boxes, optimizer: A
     Raises:
         CheckpointError: on every rank, as ``load_slices`` (a name, global shape or dtype the
             checkpoint lacks or differs in; nothing is changed then), or for an optimizer of
-            another class than the saved one, or a checkpoint without optimizer state.
+            another class than the saved one, a checkpoint without optimizer state, or a
+            malformed entry of ``boxes``.
     """
     path = os.fspath(path)
     pg = resolve_group(group).require_member("checkpoint load_model_slices")
-    wanted: Dict[str, Any] = {f"model/{name}": (shape, offset, p.data) for name, (shape, offset, p) in boxes.items()}
+    held: Dict[str, Tuple[Any, List[Piece]]] = {}
     saved: Dict[str, Any] = {}
-    if optimizer is not None:
-        problem = None
-        try:
-            more, saved = _wanted_optimizer(path, boxes, optimizer)
-            wanted.update(more)
-        except CheckpointError as exc:
-            problem = exc
-        report(pg, problem, f"loading checkpoint {path!r}")  # before the collective load, on every rank
+    fresh: Dict[int, Dict[str, Any]] = {}  # id(Parameter) -> its new optimizer state, filled by the load
+    wanted: Dict[str, Any] = {}
+    problem = None
+    try:
+        held = _pieces(boxes)
+        wanted = {f"model/{name}": _as_pieces(cut, p.data) for name, (p, cut) in held.items()}
+        if optimizer is not None:
+            saved = _saved_optimizer(path, optimizer)
+            _optimizer_states(held, optimizer)  # every named Parameter is the optimizer's
+            for name, (p, cut) in held.items():
+                state = fresh.setdefault(id(p), {key: array_module(p.data).zeros_like(p.data)
+                                                 for key in saved["keys"] if key not in saved["scalars"]})
+                for key in saved["keys"]:
+                    wanted[f"optimizer/{key}/{name}"] = (Box((), (), ()) if key in saved["scalars"]
+                                                         else _as_pieces(cut, state[key]))
+    except CheckpointError as exc:
+        problem = exc
+    report(pg, problem, f"loading checkpoint {path!r}")  # before the collective load, on every rank
     arrays, extra = load_slices(path, wanted, group=pg)
     if optimizer is not None:
-        states = _optimizer_states(boxes, optimizer)
-        for name, state in states.items():
-            p = boxes[name][2]
-            state.clear()
-            for key in saved["keys"]:
-                value = arrays[f"optimizer/{key}/{name}"]
-                if key in saved["scalars"]:
-                    state[key] = value.item()
-                else:
-                    state[key] = array_module(p.data).asarray(value).astype(p.data.dtype, copy=False)
+        states = _optimizer_states(held, optimizer)
+        for pid, state in fresh.items():
+            states[pid].clear()
+            states[pid].update(state)
+        for name, (p, _) in held.items():
+            for key in saved["scalars"]:
+                states[id(p)][key] = arrays[f"optimizer/{key}/{name}"].item()
         for key, value in saved["hyperparameters"].items():
             setattr(optimizer, key, tuple(value) if isinstance(value, list) else value)
     return extra.get("user") if isinstance(extra, dict) else None

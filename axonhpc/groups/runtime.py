@@ -157,7 +157,8 @@ def run_local(fn: Callable[[World], Any], world_size: int = 2) -> List[Any]:
 
     Raises:
         The first exception of the lowest failing rank (the others are woken
-        with an error rather than left waiting).
+        with an error rather than left waiting); what the other failing ranks
+        raised is added to it as notes, since the root cause may be theirs.
     """
     from ..backends.local import LocalAbort, LocalBackend
 
@@ -184,5 +185,11 @@ def run_local(fn: Callable[[World], Any], world_size: int = 2) -> List[Any]:
     primary = [e for e in errors if e is not None and not isinstance(e, LocalAbort)]
     failed = primary or [e for e in errors if e is not None]
     if failed:
-        raise failed[0]
+        first = failed[0]
+        for rank, exc in enumerate(errors):
+            if exc is not None and exc is not first and not isinstance(exc, LocalAbort):
+                where = traceback.extract_tb(exc.__traceback__)[-1:] if exc.__traceback__ else []
+                at = f" (at {where[0].filename}:{where[0].lineno})" if where else ""
+                first.add_note(f"rank {rank} raised {type(exc).__name__}: {exc}{at}")
+        raise first
     return results

@@ -15,7 +15,7 @@ from .activation import GELU, ReLU, Tanh
 from .attention import MultiHeadAttention
 from .checkpointing import Checkpoint, cached_nbytes, checkpoint
 from .container import Sequential
-from .dropout import Dropout
+from .dropout import Dropout, key_dropout_by_sample
 from .embedding import Embedding
 from .linear import Linear
 from .loss import CrossEntropyLoss, MSELoss
@@ -35,6 +35,7 @@ __all__ = [
     "GELU",
     "Tanh",
     "Dropout",
+    "key_dropout_by_sample",
     "LayerNorm",
     "Embedding",
     "MultiHeadAttention",

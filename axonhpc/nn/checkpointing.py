@@ -70,7 +70,7 @@ class Checkpoint(Module):
 
     def forward(self, x: Any) -> Any:
         """Run the inner module, then keep only ``x`` and the Dropout generators' starting states."""
-        states = [d._rng.bit_generator.state for d in self._dropouts()]
+        states = [d.rng_state() for d in self._dropouts()]
         out = self.module(x)
         for m in self.module.modules():
             object.__setattr__(m, "_cache", None)
@@ -81,14 +81,14 @@ class Checkpoint(Module):
         """Recompute the inner forward with the saved generators, then backpropagate through it."""
         x, states = self._pop_cache()
         dropouts = self._dropouts()
-        current = [d._rng.bit_generator.state for d in dropouts]
+        current = [d.rng_state() for d in dropouts]
         for d, state in zip(dropouts, states):
-            d._rng.bit_generator.state = state
+            d.set_rng_state(state)
         try:
             self.module(x)
         finally:
             for d, state in zip(dropouts, current):
-                d._rng.bit_generator.state = state
+                d.set_rng_state(state)
         return self.module.backward(grad_out)
 
 

@@ -1,7 +1,9 @@
 """Dropout with its own seeded generator, so masks are reproducible run to run."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional, Tuple
+
+import numpy as np
 
 from .._dtypes import array_module
 from ..errors import ConfigurationError
@@ -16,7 +18,19 @@ class Dropout(Module):
     Generator (drawn on the host, then moved to the input's device), so a
     given seed produces the same sequence of masks on numpy and cupy. The
     layer cannot know its rank: to give each data-parallel rank its own
-    masks, pass ``seed=base_seed + rank`` (or call ``manual_seed``).
+    masks, pass ``seed=base_seed + rank`` (or call ``manual_seed``), or key
+    the masks by sample (``key_by_sample``).
+
+    [Note: masks keyed by sample]
+    After ``key_by_sample(step, first_row)``, row i of the inputs that follow
+    (counting on from ``first_row`` over the calls, in order) gets the mask
+    of a generator made from (this layer's key, ``step``, ``first_row + i``),
+    so a sample's mask depends only on the step and its place in the global
+    batch: not on how the batch is split into replicas or micro-batches, nor
+    on which rank draws it. That makes a data-, tensor- and pipeline-parallel
+    run draw exactly the masks of one process that keys its one layer the
+    same way, and a run resumed at step s draws the masks of step s. The
+    layer's key is drawn once from its seeded generator, on the first call.
 
     Args:
         p: drop probability in [0, 1].
@@ -33,10 +47,48 @@ class Dropout(Module):
             raise ConfigurationError(f"Dropout probability must be in [0, 1], got {p}")
         self.p = float(p)
         self._rng = _init.make_rng(seed)
+        self._key: Optional[int] = None  # drawn from _rng by the first key_by_sample
+        self._rows: Optional[Tuple[int, int]] = None  # (step, next row) while keyed by sample
 
     def manual_seed(self, seed: _init.SeedLike) -> None:
-        """Restart the mask sequence from ``seed``."""
+        """Restart the mask sequence from ``seed`` (and stop keying masks by sample)."""
         self._rng = _init.make_rng(seed)
+        self._key, self._rows = None, None
+
+    def key_by_sample(self, step: int, first_row: int = 0) -> None:
+        """Draw the masks of the next inputs by sample: row i from (key, ``step``, ``first_row + i``).
+
+        See the class note. Call it before each step's first forward, with
+        the global index of this rank's first sample of the step.
+
+        Raises:
+            ConfigurationError: a negative or non-integer ``step`` or ``first_row``.
+        """
+        for name, value in (("step", step), ("first_row", first_row)):
+            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0:
+                raise ConfigurationError(f"Dropout.key_by_sample: {name} must be a non-negative int, got {value!r}")
+        if self._key is None:
+            self._key = int(self._rng.integers(2 ** 63))
+        self._rows = (int(step), int(first_row))
+
+    def rng_state(self) -> Any:
+        """Everything the next masks depend on (for ``set_rng_state``; activation checkpointing uses it)."""
+        return self._rng.bit_generator.state, self._key, self._rows
+
+    def set_rng_state(self, state: Any) -> None:
+        """Go back to a state ``rng_state`` returned."""
+        self._rng.bit_generator.state, self._key, self._rows = state
+
+    def _keep(self, shape: Tuple[int, ...]) -> np.ndarray:
+        """Where to keep elements of an input of ``shape`` (host booleans), advancing the generator or the rows."""
+        if self._rows is None:
+            return self._rng.random(shape) >= self.p
+        step, row = self._rows
+        rows = shape[0] if shape else 1
+        keep = np.stack([_init.make_rng([self._key, step, row + i]).random(shape[1:]) >= self.p
+                         for i in range(rows)]) if rows else np.zeros(shape, dtype=bool)
+        self._rows = (step, row + rows)
+        return keep.reshape(shape)
 
     def forward(self, x: Any) -> Any:
         """Drop and rescale in training; return ``x`` unchanged in eval or when p == 0."""
@@ -47,7 +99,7 @@ class Dropout(Module):
         if self.p == 1.0:
             scaled_mask = xp.zeros(x.shape, dtype=x.dtype)
         else:
-            keep = self._rng.random(x.shape) >= self.p
+            keep = self._keep(tuple(x.shape))
             scaled_mask = xp.asarray(keep.astype(x.dtype) * (1.0 / (1.0 - self.p))).astype(x.dtype, copy=False)
         self._save_cache(scaled_mask)
         return x * scaled_mask
@@ -60,4 +112,8 @@ class Dropout(Module):
         return f"p={self.p}"
 
 
-__all__ = ["Dropout"]
+def key_dropout_by_sample(module: Module, step: int, first_row: int = 0) -> None:
+    """``Dropout.key_by_sample(step, first_row)`` on every Dropout inside ``module``."""
+    for m in module.modules():
+        if isinstance(m, Dropout):
+            m.key_by_sample(step, first_row)

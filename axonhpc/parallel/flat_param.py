@@ -407,6 +407,23 @@ class FlatUnit:
         """``[start, stop)`` of the master shard inside the unpadded flat parameter."""
         return min(self.start, self.numel), min(self.stop, self.numel)
 
+    def held_spans(self) -> List[Tuple[int, int, int, int]]:
+        """What of each module Parameter this rank's master shard holds.
+
+        Returns:
+            ``(i, start, stop, at)`` per parameter ``i`` of the unit that has
+            elements in the shard: elements ``[start, stop)`` of the C-order
+            flattening of parameter ``i`` (of shape ``layout.shapes[i]``) are
+            ``shard.data[at:at + stop - start]``. Padding is in no span.
+        """
+        lo, hi = self.unpadded_range()
+        spans = []
+        for i, (offset, size) in enumerate(zip(self.layout.offsets, self.layout.sizes)):
+            a, b = max(lo, offset), min(hi, offset + size)
+            if a < b:
+                spans.append((i, a - offset, b - offset, a - self.start))
+        return spans
+
     def persistent_bytes(self) -> Tuple[int, int]:
         """Bytes of the master shard and of its gradient."""
         grad = self.shard.grad

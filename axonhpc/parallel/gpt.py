@@ -30,6 +30,15 @@ names are the whole model's ("blocks.3.attn.q_proj.weight") on every rank.
 ``parameter_boxes`` says where each local array lies in the whole model's
 array of that name, which is what a layout-independent checkpoint needs.
 
+Dropout (``dropout`` > 0) draws its masks by sample (``Dropout.key_by_sample``):
+before each step, every Dropout is keyed with ``step`` (the steps taken)
+and the global index of this replica's first sample, so a sample's mask
+depends only on the step and its place in the global batch. Tensor-parallel
+ranks of a replica draw the same masks for the same replicated activations,
+replicas draw their own samples' masks, and the parity holds with dropout
+too, against one ``nn.GPT`` keyed the same way. A run resumed at step s
+sets ``step = s`` and draws what the uninterrupted run draws.
+
 [Note: the loss of a step]
 ``train_step`` takes this dp rank's share of the global batch and returns
 the mean loss over the global batch on every rank. Each replica's gradient
@@ -41,7 +50,7 @@ gradients as one process up to the order of floating-point sums.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import numpy as np
 
@@ -49,7 +58,8 @@ from ..backends import ReduceOp
 from ..collectives import all_reduce, broadcast
 from ..errors import AxonError, ConfigurationError, ShapeError
 from ..groups import resolve_group
-from ..nn import GELU, Checkpoint, CrossEntropyLoss, cached_nbytes, Dropout, LayerNorm, Module, Sequential, checkpoint
+from ..nn import (GELU, Checkpoint, CrossEntropyLoss, cached_nbytes, Dropout, LayerNorm, Module, Sequential, checkpoint,
+                  key_dropout_by_sample)
 from ..nn import _init
 from ..nn.transformer import GPT, TransformerBlock
 from .ddp import DDP
@@ -194,7 +204,8 @@ def dense_names(module: Module) -> Dict[str, str]:
     return out
 
 
-def parameter_boxes(module: Module) -> Dict[str, Tuple[str, Tuple[int, ...], Tuple[int, ...]]]:
+def parameter_boxes(module: Module, local_shapes: Optional[Mapping[int, Tuple[int, ...]]] = None
+                    ) -> Dict[str, Tuple[str, Tuple[int, ...], Tuple[int, ...]]]:
     """Where each parameter of ``module`` lies in the whole model: name -> (whole-model name, global shape, offset).
 
     A column-parallel layer's weight and bias are its rows of the full ones
@@ -203,6 +214,8 @@ def parameter_boxes(module: Module) -> Dict[str, Tuple[str, Tuple[int, ...], Tup
 
     Args:
         module: a model or a part of one (a ``gpt_part``, a tensor-parallel block).
+        local_shapes: ``id(Parameter)`` -> its shape, for parameters whose
+            ``data`` FSDP has released (None: every ``data`` is in place).
 
     Returns:
         A dict in ``named_parameters`` order.
@@ -215,7 +228,8 @@ def parameter_boxes(module: Module) -> Dict[str, Tuple[str, Tuple[int, ...], Tup
     out = {}
     for name, p in module.named_parameters():
         owner = owners[id(p)]
-        shape, offset = tuple(p.data.shape), (0,) * p.data.ndim
+        shape = tuple(local_shapes[id(p)]) if local_shapes is not None and id(p) in local_shapes else p.data.shape
+        shape, offset = tuple(shape), (0,) * len(shape)
         if isinstance(owner, ColumnParallelLinear):
             start = owner.group.rank * owner.out_features_per_rank
             shape = (owner.out_features,) + shape[1:]
@@ -248,6 +262,8 @@ class ParallelGPT:
         module: this rank's stage (an ``nn.GPT`` part), or with v > 1 its first chunk.
         parts: this rank's stages, in stage order.
         stage_indices: their indices among the P * v stages.
+        step: the training steps taken; dropout masks are keyed by it, so a run
+            resumed at step s sets ``step = s`` (see the module notes).
 
     Raises:
         ConfigurationError: seed None, a size the mesh does not divide, too few blocks for
@@ -270,6 +286,7 @@ class ParallelGPT:
         if not isinstance(num_microbatches, int) or isinstance(num_microbatches, bool) or num_microbatches < 1:
             raise ConfigurationError(f"ParallelGPT num_microbatches must be a positive int, got {num_microbatches!r}")
         self.num_microbatches = num_microbatches
+        self.step = 0
         self.fsdp = bool(fsdp)
         self.stage_indices = list(range(self.pp.rank, num_stages, self.pp.size))
         self.parts = [gpt_part(vocab_size, context, width, heads, layers, stage=s, num_stages=num_stages,
@@ -311,9 +328,30 @@ class ParallelGPT:
             out += [(names[n], p) for n, p in part.named_parameters()]
         return out
 
-    def parameter_boxes(self) -> Dict[str, Tuple[Tuple[int, ...], Tuple[int, ...], Any]]:
-        """Whole-model name -> (global shape, offset, Parameter) of every parameter of this rank's stages."""
-        out = {}
+    def parameter_boxes(self) -> Dict[str, Tuple[Any, ...]]:
+        """Where the values this rank's optimizer updates lie in the whole model (for ``save_model_slices``).
+
+        Returns:
+            Whole-model name -> ``(global shape, offset, Parameter)``: the
+            Parameter is the block of the global array at ``offset``. With
+            ``fsdp=True`` the values are FSDP's flat shards, and a name maps
+            to ``(global shape, offset, shard, (local shape, start, stop,
+            at))``: elements ``[start, stop)`` of the C-order flattening of
+            the block of ``local shape`` at ``offset`` are
+            ``shard.data[at:at + stop - start]``; a name this rank's shards
+            hold nothing of is left out.
+        """
+        out: Dict[str, Tuple[Any, ...]] = {}
+        if self.fsdp:
+            units = self.engine.units
+            shapes = {id(p): tuple(shape) for u in units for p, shape in zip(u.params, u.layout.shapes)}
+            params = dict(self.module.named_parameters())
+            boxes = {id(params[name]): box for name, box in parameter_boxes(self.module, shapes).items()}
+            for unit in units:
+                for i, start, stop, at in unit.held_spans():
+                    dense, shape, offset = boxes[id(unit.params[i])]
+                    out[dense] = (shape, offset, unit.shard, (unit.layout.shapes[i], start, stop, at))
+            return out
         for part in self.parts:
             params = dict(part.named_parameters())
             for name, (dense, shape, offset) in parameter_boxes(part).items():
@@ -359,6 +397,9 @@ class ParallelGPT:
         Raises:
             ShapeError: ``b`` not a multiple of ``num_microbatches``.
         """
+        for part in self.parts:  # the masks of this step's samples (see the module notes)
+            key_dropout_by_sample(part, self.step, self.dp.rank * int(x.shape[0]))
+        self.step += 1
         if self.pipeline is not None:
             loss = self.pipeline.train_step(x, y)
             return self._from_last_stage(loss)
