@@ -206,8 +206,10 @@ def load_model_slices(path: "str | os.PathLike[str]", boxes: Boxes, optimizer: A
             saved = _saved_optimizer(path, optimizer)
             _optimizer_states(held, optimizer)  # every named Parameter is the optimizer's
             for name, (p, cut) in held.items():
-                state = fresh.setdefault(id(p), {key: array_module(p.data).zeros_like(p.data)
-                                                 for key in saved["keys"] if key not in saved["scalars"]})
+                if id(p) not in fresh:  # one state per Parameter (an FSDP shard holds many names)
+                    fresh[id(p)] = {key: array_module(p.data).zeros_like(p.data)
+                                    for key in saved["keys"] if key not in saved["scalars"]}
+                state = fresh[id(p)]
                 for key in saved["keys"]:
                     wanted[f"optimizer/{key}/{name}"] = (Box((), (), ()) if key in saved["scalars"]
                                                          else _as_pieces(cut, state[key]))
