@@ -100,7 +100,7 @@ from ..collectives import all_gather
 from ..errors import CheckpointError
 from ..groups import resolve_group
 from .archive import EntryRefused, open_archive
-from .directory import MAX_WORLD_SIZE, index_int, member_path, read_index, save_directory
+from .directory import MAX_WORLD_SIZE, _as_checkpoint_error, index_int, member_path, read_index, save_directory
 from .format import MAX_META_BYTES, MAX_NDIM, META_ENTRY, decode, parse_meta
 from .io import _agree
 
@@ -938,10 +938,6 @@ def _read_boxes(path: str, requests: Mapping[str, Sequence[Tuple[Optional[Box], 
         for name, key, j, box, common in parts[rank]:
             out[name][j][common.within(wants[name][j])] = arrays[key][common.within(box)]
     return out, index["extra"], digest
-
-
-def _as_checkpoint_error(exc: Exception, what: str) -> CheckpointError:
-    return exc if isinstance(exc, CheckpointError) else CheckpointError(f"{what}: {type(exc).__name__}: {exc}")
 
 
 def load_slices(path: "str | os.PathLike[str]", wanted: Mapping[str, Any], group: Any = None
