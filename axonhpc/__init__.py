@@ -5,6 +5,7 @@ not initialise MPI: that happens in ``ax.init()`` (or at the first collective
 on the default group).
 """
 from . import errors
+from ._version import __version__
 from .backends import LocalBackend, ReduceOp, Work
 from . import collectives as _collectives
 from .collectives import *  # noqa: F401,F403 - the collectives are the top-level API
@@ -12,8 +13,6 @@ from .groups import Mesh, ProcessGroup, World, current_world, init, is_initializ
 from .info import info
 from .log import get_logger
 from .settings import settings
-
-__version__ = "0.1.0"
 
 # Names loaded on first use: the compiled buffers and the model layer.
 _LAZY = {

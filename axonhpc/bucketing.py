@@ -1,8 +1,9 @@
 """Gradient buckets and their synchronisation across a process group.
 
-Re-exports the compiled buffers (``GradientBucket``, ``pack``, ``unpack``,
-shard arithmetic and the flatten/pad/slice helpers) and defines
-``GradientSynchronizer``, which averages gradients through fused buckets:
+Re-exports the compiled buffers of ``axonhpc.buffers`` (``GradientBucket``,
+``pack``, ``unpack``, shard arithmetic and the flatten/pad/slice helpers:
+the API documents them here) and defines ``GradientSynchronizer``, which
+averages gradients through fused buckets:
 pack several gradients into one flat buffer, one all-reduce (mean) per
 bucket, unpack.
 
@@ -36,20 +37,12 @@ import numpy as np
 
 from ._dtypes import check_array
 from .errors import InvalidArgumentError, UnsupportedDtypeError, UsageError
-# Imported as modules of the package: the import-linter (grimp) reads only .py
-# files, and names imported from a compiled module it cannot see are charged
-# to the top-level package, which breaks the layers contract.
-from ._ext import _bucket, _pack, _shard
 from .backends import ReduceOp
+from .buffers import (FlatLayout, FlatOps, GradientBucket, flat_ops_for, flatten_into_padded, pack, padded_size,
+                      shard_bounds, shard_size, shard_view, unflatten, unpack)
+from ._ext import _pack  # as a module: see axonhpc.buffers on the import-linter
 from .collectives import all_reduce
-from .flatbuf import FlatOps, flat_ops_for
 from .groups import resolve_group
-
-GradientBucket = _bucket.GradientBucket
-pack, unpack = _pack.pack, _pack.unpack
-shard_bounds, shard_size, padded_size = _shard.shard_bounds, _shard.shard_size, _shard.padded_size
-FlatLayout, flatten_into_padded = _shard.FlatLayout, _shard.flatten_into_padded
-shard_view, unflatten = _shard.shard_view, _shard.unflatten
 
 
 class GradSyncStrategy(enum.Enum):

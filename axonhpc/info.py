@@ -8,6 +8,7 @@ from typing import Any, Dict
 import numpy as np
 
 from ._dtypes import bfloat16_dtype
+from ._version import __version__
 from .backends.cuda_aware import cuda_aware_mpi
 from .backends.cuda_driver import (
     CUPY_PACKAGES,
@@ -96,8 +97,6 @@ def _device_path() -> Dict[str, Any]:
 
 def info() -> Dict[str, Any]:
     """MPI vendor, version, thread level, CUDA-awareness, CUDA driver, cupy/NCCL, device binding, ranks, nodes."""
-    from . import __version__
-
     facts: Dict[str, Any] = {
         "axonhpc": __version__,
         "python": platform.python_version(),

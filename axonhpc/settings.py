@@ -216,7 +216,7 @@ class Settings:
             the ring across nodes) and DDP's bucket size is not measured, so a
             job gives the same bits run after run (``AXONHPC_DETERMINISTIC``).
         bucket_size_mb: DDP's bucket cap when the DDP call does not give one:
-            "auto" measures it at start-up (``parallel.autotune``), or a number
+            "auto" measures it at start-up (``parallel.ddp.autotune``), or a number
             of MiB (``AXONHPC_BUCKET_SIZE_MB``).
         shm_slot_bytes, shm_slots: the geometry of each rank's segment: a
             message passes through ``shm_slots`` slots of ``shm_slot_bytes``

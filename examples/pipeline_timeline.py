@@ -14,7 +14,7 @@ import numpy as np
 
 import axonhpc as ax
 from axonhpc import nn, optim
-from axonhpc.parallel.trace import gather_timelines, timeline_bubble, write_chrome_trace, write_gantt_png
+from axonhpc.parallel.pipeline.trace import gather_timelines, timeline_bubble, write_chrome_trace, write_gantt_png
 
 
 def main(argv=None):

@@ -12,10 +12,11 @@ import pytest
 import axonhpc as ax
 from axonhpc import nn, optim
 from axonhpc.errors import BackwardBeforeForwardError, ConfigurationError, ShapeError
-from axonhpc.parallel.memory import PipelineMemoryStats
-from axonhpc.parallel.schedules import format_schedule_table, pipeline_schedule
-from axonhpc.parallel.simulate import simulate_pipeline
-from axonhpc.parallel.trace import chrome_trace, gather_timelines, timeline_bubble
+from axonhpc.parallel.pipeline.memory import PipelineMemoryStats
+from axonhpc.parallel.pipeline.render import format_schedule_table
+from axonhpc.parallel.pipeline.schedules import pipeline_schedule
+from axonhpc.parallel.pipeline.simulate import simulate_pipeline
+from axonhpc.parallel.pipeline.trace import chrome_trace, gather_timelines, timeline_bubble
 
 BATCH = 24  # a multiple of every micro-batch count used below
 IN, HIDDEN, CLASSES = 6, 8, 3
@@ -193,8 +194,9 @@ def case_schedule_table(world):
     pipe = ax.Pipeline.from_modules(make_stages(2 * p), num_microbatches=2 * p, schedule="interleaved",
                                     stages_per_rank=2)
     assert pipe.schedule_table() == pipeline_schedule(INTERLEAVED, 2 * p, 2 * p, 2)
-    assert pipe.schedule_table(as_text=True) == format_schedule_table(pipeline_schedule(INTERLEAVED, 2 * p, 2 * p, 2))
-    assert pipe.schedule_table(as_text=True, timed=False).startswith("slot")
+    assert pipe.schedule_text() == format_schedule_table(pipeline_schedule(INTERLEAVED, 2 * p, 2 * p, 2))
+    assert pipe.schedule_text(timed=False).startswith("slot")
+    assert pipe.schedule_text(backward_cost=2) == format_schedule_table(pipe.schedule_table(), backward_cost=2)
     table = pipe.schedule_table()
     table[0].clear()  # a copy: the pipeline's own lists stay intact
     assert len(pipe.schedule_table()[0]) == 2 * (2 * p) * 2

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 import axonhpc as ax
-from axonhpc.parallel.ddp import FIRST_BUCKET_BYTES
+from axonhpc.parallel.ddp.wrapper import FIRST_BUCKET_BYTES
 from ddp_cases import CASES, make_model
 from mpi_assert import collectively
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import axonhpc as ax
-from axonhpc.parallel import autotune
+from axonhpc.parallel.ddp import autotune
 from mpi_assert import collectively
 from settings_override import override
 

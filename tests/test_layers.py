@@ -1,9 +1,10 @@
-"""The layer picture of docs/architecture.md, enforced by import-linter, and public docstrings."""
+"""The layer picture of docs/architecture.md, enforced by import-linter; no import cycles; public docstrings."""
 import inspect
 import os
 import shutil
 import subprocess
 import sys
+import textwrap
 
 import pytest
 
@@ -35,6 +36,91 @@ def test_layer_contract_catches_an_upward_import(tmp_path):
     out = subprocess.run([lint, "--no-cache"], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
     assert out.returncode != 0, out.stdout
     assert "axonhpc.backends.local -> axonhpc.collectives" in out.stdout
+
+
+def import_cycles(package):
+    """The import cycles of ``package``: each strongly connected component of more than one module.
+
+    Built with grimp, as import-linter builds its graph: imports inside
+    functions and under ``TYPE_CHECKING`` count. Returns a list of lines,
+    one a cycle: its modules, then the direct imports between them (with the
+    importing line), so that whoever made the cycle sees where to cut it.
+    (Run on its own in a subprocess too: it imports what it needs itself.)
+    """
+    import grimp
+
+    graph = grimp.build_graph(package, cache_dir=None)
+    # Tarjan's algorithm, iterative (a package's import chains may be deeper than Python's recursion limit).
+    index, low, on_stack, stack, components = {}, {}, set(), [], []
+    for root in sorted(graph.modules):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph.find_modules_directly_imported_by(root))))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            module, targets = work[-1]
+            target = next(targets, None)
+            if target is not None:
+                if target not in index:
+                    index[target] = low[target] = len(index)
+                    stack.append(target)
+                    on_stack.add(target)
+                    work.append((target, iter(sorted(graph.find_modules_directly_imported_by(target)))))
+                elif target in on_stack:
+                    low[module] = min(low[module], index[target])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[module])
+            if low[module] == index[module]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == module:
+                        break
+                if len(component) > 1:
+                    components.append(sorted(component))
+    lines = []
+    for component in sorted(components):
+        edges = []
+        for importer in component:
+            for imported in sorted(graph.find_modules_directly_imported_by(importer) & set(component)):
+                where = ", ".join(str(d["line_number"]) for d in graph.get_import_details(importer=importer,
+                                                                                        imported=imported))
+                edges.append(f"{importer} -> {imported} (line {where})")
+        lines.append(f"{', '.join(component)}: {'; '.join(edges)}")
+    return lines
+
+
+def test_no_import_cycles():
+    """Every dependency inside the package is one-way: no module reaches itself through its imports."""
+    cycles = import_cycles("axonhpc")
+    assert not cycles, f"{len(cycles)} import cycle(s) in axonhpc:\n" + "\n".join(cycles)
+
+
+def test_cycle_check_catches_a_cycle(tmp_path):
+    """The cycle check is live: a backend importing back from a module that imports it must fail it."""
+    src = os.path.join(ROOT, "axonhpc")
+    dst = tmp_path / "axonhpc"
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.so", "__pycache__"))
+    with open(dst / "backends" / "base.py", "a") as f:  # dispatch.py imports base: now base imports dispatch
+        f.write("\nfrom . import dispatch  # a cycle on purpose\n")
+    script = textwrap.dedent(inspect.getsource(import_cycles)) + textwrap.dedent("""
+        import sys
+        cycles = import_cycles("axonhpc")
+        print("\\n".join(cycles))
+        sys.exit(1 if cycles else 0)
+        """)
+    env = dict(os.environ, PYTHONPATH=str(tmp_path))
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path, env=env,
+                         timeout=300)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "axonhpc.backends.base, axonhpc.backends.dispatch:" in out.stdout, out.stdout
+    assert "axonhpc.backends.base -> axonhpc.backends.dispatch" in out.stdout, out.stdout
 
 
 @pytest.mark.parametrize("name", sorted(ax.__all__))

@@ -66,7 +66,7 @@ def test_free_shm_bytes_reads_statvfs(tmp_path):
 @pytest.mark.mpi(min_size=2)
 def test_bucket_size_measurement_falls_back_to_private_memory_when_dev_shm_is_small(mpi_world, monkeypatch):
     """DDP's start-up measurement asks for a 64 MiB window; a small /dev/shm must not stop DDP (issue 18)."""
-    from axonhpc.parallel.autotune import CANDIDATES, measure_bucket_bytes
+    from axonhpc.parallel.ddp.autotune import CANDIDATES, measure_bucket_bytes
 
     pg = mpi_world.default_group
     if not pg.on_one_node or ax.settings.shm_collectives == "off":

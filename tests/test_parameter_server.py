@@ -13,7 +13,7 @@ import axonhpc as ax
 from axonhpc import optim
 from axonhpc.parallel import parameter_server as ps_module
 from axonhpc.parallel.parameter_server import ParameterServer, ParameterServerError, PeerFailedError
-from axonhpc.parallel.staleness import StalenessBound
+from axonhpc.parallel.parameter_server import StalenessBound
 from ddp_cases import make_model
 from mpi_assert import collectively
 from ps_cases import CASES

@@ -1,12 +1,16 @@
-"""Pipeline schedules, their simulator and the closed-form memory/bubble model (no MPI)."""
+"""Pipeline schedules, their simulator, their lowering and the closed-form memory/bubble model (no MPI)."""
+from collections import Counter
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from axonhpc.errors import ConfigurationError
-from axonhpc.parallel.memory import PipelineMemoryStats
-from axonhpc.parallel.schedules import Action, PipelineSchedule, format_schedule_table, pipeline_schedule
-from axonhpc.parallel.simulate import simulate_pipeline
+from axonhpc.parallel.pipeline.lowering import RECV_B, RECV_F, SEND_B, SEND_F, Op, lower_schedule
+from axonhpc.parallel.pipeline.memory import PipelineMemoryStats
+from axonhpc.parallel.pipeline.render import format_schedule_table
+from axonhpc.parallel.pipeline.schedules import Action, PipelineSchedule, pipeline_schedule
+from axonhpc.parallel.pipeline.simulate import simulate_pipeline
 
 GPIPE, ONE_F_ONE_B, INTERLEAVED = PipelineSchedule.GPIPE, PipelineSchedule.ONE_F_ONE_B, PipelineSchedule.INTERLEAVED_1F1B
 
@@ -384,6 +388,54 @@ def test_table_reports_deadlock():
 def test_table_rejects_fractional_costs():
     with pytest.raises(ConfigurationError, match="backward_cost must be a positive int, got 1.5"):
         format_schedule_table(pipeline_schedule(GPIPE, 2, 2), backward_cost=1.5)
+
+
+# --- Lowering: explicit sends and receives -----------------------------------------------------
+
+
+def _messages(steps_by_rank, p):
+    """(kind, receiving stage, micro-batch, src, dst) of every send and of every receive."""
+    sends, recvs = Counter(), Counter()
+    for r, steps in enumerate(steps_by_rank):
+        for step in steps:
+            assert not [op for op in step.waits if op.kind not in (RECV_F, RECV_B)]
+            assert [op.kind for op in step.work[1:]] in ([], [SEND_F], [SEND_B])
+            for op in step.waits:
+                assert op.peer != r
+                sends_to = op.stage - 1 if op.kind == RECV_F else op.stage + 1
+                assert op.peer == sends_to % p
+                recvs[(op.kind[-1], op.stage, op.microbatch, op.peer, r)] += 1
+            for op in step.work[1:]:
+                assert op.peer != r
+                receiving = op.stage + 1 if op.kind == SEND_F else op.stage - 1
+                sends[(op.kind[-1], receiving, op.microbatch, r, op.peer)] += 1
+    return sends, recvs
+
+
+@pytest.mark.parametrize("schedule,p,v,m", [(GPIPE, 1, 1, 3), (ONE_F_ONE_B, 2, 1, 5), (ONE_F_ONE_B, 4, 1, 8),
+                                            (INTERLEAVED, 1, 3, 2), (INTERLEAVED, 2, 2, 4), (INTERLEAVED, 3, 2, 6),
+                                            (INTERLEAVED, 4, 4, 8)])
+def test_lowering_pairs_every_send_with_one_receive(schedule, p, v, m):
+    table = pipeline_schedule(schedule, p * v, m, stages_per_rank=v)
+    steps = [lower_schedule(actions, r, p, p * v) for r, actions in enumerate(table)]
+    for r, rank_steps in enumerate(steps):
+        assert [step.action for step in rank_steps] == table[r]
+        assert all(step.work[0] == Op(step.action.kind, step.action.stage, step.action.microbatch, r)
+                   for step in rank_steps)
+    sends, recvs = _messages(steps, p)
+    assert sends == recvs and set(sends.values()) <= {1}
+    # Consecutive stages live on different ranks unless one rank holds them all.
+    expected = 0 if p == 1 else 2 * m * (p * v - 1)
+    assert sum(sends.values()) == expected
+
+
+def test_lowering_on_the_first_and_last_rank():
+    steps = lower_schedule(pipeline_schedule(ONE_F_ONE_B, 2, 1)[0], 0, 2, 2)
+    assert [(str(step.action), [str(op) for op in step.waits], [str(op) for op in step.work]) for step in steps] == [
+        ("0F0", [], ["0F0", "0SEND_F0"]), ("0B0", ["0RECV_B0"], ["0B0"])]
+    steps = lower_schedule(pipeline_schedule(ONE_F_ONE_B, 2, 1)[1], 1, 2, 2)
+    assert [(str(step.action), [str(op) for op in step.waits], [str(op) for op in step.work]) for step in steps] == [
+        ("1F0", ["1RECV_F0"], ["1F0"]), ("1B0", [], ["1B0", "1SEND_B0"])]
 
 
 # --- Property test ---------------------------------------------------------------------------

@@ -8,9 +8,9 @@ import pytest
 
 import axonhpc as ax
 from axonhpc import nn
-from axonhpc.parallel import trace
-from axonhpc.parallel.schedules import Action, PipelineSchedule, pipeline_schedule
-from axonhpc.parallel.simulate import simulate_pipeline
+from axonhpc.parallel.pipeline import trace
+from axonhpc.parallel.pipeline.schedules import Action, PipelineSchedule, pipeline_schedule
+from axonhpc.parallel.pipeline.simulate import simulate_pipeline
 from pipeline_cases import make_data, make_stages
 
 

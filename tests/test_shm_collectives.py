@@ -256,7 +256,7 @@ def test_ddp_buckets_in_the_window_train_like_plain_buckets(mpi_world, monkeypat
     from axonhpc.backends.shm import engine_in_window
     from ddp_cases import make_data, make_model, shard
 
-    from axonhpc.parallel import ddp as ddp_module
+    from axonhpc.parallel.ddp import wrapper as ddp_module
 
     monkeypatch.setattr(ddp_module, "SHARED_BUCKETS_MIN_BYTES", 0)  # the test model is small
 
@@ -290,7 +290,7 @@ def test_ddp_buckets_in_the_window_train_like_plain_buckets(mpi_world, monkeypat
 def test_fsdp_shards_in_the_window_train_like_private_shards(mpi_world, monkeypatch):
     """FSDP's master shards in the window: gathered with no copy in, updated in place, same training."""
     from axonhpc.backends.shm import engine_in_window
-    from axonhpc.parallel import flat_param
+    from axonhpc.parallel.fsdp import flat_param
     from fsdp_cases import train_fsdp
 
     monkeypatch.setattr(flat_param, "SHARED_SHARDS_MIN_BYTES", 0)  # the test model is small

@@ -89,7 +89,7 @@ def test_parameter_lines_describe_name_dtype_and_shape():
 
 
 def test_a_moved_gradient_refuses_arithmetic_but_not_zeroing():
-    from axonhpc.parallel.flat_param import MovedGradient, moved
+    from axonhpc.parallel.fsdp.flat_param import MovedGradient, moved
 
     marker = np.empty(0, dtype=np.float32).view(MovedGradient)
     marker.message = "use fsdp.parameters()"
@@ -107,7 +107,7 @@ def test_an_fsdp_module_parameter_grad_is_the_marker_after_backward():
     loss_fn = nn.MSELoss()
     loss_fn(fsdp(np.ones((2, 4), np.float32)), np.zeros((2, 3), np.float32))
     fsdp.backward(loss_fn.backward())
-    from axonhpc.parallel.flat_param import moved
+    from axonhpc.parallel.fsdp.flat_param import moved
 
     assert all(moved(p.grad) for p in model.parameters())
     assert all(p.grad is not None and p.grad.size == p.data.size for p in fsdp.parameters())

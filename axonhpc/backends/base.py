@@ -213,6 +213,18 @@ class Backend(abc.ABC):
     def create_group(self, ranks: Sequence[int]) -> Optional["Backend"]:
         """Collective: a backend over these communicator ranks, in this order; None for non-members."""
 
+    def announce(self, seq: int, op: str) -> Optional[Any]:
+        """Tell every peer that this rank entered collective ``seq`` (``op``), before a timed blocking collective.
+
+        A backend that can report arrivals returns an object the waiting loop
+        asks about them (``missing()``, ``elsewhere()``, ``drain()``,
+        ``abandon()``; see ``backends.mpi.Arrivals``), so that a timeout names
+        the ranks that never came. The default reports none: it sends
+        nothing and returns None, and a timeout says the missing ranks are
+        unknown.
+        """
+        return None
+
     def node_layout(self, local_key: Optional[int] = None) -> Tuple[int, int, int, int]:
         """(local_rank, local_size, node_rank, num_nodes) of this rank.
 

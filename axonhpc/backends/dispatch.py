@@ -22,7 +22,7 @@ strategies keep calling ``pg.backend.all_reduce(x, ...)`` unchanged.
 """
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence, Tuple
+from typing import Any, Callable, Optional, Sequence, Tuple
 
 from .._dtypes import is_cupy_array
 from .base import Backend, ReduceOp, Work
@@ -44,9 +44,6 @@ class DeviceDispatchBackend(Backend):
         self.device = make_device(host)
         self.name = f"{host.name}+{self.device.name}"
         self.rank, self.size = host.rank, host.size
-        announce = getattr(host, "announce", None)
-        if announce is not None:
-            self.announce = announce  # the collective layer looks for it (timed collectives)
 
     @property
     def global_ranks(self) -> Tuple[int, ...]:
@@ -94,6 +91,9 @@ class DeviceDispatchBackend(Backend):
         return self._for(buf).recv_now(buf, src, tag, nonblocking)
 
     # -- communicators ------------------------------------------------------------------------
+    def announce(self, seq: int, op: str) -> Optional[Any]:
+        return self.host.announce(seq, op)
+
     def _wrap(self, host: Optional[Backend]) -> Optional["DeviceDispatchBackend"]:
         return None if host is None else DeviceDispatchBackend(host, self._make_device)
 

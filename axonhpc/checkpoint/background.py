@@ -264,7 +264,7 @@ class AsyncCheckpointer:
                                      f"group=fsdp.group")
         self.wait()
         mine = None
-        if fsdp.is_shard_writer:  # sharded_state_dict holds copies (fsdp_state.sharded_state): no second copy
+        if fsdp.is_shard_writer:  # sharded_state_dict holds copies (parallel.fsdp.state.sharded_state): no second copy
             mine = (shard_file(fsdp.shard_rank, fsdp.shard_world_size),
                     host_copy(fsdp.sharded_state_dict(optimizer), copy=False))
         index = {"format": INDEX_FORMAT, "shard_world_size": fsdp.shard_world_size,

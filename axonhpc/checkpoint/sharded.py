@@ -18,7 +18,7 @@ crash leaves the previous checkpoint or the new one, never a mixture.
 
 ``load_sharded(path, fsdp, optimizer)`` reads the index, then on each rank
 only the shard files whose ranges overlap the rank's own shards under the
-current group (see ``parallel.fsdp_state``'s note on resharding), so a
+current group (see ``parallel.fsdp.state``'s note on resharding), so a
 checkpoint saved on N ranks loads on M. The index is checked before it is
 used (``shard_world_size`` an int from 1 to ``MAX_WORLD_SIZE``, ``units`` a
 dict of str to non-negative int) and every file is opened through
@@ -29,7 +29,7 @@ from __future__ import annotations
 import os
 from typing import Any, List, Optional
 
-from ..bucketing import shard_size
+from ..buffers import shard_size
 from ..errors import CheckpointError
 from .directory import MAX_WORLD_SIZE, index_int, member_path, read_index, save_directory
 from .io import _agree, _read

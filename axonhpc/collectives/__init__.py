@@ -1,15 +1,23 @@
-"""Collectives on arrays (also importable as ``axonhpc.comm``)."""
+"""Collectives on arrays (also importable as ``axonhpc.comm``).
+
+The all-reduce users call (``algorithm=``) comes from ``allreduce``, above
+``algorithms``; every other collective from ``core``, below both.
+"""
 from ..backends.base import ReduceOp, Work
-from .compressed import compressed_all_reduce, compressed_reduce_scatter
-from .shm_path import shared_memory_array
-from .core import (
-    all_gather,
+from .allreduce import (
     all_reduce,
     all_reduce_max,
     all_reduce_mean,
     all_reduce_min,
     all_reduce_product,
     all_reduce_sum,
+    sync_gradient,
+    sync_gradients,
+)
+from .compressed import compressed_all_reduce, compressed_reduce_scatter
+from .shm_path import shared_memory_array
+from .core import (
+    all_gather,
     barrier,
     broadcast,
     gather,
@@ -24,8 +32,6 @@ from .core import (
     reduce_scatter_sum,
     scatter,
     send,
-    sync_gradient,
-    sync_gradients,
 )
 
 __all__ = [

@@ -1,7 +1,9 @@
 """All-reduce algorithms built from the plain collectives: hierarchical (node, then across nodes).
 
 The point-to-point algorithms "ring" and "rhd" live in ``collectives.ring``;
-``run`` dispatches to every non-native algorithm.
+``run`` dispatches to every non-native algorithm. The algorithms import the
+plain collectives of ``collectives.core`` they are built on; the all-reduce
+that users call, and that calls ``run``, is ``collectives.allreduce``'s.
 
 [Note: hierarchical all-reduce]
 On a cluster the links inside a node (shared memory) are far faster than the
@@ -25,7 +27,8 @@ broadcast inside the node.
 The node groups come from the world's node layout (``Split_type(SHARED)``,
 which on a cluster means the host) unless ``ranks_per_node`` forces blocks of
 consecutive group ranks (tests on one machine). They are created on the
-first call for a group, which every rank makes, and kept on the group.
+first call for a group, which every rank makes, and kept on the group
+(``ProcessGroup.node_levels``).
 
 The result equals the flat all-reduce up to the order of the additions
 (exact for integers, MIN and MAX); float16 and bfloat16 are reduced in a
@@ -43,8 +46,10 @@ from ..backends.base import CompletedWork, ReduceOp
 from ..errors import ConfigurationError
 from ..groups import ProcessGroup
 from ..settings import ALGORITHMS, settings
-from .widen import reduce_widened
+from . import agreement
+from .core import _start, all_gather, all_reduce, broadcast, reduce_scatter
 from .ring import rhd_all_reduce, ring_all_reduce
+from .widen import reduce_widened
 
 
 def resolve_algorithm(algorithm: Optional[str]) -> str:
@@ -75,7 +80,7 @@ def node_levels(pg: ProcessGroup, ranks_per_node: Optional[int] = None) -> _Leve
     Raises:
         ConfigurationError: ``ranks_per_node`` does not divide the group size.
     """
-    cache = pg.__dict__.setdefault("_hierarchy", {})
+    cache = pg.node_levels
     if ranks_per_node in cache:
         return cache[ranks_per_node]
     if ranks_per_node is not None:
@@ -86,8 +91,6 @@ def node_levels(pg: ProcessGroup, ranks_per_node: Optional[int] = None) -> _Leve
         color = pg.rank // ranks_per_node
     else:
         color = pg.world.node_rank
-    from .core import all_gather
-
     node = pg.split(color, pg.rank)
     sizes = all_gather(np.array([node.size], dtype=np.int64), pg).reshape(-1)
     uniform = len(set(sizes.tolist())) == 1
@@ -107,8 +110,6 @@ def hierarchical_all_reduce(x: Any, op: ReduceOp, pg: ProcessGroup, ranks_per_no
         pg: the group (every member calls).
         ranks_per_node: force blocks of this many consecutive group ranks as nodes.
     """
-    from .core import all_gather, all_reduce, broadcast, reduce_scatter
-
     levels = node_levels(pg, ranks_per_node)
     xp = array_module(x)
 
@@ -134,7 +135,14 @@ def hierarchical_all_reduce(x: Any, op: ReduceOp, pg: ProcessGroup, ranks_per_no
 
 
 def run(algorithm: str, x: Any, op: ReduceOp, pg: ProcessGroup, async_op: bool) -> Any:
-    """Run a non-native all-reduce; a completed Work when ``async_op``."""
+    """Run a non-native all-reduce of checked ``x`` on member group ``pg``; a completed Work when ``async_op``.
+
+    The call takes one sequence number (and flight record) and is compared
+    across the ranks first, as a native one is; the collectives it is made
+    of then take their own.
+    """
+    label = _start(pg, "all_reduce", x, op)
+    agreement.check(pg, label.seq, "all_reduce", x, label.call[1])
     if algorithm == "hierarchical":
         hierarchical_all_reduce(x, op, pg)
     elif algorithm == "ring":

@@ -1,5 +1,10 @@
 """Collectives on arrays: checks first, then one backend call.
 
+The all-reduce here is the native one (one backend call, or the node's
+shared memory). The algorithms of ``collectives.algorithms`` are built on it,
+and ``collectives.allreduce`` holds the all-reduce users call, which picks
+one of them (``algorithm=``) or this one; neither is imported here.
+
 [Note: what this layer adds over a backend]
 - Every argument is checked before anything is sent (dtype, contiguity,
   writability, ranks, shapes, membership), with the values in the message.
@@ -15,7 +20,7 @@ from __future__ import annotations
 
 import importlib
 import time
-from typing import Any, List, Optional, Sequence
+from typing import Any, Optional
 
 import numpy as np
 
@@ -26,8 +31,8 @@ from ..backends.base import CompletedWork, ReduceOp, Work
 from ..errors import CollectiveTimeoutError, InvalidArgumentError, RankError, ReadOnlyBufferError, ShapeError
 from ..groups import ProcessGroup, resolve_group
 from ..settings import settings
-from . import agreement, algorithms, fingerprint, flight, shm_path, watch
-from .ring import ring_reduce_scatter
+from . import agreement, fingerprint, flight, shm_path, watch
+from .ring import ring_all_reduce, ring_reduce_scatter
 from .widen import divide_average
 
 
@@ -84,8 +89,8 @@ def _run(pg: ProcessGroup, label: _Label, issue, async_op: bool, carried: bool =
     """
     timeout = pg.effective_timeout()
     collective = isinstance(label, _Label)  # point-to-point calls carry a plain text label
-    announce = getattr(pg.backend, "announce", None) if collective and timeout is not None and not async_op else None
-    arrivals = announce(label.seq, label.op) if announce is not None else None
+    arrivals = (pg.backend.announce(label.seq, label.op) if collective and timeout is not None and not async_op
+                else None)
     entry = label.entry if collective else None
     pending = None
     if collective and not carried and async_op and not is_cupy_array(label.call[0]):
@@ -166,20 +171,19 @@ def _reduction(pg: ProcessGroup, x, out, op: ReduceOp, issue_on, result=None):
 
 
 # -- reductions ------------------------------------------------------------------------
-def all_reduce(x, op=ReduceOp.SUM, group: Optional[ProcessGroup] = None, async_op: bool = False,
-               algorithm: Optional[str] = None):
-    """Reduce ``x`` over the group, in place: every rank ends with the result.
+def all_reduce(x, op=ReduceOp.SUM, group: Optional[ProcessGroup] = None, async_op: bool = False):
+    """Reduce ``x`` over the group, in place, natively: one backend call (or the node's shared memory).
+
+    The building block of the algorithms in ``collectives.algorithms``;
+    users call ``ax.all_reduce`` (``collectives.allreduce``), which also
+    takes ``algorithm=``. In deterministic mode across nodes the call runs
+    the ring, whose order of additions is fixed.
 
     Args:
         x: contiguous, writable array of a supported dtype.
         op: a ``ReduceOp`` (or its name). ``AVG`` on integers floors.
         group: the group (None: the current world's default group).
         async_op: return a ``Work`` instead of waiting.
-        algorithm: "native" (one MPI call), "hierarchical" (inside each
-            node, then across nodes; see ``collectives.algorithms``), "ring"
-            or "rhd" (point to point; see ``collectives.ring``); None
-            takes ``ax.settings.allreduce_algorithm``. Every rank must pick
-            the same. Non-native algorithms complete before returning.
 
     Returns:
         None, or a ``Work`` if ``async_op``.
@@ -188,28 +192,31 @@ def all_reduce(x, op=ReduceOp.SUM, group: Optional[ProcessGroup] = None, async_o
         NotAMemberError, UnsupportedDtypeError, NonContiguousBufferError,
         ReadOnlyBufferError, CollectiveTimeoutError.
     """
-    if type(x) is np.ndarray and type(op) is ReduceOp and not async_op and algorithm is None:
+    if type(x) is np.ndarray and type(op) is ReduceOp and not async_op:
         if _all_reduce_plain(x, op, group):
             return None
     op = ReduceOp.parse(op)
     pg = _member(group, "all_reduce")
     check_array(x, "all_reduce buffer", writable=True)
-    chosen = algorithms.resolve_algorithm(algorithm)
+    return checked_all_reduce(x, op, pg, async_op)
+
+
+def checked_all_reduce(x: Any, op: ReduceOp, pg: ProcessGroup, async_op: bool) -> Any:
+    """The native all-reduce's general path, once ``x``, ``op`` and membership of ``pg`` are checked."""
     label = _start(pg, "all_reduce", x, op)
-    backend = pg.backend
-    fixed = shm_path.fixed_order(x, op)  # settings.deterministic, and the order could change the bits
-    node = shm_path.path(pg, x, "all_reduce", reduction=True, any_size=fixed) if chosen == "native" else None
-    if fixed and chosen == "native" and node is None:
-        chosen = "ring"  # no shared memory (several nodes): the ring's order is fixed too
-    if chosen != "native" and pg.size > 1:
-        agreement.check(pg, label.seq, "all_reduce", x, label.call[1])
-        return algorithms.run(chosen, x, op, pg, async_op)
     if pg.size == 1:
         # Every op over one rank is the identity (AVG too: x // 1 == x / 1 == x).
         work = CompletedWork()
         _trace(work, time.perf_counter(), label, True)
         work.wait()  # nothing to wait for: marks it finished (and ends its timeline span)
         return work if async_op else None
+    backend = pg.backend
+    fixed = shm_path.fixed_order(x, op)  # settings.deterministic, and the order could change the bits
+    node = shm_path.path(pg, x, "all_reduce", reduction=True, any_size=fixed)
+    if fixed and node is None:  # no shared memory (several nodes): the ring's order is fixed too
+        agreement.check(pg, label.seq, "all_reduce", x, label.call[1])
+        ring_all_reduce(x, op, pg)
+        return CompletedWork() if async_op else None
     if node is not None and node.fuses(op, x):
         desc = label.desc()
         return _run(pg, label, lambda nb: node.all_reduce(x, x, op, desc), async_op, carried=True)
@@ -237,9 +244,9 @@ def _plain_route(x: Any, group: Optional[ProcessGroup], writable: bool, dtype_ch
     if tracing.EVER_INSTALLED and tracing.active() is not None:
         return None
     pg = resolve_group(group)
-    if pg._backend is None:
+    if pg.member_backend is None:
         return None
-    if shm_backend.ANY_ARRAYS and shm_backend.engine_in_window(pg._backend, x) is not None:
+    if shm_backend.ANY_ARRAYS and shm_backend.engine_in_window(pg.member_backend, x) is not None:
         return None  # the general path works on it where it lies
     engine, backend = shm_path.plain_route(pg)
     if engine is None and backend is None:
@@ -312,31 +319,6 @@ def _result_buffer(x: Any, out: Any, shape: tuple, op: str, what: str) -> Any:
 def _finish(work: Work) -> None:
     if type(work) is not CompletedWork:  # a blocking MPI call is complete on return
         work.wait()
-
-
-def all_reduce_sum(x, group=None, async_op=False):
-    """``all_reduce`` with ``ReduceOp.SUM``."""
-    return all_reduce(x, ReduceOp.SUM, group, async_op)
-
-
-def all_reduce_mean(x, group=None, async_op=False):
-    """``all_reduce`` with ``ReduceOp.AVG`` (sum divided by the group size)."""
-    return all_reduce(x, ReduceOp.AVG, group, async_op)
-
-
-def all_reduce_min(x, group=None, async_op=False):
-    """``all_reduce`` with ``ReduceOp.MIN``."""
-    return all_reduce(x, ReduceOp.MIN, group, async_op)
-
-
-def all_reduce_max(x, group=None, async_op=False):
-    """``all_reduce`` with ``ReduceOp.MAX``."""
-    return all_reduce(x, ReduceOp.MAX, group, async_op)
-
-
-def all_reduce_product(x, group=None, async_op=False):
-    """``all_reduce`` with ``ReduceOp.PRODUCT``."""
-    return all_reduce(x, ReduceOp.PRODUCT, group, async_op)
 
 
 def reduce_scatter(x, op=ReduceOp.SUM, group: Optional[ProcessGroup] = None, async_op: bool = False,
@@ -635,37 +617,7 @@ def irecv(x, src: int, tag: int = 0, group: Optional[ProcessGroup] = None) -> Wo
     return _p2p("irecv", x, src, tag, group, True, writable=True)
 
 
-# -- gradients and facts ----------------------------------------------------------------------
-def sync_gradient(grad, group: Optional[ProcessGroup] = None) -> None:
-    """Average one gradient array over the group, in place."""
-    all_reduce(grad, ReduceOp.AVG, group)
-
-
-def sync_gradients(grads: Sequence, group: Optional[ProcessGroup] = None) -> None:
-    """Average several gradient arrays over the group, in place, one all-reduce per dtype.
-
-    Arrays of one dtype are concatenated into one flat buffer so that many
-    small gradients cost one message (``GradientSynchronizer`` does the same
-    with reusable compiled buckets).
-    """
-    grads = list(grads)
-    for i, g in enumerate(grads):
-        check_array(g, f"gradient {i}", writable=True)
-    pg = _member(group, "sync_gradients")
-    by_dtype: dict = {}
-    for g in grads:
-        by_dtype.setdefault(np.dtype(g.dtype).str + str(type(g)), []).append(g)
-    for key in sorted(by_dtype):
-        same: List = by_dtype[key]
-        xp = array_module(same[0])
-        flat = xp.concatenate([g.reshape(-1) for g in same])
-        all_reduce(flat, ReduceOp.AVG, pg)
-        offset = 0
-        for g in same:
-            g[...] = flat[offset:offset + g.size].reshape(g.shape)
-            offset += g.size
-
-
+# -- facts ------------------------------------------------------------------------------------
 def get_rank(group: Optional[ProcessGroup] = None) -> int:
     """This process's rank in the group (-1 if not a member)."""
     return resolve_group(group).rank

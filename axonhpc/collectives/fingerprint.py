@@ -98,8 +98,7 @@ def check(group, op: str, x: Any = None, reduce: Optional[str] = None, root: Opt
     else:  # a rank that never comes must not hang the exchange: watch it like the collective
         from . import watch
 
-        announce = getattr(group.backend, "announce", None)
-        arrivals = announce(seq, op) if announce is not None else None
+        arrivals = group.backend.announce(seq, op)
         label = f"{op} #{seq} on group {group.name} {list(group.ranks)} (debug fingerprint exchange)"
         watch.wait(side.all_gather(mine, table, async_op=True), timeout, label, arrivals, group)
     prints = [json.loads(bytes(row).rstrip(b"\0").decode()) for row in table]

@@ -13,12 +13,22 @@ same error, or none does.
 from __future__ import annotations
 
 import hashlib
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Protocol, Sequence, Tuple
 
 import numpy as np
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .process_group import ProcessGroup
+    from ..backends.base import Backend
+
+
+class Members(Protocol):
+    """What ``compare`` reads of a group: a ``ProcessGroup``, not imported here (process_group.py imports this)."""
+
+    @property
+    def size(self) -> int: ...
+
+    @property
+    def backend(self) -> "Backend": ...
 
 
 # The most bytes of one rank's arguments shown in a disagreement (the comparison covers all of them).
@@ -31,7 +41,7 @@ def show(values: Sequence[Any]) -> str:
                            for v in values) + "]"
 
 
-def compare(group: "ProcessGroup", ok: bool, text: str, same: bool) -> Optional[List[Tuple[bool, str]]]:
+def compare(group: Members, ok: bool, text: str, same: bool) -> Optional[List[Tuple[bool, str]]]:
     """Compare the arguments of a group-making call across ``group``, before anything else is sent.
 
     Each rank gives whether its arguments passed its local checks and their

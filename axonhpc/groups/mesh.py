@@ -7,8 +7,7 @@ from ..errors import ConfigurationError, GroupMismatchError, InvalidKeyError
 from .agreement import compare, who_passed
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .process_group import ProcessGroup
-    from .world import World
+    from .process_group import ProcessGroup, WorldFacts
 
 DIMENSIONS = ("pp", "dp", "tp")  # slowest to fastest varying
 
@@ -46,7 +45,7 @@ class Mesh:
     with ranks placed node by node a tp group stays inside a node.
     """
 
-    def __init__(self, world: "World", dp: int = 1, tp: int = 1, pp: int = 1):
+    def __init__(self, world: "WorldFacts", dp: int = 1, tp: int = 1, pp: int = 1):
         """Collective over the world: every rank must pass the same sizes (compared first, see ``agreement``).
 
         Raises:
@@ -71,12 +70,10 @@ class Mesh:
         self.coords = mesh_coords(world.rank, dp, tp)
         c = self.coords
         # Every rank takes part in every split, in the same order.
-        self.tp: "ProcessGroup" = world._split_group(world.default_group, c.pp * dp + c.dp, c.tp, name="mesh.tp",
-                                                        trusted=True)
-        self.dp: "ProcessGroup" = world._split_group(world.default_group, c.pp * tp + c.tp, c.dp, name="mesh.dp",
-                                                        trusted=True)
-        self.pp: "ProcessGroup" = world._split_group(world.default_group, c.dp * tp + c.tp, c.pp, name="mesh.pp",
-                                                        trusted=True)
+        world_group = world.default_group
+        self.tp: "ProcessGroup" = world_group.split(c.pp * dp + c.dp, c.tp, name="mesh.tp", trusted=True)
+        self.dp: "ProcessGroup" = world_group.split(c.pp * tp + c.tp, c.dp, name="mesh.dp", trusted=True)
+        self.pp: "ProcessGroup" = world_group.split(c.dp * tp + c.tp, c.pp, name="mesh.pp", trusted=True)
 
     def __getitem__(self, name: str) -> "ProcessGroup":
         if name not in DIMENSIONS:

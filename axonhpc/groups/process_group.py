@@ -1,15 +1,33 @@
-"""ProcessGroup: an ordered set of world ranks with a backend to talk over."""
+"""ProcessGroup: an ordered set of world ranks with a backend to talk over.
+
+[Note: groups below the world]
+``world.py`` imports this module to build the world's groups, so this module
+never imports ``world.py``: a group splits itself (its backend splits, and
+the new group keeps the parent's world), and what it reads of its world is
+spelled out by ``WorldFacts``. ``ProcessGroup.mock()`` needs a whole world,
+so ``world.py`` defines it.
+"""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional, Sequence, Tuple
+from typing import Any, Callable, ClassVar, Dict, Optional, Protocol, Sequence, Tuple
+
+import numpy as np
 
 from ..backends.base import Backend
 from ..backends.shm import engine_for
-from ..errors import NotAMemberError, RankError
+from ..errors import GroupMismatchError, InvalidArgumentError, NotAMemberError, RankError
 from ..settings import settings
+from .agreement import compare
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .world import World
+
+class WorldFacts(Protocol):
+    """What groups and meshes read of the ``World`` that made them (``axonhpc.groups.World`` is one)."""
+
+    rank: int
+    world_size: int
+    node_rank: int
+    node_of: Tuple[int, ...]
+    default_group: "ProcessGroup"
 
 
 class ProcessGroup:
@@ -20,24 +38,31 @@ class ProcessGroup:
     and any collective raises ``NotAMemberError`` at once.
 
     Attributes:
+        world: the world the group belongs to.
         ranks: global ranks of the members, in group-rank order (empty for the
             non-member side of a ``split`` with ``color=None``).
         name: a label used in messages ("world", "mesh.tp", "group[0, 2]").
+        member_backend: the backend on a member, None on a non-member (for
+            callers that must not raise there; ``backend`` raises).
         timeout: seconds a blocking call on this group may wait (None: use
             ``ax.settings.timeout``).
         debug: check every collective on this group across ranks first
             (None: use ``ax.settings.debug``).
     """
 
-    def __init__(self, world: "World", backend: Optional[Backend], ranks: Sequence[int], name: str):
+    # ``ProcessGroup.mock()``: a one-rank group with no MPI at all (defined in world.py, which makes its world).
+    mock: ClassVar[Callable[[], "ProcessGroup"]]
+
+    def __init__(self, world: WorldFacts, backend: Optional[Backend], ranks: Sequence[int], name: str):
         self.world = world
-        self._backend = backend
+        self.member_backend = backend
         self.ranks: Tuple[int, ...] = tuple(int(r) for r in ranks)
         self.name = name
         self.timeout: Optional[float] = None
         self.debug: Optional[bool] = None
         self.seq = 0  # collectives issued on this group by this rank
         self.shm_route: Optional[tuple] = None  # collectives.shm_path.plain_route's cached choice
+        self.node_levels: Dict[Optional[int], Any] = {}  # collectives.algorithms.node_levels's groups, made once
         self._one_node: Optional[bool] = None
         if backend is not None:
             backend.global_ranks = self.ranks
@@ -46,12 +71,12 @@ class ProcessGroup:
     @property
     def is_member(self) -> bool:
         """True on ranks that belong to the group."""
-        return self._backend is not None
+        return self.member_backend is not None
 
     @property
     def rank(self) -> int:
         """This process's rank inside the group, or -1 on a non-member."""
-        return self._backend.rank if self._backend is not None else -1
+        return self.member_backend.rank if self.member_backend is not None else -1
 
     @property
     def size(self) -> int:
@@ -71,7 +96,7 @@ class ProcessGroup:
             NotAMemberError: this rank is not in the group.
         """
         self.require_member("using the group's backend")
-        return self._backend
+        return self.member_backend
 
     def require_member(self, what: str) -> "ProcessGroup":
         """Return self, or raise ``NotAMemberError`` naming ``what`` the caller tried to do.
@@ -79,7 +104,7 @@ class ProcessGroup:
         Raises:
             NotAMemberError: this rank is not in the group.
         """
-        if self._backend is None:
+        if self.member_backend is None:
             raise NotAMemberError(
                 f"{what}: global rank {self.world.rank} is not a member of process group {self.name} "
                 f"(ranks {list(self.ranks)}); only members may call it"
@@ -103,9 +128,9 @@ class ProcessGroup:
         instead of holding the others in ``MPI_Win_allocate_shared``. A group
         made while ``shm_collectives`` is "off" makes it at its first call.
         """
-        if (self._backend is not None and self.size > 1 and settings.shm_collectives != "off"
+        if (self.member_backend is not None and self.size > 1 and settings.shm_collectives != "off"
                 and self.on_one_node):
-            engine_for(self._backend, settings.shm_slot_bytes, settings.shm_slots, True)
+            engine_for(self.member_backend, settings.shm_slot_bytes, settings.shm_slots, True)
         return self
 
     def effective_timeout(self) -> Optional[float]:
@@ -157,21 +182,56 @@ class ProcessGroup:
         return int(rank)
 
     # -- derived groups --------------------------------------------------------
-    def split(self, color: Optional[int], key: int = 0) -> "ProcessGroup":
+    def split(self, color: Optional[int], key: int = 0, *, name: Optional[str] = None,
+              trusted: bool = False) -> "ProcessGroup":
         """Collective over this group: like ``MPI_Comm_split``.
 
         Args:
-            color: members with the same color form one new group; None joins none.
+            color: members with the same color form one new group; None (or a
+                negative number) joins none and gets a non-member group.
             key: orders the ranks inside a new group (ties: by group rank).
+            name: the new group's label in messages (default: one naming
+                the color and this group).
+            trusted: every rank computed ``color`` and ``key`` by one rule
+                (a mesh, the node groups), so the ranks skip comparing them.
+
+        Raises:
+            InvalidArgumentError: ``color`` or ``key`` is not an integer, on
+                every rank when every rank passed such a value.
+            GroupMismatchError: some ranks passed a ``color`` or ``key`` that
+                is not an integer and others did not; raised on every rank,
+                naming those ranks and their values (the ranks check each
+                other's arguments first: one all-gather of three numbers per
+                rank over this group).
+            NotAMemberError: this rank is not in the group.
         """
-        return self.world._split_group(self, color, key)
-
-    @classmethod
-    def mock(cls) -> "ProcessGroup":
-        """A one-rank group with no MPI at all."""
-        from .world import World
-
-        return World.mock().default_group
+        problem: Optional[InvalidArgumentError] = None
+        if color is not None:
+            if isinstance(color, bool) or not hasattr(color, "__index__"):
+                problem = InvalidArgumentError(f"split color must be an integer or None, got {color!r}")
+            else:
+                color = None if int(color) < 0 else int(color)
+        if problem is None and (isinstance(key, bool) or not hasattr(key, "__index__")):
+            problem = InvalidArgumentError(f"split key must be an integer, got {key!r}")
+        if not trusted and self.size > 1:
+            seen = compare(self.require_member("split"), problem is None, f"color={color!r}, key={key!r}", same=False)
+            if seen is not None and not all(not ok for ok, _ in seen):
+                bad = "; ".join(f"rank {self.ranks[r]} passed {text}" for r, (ok, text) in enumerate(seen) if not ok)
+                raise GroupMismatchError(
+                    f"split of group {self.name}: some ranks passed a color or key that is not an integer ({bad}); "
+                    f"color must be an integer or None and key an integer, on every rank, and every rank of the "
+                    f"group raises this") from problem
+        if problem is not None:
+            raise problem
+        backend = self.backend.split(color, int(key))
+        if backend is None:
+            return ProcessGroup(self.world, None, (), name or f"split(color=None) of {self.name}")
+        mine = np.array([self.world.rank], dtype=np.int64)
+        members = np.empty((backend.size, 1), dtype=np.int64)
+        backend.all_gather(mine, members, async_op=False)
+        group = ProcessGroup(self.world, backend, members[:, 0].tolist(),
+                             name or f"split(color={color}) of {self.name}")
+        return group.prepare_shared_memory()
 
     def __repr__(self) -> str:
         return f"ProcessGroup({self.name}, ranks={list(self.ranks)}, rank={self.rank})"

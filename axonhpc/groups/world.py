@@ -7,7 +7,7 @@ from typing import List, Optional, Sequence, Tuple
 import numpy as np
 
 from ..backends.base import Backend
-from ..errors import GroupMismatchError, InvalidArgumentError, RankError
+from ..errors import GroupMismatchError, RankError
 from ..log import get_logger
 from ..settings import LauncherEnv
 from .agreement import compare, show, who_passed
@@ -136,7 +136,7 @@ class World:
         return [int(r) for r in ranks]
 
     def split(self, color: Optional[int], key: int = 0) -> ProcessGroup:
-        """Collective: like ``MPI_Comm_split`` of the world.
+        """Collective: like ``MPI_Comm_split`` of the world (``ProcessGroup.split`` of the default group).
 
         Args:
             color: ranks with the same color form one group; None (or a
@@ -144,51 +144,14 @@ class World:
             key: orders ranks inside a group; ties keep world-rank order.
 
         Raises:
-            InvalidArgumentError: ``color`` or ``key`` is not an integer, on
-                every rank when every rank passed such a value.
-            GroupMismatchError: some ranks passed a ``color`` or ``key`` that
-                is not an integer and others did not; raised on every rank,
-                naming those ranks and their values (the ranks check each
-                other's arguments first: one all-gather of three numbers per
-                rank over the parent group).
+            InvalidArgumentError, GroupMismatchError: a ``color`` or ``key``
+                that is not an integer, on every rank (see ``ProcessGroup.split``).
         """
-        return self._split_group(self.default_group, color, key)
-
-    def _split_group(self, parent: ProcessGroup, color: Optional[int], key: int,
-                     name: Optional[str] = None, trusted: bool = False) -> ProcessGroup:
-        """``split`` of ``parent``; ``trusted``: the library computed the arguments (skips their exchange)."""
-        problem: Optional[InvalidArgumentError] = None
-        if color is not None:
-            if isinstance(color, bool) or not hasattr(color, "__index__"):
-                problem = InvalidArgumentError(f"split color must be an integer or None, got {color!r}")
-            else:
-                color = None if int(color) < 0 else int(color)
-        if problem is None and (isinstance(key, bool) or not hasattr(key, "__index__")):
-            problem = InvalidArgumentError(f"split key must be an integer, got {key!r}")
-        if not trusted and parent.size > 1:
-            seen = compare(parent.require_member("split"), problem is None, f"color={color!r}, key={key!r}",
-                            same=False)
-            if seen is not None and not all(not ok for ok, _ in seen):
-                bad = "; ".join(f"rank {parent.ranks[r]} passed {text}" for r, (ok, text) in enumerate(seen) if not ok)
-                raise GroupMismatchError(
-                    f"split of group {parent.name}: some ranks passed a color or key that is not an integer ({bad}); "
-                    f"color must be an integer or None and key an integer, on every rank, and every rank of the "
-                    f"group raises this") from problem
-        if problem is not None:
-            raise problem
-        backend = parent.backend.split(color, int(key))
-        if backend is None:
-            return ProcessGroup(self, None, (), name or f"split(color=None) of {parent.name}")
-        mine = np.array([self.rank], dtype=np.int64)
-        members = np.empty((backend.size, 1), dtype=np.int64)
-        backend.all_gather(mine, members, async_op=False)
-        group = ProcessGroup(self, backend, members[:, 0].tolist(), name or f"split(color={color}) of {parent.name}")
-        return group.prepare_shared_memory()
+        return self.default_group.split(color, key)
 
     def node_group(self) -> ProcessGroup:
         """Collective: the group of the ranks on this node (in world-rank order)."""
-        return self._split_group(self.default_group, self.node_rank, self.rank, name=f"node{self.node_rank}",
-                                 trusted=True)
+        return self.default_group.split(self.node_rank, self.rank, name=f"node{self.node_rank}", trusted=True)
 
     def mesh(self, dp: int = 1, tp: int = 1, pp: int = 1) -> Mesh:
         """Collective: dp/tp/pp groups whose sizes multiply to the world size (tp fastest)."""
@@ -201,4 +164,13 @@ class World:
     def __repr__(self) -> str:
         return (f"World(rank={self.rank}, world_size={self.world_size}, backend={self.backend.name}, "
                 f"local_rank={self.local_rank}/{self.local_size}, node={self.node_rank}/{self.num_nodes})")
+
+
+def _mock_group(cls: type) -> ProcessGroup:
+    """A one-rank group with no MPI at all: the default group of ``World.mock()``."""
+    return World.mock().default_group
+
+
+# Defined here, where a world can be made: process_group.py must not import this module (see its note).
+ProcessGroup.mock = classmethod(_mock_group)
 

@@ -2,18 +2,14 @@
 from . import comm_hooks
 from .comm_hooks import GradBucket, bf16_compress_hook, fp16_compress_hook
 from .ddp import DDP, DistributedDataParallel, GradientAfterReductionError, UnusedParameterError
-from .fsdp import FSDP, FullyShardedDataParallel
-from .fsdp_config import CPUOffload, MixedPrecision, ShardingStrategy
-from .fsdp_memory import FSDPMemoryStats
+from .fsdp import FSDP, CPUOffload, FSDPMemoryStats, FullyShardedDataParallel, MixedPrecision, ShardingStrategy
 from .gpt import ParallelGPT, TensorParallelBlock
 from .grad_scaler import GradScaler
-from .memory import PipelineMemoryStats
 from .parameter_server import ParameterServer, ParameterServerError, PeerFailedError
-from .pipeline import Pipeline, PipelineStage
-from .schedules import Action, PipelineSchedule, format_schedule_table, pipeline_schedule
-from .simulate import SimulationResult, simulate_pipeline
+from .pipeline import (Action, Pipeline, PipelineMemoryStats, PipelineSchedule, PipelineStage, SimulationResult,
+                       chrome_trace, format_schedule_table, gather_timelines, pipeline_schedule, simulate_pipeline,
+                       timeline_bubble, write_chrome_trace, write_gantt_png)
 from .tensor import ColumnParallelLinear, RowParallelLinear, TensorParallelMLP
-from .trace import chrome_trace, gather_timelines, timeline_bubble, write_chrome_trace, write_gantt_png
 from .tensor import TensorParallelAttention
 from .zero import ZeroRedundancyOptimizer
 

@@ -64,11 +64,10 @@ from ..nn import _init
 from ..nn.transformer import GPT, TransformerBlock
 from .ddp import DDP
 from .fsdp import FSDP
-from .pipeline import Pipeline, PipelineStage
+from .pipeline import Pipeline, PipelineSchedule, PipelineStage
 from .same_model import agreed
-from .schedules import PipelineSchedule
-from .tensor import ColumnParallelLinear, RowParallelLinear, TensorParallelAttention, _agree_on_geometry, \
-    partition_range
+from .tensor import ColumnParallelLinear, RowParallelLinear, TensorParallelAttention, partition_range
+from .tensor.partition import agree_on_geometry
 
 
 class TensorParallelBlock(TransformerBlock):
@@ -110,7 +109,7 @@ class TensorParallelBlock(TransformerBlock):
         except AxonError as exc:
             problem = exc
         # One exchange for the whole block, before any other message.
-        _agree_on_geometry(pg, "TensorParallelBlock", problem, width=width, heads=heads, mlp_ratio=mlp_ratio,
+        agree_on_geometry(pg, "TensorParallelBlock", problem, width=width, heads=heads, mlp_ratio=mlp_ratio,
                            dropout=float(dropout), causal=bool(causal), dtype=dtype)
         self.width = int(width)
         self.heads = int(heads)

@@ -6,7 +6,7 @@ from typing import Any, Dict, List, Sequence
 import numpy as np
 
 from ..collectives import broadcast
-from ..flatbuf import flat_ops_for
+from ..buffers import flat_ops_for
 
 
 def broadcast_arrays(arrays: Sequence[Any], group: Any, src: int = 0) -> None:

@@ -3,7 +3,7 @@
 [Note: one padded flat vector per dtype]
 The parameters are grouped by dtype, in the order each dtype first appears.
 A dtype's parameters, concatenated in order, form one flat vector of
-``numel`` elements, padded to a multiple of the group size (``FlatLayout``);
+``numel`` elements, padded to a multiple of the group size (``buffers.FlatShard``);
 rank r owns ``[start, stop) = shard_bounds(numel, r, size)``, the same length
 on every rank, so odd group sizes work and the last ranks may own only
 padding. Each rank keeps one ``Parameter`` per dtype whose ``data`` is its
@@ -39,65 +39,45 @@ from typing import Any, Dict, Iterable, List, Tuple
 import numpy as np
 
 from .._dtypes import check_array
-from ..bucketing import FlatLayout
-from ..flatbuf import FlatOps, flat_ops_for
+from ..buffers import FlatOps, FlatShard, flat_ops_for
 from ..collectives import all_gather
 from ..errors import AxonError, ConfigurationError, ShapeError, StateDictError, UsageError
 from ..groups import resolve_group
 from ..nn.parameter import Parameter
 from ..optim.optimizer import Optimizer
-from .flat_param import fsdp_role
+from .fsdp import fsdp_role
 from .same_model import check_same_model, parameter_lines
 
 _NAME = "ZeroRedundancyOptimizer"
 
 
 class _DtypeShard:
-    """One dtype's parameters as a padded flat vector, and this rank's slice of it."""
+    """One dtype's parameters as a padded flat vector (``FlatShard``), and this rank's part of it."""
 
     def __init__(self, params: List[Any], rank: int, world_size: int, ops: FlatOps) -> None:
         self.params = params
-        self.ops = ops
-        data = [p.data for p in params]
-        self.layout = FlatLayout([d.shape for d in data], data[0].dtype, world_size)
-        self.start, self.stop, self.pad = self.layout.shard_bounds(rank)
-        # (param, first, last) in the parameter's flat index and where that
-        # lands in the shard: only parameters that overlap [start, stop).
-        self.pieces: List[Tuple[Any, int, int, int, int]] = []
-        for p, offset, size in zip(params, self.layout.offsets, self.layout.sizes):
-            lo, hi = max(offset, self.start), min(offset + size, self.stop)
-            if lo < hi:
-                self.pieces.append((p, lo - offset, hi - offset, lo - self.start, hi - self.start))
-        length = self.stop - self.start
-        self.param = Parameter(ops.zeros(length, self.layout.dtype))
-        self.param.grad = ops.zeros(length, self.layout.dtype)
+        self.rank = rank
+        self.flat = FlatShard([p.data.shape for p in params], params[0].data.dtype, world_size, ops)
+        self.layout = self.flat.layout
+        self.start, self.stop, self.pad = self.flat.bounds(rank)
+        self.param = Parameter(ops.zeros(self.flat.part_numel, self.layout.dtype))
+        self.param.grad = ops.zeros(self.flat.part_numel, self.layout.dtype)
         self.copy_values()
 
     def copy_values(self) -> None:
-        """The owned slice of the parameters' values into the shard's ``data``."""
-        out = self.param.data
-        for p, a, b, c, d in self.pieces:
-            out[c:d] = p.data.reshape(-1)[a:b]
+        """The owned part of the parameters' values into the shard's ``data``."""
+        self.flat.pack_part([p.data for p in self.params], self.rank, self.param.data)
 
     def copy_grads(self) -> None:
-        """The owned slice of the parameters' gradients (None as zeros) into the shard's ``grad``."""
-        out = self.param.grad
-        for p, a, b, c, d in self.pieces:
-            if p.grad is None:
-                out[c:d] = 0
-            else:
-                out[c:d] = p.grad.reshape(-1)[a:b]
+        """The owned part of the parameters' gradients (None as zeros) into the shard's ``grad``."""
+        self.flat.pack_part([p.grad for p in self.params], self.rank, self.param.grad)
 
     def gather_into_params(self, group: Any) -> None:
-        """All-gather every rank's slice and write the values into the parameters in place."""
-        numel = self.layout.numel
-        if numel == 0:
+        """All-gather every rank's part and write the values into the parameters in place."""
+        if self.layout.numel == 0:
             return  # the same on every rank: nobody sends
-        if group.size == 1:
-            flat = self.param.data[:numel]
-        else:
-            flat = all_gather(self.param.data, group).reshape(-1)[:numel]
-        self.ops.unpack(flat, [p.data for p in self.params])
+        flat = self.param.data if group.size == 1 else all_gather(self.param.data, group).reshape(-1)
+        self.flat.unpack(flat, [p.data for p in self.params])
 
     def describe(self) -> Dict[str, Any]:
         """This rank's index range of the dtype's flat vector, as plain data."""

@@ -21,14 +21,14 @@ time f and backward time b on every stage:
   ``(p - 1) / (v * m + p - 1)``. (The simulator reproduces this exactly for
   the schedules ``pipeline_schedule`` generates with f = 1 and b = 1 or 2.)
 
-``axonhpc.parallel.simulate.simulate_pipeline`` measures the same quantities
-for any schedule; the tests check that the two agree.
+``axonhpc.parallel.pipeline.simulate.simulate_pipeline`` measures the same
+quantities for any schedule; the tests check that the two agree.
 """
 from __future__ import annotations
 
 from typing import Any
 
-from ..errors import ConfigurationError
+from ...errors import ConfigurationError
 
 
 def _check(p: Any, m: Any, v: Any = 1) -> None:

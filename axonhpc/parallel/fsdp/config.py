@@ -9,8 +9,8 @@ from typing import Any, Optional
 
 import numpy as np
 
-from .._dtypes import bfloat16_dtype, is_low_precision_float
-from ..errors import ConfigurationError
+from ..._dtypes import bfloat16_dtype, is_low_precision_float
+from ...errors import ConfigurationError
 
 
 def _parse_enum(cls: Any, value: Any, what: str) -> Any:

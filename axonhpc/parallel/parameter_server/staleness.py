@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Tuple
 
-from ..errors import InvalidArgumentError, UsageError
+from ...errors import InvalidArgumentError, UsageError
 
 
 class StalenessBound:

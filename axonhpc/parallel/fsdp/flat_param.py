@@ -3,7 +3,7 @@
 [Note: the flat parameter]
 The unit's parameters, in registration order, are packed into one flat
 vector of ``numel`` elements, zero-padded to a multiple of the shard group's
-size (``FlatLayout``), and each rank keeps only its slice
+size (``buffers.FlatShard``), and each rank keeps only its slice
 ``[start, stop)``: the *master shard*, a ``Parameter`` the optimizer
 updates. Padding positions start at zero, get zero gradients, and so stay
 zero under SGD, Adam and AdamW (elementwise optimizers; an optimizer whose
@@ -63,17 +63,16 @@ from typing import Any, List, Optional, Tuple
 
 import numpy as np
 
-from .._dtypes import to_host
-from ..backends import ReduceOp
-from ..bucketing import FlatLayout
-from ..flatbuf import HOST, FlatOps
-from ..collectives import all_gather, all_reduce, reduce_scatter, shared_memory_array
-from ..collectives.shm_path import in_shared_memory
-from ..errors import SharedMemoryError, UsageError
-from ..log import get_logger
-from .comm_hooks import GradBucket, finished
-from ..nn import Parameter
-from .fsdp_config import CPUOffload
+from ..._dtypes import to_host
+from ...backends import ReduceOp
+from ...buffers import HOST, FlatOps, FlatShard
+from ...collectives import all_gather, all_reduce, reduce_scatter, shared_memory_array
+from ...collectives.shm_path import in_shared_memory
+from ...errors import SharedMemoryError, UsageError
+from ...log import get_logger
+from ..comm_hooks import GradBucket, finished
+from ...nn import Parameter
+from .config import CPUOffload
 
 
 class Placement:
@@ -213,23 +212,23 @@ class FlatUnit:
         self.replicate_group = replicate_group
         self.shard_world = shard_group.size if shard_group is not None else 1
         self.shard_rank = shard_group.rank if shard_group is not None else 0
-        master_dtype = np.dtype(self.params[0].dtype)
-        self.layout = FlatLayout([p.shape for p in self.params], master_dtype, self.shard_world)
-        self.compute_layout = FlatLayout([p.shape for p in self.params], compute_dtype, self.shard_world)
+        self.ops = placement.ops
+        self.xp = self.ops.xp
+        # The padded flat parameter in the master dtype, and the same arrays in the compute dtype.
+        self.flat = FlatShard([p.shape for p in self.params], self.params[0].dtype, self.shard_world, self.ops)
+        self.compute_flat = self.flat.with_dtype(compute_dtype)
+        self.layout, self.compute_layout = self.flat.layout, self.compute_flat.layout
         self.reduce_dtype = np.dtype(reduce_dtype)
-        self.start, self.stop, self.pad = self.layout.shard_bounds(self.shard_rank)
+        self.start, self.stop, self.pad = self.flat.bounds(self.shard_rank)
         self.placement = placement
         self.tracker = tracker
         self.counter = counter
         self.comm_hook: Optional[Tuple[Any, Any, int]] = None  # (state, hook, unit index): see comm_hooks
-        self.ops = placement.ops
-        self.xp = self.ops.xp
-        full = self.ops.pack_padded([p.data for p in self.params], self.ops.empty(self.layout.padded_numel,
-                                                                                  master_dtype), self.layout.numel)
+        full = self.flat.pack([p.data for p in self.params])
         self.shard = Parameter(placement.master(full[self.start:self.stop].copy()))
         # The module Parameters' own arrays are released here (views of the master when kept).
         self.full: Optional[Any] = None
-        self.persistent_views = self.shard_world == 1 and compute_dtype == master_dtype and not placement.host_master
+        self.persistent_views = self.shard_world == 1 and compute_dtype == self.layout.dtype and not placement.host_master
         self._gather_work = None
         self._gather_src = None
         self._device_shard = None
@@ -267,7 +266,7 @@ class FlatUnit:
         return self._gather_work is not None
 
     def _attach(self, flat: Any) -> None:
-        for p, view in zip(self.params, self.ops.views(flat, self.compute_layout.shapes)):
+        for p, view in zip(self.params, self.compute_flat.views(flat)):
             p.data = view
 
     def _detach(self) -> None:
@@ -365,14 +364,11 @@ class FlatUnit:
         Returns:
             The reduction in flight; ``finish()`` adds the result into the master shard's gradient.
         """
-        xp = self.xp
-        grads = [xp.zeros(shape, dtype=self.compute_layout.dtype) if p.grad is None or moved(p.grad) else p.grad
-                 for p, shape in zip(self.params, self.layout.shapes)]
-        grads = [g if g.dtype == self.compute_layout.dtype else g.astype(self.compute_layout.dtype) for g in grads]
-        unsharded = sum(int(g.nbytes) for g in grads)
+        # The module gradients in the compute dtype, as many bytes as the parameters (FlatShard.pack
+        # takes a missing gradient as zeros and casts another dtype on the way).
+        unsharded = self.numel * self.compute_layout.dtype.itemsize
         self.tracker.allocate("unsharded_grads", unsharded)
-        flat = self.ops.pack_padded(grads, self.ops.empty(self.layout.padded_numel, self.compute_layout.dtype),
-                                    self.numel)
+        flat = self.compute_flat.pack([None if p.grad is None or moved(p.grad) else p.grad for p in self.params])
         if flat.dtype != self.reduce_dtype:
             flat = flat.astype(self.reduce_dtype)
         self.tracker.allocate("communication", flat.nbytes)
@@ -416,13 +412,7 @@ class FlatUnit:
             flattening of parameter ``i`` (of shape ``layout.shapes[i]``) are
             ``shard.data[at:at + stop - start]``. Padding is in no span.
         """
-        lo, hi = self.unpadded_range()
-        spans = []
-        for i, (offset, size) in enumerate(zip(self.layout.offsets, self.layout.sizes)):
-            a, b = max(lo, offset), min(hi, offset + size)
-            if a < b:
-                spans.append((i, a - offset, b - offset, a - self.start))
-        return spans
+        return self.flat.spans(self.shard_rank)
 
     def persistent_bytes(self) -> Tuple[int, int]:
         """Bytes of the master shard and of its gradient."""

@@ -41,20 +41,19 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 
-from .. import tracing
-from .._dtypes import array_module, is_low_precision_float
-from ..backends import ReduceOp
-from ..bucketing import unflatten
-from ..collectives import all_gather, all_reduce, gather
-from ..errors import ArgumentTypeError, AxonError, ConfigurationError, InvalidArgumentError
-from ..flatbuf import flat_ops_for
-from ..groups import resolve_group
+from ... import tracing
+from ..._dtypes import array_module, is_low_precision_float
+from ...backends import ReduceOp
+from ...buffers import flat_ops_for, unflatten
+from ...collectives import all_gather, all_reduce, gather
+from ...errors import ArgumentTypeError, AxonError, ConfigurationError, InvalidArgumentError
+from ...groups import resolve_group
 from .flat_param import FlatUnit, PendingReduction, Placement, share_shards
-from .fsdp_config import CPUOffload, MixedPrecision, ShardingStrategy
-from .fsdp_memory import CommCounter, FSDPMemoryStats, MemoryTracker
-from .fsdp_state import ROOT, full_to_sharded, prepare_sharded_load, sharded_state
-from .replicate import broadcast_arrays
-from .same_model import check_same_model, parameter_lines
+from .config import CPUOffload, MixedPrecision, ShardingStrategy
+from .memory import CommCounter, FSDPMemoryStats, MemoryTracker
+from .state import ROOT, full_to_sharded, prepare_sharded_load, sharded_state
+from ..replicate import broadcast_arrays
+from ..same_model import check_same_model, parameter_lines
 
 
 def _is_floating(dtype: Any) -> bool:

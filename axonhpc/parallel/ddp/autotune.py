@@ -28,12 +28,12 @@ from typing import Any, Dict, List, Tuple
 
 import numpy as np
 
-from ..backends import ReduceOp
-from ..collectives import all_reduce
-from ..collectives.shm_path import free_shared_memory_array, shared_memory_array
-from ..errors import SharedMemoryError
-from ..log import get_logger
-from ..settings import settings
+from ...backends import ReduceOp
+from ...collectives import all_reduce
+from ...collectives.shm_path import free_shared_memory_array, shared_memory_array
+from ...errors import SharedMemoryError
+from ...log import get_logger
+from ...settings import settings
 
 CANDIDATES = tuple(256 << 10 << (2 * k) for k in range(5))  # 256 KiB, 1, 4, 16, 64 MiB
 GOOD_ENOUGH = 0.8

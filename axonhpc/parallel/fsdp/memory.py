@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from typing import Callable, Dict, Union
 
-from ..errors import ConfigurationError
+from ...errors import ConfigurationError
 
 Number = Union[int, float]
 

@@ -1,10 +1,12 @@
 """Replay pipeline schedules without communication: timing, bubbles, deadlocks, memory.
 
 ``simulate_pipeline`` runs per-rank action lists (from
-``axonhpc.parallel.schedules.pipeline_schedule`` or written by hand) on an
-idealised machine and reports when every action starts and ends, the makespan,
-the bubble fraction, the peak number of live activations per rank and, if the
-schedule cannot finish, which actions are stuck and what they wait for.
+``axonhpc.parallel.pipeline.schedules.pipeline_schedule`` or written by hand)
+on an idealised machine and reports when every action starts and ends, the
+makespan, the bubble fraction, the peak number of live activations per rank
+and, if the schedule cannot finish, which actions are stuck and what they wait
+for. It consumes schedules and never renders them (``render.py`` draws its
+results as a grid).
 
 [Note: the model]
 Each rank runs its list strictly in order, one action at a time. An action
@@ -29,7 +31,7 @@ import dataclasses
 import math
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
-from ..errors import ConfigurationError
+from ...errors import ConfigurationError
 from .schedules import BACKWARD, FORWARD, Action
 
 Cost = Union[float, int, Sequence[float], Callable[[int], float]]

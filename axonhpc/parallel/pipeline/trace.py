@@ -33,8 +33,8 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from ..collectives import gather
-from ..errors import MissingDependencyError, UsageError
+from ...collectives import gather
+from ...errors import MissingDependencyError, UsageError
 from .schedules import BACKWARD, FORWARD, Action
 
 Timeline = List[Tuple[Action, float, float]]

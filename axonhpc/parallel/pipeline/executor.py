@@ -2,8 +2,8 @@
 
 ``Pipeline`` splits a model into stages, one (or ``stages_per_rank``) per rank
 of a group, and executes, on each rank, the action list that
-``axonhpc.parallel.schedules.pipeline_schedule`` generates for it: the forward
-and backward of its stages on every micro-batch, in order.
+``axonhpc.parallel.pipeline.schedules.pipeline_schedule`` generates for it:
+the forward and backward of its stages on every micro-batch, in order.
 
 [Note: the executor]
 Rank r of a group of P ranks owns stages r, r + P, r + 2P, ... (Megatron's
@@ -17,6 +17,17 @@ restores that cache, takes the gradient stage s + 1 sent (or the loss
 gradient) and sends the input gradient on to stage s - 1. When stages s and
 s + 1 live on the same rank (one rank holding every chunk) the hand-over is a
 local dictionary, not a message.
+
+[Note: the interpreter]
+The construction lowers this rank's action list once (``lower_schedule`` in
+``lowering.py``) to steps whose messages are explicit ops: ``RECV_F``, ``F``,
+``SEND_F``, ``RECV_B``, ``B``, ``SEND_B``, as torch.distributed.pipelining
+does. ``train_step`` is then a loop over the steps; each op is one method,
+looked up by its kind in ``_OPS``, and ops pass arrays to each other through
+one dictionary keyed by (receiving stage, micro-batch, message kind). One
+wrapper, ``_run_step``, times and traces every action: its receives run first
+and are not timed (waiting for an input is the bubble), then its compute op
+and the sends it posts are, as one ``(action, start, end)`` entry.
 
 [Note: loss gradient]
 The last stage seeds its backward with ``loss_fn.backward(1 / M)``. It is
@@ -68,7 +79,7 @@ built, as ``DDP`` does.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import importlib
 import time
@@ -76,17 +87,19 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from .. import tracing
-from .._dtypes import array_module, is_cupy_array, supported_dtypes
-from ..backends import ReduceOp
-from ..bucketing import GradientSynchronizer
-from ..collectives import all_reduce, isend, recv
-from ..errors import AxonError, ConfigurationError, ShapeError, UsageError
-from ..groups import resolve_group
-from ..nn import cached_nbytes
-from .replicate import broadcast_arrays
-from .same_model import check_same_model, parameter_lines
-from .schedules import FORWARD, Action, PipelineSchedule, format_schedule_table, pipeline_schedule
+from ... import tracing
+from ..._dtypes import array_module, is_cupy_array, supported_dtypes
+from ...backends import ReduceOp
+from ...bucketing import GradientSynchronizer
+from ...collectives import all_reduce, isend, recv
+from ...errors import AxonError, ConfigurationError, ShapeError, UsageError
+from ...groups import resolve_group
+from ...nn import cached_nbytes
+from ..replicate import broadcast_arrays
+from ..same_model import check_same_model, parameter_lines
+from .lowering import RECV_B, RECV_F, SEND_B, SEND_F, Op, Step, lower_schedule
+from .render import format_schedule_table
+from .schedules import BACKWARD, FORWARD, Action, PipelineSchedule, pipeline_schedule
 
 MAX_TAG = 32767  # the smallest MPI_TAG_UB the MPI standard allows
 _MAX_DIMS = 16
@@ -178,6 +191,7 @@ class Pipeline:
         self.rank = self.group.rank
         self.size = p
         self.stages = list(range(self.rank, self.num_stages, p))
+        self._steps = lower_schedule(self._table[self.rank], self.rank, p, self.num_stages)
         self.last_step_stats: Dict[str, Any] = {}
         self.dp_group = None
         self._dp_sync: Optional[GradientSynchronizer] = None
@@ -306,19 +320,28 @@ class Pipeline:
         """This rank's stages' Parameters, in stage order (for its optimizer)."""
         return [p for s in self.stages for p in self.stage_modules[s].parameters()]
 
-    def schedule_table(self, as_text: bool = False, **format_args: Any) -> Union[List[List[Action]], str]:
+    def schedule_table(self) -> List[List[Action]]:
         """The per-rank action lists this pipeline runs.
 
+        Returns:
+            One list of Actions per rank (a fresh copy).
+        """
+        return [list(actions) for actions in self._table]
+
+    def schedule_text(self, *, timed: bool = True, forward_cost: int = 1, backward_cost: int = 1) -> str:
+        """This pipeline's schedule as a step-by-rank grid: ``format_schedule_table(self.schedule_table(), ...)``.
+
         Args:
-            as_text: return the grid of ``format_schedule_table`` instead of the lists.
-            **format_args: passed to ``format_schedule_table`` (``timed``, costs).
+            timed, forward_cost, backward_cost: as for ``format_schedule_table``.
 
         Returns:
-            One list of Actions per rank (a fresh copy), or the table as a string.
+            The grid as a string of lines, no trailing newline.
+
+        Raises:
+            ConfigurationError: a cost is not a positive int.
         """
-        if as_text:
-            return format_schedule_table(self._table, **format_args)
-        return [list(actions) for actions in self._table]
+        return format_schedule_table(self._table, timed=timed, forward_cost=forward_cost,
+                                     backward_cost=backward_cost)
 
     # -- training -----------------------------------------------------------
     def train_step(self, x: Any, y: Any) -> Optional[float]:
@@ -344,90 +367,124 @@ class Pipeline:
         """
         if self.loss_fn is None:
             raise ConfigurationError("Pipeline.train_step needs a loss_fn (pass loss_fn= to from_modules)")
-        m = self.num_microbatches
         # Arrays are checked on every rank that passes them, so a bad batch size fails on all
         # those ranks together instead of leaving a middle stage waiting for an activation.
         xs = self._split(x, "x") if self.rank == 0 or hasattr(x, "shape") else None
         ys = self._split(y, "y") if self.is_last or hasattr(y, "shape") else None
-        step_start = time.perf_counter()
-        # (stage, mb) -> (module caches, (array module, shape, dtype) of the output, loss grad)
-        stash: Dict[Tuple[int, int], Any] = {}
-        local: Dict[Tuple[int, int, int], Any] = {}  # same-rank hand-overs
-        shapes: Dict[int, Tuple[Any, Tuple[int, ...]]] = {}  # stage -> (dtype, shape) of its input
-        pending: List[Tuple[Any, Any]] = []  # (Work, buffer): the buffer must live until the wait
-        losses: List[float] = []
-        timeline: List[Tuple[Action, float, float]] = []
-        peak = 0
-        held_bytes, peak_bytes = 0, 0
-        stash_bytes: Dict[Tuple[int, int], int] = {}
-        for action in self._table[self.rank]:
-            s, i = action.stage, action.microbatch
-            module = self.stage_modules[s]
-            # An action starts once its input has arrived: the wait for it is
-            # idle time (the bubble), not part of the action.
-            if action.kind == FORWARD:
-                inp = xs[i] if s == 0 else self._receive_activation(s, i, shapes, local, _ACT, _HDR)
-                start = time.perf_counter() - step_start
-                out = module(inp)
-                seed = None
-                if s == self.num_stages - 1:
-                    losses.append(float(self.loss_fn(out, ys[i])))
-                    seed = self.loss_fn.backward(1.0 / m)
-                else:
-                    self._send_activation(out, s, i, pending, local, _ACT, _HDR)
-                # Only the output's description is kept: the gradient for it is received into a
-                # fresh buffer, and holding the output itself would double the memory per stash.
-                stash_bytes[(s, i)] = cached_nbytes(module)
-                held_bytes += stash_bytes[(s, i)]
-                stash[(s, i)] = (module.stash_activations(), (array_module(out), out.shape, out.dtype), seed)
-                peak = max(peak, len(stash))
-                peak_bytes = max(peak_bytes, held_bytes)
-            else:
-                if (s, i) not in stash:
-                    raise UsageError(f"schedule runs {action} before its forward on rank {self.rank}")
-                caches, out_meta, seed = stash.pop((s, i))
-                held_bytes -= stash_bytes.pop((s, i))
-                grad = seed if seed is not None else self._receive_gradient(s, i, out_meta, local)
-                start = time.perf_counter() - step_start
-                module.restore_activations(caches)
-                grad_in = module.backward(grad)
-                if s > 0:
-                    if s in shapes:  # the receiver allocates its output's dtype; match it exactly
-                        grad_in = grad_in.astype(shapes[s][0], copy=False)
-                    self._send(grad_in, s - 1, i, _GRAD, pending, local)
-            timeline.append((action, start, time.perf_counter() - step_start))
-            recorder = tracing.active()
-            if recorder is not None:
-                kind = "forward" if action.kind == FORWARD else "backward"
-                recorder.add(f"{kind} stage {s} mb {i}", "compute", step_start + start, step_start + timeline[-1][2],
-                             stage=s, microbatch=i)
-        for work, _ in pending:
+        st = _StepState(xs, ys, time.perf_counter())
+        for step in self._steps:
+            self._run_step(step, st)
+        for work, _ in st.pending:
             work.wait()
-        loss = sum(losses) / m if self.is_last else None
-        dp_sync_time = 0.0
-        if self._dp_sync is not None and self.dp_group.size > 1:
-            # Every member of dp_group holds the same stages, so all of them push the same gradients.
-            sync_start = time.perf_counter()
-            params = self.parameters()
-            missing = [k for k, q in enumerate(params) if q.grad is None]
-            if missing:
-                raise UsageError(f"Pipeline: parameters {missing} of rank {self.rank} got no gradient; "
-                                   f"they cannot be averaged over dp_group")
-            self._dp_sync.synchronize([q.grad for q in params])
-            if self.is_last:
-                box = np.array([loss], dtype=np.float64)
-                all_reduce(box, ReduceOp.AVG, self.dp_group)
-                loss = float(box[0])
-            dp_sync_time = time.perf_counter() - sync_start
+        loss = sum(st.losses) / self.num_microbatches if self.is_last else None
+        loss, dp_sync_time = self._average_over_dp(loss)
         self.last_step_stats = {
-            "peak_activations": peak,
-            "peak_activation_bytes": peak_bytes,
-            "timeline": timeline,
-            "messages_sent": len(pending),
+            "peak_activations": st.peak,
+            "peak_activation_bytes": st.peak_bytes,
+            "timeline": st.timeline,
+            "messages_sent": len(st.pending),
             "dp_sync_time": dp_sync_time,
-            "step_time": time.perf_counter() - step_start,
+            "step_time": time.perf_counter() - st.start,
         }
         return loss
+
+    def _run_step(self, step: Step, st: "_StepState") -> None:
+        """Interpret one lowered action: its receives, then its timed and traced work."""
+        # An action starts once its input has arrived: the wait for it is idle time (the bubble),
+        # not part of the action.
+        for op in step.waits:
+            self._OPS[op.kind](self, op, st)
+        start = time.perf_counter() - st.start
+        for op in step.work:
+            self._OPS[op.kind](self, op, st)
+        end = time.perf_counter() - st.start
+        st.timeline.append((step.action, start, end))
+        recorder = tracing.active()
+        if recorder is not None:
+            s, i = step.action.stage, step.action.microbatch
+            kind = "forward" if step.action.kind == FORWARD else "backward"
+            recorder.add(f"{kind} stage {s} mb {i}", "compute", st.start + start, st.start + end,
+                         stage=s, microbatch=i)
+
+    # The ops of a lowered schedule (see lowering.py). Every hand-over, received or computed on this
+    # rank, goes through ``st.handover`` under (receiving stage, micro-batch, message kind).
+    def _op_recv_f(self, op: Op, st: "_StepState") -> None:
+        st.handover[(op.stage, op.microbatch, _ACT)] = self._receive_activation(
+            op.stage, op.microbatch, st.shapes, st.handover, _ACT, _HDR)
+
+    def _op_forward(self, op: Op, st: "_StepState") -> None:
+        s, i = op.stage, op.microbatch
+        module = self.stage_modules[s]
+        out = module(st.xs[i] if s == 0 else st.handover.pop((s, i, _ACT)))
+        seed = None
+        if s == self.num_stages - 1:
+            st.losses.append(float(self.loss_fn(out, st.ys[i])))
+            seed = self.loss_fn.backward(1.0 / self.num_microbatches)
+        else:
+            st.handover[(s + 1, i, _ACT)] = out
+        # Only the output's description is kept: the gradient for it is received into a
+        # fresh buffer, and holding the output itself would double the memory per stash.
+        st.stash_bytes[(s, i)] = cached_nbytes(module)
+        st.held_bytes += st.stash_bytes[(s, i)]
+        st.stash[(s, i)] = (module.stash_activations(), (array_module(out), out.shape, out.dtype), seed)
+        st.peak = max(st.peak, len(st.stash))
+        st.peak_bytes = max(st.peak_bytes, st.held_bytes)
+
+    def _op_send_f(self, op: Op, st: "_StepState") -> None:
+        out = st.handover.pop((op.stage + 1, op.microbatch, _ACT))
+        self._send_activation(out, op.stage, op.microbatch, st.pending, st.handover, _ACT, _HDR)
+
+    def _op_recv_b(self, op: Op, st: "_StepState") -> None:
+        _, out_meta, _ = self._stashed(op, st)
+        st.handover[(op.stage, op.microbatch, _GRAD)] = self._receive_gradient(op.stage, op.microbatch, out_meta)
+
+    def _op_backward(self, op: Op, st: "_StepState") -> None:
+        s, i = op.stage, op.microbatch
+        caches, _, seed = self._stashed(op, st)
+        del st.stash[(s, i)]
+        st.held_bytes -= st.stash_bytes.pop((s, i))
+        grad = seed if seed is not None else st.handover.pop((s, i, _GRAD))
+        module = self.stage_modules[s]
+        module.restore_activations(caches)
+        grad_in = module.backward(grad)
+        if s > 0:
+            st.handover[(s - 1, i, _GRAD)] = grad_in
+
+    def _op_send_b(self, op: Op, st: "_StepState") -> None:
+        s, i = op.stage, op.microbatch
+        grad_in = st.handover.pop((s - 1, i, _GRAD))
+        if s in st.shapes:  # the receiver allocates its output's dtype; match it exactly
+            grad_in = grad_in.astype(st.shapes[s][0], copy=False)
+        self._send(grad_in, s - 1, i, _GRAD, st.pending, st.handover)
+
+    _OPS = {RECV_F: _op_recv_f, FORWARD: _op_forward, SEND_F: _op_send_f,
+            RECV_B: _op_recv_b, BACKWARD: _op_backward, SEND_B: _op_send_b}
+
+    def _stashed(self, op: Op, st: "_StepState") -> Tuple[Any, Tuple[Any, Any, Any], Any]:
+        """The stash of (stage, micro-batch) that a backward needs, or UsageError if its forward has not run."""
+        key = (op.stage, op.microbatch)
+        if key not in st.stash:
+            raise UsageError(f"schedule runs {Action(op.stage, BACKWARD, op.microbatch)} before its forward "
+                             f"on rank {self.rank}")
+        return st.stash[key]
+
+    def _average_over_dp(self, loss: Optional[float]) -> Tuple[Optional[float], float]:
+        """Average this rank's stage gradients and the last stage's loss over ``dp_group``: (loss, seconds taken)."""
+        if self._dp_sync is None or self.dp_group.size == 1:
+            return loss, 0.0
+        # Every member of dp_group holds the same stages, so all of them push the same gradients.
+        sync_start = time.perf_counter()
+        params = self.parameters()
+        missing = [k for k, q in enumerate(params) if q.grad is None]
+        if missing:
+            raise UsageError(f"Pipeline: parameters {missing} of rank {self.rank} got no gradient; "
+                             f"they cannot be averaged over dp_group")
+        self._dp_sync.synchronize([q.grad for q in params])
+        if self.is_last:
+            box = np.array([loss], dtype=np.float64)
+            all_reduce(box, ReduceOp.AVG, self.dp_group)
+            loss = float(box[0])
+        return loss, time.perf_counter() - sync_start
 
     def forward(self, x: Any) -> Any:
         """Inference: run the forwards of every micro-batch through the stages, keeping nothing.
@@ -527,13 +584,33 @@ class Pipeline:
         buf = xp.empty(shape, dtype=dtype)
         return recv(buf, src, tag=self._tag(microbatch, stage, kind), group=self.group)
 
-    def _receive_gradient(self, stage: int, microbatch: int, out_meta: Tuple[Any, Any, Any], local: dict) -> Any:
-        src = self.owner(stage + 1)
-        if src == self.rank:
-            return local.pop((stage, microbatch, _GRAD))
+    def _receive_gradient(self, stage: int, microbatch: int, out_meta: Tuple[Any, Any, Any]) -> Any:
+        # The gradient for stage's output has that output's shape and dtype: no header needed.
         xp, shape, dtype = out_meta
         buf = xp.empty(shape, dtype=dtype)
-        return recv(buf, src, tag=self._tag(microbatch, stage, _GRAD), group=self.group)
+        return recv(buf, self.owner(stage + 1), tag=self._tag(microbatch, stage, _GRAD), group=self.group)
 
 
-__all__ = ["Pipeline"]
+@dataclass
+class _StepState:
+    """What one ``train_step`` carries from op to op."""
+
+    xs: Optional[List[Any]]  # the micro-batches (rank 0), or None
+    ys: Optional[List[Any]]  # the targets' micro-batches (last stage), or None
+    start: float  # time.perf_counter() when the step began
+    # (receiving stage, mb, message kind) -> array: inputs received or computed on this rank, and
+    # outputs waiting for their send
+    handover: Dict[Tuple[int, int, int], Any] = field(default_factory=dict)
+    # (stage, mb) -> (module caches, (array module, shape, dtype) of the output, loss grad or None)
+    stash: Dict[Tuple[int, int], Any] = field(default_factory=dict)
+    stash_bytes: Dict[Tuple[int, int], int] = field(default_factory=dict)
+    shapes: Dict[int, Tuple[Any, Tuple[int, ...], Any]] = field(default_factory=dict)  # stage -> its input's
+    pending: List[Tuple[Any, Any]] = field(default_factory=list)  # (Work, buffer): the buffer lives until the wait
+    losses: List[float] = field(default_factory=list)
+    timeline: List[Tuple[Action, float, float]] = field(default_factory=list)
+    peak: int = 0
+    held_bytes: int = 0
+    peak_bytes: int = 0
+
+
+__all__ = ["Pipeline", "PipelineStage"]

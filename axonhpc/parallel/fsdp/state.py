@@ -17,8 +17,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from .._dtypes import array_module, to_host
-from ..errors import StateDictError
+from ..._dtypes import array_module, to_host
+from ...errors import StateDictError
 
 ROOT = "<root>"  # the unit of the parameters outside every wrapped module
 FORMAT = "axonhpc.fsdp.sharded/1"

@@ -2,12 +2,14 @@
 
 ``pipeline_schedule`` generates, for every rank of a pipeline, the order in
 which that rank runs the forward ("F") and backward ("B") passes of its stages
-on each micro-batch. The executor (over MPI) runs those lists; the simulator in
-``axonhpc.parallel.simulate`` replays them without any communication to find
-deadlocks, bubbles and activation memory; ``format_schedule_table`` prints them
-as a step-by-rank grid. Sends and receives are implied by the actions: the
-forward of stage ``s`` sends its activation to stage ``s + 1``, the backward of
-stage ``s`` sends its gradient to stage ``s - 1``.
+on each micro-batch. This module only describes schedules and imports nothing
+else of the pipeline package: the executor (``executor.py``, over MPI) runs
+those lists, the simulator (``simulate.py``) replays them without any
+communication to find deadlocks, bubbles and activation memory, and
+``render.py`` prints them as a step-by-rank grid. Sends and receives are
+implied by the actions: the forward of stage ``s`` sends its activation to
+stage ``s + 1``, the backward of stage ``s`` sends its gradient to stage
+``s - 1``.
 
 [Note: stage layout]
 There are ``num_stages`` stages in total and ``P = num_stages //
@@ -43,9 +45,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Any, List, Optional, Sequence, Union
+from typing import Any, List, Union
 
-from ..errors import ConfigurationError
+from ...errors import ConfigurationError
 
 FORWARD = "F"
 BACKWARD = "B"
@@ -247,72 +249,4 @@ def _interleaved(rank: int, p: int, m: int, v: int) -> List[Action]:
     return actions
 
 
-def format_schedule_table(
-    actions_by_rank: Sequence[Sequence[Action]],
-    *,
-    timed: bool = True,
-    forward_cost: int = 1,
-    backward_cost: int = 1,
-) -> str:
-    """Render per-rank action lists as a step-by-rank grid (one row per rank).
-
-    With ``timed=True`` (the default) the schedule is simulated
-    (``simulate_pipeline``) with integer costs, by default one time step per
-    forward and per backward, and column t shows what each rank runs during
-    step t: idle steps appear as ``.``, so the bubbles and the diagonal of the
-    warm-up are visible, and an action longer than one step is followed by
-    ``-`` cells. If the schedule deadlocks, the grid shows what ran and a last
-    line names the stuck actions. With ``timed=False`` column i is simply the
-    i-th action of each rank's list (the order only, no waiting).
-
-    Example (1F1B, 4 stages, 8 micro-batches, unit costs; first columns)::
-
-        step    0   1   2   3   4   5   6   7   8   9
-        rank 0  0F0 0F1 0F2 0F3 .   .   .   0B0 0F4 0B1
-        rank 1  .   1F0 1F1 1F2 .   .   1B0 1F3 1B1 1F4
-
-    Args:
-        actions_by_rank: one list of Actions per rank, e.g. from ``pipeline_schedule``.
-        timed: lay actions out on the simulated time axis (True) or by position (False).
-        forward_cost: time steps per forward when ``timed`` (a positive int).
-        backward_cost: time steps per backward when ``timed`` (a positive int).
-
-    Returns:
-        The table as a string of lines, no trailing newline.
-
-    Raises:
-        ConfigurationError: a cost is not a positive int, or the lists are malformed.
-    """
-    rows = [[str(a) for a in actions] for actions in actions_by_rank]
-    note: Optional[str] = None
-    if timed:
-        _check_positive_int("forward_cost", forward_cost)
-        _check_positive_int("backward_cost", backward_cost)
-        from .simulate import simulate_pipeline  # sibling pure module; no cycle at import time
-
-        result = simulate_pipeline(actions_by_rank, forward_cost=forward_cost, backward_cost=backward_cost)
-        width_t = int(round(result.makespan))
-        rows = []
-        for timeline in result.timelines:
-            cells = ["."] * width_t
-            for action, start, end in timeline:
-                s, e = int(round(start)), int(round(end))
-                cells[s] = str(action)
-                for t in range(s + 1, e):
-                    cells[t] = "-"
-            rows.append(cells)
-        if result.deadlock:
-            note = "deadlock: " + result.deadlock_description
-    ncols = max((len(r) for r in rows), default=0)
-    labels = [f"rank {r}" for r in range(len(rows))]
-    label_w = max([len("step")] + [len(x) for x in labels])
-    cell_w = max([len(str(max(ncols - 1, 0)))] + [len(c) for r in rows for c in r])
-    lines = [" ".join([("step" if timed else "slot").ljust(label_w)] + [str(t).ljust(cell_w) for t in range(ncols)])]
-    for label, r in zip(labels, rows):
-        lines.append(" ".join([label.ljust(label_w)] + [c.ljust(cell_w) for c in r]).rstrip())
-    if note:
-        lines.append(note)
-    return "\n".join(line.rstrip() for line in lines)
-
-
-__all__ = ["PipelineSchedule", "Action", "pipeline_schedule", "format_schedule_table"]
+__all__ = ["PipelineSchedule", "Action", "pipeline_schedule"]

@@ -30,8 +30,8 @@ When every rank of the group is on one node (and ``shm_collectives`` is not
 all buckets live in one shared-memory window allocated at
 construction (``collectives.shared_memory_array``; collective, once), so a
 bucket's all-reduce reduces straight from the other ranks' buckets with no
-copy in (``collectives.shm_path``). Otherwise each bucket is a compiled
-``GradientBucket`` (device arrays: a plain flat array). A ``/dev/shm`` too
+copy in (``collectives.shm_path``). Otherwise each bucket's buffer comes
+from the model's memory (``buffers.FlatBucket``: numpy, or cupy's pool). A ``/dev/shm`` too
 small for the window is refused on every rank alike (``SharedMemoryError``,
 before anything is written); DDP then keeps private buckets, with a warning.
 
@@ -66,23 +66,23 @@ from typing import Any, Dict, Iterator, List, Tuple
 
 import numpy as np
 
-from .. import tracing
-from .._dtypes import array_module
-from ..bucketing import GradientBucket, GradSyncStrategy, plan_buckets
-from ..collectives import all_gather, all_reduce, shared_memory_array
-from ..collectives.shm_path import in_shared_memory
-from ..backends import ReduceOp
+from ... import tracing
+from ..._dtypes import array_module
+from ...bucketing import GradSyncStrategy, plan_buckets
+from ...collectives import all_gather, all_reduce, shared_memory_array
+from ...collectives.shm_path import in_shared_memory
+from ...backends import ReduceOp
 # UnusedParameterError and GradientAfterReductionError are defined in errors (ax.errors.<Name>) and stay
 # importable from here, where they were first defined.
-from ..errors import (ArgumentTypeError, AxonError, ConfigurationError, GradientAfterReductionError,
+from ...errors import (ArgumentTypeError, AxonError, ConfigurationError, GradientAfterReductionError,
                       SharedMemoryError, UnusedParameterError)
-from ..log import get_logger
-from ..flatbuf import HOST, FlatOps, flat_ops_for
-from ..groups import resolve_group
+from ...log import get_logger
+from ...buffers import HOST, FlatBucket, FlatOps, flat_ops_for
+from ...groups import resolve_group
 from .autotune import bucket_bytes
-from .comm_hooks import GradBucket, finished
-from .replicate import broadcast_arrays
-from .same_model import check_same_model, parameter_lines
+from ..comm_hooks import GradBucket, finished
+from ..replicate import broadcast_arrays
+from ..same_model import check_same_model, parameter_lines
 
 FIRST_BUCKET_BYTES = 1 << 20  # PyTorch DDP's first bucket: 1 MiB
 # Gradients smaller than this stay in private buckets: their window would be held for the life of
@@ -106,25 +106,16 @@ class _JoinState:
 
 
 class _Bucket:
-    """One flat bucket of gradients and the state of its current reduction."""
+    """One flat bucket of gradients (a ``FlatBucket``) and the state of its current reduction."""
 
     def __init__(self, index: int, params: List[Any], names: List[str], ops: FlatOps, flat: Any = None):
         self.index = index
         self.params = params
         self.names = names
-        total = sum(p.size for p in params)
-        dtype = np.dtype(params[0].dtype)
-        self.storage = GradientBucket(total, dtype=dtype) if ops is HOST and flat is None else None
-        if self.storage is not None:
-            for p in params:
-                self.storage.add(np.zeros(p.shape, dtype=p.dtype))
-            self.flat = self.storage.data
-            self.views = self.storage.views()
-        else:
-            # In the node's shared window (``flat`` given: its all-reduce reads the other ranks'
-            # buckets in place), or in device memory: views into one flat buffer either way.
-            self.flat = flat if flat is not None else ops.zeros(total, dtype)
-            self.views = ops.views(self.flat, [p.shape for p in params])
+        # In the node's shared window when ``flat`` is given (its all-reduce reads the other ranks'
+        # buckets in place), else in the model's memory; each gradient a view of it either way.
+        bucket = FlatBucket([p.shape for p in params], params[0].dtype, ops, flat)
+        self.flat, self.views = bucket.flat, bucket.views
         self.pending = len(params)
         self.ready = [False] * len(params)
         self.work = None
@@ -148,7 +139,7 @@ class DistributedDataParallel:
         bucket_size_mb: cap of a gradient bucket in MiB (the first bucket is
             at most 1 MiB, so communication starts early); None takes
             ``ax.settings.bucket_size_mb``, whose default "auto" measures the
-            size on this machine at start-up (``parallel.autotune``; 25 MiB
+            size on this machine at start-up (``parallel.ddp.autotune``; 25 MiB
             for threads as ranks, one rank, or ``settings.deterministic``).
         broadcast_buffers: copy rank 0's buffers to every rank before each forward.
         gradient_as_bucket_view: make each ``p.grad`` a view into its flat bucket.

@@ -31,9 +31,9 @@ from typing import Any, List, Sequence, Tuple
 
 import numpy as np
 
-from ._dtypes import check_array, is_cupy_array, to_host
-from ._ext import _pack
-from .errors import ConfigurationError, ShapeError, UnsupportedDtypeError
+from .._dtypes import check_array, is_cupy_array, to_host
+from .._ext import _pack
+from ..errors import ConfigurationError, ShapeError, UnsupportedDtypeError
 
 
 class FlatOps:

@@ -1,0 +1,117 @@
+"""The all-reduce users call: the native one of ``core`` or an algorithm of ``algorithms``.
+
+[Note: the all-reduce above its algorithms]
+``core.all_reduce`` is one backend call (or the node's shared memory); the
+algorithms (``algorithms``, ``ring``) are built on it and on the other plain
+collectives. The choice between them (``algorithm=``, else
+``ax.settings.allreduce_algorithm``) is made here, above both, so that
+neither imports the other's caller. A blocking call on a plain host array
+takes ``core``'s hot path first, from here, as directly as ``core.all_reduce``
+does (``shm_path.plain_route`` offers it only while the settings' algorithm
+is native).
+"""
+from __future__ import annotations
+
+from typing import Any, List, Optional, Sequence
+
+import numpy as np
+
+from .._dtypes import array_module, check_array
+from ..backends.base import ReduceOp
+from ..groups import ProcessGroup
+from . import algorithms
+from .core import _all_reduce_plain, _member, checked_all_reduce
+
+
+def all_reduce(x, op=ReduceOp.SUM, group: Optional[ProcessGroup] = None, async_op: bool = False,
+               algorithm: Optional[str] = None):
+    """Reduce ``x`` over the group, in place: every rank ends with the result.
+
+    Args:
+        x: contiguous, writable array of a supported dtype.
+        op: a ``ReduceOp`` (or its name). ``AVG`` on integers floors.
+        group: the group (None: the current world's default group).
+        async_op: return a ``Work`` instead of waiting.
+        algorithm: "native" (one MPI call), "hierarchical" (inside each
+            node, then across nodes; see ``collectives.algorithms``), "ring"
+            or "rhd" (point to point; see ``collectives.ring``); None
+            takes ``ax.settings.allreduce_algorithm``. Every rank must pick
+            the same. Non-native algorithms complete before returning.
+
+    Returns:
+        None, or a ``Work`` if ``async_op``.
+
+    Raises:
+        NotAMemberError, UnsupportedDtypeError, NonContiguousBufferError,
+        ReadOnlyBufferError, CollectiveTimeoutError, ConfigurationError
+        (an unknown algorithm).
+    """
+    if type(x) is np.ndarray and type(op) is ReduceOp and not async_op and algorithm is None:
+        if _all_reduce_plain(x, op, group):
+            return None
+    op = ReduceOp.parse(op)
+    pg = _member(group, "all_reduce")
+    check_array(x, "all_reduce buffer", writable=True)
+    chosen = algorithms.resolve_algorithm(algorithm)
+    if chosen == "native" or pg.size == 1:
+        return checked_all_reduce(x, op, pg, async_op)
+    return algorithms.run(chosen, x, op, pg, async_op)
+
+
+def all_reduce_sum(x, group=None, async_op=False):
+    """``all_reduce`` with ``ReduceOp.SUM``."""
+    return all_reduce(x, ReduceOp.SUM, group, async_op)
+
+
+def all_reduce_mean(x, group=None, async_op=False):
+    """``all_reduce`` with ``ReduceOp.AVG`` (sum divided by the group size)."""
+    return all_reduce(x, ReduceOp.AVG, group, async_op)
+
+
+def all_reduce_min(x, group=None, async_op=False):
+    """``all_reduce`` with ``ReduceOp.MIN``."""
+    return all_reduce(x, ReduceOp.MIN, group, async_op)
+
+
+def all_reduce_max(x, group=None, async_op=False):
+    """``all_reduce`` with ``ReduceOp.MAX``."""
+    return all_reduce(x, ReduceOp.MAX, group, async_op)
+
+
+def all_reduce_product(x, group=None, async_op=False):
+    """``all_reduce`` with ``ReduceOp.PRODUCT``."""
+    return all_reduce(x, ReduceOp.PRODUCT, group, async_op)
+
+
+def sync_gradient(grad, group: Optional[ProcessGroup] = None) -> None:
+    """Average one gradient array over the group, in place."""
+    all_reduce(grad, ReduceOp.AVG, group)
+
+
+def sync_gradients(grads: Sequence, group: Optional[ProcessGroup] = None) -> None:
+    """Average several gradient arrays over the group, in place, one all-reduce per dtype.
+
+    Arrays of one dtype are concatenated into one flat buffer so that many
+    small gradients cost one message (``GradientSynchronizer`` does the same
+    with reusable compiled buckets).
+    """
+    grads = list(grads)
+    for i, g in enumerate(grads):
+        check_array(g, f"gradient {i}", writable=True)
+    pg = _member(group, "sync_gradients")
+    by_dtype: dict = {}
+    for g in grads:
+        by_dtype.setdefault(np.dtype(g.dtype).str + str(type(g)), []).append(g)
+    for key in sorted(by_dtype):
+        same: List[Any] = by_dtype[key]
+        xp = array_module(same[0])
+        flat = xp.concatenate([g.reshape(-1) for g in same])
+        all_reduce(flat, ReduceOp.AVG, pg)
+        offset = 0
+        for g in same:
+            g[...] = flat[offset:offset + g.size].reshape(g.shape)
+            offset += g.size
+
+
+__all__ = ["all_reduce", "all_reduce_sum", "all_reduce_mean", "all_reduce_min", "all_reduce_max",
+           "all_reduce_product", "sync_gradient", "sync_gradients"]

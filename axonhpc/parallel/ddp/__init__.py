@@ -1,0 +1,11 @@
+"""Distributed data parallelism: every rank holds the model, gradients are averaged in buckets.
+
+- ``wrapper``: ``DistributedDataParallel``: bucketed all-reduce overlapped with
+  backward, ``no_sync``, ``join`` for uneven inputs, communication hooks,
+  buckets in the node's shared window.
+- ``autotune``: the bucket size measured on this machine at start-up
+  (``bucket_size_mb="auto"``).
+"""
+from .wrapper import DDP, DistributedDataParallel, GradientAfterReductionError, UnusedParameterError
+
+__all__ = ["DDP", "DistributedDataParallel", "GradientAfterReductionError", "UnusedParameterError"]

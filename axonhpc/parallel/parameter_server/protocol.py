@@ -1,0 +1,19 @@
+"""The parameter server's messages: tags, request kinds, reply statuses, the header (see the package notes)."""
+from __future__ import annotations
+
+import numpy as np
+
+NAME = "ParameterServer"
+MODES = ("sync", "async")
+
+TAG_REQUEST, TAG_GRAD, TAG_REASON, TAG_REPLY, TAG_PARAMS, TAG_FINAL = 1, 2, 3, 4, 5, 6
+PUSH, PULL, DONE, FAILED = 1, 2, 3, 4  # request kinds
+OK, ABORT = 0, 1  # reply statuses
+HEADER = 4  # int64 words of a request or reply header
+REASON_BYTES = 2000  # a failure's text is cut to this many bytes
+POLL_MIN, POLL_MAX = 1e-5, 1e-3  # seconds a server sleeps between idle sweeps
+
+
+def encode_reason(text: str) -> np.ndarray:
+    """A failure's text as the uint8 message that carries it (UTF-8, cut to ``REASON_BYTES``)."""
+    return np.frombuffer(text.encode("utf-8", "replace")[:REASON_BYTES], dtype=np.uint8).copy()

@@ -1,0 +1,495 @@
+"""ParameterServer: the object every rank builds; the worker's pull, push and step (servers run ``ServerLoop``)."""
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy as np
+
+from ..._dtypes import check_array
+from ...buffers import flat_ops_for
+from ...collectives import irecv, recv, send
+# ParameterServerError and PeerFailedError live in errors (ax.errors.<Name>) and stay importable from here.
+from ...errors import ConfigurationError, ParameterServerError, PeerFailedError, ShapeError
+from ...groups import resolve_group
+from ...nn.parameter import Parameter
+from ...optim.optimizer import Optimizer
+from ..replicate import broadcast_arrays
+from .protocol import (DONE, FAILED, HEADER, MODES, NAME, OK, PULL, PUSH, TAG_GRAD, TAG_PARAMS, TAG_REASON, TAG_REPLY,
+                       TAG_REQUEST, encode_reason)
+from .server import ServerLoop
+from .slices import Slices
+
+
+def _parse_mode(mode: Any) -> str:
+    if isinstance(mode, str) and mode.lower() in MODES:
+        return mode.lower()
+    raise ConfigurationError(f"{NAME}: mode must be 'sync' or 'async', got {mode!r}")
+
+
+def _check_staleness(mode: str, max_staleness: Any) -> Optional[int]:
+    if mode == "sync":
+        if max_staleness is None or isinstance(max_staleness, bool) or max_staleness != 0:
+            raise ConfigurationError(
+                f"{NAME}: max_staleness={max_staleness!r} applies to mode='async' only; in sync mode every "
+                "gradient is applied to the parameters it was computed on (staleness 0), so leave it at 0")
+        return 0
+    if max_staleness is None:
+        return None
+    if isinstance(max_staleness, bool) or not hasattr(max_staleness, "__index__") or int(max_staleness) < 0:
+        raise ConfigurationError(f"{NAME}: max_staleness must be an integer >= 0 (or None for no bound), "
+                                 f"got {max_staleness!r}")
+    return int(max_staleness)
+
+
+def _check_optimizer_class(optimizer_class: Any) -> type:
+    if optimizer_class is None:
+        raise ConfigurationError(f"{NAME} needs the optimizer its servers run: pass optimizer_class and its "
+                                 f"hyperparameters, e.g. {NAME}(model, optimizer_class=optim.SGD, lr=0.1)")
+    if isinstance(optimizer_class, Optimizer):
+        raise ConfigurationError(f"{NAME}: optimizer_class must be an Optimizer class, got an instance of "
+                                 f"{type(optimizer_class).__name__}; the servers build it over their shards, so "
+                                 f"pass the class and its hyperparameters, e.g. "
+                                 f"optimizer_class=optim.{type(optimizer_class).__name__}, lr=...")
+    if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, Optimizer)):
+        raise ConfigurationError(f"{NAME}: optimizer_class must be a subclass of axonhpc.optim.Optimizer "
+                                 f"(e.g. optim.SGD), got {optimizer_class!r}")
+    return optimizer_class
+
+
+class ParameterServer:
+    """Parameter server training: servers hold the parameter shards and the optimizer, workers compute.
+
+    Built on every rank of ``group``. The last ``num_servers`` ranks are
+    servers: each owns one contiguous slice of every dtype's flattened
+    parameters and runs ``optimizer_class`` on it. The other ranks are
+    workers: they ``pull()`` fresh parameters into their model, run forward
+    and backward on their own data, and ``push()`` the gradients (each
+    server receives the slice it owns); ``step()`` is ``push()`` then
+    ``pull()``. Servers call ``serve()``, which answers the workers until
+    every worker has finished (``finish()``, or leaving ``with ps:``).
+    See docs/parameter-server.md and the notes in this module.
+
+    A worker's loop::
+
+        with ps:
+            if ps.is_server:
+                ps.serve()
+            else:
+                ps.pull()
+                for x, y in batches:
+                    ps.zero_grad()
+                    loss_fn(model(x), y); model.backward(loss_fn.backward())
+                    ps.step()
+        # here every rank's model holds the final parameters
+
+    ``mode="sync"``: every update averages one gradient from each worker
+    (summed in worker order, divided by their number) and a pull after a
+    push returns the parameters after that update, so training equals DDP
+    over the workers. ``mode="async"``: each gradient is divided by the
+    number of workers and applied as it arrives, subject to
+    ``max_staleness``: a gradient is applied at most ``max_staleness``
+    server updates after the pull it was computed on; pulls (and gradients
+    that would overtake older ones) wait as needed to guarantee it.
+
+    Args:
+        model: the model (an ``axonhpc.nn.Module``), built on every rank;
+            group rank 0's parameter values are copied to every rank.
+        group: the process group (None: the current world's); at least 2 ranks.
+        num_servers: how many of the group's last ranks are servers, in
+            ``[1, group.size - 1]``.
+        mode: "sync" or "async".
+        max_staleness: async only: the largest number of server updates
+            allowed between a worker's pull and the application of the
+            gradient computed on it (an int >= 0, or None for no bound).
+            Must be 0 in sync mode.
+        optimizer_class: an ``axonhpc.optim.Optimizer`` subclass the servers
+            run over their slices (``optim.SGD``, ``optim.Adam``); required.
+        **optimizer_args: its hyperparameters (``lr=0.1``, ``momentum=0.9``).
+
+    Attributes:
+        model: the model.
+        group: the process group.
+        mode: "sync" or "async".
+        max_staleness: the bound (0 in sync mode, None for unbounded async).
+        num_servers, num_workers: the role counts.
+        server_index: this rank's server number, or None on a worker.
+        worker_index: this rank's worker number, or None on a server.
+        optimizer: on a server, the optimizer over its slices; None on workers.
+
+    Raises:
+        ConfigurationError: a model without parameters, a group of one rank,
+            ``num_servers`` outside ``[1, size - 1]``, an unknown mode, a bad
+            ``max_staleness``, a missing or unusable optimizer class, or
+            hyperparameters the optimizer rejects. Raised on every rank
+            before anything is sent.
+        UnsupportedDtypeError, NonContiguousBufferError, ReadOnlyBufferError:
+            a parameter cannot be sent or received in place.
+        TypeError: ``group`` is neither a ProcessGroup nor None.
+        NotAMemberError: this rank is not in ``group``.
+    """
+
+    def __init__(self, model: Any, group: Any = None, num_servers: int = 1, mode: str = "sync",
+                 max_staleness: Optional[int] = 0, *, optimizer_class: Any = None, **optimizer_args: Any) -> None:
+        named = list(model.named_parameters()) if hasattr(model, "named_parameters") else None
+        if named is None:
+            raise ConfigurationError(f"{NAME} needs an axonhpc.nn.Module, got a {type(model).__name__}")
+        if not named:
+            raise ConfigurationError(f"{NAME} needs a model with parameters; {type(model).__name__} has none")
+        mode = _parse_mode(mode)
+        max_staleness = _check_staleness(mode, max_staleness)
+        optimizer_class = _check_optimizer_class(optimizer_class)
+        group = resolve_group(group).require_member(NAME)
+        size = group.size
+        if size < 2:
+            raise ConfigurationError(f"{NAME} needs a group of at least 2 ranks (1 server and 1 worker), "
+                                     f"group {group.name} has {size}")
+        if isinstance(num_servers, bool) or not hasattr(num_servers, "__index__") \
+                or not 1 <= int(num_servers) <= size - 1:
+            raise ConfigurationError(f"{NAME}: num_servers={num_servers!r} must be an integer between 1 and "
+                                     f"the group size - 1 = {size - 1} (at least one rank must be a worker)")
+        num_servers = int(num_servers)
+        for name, p in named:
+            check_array(p.data, f"{NAME}: parameter {name!r}", writable=True)
+        ops = flat_ops_for([p.data for _, p in named], [n for n, _ in named], NAME)
+        slices = Slices([p for _, p in named], num_servers, ops)  # one flat vector per dtype, a part per server
+        num_workers = size - num_servers
+        rank = group.rank
+        server_index = rank - num_workers if rank >= num_workers else None
+        # The servers' optimizer over their slices; workers build a throwaway one so
+        # that bad hyperparameters fail on every rank alike, before anything is sent.
+        length = [sl.part_numel if server_index is not None else 1 for sl in slices.shards]
+        shards = [Parameter(ops.zeros(n, sl.dtype)) for sl, n in zip(slices.shards, length)]
+        optimizer = optimizer_class(shards, **optimizer_args)
+
+        self.model = model
+        self.group = group
+        self.mode = mode
+        self.max_staleness = max_staleness
+        self.num_servers = num_servers
+        self.num_workers = num_workers
+        self.server_index: Optional[int] = server_index
+        self.worker_index: Optional[int] = None if server_index is not None else rank
+        self.optimizer: Optional[Optimizer] = optimizer if server_index is not None else None
+        self._params = [p for _, p in named]
+        self._slices = slices
+
+        # -- communication starts here --
+        self._comm = group.split(0, key=rank)
+        self._comm.timeout = group.timeout
+        broadcast_arrays([p.data for p in self._params] + [b for _, b in model.named_buffers()], self._comm)
+        slices.allocate()
+        if server_index is not None:
+            slices.pack_values()
+            for shard, part in zip(shards, slices.parts(slices.values, server_index)):
+                shard.data[...] = part
+                shard.grad = ops.zeros(shard.data.size, shard.data.dtype)
+            self._server = ServerLoop(self, self._comm, slices, shards)
+        else:
+            self._grad_flats = slices.zeros()
+            self._versions = [0] * num_servers  # version of each server's slice last pulled
+            self._pulled = False  # a pull since the last push
+            self._closed = False  # DONE or FAILED sent to every server
+            self._aborted: Optional[str] = None  # why the servers stopped this worker
+            self._counts = {"pushes": 0, "pulls": 0, "pull_wait_s": 0.0}
+        self._served = False
+
+    # -- roles ---------------------------------------------------------------------------------------
+    @property
+    def is_server(self) -> bool:
+        """True on the server ranks (the group's last ``num_servers``)."""
+        return self.server_index is not None
+
+    @property
+    def is_worker(self) -> bool:
+        """True on the worker ranks (the group's first ``num_workers``)."""
+        return self.server_index is None
+
+    def server_rank(self, server: int) -> int:
+        """The group rank of server ``server`` (``num_workers + server``).
+
+        Raises:
+            ConfigurationError: ``server`` is not in ``[0, num_servers)``.
+        """
+        if isinstance(server, bool) or not hasattr(server, "__index__") or not 0 <= int(server) < self.num_servers:
+            raise ConfigurationError(f"{NAME}: server index {server!r} is out of range [0, {self.num_servers})")
+        return self.num_workers + int(server)
+
+    def __repr__(self) -> str:
+        role = f"server {self.server_index}" if self.is_server else f"worker {self.worker_index}"
+        bound = "" if self.mode == "sync" else f", max_staleness={self.max_staleness}"
+        return (f"ParameterServer({role} of {self.num_servers} servers + {self.num_workers} workers, "
+                f"mode={self.mode!r}{bound})")
+
+    # -- worker side -------------------------------------------------------------------------------------
+    def _require_worker(self, what: str) -> None:
+        if self.is_server:
+            raise ParameterServerError(f"{NAME}.{what}() is for workers, but group rank {self.group.rank} is "
+                                       f"server {self.server_index}; servers call serve()")
+        if self._aborted is not None:
+            raise PeerFailedError(self._aborted)
+        if self._closed:
+            raise ParameterServerError(f"{NAME}.{what}() on worker {self.worker_index} after finish() or abort()")
+
+    def _send_request(self, server: int, kind: int, version: int = 0, reason: str = "",
+                      want_final: bool = False) -> None:
+        text = encode_reason(reason) if reason else None
+        header = np.array([kind, version, 0 if text is None else text.size, int(want_final)], dtype=np.int64)
+        dst = self.server_rank(server)
+        send(header, dst, TAG_REQUEST, self._comm)
+        if text is not None and text.size:
+            send(text, dst, TAG_REASON, self._comm)
+
+    def _receive_reply(self, server: int) -> Tuple[bool, int, str]:
+        """One server's answer: (OK?, its version, its reason if it aborted); an OK fills the slices' ``values``."""
+        src = self.server_rank(server)
+        header = np.zeros(HEADER, dtype=np.int64)
+        # A reply may be long in coming (a pull waiting for the bound); waiting with a finite
+        # (or infinite) limit polls with back-off instead of spinning in MPI_Recv, which on an
+        # oversubscribed node would take the core from the very server being waited for.
+        timeout = self._comm.effective_timeout()
+        irecv(header, src, TAG_REPLY, self._comm).wait(math.inf if timeout is None else timeout)
+        status, version, length = int(header[0]), int(header[1]), int(header[2])
+        if status == OK:
+            for part in self._slices.parts(self._slices.values, server):
+                if part.size:
+                    recv(part, src, TAG_PARAMS, self._comm)
+            return True, version, ""
+        text = np.zeros(length, dtype=np.uint8)
+        if length:
+            recv(text, src, TAG_REASON, self._comm)
+        return False, version, text.tobytes().decode("utf-8", "replace")
+
+    def _server_name(self, server: int) -> str:
+        return f"parameter server {server} (global rank {self.group.ranks[self.server_rank(server)]})"
+
+    def _stopped_by(self, server: int, reason: str) -> str:
+        """Close this worker on every server after ``server`` answered ABORT; the error's text."""
+        message = f"{self._server_name(server)} stopped the run: {reason}"
+        if not self._closed:
+            self._closed = True
+            for s in range(self.num_servers):
+                self._send_request(s, FAILED, reason=f"stopped after {message}")
+        self._aborted = message
+        return message
+
+    def _collect(self, servers: List[int]) -> None:
+        """Receive the replies of ``servers`` in order; on an ABORT close everywhere, then raise."""
+        failure = None
+        for s in servers:
+            ok, version, reason = self._receive_reply(s)
+            if ok:
+                self._versions[s] = version
+            elif failure is None:
+                failure = self._stopped_by(s, reason)
+        if failure is not None:
+            raise PeerFailedError(failure)
+
+    def pull(self) -> None:
+        """Fetch the servers' current parameters into the model (in place).
+
+        In sync mode, after a push this waits until the update that includes
+        it is applied; in async mode it may wait for the staleness bound.
+
+        Raises:
+            ParameterServerError: called on a server, or after ``finish()``.
+            PeerFailedError: the servers stopped the run (another rank failed).
+        """
+        self._require_worker("pull")
+        started = time.perf_counter()
+        if self.mode == "sync":
+            for s in range(self.num_servers):
+                self._send_request(s, PULL)
+            self._collect(list(range(self.num_servers)))
+        else:  # one server at a time, in order (see the note on deadlock freedom)
+            for s in range(self.num_servers):
+                self._send_request(s, PULL)
+                self._collect([s])
+        self._slices.load_values()
+        self._pulled = True
+        self._counts["pulls"] += 1
+        self._counts["pull_wait_s"] += time.perf_counter() - started
+
+    def push(self) -> None:
+        """Send the model's gradients: each server gets the slice it owns.
+
+        A parameter whose ``grad`` is None counts as a zero gradient. The
+        gradients are not reset; zero them (``ps.zero_grad()``) before the
+        next backward.
+
+        Raises:
+            ParameterServerError: called on a server, after ``finish()``,
+                without a ``pull()`` since the previous push (a gradient must be
+                computed on pulled parameters), or with no gradient at all.
+            ShapeError: a gradient's shape differs from its parameter's.
+            PeerFailedError: the servers stopped the run.
+        """
+        self._require_worker("push")
+        if not self._pulled:
+            raise ParameterServerError(f"{NAME}.push() on worker {self.worker_index} without a pull() since the "
+                                       "last push: call ps.pull() before the first forward and use ps.step() "
+                                       "(push, then pull) after each backward")
+        if all(p.grad is None for p in self._params):
+            raise ParameterServerError(f"{NAME}.push() on worker {self.worker_index}: no parameter has a "
+                                       "gradient; run backward first")
+        for i, p in enumerate(self._params):
+            if p.grad is not None and tuple(p.grad.shape) != tuple(p.data.shape):
+                raise ShapeError(f"{NAME}.push: parameter {i} has a gradient of shape {tuple(p.grad.shape)}, "
+                                 f"the parameter has {tuple(p.data.shape)}")
+        self._slices.pack_grads(self._grad_flats)  # None as zeros
+        for s in range(self.num_servers):
+            self._send_request(s, PUSH, version=self._versions[s])
+            dst = self.server_rank(s)
+            for part in self._slices.parts(self._grad_flats, s):
+                if part.size:
+                    send(part, dst, TAG_GRAD, self._comm)
+        self._pulled = False
+        self._counts["pushes"] += 1
+
+    def step(self) -> None:
+        """``push()`` the gradients, then ``pull()`` the updated parameters.
+
+        Raises:
+            ParameterServerError, ShapeError, PeerFailedError: as ``push`` and ``pull``.
+        """
+        self.push()
+        self.pull()
+
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        """Reset the model's gradients, as an optimizer's ``zero_grad`` would.
+
+        Args:
+            set_to_none: drop the gradient arrays instead of zeroing them.
+        """
+        for p in self._params:
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad[...] = 0
+
+    def finish(self, pull: bool = True) -> None:
+        """Tell every server this worker is done; by default wait for the final parameters.
+
+        Calling it again does nothing.
+
+        Args:
+            pull: wait until every worker has finished, then load the
+                servers' final parameters into the model. False returns at once.
+
+        Raises:
+            ParameterServerError: called on a server.
+            PeerFailedError: the run was stopped because another rank failed.
+        """
+        if self.is_server:
+            raise ParameterServerError(f"{NAME}.finish() is for workers, but group rank {self.group.rank} is "
+                                       f"server {self.server_index}; servers call serve()")
+        if self._aborted is not None:
+            raise PeerFailedError(self._aborted)
+        if self._closed:
+            return
+        for s in range(self.num_servers):
+            self._send_request(s, DONE, want_final=pull)
+        self._closed = True
+        if pull:
+            self._collect(list(range(self.num_servers)))
+            self._slices.load_values()
+
+    def abort(self, reason: str = "aborted by the caller") -> None:
+        """Stop the run because of a failure on this rank; every other rank stops with ``PeerFailedError``.
+
+        On a worker this sends FAILED with ``reason`` to every server and
+        returns (nothing, if it already finished). On a server that has not
+        served, it answers every worker's next request with ABORT and
+        returns once each has stopped (``with ps:`` does this when the block
+        raises before ``serve()``).
+
+        Args:
+            reason: what went wrong, shown in the other ranks' errors.
+
+        Raises:
+            CollectiveTimeoutError: a server waited longer than the group's timeout.
+        """
+        if self.is_server:
+            if not self._served:
+                self._served = True
+                self._server.run(failure=f"{self._server.name} failed: {reason}")
+            return
+        if self._closed:
+            return
+        self._closed = True
+        for s in range(self.num_servers):
+            self._send_request(s, FAILED, reason=reason)
+
+    # -- server side ---------------------------------------------------------------------------------------
+    def serve(self) -> Dict[str, Any]:
+        """Answer the workers until every one has finished; then every rank's model holds the final values.
+
+        Returns:
+            ``stats()`` at the end.
+
+        Raises:
+            ParameterServerError: called on a worker, or twice.
+            PeerFailedError: a worker failed (after every worker has stopped).
+            CollectiveTimeoutError: no request arrived within the group's
+                timeout (``ax.settings.timeout``) while workers were open; the
+                message lists them as ``missing ranks``.
+        """
+        if not self.is_server:
+            raise ParameterServerError(f"{NAME}.serve() is for servers, but group rank {self.group.rank} is "
+                                       f"worker {self.worker_index}; workers call pull(), push() or step(), "
+                                       "and finish()")
+        if self._served:
+            raise ParameterServerError(f"{NAME}.serve() was already called on server {self.server_index}")
+        self._served = True
+        self._server.run()
+        return self.stats()
+
+    def stats(self) -> Dict[str, Any]:
+        """This rank's counters, as plain data.
+
+        Returns:
+            On a server: ``role`` "server", ``server_index``, ``mode``,
+            ``max_staleness``, ``version`` (updates applied), ``gradients``
+            (gradients applied), ``max_staleness_observed``,
+            ``staleness_histogram`` (staleness -> count), per-worker lists
+            ``pushes``, ``pulls``, ``applied``, and ``deferred_pulls`` (pulls
+            that had to wait), ``deferred_gradients`` (gradients that waited
+            in the buffer), ``failure`` (None or why the run stopped).
+            On a worker: ``role`` "worker", ``worker_index``, ``mode``,
+            ``pushes``, ``pulls``, ``versions`` (of each server's slice last
+            pulled), ``pull_wait_s`` (seconds spent in pulls).
+        """
+        if self.is_server:
+            return self._server.stats()
+        return {"role": "worker", "worker_index": self.worker_index, "mode": self.mode,
+                "pushes": self._counts["pushes"], "pulls": self._counts["pulls"],
+                "versions": list(self._versions), "pull_wait_s": self._counts["pull_wait_s"]}
+
+    # -- context manager ---------------------------------------------------------------------------------------
+    def __enter__(self) -> "ParameterServer":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc_type is None:
+            if self.is_server:
+                if not self._served:
+                    self.serve()
+            else:
+                self.finish()
+            return False
+        reason = f"{exc_type.__name__}: {exc}"
+        if self.is_server:
+            if not self._served:
+                try:
+                    self.abort(reason)
+                except Exception:  # noqa: BLE001 - the original exception is the one to see
+                    pass
+        elif not self._closed:
+            try:
+                self.abort(reason)
+            except Exception:  # noqa: BLE001 - the original exception is the one to see
+                pass
+        return False
+
+__all__ = ["ParameterServer", "ParameterServerError", "PeerFailedError", "MODES"]

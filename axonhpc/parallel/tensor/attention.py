@@ -1,0 +1,154 @@
+"""Attention with its heads split over a tensor-parallel group (see the package notes)."""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import numpy as np
+
+from ..._dtypes import array_module
+from ...backends import ReduceOp
+from ...collectives import all_reduce
+from ...errors import AxonError, ConfigurationError, ShapeError
+from ...groups import ProcessGroup, resolve_group
+from ...nn import Module, MultiHeadAttention
+from ...nn import _init
+from ...nn.attention import attention_backward, attention_forward, merge_heads, split_heads
+from ..same_model import agreed
+from .linear import ColumnParallelLinear, RowParallelLinear
+from .partition import agree_on_geometry, partition_range, shared_seed
+
+
+class TensorParallelAttention(Module):
+    """Multi-head self-attention with its heads split over a tensor-parallel group.
+
+    Rank r of a group of P holds heads ``[r*H/P, (r+1)*H/P)``. ``q_proj``,
+    ``k_proj`` and ``v_proj`` are ``ColumnParallelLinear(E, E)`` without output
+    gather (rank r keeps the rows of W_q, W_k, W_v, and of their biases, that
+    produce its heads); the attention runs on the local heads only; ``out_proj``
+    is a ``RowParallelLinear(E, E)`` taking the parallel input (the columns of
+    W_o that read its heads; the bias replicated). A step costs one all-reduce
+    in forward (in ``out_proj``) and one in backward: the three projections'
+    partial input gradients are added locally and summed over the group once.
+    Input and output are full (B, T, E) and identical on every rank.
+
+    Initialisation equals ``nn.MultiHeadAttention(embed_dim, num_heads, bias,
+    causal, dtype, seed)``: the same child seeds and draws (Glorot-uniform q/k/v
+    weights, Linear-default out_proj weight, zero biases), each rank keeping its
+    slice, so with an explicit seed the block computes the same function as that
+    dense layer and its parameters and gradients are slices of the dense ones.
+
+    Args:
+        embed_dim: E, the model width.
+        num_heads: H, the total number of heads; divides ``embed_dim`` and is divisible
+            by the group size.
+        group: the tensor-parallel process group (None: the current world's default group).
+        bias: learn biases in the four projections.
+        causal: position t attends only to positions <= t.
+        dtype: parameter dtype.
+        seed: int, SeedSequence or Generator, the same on every rank of the group
+            (None: group rank 0 picks fresh entropy and broadcasts it; collective).
+
+    Raises:
+        ConfigurationError: ``num_heads`` does not divide ``embed_dim``, a non-positive size,
+            or ``num_heads`` not divisible by the group size.
+        NotAMemberError: this rank is not in ``group``.
+        ModelMismatchError: the ranks of the group build it with different geometry
+            (sizes, flags, dtype), or another rank's checks failed; raised on every rank
+            before anything else is sent.
+    """
+
+    def __init__(self, embed_dim: int, num_heads: int, group: Optional[ProcessGroup] = None,
+                 bias: bool = True, causal: bool = False, dtype: Any = np.float32,
+                 seed: _init.SeedLike = None) -> None:
+        super().__init__()
+        pg = resolve_group(group).require_member("TensorParallelAttention")
+        problem, head_start, head_stop = None, 0, 0
+        try:
+            if embed_dim <= 0 or num_heads <= 0 or embed_dim % num_heads:
+                raise ConfigurationError(f"TensorParallelAttention needs num_heads dividing embed_dim, both "
+                                         f"positive; got embed_dim={embed_dim}, num_heads={num_heads}")
+            head_start, head_stop = partition_range(int(num_heads), pg.rank, pg.size,
+                                                    "TensorParallelAttention num_heads")
+        except AxonError as exc:
+            problem = exc
+        # Before any other message (seed=None broadcasts): one exchange for the whole block.
+        agree_on_geometry(pg, "TensorParallelAttention", problem, embed_dim=embed_dim, num_heads=num_heads,
+                           bias=bool(bias), causal=bool(causal), dtype=dtype)
+        self.group = pg
+        self.embed_dim = int(embed_dim)
+        self.num_heads = int(num_heads)
+        self.num_heads_per_rank = head_stop - head_start
+        self.head_dim = self.embed_dim // self.num_heads
+        self.causal = bool(causal)
+        # As nn.MultiHeadAttention: four child seeds; each projection first draws like
+        # nn.Linear (so a Generator seed advances alike), then q/k/v weights are redrawn
+        # Glorot-uniform over the packed (3E, E) matrix and all biases zeroed.
+        seeds = _init.child_seeds(shared_seed(seed, pg), 4)
+        with agreed():
+            self.q_proj, self.k_proj, self.v_proj = (
+                ColumnParallelLinear(embed_dim, embed_dim, group=pg, gather_output=False, bias=bias, dtype=dtype,
+                                     seed=s) for s in seeds[:3])
+            self.out_proj = RowParallelLinear(embed_dim, embed_dim, group=pg, input_is_parallel=True, bias=bias,
+                                              dtype=dtype, seed=seeds[3])
+        in_bound = _init.xavier_bound(embed_dim, 3 * embed_dim)
+        rows = slice(head_start * self.head_dim, head_stop * self.head_dim)
+        for proj, s in zip((self.q_proj, self.k_proj, self.v_proj), seeds[:3]):
+            full = _init.uniform(_init.make_rng(s), (self.embed_dim, self.embed_dim), in_bound, dtype)
+            proj.weight.data[...] = full[rows]
+        for proj in (self.q_proj, self.k_proj, self.v_proj, self.out_proj):
+            if proj.bias is not None:
+                proj.bias.data[...] = 0
+
+    @staticmethod
+    def dense_equivalent(embed_dim: int, num_heads: int, bias: bool = True, causal: bool = False,
+                         dtype: Any = np.float32, seed: _init.SeedLike = None) -> MultiHeadAttention:
+        """The single-process layer that ``TensorParallelAttention`` with the same arguments shards.
+
+        Returns:
+            ``nn.MultiHeadAttention(embed_dim, num_heads, bias, causal, dtype, seed)`` (pass a
+            seed that is not None, or the two differ).
+        """
+        return MultiHeadAttention(embed_dim, num_heads, bias=bias, causal=causal, dtype=dtype, seed=seed)
+
+    def forward(self, x: Any) -> Any:
+        """Self-attention over the full ``x`` (B, T, E); returns the full (B, T, E) on every rank.
+
+        Raises:
+            ShapeError: ``x`` is not 3-D with last axis ``embed_dim``.
+        """
+        if x.ndim != 3 or x.shape[-1] != self.embed_dim:
+            raise ShapeError(f"TensorParallelAttention(embed_dim={self.embed_dim}) expects input (B, T, "
+                             f"{self.embed_dim}), got {tuple(x.shape)}")
+        h = self.num_heads_per_rank
+        q = split_heads(self.q_proj(x), h)
+        k = split_heads(self.k_proj(x), h)
+        v = split_heads(self.v_proj(x), h)
+        ctx, cache = attention_forward(q, k, v, self.causal)
+        self._save_cache(cache)
+        return self.out_proj(merge_heads(ctx))
+
+    def backward(self, grad_out: Any) -> Any:
+        """Local parameter gradients; returns the full input gradient, summed over the group once."""
+        cache = self._pop_cache()
+        dctx = split_heads(self.out_proj.backward(grad_out), self.num_heads_per_rank)
+        dq, dk, dv = attention_backward(dctx, cache)
+        # v, k, q order keeps the grad hooks in reverse registration order, as in nn.MultiHeadAttention.
+        projs = (self.v_proj, self.k_proj, self.q_proj)
+        grads, xs = zip(*(proj.begin_backward(merge_heads(g)) for proj, g in zip(projs, (dv, dk, dq))))
+        xp = array_module(dctx)
+        grad_in = grads[0] @ projs[0].weight.data
+        for proj, g in zip(projs[1:], grads[1:]):
+            grad_in = grad_in + g @ proj.weight.data
+        grad_in = xp.ascontiguousarray(grad_in)
+        # One sum of the three partial input gradients, overlapped with the parameter gradients.
+        work = all_reduce(grad_in, ReduceOp.SUM, self.group, async_op=True)
+        for proj, g, x in zip(projs, grads, xs):
+            proj.finish_backward(g, x)
+        work.wait(self.group.effective_timeout())
+        return grad_in
+
+    def extra_repr(self) -> str:
+        return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, "
+                f"num_heads_per_rank={self.num_heads_per_rank}, tp_size={self.group.size}, causal={self.causal}")
+
+

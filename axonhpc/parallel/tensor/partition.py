@@ -1,0 +1,135 @@
+"""How a tensor-parallel layer is cut over its group, and the checks every rank agrees on before it is."""
+from __future__ import annotations
+
+from typing import Any, Optional, Tuple
+
+import numpy as np
+
+from ..._dtypes import array_module
+from ...collectives import all_gather, broadcast
+from ...errors import AxonError, ConfigurationError, ShapeError
+from ...groups import ProcessGroup
+from ...nn import Module
+from ...nn import _init
+from ..same_model import check_same_model
+
+
+def partition_range(total: int, rank: int, size: int, what: str = "features") -> Tuple[int, int]:
+    """The contiguous block ``[start, stop)`` of ``total`` items that ``rank`` of ``size`` holds.
+
+    A pure function (no communication), so the split is testable on its own
+    and identical on every rank.
+
+    Args:
+        total: number of items to split (features of a layer).
+        rank: the rank's index in the group, ``0 <= rank < size``.
+        size: number of ranks.
+        what: how error messages name the items.
+
+    Returns:
+        ``(start, stop)`` with ``stop - start == total // size``.
+
+    Raises:
+        ConfigurationError: ``total`` is negative, ``size`` not positive, ``rank``
+            out of range, or ``total`` not divisible by ``size``.
+    """
+    if size < 1 or not 0 <= rank < size:
+        raise ConfigurationError(f"partition of {what}: rank {rank} is not in a group of size {size}")
+    if total < 0 or total % size:
+        raise ConfigurationError(
+            f"{what}={total} must be a non-negative multiple of the tensor-parallel group size {size} "
+            f"({total} % {size} = {total % size})"
+        )
+    per_rank = total // size
+    return rank * per_rank, (rank + 1) * per_rank
+
+
+def shared_seed(seed: _init.SeedLike, group: ProcessGroup) -> _init.SeedLike:
+    """``seed``, or for None entropy drawn on group rank 0 and broadcast (collective).
+
+    Every rank must draw the same full weight; fresh entropy per rank would
+    give shards of different matrices and disagreeing replicated biases.
+    """
+    if seed is not None or group.size == 1:
+        return seed
+    words = np.zeros(4, dtype=np.int64)
+    if group.rank == 0:
+        words[:] = np.random.default_rng().integers(0, 2**62, size=4, dtype=np.int64)
+    broadcast(words, src=0, group=group)
+    return np.random.SeedSequence([int(w) for w in words])
+
+
+def full_linear_values(in_features: int, out_features: int, bias: bool, dtype: Any,
+                        seed: _init.SeedLike) -> Tuple[np.ndarray, Optional[np.ndarray]]:
+    """Weight and bias exactly as ``nn.Linear(in_features, out_features, bias, dtype, seed)`` draws them."""
+    rng = _init.make_rng(seed)
+    bound = _init.fan_in_bound(in_features)
+    weight = _init.uniform(rng, (out_features, in_features), bound, dtype)
+    bias_values = _init.uniform(rng, (out_features,), bound, dtype) if bias else None
+    return weight, bias_values
+
+
+def check_sizes(layer: str, in_features: int, out_features: int) -> None:
+    if in_features < 0 or out_features < 0:
+        raise ConfigurationError(f"{layer} sizes must be >= 0, got in_features={in_features}, "
+                                 f"out_features={out_features}")
+
+
+def my_part(pg: ProcessGroup, layer: str, in_features: int, out_features: int, split: str,
+             **geometry: Any) -> Tuple[int, int]:
+    """This rank's ``[start, stop)`` of the ``split`` dimension, once every rank agrees on the layer's geometry.
+
+    The local checks' error (sizes, a dimension the group does not divide)
+    joins the exchange instead of being raised first, so that no rank waits.
+    """
+    problem, start, stop = None, 0, 0
+    try:
+        check_sizes(layer, in_features, out_features)
+        size = out_features if split == "out_features" else in_features
+        start, stop = partition_range(int(size), pg.rank, pg.size, f"{layer} {split}")
+    except AxonError as exc:
+        problem = exc
+    agree_on_geometry(pg, layer, problem, in_features=in_features, out_features=out_features, **geometry)
+    return start, stop
+
+
+def agree_on_geometry(pg: ProcessGroup, layer: str, problem: Optional[AxonError], **geometry: Any) -> None:
+    """Collective: every rank of the tensor-parallel group builds ``layer`` with the same geometry (one exchange).
+
+    Runs before any other message of the constructor (``seed=None`` broadcasts
+    the seed), so a rank with other sizes, flags or dtype, or one whose own
+    checks failed (``problem``), makes every rank raise instead of leaving
+    the others waiting or computing with shards of different layers.
+
+    Raises:
+        ModelMismatchError: the geometry differs across the group (on every rank).
+        AxonError: ``problem``, on the rank that found it.
+    """
+    def shown(key: str, value: Any) -> str:
+        if key == "dtype":
+            try:
+                return str(np.dtype(value))  # np.float32, "float32" and np.dtype("f4") alike
+            except TypeError:
+                return repr(value)
+        if hasattr(value, "__index__") and not isinstance(value, bool):
+            return str(int(value))  # a numpy integer as a plain one
+        return repr(value)
+
+    text = ", ".join(f"{k}={shown(k, v)}" for k, v in geometry.items())
+    check_same_model(pg, f"{layer} over group {pg.name}", [], problem, settings=[f"layer: {layer}({text})"],
+                     hint=f"every rank of the tensor-parallel group must build the same {layer} (tp_size="
+                          f"{pg.size}), in the same order")
+
+
+def check_last_axis(layer: Module, x: Any, expected: int, what: str) -> None:
+    if x.ndim == 0 or x.shape[-1] != expected:
+        raise ShapeError(f"{type(layer).__name__}({layer.in_features}, {layer.out_features}) on a group of "
+                         f"size {layer.group.size} got {what} of shape {tuple(x.shape)}; the last axis must be "
+                         f"{expected}")
+
+
+def gather_last_axis(x: Any, group: ProcessGroup) -> Any:
+    """Concatenate every rank's ``x`` along the last axis, in group-rank order (collective)."""
+    xp = array_module(x)
+    stacked = all_gather(xp.ascontiguousarray(x), group=group)
+    return xp.concatenate([stacked[i] for i in range(group.size)], axis=-1)
