@@ -36,6 +36,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from ._dtypes import check_array
+from ._choices import parse_choice
 from .errors import InvalidArgumentError, UnsupportedDtypeError, UsageError
 from .backends import ReduceOp
 from .buffers import (FlatLayout, FlatOps, GradientBucket, flat_ops_for, flatten_into_padded, pack, padded_size,
@@ -64,16 +65,9 @@ class GradSyncStrategy(enum.Enum):
         """Accept a GradSyncStrategy or its name in any case ("overlapped", "NO_SYNC").
 
         Raises:
-            InvalidArgumentError: ``value`` names no strategy (a ``ValueError``).
+            UnknownChoiceError: ``value`` names no strategy (an ``InvalidArgumentError``).
         """
-        if isinstance(value, cls):
-            return value
-        if isinstance(value, str):
-            try:
-                return cls[value.upper()]
-            except KeyError:
-                pass
-        raise InvalidArgumentError(f"unknown gradient sync strategy {value!r}; use one of {[m.name for m in cls]}")
+        return parse_choice(cls, value, "gradient sync strategy")
 
 
 def _bucket_capacity(bucket_size: int, dtype: np.dtype) -> int:

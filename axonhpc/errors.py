@@ -46,6 +46,15 @@ class ConfigurationError(AxonError, ValueError):
     size, an ``AXONHPC_*`` variable with a value its setting cannot take)."""
 
 
+class UnknownChoiceError(InvalidArgumentError, ConfigurationError):
+    """A string names no member of an option enum (a reduce op, a sharding strategy, a schedule, a mode).
+
+    Such a name comes from a call's argument or from a configuration, so this
+    is both an ``InvalidArgumentError`` and a ``ConfigurationError``: code
+    that catches either keeps working. The message lists the accepted names.
+    """
+
+
 class MissingDependencyError(AxonError, ImportError):
     """An optional package that this call needs is not installed; the message says what to install."""
 
@@ -187,6 +196,7 @@ __all__ = [
     "InvalidGroupError",
     "InvalidKeyError",
     "ConfigurationError",
+    "UnknownChoiceError",
     "MissingDependencyError",
     "NotFoundError",
     "UsageError",

@@ -383,7 +383,7 @@ def case_join_disabled_is_plain_ddp(world):
     ddp = train_ddp(world, np.float64, "sgd")
     with ddp.join(enable=False):
         pass
-    assert ddp._join is None
+    assert ddp._joiner.state is None
 
 
 # -- communication hooks ---------------------------------------------------------------------

@@ -81,6 +81,31 @@ def case_groups_are_cached_and_right(world):
         assert node_levels(world.default_group, ranks_per_node=2) is levels
 
 
+def case_setting_over_several_nodes_runs_its_steps_natively(world):
+    """With the setting on and several nodes, the algorithm's own steps are native all-reduces.
+
+    A regression: the steps inside and across the nodes read the setting too,
+    and the hierarchical all-reduce called itself until the stack overflowed.
+    The nodes are pretended (pairs of ranks) on a fresh group, so no other
+    case sees them.
+    """
+    if world.world_size < 4 or world.world_size % 2:
+        return  # needs at least two nodes of two ranks
+    before, node_rank = ax.settings.allreduce_algorithm, world.node_rank
+    group = world.new_group(list(range(world.world_size)), name="pretend_nodes")
+    try:
+        world.node_rank = world.rank // 2
+        ax.settings.allreduce_algorithm = "hierarchical"
+        x = np.full(5, float(world.rank + 1))
+        ax.all_reduce(x, group=group)
+        levels = node_levels(group)
+        assert levels.node.size == 2 and levels.cross.size == world.world_size // 2
+    finally:
+        ax.settings.allreduce_algorithm, world.node_rank = before, node_rank
+    n = world.world_size
+    np.testing.assert_array_equal(x, np.full(5, n * (n + 1) / 2))
+
+
 def case_unknown_algorithm_is_refused_before_sending(world):
     with pytest.raises(ax.errors.ConfigurationError, match="algorithm='tree' is not an all-reduce algorithm"):
         ax.all_reduce(np.zeros(3), algorithm="tree")

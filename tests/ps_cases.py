@@ -400,7 +400,7 @@ def case_bad_arguments_raise_before_sending(world):
         with pytest.raises(bad, match=rf"num_servers={servers!r} must be an integer between 1 and the group "
                                       rf"size - 1 = {size - 1}"):
             ParameterServer(model, num_servers=servers, **sgd)
-    with pytest.raises(bad, match="mode must be 'sync' or 'async', got 'hogwild'"):
+    with pytest.raises(bad, match=r"unknown ParameterServer mode 'hogwild'; use one of \['sync', 'async'\]"):
         ParameterServer(model, mode="hogwild", **sgd)
     with pytest.raises(bad, match=r"max_staleness=2 applies to mode='async' only"):
         ParameterServer(model, max_staleness=2, **sgd)

@@ -23,7 +23,7 @@ from axonhpc import checkpoint
 from axonhpc.checkpoint import Box, latest, load, load_slices, read_full, save, save_slices
 from axonhpc.checkpoint import archive as archive_module
 from axonhpc.checkpoint import directory as directory_module
-from axonhpc.checkpoint import sliced
+from axonhpc.checkpoint import slice_load, sliced
 from axonhpc.checkpoint.directory import INDEX, MAX_WORLD_SIZE
 from axonhpc.checkpoint.sliced import INDEX_FORMAT, MAX_PIECES_PER_FILE, flat_range_boxes, plan_slices, slice_file
 from axonhpc.errors import CheckpointError
@@ -354,7 +354,7 @@ def test_pipeline_stages_hold_different_names(tmp_path):
 def _recording(monkeypatch):
     """Record, per thread, the files opened and the entries read."""
     opened, entries = {}, {}
-    real_open, real_read = sliced.open_archive, archive_module.Archive.read
+    real_open, real_read = slice_load.open_archive, archive_module.Archive.read
 
     def open_archive(path, source):
         opened.setdefault(threading.get_ident(), []).append(os.path.basename(path))
@@ -364,7 +364,7 @@ def _recording(monkeypatch):
         entries.setdefault(threading.get_ident(), []).append(name)
         return real_read(self, name, *args, **kwargs)
 
-    monkeypatch.setattr(sliced, "open_archive", open_archive)
+    monkeypatch.setattr(slice_load, "open_archive", open_archive)
     monkeypatch.setattr(archive_module.Archive, "read", read)
     return opened, entries
 

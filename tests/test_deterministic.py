@@ -53,7 +53,7 @@ def test_same_bits_run_after_run(mpi_world, shm):
                         tol = 1e-2 if dtype == np.float16 else 1e-5
                         np.testing.assert_allclose(parts[0].astype(np.float64), exact, rtol=tol, atol=tol * 1e3)
         if shm == "off":  # the ring carried them: its private channel exists
-            assert "_p2p_channel" in mpi_world.default_group.__dict__
+            assert "ring" in mpi_world.default_group.collective_state.channels
     collectively(mpi_world, check)
 
 
@@ -69,7 +69,7 @@ def test_bucket_size_is_measured_once_and_agreed(mpi_world):
         ddp = ax.DDP(ax.nn.Linear(64, 64, dtype=np.float32, seed=0), group=group)
         again = ax.DDP(ax.nn.Linear(64, 64, dtype=np.float32, seed=0), group=group)
         assert ddp.bucket_bytes == again.bucket_bytes  # measured once per group and dtype
-        assert group.__dict__["_axonhpc_bucket_autotune"] == {np.dtype(np.float32).str: ddp.bucket_bytes}
+        assert autotune.measured(group) == {np.dtype(np.float32).str: ddp.bucket_bytes}
         with override(bucket_size_mb="3"):
             assert ax.DDP(ax.nn.Linear(4, 4, dtype=np.float32, seed=0), group=group).bucket_bytes == 3 << 20
         with override(deterministic=True):

@@ -1,6 +1,6 @@
 """A strategy that rebuilds the optimizer says clearly when the optimizer's class cannot be rebuilt (issue 18).
 
-The check lives in ``axonhpc/trainer/strategies.py`` (``check_rebuildable``, called by ``build`` before the
+The check lives in ``axonhpc/trainer/optimizers.py`` (``check_rebuildable``, called by ``build`` before the
 wrapper sends anything and by ``rebuild_optimizer``).
 """
 import numpy as np
@@ -62,7 +62,7 @@ def test_the_check_comes_before_the_wrapper_on_every_rank(strategy, monkeypatch)
 
 
 def test_check_rebuildable_names_what_is_missing_and_passes_good_optimizers():
-    from axonhpc.trainer.strategies import check_rebuildable, rebuild_optimizer
+    from axonhpc.trainer.optimizers import check_rebuildable, rebuild_optimizer
 
     class NeedsScale(optim.SGD):
         def __init__(self, params, lr, scale, **rest):

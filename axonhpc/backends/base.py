@@ -19,7 +19,9 @@ import enum
 import time
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
-from ..errors import InvalidArgumentError
+import numpy as np
+
+from .._choices import parse_choice
 
 
 class ReduceOp(enum.Enum):
@@ -37,15 +39,12 @@ class ReduceOp(enum.Enum):
 
     @classmethod
     def parse(cls, op: Any) -> "ReduceOp":
-        """Accept a ReduceOp or its name in any case ("sum", "AVG")."""
-        if isinstance(op, cls):
-            return op
-        if isinstance(op, str):
-            try:
-                return cls[op.upper()]
-            except KeyError:
-                pass
-        raise InvalidArgumentError(f"unknown reduce op {op!r}; use one of {[m.name for m in cls]}")
+        """Accept a ReduceOp or its name in any case ("sum", "AVG").
+
+        Raises:
+            UnknownChoiceError: ``op`` names no reduce op (an ``InvalidArgumentError``).
+        """
+        return parse_choice(cls, op, "reduce op")
 
 
 class Work:
@@ -213,12 +212,33 @@ class Backend(abc.ABC):
     def create_group(self, ranks: Sequence[int]) -> Optional["Backend"]:
         """Collective: a backend over these communicator ranks, in this order; None for non-members."""
 
+    def host_side(self) -> "Backend":
+        """The backend that carries this group's host (numpy) messages: this one.
+
+        A backend that sends device arrays one way and host arrays another
+        (``dispatch.DeviceDispatchBackend``) returns its host side, which
+        carries the checks and headers the collective layer sends as small
+        numpy arrays.
+        """
+        return self
+
+    def max_reducer(self, words: np.ndarray) -> Callable[[], None]:
+        """A call that replaces ``words`` (a small int64 array) by its element-wise MAX over the ranks, blocking.
+
+        Made once per group by the collective layer's agreement check, which
+        runs it before every checked collective, so its latency is the
+        check's whole cost: a backend may return something quicker than a
+        general ``all_reduce`` (MPI: one ``Allreduce`` call on a prepared
+        buffer). The default is the general all-reduce.
+        """
+        return lambda: self.all_reduce(words, ReduceOp.MAX, False).wait()
+
     def announce(self, seq: int, op: str) -> Optional[Any]:
         """Tell every peer that this rank entered collective ``seq`` (``op``), before a timed blocking collective.
 
         A backend that can report arrivals returns an object the waiting loop
         asks about them (``missing()``, ``elsewhere()``, ``drain()``,
-        ``abandon()``; see ``backends.mpi.Arrivals``), so that a timeout names
+        ``abandon()``; see ``backends.mpi_arrivals.Arrivals``), so that a timeout names
         the ranks that never came. The default reports none: it sends
         nothing and returns None, and a timeout says the missing ranks are
         unknown.

@@ -91,6 +91,10 @@ class DeviceDispatchBackend(Backend):
         return self._for(buf).recv_now(buf, src, tag, nonblocking)
 
     # -- communicators ------------------------------------------------------------------------
+    def host_side(self) -> Backend:
+        """The MPI backend that carries the host arrays."""
+        return self.host
+
     def announce(self, seq: int, op: str) -> Optional[Any]:
         return self.host.announce(seq, op)
 

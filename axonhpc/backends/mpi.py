@@ -23,77 +23,25 @@ synchronised; otherwise each operation runs on reusable pinned host twins
 (``staging.run_staged``), copied in before and back after. Neither path has
 run on a GPU yet (none was available); the staging logic is tested with
 numpy stand-ins.
+
+Where the parts live: the chunked requests of one operation (``MPIWork``,
+``_Plan``, datatypes and ops) are ``mpi_work``'s, the arrival notices of
+timed collectives (``Arrivals``) ``mpi_arrivals``'s; this module is the
+backend and its checked receives.
 """
 from __future__ import annotations
 
 import sys
-import zlib
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .._dtypes import array_module, bfloat16_dtype, is_cupy_array
+from .._dtypes import array_module, is_cupy_array
 from ..errors import BackendUnavailableError, InvalidArgumentError, ShapeError
 from ..settings import settings
 from .base import Backend, CompletedWork, ReduceOp, Work
-
-
-_MPI = None
-_DATATYPES: dict = {}
-_OPS: dict = {}
-
-
-def _mpi():
-    """mpi4py.MPI, imported on first use (importing it initialises MPI)."""
-    global _MPI
-    if _MPI is None:
-        from mpi4py import MPI
-
-        _MPI = MPI
-    return _MPI
-
-
-def _datatype(dtype: np.dtype):
-    """The MPI datatype that moves (and, for reducible dtypes, reduces) ``dtype``."""
-    try:
-        return _DATATYPES[dtype]
-    except KeyError:
-        pass
-    MPI = _mpi()
-    table = {
-        np.dtype(np.float32): MPI.FLOAT,
-        np.dtype(np.float64): MPI.DOUBLE,
-        np.dtype(np.int32): MPI.INT32_T,
-        np.dtype(np.int64): MPI.INT64_T,
-        np.dtype(np.uint8): MPI.UINT8_T,
-        # 16-bit floats are only moved, never reduced here (the collective
-        # layer widens them first), so an opaque 16-bit type is exact.
-        np.dtype(np.float16): MPI.UINT16_T,
-    }
-    bf16 = bfloat16_dtype()
-    if bf16 is not None:
-        table[bf16] = MPI.UINT16_T
-    _DATATYPES.update(table)
-    return _DATATYPES[np.dtype(dtype)]
-
-
-def _mpi_op(op: ReduceOp):
-    # Keyed by the member's string value: hashing an Enum member runs Python
-    # code, hashing a str is cached, and this is on every call's path.
-    if not _OPS:
-        MPI = _mpi()
-        _OPS.update({ReduceOp.SUM.value: MPI.SUM, ReduceOp.PRODUCT.value: MPI.PROD,
-                     ReduceOp.MIN.value: MPI.MIN, ReduceOp.MAX.value: MPI.MAX})
-    return _OPS[op._value_]
-
-
-def _blocks(n: int, step: int):
-    """[start, stop) blocks of at most ``step`` covering range(n) (one empty block for n == 0)."""
-    if n == 0:
-        yield 0, 0
-        return
-    for start in range(0, n, step):
-        yield start, min(start + step, n)
+from .mpi_arrivals import Arrivals
+from .mpi_work import MPIWork, _Plan, _blocks, _datatype, _mpi, _mpi_op
 
 
 def _cuda_aware() -> bool:
@@ -106,67 +54,6 @@ def _cuda_aware_reason() -> str:
     from .cuda_aware import cuda_aware_mpi
 
     return cuda_aware_mpi().how
-
-
-class MPIWork(Work):
-    """The requests of one operation (several when it is chunked).
-
-    Collective chunks run one after the other: the next starts when the
-    previous one completes (in ``is_completed`` or ``wait``). Several
-    outstanding non-blocking collectives on one communicator are legal MPI,
-    but Open MPI 5.0 returns wrong sums for concurrent
-    ``MPI_Ireduce_scatter_block`` calls (seen here with 3 ranks), and a
-    chunked collective gains nothing from posting all chunks at once.
-    Point-to-point chunks are all posted at once instead: a receiver waiting
-    for chunk 2 must not depend on its peer calling ``wait`` on the send.
-    """
-
-    def __init__(self, steps: List[Tuple[Callable[[], Any], Optional[Callable[[], None]]]], result=None,
-                 sequential: bool = True):
-        super().__init__(result)
-        self._steps = steps
-        self._sequential = sequential
-        self._next = 0
-        if sequential:
-            self._requests = [steps[0][0]()]
-        else:
-            self._requests = [start() for start, _ in steps]
-
-    def _advance(self) -> bool:
-        """The requests in flight are done: finish them, start the next chunk; True when all are done."""
-        if not self._sequential:
-            for _, after in self._steps:
-                if after is not None:
-                    after()
-            self._requests = []
-            return True
-        _, after = self._steps[self._next]
-        if after is not None:
-            after()
-        self._next += 1
-        if self._next == len(self._steps):
-            self._requests = []
-            return True
-        self._requests = [self._steps[self._next][0]()]
-        return False
-
-    def _test(self) -> bool:
-        MPI = _mpi()
-        while self._requests:
-            if not MPI.Request.Testall(self._requests):
-                return False
-            if self._advance():
-                return True
-        return True
-
-    def _block(self, timeout: Optional[float]) -> bool:
-        if timeout is None:
-            MPI = _mpi()
-            while self._requests:
-                MPI.Request.Waitall(self._requests)
-                self._advance()
-            return True
-        return super()._block(timeout)
 
 
 class _MatchedReceive(Work):
@@ -278,94 +165,6 @@ class _PostedReceive(MPIWork):
         return Work._block(self, timeout)
 
 
-class _Plan:
-    """Steps of one (possibly chunked) operation: each starts a transfer, then finishes it."""
-
-    def __init__(self):
-        self.steps: List[Tuple[Callable[[], Any], Callable[[], Any], Optional[Callable[[], None]]]] = []
-
-    def add(self, blocking: Callable[[], Any], nonblocking: Callable[[], Any],
-            after: Optional[Callable[[], None]] = None) -> None:
-        self.steps.append((blocking, nonblocking, after))
-
-    def run(self, async_op: bool, result=None, sequential: bool = True) -> Work:
-        if not async_op:
-            for blocking, _, after in self.steps:
-                blocking()
-                if after is not None:
-                    after()
-            return CompletedWork(result)
-        return MPIWork([(nonblocking, after) for _, nonblocking, after in self.steps], result, sequential)
-
-
-# The operations a notice can name (by CRC-32 of the name), for messages.
-_NOTICE_OPS = {zlib.crc32(name.encode()): name for name in (
-    "all_reduce", "reduce_scatter", "broadcast", "all_gather", "gather", "scatter", "barrier")}
-
-
-class Arrivals:
-    """Which ranks have entered one timed collective: notices on a side communicator.
-
-    [Note: naming the missing ranks]
-    MPI cannot say which ranks have not joined a collective. So when a
-    blocking collective has a timeout, every rank first sends an 8-byte
-    notice holding the collective's sequence number to every peer over a
-    private duplicate of the group's communicator, and posts a receive for
-    each peer's notice; the waiting loop tests those receives alongside the
-    collective. A rank whose notice has not arrived when the time is up has
-    not entered the collective: those are the missing ranks, and a notice
-    with another sequence number names a rank that is in a different
-    collective. After the collective completes every peer has sent its
-    notice, so the receives are drained at once. This costs 2 (P - 1) tiny
-    messages per timed collective and nothing without a timeout.
-    """
-
-    TAG_SPACE = 30000
-
-    def __init__(self, side, seq: int, op: str, rank: int, global_ranks: Sequence[int]):
-        MPI = _mpi()
-        self.seq = int(seq)
-        self.op = op
-        self.global_ranks = tuple(global_ranks)
-        self.peers = [r for r in range(len(self.global_ranks)) if r != rank]
-        tag = self.seq % self.TAG_SPACE
-        self._note = np.array([self.seq, zlib.crc32(op.encode())], dtype=np.int64)
-        self._sends = [side.Isend([self._note, MPI.INT64_T], dest=r, tag=tag) for r in self.peers]
-        self._boxes = {r: np.full(2, -1, dtype=np.int64) for r in self.peers}
-        self._recvs = {r: side.Irecv([self._boxes[r], MPI.INT64_T], source=r, tag=tag) for r in self.peers}
-        self._done = {r: False for r in self.peers}
-
-    def _poll(self) -> None:
-        for r, request in self._recvs.items():
-            if not self._done[r] and request.Test():
-                self._done[r] = True
-
-    def missing(self) -> List[int]:
-        """Global ranks whose notice for this collective has not arrived (this rank is never among them)."""
-        self._poll()
-        return [self.global_ranks[r] for r in self.peers if not self._done[r] or self._other(r)]
-
-    def _other(self, r: int) -> bool:
-        return (int(self._boxes[r][0]), int(self._boxes[r][1])) != (self.seq, int(self._note[1]))
-
-    def elsewhere(self) -> Dict[int, str]:
-        """Global rank -> "#seq op" of peers whose notice names another collective than this one."""
-        self._poll()
-        return {self.global_ranks[r]: f"#{int(self._boxes[r][0])} {_NOTICE_OPS.get(int(self._boxes[r][1]), 'another op')}"
-                for r in self.peers if self._done[r] and self._other(r)}
-
-    def drain(self) -> None:
-        """After the collective completed: receive every notice (all were sent) and finish the sends."""
-        MPI = _mpi()
-        MPI.Request.Waitall(list(self._recvs.values()) + self._sends)
-
-    def abandon(self) -> None:
-        """After a timeout: cancel the receives that never completed (the job is ending)."""
-        for r, request in self._recvs.items():
-            if not self._done[r]:
-                request.Cancel()
-
-
 class MPIBackend(Backend):
     """Backend over an mpi4py intracommunicator (a private ``Dup`` of it).
 
@@ -429,6 +228,12 @@ class MPIBackend(Backend):
 
     def _limit(self, per_rank_parts: int = 1) -> int:
         return max(1, settings.max_message_elements // per_rank_parts)
+
+    def max_reducer(self, words: np.ndarray) -> Callable[[], None]:
+        """One ``Allreduce`` call on the prepared int64 buffer (see ``Backend.max_reducer``)."""
+        MPI, comm = _mpi(), self.comm
+        args = (MPI.IN_PLACE, [words, MPI.INT64_T], MPI.MAX)
+        return lambda: comm.Allreduce(*args)
 
     # -- collectives ------------------------------------------------------------
     def all_reduce(self, buf, op: ReduceOp, async_op: bool) -> Work:

@@ -106,7 +106,7 @@ def engine_for(backend: Any, slot_bytes: int, nslots: int, one_node: Optional[bo
     node ever communicate here. None asks the communicator (collective
     over every rank, across nodes too).
     """
-    backend = getattr(backend, "host", backend)  # a host/device dispatch backend: its MPI side
+    backend = backend.host_side()  # a host/device dispatch backend: its MPI side
     cached = getattr(backend, _ATTR, None)
     if cached is not None:
         return cached.engine if cached else None
@@ -179,7 +179,7 @@ def allocate_array(backend: Any, nbytes: int, one_node: Optional[bool] = None) -
         SharedMemoryError: the node's ``/dev/shm`` cannot hold the arrays of
             all its ranks (``check_room``); raised on every rank alike.
     """
-    backend = getattr(backend, "host", backend)
+    backend = backend.host_side()
     if engine_for(backend, settings.shm_slot_bytes, settings.shm_slots, one_node) is None:  # not one node
         return None
     segment = max(4096, -(-int(nbytes) // 4096) * 4096)
@@ -199,7 +199,7 @@ def allocate_array(backend: Any, nbytes: int, one_node: Optional[bool] = None) -
 
 def free_array(backend: Any, array: np.ndarray) -> None:
     """Free the window of an ``allocate_array`` array (collective); the array must not be used after."""
-    backend = getattr(backend, "host", backend)
+    backend = backend.host_side()
     arrays = getattr(backend, _ARRAYS, None) or []
     start = array.ctypes.data
     for entry in arrays:
@@ -212,7 +212,7 @@ def free_array(backend: Any, array: np.ndarray) -> None:
 
 def engine_in_window(backend: Any, x: np.ndarray) -> Optional[Any]:
     """The engine of the shared window ``x`` lies in (see ``allocate_array``), or None."""
-    backend = getattr(backend, "host", backend)
+    backend = backend.host_side()
     arrays = getattr(backend, _ARRAYS, None)
     if not arrays or not isinstance(x, np.ndarray):
         return None
@@ -226,7 +226,7 @@ def engine_in_window(backend: Any, x: np.ndarray) -> Optional[Any]:
 
 def release(backend: Any) -> None:
     """Free ``backend``'s window if it has one (collective)."""
-    backend = getattr(backend, "host", backend)
+    backend = backend.host_side()
     window = getattr(backend, _ATTR, None)
     if window:
         window.close()

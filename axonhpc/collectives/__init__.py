@@ -16,6 +16,7 @@ from .allreduce import (
 )
 from .compressed import compressed_all_reduce, compressed_reduce_scatter
 from .shm_path import shared_memory_array
+from .p2p import irecv, isend, recv, send
 from .core import (
     all_gather,
     barrier,
@@ -23,15 +24,11 @@ from .core import (
     gather,
     get_rank,
     get_world_size,
-    irecv,
     is_main_process,
-    isend,
-    recv,
     reduce_scatter,
     reduce_scatter_mean,
     reduce_scatter_sum,
     scatter,
-    send,
 )
 
 __all__ = [

@@ -47,6 +47,7 @@ from ..backends.base import ReduceOp, Work
 from ..errors import CollectiveMismatchError, CollectiveTimeoutError
 from ..settings import settings
 from . import fingerprint, shm_path, watch
+from .group_state import state_of
 
 Desc = Tuple[int, int, int, int]
 EngineMismatch = _shm.EngineMismatch
@@ -130,7 +131,7 @@ def start_check(pg: Any, seq: int, op: str, x: Any = None, reduce: Optional[str]
     desc = describe(op, x, reduce, root)
     words = np.zeros(8, dtype=np.int64)  # its own: several asynchronous checks may be in flight
     _shm.put_words(desc, words)
-    host = getattr(pg.backend, "host", pg.backend)
+    host = pg.backend.host_side()
 
     def verify() -> None:
         if not _shm.words_agree(desc, words):
@@ -155,7 +156,7 @@ class CheckedWork(Work):
         self._check, self._verify = pending
         self._issue = issue
         self._inner: Optional[Work] = None
-        self._waiting = _unissued(pg)
+        self._waiting = state_of(pg).unissued
         self._waiting.append(self)
 
     def _start(self) -> None:
@@ -190,17 +191,10 @@ class CheckedWork(Work):
             super()._finish()
 
 
-def _unissued(pg: Any) -> list:
-    """The group's asynchronous calls still waiting for their check, oldest first."""
-    waiting = pg.__dict__.get("_unissued_calls")
-    if waiting is None:
-        waiting = pg._unissued_calls = []
-    return waiting
-
-
 def flush(pg: Any) -> None:
     """Issue every asynchronous call of the group still waiting for its check (before any other collective)."""
-    waiting = pg.__dict__.get("_unissued_calls")
+    state = pg.collective_state
+    waiting = None if state is None else state.unissued
     while waiting:
         waiting[0]._start()
 
@@ -213,22 +207,12 @@ def flush_before(work: "CheckedWork") -> None:
 
 def _mpi_check(pg: Any) -> Tuple[np.ndarray, Any, Any]:
     """The group's MPI check, made once: its buffer (eight int64), a blocking MAX all-reduce of it, and the backend."""
-    cached = pg.__dict__.get("_agreement_check")
+    state = state_of(pg)
+    cached = state.check
     if cached is None:
-        host = getattr(pg.backend, "host", pg.backend)  # a host/device dispatch backend: its MPI side
+        host = pg.backend.host_side()  # a host/device dispatch backend: its MPI side
         words = np.zeros(8, dtype=np.int64)
-        comm = getattr(host, "comm", None)
-        if comm is not None and hasattr(comm, "Allreduce"):
-            from mpi4py import MPI
-
-            args = (MPI.IN_PLACE, [words, MPI.INT64_T], MPI.MAX)
-
-            def reduce_max() -> None:  # one MPI call: the check's whole cost is this latency
-                comm.Allreduce(*args)
-        else:
-            def reduce_max() -> None:
-                host.all_reduce(words, ReduceOp.MAX, False).wait()
-        cached = pg._agreement_check = (words, reduce_max, host)
+        cached = state.check = (words, host.max_reducer(words), host)
     return cached
 
 

@@ -6,8 +6,8 @@ algorithms (``algorithms``, ``ring``) are built on it and on the other plain
 collectives. The choice between them (``algorithm=``, else
 ``ax.settings.allreduce_algorithm``) is made here, above both, so that
 neither imports the other's caller. A blocking call on a plain host array
-takes ``core``'s hot path first, from here, as directly as ``core.all_reduce``
-does (``shm_path.plain_route`` offers it only while the settings' algorithm
+takes the fast path (``fast_path``) first, from here, as directly as
+``core.all_reduce`` does (``shm_path.plain_route`` offers it only while the settings' algorithm
 is native).
 """
 from __future__ import annotations
@@ -20,7 +20,8 @@ from .._dtypes import array_module, check_array
 from ..backends.base import ReduceOp
 from ..groups import ProcessGroup
 from . import algorithms
-from .core import _all_reduce_plain, _member, checked_all_reduce
+from . import fast_path
+from .core import _member, checked_all_reduce
 
 
 def all_reduce(x, op=ReduceOp.SUM, group: Optional[ProcessGroup] = None, async_op: bool = False,
@@ -46,9 +47,9 @@ def all_reduce(x, op=ReduceOp.SUM, group: Optional[ProcessGroup] = None, async_o
         ReadOnlyBufferError, CollectiveTimeoutError, ConfigurationError
         (an unknown algorithm).
     """
-    if type(x) is np.ndarray and type(op) is ReduceOp and not async_op and algorithm is None:
-        if _all_reduce_plain(x, op, group):
-            return None
+    if (not async_op and algorithm is None
+            and fast_path.attempt(fast_path.ALL_REDUCE, x, group, op) is not fast_path.NOT_TAKEN):
+        return None
     op = ReduceOp.parse(op)
     pg = _member(group, "all_reduce")
     check_array(x, "all_reduce buffer", writable=True)

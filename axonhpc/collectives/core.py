@@ -3,7 +3,9 @@
 The all-reduce here is the native one (one backend call, or the node's
 shared memory). The algorithms of ``collectives.algorithms`` are built on it,
 and ``collectives.allreduce`` holds the all-reduce users call, which picks
-one of them (``algorithm=``) or this one; neither is imported here.
+one of them (``algorithm=``) or this one; neither is imported here. A
+blocking call on a plain host array first tries ``fast_path``; point-to-point
+messages are in ``p2p``.
 
 [Note: what this layer adds over a backend]
 - Every argument is checked before anything is sent (dtype, contiguity,
@@ -25,13 +27,11 @@ from typing import Any, Optional
 import numpy as np
 
 from .. import tracing
-from .._dtypes import array_module, check_array, is_cupy_array, is_low_precision_float, is_supported
-from ..backends import shm as shm_backend
+from .._dtypes import array_module, check_array, is_cupy_array, is_low_precision_float
 from ..backends.base import CompletedWork, ReduceOp, Work
-from ..errors import CollectiveTimeoutError, InvalidArgumentError, RankError, ReadOnlyBufferError, ShapeError
+from ..errors import CollectiveTimeoutError, ReadOnlyBufferError, ShapeError
 from ..groups import ProcessGroup, resolve_group
-from ..settings import settings
-from . import agreement, fingerprint, flight, shm_path, watch
+from . import agreement, fast_path, fingerprint, flight, shm_path, watch
 from .ring import ring_all_reduce, ring_reduce_scatter
 from .widen import divide_average
 
@@ -68,8 +68,7 @@ _OP_NAMES = {op: op.name for op in ReduceOp}  # Enum.name is a slow property; th
 def _start(pg: ProcessGroup, op: str, x: Any = None, reduce: Optional[ReduceOp] = None,
            root: Optional[int] = None) -> _Label:
     """Flight record, debug check and sequence number; returns the label used in messages."""
-    if "_unissued_calls" in pg.__dict__:
-        agreement.flush(pg)  # earlier asynchronous calls start first, in the same order on every rank
+    agreement.flush(pg)  # earlier asynchronous calls start first, in the same order on every rank
     debug = pg.debug_enabled()
     reduce_name = None if reduce is None else _OP_NAMES[reduce]
     entry = flight.record(pg, op, x, reduce_name, root, fingerprint.caller_location() if debug else None)
@@ -192,9 +191,8 @@ def all_reduce(x, op=ReduceOp.SUM, group: Optional[ProcessGroup] = None, async_o
         NotAMemberError, UnsupportedDtypeError, NonContiguousBufferError,
         ReadOnlyBufferError, CollectiveTimeoutError.
     """
-    if type(x) is np.ndarray and type(op) is ReduceOp and not async_op:
-        if _all_reduce_plain(x, op, group):
-            return None
+    if not async_op and fast_path.attempt(fast_path.ALL_REDUCE, x, group, op) is not fast_path.NOT_TAKEN:
+        return None
     op = ReduceOp.parse(op)
     pg = _member(group, "all_reduce")
     check_array(x, "all_reduce buffer", writable=True)
@@ -228,80 +226,6 @@ def checked_all_reduce(x: Any, op: ReduceOp, pg: ProcessGroup, async_op: bool) -
     return _run(pg, label, issue, async_op)
 
 
-def _plain_route(x: Any, group: Optional[ProcessGroup], writable: bool, dtype_checked: bool = False) -> Optional[tuple]:
-    """``(group, engine, MPI backend)`` for a plain blocking call on host array ``x``, or None: the general path.
-
-    "Plain": a contiguous numpy array of a supported dtype (writable when
-    the call writes into it), not empty, not an array in a shared window, no
-    timeline recording, and ``shm_path.plain_route`` offers a way for the
-    group (no debug mode, no timeout, native algorithm). Nothing is sent.
-    """
-    if type(x) is not np.ndarray or not x.nbytes or not (dtype_checked or is_supported(x.dtype)):
-        return None
-    flags = x.flags
-    if not flags.c_contiguous or (writable and not flags.writeable):
-        return None
-    if tracing.EVER_INSTALLED and tracing.active() is not None:
-        return None
-    pg = resolve_group(group)
-    if pg.member_backend is None:
-        return None
-    if shm_backend.ANY_ARRAYS and shm_backend.engine_in_window(pg.member_backend, x) is not None:
-        return None  # the general path works on it where it lies
-    engine, backend = shm_path.plain_route(pg)
-    if engine is None and backend is None:
-        return None
-    return pg, engine, backend
-
-
-def _plainly(pg: ProcessGroup, op: str, x: Any, reduce: Optional[str], root: Optional[int], call,
-             engine: Any, carried: bool) -> None:
-    """What the general path does around a call, no more: a flight record, the next sequence number and the
-    agreement check (in the engine's call when ``carried``, else ``agreement.check`` first)."""
-    if "_unissued_calls" in pg.__dict__:
-        agreement.flush(pg)
-    entry = flight.record(pg, op, x, reduce, root, None)
-    seq = pg.seq
-    pg.seq += 1
-    try:
-        if not carried:
-            agreement.check(pg, seq, op, x, reduce, root, engine=engine if engine is not None else False)
-        call()
-    except agreement.EngineMismatch:
-        agreement.refuse(pg, seq, op, x, reduce, root)
-    if entry is not None:
-        entry[flight.DONE] = True
-
-
-def _all_reduce_plain(x: np.ndarray, op: ReduceOp, group: Optional[ProcessGroup]) -> bool:
-    """The hot path of a blocking all-reduce: the node's shared-memory engine, or one MPI call.
-
-    Returns False, having sent nothing, when the call needs anything more
-    (see ``_plain_route``; and an AVG the kernels do not finish or MPI does
-    not have); the general path then handles it.
-    """
-    names = shm_path.FUSED.get(x.dtype)
-    name = None if names is None else names.get(op._value_)
-    route = None if name is None else _plain_route(x, group, True, True)  # FUSED holds supported dtypes only
-    if route is None:
-        return False
-    pg, engine, backend = route
-    if engine is not None and x.nbytes >= settings.shm_min_bytes:
-        entry = flight.record(pg, "all_reduce", x, name, None, None)  # _plainly's steps, inline: the hottest call
-        pg.seq += 1
-        try:
-            engine.all_reduce(x, name)  # compares the call across the node as it goes (agreement)
-        except agreement.EngineMismatch:
-            agreement.refuse(pg, pg.seq - 1, "all_reduce", x, name, None)
-        if entry is not None:
-            entry[flight.DONE] = True
-        return True
-    if backend is None or op is ReduceOp.AVG:
-        return False
-    _plainly(pg, "all_reduce", x, name, None, lambda: _finish(backend.all_reduce(x, op, False)), engine, False)
-    return True
-
-
 def _result_buffer(x: Any, out: Any, shape: tuple, op: str, what: str) -> Any:
     """``out``, checked to hold a result of ``shape`` and ``x``'s dtype, or a new array for it.
 
@@ -314,11 +238,6 @@ def _result_buffer(x: Any, out: Any, shape: tuple, op: str, what: str) -> Any:
     if tuple(out.shape) != shape or out.dtype != x.dtype:
         raise ShapeError(f"{op}: out is {out.dtype} of shape {tuple(out.shape)}; {what} is {x.dtype} of shape {shape}")
     return out
-
-
-def _finish(work: Work) -> None:
-    if type(work) is not CompletedWork:  # a blocking MPI call is complete on return
-        work.wait()
 
 
 def reduce_scatter(x, op=ReduceOp.SUM, group: Optional[ProcessGroup] = None, async_op: bool = False,
@@ -341,24 +260,10 @@ def reduce_scatter(x, op=ReduceOp.SUM, group: Optional[ProcessGroup] = None, asy
         ShapeError: ``x`` is 0-d or ``x.shape[0]`` is not divisible by the
             size, or ``out`` has the wrong shape or dtype.
     """
-    if type(op) is ReduceOp and not async_op and type(x) is np.ndarray and x.ndim:
-        names = shm_path.FUSED.get(x.dtype)
-        name = None if names is None else names.get(op._value_)
-        route = None if name is None else _plain_route(x, group, writable=False)
-        if route is not None:
-            pg, engine, backend = route
-            use_engine = engine is not None and x.nbytes >= settings.shm_min_bytes
-            shape = (x.shape[0] // pg.size,) + x.shape[1:]
-            if out is None and x.shape[0] % pg.size == 0:
-                out = np.empty(shape, dtype=x.dtype)
-            if ((use_engine or (backend is not None and op is not ReduceOp.AVG))
-                    and x.shape[0] % pg.size == 0 and type(out) is np.ndarray and out.shape == shape
-                    and out.dtype == x.dtype and out.flags.c_contiguous and out.flags.writeable):
-                part = out
-                call = ((lambda: engine.reduce_scatter(x, part, name)) if use_engine
-                        else (lambda: _finish(backend.reduce_scatter(x, part, op, False))))
-                _plainly(pg, "reduce_scatter", x, name, None, call, engine, use_engine)
-                return part
+    if not async_op:
+        part = fast_path.attempt(fast_path.REDUCE_SCATTER, x, group, op, out=out)
+        if part is not fast_path.NOT_TAKEN:
+            return part
     op = ReduceOp.parse(op)
     pg = _member(group, "reduce_scatter")
     check_array(x, "reduce_scatter input")
@@ -408,17 +313,8 @@ def broadcast(x, src: int = 0, group: Optional[ProcessGroup] = None, async_op: b
         RankError: ``src`` out of range for the group.
         ReadOnlyBufferError: ``x`` is read-only (on any rank that passes one).
     """
-    if not async_op and type(src) is int:
-        route = _plain_route(x, group, writable=True)
-        if route is not None:
-            pg, engine, backend = route
-            if 0 <= src < pg.size:
-                use_engine = engine is not None and x.nbytes >= settings.shm_min_bytes
-                call = ((lambda: engine.broadcast(x, src)) if use_engine
-                        else (lambda: _finish(backend.broadcast(x, src, False))) if backend is not None else None)
-                if call is not None:
-                    _plainly(pg, "broadcast", x, None, src, call, engine, use_engine)
-                    return None
+    if not async_op and fast_path.attempt(fast_path.BROADCAST, x, group, root=src) is not fast_path.NOT_TAKEN:
+        return None
     pg = _member(group, "broadcast")
     src = pg.check_rank(src, "broadcast src")
     if isinstance(x, np.ndarray) and not x.flags.writeable:
@@ -454,20 +350,9 @@ def all_gather(x, group: Optional[ProcessGroup] = None, async_op: bool = False, 
         ShapeError: ``out`` has the wrong shape or dtype.
     """
     if not async_op:
-        route = _plain_route(x, group, writable=False)
-        if route is not None:
-            pg, engine, backend = route
-            shape = (pg.size,) + x.shape
-            use_engine = (engine is not None and settings.shm_min_bytes <= x.nbytes
-                          and x.nbytes * pg.size <= settings.shm_allgather_max_bytes)
-            if (use_engine or backend is not None) and (
-                    out is None or (type(out) is np.ndarray and out.shape == shape and out.dtype == x.dtype
-                                    and out.flags.c_contiguous and out.flags.writeable)):
-                result = np.empty(shape, dtype=x.dtype) if out is None else out
-                call = ((lambda: engine.all_gather(x, result)) if use_engine
-                        else (lambda: _finish(backend.all_gather(x, result, False))))
-                _plainly(pg, "all_gather", x, None, None, call, engine, use_engine)
-                return result
+        result = fast_path.attempt(fast_path.ALL_GATHER, x, group, out=out)
+        if result is not fast_path.NOT_TAKEN:
+            return result
     pg = _member(group, "all_gather")
     check_array(x, "all_gather input")
     out = _result_buffer(x, out, (pg.size,) + tuple(x.shape), "all_gather", "the result")
@@ -560,61 +445,6 @@ def barrier(group: Optional[ProcessGroup] = None, async_op: bool = False):
     label = _start(pg, "barrier")
     backend = pg.backend
     return _run(pg, label, lambda nb: backend.barrier(nb), async_op)
-
-
-# -- point to point ------------------------------------------------------------------------
-def _check_tag(tag: int) -> int:
-    if isinstance(tag, bool) or not hasattr(tag, "__index__") or int(tag) < 0:
-        raise InvalidArgumentError(f"tag must be a non-negative integer, got {tag!r}")
-    return int(tag)
-
-
-def _p2p(kind: str, x, peer: int, tag: int, group, async_op: bool, writable: bool):
-    pg = _member(group, kind)
-    peer = pg.check_rank(peer, f"{kind} {'src' if kind.endswith('recv') else 'dst'}")
-    tag = _check_tag(tag)
-    if kind == "send" and peer == pg.rank:
-        raise RankError(f"send: dst={peer} is this rank itself (group rank {pg.rank} of group {pg.name}); a blocking "
-                        f"send to oneself waits for a receive that this rank could only post after it returns: use "
-                        f"isend (then recv, then wait on the isend's Work)")
-    check_array(x, f"{kind} buffer", writable=writable)
-    backend = pg.backend
-    label = f"{kind} with group rank {peer} (tag {tag}) on group {pg.name}"  # p2p: no sequence number
-    # A blocking recv is waited for at once, so the backend may match the message and check its size
-    # before receiving it (recv_now); irecv keeps MPI's posted-receive semantics.
-    call = (backend.recv if async_op else backend.recv_now) if writable else backend.send
-    return _run(pg, label, lambda nb: call(x, peer, tag, nb), async_op)
-
-
-def send(x, dst: int, tag: int = 0, group: Optional[ProcessGroup] = None) -> None:
-    """Send ``x`` to group rank ``dst`` (returns once ``x`` may be reused).
-
-    Raises:
-        RankError: ``dst`` is out of range, or this rank itself (a blocking send to oneself could wait forever;
-            ``isend`` to oneself works).
-    """
-    _p2p("send", x, dst, tag, group, False, writable=False)
-
-
-def recv(x, src: int, tag: int = 0, group: Optional[ProcessGroup] = None):
-    """Fill ``x`` with the message from group rank ``src``; returns ``x``.
-
-    Raises:
-        ShapeError: the message's size differs from ``x``'s (both sizes in the message; the message is
-            consumed, so its sender is not left waiting). The in-process backend also compares dtypes;
-            MPI carries no dtype, so there a message of another dtype is found when its byte size differs.
-    """
-    return _p2p("recv", x, src, tag, group, False, writable=True)
-
-
-def isend(x, dst: int, tag: int = 0, group: Optional[ProcessGroup] = None) -> Work:
-    """Start sending ``x``; do not modify it before ``wait()``."""
-    return _p2p("isend", x, dst, tag, group, True, writable=False)
-
-
-def irecv(x, src: int, tag: int = 0, group: Optional[ProcessGroup] = None) -> Work:
-    """Start receiving into ``x``; ``wait()`` returns ``x`` once filled."""
-    return _p2p("irecv", x, src, tag, group, True, writable=True)
 
 
 # -- facts ------------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ import numpy as np
 
 from .._dtypes import is_cupy_array
 from ..errors import CollectiveMismatchError
+from .group_state import private_channel
 
 _SLOT = 512  # bytes per rank in the exchanged table
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -81,11 +82,7 @@ def check(group, op: str, x: Any = None, reduce: Optional[str] = None, root: Opt
     Raises:
         CollectiveMismatchError: on every rank, if any rank's call differs.
     """
-    side = getattr(group, "_debug_channel", None)
-    if side is None:
-        side = group.backend.split(0, group.rank)
-        side.global_ranks = group.ranks
-        group._debug_channel = side
+    side = private_channel(group, "debug")
     seq = group.seq if seq is None else seq
     fp = _fingerprint(op, x, reduce, root, seq, caller_location())
     raw = json.dumps(fp).encode()[:_SLOT]

@@ -61,6 +61,7 @@ from typing import Any, Callable, List, NamedTuple, Optional, Tuple
 from .._dtypes import array_module
 from ..backends.base import Backend, ReduceOp
 from ..groups import ProcessGroup
+from .group_state import private_channel
 from .widen import reduce_widened
 
 RING_TAG = 1
@@ -177,12 +178,7 @@ def channel(pg: ProcessGroup) -> Backend:
 
     Same ranks in the same order as ``pg``; see the module note.
     """
-    cached = pg.__dict__.get("_p2p_channel")
-    if cached is None:
-        cached = pg.backend.split(0, pg.rank)
-        cached.global_ranks = pg.ranks
-        pg.__dict__["_p2p_channel"] = cached
-    return cached
+    return private_channel(pg, "ring")
 
 
 def execute(flat: Any, schedule: Schedule, op: ReduceOp, backend: Backend, tag: int,

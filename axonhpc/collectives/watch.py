@@ -8,7 +8,7 @@ what it waits for and which ranks have not arrived, and goes on waiting.
 When the timeout expires the rank raises ``CollectiveTimeoutError`` naming
 the group, the operation, its sequence number, the ranks that arrived and
 the missing ones (from the backend's arrival notices: see
-``backends.mpi.Arrivals``; the in-process backend knows them itself). Every
+``backends.mpi_arrivals.Arrivals``; the in-process backend knows them itself). Every
 rank that waits raises the same kind of message; under ``axonhpc launch``
 (``AXONHPC_ABORT_ON_EXCEPTION``) an uncaught one is printed and aborts the
 whole job, so the scheduler frees the nodes instead of holding them for the

@@ -61,7 +61,8 @@ class ProcessGroup:
         self.timeout: Optional[float] = None
         self.debug: Optional[bool] = None
         self.seq = 0  # collectives issued on this group by this rank
-        self.shm_route: Optional[tuple] = None  # collectives.shm_path.plain_route's cached choice
+        # The collective layer's state of this group (collectives.group_state.GroupState), made on first use.
+        self.collective_state: Any = None
         self.node_levels: Dict[Optional[int], Any] = {}  # collectives.algorithms.node_levels's groups, made once
         self._one_node: Optional[bool] = None
         if backend is not None:

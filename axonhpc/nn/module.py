@@ -247,6 +247,21 @@ class Module:
             out[key] = value.copy()
         return out
 
+    def named_state(self) -> "OrderedDict[str, Tuple[str, Any]]":
+        """What each ``state_dict()`` entry is read from, under the same names and in the same order.
+
+        Nothing is copied: a wrapper that keeps the values elsewhere (FSDP's
+        shards) builds its own state dict from it.
+
+        Returns:
+            An OrderedDict name -> ``("param", Parameter)`` or ``("buffer", array)``,
+            the persistent buffers only, as in ``state_dict()``.
+        """
+        out: "OrderedDict[str, Tuple[str, Any]]" = OrderedDict()
+        for key, (module, name, kind) in self._state_targets().items():
+            out[key] = (kind, module._registries()[0 if kind == "param" else 2][name])
+        return out
+
     def _state_targets(self) -> "OrderedDict[str, Tuple[Module, str, str]]":
         """name -> (owning module, local name, "param" | "buffer") for every state_dict entry."""
         out: "OrderedDict[str, Tuple[Module, str, str]]" = OrderedDict()

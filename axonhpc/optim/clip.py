@@ -8,6 +8,26 @@ from .._dtypes import array_module
 from ..errors import InvalidArgumentError
 
 
+def checked_norm_type(norm_type: Any) -> float:
+    """``norm_type`` as a float, refused unless positive (``float("inf")`` is the largest absolute value).
+
+    Raises:
+        InvalidArgumentError: ``norm_type`` is not positive (a ``ValueError``).
+    """
+    norm_type = float(norm_type)
+    if not norm_type > 0:
+        raise InvalidArgumentError(f"clip_grad_norm norm_type must be positive, got {norm_type}")
+    return norm_type
+
+
+def scale_to_norm(grads: Iterable[Any], total: float, max_norm: float) -> None:
+    """Multiply ``grads`` in place by ``min(1, max_norm / (total + 1e-6))``, ``total`` being their joint norm."""
+    clip_coef = min(float(max_norm) / (total + 1e-6), 1.0)
+    if clip_coef < 1.0:
+        for g in grads:
+            g *= clip_coef
+
+
 def clip_grad_norm(params: Union[Any, Iterable[Any]], max_norm: float, norm_type: float = 2.0) -> float:
     """Scale gradients in place so that their joint norm is at most ``max_norm``.
 
@@ -29,9 +49,7 @@ def clip_grad_norm(params: Union[Any, Iterable[Any]], max_norm: float, norm_type
     if hasattr(params, "data") and hasattr(params, "grad"):
         params = [params]
     grads = [p.grad for p in params if p.grad is not None]
-    norm_type = float(norm_type)
-    if not norm_type > 0:
-        raise InvalidArgumentError(f"clip_grad_norm norm_type must be positive, got {norm_type}")
+    norm_type = checked_norm_type(norm_type)
     if not grads:
         return 0.0
     xp = array_module(grads[0])
@@ -41,11 +59,8 @@ def clip_grad_norm(params: Union[Any, Iterable[Any]], max_norm: float, norm_type
         # Per-gradient norms first, then the norm of those: one pass over each array.
         norms = xp.stack([xp.linalg.norm(g.reshape(-1), norm_type) for g in grads])
         total = float(xp.linalg.norm(norms, norm_type))
-    clip_coef = min(float(max_norm) / (total + 1e-6), 1.0)
-    if clip_coef < 1.0:
-        for g in grads:
-            g *= clip_coef
+    scale_to_norm(grads, total, max_norm)
     return total
 
 
-__all__ = ["clip_grad_norm"]
+__all__ = ["clip_grad_norm", "checked_norm_type", "scale_to_norm"]

@@ -1,126 +1,102 @@
-"""How the trainer wraps a model for each strategy: the wrapper, its optimizer, its data group, its checkpoints.
+"""How the trainer wraps a model for each strategy: one ``Setup`` class per strategy.
 
-Every strategy becomes a ``Setup`` with the same small surface, so the
-training loop in ``trainer`` has no per-strategy branches:
+Every strategy is a ``Setup`` subclass with the same small surface (train a
+step, predict, the modules this rank holds, save and load, how the data is
+split and how metrics are summed), so the training loop in ``trainer`` has
+no per-strategy branches. ``SETUPS`` maps each strategy's name to its class;
+``build`` checks the arguments every rank alike, before anything is sent,
+and calls the class's ``build``:
 
-- ``ddp``: ``DDP(model, group)``; the optimizer as given.
-- ``zero1``: ``DDP`` and ``ZeroRedundancyOptimizer`` of the given optimizer's
-  class and hyperparameters (or of the callable ``params -> Optimizer`` given
-  instead) over the model's parameters.
-- ``fsdp``: ``FSDP(model, group, mixed_precision=...)``; the optimizer rebuilt
-  (same class and hyperparameters) over the master shards; a ``GradScaler``
-  for float16.
-- ``tp+dp``: the model already holds tensor-parallel layers over
-  ``mesh["tp"]``; ``DDP`` over ``mesh["dp"]``; the data is split over dp.
-- ``pipeline``: the model (rank 0's values) is a ``Sequential`` cut into one
-  contiguous stage per rank of the group (as equal in layer count as possible); ``Pipeline``
-  runs ``num_microbatches`` micro-batches per step, every rank sees the whole
-  batch, and the loss lives on the last stage.
+- ``ddp`` (``DDPSetup``): ``DDP(model, group)``; the optimizer as given.
+- ``zero1`` (``Zero1Setup``): ``DDP`` and ``ZeroRedundancyOptimizer`` of the
+  given optimizer's class and hyperparameters (or of the callable
+  ``params -> Optimizer`` given instead) over the model's parameters.
+- ``fsdp`` (``FSDPSetup``): ``FSDP(model, group, mixed_precision=...)``; the
+  optimizer rebuilt (same class and hyperparameters) over the master shards;
+  a ``GradScaler`` for float16; sharded checkpoints.
+- ``tp+dp`` (``TensorDataSetup``): the model already holds tensor-parallel
+  layers over ``mesh["tp"]``; ``DDP`` over ``mesh["dp"]``; the data is split
+  over dp.
+- ``pipeline`` (``PipelineSetup``): the model (rank 0's values) is a
+  ``Sequential`` cut into one contiguous stage per rank of the group (as
+  equal in layer count as possible); ``Pipeline`` runs ``num_microbatches``
+  micro-batches per step, every rank sees the whole batch, and the loss lives
+  on the last stage.
 """
 from __future__ import annotations
 
 import contextlib
-import inspect
-from typing import Any, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Optional, Type
 
 import numpy as np
 
-from ..checkpoint import load_per_rank, load_sharded, save_per_rank, save_sharded
+from ..checkpoint import (capture_rng_state, load_per_rank, load_sharded, restore_rng_state, save_per_rank,
+                          save_sharded)
 from ..checkpoint.background import AsyncCheckpointer
 from ..backends import ReduceOp
 from ..collectives import all_reduce, broadcast
+from ..data import DistributedSampler
 from ..errors import ConfigurationError
 from ..log import get_logger
 from ..optim.optimizer import Optimizer
 from ..parallel import DDP, FSDP, GradScaler, MixedPrecision, Pipeline, ZeroRedundancyOptimizer
-
-STRATEGIES = ("ddp", "fsdp", "zero1", "pipeline", "tp+dp")
-
-
-def check_rebuildable(optimizer: Any) -> None:
-    """ConfigurationError unless ``type(optimizer)(params, **optimizer.hyperparameters())`` can be called.
-
-    A strategy that rebuilds the optimizer over other parameters (FSDP's
-    shards, ZeRO-1's slices, a pipeline stage's) calls the class with every
-    hyperparameter the instance reports. A subclass whose constructor takes
-    fewer (``def __init__(self, params, lr)`` over ``optim.SGD``, which reports
-    ``momentum`` and the rest too) would fail there with a bare TypeError,
-    after the wrapper has already communicated; this check runs first, on
-    every rank alike (the same code and optimizer on each), before any message.
-    A callable ``params -> Optimizer`` passes.
-
-    Raises:
-        ConfigurationError: naming the class, the hyperparameters it does not
-            take (or the ones it needs and is not given) and the fix.
-    """
-    if not isinstance(optimizer, Optimizer):
-        return
-    cls = type(optimizer)
-    hyper = optimizer.hyperparameters()
-    try:
-        signature = inspect.signature(cls)
-    except (TypeError, ValueError):  # no signature to check (a C-implemented class): the call will tell
-        return
-    try:
-        signature.bind(None, **hyper)
-    except TypeError as exc:
-        taken = signature.parameters
-        takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in taken.values())
-        unknown = [] if takes_any else [name for name in hyper if name not in taken]
-        needed = [name for name, p in list(taken.items())[1:] if p.default is inspect.Parameter.empty
-                  and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-                  and name not in hyper]
-        what = []
-        if unknown:
-            what.append(f"does not take {', '.join(f'{n}={hyper[n]!r}' for n in unknown)}")
-        if needed:
-            what.append(f"needs {', '.join(needed)}, which hyperparameters() does not report")
-        shown = ", ".join(f"{k}={v!r}" for k, v in hyper.items() if k not in unknown)
-        raise ConfigurationError(
-            f"the strategy rebuilds the optimizer over its own parameters as {cls.__name__}(params, "
-            f"**optimizer.hyperparameters()), but {cls.__name__}{signature} "
-            f"{' and '.join(what) or f'cannot be called so ({exc})'}; pass a callable instead, e.g. "
-            f"optimizer=lambda params: {cls.__name__}(params, {shown})") from None
-
-
-def rebuild_optimizer(optimizer: Any, params: List[Any]) -> Any:
-    """An optimizer of the same class and hyperparameters as ``optimizer`` over ``params``.
-
-    ``optimizer`` may also be a callable ``params -> Optimizer``.
-
-    Raises:
-        ConfigurationError: neither an Optimizer nor a callable, or a class that
-            cannot be rebuilt from its hyperparameters (``check_rebuildable``).
-    """
-    if isinstance(optimizer, Optimizer):
-        check_rebuildable(optimizer)
-        return type(optimizer)(params, **optimizer.hyperparameters())
-    if callable(optimizer):
-        return optimizer(params)
-    raise ConfigurationError(f"optimizer must be an axonhpc.optim.Optimizer or a callable params -> Optimizer, "
-                             f"got {type(optimizer).__name__}")
+from .optimizers import NoOptimizer, check_rebuildable, rebuild_optimizer
 
 
 class Setup:
-    """One strategy's wrapped model and what the loop needs of it (see the module note)."""
+    """A data-parallel strategy's wrapped model and what the loop needs of it (see the module note).
 
-    def __init__(self, strategy: str, module: Any, wrapper: Any, optimizer: Any, group: Any, dp_group: Any,
-                 scaler: Optional[GradScaler] = None, pipeline: Optional[Pipeline] = None):
-        self.strategy = strategy
+    The base class is plain data parallelism: one wrapper over the whole
+    model, the data split over ``dp_group``, per-rank checkpoints. Each
+    strategy is a subclass that says how it is built and what it does
+    differently.
+    """
+
+    name = ""  # the strategy's name, as DistributedTrainer takes it
+    takes_mixed_precision = False  # accepts fit(mixed_precision=...)
+    rebuilds_optimizer = False  # builds its own optimizer of the given one's class (check_rebuildable first)
+
+    def __init__(self, module: Any, wrapper: Any, optimizer: Any, group: Any, dp_group: Any,
+                 scaler: Optional[GradScaler] = None):
         self.module = module
         self.wrapper = wrapper
         self.optimizer = optimizer
         self.group = group
         self.dp_group = dp_group
         self.scaler = scaler
-        self.pipeline = pipeline
         self.skip_nonfinite = False  # set by the trainer (settings.skip_nonfinite_steps)
         self.skipped_steps = 0
 
     @property
+    def strategy(self) -> str:
+        """The strategy's name."""
+        return self.name
+
+    # -- building ------------------------------------------------------------------------------
+    @classmethod
+    def check(cls, optimizer: Any, mixed_precision: Optional[MixedPrecision]) -> None:
+        """Refuse what this strategy cannot take; local, the same on every rank, before anything is sent.
+
+        Raises:
+            ConfigurationError: naming the option and the strategy.
+        """
+        if mixed_precision is not None and not cls.takes_mixed_precision:
+            raise ConfigurationError(f"mixed_precision needs strategy='fsdp' (strategy is {cls.name!r})")
+        if cls.rebuilds_optimizer:
+            check_rebuildable(optimizer)
+
+    @classmethod
+    def check_fit(cls, grad_accumulation: int) -> None:
+        """Refuse ``fit`` arguments this strategy cannot take (local, before anything is sent)."""
+
+    # Each subclass has ``build(model, optimizer, loss_fn, group, mesh, mixed_precision, options)``: collective,
+    # it wraps the model and returns the Setup.
+
+    # -- a step ----------------------------------------------------------------------------------
+    @property
     def output_rank(self) -> int:
-        """Group rank that holds the model's output (the last pipeline stage; 0 otherwise)."""
-        return self.group.size - 1 if self.pipeline is not None else 0
+        """Group rank that holds the model's output."""
+        return 0
 
     def no_sync(self, skip: bool) -> Any:
         """The wrapper's ``no_sync()`` when ``skip``, else a context that does nothing."""
@@ -132,16 +108,10 @@ class Setup:
         """Forward and backward over the accumulated micro-batches, then the optimizer step.
 
         Returns:
-            The mean loss over this rank's samples of the step (pipeline: on the
-            last stage, NaN elsewhere).
+            The mean loss over this rank's samples of the step.
         """
         opt = self.optimizer
         opt.zero_grad()
-        if self.pipeline is not None:
-            (xb, yb), = batches
-            loss = self.pipeline.train_step(xb, yb)
-            opt.step()
-            return float("nan") if loss is None else float(loss)
         total, count = 0.0, 0
         for k, (xb, yb) in enumerate(batches):
             with self.no_sync(k < len(batches) - 1):
@@ -158,9 +128,7 @@ class Setup:
         return total / max(count, 1)
 
     def _gradient_holders(self) -> List[Any]:
-        """``(name, Parameter)`` whose gradients the optimizer steps on (shards for FSDP)."""
-        if self.strategy == "fsdp":
-            return list(self.wrapper.named_parameters())
+        """``(name, Parameter)`` whose gradients the optimizer steps on."""
         return [(n, p) for m in self.modules() for n, p in m.named_parameters()]
 
     def _skip_for_nonfinite(self) -> bool:
@@ -176,16 +144,50 @@ class Setup:
         return bool(flag[0])
 
     def predict(self, x: Any) -> Any:
-        """The model's output for ``x`` (pipeline: on the last stage, None elsewhere)."""
-        if self.pipeline is not None:
-            return self.pipeline.forward(x)
+        """The model's output for ``x``."""
         return self.wrapper(x)
 
     def modules(self) -> List[Any]:
-        """The modules whose state this rank holds (its stages, for a pipeline)."""
-        if self.pipeline is not None:
-            return [self.pipeline.stage_modules[i] for i in self.pipeline.stages]
+        """The modules whose state this rank holds."""
         return [self.module]
+
+    def rng_states(self) -> Dict[str, Any]:
+        """The random generators of this rank's modules (Dropout's), by module name, for a checkpoint."""
+        states = {}
+        for module in self.modules():
+            for name, m in module.named_modules():
+                rng = m.__dict__.get("_rng")
+                if isinstance(rng, np.random.Generator):
+                    states[name or "<root>"] = capture_rng_state(rng)
+        return states
+
+    def restore_rng_states(self, states: Dict[str, Any]) -> None:
+        """Put back the generators ``rng_states`` returned, by module name."""
+        for module in self.modules():
+            for name, m in module.named_modules():
+                key = name or "<root>"
+                if key in states and isinstance(m.__dict__.get("_rng"), np.random.Generator):
+                    object.__setattr__(m, "_rng", restore_rng_state(states[key]))
+
+    # -- data and metrics ------------------------------------------------------------------------
+    def sampler(self, n: int, seed: int) -> DistributedSampler:
+        """This rank's share of ``n`` training samples: a shuffled, equal part per data-parallel rank."""
+        return DistributedSampler(n, self.dp_group.size, self.dp_group.rank, shuffle=True, seed=seed,
+                                  drop_last=True)
+
+    def eval_rows(self, n: int) -> np.ndarray:
+        """The rows of an ``n``-row evaluation set this rank scores: ``r, r + D, ...`` (every row once)."""
+        return np.arange(self.dp_group.rank, n, self.dp_group.size)
+
+    def forward_needs_every_rank(self) -> bool:
+        """True when every rank must take part in each forward, even with no rows of its own."""
+        return False
+
+    def sum_metrics(self, values: np.ndarray) -> np.ndarray:
+        """Collective: ``values`` (sums and counts) summed over the data-parallel ranks, in place."""
+        if self.dp_group.size > 1:
+            all_reduce(values, ReduceOp.SUM, self.dp_group)
+        return values
 
     # -- checkpoints -------------------------------------------------------------------------
     def save(self, path: str, extra: dict, rank_state: dict, writer: Optional[AsyncCheckpointer] = None) -> None:
@@ -199,13 +201,6 @@ class Setup:
                 save in the background with (the same directory), or None to
                 write it now.
         """
-        if self.strategy == "fsdp":
-            full_extra = {**extra, "rank0": rank_state}
-            if writer is not None:
-                writer.save_sharded(path, self.wrapper, self.optimizer, extra=full_extra)
-            else:
-                save_sharded(path, self.wrapper, self.optimizer, extra=full_extra)
-            return
         state = {"modules": [m.state_dict() for m in self.modules()], "optimizer": self.optimizer.state_dict(),
                  "rank": rank_state}
         if self.scaler is not None:
@@ -217,9 +212,6 @@ class Setup:
 
     def load(self, path: str) -> tuple:
         """Collective: restore from ``save``; returns ``(extra, rank_state)``."""
-        if self.strategy == "fsdp":
-            extra = load_sharded(path, self.wrapper, self.optimizer)
-            return extra, extra.pop("rank0")
         state, extra = load_per_rank(path, self.group)
         for module, saved in zip(self.modules(), state["modules"]):
             module.load_state_dict(saved)
@@ -227,6 +219,182 @@ class Setup:
         if self.scaler is not None and "scaler" in state:
             self.scaler.load_state_dict(state["scaler"])
         return extra, state["rank"]
+
+
+class DDPSetup(Setup):
+    """``ddp``: the model in ``DDP`` over the group; the optimizer as given."""
+
+    name = "ddp"
+
+    @classmethod
+    def build(cls, model: Any, optimizer: Any, loss_fn: Any, group: Any, mesh: Any,
+              mixed_precision: Optional[MixedPrecision], options: dict) -> Setup:
+        """Collective: ``DDP(model, group)``."""
+        wrapper = DDP(model, group=group, **options)
+        return cls(model, wrapper, optimizer, wrapper.group, wrapper.group)
+
+
+class Zero1Setup(Setup):
+    """``zero1``: ``DDP``, and the optimizer's state sharded over the group (``ZeroRedundancyOptimizer``)."""
+
+    name = "zero1"
+    rebuilds_optimizer = True
+
+    @classmethod
+    def check(cls, optimizer: Any, mixed_precision: Optional[MixedPrecision]) -> None:
+        """Also refuse an optimizer that is neither an Optimizer nor a callable ``params -> Optimizer``."""
+        if not (isinstance(optimizer, Optimizer) or callable(optimizer)):
+            raise ConfigurationError("strategy='zero1' needs an Optimizer instance (its class and hyperparameters "
+                                     "are used for the shards) or a callable params -> Optimizer, got "
+                                     f"{type(optimizer).__name__}")
+        super().check(optimizer, mixed_precision)
+
+    @classmethod
+    def build(cls, model: Any, optimizer: Any, loss_fn: Any, group: Any, mesh: Any,
+              mixed_precision: Optional[MixedPrecision], options: dict) -> Setup:
+        """Collective: ``DDP`` and a ``ZeroRedundancyOptimizer`` of the optimizer's class over its parameters."""
+        wrapper = DDP(model, group=group, **options)
+        if isinstance(optimizer, Optimizer):
+            zero = ZeroRedundancyOptimizer(type(optimizer), wrapper.parameters(), group=wrapper.group,
+                                           **optimizer.hyperparameters())
+        else:  # a callable params -> Optimizer, called over the shards
+            zero = ZeroRedundancyOptimizer(optimizer, wrapper.parameters(), group=wrapper.group)
+        return cls(model, wrapper, zero, wrapper.group, wrapper.group)
+
+
+class FSDPSetup(Setup):
+    """``fsdp``: the model in ``FSDP``; the optimizer over the master shards; sharded checkpoints."""
+
+    name = "fsdp"
+    takes_mixed_precision = True
+    rebuilds_optimizer = True
+
+    @classmethod
+    def build(cls, model: Any, optimizer: Any, loss_fn: Any, group: Any, mesh: Any,
+              mixed_precision: Optional[MixedPrecision], options: dict) -> Setup:
+        """Collective: ``FSDP(model, group, mixed_precision=...)``; a ``GradScaler`` for float16 parameters."""
+        wrapper = FSDP(model, group=group, mixed_precision=mixed_precision, **options)
+        scaler = None
+        if mixed_precision is not None and mixed_precision.param_dtype == np.float16:
+            scaler = GradScaler(group=wrapper.group)
+        return cls(model, wrapper, rebuild_optimizer(optimizer, wrapper.parameters()), wrapper.group,
+                   wrapper.group, scaler)
+
+    def _gradient_holders(self) -> List[Any]:
+        """The shards' ``(name, Parameter)``: the optimizer steps on those."""
+        return list(self.wrapper.named_parameters())
+
+    def save(self, path: str, extra: dict, rank_state: dict, writer: Optional[AsyncCheckpointer] = None) -> None:
+        """Collective: a sharded checkpoint (loadable on another world size); rank 0's own state in its extra."""
+        full_extra = {**extra, "rank0": rank_state}
+        if writer is not None:
+            writer.save_sharded(path, self.wrapper, self.optimizer, extra=full_extra)
+        else:
+            save_sharded(path, self.wrapper, self.optimizer, extra=full_extra)
+
+    def load(self, path: str) -> tuple:
+        """Collective: restore from ``save``; returns ``(extra, rank_state)``."""
+        extra = load_sharded(path, self.wrapper, self.optimizer)
+        return extra, extra.pop("rank0")
+
+
+class TensorDataSetup(Setup):
+    """``tp+dp``: a model of tensor-parallel layers over ``mesh["tp"]``, in ``DDP`` over ``mesh["dp"]``."""
+
+    name = "tp+dp"
+
+    @classmethod
+    def build(cls, model: Any, optimizer: Any, loss_fn: Any, group: Any, mesh: Any,
+              mixed_precision: Optional[MixedPrecision], options: dict) -> Setup:
+        """Collective: ``DDP(model, mesh["dp"])``.
+
+        Raises:
+            ConfigurationError: no mesh was given.
+        """
+        if mesh is None:
+            raise ConfigurationError("strategy='tp+dp' needs mesh=world.mesh(dp=..., tp=...), the mesh the "
+                                     "model's tensor-parallel layers were built on")
+        wrapper = DDP(model, group=mesh["dp"], **options)
+        return cls(model, wrapper, optimizer, mesh["dp"].world.default_group if group is None else group, mesh["dp"])
+
+
+class PipelineSetup(Setup):
+    """``pipeline``: one stage per rank; every rank sees every sample; the output is on the last stage."""
+
+    name = "pipeline"
+    rebuilds_optimizer = True
+
+    def __init__(self, module: Any, pipeline: Pipeline, optimizer: Any, group: Any):
+        super().__init__(module, pipeline, optimizer, group, None)
+        self.pipeline = pipeline
+
+    @classmethod
+    def check_fit(cls, grad_accumulation: int) -> None:
+        """Refuse ``grad_accumulation``: a pipeline accumulates over its micro-batches."""
+        if grad_accumulation != 1:
+            raise ConfigurationError("strategy='pipeline' accumulates over its micro-batches; use "
+                                     "num_microbatches instead of grad_accumulation")
+
+    @classmethod
+    def build(cls, model: Any, optimizer: Any, loss_fn: Any, group: Any, mesh: Any,
+              mixed_precision: Optional[MixedPrecision], options: dict) -> Setup:
+        """Collective: rank 0's values everywhere, the model cut into stages, a ``Pipeline`` over the group."""
+        from ..groups import resolve_group
+        from ..parallel.replicate import broadcast_arrays
+
+        pg = resolve_group(group)
+        # Like DDP and FSDP: every stage starts from rank 0's values (each rank built the whole model).
+        broadcast_arrays([p.data for p in model.parameters()] + model.buffers(), pg)
+        pipe = Pipeline.from_modules(split_stages(model, pg.size), group=pg, loss_fn=loss_fn, **options)
+        params = pipe.parameters()  # a stage of parameter-free layers (an activation) has none to optimize
+        return cls(model, pipe, rebuild_optimizer(optimizer, params) if params else NoOptimizer(), pg)
+
+    @property
+    def output_rank(self) -> int:
+        """The last stage holds the model's output."""
+        return self.group.size - 1
+
+    def train_step(self, batches: List[Any], loss_fn: Any) -> float:
+        """One pipelined step over the batch's micro-batches, then the optimizer step.
+
+        Returns:
+            The mean loss on the last stage, NaN elsewhere.
+        """
+        self.optimizer.zero_grad()
+        (xb, yb), = batches
+        loss = self.pipeline.train_step(xb, yb)
+        self.optimizer.step()
+        return float("nan") if loss is None else float(loss)
+
+    def predict(self, x: Any) -> Any:
+        """Collective: the output on the last stage, None elsewhere."""
+        return self.pipeline.forward(x)
+
+    def modules(self) -> List[Any]:
+        """This rank's stages."""
+        return [self.pipeline.stage_modules[i] for i in self.pipeline.stages]
+
+    def sampler(self, n: int, seed: int) -> DistributedSampler:
+        """Every sample, shuffled: each rank of a pipeline sees the whole batch."""
+        return DistributedSampler(n, 1, 0, shuffle=True, seed=seed)
+
+    def eval_rows(self, n: int) -> np.ndarray:
+        """Every row: each stage takes part in every forward."""
+        return np.arange(n)
+
+    def forward_needs_every_rank(self) -> bool:
+        """True: a forward passes through every stage."""
+        return True
+
+    def sum_metrics(self, values: np.ndarray) -> np.ndarray:
+        """Collective: the last stage's ``values`` on every rank (it alone computed the loss)."""
+        broadcast(values, self.output_rank, self.group)
+        return values
+
+
+SETUPS: Dict[str, Type[Setup]] = {cls.name: cls for cls in (DDPSetup, FSDPSetup, Zero1Setup, PipelineSetup,
+                                                            TensorDataSetup)}
+STRATEGIES = tuple(SETUPS)
 
 
 def split_stages(model: Any, n: int) -> List[Any]:
@@ -250,78 +418,14 @@ def split_stages(model: Any, n: int) -> List[Any]:
 
 def build(strategy: str, model: Any, optimizer: Any, loss_fn: Any, group: Any, mesh: Any,
           mixed_precision: Optional[MixedPrecision], options: dict) -> Setup:
-    """Collective: wrap ``model`` for ``strategy`` (see the module note).
+    """Collective: wrap ``model`` for ``strategy`` (see the module note), its arguments checked first.
 
     Raises:
         ConfigurationError: an option the strategy cannot take.
     """
-    if mixed_precision is not None and strategy != "fsdp":
-        raise ConfigurationError(f"mixed_precision needs strategy='fsdp' (strategy is {strategy!r})")
-    if strategy == "zero1" and not (isinstance(optimizer, Optimizer) or callable(optimizer)):
-        raise ConfigurationError("strategy='zero1' needs an Optimizer instance (its class and hyperparameters are "
-                                 "used for the shards) or a callable params -> Optimizer, got "
-                                 f"{type(optimizer).__name__}")
-    if strategy in ("fsdp", "zero1", "pipeline"):
-        check_rebuildable(optimizer)  # before the wrapper sends anything
-    if strategy == "ddp":
-        wrapper = DDP(model, group=group, **options)
-        return Setup(strategy, model, wrapper, optimizer, wrapper.group, wrapper.group)
-    if strategy == "zero1":
-        wrapper = DDP(model, group=group, **options)
-        if isinstance(optimizer, Optimizer):
-            zero = ZeroRedundancyOptimizer(type(optimizer), wrapper.parameters(), group=wrapper.group,
-                                           **optimizer.hyperparameters())
-        else:  # a callable params -> Optimizer, called over the shards
-            zero = ZeroRedundancyOptimizer(optimizer, wrapper.parameters(), group=wrapper.group)
-        return Setup(strategy, model, wrapper, zero, wrapper.group, wrapper.group)
-    if strategy == "fsdp":
-        wrapper = FSDP(model, group=group, mixed_precision=mixed_precision, **options)
-        scaler = None
-        if mixed_precision is not None and mixed_precision.param_dtype == np.float16:
-            scaler = GradScaler(group=wrapper.group)
-        return Setup(strategy, model, wrapper, rebuild_optimizer(optimizer, wrapper.parameters()), wrapper.group,
-                     wrapper.group, scaler)
-    if strategy == "tp+dp":
-        if mesh is None:
-            raise ConfigurationError("strategy='tp+dp' needs mesh=world.mesh(dp=..., tp=...), the mesh the "
-                                     "model's tensor-parallel layers were built on")
-        wrapper = DDP(model, group=mesh["dp"], **options)
-        return Setup(strategy, model, wrapper, optimizer, mesh["dp"].world.default_group if group is None else group,
-                     mesh["dp"])
-    # pipeline
-    from ..groups import resolve_group
-    from ..parallel.replicate import broadcast_arrays
-
-    pg = resolve_group(group)
-    # Like DDP and FSDP: every stage starts from rank 0's values (each rank built the whole model).
-    broadcast_arrays([p.data for p in model.parameters()] + model.buffers(), pg)
-    pipe = Pipeline.from_modules(split_stages(model, pg.size), group=pg, loss_fn=loss_fn, **options)
-    params = pipe.parameters()  # a stage of parameter-free layers (an activation) has none to optimize
-    return Setup(strategy, model, pipe, rebuild_optimizer(optimizer, params) if params else _Nothing(), pg, None,
-                 pipeline=pipe)
-
-
-class _Nothing:
-    """The optimizer of a pipeline stage without parameters: every call does nothing."""
-
-    def zero_grad(self, set_to_none: bool = False) -> None:
-        """Nothing to reset."""
-
-    def step(self) -> None:
-        """Nothing to update."""
-
-    def state_dict(self) -> dict:
-        """No state."""
-        return {}
-
-    def load_state_dict(self, state: dict) -> None:
-        """Nothing to restore."""
-
-
-def share_from(setup: Setup, value: np.ndarray) -> np.ndarray:
-    """``value`` of the output rank on every rank of the group (a pipeline's metrics)."""
-    broadcast(value, setup.output_rank, setup.group)
-    return value
+    cls = SETUPS[strategy]
+    cls.check(optimizer, mixed_precision)
+    return cls.build(model, optimizer, loss_fn, group, mesh, mixed_precision, options)
 
 
 def batches_of(loader: Any, accumulate: int, skip: int) -> Iterator[List[Any]]:
@@ -342,5 +446,5 @@ def steps_per_epoch(loader: Any, accumulate: int) -> int:
     return len(loader) // accumulate
 
 
-__all__ = ["STRATEGIES", "Setup", "build", "rebuild_optimizer", "check_rebuildable", "split_stages", "share_from",
-           "batches_of", "steps_per_epoch"]
+__all__ = ["STRATEGIES", "SETUPS", "Setup", "DDPSetup", "Zero1Setup", "FSDPSetup", "TensorDataSetup", "PipelineSetup",
+           "build", "rebuild_optimizer", "check_rebuildable", "split_stages", "batches_of", "steps_per_epoch"]

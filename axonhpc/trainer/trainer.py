@@ -50,24 +50,36 @@ import os
 import shutil
 import sys
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
 from .._dtypes import array_module
-from ..backends import ReduceOp
-from ..checkpoint import capture_rng_state, clean_interrupted, latest, restore_rng_state
+from ..checkpoint import clean_interrupted, latest
 from ..checkpoint.background import AsyncCheckpointer
-from ..collectives import all_reduce, barrier
-from ..data import DataLoader, DistributedSampler
+from ..collectives import barrier
+from ..data import DataLoader
 from ..errors import ConfigurationError
 from ..groups import resolve_group
 from ..log import get_logger
 from ..settings import settings
 from .preemption import PREEMPTED_EXIT_CODE, Preemption
-from .strategies import STRATEGIES, Setup, batches_of, build, share_from, steps_per_epoch
+from .strategies import SETUPS, STRATEGIES, Setup, batches_of, build, steps_per_epoch
 
 CHECKPOINT_PATTERN = "ckpt-*"
+
+
+class _Plan(NamedTuple):
+    """What one ``fit`` call runs: its arguments, and the steps of an epoch."""
+
+    epochs: int
+    per_epoch: int  # optimizer steps in an epoch
+    grad_accumulation: int
+    batch_size: int
+    eval_arrays: Optional[Sequence[Any]]
+    checkpoint_dir: Optional[str]
+    checkpoint_every: Optional[int]
+    log_file: Optional[str]
 
 
 def _arrays(data: Any, what: str) -> tuple:
@@ -189,40 +201,13 @@ class DistributedTrainer:
 
     # -- data -------------------------------------------------------------------------------------
     def _loader(self, x: Any, y: Any, batch_size: int) -> DataLoader:
-        setup = self.setup
-        if setup.dp_group is None:  # pipeline: every rank sees every sample
-            sampler = DistributedSampler(len(x), 1, 0, shuffle=True, seed=self.seed)
-        else:
-            sampler = DistributedSampler(len(x), setup.dp_group.size, setup.dp_group.rank, shuffle=True,
-                                         seed=self.seed, drop_last=True)
-        return DataLoader((x, y), batch_size, sampler=sampler)
+        return DataLoader((x, y), batch_size, sampler=self.setup.sampler(len(x), self.seed))
 
     def _dp_mean(self, total: float, count: int) -> float:
-        setup = self.setup
-        values = np.array([total, count], dtype=np.float64)
-        if setup.pipeline is not None:
-            share_from(setup, values)
-        elif setup.dp_group.size > 1:
-            all_reduce(values, ReduceOp.SUM, setup.dp_group)
+        values = self.setup.sum_metrics(np.array([total, count], dtype=np.float64))
         return float(values[0] / values[1]) if values[1] else float("nan")
 
     # -- checkpoints ------------------------------------------------------------------------------
-    def _rng_state(self) -> Dict[str, Any]:
-        states = {}
-        for module in self.setup.modules():
-            for name, m in module.named_modules():
-                rng = m.__dict__.get("_rng")
-                if isinstance(rng, np.random.Generator):
-                    states[name or "<root>"] = capture_rng_state(rng)
-        return states
-
-    def _restore_rng(self, states: Dict[str, Any]) -> None:
-        for module in self.setup.modules():
-            for name, m in module.named_modules():
-                key = name or "<root>"
-                if key in states and isinstance(m.__dict__.get("_rng"), np.random.Generator):
-                    object.__setattr__(m, "_rng", restore_rng_state(states[key]))
-
     def save_checkpoint(self, checkpoint_dir: str, epoch: int, step_in_epoch: int, background: bool = False) -> str:
         """Collective: write ``checkpoint_dir/ckpt-<global step>`` and drop old ones beyond ``keep_checkpoints``.
 
@@ -248,9 +233,9 @@ class DistributedTrainer:
         if background:
             if self._writer is None or self._writer.group is not self.setup.group:
                 self._writer = AsyncCheckpointer(self.setup.group)
-            self.setup.save(path, extra, {"rng": self._rng_state()}, writer=self._writer)
+            self.setup.save(path, extra, {"rng": self.setup.rng_states()}, writer=self._writer)
             return path
-        self.setup.save(path, extra, {"rng": self._rng_state()})
+        self.setup.save(path, extra, {"rng": self.setup.rng_states()})
         if self.setup.group.rank == 0:
             self._prune(checkpoint_dir)
         return path
@@ -301,7 +286,7 @@ class DistributedTrainer:
         if extra.get("strategy") != self.strategy:
             raise ConfigurationError(f"{path!r} was written with strategy {extra.get('strategy')!r}, this trainer "
                                      f"uses {self.strategy!r}")
-        self._restore_rng(rank_state.get("rng", {}))
+        self.setup.restore_rng_states(rank_state.get("rng", {}))
         self.global_step = int(extra["global_step"])
         return extra
 
@@ -336,77 +321,26 @@ class DistributedTrainer:
         for name, value in (("epochs", epochs), ("batch_size", batch_size), ("grad_accumulation", grad_accumulation)):
             _positive_int(name, value)
         _positive_int("checkpoint_every", checkpoint_every, allow_none=True)
-        if self.strategy == "pipeline" and grad_accumulation != 1:
-            raise ConfigurationError("strategy='pipeline' accumulates over its micro-batches; use "
-                                     "num_microbatches instead of grad_accumulation")
+        SETUPS[self.strategy].check_fit(grad_accumulation)
         setup = self._ensure_setup(mixed_precision)
         loader = self._loader(x, y, batch_size)
         per_epoch = steps_per_epoch(loader, grad_accumulation)
         if per_epoch == 0:
             raise ConfigurationError(f"an epoch has no complete step: {len(loader)} batch(es) of {batch_size} per "
                                      f"rank, grad_accumulation={grad_accumulation}")
-        start_epoch, skip = 0, 0
-        if checkpoint_dir:
-            self._clean_interrupted(checkpoint_dir, setup)
-        last = latest(checkpoint_dir, CHECKPOINT_PATTERN) if (checkpoint_dir and resume) else None
-        if last is not None:
-            where = self.load_checkpoint(last)
-            start_epoch, skip = int(where["epoch"]), int(where["step_in_epoch"])
-            if skip >= per_epoch:
-                start_epoch, skip = start_epoch + 1, 0
-            self._say(f"resuming from {last} (epoch {start_epoch}" + (f", step {skip} of {per_epoch})" if skip else ")"))
-        log_file = self.log_file or (os.path.join(checkpoint_dir, "metrics.jsonl") if checkpoint_dir else None)
+        plan = _Plan(epochs, per_epoch, grad_accumulation, batch_size, eval_arrays, checkpoint_dir, checkpoint_every,
+                     self.log_file or (os.path.join(checkpoint_dir, "metrics.jsonl") if checkpoint_dir else None))
+        start_epoch, skip = self._resume_point(plan, resume)
         self._preemption = Preemption(setup.group)
-        records = []
+        records: List[Dict[str, Any]] = []
         try:
             for epoch in range(start_epoch, epochs):
-                self.epoch = epoch
-                loader.set_epoch(epoch)
                 started = time.perf_counter()
-                totals = [0.0, 0]
-                step = skip
-                bar = self._bar(per_epoch, skip, f"epoch {epoch + 1}/{epochs}")
-                for batches in batches_of(loader, grad_accumulation, skip):
-                    if step >= per_epoch:
-                        break
-                    loss = setup.train_step(batches, self.loss_fn)
-                    samples = sum(len(b[1]) for b in batches)
-                    mean = self._dp_mean(loss * samples, samples)
-                    totals[0] += mean * samples
-                    totals[1] += samples
-                    step += 1
-                    self.global_step += 1
-                    self._log(log_file, {"epoch": epoch + 1, "step": self.global_step, "loss": mean})
-                    if bar is not None:
-                        bar.update(1)
-                        bar.set_postfix(loss=f"{mean:.4f}")
-                    if self.on_step is not None:
-                        self.on_step(self, self.global_step, mean)
-                    stop = self._preemption.agreed()
-                    if checkpoint_dir and (stop or (checkpoint_every and self.global_step % checkpoint_every == 0)):
-                        background = self.async_checkpoints and not stop  # a preemption one is on disk at once
-                        self.save_checkpoint(checkpoint_dir, epoch, step, background=background)
-                    else:
-                        self.finish_checkpoint(only_if_written=True)
-                    if stop:
-                        return self._preempt(bar, records)
-                if bar is not None:
-                    bar.close()
+                loss = self._train_epoch(plan, loader, epoch, skip)
+                if loss is None:
+                    return self._preempt(records)
                 skip = 0
-                record = {"epoch": epoch + 1, "loss": totals[0] / max(totals[1], 1),
-                          "seconds": time.perf_counter() - started}
-                if eval_arrays is not None:
-                    record.update({f"eval_{k}": v for k, v in self.evaluate(eval_arrays, batch_size).items()})
-                if checkpoint_dir:
-                    self.save_checkpoint(checkpoint_dir, epoch, per_epoch, background=self.async_checkpoints)
-                records.append(record)
-                self.history.append(record)
-                self._log(log_file, record)
-                if self.verbose:
-                    self._say(f"epoch {epoch + 1:3d}  " + "  ".join(f"{k} {v:.4f}" for k, v in record.items()
-                                                                      if k != "epoch"))
-                if self.on_epoch is not None:
-                    self.on_epoch(self, record)
+                records.append(self._end_epoch(plan, epoch, loss, time.perf_counter() - started))
             self.finish_checkpoint()
         except BaseException:
             if self._writer is not None:
@@ -417,9 +351,79 @@ class DistributedTrainer:
             self._preemption = None
         return records
 
-    def _preempt(self, bar: Any, records: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    def _resume_point(self, plan: "_Plan", resume: bool) -> Tuple[int, int]:
+        """Collective: ``(epoch, steps done in it)`` to start from: the newest checkpoint's, loaded, or (0, 0)."""
+        if not plan.checkpoint_dir:
+            return 0, 0
+        self._clean_interrupted(plan.checkpoint_dir, self.setup)
+        last = latest(plan.checkpoint_dir, CHECKPOINT_PATTERN) if resume else None
+        if last is None:
+            return 0, 0
+        where = self.load_checkpoint(last)
+        epoch, skip = int(where["epoch"]), int(where["step_in_epoch"])
+        if skip >= plan.per_epoch:
+            epoch, skip = epoch + 1, 0
+        self._say(f"resuming from {last} (epoch {epoch}" + (f", step {skip} of {plan.per_epoch})" if skip else ")"))
+        return epoch, skip
+
+    def _train_epoch(self, plan: "_Plan", loader: DataLoader, epoch: int, skip: int) -> Optional[float]:
+        """Collective: the steps of one epoch after the first ``skip``; their mean loss, or None once preempted."""
+        self.epoch = epoch
+        loader.set_epoch(epoch)
+        total, samples_seen = 0.0, 0
+        step = skip
+        bar = self._bar(plan.per_epoch, skip, f"epoch {epoch + 1}/{plan.epochs}")
+        for batches in batches_of(loader, plan.grad_accumulation, skip):
+            if step >= plan.per_epoch:
+                break
+            loss = self.setup.train_step(batches, self.loss_fn)
+            samples = sum(len(b[1]) for b in batches)
+            mean = self._dp_mean(loss * samples, samples)
+            total += mean * samples
+            samples_seen += samples
+            step += 1
+            self.global_step += 1
+            self._log(plan.log_file, {"epoch": epoch + 1, "step": self.global_step, "loss": mean})
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{mean:.4f}")
+            if self.on_step is not None:
+                self.on_step(self, self.global_step, mean)
+            if self._checkpoint_after_step(plan, epoch, step):
+                if bar is not None:
+                    bar.close()
+                return None
         if bar is not None:
             bar.close()
+        return total / max(samples_seen, 1)
+
+    def _checkpoint_after_step(self, plan: "_Plan", epoch: int, step: int) -> bool:
+        """Collective: a checkpoint if one is due (or a preemption asks); True when the ranks agreed to stop."""
+        stop = self._preemption.agreed()
+        every = plan.checkpoint_every
+        if plan.checkpoint_dir and (stop or (every and self.global_step % every == 0)):
+            background = self.async_checkpoints and not stop  # a preemption one is on disk at once
+            self.save_checkpoint(plan.checkpoint_dir, epoch, step, background=background)
+        else:
+            self.finish_checkpoint(only_if_written=True)
+        return stop
+
+    def _end_epoch(self, plan: "_Plan", epoch: int, loss: float, seconds: float) -> Dict[str, Any]:
+        """Collective: evaluate, checkpoint, log and report the epoch; its record."""
+        record = {"epoch": epoch + 1, "loss": loss, "seconds": seconds}
+        if plan.eval_arrays is not None:
+            record.update({f"eval_{k}": v for k, v in self.evaluate(plan.eval_arrays, plan.batch_size).items()})
+        if plan.checkpoint_dir:
+            self.save_checkpoint(plan.checkpoint_dir, epoch, plan.per_epoch, background=self.async_checkpoints)
+        self.history.append(record)
+        self._log(plan.log_file, record)
+        if self.verbose:
+            self._say(f"epoch {epoch + 1:3d}  " + "  ".join(f"{k} {v:.4f}" for k, v in record.items() if k != "epoch"))
+        if self.on_epoch is not None:
+            self.on_epoch(self, record)
+        return record
+
+    def _preempt(self, records: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
         self.preempted = True
         self._say(f"preempted after step {self.global_step}: checkpoint written, exiting with "
                   f"{PREEMPTED_EXIT_CODE} so a requeued run resumes")
@@ -438,10 +442,7 @@ class DistributedTrainer:
         """
         x, y = _arrays(eval_arrays, "eval_arrays")
         setup = self._ensure_setup(None)
-        if setup.dp_group is None:
-            mine = np.arange(len(x))
-        else:
-            mine = np.arange(setup.dp_group.rank, len(x), setup.dp_group.size)
+        mine = setup.eval_rows(len(x))
         for m in setup.modules():
             m.eval()
         classes = _dtype_kind(y) in "iu"  # integer targets: class labels, so accuracy is reported too
@@ -449,8 +450,8 @@ class DistributedTrainer:
         try:
             for start in range(0, max(len(mine), 1), batch_size):
                 rows = mine[start:start + batch_size]
-                out = (setup.predict(x[array_module(x).asarray(rows)]) if len(rows) or setup.pipeline is not None
-                       else None)
+                out = (setup.predict(x[array_module(x).asarray(rows)])
+                       if len(rows) or setup.forward_needs_every_rank() else None)
                 if out is None or not len(rows):
                     continue
                 targets = y[array_module(y).asarray(rows)]  # on y's own device (numpy or cupy)
@@ -461,10 +462,7 @@ class DistributedTrainer:
         finally:
             for m in setup.modules():
                 m.train()
-        if setup.pipeline is not None:
-            share_from(setup, sums)
-        elif setup.dp_group.size > 1:
-            all_reduce(sums, ReduceOp.SUM, setup.dp_group)
+        setup.sum_metrics(sums)
         result = {"loss": sums[0] / sums[2] if sums[2] else float("nan")}
         if classes:
             result["accuracy"] = sums[1] / sums[2] if sums[2] else float("nan")

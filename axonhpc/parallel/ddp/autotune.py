@@ -24,11 +24,13 @@ ranks (``run_local``) and one-rank groups use 25 MB.
 from __future__ import annotations
 
 import time
+import weakref
 from typing import Any, Dict, List, Tuple
 
 import numpy as np
 
 from ...backends import ReduceOp
+from ...backends.mpi import MPIBackend
 from ...collectives import all_reduce
 from ...collectives.shm_path import free_shared_memory_array, shared_memory_array
 from ...errors import SharedMemoryError
@@ -38,7 +40,13 @@ from ...settings import settings
 CANDIDATES = tuple(256 << 10 << (2 * k) for k in range(5))  # 256 KiB, 1, 4, 16, 64 MiB
 GOOD_ENOUGH = 0.8
 DEFAULT_BUCKET_MB = 25.0
-_CACHE = "_axonhpc_bucket_autotune"
+# group -> {dtype str: bucket bytes}: measured once per group and dtype, forgotten with the group.
+_MEASURED: "weakref.WeakKeyDictionary[Any, Dict[str, int]]" = weakref.WeakKeyDictionary()
+
+
+def measured(group: Any) -> Dict[str, int]:
+    """The bucket sizes measured on ``group`` so far, by dtype (``np.dtype.str``)."""
+    return dict(_MEASURED.get(group, {}))
 
 
 def measure_bucket_bytes(group: Any, dtype: Any, model_bytes: int,
@@ -90,10 +98,10 @@ def bucket_bytes(group: Any, dtype: Any, model_bytes: int, requested_mb: Any) ->
         requested_mb = settings.bucket_size_mb
     if requested_mb != "auto":
         return int(float(requested_mb) * (1 << 20))
-    measurable = group.size > 1 and hasattr(getattr(group.backend, "host", group.backend), "comm")
+    measurable = group.size > 1 and isinstance(group.backend.host_side(), MPIBackend)  # real transfers to time
     if not measurable or settings.deterministic:
         return int(DEFAULT_BUCKET_MB * (1 << 20))
-    cache = group.__dict__.setdefault(_CACHE, {})
+    cache = _MEASURED.setdefault(group, {})
     key = np.dtype(dtype).str
     if key not in cache:
         chosen, rows = measure_bucket_bytes(group, dtype, model_bytes)
@@ -104,4 +112,4 @@ def bucket_bytes(group: Any, dtype: Any, model_bytes: int, requested_mb: Any) ->
     return cache[key]
 
 
-__all__ = ["measure_bucket_bytes", "bucket_bytes", "CANDIDATES", "GOOD_ENOUGH", "DEFAULT_BUCKET_MB"]
+__all__ = ["measure_bucket_bytes", "bucket_bytes", "measured", "CANDIDATES", "GOOD_ENOUGH", "DEFAULT_BUCKET_MB"]

@@ -31,9 +31,10 @@ all buckets live in one shared-memory window allocated at
 construction (``collectives.shared_memory_array``; collective, once), so a
 bucket's all-reduce reduces straight from the other ranks' buckets with no
 copy in (``collectives.shm_path``). Otherwise each bucket's buffer comes
-from the model's memory (``buffers.FlatBucket``: numpy, or cupy's pool). A ``/dev/shm`` too
-small for the window is refused on every rank alike (``SharedMemoryError``,
-before anything is written); DDP then keeps private buckets, with a warning.
+from the model's memory (``buffers.FlatBucket``: numpy, or cupy's pool).
+A ``/dev/shm`` too small for the window is refused on every rank alike
+(``SharedMemoryError``, before anything is written); DDP then keeps private
+buckets, with a warning. ``buckets.py`` holds the buckets and lays out the window.
 
 [Note: gradients as bucket views]
 With ``gradient_as_bucket_view=True`` each ``p.grad`` is a view into its
@@ -43,20 +44,9 @@ replaces ``p.grad`` (``zero_grad(set_to_none=True)``), the next backward
 copies it into the bucket and restores the view.
 
 [Note: uneven inputs and join]
-Every backward all-reduces every bucket, so a rank that runs out of data
-early would leave the others waiting in their next all-reduce. Inside
-``ddp.join()`` each forward first all-gathers two flags per rank (still
-active, will this iteration synchronise gradients). A rank whose loop has
-ended enters the context's exit and *shadows* the others: for each of their
-iterations it answers the flag exchange as joined, takes part in the buffer
-broadcast, and all-reduces zero gradients in plan order, so the active ranks'
-collectives always find a partner. By default the sum is still divided by the
-initial world size (PyTorch's default; joined ranks add zeros), or with
-``divide_by_initial_world_size=False`` by the number of active ranks. Given an
-``optimizer``, a joined rank steps it with the averaged gradients it received,
-so its parameters and optimizer state stay those of the active ranks. When
-every rank has joined, the rank that ran the most iterations broadcasts its
-parameters and buffers, so all ranks leave the context with one model.
+Inside ``ddp.join()`` a rank whose data has ended shadows the others'
+collectives until every rank has joined; ``join.py`` (``Joiner``) holds the
+protocol, and the DDP lends it ``_reduce_zeros`` and the buffer broadcast.
 """
 from __future__ import annotations
 
@@ -64,22 +54,19 @@ import contextlib
 import time
 from typing import Any, Dict, Iterator, List, Tuple
 
-import numpy as np
-
 from ... import tracing
-from ..._dtypes import array_module
 from ...bucketing import GradSyncStrategy, plan_buckets
-from ...collectives import all_gather, all_reduce, shared_memory_array
-from ...collectives.shm_path import in_shared_memory
+from ...collectives import all_reduce
 from ...backends import ReduceOp
 # UnusedParameterError and GradientAfterReductionError are defined in errors (ax.errors.<Name>) and stay
 # importable from here, where they were first defined.
 from ...errors import (ArgumentTypeError, AxonError, ConfigurationError, GradientAfterReductionError,
-                      SharedMemoryError, UnusedParameterError)
-from ...log import get_logger
-from ...buffers import HOST, FlatBucket, FlatOps, flat_ops_for
+                      UnusedParameterError)
+from ...buffers import HOST, flat_ops_for
 from ...groups import resolve_group
 from .autotune import bucket_bytes
+from .buckets import Bucket, shared_flats
+from .join import Joiner
 from ..comm_hooks import GradBucket, finished
 from ..replicate import broadcast_arrays
 from ..same_model import check_same_model, parameter_lines
@@ -88,46 +75,6 @@ FIRST_BUCKET_BYTES = 1 << 20  # PyTorch DDP's first bucket: 1 MiB
 # Gradients smaller than this stay in private buckets: their window would be held for the life of
 # the process (freeing it is collective) for a reduction that MPI does in microseconds anyway.
 SHARED_BUCKETS_MIN_BYTES = 1 << 20
-
-
-_FORWARD, _BACKWARD = 1, 2
-_PHASES = {_FORWARD: "forward", _BACKWARD: "backward"}
-
-
-class _JoinState:
-    """What ``DistributedDataParallel.join`` tracks while it is open."""
-
-    def __init__(self, divide_by_initial_world_size: bool, optimizer: Any):
-        self.divide_by_initial_world_size = divide_by_initial_world_size
-        self.optimizer = optimizer
-        self.iterations = 0  # forwards this rank ran inside the context
-        self.active = 0  # ranks active in the current iteration
-        self.shadowed = 0  # iterations this rank shadowed after its own data ended
-
-
-class _Bucket:
-    """One flat bucket of gradients (a ``FlatBucket``) and the state of its current reduction."""
-
-    def __init__(self, index: int, params: List[Any], names: List[str], ops: FlatOps, flat: Any = None):
-        self.index = index
-        self.params = params
-        self.names = names
-        # In the node's shared window when ``flat`` is given (its all-reduce reads the other ranks'
-        # buckets in place), else in the model's memory; each gradient a view of it either way.
-        bucket = FlatBucket([p.shape for p in params], params[0].dtype, ops, flat)
-        self.flat, self.views = bucket.flat, bucket.views
-        self.pending = len(params)
-        self.ready = [False] * len(params)
-        self.work = None
-        self.launched = False
-        self.done = False  # its reduction was seen complete during backward
-
-    def reset(self) -> None:
-        self.pending = len(self.params)
-        self.ready = [False] * len(self.params)
-        self.work = None
-        self.launched = False
-        self.done = False
 
 
 class DistributedDataParallel:
@@ -188,53 +135,32 @@ class DistributedDataParallel:
         self._names = [name for name, _ in named]
         self._params = [p for _, p in named]
         self._buckets = self._build_buckets()
-        self._where: Dict[int, Tuple[_Bucket, int]] = {}
+        self._where: Dict[int, Tuple[Bucket, int]] = {}
         for bucket in self._buckets:
             for slot, p in enumerate(bucket.params):
                 self._where[id(p)] = (bucket, slot)
         self._hooks = [p.register_grad_hook(self._on_grad_ready) for p in self._params]
         self._no_sync_depth = 0
         self._comm_hook: Any = None  # (state, hook): see comm_hooks
-        self._join: Any = None
+        self._joiner = Joiner(self)  # uneven inputs: see join.py
         self._overlapping = False
         self._next_launch = 0
         self.last_step: Dict[str, Any] = {}
-        self.last_join: Dict[str, Any] = {}
         self.sync_parameters()
 
     # -- plan ------------------------------------------------------------------------------
-    def _build_buckets(self) -> List[_Bucket]:
+    def _build_buckets(self) -> List[Bucket]:
         order = list(range(len(self._params) - 1, -1, -1))  # reverse registration order
         specs = [(self._params[i].size, self._params[i].dtype) for i in order]
         first = min(FIRST_BUCKET_BYTES, self.bucket_bytes)
         plan = plan_buckets(specs, self.bucket_bytes, first_bucket_size=first)
         groups = [[order[m] for m in members] for _, members in plan]
-        flats = self._shared_flats(groups) if self._ops is HOST else [None] * len(groups)
-        return [_Bucket(k, [self._params[i] for i in idx], [self._names[i] for i in idx], self._ops, flat)
-                for k, (idx, flat) in enumerate(zip(groups, flats))]
-
-    def _shared_flats(self, groups: List[List[int]]) -> List[Any]:
-        """One shared window holding every bucket, 64-byte aligned, or Nones (collective; see the note)."""
-        sizes = []
-        for idx in groups:
-            nbytes = sum(int(self._params[i].data.nbytes) for i in idx)
-            sizes.append(-(-nbytes // 64) * 64)
-        if sum(sizes) < SHARED_BUCKETS_MIN_BYTES:
-            return [None] * len(groups)
-        try:
-            raw = shared_memory_array(sum(sizes), np.uint8, self.group)
-        except SharedMemoryError as exc:  # raised on every rank alike: all keep private buckets
-            get_logger("ddp").warning(f"DDP keeps its gradient buckets in private memory: {exc}")
-            return [None] * len(groups)
-        if not in_shared_memory(raw, self.group):
-            return [None] * len(groups)
-        flats, offset = [], 0
-        for idx, size in zip(groups, sizes):
-            dtype = np.dtype(self._params[idx[0]].dtype)
-            count = sum(int(self._params[i].size) for i in idx)
-            flats.append(raw[offset:offset + count * dtype.itemsize].view(dtype))
-            offset += size
-        return flats
+        params = [[self._params[i] for i in idx] for idx in groups]
+        # One shared window for every bucket when the whole group is on one node (collective; see the note).
+        flats = (shared_flats(params, self.group, SHARED_BUCKETS_MIN_BYTES) if self._ops is HOST
+                 else [None] * len(groups))
+        return [Bucket(k, ps, [self._names[i] for i in idx], self._ops, flat)
+                for k, (idx, ps, flat) in enumerate(zip(groups, params, flats))]
 
     @property
     def bucket_plan(self) -> List[List[str]]:
@@ -244,8 +170,10 @@ class DistributedDataParallel:
     # -- replication -----------------------------------------------------------------------
     def sync_parameters(self) -> None:
         """Copy rank 0's parameters and buffers into every rank (collective)."""
-        arrays = [p.data for p in self._params] + [b for _, b in self.module.named_buffers()]
-        broadcast_arrays(arrays, self.group)
+        broadcast_arrays(self._model_arrays(), self.group)
+
+    def _model_arrays(self) -> List[Any]:
+        return [p.data for p in self._params] + [b for _, b in self.module.named_buffers()]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.forward(*args, **kwargs)
@@ -255,14 +183,7 @@ class DistributedDataParallel:
 
         Inside ``join()`` the buffers come from the lowest active rank.
         """
-        src = 0
-        if self._join is not None:
-            training = bool(getattr(self.module, "training", True))
-            active, _ = self._exchange_join_flags(_FORWARD, training)
-            self._join.iterations += 1
-            self._join.active = len(active)
-            src = int(active[0])
-        self._broadcast_buffers(src)
+        self._broadcast_buffers(self._joiner.before_forward(bool(getattr(self.module, "training", True))))
         with tracing.span("forward"):
             return self.module(*args, **kwargs)
 
@@ -285,7 +206,7 @@ class DistributedDataParallel:
                             view[...] = p.grad
                         p.grad = view
                 elif p.grad is None:
-                    p.grad = array_module(p.data).zeros(p.shape, dtype=p.dtype)
+                    p.grad = self._ops.xp.zeros(p.shape, dtype=p.dtype)
 
     def _syncing(self) -> bool:
         return self._no_sync_depth == 0 and self.strategy is not GradSyncStrategy.NO_SYNC
@@ -307,8 +228,7 @@ class DistributedDataParallel:
                 OVERLAPPED; use SYNCHRONOUS for such models).
         """
         syncing = self._syncing()
-        if self._join is not None:
-            self._exchange_join_flags(_BACKWARD, syncing)
+        self._joiner.before_backward(syncing)
         self._attach_grads()
         for bucket in self._buckets:
             bucket.reset()
@@ -354,7 +274,7 @@ class DistributedDataParallel:
 
     def _reduce_op(self) -> ReduceOp:
         """AVG, or SUM when ``join`` divides by the active ranks instead (see ``_rescale``)."""
-        if self._join is not None and not self._join.divide_by_initial_world_size and self._comm_hook is None:
+        if self._joiner.divides_by_active and self._comm_hook is None:
             return ReduceOp.SUM
         return ReduceOp.AVG
 
@@ -362,9 +282,15 @@ class DistributedDataParallel:
         """Divide the buckets' sums by the active ranks (``join(divide_by_initial_world_size=False)``)."""
         if self._reduce_op() is ReduceOp.SUM:
             for bucket in self._buckets:
-                array_module(bucket.flat).divide(bucket.flat, self._join.active, out=bucket.flat)
+                self._ops.xp.divide(bucket.flat, self._joiner.state.active, out=bucket.flat)
 
-    def _launch(self, bucket: _Bucket, async_op: bool) -> None:
+    def _unpack_grads(self) -> None:
+        """Copy the averaged buckets into the gradients (unless the gradients are the buckets' views)."""
+        if not self.gradient_as_bucket_view:
+            for bucket in self._buckets:
+                self._ops.unpack(bucket.flat, [p.grad for p in bucket.params])
+
+    def _launch(self, bucket: Bucket, async_op: bool) -> None:
         if not self.gradient_as_bucket_view:
             self._ops.pack([p.grad for p in bucket.params], out=bucket.flat)
         bucket.launched = True
@@ -408,9 +334,7 @@ class DistributedDataParallel:
                 self._launch(bucket, async_op=False)
             wait_s = time.perf_counter() - start
         self._rescale()
-        if not self.gradient_as_bucket_view:
-            for bucket in self._buckets:
-                self._ops.unpack(bucket.flat, [p.grad for p in bucket.params])
+        self._unpack_grads()
         self.last_step = {"backward_s": backward_s, "final_wait_s": wait_s, "buckets": len(self._buckets),
                           "completed_before_wait": done_before_wait}
 
@@ -419,9 +343,7 @@ class DistributedDataParallel:
         self._attach_grads()
         for bucket in self._buckets:
             self._launch(bucket, async_op=False)
-        if not self.gradient_as_bucket_view:
-            for bucket in self._buckets:
-                self._ops.unpack(bucket.flat, [p.grad for p in bucket.params])
+        self._unpack_grads()
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -458,7 +380,7 @@ class DistributedDataParallel:
 
         Wrap the whole loop; every rank enters, each leaves its loop when its
         own data ends, and the context's exit returns once every rank has
-        finished (see the module note)::
+        finished (see the note in ``join.py``)::
 
             with ddp.join(optimizer=opt):
                 for x, y in my_batches:          # a different count on each rank
@@ -483,66 +405,16 @@ class DistributedDataParallel:
             ConfigurationError: nested ``join``, or active ranks disagree on
                 ``no_sync`` in one iteration (raised on every rank together).
         """
-        if not enable:
+        with self._joiner.join(divide_by_initial_world_size, enable, optimizer, self._comm_hook is not None):
             yield
-            return
-        if self._join is not None:
-            raise ConfigurationError("ddp.join() is already open; it cannot be nested")
-        if self._comm_hook is not None and not divide_by_initial_world_size:
-            raise ConfigurationError("join(divide_by_initial_world_size=False) needs the default reduction; a "
-                                     "communication hook always averages over the whole group")
-        self._join = _JoinState(bool(divide_by_initial_world_size), optimizer)
-        try:
-            yield
-            self._shadow_until_all_joined()
-            self._sync_final_model()
-        finally:
-            self._join = None
 
-    def _exchange_join_flags(self, phase: int, flag: bool, active: bool = True) -> Tuple[np.ndarray, bool]:
-        """All-gather ``(phase, active, flag)`` of every rank.
+    @property
+    def last_join(self) -> Dict[str, Any]:
+        """What the last ``join`` recorded: ``iterations`` (forwards per group rank) and ``shadowed`` (here)."""
+        return self._joiner.last
 
-        ``phase`` is forward or backward (a joined rank gives the phase it
-        expects next) and ``flag`` says "training mode" (forward) or "will
-        synchronise gradients" (backward). Every rank sees the same rows, so
-        a disagreement raises on all of them together.
-
-        Returns:
-            The active group ranks, and whether they set the flag.
-        """
-        rows = all_gather(np.array([phase, int(active), int(active and flag)], dtype=np.int64), self.group)
-        active_ranks = np.flatnonzero(rows[:, 1])
-        if len(active_ranks) and len(set(rows[:, 0].tolist())) > 1:
-            where = {k: _PHASES.get(int(row[0]), "?") for k, row in enumerate(rows)}
-            raise ConfigurationError(
-                f"inside ddp.join() the group ranks are at different points of an iteration ({where}): every "
-                "forward in training mode must be followed by ddp.backward"
-            )
-        flagged = np.flatnonzero(rows[:, 2])
-        if len(flagged) and not np.array_equal(flagged, active_ranks):
-            what = "training mode in forward" if phase == _FORWARD else "synchronising gradients in backward"
-            raise ConfigurationError(
-                f"inside ddp.join() the active group ranks {active_ranks.tolist()} must agree on {what}, "
-                f"but only ranks {flagged.tolist()} do (no_sync or eval mode on the others)"
-            )
-        return active_ranks, bool(len(flagged))
-
-    def _shadow_until_all_joined(self) -> None:
-        """This rank's data has ended: answer the active ranks' collectives until none is left."""
-        while True:
-            active, training = self._exchange_join_flags(_FORWARD, False, active=False)
-            if len(active) == 0:
-                return
-            self._join.active = len(active)
-            self._join.shadowed += 1
-            self._broadcast_buffers(int(active[0]))
-            if training:
-                _, syncing = self._exchange_join_flags(_BACKWARD, False, active=False)
-                if syncing:
-                    self._shadow_backward()
-
-    def _shadow_backward(self) -> None:
-        """All-reduce zero gradients in plan order, as a backward would; step the optimizer if given."""
+    def _reduce_zeros(self) -> None:
+        """A joined rank's backward: all-reduce zero gradients in plan order, as the active ranks do (see join.py)."""
         self._attach_grads()
         # The same blocking or nonblocking calls as the active ranks: MPI never
         # matches a nonblocking collective with a blocking one.
@@ -557,18 +429,7 @@ class DistributedDataParallel:
             for bucket in self._buckets:
                 bucket.work.wait()
         self._rescale()
-        if not self.gradient_as_bucket_view:
-            for bucket in self._buckets:
-                self._ops.unpack(bucket.flat, [p.grad for p in bucket.params])
-        if self._join.optimizer is not None:
-            self._join.optimizer.step()
-
-    def _sync_final_model(self) -> None:
-        """Every rank takes the parameters and buffers of the rank that ran the most iterations."""
-        counts = all_gather(np.array([self._join.iterations], dtype=np.int64), self.group)[:, 0]
-        self.last_join = {"iterations": counts.tolist(), "shadowed": self._join.shadowed}
-        arrays = [p.data for p in self._params] + [b for _, b in self.module.named_buffers()]
-        broadcast_arrays(arrays, self.group, src=int(np.argmax(counts)))
+        self._unpack_grads()
 
     # -- the wrapped module ------------------------------------------------------------------
     def parameters(self) -> List[Any]:

@@ -1,8 +1,11 @@
 """Fully sharded data parallelism (ZeRO-2/3, hybrid sharding, CPU offload, mixed precision).
 
-- ``wrapper``: ``FullyShardedDataParallel``, the units, their hooks and the step.
+- ``wrapper``: ``FullyShardedDataParallel``, the object users hold: building it, the step, the public API.
+- ``units``: which submodules become units, their parameters, the shard and replicate groups.
+- ``hooks``: ``UnitHooks``, the hooks on the unit modules: gather, prefetch, free and reduce around each unit.
 - ``flat_param``: one unit's padded flat parameter, its shard, gather, free and reduce.
 - ``config``: the options (``ShardingStrategy``, ``CPUOffload``, ``MixedPrecision``).
+- ``clip``: gradient norm clipping over the shards.
 - ``memory``: what FSDP holds and sends (``FSDPMemoryStats``).
 - ``state``: full and sharded state dicts, and resharding on load.
 """

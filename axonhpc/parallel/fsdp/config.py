@@ -1,4 +1,4 @@
-"""The options of FSDP: sharding strategy, CPU offload and mixed precision.
+"""The options of FSDP: sharding strategy, CPU offload and mixed precision (with its dtype casts).
 
 Pure data with validation; nothing here communicates.
 """
@@ -9,19 +9,9 @@ from typing import Any, Optional
 
 import numpy as np
 
+from ..._choices import parse_choice
 from ..._dtypes import bfloat16_dtype, is_low_precision_float
 from ...errors import ConfigurationError
-
-
-def _parse_enum(cls: Any, value: Any, what: str) -> Any:
-    if isinstance(value, cls):
-        return value
-    if isinstance(value, str):
-        try:
-            return cls[value.upper()]
-        except KeyError:
-            pass
-    raise ConfigurationError(f"unknown {what} {value!r}; use one of {[m.name for m in cls]}")
 
 
 class ShardingStrategy(enum.Enum):
@@ -47,9 +37,9 @@ class ShardingStrategy(enum.Enum):
         """Accept a ShardingStrategy or its name in any case.
 
         Raises:
-            ConfigurationError: ``value`` names no strategy.
+            UnknownChoiceError: ``value`` names no strategy (a ``ConfigurationError``).
         """
-        return _parse_enum(cls, value, "sharding strategy")
+        return parse_choice(cls, value, "sharding strategy")
 
     @property
     def zero_stage(self) -> int:
@@ -88,13 +78,13 @@ class CPUOffload(enum.Enum):
         """Accept a CPUOffload, its name in any case, or a bool (True: FULL, False: NONE).
 
         Raises:
-            ConfigurationError: ``value`` names no option.
+            UnknownChoiceError: ``value`` names no option (a ``ConfigurationError``).
         """
         if value is True:
             return cls.FULL
         if value is False or value is None:
             return cls.NONE
-        return _parse_enum(cls, value, "cpu_offload option")
+        return parse_choice(cls, value, "cpu_offload option")
 
     @property
     def any(self) -> bool:
@@ -105,6 +95,19 @@ class CPUOffload(enum.Enum):
     def keeps_device_copy(self) -> bool:
         """True for OPTIMIZER_STATES: the device keeps the step's shard copy between gathers."""
         return self is CPUOffload.OPTIMIZER_STATES
+
+
+def is_floating(dtype: Any) -> bool:
+    """True for floating dtypes, the 16-bit ones of ml_dtypes included (what mixed precision casts)."""
+    dtype = np.dtype(dtype)
+    return dtype.kind == "f" or is_low_precision_float(dtype)
+
+
+def cast(value: Any, dtype: Optional[np.dtype]) -> Any:
+    """Floating arrays cast to ``dtype`` (others, and everything when ``dtype`` is None, unchanged)."""
+    if dtype is None or not hasattr(value, "dtype") or not is_floating(value.dtype) or value.dtype == dtype:
+        return value
+    return value.astype(dtype)
 
 
 def _float_dtype(value: Any, what: str) -> Optional[np.dtype]:
@@ -119,7 +122,7 @@ def _float_dtype(value: Any, what: str) -> Optional[np.dtype]:
         dtype = np.dtype(value)
     except TypeError as exc:
         raise ConfigurationError(f"{what} must be a floating dtype, got {value!r}") from exc
-    if dtype.kind != "f" and not is_low_precision_float(dtype):
+    if not is_floating(dtype):
         raise ConfigurationError(f"{what} must be a floating dtype, got {dtype}")
     return dtype
 
@@ -154,4 +157,4 @@ class MixedPrecision:
                 f"buffer_dtype={self.buffer_dtype})")
 
 
-__all__ = ["ShardingStrategy", "CPUOffload", "MixedPrecision"]
+__all__ = ["ShardingStrategy", "CPUOffload", "MixedPrecision", "is_floating", "cast"]

@@ -89,6 +89,11 @@ class Placement:
         self.device = ops is not HOST
         self.host_master = self.device and offload.any
 
+    @property
+    def master_ops(self) -> FlatOps:
+        """The flat-buffer operations of the memory the master shards and their gradients live in."""
+        return HOST if self.host_master else self.ops
+
     def master(self, array: Any) -> Any:
         """The array the master shard keeps: a host copy when offloading a device model."""
         return to_host(array) if self.host_master else array

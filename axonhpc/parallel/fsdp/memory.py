@@ -25,7 +25,7 @@ model and are not counted.
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, Union
+from typing import Any, Callable, Dict, Optional, Union
 
 from ...errors import ConfigurationError
 
@@ -188,4 +188,32 @@ class CommCounter:
         self.sent_bytes.clear()
 
 
-__all__ = ["FSDPMemoryStats", "MemoryTracker", "CommCounter"]
+def persistent_bytes(fsdp: Any) -> Dict[str, int]:
+    """``{"params", "grads"}``: bytes of the parameter and gradient shards ``fsdp``'s units hold now."""
+    params = grads = 0
+    for unit in fsdp.units:
+        p, g = unit.persistent_bytes()
+        params += p
+        grads += g
+    return {"params": params, "grads": grads}
+
+
+def memory_stats(tracker: MemoryTracker, optimizer: Any = None) -> Dict[str, int]:
+    """``FullyShardedDataParallel.memory_stats``: the tracker's snapshot, with the optimizer's state arrays."""
+    opt_bytes = 0
+    if optimizer is not None:
+        for state in optimizer.state:
+            opt_bytes += sum(int(v.nbytes) for v in state.values() if hasattr(v, "nbytes"))
+    return tracker.snapshot({"optimizer": opt_bytes})
+
+
+def memory_estimate(fsdp: Any, optimizer_bytes: Optional[float] = None) -> FSDPMemoryStats:
+    """``FullyShardedDataParallel.memory_estimate``: the ZeRO formulas for ``fsdp``'s model, group and strategy."""
+    itemsize = fsdp.master_dtype.itemsize
+    k = 2 * itemsize if optimizer_bytes is None else optimizer_bytes
+    numel = sum(u.numel for u in fsdp.units)
+    return FSDPMemoryStats.estimate(numel, fsdp.shard_world_size, fsdp.strategy.zero_stage,
+                                    param_bytes=itemsize, grad_bytes=itemsize, optimizer_bytes=k)
+
+
+__all__ = ["FSDPMemoryStats", "MemoryTracker", "CommCounter", "persistent_bytes", "memory_stats", "memory_estimate"]

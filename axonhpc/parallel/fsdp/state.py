@@ -1,4 +1,4 @@
-"""Sharded state dicts of FSDP, and reassembling them for any world size.
+"""FSDP's state dicts: full ones gathered from the shards, sharded ones, and resharding them for any world size.
 
 [Note: resharding]
 A sharded state dict records, for every unit, the parameter names and
@@ -13,11 +13,14 @@ the same code loads both. Everything is checked before anything is written.
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
 from ..._dtypes import array_module, to_host
+from ...buffers import unflatten
+from ...collectives import all_gather, gather
 from ...errors import StateDictError
 
 ROOT = "<root>"  # the unit of the parameters outside every wrapped module
@@ -38,6 +41,38 @@ def _optimizer_units(fsdp: Any, optimizer: Any) -> List[Any]:
                                  "optimizer over fsdp.parameters()")
         units.append(by_id[id(p)])
     return units
+
+
+def full_state_dict(fsdp: Any, rank0_only: bool = True) -> "OrderedDict[str, Any]":
+    """``FullyShardedDataParallel.full_state_dict``: the full values gathered from the shards (collective).
+
+    Args:
+        fsdp: the FullyShardedDataParallel.
+        rank0_only: build it on group rank 0 only (the others return an empty dict).
+
+    Returns:
+        name -> array in the order of ``module.state_dict()``, or an empty dict off rank 0 with ``rank0_only``.
+    """
+    values: Dict[int, Any] = {}
+    keep = not rank0_only or fsdp.group.rank == 0
+    for unit in fsdp.units:
+        shard = unit.shard.data
+        if unit.shard_world == 1:
+            full = shard
+        elif rank0_only:
+            stacked = gather(shard, 0, unit.shard_group)
+            full = None if stacked is None else stacked.reshape(-1)
+        else:
+            full = all_gather(shard, unit.shard_group).reshape(-1)
+        if keep and full is not None:
+            for p, view in zip(unit.params, unflatten(full, unit.layout)):
+                values[id(p)] = view.copy()
+    if not keep:
+        return OrderedDict()
+    out: "OrderedDict[str, Any]" = OrderedDict()
+    for key, (kind, target) in fsdp.module.named_state().items():
+        out[key] = values[id(target)] if kind == "param" else target.copy()
+    return out
 
 
 def sharded_state(fsdp: Any, optimizer: Any = None) -> Dict[str, Any]:
@@ -182,6 +217,29 @@ def prepare_sharded_load(fsdp: Any, shards: List[Dict[str, Any]], optimizer: Any
     return apply
 
 
+def prepare_load(fsdp: Any, state: Any, optimizer: Any = None) -> Callable[[], None]:
+    """``FullyShardedDataParallel.prepare_load``: check a full or sharded ``state``, return what loads it.
+
+    Returns:
+        ``apply()``, which copies the values in and drops gathered parameters.
+
+    Raises:
+        StateDictError: as ``prepare_sharded_load`` and ``full_to_sharded``.
+    """
+    if isinstance(state, dict) and "units" not in state:
+        write = prepare_sharded_load(fsdp, [full_to_sharded(fsdp, state)], None)
+    else:
+        write = prepare_sharded_load(fsdp, state if isinstance(state, list) else [state], optimizer)
+
+    def apply() -> None:
+        write()
+        for unit in fsdp.units:
+            unit.new_step()
+        fsdp.reshard_parameters()
+
+    return apply
+
+
 def _like(values: np.ndarray, target: Any) -> Any:
     """Host ``values`` in the memory of ``target`` (moved to the device for a cupy array)."""
     return array_module(target).asarray(values)
@@ -216,4 +274,5 @@ def _optimizer_state(fsdp: Any, shards: List[Dict[str, Any]], optimizer: Any,
     return {"hyperparameters": with_opt[0]["optimizer"]["hyperparameters"], "state": states}
 
 
-__all__ = ["ROOT", "FORMAT", "sharded_state", "full_to_sharded", "prepare_sharded_load"]
+__all__ = ["ROOT", "FORMAT", "full_state_dict", "sharded_state", "full_to_sharded", "prepare_sharded_load",
+           "prepare_load"]

@@ -1,28 +1,11 @@
 """FullyShardedDataParallel: ZeRO-2/3 sharding of parameters, gradients and optimizer state.
 
 [Note: units and hooks]
-The model is cut into units: by default each top-level child that has
-parameters, or the modules the user lists; parameters outside every unit
-form the root unit, gathered for the whole step. Each unit's parameters
-become one padded flat parameter sharded over the group (``FlatUnit``). There
-is no autograd here, so FSDP wraps each unit module's ``forward`` and
-``backward`` (instance attributes shadowing the class methods; the parent
-still calls ``child(x)`` and ``child.backward(g)`` as before):
-
-- before a unit's forward its parameters are gathered (waiting for a
-  prefetch if one is in flight), and the all-gathers of the next
-  ``prefetch`` units, in the order the previous step ran them, are issued
-  without waiting; after the forward, FULL_SHARD and HYBRID_SHARD free them;
-- before a unit's backward its parameters are gathered again if they were
-  freed, and the units before it are prefetched; after the backward its
-  gradients are packed, freed and reduce-scattered (non-blocking, one in
-  flight at a time, so collectives on one communicator never overlap), and
-  its parameters are freed.
-
-Every rank runs the same model code, so every rank issues the same
-all-gathers and reduce-scatters in the same order. At the end of
-``backward`` any unit whose backward did not run (unused in this step) is
-reduced too, with zero gradients, so all units are synchronised every step.
+The model is cut into units (``units.py``), each one padded flat parameter
+sharded over the group (``FlatUnit``, ``flat_param.py``). FSDP wraps each
+unit module's ``forward`` and ``backward`` to gather its parameters just in
+time, prefetch the next units, free them and reduce-scatter the gradients
+(``UnitHooks``, ``hooks.py``, which holds the full note).
 
 [Note: mixed precision]
 With ``MixedPrecision(param_dtype=float16)`` the shards are cast to float16
@@ -36,82 +19,24 @@ incoming gradient down again. Pair float16 with ``GradScaler``.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections import OrderedDict
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 
-from ... import tracing
-from ..._dtypes import array_module, is_low_precision_float
-from ...backends import ReduceOp
-from ...buffers import flat_ops_for, unflatten
-from ...collectives import all_gather, all_reduce, gather
-from ...errors import ArgumentTypeError, AxonError, ConfigurationError, InvalidArgumentError
+from ...buffers import flat_ops_for
+from ...errors import ArgumentTypeError, AxonError, ConfigurationError
 from ...groups import resolve_group
-from .flat_param import FlatUnit, PendingReduction, Placement, share_shards
-from .config import CPUOffload, MixedPrecision, ShardingStrategy
-from .memory import CommCounter, FSDPMemoryStats, MemoryTracker
-from .state import ROOT, full_to_sharded, prepare_sharded_load, sharded_state
+from .flat_param import FlatUnit, Placement, share_shards
+from .config import CPUOffload, MixedPrecision, ShardingStrategy, cast, is_floating
+from .clip import clip_grad_norm
+from .hooks import UnitHooks
+from .memory import CommCounter, FSDPMemoryStats, MemoryTracker, memory_estimate, memory_stats, persistent_bytes
+from .state import ROOT, full_state_dict, prepare_load, sharded_state
+from .units import assign_parameters, build_groups, select_units
 from ..replicate import broadcast_arrays
 from ..same_model import check_same_model, parameter_lines
-
-
-def _is_floating(dtype: Any) -> bool:
-    dtype = np.dtype(dtype)
-    return dtype.kind == "f" or is_low_precision_float(dtype)
-
-
-def _cast(value: Any, dtype: Optional[np.dtype]) -> Any:
-    """Floating arrays cast to ``dtype`` (others unchanged)."""
-    if dtype is None or not hasattr(value, "dtype") or not _is_floating(value.dtype) or value.dtype == dtype:
-        return value
-    return value.astype(dtype)
-
-
-def _select_units(module: Any, units: Any) -> List[Tuple[str, Any]]:
-    """``(name, submodule)`` of each unit, checked (see the module note)."""
-    named = module.named_modules()
-    if units is None:
-        return [(name, child) for name, child in module.named_children() if child.parameters()]
-    units = list(units)
-    names = {id(m): name for name, m in named}
-    out = []
-    for i, unit in enumerate(units):
-        if id(unit) not in names:
-            raise ConfigurationError(f"FSDP units[{i}] ({type(unit).__name__}) is not a submodule of the model")
-        if unit is module:
-            raise ConfigurationError(f"FSDP units[{i}] is the model itself; list its submodules instead")
-        out.append((names[id(unit)], unit))
-    for a_name, a in out:
-        for b_name, b in out:
-            if a is not b and any(m is b for m in a.modules()):
-                raise ConfigurationError(f"FSDP units {a_name!r} and {b_name!r} are nested; units must be disjoint")
-    return [(n, m) for n, m in out if m.parameters()]
-
-
-def _assign_parameters(module: Any, units: List[Tuple[str, Any]]) -> List[Tuple[str, Any, List[Tuple[str, Any]]]]:
-    """Each unit's named parameters, then the root's leftovers (name ROOT), checked."""
-    owner: Dict[int, str] = {}
-    plan = []
-    for name, unit in units:
-        params = unit.named_parameters(prefix=name)
-        for pname, p in params:
-            if id(p) in owner:
-                raise ConfigurationError(f"parameter {pname!r} is shared by FSDP units {owner[id(p)]!r} and "
-                                         f"{name!r}; put the modules that share it into one unit")
-            owner[id(p)] = name
-        plan.append((name, unit, params))
-    leftovers = [(n, p) for n, p in module.named_parameters() if id(p) not in owner]
-    if leftovers:
-        plan.append((ROOT, module, leftovers))
-    for name, _, params in plan:
-        dtypes = sorted({str(p.dtype) for _, p in params})
-        if len(dtypes) > 1:
-            raise ConfigurationError(f"FSDP unit {name!r} mixes parameter dtypes {dtypes}; a flat parameter has "
-                                     "one dtype, so split the unit (units=[...])")
-        if not _is_floating(params[0][1].dtype):
-            raise ConfigurationError(f"FSDP unit {name!r} has parameters of dtype {dtypes[0]}, not floating")
-    return plan
 
 
 class FullyShardedDataParallel:
@@ -172,7 +97,7 @@ class FullyShardedDataParallel:
             for _, m in module.named_modules():
                 if "forward" in m.__dict__ or "backward" in m.__dict__:
                     raise ConfigurationError(f"{type(m).__name__} is already wrapped (by another FSDP?)")
-            plan = _assign_parameters(module, _select_units(module, units))
+            plan = assign_parameters(module, select_units(module, units))
             # Host or device buffers, chosen once; a model in both kinds of memory is refused before any message.
             ops = flat_ops_for([p.data for _, p in named], [n for n, _ in named], "FSDP")
         except AxonError as exc:
@@ -185,55 +110,40 @@ class FullyShardedDataParallel:
                                      f"{self.group.size}")
         self.module = module
         self.mixed_precision = mixed_precision
-        self.prefetch = prefetch
         mp = mixed_precision or MixedPrecision()
         # -- communication starts here --
-        self.shard_group, self.replicate_group = self._build_groups(ranks_per_node)
+        self.shard_group, self.replicate_group = build_groups(self.strategy, self.group, ranks_per_node)
         all_params = [p for _, p in module.named_parameters()]
         broadcast_arrays([p.data for p in all_params] + module.buffers(), self.group)
         if mp.buffer_dtype is not None:
             for m in module.modules():
                 for name, b in m.named_buffers(recurse=False):
-                    if _is_floating(b.dtype):
+                    if is_floating(b.dtype):
                         setattr(m, name, b.astype(mp.buffer_dtype))
         self.master_dtype = np.dtype(all_params[0].dtype)
         self.compute_dtype = mp.param_dtype
         placement = Placement(self.cpu_offload, ops)
-        self._tracker = MemoryTracker(self._persistent_bytes)
-        self.comm = CommCounter()  # the collectives the units issue (see fsdp_memory)
+        self._master_ops = placement.master_ops  # where the master shards and their gradients live
         self._units: List[FlatUnit] = []
+        self._tracker = MemoryTracker(functools.partial(persistent_bytes, self))
+        self.comm = CommCounter()  # the collectives the units issue (see the package's memory module)
         for name, unit_module, params in plan:
             compute = mp.param_dtype or np.dtype(params[0][1].dtype)
             self._units.append(FlatUnit(name, unit_module, params, self.shard_group, self.replicate_group, compute,
                                         mp.reduce_dtype or compute, placement, self._tracker, self.comm))
         share_shards(self._units, self.shard_group)
-        self._root = self._units[-1] if self._units[-1].name == ROOT else None
-        self._hooked = [u for u in self._units if u is not self._root]
-        for unit in self._hooked:
-            self._install(unit)
-        self._forward_order: List[FlatUnit] = []
-        self._last_order: List[FlatUnit] = list(self._hooked)
-        self._pending: Optional[PendingReduction] = None
-        self._reduced: set = set()
+        root = self._units[-1] if self._units[-1].name == ROOT else None
+        self._hooks = UnitHooks(self._units, root, self.strategy, prefetch)  # the step's choreography
         self._no_sync_depth = 0
-        self._syncing = True
-        self._pinned = False
 
-    # -- groups ----------------------------------------------------------------------------
-    def _build_groups(self, ranks_per_node: Optional[int]) -> Tuple[Any, Any]:
-        pg = self.group
-        if self.strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP):
-            return pg, None
-        if self.strategy is ShardingStrategy.NO_SHARD:
-            return None, pg
-        color = pg.rank // ranks_per_node if ranks_per_node is not None else pg.world.node_rank
-        shard = pg.split(color, pg.rank)
-        sizes = all_gather(np.array([shard.size], dtype=np.int64), pg).reshape(-1)
-        if len(set(sizes.tolist())) != 1:
-            raise ConfigurationError(f"HYBRID_SHARD needs the same number of ranks on every node; the node "
-                                     f"groups have sizes {sizes.tolist()} (pass ranks_per_node to choose)")
-        replicate = pg.split(shard.rank, pg.rank)
-        return shard, replicate
+    @property
+    def prefetch(self) -> int:
+        """How many units ahead are gathered while the current unit computes (settable)."""
+        return self._hooks.prefetch
+
+    @prefetch.setter
+    def prefetch(self, value: int) -> None:
+        self._hooks.prefetch = value
 
     @property
     def shard_world_size(self) -> int:
@@ -251,107 +161,30 @@ class FullyShardedDataParallel:
         return self.replicate_group is None or self.replicate_group.rank == 0
 
     # -- hooks -------------------------------------------------------------------------------
-    def _install(self, unit: FlatUnit) -> None:
-        module = unit.module
-        inner_forward, inner_backward = module.forward, module.backward
-
-        label = unit.name or "<root>"
-
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            self._pre_forward(unit)
-            with tracing.span(f"forward {label}"):
-                out = inner_forward(*args, **kwargs)
-            self._post_forward(unit)
-            return out
-
-        def backward(grad_out: Any) -> Any:
-            self._pre_backward(unit)
-            with tracing.span(f"backward {label}"):
-                grad_in = inner_backward(grad_out)
-            self._post_backward(unit)
-            return grad_in
-
-        object.__setattr__(module, "forward", forward)
-        object.__setattr__(module, "backward", backward)
-
     def remove_hooks(self) -> None:
         """Gather the parameters for good and unwrap the units (the module works alone again)."""
         self.gather_parameters()
         for unit in self._units:
             unit.release_module_params()
-        for unit in self._hooked:
-            for attr in ("forward", "backward"):
-                unit.module.__dict__.pop(attr, None)
-        self._hooked = []
-
-    def _progress(self) -> None:
-        for unit in self._units:
-            unit.progress()
-        if self._pending is not None:
-            self._pending.progress()
-
-    def _prefetch(self, order: List[FlatUnit], unit: FlatUnit) -> None:
-        if not self.prefetch or unit not in order:
-            return
-        at = order.index(unit)
-        for nxt in order[at + 1:at + 1 + self.prefetch]:
-            nxt.start_gather(async_op=True)
-
-    def _pre_forward(self, unit: FlatUnit) -> None:
-        unit.gather()
-        self._forward_order.append(unit)
-        self._prefetch(self._last_order, unit)
-        self._progress()
-
-    def _post_forward(self, unit: FlatUnit) -> None:
-        if self.strategy.frees_after_forward and not self._pinned:
-            unit.free()
-
-    def _pre_backward(self, unit: FlatUnit) -> None:
-        unit.gather()
-        self._prefetch(self._forward_order[::-1], unit)
-        self._progress()
-
-    def _post_backward(self, unit: FlatUnit) -> None:
-        if self._syncing:
-            self._reduce(unit)
-        if not self._pinned:
-            unit.free()
-
-    def _reduce(self, unit: FlatUnit) -> None:
-        self._finish_pending()  # one reduction in flight at a time
-        self._pending = unit.start_reduction()
-        self._reduced.add(unit)
-
-    def _finish_pending(self) -> None:
-        if self._pending is not None:
-            pending, self._pending = self._pending, None
-            pending.finish()
+        self._hooks.uninstall()
 
     # -- forward / backward ------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.forward(*args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the model with each unit gathered just in time (see the module note).
+        """Run the model with each unit gathered just in time (see the note in ``hooks.py``).
 
         Returns:
             The model's output (cast to the master dtype under mixed precision).
         """
-        if not self._pinned:
-            for unit in self._units:  # parameters gathered before the last optimizer step are stale
-                unit.free()
-        for unit in self._units:
-            unit.new_step()
-        self._forward_order = []
-        if self._root is not None:
-            self._root.gather()
+        self._hooks.start_forward()
         if self.compute_dtype is not None:
-            args = tuple(_cast(a, self.compute_dtype) for a in args)
-            kwargs = {k: _cast(v, self.compute_dtype) for k, v in kwargs.items()}
+            args = tuple(cast(a, self.compute_dtype) for a in args)
+            kwargs = {k: cast(v, self.compute_dtype) for k, v in kwargs.items()}
         out = self.module(*args, **kwargs)
         if self.compute_dtype is not None:
-            out = _cast(out, self.master_dtype)
+            out = cast(out, self.master_dtype)
         return out
 
     def backward(self, grad_out: Any) -> Any:
@@ -366,24 +199,8 @@ class FullyShardedDataParallel:
             The gradient with respect to the model's input.
         """
         if self.compute_dtype is not None:
-            grad_out = _cast(grad_out, self.compute_dtype)
-        self._syncing = self._no_sync_depth == 0
-        self._reduced = set()
-        for unit in self._units:
-            unit.drop_markers()  # layers add into p.grad: it must be None or a real gradient
-        try:
-            grad_in = self.module.backward(grad_out)
-            if self._syncing:
-                for unit in self._units:
-                    if unit not in self._reduced:
-                        self._reduce(unit)
-                self._finish_pending()
-        finally:
-            self._last_order = [u for u in self._forward_order if u in self._hooked] or self._last_order
-            if not self._pinned:
-                for unit in self._units:
-                    unit.free()
-        return grad_in
+            grad_out = cast(grad_out, self.compute_dtype)
+        return self._hooks.run_backward(self.module.backward, grad_out, syncing=self._no_sync_depth == 0)
 
     def register_comm_hook(self, state: Any, hook: Any) -> None:
         """Average each unit's gradient with ``hook(state, bucket)`` instead of a reduce-scatter.
@@ -407,9 +224,7 @@ class FullyShardedDataParallel:
 
     def sync_gradients(self) -> None:
         """Reduce the unsharded gradients the module's Parameters hold now (after ``no_sync`` backwards)."""
-        for unit in self._units:
-            self._reduce(unit)
-        self._finish_pending()
+        self._hooks.reduce_all()
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -439,17 +254,12 @@ class FullyShardedDataParallel:
         Returns:
             A context manager that calls ``reshard_parameters()`` on exit.
         """
-        for unit in self._units:
-            unit.new_step()  # the optimizer may have changed the masters since the last gather
-            unit.gather()
-        self._pinned = True
+        self._hooks.gather_all()
         return self._resharding_on_exit()
 
     def reshard_parameters(self) -> None:
         """Free the gathered parameters (they are gathered again when needed)."""
-        self._pinned = False
-        for unit in self._units:
-            unit.free()
+        self._hooks.free_all()
 
     # -- gradients -----------------------------------------------------------------------------
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> float:
@@ -469,25 +279,8 @@ class FullyShardedDataParallel:
         Raises:
             InvalidArgumentError: ``norm_type`` is not positive (a ``ValueError``).
         """
-        norm_type = float(norm_type)
-        if not norm_type > 0:
-            raise InvalidArgumentError(f"clip_grad_norm norm_type must be positive, got {norm_type}")
         grads = [u.shard.grad for u in self._units if u.shard.grad is not None]
-        xp = array_module(grads[0]) if grads else np
-        inf = np.isinf(norm_type)
-        local = 0.0
-        for g in grads:
-            g64 = xp.abs(g.astype(np.float64))
-            local = max(local, float(g64.max()) if g.size else 0.0) if inf else local + float((g64 ** norm_type).sum())
-        value = np.array([local], dtype=np.float64)
-        if self.shard_group is not None and self.shard_group.size > 1:
-            all_reduce(value, ReduceOp.MAX if inf else ReduceOp.SUM, self.shard_group)
-        total = float(value[0]) if inf else float(value[0]) ** (1.0 / norm_type)
-        coef = min(float(max_norm) / (total + 1e-6), 1.0)
-        if coef < 1.0:
-            for g in grads:
-                g *= coef
-        return total
+        return clip_grad_norm(grads, max_norm, norm_type, self.shard_group, self._master_ops.xp)
 
     # -- the optimizer's view ------------------------------------------------------------------
     def parameters(self) -> List[Any]:
@@ -521,14 +314,6 @@ class FullyShardedDataParallel:
         return self
 
     # -- memory ----------------------------------------------------------------------------------
-    def _persistent_bytes(self) -> Dict[str, int]:
-        params = grads = 0
-        for unit in getattr(self, "_units", []):
-            p, g = unit.persistent_bytes()
-            params += p
-            grads += g
-        return {"params": params, "grads": grads}
-
     def memory_stats(self, optimizer: Any = None) -> Dict[str, int]:
         """Bytes this rank holds now and at its peak, counted from the arrays FSDP owns.
 
@@ -539,13 +324,9 @@ class FullyShardedDataParallel:
         Returns:
             ``{"params", "grads", "optimizer", "gathered_params",
             "unsharded_grads", "communication", "current", "peak"}`` in bytes
-            (see ``fsdp_memory``'s note for what is counted).
+            (see ``memory``'s note for what is counted).
         """
-        opt_bytes = 0
-        if optimizer is not None:
-            for state in optimizer.state:
-                opt_bytes += sum(int(v.nbytes) for v in state.values() if hasattr(v, "nbytes"))
-        return self._tracker.snapshot({"optimizer": opt_bytes})
+        return memory_stats(self._tracker, optimizer)
 
     def reset_peak_memory_stats(self) -> None:
         """Start measuring the peak anew from the current bytes."""
@@ -565,11 +346,7 @@ class FullyShardedDataParallel:
         Returns:
             The per-rank ``FSDPMemoryStats``.
         """
-        itemsize = self.master_dtype.itemsize
-        k = 2 * itemsize if optimizer_bytes is None else optimizer_bytes
-        numel = sum(u.numel for u in self._units)
-        return FSDPMemoryStats.estimate(numel, self.shard_world_size, self.strategy.zero_stage,
-                                        param_bytes=itemsize, grad_bytes=itemsize, optimizer_bytes=k)
+        return memory_estimate(self, optimizer_bytes)
 
     # -- state dicts -----------------------------------------------------------------------------
     def full_state_dict(self, rank0_only: bool = True) -> "OrderedDict[str, Any]":
@@ -582,26 +359,7 @@ class FullyShardedDataParallel:
         Returns:
             name -> numpy/cupy array (master dtype), or an empty dict off rank 0 with ``rank0_only``.
         """
-        values: Dict[int, Any] = {}
-        keep = not rank0_only or self.group.rank == 0
-        for unit in self._units:
-            shard = unit.shard.data
-            if unit.shard_world == 1:
-                full = shard
-            elif rank0_only:
-                stacked = gather(shard, 0, unit.shard_group)
-                full = None if stacked is None else stacked.reshape(-1)
-            else:
-                full = all_gather(shard, unit.shard_group).reshape(-1)
-            if keep and full is not None:
-                for p, view in zip(unit.params, unflatten(full, unit.layout)):
-                    values[id(p)] = view.copy()
-        if not keep:
-            return OrderedDict()
-        out: "OrderedDict[str, Any]" = OrderedDict()
-        for key, (owner, name, kind) in self.module._state_targets().items():
-            out[key] = values[id(owner._parameters[name])] if kind == "param" else owner._buffers[name].copy()
-        return out
+        return full_state_dict(self, rank0_only)
 
     def state_dict(self) -> "OrderedDict[str, Any]":
         """Collective: ``full_state_dict(rank0_only=False)``."""
@@ -617,7 +375,7 @@ class FullyShardedDataParallel:
             optimizer: the optimizer over ``fsdp.parameters()``, or None.
 
         Returns:
-            See ``fsdp_state.sharded_state``.
+            See ``state.sharded_state``.
         """
         return sharded_state(self, optimizer)
 
@@ -652,18 +410,7 @@ class FullyShardedDataParallel:
         Raises:
             StateDictError: as ``load_state_dict``.
         """
-        if isinstance(state, dict) and "units" not in state:
-            write = prepare_sharded_load(self, [full_to_sharded(self, state)], None)
-        else:
-            write = prepare_sharded_load(self, state if isinstance(state, list) else [state], optimizer)
-
-        def apply() -> None:
-            write()
-            for unit in self._units:
-                unit.new_step()
-            self.reshard_parameters()
-
-        return apply
+        return prepare_load(self, state, optimizer)
 
 
 FSDP = FullyShardedDataParallel

@@ -66,9 +66,10 @@ then re-raises). No rank is left waiting; a rank that dies without a word
 (a killed process) is caught only by ``ax.settings.timeout``, as for any
 collective.
 """
-# Modules: ``wrapper`` (ParameterServer, the worker side), ``server`` (ServerLoop),
-# ``slices`` (the flat vectors both sides hold), ``protocol`` (tags, kinds,
-# header), ``staleness`` (the async bound).
+# Modules: ``wrapper`` (ParameterServer, which runs one role and delegates to it),
+# ``worker`` (Worker: pull, push, finish), ``server`` (ServerLoop), ``slices``
+# (the flat vectors both sides hold), ``protocol`` (tags, kinds, header),
+# ``staleness`` (the async bound).
 from ...errors import ParameterServerError, PeerFailedError
 from .protocol import MODES
 from .staleness import StalenessBound

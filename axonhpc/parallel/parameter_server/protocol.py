@@ -1,10 +1,21 @@
 """The parameter server's messages: tags, request kinds, reply statuses, the header (see the package notes)."""
 from __future__ import annotations
 
+import enum
+
 import numpy as np
 
 NAME = "ParameterServer"
-MODES = ("sync", "async")
+
+
+class Mode(enum.Enum):
+    """sync: every worker's gradient of a step is applied together; async: each as it arrives."""
+
+    SYNC = "sync"
+    ASYNC = "async"
+
+
+MODES = tuple(m.value for m in Mode)
 
 TAG_REQUEST, TAG_GRAD, TAG_REASON, TAG_REPLY, TAG_PARAMS, TAG_FINAL = 1, 2, 3, 4, 5, 6
 PUSH, PULL, DONE, FAILED = 1, 2, 3, 4  # request kinds

@@ -57,6 +57,7 @@ class ServerLoop:
         self.max_observed = max(self.max_observed, staleness)
 
     def stats(self) -> Dict[str, Any]:
+        """This server's counters: its index, mode, staleness bound, version and what it has served."""
         return {"role": "server", "server_index": self.index, "mode": self.ps.mode,
                 "max_staleness": self.ps.max_staleness, "version": self.version,
                 "gradients": sum(self.applied), "max_staleness_observed": self.max_observed,

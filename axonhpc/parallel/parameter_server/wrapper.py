@@ -1,31 +1,25 @@
-"""ParameterServer: the object every rank builds; the worker's pull, push and step (servers run ``ServerLoop``)."""
+"""ParameterServer: the object every rank builds; it runs a ``Worker`` or a ``ServerLoop`` and delegates to it."""
 from __future__ import annotations
 
-import math
-import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Optional
 
-import numpy as np
-
+from ..._choices import parse_choice
 from ..._dtypes import check_array
 from ...buffers import flat_ops_for
-from ...collectives import irecv, recv, send
 # ParameterServerError and PeerFailedError live in errors (ax.errors.<Name>) and stay importable from here.
-from ...errors import ConfigurationError, ParameterServerError, PeerFailedError, ShapeError
+from ...errors import ConfigurationError, ParameterServerError, PeerFailedError
 from ...groups import resolve_group
 from ...nn.parameter import Parameter
 from ...optim.optimizer import Optimizer
 from ..replicate import broadcast_arrays
-from .protocol import (DONE, FAILED, HEADER, MODES, NAME, OK, PULL, PUSH, TAG_GRAD, TAG_PARAMS, TAG_REASON, TAG_REPLY,
-                       TAG_REQUEST, encode_reason)
+from .protocol import MODES, NAME, Mode
 from .server import ServerLoop
 from .slices import Slices
+from .worker import Worker
 
 
 def _parse_mode(mode: Any) -> str:
-    if isinstance(mode, str) and mode.lower() in MODES:
-        return mode.lower()
-    raise ConfigurationError(f"{NAME}: mode must be 'sync' or 'async', got {mode!r}")
+    return parse_choice(Mode, mode, f"{NAME} mode").value
 
 
 def _check_staleness(mode: str, max_staleness: Any) -> Optional[int]:
@@ -173,7 +167,8 @@ class ParameterServer:
         self.worker_index: Optional[int] = None if server_index is not None else rank
         self.optimizer: Optional[Optimizer] = optimizer if server_index is not None else None
         self._params = [p for _, p in named]
-        self._slices = slices
+        self._server: Optional[ServerLoop] = None  # the role this rank runs: one of the two
+        self._worker: Optional[Worker] = None
 
         # -- communication starts here --
         self._comm = group.split(0, key=rank)
@@ -187,12 +182,7 @@ class ParameterServer:
                 shard.grad = ops.zeros(shard.data.size, shard.data.dtype)
             self._server = ServerLoop(self, self._comm, slices, shards)
         else:
-            self._grad_flats = slices.zeros()
-            self._versions = [0] * num_servers  # version of each server's slice last pulled
-            self._pulled = False  # a pull since the last push
-            self._closed = False  # DONE or FAILED sent to every server
-            self._aborted: Optional[str] = None  # why the servers stopped this worker
-            self._counts = {"pushes": 0, "pulls": 0, "pull_wait_s": 0.0}
+            self._worker = Worker(self, self._comm, slices, self._params)
         self._served = False
 
     # -- roles ---------------------------------------------------------------------------------------
@@ -222,69 +212,13 @@ class ParameterServer:
         return (f"ParameterServer({role} of {self.num_servers} servers + {self.num_workers} workers, "
                 f"mode={self.mode!r}{bound})")
 
-    # -- worker side -------------------------------------------------------------------------------------
-    def _require_worker(self, what: str) -> None:
+    # -- worker side (worker.py) ---------------------------------------------------------------------------
+    def _worker_for(self, what: str) -> Worker:
+        """This rank's ``Worker``, or ParameterServerError naming ``what`` on a server."""
         if self.is_server:
             raise ParameterServerError(f"{NAME}.{what}() is for workers, but group rank {self.group.rank} is "
                                        f"server {self.server_index}; servers call serve()")
-        if self._aborted is not None:
-            raise PeerFailedError(self._aborted)
-        if self._closed:
-            raise ParameterServerError(f"{NAME}.{what}() on worker {self.worker_index} after finish() or abort()")
-
-    def _send_request(self, server: int, kind: int, version: int = 0, reason: str = "",
-                      want_final: bool = False) -> None:
-        text = encode_reason(reason) if reason else None
-        header = np.array([kind, version, 0 if text is None else text.size, int(want_final)], dtype=np.int64)
-        dst = self.server_rank(server)
-        send(header, dst, TAG_REQUEST, self._comm)
-        if text is not None and text.size:
-            send(text, dst, TAG_REASON, self._comm)
-
-    def _receive_reply(self, server: int) -> Tuple[bool, int, str]:
-        """One server's answer: (OK?, its version, its reason if it aborted); an OK fills the slices' ``values``."""
-        src = self.server_rank(server)
-        header = np.zeros(HEADER, dtype=np.int64)
-        # A reply may be long in coming (a pull waiting for the bound); waiting with a finite
-        # (or infinite) limit polls with back-off instead of spinning in MPI_Recv, which on an
-        # oversubscribed node would take the core from the very server being waited for.
-        timeout = self._comm.effective_timeout()
-        irecv(header, src, TAG_REPLY, self._comm).wait(math.inf if timeout is None else timeout)
-        status, version, length = int(header[0]), int(header[1]), int(header[2])
-        if status == OK:
-            for part in self._slices.parts(self._slices.values, server):
-                if part.size:
-                    recv(part, src, TAG_PARAMS, self._comm)
-            return True, version, ""
-        text = np.zeros(length, dtype=np.uint8)
-        if length:
-            recv(text, src, TAG_REASON, self._comm)
-        return False, version, text.tobytes().decode("utf-8", "replace")
-
-    def _server_name(self, server: int) -> str:
-        return f"parameter server {server} (global rank {self.group.ranks[self.server_rank(server)]})"
-
-    def _stopped_by(self, server: int, reason: str) -> str:
-        """Close this worker on every server after ``server`` answered ABORT; the error's text."""
-        message = f"{self._server_name(server)} stopped the run: {reason}"
-        if not self._closed:
-            self._closed = True
-            for s in range(self.num_servers):
-                self._send_request(s, FAILED, reason=f"stopped after {message}")
-        self._aborted = message
-        return message
-
-    def _collect(self, servers: List[int]) -> None:
-        """Receive the replies of ``servers`` in order; on an ABORT close everywhere, then raise."""
-        failure = None
-        for s in servers:
-            ok, version, reason = self._receive_reply(s)
-            if ok:
-                self._versions[s] = version
-            elif failure is None:
-                failure = self._stopped_by(s, reason)
-        if failure is not None:
-            raise PeerFailedError(failure)
+        return self._worker
 
     def pull(self) -> None:
         """Fetch the servers' current parameters into the model (in place).
@@ -296,20 +230,7 @@ class ParameterServer:
             ParameterServerError: called on a server, or after ``finish()``.
             PeerFailedError: the servers stopped the run (another rank failed).
         """
-        self._require_worker("pull")
-        started = time.perf_counter()
-        if self.mode == "sync":
-            for s in range(self.num_servers):
-                self._send_request(s, PULL)
-            self._collect(list(range(self.num_servers)))
-        else:  # one server at a time, in order (see the note on deadlock freedom)
-            for s in range(self.num_servers):
-                self._send_request(s, PULL)
-                self._collect([s])
-        self._slices.load_values()
-        self._pulled = True
-        self._counts["pulls"] += 1
-        self._counts["pull_wait_s"] += time.perf_counter() - started
+        self._worker_for("pull").pull()
 
     def push(self) -> None:
         """Send the model's gradients: each server gets the slice it owns.
@@ -325,27 +246,7 @@ class ParameterServer:
             ShapeError: a gradient's shape differs from its parameter's.
             PeerFailedError: the servers stopped the run.
         """
-        self._require_worker("push")
-        if not self._pulled:
-            raise ParameterServerError(f"{NAME}.push() on worker {self.worker_index} without a pull() since the "
-                                       "last push: call ps.pull() before the first forward and use ps.step() "
-                                       "(push, then pull) after each backward")
-        if all(p.grad is None for p in self._params):
-            raise ParameterServerError(f"{NAME}.push() on worker {self.worker_index}: no parameter has a "
-                                       "gradient; run backward first")
-        for i, p in enumerate(self._params):
-            if p.grad is not None and tuple(p.grad.shape) != tuple(p.data.shape):
-                raise ShapeError(f"{NAME}.push: parameter {i} has a gradient of shape {tuple(p.grad.shape)}, "
-                                 f"the parameter has {tuple(p.data.shape)}")
-        self._slices.pack_grads(self._grad_flats)  # None as zeros
-        for s in range(self.num_servers):
-            self._send_request(s, PUSH, version=self._versions[s])
-            dst = self.server_rank(s)
-            for part in self._slices.parts(self._grad_flats, s):
-                if part.size:
-                    send(part, dst, TAG_GRAD, self._comm)
-        self._pulled = False
-        self._counts["pushes"] += 1
+        self._worker_for("push").push()
 
     def step(self) -> None:
         """``push()`` the gradients, then ``pull()`` the updated parameters.
@@ -381,19 +282,7 @@ class ParameterServer:
             ParameterServerError: called on a server.
             PeerFailedError: the run was stopped because another rank failed.
         """
-        if self.is_server:
-            raise ParameterServerError(f"{NAME}.finish() is for workers, but group rank {self.group.rank} is "
-                                       f"server {self.server_index}; servers call serve()")
-        if self._aborted is not None:
-            raise PeerFailedError(self._aborted)
-        if self._closed:
-            return
-        for s in range(self.num_servers):
-            self._send_request(s, DONE, want_final=pull)
-        self._closed = True
-        if pull:
-            self._collect(list(range(self.num_servers)))
-            self._slices.load_values()
+        self._worker_for("finish").finish(pull)
 
     def abort(self, reason: str = "aborted by the caller") -> None:
         """Stop the run because of a failure on this rank; every other rank stops with ``PeerFailedError``.
@@ -415,11 +304,7 @@ class ParameterServer:
                 self._served = True
                 self._server.run(failure=f"{self._server.name} failed: {reason}")
             return
-        if self._closed:
-            return
-        self._closed = True
-        for s in range(self.num_servers):
-            self._send_request(s, FAILED, reason=reason)
+        self._worker.abort(reason)
 
     # -- server side ---------------------------------------------------------------------------------------
     def serve(self) -> Dict[str, Any]:
@@ -462,9 +347,7 @@ class ParameterServer:
         """
         if self.is_server:
             return self._server.stats()
-        return {"role": "worker", "worker_index": self.worker_index, "mode": self.mode,
-                "pushes": self._counts["pushes"], "pulls": self._counts["pulls"],
-                "versions": list(self._versions), "pull_wait_s": self._counts["pull_wait_s"]}
+        return self._worker.stats()
 
     # -- context manager ---------------------------------------------------------------------------------------
     def __enter__(self) -> "ParameterServer":
@@ -485,7 +368,7 @@ class ParameterServer:
                     self.abort(reason)
                 except Exception:  # noqa: BLE001 - the original exception is the one to see
                     pass
-        elif not self._closed:
+        elif not self._worker.closed:
             try:
                 self.abort(reason)
             except Exception:  # noqa: BLE001 - the original exception is the one to see

@@ -10,6 +10,10 @@ One concept a module, each importing only the ones listed before it:
 - ``memory``: ``PipelineMemoryStats``, the closed-form peak activations and bubble;
 - ``lowering``: ``lower_schedule`` turns one rank's list into steps with
   explicit sends and receives (internal to the executor);
+- ``transport``: ``Transport``, the point-to-point messages between stages
+  (tags, shape headers, sends and receives; internal to the executor);
+- ``replicas``: ``StageReplicas``, a rank's stages replicated over a
+  ``dp_group`` (internal to the executor);
 - ``executor``: ``Pipeline`` and ``PipelineStage``, which interpret those steps
   over point-to-point messages;
 - ``trace``: gathers the executor's timelines and exports Chrome traces and

@@ -38,75 +38,30 @@ micro-batches of these gradients is the gradient of the mean of the
 micro-batch losses, which, micro-batches being equal in size, is the gradient
 of the full-batch mean loss.
 
-[Note: messages, tags and deadlock freedom]
-Sends are non-blocking (``isend``); their handles and buffers are kept until
-the end of the step and then waited, so a rank only ever blocks in a receive.
-Every schedule ``pipeline_schedule`` produces is deadlock-free under exactly
-this model (sends never block, a rank waits only for the activation or
-gradient an action needs), which ``simulate_pipeline`` checks; hence the
-executor cannot deadlock either. Each message's tag encodes (micro-batch,
-stage, kind) uniquely within a step, so a receive can never match another
-message, whatever order the network delivers them in; the largest tag must
-stay within 32767, the bound MPI guarantees (``MPI_TAG_UB``), which limits
-``num_microbatches * num_stages`` to 6553.
-
-[Note: shapes]
-Receivers do not know the shapes of activations in advance (only rank 0 sees
-the batch). Once per step and stage boundary, with micro-batch 0's activation,
-the sender sends a small int64 header (dtype index, ndim, whether it is a
-device array, dimensions), so the receiver allocates it in the same kind of
-memory (a cupy array for a device activation); all
-micro-batches of a step have the same shape, so the other M - 1 activations
-need none. Headers are not cached across steps, so the batch size may change
-from step to step. Gradients need no header at all: the gradient for the
-output of stage s has the shape and dtype of that output, which its receiver
-produced itself.
-
-[Note: pipeline x data parallelism]
-With ``dp_group`` (for example ``world.mesh(dp=D, pp=P)``: ``group=mesh.pp``,
-``dp_group=mesh.dp``) D replicas of the pipeline each run ``train_step`` on
-their own, equal-sized shard of the global batch. The members of a dp group
-hold the same stages (same pp coordinate), so once the pipeline's backward is
-complete each rank averages its stages' gradients over ``dp_group`` with
-bucketed all-reduces (a ``GradientSynchronizer``): each replica's gradient is
-that of the mean loss over its shard, so the average is the gradient of the
-mean loss over the global batch. This is the simplest correct composition; it
-does not overlap the all-reduces with the pipeline's cool-down. The last
-stage's returned loss is averaged over ``dp_group`` too (one scalar
-all-reduce), so every replica's last rank returns the global-batch loss. The
-replicas' stage parameters are copied from dp rank 0 when the Pipeline is
-built, as ``DDP`` does.
+[Note: messages and replicas]
+Activations and gradients travel through ``Transport`` (``transport.py``:
+tags, deadlock freedom, shape headers); with ``dp_group`` the stages'
+gradients and the loss are averaged over the replicas by ``StageReplicas``
+(``replicas.py``: pipeline x data parallelism).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import importlib
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
-import numpy as np
-
 from ... import tracing
-from ..._dtypes import array_module, is_cupy_array, supported_dtypes
-from ...backends import ReduceOp
-from ...bucketing import GradientSynchronizer
-from ...collectives import all_reduce, isend, recv
+from ..._dtypes import array_module
 from ...errors import AxonError, ConfigurationError, ShapeError, UsageError
 from ...groups import resolve_group
 from ...nn import cached_nbytes
-from ..replicate import broadcast_arrays
-from ..same_model import check_same_model, parameter_lines
+from ..same_model import check_same_model
 from .lowering import RECV_B, RECV_F, SEND_B, SEND_F, Op, Step, lower_schedule
 from .render import format_schedule_table
+from .replicas import StageReplicas
 from .schedules import BACKWARD, FORWARD, Action, PipelineSchedule, pipeline_schedule
-
-MAX_TAG = 32767  # the smallest MPI_TAG_UB the MPI standard allows
-_MAX_DIMS = 16
-_HEADER = 3 + _MAX_DIMS  # dtype index, ndim, on a device (0/1), dimensions
-# Message kinds, the last component of a tag.
-_ACT, _GRAD, _HDR, _EVAL_ACT, _EVAL_HDR = range(5)
-_NUM_KINDS = 5
+from .transport import ACT, EVAL_ACT, EVAL_HDR, GRAD, HDR, MAX_TAG, NUM_KINDS, Transport, message_tag
 
 
 @dataclass(frozen=True)
@@ -191,23 +146,14 @@ class Pipeline:
         self.rank = self.group.rank
         self.size = p
         self.stages = list(range(self.rank, self.num_stages, p))
+        self._transport = Transport(self.group, self.num_stages)  # the messages between stages
         self._steps = lower_schedule(self._table[self.rank], self.rank, p, self.num_stages)
         self.last_step_stats: Dict[str, Any] = {}
         self.dp_group = None
-        self._dp_sync: Optional[GradientSynchronizer] = None
+        self._replicas: Optional[StageReplicas] = None
         if dp_group is not None:
-            self.dp_group = dp_group.require_member("building a Pipeline with dp_group")
-            # The replicas of these stages hold the same stages with the same parameters, or every one raises
-            # (before the broadcast below and before any gradient is averaged).
-            named = [(f"stage{s}.{name}", q) for s in self.stages
-                     for name, q in self.stage_modules[s].named_parameters()]
-            check_same_model(self.dp_group, f"Pipeline stages {self.stages} over dp_group {self.dp_group.name}",
-                             parameter_lines(named), settings=[setting],
-                             hint="the data-parallel replicas of a stage must build the same stage modules")
-            self._dp_sync = GradientSynchronizer(bucket_size=dp_bucket_size, group=self.dp_group)
-            params = self.parameters()
-            if self.dp_group.size > 1 and params:
-                broadcast_arrays([q.data for q in params], self.dp_group)
+            self._replicas = StageReplicas(dp_group, self.stages, self.stage_modules, setting, dp_bucket_size)
+            self.dp_group = self._replicas.group
 
     def _check_counts(self, stages_per_rank: Any, schedule: Any, num_microbatches: Any) -> None:
         """The constructor's local checks; sets the schedule and counts (see ``__init__``'s Raises)."""
@@ -225,7 +171,7 @@ class Pipeline:
         self.stages_per_rank = stages_per_rank
         # Validates the counts (positive ints, interleaving needs m % P == 0) once, here.
         self._table = pipeline_schedule(self.schedule, self.num_stages, num_microbatches, stages_per_rank)
-        largest = self._tag(num_microbatches - 1, self.num_stages - 1, _NUM_KINDS - 1)
+        largest = message_tag(num_microbatches - 1, self.num_stages - 1, NUM_KINDS - 1, self.num_stages)
         if largest > MAX_TAG:
             raise ConfigurationError(
                 f"num_microbatches={num_microbatches} x num_stages={self.num_stages} needs message tags up "
@@ -309,7 +255,7 @@ class Pipeline:
     # -- facts --------------------------------------------------------------
     def owner(self, stage: int) -> int:
         """The group rank that holds ``stage``."""
-        return stage % self.size
+        return self._transport.owner(stage)
 
     @property
     def is_last(self) -> bool:
@@ -377,7 +323,9 @@ class Pipeline:
         for work, _ in st.pending:
             work.wait()
         loss = sum(st.losses) / self.num_microbatches if self.is_last else None
-        loss, dp_sync_time = self._average_over_dp(loss)
+        dp_sync_time = 0.0
+        if self._replicas is not None:  # average the stages' gradients and the loss over dp_group
+            loss, dp_sync_time = self._replicas.average(self.parameters, loss, self.is_last, self.rank)
         self.last_step_stats = {
             "peak_activations": st.peak,
             "peak_activation_bytes": st.peak_bytes,
@@ -409,19 +357,19 @@ class Pipeline:
     # The ops of a lowered schedule (see lowering.py). Every hand-over, received or computed on this
     # rank, goes through ``st.handover`` under (receiving stage, micro-batch, message kind).
     def _op_recv_f(self, op: Op, st: "_StepState") -> None:
-        st.handover[(op.stage, op.microbatch, _ACT)] = self._receive_activation(
-            op.stage, op.microbatch, st.shapes, st.handover, _ACT, _HDR)
+        st.handover[(op.stage, op.microbatch, ACT)] = self._transport.receive_activation(
+            op.stage, op.microbatch, st.shapes, st.handover, ACT, HDR)
 
     def _op_forward(self, op: Op, st: "_StepState") -> None:
         s, i = op.stage, op.microbatch
         module = self.stage_modules[s]
-        out = module(st.xs[i] if s == 0 else st.handover.pop((s, i, _ACT)))
+        out = module(st.xs[i] if s == 0 else st.handover.pop((s, i, ACT)))
         seed = None
         if s == self.num_stages - 1:
             st.losses.append(float(self.loss_fn(out, st.ys[i])))
             seed = self.loss_fn.backward(1.0 / self.num_microbatches)
         else:
-            st.handover[(s + 1, i, _ACT)] = out
+            st.handover[(s + 1, i, ACT)] = out
         # Only the output's description is kept: the gradient for it is received into a
         # fresh buffer, and holding the output itself would double the memory per stash.
         st.stash_bytes[(s, i)] = cached_nbytes(module)
@@ -431,31 +379,32 @@ class Pipeline:
         st.peak_bytes = max(st.peak_bytes, st.held_bytes)
 
     def _op_send_f(self, op: Op, st: "_StepState") -> None:
-        out = st.handover.pop((op.stage + 1, op.microbatch, _ACT))
-        self._send_activation(out, op.stage, op.microbatch, st.pending, st.handover, _ACT, _HDR)
+        out = st.handover.pop((op.stage + 1, op.microbatch, ACT))
+        self._transport.send_activation(out, op.stage, op.microbatch, st.pending, st.handover, ACT, HDR)
 
     def _op_recv_b(self, op: Op, st: "_StepState") -> None:
         _, out_meta, _ = self._stashed(op, st)
-        st.handover[(op.stage, op.microbatch, _GRAD)] = self._receive_gradient(op.stage, op.microbatch, out_meta)
+        st.handover[(op.stage, op.microbatch, GRAD)] = self._transport.receive_gradient(op.stage, op.microbatch,
+                                                                                         out_meta)
 
     def _op_backward(self, op: Op, st: "_StepState") -> None:
         s, i = op.stage, op.microbatch
         caches, _, seed = self._stashed(op, st)
         del st.stash[(s, i)]
         st.held_bytes -= st.stash_bytes.pop((s, i))
-        grad = seed if seed is not None else st.handover.pop((s, i, _GRAD))
+        grad = seed if seed is not None else st.handover.pop((s, i, GRAD))
         module = self.stage_modules[s]
         module.restore_activations(caches)
         grad_in = module.backward(grad)
         if s > 0:
-            st.handover[(s - 1, i, _GRAD)] = grad_in
+            st.handover[(s - 1, i, GRAD)] = grad_in
 
     def _op_send_b(self, op: Op, st: "_StepState") -> None:
         s, i = op.stage, op.microbatch
-        grad_in = st.handover.pop((s - 1, i, _GRAD))
+        grad_in = st.handover.pop((s - 1, i, GRAD))
         if s in st.shapes:  # the receiver allocates its output's dtype; match it exactly
             grad_in = grad_in.astype(st.shapes[s][0], copy=False)
-        self._send(grad_in, s - 1, i, _GRAD, st.pending, st.handover)
+        self._transport.send(grad_in, s - 1, i, GRAD, st.pending, st.handover)
 
     _OPS = {RECV_F: _op_recv_f, FORWARD: _op_forward, SEND_F: _op_send_f,
             RECV_B: _op_recv_b, BACKWARD: _op_backward, SEND_B: _op_send_b}
@@ -467,24 +416,6 @@ class Pipeline:
             raise UsageError(f"schedule runs {Action(op.stage, BACKWARD, op.microbatch)} before its forward "
                              f"on rank {self.rank}")
         return st.stash[key]
-
-    def _average_over_dp(self, loss: Optional[float]) -> Tuple[Optional[float], float]:
-        """Average this rank's stage gradients and the last stage's loss over ``dp_group``: (loss, seconds taken)."""
-        if self._dp_sync is None or self.dp_group.size == 1:
-            return loss, 0.0
-        # Every member of dp_group holds the same stages, so all of them push the same gradients.
-        sync_start = time.perf_counter()
-        params = self.parameters()
-        missing = [k for k, q in enumerate(params) if q.grad is None]
-        if missing:
-            raise UsageError(f"Pipeline: parameters {missing} of rank {self.rank} got no gradient; "
-                             f"they cannot be averaged over dp_group")
-        self._dp_sync.synchronize([q.grad for q in params])
-        if self.is_last:
-            box = np.array([loss], dtype=np.float64)
-            all_reduce(box, ReduceOp.AVG, self.dp_group)
-            loss = float(box[0])
-        return loss, time.perf_counter() - sync_start
 
     def forward(self, x: Any) -> Any:
         """Inference: run the forwards of every micro-batch through the stages, keeping nothing.
@@ -514,20 +445,21 @@ class Pipeline:
         for i in range(self.num_microbatches):
             for s in self.stages:
                 module = self.stage_modules[s]
-                inp = xs[i] if s == 0 else self._receive_activation(s, i, shapes, local, _EVAL_ACT, _EVAL_HDR)
+                inp = xs[i] if s == 0 else self._transport.receive_activation(s, i, shapes, local, EVAL_ACT,
+                                                                              EVAL_HDR)
                 out = module(inp)
                 module.stash_activations()  # drop the cache: no backward follows
                 if s == self.num_stages - 1:
                     outputs.append(out)
                 else:
-                    self._send_activation(out, s, i, pending, local, _EVAL_ACT, _EVAL_HDR)
+                    self._transport.send_activation(out, s, i, pending, local, EVAL_ACT, EVAL_HDR)
         for work, _ in pending:
             work.wait()
         if not self.is_last:
             return None
         return array_module(outputs[0]).concatenate(outputs, axis=0)
 
-    # -- messages -----------------------------------------------------------
+    # -- batches ------------------------------------------------------------
     def _split(self, a: Any, name: str) -> List[Any]:
         m = self.num_microbatches
         if a is None or not hasattr(a, "shape") or len(a.shape) == 0:
@@ -540,55 +472,6 @@ class Pipeline:
         b = n // m
         return [a[k * b:(k + 1) * b] for k in range(m)]
 
-    def _tag(self, microbatch: int, stage: int, kind: int) -> int:
-        # Unique per (micro-batch, receiving stage, kind) within a step.
-        return (microbatch * self.num_stages + stage) * _NUM_KINDS + kind
-
-    def _send(self, array: Any, stage: int, microbatch: int, kind: int, pending: list, local: dict) -> None:
-        """Send ``array`` to the rank of ``stage`` (the receiving stage)."""
-        dst = self.owner(stage)
-        if dst == self.rank:
-            local[(stage, microbatch, kind)] = array
-            return
-        buf = array_module(array).ascontiguousarray(array)
-        pending.append((isend(buf, dst, tag=self._tag(microbatch, stage, kind), group=self.group), buf))
-
-    def _send_activation(self, out: Any, stage: int, microbatch: int, pending: list, local: dict,
-                         kind: int, header_kind: int) -> None:
-        nxt = stage + 1
-        if microbatch == 0 and self.owner(nxt) != self.rank:
-            dtypes = list(supported_dtypes())
-            if out.dtype not in dtypes or out.ndim > _MAX_DIMS:
-                raise ShapeError(f"Pipeline: stage {stage} produced a {out.dtype} array of {out.ndim} "
-                                 f"dimensions; messages carry at most {_MAX_DIMS} dimensions of {dtypes}")
-            header = np.zeros(_HEADER, dtype=np.int64)
-            header[0], header[1], header[2] = dtypes.index(out.dtype), out.ndim, int(is_cupy_array(out))
-            header[3:3 + out.ndim] = out.shape
-            self._send(header, nxt, 0, header_kind, pending, local)
-        self._send(out, nxt, microbatch, kind, pending, local)
-
-    def _receive_activation(self, stage: int, microbatch: int, shapes: dict, local: dict,
-                            kind: int, header_kind: int) -> Any:
-        src = self.owner(stage - 1)
-        if src == self.rank:
-            return local.pop((stage, microbatch, kind))
-        if stage not in shapes:
-            # The header always travels with micro-batch 0, whichever micro-batch comes first here.
-            header = np.empty(_HEADER, dtype=np.int64)
-            recv(header, src, tag=self._tag(0, stage, header_kind), group=self.group)
-            ndim = int(header[1])
-            # activations arrive where the sender computed them: host memory or the device
-            xp = importlib.import_module("cupy") if header[2] else np
-            shapes[stage] = (supported_dtypes()[int(header[0])], tuple(int(d) for d in header[3:3 + ndim]), xp)
-        dtype, shape, xp = shapes[stage]
-        buf = xp.empty(shape, dtype=dtype)
-        return recv(buf, src, tag=self._tag(microbatch, stage, kind), group=self.group)
-
-    def _receive_gradient(self, stage: int, microbatch: int, out_meta: Tuple[Any, Any, Any]) -> Any:
-        # The gradient for stage's output has that output's shape and dtype: no header needed.
-        xp, shape, dtype = out_meta
-        buf = xp.empty(shape, dtype=dtype)
-        return recv(buf, self.owner(stage + 1), tag=self._tag(microbatch, stage, _GRAD), group=self.group)
 
 
 @dataclass

@@ -47,6 +47,7 @@ import dataclasses
 import enum
 from typing import Any, List, Union
 
+from ..._choices import parse_choice
 from ...errors import ConfigurationError
 
 FORWARD = "F"
@@ -80,21 +81,9 @@ class PipelineSchedule(enum.Enum):
             The member.
 
         Raises:
-            ConfigurationError: ``value`` names no schedule.
+            UnknownChoiceError: ``value`` names no schedule (a ``ConfigurationError``).
         """
-        if isinstance(value, cls):
-            return value
-        if isinstance(value, str):
-            key = value.strip().lower().replace("-", "_")
-            for member in cls:
-                if key in (member.value, member.name.lower()):
-                    return member
-            if key == "interleaved":
-                return cls.INTERLEAVED_1F1B
-        raise ConfigurationError(
-            f"unknown pipeline schedule {value!r}; use one of "
-            f"{[m.name for m in cls]} or {[m.value for m in cls]}"
-        )
+        return parse_choice(cls, value, "pipeline schedule", {"interleaved": "INTERLEAVED_1F1B"})
 
 
 @dataclasses.dataclass(frozen=True)

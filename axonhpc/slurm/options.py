@@ -1,21 +1,4 @@
-"""SLURM batch scripts from the templates in ``slurm/``: ``axonhpc slurm render``.
-
-[Note: template syntax]
-A template is a bash batch script with four additions, all resolved here:
-
-- ``{{name}}`` is replaced by the value of option ``name``. A placeholder whose
-  option has no value (``{{gpus_per_node}}`` without ``--gpus-per-node``) is
-  an error naming the option, so a template states what it needs by using it.
-- A line that starts with ``{{?name}}`` is kept (without the guard) only when
-  option ``name`` is set (given, or true); ``{{!name}}`` keeps it only when it
-  is not; ``{{?name=value}}`` / ``{{!name=value}}`` compare with a value.
-  Guards may be chained: ``{{?requeue}}{{?time}}...``.
-- A line that starts with ``#@`` is a note for template authors and never
-  reaches the output (so it may mention ``{{name}}`` freely). ``#@ require A OP
-  B[: reason]`` is a check: A and B are option names or integers, OP one of
-  ``== != < <= > >=``; when it fails the reason is part of the error.
-- Any other ``{{`` is an error, as is a placeholder or guard naming an
-  unknown option, so a typo in a template never passes through silently.
+"""The options of ``axonhpc slurm render``: ``SlurmOptions``, validated, and the shell quoting of their values.
 
 [Note: quoting]
 Scheduler values (counts, the time limit, partition, account, job name,
@@ -30,28 +13,15 @@ command of its own.
 """
 from __future__ import annotations
 
-import os
 import re
 import shlex
 import sys
 from dataclasses import dataclass, field, fields
-from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, Optional, Sequence, Set, Tuple
 
-from .errors import ConfigurationError, MissingValueError, TemplateError, TemplateNotFoundError
+from ..errors import ConfigurationError
 
-TEMPLATE_SUFFIX = ".sbatch"
-
-_NAME = r"[a-z_][a-z0-9_]*"
-_PLACEHOLDER = re.compile(r"\{\{(" + _NAME + r")\}\}")
-_GUARD = re.compile(r"\{\{([?!])(" + _NAME + r")(?:=([A-Za-z0-9._-]*))?\}\}")
-_REQUIRE = re.compile(r"require\s+([a-z_][a-z0-9_]*|[0-9]+)\s*(==|!=|<=|>=|<|>)\s*([a-z_][a-z0-9_]*|[0-9]+)"
-                      r"\s*(?::\s*(.*))?$")
 _DIGITS = re.compile(r"[0-9]+")
-_COMPARE = {
-    "==": lambda a, b: a == b, "!=": lambda a, b: a != b, "<": lambda a, b: a < b,
-    "<=": lambda a, b: a <= b, ">": lambda a, b: a > b, ">=": lambda a, b: a >= b,
-}
 
 # sbatch reads these values in #SBATCH lines: refuse anything outside the set.
 _WORD = re.compile(r"[A-Za-z0-9._-]+")
@@ -106,135 +76,6 @@ def shell_quote(word: str) -> str:
 def shell_join(words: Sequence[str]) -> str:
     """The words as a space-separated list of ``shell_quote``-d words."""
     return " ".join(shell_quote(w) for w in words)
-
-
-# -- rendering ----------------------------------------------------------------------------------
-def _spell(name: str) -> str:
-    if name == "command":
-        return "a program and its arguments after --"
-    return option_flag(name) if name in _OPTION_NAMES else "{{" + name + "}}"
-
-
-def _guards(line: str) -> Tuple[List[Tuple[str, str, Optional[str]]], str]:
-    """The guards at the start of ``line`` (sign, name, value) and the rest of the line."""
-    found = []
-    while True:
-        m = _GUARD.match(line)
-        if not m:
-            return found, line
-        found.append((m.group(1), m.group(2), m.group(3)))
-        line = line[m.end():]
-
-
-def _set(value: Any) -> bool:
-    return value is not None and value is not False and value != ""
-
-
-def _int_operand(token: str, values: Mapping[str, Any], lineno: int) -> Tuple[str, int]:
-    if _DIGITS.fullmatch(token):
-        return token, int(token)
-    if token not in values:
-        raise TemplateError(f"line {lineno}: '#@ require' names unknown option {token!r}")
-    value = values[token]
-    if value is None:
-        raise MissingValueError(token, f"this template needs {_spell(token)}")
-    try:
-        return f"{_spell(token)} {value}", int(value)
-    except (TypeError, ValueError):
-        raise TemplateError(f"line {lineno}: '#@ require' compares {token!r}, which is not a number "
-                            f"({value!r})") from None
-
-
-def template_names(template_text: str) -> Set[str]:
-    """Every option name a template uses: placeholders, guards and ``#@ require`` checks.
-
-    Raises:
-        TemplateError: a ``{{`` that is no valid placeholder or guard, or a
-            malformed ``#@ require`` line; the message gives the line number.
-    """
-    names: Set[str] = set()
-    for lineno, line in enumerate(template_text.split("\n"), 1):
-        if line.startswith("#@"):
-            body = line[2:].strip()
-            if body.startswith("require"):
-                m = _REQUIRE.match(body)
-                if not m:
-                    raise TemplateError(f"line {lineno}: cannot read {line.strip()!r} (use '#@ require A OP B: "
-                                        "reason' with OP one of == != < <= > >=)")
-                names.update(t for t in (m.group(1), m.group(3)) if not _DIGITS.fullmatch(t))
-            continue
-        guards, rest = _guards(line)
-        names.update(name for _, name, _ in guards)
-        names.update(_PLACEHOLDER.findall(rest))
-        stray = _PLACEHOLDER.sub("", rest)
-        if "{{" in stray:
-            bad = stray[stray.index("{{"):][:40]
-            raise TemplateError(f"line {lineno}: {bad!r} is not a placeholder ({{{{name}}}}, with name in "
-                                "lower case) nor a guard at the start of the line ({{?name}}, {{!name}})")
-    return names
-
-
-def render(template_text: str, /, **values: Any) -> str:
-    """Fill a template: placeholders, line guards and ``#@`` lines (see [Note: template syntax]).
-
-    A pure function of its arguments. Values are inserted as given (callers
-    quote; ``SlurmOptions.placeholders`` does): ``str`` and ``int`` values,
-    with ``None`` meaning "not given"; ``bool`` values only work in guards.
-
-    Args:
-        template_text: the template.
-        **values: one entry for every option the template names.
-
-    Returns:
-        The batch script.
-
-    Raises:
-        MissingValueError: a placeholder or check needs a value that is None.
-        TemplateError: bad template syntax, an option the template names but
-            ``values`` lacks, a flag used as a value, a value with a line
-            break, or a failed ``#@ require`` check.
-    """
-    unknown = sorted(template_names(template_text) - set(values))
-    if unknown:
-        raise TemplateError(f"the template uses unknown option(s) {', '.join(unknown)}; known: "
-                            f"{', '.join(sorted(values))}")
-    for name, value in values.items():
-        if isinstance(value, str) and ("\n" in value or "\r" in value):
-            raise TemplateError(f"the value of {_spell(name)} contains a line break: {value!r}")
-
-    def substitute(m: "re.Match[str]") -> str:
-        name = m.group(1)
-        value = values[name]
-        if value is None:
-            raise MissingValueError(name, f"this template needs {_spell(name)}")
-        if isinstance(value, bool):
-            raise TemplateError(f"{{{{{name}}}}} is a flag: use it in a guard ({{{{?{name}}}}}), not as a value")
-        return str(value)
-
-    out: List[str] = []
-    for lineno, line in enumerate(template_text.split("\n"), 1):
-        if line.startswith("#@"):
-            m = _REQUIRE.match(line[2:].strip())
-            if m:
-                left, op, right, reason = m.groups()
-                (ltext, lval), (rtext, rval) = (_int_operand(left, values, lineno),
-                                                _int_operand(right, values, lineno))
-                if not _COMPARE[op](lval, rval):
-                    why = f" ({reason.strip()})" if reason else ""
-                    spelled = [t if _DIGITS.fullmatch(t) else _spell(t) for t in (left, right)]
-                    got = ", ".join(text for token, text in ((left, ltext), (right, rtext))
-                                    if not _DIGITS.fullmatch(token))
-                    raise TemplateError(f"this template requires {spelled[0]} {op} {spelled[1]}{why}; got {got}")
-            continue
-        guards, rest = _guards(line)
-        keep = True
-        for sign, name, expected in guards:
-            value = values[name]
-            hit = _set(value) if expected is None else (value is not None and str(value) == expected)
-            keep = keep and (hit if sign == "?" else not hit)
-        if keep:
-            out.append(_PLACEHOLDER.sub(substitute, rest))
-    return "\n".join(out)
 
 
 # -- options ------------------------------------------------------------------------------------
@@ -446,108 +287,4 @@ _ALWAYS = {"nodes", "tasks_per_node"}  # required by the command, used by every 
 _OPTION_NAMES = {f.name for f in fields(SlurmOptions)}
 
 
-# -- finding templates --------------------------------------------------------------------------
-def template_dir() -> Path:
-    """``slurm/`` beside the package: the repository root of a clone (``pip install -e .``)."""
-    return Path(__file__).resolve().parent.parent / "slurm"
-
-
-def available_templates(directory: Optional[Path] = None) -> List[str]:
-    """Names of the templates in ``directory`` (default ``template_dir()``), sorted."""
-    directory = template_dir() if directory is None else Path(directory)
-    if not directory.is_dir():
-        return []
-    return sorted(p.name[: -len(TEMPLATE_SUFFIX)] for p in directory.glob("*" + TEMPLATE_SUFFIX) if p.is_file())
-
-
-def find_template(name_or_path: str, directory: Optional[Path] = None) -> Path:
-    """The template file for a name (``cpu-ddp``, ``cpu-ddp.sbatch``) or a path.
-
-    A word with a ``/`` is a path; a word ending in ``.sbatch`` is looked for
-    in the current directory, then in ``slurm/``; any other word is a name.
-
-    Raises:
-        TemplateNotFoundError: no such template; the message lists the
-            available ones.
-    """
-    directory = template_dir() if directory is None else Path(directory)
-    candidates = []
-    if "/" in name_or_path or os.sep in name_or_path:
-        candidates.append(Path(name_or_path))
-    else:
-        if name_or_path.endswith(TEMPLATE_SUFFIX):
-            candidates += [Path(name_or_path), directory / name_or_path]
-        elif name_or_path and name_or_path not in (".", ".."):
-            candidates.append(directory / (name_or_path + TEMPLATE_SUFFIX))
-    for path in candidates:
-        if path.is_file():
-            return path
-    names = available_templates(directory)
-    if names:
-        where = f"available: {', '.join(names)} (in {directory})"
-    else:
-        where = (f"no templates found in {directory} (slurm/ ships with a clone of the repository; "
-                 "install with pip install -e . or give the path of a template file)")
-    raise TemplateNotFoundError(f"no SLURM template {name_or_path!r}; {where}")
-
-
-def template_name(path: Path) -> str:
-    """The name a template file goes by (its file name without ``.sbatch``)."""
-    name = path.name
-    return name[: -len(TEMPLATE_SUFFIX)] if name.endswith(TEMPLATE_SUFFIX) else path.stem
-
-
-def render_options(template_text: str, options: SlurmOptions, name: str = "job") -> str:
-    """Render a template with validated options; what ``axonhpc slurm render`` prints.
-
-    Unlike ``render``, an option set explicitly that the template never uses
-    is an error (``--gpus-per-node`` for a CPU template is a mistake, not a
-    detail to drop), and messages name the template.
-
-    Args:
-        template_text: the template.
-        options: the validated options.
-        name: the template's name, for messages and the default job name.
-
-    Raises:
-        TemplateError: as ``render``, or an option the template does not use.
-    """
-    used = template_names(template_text)
-    if "args" in used:
-        used.add("command")
-    unused = sorted(options.given() - used)
-    if unused:
-        what = ["script arguments after --" if n == "command" else option_flag(n) for n in unused]
-        raise TemplateError(f"template {name!r} does not use {', '.join(what)}")
-    try:
-        return render(template_text, **options.placeholders(name))
-    except MissingValueError as exc:
-        if exc.name == "command":
-            raise MissingValueError(exc.name, f"template {name!r} runs a program: give it after --, e.g. "
-                                    "-- examples/train_digits.py --epochs 5") from None
-        raise MissingValueError(exc.name, _named(str(exc), name)) from None
-    except TemplateError as exc:
-        raise TemplateError(_named(str(exc), name)) from None
-
-
-def _named(message: str, name: str) -> str:
-    if message.startswith("this template "):
-        return f"template {name!r} " + message[len("this template "):]
-    return f"template {name!r}: {message}"
-
-
-def render_file(template: str, options: SlurmOptions) -> str:
-    """Find a template by name or path (``find_template``) and render it (``render_options``)."""
-    path = find_template(template)
-    try:
-        text = path.read_text()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise TemplateError(f"cannot read template {str(path)!r}: {exc}") from None
-    return render_options(text, options, template_name(path))
-
-
-__all__ = [
-    "SlurmOptions", "TemplateError", "MissingValueError", "TemplateNotFoundError", "render", "render_options",
-    "render_file", "template_names", "template_dir", "available_templates", "find_template", "template_name",
-    "shell_quote", "shell_join", "parse_time", "option_flag", "MPI_CHOICES", "LAUNCHER_CHOICES",
-]
+__all__ = ["SlurmOptions", "shell_quote", "shell_join", "parse_time", "option_flag", "MPI_CHOICES", "LAUNCHER_CHOICES"]

@@ -1,0 +1,85 @@
+"""Which ranks have entered a timed collective of the MPI backend: ``Arrivals``, notices on a side communicator.
+
+``MPIBackend.announce`` makes one for each blocking collective that runs
+under a timeout, so that the wait can name the ranks that never came (see
+[Note: naming the missing ranks] below).
+"""
+from __future__ import annotations
+
+import zlib
+from typing import Dict, List, Sequence
+
+import numpy as np
+
+from .mpi_work import _mpi
+
+
+# The operations a notice can name (by CRC-32 of the name), for messages.
+_NOTICE_OPS = {zlib.crc32(name.encode()): name for name in (
+    "all_reduce", "reduce_scatter", "broadcast", "all_gather", "gather", "scatter", "barrier")}
+
+
+class Arrivals:
+    """Which ranks have entered one timed collective: notices on a side communicator.
+
+    [Note: naming the missing ranks]
+    MPI cannot say which ranks have not joined a collective. So when a
+    blocking collective has a timeout, every rank first sends an 8-byte
+    notice holding the collective's sequence number to every peer over a
+    private duplicate of the group's communicator, and posts a receive for
+    each peer's notice; the waiting loop tests those receives alongside the
+    collective. A rank whose notice has not arrived when the time is up has
+    not entered the collective: those are the missing ranks, and a notice
+    with another sequence number names a rank that is in a different
+    collective. After the collective completes every peer has sent its
+    notice, so the receives are drained at once. This costs 2 (P - 1) tiny
+    messages per timed collective and nothing without a timeout.
+    """
+
+    TAG_SPACE = 30000
+
+    def __init__(self, side, seq: int, op: str, rank: int, global_ranks: Sequence[int]):
+        MPI = _mpi()
+        self.seq = int(seq)
+        self.op = op
+        self.global_ranks = tuple(global_ranks)
+        self.peers = [r for r in range(len(self.global_ranks)) if r != rank]
+        tag = self.seq % self.TAG_SPACE
+        self._note = np.array([self.seq, zlib.crc32(op.encode())], dtype=np.int64)
+        self._sends = [side.Isend([self._note, MPI.INT64_T], dest=r, tag=tag) for r in self.peers]
+        self._boxes = {r: np.full(2, -1, dtype=np.int64) for r in self.peers}
+        self._recvs = {r: side.Irecv([self._boxes[r], MPI.INT64_T], source=r, tag=tag) for r in self.peers}
+        self._done = {r: False for r in self.peers}
+
+    def _poll(self) -> None:
+        for r, request in self._recvs.items():
+            if not self._done[r] and request.Test():
+                self._done[r] = True
+
+    def missing(self) -> List[int]:
+        """Global ranks whose notice for this collective has not arrived (this rank is never among them)."""
+        self._poll()
+        return [self.global_ranks[r] for r in self.peers if not self._done[r] or self._other(r)]
+
+    def _other(self, r: int) -> bool:
+        return (int(self._boxes[r][0]), int(self._boxes[r][1])) != (self.seq, int(self._note[1]))
+
+    def elsewhere(self) -> Dict[int, str]:
+        """Global rank -> "#seq op" of peers whose notice names another collective than this one."""
+        self._poll()
+        return {self.global_ranks[r]: f"#{int(self._boxes[r][0])} {_NOTICE_OPS.get(int(self._boxes[r][1]), 'another op')}"
+                for r in self.peers if self._done[r] and self._other(r)}
+
+    def drain(self) -> None:
+        """After the collective completed: receive every notice (all were sent) and finish the sends."""
+        MPI = _mpi()
+        MPI.Request.Waitall(list(self._recvs.values()) + self._sends)
+
+    def abandon(self) -> None:
+        """After a timeout: cancel the receives that never completed (the job is ending)."""
+        for r, request in self._recvs.items():
+            if not self._done[r]:
+                request.Cancel()
+
+
+__all__ = ["Arrivals"]

@@ -1,0 +1,161 @@
+"""How the MPI backend's operations reach MPI: mpi4py on first use, datatypes and ops, chunks, ``MPIWork``.
+
+An operation of ``MPIBackend`` is a ``_Plan``: its chunks (``_blocks`` of at
+most ``settings.max_message_elements`` elements, since counts in MPI calls
+are C ints) as steps, each a blocking MPI call, its nonblocking twin, and
+what to do once the chunk is done (copy a staged block into place).
+``_Plan.run`` makes the blocking calls at once, or starts the nonblocking
+ones under an ``MPIWork``, the ``Work`` over the requests of one operation.
+``_datatype`` and ``_mpi_op`` are MPI's names for a buffer's dtype and for a
+``ReduceOp``.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, List, Optional, Tuple
+
+import numpy as np
+
+from .._dtypes import bfloat16_dtype
+from .base import CompletedWork, ReduceOp, Work
+
+
+_MPI = None
+_DATATYPES: dict = {}
+_OPS: dict = {}
+
+
+def _mpi():
+    """mpi4py.MPI, imported on first use (importing it initialises MPI)."""
+    global _MPI
+    if _MPI is None:
+        from mpi4py import MPI
+
+        _MPI = MPI
+    return _MPI
+
+
+def _datatype(dtype: np.dtype):
+    """The MPI datatype that moves (and, for reducible dtypes, reduces) ``dtype``."""
+    try:
+        return _DATATYPES[dtype]
+    except KeyError:
+        pass
+    MPI = _mpi()
+    table = {
+        np.dtype(np.float32): MPI.FLOAT,
+        np.dtype(np.float64): MPI.DOUBLE,
+        np.dtype(np.int32): MPI.INT32_T,
+        np.dtype(np.int64): MPI.INT64_T,
+        np.dtype(np.uint8): MPI.UINT8_T,
+        # 16-bit floats are only moved, never reduced here (the collective
+        # layer widens them first), so an opaque 16-bit type is exact.
+        np.dtype(np.float16): MPI.UINT16_T,
+    }
+    bf16 = bfloat16_dtype()
+    if bf16 is not None:
+        table[bf16] = MPI.UINT16_T
+    _DATATYPES.update(table)
+    return _DATATYPES[np.dtype(dtype)]
+
+
+def _mpi_op(op: ReduceOp):
+    # Keyed by the member's string value: hashing an Enum member runs Python
+    # code, hashing a str is cached, and this is on every call's path.
+    if not _OPS:
+        MPI = _mpi()
+        _OPS.update({ReduceOp.SUM.value: MPI.SUM, ReduceOp.PRODUCT.value: MPI.PROD,
+                     ReduceOp.MIN.value: MPI.MIN, ReduceOp.MAX.value: MPI.MAX})
+    return _OPS[op._value_]
+
+
+def _blocks(n: int, step: int):
+    """[start, stop) blocks of at most ``step`` covering range(n) (one empty block for n == 0)."""
+    if n == 0:
+        yield 0, 0
+        return
+    for start in range(0, n, step):
+        yield start, min(start + step, n)
+
+
+class MPIWork(Work):
+    """The requests of one operation (several when it is chunked).
+
+    Collective chunks run one after the other: the next starts when the
+    previous one completes (in ``is_completed`` or ``wait``). Several
+    outstanding non-blocking collectives on one communicator are legal MPI,
+    but Open MPI 5.0 returns wrong sums for concurrent
+    ``MPI_Ireduce_scatter_block`` calls (seen here with 3 ranks), and a
+    chunked collective gains nothing from posting all chunks at once.
+    Point-to-point chunks are all posted at once instead: a receiver waiting
+    for chunk 2 must not depend on its peer calling ``wait`` on the send.
+    """
+
+    def __init__(self, steps: List[Tuple[Callable[[], Any], Optional[Callable[[], None]]]], result=None,
+                 sequential: bool = True):
+        super().__init__(result)
+        self._steps = steps
+        self._sequential = sequential
+        self._next = 0
+        if sequential:
+            self._requests = [steps[0][0]()]
+        else:
+            self._requests = [start() for start, _ in steps]
+
+    def _advance(self) -> bool:
+        """The requests in flight are done: finish them, start the next chunk; True when all are done."""
+        if not self._sequential:
+            for _, after in self._steps:
+                if after is not None:
+                    after()
+            self._requests = []
+            return True
+        _, after = self._steps[self._next]
+        if after is not None:
+            after()
+        self._next += 1
+        if self._next == len(self._steps):
+            self._requests = []
+            return True
+        self._requests = [self._steps[self._next][0]()]
+        return False
+
+    def _test(self) -> bool:
+        MPI = _mpi()
+        while self._requests:
+            if not MPI.Request.Testall(self._requests):
+                return False
+            if self._advance():
+                return True
+        return True
+
+    def _block(self, timeout: Optional[float]) -> bool:
+        if timeout is None:
+            MPI = _mpi()
+            while self._requests:
+                MPI.Request.Waitall(self._requests)
+                self._advance()
+            return True
+        return super()._block(timeout)
+
+
+class _Plan:
+    """Steps of one (possibly chunked) operation: each starts a transfer, then finishes it."""
+
+    def __init__(self):
+        self.steps: List[Tuple[Callable[[], Any], Callable[[], Any], Optional[Callable[[], None]]]] = []
+
+    def add(self, blocking: Callable[[], Any], nonblocking: Callable[[], Any],
+            after: Optional[Callable[[], None]] = None) -> None:
+        self.steps.append((blocking, nonblocking, after))
+
+    def run(self, async_op: bool, result=None, sequential: bool = True) -> Work:
+        if not async_op:
+            for blocking, _, after in self.steps:
+                blocking()
+                if after is not None:
+                    after()
+            return CompletedWork(result)
+        return MPIWork([(nonblocking, after) for _, nonblocking, after in self.steps], result, sequential)
+
+
+__all__ = ["MPIWork"]

@@ -1,0 +1,158 @@
+"""The fast path of blocking collectives on plain host arrays: one eligibility check, one table of calls.
+
+[Note: why a second path]
+The general path of ``core`` checks every argument, records and numbers
+the call, compares it across the ranks and issues it through ``core._run``,
+which watches for timeouts and draws timeline spans: over a hundred Python
+calls, which at 8 bytes are the whole cost of an all-reduce on one node.
+A blocking call on a plain numpy array, with no debug mode, no timeout, no
+timeline and the native algorithm, needs only part of that. ``attempt``
+does exactly that part and nothing else:
+- the flight record;
+- the sequence number;
+- the agreement check, which the node's shared-memory engine makes inside
+  its call, or ``agreement.check`` makes over MPI before it;
+- the call itself.
+
+Each collective is one row of the table (a ``Spec``: what it writes, its
+result's shape, when the engine takes it, how the engine and the backend
+are called), and ``attempt`` is the one eligibility check for all of them.
+A call that does not qualify gets ``NOT_TAKEN`` back with nothing sent,
+and the general path handles it, error messages included.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple, Optional
+
+import numpy as np
+
+from .. import tracing
+from .._dtypes import is_supported
+from ..backends import shm as shm_backend
+from ..backends.base import CompletedWork, ReduceOp, Work
+from ..groups import resolve_group
+from ..settings import settings
+from . import agreement, flight, shm_path
+
+NOT_TAKEN = object()  # what ``attempt`` returns when the general path must handle the call
+
+
+def _finish(work: Work) -> None:
+    if type(work) is not CompletedWork:  # a blocking MPI call is complete on return
+        work.wait()
+
+
+class Spec(NamedTuple):
+    """One collective's row of the fast path's table."""
+
+    op: str  # its name in flight records and messages
+    writes_input: bool  # the call writes into ``x`` (so ``x`` must be writable)
+    reduces: bool  # takes a ReduceOp, which the node's kernels must reduce (``shm_path.FUSED``)
+    rooted: bool  # takes a root, which must be a rank of the group
+    # The result's shape from (x.shape, group size), or None when the call cannot be made this way;
+    # no function: ``x`` itself is the result (and None is returned).
+    result_shape: Optional[Callable[[tuple, int], Optional[tuple]]]
+    # The engine carries calls of at least ``settings.shm_min_bytes``; with this flag, only while the whole
+    # result (x.nbytes times the group size) fits ``settings.shm_allgather_max_bytes``.
+    bounded_result: bool
+    on_engine: Callable[[Any, Any, Any, Optional[str], Optional[int]], None]  # (engine, x, out, op name, root)
+    on_backend: Callable[[Any, Any, Any, Optional[ReduceOp], Optional[int]], Work]  # (backend, x, out, op, root)
+
+
+def _part_shape(shape: tuple, size: int) -> Optional[tuple]:
+    if not shape or shape[0] % size:
+        return None  # 0-d, or not divisible: the general path says so
+    return (shape[0] // size,) + shape[1:]
+
+
+ALL_REDUCE = Spec(
+    "all_reduce", True, True, False, None, False,
+    lambda engine, x, out, name, root: engine.all_reduce(x, name),
+    lambda backend, x, out, op, root: backend.all_reduce(x, op, False))
+REDUCE_SCATTER = Spec(
+    "reduce_scatter", False, True, False, _part_shape, False,
+    lambda engine, x, out, name, root: engine.reduce_scatter(x, out, name),
+    lambda backend, x, out, op, root: backend.reduce_scatter(x, out, op, False))
+BROADCAST = Spec(
+    "broadcast", True, False, True, None, False,
+    lambda engine, x, out, name, root: engine.broadcast(x, root),
+    lambda backend, x, out, op, root: backend.broadcast(x, root, False))
+ALL_GATHER = Spec(
+    "all_gather", False, False, False, lambda shape, size: (size,) + shape, True,
+    lambda engine, x, out, name, root: engine.all_gather(x, out),
+    lambda backend, x, out, op, root: backend.all_gather(x, out, False))
+
+
+def attempt(spec: Spec, x: Any, group: Any, op: Any = None, root: Any = None, out: Any = None) -> Any:
+    """Run one blocking collective on the fast path, or return ``NOT_TAKEN`` having sent nothing.
+
+    It qualifies when ``x`` is a plain numpy array (contiguous, of a
+    supported dtype, writable when the call writes into it, not empty, not
+    in a shared window) and ``op`` a ``ReduceOp`` the node's kernels reduce;
+    when ``root`` is a rank of the group and ``out``, if given, a plain
+    array of the result's shape and dtype; when no timeline records; and
+    when ``shm_path.plain_route`` offers the node's engine or the backend for
+    the group (no debug mode, no timeout, the native algorithm). A reduction
+    the engine does not take must also be one MPI has (not AVG).
+
+    Returns:
+        The result buffer (``out``, or a new array) for a call with a
+        result, None for one that works in place, or ``NOT_TAKEN``.
+    """
+    if type(x) is not np.ndarray or not x.nbytes:
+        return NOT_TAKEN
+    name = None
+    if spec.reduces:
+        names = shm_path.FUSED.get(x.dtype)  # supported dtypes only
+        if names is None or type(op) is not ReduceOp:
+            return NOT_TAKEN
+        name = names.get(op._value_)
+        if name is None:
+            return NOT_TAKEN
+    elif not is_supported(x.dtype):
+        return NOT_TAKEN
+    flags = x.flags
+    if not flags.c_contiguous or (spec.writes_input and not flags.writeable):
+        return NOT_TAKEN
+    if tracing.EVER_INSTALLED and tracing.active() is not None:
+        return NOT_TAKEN
+    pg = resolve_group(group)
+    if pg.member_backend is None:
+        return NOT_TAKEN
+    if shm_backend.ANY_ARRAYS and shm_backend.engine_in_window(pg.member_backend, x) is not None:
+        return NOT_TAKEN  # the general path works on it where it lies
+    if spec.rooted and (type(root) is not int or not 0 <= root < pg.size):
+        return NOT_TAKEN
+    engine, backend = shm_path.plain_route(pg)
+    use_engine = engine is not None and x.nbytes >= settings.shm_min_bytes and (
+        not spec.bounded_result or x.nbytes * pg.size <= settings.shm_allgather_max_bytes)
+    if not use_engine and (backend is None or op is ReduceOp.AVG):
+        return NOT_TAKEN
+    if spec.result_shape is not None:
+        shape = spec.result_shape(x.shape, pg.size)
+        if shape is None:
+            return NOT_TAKEN
+        if out is None:
+            out = np.empty(shape, dtype=x.dtype)
+        elif (type(out) is not np.ndarray or out.shape != shape or out.dtype != x.dtype
+              or not out.flags.c_contiguous or not out.flags.writeable):
+            return NOT_TAKEN
+    else:
+        out = None
+    state = pg.collective_state  # made by plain_route
+    if state.unissued:
+        agreement.flush(pg)  # earlier asynchronous calls start first, in the same order on every rank
+    entry = flight.record(pg, spec.op, x, name, root, None)
+    seq = pg.seq
+    pg.seq += 1
+    try:
+        if use_engine:
+            spec.on_engine(engine, x, out, name, root)  # compares the call across the node as it goes
+        else:
+            agreement.check(pg, seq, spec.op, x, name, root, engine=engine if engine is not None else False)
+            _finish(spec.on_backend(backend, x, out, op, root))
+    except agreement.EngineMismatch:
+        agreement.refuse(pg, seq, spec.op, x, name, root)
+    if entry is not None:
+        entry[flight.DONE] = True
+    return out

@@ -1,0 +1,52 @@
+"""Gradient norm clipping over FSDP's gradient shards: the global norm from the shards, one reduction.
+
+Each element of the model's gradient lives in exactly one shard of the
+shard group (replicas of HYBRID_SHARD hold the same shards), so the sum of
+the shards' p-th powers (or their largest absolute value, for the inf-norm)
+reduced over the shard group is that of the whole gradient: the same norm
+single-process ``optim.clip_grad_norm`` computes.
+"""
+from __future__ import annotations
+
+from typing import Any, List
+
+import numpy as np
+
+from ...backends import ReduceOp
+from ...collectives import all_reduce
+from ...optim.clip import checked_norm_type, scale_to_norm
+
+
+def clip_grad_norm(grads: List[Any], max_norm: float, norm_type: float, shard_group: Any, xp: Any) -> float:
+    """Scale ``grads`` (this rank's gradient shards) in place so the global norm is at most ``max_norm``.
+
+    Collective over ``shard_group`` when it has more than one rank.
+
+    Args:
+        grads: the gradient shards that exist (Nones left out).
+        max_norm: largest allowed norm.
+        norm_type: p of the p-norm; ``float("inf")`` for the largest absolute value.
+        shard_group: the group the shards are spread over, or None (NO_SHARD).
+        xp: the array module of the shards' memory.
+
+    Returns:
+        The global norm before clipping.
+
+    Raises:
+        InvalidArgumentError: ``norm_type`` is not positive (a ``ValueError``).
+    """
+    norm_type = checked_norm_type(norm_type)
+    inf = np.isinf(norm_type)
+    local = 0.0
+    for g in grads:
+        g64 = xp.abs(g.astype(np.float64))
+        local = max(local, float(g64.max()) if g.size else 0.0) if inf else local + float((g64 ** norm_type).sum())
+    value = np.array([local], dtype=np.float64)
+    if shard_group is not None and shard_group.size > 1:
+        all_reduce(value, ReduceOp.MAX if inf else ReduceOp.SUM, shard_group)
+    total = float(value[0]) if inf else float(value[0]) ** (1.0 / norm_type)
+    scale_to_norm(grads, total, max_norm)
+    return total
+
+
+__all__ = ["clip_grad_norm"]

@@ -1,0 +1,197 @@
+"""FSDP's step choreography: ``UnitHooks`` gathers, prefetches, frees and reduces the units around their compute.
+
+[Note: units and hooks]
+The model is cut into units: by default each top-level child that has
+parameters, or the modules the user lists; parameters outside every unit
+form the root unit, gathered for the whole step. Each unit's parameters
+become one padded flat parameter sharded over the group (``FlatUnit``). There
+is no autograd here, so FSDP wraps each unit module's ``forward`` and
+``backward`` (instance attributes shadowing the class methods; the parent
+still calls ``child(x)`` and ``child.backward(g)`` as before):
+
+- before a unit's forward its parameters are gathered (waiting for a
+  prefetch if one is in flight), and the all-gathers of the next
+  ``prefetch`` units, in the order the previous step ran them, are issued
+  without waiting; after the forward, FULL_SHARD and HYBRID_SHARD free them;
+- before a unit's backward its parameters are gathered again if they were
+  freed, and the units before it are prefetched; after the backward its
+  gradients are packed, freed and reduce-scattered (non-blocking, one in
+  flight at a time, so collectives on one communicator never overlap), and
+  its parameters are freed.
+
+Every rank runs the same model code, so every rank issues the same
+all-gathers and reduce-scatters in the same order. At the end of
+``backward`` any unit whose backward did not run (unused in this step) is
+reduced too, with zero gradients, so all units are synchronised every step.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, List, Optional
+
+from ... import tracing
+from .config import ShardingStrategy
+from .flat_param import FlatUnit, PendingReduction
+
+
+class UnitHooks:
+    """The hooks on one FSDP's unit modules and the state of the step they drive (see the note).
+
+    Args:
+        units: every unit, the root (if any) last.
+        root: the root unit (gathered for the whole step, not hooked), or None.
+        strategy: the sharding strategy (whether a forward frees its unit).
+        prefetch: how many units ahead to gather.
+
+    Attributes:
+        hooked: the units whose modules carry the hooks (none after ``uninstall``).
+        pinned: the parameters stay gathered (``gather_all``) until ``free_all``.
+        syncing: this backward reduces the gradients (outside ``no_sync``).
+    """
+
+    def __init__(self, units: List[FlatUnit], root: Optional[FlatUnit], strategy: ShardingStrategy, prefetch: int):
+        self.units = units
+        self.root = root
+        self.strategy = strategy
+        self.prefetch = prefetch
+        self.hooked = [u for u in units if u is not root]
+        for unit in self.hooked:
+            self._install(unit)
+        self.forward_order: List[FlatUnit] = []
+        self.last_order: List[FlatUnit] = list(self.hooked)
+        self.pending: Optional[PendingReduction] = None
+        self.reduced: set = set()
+        self.syncing = True
+        self.pinned = False
+
+    # -- the hooks -------------------------------------------------------------------------
+    def _install(self, unit: FlatUnit) -> None:
+        module = unit.module
+        inner_forward, inner_backward = module.forward, module.backward
+
+        label = unit.name or "<root>"
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            self._pre_forward(unit)
+            with tracing.span(f"forward {label}"):
+                out = inner_forward(*args, **kwargs)
+            self._post_forward(unit)
+            return out
+
+        def backward(grad_out: Any) -> Any:
+            self._pre_backward(unit)
+            with tracing.span(f"backward {label}"):
+                grad_in = inner_backward(grad_out)
+            self._post_backward(unit)
+            return grad_in
+
+        object.__setattr__(module, "forward", forward)
+        object.__setattr__(module, "backward", backward)
+
+    def uninstall(self) -> None:
+        """Unwrap the unit modules (their class's ``forward`` and ``backward`` again)."""
+        for unit in self.hooked:
+            for attr in ("forward", "backward"):
+                unit.module.__dict__.pop(attr, None)
+        self.hooked = []
+
+    def _progress(self) -> None:
+        for unit in self.units:
+            unit.progress()
+        if self.pending is not None:
+            self.pending.progress()
+
+    def _prefetch(self, order: List[FlatUnit], unit: FlatUnit) -> None:
+        if not self.prefetch or unit not in order:
+            return
+        at = order.index(unit)
+        for nxt in order[at + 1:at + 1 + self.prefetch]:
+            nxt.start_gather(async_op=True)
+
+    def _pre_forward(self, unit: FlatUnit) -> None:
+        unit.gather()
+        self.forward_order.append(unit)
+        self._prefetch(self.last_order, unit)
+        self._progress()
+
+    def _post_forward(self, unit: FlatUnit) -> None:
+        if self.strategy.frees_after_forward and not self.pinned:
+            unit.free()
+
+    def _pre_backward(self, unit: FlatUnit) -> None:
+        unit.gather()
+        self._prefetch(self.forward_order[::-1], unit)
+        self._progress()
+
+    def _post_backward(self, unit: FlatUnit) -> None:
+        if self.syncing:
+            self._reduce(unit)
+        if not self.pinned:
+            unit.free()
+
+    def _reduce(self, unit: FlatUnit) -> None:
+        self._finish_pending()  # one reduction in flight at a time
+        self.pending = unit.start_reduction()
+        self.reduced.add(unit)
+
+    def _finish_pending(self) -> None:
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            pending.finish()
+
+    # -- the step ------------------------------------------------------------------------------
+    def start_forward(self) -> None:
+        """Before the model's forward: drop stale gathered parameters, gather the root (collective)."""
+        if not self.pinned:
+            for unit in self.units:  # parameters gathered before the last optimizer step are stale
+                unit.free()
+        for unit in self.units:
+            unit.new_step()
+        self.forward_order = []
+        if self.root is not None:
+            self.root.gather()
+
+    def run_backward(self, backward: Callable[[Any], Any], grad_out: Any, syncing: bool) -> Any:
+        """Run ``backward(grad_out)`` (the model's) under the hooks; reduce what it left (collective if ``syncing``).
+
+        Returns:
+            What ``backward`` returned.
+        """
+        self.syncing = syncing
+        self.reduced = set()
+        for unit in self.units:
+            unit.drop_markers()  # layers add into p.grad: it must be None or a real gradient
+        try:
+            grad_in = backward(grad_out)
+            if self.syncing:
+                for unit in self.units:
+                    if unit not in self.reduced:
+                        self._reduce(unit)
+                self._finish_pending()
+        finally:
+            self.last_order = [u for u in self.forward_order if u in self.hooked] or self.last_order
+            if not self.pinned:
+                for unit in self.units:
+                    unit.free()
+        return grad_in
+
+    def reduce_all(self) -> None:
+        """Reduce every unit's unsharded gradients now, one at a time (collective)."""
+        for unit in self.units:
+            self._reduce(unit)
+        self._finish_pending()
+
+    def gather_all(self) -> None:
+        """Gather every unit's full parameters and keep them (pinned) until ``free_all`` (collective)."""
+        for unit in self.units:
+            unit.new_step()  # the optimizer may have changed the masters since the last gather
+            unit.gather()
+        self.pinned = True
+
+    def free_all(self) -> None:
+        """Free every unit's gathered parameters and unpin them."""
+        self.pinned = False
+        for unit in self.units:
+            unit.free()
+
+
+__all__ = ["UnitHooks"]

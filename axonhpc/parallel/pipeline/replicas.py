@@ -1,0 +1,97 @@
+"""Pipeline x data parallelism: ``StageReplicas``, one rank's stages replicated over a ``dp_group``.
+
+[Note: pipeline x data parallelism]
+With ``dp_group`` (for example ``world.mesh(dp=D, pp=P)``: ``group=mesh.pp``,
+``dp_group=mesh.dp``) D replicas of the pipeline each run ``train_step`` on
+their own, equal-sized shard of the global batch. The members of a dp group
+hold the same stages (same pp coordinate), so once the pipeline's backward is
+complete each rank averages its stages' gradients over ``dp_group`` with
+bucketed all-reduces (a ``GradientSynchronizer``): each replica's gradient is
+that of the mean loss over its shard, so the average is the gradient of the
+mean loss over the global batch. This is the simplest correct composition; it
+does not overlap the all-reduces with the pipeline's cool-down. The last
+stage's returned loss is averaged over ``dp_group`` too (one scalar
+all-reduce), so every replica's last rank returns the global-batch loss. The
+replicas' stage parameters are copied from dp rank 0 when the Pipeline is
+built, as ``DDP`` does.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from ...backends import ReduceOp
+from ...bucketing import GradientSynchronizer
+from ...collectives import all_reduce
+from ...errors import UsageError
+from ..replicate import broadcast_arrays
+from ..same_model import check_same_model, parameter_lines
+
+
+class StageReplicas:
+    """This rank's stages and their replicas over ``dp_group`` (see the note); built collectively.
+
+    Checks that every replica holds the same stage parameters, then copies dp rank 0's values to all.
+
+    Args:
+        dp_group: the data-parallel group (its members hold the same stages).
+        stages: the indices of this rank's stages.
+        stage_modules: every stage's module (only ``stages`` are read).
+        setting: the pipeline's counts and schedule, compared across the replicas too.
+        bucket_size: bytes of a gradient all-reduce bucket.
+
+    Raises:
+        NotAMemberError: this rank is not in ``dp_group``.
+        ModelMismatchError: the replicas hold different stage parameters (on every replica together).
+    """
+
+    def __init__(self, dp_group: Any, stages: List[int], stage_modules: Sequence[Any], setting: str,
+                 bucket_size: int):
+        self.group = dp_group.require_member("building a Pipeline with dp_group")
+        # The replicas of these stages hold the same stages with the same parameters, or every one raises
+        # (before the broadcast below and before any gradient is averaged).
+        named = [(f"stage{s}.{name}", q) for s in stages for name, q in stage_modules[s].named_parameters()]
+        check_same_model(self.group, f"Pipeline stages {stages} over dp_group {self.group.name}",
+                         parameter_lines(named), settings=[setting],
+                         hint="the data-parallel replicas of a stage must build the same stage modules")
+        self._sync = GradientSynchronizer(bucket_size=bucket_size, group=self.group)
+        params = [p for s in stages for p in stage_modules[s].parameters()]
+        if self.group.size > 1 and params:
+            broadcast_arrays([q.data for q in params], self.group)
+
+    def average(self, parameters: Callable[[], List[Any]], loss: Optional[float], is_last: bool,
+                rank: int) -> Tuple[Optional[float], float]:
+        """Average the stages' gradients and (on the last stage's rank) the loss over the replicas (collective).
+
+        Args:
+            parameters: returns the stages' Parameters, whose gradients are averaged in place.
+            loss: this replica's loss on the last stage's rank, else None.
+            is_last: this rank holds the last stage.
+            rank: this rank in the pipeline group (for the message).
+
+        Returns:
+            ``(loss, seconds taken)``: the averaged loss (None off the last stage).
+
+        Raises:
+            UsageError: a parameter has no gradient.
+        """
+        if self.group.size == 1:
+            return loss, 0.0
+        # Every member of dp_group holds the same stages, so all of them push the same gradients.
+        sync_start = time.perf_counter()
+        params = parameters()
+        missing = [k for k, q in enumerate(params) if q.grad is None]
+        if missing:
+            raise UsageError(f"Pipeline: parameters {missing} of rank {rank} got no gradient; "
+                             f"they cannot be averaged over dp_group")
+        self._sync.synchronize([q.grad for q in params])
+        if is_last:
+            box = np.array([loss], dtype=np.float64)
+            all_reduce(box, ReduceOp.AVG, self.group)
+            loss = float(box[0])
+        return loss, time.perf_counter() - sync_start
+
+
+__all__ = ["StageReplicas"]

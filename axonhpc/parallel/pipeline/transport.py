@@ -1,0 +1,136 @@
+"""The pipeline's point-to-point transport: activations and gradients between stages, with tags and shape headers.
+
+``Transport`` is what the executor's send and receive ops call; it knows
+which rank holds a stage, how a message is tagged, and how a receiver
+learns an activation's shape. It knows nothing of schedules.
+
+[Note: messages, tags and deadlock freedom]
+Sends are non-blocking (``isend``); their handles and buffers are kept until
+the end of the step and then waited, so a rank only ever blocks in a receive.
+Every schedule ``pipeline_schedule`` produces is deadlock-free under exactly
+this model (sends never block, a rank waits only for the activation or
+gradient an action needs), which ``simulate_pipeline`` checks; hence the
+executor cannot deadlock either. Each message's tag encodes (micro-batch,
+stage, kind) uniquely within a step, so a receive can never match another
+message, whatever order the network delivers them in; the largest tag must
+stay within 32767, the bound MPI guarantees (``MPI_TAG_UB``), which limits
+``num_microbatches * num_stages`` to 6553.
+
+[Note: shapes]
+Receivers do not know the shapes of activations in advance (only rank 0 sees
+the batch). Once per step and stage boundary, with micro-batch 0's activation,
+the sender sends a small int64 header (dtype index, ndim, whether it is a
+device array, dimensions), so the receiver allocates it in the same kind of
+memory (a cupy array for a device activation); all
+micro-batches of a step have the same shape, so the other M - 1 activations
+need none. Headers are not cached across steps, so the batch size may change
+from step to step. Gradients need no header at all: the gradient for the
+output of stage s has the shape and dtype of that output, which its receiver
+produced itself.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any, Tuple
+
+import numpy as np
+
+from ..._dtypes import array_module, is_cupy_array, supported_dtypes
+from ...collectives import isend, recv
+from ...errors import ShapeError
+
+MAX_TAG = 32767  # the smallest MPI_TAG_UB the MPI standard allows
+_MAX_DIMS = 16
+_HEADER = 3 + _MAX_DIMS  # dtype index, ndim, on a device (0/1), dimensions
+# Message kinds, the last component of a tag: a step's activations and gradients, the shape headers of its
+# activations, and forward()'s (inference) activations and headers.
+ACT, GRAD, HDR, EVAL_ACT, EVAL_HDR = range(5)
+NUM_KINDS = 5
+
+
+def message_tag(microbatch: int, stage: int, kind: int, num_stages: int) -> int:
+    """The tag of a message: unique per (micro-batch, receiving stage, kind) within a step."""
+    return (microbatch * num_stages + stage) * NUM_KINDS + kind
+
+
+class Transport:
+    """Messages between the stages of one pipeline, as seen from one rank (see the notes).
+
+    Every method takes the receiving stage; ``local`` is the step's hand-over
+    dictionary, keyed by (receiving stage, micro-batch, kind), where a message
+    to a stage on this same rank is put instead of being sent, and
+    ``pending`` the step's list of ``(Work, buffer)`` of sends in flight.
+
+    Args:
+        group: the pipeline's process group.
+        num_stages: how many stages the whole model has (stage s lives on group rank s % size).
+    """
+
+    def __init__(self, group: Any, num_stages: int):
+        self.group = group
+        self.rank = group.rank
+        self.size = group.size
+        self.num_stages = num_stages
+
+    def owner(self, stage: int) -> int:
+        """The group rank that holds ``stage``."""
+        return stage % self.size
+
+    def _tag(self, microbatch: int, stage: int, kind: int) -> int:
+        return message_tag(microbatch, stage, kind, self.num_stages)
+
+    def send(self, array: Any, stage: int, microbatch: int, kind: int, pending: list, local: dict) -> None:
+        """Send ``array`` to the rank of ``stage`` (the receiving stage), or hand it over locally."""
+        dst = self.owner(stage)
+        if dst == self.rank:
+            local[(stage, microbatch, kind)] = array
+            return
+        buf = array_module(array).ascontiguousarray(array)
+        pending.append((isend(buf, dst, tag=self._tag(microbatch, stage, kind), group=self.group), buf))
+
+    def send_activation(self, out: Any, stage: int, microbatch: int, pending: list, local: dict,
+                        kind: int, header_kind: int) -> None:
+        """Send stage ``stage``'s output to stage + 1, after a shape header with micro-batch 0's.
+
+        Raises:
+            ShapeError: ``out`` has a dtype or more dimensions than a header can describe.
+        """
+        nxt = stage + 1
+        if microbatch == 0 and self.owner(nxt) != self.rank:
+            dtypes = list(supported_dtypes())
+            if out.dtype not in dtypes or out.ndim > _MAX_DIMS:
+                raise ShapeError(f"Pipeline: stage {stage} produced a {out.dtype} array of {out.ndim} "
+                                 f"dimensions; messages carry at most {_MAX_DIMS} dimensions of {dtypes}")
+            header = np.zeros(_HEADER, dtype=np.int64)
+            header[0], header[1], header[2] = dtypes.index(out.dtype), out.ndim, int(is_cupy_array(out))
+            header[3:3 + out.ndim] = out.shape
+            self.send(header, nxt, 0, header_kind, pending, local)
+        self.send(out, nxt, microbatch, kind, pending, local)
+
+    def receive_activation(self, stage: int, microbatch: int, shapes: dict, local: dict,
+                           kind: int, header_kind: int) -> Any:
+        """Stage ``stage``'s input from stage - 1; ``shapes`` keeps, per stage, the header received this step."""
+        src = self.owner(stage - 1)
+        if src == self.rank:
+            return local.pop((stage, microbatch, kind))
+        if stage not in shapes:
+            # The header always travels with micro-batch 0, whichever micro-batch comes first here.
+            header = np.empty(_HEADER, dtype=np.int64)
+            recv(header, src, tag=self._tag(0, stage, header_kind), group=self.group)
+            ndim = int(header[1])
+            # activations arrive where the sender computed them: host memory or the device
+            xp = importlib.import_module("cupy") if header[2] else np
+            shapes[stage] = (supported_dtypes()[int(header[0])], tuple(int(d) for d in header[3:3 + ndim]), xp)
+        dtype, shape, xp = shapes[stage]
+        buf = xp.empty(shape, dtype=dtype)
+        return recv(buf, src, tag=self._tag(microbatch, stage, kind), group=self.group)
+
+    def receive_gradient(self, stage: int, microbatch: int, out_meta: Tuple[Any, Any, Any]) -> Any:
+        """The gradient for stage ``stage``'s output, from stage + 1; ``out_meta`` is that output's (xp, shape, dtype)."""
+        # The gradient for stage's output has that output's shape and dtype: no header needed.
+        xp, shape, dtype = out_meta
+        buf = xp.empty(shape, dtype=dtype)
+        return recv(buf, self.owner(stage + 1), tag=self._tag(microbatch, stage, GRAD), group=self.group)
+
+
+__all__ = ["Transport", "message_tag", "MAX_TAG", "ACT", "GRAD", "HDR", "EVAL_ACT", "EVAL_HDR", "NUM_KINDS"]
