@@ -133,7 +133,7 @@ def plain_route(pg: Any) -> Tuple[Optional[Any], Optional[Any]]:
     ``all_reduce`` reads one attribute. The caller has checked membership.
     """
     key = (settings.revision, pg.timeout, pg.debug)
-    state = pg.collective_state or state_of(pg)
+    state = pg.collective_state or state_of(pg)  # state_of only on first use: no call on the hot path
     cached = state.route
     if cached is not None and cached[0] == key:
         return cached[1]

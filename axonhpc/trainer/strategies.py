@@ -67,11 +67,6 @@ class Setup:
         self.skip_nonfinite = False  # set by the trainer (settings.skip_nonfinite_steps)
         self.skipped_steps = 0
 
-    @property
-    def strategy(self) -> str:
-        """The strategy's name."""
-        return self.name
-
     # -- building ------------------------------------------------------------------------------
     @classmethod
     def check(cls, optimizer: Any, mixed_precision: Optional[MixedPrecision]) -> None:
