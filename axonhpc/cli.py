@@ -1,7 +1,7 @@
 """The ``axonhpc`` command (also ``python -m axonhpc``).
 
     axonhpc info                         what MPI, threads, GPU libraries, ranks and nodes this is
-    axonhpc bench NAME [args]            benchmarks (allreduce, ddp, fsdp, pack, pipeline)
+    axonhpc bench NAME [args]            benchmarks (allreduce, ddp, fsdp, pack, pipeline, step)
     axonhpc launch -n N [--] script.py   mpiexec wrapper that works as root and aborts on errors
     axonhpc doctor DIR                   which rank diverged first, from the flight recorder dumps
     axonhpc timeline merge DIR [-o F]    one Chrome trace from the ranks' timeline-rank*.json files
@@ -29,6 +29,7 @@ BENCHMARKS = {
     "fsdp": "axonhpc.bench.fsdp",
     "pack": "axonhpc.bench.pack",
     "pipeline": "axonhpc.bench.pipeline",
+    "step": "axonhpc.bench.step",
 }
 
 

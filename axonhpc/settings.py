@@ -227,6 +227,12 @@ class Settings:
             default; off makes a mismatched call undefined, as in plain MPI
             (``AXONHPC_CHECK_COLLECTIVES``); the measured cost is in
             docs/performance.md.
+        allow_tf32: let float32 matrix products on a GPU run on TF32 tensor
+            cores (inputs rounded to a 10-bit mantissa, float32 accumulation),
+            as PyTorch's ``torch.backends.cuda.matmul.allow_tf32``. Off by
+            default; applied to cupy, process-wide, by the next ``nn`` module
+            call or ``nn.apply_matmul_precision()``; numpy ignores it
+            (``AXONHPC_ALLOW_TF32``).
     """
 
     debug: bool = False
@@ -252,6 +258,7 @@ class Settings:
     deterministic: bool = False
     bucket_size_mb: str = "auto"
     check_collectives: bool = True
+    allow_tf32: bool = False
 
     def load_environment(self, environ: Optional[Mapping[str, str]] = None) -> "Settings":
         """Fill every field whose ``AXONHPC_*`` variable is set.
@@ -317,6 +324,7 @@ _ENVIRONMENT = {
     "shm_slots": ("AXONHPC_SHM_SLOTS", _parse_slots),
     "deterministic": ("AXONHPC_DETERMINISTIC", _parse_bool),
     "check_collectives": ("AXONHPC_CHECK_COLLECTIVES", _parse_bool),
+    "allow_tf32": ("AXONHPC_ALLOW_TF32", _parse_bool),
     "bucket_size_mb": ("AXONHPC_BUCKET_SIZE_MB", lambda name, text: _parse_bucket_mb(name, text)),
 }
 

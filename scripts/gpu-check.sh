@@ -17,6 +17,8 @@
 #   gpu-2nccl    the same tests with a GPU per rank (NCCL between ranks); only on a node with 2+ GPUs
 #   train        the main job on the GPU: examples/train_digits.py --device cuda, 2 ranks, >= 95%
 #   bench        axonhpc bench allreduce --device gpu on 2 ranks: NCCL, CUDA-aware MPI, staged MPI
+#   step         axonhpc bench step --device cuda on one rank: our training step beside PyTorch's
+#                and the GEMM floor, fp32 and TF32, small and large MLP
 #
 # Exits 0 when no part failed, 1 when one did, 2 when there is no GPU or the arguments are wrong.
 # Every mpiexec runs under `timeout` (AXONHPC_GPU_TIMEOUT seconds a part, default 900). Logs:
@@ -24,7 +26,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-usage() { sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'; }
 DRY=0 FAKE_GPUS="" FAKE_CUDA=""
 while [ $# -gt 0 ]; do
     case "$1" in
@@ -301,5 +303,16 @@ elif [ "$code" = 0 ]; then
     record bench PASS "$(grep -a -c -E '^ *[0-9.]+ [KMG]?i?B ' "$LOGS/bench.log") sizes timed; $(grep -a '^# nccl' "$LOGS/bench.log" | head -n 1 | cut -c1-160)"
 else
     record bench FAIL "exit $code (log: $LOGS/bench.log)"
+fi
+
+# -- the training step -------------------------------------------------------------------------------------------
+run "$LOGS/step.log" timeout -k 10 "$T" "$PY" -m axonhpc bench step --device cuda
+code=$?
+if [ "$DRY" = 1 ]; then
+    record step PLAN "as above"
+elif [ "$code" = 0 ]; then
+    record step PASS "$(grep -a -c -E ' (fp32|tf32) ' "$LOGS/step.log") rows; ours/floor and ours/torch in $LOGS/step.log"
+else
+    record step FAIL "exit $code (log: $LOGS/step.log)"
 fi
 finish

@@ -347,6 +347,83 @@ class _Linalg(types.ModuleType):
         raise AttributeError(f"module 'cupy.linalg' (strict stand-in) has no attribute {name!r}")
 
 
+class _Cublas(types.ModuleType):
+    """``cupy.cublas``: ``gemm`` with the checks of cupy's (cupy/cublas.py), computing in place into ``out``."""
+
+    _OPS = {"N": lambda m: m, "T": lambda m: m.T, "H": lambda m: m.T.conj()}
+
+    def __init__(self):
+        super().__init__("cupy.cublas")
+        self.calls = 0  # how many gemm calls ran, for the tests
+
+    def gemm(self, transa, transb, a, b, out=None, alpha=1.0, beta=0.0):
+        where = "cupy.cublas.gemm"
+        a_, b_ = _unwrap(a, where), _unwrap(b, where)
+        if not isinstance(a_, np.ndarray) or not isinstance(b_, np.ndarray):
+            raise AttributeError(f"{where}: the operands must be cupy arrays")
+        assert a_.ndim == b_.ndim == 2
+        assert a_.dtype == b_.dtype
+        if a_.dtype.char not in "fdFD":
+            raise TypeError("invalid dtype")
+        if transa not in self._OPS or transb not in self._OPS:
+            raise TypeError(f"invalid trans (actual: {transa!r}, {transb!r})")
+        a_, b_ = self._OPS[transa](a_), self._OPS[transb](b_)
+        assert b_.shape[0] == a_.shape[1]
+        self.calls += 1
+        product = np.matmul(a_, b_)
+        if out is None:
+            return DeviceArray(np.asfortranarray(product * a_.dtype.type(alpha)))
+        o = _unwrap(out, where)
+        assert o.ndim == 2
+        assert o.shape == (a_.shape[0], b_.shape[1])
+        assert o.dtype == a_.dtype
+        if alpha != 1.0:
+            product *= a_.dtype.type(alpha)
+        if beta == 0.0:
+            o[...] = product
+        else:
+            if beta != 1.0:
+                o *= o.dtype.type(beta)
+            o += product
+        return out
+
+
+class _RoutinesLinalg(types.ModuleType):
+    """``cupy._core._routines_linalg``'s compute-type table (float16, float32, float64), as cupy keeps it."""
+
+    COMPUTE_TYPE_TBD, COMPUTE_TYPE_DEFAULT, COMPUTE_TYPE_PEDANTIC = 0, 1, 2
+    COMPUTE_TYPE_FP16, COMPUTE_TYPE_FP32, COMPUTE_TYPE_FP64, COMPUTE_TYPE_BF16, COMPUTE_TYPE_TF32 = 3, 4, 5, 6, 7
+
+    def __init__(self):
+        super().__init__("cupy._core._routines_linalg")
+        self.compute_types = [self.COMPUTE_TYPE_TBD] * 3
+
+    @staticmethod
+    def _index(dtype: Any) -> int:
+        char = np.dtype(dtype).char
+        if char == "e":
+            return 0
+        if char in "fF":
+            return 1
+        if char in "dD":
+            return 2
+        raise TypeError(f"dtype is not supported: {dtype}")
+
+    def set_compute_type(self, dtype: Any, compute_type: int) -> None:
+        if compute_type not in range(8):
+            raise ValueError(f"Unknown compute type: {compute_type}")
+        self.compute_types[self._index(dtype)] = compute_type
+
+    def get_compute_type(self, dtype: Any) -> int:
+        index = self._index(dtype)
+        if self.compute_types[index] == self.COMPUTE_TYPE_TBD:
+            import os
+
+            tf32 = np.dtype(dtype).char in "fF" and int(os.getenv("CUPY_TF32", "0")) > 0
+            self.compute_types[index] = self.COMPUTE_TYPE_TF32 if tf32 else self.COMPUTE_TYPE_DEFAULT
+        return self.compute_types[index]
+
+
 class StrictCupy(types.ModuleType):
     """The ``cupy`` module over DeviceArrays; ``cuda`` is filled in by the caller (``fake_cuda``)."""
 
@@ -357,6 +434,8 @@ class StrictCupy(types.ModuleType):
         self.__version__ = "14.0.0-strict-standin"
         self.__spec__ = importlib.machinery.ModuleSpec("cupy", None)
         self.linalg = _Linalg("cupy.linalg")
+        self.cublas = _Cublas()
+        self._core = types.SimpleNamespace(_routines_linalg=_RoutinesLinalg())
         for name in ("float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "uint32",
                      "uint64", "bool_", "dtype", "newaxis", "inf", "nan", "pi", "e", "integer", "floating"):
             setattr(self, name, getattr(np, name))

@@ -21,8 +21,9 @@ EXPECTED = {
 }
 # What these packages may import (the layer rule; lazily imported cupy counts as numpy's twin).
 ALLOWED_ROOTS = {"numpy", "cupy", "cupyx", "math", "sys", "typing", "collections", "__future__"}
-# tracing records timeline spans (axonhpc.tracing knows nothing of communication)
-ALLOWED_AXONHPC = {"axonhpc._dtypes", "axonhpc.errors", "axonhpc.tracing"}
+# tracing records timeline spans (axonhpc.tracing knows nothing of communication); settings holds
+# allow_tf32, which nn.matmul applies to cupy
+ALLOWED_AXONHPC = {"axonhpc._dtypes", "axonhpc.errors", "axonhpc.tracing", "axonhpc.settings"}
 # data/text.py reads the standard library's own source files from disk.
 ALLOWED_PER_FILE = {os.path.join("data", "text.py"): {"os", "sysconfig"}}
 

@@ -19,6 +19,7 @@ from .dropout import Dropout, key_dropout_by_sample
 from .embedding import Embedding
 from .linear import Linear
 from .loss import CrossEntropyLoss, MSELoss
+from .matmul import apply_matmul_precision
 from .module import IncompatibleKeys, Module
 from .normalization import LayerNorm
 from .parameter import Parameter, RemovableHandle
@@ -47,4 +48,5 @@ __all__ = [
     "CrossEntropyLoss",
     "MSELoss",
     "functional",
+    "apply_matmul_precision",
 ]

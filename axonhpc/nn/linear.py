@@ -60,7 +60,11 @@ class Linear(Module):
         self._save_cache(x)
         y = x @ self.weight.data.T
         if self.bias is not None:
-            y = y + self.bias.data
+            bias = self.bias.data
+            if bias.dtype == y.dtype:
+                y += bias  # y is new: add in place, one pass fewer
+            else:
+                y = y + bias
         return y
 
     def backward(self, grad_out: Any) -> Any:
@@ -70,7 +74,7 @@ class Linear(Module):
         # Bias before weight: hooks fire in reverse registration order.
         if self.bias is not None:
             self.bias.accumulate_grad(g2.sum(axis=0))
-        self.weight.accumulate_grad(g2.T @ x.reshape(-1, self.in_features))
+        self.weight.accumulate_product(g2.T, x.reshape(-1, self.in_features))
         return grad_out @ self.weight.data
 
     def extra_repr(self) -> str:

@@ -24,6 +24,7 @@ import numpy as np
 from .._dtypes import array_module, is_cupy_array
 from ..errors import (ArgumentTypeError, BackendUnavailableError, BackwardBeforeForwardError, InvalidArgumentError,
                       InvalidKeyError, ModuleNotInitializedError, ShapeError, StateDictError)
+from .matmul import sync_matmul_precision
 from .parameter import Parameter
 
 
@@ -401,6 +402,7 @@ class Module:
     # ------------------------------------------------------------------ forward / backward
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        sync_matmul_precision()  # settings.allow_tf32 reaches cupy before the products run
         return self.forward(*args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:

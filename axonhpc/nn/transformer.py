@@ -228,7 +228,7 @@ class GPT(Module):
             if self.tie_weights:
                 h = self._pop_cache()
                 w = self.tok_emb.weight
-                w.accumulate_grad(grad_out.reshape(-1, self.vocab_size).T @ h.reshape(-1, self.width))
+                w.accumulate_product(grad_out.reshape(-1, self.vocab_size).T, h.reshape(-1, self.width))
                 dh = grad_out @ w.data
             else:
                 dh = self.head.backward(grad_out)

@@ -129,7 +129,7 @@ class ColumnParallelLinear(Module):
         # Bias before weight: hooks fire in reverse registration order, as in nn.Linear.
         if self.bias is not None:
             self.bias.accumulate_grad(g2.sum(axis=0))
-        self.weight.accumulate_grad(g2.T @ x.reshape(-1, self.in_features))
+        self.weight.accumulate_product(g2.T, x.reshape(-1, self.in_features))
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -227,7 +227,7 @@ class RowParallelLinear(Module):
         g2 = grad_out.reshape(-1, self.out_features)
         if self.bias is not None:
             self.bias.accumulate_grad(g2.sum(axis=0))
-        self.weight.accumulate_grad(g2.T @ x_local.reshape(-1, self.in_features_per_rank))
+        self.weight.accumulate_product(g2.T, x_local.reshape(-1, self.in_features_per_rank))
         grad_in = grad_out @ self.weight.data
         if not self.input_is_parallel:
             grad_in = gather_last_axis(grad_in, self.group)

@@ -1,0 +1,325 @@
+"""``axonhpc bench step``: one training step of an MLP, ours beside PyTorch's and the GEMM floor.
+
+Run it in one process (no mpiexec). For each model (layer widths and a batch)
+and precision it times, in interleaved rounds, and reports the medians:
+
+- ``axonhpc``: zero_grad, forward, cross-entropy, backward and an SGD step
+  (momentum 0.9) of ``nn.Sequential`` of Linear and ReLU, on numpy
+  (``--device cpu``) or cupy (``--device cuda``);
+- ``gemm floor``: the three matrix products of every layer alone (forward
+  ``x @ W.T``, weight gradient ``g.T @ x``, input gradient ``g @ W``) on the
+  same array library, into preallocated outputs. Every other pass over memory
+  comes on top of these, so the ratio ours/floor says how much of the step is
+  not matrix products;
+- ``torch``: the same model, loss and optimizer in PyTorch on the same
+  device, when torch is installed (else n/a).
+
+Precisions: ``fp32``, and ``tf32`` on cuda (float32 arrays, TF32 products:
+``settings.allow_tf32`` for us and the floor,
+``torch.backends.cuda.matmul.allow_tf32`` for torch). BLAS and torch are
+pinned to one thread on the CPU. Device timings synchronise the stream before
+the clock stops. Tests never assert these times; docs/performance.md quotes
+them with the machine they came from.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from ..errors import InvalidArgumentError
+from .timing import median_times, pin_blas_threads
+
+DEFAULT_MODELS = {"cpu": "784-256-10x128,1024-1024-1024-10x256",
+                  "cuda": "784-256-10x128,1024-4096-4096-4096-10x2048"}
+PRECISIONS = ("fp32", "tf32")
+NOT_YET = {"bf16": "bf16 is not measured yet: axonhpc has no mixed-precision step for plain models "
+                   "(float32 master weights, bfloat16 products) to time"}
+TARGET_SECONDS = 0.05  # one timed block runs about this long
+LR, MOMENTUM = 0.01, 0.9
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """An MLP's widths (input, hidden..., classes) and the batch it trains on."""
+
+    widths: Tuple[int, ...]
+    batch: int
+
+    @property
+    def label(self) -> str:
+        """"784-256-10 x128"."""
+        return "-".join(map(str, self.widths)) + f" x{self.batch}"
+
+    def gemm_flops(self) -> int:
+        """Floating-point operations of the three products of every layer."""
+        return sum(3 * 2 * self.batch * a * b for a, b in zip(self.widths[:-1], self.widths[1:]))
+
+
+def parse_models(text: str) -> List[ModelSpec]:
+    """"784-256-10x128,1024-4096-10x2048" -> ModelSpecs (widths joined by '-', the batch after 'x').
+
+    Raises:
+        InvalidArgumentError: a spec that is not two or more positive widths and a positive batch.
+    """
+    specs = []
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        try:
+            widths_text, batch_text = part.split("x")
+            widths = tuple(int(w) for w in widths_text.split("-"))
+            batch = int(batch_text)
+        except ValueError:
+            raise InvalidArgumentError(f"--models: {part!r} is not WIDTH-WIDTH[-...]xBATCH (e.g. 784-256-10x128)") \
+                from None
+        if len(widths) < 2 or min(widths) < 1 or batch < 1:
+            raise InvalidArgumentError(f"--models: {part!r} needs two or more positive widths and a positive batch")
+        specs.append(ModelSpec(widths, batch))
+    if not specs:
+        raise InvalidArgumentError(f"--models: no model in {text!r}")
+    return specs
+
+
+def parse_precisions(text: str, device: str) -> List[str]:
+    """"fp32,tf32" -> the list, checked against what ``device`` can run.
+
+    Raises:
+        InvalidArgumentError: an unknown precision, one not measured yet (bf16), or tf32 on the CPU.
+    """
+    out = []
+    for name in (p.strip().lower() for p in text.split(",") if p.strip()):
+        if name in NOT_YET:
+            raise InvalidArgumentError(f"--precisions: {NOT_YET[name]}")
+        if name not in PRECISIONS:
+            raise InvalidArgumentError(f"--precisions: unknown {name!r}; choose from {', '.join(PRECISIONS)}")
+        if name == "tf32" and device != "cuda":
+            raise InvalidArgumentError("--precisions: tf32 is a mode of NVIDIA tensor cores; it needs --device cuda")
+        out.append(name)
+    if not out:
+        raise InvalidArgumentError(f"--precisions: none given in {text!r}")
+    return out
+
+
+class Device:
+    """The array library of a device and how to wait for it."""
+
+    def __init__(self, name: str):
+        self.name = name
+        if name == "cuda":
+            from ..backends.devices import device_facts
+
+            facts = device_facts()
+            if facts.cupy is None or facts.devices < 1:
+                why = "; ".join(facts.problems) or "cupy sees no CUDA device"
+                raise InvalidArgumentError(f"--device cuda: no CUDA device: {why}")
+            import cupy
+
+            self.xp = cupy
+        else:
+            self.xp = np
+
+    def sync(self) -> None:
+        """Wait until the device finished what was queued (nothing to wait for on the CPU)."""
+        if self.xp is not np:
+            self.xp.cuda.get_current_stream().synchronize()
+
+    def describe(self) -> str:
+        if self.xp is np:
+            return f"cpu (numpy {np.__version__}, BLAS pinned to 1 thread)"
+        props = self.xp.cuda.runtime.getDeviceProperties(self.xp.cuda.Device().id)
+        name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+        return f"cuda: {name} (cupy {self.xp.__version__})"
+
+
+def _batch(spec: ModelSpec, seed: int = 0) -> Tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((spec.batch, spec.widths[0])).astype(np.float32)
+    y = rng.integers(0, spec.widths[-1], spec.batch)
+    return x, y
+
+
+def axon_step(spec: ModelSpec, device: Device) -> Callable[[], float]:
+    """One axonhpc training step of the spec's MLP on ``device``, as a closure returning the loss."""
+    from ..nn import CrossEntropyLoss
+    from ..optim import SGD
+    from .ddp import make_mlp
+
+    model = make_mlp(spec.widths)
+    if device.xp is not np:
+        model.to("cuda")
+    opt = SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    loss_fn = CrossEntropyLoss()
+    x, y = (device.xp.asarray(a) for a in _batch(spec))
+
+    def step() -> float:
+        opt.zero_grad(set_to_none=True)
+        loss = loss_fn(model(x), y)
+        model.backward(loss_fn.backward())
+        opt.step()
+        return loss
+
+    return step
+
+
+def gemm_floor(spec: ModelSpec, device: Device) -> Callable[[], None]:
+    """The three products of every layer of the spec, into preallocated outputs, as a closure."""
+    xp = device.xp
+    rng = np.random.default_rng(1)
+    layers = []
+    for a, b in zip(spec.widths[:-1], spec.widths[1:]):
+        def host(*shape):
+            return xp.asarray(rng.standard_normal(shape).astype(np.float32))
+
+        layers.append((host(spec.batch, a), host(b, a), host(spec.batch, b),
+                       xp.empty((spec.batch, b), np.float32), xp.empty((b, a), np.float32),
+                       xp.empty((spec.batch, a), np.float32)))
+
+    def products() -> None:
+        for x, w, g, y, dw, dx in layers:
+            xp.matmul(x, w.T, out=y)
+            xp.matmul(g.T, x, out=dw)
+            xp.matmul(g, w, out=dx)
+
+    return products
+
+
+def torch_step(spec: ModelSpec, device: Device, precision: str) -> Tuple[Optional[Callable[[], Any]], str]:
+    """PyTorch's step of the same model on the same device (returning the loss tensor), or (None, why not)."""
+    try:
+        import torch
+    except ImportError:
+        return None, "torch not installed"
+    dev = "cuda" if device.xp is not np else "cpu"
+    if dev == "cpu":
+        torch.set_num_threads(1)
+    else:
+        torch.backends.cuda.matmul.allow_tf32 = precision == "tf32"
+    layers: List[Any] = []
+    for i, (a, b) in enumerate(zip(spec.widths[:-1], spec.widths[1:])):
+        if i:
+            layers.append(torch.nn.ReLU())
+        layers.append(torch.nn.Linear(a, b))
+    model = torch.nn.Sequential(*layers).to(dev)
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    x_host, y_host = _batch(spec)
+    x, y = torch.from_numpy(x_host).to(dev), torch.from_numpy(y_host).to(dev)
+
+    def step() -> Any:
+        opt.zero_grad(set_to_none=True)
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss  # a tensor: reading it would wait for the device
+
+    return step, f"torch {torch.__version__}"
+
+
+def _timed(fn: Callable[[], Any], device: Device, warmup: int) -> Tuple[Callable[[], None], int]:
+    """``fn`` repeated enough times to run about TARGET_SECONDS, synchronised at the end; and the count."""
+    for _ in range(warmup):
+        fn()
+    device.sync()
+    start = time.perf_counter()
+    fn()
+    device.sync()
+    once = max(time.perf_counter() - start, 1e-7)
+    count = max(1, min(1000, int(TARGET_SECONDS / once)))
+
+    def block() -> None:
+        for _ in range(count):
+            fn()
+        device.sync()
+
+    return block, count
+
+
+def measure(spec: ModelSpec, precision: str, device: Device, rounds: int, warmup: int = 3) -> dict:
+    """Median seconds per step of each candidate for one model and precision (None where it did not run)."""
+    from ..nn import apply_matmul_precision
+    from ..settings import settings
+
+    saved = settings.allow_tf32
+    settings.allow_tf32 = precision == "tf32"
+    try:
+        apply_matmul_precision()  # the floor's products are not module calls
+        fns: Dict[str, Callable[[], Any]] = {"axonhpc": axon_step(spec, device), "floor": gemm_floor(spec, device)}
+        torch_fn, torch_note = torch_step(spec, device, precision)
+        if torch_fn is not None:
+            fns["torch"] = torch_fn
+        blocks, counts = {}, {}
+        for name, fn in fns.items():
+            blocks[name], counts[name] = _timed(fn, device, warmup)
+        medians = median_times(blocks, iters=1, rounds=rounds)
+    finally:
+        settings.allow_tf32 = saved
+        apply_matmul_precision()
+    seconds = {name: medians[name] / counts[name] for name in medians}
+    row = {"model": spec.label, "precision": precision, "axonhpc_s": seconds["axonhpc"],
+           "floor_s": seconds["floor"], "torch_s": seconds.get("torch"), "torch": torch_note,
+           "floor_tflops": spec.gemm_flops() / seconds["floor"] / 1e12}
+    row["ours_over_floor"] = row["axonhpc_s"] / row["floor_s"]
+    row["ours_over_torch"] = None if row["torch_s"] is None else row["axonhpc_s"] / row["torch_s"]
+    return row
+
+
+def format_table(rows: Sequence[dict]) -> str:
+    """The table ``main`` prints (n/a where torch did not run)."""
+    def ms(v: Optional[float]) -> str:
+        return "n/a" if v is None else f"{v * 1e3:.3f}"
+
+    def ratio(v: Optional[float]) -> str:
+        return "n/a" if v is None else f"{v:.2f}"
+
+    lines = [f"{'model':>28} {'prec':>5} {'axonhpc ms':>11} {'floor ms':>9} {'torch ms':>9} "
+             f"{'ours/floor':>10} {'ours/torch':>10} {'floor TFLOP/s':>13}"]
+    for r in rows:
+        lines.append(f"{r['model']:>28} {r['precision']:>5} {ms(r['axonhpc_s']):>11} {ms(r['floor_s']):>9} "
+                     f"{ms(r['torch_s']):>9} {ratio(r['ours_over_floor']):>10} {ratio(r['ours_over_torch']):>10} "
+                     f"{r['floor_tflops']:>13.3f}")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Print the step table (``axonhpc bench step``); 2 with a message for bad options or no CUDA device.
+
+    Args:
+        argv: the command-line words after ``step`` (None: none).
+    """
+    parser = argparse.ArgumentParser(prog="axonhpc bench step", description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--models", default=None,
+                        help="comma-separated WIDTH-...-WIDTHxBATCH (default: "
+                             + "; ".join(f"{k}: {v}" for k, v in DEFAULT_MODELS.items()) + ")")
+    parser.add_argument("--precisions", default=None, help="fp32 and, on cuda, tf32 (default: all the device runs)")
+    parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds; the median is reported")
+    args = parser.parse_args([] if argv is None else list(argv))
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
+    try:
+        specs = parse_models(args.models or DEFAULT_MODELS[args.device])
+        precisions = parse_precisions(args.precisions or ("fp32,tf32" if args.device == "cuda" else "fp32"),
+                                      args.device)
+        device = Device(args.device)
+    except InvalidArgumentError as exc:
+        print(f"axonhpc bench step: {exc}", file=sys.stderr)
+        return 2
+    limiter = pin_blas_threads(1)  # noqa: F841 - keeps the limit in force
+    rows = [measure(spec, precision, device, args.rounds) for spec in specs for precision in precisions]
+    print(f"device: {device.describe()}; {rows[0]['torch']}; medians of {args.rounds} interleaved rounds")
+    print(format_table(rows))
+    sys.stdout.flush()
+    return 0
+
+
+__all__ = ["main", "measure", "axon_step", "gemm_floor", "torch_step", "parse_models", "parse_precisions",
+           "format_table", "ModelSpec", "Device", "DEFAULT_MODELS"]
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

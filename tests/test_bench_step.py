@@ -1,0 +1,95 @@
+"""``axonhpc bench step``: options checked, each candidate does its work, the table adds up (no time asserted)."""
+import sys
+
+import numpy as np
+import pytest
+
+from axonhpc.bench import step as bench_step
+from axonhpc.errors import InvalidArgumentError
+from axonhpc.settings import settings
+
+TINY = "12-16-5x8"
+
+
+def test_parse_models():
+    specs = bench_step.parse_models("784-256-10x128, 1024-4096-4096-10x2048")
+    assert [(s.widths, s.batch) for s in specs] == [((784, 256, 10), 128), ((1024, 4096, 4096, 10), 2048)]
+    assert specs[0].label == "784-256-10 x128"
+    assert specs[0].gemm_flops() == 3 * 2 * 128 * (784 * 256 + 256 * 10)
+    for bad in ("784x128", "784-256", "784-0-10x8", "784-256-10x0", "a-bx2", ","):
+        with pytest.raises(InvalidArgumentError, match="--models"):
+            bench_step.parse_models(bad)
+
+
+def test_parse_precisions_refuses_what_cannot_run_here_with_the_reason():
+    assert bench_step.parse_precisions("fp32,TF32", "cuda") == ["fp32", "tf32"]
+    with pytest.raises(InvalidArgumentError, match="tf32 .* needs --device cuda"):
+        bench_step.parse_precisions("tf32", "cpu")
+    with pytest.raises(InvalidArgumentError, match="bf16 is not measured yet"):
+        bench_step.parse_precisions("fp32,bf16", "cuda")
+    with pytest.raises(InvalidArgumentError, match="unknown 'fp8'"):
+        bench_step.parse_precisions("fp8", "cpu")
+
+
+def test_our_step_trains_and_the_torch_step_trains_the_same_model():
+    spec = bench_step.parse_models(TINY)[0]
+    device = bench_step.Device("cpu")
+    ours = bench_step.axon_step(spec, device)
+    losses = [ours() for _ in range(30)]
+    assert losses[-1] < 0.5 * losses[0]  # a step that did nothing would be fast and wrong
+    theirs, note = bench_step.torch_step(spec, device, "fp32")
+    if theirs is None:
+        assert note == "torch not installed"
+    else:
+        torch_losses = [theirs().item() for _ in range(30)]
+        assert torch_losses[-1] < 0.5 * torch_losses[0]
+
+
+def test_gemm_floor_computes_the_three_products_of_every_layer(monkeypatch):
+    spec = bench_step.parse_models(TINY)[0]
+    calls = []
+    real = np.matmul
+    monkeypatch.setattr(np, "matmul",
+                        lambda a, b, out: calls.append((a.shape, b.shape, out.shape)) or real(a, b, out=out))
+    bench_step.gemm_floor(spec, bench_step.Device("cpu"))()
+    assert calls == [((8, 12), (12, 16), (8, 16)), ((16, 8), (8, 12), (16, 12)), ((8, 16), (16, 12), (8, 12)),
+                     ((8, 16), (16, 5), (8, 5)), ((5, 8), (8, 16), (5, 16)), ((8, 5), (5, 16), (8, 16))]
+
+
+@pytest.mark.parametrize("torch_present", [True, False])
+def test_measure_row_is_consistent(monkeypatch, torch_present):
+    if not torch_present:
+        monkeypatch.setitem(sys.modules, "torch", None)  # import torch raises ImportError
+    monkeypatch.setattr(bench_step, "TARGET_SECONDS", 0.002)
+    spec = bench_step.parse_models(TINY)[0]
+    row = bench_step.measure(spec, "fp32", bench_step.Device("cpu"), rounds=2, warmup=1)
+    assert row["model"] == spec.label and row["precision"] == "fp32"
+    assert row["axonhpc_s"] > 0 and row["floor_s"] > 0
+    assert row["ours_over_floor"] == pytest.approx(row["axonhpc_s"] / row["floor_s"])
+    assert row["floor_tflops"] == pytest.approx(spec.gemm_flops() / row["floor_s"] / 1e12)
+    if row["torch_s"] is None:
+        assert row["torch"] == "torch not installed" and row["ours_over_torch"] is None
+    else:
+        assert row["ours_over_torch"] == pytest.approx(row["axonhpc_s"] / row["torch_s"])
+    assert settings.allow_tf32 is False
+    lines = bench_step.format_table([row]).splitlines()
+    assert "ours/floor" in lines[0] and len(lines) == 2
+    assert ("n/a" in lines[1]) == (row["torch_s"] is None)
+
+
+def test_main_prints_the_table(monkeypatch, capsys):
+    monkeypatch.setattr(bench_step, "TARGET_SECONDS", 0.002)
+    assert bench_step.main(["--models", TINY + ",6-3x4", "--rounds", "1"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("device: cpu") and "ours/floor" in out[1]
+    assert [line.split()[0] for line in out[2:]] == ["12-16-5", "6-3"]
+
+
+def test_main_refuses_bad_options_and_a_missing_gpu_with_status_2(monkeypatch, capsys):
+    assert bench_step.main(["--precisions", "bf16"]) == 2
+    assert "bf16 is not measured yet" in capsys.readouterr().err
+    monkeypatch.setitem(sys.modules, "cupy", None)
+    assert bench_step.main(["--device", "cuda", "--models", TINY]) == 2
+    assert "--device cuda: no CUDA device" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench_step.main(["--rounds", "0"])
