@@ -37,3 +37,12 @@ def test_bad_arguments():
         ax.DDP(make_model(), group=ax.ProcessGroup.mock(), strategy="sometimes")
     with pytest.raises(ax.errors.ConfigurationError, match="has none"):
         ax.DDP(ax.nn.Sequential(ax.nn.ReLU()), group=ax.ProcessGroup.mock())
+
+
+def test_train_and_eval_switch_the_wrapped_model_and_return_the_wrapper():
+    model = ax.nn.Sequential(ax.nn.Linear(4, 4, seed=0), ax.nn.Dropout(0.5, seed=1))
+    for wrapper in (ax.DDP(model, group=ax.ProcessGroup.mock()), ax.FSDP(model, group=ax.ProcessGroup.mock())):
+        assert wrapper.eval() is wrapper and not any(m.training for m in model.modules())
+        assert wrapper.train() is wrapper and all(m.training for m in model.modules())
+        assert wrapper.train(False) is wrapper and not model[1].training
+        wrapper.train()

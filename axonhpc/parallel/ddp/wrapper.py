@@ -70,6 +70,7 @@ from .join import Joiner
 from ..comm_hooks import GradBucket, finished
 from ..replicate import broadcast_arrays
 from ..same_model import check_same_model, parameter_lines
+from ..wrapping import ModeOfWrappedModule
 
 FIRST_BUCKET_BYTES = 1 << 20  # PyTorch DDP's first bucket: 1 MiB
 # Gradients smaller than this stay in private buckets: their window would be held for the life of
@@ -77,7 +78,7 @@ FIRST_BUCKET_BYTES = 1 << 20  # PyTorch DDP's first bucket: 1 MiB
 SHARED_BUCKETS_MIN_BYTES = 1 << 20
 
 
-class DistributedDataParallel:
+class DistributedDataParallel(ModeOfWrappedModule):
     """Data parallelism: every rank holds the model, gradients are averaged.
 
     Args:
@@ -447,16 +448,6 @@ class DistributedDataParallel:
     def load_state_dict(self, state: Dict[str, Any], strict: bool = True):
         """Load into the wrapped module."""
         return self.module.load_state_dict(state, strict=strict)
-
-    def train(self, mode: bool = True) -> "DistributedDataParallel":
-        """Training mode for the wrapped module."""
-        self.module.train(mode)
-        return self
-
-    def eval(self) -> "DistributedDataParallel":
-        """Evaluation mode for the wrapped module."""
-        self.module.eval()
-        return self
 
     def zero_grad(self) -> None:
         """Zero every gradient in place (bucket views stay views)."""

@@ -37,9 +37,10 @@ from .state import ROOT, full_state_dict, prepare_load, sharded_state
 from .units import assign_parameters, build_groups, select_units
 from ..replicate import broadcast_arrays
 from ..same_model import check_same_model, parameter_lines
+from ..wrapping import ModeOfWrappedModule
 
 
-class FullyShardedDataParallel:
+class FullyShardedDataParallel(ModeOfWrappedModule):
     """Sharded data parallelism (ZeRO-2/3, hybrid) over a process group.
 
     Used like DDP: ``out = fsdp(x); fsdp.backward(grad)``, with the optimizer
@@ -302,16 +303,6 @@ class FullyShardedDataParallel:
             unit.shard.zero_grad(set_to_none)
             for p in unit.params:
                 p.zero_grad(set_to_none=True)
-
-    def train(self, mode: bool = True) -> "FullyShardedDataParallel":
-        """Training mode for the wrapped module."""
-        self.module.train(mode)
-        return self
-
-    def eval(self) -> "FullyShardedDataParallel":
-        """Evaluation mode for the wrapped module."""
-        self.module.eval()
-        return self
 
     # -- memory ----------------------------------------------------------------------------------
     def memory_stats(self, optimizer: Any = None) -> Dict[str, int]:
