@@ -70,7 +70,7 @@ from .join import Joiner
 from ..comm_hooks import GradBucket, finished
 from ..replicate import broadcast_arrays
 from ..same_model import check_same_model, parameter_lines
-from ..wrapping import ModeOfWrappedModule
+from ..wrapping import WrapperModes
 
 FIRST_BUCKET_BYTES = 1 << 20  # PyTorch DDP's first bucket: 1 MiB
 # Gradients smaller than this stay in private buckets: their window would be held for the life of
@@ -78,7 +78,7 @@ FIRST_BUCKET_BYTES = 1 << 20  # PyTorch DDP's first bucket: 1 MiB
 SHARED_BUCKETS_MIN_BYTES = 1 << 20
 
 
-class DistributedDataParallel(ModeOfWrappedModule):
+class DistributedDataParallel(WrapperModes):
     """Data parallelism: every rank holds the model, gradients are averaged.
 
     Args:
@@ -141,7 +141,6 @@ class DistributedDataParallel(ModeOfWrappedModule):
             for slot, p in enumerate(bucket.params):
                 self._where[id(p)] = (bucket, slot)
         self._hooks = [p.register_grad_hook(self._on_grad_ready) for p in self._params]
-        self._no_sync_depth = 0
         self._comm_hook: Any = None  # (state, hook): see comm_hooks
         self._joiner = Joiner(self)  # uneven inputs: see join.py
         self._overlapping = False
@@ -210,7 +209,7 @@ class DistributedDataParallel(ModeOfWrappedModule):
                     p.grad = self._ops.xp.zeros(p.shape, dtype=p.dtype)
 
     def _syncing(self) -> bool:
-        return self._no_sync_depth == 0 and self.strategy is not GradSyncStrategy.NO_SYNC
+        return self.syncing and self.strategy is not GradSyncStrategy.NO_SYNC
 
     def backward(self, grad_out: Any) -> Any:
         """Backward through the module; on return gradients hold the group average.
@@ -345,15 +344,6 @@ class DistributedDataParallel(ModeOfWrappedModule):
         for bucket in self._buckets:
             self._launch(bucket, async_op=False)
         self._unpack_grads()
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Inside, backward only accumulates gradients locally (no communication)."""
-        self._no_sync_depth += 1
-        try:
-            yield
-        finally:
-            self._no_sync_depth -= 1
 
     def register_comm_hook(self, state: Any, hook: Any) -> None:
         """Average each bucket with ``hook(state, bucket)`` instead of an all-reduce.

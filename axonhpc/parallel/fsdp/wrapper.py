@@ -37,10 +37,10 @@ from .state import ROOT, full_state_dict, prepare_load, sharded_state
 from .units import assign_parameters, build_groups, select_units
 from ..replicate import broadcast_arrays
 from ..same_model import check_same_model, parameter_lines
-from ..wrapping import ModeOfWrappedModule
+from ..wrapping import WrapperModes
 
 
-class FullyShardedDataParallel(ModeOfWrappedModule):
+class FullyShardedDataParallel(WrapperModes):
     """Sharded data parallelism (ZeRO-2/3, hybrid) over a process group.
 
     Used like DDP: ``out = fsdp(x); fsdp.backward(grad)``, with the optimizer
@@ -135,7 +135,6 @@ class FullyShardedDataParallel(ModeOfWrappedModule):
         share_shards(self._units, self.shard_group)
         root = self._units[-1] if self._units[-1].name == ROOT else None
         self._hooks = UnitHooks(self._units, root, self.strategy, prefetch)  # the step's choreography
-        self._no_sync_depth = 0
 
     @property
     def prefetch(self) -> int:
@@ -201,7 +200,7 @@ class FullyShardedDataParallel(ModeOfWrappedModule):
         """
         if self.compute_dtype is not None:
             grad_out = cast(grad_out, self.compute_dtype)
-        return self._hooks.run_backward(self.module.backward, grad_out, syncing=self._no_sync_depth == 0)
+        return self._hooks.run_backward(self.module.backward, grad_out, syncing=self.syncing)
 
     def register_comm_hook(self, state: Any, hook: Any) -> None:
         """Average each unit's gradient with ``hook(state, bucket)`` instead of a reduce-scatter.
@@ -226,15 +225,6 @@ class FullyShardedDataParallel(ModeOfWrappedModule):
     def sync_gradients(self) -> None:
         """Reduce the unsharded gradients the module's Parameters hold now (after ``no_sync`` backwards)."""
         self._hooks.reduce_all()
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Inside, backward only accumulates unsharded gradients locally (no communication)."""
-        self._no_sync_depth += 1
-        try:
-            yield
-        finally:
-            self._no_sync_depth -= 1
 
     # -- full parameters ---------------------------------------------------------------------
     @contextlib.contextmanager
