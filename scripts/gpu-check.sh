@@ -311,7 +311,7 @@ code=$?
 if [ "$DRY" = 1 ]; then
     record step PLAN "as above"
 elif [ "$code" = 0 ]; then
-    record step PASS "$(grep -a -c -E ' (fp32|tf32) ' "$LOGS/step.log") rows; ours/floor and ours/torch in $LOGS/step.log"
+    record step PASS "$(grep -a -c -E ' (fp32|tf32|bf16) ' "$LOGS/step.log") rows; ours/floor and ours/torch in $LOGS/step.log"
 else
     record step FAIL "exit $code (log: $LOGS/step.log)"
 fi

@@ -455,4 +455,51 @@ def case_comm_hook_bad_registration(world):
             pass
 
 
+def train_autocast_float16(world, put=None, on_device=None):
+    """DDP with float32 masters, float16 products and the scale in the loss, and its single-process reference.
+
+    The reference runs each rank's shard on its own (a float16 product over the whole batch would round
+    differently) and averages the float32 gradients, which is what DDP's all-reduce computes. ``put`` and
+    ``on_device`` move the batches and the DDP model to a device (the reference stays on the host).
+
+    Returns:
+        ``(ddp, reference)`` after STEPS steps.
+    """
+    n, r = world.world_size, world.rank
+    put = put or (lambda a: a)
+    scale = 2.0 ** 10
+    loss_fn = nn.CrossEntropyLoss()
+    model = make_model(np.float32, seed=0 if r == 0 else 1000 + r)
+    ddp = ax.DDP(model if on_device is None else on_device(model))
+    opt = make_optimizer("sgd", ddp.parameters())
+    scaler = ax.GradScaler(init_scale=scale, growth_interval=10 ** 6)
+    reference = make_model(np.float32)
+    ref_opt = make_optimizer("sgd", reference.parameters())
+    for step in range(STEPS):
+        x, y = make_data(step, np.float32)
+        opt.zero_grad()
+        with nn.autocast("float16"):
+            loss_fn(ddp(put(shard(x, r, n))), put(shard(y, r, n)))
+        ddp.backward(loss_fn.backward(scaler.scale(1.0)))
+        assert scaler.step(opt)
+        scaler.update()
+        total = [np.zeros_like(p.data) for p in reference.parameters()]
+        for k in range(n):
+            reference.zero_grad(set_to_none=True)
+            with nn.autocast("float16"):
+                loss_fn(reference(shard(x, k, n)), shard(y, k, n))
+            reference.backward(loss_fn.backward(scale))
+            for t, p in zip(total, reference.parameters()):
+                t += p.grad
+        for t, p in zip(total, reference.parameters()):
+            p.grad = t / np.float32(n) / np.float32(scale)
+        ref_opt.step()
+    assert all(p.grad.dtype == np.float32 and p.data.dtype == np.float32 for p in ddp.parameters())
+    return ddp, reference
+
+
+def case_parity_autocast_float16_with_scaler(world):
+    ddp, reference = train_autocast_float16(world)
+    assert_same_parameters(ddp.module, reference, np.float32)
+
 CASES = {name[len("case_"):]: fn for name, fn in sorted(globals().items()) if name.startswith("case_")}

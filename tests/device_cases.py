@@ -111,6 +111,15 @@ def case_ddp_comm_hook_fp16_compression(world, cupy):
     assert_matches(model.named_parameters(), train_reference(np.float32, "sgd"), np.float32, rtol=2e-2)
 
 
+def case_ddp_autocast_float16_with_loss_scaler(world, cupy):
+    """float32 masters on the device, float16 products (cuBLAS's on a GPU, so float16 rounding tolerance)."""
+    from ddp_cases import train_autocast_float16
+
+    ddp, reference = train_autocast_float16(world, put=cupy.asarray, on_device=lambda m: m.to("cuda"))
+    assert_on_device(cupy, ddp.module)
+    assert_matches(ddp.module.named_parameters(), reference, np.float32, rtol=2e-2)
+
+
 def case_ddp_join_uneven_inputs(world, cupy):
     from ddp_cases import train_reference_uneven, uneven_steps
 

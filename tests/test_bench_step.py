@@ -25,8 +25,8 @@ def test_parse_precisions_refuses_what_cannot_run_here_with_the_reason():
     assert bench_step.parse_precisions("fp32,TF32", "cuda") == ["fp32", "tf32"]
     with pytest.raises(InvalidArgumentError, match="tf32 .* needs --device cuda"):
         bench_step.parse_precisions("tf32", "cpu")
-    with pytest.raises(InvalidArgumentError, match="bf16 is not measured yet"):
-        bench_step.parse_precisions("fp32,bf16", "cuda")
+    with pytest.raises(InvalidArgumentError, match="bf16 needs --device cuda: numpy has no bfloat16 GEMM"):
+        bench_step.parse_precisions("fp32,bf16", "cpu")
     with pytest.raises(InvalidArgumentError, match="unknown 'fp8'"):
         bench_step.parse_precisions("fp8", "cpu")
 
@@ -87,9 +87,47 @@ def test_main_prints_the_table(monkeypatch, capsys):
 
 def test_main_refuses_bad_options_and_a_missing_gpu_with_status_2(monkeypatch, capsys):
     assert bench_step.main(["--precisions", "bf16"]) == 2
-    assert "bf16 is not measured yet" in capsys.readouterr().err
+    assert "bf16 needs --device cuda" in capsys.readouterr().err
     monkeypatch.setitem(sys.modules, "cupy", None)
     assert bench_step.main(["--device", "cuda", "--models", TINY]) == 2
     assert "--device cuda: no CUDA device" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         bench_step.main(["--rounds", "0"])
+
+
+def test_bf16_needs_ml_dtypes(monkeypatch):
+    monkeypatch.setattr(bench_step, "bfloat16_dtype", lambda: None)
+    with pytest.raises(InvalidArgumentError, match="bf16 needs ml_dtypes"):
+        bench_step.parse_precisions("bf16", "cuda")
+    assert bench_step.parse_precisions("fp32", "cuda") == ["fp32"]
+
+
+def test_bf16_candidates_compute_in_bfloat16(monkeypatch):
+    """The host cannot time bf16, but the three candidates are built for it: autocast, torch.autocast, bf16 GEMMs."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    spec = bench_step.parse_models(TINY)[0]
+    device = bench_step.Device("cpu")
+    assert device.bf16_problem() is None  # ml_dtypes multiplies on the host
+    calls = []
+    real = np.matmul
+    monkeypatch.setattr(np, "matmul", lambda a, b, out: calls.append(out.dtype) or real(a, b, out=out))
+    bench_step.gemm_floor(spec, device, "bf16")()
+    assert calls and set(calls) == {np.dtype(ml_dtypes.bfloat16)}
+    monkeypatch.undo()
+    ours = bench_step.axon_step(spec, device, "bf16")
+    losses = [ours() for _ in range(30)]
+    assert losses[-1] < 0.5 * losses[0]
+    theirs, _ = bench_step.torch_step(spec, device, "bf16")
+    if theirs is not None:
+        torch_losses = [theirs().item() for _ in range(30)]
+        assert torch_losses[-1] < 0.5 * torch_losses[0]
+
+
+def test_bf16_rows_are_skipped_with_the_reason_where_the_device_cannot(monkeypatch, capsys):
+    monkeypatch.setattr(bench_step, "TARGET_SECONDS", 0.002)
+    monkeypatch.setattr(bench_step, "parse_precisions", lambda text, device: text.split(","))
+    monkeypatch.setattr(bench_step.Device, "bf16_problem", lambda self: "cupy 0 cannot multiply bfloat16 arrays")
+    assert bench_step.main(["--models", TINY, "--rounds", "1", "--precisions", "fp32,bf16"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split()[2] for line in out[2:-1]] == ["fp32"]  # "12-16-5 x8 fp32 ..."
+    assert out[-1] == "bf16 rows skipped: cupy 0 cannot multiply bfloat16 arrays"

@@ -20,7 +20,8 @@ EXPECTED = {
     "data": {"DistributedSampler", "DataLoader"},
 }
 # What these packages may import (the layer rule; lazily imported cupy counts as numpy's twin).
-ALLOWED_ROOTS = {"numpy", "cupy", "cupyx", "math", "sys", "typing", "collections", "__future__"}
+# threading: nn.autocast's state is per thread (each rank of the thread backend is a thread).
+ALLOWED_ROOTS = {"numpy", "cupy", "cupyx", "math", "sys", "typing", "collections", "__future__", "threading"}
 # tracing records timeline spans (axonhpc.tracing knows nothing of communication); settings holds
 # allow_tf32, which nn.matmul applies to cupy
 ALLOWED_AXONHPC = {"axonhpc._dtypes", "axonhpc.errors", "axonhpc.tracing", "axonhpc.settings"}

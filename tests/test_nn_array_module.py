@@ -100,3 +100,24 @@ def test_data_loader_on_device_arrays(fake_cupy):
     batches = list(DataLoader(x, 4, shuffle=True, seed=0))
     assert all(isinstance(b, DeviceArray) for b in batches)
     assert sorted(np.concatenate([b.get() for b in batches])[:, 0].tolist()) == list(range(0, 12, 2))
+
+
+def test_autocast_on_device_matches_host(fake_cupy):
+    """float16 products on the stand-in: every cast, sum and product stays on the device and equals the host's."""
+    rng = np.random.default_rng(2)
+    tokens = rng.integers(0, 11, (3, 5))
+    targets = rng.integers(0, 11, 15)
+    host, device = _model(3), _model(3).to("cuda")
+    results = []
+    for model, put in ((host, np.asarray), (device, fake_cupy.asarray)):
+        loss_fn = nn.CrossEntropyLoss()
+        with nn.autocast("float16"):
+            logits = model(put(tokens))
+            loss = loss_fn(logits.reshape(-1, 11), put(targets))
+        assert logits.dtype == np.float16
+        model.backward(loss_fn.backward(1024.0).reshape(logits.shape))
+        results.append((loss, [p.grad for p in model.parameters()]))
+    assert results[0][0] == pytest.approx(results[1][0], rel=1e-6)
+    for (name, p), g_host, g_dev in zip(host.named_parameters(), results[0][1], results[1][1]):
+        assert isinstance(g_dev, DeviceArray) and g_dev.dtype == np.float32, name
+        np.testing.assert_array_equal(g_host, g_dev.get(), err_msg=name)

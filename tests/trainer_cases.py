@@ -200,12 +200,74 @@ def case_bad_arguments(world):
         trainer.fit(make_data(), 1, batch_size=0)
     with pytest.raises(errors, match="train_arrays: 96 inputs but 5 targets"):
         trainer.fit((make_data()[0], np.zeros(5)), 1)
-    with pytest.raises(errors, match="mixed_precision needs strategy='fsdp'"):
-        trainer.fit(make_data(), 1, mixed_precision=ax.MixedPrecision(np.float16))
+    with pytest.raises(errors, match="mixed_precision needs strategy 'fsdp', 'ddp' or 'zero1' \\(strategy is "
+                                     "'pipeline'\\)"):
+        ax.DistributedTrainer(model, make_optimizer(model.parameters()), nn.CrossEntropyLoss(), strategy="pipeline",
+                              progress=False).fit(make_data(), 1, mixed_precision=ax.MixedPrecision(np.float16))
+    with pytest.raises(errors, match="param_dtype must be float16 or bfloat16, got float32"):
+        trainer.fit(make_data(), 1, mixed_precision=ax.MixedPrecision(np.float32))
+    with pytest.raises(errors, match="reduce_dtype and buffer_dtype are for strategy='fsdp'"):
+        trainer.fit(make_data(), 1, mixed_precision=ax.MixedPrecision(np.float16, reduce_dtype=np.float32))
     with pytest.raises(errors, match="needs mesh="):
         ax.DistributedTrainer(model, make_optimizer(model.parameters()), nn.CrossEntropyLoss(),
                               strategy="tp+dp", progress=False).fit(make_data(), 1)
     ax.barrier()
+
+
+def make_float32_model(seed=0):
+    return nn.Sequential(nn.Linear(6, 16, seed=seed), nn.Tanh(), nn.Linear(16, 3, seed=seed + 1))
+
+
+def reference_autocast(replicas, epochs=EPOCHS):
+    """``reference`` in float32 under nn.autocast(float16) with a loss scaler, each rank's batch on its own.
+
+    A float16 product over the concatenated batch would round differently, so each rank's part is run
+    alone and the float32 gradients are averaged, which is what the data-parallel all-reduce computes.
+    """
+    x, y = make_data()
+    model = make_float32_model()
+    opt = make_optimizer(model.parameters())
+    scaler = ax.GradScaler()  # the trainer's defaults
+    loss_fn = nn.CrossEntropyLoss()
+    for epoch in range(epochs):
+        parts = []
+        for r in range(replicas):
+            sampler = DistributedSampler(len(x), replicas, r, shuffle=True, seed=0, drop_last=True)
+            sampler.set_epoch(epoch)
+            parts.append(sampler.indices())
+        for k in range(0, len(parts[0]), BATCH):
+            opt.zero_grad()
+            total = [np.zeros_like(p.data) for p in model.parameters()]
+            for part in parts:
+                rows = part[k:k + BATCH]
+                model.zero_grad(set_to_none=True)
+                with nn.autocast("float16"):
+                    loss_fn(model(x[rows]), y[rows])
+                model.backward(loss_fn.backward(scaler.scale(1.0)))
+                for t, p in zip(total, model.parameters()):
+                    t += p.grad
+            for t, p in zip(total, model.parameters()):
+                p.grad = t / np.float32(replicas)
+            scaler.step(opt)
+            scaler.update()
+    return model, scaler
+
+
+def case_ddp_and_zero1_autocast_float16(world):
+    """fit(mixed_precision=MixedPrecision(float16)) with ddp and zero1: float32 masters, float16 products."""
+    ref, ref_scaler = reference_autocast(world.world_size)
+    for strategy in ("ddp", "zero1"):
+        model = make_float32_model(seed=0 if world.rank == 0 else 50 + world.rank)
+        trainer = ax.DistributedTrainer(model, make_optimizer(model.parameters()), nn.CrossEntropyLoss(),
+                                        strategy=strategy, progress=False, exit_on_preemption=False)
+        trainer.fit(make_data(), EPOCHS, batch_size=BATCH, mixed_precision=ax.MixedPrecision(np.float16))
+        assert trainer.setup.compute_dtype == np.float16
+        assert trainer.setup.scaler.scale_value == ref_scaler.scale_value
+        assert trainer.setup.scaler.skipped_steps == ref_scaler.skipped_steps
+        assert all(p.data.dtype == np.float32 for p in model.parameters())
+        assert_parity(trainer, ref, tol=1e-5)
+        metrics = trainer.evaluate(make_data())
+        assert np.isfinite(metrics["loss"])
 
 
 CASES = {name: fn for name, fn in globals().items() if name.startswith("case_")}

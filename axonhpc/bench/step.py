@@ -14,9 +14,12 @@ and precision it times, in interleaved rounds, and reports the medians:
 - ``torch``: the same model, loss and optimizer in PyTorch on the same
   device, when torch is installed (else n/a).
 
-Precisions: ``fp32``, and ``tf32`` on cuda (float32 arrays, TF32 products:
+Precisions: ``fp32``; and on cuda ``tf32`` (float32 arrays, TF32 products:
 ``settings.allow_tf32`` for us and the floor,
-``torch.backends.cuda.matmul.allow_tf32`` for torch). BLAS and torch are
+``torch.backends.cuda.matmul.allow_tf32`` for torch) and ``bf16`` (float32
+parameters, the forward under ``nn.autocast("bfloat16")`` for us and
+``torch.autocast`` for torch; the floor's products on bfloat16 arrays; rows
+are skipped, with the reason, where cupy cannot multiply bfloat16). BLAS and torch are
 pinned to one thread on the CPU. Device timings synchronise the stream before
 the clock stops. Tests never assert these times; docs/performance.md quotes
 them with the machine they came from.
@@ -24,6 +27,7 @@ them with the machine they came from.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 from dataclasses import dataclass
@@ -31,14 +35,14 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from .._dtypes import bfloat16_dtype
 from ..errors import InvalidArgumentError
 from .timing import median_times, pin_blas_threads
 
 DEFAULT_MODELS = {"cpu": "784-256-10x128,1024-1024-1024-10x256",
                   "cuda": "784-256-10x128,1024-4096-4096-4096-10x2048"}
-PRECISIONS = ("fp32", "tf32")
-NOT_YET = {"bf16": "bf16 is not measured yet: axonhpc has no mixed-precision step for plain models "
-                   "(float32 master weights, bfloat16 products) to time"}
+PRECISIONS = ("fp32", "tf32", "bf16")
+DEFAULT_PRECISIONS = {"cpu": "fp32", "cuda": "fp32,tf32,bf16"}
 TARGET_SECONDS = 0.05  # one timed block runs about this long
 LR, MOMENTUM = 0.01, 0.9
 
@@ -89,16 +93,20 @@ def parse_precisions(text: str, device: str) -> List[str]:
     """"fp32,tf32" -> the list, checked against what ``device`` can run.
 
     Raises:
-        InvalidArgumentError: an unknown precision, one not measured yet (bf16), or tf32 on the CPU.
+        InvalidArgumentError: an unknown precision, tf32 or bf16 on the CPU, bf16 without ml_dtypes.
     """
     out = []
     for name in (p.strip().lower() for p in text.split(",") if p.strip()):
-        if name in NOT_YET:
-            raise InvalidArgumentError(f"--precisions: {NOT_YET[name]}")
         if name not in PRECISIONS:
             raise InvalidArgumentError(f"--precisions: unknown {name!r}; choose from {', '.join(PRECISIONS)}")
         if name == "tf32" and device != "cuda":
             raise InvalidArgumentError("--precisions: tf32 is a mode of NVIDIA tensor cores; it needs --device cuda")
+        if name == "bf16" and device != "cuda":
+            raise InvalidArgumentError("--precisions: bf16 needs --device cuda: numpy has no bfloat16 GEMM (ml_dtypes "
+                                       "multiplies element by element), so nn.autocast on the host models the "
+                                       "device's arithmetic and is not a speed path")
+        if name == "bf16" and bfloat16_dtype() is None:
+            raise InvalidArgumentError("--precisions: bf16 needs ml_dtypes (pip install axonhpc[bf16])")
         out.append(name)
     if not out:
         raise InvalidArgumentError(f"--precisions: none given in {text!r}")
@@ -128,6 +136,16 @@ class Device:
         if self.xp is not np:
             self.xp.cuda.get_current_stream().synchronize()
 
+    def bf16_problem(self) -> Optional[str]:
+        """Why bfloat16 products cannot run on this device's array library, or None if they can."""
+        try:
+            a = self.xp.ones((2, 2), dtype=np.float32).astype(bfloat16_dtype())
+            (a @ a).astype(np.float32)
+        except Exception as exc:  # noqa: BLE001 - whatever the library raises is the reason to report
+            return f"{self.xp.__name__} {getattr(self.xp, '__version__', '?')} cannot multiply bfloat16 arrays " \
+                   f"({type(exc).__name__}: {exc})"
+        return None
+
     def describe(self) -> str:
         if self.xp is np:
             return f"cpu (numpy {np.__version__}, BLAS pinned to 1 thread)"
@@ -143,9 +161,12 @@ def _batch(spec: ModelSpec, seed: int = 0) -> Tuple[np.ndarray, np.ndarray]:
     return x, y
 
 
-def axon_step(spec: ModelSpec, device: Device) -> Callable[[], float]:
-    """One axonhpc training step of the spec's MLP on ``device``, as a closure returning the loss."""
-    from ..nn import CrossEntropyLoss
+def axon_step(spec: ModelSpec, device: Device, precision: str = "fp32") -> Callable[[], float]:
+    """One axonhpc training step of the spec's MLP on ``device``, as a closure returning the loss.
+
+    bf16: float32 parameters, the forward and loss under ``nn.autocast("bfloat16")``.
+    """
+    from ..nn import CrossEntropyLoss, autocast
     from ..optim import SGD
     from .ddp import make_mlp
 
@@ -156,9 +177,12 @@ def axon_step(spec: ModelSpec, device: Device) -> Callable[[], float]:
     loss_fn = CrossEntropyLoss()
     x, y = (device.xp.asarray(a) for a in _batch(spec))
 
+    cast = autocast("bfloat16") if precision == "bf16" else contextlib.nullcontext()
+
     def step() -> float:
         opt.zero_grad(set_to_none=True)
-        loss = loss_fn(model(x), y)
+        with cast:
+            loss = loss_fn(model(x), y)
         model.backward(loss_fn.backward())
         opt.step()
         return loss
@@ -166,18 +190,22 @@ def axon_step(spec: ModelSpec, device: Device) -> Callable[[], float]:
     return step
 
 
-def gemm_floor(spec: ModelSpec, device: Device) -> Callable[[], None]:
-    """The three products of every layer of the spec, into preallocated outputs, as a closure."""
+def gemm_floor(spec: ModelSpec, device: Device, precision: str = "fp32") -> Callable[[], None]:
+    """The three products of every layer of the spec, into preallocated outputs, as a closure.
+
+    bf16: the operands and outputs are bfloat16 arrays.
+    """
     xp = device.xp
+    dtype = bfloat16_dtype() if precision == "bf16" else np.dtype(np.float32)
     rng = np.random.default_rng(1)
     layers = []
     for a, b in zip(spec.widths[:-1], spec.widths[1:]):
         def host(*shape):
-            return xp.asarray(rng.standard_normal(shape).astype(np.float32))
+            return xp.asarray(rng.standard_normal(shape).astype(np.float32)).astype(dtype)
 
         layers.append((host(spec.batch, a), host(b, a), host(spec.batch, b),
-                       xp.empty((spec.batch, b), np.float32), xp.empty((b, a), np.float32),
-                       xp.empty((spec.batch, a), np.float32)))
+                       xp.empty((spec.batch, b), dtype), xp.empty((b, a), dtype),
+                       xp.empty((spec.batch, a), dtype)))
 
     def products() -> None:
         for x, w, g, y, dw, dx in layers:
@@ -212,7 +240,8 @@ def torch_step(spec: ModelSpec, device: Device, precision: str) -> Tuple[Optiona
 
     def step() -> Any:
         opt.zero_grad(set_to_none=True)
-        loss = loss_fn(model(x), y)
+        with torch.autocast(dev, dtype=torch.bfloat16, enabled=precision == "bf16"):
+            loss = loss_fn(model(x), y)
         loss.backward()
         opt.step()
         return loss  # a tensor: reading it would wait for the device
@@ -248,7 +277,8 @@ def measure(spec: ModelSpec, precision: str, device: Device, rounds: int, warmup
     settings.allow_tf32 = precision == "tf32"
     try:
         apply_matmul_precision()  # the floor's products are not module calls
-        fns: Dict[str, Callable[[], Any]] = {"axonhpc": axon_step(spec, device), "floor": gemm_floor(spec, device)}
+        fns: Dict[str, Callable[[], Any]] = {"axonhpc": axon_step(spec, device, precision),
+                                             "floor": gemm_floor(spec, device, precision)}
         torch_fn, torch_note = torch_step(spec, device, precision)
         if torch_fn is not None:
             fns["torch"] = torch_fn
@@ -296,29 +326,36 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--models", default=None,
                         help="comma-separated WIDTH-...-WIDTHxBATCH (default: "
                              + "; ".join(f"{k}: {v}" for k, v in DEFAULT_MODELS.items()) + ")")
-    parser.add_argument("--precisions", default=None, help="fp32 and, on cuda, tf32 (default: all the device runs)")
+    parser.add_argument("--precisions", default=None,
+                        help="fp32 and, on cuda, tf32 and bf16 (default: all the device runs)")
     parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds; the median is reported")
     args = parser.parse_args([] if argv is None else list(argv))
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
     try:
         specs = parse_models(args.models or DEFAULT_MODELS[args.device])
-        precisions = parse_precisions(args.precisions or ("fp32,tf32" if args.device == "cuda" else "fp32"),
-                                      args.device)
+        precisions = parse_precisions(args.precisions or DEFAULT_PRECISIONS[args.device], args.device)
         device = Device(args.device)
     except InvalidArgumentError as exc:
         print(f"axonhpc bench step: {exc}", file=sys.stderr)
         return 2
+    skipped = device.bf16_problem() if "bf16" in precisions else None
+    if skipped is not None:
+        precisions = [p for p in precisions if p != "bf16"]
     limiter = pin_blas_threads(1)  # noqa: F841 - keeps the limit in force
     rows = [measure(spec, precision, device, args.rounds) for spec in specs for precision in precisions]
-    print(f"device: {device.describe()}; {rows[0]['torch']}; medians of {args.rounds} interleaved rounds")
-    print(format_table(rows))
+    torch_note = rows[0]["torch"] if rows else "nothing measured"
+    print(f"device: {device.describe()}; {torch_note}; medians of {args.rounds} interleaved rounds")
+    if rows:
+        print(format_table(rows))
+    if skipped is not None:
+        print(f"bf16 rows skipped: {skipped}")
     sys.stdout.flush()
     return 0
 
 
 __all__ = ["main", "measure", "axon_step", "gemm_floor", "torch_step", "parse_models", "parse_precisions",
-           "format_table", "ModelSpec", "Device", "DEFAULT_MODELS"]
+           "format_table", "ModelSpec", "Device", "DEFAULT_MODELS", "DEFAULT_PRECISIONS"]
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ dispatches on its input's array module.
 from . import functional
 from .activation import GELU, ReLU, Tanh
 from .attention import MultiHeadAttention
+from .autocast import autocast
 from .checkpointing import Checkpoint, cached_nbytes, checkpoint
 from .container import Sequential
 from .dropout import Dropout, key_dropout_by_sample
@@ -49,4 +50,5 @@ __all__ = [
     "MSELoss",
     "functional",
     "apply_matmul_precision",
+    "autocast",
 ]

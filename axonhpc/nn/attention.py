@@ -9,6 +9,7 @@ import numpy as np
 from .._dtypes import array_module
 from ..errors import ConfigurationError, ShapeError
 from . import _init
+from .autocast import autocast_dtype, like, lower, product, widen
 from .functional import softmax
 from .linear import Linear
 from .module import Module
@@ -43,26 +44,35 @@ def attention_forward(q: Any, k: Any, v: Any, causal: bool) -> Tuple[Any, Any]:
     xp = array_module(q)
     n = q.shape[2]
     scale = 1.0 / math.sqrt(q.shape[-1])
-    scores = (q @ k.transpose(0, 1, 3, 2)) * scale
+    dtype = autocast_dtype()
+    in_dtypes = (q.dtype, k.dtype, v.dtype)
+    q, k, v = lower(q, dtype), lower(k, dtype), lower(v, dtype)
+    scores = widen(product(q, k.transpose(0, 1, 3, 2), dtype)) * scale  # softmax in float32 under autocast
     if causal:
         future = xp.triu(xp.ones((n, n), dtype=bool), 1)
         # Same dtype on both sides so float32 scores stay float32.
         scores = xp.where(future, xp.asarray(-xp.inf, dtype=scores.dtype), scores)
     attn = softmax(scores, axis=-1)
-    return attn @ v, (q, k, v, attn, scale)
+    return product(lower(attn, dtype), v, dtype), (q, k, v, attn, scale, dtype, in_dtypes)
 
 
 def attention_backward(dctx: Any, cache: Any) -> Tuple[Any, Any, Any]:
-    """Gradients (dq, dk, dv), each (B, H, T, D), from d loss / d context and ``attention_forward``'s cache."""
-    q, k, v, attn, scale = cache
+    """Gradients (dq, dk, dv), each (B, H, T, D), from d loss / d context and ``attention_forward``'s cache.
+
+    Under autocast (recorded in the cache) the products run in the forward's low dtype, the softmax
+    gradient in float32, and the gradients come back in the dtypes of q, k and v.
+    """
+    q, k, v, attn, scale, dtype, in_dtypes = cache
+    dctx = lower(dctx, dtype)
     dattn = dctx @ v.transpose(0, 1, 3, 2)
-    dv = attn.transpose(0, 1, 3, 2) @ dctx
+    dv = lower(attn, dtype).transpose(0, 1, 3, 2) @ dctx
     # Softmax backward; masked positions have attn == 0, so they get no gradient.
     dscores = attn * (dattn - (dattn * attn).sum(axis=-1, keepdims=True))
     dscores *= scale
+    dscores = lower(dscores, dtype)
     dq = dscores @ k
     dk = dscores.transpose(0, 1, 3, 2) @ q
-    return dq, dk, dv
+    return like(dq, in_dtypes[0]), like(dk, in_dtypes[1]), like(dv, in_dtypes[2])
 
 
 class MultiHeadAttention(Module):

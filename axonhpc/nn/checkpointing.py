@@ -8,7 +8,9 @@ those states, runs the same forward again on the same input, which draws
 the same masks and does the same arithmetic, so the recomputed activations
 and hence the gradients are bit for bit those of an unwrapped module; then
 it puts back the generators as they were before the backward, so the
-recomputation consumes no randomness, and runs the inner backward.
+recomputation consumes no randomness, and runs the inner backward. The
+recomputation runs under the autocast state of the first forward (see
+``nn.autocast``), wherever backward is called.
 Memory between forward and backward drops to the input; the price is a
 second forward.
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .autocast import autocast_dtype, restored_autocast
 from .dropout import Dropout
 from .module import Module
 
@@ -74,18 +77,19 @@ class Checkpoint(Module):
         out = self.module(x)
         for m in self.module.modules():
             object.__setattr__(m, "_cache", None)
-        self._save_cache((x, states))
+        self._save_cache((x, states, autocast_dtype()))
         return out
 
     def backward(self, grad_out: Any) -> Any:
         """Recompute the inner forward with the saved generators, then backpropagate through it."""
-        x, states = self._pop_cache()
+        x, states, autocast_state = self._pop_cache()
         dropouts = self._dropouts()
         current = [d.rng_state() for d in dropouts]
         for d, state in zip(dropouts, states):
             d.set_rng_state(state)
         try:
-            self.module(x)
+            with restored_autocast(autocast_state):  # products in the dtypes of the first forward
+                self.module(x)
         finally:
             for d, state in zip(dropouts, current):
                 d.set_rng_state(state)

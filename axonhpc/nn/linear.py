@@ -7,6 +7,7 @@ import numpy as np
 
 from ..errors import ConfigurationError, ShapeError
 from . import _init
+from .autocast import bias_grad, linear_backward, linear_grad_output, linear_product
 from .module import Module
 from .parameter import Parameter
 
@@ -57,25 +58,24 @@ class Linear(Module):
         if x.ndim == 0 or x.shape[-1] != self.in_features:
             raise ShapeError(f"Linear({self.in_features}, {self.out_features}) got input of shape "
                              f"{tuple(x.shape)}; the last axis must be {self.in_features}")
-        self._save_cache(x)
-        y = x @ self.weight.data.T
+        y, saved = linear_product(x, self.weight.data)
+        self._save_cache(saved)
         if self.bias is not None:
             bias = self.bias.data
-            if bias.dtype == y.dtype:
-                y += bias  # y is new: add in place, one pass fewer
+            if bias.dtype == y.dtype or saved[1] is not None:
+                y += bias  # y is new: add in place, one pass fewer (rounded to y's dtype under autocast)
             else:
                 y = y + bias
         return y
 
     def backward(self, grad_out: Any) -> Any:
         """Gradients for ``x``, ``weight`` and ``bias`` from d loss / d y of shape (..., out_features)."""
-        x = self._pop_cache()
-        g2 = grad_out.reshape(-1, self.out_features)
+        saved = self._pop_cache()
+        grad_out = linear_grad_output(grad_out, saved)
         # Bias before weight: hooks fire in reverse registration order.
         if self.bias is not None:
-            self.bias.accumulate_grad(g2.sum(axis=0))
-        self.weight.accumulate_product(g2.T, x.reshape(-1, self.in_features))
-        return grad_out @ self.weight.data
+            self.bias.accumulate_grad(bias_grad(grad_out, saved, self.bias.dtype))
+        return linear_backward(grad_out, saved, self.weight)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

@@ -7,6 +7,7 @@ import numpy as np
 
 from .._dtypes import array_module
 from ..errors import ConfigurationError, ShapeError
+from .autocast import like, widen
 from .module import Module
 from .parameter import Parameter
 
@@ -55,20 +56,23 @@ class LayerNorm(Module):
         if x.ndim < k or tuple(x.shape[x.ndim - k:]) != self.normalized_shape:
             raise ShapeError(f"LayerNorm{self.normalized_shape} got input of shape {tuple(x.shape)}; "
                              f"its trailing axes must be {self.normalized_shape}")
+        x_dtype = x.dtype
+        x = widen(x)  # float32 under autocast: a 16-bit variance loses too much
+        widened_from = x_dtype if x.dtype != x_dtype else None
         xp = array_module(x)
         axes = tuple(range(x.ndim - k, x.ndim))
         centred = x - x.mean(axis=axes, keepdims=True)
         var = (centred * centred).mean(axis=axes, keepdims=True)
         rstd = 1.0 / xp.sqrt(var + self.eps)
         xhat = centred * rstd
-        self._save_cache((xhat, rstd, axes))
+        self._save_cache((xhat, rstd, axes, widened_from))
         if self.elementwise_affine:
             return xhat * self.weight.data + self.bias.data
         return xhat
 
     def backward(self, grad_out: Any) -> Any:
         """dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)) over the normalised axes."""
-        xhat, rstd, axes = self._pop_cache()
+        xhat, rstd, axes, widened_from = self._pop_cache()
         if self.elementwise_affine:
             lead = tuple(range(grad_out.ndim - len(axes)))
             # Bias before weight: hooks fire in reverse registration order.
@@ -77,8 +81,9 @@ class LayerNorm(Module):
             dxhat = grad_out * self.weight.data
         else:
             dxhat = grad_out
-        return rstd * (dxhat - dxhat.mean(axis=axes, keepdims=True)
-                       - xhat * (dxhat * xhat).mean(axis=axes, keepdims=True))
+        dx = rstd * (dxhat - dxhat.mean(axis=axes, keepdims=True)
+                     - xhat * (dxhat * xhat).mean(axis=axes, keepdims=True))
+        return dx if widened_from is None else like(dx, widened_from)
 
     def extra_repr(self) -> str:
         return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"

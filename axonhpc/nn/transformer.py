@@ -24,6 +24,7 @@ from ..errors import ConfigurationError, ShapeError, UnsupportedDtypeError
 from . import _init
 from .activation import GELU
 from .attention import MultiHeadAttention
+from .autocast import linear_backward, linear_grad_output, linear_product
 from .container import Sequential
 from .dropout import Dropout
 from .embedding import Embedding
@@ -204,8 +205,9 @@ class GPT(Module):
             return h
         h = self.ln_f(h)
         if self.tie_weights:
-            self._save_cache(h)
-            return h @ self.tok_emb.weight.data.T
+            logits, saved = linear_product(h, self.tok_emb.weight.data)
+            self._save_cache(saved)
+            return logits
         return self.head(h)
 
     def _embed(self, tokens: Any) -> Any:
@@ -226,10 +228,8 @@ class GPT(Module):
         dh = grad_out
         if self.with_head:
             if self.tie_weights:
-                h = self._pop_cache()
-                w = self.tok_emb.weight
-                w.accumulate_product(grad_out.reshape(-1, self.vocab_size).T, h.reshape(-1, self.width))
-                dh = grad_out @ w.data
+                saved = self._pop_cache()
+                dh = linear_backward(linear_grad_output(grad_out, saved), saved, self.tok_emb.weight)
             else:
                 dh = self.head.backward(grad_out)
             dh = self.ln_f.backward(dh)

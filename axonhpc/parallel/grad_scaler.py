@@ -27,7 +27,7 @@ from ..groups import resolve_group
 class GradScaler:
     """Scale the loss gradient, unscale and check the gradients, skip overflowing steps everywhere.
 
-    Usage: ``fsdp.backward(scaler.scale(loss_fn.backward())); scaler.step(opt); scaler.update()``.
+    Usage: ``fsdp.backward(loss_fn.backward(scaler.scale(1.0))); scaler.step(opt); scaler.update()``.
 
     Args:
         init_scale: the first scale.
@@ -68,8 +68,19 @@ class GradScaler:
         self._unscaled: Optional[int] = None
 
     def scale(self, grad: Any) -> Any:
-        """``grad * scale`` (a new array; the loss gradient before ``backward``)."""
-        return grad * grad.dtype.type(self.scale_value) if self.enabled else grad
+        """``grad * scale``: a new array (the loss gradient before ``backward``), or a float for a float.
+
+        Scale a float16 model's loss gradient before it is rounded to float16 by passing the
+        float: ``model.backward(loss_fn.backward(scaler.scale(1.0)))``; the loss then multiplies
+        in float32, so gradients below float16's range are not flushed to zero first.
+        """
+        if not self.enabled:
+            return grad
+        if isinstance(grad, (int, float)) and not isinstance(grad, bool):
+            return float(grad) * self.scale_value
+        if grad.dtype.itemsize < 4:  # 2**16, the default scale, is itself beyond float16's 65504
+            return (grad.astype(np.float32) * np.float32(self.scale_value)).astype(grad.dtype)
+        return grad * grad.dtype.type(self.scale_value)
 
     def unscale(self, optimizer: Any) -> bool:
         """Collective: divide the optimizer's gradients by the scale and agree on overflow.

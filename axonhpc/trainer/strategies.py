@@ -8,9 +8,13 @@ no per-strategy branches. ``SETUPS`` maps each strategy's name to its class;
 and calls the class's ``build``:
 
 - ``ddp`` (``DDPSetup``): ``DDP(model, group)``; the optimizer as given.
+  ``mixed_precision=MixedPrecision(param_dtype)`` runs each forward under
+  ``nn.autocast(param_dtype)`` (float32 masters, float16/bfloat16 products)
+  with a ``GradScaler`` for float16.
 - ``zero1`` (``Zero1Setup``): ``DDP`` and ``ZeroRedundancyOptimizer`` of the
   given optimizer's class and hyperparameters (or of the callable
-  ``params -> Optimizer`` given instead) over the model's parameters.
+  ``params -> Optimizer`` given instead) over the model's parameters;
+  mixed precision as ``ddp``.
 - ``fsdp`` (``FSDPSetup``): ``FSDP(model, group, mixed_precision=...)``; the
   optimizer rebuilt (same class and hyperparameters) over the master shards;
   a ``GradScaler`` for float16; sharded checkpoints.
@@ -38,6 +42,7 @@ from ..collectives import all_reduce, broadcast
 from ..data import DistributedSampler
 from ..errors import ConfigurationError
 from ..log import get_logger
+from ..nn import autocast
 from ..optim.optimizer import Optimizer
 from ..parallel import DDP, FSDP, GradScaler, MixedPrecision, Pipeline, ZeroRedundancyOptimizer
 from .optimizers import NoOptimizer, check_rebuildable, rebuild_optimizer
@@ -54,6 +59,7 @@ class Setup:
 
     name = ""  # the strategy's name, as DistributedTrainer takes it
     takes_mixed_precision = False  # accepts fit(mixed_precision=...)
+    autocasts = False  # takes it as nn.autocast(param_dtype) around the forward (the model's own layers)
     rebuilds_optimizer = False  # builds its own optimizer of the given one's class (check_rebuildable first)
 
     def __init__(self, module: Any, wrapper: Any, optimizer: Any, group: Any, dp_group: Any,
@@ -66,6 +72,7 @@ class Setup:
         self.scaler = scaler
         self.skip_nonfinite = False  # set by the trainer (settings.skip_nonfinite_steps)
         self.skipped_steps = 0
+        self.compute_dtype: Any = None  # the autocast dtype of every forward, for autocasting setups
 
     # -- building ------------------------------------------------------------------------------
     @classmethod
@@ -76,13 +83,35 @@ class Setup:
             ConfigurationError: naming the option and the strategy.
         """
         if mixed_precision is not None and not cls.takes_mixed_precision:
-            raise ConfigurationError(f"mixed_precision needs strategy='fsdp' (strategy is {cls.name!r})")
+            raise ConfigurationError(f"mixed_precision needs strategy 'fsdp', 'ddp' or 'zero1' (strategy is "
+                                     f"{cls.name!r})")
+        if mixed_precision is not None and cls.autocasts:
+            mp = mixed_precision
+            if mp.param_dtype is None or mp.param_dtype.itemsize != 2:
+                raise ConfigurationError(f"strategy={cls.name!r} runs mixed precision as nn.autocast(param_dtype): "
+                                         f"param_dtype must be float16 or bfloat16, got {mp.param_dtype}")
+            if mp.reduce_dtype is not None or mp.buffer_dtype is not None:
+                raise ConfigurationError(
+                    f"strategy={cls.name!r} reduces the master gradients in their own dtype and leaves buffers "
+                    f"alone: reduce_dtype and buffer_dtype are for strategy='fsdp' (got {mp})")
         if cls.rebuilds_optimizer:
             check_rebuildable(optimizer)
 
     @classmethod
     def check_fit(cls, grad_accumulation: int) -> None:
         """Refuse ``fit`` arguments this strategy cannot take (local, before anything is sent)."""
+
+    def autocasting(self, mixed_precision: Optional[MixedPrecision]) -> "Setup":
+        """Run every forward under ``nn.autocast(mixed_precision.param_dtype)``, with a ``GradScaler`` for float16.
+
+        Returns:
+            This setup.
+        """
+        if mixed_precision is not None:
+            self.compute_dtype = mixed_precision.param_dtype
+            if self.compute_dtype == np.float16:
+                self.scaler = GradScaler(group=self.group)
+        return self
 
     # Each subclass has ``build(model, optimizer, loss_fn, group, mesh, mixed_precision, options)``: collective,
     # it wraps the model and returns the Setup.
@@ -110,9 +139,13 @@ class Setup:
         total, count = 0.0, 0
         for k, (xb, yb) in enumerate(batches):
             with self.no_sync(k < len(batches) - 1):
-                loss = loss_fn(self.wrapper(xb), yb)
-                grad = loss_fn.backward() / len(batches)
-                self.wrapper.backward(self.scaler.scale(grad) if self.scaler is not None else grad)
+                with self.compute():
+                    loss = loss_fn(self.wrapper(xb), yb)
+                if self.scaler is None:
+                    grad = loss_fn.backward() / len(batches)
+                else:  # scaled in the loss's float32, before the gradient is rounded to float16
+                    grad = loss_fn.backward(self.scaler.scale(1.0) / len(batches))
+                self.wrapper.backward(grad)
             total += float(loss) * len(yb)
             count += len(yb)
         if self.scaler is not None:
@@ -138,9 +171,16 @@ class Setup:
             get_logger("trainer").warning(f"optimizer step skipped on every rank: {where}")
         return bool(flag[0])
 
+    def compute(self) -> Any:
+        """``nn.autocast(compute_dtype)`` for an autocasting setup with mixed precision, else a context doing nothing."""
+        if self.compute_dtype is None:
+            return contextlib.nullcontext()
+        return autocast(self.compute_dtype)
+
     def predict(self, x: Any) -> Any:
-        """The model's output for ``x``."""
-        return self.wrapper(x)
+        """The model's output for ``x`` (computed as in training: under autocast with mixed precision)."""
+        with self.compute():
+            return self.wrapper(x)
 
     def modules(self) -> List[Any]:
         """The modules whose state this rank holds."""
@@ -220,13 +260,15 @@ class DDPSetup(Setup):
     """``ddp``: the model in ``DDP`` over the group; the optimizer as given."""
 
     name = "ddp"
+    takes_mixed_precision = True
+    autocasts = True
 
     @classmethod
     def build(cls, model: Any, optimizer: Any, loss_fn: Any, group: Any, mesh: Any,
               mixed_precision: Optional[MixedPrecision], options: dict) -> Setup:
         """Collective: ``DDP(model, group)``."""
         wrapper = DDP(model, group=group, **options)
-        return cls(model, wrapper, optimizer, wrapper.group, wrapper.group)
+        return cls(model, wrapper, optimizer, wrapper.group, wrapper.group).autocasting(mixed_precision)
 
 
 class Zero1Setup(Setup):
@@ -234,6 +276,8 @@ class Zero1Setup(Setup):
 
     name = "zero1"
     rebuilds_optimizer = True
+    takes_mixed_precision = True
+    autocasts = True
 
     @classmethod
     def check(cls, optimizer: Any, mixed_precision: Optional[MixedPrecision]) -> None:
@@ -254,7 +298,7 @@ class Zero1Setup(Setup):
                                            **optimizer.hyperparameters())
         else:  # a callable params -> Optimizer, called over the shards
             zero = ZeroRedundancyOptimizer(optimizer, wrapper.parameters(), group=wrapper.group)
-        return cls(model, wrapper, zero, wrapper.group, wrapper.group)
+        return cls(model, wrapper, zero, wrapper.group, wrapper.group).autocasting(mixed_precision)
 
 
 class FSDPSetup(Setup):

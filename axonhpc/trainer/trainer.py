@@ -303,7 +303,9 @@ class DistributedTrainer:
             eval_arrays: ``(inputs, targets)`` evaluated after every epoch, or None.
             batch_size: samples per rank per batch.
             grad_accumulation: batches per optimizer step.
-            mixed_precision: an ``ax.MixedPrecision`` (strategy "fsdp" only).
+            mixed_precision: an ``ax.MixedPrecision``: FSDP's for strategy "fsdp"; for "ddp" and
+                "zero1", its ``param_dtype`` (float16 or bfloat16) is the ``nn.autocast`` dtype of every
+                forward, the parameters staying float32 (a ``GradScaler`` comes with float16).
             checkpoint_dir: where checkpoints go (None: none are written).
             checkpoint_every: also checkpoint every this many optimizer steps.
             resume: continue from the newest checkpoint in ``checkpoint_dir``.

@@ -1,0 +1,207 @@
+"""Autocast: matrix products in float16 or bfloat16 while the parameters stay float32.
+
+[Note: autocast]
+Inside ``with nn.autocast("float16"):`` (or ``"bfloat16"``, which needs
+ml_dtypes), every matrix product of the ``nn`` layers (``Linear``, the
+attention scores and context, a GPT's tied output weight) casts its float32
+operands to that dtype, so on a GPU the GEMMs run on the tensor cores at
+half the memory traffic. The rules are PyTorch's autocast rules for these
+layers:
+
+- The parameters are never changed: they stay float32 and are the master
+  weights the optimizer updates; each product casts a fresh copy (no cast is
+  cached, so an optimizer step inside the block is always seen).
+- float64 parameters are not lowered (PyTorch leaves double alone too); the
+  input of a lowered product is, whatever its floating dtype (float64 data
+  into a float32 model included).
+- Products return the low dtype; element-wise layers (ReLU, GELU, Tanh,
+  Dropout) then run in it.
+- Softmax (in attention), ``LayerNorm`` and the losses compute in float32:
+  their sums and exponentials lose too much in 16 bits.
+- ``backward`` does what the forward did, wherever it is called (inside the
+  block or after it): every layer keeps the dtypes of its forward in its
+  cache. Weight and bias gradients are products in the low dtype added into
+  float32 ``p.grad`` (bias sums accumulate in float32), and every layer
+  returns its input gradient in its input's dtype, as a cast's backward does.
+- ``nn.Checkpoint`` recomputes its forward under the autocast state of the
+  original forward.
+- The tensor-parallel ``ColumnParallelLinear`` and ``RowParallelLinear`` do
+  not autocast yet: their products run in their parameters' dtype (their
+  input is promoted to it), so under autocast they compute in float32.
+
+float16 gradients underflow below about 6e-8: pair float16 with a loss
+scaler (``ax.GradScaler``), passing the scale to the loss's backward so the
+scaling happens in float32, before the rounding to float16
+(``loss_fn.backward(scaler.scale(1.0))``). bfloat16 has float32's exponent
+range and needs no scaler.
+
+The state is per thread, so ranks of the thread backend (one thread each)
+each have their own. numpy has no 16-bit GEMM in its BLAS: on the host,
+autocast is a faithful model of the device arithmetic, not a speed-up.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any, Optional, Tuple
+
+import numpy as np
+
+from .._dtypes import bfloat16_dtype
+from ..errors import ConfigurationError
+
+_FLOAT32 = np.dtype(np.float32)
+_state = threading.local()
+
+
+def _parse_dtype(dtype: Any) -> np.dtype:
+    if isinstance(dtype, str) and dtype.lower() == "bfloat16":
+        bf16 = bfloat16_dtype()
+        if bf16 is None:
+            raise ConfigurationError("autocast to bfloat16 needs ml_dtypes (pip install axonhpc[bf16])")
+        return bf16
+    try:
+        parsed = np.dtype(dtype)
+    except TypeError as exc:
+        raise ConfigurationError(f"autocast dtype must be float16 or bfloat16, got {dtype!r}") from exc
+    if parsed != np.float16 and parsed != bfloat16_dtype():
+        raise ConfigurationError(f"autocast dtype must be float16 or bfloat16, got {parsed}")
+    return parsed
+
+
+def _is_float(dtype: np.dtype) -> bool:
+    return dtype.kind == "f" or dtype == bfloat16_dtype()
+
+
+def autocast_dtype() -> Optional[np.dtype]:
+    """The dtype products are computed in on this thread now, or None outside autocast."""
+    return getattr(_state, "dtype", None)
+
+
+class restored_autocast:
+    """Context manager: this thread's autocast state set to ``dtype`` (None: off), as a recorded forward had it."""
+
+    def __init__(self, dtype: Optional[np.dtype]) -> None:
+        self._target = dtype
+        self._outer: list = []
+
+    def __enter__(self) -> "restored_autocast":
+        self._outer.append(autocast_dtype())
+        _state.dtype = self._target
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        _state.dtype = self._outer.pop()
+
+
+class autocast(restored_autocast):
+    """Context manager: the ``nn`` layers' matrix products run in ``dtype`` (see the module note).
+
+    Args:
+        dtype: "float16" (default) or "bfloat16" (needs ml_dtypes), or the numpy dtype.
+        enabled: False runs the block in full precision (also inside an outer autocast).
+
+    Raises:
+        ConfigurationError: another dtype, or bfloat16 without ml_dtypes.
+
+    Usage::
+
+        with nn.autocast("bfloat16"):
+            loss = loss_fn(model(x), y)
+        model.backward(loss_fn.backward())
+    """
+
+    def __init__(self, dtype: Any = "float16", enabled: bool = True) -> None:
+        self.dtype = _parse_dtype(dtype)
+        self.enabled = bool(enabled)
+        super().__init__(self.dtype if self.enabled else None)
+
+    def __repr__(self) -> str:
+        return f"autocast(dtype={self.dtype}, enabled={self.enabled})"
+
+
+def lower(x: Any, dtype: Optional[np.dtype], keep_float64: bool = True) -> Any:
+    """``x`` as an operand of a product computed in ``dtype``: floating arrays cast, others as they are.
+
+    Args:
+        x: an array.
+        dtype: the compute dtype (``autocast_dtype()`` at the forward), or None for no cast.
+        keep_float64: leave float64 alone (a float64 model is not lowered); False for the input
+            of a product whose weight was lowered.
+    """
+    if dtype is None or x.dtype == dtype or not _is_float(x.dtype) or (keep_float64 and x.dtype == np.float64):
+        return x
+    return x.astype(dtype)
+
+
+def product(a: Any, b: Any, dtype: Optional[np.dtype]) -> Any:
+    """``a @ b`` for operands already lowered to ``dtype``, returned in ``dtype``.
+
+    ml_dtypes' bfloat16 products come back in float32 on numpy; they are rounded to bfloat16 here.
+    """
+    out = a @ b
+    if dtype is not None and out.dtype != dtype and a.dtype == dtype and b.dtype == dtype:
+        out = out.astype(dtype)
+    return out
+
+
+def widen(x: Any) -> Any:
+    """``x`` cast to float32 under autocast when it is a 16-bit float (softmax, LayerNorm), else ``x``."""
+    if autocast_dtype() is None or x.dtype.itemsize != 2 or not _is_float(x.dtype):
+        return x
+    return x.astype(_FLOAT32)
+
+
+def like(grad: Any, dtype: Any) -> Any:
+    """``grad`` in ``dtype``, the dtype of the array it is the gradient of (no copy when it already is)."""
+    return grad if grad.dtype == dtype else grad.astype(dtype)
+
+
+def linear_product(x: Any, weight: Any) -> Tuple[Any, Tuple[Any, Any, Any]]:
+    """``x @ weight.T`` under this thread's autocast state, and what its backward needs.
+
+    Args:
+        x: (..., in) input.
+        weight: (out, in) array (a Parameter's ``data``).
+
+    Returns:
+        ``(y, saved)``: y (..., out) in the compute dtype, and the tuple for ``linear_grad_output``
+        and ``linear_backward``. Only a cast weight is saved: the parameter's own array may be
+        resharded (FSDP) before backward, which then reads the parameter again.
+    """
+    dtype = autocast_dtype()
+    w = lower(weight, dtype)
+    if w is weight:  # no autocast, or a float64 weight: full precision
+        return x @ weight.T, (x, None, x.dtype)
+    xc = lower(x, dtype, keep_float64=False)
+    return product(xc, w.T, dtype), (xc, w, x.dtype)
+
+
+def linear_grad_output(grad_out: Any, saved: Tuple[Any, Any, Any]) -> Any:
+    """d loss / d y in the dtype the product ran in (under autocast; otherwise as given)."""
+    w = saved[1]
+    return grad_out if w is None else like(grad_out, w.dtype)
+
+
+def linear_backward(grad_out: Any, saved: Tuple[Any, Any, Any], param: Any) -> Any:
+    """Add d loss / d weight into ``param.grad``; return d loss / d x in the dtype of ``x``.
+
+    Args:
+        grad_out: d loss / d y from ``linear_grad_output``.
+        saved: ``linear_product``'s tuple.
+        param: the weight's Parameter.
+    """
+    xc, w, x_dtype = saved
+    param.accumulate_product(grad_out.reshape(-1, grad_out.shape[-1]).T, xc.reshape(-1, xc.shape[-1]))
+    if w is None:
+        return grad_out @ param.data
+    return like(grad_out @ w, x_dtype)
+
+
+def bias_grad(grad_out: Any, saved: Tuple[Any, Any, Any], dtype: Any) -> Any:
+    """d loss / d bias: ``grad_out`` summed over every axis but the last, accumulated in ``dtype`` under autocast."""
+    g2 = grad_out.reshape(-1, grad_out.shape[-1])
+    return g2.sum(axis=0) if saved[1] is None else g2.sum(axis=0, dtype=dtype)
+
+
+__all__ = ["autocast", "autocast_dtype", "restored_autocast", "lower", "product", "widen", "like",
+           "linear_product", "linear_grad_output", "linear_backward", "bias_grad"]
