@@ -13,6 +13,7 @@ from typing import Any, Tuple
 import numpy as np
 
 from .errors import (
+    ConfigurationError,
     NonContiguousBufferError,
     ReadOnlyBufferError,
     UnsupportedDtypeError,
@@ -59,6 +60,37 @@ def is_supported(dtype: np.dtype) -> bool:
 def is_low_precision_float(dtype: np.dtype) -> bool:
     """float16 or bfloat16: MPI has no reduction for these, so they are widened."""
     return dtype in _low_precision_set()
+
+
+def is_floating(dtype: Any) -> bool:
+    """True for floating dtypes, the 16-bit ones of ml_dtypes included (what mixed precision casts)."""
+    dtype = np.dtype(dtype)
+    return dtype.kind == "f" or is_low_precision_float(dtype)
+
+
+def floating_dtype(value: Any, what: str, expected: str = "a floating dtype") -> np.dtype:
+    """``value`` (a dtype or its name; "bfloat16" comes from ml_dtypes) as a floating numpy dtype.
+
+    Args:
+        value: what the user gave.
+        what: the option's name, for the message.
+        expected: what the option takes, for the message.
+
+    Raises:
+        ConfigurationError: not a floating dtype, or bfloat16 without ml_dtypes.
+    """
+    if isinstance(value, str) and value.lower() == "bfloat16":
+        bf16 = bfloat16_dtype()
+        if bf16 is None:
+            raise ConfigurationError(f"{what}=bfloat16 needs ml_dtypes (pip install axonhpc[bf16])")
+        return bf16
+    try:
+        dtype = np.dtype(value)
+    except TypeError as exc:
+        raise ConfigurationError(f"{what} must be {expected}, got {value!r}") from exc
+    if not is_floating(dtype):
+        raise ConfigurationError(f"{what} must be {expected}, got {dtype}")
+    return dtype
 
 
 def is_integer(dtype: np.dtype) -> bool:

@@ -46,7 +46,7 @@ from typing import Any, Optional, Tuple
 
 import numpy as np
 
-from .._dtypes import bfloat16_dtype
+from .._dtypes import floating_dtype, is_floating
 from ..errors import ConfigurationError
 
 _FLOAT32 = np.dtype(np.float32)
@@ -54,22 +54,10 @@ _state = threading.local()
 
 
 def _parse_dtype(dtype: Any) -> np.dtype:
-    if isinstance(dtype, str) and dtype.lower() == "bfloat16":
-        bf16 = bfloat16_dtype()
-        if bf16 is None:
-            raise ConfigurationError("autocast to bfloat16 needs ml_dtypes (pip install axonhpc[bf16])")
-        return bf16
-    try:
-        parsed = np.dtype(dtype)
-    except TypeError as exc:
-        raise ConfigurationError(f"autocast dtype must be float16 or bfloat16, got {dtype!r}") from exc
-    if parsed != np.float16 and parsed != bfloat16_dtype():
+    parsed = floating_dtype(dtype, "autocast dtype", "float16 or bfloat16")
+    if parsed.itemsize != 2:
         raise ConfigurationError(f"autocast dtype must be float16 or bfloat16, got {parsed}")
     return parsed
-
-
-def _is_float(dtype: np.dtype) -> bool:
-    return dtype.kind == "f" or dtype == bfloat16_dtype()
 
 
 def autocast_dtype() -> Optional[np.dtype]:
@@ -128,7 +116,7 @@ def lower(x: Any, dtype: Optional[np.dtype], keep_float64: bool = True) -> Any:
         keep_float64: leave float64 alone (a float64 model is not lowered); False for the input
             of a product whose weight was lowered.
     """
-    if dtype is None or x.dtype == dtype or not _is_float(x.dtype) or (keep_float64 and x.dtype == np.float64):
+    if dtype is None or x.dtype == dtype or not is_floating(x.dtype) or (keep_float64 and x.dtype == np.float64):
         return x
     return x.astype(dtype)
 
@@ -146,7 +134,7 @@ def product(a: Any, b: Any, dtype: Optional[np.dtype]) -> Any:
 
 def widen(x: Any) -> Any:
     """``x`` cast to float32 under autocast when it is a 16-bit float (softmax, LayerNorm), else ``x``."""
-    if autocast_dtype() is None or x.dtype.itemsize != 2 or not _is_float(x.dtype):
+    if autocast_dtype() is None or x.dtype.itemsize != 2 or not is_floating(x.dtype):
         return x
     return x.astype(_FLOAT32)
 

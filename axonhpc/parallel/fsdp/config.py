@@ -10,8 +10,7 @@ from typing import Any, Optional
 import numpy as np
 
 from ..._choices import parse_choice
-from ..._dtypes import bfloat16_dtype, is_low_precision_float
-from ...errors import ConfigurationError
+from ..._dtypes import floating_dtype, is_floating
 
 
 class ShardingStrategy(enum.Enum):
@@ -97,12 +96,6 @@ class CPUOffload(enum.Enum):
         return self is CPUOffload.OPTIMIZER_STATES
 
 
-def is_floating(dtype: Any) -> bool:
-    """True for floating dtypes, the 16-bit ones of ml_dtypes included (what mixed precision casts)."""
-    dtype = np.dtype(dtype)
-    return dtype.kind == "f" or is_low_precision_float(dtype)
-
-
 def cast(value: Any, dtype: Optional[np.dtype]) -> Any:
     """Floating arrays cast to ``dtype`` (others, and everything when ``dtype`` is None, unchanged)."""
     if dtype is None or not hasattr(value, "dtype") or not is_floating(value.dtype) or value.dtype == dtype:
@@ -111,20 +104,7 @@ def cast(value: Any, dtype: Optional[np.dtype]) -> Any:
 
 
 def _float_dtype(value: Any, what: str) -> Optional[np.dtype]:
-    if value is None:
-        return None
-    if isinstance(value, str) and value.lower() == "bfloat16":
-        bf16 = bfloat16_dtype()
-        if bf16 is None:
-            raise ConfigurationError(f"{what}=bfloat16 needs ml_dtypes (pip install axonhpc[bf16])")
-        return bf16
-    try:
-        dtype = np.dtype(value)
-    except TypeError as exc:
-        raise ConfigurationError(f"{what} must be a floating dtype, got {value!r}") from exc
-    if not is_floating(dtype):
-        raise ConfigurationError(f"{what} must be a floating dtype, got {dtype}")
-    return dtype
+    return None if value is None else floating_dtype(value, what)
 
 
 class MixedPrecision:
