@@ -243,3 +243,21 @@ def test_the_scale_given_to_the_loss_keeps_float16_gradients_from_flushing_to_ze
     assert not late.any()
     assert early.dtype == F16 and (early[:, 0] < 0).all()
     assert scaler.scale(2.0) == 2.0 ** 17 and GradScaler(enabled=False).scale(2.0) == 2.0
+
+
+def test_bfloat16_is_widened_for_the_loss_and_erf_as_float16_is():
+    """Regression: bfloat16 (ml_dtypes, dtype kind 'V') was not recognised as 16-bit: the loss reduced in
+    bfloat16 (1% off on a 5-class problem) and GELU's erf returned float64."""
+    bf16 = _bf16()
+    rng = np.random.default_rng(6)
+    logits = rng.standard_normal((32, 7)).astype(np.float32).astype(bf16)
+    targets = rng.integers(0, 7, 32)
+    loss_fn = nn.CrossEntropyLoss()
+    want = loss_fn(logits.astype(np.float32), targets)
+    want_grad = loss_fn.backward()
+    assert loss_fn(logits, targets) == want
+    grad = loss_fn.backward()
+    assert grad.dtype == bf16
+    np.testing.assert_array_equal(grad, want_grad.astype(bf16))
+    x = rng.standard_normal(50).astype(np.float32).astype(bf16)
+    np.testing.assert_array_equal(nn.functional.erf(x), nn.functional.erf(x.astype(np.float32)).astype(bf16))

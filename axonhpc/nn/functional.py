@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .._dtypes import array_module
+from .._dtypes import array_module, is_floating, is_low_precision_float
 
 _THRESH = 0.46875
 _SQRPI = 5.6418958354775628695e-1  # 1 / sqrt(pi)
@@ -42,12 +42,11 @@ _Q = (2.56852019228982242e00, 1.87295284992346047e00, 5.27905102951428412e-1,
 
 
 def _compute_dtype(x: Any):
-    """float64 for integers, float32 for half precision (too coarse for the polynomials)."""
-    kind, size = x.dtype.kind, x.dtype.itemsize
-    if kind != "f":
-        return "float64"
-    if size < 4:
+    """float64 for integers, float32 for float16 and bfloat16 (too coarse for the polynomials)."""
+    if is_low_precision_float(x.dtype):
         return "float32"
+    if x.dtype.kind != "f":
+        return "float64"
     return x.dtype
 
 
@@ -55,7 +54,7 @@ def erf(x: Any) -> Any:
     """The error function, element-wise, for numpy or cupy arrays.
 
     Args:
-        x: array (integers are computed in float64, float16 in float32).
+        x: array (integers are computed in float64, float16 and bfloat16 in float32).
 
     Returns:
         erf(x) with the floating dtype of ``x`` (float64 for integer input).
@@ -63,7 +62,7 @@ def erf(x: Any) -> Any:
     """
     xp = array_module(x)
     x = xp.asarray(x)
-    out_dtype = x.dtype if x.dtype.kind == "f" else "float64"
+    out_dtype = x.dtype if is_floating(x.dtype) else "float64"
     x = x.astype(_compute_dtype(x), copy=False)
     y = xp.abs(x)
 

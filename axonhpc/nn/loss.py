@@ -7,15 +7,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from .._dtypes import array_module
+from .._dtypes import array_module, is_low_precision_float
 from ..errors import ShapeError, UnsupportedDtypeError
 from .functional import log_softmax
 from .module import Module
 
 
 def _working_dtype(x: Any):
-    """Half precision is widened to float32 for the reduction; other floats are kept."""
-    return "float32" if x.dtype.kind == "f" and x.dtype.itemsize < 4 else x.dtype
+    """float16 and bfloat16 are widened to float32 for the reduction; other floats are kept."""
+    return "float32" if is_low_precision_float(x.dtype) else x.dtype
 
 
 class CrossEntropyLoss(Module):
