@@ -80,6 +80,44 @@ def test_float32_mlp_matches_dense():
     ax.run_local(case, world_size=2)
 
 
+@pytest.mark.parametrize("layer", ["mlp", "attention"])
+def test_autocast_float16_matches_dense_under_autocast(layer):
+    """Under nn.autocast the column and row layers compute in float16 like nn.Linear, with float32 masters.
+
+    Column outputs are the dense layer's columns bit for bit; the row layer sums float16 partial products
+    over the group (in float32, rounded once), so results agree to float16 rounding."""
+    def case(world):
+        if layer == "mlp":
+            tp = ax.TensorParallelMLP(HIDDEN, FFN, seed=1)
+            dense = ax.TensorParallelMLP.dense_equivalent(HIDDEN, FFN, seed=1)
+            x = np.random.default_rng(2).standard_normal((5, HIDDEN)).astype(np.float32)
+        else:
+            tp = ax.TensorParallelAttention(24, 4, causal=True, seed=3)
+            dense = ax.TensorParallelAttention.dense_equivalent(24, 4, causal=True, seed=3)
+            x = np.random.default_rng(2).standard_normal((2, 5, 24)).astype(np.float32)
+        with nn.autocast("float16"):
+            y, want = tp(x), dense(x)
+        assert y.dtype == np.float16 and want.dtype == np.float16
+        np.testing.assert_allclose(y, want, rtol=1e-2, atol=2e-3)
+        g = np.random.default_rng(4).standard_normal(y.shape).astype(np.float32)
+        dx, want_dx = tp.backward(g), dense.backward(g)
+        assert dx.dtype == np.float32
+        np.testing.assert_allclose(dx, want_dx, rtol=1e-2, atol=2e-3)
+        for p in tp.parameters():
+            assert p.data.dtype == np.float32 and p.grad.dtype == np.float32
+        for (name, p), q in zip(tp.named_parameters(), dense.parameters()):  # the same order
+            full = ax.all_gather(p.grad)  # every rank's block, stacked
+            if full.shape[1:] != q.grad.shape:  # sharded: row layers split their weight's columns
+                axis = 1 if name.endswith("weight") and ("fc2" in name or "out_proj" in name) else 0
+                full = np.concatenate(list(full), axis=axis)
+            else:
+                full = full[0]
+            want_g = q.grad
+            assert np.abs(full - want_g).max() <= 2e-2 * np.abs(want_g).max() + 1e-5, name
+
+    ax.run_local(case, world_size=2)
+
+
 def test_attention_costs_one_all_reduce_each_way(monkeypatch):
     from collections import Counter
     import threading

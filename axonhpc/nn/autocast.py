@@ -3,7 +3,8 @@
 [Note: autocast]
 Inside ``with nn.autocast("float16"):`` (or ``"bfloat16"``, which needs
 ml_dtypes), every matrix product of the ``nn`` layers (``Linear``, the
-attention scores and context, a GPT's tied output weight) casts its float32
+attention scores and context, a GPT's tied output weight, the tensor-parallel
+column and row layers) casts its float32
 operands to that dtype, so on a GPU the GEMMs run on the tensor cores at
 half the memory traffic. The rules are PyTorch's autocast rules for these
 layers:
@@ -25,9 +26,6 @@ layers:
   returns its input gradient in its input's dtype, as a cast's backward does.
 - ``nn.Checkpoint`` recomputes its forward under the autocast state of the
   original forward.
-- The tensor-parallel ``ColumnParallelLinear`` and ``RowParallelLinear`` do
-  not autocast yet: their products run in their parameters' dtype (their
-  input is promoted to it), so under autocast they compute in float32.
 
 float16 gradients underflow below about 6e-8: pair float16 with a loss
 scaler (``ax.GradScaler``), passing the scale to the loss's backward so the
@@ -170,19 +168,38 @@ def linear_grad_output(grad_out: Any, saved: Tuple[Any, Any, Any]) -> Any:
     return grad_out if w is None else like(grad_out, w.dtype)
 
 
-def linear_backward(grad_out: Any, saved: Tuple[Any, Any, Any], param: Any) -> Any:
-    """Add d loss / d weight into ``param.grad``; return d loss / d x in the dtype of ``x``.
+def linear_input_grad(grad_out: Any, saved: Tuple[Any, Any, Any], param: Any) -> Any:
+    """d loss / d x = ``grad_out @ weight``, in the dtype of ``x``.
 
     Args:
         grad_out: d loss / d y from ``linear_grad_output``.
         saved: ``linear_product``'s tuple.
         param: the weight's Parameter.
     """
-    xc, w, x_dtype = saved
-    param.accumulate_product(grad_out.reshape(-1, grad_out.shape[-1]).T, xc.reshape(-1, xc.shape[-1]))
+    w, x_dtype = saved[1], saved[2]
     if w is None:
         return grad_out @ param.data
     return like(grad_out @ w, x_dtype)
+
+
+def linear_weight_grad(grad_out: Any, saved: Tuple[Any, Any, Any], param: Any) -> None:
+    """Add d loss / d weight = ``grad_out.T @ x`` (over every leading axis) into ``param.grad``."""
+    xc = saved[0]
+    param.accumulate_product(grad_out.reshape(-1, grad_out.shape[-1]).T, xc.reshape(-1, xc.shape[-1]))
+
+
+def linear_backward(grad_out: Any, saved: Tuple[Any, Any, Any], param: Any) -> Any:
+    """Add d loss / d weight into ``param.grad``; return d loss / d x in the dtype of ``x``."""
+    linear_weight_grad(grad_out, saved, param)
+    return linear_input_grad(grad_out, saved, param)
+
+
+def add_bias(y: Any, bias: Any, saved: Tuple[Any, Any, Any]) -> Any:
+    """``y + bias`` for a fresh product ``y``: in place (rounded to ``y``'s dtype under autocast) where it can."""
+    if bias.dtype == y.dtype or saved[1] is not None:
+        y += bias
+        return y
+    return y + bias
 
 
 def bias_grad(grad_out: Any, saved: Tuple[Any, Any, Any], dtype: Any) -> Any:
@@ -192,4 +209,5 @@ def bias_grad(grad_out: Any, saved: Tuple[Any, Any, Any], dtype: Any) -> Any:
 
 
 __all__ = ["autocast", "autocast_dtype", "restored_autocast", "lower", "product", "widen", "like",
-           "linear_product", "linear_grad_output", "linear_backward", "bias_grad"]
+           "linear_product", "linear_grad_output", "linear_input_grad", "linear_weight_grad", "linear_backward",
+           "add_bias", "bias_grad"]

@@ -7,7 +7,7 @@ import numpy as np
 
 from ..errors import ConfigurationError, ShapeError
 from . import _init
-from .autocast import bias_grad, linear_backward, linear_grad_output, linear_product
+from .autocast import add_bias, bias_grad, linear_backward, linear_grad_output, linear_product
 from .module import Module
 from .parameter import Parameter
 
@@ -60,13 +60,7 @@ class Linear(Module):
                              f"{tuple(x.shape)}; the last axis must be {self.in_features}")
         y, saved = linear_product(x, self.weight.data)
         self._save_cache(saved)
-        if self.bias is not None:
-            bias = self.bias.data
-            if bias.dtype == y.dtype or saved[1] is not None:
-                y += bias  # y is new: add in place, one pass fewer (rounded to y's dtype under autocast)
-            else:
-                y = y + bias
-        return y
+        return y if self.bias is None else add_bias(y, self.bias.data, saved)
 
     def backward(self, grad_out: Any) -> Any:
         """Gradients for ``x``, ``weight`` and ``bias`` from d loss / d y of shape (..., out_features)."""

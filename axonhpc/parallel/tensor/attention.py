@@ -134,16 +134,16 @@ class TensorParallelAttention(Module):
         dq, dk, dv = attention_backward(dctx, cache)
         # v, k, q order keeps the grad hooks in reverse registration order, as in nn.MultiHeadAttention.
         projs = (self.v_proj, self.k_proj, self.q_proj)
-        grads, xs = zip(*(proj.begin_backward(merge_heads(g)) for proj, g in zip(projs, (dv, dk, dq))))
+        grads, saved = zip(*(proj.begin_backward(merge_heads(g)) for proj, g in zip(projs, (dv, dk, dq))))
         xp = array_module(dctx)
-        grad_in = grads[0] @ projs[0].weight.data
-        for proj, g in zip(projs[1:], grads[1:]):
-            grad_in = grad_in + g @ proj.weight.data
+        grad_in = projs[0].partial_input_grad(grads[0], saved[0])
+        for proj, g, s in zip(projs[1:], grads[1:], saved[1:]):
+            grad_in = grad_in + proj.partial_input_grad(g, s)
         grad_in = xp.ascontiguousarray(grad_in)
         # One sum of the three partial input gradients, overlapped with the parameter gradients.
         work = all_reduce(grad_in, ReduceOp.SUM, self.group, async_op=True)
-        for proj, g, x in zip(projs, grads, xs):
-            proj.finish_backward(g, x)
+        for proj, g, s in zip(projs, grads, saved):
+            proj.finish_backward(g, s)
         work.wait(self.group.effective_timeout())
         return grad_in
 

@@ -12,6 +12,8 @@ from ...errors import AxonError
 from ...groups import ProcessGroup, resolve_group
 from ...nn import GELU, Linear, Module, Parameter, Sequential
 from ...nn import _init
+from ...nn.autocast import (add_bias, bias_grad, linear_backward, linear_grad_output, linear_input_grad, linear_product,
+                            linear_weight_grad)
 from ..same_model import agreed
 from .partition import (agree_on_geometry, check_last_axis, check_sizes, full_linear_values, gather_last_axis, my_part,
                         partition_range, shared_seed)
@@ -76,10 +78,10 @@ class ColumnParallelLinear(Module):
             ShapeError: the last axis of ``x`` is not ``in_features``.
         """
         check_last_axis(self, x, self.in_features, "input")
-        self._save_cache(x)
-        y = x @ self.weight.data.T
+        y, saved = linear_product(x, self.weight.data)  # in the autocast dtype under nn.autocast
+        self._save_cache(saved)
         if self.bias is not None:
-            y = y + self.bias.data
+            y = add_bias(y, self.bias.data, saved)
         if self.gather_output:
             y = gather_last_axis(y, self.group)
         return y
@@ -94,13 +96,13 @@ class ColumnParallelLinear(Module):
         Returns:
             d loss / d x (..., in_features), identical on every rank of the group.
         """
-        grad_out, x = self.begin_backward(grad_out)
-        xp = array_module(grad_out)
-        grad_in = xp.ascontiguousarray(grad_out @ self.weight.data)
+        block, saved = self.begin_backward(grad_out)
+        xp = array_module(block)
+        grad_in = xp.ascontiguousarray(self.partial_input_grad(block, saved))
         # Start the sum of the partial input gradients first, and compute the
         # parameter gradients while it travels (Megatron overlaps the same way).
         work = all_reduce(grad_in, ReduceOp.SUM, self.group, async_op=True)
-        self.finish_backward(grad_out, x)
+        self.finish_backward(block, saved)
         work.wait(self.group.effective_timeout())
         return grad_in
 
@@ -111,25 +113,29 @@ class ColumnParallelLinear(Module):
         layers itself (``TensorParallelAttention``: one all-reduce for q, k and v).
 
         Returns:
-            ``(block, x)``: this rank's block of the output gradient (checked; cut from the full gradient with
-            ``gather_output``) and the input cached by forward. This rank's partial input gradient is
-            ``block @ weight.data``; pass both to ``finish_backward``.
+            ``(block, saved)``: this rank's block of the output gradient (checked; cut from the full gradient
+            with ``gather_output``; in the product's dtype under autocast) and what forward kept. This rank's
+            partial input gradient is ``partial_input_grad(block, saved)``; pass both to ``finish_backward``.
         """
-        x = self._pop_cache()
+        saved = self._pop_cache()
         if self.gather_output:
             check_last_axis(self, grad_out, self.out_features, "output gradient")
             start = self.group.rank * self.out_features_per_rank
-            return grad_out[..., start:start + self.out_features_per_rank], x
-        check_last_axis(self, grad_out, self.out_features_per_rank, "output gradient")
-        return grad_out, x
+            grad_out = grad_out[..., start:start + self.out_features_per_rank]
+        else:
+            check_last_axis(self, grad_out, self.out_features_per_rank, "output gradient")
+        return linear_grad_output(grad_out, saved), saved
 
-    def finish_backward(self, block: Any, x: Any) -> None:
+    def partial_input_grad(self, block: Any, saved: Any) -> Any:
+        """This rank's part of d loss / d x, ``block @ weight`` (in the input's dtype), from ``begin_backward``."""
+        return linear_input_grad(block, saved, self.weight)
+
+    def finish_backward(self, block: Any, saved: Any) -> None:
         """The second half of ``backward``: the local weight/bias gradients from ``begin_backward``'s pair."""
-        g2 = block.reshape(-1, self.out_features_per_rank)
         # Bias before weight: hooks fire in reverse registration order, as in nn.Linear.
         if self.bias is not None:
-            self.bias.accumulate_grad(g2.sum(axis=0))
-        self.weight.accumulate_product(g2.T, x.reshape(-1, self.in_features))
+            self.bias.accumulate_grad(bias_grad(block, saved, self.bias.dtype))
+        linear_weight_grad(block, saved, self.weight)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -203,13 +209,13 @@ class RowParallelLinear(Module):
             check_last_axis(self, x, self.in_features, "input")
             start = self.group.rank * self.in_features_per_rank
             x_local = x[..., start:start + self.in_features_per_rank]
-        self._save_cache(x_local)
-        xp = array_module(x_local)
-        y = xp.ascontiguousarray(x_local @ self.weight.data.T)
+        y, saved = linear_product(x_local, self.weight.data)  # in the autocast dtype under nn.autocast
+        self._save_cache(saved)
+        y = array_module(y).ascontiguousarray(y)
         all_reduce(y, ReduceOp.SUM, self.group)
         # After the sum: added on every rank before it, the bias would count P times.
         if self.bias is not None:
-            y = y + self.bias.data
+            y = add_bias(y, self.bias.data, saved)
         return y
 
     def backward(self, grad_out: Any) -> Any:
@@ -222,13 +228,12 @@ class RowParallelLinear(Module):
             d loss / d input: this rank's block (..., in_features / P) if
             ``input_is_parallel``, else the full (..., in_features), all-gathered.
         """
-        x_local = self._pop_cache()
+        saved = self._pop_cache()
         check_last_axis(self, grad_out, self.out_features, "output gradient")
-        g2 = grad_out.reshape(-1, self.out_features)
+        grad_out = linear_grad_output(grad_out, saved)
         if self.bias is not None:
-            self.bias.accumulate_grad(g2.sum(axis=0))
-        self.weight.accumulate_product(g2.T, x_local.reshape(-1, self.in_features_per_rank))
-        grad_in = grad_out @ self.weight.data
+            self.bias.accumulate_grad(bias_grad(grad_out, saved, self.bias.dtype))
+        grad_in = linear_backward(grad_out, saved, self.weight)
         if not self.input_is_parallel:
             grad_in = gather_last_axis(grad_in, self.group)
         return grad_in
