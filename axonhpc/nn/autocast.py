@@ -44,7 +44,7 @@ from typing import Any, Optional, Tuple
 
 import numpy as np
 
-from .._dtypes import floating_dtype, is_floating
+from .._dtypes import floating_dtype, is_floating, is_low_precision_float
 from ..errors import ConfigurationError
 
 _FLOAT32 = np.dtype(np.float32)
@@ -53,7 +53,7 @@ _state = threading.local()
 
 def _parse_dtype(dtype: Any) -> np.dtype:
     parsed = floating_dtype(dtype, "autocast dtype", "float16 or bfloat16")
-    if parsed.itemsize != 2:
+    if not is_low_precision_float(parsed):
         raise ConfigurationError(f"autocast dtype must be float16 or bfloat16, got {parsed}")
     return parsed
 
@@ -132,7 +132,7 @@ def product(a: Any, b: Any, dtype: Optional[np.dtype]) -> Any:
 
 def widen(x: Any) -> Any:
     """``x`` cast to float32 under autocast when it is a 16-bit float (softmax, LayerNorm), else ``x``."""
-    if autocast_dtype() is None or x.dtype.itemsize != 2 or not is_floating(x.dtype):
+    if autocast_dtype() is None or not is_low_precision_float(x.dtype):
         return x
     return x.astype(_FLOAT32)
 
@@ -150,8 +150,8 @@ def linear_product(x: Any, weight: Any) -> Tuple[Any, Tuple[Any, Any, Any]]:
         weight: (out, in) array (a Parameter's ``data``).
 
     Returns:
-        ``(y, saved)``: y (..., out) in the compute dtype, and the tuple for ``linear_grad_output``
-        and ``linear_backward``. Only a cast weight is saved: the parameter's own array may be
+        ``(y, saved)``: y (..., out) in the compute dtype, and the tuple the backward helpers
+        below take. Only a cast weight is saved: the parameter's own array may be
         resharded (FSDP) before backward, which then reads the parameter again.
     """
     dtype = autocast_dtype()
@@ -168,30 +168,51 @@ def linear_grad_output(grad_out: Any, saved: Tuple[Any, Any, Any]) -> Any:
     return grad_out if w is None else like(grad_out, w.dtype)
 
 
-def linear_input_grad(grad_out: Any, saved: Tuple[Any, Any, Any], param: Any) -> Any:
+def linear_input_grad(grad_out: Any, saved: Tuple[Any, Any, Any], weight: Any) -> Any:
     """d loss / d x = ``grad_out @ weight``, in the dtype of ``x``.
 
     Args:
         grad_out: d loss / d y from ``linear_grad_output``.
         saved: ``linear_product``'s tuple.
-        param: the weight's Parameter.
+        weight: the weight's Parameter.
     """
     w, x_dtype = saved[1], saved[2]
     if w is None:
-        return grad_out @ param.data
+        return grad_out @ weight.data
     return like(grad_out @ w, x_dtype)
 
 
-def linear_weight_grad(grad_out: Any, saved: Tuple[Any, Any, Any], param: Any) -> None:
-    """Add d loss / d weight = ``grad_out.T @ x`` (over every leading axis) into ``param.grad``."""
+def linear_param_grads(grad_out: Any, saved: Tuple[Any, Any, Any], weight: Any, bias: Any = None) -> None:
+    """Add d loss / d bias (summed in float32 under autocast) and d loss / d weight into their ``grad``.
+
+    Args:
+        grad_out: d loss / d y from ``linear_grad_output``.
+        saved: ``linear_product``'s tuple.
+        weight: the weight's Parameter.
+        bias: the bias's Parameter, or None.
+    """
+    g2 = grad_out.reshape(-1, grad_out.shape[-1])
+    # Bias before weight: hooks fire in reverse registration order.
+    if bias is not None:
+        bias.accumulate_grad(g2.sum(axis=0) if saved[1] is None else g2.sum(axis=0, dtype=bias.dtype))
     xc = saved[0]
-    param.accumulate_product(grad_out.reshape(-1, grad_out.shape[-1]).T, xc.reshape(-1, xc.shape[-1]))
+    weight.accumulate_product(g2.T, xc.reshape(-1, xc.shape[-1]))
 
 
-def linear_backward(grad_out: Any, saved: Tuple[Any, Any, Any], param: Any) -> Any:
-    """Add d loss / d weight into ``param.grad``; return d loss / d x in the dtype of ``x``."""
-    linear_weight_grad(grad_out, saved, param)
-    return linear_input_grad(grad_out, saved, param)
+def linear_backward(grad_out: Any, saved: Tuple[Any, Any, Any], weight: Any, bias: Any = None) -> Any:
+    """The whole backward of ``linear_product`` (plus a bias): parameter gradients, then d loss / d x.
+
+    Args:
+        grad_out: d loss / d y, in any dtype (taken to the product's).
+        saved: ``linear_product``'s tuple.
+        weight, bias: the Parameters (bias None without one).
+
+    Returns:
+        d loss / d x in the dtype of ``x``.
+    """
+    grad_out = linear_grad_output(grad_out, saved)
+    linear_param_grads(grad_out, saved, weight, bias)
+    return linear_input_grad(grad_out, saved, weight)
 
 
 def add_bias(y: Any, bias: Any, saved: Tuple[Any, Any, Any]) -> Any:
@@ -202,12 +223,6 @@ def add_bias(y: Any, bias: Any, saved: Tuple[Any, Any, Any]) -> Any:
     return y + bias
 
 
-def bias_grad(grad_out: Any, saved: Tuple[Any, Any, Any], dtype: Any) -> Any:
-    """d loss / d bias: ``grad_out`` summed over every axis but the last, accumulated in ``dtype`` under autocast."""
-    g2 = grad_out.reshape(-1, grad_out.shape[-1])
-    return g2.sum(axis=0) if saved[1] is None else g2.sum(axis=0, dtype=dtype)
-
-
 __all__ = ["autocast", "autocast_dtype", "restored_autocast", "lower", "product", "widen", "like",
-           "linear_product", "linear_grad_output", "linear_input_grad", "linear_weight_grad", "linear_backward",
-           "add_bias", "bias_grad"]
+           "linear_product", "linear_grad_output", "linear_input_grad", "linear_param_grads", "linear_backward",
+           "add_bias"]

@@ -7,7 +7,7 @@ import numpy as np
 
 from ..errors import ConfigurationError, ShapeError
 from . import _init
-from .autocast import add_bias, bias_grad, linear_backward, linear_grad_output, linear_product
+from .autocast import add_bias, linear_backward, linear_product
 from .module import Module
 from .parameter import Parameter
 
@@ -64,12 +64,7 @@ class Linear(Module):
 
     def backward(self, grad_out: Any) -> Any:
         """Gradients for ``x``, ``weight`` and ``bias`` from d loss / d y of shape (..., out_features)."""
-        saved = self._pop_cache()
-        grad_out = linear_grad_output(grad_out, saved)
-        # Bias before weight: hooks fire in reverse registration order.
-        if self.bias is not None:
-            self.bias.accumulate_grad(bias_grad(grad_out, saved, self.bias.dtype))
-        return linear_backward(grad_out, saved, self.weight)
+        return linear_backward(grad_out, self._pop_cache(), self.weight, self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

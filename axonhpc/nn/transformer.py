@@ -24,7 +24,7 @@ from ..errors import ConfigurationError, ShapeError, UnsupportedDtypeError
 from . import _init
 from .activation import GELU
 from .attention import MultiHeadAttention
-from .autocast import linear_backward, linear_grad_output, linear_product
+from .autocast import linear_backward, linear_product
 from .container import Sequential
 from .dropout import Dropout
 from .embedding import Embedding
@@ -228,8 +228,7 @@ class GPT(Module):
         dh = grad_out
         if self.with_head:
             if self.tie_weights:
-                saved = self._pop_cache()
-                dh = linear_backward(linear_grad_output(grad_out, saved), saved, self.tok_emb.weight)
+                dh = linear_backward(grad_out, self._pop_cache(), self.tok_emb.weight)
             else:
                 dh = self.head.backward(grad_out)
             dh = self.ln_f.backward(dh)

@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from .._dtypes import array_module
+from .._dtypes import array_module, is_low_precision_float
 from ..backends import ReduceOp
 from ..collectives import all_reduce
 from ..errors import ConfigurationError
@@ -78,7 +78,7 @@ class GradScaler:
             return grad
         if isinstance(grad, (int, float)) and not isinstance(grad, bool):
             return float(grad) * self.scale_value
-        if grad.dtype.itemsize < 4:  # 2**16, the default scale, is itself beyond float16's 65504
+        if is_low_precision_float(grad.dtype):  # 2**16, the default scale, is itself beyond float16's 65504
             return (grad.astype(np.float32) * np.float32(self.scale_value)).astype(grad.dtype)
         return grad * grad.dtype.type(self.scale_value)
 

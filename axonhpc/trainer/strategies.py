@@ -34,6 +34,7 @@ from typing import Any, Dict, Iterator, List, Optional, Type
 
 import numpy as np
 
+from .._dtypes import is_low_precision_float
 from ..checkpoint import (capture_rng_state, load_per_rank, load_sharded, restore_rng_state, save_per_rank,
                           save_sharded)
 from ..checkpoint.background import AsyncCheckpointer
@@ -87,7 +88,7 @@ class Setup:
                                      f"{cls.name!r})")
         if mixed_precision is not None and cls.autocasts:
             mp = mixed_precision
-            if mp.param_dtype is None or mp.param_dtype.itemsize != 2:
+            if mp.param_dtype is None or not is_low_precision_float(mp.param_dtype):
                 raise ConfigurationError(f"strategy={cls.name!r} runs mixed precision as nn.autocast(param_dtype): "
                                          f"param_dtype must be float16 or bfloat16, got {mp.param_dtype}")
             if mp.reduce_dtype is not None or mp.buffer_dtype is not None:

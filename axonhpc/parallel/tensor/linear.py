@@ -12,8 +12,8 @@ from ...errors import AxonError
 from ...groups import ProcessGroup, resolve_group
 from ...nn import GELU, Linear, Module, Parameter, Sequential
 from ...nn import _init
-from ...nn.autocast import (add_bias, bias_grad, linear_backward, linear_grad_output, linear_input_grad, linear_product,
-                            linear_weight_grad)
+from ...nn.autocast import (add_bias, linear_backward, linear_grad_output, linear_input_grad, linear_param_grads,
+                            linear_product)
 from ..same_model import agreed
 from .partition import (agree_on_geometry, check_last_axis, check_sizes, full_linear_values, gather_last_axis, my_part,
                         partition_range, shared_seed)
@@ -132,10 +132,7 @@ class ColumnParallelLinear(Module):
 
     def finish_backward(self, block: Any, saved: Any) -> None:
         """The second half of ``backward``: the local weight/bias gradients from ``begin_backward``'s pair."""
-        # Bias before weight: hooks fire in reverse registration order, as in nn.Linear.
-        if self.bias is not None:
-            self.bias.accumulate_grad(bias_grad(block, saved, self.bias.dtype))
-        linear_weight_grad(block, saved, self.weight)
+        linear_param_grads(block, saved, self.weight, self.bias)  # bias first, as in nn.Linear
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -230,10 +227,7 @@ class RowParallelLinear(Module):
         """
         saved = self._pop_cache()
         check_last_axis(self, grad_out, self.out_features, "output gradient")
-        grad_out = linear_grad_output(grad_out, saved)
-        if self.bias is not None:
-            self.bias.accumulate_grad(bias_grad(grad_out, saved, self.bias.dtype))
-        grad_in = linear_backward(grad_out, saved, self.weight)
+        grad_in = linear_backward(grad_out, saved, self.weight, self.bias)
         if not self.input_is_parallel:
             grad_in = gather_last_axis(grad_in, self.group)
         return grad_in
