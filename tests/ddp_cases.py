@@ -53,7 +53,7 @@ def train_reference(dtype, kind, steps=STEPS, accumulate=1):
     return model
 
 
-def train_ddp(world, dtype, kind, steps=STEPS, accumulate=1, comm_hook=None, **ddp_args):
+def train_ddp(world, dtype, kind, steps=STEPS, accumulate=1, comm_hook=None, input_grad=True, **ddp_args):
     n, r = world.world_size, world.rank
     model = make_model(dtype, seed=0 if r == 0 else 1000 + r)  # DDP must copy rank 0's values
     ddp = ax.DDP(model, **ddp_args)
@@ -62,26 +62,35 @@ def train_ddp(world, dtype, kind, steps=STEPS, accumulate=1, comm_hook=None, **d
     opt = make_optimizer(kind, ddp.parameters())
     loss_fn = nn.CrossEntropyLoss()
     for step in range(steps):
-        train_step(ddp, opt, loss_fn, r, n, step, accumulate, dtype)
+        train_step(ddp, opt, loss_fn, r, n, step, accumulate, dtype, input_grad=input_grad)
     return ddp
 
 
-def train_step(ddp, opt, loss_fn, r, n, step, accumulate=1, dtype=np.float64, before_step=None, put=None):
+def train_step(ddp, opt, loss_fn, r, n, step, accumulate=1, dtype=np.float64, before_step=None, put=None,
+               input_grad=True):
     """One optimizer step on rank r's shard of ``accumulate`` global batches (no_sync before the last).
 
     ``before_step()``, if given, runs after the last backward and before the optimizer step (clipping);
-    ``put``, if given, moves each batch shard where the model lives (``cupy.asarray``).
+    ``put``, if given, moves each batch shard where the model lives (``cupy.asarray``);
+    ``input_grad=False`` is passed to the wrapper's backward, and it must then return None
+    (the first Linear skipped d loss / d input).
     """
     put = put or (lambda a: a)
+
+    def backward():
+        if input_grad:
+            return ddp.backward(loss_fn.backward())
+        assert ddp.backward(loss_fn.backward(), input_grad=False) is None
+
     opt.zero_grad()
     for micro in range(accumulate):
         x, y = make_data(step * accumulate + micro, dtype)
         loss_fn(ddp(put(shard(x, r, n))), put(shard(y, r, n)))
         if micro < accumulate - 1:
             with ddp.no_sync():
-                ddp.backward(loss_fn.backward())
+                backward()
         else:
-            ddp.backward(loss_fn.backward())
+            backward()
     if before_step is not None:
         before_step()
     opt.step()
@@ -125,6 +134,12 @@ def case_parity_many_small_buckets(world):
     ddp2 = parity(world, np.float64, "sgd", bucket_size_mb=200 / 2**20, strategy="synchronous",
                   gradient_as_bucket_view=False)
     assert ddp2.bucket_plan == ddp.bucket_plan
+
+
+def case_parity_without_input_grad(world):
+    """backward(..., input_grad=False): the first Linear skips d loss / d x (returns None), same parameters."""
+    parity(world, np.float64, "adam", input_grad=False)
+    parity(world, np.float64, "sgd", accumulate=2, input_grad=False, strategy=GradSyncStrategy.SYNCHRONOUS)
 
 
 def case_parity_no_sync_accumulation(world):

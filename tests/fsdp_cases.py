@@ -25,7 +25,7 @@ def hybrid_kwargs(world, strategy):
 
 
 def train_fsdp(world, dtype, kind, strategy="full_shard", steps=STEPS, accumulate=1, model=None, clip=None,
-               group=None, comm_hook=None, **kwargs):
+               group=None, comm_hook=None, input_grad=True, **kwargs):
     n, r = (world.world_size, world.rank) if group is None else (group.size, group.rank)
     model = model or make_model(dtype, seed=0 if r == 0 else 1000 + r)  # FSDP must take rank 0's values
     fsdp = ax.FSDP(model, group=group, sharding_strategy=strategy, **hybrid_kwargs(world, strategy), **kwargs)
@@ -36,7 +36,7 @@ def train_fsdp(world, dtype, kind, strategy="full_shard", steps=STEPS, accumulat
     norms = []
     clip_step = None if clip is None else (lambda: norms.append(fsdp.clip_grad_norm(clip)))
     for step in range(steps):
-        train_step(fsdp, opt, loss_fn, r, n, step, accumulate, dtype, before_step=clip_step)
+        train_step(fsdp, opt, loss_fn, r, n, step, accumulate, dtype, before_step=clip_step, input_grad=input_grad)
     return fsdp, opt, norms
 
 
@@ -95,6 +95,14 @@ def case_hybrid_groups(world):
 def case_no_sync_accumulation(world):
     parity(world, np.float64, "sgd", "full_shard", accumulate=3)
     parity(world, np.float64, "adam", "shard_grad_op", accumulate=2)
+
+
+def case_parity_without_input_grad(world):
+    """input_grad=False reaches the first Linear through the root's and its own unit's hooks: same parameters."""
+    for strategy, accumulate in (("full_shard", 1), ("shard_grad_op", 2)):
+        model = make_model(np.float64, seed=0 if world.rank == 0 else 1000 + world.rank)
+        parity(world, np.float64, "adam", strategy, model=model, units=[model[0], model[2]], accumulate=accumulate,
+               input_grad=False)
 
 
 def case_no_shard_equals_ddp(world):

@@ -15,7 +15,8 @@ def test_parse_models():
     specs = bench_step.parse_models("784-256-10x128, 1024-4096-4096-10x2048")
     assert [(s.widths, s.batch) for s in specs] == [((784, 256, 10), 128), ((1024, 4096, 4096, 10), 2048)]
     assert specs[0].label == "784-256-10 x128"
-    assert specs[0].gemm_flops() == 3 * 2 * 128 * (784 * 256 + 256 * 10)
+    # forward and weight gradient of both layers; the input gradient of the second only (the first's input is data)
+    assert specs[0].gemm_flops() == 2 * 128 * (2 * 784 * 256 + 3 * 256 * 10)
     for bad in ("784x128", "784-256", "784-0-10x8", "784-256-10x0", "a-bx2", ","):
         with pytest.raises(InvalidArgumentError, match="--models"):
             bench_step.parse_models(bad)
@@ -45,14 +46,15 @@ def test_our_step_trains_and_the_torch_step_trains_the_same_model():
         assert torch_losses[-1] < 0.5 * torch_losses[0]
 
 
-def test_gemm_floor_computes_the_three_products_of_every_layer(monkeypatch):
+def test_gemm_floor_computes_the_products_a_step_needs(monkeypatch):
     spec = bench_step.parse_models(TINY)[0]
     calls = []
     real = np.matmul
     monkeypatch.setattr(np, "matmul",
                         lambda a, b, out: calls.append((a.shape, b.shape, out.shape)) or real(a, b, out=out))
     bench_step.gemm_floor(spec, bench_step.Device("cpu"))()
-    assert calls == [((8, 12), (12, 16), (8, 16)), ((16, 8), (8, 12), (16, 12)), ((8, 16), (16, 12), (8, 12)),
+    # no (8, 16) @ (16, 12) for the first layer's input gradient: the step skips it, as torch's does
+    assert calls == [((8, 12), (12, 16), (8, 16)), ((16, 8), (8, 12), (16, 12)),
                      ((8, 16), (16, 5), (8, 5)), ((5, 8), (8, 16), (5, 16)), ((8, 5), (5, 16), (8, 16))]
 
 

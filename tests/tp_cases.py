@@ -112,8 +112,10 @@ def batch(step):
     return x, rng.standard_normal((BATCH, HIDDEN)), rng.integers(0, HIDDEN, BATCH)
 
 
-def train_pair(world, kind, loss_name):
-    """Train the TP MLP on this rank and the dense MLP alike; both see the whole batch."""
+def train_pair(world, kind, loss_name, input_grad=True):
+    """Train the TP MLP on this rank and the dense MLP alike; both see the whole batch.
+
+    ``input_grad=False``: both backwards skip d loss / d x (fc1's product, and its all-reduce in TP)."""
     tp = ax.TensorParallelMLP(HIDDEN, FFN, dtype=np.float64, seed=21)
     dense = ax.TensorParallelMLP.dense_equivalent(HIDDEN, FFN, dtype=np.float64, seed=21)
     opts = [make_optimizer(kind, m.parameters()) for m in (tp, dense)]
@@ -124,7 +126,8 @@ def train_pair(world, kind, loss_name):
             loss_fn = nn.MSELoss() if loss_name == "mse" else nn.CrossEntropyLoss()
             opt.zero_grad()
             losses.append(loss_fn(model(x), target if loss_name == "mse" else labels))
-            model.backward(loss_fn.backward())
+            grad_in = model.backward(loss_fn.backward(), input_grad=input_grad)
+            assert (grad_in is None) == (not input_grad)
             opt.step()
         close(losses[0], losses[1], f"loss at step {step}")
     return tp, dense
@@ -136,7 +139,7 @@ def case_training_parity_sgd(world):
 
 
 def case_training_parity_adam(world):
-    tp, dense = train_pair(world, "adam", "cross_entropy")
+    tp, dense = train_pair(world, "adam", "cross_entropy", input_grad=False)
     check_mlp_shards(tp, dense, world, f"after {STEPS} Adam steps")
 
 
@@ -157,7 +160,7 @@ def tp_dp_parity(world, kind, loss_name):
         loss_fn = nn.MSELoss() if loss_name == "mse" else nn.CrossEntropyLoss()
         opts[0].zero_grad()
         loss_fn(ddp(x[rows]), y[rows])
-        ddp.backward(loss_fn.backward())
+        ddp.backward(loss_fn.backward(), input_grad=kind == "sgd")  # adam: without fc1's input gradient
         opts[0].step()
         ref_loss = nn.MSELoss() if loss_name == "mse" else nn.CrossEntropyLoss()
         opts[1].zero_grad()

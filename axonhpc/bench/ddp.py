@@ -127,7 +127,7 @@ def _axon_worker(args) -> Optional[dict]:
         model, opt = models[name], opts[name]
         opt.zero_grad()
         loss_fn(model(x), y)
-        model.backward(loss_fn.backward())
+        model.backward(loss_fn.backward(), input_grad=False)  # as torch: the data needs no gradient
         opt.step()
         if record and name in stats:
             stats[name].append(dict(model.last_step))

@@ -71,7 +71,7 @@ def _worker(args) -> Optional[dict]:
         opt = optimizers[config]
         opt.zero_grad()
         loss_fn(wrapped[config](x), y)
-        wrapped[config].backward(loss_fn.backward())
+        wrapped[config].backward(loss_fn.backward(), input_grad=False)
         opt.step()
 
     def slowest(elapsed: float) -> float:

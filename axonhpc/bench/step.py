@@ -6,11 +6,13 @@ and precision it times, in interleaved rounds, and reports the medians:
 - ``axonhpc``: zero_grad, forward, cross-entropy, backward and an SGD step
   (momentum 0.9) of ``nn.Sequential`` of Linear and ReLU, on numpy
   (``--device cpu``) or cupy (``--device cuda``);
-- ``gemm floor``: the three matrix products of every layer alone (forward
-  ``x @ W.T``, weight gradient ``g.T @ x``, input gradient ``g @ W``) on the
-  same array library, into preallocated outputs. Every other pass over memory
-  comes on top of these, so the ratio ours/floor says how much of the step is
-  not matrix products;
+- ``gemm floor``: the matrix products a step needs, alone (forward
+  ``x @ W.T``, weight gradient ``g.T @ x`` and, for every layer but the first,
+  whose input is data, input gradient ``g @ W``) on the same array library,
+  into preallocated outputs. Every other pass over memory comes on top of
+  these, so the ratio ours/floor says how much of the step is not matrix
+  products. Our step (``backward(..., input_grad=False)``) and PyTorch's (the
+  data does not require grad) both skip the first layer's input gradient;
 - ``torch``: the same model, loss and optimizer in PyTorch on the same
   device, when torch is installed (else n/a).
 
@@ -60,8 +62,9 @@ class ModelSpec:
         return "-".join(map(str, self.widths)) + f" x{self.batch}"
 
     def gemm_flops(self) -> int:
-        """Floating-point operations of the three products of every layer."""
-        return sum(3 * 2 * self.batch * a * b for a, b in zip(self.widths[:-1], self.widths[1:]))
+        """Floating-point operations of the floor's products (two for the first layer, three for the others)."""
+        return sum((2 if i == 0 else 3) * 2 * self.batch * a * b
+                   for i, (a, b) in enumerate(zip(self.widths[:-1], self.widths[1:])))
 
 
 def parse_models(text: str) -> List[ModelSpec]:
@@ -183,7 +186,7 @@ def axon_step(spec: ModelSpec, device: Device, precision: str = "fp32") -> Calla
         opt.zero_grad(set_to_none=True)
         with cast:
             loss = loss_fn(model(x), y)
-        model.backward(loss_fn.backward())
+        model.backward(loss_fn.backward(), input_grad=False)  # the input is data
         opt.step()
         return loss
 
@@ -191,7 +194,9 @@ def axon_step(spec: ModelSpec, device: Device, precision: str = "fp32") -> Calla
 
 
 def gemm_floor(spec: ModelSpec, device: Device, precision: str = "fp32") -> Callable[[], None]:
-    """The three products of every layer of the spec, into preallocated outputs, as a closure.
+    """The products of a step of the spec's MLP, into preallocated outputs, as a closure.
+
+    Every layer's forward and weight gradient; the input gradient of every layer but the first.
 
     bf16: the operands and outputs are bfloat16 arrays.
     """
@@ -199,19 +204,20 @@ def gemm_floor(spec: ModelSpec, device: Device, precision: str = "fp32") -> Call
     dtype = bfloat16_dtype() if precision == "bf16" else np.dtype(np.float32)
     rng = np.random.default_rng(1)
     layers = []
-    for a, b in zip(spec.widths[:-1], spec.widths[1:]):
+    for i, (a, b) in enumerate(zip(spec.widths[:-1], spec.widths[1:])):
         def host(*shape):
             return xp.asarray(rng.standard_normal(shape).astype(np.float32)).astype(dtype)
 
         layers.append((host(spec.batch, a), host(b, a), host(spec.batch, b),
                        xp.empty((spec.batch, b), dtype), xp.empty((b, a), dtype),
-                       xp.empty((spec.batch, a), dtype)))
+                       xp.empty((spec.batch, a), dtype) if i else None))
 
     def products() -> None:
         for x, w, g, y, dw, dx in layers:
             xp.matmul(x, w.T, out=y)
             xp.matmul(g.T, x, out=dw)
-            xp.matmul(g, w, out=dx)
+            if dx is not None:
+                xp.matmul(g, w, out=dx)
 
     return products
 

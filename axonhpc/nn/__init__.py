@@ -21,7 +21,7 @@ from .embedding import Embedding
 from .linear import Linear
 from .loss import CrossEntropyLoss, MSELoss
 from .matmul import apply_matmul_precision
-from .module import IncompatibleKeys, Module
+from .module import IncompatibleKeys, Module, call_backward
 from .normalization import LayerNorm
 from .parameter import Parameter, RemovableHandle
 from .transformer import GPT, TransformerBlock
@@ -30,6 +30,7 @@ __all__ = [
     "Parameter",
     "RemovableHandle",
     "Module",
+    "call_backward",
     "IncompatibleKeys",
     "Sequential",
     "Linear",

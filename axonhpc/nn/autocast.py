@@ -199,20 +199,22 @@ def linear_param_grads(grad_out: Any, saved: Tuple[Any, Any, Any], weight: Any, 
     weight.accumulate_product(g2.T, xc.reshape(-1, xc.shape[-1]))
 
 
-def linear_backward(grad_out: Any, saved: Tuple[Any, Any, Any], weight: Any, bias: Any = None) -> Any:
+def linear_backward(grad_out: Any, saved: Tuple[Any, Any, Any], weight: Any, bias: Any = None,
+                    input_grad: bool = True) -> Any:
     """The whole backward of ``linear_product`` (plus a bias): parameter gradients, then d loss / d x.
 
     Args:
         grad_out: d loss / d y, in any dtype (taken to the product's).
         saved: ``linear_product``'s tuple.
         weight, bias: the Parameters (bias None without one).
+        input_grad: False skips the product for d loss / d x.
 
     Returns:
-        d loss / d x in the dtype of ``x``.
+        d loss / d x in the dtype of ``x``; None with ``input_grad=False``.
     """
     grad_out = linear_grad_output(grad_out, saved)
     linear_param_grads(grad_out, saved, weight, bias)
-    return linear_input_grad(grad_out, saved, weight)
+    return linear_input_grad(grad_out, saved, weight) if input_grad else None
 
 
 def add_bias(y: Any, bias: Any, saved: Tuple[Any, Any, Any]) -> Any:

@@ -20,7 +20,7 @@ from typing import Any
 
 from .autocast import autocast_dtype, restored_autocast
 from .dropout import Dropout
-from .module import Module
+from .module import Module, call_backward
 
 
 def _nbytes(obj: Any, seen: set) -> int:
@@ -80,8 +80,11 @@ class Checkpoint(Module):
         self._save_cache((x, states, autocast_dtype()))
         return out
 
-    def backward(self, grad_out: Any) -> Any:
-        """Recompute the inner forward with the saved generators, then backpropagate through it."""
+    def backward(self, grad_out: Any, input_grad: bool = True) -> Any:
+        """Recompute the inner forward with the saved generators, then backpropagate through it.
+
+        ``input_grad=False`` is passed on to the inner module (see ``Module.backward``).
+        """
         x, states, autocast_state = self._pop_cache()
         dropouts = self._dropouts()
         current = [d.rng_state() for d in dropouts]
@@ -93,7 +96,7 @@ class Checkpoint(Module):
         finally:
             for d, state in zip(dropouts, current):
                 d.set_rng_state(state)
-        return self.module.backward(grad_out)
+        return call_backward(self.module.backward, grad_out, input_grad)
 
 
 def checkpoint(module: Module) -> Checkpoint:

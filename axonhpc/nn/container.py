@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Any, Iterator
 
 from ..errors import ArgumentTypeError
-from .module import Module
+from .module import Module, call_backward
 
 
 class Sequential(Module):
@@ -50,11 +50,18 @@ class Sequential(Module):
             x = m(x)
         return x
 
-    def backward(self, grad_out: Any) -> Any:
-        """Backward through every layer in reverse order; returns d loss / d input."""
-        for m in reversed(list(self._modules.values())):
+    def backward(self, grad_out: Any, input_grad: bool = True) -> Any:
+        """Backward through every layer in reverse order; returns d loss / d input.
+
+        Args:
+            grad_out: d loss / d output.
+            input_grad: False passes ``input_grad=False`` on to the first layer
+                (see ``Module.backward``); the result may then be None.
+        """
+        layers = list(self._modules.values())
+        for m in reversed(layers[1:]):
             grad_out = m.backward(grad_out)
-        return grad_out
+        return call_backward(layers[0].backward, grad_out, input_grad) if layers else grad_out
 
 
 __all__ = ["Sequential"]

@@ -62,9 +62,15 @@ class Linear(Module):
         self._save_cache(saved)
         return y if self.bias is None else add_bias(y, self.bias.data, saved)
 
-    def backward(self, grad_out: Any) -> Any:
-        """Gradients for ``x``, ``weight`` and ``bias`` from d loss / d y of shape (..., out_features)."""
-        return linear_backward(grad_out, self._pop_cache(), self.weight, self.bias)
+    def backward(self, grad_out: Any, input_grad: bool = True) -> Any:
+        """Gradients for ``x``, ``weight`` and ``bias`` from d loss / d y of shape (..., out_features).
+
+        Args:
+            grad_out: d loss / d y.
+            input_grad: False skips the product ``grad_out @ weight`` for d loss / d x
+                (the first layer of a model, whose input is data) and returns None.
+        """
+        return linear_backward(grad_out, self._pop_cache(), self.weight, self.bias, input_grad)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

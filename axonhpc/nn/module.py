@@ -10,6 +10,18 @@ schedules running several forwards before their backwards (pipeline
 micro-batches) must save and restore the caches in between, which is what
 ``stash_activations`` and ``restore_activations`` are for.
 
+[Note: input_grad=False]
+The input of a model's first layer is usually data, whose gradient nobody
+reads; computing it costs ``Linear`` a matrix product as large as its
+forward (PyTorch skips it because the input does not require grad). A
+backward may therefore take ``input_grad=False``: it fills ``p.grad`` as
+usual and need not compute (and may return None for) d loss / d input.
+Containers pass the flag on to the layer that sees their input, through
+``call_backward``, which gives it only to a backward whose signature has
+an ``input_grad`` parameter: a layer written without one still runs, and
+computes its input gradient as before. Inner layers always get their
+input gradient, since the layer before them needs it.
+
 Parameters, submodules and buffers are registered by attribute assignment, in
 order; ``parameters()`` and ``state_dict()`` follow that order, which is also
 the order a DDP bucket plan reverses.
@@ -17,7 +29,7 @@ the order a DDP bucket plan reverses.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any, Dict, List, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import numpy as np
 
@@ -26,6 +38,31 @@ from ..errors import (ArgumentTypeError, BackendUnavailableError, BackwardBefore
                       InvalidKeyError, ModuleNotInitializedError, ShapeError, StateDictError)
 from .matmul import sync_matmul_precision
 from .parameter import Parameter
+
+
+def _takes_input_grad(backward: Callable[..., Any]) -> bool:
+    """Whether ``backward`` (a function or bound method) has a parameter named ``input_grad``."""
+    code = getattr(getattr(backward, "__func__", backward), "__code__", None)
+    return code is not None and "input_grad" in code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]
+
+
+def call_backward(backward: Callable[..., Any], grad_out: Any, input_grad: bool = True) -> Any:
+    """``backward(grad_out)``, with ``input_grad=False`` passed where the backward takes it.
+
+    Containers and wrappers call their inner module's backward through this, so
+    a model's first layer can skip d loss / d input (see the module note).
+
+    Args:
+        backward: a module's ``backward`` (bound method, or a function a wrapper installed).
+        grad_out: d loss / d output.
+        input_grad: False when no one reads d loss / d input.
+
+    Returns:
+        What ``backward`` returned: d loss / d input, or possibly None with ``input_grad=False``.
+    """
+    if not input_grad and _takes_input_grad(backward):
+        return backward(grad_out, input_grad=False)
+    return backward(grad_out)
 
 
 class IncompatibleKeys(NamedTuple):
@@ -415,6 +452,10 @@ class Module:
         Adds d loss / d parameter into each ``p.grad`` (running its grad
         hooks) and drops the cached activations.
 
+        A layer whose input gradient costs work may also take
+        ``input_grad: bool = True``; False means no one reads d loss / d input,
+        so it may skip computing it and return None (see the module note).
+
         Args:
             grad_out: d loss / d output, shaped like the output of the last ``forward``.
 
@@ -489,4 +530,4 @@ class Module:
         return "\n".join(lines)
 
 
-__all__ = ["Module", "IncompatibleKeys"]
+__all__ = ["Module", "IncompatibleKeys", "call_backward"]

@@ -43,7 +43,7 @@ from ..collectives import all_reduce, broadcast
 from ..data import DistributedSampler
 from ..errors import ConfigurationError
 from ..log import get_logger
-from ..nn import autocast
+from ..nn import autocast, call_backward
 from ..optim.optimizer import Optimizer
 from ..parallel import DDP, FSDP, GradScaler, MixedPrecision, Pipeline, ZeroRedundancyOptimizer
 from .optimizers import NoOptimizer, check_rebuildable, rebuild_optimizer
@@ -146,7 +146,7 @@ class Setup:
                     grad = loss_fn.backward() / len(batches)
                 else:  # scaled in the loss's float32, before the gradient is rounded to float16
                     grad = loss_fn.backward(self.scaler.scale(1.0) / len(batches))
-                self.wrapper.backward(grad)
+                call_backward(self.wrapper.backward, grad, input_grad=False)  # the input is data
             total += float(loss) * len(yb)
             count += len(yb)
         if self.scaler is not None:

@@ -64,6 +64,7 @@ from ...errors import (ArgumentTypeError, AxonError, ConfigurationError, Gradien
                       UnusedParameterError)
 from ...buffers import HOST, flat_ops_for
 from ...groups import resolve_group
+from ...nn import call_backward
 from .autotune import bucket_bytes
 from .buckets import Bucket, shared_flats
 from .join import Joiner
@@ -211,14 +212,19 @@ class DistributedDataParallel(WrapperModes):
     def _syncing(self) -> bool:
         return self.syncing and self.strategy is not GradSyncStrategy.NO_SYNC
 
-    def backward(self, grad_out: Any) -> Any:
+    def backward(self, grad_out: Any, input_grad: bool = True) -> Any:
         """Backward through the module; on return gradients hold the group average.
 
         Inside ``no_sync()`` (or with the ``NO_SYNC`` strategy) gradients only
         accumulate locally; the next backward outside averages the sum.
 
+        Args:
+            grad_out: d loss / d output.
+            input_grad: False passes ``input_grad=False`` on to the module
+                (see ``nn.Module.backward``): its first layer may skip d loss / d input.
+
         Returns:
-            The gradient with respect to the module's input.
+            The gradient with respect to the module's input (possibly None with ``input_grad=False``).
 
         Raises:
             UnusedParameterError: a parameter got no gradient (see
@@ -236,7 +242,7 @@ class DistributedDataParallel(WrapperModes):
         self._overlapping = syncing and self.strategy is GradSyncStrategy.OVERLAPPED
         start = time.perf_counter()
         try:
-            grad_in = self.module.backward(grad_out)
+            grad_in = call_backward(self.module.backward, grad_out, input_grad)
         finally:
             self._overlapping = False
         backward_s = time.perf_counter() - start

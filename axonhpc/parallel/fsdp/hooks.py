@@ -29,6 +29,7 @@ from __future__ import annotations
 from typing import Any, Callable, List, Optional
 
 from ... import tracing
+from ...nn import call_backward
 from .config import ShardingStrategy
 from .flat_param import FlatUnit, PendingReduction
 
@@ -77,10 +78,10 @@ class UnitHooks:
             self._post_forward(unit)
             return out
 
-        def backward(grad_out: Any) -> Any:
+        def backward(grad_out: Any, input_grad: bool = True) -> Any:
             self._pre_backward(unit)
             with tracing.span(f"backward {label}"):
-                grad_in = inner_backward(grad_out)
+                grad_in = call_backward(inner_backward, grad_out, input_grad)
             self._post_backward(unit)
             return grad_in
 

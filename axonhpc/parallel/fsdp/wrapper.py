@@ -28,6 +28,7 @@ import numpy as np
 from ...buffers import flat_ops_for
 from ...errors import ArgumentTypeError, AxonError, ConfigurationError
 from ...groups import resolve_group
+from ...nn import call_backward
 from .flat_param import FlatUnit, Placement, share_shards
 from .config import CPUOffload, MixedPrecision, ShardingStrategy, cast, is_floating
 from .clip import clip_grad_norm
@@ -187,7 +188,7 @@ class FullyShardedDataParallel(WrapperModes):
             out = cast(out, self.master_dtype)
         return out
 
-    def backward(self, grad_out: Any) -> Any:
+    def backward(self, grad_out: Any, input_grad: bool = True) -> Any:
         """Backward through the model; on return the master shards hold the averaged gradients.
 
         Inside ``no_sync()`` gradients only accumulate, unsharded, in the
@@ -195,12 +196,18 @@ class FullyShardedDataParallel(WrapperModes):
         reduces the sum. Gradients add into the master shards' ``grad`` until
         the optimizer's ``zero_grad``.
 
+        Args:
+            grad_out: d loss / d output.
+            input_grad: False passes ``input_grad=False`` on to the model
+                (see ``nn.Module.backward``): its first layer may skip d loss / d input.
+
         Returns:
-            The gradient with respect to the model's input.
+            The gradient with respect to the model's input (possibly None with ``input_grad=False``).
         """
         if self.compute_dtype is not None:
             grad_out = cast(grad_out, self.compute_dtype)
-        return self._hooks.run_backward(self.module.backward, grad_out, syncing=self.syncing)
+        backward = functools.partial(call_backward, self.module.backward, input_grad=input_grad)
+        return self._hooks.run_backward(backward, grad_out, syncing=self.syncing)
 
     def register_comm_hook(self, state: Any, hook: Any) -> None:
         """Average each unit's gradient with ``hook(state, bucket)`` instead of a reduce-scatter.

@@ -55,7 +55,7 @@ from ... import tracing
 from ..._dtypes import array_module
 from ...errors import AxonError, ConfigurationError, ShapeError, UsageError
 from ...groups import resolve_group
-from ...nn import cached_nbytes
+from ...nn import cached_nbytes, call_backward
 from ..same_model import check_same_model
 from .lowering import RECV_B, RECV_F, SEND_B, SEND_F, Op, Step, lower_schedule
 from .render import format_schedule_table
@@ -395,7 +395,7 @@ class Pipeline:
         grad = seed if seed is not None else st.handover.pop((s, i, GRAD))
         module = self.stage_modules[s]
         module.restore_activations(caches)
-        grad_in = module.backward(grad)
+        grad_in = call_backward(module.backward, grad, input_grad=s > 0)  # nothing before stage 0 reads it
         if s > 0:
             st.handover[(s - 1, i, GRAD)] = grad_in
 

@@ -86,17 +86,23 @@ class ColumnParallelLinear(Module):
             y = gather_last_axis(y, self.group)
         return y
 
-    def backward(self, grad_out: Any) -> Any:
+    def backward(self, grad_out: Any, input_grad: bool = True) -> Any:
         """Local weight/bias gradients; returns the full input gradient, summed over the group.
 
         Args:
             grad_out: d loss / d output: this rank's block (..., out_features / P), or with
                 ``gather_output`` the full (..., out_features) gradient.
+            input_grad: False (the first layer of a model, whose input is data) skips the
+                input gradient's product and its all-reduce, and returns None. Every rank of
+                the group must pass the same value, as for any collective.
 
         Returns:
             d loss / d x (..., in_features), identical on every rank of the group.
         """
         block, saved = self.begin_backward(grad_out)
+        if not input_grad:
+            self.finish_backward(block, saved)
+            return None
         xp = array_module(block)
         grad_in = xp.ascontiguousarray(self.partial_input_grad(block, saved))
         # Start the sum of the partial input gradients first, and compute the
@@ -315,9 +321,12 @@ class TensorParallelMLP(Module):
         """The block's output (..., hidden) from the full input (..., hidden)."""
         return self.fc2(self.act(self.fc1(x)))
 
-    def backward(self, grad_out: Any) -> Any:
-        """Backward through fc2, GELU and fc1; returns the full input gradient."""
-        return self.fc1.backward(self.act.backward(self.fc2.backward(grad_out)))
+    def backward(self, grad_out: Any, input_grad: bool = True) -> Any:
+        """Backward through fc2, GELU and fc1; returns the full input gradient.
+
+        ``input_grad=False`` goes to fc1 (see ``ColumnParallelLinear.backward``): None is returned.
+        """
+        return self.fc1.backward(self.act.backward(self.fc2.backward(grad_out)), input_grad=input_grad)
 
     def extra_repr(self) -> str:
         return f"hidden={self.hidden}, ffn_hidden={self.ffn_hidden}, tp_size={self.fc1.group.size}"
