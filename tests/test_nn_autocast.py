@@ -261,3 +261,22 @@ def test_bfloat16_is_widened_for_the_loss_and_erf_as_float16_is():
     np.testing.assert_array_equal(grad, want_grad.astype(bf16))
     x = rng.standard_normal(50).astype(np.float32).astype(bf16)
     np.testing.assert_array_equal(nn.functional.erf(x), nn.functional.erf(x.astype(np.float32)).astype(bf16))
+
+
+@pytest.mark.parametrize("low", ["float16", "bfloat16"])
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_gelu_on_16_bit_floats_computes_in_float32_and_rounds_once(low, approximate):
+    """Regression: bfloat16 times a Python float is float32 in ml_dtypes, so GELU returned float32 (and
+    its gradient too) for bfloat16 input; float16 rounded at every step. Both now follow PyTorch:
+    float32 arithmetic, the result rounded to the input's dtype, forward and backward."""
+    dtype = F16 if low == "float16" else _bf16()
+    rng = np.random.default_rng(7)
+    x = (3 * rng.standard_normal(64)).astype(np.float32).astype(dtype)
+    g = rng.standard_normal(64).astype(np.float32)
+    ours, ref = nn.GELU(approximate), nn.GELU(approximate)
+    y, want = ours(x), ref(x.astype(np.float32))
+    assert y.dtype == dtype
+    np.testing.assert_array_equal(y, want.astype(dtype))
+    dx, want_dx = ours.backward(g), ref.backward(g)
+    assert dx.dtype == dtype
+    np.testing.assert_array_equal(dx, want_dx.astype(dtype))

@@ -4,8 +4,11 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .._dtypes import array_module
+import numpy as np
+
+from .._dtypes import array_module, is_floating, is_low_precision_float
 from ..errors import ConfigurationError
+from .autocast import like
 from .functional import erf
 from .module import Module
 
@@ -13,6 +16,21 @@ _INV_SQRT2 = 1.0 / math.sqrt(2.0)
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 _TANH_COEF = 0.044715
+
+
+def _opmath(x: Any) -> Any:
+    """``x`` in float32 when it is a 16-bit float (float16, bfloat16), else as it is.
+
+    ml_dtypes' bfloat16 times a Python float is float32, and float16 arithmetic
+    rounds at every step: both are avoided by computing in float32 and
+    rounding the result once to the input's dtype.
+    """
+    return x.astype(np.float32) if is_low_precision_float(x.dtype) else x
+
+
+def _rounded(out: Any, dtype: Any) -> Any:
+    """``out`` in the floating input's ``dtype`` (None: an integer input, left as computed)."""
+    return out if dtype is None else like(out, dtype)
 
 
 class ReLU(Module):
@@ -65,26 +83,32 @@ class GELU(Module):
         self.approximate = approximate
 
     def forward(self, x: Any) -> Any:
-        """Apply GELU element-wise."""
+        """Apply GELU element-wise (16-bit floats computed in float32 and rounded once, as PyTorch does)."""
         xp = array_module(x)
+        dtype = x.dtype if is_floating(x.dtype) else None  # integers give float64, as before
+        x = _opmath(x)
         if self.approximate == "tanh":
             t = xp.tanh(_SQRT_2_OVER_PI * (x + _TANH_COEF * x * x * x))
-            self._save_cache((x, t))
-            return 0.5 * x * (1 + t)
+            self._save_cache((x, t, dtype))
+            return _rounded(0.5 * x * (1 + t), dtype)
         cdf = 0.5 * (1 + erf(x * _INV_SQRT2))
-        self._save_cache((x, cdf))
-        return x * cdf
+        self._save_cache((x, cdf, dtype))
+        return _rounded(x * cdf, dtype)
 
     def backward(self, grad_out: Any) -> Any:
-        """Exact form: Phi(x) + x phi(x); tanh form: the derivative of that formula."""
-        x, aux = self._pop_cache()
+        """Exact form: Phi(x) + x phi(x); tanh form: the derivative of that formula.
+
+        Returns the input gradient in the input's dtype (computed in float32 for 16-bit floats).
+        """
+        x, aux, dtype = self._pop_cache()
         xp = array_module(x)
+        grad_out = _opmath(grad_out)
         if self.approximate == "tanh":
             t = aux
             inner_grad = _SQRT_2_OVER_PI * (1 + 3 * _TANH_COEF * x * x)
-            return grad_out * (0.5 * (1 + t) + 0.5 * x * (1 - t * t) * inner_grad)
+            return _rounded(grad_out * (0.5 * (1 + t) + 0.5 * x * (1 - t * t) * inner_grad), dtype)
         pdf = _INV_SQRT_2PI * xp.exp(-0.5 * x * x)
-        return grad_out * (aux + x * pdf)
+        return _rounded(grad_out * (aux + x * pdf), dtype)
 
     def extra_repr(self) -> str:
         return f"approximate={self.approximate!r}"
