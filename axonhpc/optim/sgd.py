@@ -44,7 +44,7 @@ class SGD(Optimizer):
                 buf = state["momentum_buffer"] = grad.copy()
             else:
                 buf *= self.momentum
-                buf += (1 - self.dampening) * grad
+                buf += grad if self.dampening == 0 else (1 - self.dampening) * grad  # 1 * g is g: no pass
             grad = grad + self.momentum * buf if self.nesterov else buf
         data = param.data
         data -= self.lr * grad
