@@ -12,7 +12,7 @@ from axonhpc import nn, optim
 from axonhpc.bucketing import GradSyncStrategy
 from axonhpc.parallel import UnusedParameterError
 
-GLOBAL_BATCH = 24  # divisible by 1, 2, 3 and 4
+GLOBAL_BATCH = 60  # divisible by 1, 2, 3, 4 and 5
 STEPS = 6
 TOL = {np.float64: 1e-12, np.float32: 1e-5}
 
