@@ -49,6 +49,13 @@ from ..parallel import DDP, FSDP, GradScaler, MixedPrecision, Pipeline, ZeroRedu
 from .optimizers import NoOptimizer, check_rebuildable, rebuild_optimizer
 
 
+def loss_scaler(mixed_precision: Optional[MixedPrecision], group: Any) -> Optional[GradScaler]:
+    """A ``GradScaler`` over ``group`` for float16 parameters; None otherwise (bfloat16 keeps float32's range)."""
+    if mixed_precision is not None and mixed_precision.param_dtype == np.float16:
+        return GradScaler(group=group)
+    return None
+
+
 class Setup:
     """A data-parallel strategy's wrapped model and what the loop needs of it (see the module note).
 
@@ -110,8 +117,7 @@ class Setup:
         """
         if mixed_precision is not None:
             self.compute_dtype = mixed_precision.param_dtype
-            if self.compute_dtype == np.float16:
-                self.scaler = GradScaler(group=self.group)
+            self.scaler = loss_scaler(mixed_precision, self.group)
         return self
 
     # Each subclass has ``build(model, optimizer, loss_fn, group, mesh, mixed_precision, options)``: collective,
@@ -314,11 +320,8 @@ class FSDPSetup(Setup):
               mixed_precision: Optional[MixedPrecision], options: dict) -> Setup:
         """Collective: ``FSDP(model, group, mixed_precision=...)``; a ``GradScaler`` for float16 parameters."""
         wrapper = FSDP(model, group=group, mixed_precision=mixed_precision, **options)
-        scaler = None
-        if mixed_precision is not None and mixed_precision.param_dtype == np.float16:
-            scaler = GradScaler(group=wrapper.group)
         return cls(model, wrapper, rebuild_optimizer(optimizer, wrapper.parameters()), wrapper.group,
-                   wrapper.group, scaler)
+                   wrapper.group, loss_scaler(mixed_precision, wrapper.group))
 
     def _gradient_holders(self) -> List[Any]:
         """The shards' ``(name, Parameter)``: the optimizer steps on those."""
