@@ -424,10 +424,103 @@ class _RoutinesLinalg(types.ModuleType):
         return self.compute_types[index]
 
 
+class ElementwiseKernel:
+    """``cupy.ElementwiseKernel`` whose body is compiled as C on the host (``host_kernels``).
+
+    Checked as cupy checks: the number of arguments, host arrays and lists
+    refused, one dtype per type placeholder (from the array arguments, else
+    the scalars), outputs of the declared dtype. Offered narrower than cupy:
+    array arguments of one shape (no broadcasting), no ``raw`` parameters, no
+    ``loop_prep``/``after_loop``, float32/float64/int32/int64/bool types.
+    """
+
+    def __init__(self, in_params: str, out_params: str, operation: str, name: str = "kernel",
+                 reduce_dims: bool = True, preamble: str = "", no_return: bool = False,
+                 return_tuple: bool = False, **kwargs: Any):
+        import host_kernels
+
+        unknown = set(kwargs) - {"options", "loop_prep", "after_loop"}
+        if unknown:
+            raise TypeError(f"ElementwiseKernel() got unexpected keyword arguments {sorted(unknown)}")
+        if kwargs.get("loop_prep") or kwargs.get("after_loop"):
+            raise NotImplementedError("the strict stand-in's ElementwiseKernel has no loop_prep or after_loop")
+        self.in_params = host_kernels.parse_params(in_params)
+        self.out_params = host_kernels.parse_params(out_params)
+        self.operation, self.name, self.preamble = operation, name, preamble
+        self.no_return, self.return_tuple = no_return, return_tuple
+        self.options = tuple(kwargs.get("options", ()))
+        self.calls = 0  # launches so far (a test counter; cupy has no such attribute)
+
+    def _dtypes(self, args: list) -> dict:
+        import host_kernels
+
+        types_: dict = {}
+        for (type_, name), arg in zip(self.in_params + self.out_params, args):
+            if type(arg) is DeviceArray and host_kernels.is_placeholder(type_):
+                if types_.setdefault(type_, arg.dtype) != arg.dtype:
+                    raise TypeError(f"Type is mismatched. {name} {arg.dtype} {types_[type_]}")
+        for (type_, name), arg in zip(self.in_params, args):
+            if type(arg) is not DeviceArray and host_kernels.is_placeholder(type_) and type_ not in types_:
+                types_[type_] = np.asarray(arg).dtype
+        return types_
+
+    def __call__(self, *args: Any, size: Any = None, block_size: Any = None, stream: Any = None) -> Any:
+        import host_kernels
+
+        n_in, n_out = len(self.in_params), len(self.out_params)
+        if len(args) not in (n_in, n_in + n_out):
+            raise TypeError(f"Wrong number of arguments for {self.name!r}")
+        for arg in args:
+            _refuse_host(arg, self.name)
+        args = list(args)
+        placeholders = self._dtypes(args)
+
+        def dtype_of(type_: str) -> np.dtype:
+            dtype = placeholders[type_] if host_kernels.is_placeholder(type_) else np.dtype(type_)
+            if dtype not in host_kernels.C_TYPES:
+                raise NotImplementedError(f"the strict stand-in's ElementwiseKernel has no {dtype} arguments")
+            return dtype
+
+        shapes = {a.shape for a in args if type(a) is DeviceArray}
+        if len(shapes) > 1:
+            raise NotImplementedError(f"the strict stand-in's ElementwiseKernel does not broadcast: shapes "
+                                      f"{sorted(shapes)} in {self.name!r}")
+        shape = shapes.pop() if shapes else ()
+        if len(args) == n_in:
+            args += [DeviceArray(np.empty(shape, dtype_of(t))) for t, _ in self.out_params]
+        for (type_, name), arg in zip(self.out_params, args[n_in:]):
+            if type(arg) is not DeviceArray:
+                raise TypeError(f"output {name!r} of {self.name!r} must be a cupy array, got {type(arg).__name__}")
+            if arg.dtype != dtype_of(type_):
+                raise TypeError(f"Type is mismatched. {name} {arg.dtype} {dtype_of(type_)}")
+        inputs, values = [], []
+        for (type_, name), arg in zip(self.in_params, args):
+            dtype = dtype_of(type_)
+            is_array = type(arg) is DeviceArray
+            if is_array and arg.dtype != dtype:
+                raise TypeError(f"Type is mismatched. {name} {arg.dtype} {dtype}")
+            inputs.append((host_kernels.C_TYPES[dtype][0], name, is_array))
+            values.append((dtype, np.ascontiguousarray(arg._a) if is_array else arg))
+        outputs = [(host_kernels.C_TYPES[dtype_of(t)][0], name) for t, name in self.out_params]
+        source = host_kernels.c_source(self.name, inputs, outputs, placeholders, self.operation, self.preamble)
+        function = host_kernels.load(source, self.name)
+        targets = [a._a if a._a.flags.c_contiguous else np.ascontiguousarray(a._a) for a in args[n_in:]]
+        host_kernels.run(function, int(np.prod(shape, dtype=np.int64)), values, targets)
+        for out, target in zip(args[n_in:], targets):
+            if target is not out._a:
+                out._a[...] = target
+        self.calls += 1
+        if self.no_return:
+            return None
+        results = tuple(args[n_in:])
+        return results if self.return_tuple or n_out > 1 else results[0]
+
+
 class StrictCupy(types.ModuleType):
     """The ``cupy`` module over DeviceArrays; ``cuda`` is filled in by the caller (``fake_cuda``)."""
 
     ndarray = DeviceArray
+    ElementwiseKernel = ElementwiseKernel
 
     def __init__(self):
         super().__init__("cupy")

@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Iterable, Tuple
+from typing import Any, Dict, Iterable, Optional, Tuple
 
 from .._dtypes import array_module
 from ..errors import ConfigurationError
+from . import fused as _fused
 from .optimizer import Optimizer, check_non_negative
 
 
@@ -30,18 +31,24 @@ class Adam(Optimizer):
         betas: decay rates of the first and second moments.
         eps: added to the denominator.
         weight_decay: L2 penalty added to the gradient.
+        fused: update each cupy parameter of float32 or float64 with one
+            kernel, bit for bit the unfused update (None, the default: where
+            possible; True: every parameter, else ConfigurationError; False:
+            never). See ``axonhpc.optim.fused``.
 
     Raises:
-        ConfigurationError: a negative lr, eps or weight_decay, or betas outside [0, 1).
+        ConfigurationError: a negative lr, eps or weight_decay, betas outside
+            [0, 1), or ``fused=True`` with a parameter the kernel does not serve.
     """
 
     _decoupled = False
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.0) -> None:
+                 eps: float = 1e-8, weight_decay: float = 0.0, fused: Optional[bool] = None) -> None:
         name = type(self).__name__
         check_non_negative(name, lr=lr, eps=eps, weight_decay=weight_decay)
         super().__init__(params, lr=lr, betas=_check_betas(name, betas), eps=eps, weight_decay=weight_decay)
+        self.fused = _fused.check_fused(fused, self.params, name)
 
     def _update(self, param: Any, grad: Any, state: Dict[str, Any]) -> None:
         xp = array_module(param.data)
@@ -53,6 +60,11 @@ class Adam(Optimizer):
         state["step"] += 1
         step = state["step"]
         beta1, beta2 = self.betas
+        if _fused.fuses(self.fused, data, grad):
+            _fused.adam(xp, data, grad, state["exp_avg"], state["exp_avg_sq"], lr=self.lr, beta1=beta1,
+                        beta2=beta2, eps=self.eps, weight_decay=self.weight_decay, decoupled=self._decoupled,
+                        step=step)
+            return
         if self.weight_decay != 0:
             if self._decoupled:
                 data *= 1 - self.lr * self.weight_decay
@@ -85,16 +97,17 @@ class AdamW(Adam):
         betas: decay rates of the first and second moments.
         eps: added to the denominator.
         weight_decay: decoupled decay coefficient.
+        fused: as for ``Adam``.
 
     Raises:
-        ConfigurationError: a negative lr, eps or weight_decay, or betas outside [0, 1).
+        ConfigurationError: as for ``Adam``.
     """
 
     _decoupled = True
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 1e-2) -> None:
-        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+                 eps: float = 1e-8, weight_decay: float = 1e-2, fused: Optional[bool] = None) -> None:
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=fused)
 
 
 __all__ = ["Adam", "AdamW"]

@@ -1,0 +1,147 @@
+"""A cupy ``ElementwiseKernel`` body compiled as C on the host, so the strict stand-in can run it.
+
+Nothing here runs on a GPU. The body a kernel gives cupy (CUDA C++) is
+compiled by the host's C compiler as C99 with ``<tgmath.h>`` (so ``sqrt`` of
+a float is ``sqrtf``, as CUDA's overload is), with ``-ffp-contract=off`` (no
+fused multiply-add, as the library's kernels ask NVRTC with ``--fmad=false``)
+and no fast-math. Each element is one loop iteration:
+
+- an input array parameter is a ``const`` local read from its element;
+- a scalar input parameter is a ``const`` local of its parameter type;
+- an output parameter is its element itself (a macro), read and written by the body.
+
+What is checked this way is the body's arithmetic, in the order and dtype
+it is written: a body that is not also valid C (C++-only syntax, CUDA
+intrinsics) fails to compile here, and CUDA-specific behaviour is only seen
+on a GPU. Compiled libraries are cached by the hash of their source under
+the temporary directory, written under a temporary name and renamed (ranks
+compile concurrently).
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from typing import Dict, List, Sequence, Tuple
+
+import numpy as np
+
+C_TYPES = {
+    np.dtype(np.float32): ("float", ctypes.c_float),
+    np.dtype(np.float64): ("double", ctypes.c_double),
+    np.dtype(np.int32): ("int32_t", ctypes.c_int32),
+    np.dtype(np.int64): ("int64_t", ctypes.c_int64),
+    np.dtype(np.bool_): ("bool", ctypes.c_bool),
+}
+_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_loaded: Dict[str, ctypes.CDLL] = {}
+
+
+def parse_params(text: str) -> List[Tuple[str, str]]:
+    """``"T x, float32 y"`` as ``[("T", "x"), ("float32", "y")]``; refuses what the stand-in does not offer.
+
+    Raises:
+        ValueError: a malformed entry or a reserved name (``i``, ``n``, a leading underscore), as cupy
+            raises; NotImplementedError for ``raw`` parameters (not offered by the stand-in).
+    """
+    params = []
+    for entry in (e.strip() for e in text.split(",") if e.strip()):
+        words = entry.split()
+        if words[0] == "raw":
+            raise NotImplementedError(f"the strict stand-in's ElementwiseKernel has no raw parameters: {entry!r}")
+        if len(words) != 2 or not all(_IDENT.match(w) for w in words):
+            raise ValueError(f"Invalid parameter: {entry!r}")
+        type_, name = words
+        if name in ("i", "n") or name.startswith("_"):
+            raise ValueError(f"{name!r} is a reserved name in an elementwise kernel")
+        params.append((type_, name))
+    return params
+
+
+DTYPE_NAMES = frozenset("bool int8 int16 int32 int64 uint8 uint16 uint32 uint64 float16 float32 float64 "
+                        "complex64 complex128".split())
+
+
+def is_placeholder(type_: str) -> bool:
+    """A type name that is not a dtype name (``T``) stands for the dtype of its argument."""
+    return type_ not in DTYPE_NAMES
+
+
+def c_source(name: str, inputs: Sequence[Tuple[str, str, bool]], outputs: Sequence[Tuple[str, str]],
+             placeholders: Dict[str, np.dtype], operation: str, preamble: str = "") -> str:
+    """The C translation unit of one kernel (see the module docstring).
+
+    Args:
+        inputs: ``(C type, name, is_array)`` per input parameter.
+        outputs: ``(C type, name)`` per output parameter.
+        placeholders: placeholder type name -> dtype (each becomes a typedef).
+    """
+    lines = ["#include <tgmath.h>", "#include <stdint.h>", "#include <stdbool.h>"]
+    lines += [f"typedef {C_TYPES[dtype][0]} {ph};" for ph, dtype in placeholders.items()]
+    lines.append(preamble)
+    args = ["int64_t _n"]
+    args += [f"const {ct}* _in_{nm}" if is_array else f"{ct} _in_{nm}" for ct, nm, is_array in inputs]
+    args += [f"{ct}* _out_{nm}" for ct, nm in outputs]
+    lines.append(f"void {name}({', '.join(args)}) {{")
+    lines.append("  for (int64_t i = 0; i < _n; ++i) {")
+    lines.append("    const int64_t n = _n; (void)n;")
+    for ct, nm, is_array in inputs:
+        lines.append(f"    const {ct} {nm} = _in_{nm}{'[i]' if is_array else ''};")
+    lines += [f"#define {nm} (_out_{nm}[i])" for _, nm in outputs]
+    lines += ["    {", operation, "    }"]
+    lines += [f"#undef {nm}" for _, nm in outputs]
+    lines += ["  }", "}"]
+    return "\n".join(lines) + "\n"
+
+
+def compiler() -> str:
+    """The host C compiler (``CC``, else cc/gcc), or raise RuntimeError saying none is there."""
+    for candidate in (os.environ.get("CC"), "cc", "gcc"):
+        if candidate and shutil.which(candidate):
+            return candidate
+    raise RuntimeError("the strict stand-in compiles kernel bodies with a C compiler, and none was found "
+                       "(set CC or install gcc)")
+
+
+def load(source: str, name: str) -> ctypes._CFuncPtr:
+    """Compile ``source`` (cached by its hash) and return its function ``name``."""
+    digest = hashlib.sha256(source.encode()).hexdigest()[:24]
+    lib = _loaded.get(digest)
+    if lib is None:
+        cache = os.path.join(tempfile.gettempdir(), f"axonhpc-host-kernels-{os.getuid()}")
+        os.makedirs(cache, exist_ok=True)
+        path = os.path.join(cache, f"{digest}.so")
+        if not os.path.exists(path):
+            src = os.path.join(cache, f"{digest}.{os.getpid()}.c")
+            tmp = os.path.join(cache, f"{digest}.{os.getpid()}.so")
+            with open(src, "w") as f:
+                f.write(source)
+            done = subprocess.run([compiler(), "-std=c99", "-O2", "-ffp-contract=off", "-fno-fast-math",
+                                   "-shared", "-fPIC", src, "-o", tmp, "-lm"], capture_output=True, text=True)
+            os.unlink(src)
+            if done.returncode != 0:
+                raise RuntimeError(f"kernel {name} does not compile as C on the host:\n{done.stderr}\n{source}")
+            os.replace(tmp, path)
+        lib = _loaded[digest] = ctypes.CDLL(path)
+    return getattr(lib, name)
+
+
+def run(function: ctypes._CFuncPtr, size: int, inputs: Sequence[Tuple[np.dtype, object]],
+        outputs: Sequence[np.ndarray]) -> None:
+    """Call a loaded kernel on C-contiguous numpy arrays and scalars of the declared dtypes."""
+    args = [ctypes.c_int64(size)]
+    for dtype, value in inputs:
+        if isinstance(value, np.ndarray):
+            args.append(ctypes.c_void_p(value.ctypes.data))
+        else:
+            args.append(C_TYPES[dtype][1](dtype.type(value).item()))
+    args += [ctypes.c_void_p(out.ctypes.data) for out in outputs]
+    function.restype = None
+    function(*args)
+
+
+__all__ = ["C_TYPES", "parse_params", "is_placeholder", "c_source", "compiler", "load", "run"]
