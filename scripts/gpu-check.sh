@@ -18,7 +18,9 @@
 #   train        the main job on the GPU: examples/train_digits.py --device cuda, 2 ranks, >= 95%
 #   bench        axonhpc bench allreduce --device gpu on 2 ranks: NCCL, CUDA-aware MPI, staged MPI
 #   step         axonhpc bench step --device cuda on one rank: our training step beside PyTorch's
-#                and the GEMM floor, fp32 and TF32, small and large MLP
+#                and the GEMM floor, fp32, TF32 and bf16, small and large MLP
+#   step-unfused the same, fp32 and TF32, with our optimizer unfused (--no-fused): what the fused
+#                update saves
 #
 # Exits 0 when no part failed, 1 when one did, 2 when there is no GPU or the arguments are wrong.
 # Every mpiexec runs under `timeout` (AXONHPC_GPU_TIMEOUT seconds a part, default 900). Logs:
@@ -314,5 +316,15 @@ elif [ "$code" = 0 ]; then
     record step PASS "$(grep -a -c -E ' (fp32|tf32|bf16) ' "$LOGS/step.log") rows; ours/floor and ours/torch in $LOGS/step.log"
 else
     record step FAIL "exit $code (log: $LOGS/step.log)"
+fi
+run "$LOGS/step-unfused.log" timeout -k 10 "$T" "$PY" -m axonhpc bench step --device cuda --precisions fp32,tf32 \
+    --no-fused
+code=$?
+if [ "$DRY" = 1 ]; then
+    record step-unfused PLAN "as above"
+elif [ "$code" = 0 ]; then
+    record step-unfused PASS "$(grep -a -c -E ' (fp32|tf32) ' "$LOGS/step-unfused.log") rows with the optimizer unfused; compare with $LOGS/step.log"
+else
+    record step-unfused FAIL "exit $code (log: $LOGS/step-unfused.log)"
 fi
 finish

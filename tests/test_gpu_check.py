@@ -81,7 +81,7 @@ def test_plan_for_one_gpu_shares_it_and_skips_nccl_between_ranks():
     assert out.returncode == 0, out.stdout + out.stderr
     parts = summary(out.stdout)
     assert list(parts) == ["setup", "build", "info", "gpu-1rank", "gpu-2shared", "gpu-2nccl", "train", "bench",
-                           "step"]
+                           "step", "step-unfused"]
     assert parts["gpu-2nccl"] == ("SKIP", "one GPU: NCCL refuses two ranks on one GPU, so NCCL between ranks "
                                           "needs a node with 2+ GPUs")
     plan = out.stdout
@@ -92,6 +92,7 @@ def test_plan_for_one_gpu_shares_it_and_skips_nccl_between_ranks():
     assert "examples/train_digits.py --device cuda --epochs 20 --min-accuracy 0.95" in plan
     assert "-m axonhpc bench allreduce --device gpu" in plan
     assert "timeout -k 10 900 " in plan and "-m axonhpc bench step --device cuda" in plan
+    assert "bench step --device cuda --precisions fp32,tf32 --no-fused" in plan
     every_mpiexec = [line for line in plan.splitlines() if "mpiexec" in line]
     assert len(every_mpiexec) == 3 and all("timeout -k 10 900 " in line for line in every_mpiexec)
 

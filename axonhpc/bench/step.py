@@ -164,10 +164,12 @@ def _batch(spec: ModelSpec, seed: int = 0) -> Tuple[np.ndarray, np.ndarray]:
     return x, y
 
 
-def axon_step(spec: ModelSpec, device: Device, precision: str = "fp32") -> Callable[[], float]:
+def axon_step(spec: ModelSpec, device: Device, precision: str = "fp32",
+              fused: Optional[bool] = None) -> Callable[[], float]:
     """One axonhpc training step of the spec's MLP on ``device``, as a closure returning the loss.
 
     bf16: float32 parameters, the forward and loss under ``nn.autocast("bfloat16")``.
+    ``fused``: the SGD's ``fused`` argument (None: one kernel a parameter on cupy).
     """
     from ..nn import CrossEntropyLoss, autocast
     from ..optim import SGD
@@ -176,7 +178,7 @@ def axon_step(spec: ModelSpec, device: Device, precision: str = "fp32") -> Calla
     model = make_mlp(spec.widths)
     if device.xp is not np:
         model.to("cuda")
-    opt = SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    opt = SGD(model.parameters(), lr=LR, momentum=MOMENTUM, fused=fused)
     loss_fn = CrossEntropyLoss()
     x, y = (device.xp.asarray(a) for a in _batch(spec))
 
@@ -274,7 +276,8 @@ def _timed(fn: Callable[[], Any], device: Device, warmup: int) -> Tuple[Callable
     return block, count
 
 
-def measure(spec: ModelSpec, precision: str, device: Device, rounds: int, warmup: int = 3) -> dict:
+def measure(spec: ModelSpec, precision: str, device: Device, rounds: int, warmup: int = 3,
+            fused: Optional[bool] = None) -> dict:
     """Median seconds per step of each candidate for one model and precision (None where it did not run)."""
     from ..nn import apply_matmul_precision
     from ..settings import settings
@@ -283,7 +286,7 @@ def measure(spec: ModelSpec, precision: str, device: Device, rounds: int, warmup
     settings.allow_tf32 = precision == "tf32"
     try:
         apply_matmul_precision()  # the floor's products are not module calls
-        fns: Dict[str, Callable[[], Any]] = {"axonhpc": axon_step(spec, device, precision),
+        fns: Dict[str, Callable[[], Any]] = {"axonhpc": axon_step(spec, device, precision, fused),
                                              "floor": gemm_floor(spec, device, precision)}
         torch_fn, torch_note = torch_step(spec, device, precision)
         if torch_fn is not None:
@@ -335,6 +338,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--precisions", default=None,
                         help="fp32 and, on cuda, tf32 and bf16 (default: all the device runs)")
     parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds; the median is reported")
+    parser.add_argument("--no-fused", action="store_true",
+                        help="our SGD updates parameter by parameter with array operations (fused=False) "
+                             "instead of one kernel a parameter on cupy")
     args = parser.parse_args([] if argv is None else list(argv))
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
@@ -349,9 +355,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if skipped is not None:
         precisions = [p for p in precisions if p != "bf16"]
     limiter = pin_blas_threads(1)  # noqa: F841 - keeps the limit in force
-    rows = [measure(spec, precision, device, args.rounds) for spec in specs for precision in precisions]
+    fused = False if args.no_fused else None
+    rows = [measure(spec, precision, device, args.rounds, fused=fused) for spec in specs for precision in precisions]
     torch_note = rows[0]["torch"] if rows else "nothing measured"
-    print(f"device: {device.describe()}; {torch_note}; medians of {args.rounds} interleaved rounds")
+    update = ("array operations" if args.no_fused or device.xp is np else "one fused kernel a parameter")
+    print(f"device: {device.describe()}; {torch_note}; our SGD update: {update}; "
+          f"medians of {args.rounds} interleaved rounds")
     if rows:
         print(format_table(rows))
     if skipped is not None:
