@@ -110,6 +110,18 @@ def array_module(x: Any):
     return np
 
 
+def all_true(flags: Any) -> bool:
+    """Whether every 0-d boolean array in ``flags`` is true, reading device values with one transfer.
+
+    On a GPU each read of a device value waits for the device's queued work: reading n
+    flags one by one stops the host n times, stacking them first once.
+    """
+    device = [f for f in flags if is_cupy_array(f)]
+    if not all(bool(f) for f in flags if not is_cupy_array(f)):
+        return False
+    return not device or bool(sys.modules["cupy"].stack(device).all())
+
+
 def to_host(x: Any) -> Any:
     """``x`` in host memory: a numpy copy of a cupy array (``.get()``), anything else as it is."""
     return x.get() if is_cupy_array(x) else x
@@ -158,6 +170,7 @@ __all__ = [
     "is_integer",
     "is_cupy_array",
     "array_module",
+    "all_true",
     "to_host",
     "check_array",
 ]

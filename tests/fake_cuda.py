@@ -25,6 +25,7 @@ from collections import defaultdict, deque
 import numpy as np
 
 from axonhpc.backends.nccl import NCCL_DATATYPES, NCCL_OPS
+import strict_cupy
 from strict_cupy import DeviceArray, StrictCupy, device  # noqa: F401 - re-exported for the tests
 
 WAIT = 30.0  # seconds any fake wait may take before the test fails instead of hanging
@@ -41,7 +42,7 @@ class _Stream:
         self.waited += 1
 
     def synchronize(self):
-        pass
+        strict_cupy._synced("stream.synchronize")
 
     def __enter__(self):
         stack = _Stream._current.__dict__.setdefault("stack", [])
@@ -67,7 +68,7 @@ class _Event:
         return True
 
     def synchronize(self):
-        pass
+        strict_cupy._synced("event.synchronize")
 
 
 def _current_stream():

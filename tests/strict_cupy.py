@@ -25,14 +25,50 @@ module functions cupy has are offered; anything else raises ``AttributeError``.
 from __future__ import annotations
 
 import builtins
+import contextlib
 import importlib.machinery
+import sys
+import threading
 import types
-from typing import Any
+from typing import Any, Iterator, List
 
 import numpy as np
 
 IMPLICIT = ("Implicit conversion to a NumPy array is not allowed. "
             "Please use `.get()` to construct a NumPy array explicitly.")
+
+
+_sync_logs = threading.local()  # this thread's open count_syncs() lists (threads play ranks)
+
+
+def _synced(what: str) -> None:
+    """Note one device-to-host read (on a GPU each waits for the stream's work so far)."""
+    logs = getattr(_sync_logs, "open", None)
+    if logs:
+        frame = sys._getframe(2)
+        while frame is not None and frame.f_code.co_filename == __file__:
+            frame = frame.f_back
+        where = "?" if frame is None else f"{frame.f_code.co_filename.split('/axonhpc/')[-1]}:{frame.f_lineno}"
+        for log in logs:
+            log.append(f"{what} at {where}")
+
+
+@contextlib.contextmanager
+def count_syncs() -> Iterator[List[str]]:
+    """Collect, in a list, each read of a device value by this thread inside the block, and where it happened.
+
+    ``.get()``, ``.item()``, ``.tolist()``, ``cupy.asnumpy`` and the conversions ``bool()``,
+    ``float()``, ``int()`` and ``operator.index`` of a device array (and, with ``fake_cuda``,
+    a stream's or event's ``synchronize``): on a GPU each one waits for every kernel queued
+    before it, so the host stops running ahead of the device.
+    """
+    log: List[str] = []
+    logs = _sync_logs.__dict__.setdefault("open", [])
+    logs.append(log)
+    try:
+        yield log
+    finally:
+        logs.remove(log)
 
 
 def _refuse_host(value: Any, where: str) -> None:
@@ -145,6 +181,7 @@ class DeviceArray:
                 "strides": None if a.flags.c_contiguous else a.strides, "version": 3}
 
     def get(self, stream: Any = None, order: str = "C", out: Any = None, blocking: bool = True) -> np.ndarray:
+        _synced("get")
         if out is None:
             return np.array(self._a, order=order)
         if type(out) is not np.ndarray or out.shape != self._a.shape or out.dtype != self._a.dtype:
@@ -162,9 +199,11 @@ class DeviceArray:
         np.copyto(self._a, arr)
 
     def item(self) -> Any:
+        _synced("item")
         return self._a.item()
 
     def tolist(self) -> Any:
+        _synced("tolist")
         return self._a.tolist()
 
     # -- what cupy refuses ------------------------------------------------------------------
@@ -192,15 +231,19 @@ class DeviceArray:
         return "array(" + np.array2string(self._a, separator=", ") + ")"
 
     def __bool__(self) -> bool:
+        _synced("bool")
         return bool(self._a)
 
     def __float__(self) -> float:
+        _synced("float")
         return float(self._a)
 
     def __int__(self) -> int:
+        _synced("int")
         return int(self._a)
 
     def __index__(self) -> int:
+        _synced("index")
         return self._a.__index__()
 
     def __getitem__(self, key: Any) -> "DeviceArray":

@@ -274,6 +274,8 @@ def test_cross_entropy_errors():
         loss_fn(np.zeros((2, 3)), np.array([0, 1, 2]))
     with pytest.raises(ShapeError, match=r"\[0, 3\).*\[0, 3\]"):
         loss_fn(np.zeros((2, 3)), np.array([0, 3]))
+    with pytest.raises(ShapeError, match=r"\[0, 3\).*\[-1, 1\]"):
+        loss_fn(np.zeros((2, 3)), np.array([-1, 1]))
     with pytest.raises(TypeError):
         loss_fn(np.zeros((2, 3)), np.array([0.0, 1.0]))
     assert issubclass(ShapeError, AxonError)

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from .._dtypes import array_module, is_low_precision_float
+import numpy as np
+
+from .._dtypes import array_module, is_low_precision_float, to_host
 from ..errors import ShapeError, UnsupportedDtypeError
 from .functional import log_softmax
 from .module import Module
@@ -56,13 +58,17 @@ class CrossEntropyLoss(Module):
         shape = logits.shape
         logits = logits.reshape(-1, c)
         targets = targets.reshape(-1)
-        lo, hi = int(targets.min()), int(targets.max())
-        if lo < 0 or hi >= c:
-            raise ShapeError(f"CrossEntropyLoss targets must be in [0, {c}), got values in [{lo}, {hi}]")
         logp = log_softmax(logits.astype(_working_dtype(logits), copy=False), axis=-1)
         rows = xp.arange(logits.shape[0])
+        # The loss and the targets' range come to the host in one read (on a GPU each read waits for
+        # the device): the gather takes clipped targets, and the range is checked once it is read.
+        picked = logp[rows, xp.clip(targets, 0, c - 1)]
+        loss, lo, hi = to_host(xp.stack([(-picked.mean()).astype(np.float64), targets.min().astype(np.float64),
+                                         targets.max().astype(np.float64)])).tolist()
+        if lo < 0 or hi >= c:
+            raise ShapeError(f"CrossEntropyLoss targets must be in [0, {c}), got values in [{int(lo)}, {int(hi)}]")
         self._save_cache((logp, targets, rows, logits.dtype, shape))
-        return float(-logp[rows, targets].mean())
+        return loss
 
     def backward(self, grad_output: float = 1.0) -> Any:
         """d loss / d logits (the logits' shape), times ``grad_output`` (e.g. 1/M for M accumulated micro-batches)."""

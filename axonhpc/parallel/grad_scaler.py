@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from .._dtypes import array_module, is_low_precision_float
+from .._dtypes import all_true, array_module, is_low_precision_float
 from ..backends import ReduceOp
 from ..collectives import all_reduce
 from ..errors import ConfigurationError
@@ -93,15 +93,16 @@ class GradScaler:
         """
         if self._unscaled == id(optimizer):
             return self.found_inf
-        bad = 0.0
         inverse = 1.0 / self.scale_value
+        finite = []  # one verdict a gradient, kept in its memory: read once below, not once a gradient
         for p in optimizer.params:
             if p.grad is None:
                 continue
             if self.enabled:
                 p.grad *= p.grad.dtype.type(inverse)
-            if p.grad.size and not bool(array_module(p.grad).isfinite(p.grad).all()):
-                bad = 1.0
+            if p.grad.size:
+                finite.append(array_module(p.grad).isfinite(p.grad).all())
+        bad = 0.0 if all_true(finite) else 1.0
         if self.enabled:
             flag = np.array([bad], dtype=np.float64)
             all_reduce(flag, ReduceOp.MAX, resolve_group(self.group))

@@ -1,0 +1,125 @@
+"""How often a training step on device arrays stops the host to read a device value.
+
+On a GPU every read of a device value by the host (``.get()``, ``float()``,
+``bool()``, ``.item()``, a stream or event ``synchronize``) waits for all the
+kernels queued before it: the host stops running ahead of the device, and a
+step of small kernels becomes a step of launch latencies. The strict stand-in
+notes each such read with the line that made it (``strict_cupy.count_syncs``),
+so these tests pin the number a step makes. Nothing here runs on a GPU.
+"""
+import sys
+
+import numpy as np
+import pytest
+
+import axonhpc as ax
+from axonhpc import nn, optim
+from axonhpc.parallel.grad_scaler import GradScaler
+from ddp_cases import make_data, make_model, make_optimizer, shard
+from fake_cuda import FakeNccl, install, run_device_world
+from strict_cupy import count_syncs
+
+STEPS = 3
+
+
+@pytest.fixture
+def cupy(monkeypatch):
+    class Modules:
+        def __setitem__(self, name, module):
+            monkeypatch.setitem(sys.modules, name, module)
+
+    return install(Modules())[0]
+
+
+def _model(cupy):
+    model = nn.Sequential(nn.Linear(8, 16, seed=1), nn.GELU(), nn.LayerNorm(16), nn.Dropout(0.1, seed=2),
+                          nn.Linear(16, 16, seed=3), nn.ReLU(), nn.Tanh(), nn.Linear(16, 4, seed=4))
+    return model.to("cuda")
+
+
+def _batch(cupy, step):
+    rng = np.random.default_rng(step)
+    return (cupy.asarray(rng.standard_normal((6, 8)).astype(np.float32)), cupy.asarray(rng.integers(0, 4, 6)))
+
+
+@pytest.mark.parametrize("make_opt", [lambda ps: optim.AdamW(ps, lr=1e-3),
+                                      lambda ps: optim.SGD(ps, lr=0.1, momentum=0.9, fused=False)],
+                         ids=["adamw_fused", "sgd_unfused"])
+def test_a_plain_step_reads_one_value_the_loss(cupy, make_opt):
+    model = _model(cupy)
+    opt, loss_fn = make_opt(model.parameters()), nn.CrossEntropyLoss()
+    for step in range(STEPS):
+        x, y = _batch(cupy, step)
+        with count_syncs() as log:
+            opt.zero_grad()
+            loss = loss_fn(model(x), y)
+            model.backward(loss_fn.backward(), input_grad=False)
+            opt.step()
+        assert isinstance(loss, float)
+        assert len(log) == 1, log  # the loss (with the targets' range, in the same read)
+
+
+def test_loss_scaling_and_clipping_read_one_value_each_whatever_the_number_of_parameters(cupy):
+    model = _model(cupy)
+    assert len(model.parameters()) == 8
+    opt, loss_fn, scaler = optim.AdamW(model.parameters(), lr=1e-3), nn.CrossEntropyLoss(), GradScaler()
+    for step in range(STEPS):
+        x, y = _batch(cupy, step)
+        with count_syncs() as log:
+            opt.zero_grad()
+            loss_fn(model(x), y)
+            model.backward(loss_fn.backward(scaler.scale(1.0)), input_grad=False)
+            scaler.unscale(opt)
+            optim.clip_grad_norm(model.parameters(), 1.0)
+            assert scaler.step(opt)
+            scaler.update()
+        assert len(log) == 3, log  # the loss, the scaler's overflow verdict, the norm
+
+
+def test_an_overflow_is_still_seen_through_the_one_read(cupy):
+    model = _model(cupy)
+    opt, scaler = optim.SGD(model.parameters(), lr=0.1), GradScaler(init_scale=4.0)
+    for p in model.parameters():
+        p.grad = cupy.ones(p.data.shape, dtype=p.data.dtype)
+    model.parameters()[5].grad[0] = np.inf
+    before = [p.data.get() for p in model.parameters()]
+    with count_syncs() as log:
+        assert not scaler.step(opt)
+    assert len(log) == 1 and scaler.found_inf
+    assert all(np.array_equal(b, p.data.get()) for b, p in zip(before, model.parameters()))
+
+
+def _wrapped_step_sites(cupy, n, wrap):
+    """The read sites of rank 0's last step of a wrapped model on n thread ranks."""
+    sites = {}
+
+    def run(world):
+        model = make_model(np.float32, seed=0).to("cuda")
+        wrapper = wrap(model)
+        opt, loss_fn = make_optimizer("adam", wrapper.parameters()), nn.CrossEntropyLoss()
+        for step in range(STEPS):
+            x, y = make_data(step, np.float32)
+            x, y = cupy.asarray(shard(x, world.rank, n)), cupy.asarray(shard(y, world.rank, n))
+            with count_syncs() as log:
+                opt.zero_grad()
+                loss_fn(wrapper(x), y)
+                wrapper.backward(loss_fn.backward(), input_grad=False)
+                opt.step()
+            if world.rank == 0:
+                sites[step] = log
+
+    run_device_world(run, n, FakeNccl(), cupy)
+    return sites[STEPS - 1]
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_ddp_step_reads_one_value_the_loss(cupy, n):
+    log = _wrapped_step_sites(cupy, n, ax.DDP)
+    assert len(log) == 1, log
+
+
+@pytest.mark.parametrize("strategy", ["full_shard", "shard_grad_op"])
+def test_an_fsdp_step_reads_no_device_value_but_the_loss(cupy, strategy):
+    log = _wrapped_step_sites(cupy, 2, lambda m: ax.FSDP(m, sharding_strategy=strategy))
+    values = [e for e in log if not e.startswith(("event.synchronize", "stream.synchronize"))]
+    assert len(values) == 1, log  # the loss; the rest are host waits on NCCL's events (see docs/gpu.md)
