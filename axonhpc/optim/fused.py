@@ -15,11 +15,12 @@ update is then the unfused one bit for bit. That is what the tests check,
 against the strict stand-in (which compiles the same bodies as C on the host)
 and on a GPU.
 
-The choice is made for each parameter at each step (``fuses``, a dtype and type test): device arrays of
-float32 or float64 take the kernel; host arrays, 16-bit floats (kept on the
-unfused path: cupy's half arithmetic is not numpy's) and optimizers built
-with ``fused=False`` keep the array code. The kernels are built on first use
-and kept per array module and variant.
+The choice is made for each parameter at each step (``fuses``: a type and
+dtype test, no device work): cupy arrays of float32 or float64 with a
+gradient of the same kind take the kernel. Host arrays, 16-bit floats (no
+half-precision kernel is written: mixed precision keeps float32 master
+weights) and optimizers built with ``fused=False`` keep the array code. The
+kernels are built on first use and kept per array module and variant.
 
 Bodies are written in the common part of CUDA C++ and C99 with <tgmath.h>
 (arithmetic, ``sqrt``, casts), so the stand-in can compile them on a machine
@@ -27,8 +28,8 @@ without CUDA.
 """
 from __future__ import annotations
 
-import threading
 import math
+import threading
 from typing import Any, Dict, Optional, Tuple
 
 import numpy as np
