@@ -62,7 +62,7 @@ def _train(xp, config, fused, dtype, skip=None):
 
 
 def _launches(xp):
-    return sum(k.calls for key, k in fused_module._kernels.items() if key[0] == id(xp))
+    return sum(k.calls for key, k in fused_module._kernels.items() if key[0] is xp)
 
 
 def _assert_bitwise(got, expected):
@@ -86,7 +86,7 @@ def test_fused_is_the_unfused_update_bit_for_bit(config, dtype, strict_cupy):
 def test_the_kernels_are_compiled_without_multiply_add_contraction(strict_cupy):
     _train(strict_cupy, "adam", True, np.float32)
     _train(strict_cupy, "sgd_momentum", True, np.float32)
-    kernels = [k for key, k in fused_module._kernels.items() if key[0] == id(strict_cupy)]
+    kernels = [k for key, k in fused_module._kernels.items() if key[0] is strict_cupy]
     assert {k.name for k in kernels} >= {"axonhpc_adam", "axonhpc_sgd"}
     assert all("--fmad=false" in k.options for k in kernels)
 

@@ -41,7 +41,7 @@ from ..errors import ConfigurationError
 OPTIONS = ("--fmad=false",)
 FUSED_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
-_kernels: Dict[Tuple[int, str, Tuple[bool, ...]], Any] = {}
+_kernels: Dict[Tuple[Any, str, Tuple[bool, ...]], Any] = {}  # (array module, name, variant) -> kernel
 _lock = threading.Lock()
 
 
@@ -99,7 +99,7 @@ def fuses(fused: Optional[bool], data: Any, grad: Any) -> bool:
 
 
 def _kernel(xp: Any, name: str, flags: Tuple[bool, ...], build) -> Any:
-    key = (id(xp), name, flags)
+    key = (xp, name, flags)
     kernel = _kernels.get(key)
     if kernel is None:
         with _lock:
