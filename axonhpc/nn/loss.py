@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from .._dtypes import array_module, is_low_precision_float, to_host
+from .._dtypes import array_module, is_cupy_array, is_low_precision_float
 from ..errors import ShapeError, UnsupportedDtypeError
 from .functional import log_softmax
 from .module import Module
@@ -60,11 +60,15 @@ class CrossEntropyLoss(Module):
         targets = targets.reshape(-1)
         logp = log_softmax(logits.astype(_working_dtype(logits), copy=False), axis=-1)
         rows = xp.arange(logits.shape[0])
-        # The loss and the targets' range come to the host in one read (on a GPU each read waits for
-        # the device): the gather takes clipped targets, and the range is checked once it is read.
-        picked = logp[rows, xp.clip(targets, 0, c - 1)]
-        loss, lo, hi = to_host(xp.stack([(-picked.mean()).astype(np.float64), targets.min().astype(np.float64),
-                                         targets.max().astype(np.float64)])).tolist()
+        if is_cupy_array(logp):
+            # One read for the loss and the targets' range (each read waits for the device): the
+            # gather takes clipped targets, and the range is checked once it is read.
+            picked = logp[rows, xp.clip(targets, 0, c - 1)]
+            loss, lo, hi = xp.stack([(-picked.mean()).astype(np.float64), targets.min().astype(np.float64),
+                                     targets.max().astype(np.float64)]).get().tolist()
+        else:  # host reads cost nothing: check before the gather, skip the clip
+            lo, hi = int(targets.min()), int(targets.max())
+            loss = None if lo < 0 or hi >= c else float(-logp[rows, targets].mean())
         if lo < 0 or hi >= c:
             raise ShapeError(f"CrossEntropyLoss targets must be in [0, {c}), got values in [{int(lo)}, {int(hi)}]")
         self._save_cache((logp, targets, rows, logits.dtype, shape))
