@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 import sys
-from typing import Any, Tuple
+from typing import Any, List, Tuple
 
 import numpy as np
 
@@ -110,16 +110,16 @@ def array_module(x: Any):
     return np
 
 
-def all_true(flags: Any) -> bool:
-    """Whether every 0-d boolean array in ``flags`` is true, reading device values with one transfer.
+def finite_flags(arrays: Any) -> List[bool]:
+    """For each array, whether every element is finite (an empty array is), with one read of the device.
 
-    On a GPU each read of a device value waits for the device's queued work: reading n
-    flags one by one stops the host n times, stacking them first once.
+    On a GPU each read of a device value waits for the device's queued work: the
+    device arrays' verdicts are stacked on the device and read together, not one by one.
     """
-    device = [f for f in flags if is_cupy_array(f)]
-    if not all(bool(f) for f in flags if not is_cupy_array(f)):
-        return False
-    return not device or bool(sys.modules["cupy"].stack(device).all())
+    verdicts = [array_module(a).isfinite(a).all() if a.size else True for a in arrays]
+    device = [v for v in verdicts if is_cupy_array(v)]
+    read = iter(sys.modules["cupy"].stack(device).get().tolist() if device else ())
+    return [bool(next(read)) if is_cupy_array(v) else bool(v) for v in verdicts]
 
 
 def to_host(x: Any) -> Any:
@@ -170,7 +170,7 @@ __all__ = [
     "is_integer",
     "is_cupy_array",
     "array_module",
-    "all_true",
+    "finite_flags",
     "to_host",
     "check_array",
 ]

@@ -123,3 +123,23 @@ def test_an_fsdp_step_reads_no_device_value_but_the_loss(cupy, strategy):
     log = _wrapped_step_sites(cupy, 2, lambda m: ax.FSDP(m, sharding_strategy=strategy))
     values = [e for e in log if not e.startswith(("event.synchronize", "stream.synchronize"))]
     assert len(values) == 1, log  # the loss; the rest are host waits on NCCL's events (see docs/gpu.md)
+
+
+def test_the_trainers_nonfinite_check_reads_once_a_step(cupy):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((96, 8)).astype(np.float32)
+    y = (x[:, 0] > 0).astype(np.int64)
+    logs = {}
+
+    def run(world):
+        model = nn.Sequential(nn.Linear(8, 16, seed=0), nn.ReLU(), nn.Linear(16, 2, seed=1)).to("cuda")
+        trainer = ax.DistributedTrainer(model, optim.Adam(model.parameters(), lr=1e-2), nn.CrossEntropyLoss(),
+                                        verbose=False, progress=False, skip_nonfinite_steps=True)
+        with count_syncs() as log:
+            trainer.fit((cupy.asarray(x), cupy.asarray(y)), 1, batch_size=8)
+        logs[world.rank] = log
+
+    run_device_world(run, 2, FakeNccl(), cupy)
+    steps = 96 // (8 * 2)
+    values = [e for e in logs[0] if not e.startswith(("event.synchronize", "stream.synchronize"))]
+    assert len(values) == 2 * steps, logs[0]  # each step's loss and its gradients' finiteness, 4 gradients

@@ -4,7 +4,6 @@ from __future__ import annotations
 from typing import Any, Dict, Iterable, Optional
 
 from .._dtypes import array_module
-
 from ..errors import ConfigurationError
 from . import fused as _fused
 from .optimizer import Optimizer, check_non_negative
@@ -62,13 +61,13 @@ class SGD(Optimizer):
         data -= self.lr * grad
 
     def _fused_update(self, data: Any, grad: Any, state: Dict[str, Any]) -> None:
-        buf, first = None, False
+        xp, buf, first = array_module(data), None, False
         if self.momentum != 0:
             buf = state.get("momentum_buffer")
             if buf is None:
-                buf = state["momentum_buffer"] = array_module(data).empty_like(data)
+                buf = state["momentum_buffer"] = xp.empty_like(data)
                 first = True
-        _fused.sgd(array_module(data), data, grad, buf, lr=self.lr, momentum=self.momentum, dampening=self.dampening,
+        _fused.sgd(xp, data, grad, buf, lr=self.lr, momentum=self.momentum, dampening=self.dampening,
                    weight_decay=self.weight_decay, nesterov=self.nesterov, first=first)
 
 

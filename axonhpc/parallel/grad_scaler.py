@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from .._dtypes import all_true, array_module, is_low_precision_float
+from .._dtypes import finite_flags, is_low_precision_float
 from ..backends import ReduceOp
 from ..collectives import all_reduce
 from ..errors import ConfigurationError
@@ -94,15 +94,11 @@ class GradScaler:
         if self._unscaled == id(optimizer):
             return self.found_inf
         inverse = 1.0 / self.scale_value
-        finite = []  # one verdict a gradient, kept in its memory: read once below, not once a gradient
-        for p in optimizer.params:
-            if p.grad is None:
-                continue
-            if self.enabled:
-                p.grad *= p.grad.dtype.type(inverse)
-            if p.grad.size:
-                finite.append(array_module(p.grad).isfinite(p.grad).all())
-        bad = 0.0 if all_true(finite) else 1.0
+        grads = [p.grad for p in optimizer.params if p.grad is not None]
+        if self.enabled:
+            for g in grads:
+                g *= g.dtype.type(inverse)
+        bad = 0.0 if all(finite_flags(grads)) else 1.0  # one read of the device, not one a gradient
         if self.enabled:
             flag = np.array([bad], dtype=np.float64)
             all_reduce(flag, ReduceOp.MAX, resolve_group(self.group))

@@ -34,7 +34,7 @@ from typing import Any, Dict, Iterator, List, Optional, Type
 
 import numpy as np
 
-from .._dtypes import is_low_precision_float
+from .._dtypes import finite_flags, is_low_precision_float
 from ..checkpoint import (capture_rng_state, load_per_rank, load_sharded, restore_rng_state, save_per_rank,
                           save_sharded)
 from ..checkpoint.background import AsyncCheckpointer
@@ -168,8 +168,8 @@ class Setup:
 
     def _skip_for_nonfinite(self) -> bool:
         """Collective: True on every rank if any rank has an inf or NaN gradient; the finders say which."""
-        bad = [name for name, p in self._gradient_holders()
-               if p.grad is not None and p.grad.size and not bool(np.isfinite(p.grad).all())]
+        holders = [(name, p) for name, p in self._gradient_holders() if p.grad is not None]
+        bad = [name for (name, _), finite in zip(holders, finite_flags([p.grad for _, p in holders])) if not finite]
         flag = np.array([1.0 if bad else 0.0])
         all_reduce(flag, ReduceOp.MAX, self.group)
         if flag[0]:
