@@ -233,6 +233,12 @@ class Settings:
             default; applied to cupy, process-wide, by the next ``nn`` module
             call or ``nn.apply_matmul_precision()``; numpy ignores it
             (``AXONHPC_ALLOW_TF32``).
+        fused_kernels: on cupy float32/float64 arrays, run the element-wise
+            work of ``nn``'s layers (ReLU, GELU, Tanh, the cross-entropy
+            gradient) and the updates of optimizers built with ``fused=None``
+            as one kernel each, the array code's result bit for bit. Off keeps
+            the array code, one kernel an operation, for comparison
+            (``AXONHPC_FUSED_KERNELS``); numpy ignores it.
     """
 
     debug: bool = False
@@ -259,6 +265,7 @@ class Settings:
     bucket_size_mb: str = "auto"
     check_collectives: bool = True
     allow_tf32: bool = False
+    fused_kernels: bool = True
 
     def load_environment(self, environ: Optional[Mapping[str, str]] = None) -> "Settings":
         """Fill every field whose ``AXONHPC_*`` variable is set.
@@ -325,6 +332,7 @@ _ENVIRONMENT = {
     "deterministic": ("AXONHPC_DETERMINISTIC", _parse_bool),
     "check_collectives": ("AXONHPC_CHECK_COLLECTIVES", _parse_bool),
     "allow_tf32": ("AXONHPC_ALLOW_TF32", _parse_bool),
+    "fused_kernels": ("AXONHPC_FUSED_KERNELS", _parse_bool),
     "bucket_size_mb": ("AXONHPC_BUCKET_SIZE_MB", lambda name, text: _parse_bucket_mb(name, text)),
 }
 

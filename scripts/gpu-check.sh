@@ -19,8 +19,8 @@
 #   bench        axonhpc bench allreduce --device gpu on 2 ranks: NCCL, CUDA-aware MPI, staged MPI
 #   step         axonhpc bench step --device cuda on one rank: our training step beside PyTorch's
 #                and the GEMM floor, fp32, TF32 and bf16, small and large MLP
-#   step-unfused the same, fp32 and TF32, with our optimizer unfused (--no-fused): what the fused
-#                update saves
+#   step-unfused the same, fp32 and TF32, with fused kernels off (--no-fused): what the fused
+#                layer kernels and optimizer update save
 #
 # Exits 0 when no part failed, 1 when one did, 2 when there is no GPU or the arguments are wrong.
 # Every mpiexec runs under `timeout` (AXONHPC_GPU_TIMEOUT seconds a part, default 900). Logs:
@@ -323,7 +323,7 @@ code=$?
 if [ "$DRY" = 1 ]; then
     record step-unfused PLAN "as above"
 elif [ "$code" = 0 ]; then
-    record step-unfused PASS "$(grep -a -c -E ' (fp32|tf32) ' "$LOGS/step-unfused.log") rows with the optimizer unfused; compare with $LOGS/step.log"
+    record step-unfused PASS "$(grep -a -c -E ' (fp32|tf32) ' "$LOGS/step-unfused.log") rows with fused kernels off; compare with $LOGS/step.log"
 else
     record step-unfused FAIL "exit $code (log: $LOGS/step-unfused.log)"
 fi

@@ -13,7 +13,11 @@ and no fast-math. Each element is one loop iteration:
 What is checked this way is the body's arithmetic, in the order and dtype
 it is written: a body that is not also valid C (C++-only syntax, CUDA
 intrinsics) fails to compile here, and CUDA-specific behaviour is only seen
-on a GPU. Compiled libraries are cached by the hash of their source under
+on a GPU. A preamble (helper functions, file scope after the type
+placeholders' typedefs, as cupy places it) may mark its functions
+``__device__``, which is defined empty. ``exp``, ``tanh`` and the like are the
+C library's, within a few ulp of CUDA's and numpy's; arithmetic and ``sqrt``
+round as on a GPU. Compiled libraries are cached by the hash of their source under
 the temporary directory, written under a temporary name and renamed (ranks
 compile concurrently).
 """
@@ -82,6 +86,7 @@ def c_source(name: str, inputs: Sequence[Tuple[str, str, bool]], outputs: Sequen
     """
     lines = ["#include <tgmath.h>", "#include <stdint.h>", "#include <stdbool.h>"]
     lines += [f"typedef {C_TYPES[dtype][0]} {ph};" for ph, dtype in placeholders.items()]
+    lines.append("#define __device__")  # a preamble's device functions are plain C functions here
     lines.append(preamble)
     args = ["int64_t _n"]
     args += [f"const {ct}* _in_{nm}" if is_array else f"{ct} _in_{nm}" for ct, nm, is_array in inputs]

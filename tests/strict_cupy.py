@@ -472,8 +472,9 @@ class ElementwiseKernel:
 
     Checked as cupy checks: the number of arguments, host arrays and lists
     refused, one dtype per type placeholder (from the array arguments, else
-    the scalars), outputs of the declared dtype. Offered narrower than cupy:
-    array arguments of one shape (no broadcasting), no ``raw`` parameters, no
+    the scalars), outputs of the declared dtype, inputs broadcast to one
+    shape (``i`` is the flat index into it) and outputs of exactly that shape.
+    Offered narrower than cupy: no ``raw`` parameters, no
     ``loop_prep``/``after_loop``, float32/float64/int32/int64/bool types.
     """
 
@@ -524,11 +525,15 @@ class ElementwiseKernel:
                 raise NotImplementedError(f"the strict stand-in's ElementwiseKernel has no {dtype} arguments")
             return dtype
 
-        shapes = {a.shape for a in args if type(a) is DeviceArray}
-        if len(shapes) > 1:
-            raise NotImplementedError(f"the strict stand-in's ElementwiseKernel does not broadcast: shapes "
-                                      f"{sorted(shapes)} in {self.name!r}")
-        shape = shapes.pop() if shapes else ()
+        try:
+            shape = np.broadcast_shapes(*(a.shape for a in args if type(a) is DeviceArray))
+        except ValueError:
+            raise ValueError(f"operands could not be broadcast together with shapes "
+                             f"{[a.shape for a in args if type(a) is DeviceArray]} in {self.name!r}") from None
+        for (_, name), arg in zip(self.out_params, args[n_in:]):
+            if type(arg) is DeviceArray and arg.shape != shape:
+                raise ValueError(f"output {name!r} of {self.name!r} has shape {arg.shape}, the arguments broadcast "
+                                 f"to {shape} (an output is never broadcast)")
         if len(args) == n_in:
             args += [DeviceArray(np.empty(shape, dtype_of(t))) for t, _ in self.out_params]
         for (type_, name), arg in zip(self.out_params, args[n_in:]):
@@ -543,7 +548,7 @@ class ElementwiseKernel:
             if is_array and arg.dtype != dtype:
                 raise TypeError(f"Type is mismatched. {name} {arg.dtype} {dtype}")
             inputs.append((host_kernels.C_TYPES[dtype][0], name, is_array))
-            values.append((dtype, np.ascontiguousarray(arg._a) if is_array else arg))
+            values.append((dtype, np.ascontiguousarray(np.broadcast_to(arg._a, shape)) if is_array else arg))
         outputs = [(host_kernels.C_TYPES[dtype_of(t)][0], name) for t, name in self.out_params]
         source = host_kernels.c_source(self.name, inputs, outputs, placeholders, self.operation, self.preamble)
         function = host_kernels.load(source, self.name)

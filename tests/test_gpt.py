@@ -221,4 +221,6 @@ def test_gpt_on_device_stand_in_matches_host(fake_cupy, tie_weights):
     np.testing.assert_allclose(results[0], results[1], rtol=1e-6)
     for (name, a), b in zip(host.named_parameters(), device.parameters()):
         assert isinstance(b.grad, DeviceArray), name
+        if name.endswith("k_proj.bias"):
+            continue  # a gradient of rounding noise that Adam scales up (see test_nn_array_module)
         np.testing.assert_allclose(a.data, b.data.get(), rtol=1e-5, atol=1e-6, err_msg=name)

@@ -30,7 +30,8 @@ def test_environment_fills_fields():
                            "shm_collectives": "auto", "shm_min_bytes": 0, "shm_allgather_max_bytes": 262144,
                            "shm_slot_bytes": 262144,
                            "shm_slots": 4, "deterministic": False, "bucket_size_mb": "auto",
-                          "check_collectives": True, "allow_tf32": False}
+                          "check_collectives": True, "allow_tf32": False,
+                          "fused_kernels": True}
 
 
 def test_revision_counts_every_assignment():

@@ -164,12 +164,12 @@ def _batch(spec: ModelSpec, seed: int = 0) -> Tuple[np.ndarray, np.ndarray]:
     return x, y
 
 
-def axon_step(spec: ModelSpec, device: Device, precision: str = "fp32",
-              fused: Optional[bool] = None) -> Callable[[], float]:
+def axon_step(spec: ModelSpec, device: Device, precision: str = "fp32") -> Callable[[], float]:
     """One axonhpc training step of the spec's MLP on ``device``, as a closure returning the loss.
 
-    bf16: float32 parameters, the forward and loss under ``nn.autocast("bfloat16")``.
-    ``fused``: the SGD's ``fused`` argument (None: one kernel a parameter on cupy).
+    bf16: float32 parameters, the forward and loss under ``nn.autocast("bfloat16")``. The SGD is
+    built with ``fused=None``: its update, like the layers' element-wise work, follows
+    ``settings.fused_kernels`` when the step runs.
     """
     from ..nn import CrossEntropyLoss, autocast
     from ..optim import SGD
@@ -178,7 +178,7 @@ def axon_step(spec: ModelSpec, device: Device, precision: str = "fp32",
     model = make_mlp(spec.widths)
     if device.xp is not np:
         model.to("cuda")
-    opt = SGD(model.parameters(), lr=LR, momentum=MOMENTUM, fused=fused)
+    opt = SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     loss_fn = CrossEntropyLoss()
     x, y = (device.xp.asarray(a) for a in _batch(spec))
 
@@ -277,16 +277,21 @@ def _timed(fn: Callable[[], Any], device: Device, warmup: int) -> Tuple[Callable
 
 
 def measure(spec: ModelSpec, precision: str, device: Device, rounds: int, warmup: int = 3,
-            fused: Optional[bool] = None) -> dict:
-    """Median seconds per step of each candidate for one model and precision (None where it did not run)."""
+            fused: bool = True) -> dict:
+    """Median seconds per step of each candidate for one model and precision (None where it did not run).
+
+    ``fused``: the value of ``settings.fused_kernels`` while our step runs (False: the layers'
+    element-wise work and the optimizer update as array operations, one kernel each).
+    """
     from ..nn import apply_matmul_precision
     from ..settings import settings
 
-    saved = settings.allow_tf32
+    saved, saved_fused = settings.allow_tf32, settings.fused_kernels
     settings.allow_tf32 = precision == "tf32"
+    settings.fused_kernels = bool(fused)
     try:
         apply_matmul_precision()  # the floor's products are not module calls
-        fns: Dict[str, Callable[[], Any]] = {"axonhpc": axon_step(spec, device, precision, fused),
+        fns: Dict[str, Callable[[], Any]] = {"axonhpc": axon_step(spec, device, precision),
                                              "floor": gemm_floor(spec, device, precision)}
         torch_fn, torch_note = torch_step(spec, device, precision)
         if torch_fn is not None:
@@ -296,7 +301,7 @@ def measure(spec: ModelSpec, precision: str, device: Device, rounds: int, warmup
             blocks[name], counts[name] = _timed(fn, device, warmup)
         medians = median_times(blocks, iters=1, rounds=rounds)
     finally:
-        settings.allow_tf32 = saved
+        settings.allow_tf32, settings.fused_kernels = saved, saved_fused
         apply_matmul_precision()
     seconds = {name: medians[name] / counts[name] for name in medians}
     row = {"model": spec.label, "precision": precision, "axonhpc_s": seconds["axonhpc"],
@@ -339,8 +344,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="fp32 and, on cuda, tf32 and bf16 (default: all the device runs)")
     parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds; the median is reported")
     parser.add_argument("--no-fused", action="store_true",
-                        help="our SGD updates parameter by parameter with array operations (fused=False) "
-                             "instead of one kernel a parameter on cupy")
+                        help="our step with settings.fused_kernels off: the layers' element-wise work and the "
+                             "SGD update as array operations, one kernel each, instead of fused kernels on cupy")
     args = parser.parse_args([] if argv is None else list(argv))
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
@@ -355,11 +360,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if skipped is not None:
         precisions = [p for p in precisions if p != "bf16"]
     limiter = pin_blas_threads(1)  # noqa: F841 - keeps the limit in force
-    fused = False if args.no_fused else None
-    rows = [measure(spec, precision, device, args.rounds, fused=fused) for spec in specs for precision in precisions]
+    rows = [measure(spec, precision, device, args.rounds, fused=not args.no_fused)
+            for spec in specs for precision in precisions]
     torch_note = rows[0]["torch"] if rows else "nothing measured"
-    update = ("array operations" if args.no_fused or device.xp is np else "one fused kernel a parameter")
-    print(f"device: {device.describe()}; {torch_note}; our SGD update: {update}; "
+    update = ("array operations" if args.no_fused or device.xp is np
+              else "fused kernels (ReLU, cross-entropy gradient, SGD update)")
+    print(f"device: {device.describe()}; {torch_note}; our element-wise work: {update}; "
           f"medians of {args.rounds} interleaved rounds")
     if rows:
         print(format_table(rows))

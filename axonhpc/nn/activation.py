@@ -1,21 +1,21 @@
 """Element-wise activations: ReLU, GELU, Tanh."""
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numpy as np
 
 from .._dtypes import array_module, is_floating, is_low_precision_float
 from ..errors import ConfigurationError
+from . import kernels
 from .autocast import like
 from .functional import erf
 from .module import Module
 
-_INV_SQRT2 = 1.0 / math.sqrt(2.0)
-_INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
-_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
-_TANH_COEF = 0.044715
+_INV_SQRT2 = kernels.INV_SQRT2
+_INV_SQRT_2PI = kernels.INV_SQRT_2PI
+_SQRT_2_OVER_PI = kernels.SQRT_2_OVER_PI
+_TANH_COEF = kernels.TANH_COEF
 
 
 def _opmath(x: Any) -> Any:
@@ -34,10 +34,17 @@ def _rounded(out: Any, dtype: Any) -> Any:
 
 
 class ReLU(Module):
-    """max(x, 0); the gradient at 0 is taken as 0, as in PyTorch."""
+    """max(x, 0); the gradient at 0 is taken as 0, as in PyTorch.
+
+    On cupy float32/float64 arrays the forward is one kernel (``nn.kernels``).
+    """
 
     def forward(self, x: Any) -> Any:
         """Apply ReLU element-wise."""
+        if kernels.takes_kernels(x):
+            y, mask = kernels.relu_forward(x)
+            self._save_cache(mask)
+            return y
         mask = x > 0
         self._save_cache(mask)
         return x * mask
@@ -48,7 +55,7 @@ class ReLU(Module):
 
 
 class Tanh(Module):
-    """Hyperbolic tangent."""
+    """Hyperbolic tangent (on cupy float32/float64 arrays the backward is one kernel)."""
 
     def forward(self, x: Any) -> Any:
         """Apply tanh element-wise."""
@@ -59,6 +66,8 @@ class Tanh(Module):
     def backward(self, grad_out: Any) -> Any:
         """d tanh(x)/dx = 1 - tanh(x)^2."""
         y = self._pop_cache()
+        if kernels.takes_kernels(y) and type(grad_out) is type(y) and grad_out.dtype == y.dtype:
+            return kernels.tanh_backward(grad_out, y)
         return grad_out * (1 - y * y)
 
 
@@ -72,6 +81,9 @@ class GELU(Module):
             0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), which differs
             from the exact form by up to ~3e-4 (absolute, near |x| = 2).
 
+    On cupy float32/float64 arrays the forward and the backward are one kernel
+    each (``nn.kernels``), the array code's result bit for bit.
+
     Raises:
         ConfigurationError: another ``approximate`` value.
     """
@@ -84,6 +96,10 @@ class GELU(Module):
 
     def forward(self, x: Any) -> Any:
         """Apply GELU element-wise (16-bit floats computed in float32 and rounded once, as PyTorch does)."""
+        if kernels.takes_kernels(x):
+            y, aux = kernels.gelu_forward(x, self.approximate == "tanh")
+            self._save_cache((x, aux, x.dtype))
+            return y
         xp = array_module(x)
         dtype = x.dtype if is_floating(x.dtype) else None  # integers give float64, as before
         x = _opmath(x)
@@ -101,6 +117,8 @@ class GELU(Module):
         Returns the input gradient in the input's dtype (computed in float32 for 16-bit floats).
         """
         x, aux, dtype = self._pop_cache()
+        if kernels.takes_kernels(x) and type(grad_out) is type(x) and grad_out.dtype == x.dtype:
+            return kernels.gelu_backward(grad_out, x, aux, self.approximate == "tanh")
         xp = array_module(x)
         grad_out = _opmath(grad_out)
         if self.approximate == "tanh":

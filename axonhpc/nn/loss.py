@@ -11,6 +11,7 @@ import numpy as np
 
 from .._dtypes import array_module, is_cupy_array, is_low_precision_float
 from ..errors import ShapeError, UnsupportedDtypeError
+from . import kernels
 from .functional import log_softmax
 from .module import Module
 
@@ -25,7 +26,8 @@ class CrossEntropyLoss(Module):
 
     ``loss_fn(logits, targets)`` takes logits (N, C) and integer class
     indices (N,) and returns the loss as a float; ``loss_fn.backward()``
-    returns (softmax(logits) - one_hot(targets)) / N with the logits' dtype.
+    returns (softmax(logits) - one_hot(targets)) / N with the logits' dtype
+    (one kernel on cupy float32/float64 logits, ``nn.kernels``).
     Logits (..., C) with targets (...) (a language model's (B, T, V) and
     (B, T)) are the mean over every position, and the gradient has the
     logits' shape.
@@ -77,6 +79,9 @@ class CrossEntropyLoss(Module):
     def backward(self, grad_output: float = 1.0) -> Any:
         """d loss / d logits (the logits' shape), times ``grad_output`` (e.g. 1/M for M accumulated micro-batches)."""
         logp, targets, rows, dtype, shape = self._pop_cache()
+        if (kernels.takes_kernels(logp) and logp.dtype == dtype and isinstance(grad_output, (int, float))
+                and targets.dtype.kind == "i"):
+            return kernels.cross_entropy_grad(logp, targets, grad_output / logp.shape[0]).reshape(shape)
         xp = array_module(logp)
         grad = xp.exp(logp)
         grad[rows, targets] -= 1

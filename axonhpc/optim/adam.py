@@ -33,8 +33,9 @@ class Adam(Optimizer):
         weight_decay: L2 penalty added to the gradient.
         fused: update each cupy parameter of float32 or float64 with one
             kernel, bit for bit the unfused update (None, the default: where
-            possible; True: every parameter, else ConfigurationError; False:
-            never). See ``axonhpc.optim.fused``.
+            possible while ``settings.fused_kernels`` is on; True: every
+            parameter, else ConfigurationError; False: never). See
+            ``axonhpc.optim.fused``.
 
     Raises:
         ConfigurationError: a negative lr, eps or weight_decay, betas outside

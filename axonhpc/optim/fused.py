@@ -6,55 +6,35 @@ pass over the parameter's memory. On cupy each of them is also a kernel
 launch: Adam reads and writes 31 arrays' worth of memory a parameter, where
 one kernel that reads the gradient, the parameter and the two moments and
 writes back three needs 7. Here each update is one cupy ``ElementwiseKernel``
-whose body performs the same operations in the same order, in the
-parameter's dtype, with the hyperparameters rounded to that dtype as numpy
-and cupy round a Python float against an array. It is compiled with
-``--fmad=false``, so NVRTC does not contract a multiply and an add into one
-rounding, and IEEE division and square root (NVRTC's defaults): the fused
-update is then the unfused one bit for bit. That is what the tests check,
-against the strict stand-in (which compiles the same bodies as C on the host)
-and on a GPU.
+that is the array code bit for bit (see [Note: exact fused kernels] in
+``axonhpc._kernels``); the tests check it against the strict stand-in and on
+a GPU.
 
 The choice is made for each parameter at each step (``fuses``: a type and
 dtype test, no device work): cupy arrays of float32 or float64 with a
 gradient of the same kind take the kernel. Host arrays, 16-bit floats (no
 half-precision kernel is written: mixed precision keeps float32 master
-weights) and optimizers built with ``fused=False`` keep the array code. The
-kernels are built on first use and kept per array module and variant.
-
-Bodies are written in the common part of CUDA C++ and C99 with <tgmath.h>
-(arithmetic, ``sqrt``, casts), so the stand-in can compile them on a machine
-without CUDA.
+weights), optimizers built with ``fused=False``, and those built with
+``fused=None`` while ``settings.fused_kernels`` is off keep the array code.
 """
 from __future__ import annotations
 
 import math
-import threading
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Optional
 
 import numpy as np
 
+from .. import _kernels
 from .._dtypes import array_module
 from ..errors import ConfigurationError
-
-# Compile options: no multiply-add contraction, so every operation rounds as the unfused array code does.
-OPTIONS = ("--fmad=false",)
-FUSED_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
-
-_kernels: Dict[Tuple[Any, str, Tuple[bool, ...]], Any] = {}  # (array module, name, variant) -> kernel
-_lock = threading.Lock()
-
-
-def has_kernels(xp: Any) -> bool:
-    """Whether ``xp`` (an array module) compiles elementwise kernels: cupy does, numpy does not."""
-    return xp is not np and hasattr(xp, "ElementwiseKernel")
+from ..settings import settings
 
 
 def _refusal(data: Any) -> Optional[str]:
     """Why the kernels do not serve ``data``, or None when they do."""
-    if not has_kernels(array_module(data)):
+    if not _kernels.has_kernels(array_module(data)):
         return "is a host array (fused kernels are for cupy arrays)"
-    if np.dtype(data.dtype) not in FUSED_DTYPES:
+    if np.dtype(data.dtype) not in _kernels.KERNEL_DTYPES:
         return f"has dtype {np.dtype(data.dtype).name} (fused kernels are for float32 and float64)"
     return None
 
@@ -87,7 +67,7 @@ def fuses(fused: Optional[bool], data: Any, grad: Any) -> bool:
         ConfigurationError: ``fused=True`` and ``data`` or ``grad`` is (now) an array the kernel
             does not serve.
     """
-    if fused is False:
+    if fused is False or (fused is None and not settings.fused_kernels):
         return False
     reason = _refusal(data)
     if reason is None and (type(grad) is not type(data) or grad.dtype != data.dtype or grad.shape != data.shape):
@@ -98,20 +78,7 @@ def fuses(fused: Optional[bool], data: Any, grad: Any) -> bool:
     return reason is None
 
 
-def _kernel(xp: Any, name: str, flags: Tuple[bool, ...], build) -> Any:
-    key = (xp, name, flags)
-    kernel = _kernels.get(key)
-    if kernel is None:
-        with _lock:
-            kernel = _kernels.get(key)
-            if kernel is None:
-                in_params, out_params, body = build(*flags)
-                kernel = xp.ElementwiseKernel(in_params, out_params, body, f"axonhpc_{name}", options=OPTIONS)
-                _kernels[key] = kernel
-    return kernel
-
-
-def _adam_source(l2: bool, decoupled: bool) -> Tuple[str, str, str]:
+def _adam_source(l2: bool, decoupled: bool) -> _kernels.Source:
     """Adam's update in the order of ``Adam._update`` (torch's): lerp, second moment, denominator, step."""
     lines = []
     if l2:
@@ -132,7 +99,7 @@ def _adam_source(l2: bool, decoupled: bool) -> Tuple[str, str, str]:
     ]
     return ("T grad, T weight_decay, T decay, T one_minus_beta1, T beta2, T one_minus_beta2, "
             "T sqrt_bias_correction2, T eps, T step_size",
-            "T param, T exp_avg, T exp_avg_sq", "\n".join(lines))
+            "T param, T exp_avg, T exp_avg_sq", "\n".join(lines), "")
 
 
 def adam(xp: Any, data: Any, grad: Any, exp_avg: Any, exp_avg_sq: Any, *, lr: float, beta1: float, beta2: float,
@@ -141,14 +108,14 @@ def adam(xp: Any, data: Any, grad: Any, exp_avg: Any, exp_avg_sq: Any, *, lr: fl
     t = data.dtype.type
     l2 = weight_decay != 0 and not decoupled
     shrink = weight_decay != 0 and decoupled
-    kernel = _kernel(xp, "adam", (l2, shrink), _adam_source)
+    kernel = _kernels.elementwise(xp, "adam", (l2, shrink), _adam_source)
     bias_correction1 = 1 - beta1 ** step
     bias_correction2 = 1 - beta2 ** step
     kernel(grad, t(weight_decay), t(1 - lr * weight_decay), t(1 - beta1), t(beta2), t(1 - beta2),
            t(math.sqrt(bias_correction2)), t(eps), t(lr / bias_correction1), data, exp_avg, exp_avg_sq)
 
 
-def _sgd_source(l2: bool, momentum: bool, first: bool, dampened: bool, nesterov: bool) -> Tuple[str, str, str]:
+def _sgd_source(l2: bool, momentum: bool, first: bool, dampened: bool, nesterov: bool) -> _kernels.Source:
     """SGD's update in the order of ``SGD._update`` (torch's)."""
     lines = ["T g = grad + weight_decay * param;" if l2 else "T g = grad;"]
     if momentum:
@@ -162,7 +129,7 @@ def _sgd_source(l2: bool, momentum: bool, first: bool, dampened: bool, nesterov:
         lines.append("T d = g;")
     lines.append("param = param - lr * d;")
     return ("T grad, T weight_decay, T momentum, T one_minus_dampening, T lr",
-            "T param, T buf" if momentum else "T param", "\n".join(lines))
+            "T param, T buf" if momentum else "T param", "\n".join(lines), "")
 
 
 def sgd(xp: Any, data: Any, grad: Any, buf: Any, *, lr: float, momentum: float, dampening: float,
@@ -174,9 +141,9 @@ def sgd(xp: Any, data: Any, grad: Any, buf: Any, *, lr: float, momentum: float, 
     """
     t = data.dtype.type
     flags = (weight_decay != 0, momentum != 0, bool(first), dampening != 0, bool(nesterov))
-    kernel = _kernel(xp, "sgd", flags, _sgd_source)
+    kernel = _kernels.elementwise(xp, "sgd", flags, _sgd_source)
     outputs = (data, buf) if momentum != 0 else (data,)
     kernel(grad, t(weight_decay), t(momentum), t(1 - dampening), t(lr), *outputs)
 
 
-__all__ = ["OPTIONS", "FUSED_DTYPES", "has_kernels", "check_fused", "fuses", "adam", "sgd"]
+__all__ = ["check_fused", "fuses", "adam", "sgd"]

@@ -25,8 +25,9 @@ class SGD(Optimizer):
         nesterov: Nesterov momentum (needs momentum > 0 and dampening 0).
         fused: update each cupy parameter of float32 or float64 with one
             kernel, bit for bit the unfused update (None, the default: where
-            possible; True: every parameter, else ConfigurationError; False:
-            never). See ``axonhpc.optim.fused``.
+            possible while ``settings.fused_kernels`` is on; True: every
+            parameter, else ConfigurationError; False: never). See
+            ``axonhpc.optim.fused``.
 
     Raises:
         ConfigurationError: a negative value, nesterov without momentum or with

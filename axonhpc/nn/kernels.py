@@ -1,0 +1,155 @@
+"""The layers' element-wise work on a GPU as one kernel each: ReLU, GELU, Tanh and the cross-entropy gradient.
+
+[Note: fused layer kernels]
+On cupy every array operation is a kernel launch and a pass over memory.
+The exact GELU forward is about a hundred of them (Cody's erf is three rational
+functions, two exponentials and the selections between them), ReLU's
+forward two, the cross-entropy gradient five. Each function here does the
+same work in one ``ElementwiseKernel`` that is the array code bit for bit on
+the same GPU ([Note: exact fused kernels] in ``axonhpc._kernels``): the same
+operations in the same order and dtype, with the same saved state, so a
+layer's backward may follow a forward taken either way.
+
+The layers call ``takes_kernels(x)`` on each call: a type and dtype test
+(cupy float32 or float64, and ``settings.fused_kernels`` on) that does no
+device work. Host arrays, 16-bit floats (computed in float32 by the array
+code and rounded once) and integers keep the array code.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Tuple
+
+import numpy as np
+
+from .. import _kernels
+from .._dtypes import array_module
+from ..settings import settings
+
+INV_SQRT2 = 1.0 / math.sqrt(2.0)
+INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
+SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+TANH_COEF = 0.044715
+
+
+def takes_kernels(x: Any) -> bool:
+    """Whether the layers' work on ``x`` runs as fused kernels (see the module note)."""
+    return type(x) is not np.ndarray and settings.fused_kernels and _kernels.serves(x)  # host arrays answered first
+
+
+def _t(value: float) -> str:
+    """A Python float as a C literal of type T: the double that round-trips, then rounded to T."""
+    return f"((T){float(value)!r})"
+
+
+def _horner(acc: str, var: str, coefs: Tuple[float, ...]) -> list:
+    return [f"{acc} = ({acc} + {_t(c)}) * {var};" for c in coefs]
+
+
+def _erf_preamble() -> str:
+    """``axonhpc_erf``: ``nn.functional.erf`` (Cody's rational erf) step for step, in T."""
+    from .functional import _A, _B, _C, _D, _P, _Q, _SQRPI, _THRESH, _XBIG
+
+    lines = [
+        "static __device__ T axonhpc_erf(T x) {",
+        "T y = fabs(x);",
+        f"T z = y > {_t(_THRESH)} ? {_t(_THRESH)} : y;",
+        "T zsq = z * z;",
+        f"T num = {_t(_A[4])} * zsq;",
+        "T den = zsq;",
+    ]
+    for i in range(3):
+        lines += _horner("num", "zsq", (_A[i],)) + _horner("den", "zsq", (_B[i],))
+    lines += [
+        f"T small = z * (num + {_t(_A[3])}) / (den + {_t(_B[3])});",
+        f"T w = y < {_t(_THRESH)} ? {_t(_THRESH)} : (y > {_t(4.0)} ? {_t(4.0)} : y);",
+        f"num = {_t(_C[8])} * w;",
+        "den = w;",
+    ]
+    for i in range(7):
+        lines += _horner("num", "w", (_C[i],)) + _horner("den", "w", (_D[i],))
+    lines += [
+        f"T mid = (num + {_t(_C[7])}) / (den + {_t(_D[7])});",
+        f"T v = y < {_t(4.0)} ? {_t(4.0)} : (y > {_t(_XBIG)} ? {_t(_XBIG)} : y);",
+        f"T vsq = {_t(1.0)} / (v * v);",
+        f"num = {_t(_P[5])} * vsq;",
+        "den = vsq;",
+    ]
+    for i in range(4):
+        lines += _horner("num", "vsq", (_P[i],)) + _horner("den", "vsq", (_Q[i],))
+    lines += [
+        f"T tail = ({_t(_SQRPI)} - vsq * (num + {_t(_P[4])}) / (den + {_t(_Q[4])})) / v;",
+        f"T u = y > {_t(4.0)} ? v : w;",
+        f"T r = trunc(u * {_t(16.0)}) / {_t(16.0)};",
+        f"T erfc = exp(-r * r) * exp(-(u - r) * (u + r)) * (y > {_t(4.0)} ? tail : mid);",
+        f"T result = y <= {_t(_THRESH)} ? small : {_t(1.0)} - erfc;",
+        "return copysign(result, x);",
+        "}",
+    ]
+    return "\n".join(lines)
+
+
+def _relu_source() -> _kernels.Source:
+    return "T x", "T y, bool mask", "mask = x > (T)0;\ny = x * (T)mask;", ""
+
+
+def relu_forward(x: Any) -> Tuple[Any, Any]:
+    """``(x * (x > 0), x > 0)`` in one kernel: ReLU's output and the mask its backward keeps."""
+    return _kernels.elementwise(array_module(x), "relu", (), _relu_source)(x)
+
+
+def _gelu_forward_source(tanh_form: bool) -> _kernels.Source:
+    if tanh_form:  # t = tanh(sqrt(2/pi) (x + c x^3)); y = 0.5 x (1 + t)
+        body = (f"aux = tanh({_t(SQRT_2_OVER_PI)} * (x + {_t(TANH_COEF)} * x * x * x));\n"
+                f"y = {_t(0.5)} * x * ({_t(1.0)} + aux);")
+        return "T x", "T y, T aux", body, ""
+    body = (f"aux = {_t(0.5)} * ({_t(1.0)} + axonhpc_erf(x * {_t(INV_SQRT2)}));\n"  # the normal cdf
+            "y = x * aux;")
+    return "T x", "T y, T aux", body, _erf_preamble()
+
+
+def gelu_forward(x: Any, tanh_form: bool) -> Tuple[Any, Any]:
+    """GELU's output and what its backward keeps (the cdf, or the tanh of the tanh form), in one kernel."""
+    return _kernels.elementwise(array_module(x), "gelu_forward", (bool(tanh_form),), _gelu_forward_source)(x)
+
+
+def _gelu_backward_source(tanh_form: bool) -> _kernels.Source:
+    if tanh_form:
+        body = (f"T inner = {_t(SQRT_2_OVER_PI)} * ({_t(1.0)} + {_t(3 * TANH_COEF)} * x * x);\n"
+                f"dx = g * ({_t(0.5)} * ({_t(1.0)} + aux) + {_t(0.5)} * x * ({_t(1.0)} - aux * aux) * inner);")
+    else:
+        body = (f"T pdf = {_t(INV_SQRT_2PI)} * exp({_t(-0.5)} * x * x);\n"
+                "dx = g * (aux + x * pdf);")
+    return "T g, T x, T aux", "T dx", body, ""
+
+
+def gelu_backward(grad_out: Any, x: Any, aux: Any, tanh_form: bool) -> Any:
+    """d loss / d x of GELU from the forward's saved ``x`` and ``aux``, in one kernel."""
+    kernel = _kernels.elementwise(array_module(x), "gelu_backward", (bool(tanh_form),), _gelu_backward_source)
+    return kernel(grad_out, x, aux)
+
+
+def _tanh_backward_source() -> _kernels.Source:
+    return "T g, T y", "T dx", f"dx = g * ({_t(1.0)} - y * y);", ""
+
+
+def tanh_backward(grad_out: Any, y: Any) -> Any:
+    """``grad_out * (1 - y * y)`` in one kernel (``y`` is tanh's output)."""
+    return _kernels.elementwise(array_module(y), "tanh_backward", (), _tanh_backward_source)(grad_out, y)
+
+
+def _cross_entropy_source() -> _kernels.Source:
+    body = ("T e = exp(logp);\n"
+            "if (i % classes == target) e = e - (T)1;\n"
+            "grad = e * scale;")
+    return "T logp, L target, int64 classes, T scale", "T grad", body, ""
+
+
+def cross_entropy_grad(logp: Any, targets: Any, scale: float) -> Any:
+    """``(exp(logp) - one_hot(targets)) * scale`` for log-probabilities (N, C) and targets (N,), in one kernel."""
+    xp = array_module(logp)
+    kernel = _kernels.elementwise(xp, "cross_entropy_grad", (), _cross_entropy_source)
+    return kernel(logp, targets.reshape(-1, 1), int(logp.shape[-1]), logp.dtype.type(scale))
+
+
+__all__ = ["takes_kernels", "relu_forward", "gelu_forward", "gelu_backward", "tanh_backward", "cross_entropy_grad"]
