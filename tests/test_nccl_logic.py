@@ -31,6 +31,7 @@ from axonhpc.backends.nccl import (
 )
 from axonhpc.errors import BackendUnavailableError, UnsupportedDtypeError
 from fake_cuda import DeviceArray, FakeCupy, FakeNccl, device, run_device_world
+from strict_cupy import count_syncs
 
 ReduceOp = ax.ReduceOp
 
@@ -269,6 +270,27 @@ def test_direct_backend_avg_uses_ncclavg_on_floats_and_sum_then_floor_on_integer
     assert run_device_world(body, 2, nccl) == [([1.0, 1.0], [1, 1])] * 2
     ops = [c[4] for c in nccl.calls if c[0] == 0 and c[1] == "allReduce"]
     assert ops[-2:] == [NCCL_OPS["avg"], NCCL_OPS["sum"]]
+
+
+def test_waits_order_the_callers_stream_and_only_a_barrier_or_a_timeout_waits_on_the_host(fake_cupy):
+    def body(world):
+        be = world.backend.device
+        x = device(np.ones(3, dtype=np.float32))
+        with fake_cupy.cuda.Stream() as stream, count_syncs() as log:
+            be.all_reduce(x, ReduceOp.SUM, False)  # blocking
+            be.all_gather(x, device(np.zeros(3 * world.world_size, dtype=np.float32)), True).wait()
+            be.reduce_scatter(device(np.ones(3 * world.world_size, dtype=np.float32)), x, ReduceOp.SUM, True).wait()
+            be.send(x, (world.rank + 1) % 2, 0, False) if world.rank == 0 else be.recv(x, 0, 0, False)
+            ordered, host_before_barriers = stream.waited, list(log)
+            be.barrier(False)
+            be.barrier(True).wait()
+            work = be.all_reduce(x, ReduceOp.SUM, True)
+            work.wait(timeout=5.0)  # a host clock: polls the event, never orders the stream
+            return ordered, stream.waited, host_before_barriers, [e.split(" ")[0] for e in log], x.tolist()
+
+    for ordered, waited, early, log, _ in run_device_world(body, 2, FakeNccl()):
+        assert ordered == 4 and waited == 4 and early == []
+        assert log == ["event.synchronize", "event.synchronize"], log  # the two barriers
 
 
 def test_old_nccl_finishes_avg_with_a_division_on_the_stream(fake_cupy):

@@ -16,9 +16,16 @@ API and have never run.
 - Streams: each backend issues its NCCL calls on its own non-blocking stream.
   Each call first makes that stream wait for the caller's current stream (so
   the kernels that produced the data have finished), and records an event
-  after the call. A blocking call (``async_op=False``) synchronises that event
-  before returning; otherwise ``Work.wait()`` does. The Work holds the arrays
-  until then, so cupy's pool cannot hand their memory to anyone else.
+  after the call. A blocking call (``async_op=False``), and ``Work.wait()``
+  without a timeout, make the caller's current stream wait for that event
+  and return without waiting on the host, as PyTorch's NCCL process groups
+  do: every later kernel on that stream comes after the operation, and so
+  does every host read of its result (cupy's ``get`` waits for the stream).
+  Memory the caller frees afterwards goes back to cupy's pool for that
+  stream, so whatever reuses it is ordered after the operation too. The
+  Work holds the arrays until then. ``barrier()`` and ``wait(timeout)`` do
+  wait on the host (a barrier is for the host; a timeout is a host clock),
+  and ``is_completed()`` asks whether the event has fired.
 - Operations: the collective layer sends AVG as SUM and widens 16-bit floats
   for reductions (see ``base``). Called directly, AVG on floats uses ncclAvg
   (NCCL >= 2.10.3) or SUM then a division on the stream; on integers it is
@@ -227,11 +234,12 @@ def _host_flag_gather(host: Backend) -> Callable[[int], Sequence[int]]:
 class NCCLWork(Work):
     """An NCCL operation: done when the event recorded after it on the backend's stream has fired."""
 
-    def __init__(self, backend: "NCCLBackend", event, keep: Tuple, result=None):
+    def __init__(self, backend: "NCCLBackend", event, keep: Tuple, result=None, host_wait: bool = False):
         super().__init__(result)
         self._backend = backend
         self._event = event  # None while queued (a non-blocking send/receive not issued yet)
         self._keep = keep
+        self._host_wait = host_wait  # a barrier: wait() waits on the host
 
     def _issued(self):
         if self._event is None:
@@ -244,7 +252,7 @@ class NCCLWork(Work):
     def _block(self, timeout: Optional[float]) -> bool:
         event = self._issued()
         if timeout is None:
-            event.synchronize()
+            self._backend._wait_for(event, self._host_wait)
             return True
         return super()._block(timeout)
 
@@ -314,13 +322,20 @@ class NCCLBackend(Backend):
         self._stream.wait_event(ready)
         return self._stream.ptr
 
-    def _end(self, async_op: bool, keep: Tuple, result=None) -> Work:
-        if not async_op:
-            self._stream.synchronize()
-            return CompletedWork(result)
+    def _end(self, async_op: bool, keep: Tuple, result=None, host_wait: bool = False) -> Work:
         done = self._cp.cuda.Event(block=False, disable_timing=True)
         done.record(self._stream)
-        return NCCLWork(self, done, keep, result)
+        if async_op:
+            return NCCLWork(self, done, keep, result, host_wait)
+        self._wait_for(done, host_wait)
+        return CompletedWork(result)
+
+    def _wait_for(self, event, host_wait: bool) -> None:
+        """Order the caller's current stream after ``event``; with ``host_wait`` wait for it on the host."""
+        if host_wait:
+            event.synchronize()
+        else:
+            self._cp.cuda.get_current_stream().wait_event(event)
 
     def _flush(self) -> None:
         pending, self._pending = self._pending, []
@@ -364,6 +379,9 @@ class NCCLBackend(Backend):
 
     # -- collectives --------------------------------------------------------------------------------
     def all_reduce(self, buf, op: ReduceOp, async_op: bool) -> Work:
+        return self._all_reduce(buf, op, async_op, host_wait=False)
+
+    def _all_reduce(self, buf, op: ReduceOp, async_op: bool, host_wait: bool) -> Work:
         code, divide = self._op(op, buf.dtype)
         dt = nccl_datatype(buf.dtype, self.version, self._codes, reducing=True)
         stream = self._begin()
@@ -371,7 +389,7 @@ class NCCLBackend(Backend):
             self._comm.allReduce(buf.data.ptr, buf.data.ptr, buf.size, dt, code, stream)
             if divide:
                 self._divide(buf)
-        return self._end(async_op, (buf,))
+        return self._end(async_op, (buf,), host_wait=host_wait)
 
     def broadcast(self, buf, root: int, async_op: bool) -> Work:
         dt = nccl_datatype(buf.dtype, self.version, self._codes)
@@ -424,7 +442,7 @@ class NCCLBackend(Backend):
     def barrier(self, async_op: bool) -> Work:
         if self._one is None:
             self._one = self._cp.zeros(1, dtype=np.float32)
-        return self.all_reduce(self._one, ReduceOp.SUM, async_op)
+        return self._all_reduce(self._one, ReduceOp.SUM, async_op, host_wait=True)
 
     # -- point to point -----------------------------------------------------------------------------
     def send(self, buf, dst: int, tag: int, async_op: bool) -> Work:

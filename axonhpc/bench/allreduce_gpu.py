@@ -108,7 +108,11 @@ def run(sizes: List[int], rounds: int) -> tuple:
                                              staging).wait(),
         }
         if nccl is not None:
-            candidates["nccl"] = lambda: nccl.all_reduce(x, ReduceOp.SUM, False)
+            def through_nccl():
+                nccl.all_reduce(x, ReduceOp.SUM, False)  # orders this stream after it; the host waits here
+                cupy.cuda.get_current_stream().synchronize()
+
+            candidates["nccl"] = through_nccl
         if aware.aware:
             def direct():
                 cupy.cuda.get_current_stream().synchronize()
