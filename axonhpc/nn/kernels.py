@@ -18,7 +18,7 @@ code and rounded once) and integers keep the array code.
 from __future__ import annotations
 
 import math
-from typing import Any, Tuple
+from typing import Any, List, Tuple
 
 import numpy as np
 
@@ -32,9 +32,11 @@ SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 TANH_COEF = 0.044715
 
 
-def takes_kernels(x: Any) -> bool:
-    """Whether the layers' work on ``x`` runs as fused kernels (see the module note)."""
-    return type(x) is not np.ndarray and settings.fused_kernels and _kernels.serves(x)  # host arrays answered first
+def takes_kernels(x: Any, *others: Any) -> bool:
+    """Whether the layers' work on ``x`` (and ``others``, arrays of its type and dtype) runs as fused kernels."""
+    if type(x) is np.ndarray or not settings.fused_kernels or not _kernels.serves(x):  # host arrays answered first
+        return False
+    return all(type(o) is type(x) and o.dtype == x.dtype for o in others)
 
 
 def _t(value: float) -> str:
@@ -42,8 +44,12 @@ def _t(value: float) -> str:
     return f"((T){float(value)!r})"
 
 
-def _horner(acc: str, var: str, coefs: Tuple[float, ...]) -> list:
-    return [f"{acc} = ({acc} + {_t(c)}) * {var};" for c in coefs]
+def _rational(var: str, lead: float, num: Tuple[float, ...], den: Tuple[float, ...], steps: int) -> List[str]:
+    """``num`` and ``den`` of one of the erf's rational functions of ``var``, as ``functional.erf`` runs them."""
+    lines = [f"num = {_t(lead)} * {var};", f"den = {var};"]
+    for i in range(steps):
+        lines += [f"num = (num + {_t(num[i])}) * {var};", f"den = (den + {_t(den[i])}) * {var};"]
+    return lines
 
 
 def _erf_preamble() -> str:
@@ -52,32 +58,18 @@ def _erf_preamble() -> str:
 
     lines = [
         "static __device__ T axonhpc_erf(T x) {",
+        "T num, den;",
         "T y = fabs(x);",
         f"T z = y > {_t(_THRESH)} ? {_t(_THRESH)} : y;",
         "T zsq = z * z;",
-        f"T num = {_t(_A[4])} * zsq;",
-        "T den = zsq;",
-    ]
-    for i in range(3):
-        lines += _horner("num", "zsq", (_A[i],)) + _horner("den", "zsq", (_B[i],))
-    lines += [
+        *_rational("zsq", _A[4], _A, _B, 3),
         f"T small = z * (num + {_t(_A[3])}) / (den + {_t(_B[3])});",
         f"T w = y < {_t(_THRESH)} ? {_t(_THRESH)} : (y > {_t(4.0)} ? {_t(4.0)} : y);",
-        f"num = {_t(_C[8])} * w;",
-        "den = w;",
-    ]
-    for i in range(7):
-        lines += _horner("num", "w", (_C[i],)) + _horner("den", "w", (_D[i],))
-    lines += [
+        *_rational("w", _C[8], _C, _D, 7),
         f"T mid = (num + {_t(_C[7])}) / (den + {_t(_D[7])});",
         f"T v = y < {_t(4.0)} ? {_t(4.0)} : (y > {_t(_XBIG)} ? {_t(_XBIG)} : y);",
         f"T vsq = {_t(1.0)} / (v * v);",
-        f"num = {_t(_P[5])} * vsq;",
-        "den = vsq;",
-    ]
-    for i in range(4):
-        lines += _horner("num", "vsq", (_P[i],)) + _horner("den", "vsq", (_Q[i],))
-    lines += [
+        *_rational("vsq", _P[5], _P, _Q, 4),
         f"T tail = ({_t(_SQRPI)} - vsq * (num + {_t(_P[4])}) / (den + {_t(_Q[4])})) / v;",
         f"T u = y > {_t(4.0)} ? v : w;",
         f"T r = trunc(u * {_t(16.0)}) / {_t(16.0)};",
