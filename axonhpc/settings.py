@@ -193,6 +193,11 @@ class Settings:
             "probe" also tries one device transfer in a subprocess, "yes" and
             "no" (or 1/0) say so; otherwise they are staged through pinned
             host memory (``AXONHPC_CUDA_AWARE_MPI``).
+        staging_chunk_bytes: a blocking all-reduce of a staged cupy array
+            larger than this runs as a pipeline of chunks of this many bytes:
+            each chunk's copy to the host, its host all-reduce and its copy
+            back overlap those of its neighbours (``collectives.staged_path``);
+            0 stages the whole array at once (``AXONHPC_STAGING_CHUNK_BYTES``).
         timeline_dir: when set, ``init`` records this rank's timeline spans for
             the whole run and writes ``timeline-rank<r>.json`` there at exit
             (``AXONHPC_TIMELINE_DIR``; merge with ``axonhpc timeline merge``).
@@ -253,6 +258,7 @@ class Settings:
     flight_signal: str = "SIGUSR1"
     skip_nonfinite_steps: bool = False
     cuda_aware_mpi: str = "auto"
+    staging_chunk_bytes: int = 4 << 20
     timeline_dir: str = ""
     log_level: str = "INFO"
     log_ranks: str = "0"
@@ -321,6 +327,7 @@ _ENVIRONMENT = {
     "stall_report": ("AXONHPC_STALL_REPORT", lambda name, text: _parse_seconds(name, text)),
     "allreduce_algorithm": ("AXONHPC_ALLREDUCE_ALGORITHM", lambda name, text: _parse_choice(name, text, ALGORITHMS)),
     "cuda_aware_mpi": ("AXONHPC_CUDA_AWARE_MPI", _parse_cuda_aware),
+    "staging_chunk_bytes": ("AXONHPC_STAGING_CHUNK_BYTES", lambda name, text: _parse_count(name, text)),
     "timeline_dir": ("AXONHPC_TIMELINE_DIR", lambda name, text: text.strip()),
     "log_level": ("AXONHPC_LOG_LEVEL", lambda name, text: _parse_choice(name, text, LOG_LEVELS).upper()),
     "log_ranks": ("AXONHPC_LOG_RANKS", lambda name, text: _parse_log_ranks(name, text)),

@@ -181,7 +181,8 @@ class DeviceArray:
                 "strides": None if a.flags.c_contiguous else a.strides, "version": 3}
 
     def get(self, stream: Any = None, order: str = "C", out: Any = None, blocking: bool = True) -> np.ndarray:
-        _synced("get")
+        if blocking:  # blocking=False queues the copy on the stream; the host does not wait (cupy >= 13)
+            _synced("get")
         if out is None:
             return np.array(self._a, order=order)
         if type(out) is not np.ndarray or out.shape != self._a.shape or out.dtype != self._a.dtype:

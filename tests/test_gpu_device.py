@@ -228,6 +228,11 @@ def test_bench_gpu_table_and_refusal():
     assert row["nccl_us"] == pytest.approx(100.0) and row["mpi-direct_us"] is None
     assert row["nccl_busbw"] == pytest.approx((1 << 20) / 1e-4 / 1e9 * 1.5)
     assert row["staged_over_nccl"] == pytest.approx(4.0)
+    assert row["bound_us"] is None and row["bound_over_pipelined"] is None  # stages not timed
+    piped = allreduce_gpu.row(64 << 20, 2, {"pipelined": 0.05, "d2h": 0.01, "host": 0.04, "h2d": 0.012})
+    assert piped["bound_us"] == pytest.approx(40000.0) and piped["serial_us"] == pytest.approx(62000.0)
+    assert piped["bound_over_pipelined"] == pytest.approx(0.8) and piped["pipelined_us"] == pytest.approx(50000.0)
+    assert "0.80" in allreduce_gpu.format_table([piped], 2, [])
     table = allreduce_gpu.format_table([row], 4, ["# mpi-direct: n/a (MPI is not CUDA-aware: test)"])
     assert "1 MiB" in table and "n/a" in table and "mpi-direct: n/a" in table
     assert allreduce_gpu.bus_factor(1) == 1.0 and allreduce_gpu.bus_factor(2) == 1.0

@@ -26,6 +26,7 @@ def test_environment_fills_fields():
                            "max_message_elements": 1024, "allreduce_algorithm": "hierarchical",
                            "stall_report": 30.0, "flight_recorder": 256, "flight_dir": "axonhpc-flight",
                            "flight_signal": "SIGUSR1", "skip_nonfinite_steps": False, "cuda_aware_mpi": "auto",
+                           "staging_chunk_bytes": 4194304,
                            "timeline_dir": "", "log_level": "INFO", "log_ranks": "0",
                            "shm_collectives": "auto", "shm_min_bytes": 0, "shm_allgather_max_bytes": 262144,
                            "shm_slot_bytes": 262144,

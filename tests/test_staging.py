@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from axonhpc.backends.base import CompletedWork, Work
-from axonhpc.backends.staging import DeviceCopies, HostBuffers, Staging, host_view, run_staged
+from axonhpc.backends.staging import DeviceCopies, HostBuffers, Staging, host_view, run_pipelined, run_staged
 from fake_cuda import DeviceArray, device
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -161,6 +161,98 @@ def test_a_failing_call_returns_its_buffers():
     with pytest.raises(RuntimeError, match="MPI said no"):
         run_staged(broken, (device(np.ones(4)), False), reads=(0,), writes=(0,), staging=staging)
     assert pool.free_bytes > 0
+
+
+# -- the chunked pipeline -------------------------------------------------------------------------------
+class _Session:
+    """A copy session that copies at once and logs each step, so the tests can read the pipeline's order."""
+
+    def __init__(self, log):
+        self.log = log
+        log.append("begin")
+
+    def to_host(self, dev, host):
+        assert type(host) is np.ndarray
+        self.log.append(f"in {dev.size}")
+        dev.get(out=host)
+        return lambda: self.log.append("arrived")
+
+    def to_device(self, host, dev):
+        self.log.append(f"out {dev.size}")
+        dev.set(host)
+
+    def end(self):
+        self.log.append("end")
+
+
+def test_every_copy_in_is_queued_first_then_each_chunk_is_reduced_and_queued_back_in_turn():
+    log, pool = [], _pool()
+    staging = Staging(pool, _Copies().make(), lambda: _Session(log))
+    x = device(np.arange(10, dtype=np.float64).reshape(2, 5))
+
+    def reduce(chunk):
+        log.append(f"reduce {chunk.tolist()}")
+        chunk *= 2
+
+    run_pipelined(x, reduce, staging, 4)
+    assert log == ["begin", "in 4", "in 4", "in 2",
+                   "arrived", "reduce [0.0, 1.0, 2.0, 3.0]", "out 4",
+                   "arrived", "reduce [4.0, 5.0, 6.0, 7.0]", "out 4",
+                   "arrived", "reduce [8.0, 9.0]", "out 2", "end"]
+    assert x.tolist() == [[0, 2, 4, 6, 8], [10, 12, 14, 16, 18]]
+    assert pool.free_bytes >= x.nbytes and pool.allocations == 1
+    run_pipelined(x, reduce, staging, 100)  # one chunk; the buffer is reused
+    assert pool.allocations == 1 and x.tolist()[1] == [20, 24, 28, 32, 36]
+
+
+def test_a_failing_chunk_ends_the_session_and_returns_the_buffer():
+    log, pool = [], _pool()
+    staging = Staging(pool, _Copies().make(), lambda: _Session(log))
+
+    def reduce(chunk):
+        raise RuntimeError("rank 2 is gone")
+
+    with pytest.raises(RuntimeError, match="rank 2 is gone"):
+        run_pipelined(device(np.ones(9, dtype=np.float32)), reduce, staging, 3)
+    assert log[-1] == "end" and pool.free_bytes > 0
+
+
+def test_without_copy_streams_the_chunks_are_copied_in_turn():
+    copies = _Copies()
+    staging = Staging(_pool(), copies.make())
+    x = device(np.arange(7, dtype=np.int64))
+    seen = []
+    run_pipelined(x, lambda chunk: seen.append(chunk.tolist()) or chunk.__imul__(-1), staging, 3)
+    assert seen == [[0, 1, 2], [3, 4, 5], [6]] and x.tolist() == [0, -1, -2, -3, -4, -5, -6]
+    assert (copies.to_host, copies.to_device, copies.syncs) == (3, 3, 1)
+
+
+def test_cupy_pipeline_orders_its_streams_after_the_callers_and_keeps_them(monkeypatch):
+    import fake_cuda
+    from axonhpc.backends.staging import cupy_pipeline
+
+    cupy = fake_cuda.FakeCupy()
+    monkeypatch.setattr(cupy.cuda.runtime, "getDevice", lambda: 0, raising=False)
+    made = []
+    real_stream = cupy.cuda.Stream
+    streams = []
+    monkeypatch.setattr(cupy.cuda, "Stream",
+                        lambda **kw: made.append(kw) or streams.append(real_stream(**kw)) or streams[-1])
+    gets = []
+    real_get = DeviceArray.get
+    monkeypatch.setattr(DeviceArray, "get", lambda self, **kw: gets.append(sorted(kw)) or real_get(self, **kw))
+    staging = Staging(_pool(), _Copies().make(), cupy_pipeline(cupy))
+    x = device(np.arange(6, dtype=np.float32))
+    with fake_cuda.strict_cupy.count_syncs() as syncs:
+        run_pipelined(x, lambda chunk: chunk.__iadd__(1), staging, 4)
+        run_pipelined(x, lambda chunk: chunk.__iadd__(1), staging, 4)
+    assert x.tolist() == [2, 3, 4, 5, 6, 7]
+    assert made == [{"non_blocking": True}] * 2  # one pair of copy streams, made once
+    assert [s.waited for s in streams] == [2, 2]  # each waited for the caller's stream at each call
+    assert gets == [["blocking", "out", "stream"]] * 4  # asynchronous copies on a stream of their own
+    # per call: one wait for each chunk's arrival, then both copy streams before the buffer is reused
+    assert [s.split(" ")[0] for s in syncs] == ["event.synchronize"] * 2 + ["stream.synchronize"] * 2 + \
+        ["event.synchronize"] * 2 + ["stream.synchronize"] * 2
 
 
 # -- the MPI backend on a one-rank job ---------------------------------------------------------------

@@ -222,6 +222,15 @@ class Backend(abc.ABC):
         """
         return self
 
+    def stages(self, buf) -> bool:
+        """Whether this backend moves ``buf`` through host copies (a device array over an MPI that is not CUDA-aware).
+
+        The collective layer pipelines a large blocking all-reduce of such an
+        array in chunks (``collectives.staged_path``) instead of handing it
+        over whole. The default: no.
+        """
+        return False
+
     def max_reducer(self, words: np.ndarray) -> Callable[[], None]:
         """A call that replaces ``words`` (a small int64 array) by its element-wise MAX over the ranks, blocking.
 

@@ -80,6 +80,9 @@ class DeviceDispatchBackend(Backend):
     def barrier(self, async_op: bool) -> Work:
         return self.host.barrier(async_op)
 
+    def stages(self, buf) -> bool:
+        return self._for(buf).stages(buf)
+
     # -- point to point -----------------------------------------------------------------------
     def send(self, buf, dst: int, tag: int, async_op: bool) -> Work:
         return self._for(buf).send(buf, dst, tag, async_op)

@@ -56,6 +56,23 @@ def _cuda_aware_reason() -> str:
     return cuda_aware_mpi().how
 
 
+def pinned_staging():
+    """The process's pinned staging area (``staging.cupy_staging``) for device arrays MPI cannot take.
+
+    Raises:
+        BackendUnavailableError: it cannot be made (no pinned memory); says why MPI needed it.
+    """
+    from .staging import cupy_staging
+
+    try:
+        return cupy_staging()
+    except Exception as exc:  # noqa: BLE001 - no pinned memory: say which path failed and why
+        raise BackendUnavailableError(
+            f"cupy arrays reached the MPI backend, MPI is not CUDA-aware ({_cuda_aware_reason()}), and "
+            f"staging through pinned host memory failed: {type(exc).__name__}: {exc}"
+        ) from exc
+
+
 class _MatchedReceive(Work):
     """A receive that matches each message before receiving it, so that its size is checked first.
 
@@ -206,18 +223,15 @@ class MPIBackend(Backend):
         """True when ``buf`` is a device array that MPI cannot take directly (it is staged)."""
         return is_cupy_array(buf) and not _cuda_aware()
 
+    def stages(self, buf) -> bool:
+        """A device array, and MPI is not CUDA-aware: each operation runs on pinned host twins."""
+        return self._staged(buf)
+
     def _on_host(self, method, args: tuple, reads, writes) -> Work:
         """Run ``method`` on pinned host twins of the device arrays in ``args``."""
-        from .staging import cupy_staging, run_staged
+        from .staging import run_staged
 
-        try:
-            staging = cupy_staging()
-        except Exception as exc:  # noqa: BLE001 - no pinned memory: say which path failed and why
-            raise BackendUnavailableError(
-                f"cupy arrays reached the MPI backend, MPI is not CUDA-aware ({_cuda_aware_reason()}), and "
-                f"staging through pinned host memory failed: {type(exc).__name__}: {exc}"
-            ) from exc
-        work = run_staged(lambda *host: method(self, *host), args, reads, writes, staging)
+        work = run_staged(lambda *host: method(self, *host), args, reads, writes, pinned_staging())
         if not args[-1]:  # async_op=False: the copy back happens before returning
             work.wait()
         return work
@@ -470,4 +484,4 @@ class MPIBackend(Backend):
             self.comm.Free()
 
 
-__all__ = ["MPIBackend", "MPIWork"]
+__all__ = ["MPIBackend", "MPIWork", "pinned_staging"]

@@ -9,6 +9,17 @@ is the host operation's, so ``async_op`` keeps working: the copy back runs
 when the transfer is done (in ``wait``/``is_completed``), and a buffer is
 never leased twice while an operation still uses it.
 
+``run_pipelined`` is the chunked form for an in-place reduction (what
+``collectives.staged_path`` runs for a large blocking all-reduce): every
+chunk's copy to the host is queued at once on a copy stream, after the
+caller's stream's work so far; then, chunk by chunk, the host waits for that
+chunk's copy, reduces it, and queues its copy back on a second stream. So
+the copy in of chunk k+1 and the copy back of chunk k-1 run while the host
+reduces chunk k, and the whole takes about the slowest of the three
+stages instead of their sum. The host waits for both streams before the
+buffer goes back to the pool, so the call is as blocking as the unchunked
+one.
+
 ``HostBuffers`` keeps the buffers between calls: a lease takes the smallest
 free buffer that fits, or allocates one rounded up to a power of two (and
 drops the free buffers too small for that size, so the pool tracks the
@@ -20,7 +31,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Collection, List, Optional, Sequence
+from typing import Any, Callable, Collection, Dict, List, Optional, Protocol, Sequence, Tuple
 
 import numpy as np
 
@@ -96,12 +107,34 @@ class DeviceCopies:
     synchronize: Callable[[], None]
 
 
-class Staging:
-    """A buffer pool and the copies that go with it."""
+class CopySession(Protocol):
+    """The asynchronous copies of one ``run_pipelined`` call (see the module note)."""
 
-    def __init__(self, buffers: HostBuffers, copies: DeviceCopies):
+    def to_host(self, device: Any, host: np.ndarray) -> Callable[[], None]:
+        """Queue ``device -> host``; returns a call that waits until the host array holds the values."""
+
+    def to_device(self, host: np.ndarray, device: Any) -> None:
+        """Queue ``host -> device`` (``host`` must not change until ``end``)."""
+
+    def end(self) -> None:
+        """Wait until every copy queued in this session is done."""
+
+
+class Staging:
+    """A buffer pool and the copies that go with it.
+
+    Args:
+        buffers: the host buffers.
+        copies: the whole-array copies of ``run_staged``.
+        pipeline: starts the copy session of a ``run_pipelined`` call (after
+            the caller's stream's work so far); None: no chunked pipeline.
+    """
+
+    def __init__(self, buffers: HostBuffers, copies: DeviceCopies,
+                 pipeline: Optional[Callable[[], CopySession]] = None):
         self.buffers = buffers
         self.copies = copies
+        self.pipeline = pipeline
 
 
 def run_staged(call: Callable[..., Work], args: Sequence[Any], reads: Collection[int], writes: Collection[int],
@@ -156,6 +189,102 @@ def run_staged(call: Callable[..., Work], args: Sequence[Any], reads: Collection
     return work.then(copy_back)
 
 
+def run_pipelined(device: Any, reduce: Callable[[np.ndarray], None], staging: Staging, chunk_elements: int) -> None:
+    """Reduce the contiguous device array ``device`` in place through host chunks (see the module note).
+
+    Args:
+        device: the array; its flat elements are cut into chunks of ``chunk_elements``.
+        reduce: ``reduce(chunk)`` reduces one host chunk in place across the
+            ranks, blocking; every rank calls it for the same chunks in the same order.
+        staging: the buffer pool, and its ``pipeline`` (without one the
+            chunks are copied with ``copies``, one after the other).
+        chunk_elements: elements per chunk (the last may be shorter).
+    """
+    flat = device.reshape(-1)
+    n = int(flat.size)
+    step = max(1, int(chunk_elements))
+    blocks = [(a, min(a + step, n)) for a in range(0, n, step)]
+    raw = staging.buffers.lease(device.nbytes)
+    session: Optional[CopySession] = None
+    try:
+        host = host_view(raw, (n,), device.dtype)
+        session = staging.pipeline() if staging.pipeline is not None else _InTurn(staging.copies)
+        arrived = [session.to_host(flat[a:b], host[a:b]) for a, b in blocks]
+        for (a, b), wait in zip(blocks, arrived):
+            wait()
+            reduce(host[a:b])
+            session.to_device(host[a:b], flat[a:b])
+    finally:
+        try:
+            if session is not None:
+                session.end()  # no copy may still use the buffer once another call leases it
+        finally:
+            staging.buffers.release(raw)
+
+
+class _InTurn:
+    """A session of blocking copies, for a staging area without copy streams: chunked, but nothing overlaps."""
+
+    def __init__(self, copies: DeviceCopies):
+        self._copies = copies
+
+    def to_host(self, device: Any, host: np.ndarray) -> Callable[[], None]:
+        self._copies.to_host(device, host)
+        return lambda: None
+
+    def to_device(self, host: np.ndarray, device: Any) -> None:
+        self._copies.to_device(host, device)
+
+    def end(self) -> None:
+        self._copies.synchronize()
+
+
+class _CupySession:
+    """Copies on two streams of their own: to the host on one, back to the device on the other."""
+
+    def __init__(self, cuda: Any, to_host: Any, to_device: Any):
+        self._cuda, self._d2h, self._h2d = cuda, to_host, to_device
+        ready = cuda.Event(disable_timing=True)
+        ready.record(cuda.get_current_stream())
+        to_host.wait_event(ready)  # after the kernels that wrote the array
+        to_device.wait_event(ready)
+
+    def to_host(self, device: Any, host: np.ndarray) -> Callable[[], None]:
+        device.get(stream=self._d2h, out=host, blocking=False)
+        done = self._cuda.Event(disable_timing=True)
+        done.record(self._d2h)
+        return done.synchronize
+
+    def to_device(self, host: np.ndarray, device: Any) -> None:
+        device.set(host, stream=self._h2d)  # asynchronous: ``host`` is pinned
+
+    def end(self) -> None:
+        self._d2h.synchronize()
+        self._h2d.synchronize()
+
+
+def cupy_pipeline(cupy: Any) -> Callable[[], CopySession]:
+    """``Staging.pipeline`` on a GPU: two non-blocking copy streams per device, made on first use.
+
+    UNTESTED ON A GPU (none was available): follows cupy's documented
+    ``ndarray.get(stream=, out=, blocking=False)``, ``ndarray.set(stream=)``,
+    ``Stream.wait_event`` and ``Event``; the tests run it on ``fake_cuda``.
+    """
+    cuda = cupy.cuda
+    streams: Dict[int, Tuple[Any, Any]] = {}
+    lock = threading.Lock()
+
+    def start() -> CopySession:
+        device = cuda.runtime.getDevice()
+        with lock:
+            pair = streams.get(device)
+            if pair is None:
+                pair = streams[device] = (cuda.Stream(non_blocking=True), cuda.Stream(non_blocking=True))
+        return _CupySession(cuda, *pair)
+
+    return start
+
+
 _default: Optional[Staging] = None
 _default_lock = threading.Lock()
 
@@ -179,8 +308,9 @@ def cupy_staging() -> Staging:
                 to_host=lambda dev, host: dev.get(out=host),  # blocking, after the stream's earlier work
                 to_device=lambda host, dev: dev.set(host),
                 synchronize=lambda: cupy.cuda.get_current_stream().synchronize(),
-            ))
+            ), cupy_pipeline(cupy))
         return _default
 
 
-__all__ = ["HostBuffers", "DeviceCopies", "Staging", "host_view", "run_staged", "cupy_staging"]
+__all__ = ["HostBuffers", "DeviceCopies", "CopySession", "Staging", "host_view", "run_staged", "run_pipelined",
+           "cupy_pipeline", "cupy_staging"]

@@ -11,8 +11,21 @@ rounds, the paths a cupy array can take:
 - ``mpi-direct``: mpi4py's ``Allreduce`` on the device buffer, only when MPI
   is CUDA-aware (``backends.cuda_aware``: a device pointer would crash an MPI
   that is not, so the column reads n/a then);
-- ``mpi-staged``: the MPI backend's staging through reusable pinned host
-  buffers (copy to the host, all-reduce, copy back).
+- ``mpi-staged``: the MPI backend's staging of the whole array through
+  reusable pinned host buffers (copy to the host, all-reduce, copy back);
+- ``pipelined``: ``ax.all_reduce`` on the world's group when that group
+  stages cupy arrays (MPI not CUDA-aware, no NCCL: run with
+  ``AXONHPC_BACKEND=mpi`` on a machine that has NCCL): arrays above
+  ``settings.staging_chunk_bytes`` go through ``collectives.staged_path``'s
+  chunked pipeline.
+
+and the pipeline's three stages alone, on the same array: ``d2h`` (the
+blocking copy into a pinned buffer), ``host`` (``ax.all_reduce`` of a numpy
+array of that size: the node's shared-memory engine on one node) and ``h2d``
+(the copy back, waited for). The pipeline's bound is the slowest stage
+(``max``: perfect overlap); the table reports bound / pipelined, which the
+pipeline should keep at 0.8 or above from 64 MiB, and the sum of the stages
+(what staging the whole array costs at best).
 
 It prints each median time and the bus bandwidth (algbw * 2(n-1)/n, the
 traffic on each rank's link in a ring), and the ratio staged/NCCL.
@@ -22,11 +35,14 @@ from __future__ import annotations
 import sys
 from typing import Callable, Dict, List, Optional
 
+import numpy as np
+
 from ..backends.devices import DeviceFacts, device_facts
 from .timing import human_bytes, median_times
 
 DEFAULT_SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20, 256 << 20]
-PATHS = ("nccl", "mpi-direct", "mpi-staged")
+PATHS = ("nccl", "mpi-direct", "mpi-staged", "pipelined")
+STAGES = ("d2h", "host", "h2d")  # the pipeline's stages, timed alone
 
 
 def refusal(facts: DeviceFacts) -> Optional[str]:
@@ -51,6 +67,12 @@ def row(nbytes: int, n: int, seconds: Dict[str, Optional[float]]) -> dict:
         out[f"{path}_busbw"] = None if t is None else nbytes / t / 1e9 * bus_factor(n)
     t_nccl, t_staged = seconds.get("nccl"), seconds.get("mpi-staged")
     out["staged_over_nccl"] = None if not (t_nccl and t_staged) else t_staged / t_nccl
+    stages = [seconds.get(k) for k in STAGES]
+    known = all(t is not None for t in stages)
+    out["bound_us"] = max(stages) * 1e6 if known else None
+    out["serial_us"] = sum(stages) * 1e6 if known else None
+    t_pipe = seconds.get("pipelined")
+    out["bound_over_pipelined"] = None if not (known and t_pipe) else max(stages) / t_pipe
     return out
 
 
@@ -59,12 +81,16 @@ def format_table(rows: List[dict], n: int, notes: List[str]) -> str:
     def cell(v, fmt):
         return "n/a" if v is None else format(v, fmt)
 
-    head = f"{'size':>10}" + "".join(f" {p + ' us':>15} {p + ' busbw':>17}" for p in PATHS) + f" {'staged/nccl':>12}"
-    lines = [f"# all_reduce on cupy arrays, float32, in place, {n} ranks, medians; busbw in GB/s", *notes, head]
+    head = (f"{'size':>10}" + "".join(f" {p + ' us':>15} {p + ' busbw':>17}" for p in PATHS)
+            + f" {'staged/nccl':>12} {'bound us':>10} {'serial us':>10} {'bound/pipelined':>16}")
+    lines = [f"# all_reduce on cupy arrays, float32, in place, {n} ranks, medians; busbw in GB/s",
+             "# bound: the slowest of the pipeline's stages (copy to host, host all-reduce, copy back) timed alone;"
+             " serial: their sum", *notes, head]
     for r in rows:
         lines.append(f"{human_bytes(r['bytes']):>10}" + "".join(
             f" {cell(r[p + '_us'], '.1f'):>15} {cell(r[p + '_busbw'], '.2f'):>17}" for p in PATHS)
-            + f" {cell(r['staged_over_nccl'], '.2f'):>12}")
+            + f" {cell(r['staged_over_nccl'], '.2f'):>12} {cell(r['bound_us'], '.1f'):>10}"
+            + f" {cell(r['serial_us'], '.1f'):>10} {cell(r['bound_over_pipelined'], '.2f'):>16}")
     return "\n".join(lines)
 
 
@@ -76,7 +102,8 @@ def run(sizes: List[int], rounds: int) -> tuple:
     from ..backends.base import ReduceOp
     from ..backends.cuda_aware import cuda_aware_mpi
     from ..backends.mpi import MPIBackend
-    from ..backends.staging import cupy_staging, run_staged
+    from ..backends.staging import cupy_staging, host_view, run_staged
+    from ..collectives import all_reduce
     from ..groups import init
 
     world = init()
@@ -95,6 +122,12 @@ def run(sizes: List[int], rounds: int) -> tuple:
     if not aware.aware:
         notes.append(f"# mpi-direct: n/a (MPI is not CUDA-aware: {aware.how})")
     staging = cupy_staging()
+    group = world.default_group
+    probe = cupy.ones(1, dtype=cupy.float32)
+    pipelines = group.backend.stages(probe)
+    if not pipelines:
+        notes.append(f"# pipelined: n/a (the world's group does not stage cupy arrays: backend "
+                     f"{group.backend.name}; run with AXONHPC_BACKEND=mpi where MPI is not CUDA-aware)")
 
     def job_time(elapsed: float) -> float:
         raw.Barrier()
@@ -113,6 +146,21 @@ def run(sizes: List[int], rounds: int) -> tuple:
                 cupy.cuda.get_current_stream().synchronize()
 
             candidates["nccl"] = through_nccl
+        raw_host = staging.buffers.lease(nbytes)
+        pinned = host_view(raw_host, x.shape, x.dtype)
+        plain = np.ones(x.shape, dtype=np.float32)
+
+        def h2d():
+            x.set(pinned)
+            cupy.cuda.get_current_stream().synchronize()
+
+        candidates.update({
+            "d2h": lambda: x.get(out=pinned),
+            "host": lambda: all_reduce(plain, group=group),
+            "h2d": h2d,
+        })
+        if pipelines:
+            candidates["pipelined"] = lambda: all_reduce(x, group=group)
         if aware.aware:
             def direct():
                 cupy.cuda.get_current_stream().synchronize()
@@ -123,6 +171,7 @@ def run(sizes: List[int], rounds: int) -> tuple:
             fn()
         iters = int(max(3, min(100, (64 << 20) // max(nbytes, 1) // 4)))
         t = median_times(candidates, iters, rounds, sync=job_time)
+        staging.buffers.release(raw_host)
         rows.append(row(nbytes, n, t))
     raw.Free()
     return rows, notes
@@ -150,4 +199,4 @@ def main(sizes: Optional[List[int]] = None, rounds: int = 7, facts: Optional[Dev
     return 0
 
 
-__all__ = ["main", "refusal", "row", "format_table", "bus_factor", "PATHS", "DEFAULT_SIZES"]
+__all__ = ["main", "refusal", "row", "format_table", "bus_factor", "PATHS", "STAGES", "DEFAULT_SIZES"]

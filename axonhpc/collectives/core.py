@@ -31,7 +31,7 @@ from .._dtypes import array_module, check_array, is_cupy_array, is_low_precision
 from ..backends.base import CompletedWork, ReduceOp, Work
 from ..errors import CollectiveTimeoutError, ReadOnlyBufferError, ShapeError
 from ..groups import ProcessGroup, resolve_group
-from . import agreement, fast_path, fingerprint, flight, shm_path, watch
+from . import agreement, fast_path, fingerprint, flight, shm_path, staged_path, watch
 from .ring import ring_all_reduce, ring_reduce_scatter
 from .widen import divide_average
 
@@ -209,6 +209,8 @@ def checked_all_reduce(x: Any, op: ReduceOp, pg: ProcessGroup, async_op: bool) -
         work.wait()  # nothing to wait for: marks it finished (and ends its timeline span)
         return work if async_op else None
     backend = pg.backend
+    if staged_path.takes(pg, x, op, async_op):  # a large device array through host memory: pipelined
+        return _run(pg, label, lambda nb: staged_path.all_reduce(pg, x, op), False)
     fixed = shm_path.fixed_order(x, op)  # settings.deterministic, and the order could change the bits
     node = shm_path.path(pg, x, "all_reduce", reduction=True, any_size=fixed)
     if fixed and node is None:  # no shared memory (several nodes): the ring's order is fixed too
