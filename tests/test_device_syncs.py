@@ -142,3 +142,38 @@ def test_the_trainers_nonfinite_check_reads_once_a_step(cupy):
     steps = 96 // (8 * 2)
     values = [e for e in logs[0] if not e.startswith(("event.synchronize", "stream.synchronize"))]
     assert len(values) == 2 * steps, logs[0]  # each step's loss and its gradients' finiteness, 4 gradients
+
+
+@pytest.mark.parametrize("norm_type", [2.0, float("inf")])
+def test_clipping_reads_the_norm_once_whatever_the_number_of_gradients(cupy, norm_type):
+    model = _model(cupy)
+    rng = np.random.default_rng(3)
+    host = [rng.standard_normal(p.data.shape).astype(np.float32) for p in model.parameters()]
+    for p, g in zip(model.parameters(), host):
+        p.grad = cupy.asarray(g)
+    with count_syncs() as log:
+        total = optim.clip_grad_norm(model.parameters(), 0.5, norm_type)
+    assert len(log) == 1, log
+    flat = np.concatenate([g.ravel() for g in host]).astype(np.float64)
+    expected = np.abs(flat).max() if norm_type == float("inf") else np.linalg.norm(flat)
+    assert total == pytest.approx(expected, rel=1e-5)
+
+
+@pytest.mark.parametrize("norm_type", [2.0, float("inf")])
+def test_fsdp_clipping_reads_its_shards_part_once(cupy, norm_type):
+    logs, totals = {}, {}
+
+    def run(world):
+        model = make_model(np.float32, seed=0).to("cuda")
+        fsdp = ax.FSDP(model)
+        loss_fn = nn.CrossEntropyLoss()
+        x, y = make_data(0, np.float32)
+        loss_fn(fsdp(cupy.asarray(shard(x, world.rank, 2))), cupy.asarray(shard(y, world.rank, 2)))
+        fsdp.backward(loss_fn.backward(), input_grad=False)
+        with count_syncs() as log:
+            totals[world.rank] = fsdp.clip_grad_norm(1e-3, norm_type)
+        logs[world.rank] = log
+
+    run_device_world(run, 2, FakeNccl(), cupy)
+    assert [len(logs[r]) for r in range(2)] == [1, 1], logs
+    assert totals[0] == totals[1] > 1e-3

@@ -54,7 +54,8 @@ def clip_grad_norm(params: Union[Any, Iterable[Any]], max_norm: float, norm_type
         return 0.0
     xp = array_module(grads[0])
     if math.isinf(norm_type):
-        total = max(float(xp.abs(g).max()) if g.size else 0.0 for g in grads)
+        # Each gradient's largest magnitude stays on the device; one read for all of them.
+        total = float(xp.stack([xp.abs(g).max() if g.size else xp.zeros((), dtype=g.dtype) for g in grads]).max())
     else:
         # Per-gradient norms first, then the norm of those: one pass over each array.
         norms = xp.stack([xp.linalg.norm(g.reshape(-1), norm_type) for g in grads])

@@ -37,16 +37,22 @@ def clip_grad_norm(grads: List[Any], max_norm: float, norm_type: float, shard_gr
     """
     norm_type = checked_norm_type(norm_type)
     inf = np.isinf(norm_type)
-    local = 0.0
-    for g in grads:
-        g64 = xp.abs(g.astype(np.float64))
-        local = max(local, float(g64.max()) if g.size else 0.0) if inf else local + float((g64 ** norm_type).sum())
+    # Each shard's part stays on the device; the host reads their max or sum once.
+    parts = [_part(xp.abs(g.astype(np.float64)), inf, norm_type, xp) for g in grads]
+    local = (float(xp.stack(parts).max()) if inf else float(xp.stack(parts).sum())) if parts else 0.0
     value = np.array([local], dtype=np.float64)
     if shard_group is not None and shard_group.size > 1:
         all_reduce(value, ReduceOp.MAX if inf else ReduceOp.SUM, shard_group)
     total = float(value[0]) if inf else float(value[0]) ** (1.0 / norm_type)
     scale_to_norm(grads, total, max_norm)
     return total
+
+
+def _part(g64: Any, inf: bool, norm_type: float, xp: Any) -> Any:
+    """One shard's part of the norm as a 0-d array of its array module: max |g|, or sum |g|^p."""
+    if inf:
+        return g64.max() if g64.size else xp.zeros((), dtype=np.float64)
+    return (g64 ** norm_type).sum()
 
 
 __all__ = ["clip_grad_norm"]
