@@ -20,11 +20,24 @@ from numpy's), and arithmetic and ``sqrt`` round exactly as on a GPU.
 Kernels are built on first use and cached by array module, name and variant
 (the flags that select the body), so a stand-in module never meets the
 kernels of another.
+
+[Note: multi-tensor kernels]
+``multi_tensor`` turns a kernel over one array into one over a list of
+arrays, one launch for all of them (what PyTorch's ``multi_tensor_apply``
+does for its fused optimizers). Each array argument becomes a table of the
+arrays' device addresses (``raw uint64``); ``starts`` holds where each array
+begins in the concatenated index space, and the thread of element ``i``
+finds its array by a binary search of ``starts``, reads its elements through
+the addresses, runs the same body on them, and writes the outputs back. The
+body and the scalars are the single-array kernel's, so the result is that
+kernel's bit for bit. The arrays must be C-contiguous (an address and an
+offset find an element). ``TensorTables`` keeps the device tables while the
+arrays' addresses do not change, so a step copies nothing to the device.
 """
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, Dict, Tuple
+from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 import numpy as np
 
@@ -73,6 +86,108 @@ def elementwise(xp: Any, name: str, variant: Tuple[Any, ...], build: Callable[..
     return kernel
 
 
+_C_TYPES = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
+# Elements one multi-tensor launch covers at most: cupy passes the loop size as a C int.
+MAX_MULTI_ELEMENTS = 2 ** 31 - 1
+
+
+def _params(text: str) -> List[Tuple[str, str]]:
+    """``"T x, float32 y"`` as ``[("T", "x"), ("float32", "y")]``."""
+    return [tuple(entry.split()) for entry in (e.strip() for e in text.split(",")) if entry]
+
+
+def _multi_source(source: Source, arrays: Tuple[str, ...], dtype: np.dtype) -> Source:
+    """The multi-tensor form of a single-array kernel's source (see the module note).
+
+    ``arrays``: the input parameters that are arrays (every output is one); the
+    other inputs are scalars of the arrays' dtype (``T``) or of their own type.
+    """
+    in_params, out_params, body, preamble = source
+    ins, outs = _params(in_params), [name for _, name in _params(out_params)]
+    read = [name for _, name in ins if name in arrays]
+    scalars = [(dtype.name if type_ == "T" else type_, name) for type_, name in ins if name not in arrays]
+    params = ([f"raw uint64 {name}_at" for name in read + outs] + ["raw int64 starts", "int64 count"]
+              + [f"{type_} {name}" for type_, name in scalars])
+    lines = ["long long j = 0, hi = count;  /* the array of element i: starts[j] <= i < starts[j + 1] */",
+             "while (hi - j > 1) { const long long mid = (j + hi) / 2; if (starts[mid] <= i) j = mid; "
+             "else hi = mid; }",
+             "const long long k = i - starts[j];"]
+    lines += [f"const T {name} = ((const T*){name}_at[j])[k];" for name in read]
+    lines += [f"T* const {name}_p = (T*){name}_at[j] + k;\nT {name} = *{name}_p;" for name in outs]
+    lines += ["{", body, "}"]
+    lines += [f"*{name}_p = {name};" for name in outs]
+    return ", ".join(params), "", "\n".join(lines), f"typedef {_C_TYPES[dtype]} T;\n{preamble}"
+
+
+def multi_tensor(xp: Any, name: str, variant: Tuple[Any, ...], build: Callable[..., Source],
+                 arrays: Tuple[str, ...], dtype: Any) -> Any:
+    """The multi-tensor kernel ``axonhpc_<name>_multi`` of ``build(*variant)`` for arrays of ``dtype``.
+
+    Args:
+        xp, name, variant, build: as for ``elementwise`` (the single-array kernel's).
+        arrays: the input parameters of ``build``'s kernel that are arrays.
+        dtype: float32 or float64.
+    """
+    dtype = np.dtype(dtype)
+
+    def make(dtype_name: str, array_names: Tuple[str, ...], *flags: Any) -> Source:
+        return _multi_source(build(*flags), array_names, np.dtype(dtype_name))
+
+    return elementwise(xp, f"{name}_multi", (dtype.name, tuple(arrays)) + tuple(variant), make)
+
+
+class TensorTables:
+    """The device tables of a multi-tensor launch, kept while the arrays' addresses stay the same.
+
+    Several groups (keys) may be kept at once: an optimizer's float32 and float64
+    parameters, say. The host reads nothing from the device to build or check them.
+    """
+
+    def __init__(self) -> None:
+        self._kept: Dict[Any, Tuple[Tuple[Any, ...], Tuple[Any, ...]]] = {}
+
+    def tables(self, xp: Any, key: Any, lists: Sequence[Sequence[Any]]) -> Tuple[Any, ...]:
+        """``(address table per list..., starts)`` for ``lists`` of arrays (each list in the same order)."""
+        sizes = tuple(int(a.size) for a in lists[0])
+        identity = (sizes,) + tuple(tuple(a.data.ptr for a in arrays) for arrays in lists)
+        kept = self._kept.get(key)
+        if kept is not None and kept[0] == identity:
+            return kept[1]
+        starts = np.zeros(len(sizes) + 1, dtype=np.int64)
+        np.cumsum(sizes, out=starts[1:])
+        made = tuple(xp.asarray(np.array(ptrs, dtype=np.uint64)) for ptrs in identity[1:]) + (xp.asarray(starts),)
+        self._kept[key] = (identity, made)
+        return made
+
+
+def launch_multi(xp: Any, kernel: Any, tables: TensorTables, key: Any, lists: Sequence[Sequence[Any]],
+                 scalars: Sequence[Any]) -> None:
+    """Run a ``multi_tensor`` kernel over ``lists`` (the address tables' arrays, in the kernel's order).
+
+    Args:
+        lists: one list per array parameter (array inputs, then outputs), each over
+            the same tensors in the same order, every array C-contiguous, at most
+            ``MAX_MULTI_ELEMENTS`` elements in all.
+        scalars: the kernel's scalar arguments, in order.
+    """
+    *addresses, starts = tables.tables(xp, key, lists)
+    total = sum(int(a.size) for a in lists[0])
+    kernel(*addresses, starts, np.int64(len(lists[0])), *scalars, size=total)
+
+
+def batches(sizes: Sequence[int], limit: int = MAX_MULTI_ELEMENTS) -> List[List[int]]:
+    """Indices of ``sizes`` in runs of at most ``limit`` elements (an array larger than that alone)."""
+    out: List[List[int]] = []
+    total = limit + 1
+    for index, size in enumerate(sizes):
+        if total + size > limit:
+            out.append([])
+            total = 0
+        out[-1].append(index)
+        total += size
+    return out
+
+
 def launches(xp: Any, names: Any = None) -> int:
     """Launches so far of the kept kernels of ``xp`` (optionally only those named in ``names``).
 
@@ -88,4 +203,5 @@ def kept(xp: Any) -> Dict[Tuple[str, Tuple[Any, ...]], Any]:
     return {(name, variant): k for (module, name, variant), k in list(_cache.items()) if module is xp}
 
 
-__all__ = ["OPTIONS", "KERNEL_DTYPES", "has_kernels", "serves", "elementwise", "launches", "kept"]
+__all__ = ["OPTIONS", "KERNEL_DTYPES", "MAX_MULTI_ELEMENTS", "has_kernels", "serves", "elementwise", "multi_tensor",
+           "TensorTables", "launch_multi", "batches", "launches", "kept"]

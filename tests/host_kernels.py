@@ -6,7 +6,9 @@ a float is ``sqrtf``, as CUDA's overload is), with ``-ffp-contract=off`` (no
 fused multiply-add, as the library's kernels ask NVRTC with ``--fmad=false``)
 and no fast-math. Each element is one loop iteration:
 
-- an input array parameter is a ``const`` local read from its element;
+- an input array parameter is a ``const`` local read from its element; a
+  ``raw`` input array is a ``const`` pointer to its first element, for the body
+  to index (cupy's raw arrays are indexed by flat position too);
 - a scalar input parameter is a ``const`` local of its parameter type;
 - an output parameter is its element itself (a macro), read and written by the body.
 
@@ -39,30 +41,35 @@ C_TYPES = {
     np.dtype(np.float64): ("double", ctypes.c_double),
     np.dtype(np.int32): ("int32_t", ctypes.c_int32),
     np.dtype(np.int64): ("int64_t", ctypes.c_int64),
+    np.dtype(np.uint64): ("uint64_t", ctypes.c_uint64),
     np.dtype(np.bool_): ("bool", ctypes.c_bool),
 }
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _loaded: Dict[str, ctypes.CDLL] = {}
 
 
-def parse_params(text: str) -> List[Tuple[str, str]]:
-    """``"T x, float32 y"`` as ``[("T", "x"), ("float32", "y")]``; refuses what the stand-in does not offer.
+def parse_params(text: str, raw_allowed: bool = True) -> List[Tuple[str, str, bool]]:
+    """``"T x, raw uint64 y"`` as ``[("T", "x", False), ("uint64", "y", True)]``; refuses what the stand-in does not offer.
 
     Raises:
         ValueError: a malformed entry or a reserved name (``i``, ``n``, a leading underscore), as cupy
-            raises; NotImplementedError for ``raw`` parameters (not offered by the stand-in).
+            raises; NotImplementedError for ``raw`` parameters where ``raw_allowed`` is False (the
+            stand-in offers raw inputs, not raw outputs).
     """
     params = []
     for entry in (e.strip() for e in text.split(",") if e.strip()):
         words = entry.split()
-        if words[0] == "raw":
-            raise NotImplementedError(f"the strict stand-in's ElementwiseKernel has no raw parameters: {entry!r}")
+        raw = words[0] == "raw"
+        if raw:
+            if not raw_allowed:
+                raise NotImplementedError(f"the strict stand-in's ElementwiseKernel has no raw outputs: {entry!r}")
+            words = words[1:]
         if len(words) != 2 or not all(_IDENT.match(w) for w in words):
             raise ValueError(f"Invalid parameter: {entry!r}")
         type_, name = words
         if name in ("i", "n") or name.startswith("_"):
             raise ValueError(f"{name!r} is a reserved name in an elementwise kernel")
-        params.append((type_, name))
+        params.append((type_, name, raw))
     return params
 
 
@@ -80,7 +87,8 @@ def c_source(name: str, inputs: Sequence[Tuple[str, str, bool]], outputs: Sequen
     """The C translation unit of one kernel (see the module docstring).
 
     Args:
-        inputs: ``(C type, name, is_array)`` per input parameter.
+        inputs: ``(C type, name, kind)`` per input parameter, kind "array" (an element a
+            loop iteration), "raw" (the whole array, indexed by the body) or "scalar".
         outputs: ``(C type, name)`` per output parameter.
         placeholders: placeholder type name -> dtype (each becomes a typedef).
     """
@@ -89,13 +97,15 @@ def c_source(name: str, inputs: Sequence[Tuple[str, str, bool]], outputs: Sequen
     lines.append("#define __device__")  # a preamble's device functions are plain C functions here
     lines.append(preamble)
     args = ["int64_t _n"]
-    args += [f"const {ct}* _in_{nm}" if is_array else f"{ct} _in_{nm}" for ct, nm, is_array in inputs]
+    args += [f"{ct} _in_{nm}" if kind == "scalar" else f"const {ct}* _in_{nm}" for ct, nm, kind in inputs]
     args += [f"{ct}* _out_{nm}" for ct, nm in outputs]
     lines.append(f"void {name}({', '.join(args)}) {{")
+    lines += [f"  const {ct}* const {nm} = _in_{nm};" for ct, nm, kind in inputs if kind == "raw"]
     lines.append("  for (int64_t i = 0; i < _n; ++i) {")
     lines.append("    const int64_t n = _n; (void)n;")
-    for ct, nm, is_array in inputs:
-        lines.append(f"    const {ct} {nm} = _in_{nm}{'[i]' if is_array else ''};")
+    for ct, nm, kind in inputs:
+        if kind != "raw":
+            lines.append(f"    const {ct} {nm} = _in_{nm}{'[i]' if kind == 'array' else ''};")
     lines += [f"#define {nm} (_out_{nm}[i])" for _, nm in outputs]
     lines += ["    {", operation, "    }"]
     lines += [f"#undef {nm}" for _, nm in outputs]

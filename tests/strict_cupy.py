@@ -474,9 +474,11 @@ class ElementwiseKernel:
     Checked as cupy checks: the number of arguments, host arrays and lists
     refused, one dtype per type placeholder (from the array arguments, else
     the scalars), outputs of the declared dtype, inputs broadcast to one
-    shape (``i`` is the flat index into it) and outputs of exactly that shape.
-    Offered narrower than cupy: no ``raw`` parameters, no
-    ``loop_prep``/``after_loop``, float32/float64/int32/int64/bool types.
+    shape (``i`` is the flat index into it) and outputs of exactly that shape;
+    ``raw`` inputs are not broadcast, and ``size=`` is the loop's length
+    exactly when every array is raw. Offered narrower than cupy: no ``raw``
+    outputs, no ``loop_prep``/``after_loop``,
+    float32/float64/int32/int64/uint64/bool types.
     """
 
     def __init__(self, in_params: str, out_params: str, operation: str, name: str = "kernel",
@@ -490,7 +492,7 @@ class ElementwiseKernel:
         if kwargs.get("loop_prep") or kwargs.get("after_loop"):
             raise NotImplementedError("the strict stand-in's ElementwiseKernel has no loop_prep or after_loop")
         self.in_params = host_kernels.parse_params(in_params)
-        self.out_params = host_kernels.parse_params(out_params)
+        self.out_params = host_kernels.parse_params(out_params, raw_allowed=False)
         self.operation, self.name, self.preamble = operation, name, preamble
         self.no_return, self.return_tuple = no_return, return_tuple
         self.options = tuple(kwargs.get("options", ()))
@@ -500,11 +502,11 @@ class ElementwiseKernel:
         import host_kernels
 
         types_: dict = {}
-        for (type_, name), arg in zip(self.in_params + self.out_params, args):
+        for (type_, name, _), arg in zip(self.in_params + self.out_params, args):
             if type(arg) is DeviceArray and host_kernels.is_placeholder(type_):
                 if types_.setdefault(type_, arg.dtype) != arg.dtype:
                     raise TypeError(f"Type is mismatched. {name} {arg.dtype} {types_[type_]}")
-        for (type_, name), arg in zip(self.in_params, args):
+        for (type_, name, _), arg in zip(self.in_params, args):
             if type(arg) is not DeviceArray and host_kernels.is_placeholder(type_) and type_ not in types_:
                 types_[type_] = np.asarray(arg).dtype
         return types_
@@ -526,31 +528,49 @@ class ElementwiseKernel:
                 raise NotImplementedError(f"the strict stand-in's ElementwiseKernel has no {dtype} arguments")
             return dtype
 
+        params = self.in_params + self.out_params
+        looped = [a for (_, _, raw), a in zip(params, args) if type(a) is DeviceArray and not raw]
+        if len(args) == n_in and n_out:
+            looped.append(None)  # outputs to allocate: not raw, so they count as cupy counts them
+        if size is not None and looped:
+            raise ValueError("Specified 'size' can be used only if all of the ndarray are 'raw'.")
+        if size is None and not looped:
+            raise ValueError("Loop size is undecided.")
+        looped = [a for a in looped if a is not None]
         try:
-            shape = np.broadcast_shapes(*(a.shape for a in args if type(a) is DeviceArray))
+            shape = (int(size),) if size is not None else np.broadcast_shapes(*(a.shape for a in looped))
         except ValueError:
             raise ValueError(f"operands could not be broadcast together with shapes "
-                             f"{[a.shape for a in args if type(a) is DeviceArray]} in {self.name!r}") from None
-        for (_, name), arg in zip(self.out_params, args[n_in:]):
+                             f"{[a.shape for a in looped]} in {self.name!r}") from None
+        for (_, name, _), arg in zip(self.out_params, args[n_in:]):
             if type(arg) is DeviceArray and arg.shape != shape:
                 raise ValueError(f"output {name!r} of {self.name!r} has shape {arg.shape}, the arguments broadcast "
                                  f"to {shape} (an output is never broadcast)")
         if len(args) == n_in:
-            args += [DeviceArray(np.empty(shape, dtype_of(t))) for t, _ in self.out_params]
-        for (type_, name), arg in zip(self.out_params, args[n_in:]):
+            args += [DeviceArray(np.empty(shape, dtype_of(t))) for t, _, _ in self.out_params]
+        for (type_, name, _), arg in zip(self.out_params, args[n_in:]):
             if type(arg) is not DeviceArray:
                 raise TypeError(f"output {name!r} of {self.name!r} must be a cupy array, got {type(arg).__name__}")
             if arg.dtype != dtype_of(type_):
                 raise TypeError(f"Type is mismatched. {name} {arg.dtype} {dtype_of(type_)}")
         inputs, values = [], []
-        for (type_, name), arg in zip(self.in_params, args):
+        for (type_, name, raw), arg in zip(self.in_params, args):
             dtype = dtype_of(type_)
             is_array = type(arg) is DeviceArray
             if is_array and arg.dtype != dtype:
                 raise TypeError(f"Type is mismatched. {name} {arg.dtype} {dtype}")
-            inputs.append((host_kernels.C_TYPES[dtype][0], name, is_array))
+            if raw and not is_array:
+                raise TypeError(f"raw parameter {name!r} of {self.name!r} must be a cupy array, got "
+                                f"{type(arg).__name__}")
+            if raw:
+                if not arg._a.flags.c_contiguous:
+                    raise NotImplementedError(f"the strict stand-in takes raw arrays C-contiguous only ({name!r})")
+                inputs.append((host_kernels.C_TYPES[dtype][0], name, "raw"))
+                values.append((dtype, arg._a))
+                continue
+            inputs.append((host_kernels.C_TYPES[dtype][0], name, "array" if is_array else "scalar"))
             values.append((dtype, np.ascontiguousarray(np.broadcast_to(arg._a, shape)) if is_array else arg))
-        outputs = [(host_kernels.C_TYPES[dtype_of(t)][0], name) for t, name in self.out_params]
+        outputs = [(host_kernels.C_TYPES[dtype_of(t)][0], name) for t, name, _ in self.out_params]
         source = host_kernels.c_source(self.name, inputs, outputs, placeholders, self.operation, self.preamble)
         function = host_kernels.load(source, self.name)
         targets = [a._a if a._a.flags.c_contiguous else np.ascontiguousarray(a._a) for a in args[n_in:]]
@@ -562,7 +582,7 @@ class ElementwiseKernel:
         if self.no_return:
             return None
         results = tuple(args[n_in:])
-        return results if self.return_tuple or n_out > 1 else results[0]
+        return results if self.return_tuple or n_out != 1 else results[0]
 
 
 class StrictCupy(types.ModuleType):

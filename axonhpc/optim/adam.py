@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Iterable, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
+from .. import _kernels
 from .._dtypes import array_module
 from ..errors import ConfigurationError
 from . import fused as _fused
@@ -31,8 +32,9 @@ class Adam(Optimizer):
         betas: decay rates of the first and second moments.
         eps: added to the denominator.
         weight_decay: L2 penalty added to the gradient.
-        fused: update each cupy parameter of float32 or float64 with one
-            kernel, bit for bit the unfused update (None, the default: where
+        fused: update the cupy parameters of float32 or float64 with fused
+            kernels (one launch a step for those of one dtype), bit for bit
+            the unfused update (None, the default: where
             possible while ``settings.fused_kernels`` is on; True: every
             parameter, else ConfigurationError; False: never). See
             ``axonhpc.optim.fused``.
@@ -50,16 +52,40 @@ class Adam(Optimizer):
         check_non_negative(name, lr=lr, eps=eps, weight_decay=weight_decay)
         super().__init__(params, lr=lr, betas=_check_betas(name, betas), eps=eps, weight_decay=weight_decay)
         self.fused = _fused.check_fused(fused, self.params, name)
+        self._tables = _kernels.TensorTables()
 
-    def _update(self, param: Any, grad: Any, state: Dict[str, Any]) -> None:
-        xp = array_module(param.data)
-        data = param.data
+    @staticmethod
+    def _advance(xp: Any, data: Any, state: Dict[str, Any]) -> int:
+        """Make the moments on first use and count the step; returns its number."""
         if not state:
             state["step"] = 0
             state["exp_avg"] = xp.zeros_like(data)
             state["exp_avg_sq"] = xp.zeros_like(data)
         state["step"] += 1
-        step = state["step"]
+        return state["step"]
+
+    def _update_together(self, pending: List[Tuple[Any, Dict[str, Any]]]) -> List[Tuple[Any, Dict[str, Any]]]:
+        """The parameters ``fused.joins`` takes, one launch per dtype and step count (see ``optim.fused``)."""
+        groups: Dict[Tuple[Any, int], List[Tuple[Any, Dict[str, Any]]]] = {}
+        rest = []
+        for p, state in pending:
+            if _fused.joins(self.fused, p.data, p.grad, state.get("exp_avg"), state.get("exp_avg_sq")):
+                step = self._advance(array_module(p.data), p.data, state)
+                groups.setdefault((p.data.dtype, step), []).append((p, state))
+            else:
+                rest.append((p, state))
+        beta1, beta2 = self.betas
+        for (_, step), members in groups.items():
+            _fused.adam_many(array_module(members[0][0].data), self._tables, [p.data for p, _ in members],
+                             [p.grad for p, _ in members], [s["exp_avg"] for _, s in members],
+                             [s["exp_avg_sq"] for _, s in members], lr=self.lr, beta1=beta1, beta2=beta2,
+                             eps=self.eps, weight_decay=self.weight_decay, decoupled=self._decoupled, step=step)
+        return rest
+
+    def _update(self, param: Any, grad: Any, state: Dict[str, Any]) -> None:
+        xp = array_module(param.data)
+        data = param.data
+        step = self._advance(xp, data, state)
         beta1, beta2 = self.betas
         if _fused.fuses(self.fused, data, grad):
             _fused.adam(xp, data, grad, state["exp_avg"], state["exp_avg_sq"], lr=self.lr, beta1=beta1,

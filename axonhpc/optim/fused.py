@@ -1,4 +1,4 @@
-"""Fused optimizer updates on the device: one elementwise kernel a parameter instead of one per operation.
+"""Fused optimizer updates on the device: one kernel for the parameters instead of one per operation.
 
 [Note: fused updates]
 On numpy the update of ``Adam`` or ``SGD`` is a dozen array operations, each a
@@ -12,7 +12,12 @@ a GPU.
 
 The choice is made for each parameter at each step (``fuses``: a type and
 dtype test, no device work): cupy arrays of float32 or float64 with a
-gradient of the same kind take the kernel. Host arrays, 16-bit floats (no
+gradient of the same kind take the kernel. Those that are also C-contiguous
+(``joins``) are updated together: one multi-tensor launch (see [Note:
+multi-tensor kernels] in ``axonhpc._kernels``) for all the parameters of one
+dtype whose update has the same scalars (Adam's step count, SGD's first
+momentum step), instead of a launch a parameter; the body is the same, so
+the result is too, bit for bit. Host arrays, 16-bit floats (no
 half-precision kernel is written: mixed precision keeps float32 master
 weights), optimizers built with ``fused=False``, and those built with
 ``fused=None`` while ``settings.fused_kernels`` is off keep the array code.
@@ -20,7 +25,7 @@ weights), optimizers built with ``fused=False``, and those built with
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
@@ -78,6 +83,12 @@ def fuses(fused: Optional[bool], data: Any, grad: Any) -> bool:
     return reason is None
 
 
+def joins(fused: Optional[bool], data: Any, grad: Any, *state: Any) -> bool:
+    """Whether ``data`` is updated with the others in one multi-tensor launch: ``fuses``, and every array C-contiguous."""
+    return (fuses(fused, data, grad) and data.flags.c_contiguous and grad.flags.c_contiguous
+            and all(a is None or a.flags.c_contiguous for a in state))
+
+
 def _adam_source(l2: bool, decoupled: bool) -> _kernels.Source:
     """Adam's update in the order of ``Adam._update`` (torch's): lerp, second moment, denominator, step."""
     lines = []
@@ -102,17 +113,49 @@ def _adam_source(l2: bool, decoupled: bool) -> _kernels.Source:
             "T param, T exp_avg, T exp_avg_sq", "\n".join(lines), "")
 
 
+def _adam_scalars(t: Any, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+                  step: int) -> tuple:
+    bias_correction1 = 1 - beta1 ** step
+    bias_correction2 = 1 - beta2 ** step
+    return (t(weight_decay), t(1 - lr * weight_decay), t(1 - beta1), t(beta2), t(1 - beta2),
+            t(math.sqrt(bias_correction2)), t(eps), t(lr / bias_correction1))
+
+
 def adam(xp: Any, data: Any, grad: Any, exp_avg: Any, exp_avg_sq: Any, *, lr: float, beta1: float, beta2: float,
          eps: float, weight_decay: float, decoupled: bool, step: int) -> None:
     """One Adam/AdamW update of ``data`` and its moments in place, in one kernel (see the module note)."""
-    t = data.dtype.type
-    l2 = weight_decay != 0 and not decoupled
-    shrink = weight_decay != 0 and decoupled
-    kernel = _kernels.elementwise(xp, "adam", (l2, shrink), _adam_source)
-    bias_correction1 = 1 - beta1 ** step
-    bias_correction2 = 1 - beta2 ** step
-    kernel(grad, t(weight_decay), t(1 - lr * weight_decay), t(1 - beta1), t(beta2), t(1 - beta2),
-           t(math.sqrt(bias_correction2)), t(eps), t(lr / bias_correction1), data, exp_avg, exp_avg_sq)
+    variant = (weight_decay != 0 and not decoupled, weight_decay != 0 and decoupled)
+    kernel = _kernels.elementwise(xp, "adam", variant, _adam_source)
+    kernel(grad, *_adam_scalars(data.dtype.type, lr, beta1, beta2, eps, weight_decay, step), data, exp_avg,
+           exp_avg_sq)
+
+
+def adam_many(xp: Any, tables: _kernels.TensorTables, datas: Sequence[Any], grads: Sequence[Any],
+              exp_avgs: Sequence[Any], exp_avg_sqs: Sequence[Any], *, lr: float, beta1: float, beta2: float,
+              eps: float, weight_decay: float, decoupled: bool, step: int) -> None:
+    """``adam`` for many parameters of one dtype and step count, one launch for all (see the module note).
+
+    ``tables`` keeps the device address tables between steps (the optimizer's).
+    """
+    variant = (weight_decay != 0 and not decoupled, weight_decay != 0 and decoupled)
+    lists = (grads, datas, exp_avgs, exp_avg_sqs)
+    scalars = _adam_scalars(datas[0].dtype.type, lr, beta1, beta2, eps, weight_decay, step)
+    _many(xp, tables, "adam", variant, _adam_source, lists, scalars,
+          lambda k: adam(xp, datas[k], grads[k], exp_avgs[k], exp_avg_sqs[k], lr=lr, beta1=beta1, beta2=beta2,
+                         eps=eps, weight_decay=weight_decay, decoupled=decoupled, step=step))
+
+
+def _many(xp: Any, tables: _kernels.TensorTables, name: str, variant: tuple, build: Any,
+          lists: Sequence[Sequence[Any]], scalars: tuple, alone: Any) -> None:
+    """One multi-tensor launch per batch of ``lists``' arrays (``grad`` the only array input); ``alone(k)`` for a batch of one."""
+    dtype = lists[0][0].dtype
+    for batch in _kernels.batches([int(a.size) for a in lists[0]]):
+        if len(batch) == 1:
+            alone(batch[0])
+            continue
+        kernel = _kernels.multi_tensor(xp, name, variant, build, ("grad",), dtype)
+        chosen = [[arrays[k] for k in batch] for arrays in lists]
+        _kernels.launch_multi(xp, kernel, tables, (name, variant, dtype, tuple(batch)), chosen, scalars)
 
 
 def _sgd_source(l2: bool, momentum: bool, first: bool, dampened: bool, nesterov: bool) -> _kernels.Source:
@@ -146,4 +189,16 @@ def sgd(xp: Any, data: Any, grad: Any, buf: Any, *, lr: float, momentum: float, 
     kernel(grad, t(weight_decay), t(momentum), t(1 - dampening), t(lr), *outputs)
 
 
-__all__ = ["check_fused", "fuses", "adam", "sgd"]
+def sgd_many(xp: Any, tables: _kernels.TensorTables, datas: Sequence[Any], grads: Sequence[Any],
+             bufs: Sequence[Any], *, lr: float, momentum: float, dampening: float, weight_decay: float,
+             nesterov: bool, first: bool) -> None:
+    """``sgd`` for many parameters of one dtype (all on their first momentum step, or none), one launch for all."""
+    t = datas[0].dtype.type
+    flags = (weight_decay != 0, momentum != 0, bool(first), dampening != 0, bool(nesterov))
+    lists = (grads, datas, bufs) if momentum != 0 else (grads, datas)
+    _many(xp, tables, "sgd", flags, _sgd_source, lists, (t(weight_decay), t(momentum), t(1 - dampening), t(lr)),
+          lambda k: sgd(xp, datas[k], grads[k], bufs[k], lr=lr, momentum=momentum, dampening=dampening,
+                        weight_decay=weight_decay, nesterov=nesterov, first=first))
+
+
+__all__ = ["check_fused", "fuses", "joins", "adam", "adam_many", "sgd", "sgd_many"]

@@ -14,7 +14,7 @@ Arrays are copies.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, List
+from typing import Any, Dict, Iterable, List, Tuple
 
 import numpy as np
 
@@ -86,9 +86,16 @@ class Optimizer:
     def step(self) -> None:
         """Update every parameter that has a gradient, in place."""
         with span(f"{type(self).__name__}.step"):
-            for p, state in zip(self.params, self.state):
-                if p.grad is not None:
-                    self._update(p, p.grad, state)
+            pending = [(p, state) for p, state in zip(self.params, self.state) if p.grad is not None]
+            for p, state in self._update_together(pending):
+                self._update(p, p.grad, state)
+
+    def _update_together(self, pending: List[Tuple[Any, Dict[str, Any]]]) -> List[Tuple[Any, Dict[str, Any]]]:
+        """Update at once the ``(parameter, state)`` pairs a subclass can (one kernel across them); return the rest.
+
+        The default updates none together: each goes through ``_update``.
+        """
+        return pending
 
     def _update(self, param: Any, grad: Any, state: Dict[str, Any]) -> None:
         raise NotImplementedError(f"{type(self).__name__} does not implement _update")

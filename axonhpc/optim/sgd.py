@@ -1,8 +1,9 @@
 """SGD with momentum, dampening, weight decay and Nesterov, as torch.optim.SGD."""
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, Optional
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
+from .. import _kernels
 from .._dtypes import array_module
 from ..errors import ConfigurationError
 from . import fused as _fused
@@ -23,8 +24,9 @@ class SGD(Optimizer):
         dampening: dampening of the momentum.
         weight_decay: L2 penalty added to the gradient.
         nesterov: Nesterov momentum (needs momentum > 0 and dampening 0).
-        fused: update each cupy parameter of float32 or float64 with one
-            kernel, bit for bit the unfused update (None, the default: where
+        fused: update the cupy parameters of float32 or float64 with fused
+            kernels (one launch a step for those of one dtype), bit for bit
+            the unfused update (None, the default: where
             possible while ``settings.fused_kernels`` is on; True: every
             parameter, else ConfigurationError; False: never). See
             ``axonhpc.optim.fused``.
@@ -43,6 +45,34 @@ class SGD(Optimizer):
         super().__init__(params, lr=lr, momentum=momentum, dampening=dampening,
                          weight_decay=weight_decay, nesterov=bool(nesterov))
         self.fused = _fused.check_fused(fused, self.params, "SGD")
+        self._tables = _kernels.TensorTables()
+
+    def _update_together(self, pending: List[Tuple[Any, Dict[str, Any]]]) -> List[Tuple[Any, Dict[str, Any]]]:
+        """The parameters ``fused.joins`` takes, one launch per dtype and first-step flag (see ``optim.fused``)."""
+        groups: Dict[Tuple[Any, bool], List[Tuple[Any, Any, Any]]] = {}
+        rest = []
+        for p, state in pending:
+            if _fused.joins(self.fused, p.data, p.grad, state.get("momentum_buffer")):
+                buf, first = self._buffer(p.data, state)
+                groups.setdefault((p.data.dtype, first), []).append((p.data, p.grad, buf))
+            else:
+                rest.append((p, state))
+        for (_, first), members in groups.items():
+            datas, grads, bufs = (list(column) for column in zip(*members))
+            _fused.sgd_many(array_module(datas[0]), self._tables, datas, grads, bufs, lr=self.lr,
+                            momentum=self.momentum, dampening=self.dampening, weight_decay=self.weight_decay,
+                            nesterov=self.nesterov, first=first)
+        return rest
+
+    def _buffer(self, data: Any, state: Dict[str, Any]) -> Tuple[Any, bool]:
+        """The fused update's momentum buffer (None without momentum), and whether it is new (the first step)."""
+        if self.momentum == 0:
+            return None, False
+        buf = state.get("momentum_buffer")
+        if buf is not None:
+            return buf, False
+        buf = state["momentum_buffer"] = array_module(data).empty_like(data)
+        return buf, True
 
     def _update(self, param: Any, grad: Any, state: Dict[str, Any]) -> None:
         if _fused.fuses(self.fused, param.data, grad):
@@ -62,13 +92,8 @@ class SGD(Optimizer):
         data -= self.lr * grad
 
     def _fused_update(self, data: Any, grad: Any, state: Dict[str, Any]) -> None:
-        xp, buf, first = array_module(data), None, False
-        if self.momentum != 0:
-            buf = state.get("momentum_buffer")
-            if buf is None:
-                buf = state["momentum_buffer"] = xp.empty_like(data)
-                first = True
-        _fused.sgd(xp, data, grad, buf, lr=self.lr, momentum=self.momentum, dampening=self.dampening,
+        buf, first = self._buffer(data, state)
+        _fused.sgd(array_module(data), data, grad, buf, lr=self.lr, momentum=self.momentum, dampening=self.dampening,
                    weight_decay=self.weight_decay, nesterov=self.nesterov, first=first)
 
 
