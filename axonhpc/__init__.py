@@ -51,9 +51,11 @@ _LAZY = {
     "gather_timelines": "axonhpc.parallel",
     "write_gantt_png": "axonhpc.parallel",
     "timeline": "axonhpc.profiling",
+    "graph_step": "axonhpc.graphs",
+    "GraphedStep": "axonhpc.graphs",
 }
 _SUBMODULES = ("nn", "optim", "data", "bucketing", "comm", "backends", "settings", "cli", "bench", "parallel",
-               "checkpoint", "trainer", "tracing", "profiling")
+               "checkpoint", "trainer", "tracing", "profiling", "graphs")
 
 
 def __getattr__(name):

@@ -33,6 +33,15 @@ body and the scalars are the single-array kernel's, so the result is that
 kernel's bit for bit. The arrays must be C-contiguous (an address and an
 offset find an element). ``TensorTables`` keeps the device tables while the
 arrays' addresses do not change, so a step copies nothing to the device.
+
+[Note: scalars in device memory]
+A CUDA graph replays a kernel with the arguments it was captured with (see
+[Note: capturing a step] in ``axonhpc._capture``). ``multi_tensor(...,
+device_scalars=True)`` builds a kernel that reads its scalars from a small
+device array instead (``raw T axonhpc_scalars``, one element per scalar, in
+the parameters' order), and ``fill`` writes that array with one launch
+outside the graph. The values are the same numbers of the same dtype, so the
+result is the one-array kernel's bit for bit.
 """
 from __future__ import annotations
 
@@ -41,7 +50,9 @@ from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 import numpy as np
 
+from . import _capture
 from ._dtypes import array_module
+from .errors import InvalidArgumentError, ShapeError
 
 # Compile options: no multiply-add contraction, so every operation rounds as the array code does.
 OPTIONS = ("--fmad=false",)
@@ -119,21 +130,58 @@ def _multi_source(source: Source, arrays: Tuple[str, ...], dtype: np.dtype) -> S
     return ", ".join(params), "", "\n".join(lines), f"typedef {_C_TYPES[dtype]} T;\n{preamble}"
 
 
+def _scalars_from_device(source: Source, names: Sequence[str]) -> Source:
+    """``source`` with its scalar parameters ``names`` read from ``raw <type> axonhpc_scalars`` (see the note)."""
+    in_params, out_params, body, preamble = source
+    params = [entry.split() for entry in (e.strip() for e in in_params.split(",")) if entry]
+    moved = [(words[0], words[-1]) for words in params if words[-1] in names and len(words) == 2]
+    types = {type_ for type_, _ in moved}
+    if len(moved) != len(names) or len(types) != 1:
+        raise InvalidArgumentError(f"scalars {list(names)} are not parameters of one type in {in_params!r}")
+    kept = [" ".join(words) for words in params if words[-1] not in names]
+    reads = [f"const T {name} = axonhpc_scalars[{k}];" for k, (_, name) in enumerate(moved)]
+    return (", ".join(kept + [f"raw {types.pop()} axonhpc_scalars"]), out_params, "\n".join(reads + [body]),
+            preamble)
+
+
 def multi_tensor(xp: Any, name: str, variant: Tuple[Any, ...], build: Callable[..., Source],
-                 arrays: Tuple[str, ...], dtype: Any) -> Any:
+                 arrays: Tuple[str, ...], dtype: Any, device_scalars: bool = False) -> Any:
     """The multi-tensor kernel ``axonhpc_<name>_multi`` of ``build(*variant)`` for arrays of ``dtype``.
 
     Args:
         xp, name, variant, build: as for ``elementwise`` (the single-array kernel's).
         arrays: the input parameters of ``build``'s kernel that are arrays.
         dtype: float32 or float64.
+        device_scalars: read the scalars (every other input, each of ``build``'s ``T``) from
+            one device array passed last (see [Note: scalars in device memory]).
     """
     dtype = np.dtype(dtype)
 
-    def make(dtype_name: str, array_names: Tuple[str, ...], *flags: Any) -> Source:
-        return _multi_source(build(*flags), array_names, np.dtype(dtype_name))
+    def make(dtype_name: str, array_names: Tuple[str, ...], on_device: bool, *flags: Any) -> Source:
+        single = build(*flags)
+        source = _multi_source(single, array_names, np.dtype(dtype_name))
+        if not on_device:
+            return source
+        scalars = [n for _, n in _params(single[0]) if n not in array_names]
+        return _scalars_from_device(source, scalars)
 
-    return elementwise(xp, f"{name}_multi", (dtype.name, tuple(arrays)) + tuple(variant), make)
+    suffix = "_multi_dev" if device_scalars else "_multi"
+    return elementwise(xp, f"{name}{suffix}", (dtype.name, tuple(arrays), bool(device_scalars)) + tuple(variant),
+                       make)
+
+
+def _fill_source(count: int) -> Source:
+    choice = "v0"
+    for k in range(1, count):
+        choice = f"(i == {k} ? v{k} : {choice})"
+    return ", ".join(f"T v{k}" for k in range(count)), "T out", f"out = {choice};", ""
+
+
+def fill(xp: Any, out: Any, values: Sequence[Any]) -> None:
+    """Write ``values`` (scalars of ``out``'s dtype) into the 1-d device array ``out`` with one launch."""
+    if out.shape != (len(values),):
+        raise ShapeError(f"fill: {len(values)} values for an array of shape {tuple(out.shape)}")
+    elementwise(xp, "fill", (len(values),), _fill_source)(*values, out)
 
 
 class TensorTables:
@@ -153,6 +201,10 @@ class TensorTables:
         kept = self._kept.get(key)
         if kept is not None and kept[0] == identity:
             return kept[1]
+        _capture.refuse("a fused optimizer update over arrays it has not updated before",
+                        "its table of their device addresses would be copied to the device during the capture; "
+                        "keep the gradient arrays between steps (zero_grad() with set_to_none=False, the "
+                        "default) so that the table made in the warm-up steps still holds")
         starts = np.zeros(len(sizes) + 1, dtype=np.int64)
         np.cumsum(sizes, out=starts[1:])
         made = tuple(xp.asarray(np.array(ptrs, dtype=np.uint64)) for ptrs in identity[1:]) + (xp.asarray(starts),)
@@ -204,4 +256,4 @@ def kept(xp: Any) -> Dict[Tuple[str, Tuple[Any, ...]], Any]:
 
 
 __all__ = ["OPTIONS", "KERNEL_DTYPES", "MAX_MULTI_ELEMENTS", "has_kernels", "serves", "elementwise", "multi_tensor",
-           "TensorTables", "launch_multi", "batches", "launches", "kept"]
+           "fill", "TensorTables", "launch_multi", "batches", "launches", "kept"]

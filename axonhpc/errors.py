@@ -189,6 +189,10 @@ class BenchError(AxonError, RuntimeError):
     """A benchmark's worker job could not be started, failed, or timed out."""
 
 
+class GraphCaptureError(AxonError, RuntimeError):
+    """A step cannot be captured as a CUDA graph, or a captured graph no longer fits its step (why in the message)."""
+
+
 __all__ = [
     "AxonError",
     "InvalidArgumentError",
@@ -227,4 +231,5 @@ __all__ = [
     "MissingValueError",
     "TemplateNotFoundError",
     "BenchError",
+    "GraphCaptureError",
 ]

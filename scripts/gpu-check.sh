@@ -18,8 +18,8 @@
 #   train        the main job on the GPU: examples/train_digits.py --device cuda, 2 ranks, >= 95%
 #   bench        axonhpc bench allreduce --device gpu on 2 ranks: NCCL, CUDA-aware MPI, staged MPI whole
 #                and pipelined, beside the pipeline's bound (4 KiB to 256 MiB)
-#   step         axonhpc bench step --device cuda on one rank: our training step beside PyTorch's
-#                and the GEMM floor, fp32, TF32 and bf16, small and large MLP
+#   step         axonhpc bench step --device cuda on one rank: our training step beside PyTorch's,
+#                the GEMM floor and our step captured as a CUDA graph, fp32, TF32 and bf16, small and large MLP
 #   step-unfused the same, fp32 and TF32, with fused kernels off (--no-fused): what the fused
 #                layer kernels and optimizer update save
 #
@@ -316,7 +316,7 @@ code=$?
 if [ "$DRY" = 1 ]; then
     record step PLAN "as above"
 elif [ "$code" = 0 ]; then
-    record step PASS "$(grep -a -c -E ' (fp32|tf32|bf16) ' "$LOGS/step.log") rows; ours/floor and ours/torch in $LOGS/step.log"
+    record step PASS "$(grep -a -c -E ' (fp32|tf32|bf16) ' "$LOGS/step.log") rows; ours/floor, ours/torch and graphed/torch in $LOGS/step.log"
 else
     record step FAIL "exit $code (log: $LOGS/step.log)"
 fi

@@ -9,12 +9,15 @@ cupy: nothing here runs on a GPU.
   subclass; it refuses what cupy refuses), installed as ``cupy.ndarray`` so
   the library takes it for a device array.
 - ``FakeCupy``: the strict ``cupy`` module plus ``cuda.Stream``/``Event``/
-  ``get_current_stream``/``runtime``.
+  ``get_current_stream``/``runtime``, and stream capture into a ``Graph``
+  (``begin_capture``/``end_capture``/``launch``: see ``strict_cupy``), with
+  ``MemoryPool``/``using_allocator`` as objects only (the memory is numpy's).
 - ``FakeNccl``: the module, with ``NcclCommunicator`` ranks that meet in a hub
   keyed by the unique id, and a log of every call.
 - ``run_device_world(fn, n)``: ``fn(world)`` on n threads, each world on a
   ``DeviceDispatchBackend`` (in-process host backend + ``NCCLBackend`` over the fakes).
 """
+import contextlib
 import ctypes
 import os
 import sys
@@ -31,18 +34,59 @@ from strict_cupy import DeviceArray, StrictCupy, device  # noqa: F401 - re-expor
 WAIT = 30.0  # seconds any fake wait may take before the test fails instead of hanging
 
 
+class _Graph:
+    """``cupy.cuda.Graph``: the operations a stream capture recorded, run in order by ``launch``."""
+
+    def __init__(self, ops):
+        self._ops = ops
+        self.launches = 0
+
+    def launch(self, stream=None):
+        strict_cupy.refuse_in_capture("Graph.launch", "cudaErrorStreamCaptureUnsupported: a graph is launched "
+                                                      "outside a capture here")
+        for op in self._ops:
+            op()
+        self.launches += 1
+
+    def upload(self, stream=None):
+        pass
+
+
 class _Stream:
     _current = threading.local()
 
     def __init__(self, null=False, non_blocking=False):
-        self.ptr = id(self)
+        self.ptr = 0 if null else id(self)
         self.waited = 0
+        self._capturing = False
 
     def wait_event(self, event):
         self.waited += 1
 
+    def record(self, event=None):
+        event = _Event() if event is None else event
+        event.record(self)
+        return event
+
     def synchronize(self):
+        strict_cupy.refuse_in_capture("stream.synchronize", "cudaErrorStreamCaptureUnsupported: operation not "
+                                                            "permitted when stream is capturing")
         strict_cupy._synced("stream.synchronize")
+
+    def begin_capture(self, mode=None):
+        if self.ptr == 0:
+            raise RuntimeError("cannot capture on the default (legacy) stream")
+        strict_cupy.begin_tape()
+        self._capturing = True
+
+    def end_capture(self):
+        if not self._capturing:
+            raise RuntimeError("cudaErrorIllegalState: the stream is not capturing")
+        self._capturing = False
+        return _Graph(strict_cupy.end_tape())
+
+    def is_capturing(self):
+        return self._capturing
 
     def __enter__(self):
         stack = _Stream._current.__dict__.setdefault("stack", [])
@@ -68,7 +112,42 @@ class _Event:
         return True
 
     def synchronize(self):
+        strict_cupy.refuse_in_capture("event.synchronize", "cudaErrorStreamCaptureUnsupported: operation not "
+                                                           "permitted when stream is capturing")
         strict_cupy._synced("event.synchronize")
+
+
+class _MemoryPool:
+    """``cupy.cuda.MemoryPool``: host memory underneath, so only the object and ``malloc`` are played."""
+
+    def malloc(self, size):
+        raise NotImplementedError("the stand-in's arrays are numpy memory: its MemoryPool allocates nothing")
+
+    def used_bytes(self):
+        return 0
+
+    def free_all_blocks(self):
+        pass
+
+
+_allocators = threading.local()
+
+
+@contextlib.contextmanager
+def _using_allocator(allocator=None):
+    """``cupy.cuda.using_allocator``: this thread's allocator inside the block (recorded, not used)."""
+    stack = _allocators.__dict__.setdefault("stack", [])
+    stack.append(allocator)
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
+def current_allocator():
+    """The allocator ``using_allocator`` put in force on this thread (None: cupy's default pool)."""
+    stack = _allocators.__dict__.get("stack")
+    return stack[-1] if stack else None
 
 
 def _current_stream():
@@ -84,8 +163,10 @@ class FakeCupy(StrictCupy):
         self.bound = []
         runtime = types.SimpleNamespace(getDeviceCount=lambda: devices, driverGetVersion=lambda: 13000,
                                         runtimeGetVersion=lambda: 13000)
+        runtime.streamCaptureModeRelaxed = 2
         self.cuda = types.SimpleNamespace(Stream=_Stream, Event=_Event, get_current_stream=_current_stream,
-                                          runtime=runtime,
+                                          runtime=runtime, Graph=_Graph, MemoryPool=_MemoryPool,
+                                          using_allocator=_using_allocator,
                                           Device=lambda i: types.SimpleNamespace(use=lambda: self.bound.append(i)))
 
 

@@ -18,6 +18,17 @@ device arrays with numpy subclasses, which accept every numpy-only call. The
 - ``.data.ptr``, ``__cuda_array_interface__`` and ``cupy.get_array_module``
   are there, as in cupy.
 
+Stream capture (``fake_cuda``'s ``Stream.begin_capture``/``end_capture``) is
+played as CUDA plays it: while a thread captures, nothing it asks of the
+device runs. Every operation is put on a tape instead, and a graph's
+``launch()`` runs the tape on the arrays' memory as it then is. Results made
+during the capture have their shape and dtype but no values (NaN, 0 or False:
+uninitialised memory); arrays written in place keep their contents until a
+launch. What cupy refuses during a capture is refused: reads of device values,
+copies from or to the host, a stream's ``synchronize``, and operations whose
+result's size depends on the values (boolean indexing, ``nonzero``). Scalars
+passed to an operation are frozen on the tape, as they are in a CUDA graph.
+
 Device memory is host memory underneath (nothing here runs on a GPU), so
 ``.data.ptr`` can be read by the thread-level NCCL fake. Only the methods and
 module functions cupy has are offered; anything else raises ``AttributeError``.
@@ -69,6 +80,102 @@ def count_syncs() -> Iterator[List[str]]:
         yield log
     finally:
         logs.remove(log)
+
+
+_tape = threading.local()  # this thread's capture: ``ops`` is the tape while a stream captures
+CAPTURING_SYNC = "the current stream is capturing, so synchronous API calls are disallowed"
+
+
+def capturing() -> bool:
+    """Whether this thread is capturing a graph (what ``Stream.is_capturing`` answers for its streams)."""
+    return getattr(_tape, "ops", None) is not None
+
+
+def begin_tape() -> None:
+    """Start recording this thread's device operations instead of running them."""
+    if capturing():
+        raise RuntimeError("cudaErrorIllegalState: this thread is already capturing")
+    _tape.ops = []
+
+
+def end_tape() -> List[Any]:
+    """Stop recording; returns the recorded operations, in order."""
+    ops, _tape.ops = _tape.ops, None
+    return ops
+
+
+def refuse_in_capture(what: str, message: str = CAPTURING_SYNC) -> None:
+    """Raise cupy's error for ``what`` if this thread is capturing."""
+    if capturing():
+        raise RuntimeError(f"{what}: {message}")
+
+
+def _leaves(value: Any) -> List[Any]:
+    if isinstance(value, (tuple, list)):
+        return [leaf for v in value for leaf in _leaves(v)]
+    return [value]
+
+
+def _as_arrays(value: Any) -> Any:
+    """numpy scalars as 0-d arrays (what ``_wrap`` makes of them), recursively in tuples and lists."""
+    if isinstance(value, np.generic):
+        return np.asarray(value)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_as_arrays(v) for v in value)
+    return value
+
+
+def _poison(a: np.ndarray) -> None:
+    """Give ``a`` no meaningful values, as freshly allocated device memory has none."""
+    if a.dtype.kind in "fc":
+        a[...] = np.nan
+    elif a.dtype.kind in "iub":
+        a[...] = 0
+
+
+def _poisoned(a: np.ndarray) -> np.ndarray:
+    """A new array from ``empty``: no values during a capture (outside one numpy's are as good as any)."""
+    if capturing():
+        _poison(a)
+    return a
+
+
+def _run(compute: Any, inputs: Any = (), in_place: bool = False) -> Any:
+    """Run one device operation, or record it while this thread captures.
+
+    Args:
+        compute: does the operation on the arrays' current memory; returns its
+            numpy result(s), or what an in-place operation returns.
+        inputs: the numpy arrays it reads (a result identical to one of them is not new).
+        in_place: it writes into existing arrays (``out=``, ``__setitem__``, a kernel's
+            given outputs): during a capture it is recorded and not run (returns None).
+
+    During a capture a result that owns its memory is new: it is computed once for its
+    shape, given no values, and the tape copies the recomputed result into it at each launch.
+    Views of existing arrays are returned as they are.
+    """
+    ops = getattr(_tape, "ops", None)
+    if ops is None:
+        return compute()
+    if in_place:
+        ops.append(compute)
+        return None
+    with np.errstate(all="ignore"):
+        result = _as_arrays(compute())
+    leaves = _leaves(result)
+    own = [i for i, r in enumerate(leaves) if isinstance(r, np.ndarray) and r.flags.owndata
+           and not builtins.any(r is a for a in _leaves(inputs))]
+    for i in own:
+        _poison(leaves[i])
+
+    def replay() -> None:
+        again = _leaves(_as_arrays(compute()))
+        for i in own:
+            np.copyto(leaves[i], again[i])
+
+    if own:
+        ops.append(replay)
+    return result
 
 
 def _refuse_host(value: Any, where: str) -> None:
@@ -150,9 +257,15 @@ class DeviceArray:
             where = f"cupy.ndarray.{name}"
 
             def call(*args, **kwargs):
+                out = kwargs.get("out")
                 args = tuple(_unwrap(a, where) for a in args)
                 kwargs = {k: _unwrap(v, where) for k, v in kwargs.items()}
-                return _wrap(method(*args, **kwargs))
+                if name in ("nonzero",):
+                    refuse_in_capture(where)
+                if name in ("fill", "sort") or out is not None:  # in place
+                    done = _run(lambda: method(*args, **kwargs), in_place=True)
+                    return out if capturing() and out is not None else _wrap(done)
+                return _wrap(_run(lambda: method(*args, **kwargs), (self._a,) + args))
 
             return call
         raise AttributeError(f"'cupy.ndarray' object has no attribute {name!r}")
@@ -181,6 +294,7 @@ class DeviceArray:
                 "strides": None if a.flags.c_contiguous else a.strides, "version": 3}
 
     def get(self, stream: Any = None, order: str = "C", out: Any = None, blocking: bool = True) -> np.ndarray:
+        refuse_in_capture("get", "the current stream is capturing, so D2H transfers are disallowed")
         if blocking:  # blocking=False queues the copy on the stream; the host does not wait (cupy >= 13)
             _synced("get")
         if out is None:
@@ -194,16 +308,19 @@ class DeviceArray:
     def set(self, arr: np.ndarray, stream: Any = None) -> None:
         if type(arr) is not np.ndarray:
             raise TypeError(f"set: only numpy.ndarray is supported, got {type(arr)}")
+        refuse_in_capture("set", "the current stream is capturing, so H2D transfers are disallowed")
         if arr.shape != self._a.shape or arr.dtype != self._a.dtype:
             raise ValueError(f"set: shape or dtype mismatch ({arr.shape} {arr.dtype} into "
                              f"{self._a.shape} {self._a.dtype})")
         np.copyto(self._a, arr)
 
     def item(self) -> Any:
+        refuse_in_capture("item")
         _synced("item")
         return self._a.item()
 
     def tolist(self) -> Any:
+        refuse_in_capture("tolist")
         _synced("tolist")
         return self._a.tolist()
 
@@ -232,32 +349,53 @@ class DeviceArray:
         return "array(" + np.array2string(self._a, separator=", ") + ")"
 
     def __bool__(self) -> bool:
+        refuse_in_capture("bool")
         _synced("bool")
         return bool(self._a)
 
     def __float__(self) -> float:
+        refuse_in_capture("float")
         _synced("float")
         return float(self._a)
 
     def __int__(self) -> int:
+        refuse_in_capture("int")
         _synced("int")
         return int(self._a)
 
     def __index__(self) -> int:
+        refuse_in_capture("index")
         _synced("index")
         return self._a.__index__()
 
     def __getitem__(self, key: Any) -> "DeviceArray":
-        return DeviceArray(np.asarray(self._a[_index(key)]))
+        index = _index(key)
+        if builtins.any(isinstance(k, np.ndarray) and k.dtype == bool and k.ndim
+                        for k in (index if isinstance(index, tuple) else (index,))):
+            refuse_in_capture("boolean indexing")  # the result's size is read from the device
+        a = self._a
+
+        def pick() -> np.ndarray:
+            picked = a[index]
+            if isinstance(picked, np.generic):  # cupy gives a 0-d view where numpy gives a scalar
+                picked = a[(index if isinstance(index, tuple) else (index,)) + (Ellipsis,)]
+            return picked
+
+        return DeviceArray(_run(pick, (a,)))
 
     def __setitem__(self, key: Any, value: Any) -> None:
-        self._a[_index(key)] = _unwrap(value, "cupy.ndarray.__setitem__")
+        index, value, a = _index(key), _unwrap(value, "cupy.ndarray.__setitem__"), self._a
+
+        def assign() -> None:
+            a[index] = value
+
+        _run(assign, in_place=True)
 
     def __copy__(self):
-        return DeviceArray(self._a.copy())
+        return DeviceArray(_run(self._a.copy))
 
     def __deepcopy__(self, memo):
-        return DeviceArray(self._a.copy())
+        return DeviceArray(_run(self._a.copy))
 
     def __reduce__(self):
         raise TypeError("device arrays are not pickled here (axonhpc never pickles)")
@@ -321,32 +459,37 @@ class _Ufunc:
             kwargs["out"] = tuple(None if o is None else o._a for o in outs)
         return args, {k: v if k == "out" else _unwrap(v, where) for k, v in kwargs.items()}
 
-    def __call__(self, *args, **kwargs):
+    def _apply(self, fn, args, kwargs):
+        given = kwargs.get("out")
         args, kwargs = self._args(args, kwargs)
-        return _wrap(self._u(*args, **kwargs))
+        if given is not None and capturing():
+            _run(lambda: fn(*args, **kwargs), in_place=True)
+            return given
+        return _wrap(_run(lambda: fn(*args, **kwargs), args))
+
+    def __call__(self, *args, **kwargs):
+        return self._apply(self._u, args, kwargs)
 
     def reduce(self, *args, **kwargs):
-        args, kwargs = self._args(args, kwargs)
-        return _wrap(self._u.reduce(*args, **kwargs))
+        return self._apply(self._u.reduce, args, kwargs)
 
     def accumulate(self, *args, **kwargs):
-        args, kwargs = self._args(args, kwargs)
-        return _wrap(self._u.accumulate(*args, **kwargs))
+        return self._apply(self._u.accumulate, args, kwargs)
 
     def outer(self, *args, **kwargs):
-        args, kwargs = self._args(args, kwargs)
-        return _wrap(self._u.outer(*args, **kwargs))
+        return self._apply(self._u.outer, args, kwargs)
 
     def at(self, a, indices, b=None):
         where = f"cupy.{self.__name__}.at"
         if type(a) is not DeviceArray:
             raise TypeError(f"{where}: unsupported type {type(a)}")
         _refuse_host(indices, where)
-        idx = _index(indices)
+        idx, target = _index(indices), a._a
         if b is None:
-            self._u.at(a._a, idx)
+            _run(lambda: self._u.at(target, idx), in_place=True)
         else:
-            self._u.at(a._a, idx, _unwrap(b, where))
+            value = _unwrap(b, where)
+            _run(lambda: self._u.at(target, idx, value), in_place=True)
 
 
 # Functions that take host data on purpose (they copy it to the device).
@@ -367,15 +510,29 @@ transpose tril triu true_divide var where zeros_like argwhere bincount cbrt floo
 """.split())
 
 
+# Functions whose result's size depends on the values (cupy reads it from the device).
+_SIZED_BY_VALUES = {"nonzero", "argwhere", "flatnonzero"}
+# Functions that allocate and launch nothing (the memory holds whatever it held).
+_NO_KERNEL = {"empty", "empty_like"}
+
+
 def _strict_function(source: Any, name: str) -> Any:
     """numpy's ``source`` with cupy's argument rules: device arrays in and out, host arrays refused."""
     def call(*args, **kwargs):
         where = f"cupy.{name}"
         if "out" in kwargs and kwargs["out"] is not None and type(kwargs["out"]) is not DeviceArray:
             raise TypeError(f"{where}: out must be a cupy array, got {type(kwargs['out'])}")
+        given = kwargs.get("out")
         args = tuple(_unwrap(a, where) for a in args)
         kwargs = {k: _unwrap(v, where) for k, v in kwargs.items()}
-        return _wrap(source(*args, **kwargs))
+        if name in _SIZED_BY_VALUES:
+            refuse_in_capture(where)
+        if name == "copyto" or given is not None:  # in place into the first argument or ``out``
+            done = _run(lambda: source(*args, **kwargs), in_place=True)
+            return given if capturing() and given is not None else _wrap(done)
+        if name in _NO_KERNEL:
+            return _wrap(_poisoned(source(*args, **kwargs)))
+        return _wrap(_run(lambda: source(*args, **kwargs), args))
 
     return call
 
@@ -413,22 +570,30 @@ class _Cublas(types.ModuleType):
             raise TypeError(f"invalid trans (actual: {transa!r}, {transb!r})")
         a_, b_ = self._OPS[transa](a_), self._OPS[transb](b_)
         assert b_.shape[0] == a_.shape[1]
-        self.calls += 1
-        product = np.matmul(a_, b_)
         if out is None:
-            return DeviceArray(np.asfortranarray(product * a_.dtype.type(alpha)))
+            def fresh() -> np.ndarray:
+                self.calls += not capturing()
+                return np.asfortranarray(np.matmul(a_, b_) * a_.dtype.type(alpha))
+
+            return DeviceArray(_run(fresh, (a_, b_)))
         o = _unwrap(out, where)
         assert o.ndim == 2
         assert o.shape == (a_.shape[0], b_.shape[1])
         assert o.dtype == a_.dtype
-        if alpha != 1.0:
-            product *= a_.dtype.type(alpha)
-        if beta == 0.0:
-            o[...] = product
-        else:
-            if beta != 1.0:
-                o *= o.dtype.type(beta)
-            o += product
+
+        def into() -> None:
+            self.calls += 1
+            product = np.matmul(a_, b_)
+            if alpha != 1.0:
+                product *= a_.dtype.type(alpha)
+            if beta == 0.0:
+                o[...] = product
+            else:
+                if beta != 1.0:
+                    np.multiply(o, o.dtype.type(beta), out=o)
+                np.add(o, product, out=o)
+
+        _run(into, in_place=True)
         return out
 
 
@@ -548,12 +713,14 @@ class ElementwiseKernel:
                                  f"to {shape} (an output is never broadcast)")
         if len(args) == n_in:
             args += [DeviceArray(np.empty(shape, dtype_of(t))) for t, _, _ in self.out_params]
+            for out in args[n_in:]:
+                _poison(out._a)  # fresh memory: no values until the kernel (or a graph's launch) writes them
         for (type_, name, _), arg in zip(self.out_params, args[n_in:]):
             if type(arg) is not DeviceArray:
                 raise TypeError(f"output {name!r} of {self.name!r} must be a cupy array, got {type(arg).__name__}")
             if arg.dtype != dtype_of(type_):
                 raise TypeError(f"Type is mismatched. {name} {arg.dtype} {dtype_of(type_)}")
-        inputs, values = [], []
+        inputs = []
         for (type_, name, raw), arg in zip(self.in_params, args):
             dtype = dtype_of(type_)
             is_array = type(arg) is DeviceArray
@@ -566,19 +733,30 @@ class ElementwiseKernel:
                 if not arg._a.flags.c_contiguous:
                     raise NotImplementedError(f"the strict stand-in takes raw arrays C-contiguous only ({name!r})")
                 inputs.append((host_kernels.C_TYPES[dtype][0], name, "raw"))
-                values.append((dtype, arg._a))
                 continue
             inputs.append((host_kernels.C_TYPES[dtype][0], name, "array" if is_array else "scalar"))
-            values.append((dtype, np.ascontiguousarray(np.broadcast_to(arg._a, shape)) if is_array else arg))
         outputs = [(host_kernels.C_TYPES[dtype_of(t)][0], name) for t, name, _ in self.out_params]
         source = host_kernels.c_source(self.name, inputs, outputs, placeholders, self.operation, self.preamble)
         function = host_kernels.load(source, self.name)
-        targets = [a._a if a._a.flags.c_contiguous else np.ascontiguousarray(a._a) for a in args[n_in:]]
-        host_kernels.run(function, int(np.prod(shape, dtype=np.int64)), values, targets)
-        for out, target in zip(args[n_in:], targets):
-            if target is not out._a:
-                out._a[...] = target
-        self.calls += 1
+
+        def launch() -> None:  # reads the arrays' memory as it is when the kernel runs
+            values = []
+            for (type_, _, raw), arg in zip(self.in_params, args):
+                dtype = dtype_of(type_)
+                if raw:
+                    values.append((dtype, arg._a))
+                elif type(arg) is DeviceArray:
+                    values.append((dtype, np.ascontiguousarray(np.broadcast_to(arg._a, shape))))
+                else:
+                    values.append((dtype, arg))
+            targets = [a._a if a._a.flags.c_contiguous else np.ascontiguousarray(a._a) for a in args[n_in:]]
+            host_kernels.run(function, int(np.prod(shape, dtype=np.int64)), values, targets)
+            for out, target in zip(args[n_in:], targets):
+                if target is not out._a:
+                    out._a[...] = target
+            self.calls += 1
+
+        _run(launch, in_place=True)
         if self.no_return:
             return None
         results = tuple(args[n_in:])
@@ -610,24 +788,29 @@ class StrictCupy(types.ModuleType):
             def from_host(obj, dtype=None, *args, **kwargs):
                 kwargs.pop("order", None)
                 if type(obj) is DeviceArray:  # already on the device: asarray keeps it, array copies
+                    a = obj._a
                     if name == "array" or kwargs.get("copy") or (dtype is not None and obj.dtype != dtype):
-                        return DeviceArray(np.array(obj._a, dtype=dtype))
-                    if name == "ascontiguousarray" and not obj._a.flags.c_contiguous:
-                        return DeviceArray(np.ascontiguousarray(obj._a))
+                        return DeviceArray(_run(lambda: np.array(a, dtype=dtype)))
+                    if name == "ascontiguousarray" and not a.flags.c_contiguous:
+                        return DeviceArray(_run(lambda: np.ascontiguousarray(a)))
                     return obj
                 if isinstance(obj, (list, tuple)) and builtins.any(type(o) is DeviceArray for o in obj):
                     raise TypeError(IMPLICIT)  # cupy.array([device, device]) converts through numpy
                 # host data is copied to the device (cupy.asarray(numpy) always copies)
+                refuse_in_capture(f"cupy.{name}", "the current stream is capturing, so H2D transfers are disallowed")
                 return DeviceArray(np.array(obj, dtype=dtype, order="C"))
 
             return from_host
         if name in _CREATION:
-            return lambda *args, **kwargs: DeviceArray(getattr(np, name)(*args, **kwargs))
+            if name in _NO_KERNEL:
+                return lambda *args, **kwargs: DeviceArray(_poisoned(getattr(np, name)(*args, **kwargs)))
+            return lambda *args, **kwargs: DeviceArray(_run(lambda: getattr(np, name)(*args, **kwargs)))
         if name in _SEQUENCE_FIRST:
             def joined(arrays, *args, **kwargs):
                 where = f"cupy.{name}"
-                return _wrap(getattr(np, name)(_unwrap_seq(list(arrays), where), *args,
-                                               **{k: _unwrap(v, where) for k, v in kwargs.items()}))
+                parts = _unwrap_seq(list(arrays), where)
+                kwargs = {k: _unwrap(v, where) for k, v in kwargs.items()}
+                return _wrap(_run(lambda: getattr(np, name)(parts, *args, **kwargs), tuple(parts)))
 
             return joined
         if name in _FUNCTIONS and source is not None:

@@ -76,7 +76,9 @@ def test_measure_row_is_consistent(monkeypatch, torch_present):
     assert settings.allow_tf32 is False
     lines = bench_step.format_table([row]).splitlines()
     assert "ours/floor" in lines[0] and len(lines) == 2
-    assert ("n/a" in lines[1]) == (row["torch_s"] is None)
+    assert row["graphed_s"] is None and row["graphed_over_torch"] is None  # no CUDA graphs on the CPU
+    cells = lines[1].split()
+    assert cells[5] == "n/a" and (cells[6] == "n/a") == (row["torch_s"] is None)
 
 
 def test_main_prints_the_table(monkeypatch, capsys):
@@ -133,3 +135,25 @@ def test_bf16_rows_are_skipped_with_the_reason_where_the_device_cannot(monkeypat
     out = capsys.readouterr().out.splitlines()
     assert [line.split()[2] for line in out[2:-1]] == ["fp32"]  # "12-16-5 x8 fp32 ..."
     assert out[-1] == "bf16 rows skipped: cupy 0 cannot multiply bfloat16 arrays"
+
+
+def test_the_graphed_step_trains_as_the_eager_step_does(monkeypatch):
+    """On the strict stand-in's stream capture: the graphed candidate replays the eager step bit for bit."""
+    from fake_cuda import FakeCupy
+
+    fake = FakeCupy()
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setitem(sys.modules, "cupy.cuda", fake.cuda)
+    spec = bench_step.parse_models(TINY)[0]
+    device = bench_step.Device("cpu")
+    device.xp = fake  # the stand-in plays the GPU's array library
+    eager = bench_step.axon_step(spec, device)
+    graphed = bench_step.graphed_step(spec, device)
+    eager_losses = [eager() for _ in range(30)]
+    graphed_losses = [float(graphed()) for _ in range(30)]
+    assert graphed_losses == eager_losses
+    assert eager_losses[-1] < 0.5 * eager_losses[0]
+    row = dict(model="m", precision="fp32", axonhpc_s=2e-3, floor_s=1e-3, graphed_s=1e-3, torch_s=2e-3,
+               torch="torch 0", floor_tflops=1.0, ours_over_floor=2.0, ours_over_torch=1.0, graphed_over_torch=0.5)
+    assert "graphed/torch" in bench_step.format_table([row]).splitlines()[0]
+    assert bench_step.format_table([row]).splitlines()[1].split()[-2] == "0.50"

@@ -21,10 +21,13 @@ EXPECTED = {
 }
 # What these packages may import (the layer rule; lazily imported cupy counts as numpy's twin).
 # threading: nn.autocast's state is per thread (each rank of the thread backend is a thread).
-ALLOWED_ROOTS = {"numpy", "cupy", "cupyx", "math", "sys", "typing", "collections", "__future__", "threading"}
+# functools: the optimizers' work before a CUDA graph's replay is a partial of a method.
+ALLOWED_ROOTS = {"numpy", "cupy", "cupyx", "math", "sys", "typing", "collections", "__future__", "threading",
+                 "functools"}
 # tracing records timeline spans (axonhpc.tracing knows nothing of communication); settings holds
-# allow_tf32, which nn.matmul applies to cupy
-ALLOWED_AXONHPC = {"axonhpc._dtypes", "axonhpc._kernels", "axonhpc.errors", "axonhpc.tracing", "axonhpc.settings"}
+# allow_tf32, which nn.matmul applies to cupy; _capture says whether a CUDA graph is being captured
+ALLOWED_AXONHPC = {"axonhpc._dtypes", "axonhpc._kernels", "axonhpc._capture", "axonhpc.errors", "axonhpc.tracing",
+                   "axonhpc.settings"}
 # data/text.py reads the standard library's own source files from disk.
 ALLOWED_PER_FILE = {os.path.join("data", "text.py"): {"os", "sysconfig"}}
 

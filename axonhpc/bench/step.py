@@ -13,6 +13,8 @@ and precision it times, in interleaved rounds, and reports the medians:
   these, so the ratio ours/floor says how much of the step is not matrix
   products. Our step (``backward(..., input_grad=False)``) and PyTorch's (the
   data does not require grad) both skip the first layer's input gradient;
+- ``graphed`` (cuda only): our step captured once as a CUDA graph
+  (``axonhpc.graph_step``) and replayed, the loss left on the device;
 - ``torch``: the same model, loss and optimizer in PyTorch on the same
   device, when torch is installed (else n/a).
 
@@ -164,13 +166,8 @@ def _batch(spec: ModelSpec, seed: int = 0) -> Tuple[np.ndarray, np.ndarray]:
     return x, y
 
 
-def axon_step(spec: ModelSpec, device: Device, precision: str = "fp32") -> Callable[[], float]:
-    """One axonhpc training step of the spec's MLP on ``device``, as a closure returning the loss.
-
-    bf16: float32 parameters, the forward and loss under ``nn.autocast("bfloat16")``. The SGD is
-    built with ``fused=None``: its update, like the layers' element-wise work, follows
-    ``settings.fused_kernels`` when the step runs.
-    """
+def _step_fn(spec: ModelSpec, device: Device, precision: str, set_to_none: bool) -> Tuple[Callable[..., Any], Any, Any]:
+    """Our step of the spec's MLP as ``step(x, y)``, and the batch on ``device``."""
     from ..nn import CrossEntropyLoss, autocast
     from ..optim import SGD
     from .ddp import make_mlp
@@ -184,15 +181,38 @@ def axon_step(spec: ModelSpec, device: Device, precision: str = "fp32") -> Calla
 
     cast = autocast("bfloat16") if precision == "bf16" else contextlib.nullcontext()
 
-    def step() -> float:
-        opt.zero_grad(set_to_none=True)
+    def step(x: Any, y: Any) -> Any:
+        opt.zero_grad(set_to_none=set_to_none)
         with cast:
             loss = loss_fn(model(x), y)
         model.backward(loss_fn.backward(), input_grad=False)  # the input is data
         opt.step()
         return loss
 
-    return step
+    return step, x, y
+
+
+def axon_step(spec: ModelSpec, device: Device, precision: str = "fp32") -> Callable[[], float]:
+    """One axonhpc training step of the spec's MLP on ``device``, as a closure returning the loss.
+
+    bf16: float32 parameters, the forward and loss under ``nn.autocast("bfloat16")``. The SGD is
+    built with ``fused=None``: its update, like the layers' element-wise work, follows
+    ``settings.fused_kernels`` when the step runs.
+    """
+    step, x, y = _step_fn(spec, device, precision, set_to_none=True)
+    return lambda: step(x, y)
+
+
+def graphed_step(spec: ModelSpec, device: Device, precision: str = "fp32") -> Callable[[], Any]:
+    """``axon_step`` captured as a CUDA graph (``axonhpc.graph_step``, 2 eager calls first), returning the loss array.
+
+    The gradients are zeroed in place (a graph writes the same memory at each replay).
+    """
+    from ..graphs import graph_step
+
+    step, x, y = _step_fn(spec, device, precision, set_to_none=False)
+    graphed = graph_step(step, warmup=2)
+    return lambda: graphed(x, y)
 
 
 def gemm_floor(spec: ModelSpec, device: Device, precision: str = "fp32") -> Callable[[], None]:
@@ -293,6 +313,8 @@ def measure(spec: ModelSpec, precision: str, device: Device, rounds: int, warmup
         apply_matmul_precision()  # the floor's products are not module calls
         fns: Dict[str, Callable[[], Any]] = {"axonhpc": axon_step(spec, device, precision),
                                              "floor": gemm_floor(spec, device, precision)}
+        if device.xp is not np:
+            fns["graphed"] = graphed_step(spec, device, precision)
         torch_fn, torch_note = torch_step(spec, device, precision)
         if torch_fn is not None:
             fns["torch"] = torch_fn
@@ -305,10 +327,12 @@ def measure(spec: ModelSpec, precision: str, device: Device, rounds: int, warmup
         apply_matmul_precision()
     seconds = {name: medians[name] / counts[name] for name in medians}
     row = {"model": spec.label, "precision": precision, "axonhpc_s": seconds["axonhpc"],
-           "floor_s": seconds["floor"], "torch_s": seconds.get("torch"), "torch": torch_note,
-           "floor_tflops": spec.gemm_flops() / seconds["floor"] / 1e12}
+           "floor_s": seconds["floor"], "graphed_s": seconds.get("graphed"), "torch_s": seconds.get("torch"),
+           "torch": torch_note, "floor_tflops": spec.gemm_flops() / seconds["floor"] / 1e12}
     row["ours_over_floor"] = row["axonhpc_s"] / row["floor_s"]
     row["ours_over_torch"] = None if row["torch_s"] is None else row["axonhpc_s"] / row["torch_s"]
+    row["graphed_over_torch"] = (None if row["torch_s"] is None or row["graphed_s"] is None
+                                 else row["graphed_s"] / row["torch_s"])
     return row
 
 
@@ -320,11 +344,12 @@ def format_table(rows: Sequence[dict]) -> str:
     def ratio(v: Optional[float]) -> str:
         return "n/a" if v is None else f"{v:.2f}"
 
-    lines = [f"{'model':>28} {'prec':>5} {'axonhpc ms':>11} {'floor ms':>9} {'torch ms':>9} "
-             f"{'ours/floor':>10} {'ours/torch':>10} {'floor TFLOP/s':>13}"]
+    lines = [f"{'model':>28} {'prec':>5} {'axonhpc ms':>11} {'floor ms':>9} {'graphed ms':>10} {'torch ms':>9} "
+             f"{'ours/floor':>10} {'ours/torch':>10} {'graphed/torch':>13} {'floor TFLOP/s':>13}"]
     for r in rows:
         lines.append(f"{r['model']:>28} {r['precision']:>5} {ms(r['axonhpc_s']):>11} {ms(r['floor_s']):>9} "
-                     f"{ms(r['torch_s']):>9} {ratio(r['ours_over_floor']):>10} {ratio(r['ours_over_torch']):>10} "
+                     f"{ms(r.get('graphed_s')):>10} {ms(r['torch_s']):>9} {ratio(r['ours_over_floor']):>10} "
+                     f"{ratio(r['ours_over_torch']):>10} {ratio(r.get('graphed_over_torch')):>13} "
                      f"{r['floor_tflops']:>13.3f}")
     return "\n".join(lines)
 
@@ -375,7 +400,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 0
 
 
-__all__ = ["main", "measure", "axon_step", "gemm_floor", "torch_step", "parse_models", "parse_precisions",
+__all__ = ["main", "measure", "axon_step", "graphed_step", "gemm_floor", "torch_step", "parse_models", "parse_precisions",
            "format_table", "ModelSpec", "Device", "DEFAULT_MODELS", "DEFAULT_PRECISIONS"]
 
 

@@ -26,7 +26,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from .. import tracing
+from .. import _capture, tracing
 from .._dtypes import array_module, check_array, is_cupy_array, is_low_precision_float
 from ..backends.base import CompletedWork, ReduceOp, Work
 from ..errors import CollectiveTimeoutError, ReadOnlyBufferError, ShapeError
@@ -37,6 +37,9 @@ from .widen import divide_average
 
 
 def _member(group: Optional[ProcessGroup], op: str) -> ProcessGroup:
+    _capture.refuse(op, "axonhpc does not capture communication yet: a call also does host work at each step "
+                        "(the ranks' agreement check, MPI or staged copies) that a graph would not repeat; capture "
+                        "a single process's step, and run data-parallel steps eagerly")
     return resolve_group(group).require_member(op)
 
 

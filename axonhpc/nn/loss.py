@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import _capture
 from .._dtypes import array_module, is_cupy_array, is_low_precision_float
 from ..errors import ShapeError, UnsupportedDtypeError
 from . import kernels
@@ -41,7 +42,8 @@ class CrossEntropyLoss(Module):
             targets: integer array (N,) or (...) of class indices in [0, C), the logits' shape without C.
 
         Returns:
-            The mean loss as a Python float.
+            The mean loss as a Python float; inside a graphed step (``axonhpc.graphs``), a 0-d
+            float64 device array, and the targets' range is checked once the step has run.
 
         Raises:
             ShapeError: targets not of the logits' shape without the last axis, no position,
@@ -66,15 +68,24 @@ class CrossEntropyLoss(Module):
             # One read for the loss and the targets' range (each read waits for the device): the
             # gather takes clipped targets, and the range is checked once it is read.
             picked = logp[rows, xp.clip(targets, 0, c - 1)]
-            loss, lo, hi = xp.stack([(-picked.mean()).astype(np.float64), targets.min().astype(np.float64),
-                                     targets.max().astype(np.float64)]).get().tolist()
+            values = xp.stack([(-picked.mean()).astype(np.float64), targets.min().astype(np.float64),
+                               targets.max().astype(np.float64)])
+            if _capture.defers_reads():
+                _capture.defer_check(values, lambda v: self._check_range(v[1], v[2], c))
+                self._save_cache((logp, targets, rows, logits.dtype, shape))
+                return values[0]
+            loss, lo, hi = values.get().tolist()
         else:  # host reads cost nothing: check before the gather, skip the clip
             lo, hi = int(targets.min()), int(targets.max())
             loss = None if lo < 0 or hi >= c else float(-logp[rows, targets].mean())
-        if lo < 0 or hi >= c:
-            raise ShapeError(f"CrossEntropyLoss targets must be in [0, {c}), got values in [{int(lo)}, {int(hi)}]")
+        self._check_range(lo, hi, c)
         self._save_cache((logp, targets, rows, logits.dtype, shape))
         return loss
+
+    @staticmethod
+    def _check_range(lo: float, hi: float, c: int) -> None:
+        if lo < 0 or hi >= c:
+            raise ShapeError(f"CrossEntropyLoss targets must be in [0, {c}), got values in [{int(lo)}, {int(hi)}]")
 
     def backward(self, grad_output: float = 1.0) -> Any:
         """d loss / d logits (the logits' shape), times ``grad_output`` (e.g. 1/M for M accumulated micro-batches)."""
@@ -100,7 +111,7 @@ class MSELoss(Module):
             target: array of the same shape.
 
         Returns:
-            The mean squared error as a Python float.
+            The mean squared error as a Python float (inside a graphed step, a 0-d device array).
 
         Raises:
             ShapeError: the shapes differ (no broadcasting, which hides bugs) or are empty.
@@ -112,7 +123,8 @@ class MSELoss(Module):
                              f"{tuple(prediction.shape)} and {tuple(target.shape)}")
         diff = prediction.astype(_working_dtype(prediction), copy=False) - target
         self._save_cache((diff, prediction.dtype))
-        return float((diff * diff).mean())
+        loss = (diff * diff).mean()
+        return loss if _capture.defers_reads() and is_cupy_array(loss) else float(loss)
 
     def backward(self, grad_output: float = 1.0) -> Any:
         """d loss / d prediction = 2 (prediction - target) / numel, times ``grad_output``."""

@@ -1,10 +1,11 @@
 """Adam and AdamW with PyTorch's exact update order."""
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
-from .. import _kernels
+from .. import _capture, _kernels
 from .._dtypes import array_module
 from ..errors import ConfigurationError
 from . import fused as _fused
@@ -66,6 +67,9 @@ class Adam(Optimizer):
 
     def _update_together(self, pending: List[Tuple[Any, Dict[str, Any]]]) -> List[Tuple[Any, Dict[str, Any]]]:
         """The parameters ``fused.joins`` takes, one launch per dtype and step count (see ``optim.fused``)."""
+        if _capture.capturing():
+            self._capture_update(pending)
+            return []
         groups: Dict[Tuple[Any, int], List[Tuple[Any, Dict[str, Any]]]] = {}
         rest = []
         for p, state in pending:
@@ -81,6 +85,31 @@ class Adam(Optimizer):
                              [s["exp_avg_sq"] for _, s in members], lr=self.lr, beta1=beta1, beta2=beta2,
                              eps=self.eps, weight_decay=self.weight_decay, decoupled=self._decoupled, step=step)
         return rest
+
+    def _capture_update(self, pending: List[Tuple[Any, Dict[str, Any]]]) -> None:
+        """Capture every update in a CUDA graph (see [Note: updates in a CUDA graph] in ``optim.fused``)."""
+        name = type(self).__name__
+        groups = _fused.captured_groups(self.fused, pending, name,
+                                        lambda s: (s.get("exp_avg"), s.get("exp_avg_sq")),
+                                        lambda s: "exp_avg" in s, lambda s: s["step"])
+        variant = _fused.adam_variant(self.weight_decay, self._decoupled)
+        for members in groups.values():
+            lists = ([p.grad for p, _ in members], [p.data for p, _ in members], [s["exp_avg"] for _, s in members],
+                     [s["exp_avg_sq"] for _, s in members])
+            scalars = _fused.captured_launch(array_module(lists[1][0]), self._tables, "adam", variant,
+                                             _fused._adam_source, lists, 8)
+            _capture.before_replay(functools.partial(self._before_replay, [s for _, s in members], scalars, variant))
+
+    def _before_replay(self, states: List[Dict[str, Any]], scalars: Any, variant: Tuple[bool, bool]) -> None:
+        """Advance the step counts and write this step's scalars for a replay of the captured update."""
+        _fused.check_variant(type(self).__name__, variant, _fused.adam_variant(self.weight_decay, self._decoupled),
+                             self.hyperparameters())
+        for state in states:
+            state["step"] += 1
+        beta1, beta2 = self.betas
+        _kernels.fill(array_module(scalars), scalars,
+                      _fused.adam_scalars(scalars.dtype.type, self.lr, beta1, beta2, self.eps, self.weight_decay,
+                                          states[0]["step"]))
 
     def _update(self, param: Any, grad: Any, state: Dict[str, Any]) -> None:
         xp = array_module(param.data)

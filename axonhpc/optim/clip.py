@@ -4,7 +4,8 @@ from __future__ import annotations
 import math
 from typing import Any, Iterable, Union
 
-from .._dtypes import array_module
+from .. import _capture
+from .._dtypes import array_module, is_cupy_array
 from ..errors import InvalidArgumentError
 
 
@@ -42,6 +43,9 @@ def clip_grad_norm(params: Union[Any, Iterable[Any]], max_norm: float, norm_type
 
     Returns:
         The total norm before clipping, as a float (0.0 if no parameter has a gradient).
+        Inside a graphed step (``axonhpc.graphs``) on device arrays, a 0-d float64 device
+        array: the scale is then computed on the device and every gradient is multiplied
+        by it (by 1.0 where there is nothing to clip, which changes no value).
 
     Raises:
         ValueError: norm_type is not positive.
@@ -55,13 +59,33 @@ def clip_grad_norm(params: Union[Any, Iterable[Any]], max_norm: float, norm_type
     xp = array_module(grads[0])
     if math.isinf(norm_type):
         # Each gradient's largest magnitude stays on the device; one read for all of them.
-        total = float(xp.stack([xp.abs(g).max() if g.size else xp.zeros((), dtype=g.dtype) for g in grads]).max())
+        total = xp.stack([xp.abs(g).max() if g.size else xp.zeros((), dtype=g.dtype) for g in grads]).max()
     else:
         # Per-gradient norms first, then the norm of those: one pass over each array.
         norms = xp.stack([xp.linalg.norm(g.reshape(-1), norm_type) for g in grads])
-        total = float(xp.linalg.norm(norms, norm_type))
+        total = xp.linalg.norm(norms, norm_type)
+    if _capture.defers_reads() and is_cupy_array(total):
+        return scale_on_device(grads, total, max_norm)
+    total = float(total)
     scale_to_norm(grads, total, max_norm)
     return total
 
 
-__all__ = ["clip_grad_norm", "checked_norm_type", "scale_to_norm"]
+def scale_on_device(grads: Iterable[Any], total: Any, max_norm: float) -> Any:
+    """``scale_to_norm`` without reading ``total`` (a 0-d device array): the same numbers, computed on the device.
+
+    The coefficient is computed in float64 as the host computes it, then rounded to each
+    gradient's dtype as a Python float is; where it is 1 the multiplication changes nothing.
+
+    Returns:
+        ``total`` as a 0-d float64 device array.
+    """
+    xp = array_module(total)
+    total = total.astype("float64")
+    coef = xp.fmin(float(max_norm) / (total + 1e-6), 1.0)
+    for g in grads:
+        g *= coef.astype(g.dtype)
+    return total
+
+
+__all__ = ["clip_grad_norm", "checked_norm_type", "scale_to_norm", "scale_on_device"]

@@ -21,17 +21,32 @@ the result is too, bit for bit. Host arrays, 16-bit floats (no
 half-precision kernel is written: mixed precision keeps float32 master
 weights), optimizers built with ``fused=False``, and those built with
 ``fused=None`` while ``settings.fused_kernels`` is off keep the array code.
+
+[Note: updates in a CUDA graph]
+Inside a step being captured (``axonhpc.graphs``) every parameter is updated
+by the multi-tensor kernel with its scalars in device memory
+(``captured_launch``; [Note: scalars in device memory] in
+``axonhpc._kernels``); the optimizer registers, for each launch, the host
+code that runs before every replay: it advances the step counts, computes
+the scalars from the current hyperparameters (so a learning-rate schedule
+keeps working) exactly as an eager step does, and writes them with one
+launch. The values are the eager step's, so a replayed step is the eager
+step bit for bit. What a graph cannot replay is refused at the capture
+(``captured_groups``): a parameter the kernel does not take, or state that
+an eager step would still create (the moments, the momentum buffer). A
+hyperparameter change that would select another kernel (weight decay turned
+on, momentum turned off) is refused at the replay (``check_variant``).
 """
 from __future__ import annotations
 
 import math
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from .. import _kernels
 from .._dtypes import array_module
-from ..errors import ConfigurationError
+from ..errors import ConfigurationError, GraphCaptureError
 from ..settings import settings
 
 
@@ -113,20 +128,26 @@ def _adam_source(l2: bool, decoupled: bool) -> _kernels.Source:
             "T param, T exp_avg, T exp_avg_sq", "\n".join(lines), "")
 
 
-def _adam_scalars(t: Any, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
-                  step: int) -> tuple:
+def adam_scalars(t: Any, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+                 step: int) -> tuple:
+    """Adam's kernel scalars at ``step``, in the kernel's order, of the parameters' scalar type ``t``."""
     bias_correction1 = 1 - beta1 ** step
     bias_correction2 = 1 - beta2 ** step
     return (t(weight_decay), t(1 - lr * weight_decay), t(1 - beta1), t(beta2), t(1 - beta2),
             t(math.sqrt(bias_correction2)), t(eps), t(lr / bias_correction1))
 
 
+def adam_variant(weight_decay: float, decoupled: bool) -> Tuple[bool, bool]:
+    """The flags that select Adam's kernel: L2 added to the gradient, decoupled decay."""
+    return (weight_decay != 0 and not decoupled, weight_decay != 0 and decoupled)
+
+
 def adam(xp: Any, data: Any, grad: Any, exp_avg: Any, exp_avg_sq: Any, *, lr: float, beta1: float, beta2: float,
          eps: float, weight_decay: float, decoupled: bool, step: int) -> None:
     """One Adam/AdamW update of ``data`` and its moments in place, in one kernel (see the module note)."""
-    variant = (weight_decay != 0 and not decoupled, weight_decay != 0 and decoupled)
+    variant = adam_variant(weight_decay, decoupled)
     kernel = _kernels.elementwise(xp, "adam", variant, _adam_source)
-    kernel(grad, *_adam_scalars(data.dtype.type, lr, beta1, beta2, eps, weight_decay, step), data, exp_avg,
+    kernel(grad, *adam_scalars(data.dtype.type, lr, beta1, beta2, eps, weight_decay, step), data, exp_avg,
            exp_avg_sq)
 
 
@@ -137,9 +158,9 @@ def adam_many(xp: Any, tables: _kernels.TensorTables, datas: Sequence[Any], grad
 
     ``tables`` keeps the device address tables between steps (the optimizer's).
     """
-    variant = (weight_decay != 0 and not decoupled, weight_decay != 0 and decoupled)
+    variant = adam_variant(weight_decay, decoupled)
     lists = (grads, datas, exp_avgs, exp_avg_sqs)
-    scalars = _adam_scalars(datas[0].dtype.type, lr, beta1, beta2, eps, weight_decay, step)
+    scalars = adam_scalars(datas[0].dtype.type, lr, beta1, beta2, eps, weight_decay, step)
     _many(xp, tables, "adam", variant, _adam_source, lists, scalars,
           lambda k: adam(xp, datas[k], grads[k], exp_avgs[k], exp_avg_sqs[k], lr=lr, beta1=beta1, beta2=beta2,
                          eps=eps, weight_decay=weight_decay, decoupled=decoupled, step=step))
@@ -155,7 +176,63 @@ def _many(xp: Any, tables: _kernels.TensorTables, name: str, variant: tuple, bui
             continue
         kernel = _kernels.multi_tensor(xp, name, variant, build, ("grad",), dtype)
         chosen = [[arrays[k] for k in batch] for arrays in lists]
-        _kernels.launch_multi(xp, kernel, tables, (name, variant, dtype, tuple(batch)), chosen, scalars)
+        _kernels.launch_multi(xp, kernel, tables, (name, len(lists), dtype, tuple(batch)), chosen, scalars)
+
+
+def captured_groups(fused: Optional[bool], pending: Sequence[Tuple[Any, Dict[str, Any]]], owner: str,
+                    state_arrays: Callable[[Dict[str, Any]], Tuple[Any, ...]], has_state: Callable[[Dict[str, Any]], bool],
+                    key: Callable[[Dict[str, Any]], Any]) -> Dict[Tuple[Any, Any], List[Tuple[Any, Dict[str, Any]]]]:
+    """The ``(parameter, state)`` pairs of a captured step by ``(dtype, key(state))`` (see [Note: updates in a CUDA graph]).
+
+    Args:
+        state_arrays: the state arrays the update reads and writes.
+        has_state: whether the state an eager step would create exists.
+
+    Raises:
+        GraphCaptureError: a parameter the multi-tensor kernel does not take, or without state.
+    """
+    groups: Dict[Tuple[Any, Any], List[Tuple[Any, Dict[str, Any]]]] = {}
+    for index, (p, state) in enumerate(pending):
+        where = f"{owner}: parameter {index} of shape {tuple(p.data.shape)}"
+        if not joins(fused, p.data, p.grad, *state_arrays(state)):
+            reason = (_refusal(p.data) or ("is updated by the array code (fused=False, or settings.fused_kernels off)"
+                                           if not fuses(fused, p.data, p.grad) else "is not C-contiguous"))
+            raise GraphCaptureError(f"{where} {reason}; a captured step updates parameters with the fused "
+                                    "multi-tensor kernel only (cupy float32/float64 arrays, C-contiguous)")
+        if not has_state(state):
+            raise GraphCaptureError(f"{where} has no optimizer state yet; the first step creates it, and a graph "
+                                    "would create it again at every replay: run a step before the capture (the "
+                                    "graphed step's warmup)")
+        groups.setdefault((p.data.dtype, key(state)), []).append((p, state))
+    return groups
+
+
+def captured_launch(xp: Any, tables: _kernels.TensorTables, name: str, variant: tuple, build: Any,
+                    lists: Sequence[Sequence[Any]], count: int) -> Any:
+    """Capture the multi-tensor update of ``lists`` (``grad`` the only array input) reading ``count`` scalars from the device.
+
+    Returns:
+        The device array of the scalars, to be written (``_kernels.fill``) before each replay.
+    """
+    dtype = lists[0][0].dtype
+    scalars = xp.empty(count, dtype)  # no kernel: written before each replay, outside the graph
+    for batch in _kernels.batches([int(a.size) for a in lists[0]]):
+        kernel = _kernels.multi_tensor(xp, name, variant, build, ("grad",), dtype, device_scalars=True)
+        chosen = [[arrays[k] for k in batch] for arrays in lists]
+        _kernels.launch_multi(xp, kernel, tables, (name, len(lists), dtype, tuple(batch)), chosen, (scalars,))
+    return scalars
+
+
+def check_variant(owner: str, captured: tuple, now: tuple, hyperparameters: Dict[str, Any]) -> None:
+    """Refuse a replay whose hyperparameters select another kernel than the captured one.
+
+    Raises:
+        GraphCaptureError: naming the hyperparameters now.
+    """
+    if captured != now:
+        raise GraphCaptureError(f"{owner}: the hyperparameters now ({hyperparameters}) select another update kernel "
+                                "than the one captured in the graph (weight decay, momentum, dampening or nesterov "
+                                "turned on or off); capture the step again")
 
 
 def _sgd_source(l2: bool, momentum: bool, first: bool, dampened: bool, nesterov: bool) -> _kernels.Source:
@@ -175,6 +252,16 @@ def _sgd_source(l2: bool, momentum: bool, first: bool, dampened: bool, nesterov:
             "T param, T buf" if momentum else "T param", "\n".join(lines), "")
 
 
+def sgd_variant(momentum: float, dampening: float, weight_decay: float, nesterov: bool, first: bool) -> tuple:
+    """The flags that select SGD's kernel: L2, momentum, its first step, dampening, nesterov."""
+    return (weight_decay != 0, momentum != 0, bool(first), dampening != 0, bool(nesterov))
+
+
+def sgd_scalars(t: Any, lr: float, momentum: float, dampening: float, weight_decay: float) -> tuple:
+    """SGD's kernel scalars, in the kernel's order, of the parameters' scalar type ``t``."""
+    return (t(weight_decay), t(momentum), t(1 - dampening), t(lr))
+
+
 def sgd(xp: Any, data: Any, grad: Any, buf: Any, *, lr: float, momentum: float, dampening: float,
         weight_decay: float, nesterov: bool, first: bool) -> None:
     """One SGD update of ``data`` (and its momentum buffer ``buf``, when momentum is on) in one kernel.
@@ -183,10 +270,10 @@ def sgd(xp: Any, data: Any, grad: Any, buf: Any, *, lr: float, momentum: float, 
     momentum ``buf`` is None.
     """
     t = data.dtype.type
-    flags = (weight_decay != 0, momentum != 0, bool(first), dampening != 0, bool(nesterov))
+    flags = sgd_variant(momentum, dampening, weight_decay, nesterov, first)
     kernel = _kernels.elementwise(xp, "sgd", flags, _sgd_source)
     outputs = (data, buf) if momentum != 0 else (data,)
-    kernel(grad, t(weight_decay), t(momentum), t(1 - dampening), t(lr), *outputs)
+    kernel(grad, *sgd_scalars(t, lr, momentum, dampening, weight_decay), *outputs)
 
 
 def sgd_many(xp: Any, tables: _kernels.TensorTables, datas: Sequence[Any], grads: Sequence[Any],
@@ -194,11 +281,12 @@ def sgd_many(xp: Any, tables: _kernels.TensorTables, datas: Sequence[Any], grads
              nesterov: bool, first: bool) -> None:
     """``sgd`` for many parameters of one dtype (all on their first momentum step, or none), one launch for all."""
     t = datas[0].dtype.type
-    flags = (weight_decay != 0, momentum != 0, bool(first), dampening != 0, bool(nesterov))
+    flags = sgd_variant(momentum, dampening, weight_decay, nesterov, first)
     lists = (grads, datas, bufs) if momentum != 0 else (grads, datas)
-    _many(xp, tables, "sgd", flags, _sgd_source, lists, (t(weight_decay), t(momentum), t(1 - dampening), t(lr)),
+    _many(xp, tables, "sgd", flags, _sgd_source, lists, sgd_scalars(t, lr, momentum, dampening, weight_decay),
           lambda k: sgd(xp, datas[k], grads[k], bufs[k], lr=lr, momentum=momentum, dampening=dampening,
                         weight_decay=weight_decay, nesterov=nesterov, first=first))
 
 
-__all__ = ["check_fused", "fuses", "joins", "adam", "adam_many", "sgd", "sgd_many"]
+__all__ = ["check_fused", "fuses", "joins", "adam_variant", "adam_scalars", "adam", "adam_many", "sgd_variant", "sgd_scalars", "sgd",
+           "sgd_many", "captured_groups", "captured_launch", "check_variant"]

@@ -1,9 +1,10 @@
 """SGD with momentum, dampening, weight decay and Nesterov, as torch.optim.SGD."""
 from __future__ import annotations
 
+import functools
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
-from .. import _kernels
+from .. import _capture, _kernels
 from .._dtypes import array_module
 from ..errors import ConfigurationError
 from . import fused as _fused
@@ -49,6 +50,9 @@ class SGD(Optimizer):
 
     def _update_together(self, pending: List[Tuple[Any, Dict[str, Any]]]) -> List[Tuple[Any, Dict[str, Any]]]:
         """The parameters ``fused.joins`` takes, one launch per dtype and first-step flag (see ``optim.fused``)."""
+        if _capture.capturing():
+            self._capture_update(pending)
+            return []
         groups: Dict[Tuple[Any, bool], List[Tuple[Any, Any, Any]]] = {}
         rest = []
         for p, state in pending:
@@ -63,6 +67,31 @@ class SGD(Optimizer):
                             momentum=self.momentum, dampening=self.dampening, weight_decay=self.weight_decay,
                             nesterov=self.nesterov, first=first)
         return rest
+
+    def _capture_update(self, pending: List[Tuple[Any, Dict[str, Any]]]) -> None:
+        """Capture every update in a CUDA graph (see [Note: updates in a CUDA graph] in ``optim.fused``)."""
+        momentum = self.momentum != 0
+        groups = _fused.captured_groups(self.fused, pending, "SGD", lambda s: (s.get("momentum_buffer"),),
+                                        lambda s: not momentum or "momentum_buffer" in s, lambda s: None)
+        variant = self._variant()
+        for members in groups.values():
+            lists = [[p.grad for p, _ in members], [p.data for p, _ in members]]
+            if momentum:
+                lists.append([s["momentum_buffer"] for _, s in members])
+            scalars = _fused.captured_launch(array_module(lists[1][0]), self._tables, "sgd", variant,
+                                             _fused._sgd_source, lists, 4)
+            _capture.before_replay(functools.partial(self._before_replay, scalars, variant))
+
+    def _variant(self) -> tuple:
+        """The kernel flags of a step after the first (the only kind a graph replays)."""
+        return _fused.sgd_variant(self.momentum, self.dampening, self.weight_decay, self.nesterov, False)
+
+    def _before_replay(self, scalars: Any, variant: tuple) -> None:
+        """Write this step's scalars (the current learning rate among them) for a replay of the captured update."""
+        _fused.check_variant("SGD", variant, self._variant(), self.hyperparameters())
+        _kernels.fill(array_module(scalars), scalars,
+                      _fused.sgd_scalars(scalars.dtype.type, self.lr, self.momentum, self.dampening,
+                                         self.weight_decay))
 
     def _buffer(self, data: Any, state: Dict[str, Any]) -> Tuple[Any, bool]:
         """The fused update's momentum buffer (None without momentum), and whether it is new (the first step)."""

@@ -1,0 +1,102 @@
+"""A step being captured as a CUDA graph, as the layers below ``axonhpc.graphs`` see it.
+
+[Note: capturing a step]
+While a CUDA stream captures, nothing asked of the device runs: each kernel
+and copy becomes a node of a graph, and launching the graph later runs them
+all again, on the same memory, with the same arguments. Two things the
+layers do eagerly therefore change under a capture:
+
+- **Reads of device values.** A loss that returns a Python float, a check of
+  the targets' range, a gradient norm read to decide whether to clip: each
+  waits for the device, which a capture forbids (cupy raises). Under
+  ``recording`` (a capture, or ``graphs.GraphedStep``'s eager warm-up calls,
+  so that every call returns the same kinds of values) such layers keep the
+  value on the device instead: losses return 0-d device arrays, and checks
+  are handed over with ``defer_check`` to be read after the step has run.
+- **Host values that change from step to step.** A kernel argument is frozen
+  into the graph: Adam's bias corrections at step 5 would be replayed at
+  every later step. Under a capture, the optimizers read such scalars from
+  device memory and register, with ``before_replay``, the host code that
+  computes them and writes them there before each launch (and advances the
+  step counts the state dict reports).
+
+What cannot work under a capture says so with ``refuse`` (a
+``GraphCaptureError`` naming the layer and the reason) instead of leaving
+cupy's or CUDA's error to be decoded.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any, Callable, Iterator, List, Optional, Tuple
+
+from .errors import GraphCaptureError
+
+
+class Recording:
+    """What one call of a graphed step handed over: checks to read, and work before each replay.
+
+    Args:
+        capturing: a CUDA graph is being captured (False: an eager call whose reads are deferred).
+    """
+
+    def __init__(self, capturing: bool) -> None:
+        self.capturing = bool(capturing)
+        self.checks: List[Tuple[Any, Callable[[Any], None]]] = []
+        self.before_replay: List[Callable[[], None]] = []
+
+
+_state = threading.local()
+
+
+@contextlib.contextmanager
+def recording(record: Recording) -> Iterator[Recording]:
+    """Make ``record`` this thread's recording inside the block."""
+    if current() is not None:
+        raise GraphCaptureError("a graphed step was called inside another graphed step's call; graphed steps "
+                                "do not nest")
+    _state.record = record
+    try:
+        yield record
+    finally:
+        _state.record = None
+
+
+def current() -> Optional[Recording]:
+    """This thread's recording, or None outside a graphed step's call."""
+    return getattr(_state, "record", None)
+
+
+def capturing() -> bool:
+    """Whether this thread is capturing a CUDA graph."""
+    record = current()
+    return record is not None and record.capturing
+
+
+def defers_reads() -> bool:
+    """Whether device values are to stay on the device (see the module note)."""
+    return current() is not None
+
+
+def defer_check(values: Any, check: Callable[[Any], None]) -> None:
+    """Have ``check(values.get())`` called once the step has run (it raises if the values are bad)."""
+    current().checks.append((values, check))
+
+
+def before_replay(fn: Callable[[], None]) -> None:
+    """Have ``fn()`` called before every launch of the graph being captured (in registration order)."""
+    current().before_replay.append(fn)
+
+
+def refuse(what: str, why: str) -> None:
+    """Raise ``GraphCaptureError`` for ``what`` if this thread is capturing a CUDA graph.
+
+    Raises:
+        GraphCaptureError: "<what> cannot be captured in a CUDA graph: <why>".
+    """
+    if capturing():
+        raise GraphCaptureError(f"{what} cannot be captured in a CUDA graph: {why}")
+
+
+__all__ = ["Recording", "recording", "current", "capturing", "defers_reads", "defer_check", "before_replay",
+           "refuse"]

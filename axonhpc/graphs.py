@@ -1,0 +1,199 @@
+"""A whole training step captured once as a CUDA graph and replayed: ``graph_step``.
+
+[Note: graphed steps]
+A step of a small model on a GPU is mostly launch overhead: each of its
+kernels costs the host a few microseconds to launch, while the GPU finishes
+it sooner. A CUDA graph records the step's kernels once (stream capture) and
+launches them all with one call. ``graph_step(fn)`` does it for a step
+function ``fn(*inputs)`` (zero_grad, forward, loss, backward, optimizer step)
+whose inputs are device arrays of fixed shapes:
+
+1. The first ``warmup`` calls run ``fn`` eagerly: kernels are compiled, the
+   optimizer creates its state, the multi-tensor tables are uploaded.
+2. The next call copies its inputs into static device arrays and captures
+   ``fn`` on a side stream, with a memory pool of its own (the graph's
+   memory: the addresses the graph writes stay reserved for it).
+3. That call and every later one copy the inputs into the static arrays,
+   run the work registered for before each replay (the optimizers write
+   this step's scalars, [Note: updates in a CUDA graph] in
+   ``axonhpc.optim.fused``), and launch the graph on the current stream.
+   They return the outputs of the capture: the same device arrays each time,
+   overwritten by each replay.
+
+Every call, the eager ones included, runs under ``_capture.recording`` (see
+[Note: capturing a step] in ``axonhpc._capture``): losses return 0-d device
+arrays instead of floats, so every call returns the same kinds of values,
+and checks that would read the device (the cross-entropy targets' range) are
+read after the step. For replays that is at the start of the next call (the
+check waits for the previous replay only) or at ``check()``: a step with bad
+targets has run, and its error is raised by the call after it.
+
+What a graph cannot replay is refused at the capture with
+``GraphCaptureError``: reads of device values, dropout in training mode,
+collectives (not built yet), parameters the fused optimizer kernels do not
+take, optimizer state still to be created. Inputs of another shape or dtype
+than the capture's are refused at the call.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, List, Optional
+
+from . import _capture
+from ._dtypes import array_module, is_cupy_array
+from .errors import ArgumentTypeError, ConfigurationError, GraphCaptureError
+
+# Words of cupy's and CUDA's errors for work a capture cannot hold.
+_CAPTURE_WORDS = ("captur", "cudaErrorStreamCapture")
+
+
+def _leaves(value: Any) -> List[Any]:
+    if isinstance(value, (tuple, list)):
+        return [leaf for v in value for leaf in _leaves(v)]
+    if isinstance(value, dict):
+        return [leaf for v in value.values() for leaf in _leaves(v)]
+    return [value]
+
+
+def _describe(arrays: List[Any]) -> str:
+    return ", ".join(f"{tuple(a.shape)} {a.dtype}" for a in arrays)
+
+
+def _read(checks: List[Any]) -> None:
+    """Read each deferred check's values and run the check (which raises if they are bad)."""
+    for values, check in checks:
+        check(values.get())
+
+
+class GraphedStep:
+    """A step function run eagerly ``warmup`` times, then captured as a CUDA graph and replayed.
+
+    See [Note: graphed steps]. Made by ``graph_step``.
+    """
+
+    def __init__(self, fn: Callable[..., Any], warmup: int = 2) -> None:
+        if not callable(fn):
+            raise ArgumentTypeError(f"graph_step needs a callable step function, got {type(fn).__name__}")
+        if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 1:
+            raise ConfigurationError(f"graph_step warmup must be an int >= 1 (the optimizer creates its state in "
+                                     f"the first step, which a graph cannot replay), got {warmup!r}")
+        self.fn = fn
+        self.warmup = warmup
+        self.calls = 0
+        self._graph: Any = None
+        self._pool: Any = None
+        self._static: List[Any] = []
+        self._outputs: Any = None
+        self._record: Optional[_capture.Recording] = None
+        self._unchecked = False
+
+    @property
+    def captured(self) -> bool:
+        """Whether the graph has been captured (calls from now on replay it)."""
+        return self._graph is not None
+
+    def __call__(self, *inputs: Any) -> Any:
+        """Run one step on ``inputs`` (device arrays); returns what ``fn`` returns (device arrays after the capture).
+
+        Raises:
+            ArgumentTypeError: an input that is not a cupy array.
+            GraphCaptureError: the step cannot be captured (why in the message), or inputs of
+                another shape or dtype than the capture's.
+        """
+        xp = self._module(inputs)
+        if self._graph is not None:
+            return self._replay(xp, inputs)
+        if self.calls < self.warmup:
+            record = _capture.Recording(capturing=False)
+            with _capture.recording(record):
+                out = self.fn(*inputs)
+            _read(record.checks)
+            self.calls += 1
+            return out
+        self._capture(xp, inputs)
+        return self._replay(xp, inputs)
+
+    def check(self) -> None:
+        """Read the checks of the last replay now (waits for it); raises what they raise."""
+        if self._unchecked:
+            self._unchecked = False
+            _read(self._record.checks)
+
+    def _module(self, inputs: Any) -> Any:
+        for i, x in enumerate(inputs):
+            if not is_cupy_array(x):
+                raise ArgumentTypeError(f"graph_step inputs must be cupy arrays (a graph reads device memory), "
+                                        f"input {i} is a {type(x).__name__}")
+        if not inputs:
+            raise ArgumentTypeError("graph_step needs at least one input array (the batch)")
+        return array_module(inputs[0])
+
+    def _capture(self, xp: Any, inputs: Any) -> None:
+        """Capture ``fn`` on copies of ``inputs`` (see the note's step 2)."""
+        self._static = [x.copy() for x in inputs]
+        current = xp.cuda.get_current_stream()
+        stream = xp.cuda.Stream(non_blocking=True)
+        stream.wait_event(current.record())  # the copies and all earlier work come first
+        pool = xp.cuda.MemoryPool()
+        record = _capture.Recording(capturing=True)
+        with xp.cuda.using_allocator(pool.malloc), stream, _capture.recording(record):
+            stream.begin_capture()
+            try:
+                outputs = self.fn(*self._static)
+            except BaseException as exc:
+                try:
+                    stream.end_capture()  # the partial graph is dropped
+                except Exception:  # noqa: BLE001 - an invalidated capture may refuse to end; exc is the error to report
+                    pass
+                if isinstance(exc, GraphCaptureError) or not any(w in str(exc) for w in _CAPTURE_WORDS):
+                    raise
+                raise GraphCaptureError(f"the step did work a CUDA graph cannot hold ({type(exc).__name__}: {exc}); "
+                                        "typically a read of a device value (float(), .get(), .item(), a "
+                                        "Python if on an array), a copy from host memory, or a stream "
+                                        "synchronisation inside the step") from exc
+            graph = stream.end_capture()
+        bad = [type(v).__name__ for v in _leaves(outputs) if v is not None and not is_cupy_array(v)]
+        if bad:
+            raise GraphCaptureError(f"the step returned {', '.join(bad)}: a graphed step's outputs must be device "
+                                    "arrays (or None), which each replay overwrites; return the loss array, not a "
+                                    "number read from it")
+        self._graph, self._pool, self._outputs, self._record = graph, pool, outputs, record
+
+    def _replay(self, xp: Any, inputs: Any) -> Any:
+        """Copy ``inputs`` in, run the work before a replay, launch (see the note's step 3)."""
+        if len(inputs) != len(self._static) or any(
+                tuple(x.shape) != tuple(s.shape) or x.dtype != s.dtype for x, s in zip(inputs, self._static)):
+            raise GraphCaptureError(f"graph_step was captured for inputs ({_describe(self._static)}), got "
+                                    f"({_describe(list(inputs))}); a CUDA graph replays fixed shapes: make one "
+                                    "graphed step per input shape")
+        self.check()
+        for static, x in zip(self._static, inputs):
+            if x is not static:
+                xp.copyto(static, x)
+        for prepare in self._record.before_replay:
+            prepare()
+        self._graph.launch(xp.cuda.get_current_stream())
+        self._unchecked = bool(self._record.checks)
+        self.calls += 1
+        return self._outputs
+
+
+def graph_step(fn: Callable[..., Any], warmup: int = 2) -> GraphedStep:
+    """Capture the training step ``fn(*inputs)`` as a CUDA graph after ``warmup`` eager calls (see [Note: graphed steps]).
+
+    Args:
+        fn: the whole step: zero_grad (keeping the gradient arrays: ``set_to_none=False``),
+            forward, loss, backward, optimizer step; returns device arrays (the loss).
+        warmup: eager calls before the capture (at least 1: the optimizer's first step
+            creates its state).
+
+    Returns:
+        A ``GraphedStep``: call it with device arrays of the capture's shapes and dtypes.
+
+    Raises:
+        ArgumentTypeError: ``fn`` is not callable.
+        ConfigurationError: ``warmup`` is not an int >= 1.
+    """
+    return GraphedStep(fn, warmup)
+
+
+__all__ = ["graph_step", "GraphedStep"]
