@@ -178,7 +178,7 @@ class GraphedStep:
 
 
 def graph_step(fn: Callable[..., Any], warmup: int = 2) -> GraphedStep:
-    """Capture the training step ``fn(*inputs)`` as a CUDA graph after ``warmup`` eager calls (see [Note: graphed steps]).
+    """Capture the step ``fn(*inputs)`` as a CUDA graph after ``warmup`` eager calls (see [Note: graphed steps]).
 
     Args:
         fn: the whole step: zero_grad (keeping the gradient arrays: ``set_to_none=False``),

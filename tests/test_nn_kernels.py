@@ -18,6 +18,7 @@ import pytest
 
 from axonhpc import _kernels, nn, optim
 from axonhpc.backends.devices import device_facts
+from axonhpc.errors import ConfigurationError
 from axonhpc.settings import settings
 from strict_cupy import DeviceArray, StrictCupy
 
@@ -110,6 +111,54 @@ def test_a_fused_forward_and_an_array_backward_share_what_is_saved(name, c_math,
         _same_bits(a, b)
 
 
+ACTIVATED = {"relu": nn.ReLU, "gelu": nn.GELU, "gelu_tanh": lambda: nn.GELU("tanh")}
+
+
+def _linear_run(xp, activation, dtype, fused_bias):
+    """Output, input gradient and parameter gradients of Linear(activation=...) or Sequential(Linear, activation)."""
+    rng = np.random.default_rng(4)
+    x = (rng.standard_normal((5, 7, 6)) * 3).astype(dtype)  # (..., in): a batch of sequences
+    g = rng.standard_normal((5, 7, 9)).astype(dtype)
+    if fused_bias:
+        model = nn.Linear(6, 9, dtype=dtype, seed=0, activation=activation)
+        linear = model
+    else:
+        linear = nn.Linear(6, 9, dtype=dtype, seed=0)
+        model = nn.Sequential(linear, ACTIVATED[activation]())
+    model.to("cuda" if xp is not np else None)
+    y = model(xp.asarray(x))
+    dx = model.backward(xp.asarray(g))
+    out = [y, dx, linear.weight.grad, linear.bias.grad]
+    return [a if isinstance(a, np.ndarray) else a.get() for a in out]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("activation", sorted(ACTIVATED))
+def test_a_linear_with_an_activation_is_the_linear_then_the_activation(activation, dtype, c_math, monkeypatch):
+    name = {"relu": "bias_relu"}.get(activation, "bias_gelu")
+    before = _kernels.launches(c_math, (name,))
+    fused = _linear_run(c_math, activation, dtype, fused_bias=True)
+    assert _kernels.launches(c_math, (name,)) - before == 1  # the bias add is in the activation's kernel
+    apart = _linear_run(c_math, activation, dtype, fused_bias=False)
+    monkeypatch.setattr(settings, "fused_kernels", False)
+    array_code = _linear_run(c_math, activation, dtype, fused_bias=True)
+    assert _kernels.launches(c_math, (name,)) - before == 1  # the setting off: the array code
+    for a, b, c in zip(fused, apart, array_code):
+        _same_bits(a, b)
+        _same_bits(a, c)
+    for a, b in zip(_linear_run(np, activation, dtype, True), _linear_run(np, activation, dtype, False)):
+        _same_bits(a, b)  # the host: Sequential(Linear, activation)'s code, so its bits
+
+
+def test_a_linear_activation_is_checked_and_kept_out_of_the_state_dict():
+    with pytest.raises(ConfigurationError, match=r"activation must be None or one of \['gelu', 'gelu_tanh', 'relu'\]"):
+        nn.Linear(2, 3, activation="swish")
+    layer = nn.Linear(2, 3, activation="gelu_tanh")
+    assert isinstance(layer.activation, nn.GELU) and layer.activation.approximate == "tanh"
+    assert list(layer.state_dict()) == ["weight", "bias"]
+    assert nn.Linear(2, 3, bias=False, activation="relu")(np.ones((1, 2), np.float32)).min() >= 0
+
+
 def _loss_grad(xp, logits, targets, scale=1.0):
     loss_fn = nn.CrossEntropyLoss()
     loss = loss_fn(xp.asarray(logits), xp.asarray(targets))
@@ -199,14 +248,16 @@ _cupy = importlib.import_module("cupy") if device_facts().devices > 0 else None
 @pytest.mark.gpu
 @pytest.mark.skipif(_cupy is None, reason="needs cupy and a CUDA device")
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-@pytest.mark.parametrize("name", sorted(LAYERS) + ["cross_entropy"])
+@pytest.mark.parametrize("name", sorted(LAYERS) + ["cross_entropy"] + [f"linear_{a}" for a in sorted(ACTIVATED)])
 def test_fused_matches_the_array_code_on_a_gpu(name, dtype):
     saved = settings.fused_kernels
     runs = []
     try:
         for fused in (True, False):
             settings.fused_kernels = fused
-            if name == "cross_entropy":
+            if name.startswith("linear_"):
+                runs.append(_linear_run(_cupy, name[len("linear_"):], dtype, fused_bias=True))
+            elif name == "cross_entropy":
                 rng = np.random.default_rng(1)
                 logits = (rng.standard_normal((64, 33)) * 4).astype(dtype)
                 runs.append([_loss_grad(_cupy, logits, rng.integers(0, 33, 64), 0.5)[1]])

@@ -73,15 +73,21 @@ def parameter_count(sizes: Sequence[int]) -> int:
     return sum(a * b + b for a, b in zip(sizes[:-1], sizes[1:]))
 
 
-def make_mlp(sizes: Sequence[int]):
-    """The benchmarks' float32 MLP with these widths (Linear, then ReLU between layers; fixed seeds)."""
+def make_mlp(sizes: Sequence[int], relu_in_linear: bool = False):
+    """The benchmarks' float32 MLP with these widths (Linear, then ReLU between layers; fixed seeds).
+
+    ``relu_in_linear``: each ReLU is the ``activation`` of the Linear before it (its bias added in
+    the ReLU's kernel on cupy), the same model and numbers.
+    """
     from ..nn import Linear, ReLU, Sequential
 
     layers = []
+    last = len(sizes) - 2
     for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
-        if i:
+        if i and not relu_in_linear:
             layers.append(ReLU())
-        layers.append(Linear(a, b, dtype=np.float32, seed=i))
+        activation = "relu" if relu_in_linear and i < last else None
+        layers.append(Linear(a, b, dtype=np.float32, seed=i, activation=activation))
     return Sequential(*layers)
 
 

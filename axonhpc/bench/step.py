@@ -4,8 +4,9 @@ Run it in one process (no mpiexec). For each model (layer widths and a batch)
 and precision it times, in interleaved rounds, and reports the medians:
 
 - ``axonhpc``: zero_grad, forward, cross-entropy, backward and an SGD step
-  (momentum 0.9) of ``nn.Sequential`` of Linear and ReLU, on numpy
-  (``--device cpu``) or cupy (``--device cuda``);
+  (momentum 0.9) of ``nn.Sequential`` of Linear layers with ReLU activations
+  (``Linear(activation="relu")``: the bias added in the ReLU's kernel on cupy),
+  on numpy (``--device cpu``) or cupy (``--device cuda``);
 - ``gemm floor``: the matrix products a step needs, alone (forward
   ``x @ W.T``, weight gradient ``g.T @ x`` and, for every layer but the first,
   whose input is data, input gradient ``g @ W``) on the same array library,
@@ -172,7 +173,7 @@ def _step_fn(spec: ModelSpec, device: Device, precision: str, set_to_none: bool)
     from ..optim import SGD
     from .ddp import make_mlp
 
-    model = make_mlp(spec.widths)
+    model = make_mlp(spec.widths, relu_in_linear=True)
     if device.xp is not np:
         model.to("cuda")
     opt = SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
@@ -389,7 +390,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             for spec in specs for precision in precisions]
     torch_note = rows[0]["torch"] if rows else "nothing measured"
     update = ("array operations" if args.no_fused or device.xp is np
-              else "fused kernels (ReLU, cross-entropy gradient, SGD update)")
+              else "fused kernels (bias and ReLU, cross-entropy gradient, SGD update)")
     print(f"device: {device.describe()}; {torch_note}; our element-wise work: {update}; "
           f"medians of {args.rounds} interleaved rounds")
     if rows:
@@ -400,7 +401,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 0
 
 
-__all__ = ["main", "measure", "axon_step", "graphed_step", "gemm_floor", "torch_step", "parse_models", "parse_precisions",
+__all__ = ["main", "measure", "axon_step", "graphed_step", "gemm_floor", "torch_step", "parse_models",
+           "parse_precisions",
            "format_table", "ModelSpec", "Device", "DEFAULT_MODELS", "DEFAULT_PRECISIONS"]
 
 

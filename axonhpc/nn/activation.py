@@ -49,6 +49,15 @@ class ReLU(Module):
         self._save_cache(mask)
         return x * mask
 
+    def fused_bias_forward(self, pre: Any, bias: Any) -> Any:
+        """``forward(pre + bias)`` with the add in the same kernel (``Linear(activation="relu")`` on cupy).
+
+        The caller has checked ``kernels.takes_kernels(pre, bias)``; ``pre`` is a fresh product and is overwritten.
+        """
+        y, mask = kernels.bias_relu(pre, bias)
+        self._save_cache(mask)
+        return y
+
     def backward(self, grad_out: Any) -> Any:
         """Pass the gradient where the input was positive."""
         return grad_out * self._pop_cache()
@@ -110,6 +119,16 @@ class GELU(Module):
         cdf = 0.5 * (1 + erf(x * _INV_SQRT2))
         self._save_cache((x, cdf, dtype))
         return _rounded(x * cdf, dtype)
+
+    def fused_bias_forward(self, pre: Any, bias: Any) -> Any:
+        """``forward(pre + bias)`` with the add in the same kernel (``Linear(activation="gelu")`` on cupy).
+
+        The caller has checked ``kernels.takes_kernels(pre, bias)``; ``pre`` is a fresh product and is
+        overwritten with ``pre + bias``, the input the backward reads.
+        """
+        y, aux, x = kernels.bias_gelu(pre, bias, self.approximate == "tanh")
+        self._save_cache((x, aux, x.dtype))
+        return y
 
     def backward(self, grad_out: Any) -> Any:
         """Exact form: Phi(x) + x phi(x); tanh form: the derivative of that formula.

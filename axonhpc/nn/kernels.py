@@ -1,4 +1,5 @@
-"""The layers' element-wise work on a GPU as one kernel each: ReLU, GELU, Tanh and the cross-entropy gradient.
+"""The layers' element-wise work on a GPU as one kernel each: ReLU, GELU, Tanh, the cross-entropy gradient, and
+a Linear's bias added in the same kernel as the ReLU or GELU after it.
 
 [Note: fused layer kernels]
 On cupy every array operation is a kernel launch and a pass over memory.
@@ -105,6 +106,37 @@ def gelu_forward(x: Any, tanh_form: bool) -> Tuple[Any, Any]:
     return _kernels.elementwise(array_module(x), "gelu_forward", (bool(tanh_form),), _gelu_forward_source)(x)
 
 
+def _bias_relu_source() -> _kernels.Source:
+    _, outputs, body, preamble = _relu_source()
+    return "T pre, T bias", outputs, f"const T x = pre + bias;\n{body}", preamble
+
+
+def bias_relu(pre: Any, bias: Any) -> Tuple[Any, Any]:
+    """``relu_forward(pre + bias)`` in one kernel, the output written over ``pre`` (a fresh product).
+
+    ``pre + bias`` rounds as ``pre += bias`` does, so this is the bias add and then ``relu_forward``, bit for bit.
+    """
+    xp = array_module(pre)
+    mask = xp.empty(pre.shape, dtype=np.bool_)
+    return _kernels.elementwise(xp, "bias_relu", (), _bias_relu_source)(pre, bias, pre, mask)
+
+
+def _bias_gelu_source(tanh_form: bool) -> _kernels.Source:
+    _, outputs, body, preamble = _gelu_forward_source(tanh_form)
+    return "T pre, T bias", f"{outputs}, T x", f"x = pre + bias;\n{body}", preamble
+
+
+def bias_gelu(pre: Any, bias: Any, tanh_form: bool) -> Tuple[Any, Any, Any]:
+    """``gelu_forward(pre + bias)`` in one kernel: GELU's output, what its backward keeps, and ``pre + bias``.
+
+    ``pre + bias`` (GELU's input, which its backward reads) is written over ``pre`` (a fresh product).
+    """
+    xp = array_module(pre)
+    y, aux = xp.empty_like(pre), xp.empty_like(pre)
+    kernel = _kernels.elementwise(xp, "bias_gelu", (bool(tanh_form),), _bias_gelu_source)
+    return kernel(pre, bias, y, aux, pre)
+
+
 def _gelu_backward_source(tanh_form: bool) -> _kernels.Source:
     if tanh_form:
         body = (f"T inner = {_t(SQRT_2_OVER_PI)} * ({_t(1.0)} + {_t(3 * TANH_COEF)} * x * x);\n"
@@ -144,4 +176,5 @@ def cross_entropy_grad(logp: Any, targets: Any, scale: float) -> Any:
     return kernel(logp, targets.reshape(-1, 1), int(logp.shape[-1]), logp.dtype.type(scale))
 
 
-__all__ = ["takes_kernels", "relu_forward", "gelu_forward", "gelu_backward", "tanh_backward", "cross_entropy_grad"]
+__all__ = ["takes_kernels", "relu_forward", "bias_relu", "gelu_forward", "bias_gelu", "gelu_backward", "tanh_backward",
+           "cross_entropy_grad"]

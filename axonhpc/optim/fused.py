@@ -180,9 +180,12 @@ def _many(xp: Any, tables: _kernels.TensorTables, name: str, variant: tuple, bui
 
 
 def captured_groups(fused: Optional[bool], pending: Sequence[Tuple[Any, Dict[str, Any]]], owner: str,
-                    state_arrays: Callable[[Dict[str, Any]], Tuple[Any, ...]], has_state: Callable[[Dict[str, Any]], bool],
+                    state_arrays: Callable[[Dict[str, Any]], Tuple[Any, ...]],
+                    has_state: Callable[[Dict[str, Any]], bool],
                     key: Callable[[Dict[str, Any]], Any]) -> Dict[Tuple[Any, Any], List[Tuple[Any, Dict[str, Any]]]]:
-    """The ``(parameter, state)`` pairs of a captured step by ``(dtype, key(state))`` (see [Note: updates in a CUDA graph]).
+    """The ``(parameter, state)`` pairs of a captured step by ``(dtype, key(state))``.
+
+    See [Note: updates in a CUDA graph].
 
     Args:
         state_arrays: the state arrays the update reads and writes.
@@ -209,7 +212,7 @@ def captured_groups(fused: Optional[bool], pending: Sequence[Tuple[Any, Dict[str
 
 def captured_launch(xp: Any, tables: _kernels.TensorTables, name: str, variant: tuple, build: Any,
                     lists: Sequence[Sequence[Any]], count: int) -> Any:
-    """Capture the multi-tensor update of ``lists`` (``grad`` the only array input) reading ``count`` scalars from the device.
+    """Capture the multi-tensor update of ``lists`` (``grad`` the only array input), its ``count`` scalars on the device.
 
     Returns:
         The device array of the scalars, to be written (``_kernels.fill``) before each replay.
@@ -288,5 +291,5 @@ def sgd_many(xp: Any, tables: _kernels.TensorTables, datas: Sequence[Any], grads
                         weight_decay=weight_decay, nesterov=nesterov, first=first))
 
 
-__all__ = ["check_fused", "fuses", "joins", "adam_variant", "adam_scalars", "adam", "adam_many", "sgd_variant", "sgd_scalars", "sgd",
-           "sgd_many", "captured_groups", "captured_launch", "check_variant"]
+__all__ = ["check_fused", "fuses", "joins", "adam_variant", "adam_scalars", "adam", "adam_many", "sgd_variant",
+           "sgd_scalars", "sgd", "sgd_many", "captured_groups", "captured_launch", "check_variant"]
