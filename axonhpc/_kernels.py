@@ -102,8 +102,8 @@ _C_TYPES = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
 MAX_MULTI_ELEMENTS = 2 ** 31 - 1
 
 
-def _params(text: str) -> List[Tuple[str, str]]:
-    """``"T x, float32 y"`` as ``[("T", "x"), ("float32", "y")]``."""
+def _params(text: str) -> List[Tuple[str, ...]]:
+    """``"T x, raw float32 y"`` as ``[("T", "x"), ("raw", "float32", "y")]``."""
     return [tuple(entry.split()) for entry in (e.strip() for e in text.split(",")) if entry]
 
 
@@ -133,7 +133,7 @@ def _multi_source(source: Source, arrays: Tuple[str, ...], dtype: np.dtype) -> S
 def _scalars_from_device(source: Source, names: Sequence[str]) -> Source:
     """``source`` with its scalar parameters ``names`` read from ``raw <type> axonhpc_scalars`` (see the note)."""
     in_params, out_params, body, preamble = source
-    params = [entry.split() for entry in (e.strip() for e in in_params.split(",")) if entry]
+    params = _params(in_params)  # ("T", "lr"), ("raw", "uint64", "grad_at"), ...
     moved = [(words[0], words[-1]) for words in params if words[-1] in names and len(words) == 2]
     types = {type_ for type_, _ in moved}
     if len(moved) != len(names) or len(types) != 1:

@@ -167,14 +167,18 @@ def adam_many(xp: Any, tables: _kernels.TensorTables, datas: Sequence[Any], grad
 
 
 def _many(xp: Any, tables: _kernels.TensorTables, name: str, variant: tuple, build: Any,
-          lists: Sequence[Sequence[Any]], scalars: tuple, alone: Any) -> None:
-    """One multi-tensor launch per batch of ``lists``' arrays (``grad`` the only array input); ``alone(k)`` for a batch of one."""
+          lists: Sequence[Sequence[Any]], scalars: tuple, alone: Any = None, device_scalars: bool = False) -> None:
+    """One multi-tensor launch per batch of ``lists``' arrays (``grad`` the only array input).
+
+    ``alone(k)``, where given, updates a batch of one instead; ``device_scalars``: ``scalars``
+    is the one device array the kernel reads them from.
+    """
     dtype = lists[0][0].dtype
     for batch in _kernels.batches([int(a.size) for a in lists[0]]):
-        if len(batch) == 1:
+        if alone is not None and len(batch) == 1:
             alone(batch[0])
             continue
-        kernel = _kernels.multi_tensor(xp, name, variant, build, ("grad",), dtype)
+        kernel = _kernels.multi_tensor(xp, name, variant, build, ("grad",), dtype, device_scalars=device_scalars)
         chosen = [[arrays[k] for k in batch] for arrays in lists]
         _kernels.launch_multi(xp, kernel, tables, (name, len(lists), dtype, tuple(batch)), chosen, scalars)
 
@@ -217,12 +221,8 @@ def captured_launch(xp: Any, tables: _kernels.TensorTables, name: str, variant: 
     Returns:
         The device array of the scalars, to be written (``_kernels.fill``) before each replay.
     """
-    dtype = lists[0][0].dtype
-    scalars = xp.empty(count, dtype)  # no kernel: written before each replay, outside the graph
-    for batch in _kernels.batches([int(a.size) for a in lists[0]]):
-        kernel = _kernels.multi_tensor(xp, name, variant, build, ("grad",), dtype, device_scalars=True)
-        chosen = [[arrays[k] for k in batch] for arrays in lists]
-        _kernels.launch_multi(xp, kernel, tables, (name, len(lists), dtype, tuple(batch)), chosen, (scalars,))
+    scalars = xp.empty(count, lists[0][0].dtype)  # no kernel: written before each replay, outside the graph
+    _many(xp, tables, name, variant, build, lists, (scalars,), device_scalars=True)
     return scalars
 
 
