@@ -19,6 +19,10 @@ layers do eagerly therefore change under a capture:
   device memory and register, with ``before_replay``, the host code that
   computes them and writes them there before each launch (and advances the
   step counts the state dict reports).
+- **Collectives.** A collective whose backend issues it on a stream (NCCL)
+  is captured like a kernel: the ranks' agreement check runs once, at the
+  capture, and each replay is compared across the ranks instead
+  (``collectives.graphed``); ``note_collective`` keeps what was captured.
 
 What cannot work under a capture says so with ``refuse`` (a
 ``GraphCaptureError`` naming the layer and the reason) instead of leaving
@@ -44,14 +48,18 @@ class Recording:
         self.capturing = bool(capturing)
         self.checks: List[Tuple[Any, Callable[[Any], None]]] = []
         self.before_replay: List[Callable[[], None]] = []
+        self.collectives: List[Tuple[Any, Tuple[int, ...], str]] = []
 
 
 _state = threading.local()
+EVER_RECORDED = False  # a graphed step has been called in this process (hot paths test this first)
 
 
 @contextlib.contextmanager
 def recording(record: Recording) -> Iterator[Recording]:
     """Make ``record`` this thread's recording inside the block."""
+    global EVER_RECORDED
+    EVER_RECORDED = True
     if current() is not None:
         raise GraphCaptureError("a graphed step was called inside another graphed step's call; graphed steps "
                                 "do not nest")
@@ -88,6 +96,11 @@ def before_replay(fn: Callable[[], None]) -> None:
     current().before_replay.append(fn)
 
 
+def note_collective(group: Any, desc: Tuple[int, ...], text: str) -> None:
+    """Record that the capture holds a collective on ``group`` (its descriptor words, and how messages name it)."""
+    current().collectives.append((group, desc, text))
+
+
 def refuse(what: str, why: str) -> None:
     """Raise ``GraphCaptureError`` for ``what`` if this thread is capturing a CUDA graph.
 
@@ -99,4 +112,4 @@ def refuse(what: str, why: str) -> None:
 
 
 __all__ = ["Recording", "recording", "current", "capturing", "defers_reads", "defer_check", "before_replay",
-           "refuse"]
+           "note_collective", "refuse"]

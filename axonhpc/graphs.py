@@ -28,11 +28,21 @@ read after the step. For replays that is at the start of the next call (the
 check waits for the previous replay only) or at ``check()``: a step with bad
 targets has run, and its error is raised by the call after it.
 
+Collectives on device arrays over NCCL are captured with the rest (DDP's
+bucketed all-reduce overlapped with the backward, a broadcast of buffers):
+NCCL replays them with each launch. Every rank must then call its graphed
+step at the same point; before each launch the ranks of each group the
+graph communicates on compare what they are about to replay, so a rank
+that replays while another does something else raises
+``CollectiveMismatchError`` on all of them (see [Note: collectives in a
+graph] in ``axonhpc.collectives.graphed``).
+
 What a graph cannot replay is refused at the capture with
 ``GraphCaptureError``: reads of device values, dropout in training mode,
-collectives (not built yet), parameters the fused optimizer kernels do not
-take, optimizer state still to be created. Inputs of another shape or dtype
-than the capture's are refused at the call.
+collectives a graph cannot hold (host arrays, MPI for device arrays, the
+deterministic ring, point to point, barriers), parameters the fused
+optimizer kernels do not take, optimizer state still to be created. Inputs
+of another shape or dtype than the capture's are refused at the call.
 """
 from __future__ import annotations
 
@@ -40,6 +50,7 @@ from typing import Any, Callable, List, Optional
 
 from . import _capture
 from ._dtypes import array_module, is_cupy_array
+from .collectives import graphed
 from .errors import ArgumentTypeError, ConfigurationError, GraphCaptureError
 
 # Words of cupy's and CUDA's errors for work a capture cannot hold.
@@ -84,6 +95,7 @@ class GraphedStep:
         self._static: List[Any] = []
         self._outputs: Any = None
         self._record: Optional[_capture.Recording] = None
+        self._replay_checks: List[Any] = []
         self._unchecked = False
 
     @property
@@ -98,6 +110,8 @@ class GraphedStep:
             ArgumentTypeError: an input that is not a cupy array.
             GraphCaptureError: the step cannot be captured (why in the message), or inputs of
                 another shape or dtype than the capture's.
+            CollectiveMismatchError: on every rank of a group the graph communicates on, when
+                they do not all replay the same graph here.
         """
         xp = self._module(inputs)
         if self._graph is not None:
@@ -157,6 +171,7 @@ class GraphedStep:
                                     "arrays (or None), which each replay overwrites; return the loss array, not a "
                                     "number read from it")
         self._graph, self._pool, self._outputs, self._record = graph, pool, outputs, record
+        self._replay_checks = graphed.replay_checks(record)
 
     def _replay(self, xp: Any, inputs: Any) -> Any:
         """Copy ``inputs`` in, run the work before a replay, launch (see the note's step 3)."""
@@ -166,6 +181,7 @@ class GraphedStep:
                                     f"({_describe(list(inputs))}); a CUDA graph replays fixed shapes: make one "
                                     "graphed step per input shape")
         self.check()
+        graphed.check_replay(self._replay_checks)  # collective, before anything changes: all ranks replay it
         for static, x in zip(self._static, inputs):
             if x is not static:
                 xp.copyto(static, x)

@@ -23,6 +23,7 @@ import os
 import sys
 import threading
 import types
+import weakref
 from collections import defaultdict, deque
 
 import numpy as np
@@ -52,16 +53,45 @@ class _Graph:
         pass
 
 
+_capture_streams = threading.local()  # this thread's capture: the streams it has joined (CUDA's fork/join)
+
+
 class _Stream:
+    """A stream: its pointer, and CUDA's rules of capture (begin/end, joining other streams through events).
+
+    A stream that waits for an event recorded in a capture joins the capture; its later work is
+    captured, and before the capture ends another captured stream must wait for an event recorded
+    on it after its last work (else ``cudaErrorStreamCaptureUnjoined``).
+    """
+
     _current = threading.local()
+    _by_ptr = weakref.WeakValueDictionary()
 
     def __init__(self, null=False, non_blocking=False):
         self.ptr = 0 if null else id(self)
         self.waited = 0
-        self._capturing = False
+        self._capturing = False  # the capture's origin stream
+        self._joined = False  # joined a capture through an event
+        self.work = 0  # captured operations issued on it (the fake NCCL's)
+        self._joined_at = 0  # ``work`` when another captured stream last waited for it
+        if not null:
+            _Stream._by_ptr[self.ptr] = self
+
+    @staticmethod
+    def at(ptr):
+        """The stream with this pointer (None: the default stream, or one no longer alive)."""
+        return _Stream._by_ptr.get(ptr)
 
     def wait_event(self, event):
         self.waited += 1
+        if event.captured:
+            if not self.is_capturing():
+                self._joined = True
+                self._joined_at = self.work
+                _capture_streams.__dict__.setdefault("joined", []).append(self)
+            source = event.source
+            if source is not None and source is not self and source._joined and event.work == source.work:
+                source._joined_at = source.work  # joined back: everything issued there comes before this
 
     def record(self, event=None):
         event = _Event() if event is None else event
@@ -78,15 +108,24 @@ class _Stream:
             raise RuntimeError("cannot capture on the default (legacy) stream")
         strict_cupy.begin_tape()
         self._capturing = True
+        _capture_streams.joined = []
 
     def end_capture(self):
         if not self._capturing:
             raise RuntimeError("cudaErrorIllegalState: the stream is not capturing")
         self._capturing = False
-        return _Graph(strict_cupy.end_tape())
+        joined, _capture_streams.joined = _capture_streams.joined, []
+        ops = strict_cupy.end_tape()
+        for stream in joined:
+            stream._joined = False
+        unjoined = [s for s in joined if s.work != s._joined_at]
+        if unjoined:
+            raise RuntimeError(f"cudaErrorStreamCaptureUnjoined: {len(unjoined)} stream(s) joined the capture "
+                               "and were not joined back into the origin stream before it ended")
+        return _Graph(ops)
 
     def is_capturing(self):
-        return self._capturing
+        return self._capturing or self._joined
 
     def __enter__(self):
         stack = _Stream._current.__dict__.setdefault("stack", [])
@@ -103,15 +142,25 @@ _NULL_STREAM = _Stream(null=True)
 class _Event:
     def __init__(self, block=False, disable_timing=False, interprocess=False):
         self.recorded = False
+        self.captured = False  # last recorded on a capturing stream: a dependency inside the graph
+        self.source, self.work = None, 0
 
     def record(self, stream=None):
+        stream = _current_stream() if stream is None else stream
         self.recorded = True
+        self.captured = stream.is_capturing()
+        self.source, self.work = stream, stream.work
 
     @property
     def done(self):
+        if self.captured:
+            raise RuntimeError("cudaErrorCapturedEvent: the event was last recorded in a stream capture, "
+                               "so it cannot be queried")
         return True
 
     def synchronize(self):
+        if self.captured:
+            raise RuntimeError("cudaErrorCapturedEvent: the event was last recorded in a stream capture")
         strict_cupy.refuse_in_capture("event.synchronize", "cudaErrorStreamCaptureUnsupported: operation not "
                                                            "permitted when stream is capturing")
         strict_cupy._synced("event.synchronize")
@@ -235,6 +284,23 @@ class FakeNccl(types.ModuleType):
             def _log(self, *details):
                 self.module.calls.append((self.rank, *details, self.module._in_group()))
 
+            def _issue(self, stream, run):
+                """Run a collective now, or record it when this thread captures (NCCL's graph capture).
+
+                Captured, it is issued to the tape only on a stream that has joined the capture: NCCL
+                on a stream outside it would run now, at the capture, and never in the graph.
+                """
+                if not strict_cupy.capturing():
+                    run()
+                    return
+                where = _Stream.at(stream)
+                if where is None or not where.is_capturing():
+                    raise RuntimeError("fake NCCL: a collective issued during a capture on a stream outside it "
+                                       "(it would run now and never in the graph); order the stream after an "
+                                       "event recorded in the capture")
+                where.work += 1
+                strict_cupy._run(run, in_place=True)
+
             def _collective(self, entry, compute):
                 hub, seq = self.hub, self.seq
                 self.seq += 1
@@ -254,62 +320,76 @@ class FakeNccl(types.ModuleType):
                         raise RuntimeError(f"fake NCCL: {hub.failed}")
 
             def allReduce(self, send, recv, count, dtype, op, stream):
-                self._log("allReduce", count, dtype, op)
+                def run():
+                    self._log("allReduce", count, dtype, op)
 
-                def compute(entries):
-                    total = _memory(entries[0][1], count, dtype).copy()
-                    if op == NCCL_OPS["avg"]:
-                        for e in entries[1:]:
-                            total += _memory(e[1], count, dtype)
-                        total /= len(entries)
-                    else:
-                        for e in entries[1:]:
-                            _REDUCERS[op](total, _memory(e[1], count, dtype), out=total)
-                    for e in entries:
-                        _memory(e[2], count, dtype)[...] = total
+                    def compute(entries):
+                        total = _memory(entries[0][1], count, dtype).copy()
+                        if op == NCCL_OPS["avg"]:
+                            for e in entries[1:]:
+                                total += _memory(e[1], count, dtype)
+                            total /= len(entries)
+                        else:
+                            for e in entries[1:]:
+                                _REDUCERS[op](total, _memory(e[1], count, dtype), out=total)
+                        for e in entries:
+                            _memory(e[2], count, dtype)[...] = total
 
-                self._collective(("allReduce", send, recv), compute)
+                    self._collective(("allReduce", send, recv), compute)
+
+                self._issue(stream, run)
 
             def broadcast(self, send, recv, count, dtype, root, stream):
-                self._log("broadcast", count, dtype, root)
+                def run():
+                    self._log("broadcast", count, dtype, root)
 
-                def compute(entries):
-                    src = _memory(entries[root][1], count, dtype).copy()
-                    for e in entries:
-                        _memory(e[2], count, dtype)[...] = src
+                    def compute(entries):
+                        src = _memory(entries[root][1], count, dtype).copy()
+                        for e in entries:
+                            _memory(e[2], count, dtype)[...] = src
 
-                self._collective(("broadcast", send, recv), compute)
+                    self._collective(("broadcast", send, recv), compute)
+
+                self._issue(stream, run)
 
             def allGather(self, send, recv, count, dtype, stream):
-                self._log("allGather", count, dtype)
+                def run():
+                    self._log("allGather", count, dtype)
 
-                def compute(entries):
-                    parts = [_memory(e[1], count, dtype).copy() for e in entries]
-                    for e in entries:
-                        _memory(e[2], count * len(entries), dtype)[...] = np.concatenate(parts)
+                    def compute(entries):
+                        parts = [_memory(e[1], count, dtype).copy() for e in entries]
+                        for e in entries:
+                            _memory(e[2], count * len(entries), dtype)[...] = np.concatenate(parts)
 
-                self._collective(("allGather", send, recv), compute)
+                    self._collective(("allGather", send, recv), compute)
+
+                self._issue(stream, run)
 
             def reduceScatter(self, send, recv, count, dtype, op, stream):
-                self._log("reduceScatter", count, dtype, op)
+                def run():
+                    self._log("reduceScatter", count, dtype, op)
 
-                def compute(entries):
-                    n = len(entries)
-                    total = _memory(entries[0][1], count * n, dtype).copy()
-                    for e in entries[1:]:
-                        _REDUCERS[op](total, _memory(e[1], count * n, dtype), out=total)
-                    for r, e in enumerate(entries):
-                        _memory(e[2], count, dtype)[...] = total[r * count:(r + 1) * count]
+                    def compute(entries):
+                        n = len(entries)
+                        total = _memory(entries[0][1], count * n, dtype).copy()
+                        for e in entries[1:]:
+                            _REDUCERS[op](total, _memory(e[1], count * n, dtype), out=total)
+                        for r, e in enumerate(entries):
+                            _memory(e[2], count, dtype)[...] = total[r * count:(r + 1) * count]
 
-                self._collective(("reduceScatter", send, recv), compute)
+                    self._collective(("reduceScatter", send, recv), compute)
+
+                self._issue(stream, run)
 
             def send(self, buf, count, dtype, peer, stream):
+                strict_cupy.refuse_in_capture("fake NCCL send", "the stand-in does not play captured messages")
                 self._log("send", count, dtype, peer)
                 with self.hub.lock:
                     self.hub.mail[(self.rank, peer)].append((count, dtype, _memory(buf, count, dtype).copy()))
                     self.hub.lock.notify_all()
 
             def recv(self, buf, count, dtype, peer, stream):
+                strict_cupy.refuse_in_capture("fake NCCL recv", "the stand-in does not play captured messages")
                 self._log("recv", count, dtype, peer)
                 pending = (self.hub, peer, self.rank, buf, count, dtype)
                 if self.module._in_group():

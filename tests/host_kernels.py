@@ -32,6 +32,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+import threading
 from typing import Dict, List, Sequence, Tuple
 
 import numpy as np
@@ -46,6 +47,7 @@ C_TYPES = {
 }
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _loaded: Dict[str, ctypes.CDLL] = {}
+_compiling = threading.Lock()
 
 
 def parse_params(text: str, raw_allowed: bool = True) -> List[Tuple[str, str, bool]]:
@@ -127,22 +129,28 @@ def load(source: str, name: str) -> ctypes._CFuncPtr:
     digest = hashlib.sha256(source.encode()).hexdigest()[:24]
     lib = _loaded.get(digest)
     if lib is None:
-        cache = os.path.join(tempfile.gettempdir(), f"axonhpc-host-kernels-{os.getuid()}")
-        os.makedirs(cache, exist_ok=True)
-        path = os.path.join(cache, f"{digest}.so")
-        if not os.path.exists(path):
-            src = os.path.join(cache, f"{digest}.{os.getpid()}.c")
-            tmp = os.path.join(cache, f"{digest}.{os.getpid()}.so")
-            with open(src, "w") as f:
-                f.write(source)
-            done = subprocess.run([compiler(), "-std=c99", "-O2", "-ffp-contract=off", "-fno-fast-math",
-                                   "-shared", "-fPIC", src, "-o", tmp, "-lm"], capture_output=True, text=True)
-            os.unlink(src)
-            if done.returncode != 0:
-                raise RuntimeError(f"kernel {name} does not compile as C on the host:\n{done.stderr}\n{source}")
-            os.replace(tmp, path)
-        lib = _loaded[digest] = ctypes.CDLL(path)
+        with _compiling:  # threads play ranks: one compiles, the others then find the library
+            lib = _loaded.get(digest) or _compile(source, name, digest)
     return getattr(lib, name)
+
+
+def _compile(source: str, name: str, digest: str) -> ctypes.CDLL:
+    cache = os.path.join(tempfile.gettempdir(), f"axonhpc-host-kernels-{os.getuid()}")
+    os.makedirs(cache, exist_ok=True)
+    path = os.path.join(cache, f"{digest}.so")
+    if not os.path.exists(path):
+        src = os.path.join(cache, f"{digest}.{os.getpid()}.c")
+        tmp = os.path.join(cache, f"{digest}.{os.getpid()}.so")
+        with open(src, "w") as f:
+            f.write(source)
+        done = subprocess.run([compiler(), "-std=c99", "-O2", "-ffp-contract=off", "-fno-fast-math",
+                               "-shared", "-fPIC", src, "-o", tmp, "-lm"], capture_output=True, text=True)
+        os.unlink(src)
+        if done.returncode != 0:
+            raise RuntimeError(f"kernel {name} does not compile as C on the host:\n{done.stderr}\n{source}")
+        os.replace(tmp, path)
+    lib = _loaded[digest] = ctypes.CDLL(path)
+    return lib
 
 
 def run(function: ctypes._CFuncPtr, size: int, inputs: Sequence[Tuple[np.dtype, object]],

@@ -306,6 +306,50 @@ def test_ddp_on_device_arrays_matches_the_host_reference(mpi_world):
     collectively(mpi_world, lambda: _ddp_parity(mpi_world))
 
 
+def _graphed_ddp(world, graphed):
+    """Parameters after 6 DDP steps on this rank's shards, eager or as one CUDA graph replayed (NCCL inside)."""
+    from ddp_cases import make_data, make_model, make_optimizer, shard
+
+    n, r = world.world_size, world.rank
+    model = make_model(np.float64, seed=0).to("cuda")
+    ddp = ax.DDP(model, group=world.default_group)
+    opt = make_optimizer("adam", ddp.parameters())
+    loss_fn = nn.CrossEntropyLoss()
+
+    def step(x, y):
+        opt.zero_grad()
+        loss = loss_fn(ddp(x), y)
+        ddp.backward(loss_fn.backward())
+        opt.step()
+        return loss
+
+    run = ax.graph_step(step) if graphed else step
+    for s in range(6):
+        x, y = make_data(s, np.float64)
+        run(cupy.asarray(shard(x, r, n)), cupy.asarray(shard(y, r, n)))
+    assert not graphed or run.captured
+    return [_get(p.data) for p in model.parameters()]
+
+
+@pytest.mark.mpi(min_size=1)
+def test_graphed_ddp_replays_its_nccl_all_reduces(mpi_world):
+    from ddp_cases import GLOBAL_BATCH
+
+    if GLOBAL_BATCH % mpi_world.world_size:
+        pytest.skip(f"global batch {GLOBAL_BATCH} does not split over {mpi_world.world_size} ranks")
+    backend = mpi_world.default_group.backend
+    if mpi_world.world_size > 1 and not backend.captures(cupy.ones(1)):
+        pytest.skip(f"the world's backend ({backend.name}) cannot capture collectives: a graph holds NCCL's only "
+                    "(one GPU per rank)")
+
+    def check():
+        eager, graphed = _graphed_ddp(mpi_world, False), _graphed_ddp(mpi_world, True)
+        for a, b in zip(eager, graphed):
+            np.testing.assert_array_equal(a, b)
+
+    collectively(mpi_world, check)
+
+
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("strategy", ["full_shard", "shard_grad_op", "no_shard"])
 def test_fsdp_on_device_arrays_matches_the_host_reference(mpi_world, strategy):

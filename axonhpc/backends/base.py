@@ -231,6 +231,15 @@ class Backend(abc.ABC):
         """
         return False
 
+    def captures(self, buf) -> bool:
+        """Whether a collective on ``buf`` can be captured in a CUDA graph (``axonhpc.graphs``).
+
+        True only for a backend that issues the call on a CUDA stream and
+        does no host work for it once issued (NCCL), so that a graph's
+        replay repeats all of it. The default: no (MPI is driven by the host).
+        """
+        return False
+
     def max_reducer(self, words: np.ndarray) -> Callable[[], None]:
         """A call that replaces ``words`` (a small int64 array) by its element-wise MAX over the ranks, blocking.
 

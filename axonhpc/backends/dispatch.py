@@ -83,6 +83,9 @@ class DeviceDispatchBackend(Backend):
     def stages(self, buf) -> bool:
         return self._for(buf).stages(buf)
 
+    def captures(self, buf) -> bool:
+        return self._for(buf).captures(buf)
+
     # -- point to point -----------------------------------------------------------------------
     def send(self, buf, dst: int, tag: int, async_op: bool) -> Work:
         return self._for(buf).send(buf, dst, tag, async_op)

@@ -26,6 +26,14 @@ API and have never run.
   Work holds the arrays until then. ``barrier()`` and ``wait(timeout)`` do
   wait on the host (a barrier is for the host; a timeout is a host clock),
   and ``is_completed()`` asks whether the event has fired.
+- Capture: while the caller's stream captures a CUDA graph
+  (``axonhpc.graphs``), the same calls are recorded, not run: the event
+  the backend's stream waits for joins that stream into the capture, and
+  the caller's stream waiting for the event after the call joins it back,
+  as CUDA requires before the capture ends. NCCL (>= 2.9.6) replays a
+  captured call with each launch of the graph. A captured event cannot be
+  queried, so ``is_completed()`` answers False during the capture without
+  asking; waiting stays stream-ordered (a host wait would fail there).
 - Operations: the collective layer sends AVG as SUM and widens 16-bit floats
   for reductions (see ``base``). Called directly, AVG on floats uses ncclAvg
   (NCCL >= 2.10.3) or SUM then a division on the stream; on integers it is
@@ -247,11 +255,14 @@ class NCCLWork(Work):
         return self._event
 
     def _test(self) -> bool:
-        return bool(self._issued().done)
+        event = self._issued()
+        if self._backend.capturing():  # a captured event cannot be queried (nothing has run yet)
+            return False
+        return bool(event.done)
 
     def _block(self, timeout: Optional[float]) -> bool:
         event = self._issued()
-        if timeout is None:
+        if timeout is None or self._backend.capturing():  # in a capture: ordered on the stream, never on the host
             self._backend._wait_for(event, self._host_wait)
             return True
         return super()._block(timeout)
@@ -310,6 +321,14 @@ class NCCLBackend(Backend):
             return make(self.size, uid, self.rank)
         except TypeError:  # cupy < 14 takes the id as a tuple of signed chars
             return make(self.size, unique_id_tuple(uid), self.rank)
+
+    def captures(self, buf) -> bool:
+        """Yes: every call is issued on a stream (see the module note's "Capture")."""
+        return True
+
+    def capturing(self) -> bool:
+        """Whether the caller's current stream is capturing a CUDA graph."""
+        return bool(self._cp.cuda.get_current_stream().is_capturing())
 
     # -- issuing ----------------------------------------------------------------------------------
     def _begin(self) -> int:

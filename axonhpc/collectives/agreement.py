@@ -85,21 +85,33 @@ def check(pg: Any, seq: int, op: str, x: Any = None, reduce: Optional[str] = Non
         CollectiveMismatchError: on every rank, if any rank's call differs.
         CollectiveTimeoutError: a rank did not come within the group's timeout.
     """
+    compare(pg, seq, op, lambda elsewhere: describe(op, x, reduce, root, elsewhere),
+            lambda: refuse(pg, seq, op, x, reduce, root), arrivals, label, engine)
+
+
+def compare(pg: Any, seq: int, op: str, desc_of: Callable[[bool], Desc], mismatch: Callable[[], None],
+            arrivals: Any = None, label: Any = None, engine: Any = None) -> None:
+    """``check`` for any descriptor: ``desc_of(elsewhere)`` gives this rank's, ``mismatch()`` raises on a difference.
+
+    Every rank must pass the same kind of descriptor for the same call
+    (``describe``'s words, or those of a graph's replay: ``graphed``).
+    """
     if pg.size == 1 or not settings.check_collectives:
         return
     if engine is None:
         engine = node_engine(pg)
     if engine:
         try:
-            engine.agree(describe(op, x, reduce, root, elsewhere=True))
+            engine.agree(desc_of(True))
         except EngineMismatch:
-            refuse(pg, seq, op, x, reduce, root)
+            mismatch()
+            raise  # mismatch raises; this keeps the engine's error should it not
         except CollectiveTimeoutError as exc:
             if arrivals is None:
                 raise shm_path.timed_out(exc, engine, pg, op) from exc
             raise watch.engine_timed_out(exc, pg.effective_timeout(), label, arrivals, pg) from exc
         return
-    desc = describe(op, x, reduce, root)
+    desc = desc_of(False)
     words, reduce_max, host = _mpi_check(pg)
     _shm.put_words(desc, words)
     timeout = pg.effective_timeout()
@@ -109,7 +121,7 @@ def check(pg: Any, seq: int, op: str, x: Any = None, reduce: Optional[str] = Non
         what = label if label is not None else f"{op} #{seq} on group {pg.name} {list(pg.ranks)} (agreement check)"
         watch.wait(host.all_reduce(words, ReduceOp.MAX, True), timeout, what, arrivals, pg)
     if not _shm.words_agree(desc, words):
-        refuse(pg, seq, op, x, reduce, root)
+        mismatch()
 
 
 def start_check(pg: Any, seq: int, op: str, x: Any = None, reduce: Optional[str] = None,
@@ -231,4 +243,4 @@ def refuse(pg: Any, seq: int, op: str, x: Any, reduce: Optional[str], root: Opti
         f"lies at another offset on some ranks")
 
 
-__all__ = ["describe", "check", "start_check", "CheckedWork", "refuse", "node_engine", "EngineMismatch"]
+__all__ = ["describe", "check", "compare", "start_check", "CheckedWork", "refuse", "node_engine", "EngineMismatch"]

@@ -46,7 +46,7 @@ from ..backends.base import CompletedWork, ReduceOp
 from ..errors import ConfigurationError
 from ..groups import ProcessGroup
 from ..settings import ALGORITHMS, settings
-from . import agreement
+from . import agreement, graphed
 from .core import _start, all_gather, all_reduce, broadcast, reduce_scatter
 from .ring import rhd_all_reduce, ring_all_reduce
 from .widen import reduce_widened
@@ -141,6 +141,8 @@ def run(algorithm: str, x: Any, op: ReduceOp, pg: ProcessGroup, async_op: bool) 
     across the ranks first, as a native one is; the collectives it is made
     of then take their own.
     """
+    graphed.admit(pg, "all_reduce", x, op.name, why_not=f"the {algorithm!r} algorithm is made of several calls "
+                                                         "driven from the host; capture the native all-reduce")
     label = _start(pg, "all_reduce", x, op)
     agreement.check(pg, label.seq, "all_reduce", x, label.call[1])
     if algorithm == "hierarchical":

@@ -33,11 +33,13 @@ from .._dtypes import array_module, bfloat16_dtype, check_array
 from ..backends.base import ReduceOp
 from ..errors import InvalidArgumentError, ShapeError, UnsupportedDtypeError
 from ..groups import ProcessGroup
-from . import flight
+from . import flight, graphed
 from .core import _member, _start
 from .ring import RING_TAG, channel, execute, ring_reduce_scatter_schedule, ring_schedule
 
 WIRE_DTYPES = ("float16", "bfloat16")
+_RING_IN_GRAPH = ("the 16-bit ring is made of messages between the ranks, sent and added from the host; a "
+                  "graphed step averages with NCCL's all-reduce (no compression hook)")
 
 
 def wire_dtype(name: str) -> np.dtype:
@@ -80,6 +82,7 @@ def compressed_all_reduce(x: Any, wire: str = "float16", group: Optional[Process
         ValueError: unknown ``wire``.
     """
     pg = _member(group, "compressed_all_reduce")
+    graphed.admit(pg, "compressed_all_reduce", x, why_not=_RING_IN_GRAPH)
     half = _compressed(x, wire, pg, "compressed_all_reduce")
     entry = _start(pg, "compressed_all_reduce", half, ReduceOp.SUM).entry
     if pg.size > 1 and half.size:
@@ -109,6 +112,7 @@ def compressed_reduce_scatter(x: Any, wire: str = "float16", group: Optional[Pro
     if x.size % pg.size:
         raise ShapeError(f"compressed_reduce_scatter: {x.size} elements do not split into {pg.size} equal parts "
                          f"({x.size} % {pg.size} = {x.size % pg.size})")
+    graphed.admit(pg, "compressed_reduce_scatter", x, why_not=_RING_IN_GRAPH)
     half = _compressed(x, wire, pg, "compressed_reduce_scatter")
     entry = _start(pg, "compressed_reduce_scatter", half, ReduceOp.SUM).entry
     if pg.size > 1 and half.size:

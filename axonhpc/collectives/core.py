@@ -31,16 +31,18 @@ from .._dtypes import array_module, check_array, is_cupy_array, is_low_precision
 from ..backends.base import CompletedWork, ReduceOp, Work
 from ..errors import CollectiveTimeoutError, ReadOnlyBufferError, ShapeError
 from ..groups import ProcessGroup, resolve_group
-from . import agreement, fast_path, fingerprint, flight, shm_path, staged_path, watch
+from . import agreement, fast_path, fingerprint, flight, graphed, shm_path, staged_path, watch
 from .ring import ring_all_reduce, ring_reduce_scatter
 from .widen import divide_average
 
 
 def _member(group: Optional[ProcessGroup], op: str) -> ProcessGroup:
-    _capture.refuse(op, "axonhpc does not capture communication yet: a call also does host work at each step "
-                        "(the ranks' agreement check, MPI or staged copies) that a graph would not repeat; capture "
-                        "a single process's step, and run data-parallel steps eagerly")
     return resolve_group(group).require_member(op)
+
+
+# Why a route cannot be captured in a CUDA graph (see [Note: collectives in a graph] in ``graphed``).
+_RING_IN_GRAPH = ("deterministic mode (ax.settings.deterministic) reduces floats in the ring's fixed order, point "
+                  "to point from the host; capture with deterministic mode off")
 
 
 class _Label:
@@ -89,7 +91,9 @@ def _run(pg: ProcessGroup, label: _Label, issue, async_op: bool, carried: bool =
     unless ``carried``: the shared-memory engine carries it and compares it
     itself.
     """
-    timeout = pg.effective_timeout()
+    # In a CUDA graph capture nothing runs, so nothing can be waited for on the host: no timeout, no
+    # arrival notices; the call is ordered on the stream (see [Note: collectives in a graph]).
+    timeout = None if _capture.capturing() else pg.effective_timeout()
     collective = isinstance(label, _Label)  # point-to-point calls carry a plain text label
     arrivals = (pg.backend.announce(label.seq, label.op) if collective and timeout is not None and not async_op
                 else None)
@@ -204,6 +208,7 @@ def all_reduce(x, op=ReduceOp.SUM, group: Optional[ProcessGroup] = None, async_o
 
 def checked_all_reduce(x: Any, op: ReduceOp, pg: ProcessGroup, async_op: bool) -> Any:
     """The native all-reduce's general path, once ``x``, ``op`` and membership of ``pg`` are checked."""
+    graphed.admit(pg, "all_reduce", x, _OP_NAMES[op], why_not=_RING_IN_GRAPH if shm_path.fixed_order(x, op) else None)
     label = _start(pg, "all_reduce", x, op)
     if pg.size == 1:
         # Every op over one rank is the identity (AVG too: x // 1 == x / 1 == x).
@@ -278,6 +283,8 @@ def reduce_scatter(x, op=ReduceOp.SUM, group: Optional[ProcessGroup] = None, asy
             f"group size {pg.size}" + ("" if x.ndim == 0 else f" ({x.shape[0]} % {pg.size} = {x.shape[0] % pg.size})")
         )
     out = _result_buffer(x, out, (x.shape[0] // pg.size,) + tuple(x.shape[1:]), "reduce_scatter", "this rank's part")
+    graphed.admit(pg, "reduce_scatter", x, _OP_NAMES[op],
+                  why_not=_RING_IN_GRAPH if shm_path.fixed_order(x, op) else None)
     label = _start(pg, "reduce_scatter", x, op)
     backend = pg.backend
     fixed = shm_path.fixed_order(x, op)
@@ -329,6 +336,7 @@ def broadcast(x, src: int = 0, group: Optional[ProcessGroup] = None, async_op: b
             f"{pg.name} is read-only; a broadcast buffer must be writable on every rank, the source included "
             f"(src={src}), so that every rank refuses it alike before anything is sent")
     check_array(x, "broadcast buffer", writable=True)
+    graphed.admit(pg, "broadcast", x, root=src)
     label = _start(pg, "broadcast", x, root=src)
     backend = pg.backend
     node = shm_path.path(pg, x, "broadcast", reduction=False)
@@ -361,6 +369,7 @@ def all_gather(x, group: Optional[ProcessGroup] = None, async_op: bool = False, 
     pg = _member(group, "all_gather")
     check_array(x, "all_gather input")
     out = _result_buffer(x, out, (pg.size,) + tuple(x.shape), "all_gather", "the result")
+    graphed.admit(pg, "all_gather", x)
     label = _start(pg, "all_gather", x)
     node = shm_path.path(pg, x, "all_gather", reduction=False)
     if node is not None:
@@ -379,6 +388,8 @@ def gather(x, dst: int = 0, group: Optional[ProcessGroup] = None, async_op: bool
     pg = _member(group, "gather")
     dst = pg.check_rank(dst, "gather dst")
     check_array(x, "gather input")
+    graphed.admit(pg, "gather", x, root=dst, why_not="NCCL has no gather (it is grouped sends and receives, "
+                                                     "which axonhpc does not capture)")
     out = array_module(x).empty((pg.size,) + tuple(x.shape), dtype=x.dtype) if pg.rank == dst else None
     label = _start(pg, "gather", x, root=dst)
     backend = pg.backend
@@ -407,6 +418,8 @@ def scatter(x, src: int = 0, group: Optional[ProcessGroup] = None, async_op: boo
 
     pg = _member(group, "scatter")
     src = pg.check_rank(src, "scatter src")
+    graphed.admit(pg, "scatter", None, root=src, why_not="the part's shape travels first in a host message, and "
+                                                         "NCCL has no scatter (grouped sends and receives)")
     backend = pg.backend
     header = np.zeros(_HEADER, dtype=np.int64)
     problem: Optional[Exception] = None
@@ -447,6 +460,7 @@ def scatter(x, src: int = 0, group: Optional[ProcessGroup] = None, async_op: boo
 def barrier(group: Optional[ProcessGroup] = None, async_op: bool = False):
     """Return once every rank of the group has entered the barrier."""
     pg = _member(group, "barrier")
+    graphed.admit(pg, "barrier", why_not="a barrier waits on the host, which a graph's replay does not")
     label = _start(pg, "barrier")
     backend = pg.backend
     return _run(pg, label, lambda nb: backend.barrier(nb), async_op)

@@ -15,6 +15,7 @@ from .._dtypes import check_array
 from ..backends.base import Work
 from ..errors import InvalidArgumentError, RankError
 from ..groups import ProcessGroup
+from . import graphed
 from .core import _member, _run
 
 
@@ -49,6 +50,8 @@ def _p2p(kind: _Kind, x: Any, peer: int, tag: int, group: Optional[ProcessGroup]
                         f"send to oneself waits for a receive that this rank could only post after it returns: use "
                         f"isend (then recv, then wait on the isend's Work)")
     check_array(x, f"{kind.name} buffer", writable=kind.fills)
+    graphed.admit(pg, kind.name, x, why_not="axonhpc does not capture point-to-point messages (NCCL queues "
+                                            "them until a wait, which a graph's replay would not repeat)")
     call = kind.call(pg.backend)
     label = f"{kind.name} with group rank {peer} (tag {tag}) on group {pg.name}"  # p2p: no sequence number
     return _run(pg, label, lambda nb: call(x, peer, tag, nb), kind.async_op)

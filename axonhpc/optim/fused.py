@@ -44,7 +44,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .. import _kernels
+from .. import _capture, _kernels
 from .._dtypes import array_module
 from ..errors import ConfigurationError, GraphCaptureError
 from ..settings import settings
@@ -175,12 +175,15 @@ def _many(xp: Any, tables: _kernels.TensorTables, name: str, variant: tuple, bui
     """
     dtype = lists[0][0].dtype
     for batch in _kernels.batches([int(a.size) for a in lists[0]]):
+        chosen = [[arrays[k] for k in batch] for arrays in lists]
+        key = (name, len(lists), dtype, tuple(batch))
         if alone is not None and len(batch) == 1:
             alone(batch[0])
+            if _capture.defers_reads():  # a graphed step's warm-up: its capture updates this one through the
+                tables.tables(xp, key, chosen)  # tables, which it cannot copy to the device itself
             continue
         kernel = _kernels.multi_tensor(xp, name, variant, build, ("grad",), dtype, device_scalars=device_scalars)
-        chosen = [[arrays[k] for k in batch] for arrays in lists]
-        _kernels.launch_multi(xp, kernel, tables, (name, len(lists), dtype, tuple(batch)), chosen, scalars)
+        _kernels.launch_multi(xp, kernel, tables, key, chosen, scalars)
 
 
 def captured_groups(fused: Optional[bool], pending: Sequence[Tuple[Any, Dict[str, Any]]], owner: str,
