@@ -66,6 +66,18 @@ def train_ddp(world, dtype, kind, steps=STEPS, accumulate=1, comm_hook=None, inp
     return ddp
 
 
+def step_fn(wrapper, opt, loss_fn):
+    """One whole step as a function of the batch, returning the loss: what ``ax.graph_step`` captures."""
+    def step(x, y):
+        opt.zero_grad()
+        loss = loss_fn(wrapper(x), y)
+        wrapper.backward(loss_fn.backward())
+        opt.step()
+        return loss
+
+    return step
+
+
 def train_step(ddp, opt, loss_fn, r, n, step, accumulate=1, dtype=np.float64, before_step=None, put=None,
                input_grad=True):
     """One optimizer step on rank r's shard of ``accumulate`` global batches (no_sync before the last).

@@ -308,21 +308,12 @@ def test_ddp_on_device_arrays_matches_the_host_reference(mpi_world):
 
 def _graphed_ddp(world, graphed):
     """Parameters after 6 DDP steps on this rank's shards, eager or as one CUDA graph replayed (NCCL inside)."""
-    from ddp_cases import make_data, make_model, make_optimizer, shard
+    from ddp_cases import make_data, make_model, make_optimizer, shard, step_fn
 
     n, r = world.world_size, world.rank
     model = make_model(np.float64, seed=0).to("cuda")
     ddp = ax.DDP(model, group=world.default_group)
-    opt = make_optimizer("adam", ddp.parameters())
-    loss_fn = nn.CrossEntropyLoss()
-
-    def step(x, y):
-        opt.zero_grad()
-        loss = loss_fn(ddp(x), y)
-        ddp.backward(loss_fn.backward())
-        opt.step()
-        return loss
-
+    step = step_fn(ddp, make_optimizer("adam", ddp.parameters()), nn.CrossEntropyLoss())
     run = ax.graph_step(step) if graphed else step
     for s in range(6):
         x, y = make_data(s, np.float64)

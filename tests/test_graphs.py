@@ -281,6 +281,26 @@ def test_a_model_of_one_parameter_is_captured(cupy, optimizer):
     np.testing.assert_array_equal(train(False), train(True))
 
 
+def test_a_loss_scaler_is_refused(cupy):
+    model = _model(np.float32)
+    opt = optim.SGD(model.parameters(), lr=0.05)
+    loss_fn, scaler = nn.CrossEntropyLoss(), ax.GradScaler(init_scale=8.0)
+
+    def step(x, y):
+        opt.zero_grad()
+        loss = loss_fn(model(x), y)
+        model.backward(loss_fn.backward(scaler.scale(1.0)))
+        scaler.step(opt)
+        scaler.update()
+        return loss
+
+    run = graph_step(step, warmup=1)
+    (x, y), = _batches(np.float32, steps=1)
+    run(cupy.asarray(x), cupy.asarray(y))
+    with pytest.raises(GraphCaptureError, match="GradScaler cannot be captured.*host number"):
+        run(cupy.asarray(x), cupy.asarray(y))
+
+
 def test_a_hyperparameter_that_changes_the_kernel_is_refused_at_the_replay(cupy):
     step, x, y, _, opt = _graphed(cupy, _plain_body, calls=2)
     opt.lr = 0.01  # a scalar: fine

@@ -20,7 +20,7 @@ import axonhpc as ax
 from axonhpc import nn
 from axonhpc.bucketing import GradSyncStrategy
 from axonhpc.errors import CollectiveMismatchError, GraphCaptureError
-from ddp_cases import STEPS, TOL, make_data, make_model, make_optimizer, shard, train_reference
+from ddp_cases import STEPS, TOL, make_data, make_model, make_optimizer, shard, step_fn, train_reference
 from fake_cuda import FakeNccl, install, run_device_world
 
 
@@ -34,24 +34,13 @@ def cupy(monkeypatch):
     return fake
 
 
-def _ddp_step(ddp, opt, loss_fn):
-    def step(x, y):
-        opt.zero_grad()
-        loss = loss_fn(ddp(x), y)
-        ddp.backward(loss_fn.backward())
-        opt.step()
-        return loss
-
-    return step
-
-
 def _train(cupy, world, graphed, dtype=np.float64, kind="adam", steps=STEPS, **ddp_args):
     """DDP on this rank's shards: parameters, losses, the step (graphed or eager) and the DDP."""
     n, r = world.world_size, world.rank
     model = make_model(dtype, seed=0 if r == 0 else 1000 + r).to("cuda")
     ddp = ax.DDP(model, **ddp_args)
     opt = make_optimizer(kind, ddp.parameters())
-    step = _ddp_step(ddp, opt, nn.CrossEntropyLoss())
+    step = step_fn(ddp, opt, nn.CrossEntropyLoss())
     run = ax.graph_step(step, warmup=2) if graphed else step
     losses = []
     for s in range(steps):
@@ -111,7 +100,7 @@ def test_a_compression_hook_is_refused_in_a_capture(cupy):
         ddp = ax.DDP(make_model(np.float64, seed=0).to("cuda"))
         ddp.register_comm_hook(None, fp16_compress_hook)
         opt = make_optimizer("sgd", ddp.parameters())
-        run = ax.graph_step(_ddp_step(ddp, opt, nn.CrossEntropyLoss()), warmup=1)
+        run = ax.graph_step(step_fn(ddp, opt, nn.CrossEntropyLoss()), warmup=1)
         x, y = make_data(0)
         x, y = cupy.asarray(shard(x, r, n)), cupy.asarray(shard(y, r, n))
         run(x, y)
@@ -169,10 +158,15 @@ def test_one_rank_captures_collectives_that_send_nothing(cupy):
 
 
 # -- every replay is compared across the ranks ---------------------------------------------------------
+def _reducing(op="sum"):
+    """A graphed step that all-reduces its input and returns a copy: one collective in the graph."""
+    return ax.graph_step(lambda x: (ax.all_reduce(x, op=op), x * 1)[1], warmup=1)
+
+
 def test_a_replay_meeting_an_eager_collective_raises_on_every_rank(cupy):
     def body(world):
         a = cupy.arange(4.0)
-        run = ax.graph_step(lambda x: (ax.all_reduce(x), x * 1)[1], warmup=1)
+        run = _reducing()
         for _ in range(3):
             run(a)
         with pytest.raises(CollectiveMismatchError) as info:
@@ -190,8 +184,7 @@ def test_a_replay_meeting_an_eager_collective_raises_on_every_rank(cupy):
 def test_ranks_replaying_different_graphs_raise_on_every_rank(cupy):
     def body(world):
         small, large = cupy.arange(4.0), cupy.arange(6.0)
-        first = ax.graph_step(lambda x: (ax.all_reduce(x), x * 1)[1], warmup=1)
-        second = ax.graph_step(lambda x: (ax.all_reduce(x, op="max"), x * 1)[1], warmup=1)
+        first, second = _reducing(), _reducing("max")
         first(small), first(small), second(large), second(large)
         with pytest.raises(CollectiveMismatchError) as info:
             (first(small) if world.rank == 0 else second(large))
@@ -206,7 +199,7 @@ def test_replays_take_a_sequence_number_and_a_flight_record(cupy):
 
     def body(world):
         a = cupy.arange(4.0)
-        run = ax.graph_step(lambda x: (ax.all_reduce(x), x * 1)[1], warmup=1)
+        run = _reducing()
         for _ in range(4):
             run(a)
         ax.all_reduce(cupy.ones(2))  # eager again after the replays: the ranks still agree
@@ -228,7 +221,7 @@ def _sharded(cupy, world, kind, graphed):
     else:
         wrapper = ax.FSDP(model, sharding_strategy=kind, **hybrid_kwargs(world, kind))
         opt = make_optimizer("sgd", wrapper.parameters())
-    step = _ddp_step(wrapper, opt, nn.CrossEntropyLoss())
+    step = step_fn(wrapper, opt, nn.CrossEntropyLoss())
     run = ax.graph_step(step) if graphed else step
     for s in range(STEPS):
         x, y = make_data(s)
@@ -254,7 +247,7 @@ def test_graphed_tensor_parallel_layers_are_their_eager_steps_bit_for_bit(cupy, 
     def train(world, graphed):
         tp = ax.TensorParallelMLP(HIDDEN, FFN, dtype=np.float64, seed=21).to("cuda")
         opt = tp_optimizer("adam", tp.parameters())
-        step = _ddp_step(tp, opt, nn.MSELoss())
+        step = step_fn(tp, opt, nn.MSELoss())
         run = ax.graph_step(step) if graphed else step
         for s in range(5):
             x, target, _ = batch(s)

@@ -17,6 +17,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from .. import _capture
 from .._dtypes import finite_flags, is_low_precision_float
 from ..backends import ReduceOp
 from ..collectives import all_reduce
@@ -93,6 +94,10 @@ class GradScaler:
         """
         if self._unscaled == id(optimizer):
             return self.found_inf
+        _capture.refuse("GradScaler", "whether to skip the step is read from the device on the host, and the scale "
+                                      "is a host number that changes between steps (a graph would replay the "
+                                      "captured one); capture float32 or bfloat16 steps, which need no scaler, "
+                                      "or run float16 steps eagerly")
         inverse = 1.0 / self.scale_value
         grads = [p.grad for p in optimizer.params if p.grad is not None]
         if self.enabled:
