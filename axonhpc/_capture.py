@@ -42,10 +42,12 @@ class Recording:
 
     Args:
         capturing: a CUDA graph is being captured (False: an eager call whose reads are deferred).
+        xp: the array module of the step's inputs (cupy), for layers that make device values of host ones.
     """
 
-    def __init__(self, capturing: bool) -> None:
+    def __init__(self, capturing: bool, xp: Any = None) -> None:
         self.capturing = bool(capturing)
+        self.xp = xp
         self.checks: List[Tuple[Any, Callable[[Any], None]]] = []
         self.before_replay: List[Callable[[], None]] = []
         self.collectives: List[Tuple[Any, Tuple[int, ...], str]] = []

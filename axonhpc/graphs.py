@@ -117,7 +117,7 @@ class GraphedStep:
         if self._graph is not None:
             return self._replay(xp, inputs)
         if self.calls < self.warmup:
-            record = _capture.Recording(capturing=False)
+            record = _capture.Recording(capturing=False, xp=xp)
             with _capture.recording(record):
                 out = self.fn(*inputs)
             _read(record.checks)
@@ -148,7 +148,7 @@ class GraphedStep:
         stream = xp.cuda.Stream(non_blocking=True)
         stream.wait_event(current.record())  # the copies and all earlier work come first
         pool = xp.cuda.MemoryPool()
-        record = _capture.Recording(capturing=True)
+        record = _capture.Recording(capturing=True, xp=xp)
         with xp.cuda.using_allocator(pool.malloc), stream, _capture.recording(record):
             stream.begin_capture()
             try:

@@ -8,6 +8,7 @@ count, a learning rate) or did its work during the capture differs from the
 eager step here, as it would on a GPU. Whether cupy, NVRTC and the driver
 capture the same kernels is for the GPU run (``scripts/gpu-check.sh``).
 """
+import contextlib
 import importlib
 import sys
 
@@ -281,7 +282,76 @@ def test_a_model_of_one_parameter_is_captured(cupy, optimizer):
     np.testing.assert_array_equal(train(False), train(True))
 
 
-def test_a_loss_scaler_is_refused(cupy):
+# -- float16 with the loss scaler: the forward and backward graphed, the scaler's step after ---------
+
+
+def _scaled_training(cupy, optimizer, cast, graphed, steps=10):
+    """float32 masters, the forward in ``cast`` (or float32), a scaler whose scale overflows at first and then
+    grows: parameters, losses, the steps taken and the scales after each update."""
+    model = _model(np.float32)
+    opt = OPTIMIZERS[optimizer](model.parameters())
+    init = 2.0 ** (20 if cast else 132)  # overflows float16 (float32) gradients for the first steps
+    loss_fn, scaler = nn.CrossEntropyLoss(), ax.GradScaler(init_scale=init, growth_interval=2)
+
+    def forward_backward(x, y):
+        opt.zero_grad()
+        with nn.autocast(cast) if cast else contextlib.nullcontext():
+            logits = model(x)
+        loss = loss_fn(logits, y)
+        model.backward(loss_fn.backward(scaler.scale(1.0)), input_grad=False)
+        return loss
+
+    run = graph_step(forward_backward, warmup=2) if graphed else forward_backward
+    losses, taken, scales = [], [], []
+    for x, y in _batches(np.float32, steps=steps):
+        losses.append(float(run(cupy.asarray(x), cupy.asarray(y))))
+        taken.append(scaler.step(opt))
+        scaler.update()
+        scales.append(scaler.scale_value)
+    return [p.data.get() for p in model.parameters()], losses, taken, scales, run
+
+
+@pytest.mark.parametrize("cast", ["float16", None])
+@pytest.mark.parametrize("optimizer", ["sgd_momentum", "adam"])
+def test_a_graphed_forward_and_backward_with_the_loss_scaler_is_the_eager_step(cupy, optimizer, cast):
+    """The replays multiply by the scale of the moment (it halves after overflows, then doubles), so skips,
+    scales and parameters are the eager run's bit for bit. None: float32 logits (the fused loss-gradient
+    kernel, reading the scale from device memory); float16: the loss's array code."""
+    eager = _scaled_training(cupy, optimizer, cast, graphed=False)
+    graphed = _scaled_training(cupy, optimizer, cast, graphed=True)
+    assert graphed[-1].captured
+    taken, scales = eager[2], eager[3]
+    assert not all(taken) and any(taken[3:]), taken  # overflows skipped, then steps taken
+    assert max(scales[-4:]) > min(scales), scales  # the scale fell, then grew again
+    assert graphed[2] == taken and graphed[3] == scales
+    assert graphed[1] == eager[1]
+    for a, b in zip(eager[0], graphed[0]):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_loss_gradient_scaled_by_a_device_value_is_the_host_one(cupy):
+    rng = np.random.default_rng(8)
+    y = cupy.asarray(rng.integers(0, 5, 8))
+    for dtype in (np.float32, np.float64, np.float16):  # the fused kernel, and the array code
+        logits = cupy.asarray(rng.standard_normal((8, 5)).astype(dtype))
+        loss_fn = nn.CrossEntropyLoss()
+        loss_fn(logits, y)
+        host = loss_fn.backward(1536.75)
+        loss_fn(logits, y)
+        device = loss_fn.backward(cupy.asarray(np.array([1536.75])))
+        assert device.dtype == host.dtype == dtype
+        np.testing.assert_array_equal(device.get(), host.get())
+    mse, prediction = nn.MSELoss(), cupy.asarray(rng.standard_normal((4, 3)).astype(np.float32))
+    mse(prediction, prediction * 0.5)
+    host = mse.backward(3.1)
+    mse(prediction, prediction * 0.5)
+    np.testing.assert_array_equal(mse.backward(cupy.asarray(np.array(3.1))).get(), host.get())
+    mse(prediction, prediction)
+    with pytest.raises(ShapeError, match=r"one-element device array, got shape \(2,\)"):
+        mse.backward(cupy.asarray(np.ones(2)))
+
+
+def test_the_scalers_step_inside_a_graph_is_refused_with_the_way_out(cupy):
     model = _model(np.float32)
     opt = optim.SGD(model.parameters(), lr=0.05)
     loss_fn, scaler = nn.CrossEntropyLoss(), ax.GradScaler(init_scale=8.0)
@@ -297,7 +367,24 @@ def test_a_loss_scaler_is_refused(cupy):
     run = graph_step(step, warmup=1)
     (x, y), = _batches(np.float32, steps=1)
     run(cupy.asarray(x), cupy.asarray(y))
-    with pytest.raises(GraphCaptureError, match="GradScaler cannot be captured.*host number"):
+    with pytest.raises(GraphCaptureError, match=r"GradScaler.unscale cannot be captured.*call "
+                                                r"scaler.step\(opt\) and scaler.update\(\) after"):
+        run(cupy.asarray(x), cupy.asarray(y))
+
+
+def test_a_scaler_first_used_in_the_capture_is_refused(cupy):
+    model = _model(np.float32)
+    loss_fn, scalers = nn.CrossEntropyLoss(), [ax.GradScaler(), ax.GradScaler()]
+
+    def step(x, y):
+        loss = loss_fn(model(x), y)
+        model.backward(loss_fn.backward(scalers[min(run.calls, 1)].scale(1.0)))  # another scaler once captured
+        return loss
+
+    run = graph_step(step, warmup=1)
+    (x, y), = _batches(np.float32, steps=1)
+    run(cupy.asarray(x), cupy.asarray(y))
+    with pytest.raises(GraphCaptureError, match="GradScaler.scale cannot be captured.*warm-up"):
         run(cupy.asarray(x), cupy.asarray(y))
 
 
@@ -420,3 +507,16 @@ def test_graphed_training_on_a_gpu(optimizer, dtype):
         np.testing.assert_array_equal(a, b)
     assert eager_losses == graphed_losses
     _same_state(eager_state, graphed_state)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_cupy is None, reason="needs cupy and a CUDA device")
+@pytest.mark.parametrize("cast", ["float16", None])
+def test_graphed_forward_and_backward_with_the_loss_scaler_on_a_gpu(cast):
+    """The device copy of the scale read by the replays: skips, scales and parameters of the eager run."""
+    eager = _scaled_training(_cupy, "adam", cast, graphed=False)
+    graphed = _scaled_training(_cupy, "adam", cast, graphed=True)
+    assert graphed[-1].captured and not all(eager[2])
+    assert graphed[2] == eager[2] and graphed[3] == eager[3]
+    for a, b in zip(eager[0], graphed[0]):
+        np.testing.assert_array_equal(a, b)

@@ -240,6 +240,51 @@ def test_graphed_zero1_and_fsdp_are_their_eager_steps_bit_for_bit(cupy, kind, wo
             np.testing.assert_array_equal(a, b)
 
 
+def _float16_scaled(cupy, world, kind, graphed):
+    """float32 masters, float16 compute (DDP under autocast, FSDP's MixedPrecision), the forward and backward
+    graphed or not, the scaler's step and update after: parameters, steps taken and scales."""
+    n, r = world.world_size, world.rank
+    model = make_model(np.float32, seed=0 if r == 0 else 1000 + r).to("cuda")
+    if kind == "ddp":
+        wrapper, cast = ax.DDP(model), nn.autocast("float16")
+    else:
+        wrapper, cast = ax.FSDP(model, sharding_strategy=kind, mixed_precision=ax.MixedPrecision(np.float16)), None
+    opt = make_optimizer("adam", wrapper.parameters())
+    loss_fn, scaler = nn.CrossEntropyLoss(), ax.GradScaler(init_scale=2.0 ** 22, growth_interval=2)
+
+    def forward_backward(x, y):
+        opt.zero_grad()
+        with cast or nn.autocast(enabled=False):
+            loss = loss_fn(wrapper(x), y)
+        wrapper.backward(scaler.scale(loss_fn.backward()))  # the scaled array (FSDP's usage)
+        return loss
+
+    run = ax.graph_step(forward_backward) if graphed else forward_backward
+    taken, scales = [], []
+    for s in range(8):
+        x, y = make_data(s, np.float32)
+        run(cupy.asarray(shard(x, r, n)), cupy.asarray(shard(y, r, n)))
+        taken.append(scaler.step(opt))
+        scaler.update()
+        scales.append(scaler.scale_value)
+    assert not graphed or run.captured
+    return [p.data.get() for p in wrapper.parameters()], taken, scales
+
+
+@pytest.mark.parametrize("kind, world_size", [("ddp", 2), ("ddp", 3), ("full_shard", 2), ("shard_grad_op", 3)])
+def test_float16_forward_and_backward_graphed_with_the_loss_scaler_after(cupy, kind, world_size):
+    """The replays scale by the scale of the moment, on every rank: skips, scales and parameters are the
+    eager run's bit for bit."""
+    eager = run_device_world(lambda w: _float16_scaled(cupy, w, kind, False), world_size, FakeNccl(), cupy)
+    graphed = run_device_world(lambda w: _float16_scaled(cupy, w, kind, True), world_size, FakeNccl(), cupy)
+    taken, scales = eager[0][1], eager[0][2]
+    assert not all(taken) and any(taken), taken
+    for e, g in zip(eager, graphed):
+        assert g[1] == taken and g[2] == scales
+        for a, b in zip(e[0], g[0]):
+            np.testing.assert_array_equal(a, b)
+
+
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_graphed_tensor_parallel_layers_are_their_eager_steps_bit_for_bit(cupy, world_size):
     from tp_cases import FFN, HIDDEN, batch, make_optimizer as tp_optimizer

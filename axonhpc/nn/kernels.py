@@ -162,18 +162,25 @@ def tanh_backward(grad_out: Any, y: Any) -> Any:
     return _kernels.elementwise(array_module(y), "tanh_backward", (), _tanh_backward_source)(grad_out, y)
 
 
-def _cross_entropy_source() -> _kernels.Source:
+def _cross_entropy_source(device_scale: bool) -> _kernels.Source:
+    scale = "scale[0]" if device_scale else "scale"
     body = ("T e = exp(logp);\n"
             "if (i % classes == target) e = e - (T)1;\n"
-            "grad = e * scale;")
-    return "T logp, L target, int64 classes, T scale", "T grad", body, ""
+            f"grad = e * {scale};")
+    return f"T logp, L target, int64 classes, {'raw T' if device_scale else 'T'} scale", "T grad", body, ""
 
 
-def cross_entropy_grad(logp: Any, targets: Any, scale: float) -> Any:
-    """``(exp(logp) - one_hot(targets)) * scale`` for log-probabilities (N, C) and targets (N,), in one kernel."""
+def cross_entropy_grad(logp: Any, targets: Any, scale: Any) -> Any:
+    """``(exp(logp) - one_hot(targets)) * scale`` for log-probabilities (N, C) and targets (N,), in one kernel.
+
+    ``scale`` is a float, or a one-element device array of ``logp``'s dtype read by the kernel (a graph
+    replays it with the value it then holds).
+    """
     xp = array_module(logp)
-    kernel = _kernels.elementwise(xp, "cross_entropy_grad", (), _cross_entropy_source)
-    return kernel(logp, targets.reshape(-1, 1), int(logp.shape[-1]), logp.dtype.type(scale))
+    device_scale = not isinstance(scale, (int, float))
+    kernel = _kernels.elementwise(xp, "cross_entropy_grad", (device_scale,), _cross_entropy_source)
+    scale = scale.reshape(1) if device_scale else logp.dtype.type(scale)
+    return kernel(logp, targets.reshape(-1, 1), int(logp.shape[-1]), scale)
 
 
 __all__ = ["takes_kernels", "relu_forward", "bias_relu", "gelu_forward", "bias_gelu", "gelu_backward", "tanh_backward",

@@ -22,6 +22,25 @@ def _working_dtype(x: Any):
     return "float32" if is_low_precision_float(x.dtype) else x.dtype
 
 
+def _grad_factor(grad_output: Any, numerator: float, count: int, dtype: Any) -> Any:
+    """``numerator * grad_output / count``, the factor of a loss gradient.
+
+    A host ``grad_output`` gives a host number. A device one (a one-element cupy array: the
+    loss scale of a graphed step, ``GradScaler.scale(1.0)``) gives a 0-d device array of
+    ``dtype``, computed in float64 as the host computes it and rounded once, so both give
+    the same gradient bit for bit.
+
+    Raises:
+        ShapeError: a device ``grad_output`` of more than one element.
+    """
+    if not is_cupy_array(grad_output):
+        return numerator * grad_output / count
+    if grad_output.size != 1:
+        raise ShapeError(f"a loss's grad_output must be a number or a one-element device array, got shape "
+                         f"{tuple(grad_output.shape)}")
+    return ((grad_output.reshape(()).astype(np.float64, copy=False) * numerator) / count).astype(dtype)
+
+
 class CrossEntropyLoss(Module):
     """Mean over the batch of -log softmax(logits)[target].
 
@@ -87,16 +106,22 @@ class CrossEntropyLoss(Module):
         if lo < 0 or hi >= c:
             raise ShapeError(f"CrossEntropyLoss targets must be in [0, {c}), got values in [{int(lo)}, {int(hi)}]")
 
-    def backward(self, grad_output: float = 1.0) -> Any:
-        """d loss / d logits (the logits' shape), times ``grad_output`` (e.g. 1/M for M accumulated micro-batches)."""
+    def backward(self, grad_output: Any = 1.0) -> Any:
+        """d loss / d logits (the logits' shape), times ``grad_output``.
+
+        Args:
+            grad_output: a number (e.g. 1/M for M accumulated micro-batches, or the loss scale),
+                or a one-element device array (``GradScaler.scale(1.0)`` inside a graphed step).
+        """
         logp, targets, rows, dtype, shape = self._pop_cache()
-        if (kernels.takes_kernels(logp) and logp.dtype == dtype and isinstance(grad_output, (int, float))
-                and targets.dtype.kind == "i"):
-            return kernels.cross_entropy_grad(logp, targets, grad_output / logp.shape[0]).reshape(shape)
+        factor = _grad_factor(grad_output, 1.0, logp.shape[0], logp.dtype)
+        if (kernels.takes_kernels(logp) and logp.dtype == dtype and targets.dtype.kind == "i"
+                and (isinstance(grad_output, (int, float)) or is_cupy_array(factor))):
+            return kernels.cross_entropy_grad(logp, targets, factor).reshape(shape)
         xp = array_module(logp)
         grad = xp.exp(logp)
         grad[rows, targets] -= 1
-        grad *= grad_output / logp.shape[0]
+        grad *= factor
         return grad.astype(dtype, copy=False).reshape(shape)
 
 
@@ -126,10 +151,14 @@ class MSELoss(Module):
         loss = (diff * diff).mean()
         return loss if _capture.defers_reads() and is_cupy_array(loss) else float(loss)
 
-    def backward(self, grad_output: float = 1.0) -> Any:
-        """d loss / d prediction = 2 (prediction - target) / numel, times ``grad_output``."""
+    def backward(self, grad_output: Any = 1.0) -> Any:
+        """d loss / d prediction = 2 (prediction - target) / numel, times ``grad_output``.
+
+        Args:
+            grad_output: a number, or a one-element device array (as for ``CrossEntropyLoss.backward``).
+        """
         diff, dtype = self._pop_cache()
-        return (diff * (2.0 * grad_output / diff.size)).astype(dtype, copy=False)
+        return (diff * _grad_factor(grad_output, 2.0, diff.size, diff.dtype)).astype(dtype, copy=False)
 
 
 __all__ = ["CrossEntropyLoss", "MSELoss"]

@@ -10,6 +10,19 @@ all-reduces the verdict (MAX of a 0/1 flag) over the group before deciding.
 The scale then halves after an overflow and doubles after
 ``growth_interval`` clean steps, the same on every rank because every rank
 saw the same verdicts (PyTorch's ``GradScaler`` rule).
+
+[Note: the scale in a CUDA graph]
+A graphed step (``axonhpc.graphs``) replays its kernels with the arguments
+they were captured with, so a scale passed as a number would stay the one of
+the capture. Inside a graphed step's calls, ``scale`` therefore multiplies by
+a one-element float64 device copy of the scale (made by its first call, in a
+warm-up; the ``scale_value`` setter rewrites it with one launch whenever the
+scale changes), and returns a device array. Multiplying in float64 on the
+device and rounding once gives the bits the host's ``grad * scale`` gives.
+The skip decision is read on the host, so ``unscale``, ``step`` and
+``update`` stay outside the graph: capture the forward and the backward,
+then call ``scaler.step(opt)`` and ``scaler.update()`` after each graphed
+call, as PyTorch's documentation does with its own ``GradScaler``.
 """
 from __future__ import annotations
 
@@ -17,12 +30,17 @@ from typing import Any, Optional
 
 import numpy as np
 
-from .. import _capture
-from .._dtypes import finite_flags, is_low_precision_float
+from .. import _capture, _kernels
+from .._dtypes import array_module, finite_flags, is_cupy_array, is_low_precision_float
 from ..backends import ReduceOp
 from ..collectives import all_reduce
 from ..errors import ConfigurationError
 from ..groups import resolve_group
+
+
+_STEP_OUTSIDE = ("whether to skip the step is decided on the host from a read of the gradients, and a graph "
+                 "would replay one decision; capture the forward and the backward (with scaler.scale) and call "
+                 "scaler.step(opt) and scaler.update() after each call of the graphed step")
 
 
 class GradScaler:
@@ -38,8 +56,12 @@ class GradScaler:
         group: the ranks that skip together (None: the current world's group).
         enabled: False makes every method a pass-through (scale 1, step always taken).
 
+    Inside a graphed step (``ax.graph_step``), ``scale`` reads the scale from device memory, so
+    each replay uses the current one: capture the forward and backward, and call ``step`` and
+    ``update`` after each graphed call (see [Note: the scale in a CUDA graph]).
+
     Attributes:
-        scale_value: the current scale.
+        scale_value: the current scale (setting it also updates the device copy graphs read).
         found_inf: whether the last ``step`` found an overflow (and skipped).
         skipped_steps: how many steps were skipped so far.
 
@@ -57,6 +79,7 @@ class GradScaler:
             raise ConfigurationError(f"backoff_factor must be in (0, 1), got {backoff_factor!r}")
         if isinstance(growth_interval, bool) or not isinstance(growth_interval, int) or growth_interval < 1:
             raise ConfigurationError(f"growth_interval must be a positive int, got {growth_interval!r}")
+        self._device_scale: Any = None  # the one-element float64 copy graphed steps read
         self.scale_value = float(init_scale) if enabled else 1.0
         self.growth_factor = float(growth_factor)
         self.backoff_factor = float(backoff_factor)
@@ -68,20 +91,57 @@ class GradScaler:
         self._clean_steps = 0
         self._unscaled: Optional[int] = None
 
+    @property
+    def scale_value(self) -> float:
+        """The current scale."""
+        return self._scale
+
+    @scale_value.setter
+    def scale_value(self, value: float) -> None:
+        self._scale = float(value)
+        if self._device_scale is not None:
+            _kernels.fill(array_module(self._device_scale), self._device_scale, [self._scale])
+
     def scale(self, grad: Any) -> Any:
         """``grad * scale``: a new array (the loss gradient before ``backward``), or a float for a float.
 
         Scale a float16 model's loss gradient before it is rounded to float16 by passing the
         float: ``model.backward(loss_fn.backward(scaler.scale(1.0)))``; the loss then multiplies
         in float32, so gradients below float16's range are not flushed to zero first.
+
+        Inside a graphed step's calls, a float gives a 0-d float64 device array and an array is
+        multiplied by the device copy of the scale (see the module note): the same values.
+
+        Raises:
+            GraphCaptureError: the first call inside a graphed step is in its capture (no
+                warm-up made the device copy).
         """
         if not self.enabled:
             return grad
+        number = isinstance(grad, (int, float)) and not isinstance(grad, bool)
+        if _capture.defers_reads() and (number or is_cupy_array(grad)):
+            return self._scale_on_device(grad, number)
         if isinstance(grad, (int, float)) and not isinstance(grad, bool):
             return float(grad) * self.scale_value
         if is_low_precision_float(grad.dtype):  # 2**16, the default scale, is itself beyond float16's 65504
             return (grad.astype(np.float32) * np.float32(self.scale_value)).astype(grad.dtype)
         return grad * grad.dtype.type(self.scale_value)
+
+    def _scale_on_device(self, grad: Any, number: bool) -> Any:
+        """``scale`` inside a graphed step: multiplied by the device copy of the scale."""
+        xp = _capture.current().xp if number else array_module(grad)
+        if self._device_scale is None:
+            _capture.refuse("GradScaler.scale", "its first call in a graphed step must come in an eager "
+                                                "(warm-up) call, which makes the device copy of the scale "
+                                                "that replays read")
+            self._device_scale = xp.empty(1, dtype=np.float64)
+            _kernels.fill(xp, self._device_scale, [self._scale])
+        scale = self._device_scale.reshape(())
+        if number:
+            return scale * float(grad)
+        if is_low_precision_float(grad.dtype):
+            return (grad.astype(np.float32) * scale.astype(np.float32)).astype(grad.dtype)
+        return grad * scale.astype(grad.dtype)
 
     def unscale(self, optimizer: Any) -> bool:
         """Collective: divide the optimizer's gradients by the scale and agree on overflow.
@@ -94,10 +154,7 @@ class GradScaler:
         """
         if self._unscaled == id(optimizer):
             return self.found_inf
-        _capture.refuse("GradScaler", "whether to skip the step is read from the device on the host, and the scale "
-                                      "is a host number that changes between steps (a graph would replay the "
-                                      "captured one); capture float32 or bfloat16 steps, which need no scaler, "
-                                      "or run float16 steps eagerly")
+        _capture.refuse("GradScaler.unscale", _STEP_OUTSIDE)
         inverse = 1.0 / self.scale_value
         grads = [p.grad for p in optimizer.params if p.grad is not None]
         if self.enabled:
@@ -126,6 +183,7 @@ class GradScaler:
 
     def update(self) -> None:
         """Adjust the scale from the last step's verdict (the same on every rank)."""
+        _capture.refuse("GradScaler.update", _STEP_OUTSIDE)
         self._unscaled = None
         if not self.enabled:
             return
