@@ -28,6 +28,10 @@ def test_parse_precisions_refuses_what_cannot_run_here_with_the_reason():
         bench_step.parse_precisions("tf32", "cpu")
     with pytest.raises(InvalidArgumentError, match="bf16 needs --device cuda: numpy has no bfloat16 GEMM"):
         bench_step.parse_precisions("fp32,bf16", "cpu")
+    with pytest.raises(InvalidArgumentError, match="fp16 needs --device cuda: numpy multiplies float16 in its own"):
+        bench_step.parse_precisions("fp16", "cpu")
+    assert bench_step.parse_precisions("fp16,fp32", "cuda") == ["fp16", "fp32"]
+    assert bench_step.DEFAULT_PRECISIONS["cuda"] == "fp32,tf32,bf16,fp16"
     with pytest.raises(InvalidArgumentError, match="unknown 'fp8'"):
         bench_step.parse_precisions("fp8", "cpu")
 
@@ -127,6 +131,32 @@ def test_bf16_candidates_compute_in_bfloat16(monkeypatch):
         assert torch_losses[-1] < 0.5 * torch_losses[0]
 
 
+def test_fp16_candidates_compute_in_float16_with_a_loss_scaler(monkeypatch):
+    """The host cannot time fp16, but the candidates are built for it: autocast and the scaler, torch's amp, fp16
+    GEMMs."""
+    spec = bench_step.parse_models(TINY)[0]
+    device = bench_step.Device("cpu")
+    calls = []
+    real = np.matmul
+    monkeypatch.setattr(np, "matmul", lambda a, b, out: calls.append(out.dtype) or real(a, b, out=out))
+    bench_step.gemm_floor(spec, device, "fp16")()
+    assert calls and set(calls) == {np.dtype(np.float16)}
+    monkeypatch.undo()
+    from axonhpc.parallel import GradScaler
+
+    scales = []
+    monkeypatch.setattr(GradScaler, "update", lambda self, real=GradScaler.update: (real(self),
+                                                                                    scales.append(self.scale_value)))
+    ours = bench_step.axon_step(spec, device, "fp16")
+    losses = [ours() for _ in range(30)]
+    assert losses[-1] < 0.5 * losses[0]
+    assert len(scales) == 30 and scales[0] == 2.0 ** 16  # the scaler's step and update ran after every step
+    theirs, _ = bench_step.torch_step(spec, device, "fp16")
+    if theirs is not None:
+        torch_losses = [theirs().item() for _ in range(30)]
+        assert torch_losses[-1] < 0.5 * torch_losses[0]
+
+
 def test_bf16_rows_are_skipped_with_the_reason_where_the_device_cannot(monkeypatch, capsys):
     monkeypatch.setattr(bench_step, "TARGET_SECONDS", 0.002)
     monkeypatch.setattr(bench_step, "parse_precisions", lambda text, device: text.split(","))
@@ -147,12 +177,13 @@ def test_the_graphed_step_trains_as_the_eager_step_does(monkeypatch):
     spec = bench_step.parse_models(TINY)[0]
     device = bench_step.Device("cpu")
     device.xp = fake  # the stand-in plays the GPU's array library
-    eager = bench_step.axon_step(spec, device)
-    graphed = bench_step.graphed_step(spec, device)
-    eager_losses = [eager() for _ in range(30)]
-    graphed_losses = [float(graphed()) for _ in range(30)]
-    assert graphed_losses == eager_losses
-    assert eager_losses[-1] < 0.5 * eager_losses[0]
+    for precision in ("fp32", "fp16"):  # fp16: the forward and backward graphed, the scaler's step after
+        eager = bench_step.axon_step(spec, device, precision)
+        graphed = bench_step.graphed_step(spec, device, precision)
+        eager_losses = [eager() for _ in range(30)]
+        graphed_losses = [float(graphed()) for _ in range(30)]
+        assert graphed_losses == eager_losses
+        assert eager_losses[-1] < 0.5 * eager_losses[0]
     row = dict(model="m", precision="fp32", axonhpc_s=2e-3, floor_s=1e-3, graphed_s=1e-3, torch_s=2e-3,
                torch="torch 0", floor_tflops=1.0, ours_over_floor=2.0, ours_over_torch=1.0, graphed_over_torch=0.5)
     assert "graphed/torch" in bench_step.format_table([row]).splitlines()[0]

@@ -24,7 +24,11 @@ Precisions: ``fp32``; and on cuda ``tf32`` (float32 arrays, TF32 products:
 ``torch.backends.cuda.matmul.allow_tf32`` for torch) and ``bf16`` (float32
 parameters, the forward under ``nn.autocast("bfloat16")`` for us and
 ``torch.autocast`` for torch; the floor's products on bfloat16 arrays; rows
-are skipped, with the reason, where cupy cannot multiply bfloat16). BLAS and torch are
+are skipped, with the reason, where cupy cannot multiply bfloat16) and
+``fp16`` (the same with float16, plus a dynamic loss scaler: ``GradScaler``
+for us, whose step and update run after the graph in the graphed column,
+and ``torch.amp.GradScaler`` for torch; both read the device once a step to
+decide on a skip). BLAS and torch are
 pinned to one thread on the CPU. Device timings synchronise the stream before
 the clock stops. Tests never assert these times; docs/performance.md quotes
 them with the machine they came from.
@@ -46,8 +50,8 @@ from .timing import median_times, pin_blas_threads
 
 DEFAULT_MODELS = {"cpu": "784-256-10x128,1024-1024-1024-10x256",
                   "cuda": "784-256-10x128,1024-4096-4096-4096-10x2048"}
-PRECISIONS = ("fp32", "tf32", "bf16")
-DEFAULT_PRECISIONS = {"cpu": "fp32", "cuda": "fp32,tf32,bf16"}
+PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
+DEFAULT_PRECISIONS = {"cpu": "fp32", "cuda": "fp32,tf32,bf16,fp16"}
 TARGET_SECONDS = 0.05  # one timed block runs about this long
 LR, MOMENTUM = 0.01, 0.9
 
@@ -99,7 +103,7 @@ def parse_precisions(text: str, device: str) -> List[str]:
     """"fp32,tf32" -> the list, checked against what ``device`` can run.
 
     Raises:
-        InvalidArgumentError: an unknown precision, tf32 or bf16 on the CPU, bf16 without ml_dtypes.
+        InvalidArgumentError: an unknown precision, tf32, bf16 or fp16 on the CPU, bf16 without ml_dtypes.
     """
     out = []
     for name in (p.strip().lower() for p in text.split(",") if p.strip()):
@@ -111,6 +115,10 @@ def parse_precisions(text: str, device: str) -> List[str]:
             raise InvalidArgumentError("--precisions: bf16 needs --device cuda: numpy has no bfloat16 GEMM (ml_dtypes "
                                        "multiplies element by element), so nn.autocast on the host models the "
                                        "device's arithmetic and is not a speed path")
+        if name == "fp16" and device != "cuda":
+            raise InvalidArgumentError("--precisions: fp16 needs --device cuda: numpy multiplies float16 in its own "
+                                       "loops, not BLAS, so nn.autocast on the host models the device's arithmetic "
+                                       "and is not a speed path")
         if name == "bf16" and bfloat16_dtype() is None:
             raise InvalidArgumentError("--precisions: bf16 needs ml_dtypes (pip install axonhpc[bf16])")
         out.append(name)
@@ -167,10 +175,20 @@ def _batch(spec: ModelSpec, seed: int = 0) -> Tuple[np.ndarray, np.ndarray]:
     return x, y
 
 
-def _step_fn(spec: ModelSpec, device: Device, precision: str, set_to_none: bool) -> Tuple[Callable[..., Any], Any, Any]:
-    """Our step of the spec's MLP as ``step(x, y)``, and the batch on ``device``."""
+_CASTS = {"bf16": "bfloat16", "fp16": "float16"}
+
+
+def _step_fn(spec: ModelSpec, device: Device, precision: str,
+             set_to_none: bool) -> Tuple[Callable[..., Any], Optional[Callable[[], None]], Any, Any]:
+    """Our step of the spec's MLP as ``step(x, y)``, what runs after it, and the batch on ``device``.
+
+    fp16: ``step`` is the forward and backward with the loss scaled, and the second function is
+    the scaler's step and update (outside a graph: they read the device); otherwise ``step`` is
+    the whole step and the second is None.
+    """
     from ..nn import CrossEntropyLoss, autocast
     from ..optim import SGD
+    from ..parallel import GradScaler
     from .ddp import make_mlp
 
     model = make_mlp(spec.widths, relu_in_linear=True)
@@ -180,40 +198,61 @@ def _step_fn(spec: ModelSpec, device: Device, precision: str, set_to_none: bool)
     loss_fn = CrossEntropyLoss()
     x, y = (device.xp.asarray(a) for a in _batch(spec))
 
-    cast = autocast("bfloat16") if precision == "bf16" else contextlib.nullcontext()
+    cast = autocast(_CASTS[precision]) if precision in _CASTS else contextlib.nullcontext()
+    scaler = GradScaler() if precision == "fp16" else None
 
     def step(x: Any, y: Any) -> Any:
         opt.zero_grad(set_to_none=set_to_none)
         with cast:
             loss = loss_fn(model(x), y)
-        model.backward(loss_fn.backward(), input_grad=False)  # the input is data
-        opt.step()
+        model.backward(loss_fn.backward(1.0 if scaler is None else scaler.scale(1.0)), input_grad=False)
+        if scaler is None:  # the input is data, above
+            opt.step()
         return loss
 
-    return step, x, y
+    def scaler_step() -> None:
+        scaler.step(opt)
+        scaler.update()
+
+    return step, None if scaler is None else scaler_step, x, y
+
+
+def _then(fn: Callable[[], Any], after: Optional[Callable[[], None]]) -> Callable[[], Any]:
+    """``fn`` followed by ``after`` (when there is one), returning what ``fn`` returned."""
+    if after is None:
+        return fn
+
+    def both() -> Any:
+        out = fn()
+        after()
+        return out
+
+    return both
 
 
 def axon_step(spec: ModelSpec, device: Device, precision: str = "fp32") -> Callable[[], float]:
     """One axonhpc training step of the spec's MLP on ``device``, as a closure returning the loss.
 
-    bf16: float32 parameters, the forward and loss under ``nn.autocast("bfloat16")``. The SGD is
-    built with ``fused=None``: its update, like the layers' element-wise work, follows
+    bf16: float32 parameters, the forward and loss under ``nn.autocast("bfloat16")``; fp16: the
+    same in float16, with the loss scaled by a ``GradScaler`` whose step skips overflows. The SGD
+    is built with ``fused=None``: its update, like the layers' element-wise work, follows
     ``settings.fused_kernels`` when the step runs.
     """
-    step, x, y = _step_fn(spec, device, precision, set_to_none=True)
-    return lambda: step(x, y)
+    step, after, x, y = _step_fn(spec, device, precision, set_to_none=True)
+    return _then(lambda: step(x, y), after)
 
 
 def graphed_step(spec: ModelSpec, device: Device, precision: str = "fp32") -> Callable[[], Any]:
     """``axon_step`` captured as a CUDA graph (``axonhpc.graph_step``, 2 eager calls first), returning the loss array.
 
-    The gradients are zeroed in place (a graph writes the same memory at each replay).
+    The gradients are zeroed in place (a graph writes the same memory at each replay). fp16: the
+    graph holds the forward and backward, and the scaler's step and update run after each launch.
     """
     from ..graphs import graph_step
 
-    step, x, y = _step_fn(spec, device, precision, set_to_none=False)
+    step, after, x, y = _step_fn(spec, device, precision, set_to_none=False)
     graphed = graph_step(step, warmup=2)
-    return lambda: graphed(x, y)
+    return _then(lambda: graphed(x, y), after)
 
 
 def gemm_floor(spec: ModelSpec, device: Device, precision: str = "fp32") -> Callable[[], None]:
@@ -221,10 +260,10 @@ def gemm_floor(spec: ModelSpec, device: Device, precision: str = "fp32") -> Call
 
     Every layer's forward and weight gradient; the input gradient of every layer but the first.
 
-    bf16: the operands and outputs are bfloat16 arrays.
+    bf16, fp16: the operands and outputs are bfloat16 or float16 arrays.
     """
     xp = device.xp
-    dtype = bfloat16_dtype() if precision == "bf16" else np.dtype(np.float32)
+    dtype = {"bf16": bfloat16_dtype(), "fp16": np.dtype(np.float16)}.get(precision, np.dtype(np.float32))
     rng = np.random.default_rng(1)
     layers = []
     for i, (a, b) in enumerate(zip(spec.widths[:-1], spec.widths[1:])):
@@ -266,13 +305,16 @@ def torch_step(spec: ModelSpec, device: Device, precision: str) -> Tuple[Optiona
     loss_fn = torch.nn.CrossEntropyLoss()
     x_host, y_host = _batch(spec)
     x, y = torch.from_numpy(x_host).to(dev), torch.from_numpy(y_host).to(dev)
+    cast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    scaler = torch.amp.GradScaler(dev, enabled=precision == "fp16")
 
     def step() -> Any:
         opt.zero_grad(set_to_none=True)
-        with torch.autocast(dev, dtype=torch.bfloat16, enabled=precision == "bf16"):
+        with torch.autocast(dev, dtype=cast or torch.bfloat16, enabled=cast is not None):
             loss = loss_fn(model(x), y)
-        loss.backward()
-        opt.step()
+        scaler.scale(loss).backward()  # disabled: the loss itself
+        scaler.step(opt)  # disabled: opt.step()
+        scaler.update()
         return loss  # a tensor: reading it would wait for the device
 
     return step, f"torch {torch.__version__}"
@@ -367,7 +409,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="comma-separated WIDTH-...-WIDTHxBATCH (default: "
                              + "; ".join(f"{k}: {v}" for k, v in DEFAULT_MODELS.items()) + ")")
     parser.add_argument("--precisions", default=None,
-                        help="fp32 and, on cuda, tf32 and bf16 (default: all the device runs)")
+                        help="fp32 and, on cuda, tf32, bf16 and fp16 (default: all the device runs)")
     parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds; the median is reported")
     parser.add_argument("--no-fused", action="store_true",
                         help="our step with settings.fused_kernels off: the layers' element-wise work and the "
