@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 import sys
-from typing import Any, List, Tuple
+from typing import Any, List, Sequence, Tuple
 
 import numpy as np
 
@@ -110,13 +110,18 @@ def array_module(x: Any):
     return np
 
 
-def finite_flags(arrays: Any) -> List[bool]:
+def finite_flags(arrays: Any, verdicts: Sequence[Any] = ()) -> List[bool]:
     """For each array, whether every element is finite (an empty array is), with one read of the device.
 
     On a GPU each read of a device value waits for the device's queued work: the
     device arrays' verdicts are stacked on the device and read together, not one by one.
+
+    Args:
+        arrays: the arrays to check.
+        verdicts: 0-d boolean arrays computed elsewhere, read in the same read; their
+            values follow the arrays' flags in the list returned.
     """
-    verdicts = [array_module(a).isfinite(a).all() if a.size else True for a in arrays]
+    verdicts = [array_module(a).isfinite(a).all() if a.size else True for a in arrays] + list(verdicts)
     device = [v for v in verdicts if is_cupy_array(v)]
     read = iter(sys.modules["cupy"].stack(device).get().tolist() if device else ())
     return [bool(next(read)) if is_cupy_array(v) else bool(v) for v in verdicts]

@@ -5,8 +5,10 @@ On a GPU every read of a device value by the host (``.get()``, ``float()``,
 kernels queued before it: the host stops running ahead of the device, and a
 step of small kernels becomes a step of launch latencies. The strict stand-in
 notes each such read with the line that made it (``strict_cupy.count_syncs``),
-so these tests pin the number a step makes. Nothing here runs on a GPU.
+so these tests pin the number a step makes. Only the last test runs on a GPU
+(``scripts/gpu-check.sh``): the scaler's unscale kernel against the array code.
 """
+import importlib
 import sys
 
 import numpy as np
@@ -14,9 +16,11 @@ import pytest
 
 import axonhpc as ax
 from axonhpc import nn, optim
+from axonhpc.backends.devices import device_facts
 from axonhpc.parallel.grad_scaler import GradScaler
 from ddp_cases import make_data, make_model, make_optimizer, shard
 from fake_cuda import FakeNccl, install, run_device_world
+from settings_override import override
 from strict_cupy import count_syncs
 
 STEPS = 3
@@ -87,6 +91,36 @@ def test_an_overflow_is_still_seen_through_the_one_read(cupy):
         assert not scaler.step(opt)
     assert len(log) == 1 and scaler.found_inf
     assert all(np.array_equal(b, p.data.get()) for b, p in zip(before, model.parameters()))
+
+
+def _unscaled(cupy, bad, fused):
+    """Gradients of three dtypes, one non-contiguous, ``bad`` (or nothing) in one: unscaled by a scaler of 8."""
+    from types import SimpleNamespace
+
+    from axonhpc import _kernels
+
+    rng = np.random.default_rng(4)
+    grads = [cupy.asarray(rng.standard_normal(shape).astype(dtype) * 1e3) for shape, dtype in [
+        ((5, 3), np.float32), ((7,), np.float64), ((4, 4), np.float32), ((3,), np.float16), ((2, 6), np.float64)]]
+    grads.append(cupy.asarray(rng.standard_normal((6, 4)).astype(np.float32)).T)  # not C-contiguous
+    if bad is not None:
+        grads[2][1, 3] = bad
+    opt = SimpleNamespace(params=[SimpleNamespace(grad=g) for g in grads])
+    before = _kernels.launches(cupy, ["unscale_multi"])
+    with override(fused_kernels=fused), count_syncs() as log:
+        found = GradScaler(init_scale=8.0).unscale(opt)
+    return [g.get() for g in grads], found, len(log), _kernels.launches(cupy, ["unscale_multi"]) - before
+
+
+@pytest.mark.parametrize("bad", [None, np.inf, -np.inf, np.nan])
+def test_unscaling_is_one_launch_per_dtype_and_the_array_codes_result(cupy, bad):
+    grads, found, reads, launches = _unscaled(cupy, bad, fused=True)
+    array_grads, array_found, array_reads, array_launches = _unscaled(cupy, bad, fused=False)
+    assert (launches, array_launches) == (2, 0)  # float32 and float64 together; float16 and the view alone
+    assert reads == array_reads == 1
+    assert found == array_found == (bad is not None)
+    for a, b in zip(grads, array_grads):
+        np.testing.assert_array_equal(a, b)
 
 
 def _wrapped_step_sites(cupy, n, wrap):
@@ -177,3 +211,17 @@ def test_fsdp_clipping_reads_its_shards_part_once(cupy, norm_type):
     run_device_world(run, 2, FakeNccl(), cupy)
     assert [len(logs[r]) for r in range(2)] == [1, 1], logs
     assert totals[0] == totals[1] > 1e-3
+
+
+_cupy = importlib.import_module("cupy") if device_facts().devices > 0 else None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_cupy is None, reason="needs cupy and a CUDA device")
+@pytest.mark.parametrize("bad", [None, np.inf, np.nan])
+def test_the_unscale_kernel_is_the_array_codes_result_on_a_gpu(bad):
+    grads, found, _, _ = _unscaled(_cupy, bad, fused=True)
+    array_grads, array_found, _, _ = _unscaled(_cupy, bad, fused=False)
+    assert found == array_found == (bad is not None)
+    for a, b in zip(grads, array_grads):
+        np.testing.assert_array_equal(a, b)

@@ -241,6 +241,23 @@ def check_variant(owner: str, captured: tuple, now: tuple, hyperparameters: Dict
                                 "turned on or off); capture the step again")
 
 
+def _unscale_source() -> _kernels.Source:
+    # found_at: the flag's device address (an input array is const in a cupy kernel)
+    return "T inverse, uint64 found_at", "T grad", ("grad = grad * inverse;\n"
+                                                   "if (!isfinite(grad)) *(int*)found_at = 1;"), ""
+
+
+def unscale_many(xp: Any, tables: _kernels.TensorTables, grads: Sequence[Any], inverse: float, found: Any) -> None:
+    """``grad *= inverse`` for many gradients of one dtype (C-contiguous), one launch for all; sets ``found[0]``
+    (``found``: an int32 device array) to 1 if an element is then inf or NaN.
+
+    The product is the array code's (``grad *= dtype(inverse)``) bit for bit. A loss scaler's unscale
+    (``GradScaler.unscale``), as PyTorch's ``_amp_foreach_non_finite_check_and_unscale_``.
+    """
+    scalars = (grads[0].dtype.type(inverse), np.uint64(found.data.ptr))
+    _many(xp, tables, "unscale", (), _unscale_source, (grads,), scalars)
+
+
 def _sgd_source(l2: bool, momentum: bool, first: bool, dampened: bool, nesterov: bool) -> _kernels.Source:
     """SGD's update in the order of ``SGD._update`` (torch's)."""
     lines = ["T g = grad + weight_decay * param;" if l2 else "T g = grad;"]
@@ -295,4 +312,4 @@ def sgd_many(xp: Any, tables: _kernels.TensorTables, datas: Sequence[Any], grads
 
 
 __all__ = ["check_fused", "fuses", "joins", "adam_variant", "adam_scalars", "adam", "adam_many", "sgd_variant",
-           "sgd_scalars", "sgd", "sgd_many", "captured_groups", "captured_launch", "check_variant"]
+           "sgd_scalars", "sgd", "sgd_many", "captured_groups", "captured_launch", "check_variant", "unscale_many"]

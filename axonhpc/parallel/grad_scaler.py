@@ -26,7 +26,7 @@ call, as PyTorch's documentation does with its own ``GradScaler``.
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Dict, List, Optional
 
 import numpy as np
 
@@ -36,6 +36,7 @@ from ..backends import ReduceOp
 from ..collectives import all_reduce
 from ..errors import ConfigurationError
 from ..groups import resolve_group
+from ..optim import fused
 
 
 _STEP_OUTSIDE = ("whether to skip the step is decided on the host from a read of the gradients, and a graph "
@@ -90,6 +91,7 @@ class GradScaler:
         self.skipped_steps = 0
         self._clean_steps = 0
         self._unscaled: Optional[int] = None
+        self._tables = _kernels.TensorTables()  # the unscale kernel's address tables
 
     @property
     def scale_value(self) -> float:
@@ -155,12 +157,8 @@ class GradScaler:
         if self._unscaled == id(optimizer):
             return self.found_inf
         _capture.refuse("GradScaler.unscale", _STEP_OUTSIDE)
-        inverse = 1.0 / self.scale_value
         grads = [p.grad for p in optimizer.params if p.grad is not None]
-        if self.enabled:
-            for g in grads:
-                g *= g.dtype.type(inverse)
-        bad = 0.0 if all(finite_flags(grads)) else 1.0  # one read of the device, not one a gradient
+        bad = 0.0 if all(self._unscale(grads) if self.enabled else finite_flags(grads)) else 1.0
         if self.enabled:
             flag = np.array([bad], dtype=np.float64)
             all_reduce(flag, ReduceOp.MAX, resolve_group(self.group))
@@ -168,6 +166,31 @@ class GradScaler:
         self.found_inf = bad > 0
         self._unscaled = id(optimizer)
         return self.found_inf
+
+    def _unscale(self, grads: List[Any]) -> List[bool]:
+        """Divide ``grads`` by the scale in place; whether they are then finite, with one read of the device.
+
+        cupy float32/float64 gradients take one multi-tensor launch per dtype, which also flags an
+        overflow (``fused.unscale_many``); the others are multiplied one by one and checked with
+        ``finite_flags``. The products are the same.
+        """
+        inverse = 1.0 / self.scale_value
+        together: Dict[Any, List[Any]] = {}
+        alone = []
+        for g in grads:
+            if fused.joins(None, g, g):
+                together.setdefault(g.dtype, []).append(g)
+            else:
+                alone.append(g)
+                g *= g.dtype.type(inverse)
+        verdicts = []
+        if together:
+            xp = array_module(next(iter(together.values()))[0])
+            found = xp.zeros(1, dtype=np.int32)
+            for group in together.values():
+                fused.unscale_many(xp, self._tables, group, inverse, found)
+            verdicts.append(found.reshape(()) == 0)
+        return finite_flags(alone, verdicts)
 
     def step(self, optimizer: Any) -> bool:
         """Collective: unscale, then ``optimizer.step()`` unless some rank overflowed.
