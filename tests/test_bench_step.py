@@ -110,51 +110,42 @@ def test_bf16_needs_ml_dtypes(monkeypatch):
     assert bench_step.parse_precisions("fp32", "cuda") == ["fp32"]
 
 
-def test_bf16_candidates_compute_in_bfloat16(monkeypatch):
-    """The host cannot time bf16, but the three candidates are built for it: autocast, torch.autocast, bf16 GEMMs."""
-    ml_dtypes = pytest.importorskip("ml_dtypes")
+def _candidates_compute_in(monkeypatch, precision, dtype):
+    """The host cannot time a 16-bit row, but its candidates are built for it: the floor's products in ``dtype``,
+    our step and torch's (where installed) train."""
     spec = bench_step.parse_models(TINY)[0]
     device = bench_step.Device("cpu")
-    assert device.bf16_problem() is None  # ml_dtypes multiplies on the host
     calls = []
     real = np.matmul
-    monkeypatch.setattr(np, "matmul", lambda a, b, out: calls.append(out.dtype) or real(a, b, out=out))
-    bench_step.gemm_floor(spec, device, "bf16")()
-    assert calls and set(calls) == {np.dtype(ml_dtypes.bfloat16)}
-    monkeypatch.undo()
-    ours = bench_step.axon_step(spec, device, "bf16")
+    with monkeypatch.context() as patched:
+        patched.setattr(np, "matmul", lambda a, b, out: calls.append(out.dtype) or real(a, b, out=out))
+        bench_step.gemm_floor(spec, device, precision)()
+    assert calls and set(calls) == {np.dtype(dtype)}
+    ours = bench_step.axon_step(spec, device, precision)
     losses = [ours() for _ in range(30)]
     assert losses[-1] < 0.5 * losses[0]
-    theirs, _ = bench_step.torch_step(spec, device, "bf16")
+    theirs, _ = bench_step.torch_step(spec, device, precision)
     if theirs is not None:
         torch_losses = [theirs().item() for _ in range(30)]
         assert torch_losses[-1] < 0.5 * torch_losses[0]
 
 
+def test_bf16_candidates_compute_in_bfloat16(monkeypatch):
+    """autocast, torch.autocast, bf16 GEMMs."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    assert bench_step.Device("cpu").bf16_problem() is None  # ml_dtypes multiplies on the host
+    _candidates_compute_in(monkeypatch, "bf16", ml_dtypes.bfloat16)
+
+
 def test_fp16_candidates_compute_in_float16_with_a_loss_scaler(monkeypatch):
-    """The host cannot time fp16, but the candidates are built for it: autocast and the scaler, torch's amp, fp16
-    GEMMs."""
-    spec = bench_step.parse_models(TINY)[0]
-    device = bench_step.Device("cpu")
-    calls = []
-    real = np.matmul
-    monkeypatch.setattr(np, "matmul", lambda a, b, out: calls.append(out.dtype) or real(a, b, out=out))
-    bench_step.gemm_floor(spec, device, "fp16")()
-    assert calls and set(calls) == {np.dtype(np.float16)}
-    monkeypatch.undo()
+    """autocast and the scaler, torch's amp, fp16 GEMMs; the scaler's step and update run after every step."""
     from axonhpc.parallel import GradScaler
 
     scales = []
     monkeypatch.setattr(GradScaler, "update", lambda self, real=GradScaler.update: (real(self),
                                                                                     scales.append(self.scale_value)))
-    ours = bench_step.axon_step(spec, device, "fp16")
-    losses = [ours() for _ in range(30)]
-    assert losses[-1] < 0.5 * losses[0]
-    assert len(scales) == 30 and scales[0] == 2.0 ** 16  # the scaler's step and update ran after every step
-    theirs, _ = bench_step.torch_step(spec, device, "fp16")
-    if theirs is not None:
-        torch_losses = [theirs().item() for _ in range(30)]
-        assert torch_losses[-1] < 0.5 * torch_losses[0]
+    _candidates_compute_in(monkeypatch, "fp16", np.float16)
+    assert len(scales) == 30 and scales[0] == 2.0 ** 16
 
 
 def test_bf16_rows_are_skipped_with_the_reason_where_the_device_cannot(monkeypatch, capsys):
