@@ -1,10 +1,13 @@
 """Checkpoints from untrusted sources: crafted, truncated and corrupted files are refused with a clear
 CheckpointError, before anything large is allocated, and checkpoint directories cannot point outside themselves."""
+import gc
 import hashlib
 import io
 import json
 import os
 import struct
+import sys
+import threading
 import tracemalloc
 import zipfile
 
@@ -14,6 +17,7 @@ import pytest
 import axonhpc as ax
 from axonhpc import checkpoint
 from axonhpc.checkpoint import load, load_per_rank, save, save_per_rank
+from axonhpc.checkpoint import archive
 from axonhpc.checkpoint import format as ckpt_format
 from axonhpc.checkpoint import io as ckpt_io
 from axonhpc.checkpoint.directory import (
@@ -514,3 +518,44 @@ def test_an_index_without_its_extra_entry_is_refused(tmp_path):
     rewrite_index(path, {"format": PER_RANK_FORMAT, "world_size": 1})
     with pytest.raises(CheckpointError, match=r"the index has no 'extra' entry \(keys \['format', 'world_size'\]\)"):
         load_per_rank(path, group=ONE)
+
+
+# ------------------------------------------------------------------------------------ threads
+
+class _Finalized:
+    """Cyclic garbage whose finalizer runs Python code, so a collection can switch threads mid-AST."""
+
+    def __del__(self):
+        total = 0
+        for i in range(50):
+            total += i
+
+
+def test_headers_read_by_many_threads_at_once_are_all_read(monkeypatch):
+    # [Note: one header at a time]: ranks of the thread backend load together; on Python 3.11 two
+    # threads inside ast at once fail with "AST constructor recursion depth mismatch".
+    member = npy_of(np.zeros((3, 4)))
+    failures = []
+
+    def reader():
+        try:
+            for _ in range(2000):
+                garbage = _Finalized()
+                garbage.cycle = garbage
+                assert archive._read_npy_header(io.BytesIO(member), "a0")[1:] == (np.dtype("<f8"), (3, 4))
+        except Exception as exc:  # noqa: BLE001 - collected and reported below
+            failures.append(repr(exc))
+
+    threshold, interval = gc.get_threshold(), sys.getswitchinterval()
+    gc.set_threshold(5, 1, 1)
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=reader) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        gc.set_threshold(*threshold)
+        sys.setswitchinterval(interval)
+    assert failures == []

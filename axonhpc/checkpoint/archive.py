@@ -27,6 +27,16 @@ the array allocated and filled; zipfile checks the CRC as the last byte is
 read, and ``format`` checks the sha256 the metadata records. Nothing is ever
 written to disk, so member names cannot place files anywhere; they are still
 refused, because a checkpoint writer never makes them.
+
+[Note: one header at a time]
+``numpy.lib.format`` reads a header's dictionary with ``ast.literal_eval``. On
+Python 3.11 the ``ast`` module counts its recursion depth in state that every
+thread shares, so two threads building ASTs at once (ranks of the thread
+backend loading a checkpoint together, with the garbage collector running
+finalizers in between) can fail with ``SystemError: AST constructor recursion
+depth mismatch`` (seen in CPython issue 106905 and by other projects).
+``_HEADER_LOCK`` makes this module's header reads take turns. It cannot guard
+another library's ``ast`` calls in other threads.
 """
 from __future__ import annotations
 
@@ -36,6 +46,7 @@ import os
 import re
 import stat
 import struct
+import threading
 import zipfile
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -46,6 +57,7 @@ from ..errors import CheckpointEntryError, CheckpointError
 
 MAX_DEFLATE_RATIO = 1032  # deflate's own ceiling: at most 258 bytes out per 2 bits in
 MAX_HEADER_BYTES = 10_000  # numpy.load's own limit on a .npy header
+_HEADER_LOCK = threading.Lock()  # see [Note: one header at a time]
 _CHUNK = 1 << 24  # bytes copied per read into the new array
 
 _MEMBER = re.compile(r"([A-Za-z0-9_]{1,128})\.npy")
@@ -148,7 +160,8 @@ def _read_npy_header(member, entry: str) -> Tuple[int, np.dtype, Tuple[int, ...]
     reader.seek(npy_format.MAGIC_LEN)
     try:
         read_header = npy_format.read_array_header_1_0 if version == (1, 0) else npy_format.read_array_header_2_0
-        shape, fortran_order, dtype = read_header(reader, max_header_size=MAX_HEADER_BYTES)
+        with _HEADER_LOCK:
+            shape, fortran_order, dtype = read_header(reader, max_header_size=MAX_HEADER_BYTES)
     except Exception as exc:  # noqa: BLE001 - literal_eval and dtype errors of a crafted header
         raise EntryRefused(f"entry {entry!r} has an unreadable .npy header ({type(exc).__name__}: {exc})") from exc
     if dtype.hasobject:
