@@ -84,16 +84,40 @@ def elementwise(xp: Any, name: str, variant: Tuple[Any, ...], build: Callable[..
         variant: hashable flags passed to ``build``; each distinct tuple is its own kernel.
         build: returns ``(in_params, out_params, operation, preamble)``.
     """
+    def make() -> Any:
+        in_params, out_params, body, preamble = build(*variant)
+        return xp.ElementwiseKernel(in_params, out_params, body, f"axonhpc_{name}", preamble=preamble, options=OPTIONS)
+
+    return _kept(xp, name, variant, make)
+
+
+ReductionSource = Tuple[str, str, str, str, str, str, str]
+# in_params, out_params, map_expr, reduce_expr, post_map_expr, identity, reduce_type
+
+
+def reduction(xp: Any, name: str, variant: Tuple[Any, ...], build: Callable[..., ReductionSource]) -> Any:
+    """The ``ReductionKernel`` ``axonhpc_<name>`` of ``build(*variant)``, built on first use and kept.
+
+    A reduction folds its elements in the order cupy chooses for the shape (a tree of partial
+    results, as ``cupy.sum`` folds them), so unlike the elementwise kernels it is not the array
+    code bit for bit unless cupy happens to choose the same order.
+    """
+    def make() -> Any:
+        in_params, out_params, map_expr, reduce_expr, post_map_expr, identity, reduce_type = build(*variant)
+        return xp.ReductionKernel(in_params, out_params, map_expr, reduce_expr, post_map_expr, identity,
+                                  f"axonhpc_{name}", reduce_type=reduce_type, options=OPTIONS)
+
+    return _kept(xp, name, variant, make)
+
+
+def _kept(xp: Any, name: str, variant: Tuple[Any, ...], make: Callable[[], Any]) -> Any:
     key = (xp, name, variant)
     kernel = _cache.get(key)
     if kernel is None:
         with _lock:
             kernel = _cache.get(key)
             if kernel is None:
-                in_params, out_params, body, preamble = build(*variant)
-                kernel = xp.ElementwiseKernel(in_params, out_params, body, f"axonhpc_{name}", preamble=preamble,
-                                              options=OPTIONS)
-                _cache[key] = kernel
+                kernel = _cache[key] = make()
     return kernel
 
 
@@ -255,5 +279,5 @@ def kept(xp: Any) -> Dict[Tuple[str, Tuple[Any, ...]], Any]:
     return {(name, variant): k for (module, name, variant), k in list(_cache.items()) if module is xp}
 
 
-__all__ = ["OPTIONS", "KERNEL_DTYPES", "MAX_MULTI_ELEMENTS", "has_kernels", "serves", "elementwise", "multi_tensor",
-           "fill", "TensorTables", "launch_multi", "batches", "launches", "kept"]
+__all__ = ["OPTIONS", "KERNEL_DTYPES", "MAX_MULTI_ELEMENTS", "has_kernels", "serves", "elementwise", "reduction",
+           "multi_tensor", "fill", "TensorTables", "launch_multi", "batches", "launches", "kept"]

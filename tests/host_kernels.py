@@ -1,4 +1,5 @@
-"""A cupy ``ElementwiseKernel`` body compiled as C on the host, so the strict stand-in can run it.
+"""A cupy ``ElementwiseKernel`` body, or a ``ReductionKernel``'s expressions, compiled as C on the host, so the
+strict stand-in can run them.
 
 Nothing here runs on a GPU. The body a kernel gives cupy (CUDA C++) is
 compiled by the host's C compiler as C99 with ``<tgmath.h>`` (so ``sqrt`` of
@@ -33,7 +34,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
-from typing import Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Sequence, Tuple
 
 import numpy as np
 
@@ -56,7 +57,7 @@ def parse_params(text: str, raw_allowed: bool = True) -> List[Tuple[str, str, bo
     Raises:
         ValueError: a malformed entry or a reserved name (``i``, ``n``, a leading underscore), as cupy
             raises; NotImplementedError for ``raw`` parameters where ``raw_allowed`` is False (the
-            stand-in offers raw inputs, not raw outputs).
+            stand-in offers raw inputs of elementwise kernels only).
     """
     params = []
     for entry in (e.strip() for e in text.split(",") if e.strip()):
@@ -64,7 +65,8 @@ def parse_params(text: str, raw_allowed: bool = True) -> List[Tuple[str, str, bo
         raw = words[0] == "raw"
         if raw:
             if not raw_allowed:
-                raise NotImplementedError(f"the strict stand-in's ElementwiseKernel has no raw outputs: {entry!r}")
+                raise NotImplementedError(f"the strict stand-in offers no raw parameter here (an ElementwiseKernel's "
+                                          f"output, a ReductionKernel's parameter): {entry!r}")
             words = words[1:]
         if len(words) != 2 or not all(_IDENT.match(w) for w in words):
             raise ValueError(f"Invalid parameter: {entry!r}")
@@ -94,10 +96,7 @@ def c_source(name: str, inputs: Sequence[Tuple[str, str, bool]], outputs: Sequen
         outputs: ``(C type, name)`` per output parameter.
         placeholders: placeholder type name -> dtype (each becomes a typedef).
     """
-    lines = ["#include <tgmath.h>", "#include <stdint.h>", "#include <stdbool.h>"]
-    lines += [f"typedef {C_TYPES[dtype][0]} {ph};" for ph, dtype in placeholders.items()]
-    lines.append("#define __device__")  # a preamble's device functions are plain C functions here
-    lines.append(preamble)
+    lines = _head(placeholders, preamble)
     args = ["int64_t _n"]
     args += [f"{ct} _in_{nm}" if kind == "scalar" else f"const {ct}* _in_{nm}" for ct, nm, kind in inputs]
     args += [f"{ct}* _out_{nm}" for ct, nm in outputs]
@@ -112,6 +111,51 @@ def c_source(name: str, inputs: Sequence[Tuple[str, str, bool]], outputs: Sequen
     lines += ["    {", operation, "    }"]
     lines += [f"#undef {nm}" for _, nm in outputs]
     lines += ["  }", "}"]
+    return "\n".join(lines) + "\n"
+
+
+def _head(placeholders: Dict[str, np.dtype], preamble: str) -> List[str]:
+    lines = ["#include <tgmath.h>", "#include <stdint.h>", "#include <stdbool.h>"]
+    lines += [f"typedef {C_TYPES[dtype][0]} {ph};" for ph, dtype in placeholders.items()]
+    lines.append("#define __device__")  # a preamble's device functions are plain C functions here
+    lines.append(preamble)
+    return lines
+
+
+def reduction_source(name: str, inputs: Sequence[Tuple[str, str, str]], output: Tuple[str, str],
+                     placeholders: Dict[str, np.dtype], reduce_type: str, map_expr: str, reduce_expr: str,
+                     post_map_expr: str, identity: str, preamble: str = "") -> str:
+    """The C translation unit of one ``ReductionKernel``: ``_rows`` reductions of ``_len`` elements each.
+
+    An array input arrives as ``_rows * _len`` elements, each row the elements one output
+    element reduces (the caller moves the reduced axes last). The reduction starts from
+    ``identity`` and folds the mapped elements in index order: ``a`` the running value,
+    ``b`` the next element's ``map_expr``, both of ``reduce_type``. ``post_map_expr``
+    then writes the output from ``a``. A GPU folds in a tree of partial results, so a
+    sum here and there may differ in the last bits.
+
+    Args:
+        inputs: ``(C type, name, kind)`` per input, kind "array" or "scalar".
+        output: ``(C type, name)`` of the one output.
+    """
+    lines = _head(placeholders, preamble)
+    args = ["int64_t _rows", "int64_t _len"]
+    args += [f"{ct} _in_{nm}" if kind == "scalar" else f"const {ct}* _in_{nm}" for ct, nm, kind in inputs]
+    args.append(f"{output[0]}* _out_{output[1]}")
+    lines.append(f"void {name}({', '.join(args)}) {{")
+    lines.append("  for (int64_t _r = 0; _r < _rows; ++_r) {")
+    lines.append(f"    {reduce_type} _acc = ({reduce_type})({identity});")
+    lines.append("    for (int64_t _j = 0; _j < _len; ++_j) {")
+    for ct, nm, kind in inputs:
+        lines.append(f"      const {ct} {nm} = _in_{nm}{'[_r * _len + _j]' if kind == 'array' else ''};")
+    lines.append(f"      const {reduce_type} b = ({reduce_type})({map_expr});")
+    lines.append(f"      const {reduce_type} a = _acc;")
+    lines.append(f"      _acc = ({reduce_expr});")
+    lines.append("    }")
+    lines.append(f"    const {reduce_type} a = _acc;")
+    lines.append(f"#define {output[1]} (_out_{output[1]}[_r])")
+    lines += ["    {", f"    {post_map_expr};", "    }"]
+    lines += [f"#undef {output[1]}", "  }", "}"]
     return "\n".join(lines) + "\n"
 
 
@@ -153,10 +197,13 @@ def _compile(source: str, name: str, digest: str) -> ctypes.CDLL:
     return lib
 
 
-def run(function: ctypes._CFuncPtr, size: int, inputs: Sequence[Tuple[np.dtype, object]],
+def run(function: ctypes._CFuncPtr, size: Any, inputs: Sequence[Tuple[np.dtype, object]],
         outputs: Sequence[np.ndarray]) -> None:
-    """Call a loaded kernel on C-contiguous numpy arrays and scalars of the declared dtypes."""
-    args = [ctypes.c_int64(size)]
+    """Call a loaded kernel on C-contiguous numpy arrays and scalars of the declared dtypes.
+
+    ``size``: the loop's length (an elementwise kernel), or ``(rows, length)`` (a reduction).
+    """
+    args = [ctypes.c_int64(n) for n in (size if isinstance(size, tuple) else (size,))]
     for dtype, value in inputs:
         if isinstance(value, np.ndarray):
             args.append(ctypes.c_void_p(value.ctypes.data))
@@ -167,4 +214,4 @@ def run(function: ctypes._CFuncPtr, size: int, inputs: Sequence[Tuple[np.dtype, 
     function(*args)
 
 
-__all__ = ["C_TYPES", "parse_params", "is_placeholder", "c_source", "compiler", "load", "run"]
+__all__ = ["C_TYPES", "parse_params", "is_placeholder", "c_source", "reduction_source", "compiler", "load", "run"]

@@ -633,6 +633,30 @@ class _RoutinesLinalg(types.ModuleType):
         return self.compute_types[index]
 
 
+def _placeholder_dtypes(in_params: list, out_params: list, args: list) -> dict:
+    """Type placeholder -> dtype, from the array arguments, else the scalars (as cupy decides them)."""
+    import host_kernels
+
+    types_: dict = {}
+    for (type_, name, _), arg in zip(in_params + out_params, args):
+        if type(arg) is DeviceArray and host_kernels.is_placeholder(type_):
+            if types_.setdefault(type_, arg.dtype) != arg.dtype:
+                raise TypeError(f"Type is mismatched. {name} {arg.dtype} {types_[type_]}")
+    for (type_, name, _), arg in zip(in_params, args):
+        if type(arg) is not DeviceArray and host_kernels.is_placeholder(type_) and type_ not in types_:
+            types_[type_] = np.asarray(arg).dtype
+    return types_
+
+
+def _dtype_of(type_: str, placeholders: dict, what: str) -> np.dtype:
+    import host_kernels
+
+    dtype = placeholders[type_] if host_kernels.is_placeholder(type_) else np.dtype(type_)
+    if dtype not in host_kernels.C_TYPES:
+        raise NotImplementedError(f"the strict stand-in's {what} has no {dtype} arguments")
+    return dtype
+
+
 class ElementwiseKernel:
     """``cupy.ElementwiseKernel`` whose body is compiled as C on the host (``host_kernels``).
 
@@ -663,19 +687,6 @@ class ElementwiseKernel:
         self.options = tuple(kwargs.get("options", ()))
         self.calls = 0  # launches so far (a test counter; cupy has no such attribute)
 
-    def _dtypes(self, args: list) -> dict:
-        import host_kernels
-
-        types_: dict = {}
-        for (type_, name, _), arg in zip(self.in_params + self.out_params, args):
-            if type(arg) is DeviceArray and host_kernels.is_placeholder(type_):
-                if types_.setdefault(type_, arg.dtype) != arg.dtype:
-                    raise TypeError(f"Type is mismatched. {name} {arg.dtype} {types_[type_]}")
-        for (type_, name, _), arg in zip(self.in_params, args):
-            if type(arg) is not DeviceArray and host_kernels.is_placeholder(type_) and type_ not in types_:
-                types_[type_] = np.asarray(arg).dtype
-        return types_
-
     def __call__(self, *args: Any, size: Any = None, block_size: Any = None, stream: Any = None) -> Any:
         import host_kernels
 
@@ -685,13 +696,10 @@ class ElementwiseKernel:
         for arg in args:
             _refuse_host(arg, self.name)
         args = list(args)
-        placeholders = self._dtypes(args)
+        placeholders = _placeholder_dtypes(self.in_params, self.out_params, args)
 
         def dtype_of(type_: str) -> np.dtype:
-            dtype = placeholders[type_] if host_kernels.is_placeholder(type_) else np.dtype(type_)
-            if dtype not in host_kernels.C_TYPES:
-                raise NotImplementedError(f"the strict stand-in's ElementwiseKernel has no {dtype} arguments")
-            return dtype
+            return _dtype_of(type_, placeholders, "ElementwiseKernel")
 
         params = self.in_params + self.out_params
         looped = [a for (_, _, raw), a in zip(params, args) if type(a) is DeviceArray and not raw]
@@ -763,11 +771,114 @@ class ElementwiseKernel:
         return results if self.return_tuple or n_out != 1 else results[0]
 
 
+class ReductionKernel:
+    """``cupy.ReductionKernel`` whose expressions are compiled as C on the host (``host_kernels``).
+
+    Checked as cupy checks: the number of arguments, host arrays and lists
+    refused, one dtype per type placeholder, inputs broadcast to one shape,
+    ``axis`` in range (None: every axis), ``keepdims``, an output of the
+    declared dtype and of the reduced shape. ``reduce_type`` defaults to the
+    output's type, as in cupy. The elements are folded in index order, where a
+    GPU folds a tree of partial results: a sum may differ in its last bits.
+    Offered narrower than cupy: one output, an identity (cupy may go without),
+    no ``raw`` parameters, float32/float64/int32/int64/uint64/bool types.
+    """
+
+    def __init__(self, in_params: str, out_params: str, map_expr: str, reduce_expr: str, post_map_expr: str,
+                 identity: Any, name: str = "reduce_kernel", reduce_type: Any = None, reduce_dims: bool = True,
+                 preamble: str = "", options: Any = ()):
+        import host_kernels
+
+        self.in_params = host_kernels.parse_params(in_params, raw_allowed=False)
+        self.out_params = host_kernels.parse_params(out_params, raw_allowed=False)
+        if len(self.out_params) != 1:
+            raise NotImplementedError(f"the strict stand-in's ReductionKernel has one output, not {out_params!r}")
+        if identity is None:
+            raise NotImplementedError("the strict stand-in's ReductionKernel needs an identity")
+        self.map_expr, self.reduce_expr, self.post_map_expr = map_expr, reduce_expr, post_map_expr
+        self.identity, self.name, self.preamble = str(identity), name, preamble
+        self.reduce_type = reduce_type
+        self.options = tuple(options)
+        self.calls = 0  # launches so far (a test counter; cupy has no such attribute)
+
+    def __call__(self, *args: Any, out: Any = None, axis: Any = None, keepdims: bool = False,
+                 stream: Any = None) -> Any:
+        import host_kernels
+
+        n_in = len(self.in_params)
+        if len(args) not in (n_in, n_in + 1):
+            raise TypeError(f"Wrong number of arguments for {self.name}")
+        if out is not None:
+            if len(args) != n_in:
+                raise ValueError("cannot specify 'out' as both a positional and keyword argument")
+            args = args + (out,)
+        for arg in args:
+            _refuse_host(arg, self.name)
+        args = list(args)
+        placeholders = _placeholder_dtypes(self.in_params, self.out_params, args)
+        arrays = [a for a in args[:n_in] if type(a) is DeviceArray]
+        shape = np.broadcast_shapes(*(a.shape for a in arrays)) if arrays else ()
+        ndim = len(shape)
+        axes = tuple(range(ndim)) if axis is None else tuple(axis) if isinstance(axis, (tuple, list)) else (axis,)
+        for ax in axes:
+            if not -ndim <= ax < ndim:
+                raise np.exceptions.AxisError(ax, ndim)
+        if len({ax % ndim for ax in axes}) != len(axes):
+            raise ValueError("duplicate value in 'axis'")
+        axes = tuple(sorted(ax % ndim for ax in axes))
+        kept = tuple(ax for ax in range(ndim) if ax not in axes)
+        out_shape = tuple(1 if ax in axes else shape[ax] for ax in range(ndim)) if keepdims else \
+            tuple(shape[ax] for ax in kept)
+        (out_type, out_name, _), = self.out_params
+        out_dtype = _dtype_of(out_type, placeholders, "ReductionKernel")
+        if len(args) > n_in:
+            given = args[n_in]
+            if type(given) is not DeviceArray or given.dtype != out_dtype or given.shape != out_shape:
+                raise ValueError(f"output {out_name!r} of {self.name!r} must be a cupy array of {out_dtype} and "
+                                 f"shape {out_shape}")
+        else:
+            args.append(DeviceArray(np.empty(out_shape, out_dtype)))
+            _poison(args[-1]._a)
+        inputs = []
+        for (type_, name, _), arg in zip(self.in_params, args):
+            dtype = _dtype_of(type_, placeholders, "ReductionKernel")
+            if type(arg) is DeviceArray and arg.dtype != dtype:
+                raise TypeError(f"Type is mismatched. {name} {arg.dtype} {dtype}")
+            inputs.append((host_kernels.C_TYPES[dtype][0], name, "array" if type(arg) is DeviceArray else "scalar"))
+        reduce_type = self.reduce_type or out_type
+        reduce_c = host_kernels.C_TYPES[_dtype_of(reduce_type, placeholders, "ReductionKernel")][0]
+        source = host_kernels.reduction_source(self.name, inputs, (host_kernels.C_TYPES[out_dtype][0], out_name),
+                                               placeholders, reduce_c, self.map_expr, self.reduce_expr,
+                                               self.post_map_expr, self.identity, self.preamble)
+        function = host_kernels.load(source, self.name)
+        rows = int(np.prod([shape[ax] for ax in kept], dtype=np.int64))
+        length = int(np.prod([shape[ax] for ax in axes], dtype=np.int64))
+        result = args[-1]
+
+        def launch() -> None:  # reads the arrays' memory as it is when the kernel runs
+            values = []
+            for (type_, _, _), arg in zip(self.in_params, args):
+                dtype = _dtype_of(type_, placeholders, "ReductionKernel")
+                if type(arg) is DeviceArray:
+                    moved = np.transpose(np.broadcast_to(arg._a, shape), kept + axes)
+                    values.append((dtype, np.ascontiguousarray(moved).reshape(rows, length)))
+                else:
+                    values.append((dtype, arg))
+            target = np.empty(rows, out_dtype)
+            host_kernels.run(function, (rows, length), values, [target])
+            result._a[...] = target.reshape(out_shape)
+            self.calls += 1
+
+        _run(launch, in_place=True)
+        return result
+
+
 class StrictCupy(types.ModuleType):
     """The ``cupy`` module over DeviceArrays; ``cuda`` is filled in by the caller (``fake_cuda``)."""
 
     ndarray = DeviceArray
     ElementwiseKernel = ElementwiseKernel
+    ReductionKernel = ReductionKernel
 
     def __init__(self):
         super().__init__("cupy")

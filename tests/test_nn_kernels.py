@@ -1,10 +1,10 @@
 """The layers' fused device kernels (``axonhpc.nn.kernels``) against their array code.
 
 Without a GPU the kernels run on the strict cupy stand-in, which compiles
-their bodies as C on the host (``host_kernels``). There ``exp`` and ``tanh``
+their bodies as C on the host (``host_kernels``). There ``exp``, ``tanh`` and ``log``
 are the C library's, a few ulp from numpy's, while on a GPU the fused and the
 array code call the same CUDA functions. So the bit-for-bit checks here run
-the array code with the stand-in's ``exp`` and ``tanh`` taken from the C
+the array code with the stand-in's ``exp``, ``tanh`` and ``log`` taken from the C
 library too (``c_math``): what is left to differ is the order and dtype of
 the arithmetic, which must be the same to the last bit. Against numpy the
 results agree to a few ulp. ``test_fused_matches_the_array_code_on_a_gpu``
@@ -17,8 +17,9 @@ import numpy as np
 import pytest
 
 from axonhpc import _kernels, nn, optim
+from axonhpc.nn import kernels
 from axonhpc.backends.devices import device_facts
-from axonhpc.errors import ConfigurationError
+from axonhpc.errors import ConfigurationError, ShapeError
 from axonhpc.settings import settings
 from strict_cupy import DeviceArray, StrictCupy
 
@@ -32,13 +33,13 @@ def strict_cupy(monkeypatch):
 
 @pytest.fixture
 def c_math(strict_cupy, monkeypatch):
-    """The stand-in's ``exp`` and ``tanh`` from the C library, as the fused kernels' are."""
-    for name in ("exp", "tanh"):
+    """The stand-in's ``exp``, ``tanh`` and ``log`` from the C library, as the fused kernels' are."""
+    for name in ("exp", "tanh", "log"):
         kernel = strict_cupy.ElementwiseKernel("T x", "T y", f"y = {name}(x);", f"c_{name}")
 
-        def ufunc(x, _kernel=kernel, _name=name):
+        def ufunc(x, out=None, _kernel=kernel, _name=name):
             assert type(x) is DeviceArray and x.dtype in _kernels.KERNEL_DTYPES, (_name, type(x), x.dtype)
-            return _kernel(x)
+            return _kernel(x) if out is None else _kernel(x, out)
 
         monkeypatch.setattr(strict_cupy, name, ufunc, raising=False)
     return strict_cupy
@@ -166,21 +167,66 @@ def _loss_grad(xp, logits, targets, scale=1.0):
     return loss, grad if isinstance(grad, np.ndarray) else grad.get()
 
 
+CE_KERNELS = ("sum_exp", "cross_entropy_rows", "cross_entropy_grad")
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("target_dtype", [np.int32, np.int64])
-def test_the_cross_entropy_gradient_is_one_kernel_and_its_array_code(dtype, target_dtype, c_math, monkeypatch):
+def test_the_fused_cross_entropy_is_three_kernels_and_the_array_code_after_the_row_sums(dtype, target_dtype, c_math,
+                                                                                       monkeypatch):
+    # [Note: the fused cross-entropy]: only the order of the row sums may differ from the array code.
     rng = np.random.default_rng(1)
-    logits = (rng.standard_normal((3, 5, 7)) * 4).astype(dtype)  # a language model's (B, T, V)
-    targets = rng.integers(0, 7, (3, 5)).astype(target_dtype)
-    before = _kernels.launches(c_math, ("cross_entropy_grad",))
-    loss, fused = _loss_grad(c_math, logits, targets, 0.25)
-    assert _kernels.launches(c_math, ("cross_entropy_grad",)) - before == 1
+    logits = (rng.standard_normal((3, 5, 37)) * 4).astype(dtype)  # a language model's (B, T, V)
+    targets = rng.integers(0, 37, (3, 5)).astype(target_dtype)
+    loss_fn = nn.CrossEntropyLoss()
+    counts = {name: _kernels.launches(c_math, (name,)) for name in CE_KERNELS}
+    loss = loss_fn(c_math.asarray(logits), c_math.asarray(targets))
+    x, m, ls, kept_targets, _, _ = cache = loss_fn._cache
+    fused = loss_fn.backward(0.25)
+    assert {name: _kernels.launches(c_math, (name,)) - counts[name] for name in CE_KERNELS} == dict.fromkeys(CE_KERNELS, 1)
+    assert fused.shape == logits.shape and fused.dtype == dtype
+
+    # the row sums: the fused reduction's order against cupy.sum's (numpy's on the stand-in)
+    x_, m_ = x.get(), m.get()
+    np.testing.assert_allclose(np.exp(ls.get()), np.sum(np.exp(x_ - m_), axis=-1, keepdims=True),
+                               rtol=4 * np.finfo(dtype).eps)
+    # everything computed from them is the array code bit for bit
     monkeypatch.setattr(settings, "fused_kernels", False)
-    loss_array, array_code = _loss_grad(c_math, logits, targets, 0.25)
-    assert loss == loss_array and fused.shape == logits.shape
-    _same_bits(fused, array_code)
+    loss_fn._save_cache(cache)
+    _same_bits(fused.get(), loss_fn.backward(0.25).get())
+    rows = c_math.arange(x.shape[0])
+    picked = (x[rows, kept_targets] - m[:, 0]) - ls[:, 0]
+    assert loss == float((-picked.mean()).astype(np.float64).get())
+    s = kernels.sum_exp(x, m)
+    row_ls, row_picked = kernels.cross_entropy_rows(x, m, s, kept_targets)
+    _same_bits(row_ls.get(), c_math.log(s)[:, 0].get())
+    _same_bits(row_picked.get(), ((x[rows, kept_targets] - m[:, 0]) - c_math.log(s)[:, 0]).get())
+
+    array_loss, array_grad = _loss_grad(c_math, logits, targets, 0.25)
     host_loss, on_host = _loss_grad(np, logits, targets, 0.25)
-    np.testing.assert_allclose(fused, on_host, rtol=8 * np.finfo(dtype).eps, atol=1e-7)
+    eps = float(np.finfo(dtype).eps)
+    assert loss == pytest.approx(array_loss, rel=8 * eps) and loss == pytest.approx(host_loss, rel=8 * eps)
+    np.testing.assert_allclose(fused.get(), array_grad, rtol=8 * eps, atol=1e-7)
+    np.testing.assert_allclose(fused.get(), on_host, rtol=8 * eps, atol=1e-7)
+
+
+def test_the_fused_cross_entropy_checks_targets_and_leaves_strided_logits_to_the_array_code(strict_cupy):
+    rng = np.random.default_rng(3)
+    logits = strict_cupy.asarray(rng.standard_normal((4, 12)).astype(np.float32))
+    loss_fn = nn.CrossEntropyLoss()
+    for bad in ([0, 1, 12, 2], [0, -1, 3, 2]):  # read clipped on the device, refused once read
+        with pytest.raises(ShapeError, match=r"targets must be in \[0, 12\)"):
+            loss_fn(logits, strict_cupy.asarray(np.array(bad)))
+        assert loss_fn.__dict__.get("_cache") is None
+    before = _kernels.launches(strict_cupy)
+    strided = logits[:, ::2]  # (4, 6), not C-contiguous
+    targets = np.array([0, 5, 3, 1])
+    loss = loss_fn(strided, strict_cupy.asarray(targets))
+    grad = loss_fn.backward()
+    assert _kernels.launches(strict_cupy) == before + 1  # the gradient's kernel only
+    host = nn.CrossEntropyLoss()
+    assert loss == pytest.approx(host(strided.get(), targets), rel=1e-6)
+    np.testing.assert_allclose(grad.get(), host.backward(), rtol=1e-6, atol=1e-8)
 
 
 def test_what_the_kernels_do_not_serve_keeps_the_array_code(strict_cupy):
@@ -191,8 +237,10 @@ def test_what_the_kernels_do_not_serve_keeps_the_array_code(strict_cupy):
         layer.backward(layer(strict_cupy.asarray(half)))
     _loss_grad(strict_cupy, half, rng.integers(0, 6, 4))  # float16 logits: float32 work, float16 gradient
     _loss_grad(strict_cupy, half.astype(np.float32), rng.integers(0, 6, 4).astype(np.uint8))
+    assert _kernels.launches(strict_cupy) == before
     loss_fn = nn.CrossEntropyLoss()
     loss_fn(strict_cupy.asarray(half.astype(np.float32)), strict_cupy.asarray(rng.integers(0, 6, 4)))
+    before = _kernels.launches(strict_cupy)
     loss_fn.backward(np.float32(0.5))  # not a Python number: the array code scales by it as it is
     assert _kernels.launches(strict_cupy) == before
     layer = nn.GELU()
@@ -231,6 +279,29 @@ def test_the_stand_in_kernel_broadcasts_indexes_and_refuses_as_cupy_does(strict_
         kernel(x, np.zeros((2, 1), dtype=np.int64))  # a host array
 
 
+def test_the_stand_in_reduction_broadcasts_reduces_and_refuses_as_cupy_does(strict_cupy):
+    kernel = strict_cupy.ReductionKernel("T x, T w", "T y", "x * w", "a + b", "y = a + (T)1", "0", "k")
+    x = np.arange(24.0).reshape(2, 3, 4)
+    w = np.array([[1.0], [2.0], [3.0]])  # (3, 1) broadcast against (2, 3, 4)
+    d = strict_cupy.asarray
+    np.testing.assert_array_equal(kernel(d(x), d(w), axis=-1).get(), (x * w).sum(-1) + 1)
+    np.testing.assert_array_equal(kernel(d(x), d(w), axis=(0, 2), keepdims=True).get(),
+                                  (x * w).sum((0, 2), keepdims=True) + 1)
+    assert kernel(d(x), d(w)).shape == () and kernel(d(x), d(w)).get() == (x * w).sum() + 1
+    out = strict_cupy.zeros(3)
+    assert kernel(d(x), d(w), axis=(0, 2), out=out) is out and out.get()[0] == (x * w)[:, 0].sum() + 1
+    with pytest.raises(np.exceptions.AxisError, match="axis 3 is out of bounds"):
+        kernel(d(x), d(w), axis=3)
+    with pytest.raises(ValueError, match="duplicate value in 'axis'"):
+        kernel(d(x), d(w), axis=(1, -2))
+    with pytest.raises(TypeError, match="Wrong number of arguments"):
+        kernel(d(x))
+    with pytest.raises(TypeError):
+        kernel(d(x), w)  # a host array
+    with pytest.raises(TypeError, match="Type is mismatched"):
+        kernel(d(x), d(w.astype(np.float32)))
+
+
 def test_every_kernel_is_compiled_without_multiply_add_contraction(strict_cupy):
     x = strict_cupy.asarray(np.linspace(-3, 3, 8))
     for layer in LAYERS.values():
@@ -238,7 +309,7 @@ def test_every_kernel_is_compiled_without_multiply_add_contraction(strict_cupy):
         m.backward(m(x))
     _loss_grad(strict_cupy, np.ones((2, 4)), np.array([0, 3]))
     names = {name for name, _ in _kernels.kept(strict_cupy)}
-    assert names == {"relu", "gelu_forward", "gelu_backward", "tanh_backward", "cross_entropy_grad"}
+    assert names == {"relu", "gelu_forward", "gelu_backward", "tanh_backward", *CE_KERNELS}
     assert all(k.options == _kernels.OPTIONS == ("--fmad=false",) for k in _kernels.kept(strict_cupy).values())
 
 
@@ -260,11 +331,16 @@ def test_fused_matches_the_array_code_on_a_gpu(name, dtype):
             elif name == "cross_entropy":
                 rng = np.random.default_rng(1)
                 logits = (rng.standard_normal((64, 33)) * 4).astype(dtype)
-                runs.append([_loss_grad(_cupy, logits, rng.integers(0, 33, 64), 0.5)[1]])
+                runs.append(list(_loss_grad(_cupy, logits, rng.integers(0, 33, 64), 0.5)))
             else:
                 runs.append(_layer_run(_cupy, LAYERS[name](), *_inputs(dtype)))
     finally:
         settings.fused_kernels = saved
+    if name == "cross_entropy":  # [Note: the fused cross-entropy]: the row sums may be folded in another order
+        eps = float(np.finfo(dtype).eps)
+        assert runs[0][0] == pytest.approx(runs[1][0], rel=8 * eps)
+        np.testing.assert_allclose(runs[0][1], runs[1][1], rtol=8 * eps, atol=1e-7)
+        return
     for a, b in zip(*runs):
         _same_bits(a, b)
 

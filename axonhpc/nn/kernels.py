@@ -1,5 +1,5 @@
-"""The layers' element-wise work on a GPU as one kernel each: ReLU, GELU, Tanh, the cross-entropy gradient, and
-a Linear's bias added in the same kernel as the ReLU or GELU after it.
+"""The layers' element-wise work on a GPU as one kernel each: ReLU, GELU, Tanh, the cross-entropy loss and its
+gradient, and a Linear's bias added in the same kernel as the ReLU or GELU after it.
 
 [Note: fused layer kernels]
 On cupy every array operation is a kernel launch and a pass over memory.
@@ -10,6 +10,24 @@ same work in one ``ElementwiseKernel`` that is the array code bit for bit on
 the same GPU ([Note: exact fused kernels] in ``axonhpc._kernels``): the same
 operations in the same order and dtype, with the same saved state, so a
 layer's backward may follow a forward taken either way.
+
+[Note: the fused cross-entropy]
+The loss needs per row the maximum ``m``, the sum ``s`` of ``exp(x - m)`` and
+``log(s)``; the target's log-probability is ``(x[target] - m) - log(s)``. The
+array code writes the terms ``exp(x - m)`` (N x C values, twice: the
+difference, then its exp in place) and sums them with ``cupy.sum``, then
+gathers the targets: ten launches. Fused, the forward is three launches,
+none writing N x C: the row maxima (cupy's own reduction), ``sum_exp`` (a
+``ReductionKernel`` summing ``exp(x - m)`` without writing the terms) and
+``cross_entropy_rows`` (``log(s)`` and the target's log-probability, per
+row). Both ways keep the logits, ``m`` and ``log(s)``, never the N x C
+log-probabilities, and the backward recomputes ``exp((x - m) - log(s))``
+inside the gradient's kernel. The one difference from the array code is the
+order in which ``s`` is summed: ``cupy.sum`` over the written terms there,
+``sum_exp``'s reduction here. Both are cupy's reduction machinery on the
+same shape and may well fold in the same order, but only a GPU can say; on
+the tests' stand-in the orders differ, so there the fused ``s`` is checked
+to a few ulp and everything computed from it bit for bit.
 
 The layers call ``takes_kernels(x)`` on each call: a type and dtype test
 (cupy float32 or float64, and ``settings.fused_kernels`` on) that does no
@@ -162,26 +180,59 @@ def tanh_backward(grad_out: Any, y: Any) -> Any:
     return _kernels.elementwise(array_module(y), "tanh_backward", (), _tanh_backward_source)(grad_out, y)
 
 
+def _sum_exp_source() -> _kernels.ReductionSource:
+    return "T x, T m", "T s", "exp(x - m)", "a + b", "s = a", "0", "T"
+
+
+def sum_exp(x: Any, m: Any) -> Any:
+    """``sum(exp(x - m), axis=-1, keepdims=True)`` for ``x`` (N, C) and row maxima ``m`` (N, 1), in one reduction.
+
+    The terms are never written to memory. They are summed in the order cupy's reductions choose.
+    """
+    kernel = _kernels.reduction(array_module(x), "sum_exp", (), _sum_exp_source)
+    return kernel(x, m, axis=-1, keepdims=True)
+
+
+def _cross_entropy_rows_source() -> _kernels.Source:
+    body = ("ls = log(s);\n"
+            "const long long t = target < 0 ? 0 : (target >= classes ? classes - 1 : (long long)target);\n"
+            "picked = (x[i * classes + t] - m) - ls;")
+    return "raw T x, T m, T s, L target, int64 classes", "T ls, T picked", body, ""
+
+
+def cross_entropy_rows(x: Any, m: Any, s: Any, targets: Any) -> Tuple[Any, Any]:
+    """``(log(s), log_softmax(x)[row, target])`` per row, in one kernel.
+
+    ``x`` is C-contiguous (N, C); ``m`` and ``s`` are (N, 1) row maxima and ``sum_exp``.
+    Targets outside [0, C) are read clipped (the caller checks the range).
+    """
+    kernel = _kernels.elementwise(array_module(x), "cross_entropy_rows", (), _cross_entropy_rows_source)
+    n, c = x.shape
+    return kernel(x, m.reshape(n), s.reshape(n), targets, int(c))
+
+
 def _cross_entropy_source(device_scale: bool) -> _kernels.Source:
     scale = "scale[0]" if device_scale else "scale"
-    body = ("T e = exp(logp);\n"
+    body = ("T e = exp((x - m) - ls);\n"
             "if (i % classes == target) e = e - (T)1;\n"
             f"grad = e * {scale};")
-    return f"T logp, L target, int64 classes, {'raw T' if device_scale else 'T'} scale", "T grad", body, ""
+    return (f"T x, T m, T ls, L target, int64 classes, {'raw T' if device_scale else 'T'} scale", "T grad", body,
+            "")
 
 
-def cross_entropy_grad(logp: Any, targets: Any, scale: Any) -> Any:
-    """``(exp(logp) - one_hot(targets)) * scale`` for log-probabilities (N, C) and targets (N,), in one kernel.
+def cross_entropy_grad(x: Any, m: Any, ls: Any, targets: Any, scale: Any) -> Any:
+    """``(exp((x - m) - ls) - one_hot(targets)) * scale`` for logits (N, C), row maxima and log-sums (N, 1), in one kernel.
 
-    ``scale`` is a float, or a one-element device array of ``logp``'s dtype read by the kernel (a graph
-    replays it with the value it then holds).
+    ``(x - m) - ls`` is log_softmax(x) as the forward computes it. ``scale`` is a float, or a
+    one-element device array of ``x``'s dtype read by the kernel (a graph replays it with the
+    value it then holds).
     """
-    xp = array_module(logp)
+    xp = array_module(x)
     device_scale = not isinstance(scale, (int, float))
     kernel = _kernels.elementwise(xp, "cross_entropy_grad", (device_scale,), _cross_entropy_source)
-    scale = scale.reshape(1) if device_scale else logp.dtype.type(scale)
-    return kernel(logp, targets.reshape(-1, 1), int(logp.shape[-1]), scale)
+    scale = scale.reshape(1) if device_scale else x.dtype.type(scale)
+    return kernel(x, m, ls, targets.reshape(-1, 1), int(x.shape[-1]), scale)
 
 
 __all__ = ["takes_kernels", "relu_forward", "bias_relu", "gelu_forward", "bias_gelu", "gelu_backward", "tanh_backward",
-           "cross_entropy_grad"]
+           "sum_exp", "cross_entropy_rows", "cross_entropy_grad"]

@@ -13,7 +13,6 @@ from .. import _capture
 from .._dtypes import array_module, is_cupy_array, is_low_precision_float
 from ..errors import ShapeError, UnsupportedDtypeError
 from . import kernels
-from .functional import log_softmax
 from .module import Module
 
 
@@ -46,11 +45,17 @@ class CrossEntropyLoss(Module):
 
     ``loss_fn(logits, targets)`` takes logits (N, C) and integer class
     indices (N,) and returns the loss as a float; ``loss_fn.backward()``
-    returns (softmax(logits) - one_hot(targets)) / N with the logits' dtype
-    (one kernel on cupy float32/float64 logits, ``nn.kernels``).
+    returns (softmax(logits) - one_hot(targets)) / N with the logits' dtype.
     Logits (..., C) with targets (...) (a language model's (B, T, V) and
     (B, T)) are the mean over every position, and the gradient has the
     logits' shape.
+
+    The loss keeps the logits themselves (float32 and float64; a float32 copy
+    of 16-bit ones), the row maxima and the log of the row sums until
+    ``backward``, never the log-probabilities: logits changed in place in
+    between change the gradient. On cupy float32/float64 logits the forward
+    is the row maxima and two kernels and the backward one kernel ([Note:
+    the fused cross-entropy] in ``nn.kernels``).
     """
 
     def forward(self, logits: Any, targets: Any) -> float:
@@ -77,28 +82,38 @@ class CrossEntropyLoss(Module):
                              f"{tuple(targets.shape)}")
         if targets.dtype.kind not in "iu":
             raise UnsupportedDtypeError(f"CrossEntropyLoss targets must be integer class indices, got dtype {targets.dtype}")
-        c = logits.shape[-1]
-        shape = logits.shape
-        logits = logits.reshape(-1, c)
+        c, shape = logits.shape[-1], logits.shape
+        flat = logits.reshape(-1, c)
+        fused = kernels.takes_kernels(flat) and targets.dtype.kind == "i" and flat.flags.c_contiguous
+        x = flat.astype(_working_dtype(logits), copy=False)
         targets = targets.reshape(-1)
-        logp = log_softmax(logits.astype(_working_dtype(logits), copy=False), axis=-1)
-        rows = xp.arange(logits.shape[0])
-        if is_cupy_array(logp):
+        m = x.max(axis=-1, keepdims=True)
+        if fused:  # [Note: the fused cross-entropy] in nn.kernels
+            ls, picked = kernels.cross_entropy_rows(x, m, kernels.sum_exp(x, m), targets)
+            ls = ls.reshape(-1, 1)
+        else:
+            terms = x - m
+            ls = xp.log(xp.sum(xp.exp(terms, out=terms), axis=-1, keepdims=True))
+        cache = (x, m, ls, targets, logits.dtype, shape)
+        if is_cupy_array(x):
             # One read for the loss and the targets' range (each read waits for the device): the
             # gather takes clipped targets, and the range is checked once it is read.
-            picked = logp[rows, xp.clip(targets, 0, c - 1)]
+            if not fused:
+                rows = xp.arange(x.shape[0])
+                picked = (x[rows, xp.clip(targets, 0, c - 1)] - m[:, 0]) - ls[:, 0]
             values = xp.stack([(-picked.mean()).astype(np.float64), targets.min().astype(np.float64),
                                targets.max().astype(np.float64)])
             if _capture.defers_reads():
                 _capture.defer_check(values, lambda v: self._check_range(v[1], v[2], c))
-                self._save_cache((logp, targets, rows, logits.dtype, shape))
+                self._save_cache(cache)
                 return values[0]
             loss, lo, hi = values.get().tolist()
         else:  # host reads cost nothing: check before the gather, skip the clip
             lo, hi = int(targets.min()), int(targets.max())
-            loss = None if lo < 0 or hi >= c else float(-logp[rows, targets].mean())
+            rows = np.arange(x.shape[0])
+            loss = None if lo < 0 or hi >= c else float(-((x[rows, targets] - m[:, 0]) - ls[:, 0]).mean())
         self._check_range(lo, hi, c)
-        self._save_cache((logp, targets, rows, logits.dtype, shape))
+        self._save_cache(cache)
         return loss
 
     @staticmethod
@@ -113,14 +128,16 @@ class CrossEntropyLoss(Module):
             grad_output: a number (e.g. 1/M for M accumulated micro-batches, or the loss scale),
                 or a one-element device array (``GradScaler.scale(1.0)`` inside a graphed step).
         """
-        logp, targets, rows, dtype, shape = self._pop_cache()
-        factor = _grad_factor(grad_output, 1.0, logp.shape[0], logp.dtype)
-        if (kernels.takes_kernels(logp) and logp.dtype == dtype and targets.dtype.kind == "i"
+        x, m, ls, targets, dtype, shape = self._pop_cache()
+        factor = _grad_factor(grad_output, 1.0, x.shape[0], x.dtype)
+        if (kernels.takes_kernels(x, m, ls) and x.dtype == dtype and targets.dtype.kind == "i"
                 and (isinstance(grad_output, (int, float)) or is_cupy_array(factor))):
-            return kernels.cross_entropy_grad(logp, targets, factor).reshape(shape)
-        xp = array_module(logp)
-        grad = xp.exp(logp)
-        grad[rows, targets] -= 1
+            return kernels.cross_entropy_grad(x, m, ls, targets, factor).reshape(shape)
+        xp = array_module(x)
+        grad = x - m
+        grad -= ls
+        xp.exp(grad, out=grad)
+        grad[xp.arange(x.shape[0]), targets] -= 1
         grad *= factor
         return grad.astype(dtype, copy=False).reshape(shape)
 
