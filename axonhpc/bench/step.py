@@ -296,10 +296,12 @@ def torch_step(spec: ModelSpec, device: Device, precision: str) -> Tuple[Optiona
     else:
         torch.backends.cuda.matmul.allow_tf32 = precision == "tf32"
     layers: List[Any] = []
-    for i, (a, b) in enumerate(zip(spec.widths[:-1], spec.widths[1:])):
-        if i:
-            layers.append(torch.nn.ReLU())
-        layers.append(torch.nn.Linear(a, b))
+    with torch.random.fork_rng(devices=[]):  # the same initial weights every run; the caller's RNG untouched
+        torch.manual_seed(0)
+        for i, (a, b) in enumerate(zip(spec.widths[:-1], spec.widths[1:])):
+            if i:
+                layers.append(torch.nn.ReLU())
+            layers.append(torch.nn.Linear(a, b))
     model = torch.nn.Sequential(*layers).to(dev)
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     loss_fn = torch.nn.CrossEntropyLoss()
