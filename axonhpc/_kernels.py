@@ -65,6 +65,31 @@ _lock = threading.Lock()
 Source = Tuple[str, str, str, str]  # in_params, out_params, operation, preamble
 
 
+class _Host:
+    layers: Any = None
+    updates: Any = None
+    loaded = False
+
+
+def host_modules() -> Tuple[Any, Any]:
+    """The compiled host kernels ``(axonhpc._ext._layers, axonhpc._ext._updates)``; None for each one not built.
+
+    See [Note: host kernels] in ``axonhpc.nn.kernels``. An installation that did not compile
+    the Cython core (a source tree without ``build_ext``) keeps the numpy code everywhere.
+    """
+    if not _Host.loaded:
+        try:
+            from ._ext import _layers as layers
+        except ImportError:
+            layers = None
+        try:
+            from ._ext import _updates as updates
+        except ImportError:
+            updates = None
+        _Host.layers, _Host.updates, _Host.loaded = layers, updates, True
+    return _Host.layers, _Host.updates
+
+
 def has_kernels(xp: Any) -> bool:
     """Whether ``xp`` (an array module) compiles elementwise kernels: cupy does, numpy does not."""
     return xp is not np and hasattr(xp, "ElementwiseKernel")
@@ -279,5 +304,5 @@ def kept(xp: Any) -> Dict[Tuple[str, Tuple[Any, ...]], Any]:
     return {(name, variant): k for (module, name, variant), k in list(_cache.items()) if module is xp}
 
 
-__all__ = ["OPTIONS", "KERNEL_DTYPES", "MAX_MULTI_ELEMENTS", "has_kernels", "serves", "elementwise", "reduction",
+__all__ = ["OPTIONS", "KERNEL_DTYPES", "MAX_MULTI_ELEMENTS", "has_kernels", "host_modules", "serves", "elementwise", "reduction",
            "multi_tensor", "fill", "TensorTables", "launch_multi", "batches", "launches", "kept"]

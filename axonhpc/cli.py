@@ -27,6 +27,7 @@ BENCHMARKS = {
     "allreduce": "axonhpc.bench.allreduce",
     "ddp": "axonhpc.bench.ddp",
     "fsdp": "axonhpc.bench.fsdp",
+    "gpt": "axonhpc.bench.gpt",
     "pack": "axonhpc.bench.pack",
     "pipeline": "axonhpc.bench.pipeline",
     "step": "axonhpc.bench.step",
@@ -125,6 +126,10 @@ def _cmd_launch(args) -> int:
     env = dict(os.environ)
     # Under launch an uncaught exception on one rank ends the job (opt out with =0).
     env.setdefault("AXONHPC_ABORT_ON_EXCEPTION", "1")
+    if args.hosts is None:  # every rank on this machine: size their BLAS/OpenMP pools before numpy loads
+        from .threads import launch_environment
+
+        env.update(launch_environment(args.n, env))
     if args.verbose:
         print("axonhpc launch:", " ".join(cmd), file=sys.stderr)
     return subprocess.call(cmd, env=env)

@@ -23,6 +23,7 @@ from .backends.cuda_driver import (
 from .backends.devices import device_facts
 from .groups import is_initialized, current_world
 from .groups.device_path import device_report
+from .threads import current_plan, plan_threads
 
 _THREAD_LEVELS = {0: "single", 1: "funneled", 2: "serialized", 3: "multiple"}
 
@@ -118,4 +119,11 @@ def info() -> Dict[str, Any]:
             num_nodes=world.num_nodes,
         )
         facts.update(_device_path())
+        facts["threads"] = _thread_fact(world)
     return facts
+
+
+def _thread_fact(world: Any) -> str:
+    """The BLAS/OpenMP pool size init applied, or (under run_local or a local world) what it would be."""
+    plan = current_plan() or plan_threads(world.usable_cores, world.cpu_sharers)
+    return plan.describe().split(": ", 1)[1]

@@ -238,12 +238,19 @@ class Settings:
             default; applied to cupy, process-wide, by the next ``nn`` module
             call or ``nn.apply_matmul_precision()``; numpy ignores it
             (``AXONHPC_ALLOW_TF32``).
-        fused_kernels: on cupy float32/float64 arrays, run the element-wise
-            work of ``nn``'s layers (ReLU, GELU, Tanh, the cross-entropy
-            gradient) and the updates of optimizers built with ``fused=None``
-            as one kernel each, the array code's result bit for bit. Off keeps
-            the array code, one kernel an operation, for comparison
-            (``AXONHPC_FUSED_KERNELS``); numpy ignores it.
+        fused_kernels: run the element-wise and row-wise work of ``nn``'s
+            layers and the updates of optimizers built with ``fused=None`` as
+            one kernel each: on cupy float32/float64 arrays the array code's
+            result bit for bit; on numpy float32/float64 C-contiguous arrays the
+            compiled host kernels (GELU, ReLU, Tanh, the attention softmax,
+            LayerNorm, the cross-entropy, the embedding's backward, SGD and
+            Adam), within the ulps ``tests/test_host_kernels.py`` states (the
+            updates bit for bit). Off keeps the array code, for comparison
+            (``AXONHPC_FUSED_KERNELS``).
+        size_thread_pools: when the user has set none of ``THREAD_VARIABLES``,
+            ``init`` sizes this process's BLAS/OpenMP pools to the cores it may
+            use divided by the ranks of its node that share them
+            (``axonhpc.threads``; ``AXONHPC_SIZE_THREAD_POOLS``).
     """
 
     debug: bool = False
@@ -272,6 +279,7 @@ class Settings:
     check_collectives: bool = True
     allow_tf32: bool = False
     fused_kernels: bool = True
+    size_thread_pools: bool = True
 
     def load_environment(self, environ: Optional[Mapping[str, str]] = None) -> "Settings":
         """Fill every field whose ``AXONHPC_*`` variable is set.
@@ -340,6 +348,7 @@ _ENVIRONMENT = {
     "check_collectives": ("AXONHPC_CHECK_COLLECTIVES", _parse_bool),
     "allow_tf32": ("AXONHPC_ALLOW_TF32", _parse_bool),
     "fused_kernels": ("AXONHPC_FUSED_KERNELS", _parse_bool),
+    "size_thread_pools": ("AXONHPC_SIZE_THREAD_POOLS", _parse_bool),
     "bucket_size_mb": ("AXONHPC_BUCKET_SIZE_MB", lambda name, text: _parse_bucket_mb(name, text)),
 }
 
@@ -449,8 +458,26 @@ def standalone_environment(environ: Optional[Mapping[str, str]] = None) -> Dict[
     return {k: v for k, v in env.items() if not k.startswith(_LAUNCHER_PREFIXES)}
 
 
+# The variables that size a process's BLAS and OpenMP thread pools; any one set by the user is
+# left alone (axonhpc.threads). ``axonhpc launch`` sets them for its ranks and names itself in
+# THREADS_SET_BY, so that ``init`` can tell its launcher's value from the user's.
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+THREADS_SET_BY = "AXONHPC_THREADS_SET_BY"
+
+
+def thread_environment(environ: Optional[Mapping[str, str]] = None) -> Dict[str, str]:
+    """The ``THREAD_VARIABLES`` that are set (to a non-empty value), and ``THREADS_SET_BY`` if it is.
+
+    Args:
+        environ: the mapping to read (``os.environ`` if None).
+    """
+    env = os.environ if environ is None else environ
+    return {name: env[name] for name in THREAD_VARIABLES + (THREADS_SET_BY,) if env.get(name, "").strip()}
+
+
 settings = Settings()
 settings.load_environment()
 
 __all__ = ["Settings", "settings", "LauncherEnv", "launcher_env", "MPI_INT_MAX", "CUDA_AWARE_CHOICES",
-           "DEVICE_VARIABLES", "device_env", "standalone_environment"]
+           "DEVICE_VARIABLES", "device_env", "standalone_environment", "THREAD_VARIABLES", "THREADS_SET_BY",
+           "thread_environment"]

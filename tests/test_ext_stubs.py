@@ -8,7 +8,7 @@ import pytest
 
 import axonhpc.bucketing
 
-MODULES = ["_pack", "_bucket", "_shard", "_shm"]
+MODULES = ["_pack", "_bucket", "_shard", "_shm", "_layers", "_updates"]
 
 
 def _public_defined_in(module):

@@ -12,12 +12,12 @@ import signal
 import subprocess
 import sys
 import tempfile
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 from ..errors import BenchError
 from ..mpiexec import mpiexec_flavour
 
-THREAD_ENV = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+from ..settings import THREAD_VARIABLES as THREAD_ENV
 
 
 def worker_env() -> Dict[str, str]:
@@ -50,8 +50,10 @@ def write_result(result: Any, path: str) -> None:
 
 
 def run_worker_job(mpiexec: str, n: int, module: str, worker_args: List[str], label: str,
-                   timeout: float) -> dict:
+                   timeout: float, env: Optional[Dict[str, str]] = None) -> dict:
     """Run ``python -m module --out FILE *worker_args`` on ``n`` ranks; return rank 0's JSON result.
+
+    ``env``: the job's environment (default ``worker_env()``: one BLAS thread per rank).
 
     Open MPI gets its root and oversubscription flags (more ranks than cores
     is normal for these benchmarks on a small machine).
@@ -67,7 +69,11 @@ def run_worker_job(mpiexec: str, n: int, module: str, worker_args: List[str], la
             cmd += (["--allow-run-as-root"] if os.geteuid() == 0 else []) + ["--oversubscribe"]
         cmd += ["-n", str(n), sys.executable, "-m", module, "--out", out, *worker_args]
         # A session of its own, so a timeout can end mpiexec and every rank it started.
-        proc = subprocess.Popen(cmd, env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        if env is None:
+            env = worker_env()
+        else:
+            env = dict(env, AXONHPC_ABORT_ON_EXCEPTION="1")
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True, start_new_session=True)
         try:
             stdout, stderr = proc.communicate(timeout=timeout)

@@ -415,7 +415,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds; the median is reported")
     parser.add_argument("--no-fused", action="store_true",
                         help="our step with settings.fused_kernels off: the layers' element-wise work and the "
-                             "SGD update as array operations, one kernel each, instead of fused kernels on cupy")
+                             "SGD update as array operations instead of the compiled host kernels (cpu) or fused "
+                             "kernels (cuda)")
     args = parser.parse_args([] if argv is None else list(argv))
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
@@ -433,7 +434,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     rows = [measure(spec, precision, device, args.rounds, fused=not args.no_fused)
             for spec in specs for precision in precisions]
     torch_note = rows[0]["torch"] if rows else "nothing measured"
-    update = ("array operations" if args.no_fused or device.xp is np
+    update = ("array operations" if args.no_fused
+              else "compiled host kernels (bias and ReLU, cross-entropy, SGD update)" if device.xp is np
               else "fused kernels (bias and ReLU, cross-entropy gradient, SGD update)")
     print(f"device: {device.describe()}; {torch_note}; our element-wise work: {update}; "
           f"medians of {args.rounds} interleaved rounds")

@@ -11,6 +11,7 @@ from .. import tracing
 from ..errors import ConfigurationError, InvalidGroupError
 from ..log import get_logger, set_rank_source
 from ..settings import BACKENDS, settings
+from ..threads import apply_plan, plan_threads
 from .process_group import ProcessGroup
 from .world import World
 
@@ -52,6 +53,11 @@ def init(comm=None, backend: Optional[str] = None, debug: Optional[bool] = None,
         debug: overrides ``ax.settings.debug``.
         timeout: overrides ``ax.settings.timeout`` (seconds; None keeps it).
 
+    A world of MPI ranks sizes each rank's BLAS/OpenMP thread pools to its
+    share of the node's cores unless the user set ``OMP_NUM_THREADS`` (or
+    ``OPENBLAS_NUM_THREADS``, ``MKL_NUM_THREADS``); rank 0 logs the choice.
+    See ``axonhpc.threads``.
+
     Raises:
         BackendUnavailableError: the requested backend cannot work here.
         ConfigurationError: unknown backend name (also a ``ValueError``).
@@ -75,6 +81,8 @@ def init(comm=None, backend: Optional[str] = None, debug: Optional[bool] = None,
 
         world = build_world(choice, comm)  # MPI, plus NCCL for cupy arrays where it works
     _global_world = world
+    if choice != "local":  # ranks that are processes; run_local's thread ranks share one process's pools
+        apply_plan(plan_threads(world.usable_cores, world.cpu_sharers), log=world.rank == 0)
     if settings.timeline_dir:
         tracing.record_run(world.rank, settings.timeline_dir)
     if settings.abort_on_exception:

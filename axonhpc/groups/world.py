@@ -10,6 +10,7 @@ from ..backends.base import Backend
 from ..errors import GroupMismatchError, RankError
 from ..log import get_logger
 from ..settings import LauncherEnv
+from ..threads import affinity_words, sharing_ranks, usable_cores
 from .agreement import compare, show, who_passed
 from .mesh import Mesh
 from .process_group import ProcessGroup
@@ -24,6 +25,8 @@ class World:
         local_rank, local_size: rank and count of the ranks on this node.
         node_rank, num_nodes: index of this node and number of nodes.
         node_of: every global rank's node index.
+        usable_cores: the CPUs this rank may use (its affinity mask).
+        cpu_sharers: the ranks of this node whose CPUs overlap this rank's (itself included).
         default_group: the ProcessGroup of all ranks.
         launcher: what SLURM / Open MPI / PMI variables said about this process.
     """
@@ -40,10 +43,16 @@ class World:
         self.local_rank, self.local_size, self.node_rank, self.num_nodes = backend.node_layout(local_key)
         # Every rank's node, so that whether a group shares one node needs no communication later
         # (a collective then could hang where a timeout should have spoken: a cut link, a dead host).
-        mine = np.array([self.node_rank], dtype=np.int64)
-        nodes = np.empty((self.world_size, 1), dtype=np.int64)
-        backend.all_gather(mine, nodes, async_op=False).wait()
-        self.node_of: Tuple[int, ...] = tuple(nodes[:, 0].tolist())
+        # Each rank's CPU affinity travels with it: the thread pools are sized by the ranks that share cores.
+        cores = usable_cores()
+        mask = affinity_words(cores)
+        mine = np.concatenate([np.array([self.node_rank], dtype=np.int64), mask.view(np.int64)])
+        table = np.empty((self.world_size, mine.size), dtype=np.int64)
+        backend.all_gather(mine, table, async_op=False).wait()
+        self.node_of: Tuple[int, ...] = tuple(table[:, 0].tolist())
+        node_masks = [table[r, 1:].view(np.uint64) for r in range(self.world_size) if self.node_of[r] == self.node_rank]
+        self.usable_cores = len(cores)
+        self.cpu_sharers = sharing_ranks(mask, node_masks)
         self.default_group.prepare_shared_memory()
         self._groups_made = 0
 

@@ -112,6 +112,10 @@ class GELU(Module):
         xp = array_module(x)
         dtype = x.dtype if is_floating(x.dtype) else None  # integers give float64, as before
         x = _opmath(x)
+        if dtype is not None and kernels.takes_host_kernels(x):  # a 16-bit input, in float32 by the kernel
+            y, aux = kernels.gelu_forward(x, self.approximate == "tanh")
+            self._save_cache((x, aux, dtype))
+            return _rounded(y, dtype)
         if self.approximate == "tanh":
             t = xp.tanh(_SQRT_2_OVER_PI * (x + _TANH_COEF * x * x * x))
             self._save_cache((x, t, dtype))
@@ -136,8 +140,10 @@ class GELU(Module):
         Returns the input gradient in the input's dtype (computed in float32 for 16-bit floats).
         """
         x, aux, dtype = self._pop_cache()
+        if type(x) is np.ndarray:  # a 16-bit gradient joins the float32 host kernel, as its forward did
+            grad_out = _opmath(grad_out)
         if kernels.takes_kernels(x, grad_out):
-            return kernels.gelu_backward(grad_out, x, aux, self.approximate == "tanh")
+            return _rounded(kernels.gelu_backward(grad_out, x, aux, self.approximate == "tanh"), dtype)
         xp = array_module(x)
         grad_out = _opmath(grad_out)
         if self.approximate == "tanh":

@@ -8,7 +8,7 @@ import numpy as np
 
 from .._dtypes import array_module
 from ..errors import ConfigurationError, ShapeError
-from . import _init
+from . import _init, kernels
 from .autocast import autocast_dtype, like, lower, product, widen
 from .functional import softmax
 from .linear import Linear
@@ -47,12 +47,16 @@ def attention_forward(q: Any, k: Any, v: Any, causal: bool) -> Tuple[Any, Any]:
     dtype = autocast_dtype()
     in_dtypes = (q.dtype, k.dtype, v.dtype)
     q, k, v = lower(q, dtype), lower(k, dtype), lower(v, dtype)
-    scores = widen(product(q, k.transpose(0, 1, 3, 2), dtype)) * scale  # softmax in float32 under autocast
-    if causal:
-        future = xp.triu(xp.ones((n, n), dtype=bool), 1)
-        # Same dtype on both sides so float32 scores stay float32.
-        scores = xp.where(future, xp.asarray(-xp.inf, dtype=scores.dtype), scores)
-    attn = softmax(scores, axis=-1)
+    scores = widen(product(q, k.transpose(0, 1, 3, 2), dtype))  # softmax in float32 under autocast
+    if kernels.takes_host_kernels(scores):  # scale, mask and softmax in one pass, in place
+        attn = kernels.softmax_forward(scores, scale, causal)
+    else:
+        scores = scores * scale
+        if causal:
+            future = xp.triu(xp.ones((n, n), dtype=bool), 1)
+            # Same dtype on both sides so float32 scores stay float32.
+            scores = xp.where(future, xp.asarray(-xp.inf, dtype=scores.dtype), scores)
+        attn = softmax(scores, axis=-1)
     return product(lower(attn, dtype), v, dtype), (q, k, v, attn, scale, dtype, in_dtypes)
 
 
@@ -67,8 +71,11 @@ def attention_backward(dctx: Any, cache: Any) -> Tuple[Any, Any, Any]:
     dattn = dctx @ v.transpose(0, 1, 3, 2)
     dv = lower(attn, dtype).transpose(0, 1, 3, 2) @ dctx
     # Softmax backward; masked positions have attn == 0, so they get no gradient.
-    dscores = attn * (dattn - (dattn * attn).sum(axis=-1, keepdims=True))
-    dscores *= scale
+    if kernels.takes_host_kernels(attn, dattn):
+        dscores = kernels.softmax_backward(attn, dattn, scale)
+    else:
+        dscores = attn * (dattn - (dattn * attn).sum(axis=-1, keepdims=True))
+        dscores *= scale
     dscores = lower(dscores, dtype)
     dq = dscores @ k
     dk = dscores.transpose(0, 1, 3, 2) @ q

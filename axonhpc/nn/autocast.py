@@ -124,7 +124,7 @@ def product(a: Any, b: Any, dtype: Optional[np.dtype]) -> Any:
 
     ml_dtypes' bfloat16 products come back in float32 on numpy; they are rounded to bfloat16 here.
     """
-    out = a @ b
+    out = matmul_2d(a, b) if b.ndim == 2 else a @ b
     if dtype is not None and out.dtype != dtype and a.dtype == dtype and b.dtype == dtype:
         out = out.astype(dtype)
     return out
@@ -142,6 +142,18 @@ def like(grad: Any, dtype: Any) -> Any:
     return grad if grad.dtype == dtype else grad.astype(dtype)
 
 
+def matmul_2d(a: Any, b: Any) -> Any:
+    """``a @ b`` for ``a`` (..., k) and a matrix ``b`` (k, n), as one 2-D GEMM when ``a`` is C-contiguous.
+
+    numpy multiplies a stack (B, T, k) by a matrix one (T, k) slice at a time: B small GEMMs, 1.3-3x
+    slower than the one (B*T, k) GEMM here (batch 16 x 64 tokens, and 256 x 4, width 64). A reshape
+    of a C-contiguous array is a view, so nothing is copied.
+    """
+    if a.ndim > 2 and a.flags.c_contiguous:
+        return (a.reshape(-1, a.shape[-1]) @ b).reshape(a.shape[:-1] + (b.shape[-1],))
+    return a @ b
+
+
 def linear_product(x: Any, weight: Any) -> Tuple[Any, Tuple[Any, Any, Any]]:
     """``x @ weight.T`` under this thread's autocast state, and what its backward needs.
 
@@ -157,7 +169,7 @@ def linear_product(x: Any, weight: Any) -> Tuple[Any, Tuple[Any, Any, Any]]:
     dtype = autocast_dtype()
     w = lower(weight, dtype)
     if w is weight:  # no autocast, or a float64 weight: full precision
-        return x @ weight.T, (x, None, x.dtype)
+        return matmul_2d(x, weight.T), (x, None, x.dtype)
     xc = lower(x, dtype, keep_float64=False)
     return product(xc, w.T, dtype), (xc, w, x.dtype)
 
@@ -178,8 +190,8 @@ def linear_input_grad(grad_out: Any, saved: Tuple[Any, Any, Any], weight: Any) -
     """
     w, x_dtype = saved[1], saved[2]
     if w is None:
-        return grad_out @ weight.data
-    return like(grad_out @ w, x_dtype)
+        return matmul_2d(grad_out, weight.data)
+    return like(matmul_2d(grad_out, w), x_dtype)
 
 
 def linear_param_grads(grad_out: Any, saved: Tuple[Any, Any, Any], weight: Any, bias: Any = None) -> None:
@@ -225,6 +237,6 @@ def add_bias(y: Any, bias: Any, saved: Tuple[Any, Any, Any]) -> Any:
     return y + bias
 
 
-__all__ = ["autocast", "autocast_dtype", "restored_autocast", "lower", "product", "widen", "like",
+__all__ = ["autocast", "autocast_dtype", "restored_autocast", "lower", "product", "widen", "like", "matmul_2d",
            "linear_product", "linear_grad_output", "linear_input_grad", "linear_param_grads", "linear_backward",
            "add_bias"]

@@ -4,7 +4,18 @@ from __future__ import annotations
 from typing import Any, Iterator
 
 from ..errors import ArgumentTypeError
+from .activation import GELU, ReLU
+from .linear import Linear
 from .module import Module, call_backward
+
+_FUSED = (ReLU, GELU)  # activations whose kernel adds the bias of the Linear before them
+
+
+def _fusable(linear: Module, activation: Module) -> bool:
+    """A plain Linear (no activation of its own) then a plain ReLU or GELU, neither with its ``forward`` wrapped
+    (FSDP and others hook a module by setting ``forward`` on the instance: then each is called)."""
+    return (type(linear) is Linear and linear.activation is None and type(activation) in _FUSED
+            and "forward" not in linear.__dict__ and "forward" not in activation.__dict__)
 
 
 class Sequential(Module):
@@ -45,9 +56,23 @@ class Sequential(Module):
         return layers[index]
 
     def forward(self, x: Any) -> Any:
-        """Apply every layer in order."""
-        for m in self._modules.values():
-            x = m(x)
+        """Apply every layer in order.
+
+        A plain ``Linear`` followed by a plain ``ReLU`` or ``GELU`` runs as ``Linear.forward_with``: the
+        bias is added in the activation's kernel (one pass over the output fewer), with the result and
+        the backward of the two calls. Subclasses of either, and modules whose ``forward`` a wrapper
+        replaced (FSDP's units), are called one by one.
+        """
+        layers = list(self._modules.values())
+        i = 0
+        while i < len(layers):
+            m = layers[i]
+            if i + 1 < len(layers) and _fusable(m, layers[i + 1]):
+                x = m.forward_with(x, layers[i + 1])
+                i += 2
+            else:
+                x = m(x)
+                i += 1
         return x
 
     def backward(self, grad_out: Any, input_grad: bool = True) -> Any:

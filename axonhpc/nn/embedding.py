@@ -7,7 +7,7 @@ import numpy as np
 
 from .._dtypes import array_module
 from ..errors import ConfigurationError, ShapeError, UnsupportedDtypeError
-from . import _init
+from . import _init, kernels
 from .module import Module
 from .parameter import Parameter
 
@@ -72,6 +72,11 @@ class Embedding(Module):
         indices = self._pop_cache()
         xp = array_module(grad_out)
         dweight = xp.zeros(self.weight.shape, dtype=self.weight.dtype)
+        rows = grad_out.reshape(-1, self.embedding_dim)
+        if kernels.takes_host_kernels(dweight, rows):  # add.at's adds, in its order, in one compiled loop
+            kernels.scatter_add_rows(dweight, indices.reshape(-1), rows)
+            self.weight.accumulate_grad(dweight)
+            return None
         _scatter_add_rows(xp, dweight, indices.reshape(-1),
                           grad_out.reshape(-1, self.embedding_dim).astype(dweight.dtype, copy=False))
         self.weight.accumulate_grad(dweight)

@@ -29,10 +29,30 @@ same shape and may well fold in the same order, but only a GPU can say; on
 the tests' stand-in the orders differ, so there the fused ``s`` is checked
 to a few ulp and everything computed from it bit for bit.
 
+[Note: host kernels]
+On numpy the same layers run the compiled kernels of ``axonhpc._ext._layers``
+(Cython over C, ``cython_src/host_kernels.h``): each is one pass over memory
+where the array code makes several (the exact GELU's forward alone is about
+a hundred numpy operations), without the GIL. They compute the array code's
+operations in its order and type, with every Python constant rounded to the
+array's type as numpy rounds it, so where numpy's result depends only on
+that order they agree with it bit for bit: the GELU backward, the
+cross-entropy gradient's arithmetic, the optimizer updates. Two things
+differ, and the tests state by how much: float32 ``exp`` and ``tanh`` are the
+kernels' own vectorisable ones (host_math.h; numpy's and the C library's
+differ by an ulp or two too), and the sums along a row (softmax, LayerNorm,
+the loss's log-sum-exp) run in a fixed order of eight partial sums where
+numpy sums pairwise. Beyond ``takes_kernels``'s conditions they need
+C-contiguous arrays; other arrays keep the array code, as do 16-bit floats
+and integers. ``settings.fused_kernels`` switches the host and the device
+kernels alike. The attention softmax and LayerNorm have kernels on the host
+only (``takes_host_kernels``).
+
 The layers call ``takes_kernels(x)`` on each call: a type and dtype test
-(cupy float32 or float64, and ``settings.fused_kernels`` on) that does no
-device work. Host arrays, 16-bit floats (computed in float32 by the array
-code and rounded once) and integers keep the array code.
+(cupy float32 or float64, or numpy float32 or float64 C-contiguous, and
+``settings.fused_kernels`` on) that does no device work. 16-bit floats
+(computed in float32 by the array code and rounded once) and integers keep
+the array code.
 """
 from __future__ import annotations
 
@@ -51,9 +71,26 @@ SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 TANH_COEF = 0.044715
 
 
+_HOST, _ = _kernels.host_modules()
+
+
+def takes_host_kernels(x: Any, *others: Any) -> bool:
+    """Whether ``x`` and ``others`` take the compiled host kernels: numpy float32 or float64 arrays of one dtype,
+    C-contiguous, while ``settings.fused_kernels`` is on (see [Note: host kernels])."""
+    if type(x) is not np.ndarray or _HOST is None or not settings.fused_kernels:
+        return False
+    char = x.dtype.char
+    if (char != "f" and char != "d") or not x.flags.c_contiguous:
+        return False
+    return all(type(o) is np.ndarray and o.dtype.char == char and o.flags.c_contiguous for o in others)
+
+
 def takes_kernels(x: Any, *others: Any) -> bool:
-    """Whether the layers' work on ``x`` (and ``others``, arrays of its type and dtype) runs as fused kernels."""
-    if type(x) is np.ndarray or not settings.fused_kernels or not _kernels.serves(x):  # host arrays answered first
+    """Whether the layers' work on ``x`` (and ``others``, arrays of its type and dtype) runs as fused kernels:
+    compiled host kernels for numpy arrays, device kernels for cupy arrays."""
+    if type(x) is np.ndarray:
+        return takes_host_kernels(x, *others)
+    if not settings.fused_kernels or not _kernels.serves(x):
         return False
     return all(type(o) is type(x) and o.dtype == x.dtype for o in others)
 
@@ -106,6 +143,10 @@ def _relu_source() -> _kernels.Source:
 
 def relu_forward(x: Any) -> Tuple[Any, Any]:
     """``(x * (x > 0), x > 0)`` in one kernel: ReLU's output and the mask its backward keeps."""
+    if type(x) is np.ndarray:
+        y, mask = np.empty_like(x), np.empty(x.shape, dtype=np.bool_)
+        _HOST.relu_forward(x, None, y, mask)
+        return y, mask
     return _kernels.elementwise(array_module(x), "relu", (), _relu_source)(x)
 
 
@@ -121,6 +162,10 @@ def _gelu_forward_source(tanh_form: bool) -> _kernels.Source:
 
 def gelu_forward(x: Any, tanh_form: bool) -> Tuple[Any, Any]:
     """GELU's output and what its backward keeps (the cdf, or the tanh of the tanh form), in one kernel."""
+    if type(x) is np.ndarray:
+        y, aux = np.empty_like(x), np.empty_like(x)
+        _HOST.gelu_forward(x, None, x, y, aux, bool(tanh_form))
+        return y, aux
     return _kernels.elementwise(array_module(x), "gelu_forward", (bool(tanh_form),), _gelu_forward_source)(x)
 
 
@@ -136,6 +181,9 @@ def bias_relu(pre: Any, bias: Any) -> Tuple[Any, Any]:
     """
     xp = array_module(pre)
     mask = xp.empty(pre.shape, dtype=np.bool_)
+    if xp is np:
+        _HOST.relu_forward(pre, bias, pre, mask)
+        return pre, mask
     return _kernels.elementwise(xp, "bias_relu", (), _bias_relu_source)(pre, bias, pre, mask)
 
 
@@ -151,6 +199,9 @@ def bias_gelu(pre: Any, bias: Any, tanh_form: bool) -> Tuple[Any, Any, Any]:
     """
     xp = array_module(pre)
     y, aux = xp.empty_like(pre), xp.empty_like(pre)
+    if xp is np:
+        _HOST.gelu_forward(pre, bias, pre, y, aux, bool(tanh_form))
+        return y, aux, pre
     kernel = _kernels.elementwise(xp, "bias_gelu", (bool(tanh_form),), _bias_gelu_source)
     return kernel(pre, bias, y, aux, pre)
 
@@ -167,6 +218,10 @@ def _gelu_backward_source(tanh_form: bool) -> _kernels.Source:
 
 def gelu_backward(grad_out: Any, x: Any, aux: Any, tanh_form: bool) -> Any:
     """d loss / d x of GELU from the forward's saved ``x`` and ``aux``, in one kernel."""
+    if type(x) is np.ndarray:
+        dx = np.empty_like(x)
+        _HOST.gelu_backward(grad_out, x, aux, dx, bool(tanh_form))
+        return dx
     kernel = _kernels.elementwise(array_module(x), "gelu_backward", (bool(tanh_form),), _gelu_backward_source)
     return kernel(grad_out, x, aux)
 
@@ -177,6 +232,10 @@ def _tanh_backward_source() -> _kernels.Source:
 
 def tanh_backward(grad_out: Any, y: Any) -> Any:
     """``grad_out * (1 - y * y)`` in one kernel (``y`` is tanh's output)."""
+    if type(y) is np.ndarray:
+        dx = np.empty_like(y)
+        _HOST.tanh_backward(grad_out, y, dx)
+        return dx
     return _kernels.elementwise(array_module(y), "tanh_backward", (), _tanh_backward_source)(grad_out, y)
 
 
@@ -234,5 +293,61 @@ def cross_entropy_grad(x: Any, m: Any, ls: Any, targets: Any, scale: Any) -> Any
     return kernel(x, m, ls, targets.reshape(-1, 1), int(x.shape[-1]), scale)
 
 
-__all__ = ["takes_kernels", "relu_forward", "bias_relu", "gelu_forward", "bias_gelu", "gelu_backward", "tanh_backward",
+def softmax_forward(scores: Any, scale: float, causal: bool) -> Any:
+    """In place on host ``scores`` (..., T, T): ``softmax(scores * scale)`` along the last axis, each query's future
+    masked out when ``causal`` (``takes_host_kernels(scores)`` holds). Returns ``scores``."""
+    _HOST.softmax_forward(scores, float(scale), bool(causal))
+    return scores
+
+
+def softmax_backward(attn: Any, dattn: Any, scale: float) -> Any:
+    """``attn * (dattn - sum(dattn * attn)) * scale`` along the last axis, written over ``dattn`` (host arrays)."""
+    _HOST.softmax_backward(attn, dattn, dattn, float(scale))
+    return dattn
+
+
+def layer_norm_forward(x: Any, weight: Any, bias: Any, eps: float) -> Tuple[Any, Any, Any]:
+    """LayerNorm of host ``x`` over its last axis: ``(y, xhat, rstd)``, ``rstd`` shaped (..., 1), ``y`` None
+    without ``weight``."""
+    xhat = np.empty_like(x)
+    rstd = np.empty(x.shape[:-1] + (1,), dtype=x.dtype)
+    y = None if weight is None else np.empty_like(x)
+    _HOST.layernorm_forward(x, weight, bias, y, xhat, rstd, float(eps))
+    return y, xhat, rstd
+
+
+def layer_norm_backward(grad_out: Any, xhat: Any, rstd: Any, weight: Any) -> Tuple[Any, Any, Any]:
+    """LayerNorm's ``(dx, dweight, dbias)`` from host arrays (the last two None without ``weight``)."""
+    dx = np.empty_like(grad_out)
+    dweight = dbias = None
+    if weight is not None:
+        dweight, dbias = np.zeros_like(weight), np.zeros_like(weight)
+    _HOST.layernorm_backward(grad_out, xhat, rstd, weight, dx, dweight, dbias)
+    return dx, dweight, dbias
+
+
+def cross_entropy_host(x: Any, targets: Any) -> Tuple[Any, Any, Any]:
+    """Per row of host logits ``x`` (N, C) and int64 ``targets`` (N,): the maxima, the log-sums of
+    ``exp(x - m)`` (both (N, 1)) and the targets' log-probabilities (N,)."""
+    n = x.shape[0]
+    m, ls, picked = np.empty((n, 1), x.dtype), np.empty((n, 1), x.dtype), np.empty(n, x.dtype)
+    _HOST.cross_entropy_forward(x, targets, m, ls, picked)
+    return m, ls, picked
+
+
+def cross_entropy_grad_host(x: Any, m: Any, ls: Any, targets: Any, scale: float) -> Any:
+    """``(exp((x - m) - ls) - one_hot(targets)) * scale`` for host arrays, as ``cross_entropy_grad``."""
+    grad = np.empty_like(x)
+    _HOST.cross_entropy_backward(x, m, ls, targets, grad, float(scale))
+    return grad
+
+
+def scatter_add_rows(out: Any, index: Any, rows: Any) -> None:
+    """``out[index[i]] += rows[i]`` in order, as numpy's ``add.at`` (host arrays; any integer ``index``)."""
+    _HOST.scatter_add_rows(np.ascontiguousarray(index, dtype=np.int64), rows, out)
+
+
+__all__ = ["takes_kernels", "takes_host_kernels", "softmax_forward", "softmax_backward", "layer_norm_forward",
+           "layer_norm_backward", "cross_entropy_host", "cross_entropy_grad_host",
+           "scatter_add_rows", "relu_forward", "bias_relu", "gelu_forward", "bias_gelu", "gelu_backward", "tanh_backward",
            "sum_exp", "cross_entropy_rows", "cross_entropy_grad"]

@@ -68,16 +68,28 @@ class Linear(Module):
         Raises:
             ShapeError: the last axis of ``x`` is not ``in_features``.
         """
+        return self.forward_with(x, self.activation)
+
+    def forward_with(self, x: Any, activation: Optional[Module]) -> Any:
+        """``activation(self(x))`` for an ``nn.ReLU`` or ``nn.GELU`` (or None): the bias added in the activation's
+        kernel where the kernels run (``Sequential`` calls this for a Linear followed by one of them).
+
+        The activation keeps what its own ``backward`` needs, so ``activation.backward`` then
+        ``self.backward`` run as after two separate calls.
+
+        Raises:
+            ShapeError: the last axis of ``x`` is not ``in_features``.
+        """
         if x.ndim == 0 or x.shape[-1] != self.in_features:
             raise ShapeError(f"Linear({self.in_features}, {self.out_features}) got input of shape "
                              f"{tuple(x.shape)}; the last axis must be {self.in_features}")
         y, saved = linear_product(x, self.weight.data)
         self._save_cache(saved)
-        if self.activation is not None and self.bias is not None and kernels.takes_kernels(y, self.bias.data):
-            return self.activation.fused_bias_forward(y, self.bias.data)
+        if activation is not None and self.bias is not None and kernels.takes_kernels(y, self.bias.data):
+            return activation.fused_bias_forward(y, self.bias.data)
         if self.bias is not None:
             y = add_bias(y, self.bias.data, saved)
-        return y if self.activation is None else self.activation(y)
+        return y if activation is None else activation(y)
 
     def backward(self, grad_out: Any, input_grad: bool = True) -> Any:
         """Gradients for ``x``, ``weight`` and ``bias`` from d loss / d y of shape (..., out_features).

@@ -5,7 +5,7 @@ returns d loss / d prediction to feed into ``model.backward``.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Tuple
 
 import numpy as np
 
@@ -86,6 +86,8 @@ class CrossEntropyLoss(Module):
         flat = logits.reshape(-1, c)
         fused = kernels.takes_kernels(flat) and targets.dtype.kind == "i" and flat.flags.c_contiguous
         x = flat.astype(_working_dtype(logits), copy=False)
+        if kernels.takes_host_kernels(x):
+            return self._host_forward(x, targets.reshape(-1), logits.dtype, shape)
         targets = targets.reshape(-1)
         m = x.max(axis=-1, keepdims=True)
         if fused:  # [Note: the fused cross-entropy] in nn.kernels
@@ -116,6 +118,16 @@ class CrossEntropyLoss(Module):
         self._save_cache(cache)
         return loss
 
+    def _host_forward(self, x: Any, targets: Any, dtype: Any, shape: Tuple[int, ...]) -> float:
+        """The loss of host logits ``x`` (N, C; float32 for 16-bit ``dtype``) in one pass a row ([Note: host
+        kernels] in ``nn.kernels``)."""
+        lo, hi = int(targets.min()), int(targets.max())
+        self._check_range(lo, hi, x.shape[1])
+        targets = np.ascontiguousarray(targets, dtype=np.int64)
+        m, ls, picked = kernels.cross_entropy_host(x, targets)
+        self._save_cache((x, m, ls, targets, dtype, shape))
+        return float(-picked.mean())
+
     @staticmethod
     def _check_range(lo: float, hi: float, c: int) -> None:
         if lo < 0 or hi >= c:
@@ -130,6 +142,8 @@ class CrossEntropyLoss(Module):
         """
         x, m, ls, targets, dtype, shape = self._pop_cache()
         factor = _grad_factor(grad_output, 1.0, x.shape[0], x.dtype)
+        if kernels.takes_host_kernels(x, m, ls) and targets.dtype == np.int64 and isinstance(factor, float):
+            return kernels.cross_entropy_grad_host(x, m, ls, targets, factor).astype(dtype, copy=False).reshape(shape)
         if (kernels.takes_kernels(x, m, ls) and x.dtype == dtype and targets.dtype.kind == "i"
                 and (isinstance(grad_output, (int, float)) or is_cupy_array(factor))):
             return kernels.cross_entropy_grad(x, m, ls, targets, factor).reshape(shape)

@@ -1,12 +1,13 @@
 """LayerNorm over the trailing axes."""
 from __future__ import annotations
 
-from typing import Any, Sequence, Union
+from typing import Any, Sequence, Tuple, Union
 
 import numpy as np
 
 from .._dtypes import array_module
 from ..errors import ConfigurationError, ShapeError
+from . import kernels
 from .autocast import like, widen
 from .module import Module
 from .parameter import Parameter
@@ -61,6 +62,11 @@ class LayerNorm(Module):
         widened_from = x_dtype if x.dtype != x_dtype else None
         xp = array_module(x)
         axes = tuple(range(x.ndim - k, x.ndim))
+        affine = self._affine()
+        if k == 1 and kernels.takes_host_kernels(x, *affine):
+            y, xhat, rstd = kernels.layer_norm_forward(x, *(affine or (None, None)), self.eps)  # one pass a row
+            self._save_cache((xhat, rstd, axes, widened_from))
+            return xhat if y is None else y
         centred = x - x.mean(axis=axes, keepdims=True)
         var = (centred * centred).mean(axis=axes, keepdims=True)
         rstd = 1.0 / xp.sqrt(var + self.eps)
@@ -73,6 +79,13 @@ class LayerNorm(Module):
     def backward(self, grad_out: Any) -> Any:
         """dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)) over the normalised axes."""
         xhat, rstd, axes, widened_from = self._pop_cache()
+        weight = self._affine()[:1]
+        if len(axes) == 1 and kernels.takes_host_kernels(grad_out, xhat, rstd, *weight):
+            dx, dweight, dbias = kernels.layer_norm_backward(grad_out, xhat, rstd, *(weight or (None,)))
+            if self.elementwise_affine:  # bias before weight: hooks fire in reverse registration order
+                self.bias.accumulate_grad(dbias)
+                self.weight.accumulate_grad(dweight)
+            return dx if widened_from is None else like(dx, widened_from)
         if self.elementwise_affine:
             lead = tuple(range(grad_out.ndim - len(axes)))
             # Bias before weight: hooks fire in reverse registration order.
@@ -84,6 +97,10 @@ class LayerNorm(Module):
         dx = rstd * (dxhat - dxhat.mean(axis=axes, keepdims=True)
                      - xhat * (dxhat * xhat).mean(axis=axes, keepdims=True))
         return dx if widened_from is None else like(dx, widened_from)
+
+    def _affine(self) -> Tuple[Any, ...]:
+        """The ``(weight, bias)`` arrays, or ``()`` without them."""
+        return (self.weight.data, self.bias.data) if self.elementwise_affine else ()
 
     def extra_repr(self) -> str:
         return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"

@@ -33,12 +33,12 @@ class Adam(Optimizer):
         betas: decay rates of the first and second moments.
         eps: added to the denominator.
         weight_decay: L2 penalty added to the gradient.
-        fused: update the cupy parameters of float32 or float64 with fused
-            kernels (one launch a step for those of one dtype), bit for bit
-            the unfused update (None, the default: where
-            possible while ``settings.fused_kernels`` is on; True: every
-            parameter, else ConfigurationError; False: never). See
-            ``axonhpc.optim.fused``.
+        fused: update the float32 or float64 parameters with fused kernels
+            (cupy: one launch a step for those of one dtype; numpy: one
+            compiled pass, C-contiguous arrays), bit for bit the unfused
+            update (None, the default: where possible while
+            ``settings.fused_kernels`` is on; True: every parameter, else
+            ConfigurationError; False: never). See ``axonhpc.optim.fused``.
 
     Raises:
         ConfigurationError: a negative lr, eps or weight_decay, betas outside
@@ -116,7 +116,7 @@ class Adam(Optimizer):
         data = param.data
         step = self._advance(xp, data, state)
         beta1, beta2 = self.betas
-        if _fused.fuses(self.fused, data, grad):
+        if _fused.fuses(self.fused, data, grad, state["exp_avg"], state["exp_avg_sq"]):
             _fused.adam(xp, data, grad, state["exp_avg"], state["exp_avg_sq"], lr=self.lr, beta1=beta1,
                         beta2=beta2, eps=self.eps, weight_decay=self.weight_decay, decoupled=self._decoupled,
                         step=step)

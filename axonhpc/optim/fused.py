@@ -1,4 +1,4 @@
-"""Fused optimizer updates on the device: one kernel for the parameters instead of one per operation.
+"""Fused optimizer updates: one kernel for the parameters instead of one per operation, on a GPU and on the host.
 
 [Note: fused updates]
 On numpy the update of ``Adam`` or ``SGD`` is a dozen array operations, each a
@@ -12,15 +12,27 @@ a GPU.
 
 The choice is made for each parameter at each step (``fuses``: a type and
 dtype test, no device work): cupy arrays of float32 or float64 with a
-gradient of the same kind take the kernel. Those that are also C-contiguous
+gradient of the same kind take the kernel (numpy arrays of float32 or
+float64 too, C-contiguous: [Note: host updates]). Those that are also C-contiguous
 (``joins``) are updated together: one multi-tensor launch (see [Note:
 multi-tensor kernels] in ``axonhpc._kernels``) for all the parameters of one
 dtype whose update has the same scalars (Adam's step count, SGD's first
 momentum step), instead of a launch a parameter; the body is the same, so
-the result is too, bit for bit. Host arrays, 16-bit floats (no
-half-precision kernel is written: mixed precision keeps float32 master
-weights), optimizers built with ``fused=False``, and those built with
-``fused=None`` while ``settings.fused_kernels`` is off keep the array code.
+the result is too, bit for bit. 16-bit floats (no half-precision kernel is
+written: mixed precision keeps float32 master weights), optimizers built with
+``fused=False``, and those built with ``fused=None`` while
+``settings.fused_kernels`` is off keep the array code.
+
+[Note: host updates]
+On numpy the kernels are the compiled ``axonhpc._ext._updates``: ``adam_many``
+and ``sgd_many`` check every array first, then update all the parameters of a
+dtype in one call without the GIL, each element read and written once (Adam's
+array code makes a dozen passes and four temporaries a parameter). The C is
+the array code's operations in its order, with the scalars rounded as numpy
+rounds them and no fused multiply-add, so the result is the array code's bit
+for bit. They need C-contiguous parameters, gradients and state (``fuses``
+and ``joins`` check it); others keep the array code, or with ``fused=True``
+are refused.
 
 [Note: updates in a CUDA graph]
 Inside a step being captured (``axonhpc.graphs``) every parameter is updated
@@ -52,11 +64,22 @@ from ..settings import settings
 
 def _refusal(data: Any) -> Optional[str]:
     """Why the kernels do not serve ``data``, or None when they do."""
-    if not _kernels.has_kernels(array_module(data)):
-        return "is a host array (fused kernels are for cupy arrays)"
+    if type(data) is np.ndarray:
+        if _kernels.host_modules()[1] is None:
+            return ("is a host array and the compiled host kernels are not built (python setup.py build_ext "
+                    "--inplace)")
+        if not data.flags.c_contiguous:
+            return "is a host array that is not C-contiguous (the host kernels take C-contiguous arrays)"
+    elif not _kernels.has_kernels(array_module(data)):
+        return f"is a {type(data).__name__} (fused kernels are for numpy and cupy arrays)"
     if np.dtype(data.dtype) not in _kernels.KERNEL_DTYPES:
         return f"has dtype {np.dtype(data.dtype).name} (fused kernels are for float32 and float64)"
     return None
+
+
+def _host_layout(arrays: Sequence[Any]) -> bool:
+    """Whether host ``arrays`` (None entries skipped) are all C-contiguous, as the host kernels need."""
+    return all(a is None or a.flags.c_contiguous for a in arrays)
 
 
 def check_fused(fused: Optional[bool], params: Any, owner: str) -> Optional[bool]:
@@ -80,8 +103,9 @@ def check_fused(fused: Optional[bool], params: Any, owner: str) -> Optional[bool
     return None if fused is None else bool(fused)
 
 
-def fuses(fused: Optional[bool], data: Any, grad: Any) -> bool:
-    """Whether this step updates ``data`` from ``grad`` with the fused kernel (see the module note).
+def fuses(fused: Optional[bool], data: Any, grad: Any, *state: Any) -> bool:
+    """Whether this step updates ``data`` from ``grad`` (and its ``state`` arrays) with the fused kernel (see the
+    module note).
 
     Raises:
         ConfigurationError: ``fused=True`` and ``data`` or ``grad`` is (now) an array the kernel
@@ -93,6 +117,8 @@ def fuses(fused: Optional[bool], data: Any, grad: Any) -> bool:
     if reason is None and (type(grad) is not type(data) or grad.dtype != data.dtype or grad.shape != data.shape):
         reason = (f"has a gradient of another kind ({type(grad).__name__} of {np.dtype(grad.dtype).name}, "
                   f"shape {tuple(grad.shape)})")
+    if reason is None and type(data) is np.ndarray and not _host_layout((grad,) + state):
+        reason = "has a gradient or optimizer state that is not C-contiguous (the host kernels need C-contiguous)"
     if reason is not None and fused:
         raise ConfigurationError(f"fused=True: a parameter of shape {tuple(data.shape)} {reason}")
     return reason is None
@@ -100,8 +126,13 @@ def fuses(fused: Optional[bool], data: Any, grad: Any) -> bool:
 
 def joins(fused: Optional[bool], data: Any, grad: Any, *state: Any) -> bool:
     """Whether ``data`` is updated with the others in one multi-tensor launch: ``fuses``, and every array C-contiguous."""
-    return (fuses(fused, data, grad) and data.flags.c_contiguous and grad.flags.c_contiguous
-            and all(a is None or a.flags.c_contiguous for a in state))
+    return (fuses(fused, data, grad, *state) and data.flags.c_contiguous and grad.flags.c_contiguous
+            and _host_layout(state))
+
+
+def _host_updates() -> Any:
+    """``axonhpc._ext._updates`` (``fuses`` has refused host arrays where it is not built)."""
+    return _kernels.host_modules()[1]
 
 
 def _adam_source(l2: bool, decoupled: bool) -> _kernels.Source:
@@ -146,6 +177,10 @@ def adam(xp: Any, data: Any, grad: Any, exp_avg: Any, exp_avg_sq: Any, *, lr: fl
          eps: float, weight_decay: float, decoupled: bool, step: int) -> None:
     """One Adam/AdamW update of ``data`` and its moments in place, in one kernel (see the module note)."""
     variant = adam_variant(weight_decay, decoupled)
+    if xp is np:
+        _host_updates().adam_many([data], [grad], [exp_avg], [exp_avg_sq],
+                                  adam_scalars(data.dtype.type, lr, beta1, beta2, eps, weight_decay, step), *variant)
+        return
     kernel = _kernels.elementwise(xp, "adam", variant, _adam_source)
     kernel(grad, *adam_scalars(data.dtype.type, lr, beta1, beta2, eps, weight_decay, step), data, exp_avg,
            exp_avg_sq)
@@ -161,6 +196,9 @@ def adam_many(xp: Any, tables: _kernels.TensorTables, datas: Sequence[Any], grad
     variant = adam_variant(weight_decay, decoupled)
     lists = (grads, datas, exp_avgs, exp_avg_sqs)
     scalars = adam_scalars(datas[0].dtype.type, lr, beta1, beta2, eps, weight_decay, step)
+    if xp is np:
+        _host_updates().adam_many(datas, grads, exp_avgs, exp_avg_sqs, scalars, *variant)
+        return
     _many(xp, tables, "adam", variant, _adam_source, lists, scalars,
           lambda k: adam(xp, datas[k], grads[k], exp_avgs[k], exp_avg_sqs[k], lr=lr, beta1=beta1, beta2=beta2,
                          eps=eps, weight_decay=weight_decay, decoupled=decoupled, step=step))
@@ -294,6 +332,9 @@ def sgd(xp: Any, data: Any, grad: Any, buf: Any, *, lr: float, momentum: float, 
     """
     t = data.dtype.type
     flags = sgd_variant(momentum, dampening, weight_decay, nesterov, first)
+    if xp is np:
+        _host_updates().sgd_many([data], [grad], [buf], sgd_scalars(t, lr, momentum, dampening, weight_decay), *flags)
+        return
     kernel = _kernels.elementwise(xp, "sgd", flags, _sgd_source)
     outputs = (data, buf) if momentum != 0 else (data,)
     kernel(grad, *sgd_scalars(t, lr, momentum, dampening, weight_decay), *outputs)
@@ -305,6 +346,9 @@ def sgd_many(xp: Any, tables: _kernels.TensorTables, datas: Sequence[Any], grads
     """``sgd`` for many parameters of one dtype (all on their first momentum step, or none), one launch for all."""
     t = datas[0].dtype.type
     flags = sgd_variant(momentum, dampening, weight_decay, nesterov, first)
+    if xp is np:
+        _host_updates().sgd_many(datas, grads, bufs, sgd_scalars(t, lr, momentum, dampening, weight_decay), *flags)
+        return
     lists = (grads, datas, bufs) if momentum != 0 else (grads, datas)
     _many(xp, tables, "sgd", flags, _sgd_source, lists, sgd_scalars(t, lr, momentum, dampening, weight_decay),
           lambda k: sgd(xp, datas[k], grads[k], bufs[k], lr=lr, momentum=momentum, dampening=dampening,

@@ -25,12 +25,12 @@ class SGD(Optimizer):
         dampening: dampening of the momentum.
         weight_decay: L2 penalty added to the gradient.
         nesterov: Nesterov momentum (needs momentum > 0 and dampening 0).
-        fused: update the cupy parameters of float32 or float64 with fused
-            kernels (one launch a step for those of one dtype), bit for bit
-            the unfused update (None, the default: where
-            possible while ``settings.fused_kernels`` is on; True: every
-            parameter, else ConfigurationError; False: never). See
-            ``axonhpc.optim.fused``.
+        fused: update the float32 or float64 parameters with fused kernels
+            (cupy: one launch a step for those of one dtype; numpy: one
+            compiled pass, C-contiguous arrays), bit for bit the unfused
+            update (None, the default: where possible while
+            ``settings.fused_kernels`` is on; True: every parameter, else
+            ConfigurationError; False: never). See ``axonhpc.optim.fused``.
 
     Raises:
         ConfigurationError: a negative value, nesterov without momentum or with
@@ -104,7 +104,7 @@ class SGD(Optimizer):
         return buf, True
 
     def _update(self, param: Any, grad: Any, state: Dict[str, Any]) -> None:
-        if _fused.fuses(self.fused, param.data, grad):
+        if _fused.fuses(self.fused, param.data, grad, state.get("momentum_buffer")):
             self._fused_update(param.data, grad, state)
             return
         if self.weight_decay != 0:

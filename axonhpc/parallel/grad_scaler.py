@@ -178,7 +178,7 @@ class GradScaler:
         together: Dict[Any, List[Any]] = {}
         alone = []
         for g in grads:
-            if fused.joins(None, g, g):
+            if is_cupy_array(g) and fused.joins(None, g, g):  # the device's multi-tensor unscale
                 together.setdefault(g.dtype, []).append(g)
             else:
                 alone.append(g)
