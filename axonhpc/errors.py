@@ -112,6 +112,20 @@ class CollectiveMismatchError(AxonError):
     every rank."""
 
 
+class CollectiveRefusedError(CollectiveMismatchError):
+    """Another rank of the group refused its part of this collective (a bad argument there) before anything was
+    sent; raised on the other ranks, naming the refusing rank and its error, while that rank raises its own.
+
+    Attributes:
+        rank: the world rank of the (first) refusing rank.
+        reason: its error, ``"ShapeError: ..."``.
+    """
+
+    def __init__(self, message: str, rank: int = -1, reason: str = "") -> None:
+        super().__init__(message)
+        self.rank, self.reason = rank, reason
+
+
 class GroupMismatchError(CollectiveMismatchError, ValueError):
     """Ranks passed different arguments to ``new_group``, or some passed arguments ``split`` cannot take;
     raised on every rank of the parent group, naming the ranks and what each passed."""
@@ -214,6 +228,7 @@ __all__ = [
     "UnsupportedDtypeError",
     "SharedMemoryError",
     "CollectiveMismatchError",
+    "CollectiveRefusedError",
     "GroupMismatchError",
     "ModelMismatchError",
     "CollectiveTimeoutError",

@@ -101,8 +101,10 @@ cdef char* _address(cnp.ndarray a):
 
 # -- descriptors (see [Note: agreement on every call]) --------------------------------------
 # The kinds of collective, and the reduce ops by ReduceOp name (0: none).
+# graph: the replay of a CUDA graph's collectives (``collectives.graphed``); refused: a rank that refused its
+# call (a bad argument) before anything was sent, so the others hear it (``collectives.agreement.refused``).
 KINDS = {"all_reduce": 1, "reduce_scatter": 2, "broadcast": 3, "all_gather": 4, "gather": 5, "scatter": 6,
-         "barrier": 7, "graph": 8}  # graph: the replay of a CUDA graph's collectives (``collectives.graphed``)
+         "barrier": 7, "graph": 8, "refused": 9}
 DESC_OPS = {"SUM": 1, "PRODUCT": 2, "MIN": 3, "MAX": 4, "AVG": 5}
 DEVICE = 1 << 24  # the dtype code's flag for an array in GPU memory
 ELSEWHERE = 1 << 25  # this rank only checks the call here; another transport carries it

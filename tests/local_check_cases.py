@@ -12,7 +12,9 @@ import numpy as np
 import pytest
 
 import axonhpc as ax
-from axonhpc.errors import GroupMismatchError, InvalidArgumentError, RankError, ReadOnlyBufferError, ShapeError
+from axonhpc.errors import (CollectiveRefusedError, ConfigurationError, GroupMismatchError, InvalidArgumentError,
+                            NonContiguousBufferError, RankError, ReadOnlyBufferError, ShapeError,
+                            UnsupportedDtypeError)
 
 
 def _in_step(world, group=None):
@@ -177,6 +179,101 @@ def case_blocking_send_to_oneself_is_refused(world):
     work.wait()
     assert got.tolist() == [0.0, 1.0, 2.0]
     _in_step(world)
+
+
+def _one_rank_refuses(world, bad_rank, bad, good, error, match, async_op=False):
+    """Rank ``bad_rank`` makes the call ``bad()``, which fails its own checks; the others make ``good()``.
+
+    The refusing rank raises ``error`` (matching ``match``); every other rank raises
+    ``CollectiveRefusedError`` naming it and its error; nobody is left waiting (issue 42). Shared memory
+    on and off under MPI (threads have none).
+    """
+    routes = ("auto", "off") if world.default_group.backend.name != "local" else ("auto",)
+    for route in routes:
+        ax.settings.shm_collectives = route
+        try:
+            call = bad if world.rank == bad_rank else good
+            expected = error if world.rank == bad_rank or world.world_size == 1 else CollectiveRefusedError
+            with pytest.raises(expected) as info:
+                result = call()
+                if async_op:
+                    result.wait()
+            if expected is error:
+                assert re.search(match, str(info.value)), str(info.value)
+            else:
+                assert info.value.rank == bad_rank, (info.value.rank, str(info.value))
+                assert re.match(r"\w+Error: ", info.value.reason), info.value.reason  # the refusing rank's class
+                assert re.search(match, info.value.reason), info.value.reason
+                assert f"rank {bad_rank} refused its part before anything was sent" in str(info.value)
+            _in_step(world)
+        finally:
+            ax.settings.shm_collectives = "auto"
+
+
+def case_a_refusal_on_one_rank_reaches_every_rank(world):
+    """Every argument the collectives check, refused on one rank alone (the last, then rank 0)."""
+    n = world.world_size
+    for bad_rank in sorted({n - 1, 0}):
+        frozen = np.zeros(4)
+        frozen.flags.writeable = False
+        strided = np.zeros(8)[::2]
+        refusals = [
+            # reduce_scatter: rank 0 with n + 1 elements, the others with 2n (issue 42's example)
+            (lambda: ax.reduce_scatter(np.ones(n + 1)), lambda: ax.reduce_scatter(np.ones(2 * n)),
+             ShapeError, r"first dimension divisible by the group size" if n > 1 else None),
+            (lambda: ax.reduce_scatter(np.ones(2 * n), out=np.empty(3, np.float32)),
+             lambda: ax.reduce_scatter(np.ones(2 * n)), ShapeError, r"out is float32 of shape \(3,\)"),
+            (lambda: ax.all_reduce(frozen), lambda: ax.all_reduce(np.zeros(4)), ReadOnlyBufferError, "read-only"),
+            (lambda: ax.all_reduce(strided), lambda: ax.all_reduce(np.zeros(4)), NonContiguousBufferError,
+             "not C-contiguous"),
+            (lambda: ax.all_reduce(np.zeros(4, dtype=object)), lambda: ax.all_reduce(np.zeros(4)),
+             UnsupportedDtypeError, "dtype object"),
+            (lambda: ax.all_reduce([1.0, 2.0]), lambda: ax.all_reduce(np.zeros(2)), UnsupportedDtypeError,
+             "must be a numpy or cupy array, got builtins.list"),
+            (lambda: ax.all_reduce(np.zeros(4), op="median"), lambda: ax.all_reduce(np.zeros(4)),
+             InvalidArgumentError, "median"),
+            (lambda: ax.all_reduce(np.zeros(4), algorithm="zigzag"), lambda: ax.all_reduce(np.zeros(4)),
+             ConfigurationError, "zigzag"),
+            (lambda: ax.broadcast(np.zeros(4), src=n), lambda: ax.broadcast(np.zeros(4), src=0), RankError,
+             f"broadcast src={n} is out of range"),
+            (lambda: ax.all_gather(np.zeros(2), out=np.empty((n + 1, 2))), lambda: ax.all_gather(np.zeros(2)),
+             ShapeError, "all_gather: out is float64"),
+            (lambda: ax.gather(np.zeros(2), dst=-1), lambda: ax.gather(np.zeros(2), dst=0), RankError,
+             "gather dst=-1 is out of range"),
+            (lambda: ax.scatter(None, src=n + 2), lambda: ax.scatter(np.zeros((n, 2)) if world.rank == 0 else None,
+                                                                     src=0),
+             RankError, f"scatter src={n + 2} is out of range"),
+        ]
+        for bad, good, error, match in refusals:
+            if match is None:
+                continue
+            _one_rank_refuses(world, bad_rank, bad, good, error, match)
+        # The same through the asynchronous path: the others hear it when they wait.
+        _one_rank_refuses(world, bad_rank, lambda: ax.reduce_scatter(np.ones(n + 1), async_op=True),
+                          lambda: ax.reduce_scatter(np.ones(2 * n), async_op=True), ShapeError,
+                          "first dimension divisible" if n > 1 else "^$", async_op=True) if n > 1 else None
+        _one_rank_refuses(world, bad_rank, lambda: ax.all_reduce(frozen, async_op=True),
+                          lambda: ax.all_reduce(np.zeros(4), async_op=True), ReadOnlyBufferError, "read-only",
+                          async_op=True)
+
+
+def case_a_refusal_on_every_rank_raises_each_ranks_own_error(world):
+    n = world.world_size
+    if n == 1:
+        return
+    size = n * (world.rank + 1) + 1  # every rank refuses, each with its own length
+    with pytest.raises(ShapeError, match=rf"input shape \({size},\)"):
+        ax.reduce_scatter(np.ones(size))
+    _in_step(world)
+
+
+def case_a_refusal_under_debug_mode_reaches_every_rank(world):
+    ax.settings.debug = True
+    try:
+        _one_rank_refuses(world, world.world_size - 1, lambda: ax.all_reduce(np.zeros(4), op="median"),
+                          lambda: ax.all_reduce(np.zeros(4)), InvalidArgumentError, "median")
+    finally:
+        ax.settings.debug = False
 
 
 CASES = {name[len("case_"):]: fn for name, fn in sorted(globals().items()) if name.startswith("case_")}

@@ -28,6 +28,20 @@ across the group in the cheapest way the group's transport allows:
   backend (which compares its own calls too, but sees an AVG as the SUM it
   sends and a float16 reduction as the float32 it is widened to).
 
+[Note: a refusal on one rank]
+A call's arguments are checked before anything is sent (shapes, dtypes,
+ranks, buffers), and a check that fails on one rank alone (rank 0 passes 8
+elements to a reduce-scatter over 3 ranks, the others 6) must not leave the
+others waiting in the call. So the refusing rank still takes its place in
+the call's agreement step, with a descriptor that says "refused"
+(``refused``): it numbers the call as the others do, makes the debug
+mode's exchange if that is on, and then the same engine step or MPI check
+the others make. They see a difference and exchange fingerprints, in which
+the refusing rank's carries its error; they raise ``CollectiveRefusedError``
+naming that rank and its error, and the refusing rank raises its own error.
+When every rank refuses alike, the descriptors agree and each raises its
+own error. A call that passes its checks pays nothing for this.
+
 On a difference every rank knows it at the same point, and all of them
 exchange their full fingerprints (the debug mode's: call, dtype, shape, op,
 root and call site) so that each raises the same ``CollectiveMismatchError``
@@ -37,7 +51,7 @@ its exchange in front of every call, with the call sites in the comparison.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, NoReturn, Optional, Tuple
 
 import numpy as np
 
@@ -46,7 +60,7 @@ from .._ext import _shm
 from ..backends.base import ReduceOp, Work
 from ..errors import CollectiveMismatchError, CollectiveTimeoutError
 from ..settings import settings
-from . import fingerprint, shm_path, watch
+from . import fingerprint, flight, shm_path, watch
 from .group_state import state_of
 
 Desc = Tuple[int, int, int, int]
@@ -228,6 +242,44 @@ def _mpi_check(pg: Any) -> Tuple[np.ndarray, Any, Any]:
     return cached
 
 
+def refused(pg: Any, op: str, problem: BaseException, nonblocking: bool = False) -> NoReturn:
+    """This rank refused its call of ``op`` on ``pg`` with ``problem``: tell the group, then raise ``problem``.
+
+    See [Note: a refusal on one rank]. ``nonblocking``: the call would have
+    checked with a nonblocking MPI step (an asynchronous call on host arrays),
+    as the other ranks then do; it must take the same kind of step.
+    """
+    flush(pg)
+    entry = flight.record(pg, op, None, None, None, "refused")
+    seq = pg.seq
+    reason = f"{type(problem).__name__}: {problem}"
+    try:
+        if pg.debug_enabled():  # the others' debug exchange, made before their call is numbered
+            fingerprint.check(pg, op, seq=seq, refused=reason)
+    except CollectiveMismatchError:
+        raise problem from None
+    pg.seq += 1
+    try:
+        def mismatch() -> None:
+            fingerprint.check(pg, op, seq=seq, refused=reason)
+
+        if nonblocking and node_engine(pg) is None and pg.size > 1 and settings.check_collectives:
+            desc = describe("refused")
+            words = np.zeros(8, dtype=np.int64)
+            _shm.put_words(desc, words)
+            watch.wait(pg.backend.host_side().all_reduce(words, ReduceOp.MAX, True), pg.effective_timeout(),
+                       f"{op} #{seq} on group {pg.name} {list(pg.ranks)} (telling the group of a refusal)", None, pg)
+            if not _shm.words_agree(desc, words):
+                mismatch()
+        else:
+            compare(pg, seq, op, lambda elsewhere: describe("refused", elsewhere=elsewhere), mismatch)
+    except (CollectiveMismatchError, CollectiveTimeoutError):
+        pass  # the others raise CollectiveRefusedError naming this rank; or nobody came to hear it
+    if entry is not None:
+        entry[flight.DONE] = True
+    raise problem
+
+
 def refuse(pg: Any, seq: int, op: str, x: Any, reduce: Optional[str], root: Optional[int]) -> None:
     """The ranks disagreed about call ``seq``: raise the same ``CollectiveMismatchError`` on every rank.
 
@@ -243,4 +295,5 @@ def refuse(pg: Any, seq: int, op: str, x: Any, reduce: Optional[str], root: Opti
         f"lies at another offset on some ranks")
 
 
-__all__ = ["describe", "check", "compare", "start_check", "CheckedWork", "refuse", "node_engine", "EngineMismatch"]
+__all__ = ["describe", "check", "compare", "start_check", "CheckedWork", "refuse", "refused", "node_engine",
+           "EngineMismatch"]

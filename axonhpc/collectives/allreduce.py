@@ -18,10 +18,12 @@ import numpy as np
 
 from .._dtypes import array_module, check_array
 from ..backends.base import ReduceOp
+from ..errors import AxonError
 from ..groups import ProcessGroup
+from ..settings import settings
 from . import algorithms
 from . import fast_path
-from .core import _member, checked_all_reduce
+from .core import _member, checked_all_reduce, refused
 
 
 def all_reduce(x, op=ReduceOp.SUM, group: Optional[ProcessGroup] = None, async_op: bool = False,
@@ -50,10 +52,13 @@ def all_reduce(x, op=ReduceOp.SUM, group: Optional[ProcessGroup] = None, async_o
     if (not async_op and algorithm is None
             and fast_path.attempt(fast_path.ALL_REDUCE, x, group, op) is not fast_path.NOT_TAKEN):
         return None
-    op = ReduceOp.parse(op)
     pg = _member(group, "all_reduce")
-    check_array(x, "all_reduce buffer", writable=True)
-    chosen = algorithms.resolve_algorithm(algorithm)
+    try:
+        op = ReduceOp.parse(op)
+        check_array(x, "all_reduce buffer", writable=True)
+        chosen = algorithms.resolve_algorithm(algorithm)
+    except AxonError as exc:  # the others hear it (a non-native algorithm's check is a blocking step)
+        refused(pg, "all_reduce", exc, x, async_op and (algorithm or settings.allreduce_algorithm) == "native")
     if chosen == "native" or pg.size == 1:
         return checked_all_reduce(x, op, pg, async_op)
     return algorithms.run(chosen, x, op, pg, async_op)

@@ -22,15 +22,16 @@ from __future__ import annotations
 
 import importlib
 import time
-from typing import Any, Optional
+from typing import Any, NoReturn, Optional
 
 import numpy as np
 
 from .. import _capture, tracing
 from .._dtypes import array_module, check_array, is_cupy_array, is_low_precision_float
 from ..backends.base import CompletedWork, ReduceOp, Work
-from ..errors import CollectiveTimeoutError, ReadOnlyBufferError, ShapeError
+from ..errors import AxonError, CollectiveTimeoutError, ReadOnlyBufferError, ShapeError
 from ..groups import ProcessGroup, resolve_group
+from ..settings import settings
 from . import agreement, fast_path, fingerprint, flight, graphed, shm_path, staged_path, watch
 from .ring import ring_all_reduce, ring_reduce_scatter
 from .widen import divide_average
@@ -38,6 +39,15 @@ from .widen import divide_average
 
 def _member(group: Optional[ProcessGroup], op: str) -> ProcessGroup:
     return resolve_group(group).require_member(op)
+
+
+def refused(pg: ProcessGroup, op: str, problem: AxonError, x: Any = None, async_op: bool = False) -> NoReturn:
+    """A check of this rank's arguments failed: tell the group's other ranks, then raise ``problem``.
+
+    See [Note: a refusal on one rank] in ``agreement``. An asynchronous call on host arrays would have
+    been compared with a nonblocking step (not in deterministic mode, which compares before its ring).
+    """
+    agreement.refused(pg, op, problem, nonblocking=async_op and not is_cupy_array(x) and not settings.deterministic)
 
 
 # Why a route cannot be captured in a CUDA graph (see [Note: collectives in a graph] in ``graphed``).
@@ -200,9 +210,12 @@ def all_reduce(x, op=ReduceOp.SUM, group: Optional[ProcessGroup] = None, async_o
     """
     if not async_op and fast_path.attempt(fast_path.ALL_REDUCE, x, group, op) is not fast_path.NOT_TAKEN:
         return None
-    op = ReduceOp.parse(op)
     pg = _member(group, "all_reduce")
-    check_array(x, "all_reduce buffer", writable=True)
+    try:
+        op = ReduceOp.parse(op)
+        check_array(x, "all_reduce buffer", writable=True)
+    except AxonError as exc:
+        refused(pg, "all_reduce", exc, x, async_op)
     return checked_all_reduce(x, op, pg, async_op)
 
 
@@ -274,15 +287,18 @@ def reduce_scatter(x, op=ReduceOp.SUM, group: Optional[ProcessGroup] = None, asy
         part = fast_path.attempt(fast_path.REDUCE_SCATTER, x, group, op, out=out)
         if part is not fast_path.NOT_TAKEN:
             return part
-    op = ReduceOp.parse(op)
     pg = _member(group, "reduce_scatter")
-    check_array(x, "reduce_scatter input")
-    if x.ndim == 0 or x.shape[0] % pg.size != 0:
-        raise ShapeError(
-            f"reduce_scatter: input shape {tuple(x.shape)} must have a first dimension divisible by the "
-            f"group size {pg.size}" + ("" if x.ndim == 0 else f" ({x.shape[0]} % {pg.size} = {x.shape[0] % pg.size})")
-        )
-    out = _result_buffer(x, out, (x.shape[0] // pg.size,) + tuple(x.shape[1:]), "reduce_scatter", "this rank's part")
+    try:
+        op = ReduceOp.parse(op)
+        check_array(x, "reduce_scatter input")
+        if x.ndim == 0 or x.shape[0] % pg.size != 0:
+            raise ShapeError(
+                f"reduce_scatter: input shape {tuple(x.shape)} must have a first dimension divisible by the group "
+                f"size {pg.size}" + ("" if x.ndim == 0 else f" ({x.shape[0]} % {pg.size} = {x.shape[0] % pg.size})"))
+        out = _result_buffer(x, out, (x.shape[0] // pg.size,) + tuple(x.shape[1:]), "reduce_scatter",
+                             "this rank's part")
+    except AxonError as exc:
+        refused(pg, "reduce_scatter", exc, x, async_op)
     graphed.admit(pg, "reduce_scatter", x, _OP_NAMES[op],
                   why_not=_RING_IN_GRAPH if shm_path.fixed_order(x, op) else None)
     label = _start(pg, "reduce_scatter", x, op)
@@ -328,14 +344,17 @@ def broadcast(x, src: int = 0, group: Optional[ProcessGroup] = None, async_op: b
     if not async_op and fast_path.attempt(fast_path.BROADCAST, x, group, root=src) is not fast_path.NOT_TAKEN:
         return None
     pg = _member(group, "broadcast")
-    src = pg.check_rank(src, "broadcast src")
-    if isinstance(x, np.ndarray) and not x.flags.writeable:
-        role = " (the source)" if pg.rank == src else ""
-        raise ReadOnlyBufferError(
-            f"broadcast buffer ({x.dtype} array of shape {x.shape}) on group rank {pg.rank}{role} of group "
-            f"{pg.name} is read-only; a broadcast buffer must be writable on every rank, the source included "
-            f"(src={src}), so that every rank refuses it alike before anything is sent")
-    check_array(x, "broadcast buffer", writable=True)
+    try:
+        src = pg.check_rank(src, "broadcast src")
+        if isinstance(x, np.ndarray) and not x.flags.writeable:
+            role = " (the source)" if pg.rank == src else ""
+            raise ReadOnlyBufferError(
+                f"broadcast buffer ({x.dtype} array of shape {x.shape}) on group rank {pg.rank}{role} of group "
+                f"{pg.name} is read-only; a broadcast buffer must be writable on every rank, the source included "
+                f"(src={src}), so that every rank refuses it alike before anything is sent")
+        check_array(x, "broadcast buffer", writable=True)
+    except AxonError as exc:
+        refused(pg, "broadcast", exc, x, async_op)
     graphed.admit(pg, "broadcast", x, root=src)
     label = _start(pg, "broadcast", x, root=src)
     backend = pg.backend
@@ -367,8 +386,11 @@ def all_gather(x, group: Optional[ProcessGroup] = None, async_op: bool = False, 
         if result is not fast_path.NOT_TAKEN:
             return result
     pg = _member(group, "all_gather")
-    check_array(x, "all_gather input")
-    out = _result_buffer(x, out, (pg.size,) + tuple(x.shape), "all_gather", "the result")
+    try:
+        check_array(x, "all_gather input")
+        out = _result_buffer(x, out, (pg.size,) + tuple(x.shape), "all_gather", "the result")
+    except AxonError as exc:
+        refused(pg, "all_gather", exc, x, async_op)
     graphed.admit(pg, "all_gather", x)
     label = _start(pg, "all_gather", x)
     node = shm_path.path(pg, x, "all_gather", reduction=False)
@@ -386,8 +408,11 @@ def gather(x, dst: int = 0, group: Optional[ProcessGroup] = None, async_op: bool
         On ``dst`` an array of shape ``(size, *x.shape)``; None elsewhere.
     """
     pg = _member(group, "gather")
-    dst = pg.check_rank(dst, "gather dst")
-    check_array(x, "gather input")
+    try:
+        dst = pg.check_rank(dst, "gather dst")
+        check_array(x, "gather input")
+    except AxonError as exc:
+        refused(pg, "gather", exc, x, async_op)
     graphed.admit(pg, "gather", x, root=dst, why_not="NCCL has no gather (it is grouped sends and receives, "
                                                      "which axonhpc does not capture)")
     out = array_module(x).empty((pg.size,) + tuple(x.shape), dtype=x.dtype) if pg.rank == dst else None
@@ -417,7 +442,10 @@ def scatter(x, src: int = 0, group: Optional[ProcessGroup] = None, async_op: boo
     from .._dtypes import supported_dtypes
 
     pg = _member(group, "scatter")
-    src = pg.check_rank(src, "scatter src")
+    try:
+        src = pg.check_rank(src, "scatter src")
+    except AxonError as exc:
+        refused(pg, "scatter", exc)  # the others' check before the header hears it (a blocking step)
     graphed.admit(pg, "scatter", None, root=src, why_not="the part's shape travels first in a host message, and "
                                                          "NCCL has no scatter (grouped sends and receives)")
     backend = pg.backend

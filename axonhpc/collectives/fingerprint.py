@@ -21,7 +21,7 @@ from typing import Any, Optional
 import numpy as np
 
 from .._dtypes import is_cupy_array
-from ..errors import CollectiveMismatchError
+from ..errors import CollectiveMismatchError, CollectiveRefusedError
 from .group_state import private_channel
 
 _SLOT = 512  # bytes per rank in the exchanged table
@@ -40,7 +40,9 @@ def caller_location() -> str:
 
 
 def describe(fp: dict) -> str:
-    """'all_reduce float32 (17, 17) op=SUM at train.py:42'."""
+    """'all_reduce float32 (17, 17) op=SUM at train.py:42' (or what a refusing rank refused)."""
+    if fp.get("refused"):
+        return f"{fp['op']} at {fp['where']} (call #{fp['seq']}) and refused it: {fp['refused']}"
     parts = [fp["op"]]
     if fp.get("dtype"):
         parts.append(fp["dtype"])
@@ -58,7 +60,11 @@ def describe_call(op: str, x: Any = None, reduce: Optional[str] = None, root: Op
     return describe(_fingerprint(op, x, reduce, root, 0, "")).rsplit(" at ", 1)[0]
 
 
-def _fingerprint(op: str, x: Any, reduce: Optional[str], root: Optional[int], seq: int, where: str) -> dict:
+def _fingerprint(op: str, x: Any, reduce: Optional[str], root: Optional[int], seq: int, where: str,
+                 refused: Optional[str] = None) -> dict:
+    if refused is not None:  # the array may be anything (it was refused): the call and the reason only
+        return {"seq": seq, "op": op, "dtype": None, "shape": None, "reduce": None, "root": None, "where": where,
+                "refused": refused}
     return {
         "seq": seq,
         "op": op,
@@ -72,20 +78,32 @@ def _fingerprint(op: str, x: Any, reduce: Optional[str], root: Optional[int], se
     }
 
 
+def _encoded(fp: dict) -> bytes:
+    """``fp`` as JSON in at most ``_SLOT`` bytes: a refusal's reason is shortened until it fits."""
+    raw = json.dumps(fp).encode()
+    while len(raw) > _SLOT and fp.get("refused"):
+        fp["refused"] = fp["refused"][:max(0, len(fp["refused"]) - (len(raw) - _SLOT) - 4)] + "..."
+        raw = json.dumps(fp).encode()
+    return raw[:_SLOT]
+
+
 def check(group, op: str, x: Any = None, reduce: Optional[str] = None, root: Optional[int] = None,
-          seq: Optional[int] = None) -> None:
+          seq: Optional[int] = None, refused: Optional[str] = None) -> None:
     """Compare this collective's fingerprint across the group; raise on any difference.
 
     ``seq``: the call's number (default: the group's next, as the debug mode
-    checks a call before it is numbered).
+    checks a call before it is numbered). ``refused``: this rank refused the
+    call, for this reason (``agreement.refused``); the others then raise
+    ``CollectiveRefusedError`` naming it.
 
     Raises:
+        CollectiveRefusedError: on every rank, if some ranks refused the call and others did not.
         CollectiveMismatchError: on every rank, if any rank's call differs.
     """
     side = private_channel(group, "debug")
     seq = group.seq if seq is None else seq
-    fp = _fingerprint(op, x, reduce, root, seq, caller_location())
-    raw = json.dumps(fp).encode()[:_SLOT]
+    fp = _fingerprint(op, x, reduce, root, seq, caller_location(), refused)
+    raw = _encoded(fp)
     mine = np.zeros(_SLOT, dtype=np.uint8)
     mine[: len(raw)] = np.frombuffer(raw, dtype=np.uint8)
     table = np.empty((group.size, _SLOT), dtype=np.uint8)
@@ -99,9 +117,14 @@ def check(group, op: str, x: Any = None, reduce: Optional[str] = None, root: Opt
         label = f"{op} #{seq} on group {group.name} {list(group.ranks)} (debug fingerprint exchange)"
         watch.wait(side.all_gather(mine, table, async_op=True), timeout, label, arrivals, group)
     prints = [json.loads(bytes(row).rstrip(b"\0").decode()) for row in table]
-    keys = {tuple(json.dumps(p.get(k)) for k in _COMPARED) for p in prints}
+    keys = {tuple(json.dumps(p.get(k)) for k in _COMPARED) + (bool(p.get("refused")),) for p in prints}
     if len(keys) > 1:
         lines = ", ".join(f"rank {group.ranks[i]} called {describe(p)}" for i, p in enumerate(prints))
+        refusing = [(group.ranks[i], p["refused"]) for i, p in enumerate(prints) if p.get("refused")]
+        if refusing:  # a bad argument on some ranks, seen there before anything was sent: no dump
+            rank, reason = refusing[0]
+            raise CollectiveRefusedError(f"{op} #{seq} on group {group.name} {list(group.ranks)}: rank {rank} "
+                                         f"refused its part before anything was sent: {lines}", rank, reason)
         from . import flight
 
         flight.dump(f"collective mismatch on group {group.name}", group.world.rank)
