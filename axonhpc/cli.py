@@ -15,7 +15,7 @@ import os
 import re
 import subprocess
 import sys
-from typing import List, Optional
+from typing import List, NoReturn, Optional
 
 from .errors import AxonError
 from .mpiexec import NOT_FOUND, find_mpiexec, launch_command, mpiexec_flavour
@@ -170,7 +170,8 @@ def _add_slurm_parser(sub) -> None:
     # Values stay strings here: SlurmOptions validates them, with the messages the library gives.
     p.add_argument("template", help="template name (e.g. cpu-ddp) or path")
     p.add_argument("--nodes", required=True, metavar="N", help="nodes to allocate")
-    p.add_argument("--tasks-per-node", required=True, metavar="K", help="ranks per node")
+    p.add_argument("--tasks-per-node", "--ntasks-per-node", dest="tasks_per_node", required=True, metavar="K",
+                   help="ranks per node (--ntasks-per-node, SLURM's spelling, works too)")
     p.add_argument("--gpus-per-node", metavar="G", help="GPUs per node (gpu template: one rank per GPU)")
     p.add_argument("--cpus-per-task", metavar="C", help="cores per rank; OMP_NUM_THREADS follows it")
     p.add_argument("--time", metavar="HH:MM:SS", help="time limit, HH:MM:SS (or MM, MM:SS, D-HH[:MM[:SS]])")
@@ -206,9 +207,22 @@ def _split_script_words(argv: List[str]):
     return argv, None
 
 
+class _Parser(argparse.ArgumentParser):
+    """A subcommand's parser whose errors may end with a ``hint`` (what the user probably meant)."""
+
+    def __init__(self, *args, hint: Optional[str] = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.hint = hint
+
+    def error(self, message: str) -> NoReturn:
+        self.print_usage(sys.stderr)
+        extra = f"{self.prog}: {self.hint}\n" if self.hint else ""
+        self.exit(2, f"{self.prog}: error: {message}\n{extra}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="axonhpc", description="MPI-native distributed training for HPC clusters")
-    sub = parser.add_subparsers(dest="cmd", required=True)
+    sub = parser.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
     p = sub.add_parser("info", help="MPI vendor and version, thread level, GPU libraries, ranks and nodes")
     p.add_argument("--json", action="store_true",
                    help="print every rank's facts as JSON: one object per line, one line per rank in rank order, "
@@ -226,8 +240,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("directory", help="the AXONHPC_TIMELINE_DIR of the job (timeline-rank*.json)")
     p.add_argument("-o", "--output", default=None, help="the merged file (default DIR/timeline.json)")
     p.set_defaults(func=_cmd_timeline)
-    p = sub.add_parser("launch", help="run a script on N ranks with mpiexec")
-    p.add_argument("-n", "--np", dest="n", type=int, required=True, help="number of ranks")
+    p = sub.add_parser("launch", help="run a script on N ranks with mpiexec",
+                       hint="the script and its arguments go after the options and a --: "
+                            "axonhpc launch -n 2 -- train.py --epochs 3")
+    p.add_argument("-n", "-np", "--np", dest="n", type=int, required=True,
+                   help="number of ranks (-np, mpiexec's spelling, works too)")
     p.add_argument("--hosts", default=None, help="comma-separated host list passed to mpiexec")
     p.add_argument("-v", "--verbose", action="store_true", help="print the mpiexec command")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- script.py args...")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import platform
 import sys
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 import numpy as np
 
@@ -20,7 +20,7 @@ from .backends.cuda_driver import (
     read_driver,
     version_text,
 )
-from .backends.devices import device_facts
+from .backends.devices import GPU_EXTRA_HINT, device_facts
 from .groups import is_initialized, current_world
 from .groups.device_path import device_report
 from .threads import current_plan, plan_threads
@@ -77,17 +77,25 @@ def _gpu_facts() -> Dict[str, Any]:
     }
     problems = list(facts.problems) + gpu_stack_problems(driver.version, cupy_packages)
     if problems:
-        out["gpu_problems"] = "; ".join(problems)
+        out["gpu_problems"] = _concrete("; ".join(problems), out["gpu_extra"])
     return out
 
 
-def _device_path() -> Dict[str, Any]:
+def _concrete(text: str, extra: Optional[str]) -> str:
+    """``text`` with the generic install hint (which sends the reader to this command) made concrete: the
+    extra for this machine's CUDA driver, or that there is no GPU here."""
+    hint = (f"pip install axonhpc[{extra}] for this machine's CUDA driver" if extra
+            else "no CUDA driver on this machine: the device path needs a GPU node")
+    return text.replace(GPU_EXTRA_HINT, hint)
+
+
+def _device_path(extra: Optional[str]) -> Dict[str, Any]:
     """What init decided: the backend for device arrays and this rank's device."""
     report = device_report()
     choice, binding = report.get("choice"), report.get("binding")
     out: Dict[str, Any] = {}
     if choice is not None:
-        out["device_arrays"] = f"{choice.device or choice.host}: {choice.reason}"
+        out["device_arrays"] = _concrete(f"{choice.device or choice.host}: {choice.reason}", extra)
     if binding is not None:
         physical = f", CUDA_VISIBLE_DEVICES entry {binding.physical}" if binding.physical else ""
         out["device"] = f"cuda:{binding.index}{physical} ({binding.reason})"
@@ -118,7 +126,7 @@ def info() -> Dict[str, Any]:
             node_rank=world.node_rank,
             num_nodes=world.num_nodes,
         )
-        facts.update(_device_path())
+        facts.update(_device_path(facts.get("gpu_extra")))
         facts["threads"] = _thread_fact(world)
     return facts
 

@@ -41,8 +41,16 @@ def set_rank_source(source: Callable[[], Optional[Tuple[int, int]]]) -> None:
     _rank_source = source
 
 
+def world_facts() -> Optional[Tuple[int, int]]:
+    """``(rank, world size)`` of the caller's world (a ``run_local`` thread's own), or None before ``ax.init``.
+
+    For the layers that may not import the groups (``data``'s sampler); it never builds a world.
+    """
+    return _rank_source() if _rank_source is not None else None
+
+
 def _rank() -> Tuple[Optional[int], Optional[int]]:
-    facts = _rank_source() if _rank_source is not None else None
+    facts = world_facts()
     if facts is not None:
         return facts
     env = launcher_env()
@@ -111,4 +119,4 @@ def get_logger(name: Optional[str] = None) -> logging.Logger:
     return logging.getLogger(name if name.startswith(LOGGER_NAME + ".") else f"{LOGGER_NAME}.{name}")
 
 
-__all__ = ["get_logger", "set_rank_source", "LOGGER_NAME"]
+__all__ = ["get_logger", "set_rank_source", "world_facts", "LOGGER_NAME"]

@@ -39,12 +39,15 @@ class ReduceOp(enum.Enum):
 
     @classmethod
     def parse(cls, op: Any) -> "ReduceOp":
-        """Accept a ReduceOp or its name in any case ("sum", "AVG").
+        """Accept a ReduceOp or its name in any case ("sum", "AVG"); "mean" and "average" are AVG, "prod" PRODUCT.
 
         Raises:
             UnknownChoiceError: ``op`` names no reduce op (an ``InvalidArgumentError``).
         """
-        return parse_choice(cls, op, "reduce op")
+        return parse_choice(cls, op, "reduce op", _OP_ALIASES)
+
+
+_OP_ALIASES = {"mean": "AVG", "average": "AVG", "prod": "PRODUCT"}  # spellings users already type
 
 
 class Work:

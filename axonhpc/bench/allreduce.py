@@ -258,13 +258,13 @@ def run_fusion(count: int, nbytes: int, rounds: int) -> dict:
 def format_table(rows: List[dict], n: int) -> str:
     lines = [f"# all_reduce, float32, in place, {n} ranks, medians (ratio = raw time / our time; of bound = "
              f"copyto time / our time)",
-             f"{'size':>10} {'ours us':>10} {'raw us':>10} {'MPI path us':>12} {'ours algbw':>11} {'raw algbw':>10} "
-             f"{'ours busbw':>11} {'raw busbw':>10} {'ratio':>6} {'copyto GB/s':>12} {'of bound':>9}"]
+             f"{'size':>10} {'ours us':>10} {'raw us':>10} {'MPI path us':>12} {'ours algbw':>13} {'raw algbw':>12} "
+             f"{'ours busbw':>13} {'raw busbw':>12} {'ratio':>6} {'copyto GB/s':>12} {'of bound':>9}"]
     for r in rows:
         lines.append(f"{human_bytes(r['bytes']):>10} {r['ours_us']:>10.1f} {r['raw_us']:>10.1f} "
-                     f"{r['mpi_path_us']:>12.1f} {r['ours_algbw']:>9.2f}GB {r['raw_algbw']:>8.2f}GB "
-                     f"{r['ours_busbw']:>9.2f}GB {r['raw_busbw']:>8.2f}GB {r['ratio']:>6.2f} {r['copy_gbs']:>12.2f} "
-                     f"{r['of_bound']:>8.0%}")
+                     f"{r['mpi_path_us']:>12.1f} {r['ours_algbw']:>8.2f} GB/s {r['raw_algbw']:>7.2f} GB/s "
+                     f"{r['ours_busbw']:>8.2f} GB/s {r['raw_busbw']:>7.2f} GB/s {r['ratio']:>6.2f} "
+                     f"{r['copy_gbs']:>12.2f} {r['of_bound']:>8.0%}")
     return "\n".join(lines)
 
 

@@ -119,7 +119,13 @@ def _install_signal() -> None:
     previous = signal.getsignal(number)
 
     def handler(signum: int, frame: Any) -> None:
-        dump(f"signal {name}")
+        path = dump(f"signal {name}")
+        if path is not None:  # say where: the folder is the user's working directory by default
+            from ..log import get_logger
+
+            directory = os.path.dirname(os.path.abspath(path))
+            get_logger("flight").warning(f"{name}: wrote the flight recorder to {path} (AXONHPC_FLIGHT_DIR; "
+                                         f"merge every rank's with: axonhpc doctor {directory})")
         if callable(previous):
             previous(signum, frame)
 

@@ -11,11 +11,12 @@ rules are the same.
 from __future__ import annotations
 
 import math
-from typing import Iterator
+from typing import Iterator, Optional
 
 import numpy as np
 
 from ..errors import ArgumentTypeError, ConfigurationError, RankError
+from ..log import world_facts
 
 
 def _check_int(name: str, value: object) -> int:
@@ -35,20 +36,30 @@ class DistributedSampler:
 
     Args:
         n: dataset length.
-        num_replicas: number of ranks sharing the data (the data-parallel group size).
-        rank: this rank in [0, num_replicas).
+        num_replicas: number of ranks sharing the data (the data-parallel group size); None: the
+            current world's size, as PyTorch takes the default group's (pass the dp group's size
+            under a mesh with tensor or pipeline parallelism).
+        rank: this rank in [0, num_replicas); None: this rank in the current world.
         shuffle: permute the indices each epoch (seed + epoch), the same way on every rank.
         seed: base seed; must be the same on every rank.
         drop_last: drop the tail instead of padding.
 
     Raises:
         RankError: ``rank`` outside [0, num_replicas).
-        ConfigurationError: ``n`` < 0 or ``num_replicas`` < 1.
+        ConfigurationError: ``n`` < 0 or ``num_replicas`` < 1, or ``num_replicas`` or ``rank`` left out
+            before ``ax.init()``.
         TypeError: a non-integer ``n``, ``num_replicas``, ``rank`` or ``seed``.
     """
 
-    def __init__(self, n: int, num_replicas: int, rank: int, shuffle: bool = True, seed: int = 0,
-                 drop_last: bool = False) -> None:
+    def __init__(self, n: int, num_replicas: Optional[int] = None, rank: Optional[int] = None,
+                 shuffle: bool = True, seed: int = 0, drop_last: bool = False) -> None:
+        if num_replicas is None or rank is None:
+            facts = world_facts()
+            if facts is None:
+                raise ConfigurationError("DistributedSampler needs num_replicas and rank, or a world to take them "
+                                         "from: call ax.init() first")
+            rank = facts[0] if rank is None else rank
+            num_replicas = facts[1] if num_replicas is None else num_replicas
         n = _check_int("n", n)
         num_replicas = _check_int("num_replicas", num_replicas)
         rank = _check_int("rank", rank)

@@ -1,6 +1,7 @@
 """The current world: ``init``, ``run_local``, and ending the job on an uncaught error."""
 from __future__ import annotations
 
+import numbers
 import sys
 import threading
 import time
@@ -8,7 +9,7 @@ import traceback
 from typing import Any, Callable, List, Optional, Tuple
 
 from .. import tracing
-from ..errors import ConfigurationError, InvalidGroupError
+from ..errors import ArgumentTypeError, ConfigurationError, InvalidGroupError
 from ..log import get_logger, set_rank_source
 from ..settings import BACKENDS, settings
 from ..threads import apply_plan, plan_threads
@@ -51,7 +52,7 @@ def init(comm=None, backend: Optional[str] = None, debug: Optional[bool] = None,
             in-process rank; use ``run_local`` for more). Default:
             ``ax.settings.backend``. See ``groups.device_path`` and docs/gpu.md.
         debug: overrides ``ax.settings.debug``.
-        timeout: overrides ``ax.settings.timeout`` (seconds; None keeps it).
+        timeout: overrides ``ax.settings.timeout``: seconds, 0 for none (None keeps it).
 
     A world of MPI ranks sizes each rank's BLAS/OpenMP thread pools to its
     share of the node's cores unless the user set ``OMP_NUM_THREADS`` (or
@@ -60,9 +61,17 @@ def init(comm=None, backend: Optional[str] = None, debug: Optional[bool] = None,
 
     Raises:
         BackendUnavailableError: the requested backend cannot work here.
-        ConfigurationError: unknown backend name (also a ``ValueError``).
+        ConfigurationError: unknown backend name (also a ``ValueError``), or a negative ``timeout``.
+        ArgumentTypeError: a ``timeout`` that is not a number.
     """
     global _global_world
+    if timeout is not None:
+        if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
+            raise ArgumentTypeError(f"init(timeout={timeout!r}): the timeout is a number of seconds (or None to "
+                                    f"keep ax.settings.timeout), got {type(timeout).__name__}")
+        if not timeout >= 0 or timeout == float("inf"):
+            raise ConfigurationError(f"init(timeout={timeout!r}) must be a positive number of seconds, or 0 for no "
+                                     f"timeout (AXONHPC_TIMEOUT takes the same)")
     if debug is not None:
         settings.debug = bool(debug)
     if timeout is not None:

@@ -21,7 +21,7 @@ from .embedding import Embedding
 from .linear import Linear
 from .loss import CrossEntropyLoss, MSELoss
 from .matmul import apply_matmul_precision
-from .module import IncompatibleKeys, Module, call_backward
+from .module import IncompatibleKeys, Module, call_backward, require_module
 from .normalization import LayerNorm
 from .parameter import Parameter, RemovableHandle
 from .transformer import GPT, TransformerBlock
@@ -31,6 +31,7 @@ __all__ = [
     "RemovableHandle",
     "Module",
     "call_backward",
+    "require_module",
     "IncompatibleKeys",
     "Sequential",
     "Linear",

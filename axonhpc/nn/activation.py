@@ -39,6 +39,8 @@ class ReLU(Module):
     On cupy float32/float64 arrays the forward is one kernel (``nn.kernels``).
     """
 
+    takes_arrays = True
+
     def forward(self, x: Any) -> Any:
         """Apply ReLU element-wise."""
         if kernels.takes_kernels(x):
@@ -65,6 +67,8 @@ class ReLU(Module):
 
 class Tanh(Module):
     """Hyperbolic tangent (on cupy float32/float64 arrays the backward is one kernel)."""
+
+    takes_arrays = True
 
     def forward(self, x: Any) -> Any:
         """Apply tanh element-wise."""
@@ -96,6 +100,8 @@ class GELU(Module):
     Raises:
         ConfigurationError: another ``approximate`` value.
     """
+
+    takes_arrays = True
 
     def __init__(self, approximate: str = "none") -> None:
         super().__init__()

@@ -109,6 +109,8 @@ class MultiHeadAttention(Module):
         ConfigurationError: ``num_heads`` does not divide ``embed_dim``, or a non-positive size.
     """
 
+    takes_arrays = True
+
     def __init__(self, embed_dim: int, num_heads: int, bias: bool = True, causal: bool = False,
                  dtype: Any = np.float32, seed: _init.SeedLike = None) -> None:
         super().__init__()

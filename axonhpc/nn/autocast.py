@@ -165,11 +165,16 @@ def linear_product(x: Any, weight: Any) -> Tuple[Any, Tuple[Any, Any, Any]]:
         ``(y, saved)``: y (..., out) in the compute dtype, and the tuple the backward helpers
         below take. Only a cast weight is saved: the parameter's own array may be
         resharded (FSDP) before backward, which then reads the parameter again.
+
+    Outside autocast the product runs in the weight's dtype: an input of another dtype
+    (float64 data into a float32 model, integers) is cast to it, as autocast casts what it
+    lowers, and its gradient comes back in the input's dtype (a cast's backward).
     """
     dtype = autocast_dtype()
     w = lower(weight, dtype)
-    if w is weight:  # no autocast, or a float64 weight: full precision
-        return matmul_2d(x, weight.T), (x, None, x.dtype)
+    if w is weight:  # no autocast, or a float64 weight: full precision, in the weight's dtype
+        xc = x if x.dtype == weight.dtype else x.astype(weight.dtype)  # float64 data into a float32 model
+        return matmul_2d(xc, weight.T), (xc, None, x.dtype)
     xc = lower(x, dtype, keep_float64=False)
     return product(xc, w.T, dtype), (xc, w, x.dtype)
 
@@ -190,7 +195,7 @@ def linear_input_grad(grad_out: Any, saved: Tuple[Any, Any, Any], weight: Any) -
     """
     w, x_dtype = saved[1], saved[2]
     if w is None:
-        return matmul_2d(grad_out, weight.data)
+        return like(matmul_2d(grad_out, weight.data), x_dtype)
     return like(matmul_2d(grad_out, w), x_dtype)
 
 

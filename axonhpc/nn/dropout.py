@@ -42,6 +42,8 @@ class Dropout(Module):
         ConfigurationError: ``p`` outside [0, 1].
     """
 
+    takes_arrays = True
+
     def __init__(self, p: float = 0.5, seed: _init.SeedLike = 0) -> None:
         super().__init__()
         if not 0.0 <= p <= 1.0:

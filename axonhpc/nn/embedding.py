@@ -39,6 +39,8 @@ class Embedding(Module):
         ConfigurationError: a non-positive size.
     """
 
+    takes_arrays = True
+
     def __init__(self, num_embeddings: int, embedding_dim: int, dtype: Any = np.float32,
                  seed: _init.SeedLike = None) -> None:
         super().__init__()

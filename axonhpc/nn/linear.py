@@ -42,6 +42,8 @@ class Linear(Module):
         ConfigurationError: a negative size or an unknown activation.
     """
 
+    takes_arrays = True
+
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  dtype: Any = np.float32, seed: _init.SeedLike = None, activation: Optional[str] = None) -> None:
         super().__init__()

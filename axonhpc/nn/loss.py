@@ -58,6 +58,8 @@ class CrossEntropyLoss(Module):
     the fused cross-entropy] in ``nn.kernels``).
     """
 
+    takes_arrays = True
+
     def forward(self, logits: Any, targets: Any) -> float:
         """Compute the loss.
 
@@ -158,6 +160,8 @@ class CrossEntropyLoss(Module):
 
 class MSELoss(Module):
     """Mean over all elements of (prediction - target)^2."""
+
+    takes_arrays = True
 
     def forward(self, prediction: Any, target: Any) -> float:
         """Compute the loss.

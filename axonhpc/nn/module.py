@@ -438,8 +438,16 @@ class Module:
 
     # ------------------------------------------------------------------ forward / backward
 
+    # The built-in layers take arrays: ``__call__`` refuses anything else with the message a user can act on
+    # (a list reached ``x.ndim`` and failed with an AttributeError). User modules may take what they like.
+    takes_arrays = False
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         sync_matmul_precision()  # settings.allow_tf32 reaches cupy before the products run
+        if self.takes_arrays and args and not isinstance(args[0], np.ndarray) and not is_cupy_array(args[0]):
+            raise ArgumentTypeError(f"{type(self).__name__} takes a numpy or cupy array, got "
+                                    f"{type(args[0]).__module__}.{type(args[0]).__name__}; pass np.asarray(x) "
+                                    f"(of the model's dtype, e.g. np.float32)")
         return self.forward(*args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -530,4 +538,16 @@ class Module:
         return "\n".join(lines)
 
 
-__all__ = ["Module", "IncompatibleKeys", "call_backward"]
+def require_module(obj: Any, who: str) -> "Module":
+    """``obj`` when it is an ``nn.Module``.
+
+    Raises:
+        ArgumentTypeError: anything else, naming its type (a wrapper given an array reached
+            ``named_parameters`` and failed with an AttributeError).
+    """
+    if not isinstance(obj, Module):
+        raise ArgumentTypeError(f"{who} wraps an axonhpc.nn.Module, got {type(obj).__module__}.{type(obj).__name__}")
+    return obj
+
+
+__all__ = ["Module", "IncompatibleKeys", "call_backward", "require_module"]

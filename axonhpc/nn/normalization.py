@@ -29,6 +29,8 @@ class LayerNorm(Module):
         ConfigurationError: an empty or non-positive ``normalized_shape``, or eps < 0.
     """
 
+    takes_arrays = True
+
     def __init__(self, normalized_shape: Union[int, Sequence[int]], eps: float = 1e-5,
                  elementwise_affine: bool = True, dtype: Any = np.float32) -> None:
         super().__init__()

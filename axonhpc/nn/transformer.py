@@ -58,6 +58,8 @@ class TransformerBlock(Module):
         ConfigurationError: a non-positive size, ``heads`` not dividing ``width``, or dropout outside [0, 1].
     """
 
+    takes_arrays = True
+
     def __init__(self, width: int, heads: int, mlp_ratio: int = 4, dropout: float = 0.0, causal: bool = True,
                  dtype: Any = np.float32, seed: _init.SeedLike = None) -> None:
         super().__init__()
@@ -140,6 +142,8 @@ class GPT(Module):
             or ``tie_weights`` on a part without both the embedding and the head (and the
             blocks' own checks).
     """
+
+    takes_arrays = True
 
     def __init__(self, vocab_size: int, context: int, width: int, heads: int, layers: int, dropout: float = 0.0,
                  tie_weights: bool = False, mlp_ratio: int = 4, dtype: Any = np.float32,

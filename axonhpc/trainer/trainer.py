@@ -365,7 +365,9 @@ class DistributedTrainer:
         epoch, skip = int(where["epoch"]), int(where["step_in_epoch"])
         if skip >= plan.per_epoch:
             epoch, skip = epoch + 1, 0
-        self._say(f"resuming from {last} (epoch {epoch}" + (f", step {skip} of {plan.per_epoch})" if skip else ")"))
+        # Epochs are counted from 1 in every line the trainer prints ("epoch   3 ..."), here too.
+        self._say(f"resuming from {last} at epoch {epoch + 1}/{plan.epochs}"
+                  + (f", step {skip + 1} of {plan.per_epoch}" if skip else ""))
         return epoch, skip
 
     def _train_epoch(self, plan: "_Plan", loader: DataLoader, epoch: int, skip: int) -> Optional[float]:

@@ -64,7 +64,7 @@ from ...errors import (ArgumentTypeError, AxonError, ConfigurationError, Gradien
                       UnusedParameterError)
 from ...buffers import HOST, flat_ops_for
 from ...groups import resolve_group
-from ...nn import call_backward
+from ...nn import Module, call_backward, require_module
 from .autotune import bucket_bytes
 from .buckets import Bucket, shared_flats
 from .join import Joiner
@@ -117,9 +117,10 @@ class DistributedDataParallel(WrapperModes):
             raise ConfigurationError(f"bucket_size_mb must be positive, 'auto' or None, got {bucket_size_mb!r}")
         self.strategy = GradSyncStrategy.parse(strategy)
         self.group = resolve_group(group).require_member("DDP")
-        named = list(module.named_parameters())
+        named = list(module.named_parameters()) if isinstance(module, Module) else []
         problem = None
         try:
+            require_module(module, "DDP")
             if not named:
                 raise ConfigurationError(f"DDP needs a module with parameters; {type(module).__name__} has none")
             # Host or device buffers, chosen once; a model in both kinds of memory is refused here.

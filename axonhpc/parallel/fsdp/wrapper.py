@@ -28,7 +28,7 @@ import numpy as np
 from ...buffers import flat_ops_for
 from ...errors import ArgumentTypeError, AxonError, ConfigurationError
 from ...groups import resolve_group
-from ...nn import call_backward
+from ...nn import Module, call_backward, require_module
 from .flat_param import FlatUnit, Placement, share_shards
 from .config import CPUOffload, MixedPrecision, ShardingStrategy, cast, is_floating
 from .clip import clip_grad_norm
@@ -90,10 +90,11 @@ class FullyShardedDataParallel(WrapperModes):
             if isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or ranks_per_node < 1:
                 raise ConfigurationError(f"ranks_per_node must be a positive int, got {ranks_per_node!r}")
         self.group = resolve_group(group).require_member("FSDP")
-        named = module.named_parameters()
+        named = module.named_parameters() if isinstance(module, Module) else []
         plan: List[Tuple[str, Any, List[Tuple[str, Any]]]] = []
         problem = None
         try:
+            require_module(module, "FSDP")
             if not named:
                 raise ConfigurationError(f"FSDP needs a module with parameters; {type(module).__name__} has none")
             for _, m in module.named_modules():
