@@ -5,10 +5,10 @@ Every message of the library, and of user code that asks
 ``ax.get_logger("myapp")``, goes through the standard ``logging`` module
 under the logger "axonhpc" and reaches one handler on stderr that prints::
 
-    [axonhpc rank 3/8] WARNING axonhpc.collectives: rank 3 has waited 30.0 s in ...
+    [axonhpc rank 3/8] 2026-11-26 18:40:01 WARNING axonhpc.collectives: rank 3 has waited 30.0 s in ...
 
 so that the interleaved output of many ranks can be told apart and
-filtered (``grep "rank 3/"``). On N ranks, N copies of every progress line
+filtered (``grep "rank 3/"``), and when. On N ranks, N copies of every progress line
 would bury the one that matters, so INFO and DEBUG records are shown only
 from the ranks in ``ax.settings.log_ranks`` (default "0"; "all" or "0,5");
 WARNING and above come from every rank, since a rank's own trouble is
@@ -32,6 +32,7 @@ from typing import Callable, Optional, Tuple
 from .settings import launcher_env, settings
 
 LOGGER_NAME = "axonhpc"
+TIME_FORMAT = "%Y-%m-%d %H:%M:%S"  # local time, to the second: lines of a run that spans days stay ordered
 _rank_source: Optional[Callable[[], Optional[Tuple[int, int]]]] = None
 
 
@@ -108,8 +109,8 @@ def get_logger(name: Optional[str] = None) -> logging.Logger:
     root = logging.getLogger(LOGGER_NAME)
     if _handler is None:
         _handler = _StderrHandler()
-        _handler.setFormatter(logging.Formatter("[axonhpc rank %(rank)s/%(world_size)s] %(levelname)s %(name)s: "
-                                                "%(message)s"))
+        _handler.setFormatter(logging.Formatter("[axonhpc rank %(rank)s/%(world_size)s] %(asctime)s %(levelname)s "
+                                                "%(name)s: %(message)s", datefmt=TIME_FORMAT))
         _handler.addFilter(_RankFilter())
         root.addHandler(_handler)
         root.setLevel(logging.DEBUG)  # the filter applies settings.log_level at each record

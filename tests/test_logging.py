@@ -1,6 +1,7 @@
 """ax.get_logger: one "axonhpc" logger, the rank on every line, INFO from rank 0 only by default."""
 import logging
 import os
+import re
 import subprocess
 import sys
 
@@ -17,6 +18,19 @@ def log_settings():
     ax.settings.log_level, ax.settings.log_ranks = saved
 
 
+STAMP = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d"  # every line carries its time
+
+
+def _lines(text, *wanted):
+    """The lines of ``text`` that contain any of ``wanted``, with their timestamps checked and taken out."""
+    out = []
+    for line in text.splitlines():
+        if any(w in line for w in wanted):
+            assert re.match(r"\[axonhpc rank \S+\] " + STAMP + " ", line), line
+            out.append(re.sub(" " + STAMP, "", line, count=1))
+    return out
+
+
 def _speak(world):
     log = ax.get_logger("myapp")
     log.info("step done")
@@ -26,18 +40,18 @@ def _speak(world):
 
 def test_info_from_rank_0_warnings_from_every_rank(capsys, log_settings):
     ax.run_local(_speak, world_size=3)
-    err = capsys.readouterr().err.splitlines()
-    assert [line for line in err if "step done" in line] == ["[axonhpc rank 0/3] INFO axonhpc.myapp: step done"]
-    warnings = sorted(line for line in err if "disk nearly full" in line)
+    err = capsys.readouterr().err
+    assert _lines(err, "step done") == ["[axonhpc rank 0/3] INFO axonhpc.myapp: step done"]
+    warnings = sorted(_lines(err, "disk nearly full"))
     assert warnings == [f"[axonhpc rank {r}/3] WARNING axonhpc.myapp: disk nearly full" for r in range(3)]
-    assert not any("details" in line for line in err)  # DEBUG is below the default level
+    assert not _lines(err, "details")  # DEBUG is below the default level
 
 
 def test_log_ranks_and_level_settings_apply_at_once(capsys, log_settings):
     log_settings.log_ranks = "all"
     log_settings.log_level = "DEBUG"
     ax.run_local(_speak, world_size=2)
-    err = capsys.readouterr().err
+    err = "\n".join(_lines(capsys.readouterr().err, "step done", "details"))
     for r in range(2):
         assert f"[axonhpc rank {r}/2] INFO axonhpc.myapp: step done" in err
         assert f"[axonhpc rank {r}/2] DEBUG axonhpc.myapp: details" in err
@@ -71,7 +85,6 @@ def test_under_mpiexec_each_line_carries_its_rank():
     mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
     out = subprocess.run([mpiexec, "-n", "2", sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    lines = out.stderr.splitlines()
-    assert [line for line in lines if "hello" in line] == ["[axonhpc rank 0/2] INFO axonhpc.job: hello"]
-    assert sorted(line for line in lines if "careful" in line) == [
+    assert _lines(out.stderr, "hello") == ["[axonhpc rank 0/2] INFO axonhpc.job: hello"]
+    assert sorted(_lines(out.stderr, "careful")) == [
         "[axonhpc rank 0/2] WARNING axonhpc.job: careful", "[axonhpc rank 1/2] WARNING axonhpc.job: careful"]
