@@ -37,6 +37,8 @@ def _no_gpu():
 def test_trains_to_95_percent_and_resumes_bit_for_bit(tmp_path):
     straight = run(tmp_path, "--epochs", "6", "--checkpoint-dir", "a", "--min-accuracy", "0.9")
     assert "final test accuracy" in straight
+    # stdout is a pipe here, as an sbatch .out file: plain progress lines, no carriage returns (issue 42)
+    assert "\r" not in straight and "epoch 1/6: 100%" in straight and len(straight) < 8000, straight[:2000]
     run(tmp_path, "--epochs", "3", "--checkpoint-dir", "b")
     resumed = run(tmp_path, "--epochs", "6", "--checkpoint-dir", "b", "--resume")
     assert "resuming from" in resumed and "at epoch 4/6" in resumed  # epochs 1-3 ran: it goes on with the 4th

@@ -136,3 +136,27 @@ def test_info_gpu_hints_say_what_to_do_here():
     assert "axonhpc info says which" not in _concrete(text, None)
     assert "no CUDA driver on this machine" in _concrete(text, None)
     assert "pip install axonhpc[gpu-cuda12] for this machine's CUDA driver" in _concrete(text, "gpu-cuda12")
+
+
+def test_progress_in_a_file_is_a_plain_line_every_tenth_of_the_epoch():
+    import io
+
+    from axonhpc.trainer.progress import Progress, parse_every
+
+    out = io.StringIO()  # not a terminal, as an sbatch .out file
+    bar = Progress(40, 0, "epoch 1/3", parse_every(True), stream=out)
+    for k in range(40):
+        bar.update(1.0 / (k + 1))
+    bar.close()
+    lines = out.getvalue().splitlines()
+    assert "\r" not in out.getvalue() and len(lines) == 10, lines  # every 10%: 4 steps of 40
+    assert lines[-1].startswith("epoch 1/3: 100%") and "40/40" in lines[-1] and "loss=0.0250" in lines[-1]
+    assert parse_every("5%") == (5.0, float("inf")) and parse_every("30s") == (float("inf"), 30.0)
+    out = io.StringIO()
+    bar = Progress(1000, 0, "e", parse_every("25%"), stream=out)
+    for _ in range(1000):
+        bar.update()
+    assert len(out.getvalue().splitlines()) == 4
+    for bad in ("often", "0%", "-3s", "10"):
+        with pytest.raises(ConfigurationError, match="progress="):
+            parse_every(bad)

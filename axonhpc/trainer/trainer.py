@@ -48,9 +48,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 import time
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -64,6 +63,7 @@ from ..groups import resolve_group
 from ..log import get_logger
 from ..settings import settings
 from .preemption import PREEMPTED_EXIT_CODE, Preemption
+from .progress import DEFAULT_PERCENT, DEFAULT_SECONDS, Progress, parse_every
 from .strategies import SETUPS, STRATEGIES, Setup, batches_of, build, steps_per_epoch
 
 CHECKPOINT_PATTERN = "ckpt-*"
@@ -122,7 +122,10 @@ class DistributedTrainer:
         seed: seed of the data order (the same on every rank).
         log_file: JSON-lines metrics file (rank 0); None: ``checkpoint_dir/metrics.jsonl``
             when a checkpoint directory is given, else no file.
-        progress: show a tqdm bar on rank 0 (when tqdm is installed).
+        progress: rank 0 shows its progress: a tqdm bar on a terminal (when tqdm is
+            installed); where stdout is not a terminal (an sbatch ``.out`` file), a
+            plain line every 10% of an epoch or every minute, whichever comes first.
+            ``"N%"`` or ``"Ns"`` sets how often those lines come; False shows nothing.
         keep_checkpoints: how many of the newest checkpoints to keep.
         exit_on_preemption: raise ``SystemExit(75)`` after the preemption checkpoint.
         on_step: called as ``on_step(trainer, global_step, loss)`` on every rank after each step.
@@ -143,7 +146,7 @@ class DistributedTrainer:
     """
 
     def __init__(self, model: Any, optimizer: Any, loss_fn: Any, strategy: str = "ddp", group: Any = None,
-                 mesh: Any = None, seed: int = 0, log_file: Optional[str] = None, progress: bool = True,
+                 mesh: Any = None, seed: int = 0, log_file: Optional[str] = None, progress: Union[bool, str] = True,
                  keep_checkpoints: int = 3, exit_on_preemption: bool = True,
                  on_step: Optional[Callable[["DistributedTrainer", int, float], None]] = None,
                  on_epoch: Optional[Callable[["DistributedTrainer", Dict[str, Any]], None]] = None,
@@ -158,7 +161,8 @@ class DistributedTrainer:
         self.mesh = mesh
         self.seed = int(seed)
         self.log_file = log_file
-        self.progress = progress
+        self.progress = bool(progress)
+        self._progress_every = parse_every(progress) if progress else (DEFAULT_PERCENT, DEFAULT_SECONDS)
         self.keep_checkpoints = keep_checkpoints
         self.exit_on_preemption = exit_on_preemption
         self.on_step = on_step
@@ -389,8 +393,7 @@ class DistributedTrainer:
             self.global_step += 1
             self._log(plan.log_file, {"epoch": epoch + 1, "step": self.global_step, "loss": mean})
             if bar is not None:
-                bar.update(1)
-                bar.set_postfix(loss=f"{mean:.4f}")
+                bar.update(mean)
             if self.on_step is not None:
                 self.on_step(self, self.global_step, mean)
             if self._checkpoint_after_step(plan, epoch, step):
@@ -477,14 +480,10 @@ class DistributedTrainer:
         if self.rank == 0:
             print(text, flush=True)
 
-    def _bar(self, total: int, initial: int, desc: str) -> Any:
+    def _bar(self, total: int, initial: int, desc: str) -> Optional[Progress]:
         if not self.progress or self.rank != 0:
             return None
-        try:
-            from tqdm import tqdm
-        except ImportError:
-            return None
-        return tqdm(total=total, initial=initial, desc=desc, leave=False, file=sys.stdout, dynamic_ncols=True)
+        return Progress(total, initial, desc, self._progress_every)
 
     def _log(self, log_file: Optional[str], record: Dict[str, Any]) -> None:
         if log_file is None or self.rank != 0:
