@@ -15,6 +15,7 @@ derives from it too, so ``except ValueError`` keeps working:
 one that raises anything else (a short list of protocol exceptions such as
 ``NotImplementedError`` in abstract methods is allowed, each with its reason).
 """
+from typing import Sequence, Tuple
 
 
 class AxonError(Exception):
@@ -109,7 +110,14 @@ class SharedMemoryError(AxonError, MemoryError):
 # -- across ranks -------------------------------------------------------------------------------
 class CollectiveMismatchError(AxonError):
     """Ranks called different collectives, or passed arguments that must agree and do not; raised on
-    every rank."""
+    every rank.
+
+    Attributes:
+        ranks: the world ranks that raise this error alike (empty where not known): an uncaught one
+            prints its traceback on the lowest of them only (``groups.runtime``).
+    """
+
+    ranks: Tuple[int, ...] = ()
 
 
 class CollectiveRefusedError(CollectiveMismatchError):
@@ -205,6 +213,23 @@ class BenchError(AxonError, RuntimeError):
 
 class GraphCaptureError(AxonError, RuntimeError):
     """A step cannot be captured as a CUDA graph, or a captured graph no longer fits its step (why in the message)."""
+
+
+def everywhere(error: CollectiveMismatchError, ranks: Sequence[int]) -> CollectiveMismatchError:
+    """``error``, marked as raised alike on every one of ``ranks`` (world ranks)."""
+    error.ranks = tuple(int(r) for r in ranks)
+    return error
+
+
+def replacing(error: BaseException, cause: BaseException, keep_cause: bool = False) -> BaseException:
+    """``error``, to be raised in place of the library's internal ``cause`` (an engine's code, a lower
+    layer's timeout that ``error`` restates): the traceback then shows ``error`` alone, not "During
+    handling of the above exception, another exception occurred"; ``keep_cause`` (debug mode) keeps
+    ``cause`` as its cause.
+    """
+    error.__cause__ = cause if keep_cause else None
+    error.__suppress_context__ = True
+    return error
 
 
 __all__ = [

@@ -69,3 +69,46 @@ def test_the_opt_out_leaves_the_other_rank_waiting():
     assert still_running, f"the job ended (exit {job.returncode}) although the abort was turned off:\n{out}"
     assert "rank 1 fails on purpose" in out, out
     assert "aborting the job" not in out, out
+
+
+UNCAUGHT = os.path.join(ROOT, "tests", "jobs", "uncaught_mismatch_job.py")
+
+
+def _uncaught(mode):
+    job = subprocess.Popen([MPIEXEC, "-n", "3", sys.executable, UNCAUGHT, mode], stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True, env=_env(), cwd=ROOT, start_new_session=True)
+    try:
+        out, _ = job.communicate(timeout=HANG_GUARD)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the job hung\n{_kill(job)}")
+    assert job.returncode != 0, out
+    assert "During handling of the above exception" not in out, out  # no internal error chained before the real one
+    return out
+
+
+@pytest.mark.skipif(not os.path.exists(MPIEXEC), reason="no mpiexec in this environment")
+def test_an_error_raised_on_every_rank_is_told_once():
+    out = _uncaught("mismatch")
+    assert out.count("Traceback (most recent call last)") == 1, out  # rank 0's, the lowest
+    assert "uncaught exception on rank 0" in out and "CollectiveMismatchError: collective mismatch" in out
+    for r in (1, 2):
+        assert (f"uncaught CollectiveMismatchError on rank {r} (the same error as on rank 0, which prints its "
+                f"traceback)") in out, out
+    assert "EngineMismatch" not in out  # the engine's internal error is not shown
+
+
+@pytest.mark.skipif(not os.path.exists(MPIEXEC), reason="no mpiexec in this environment")
+def test_a_refusal_prints_the_refusing_ranks_traceback_and_one_line_elsewhere():
+    out = _uncaught("refusal")
+    assert out.count("Traceback (most recent call last)") == 1, out
+    assert "ShapeError: reduce_scatter: input shape (4,) must have a first dimension divisible" in out
+    for r in (1, 2):
+        assert f"uncaught CollectiveRefusedError on rank {r} (rank 0 refused the call" in out, out
+
+
+@pytest.mark.skipif(not os.path.exists(MPIEXEC), reason="no mpiexec in this environment")
+def test_a_timeout_is_one_error_not_a_chain():
+    out = _uncaught("timeout")
+    for r in (0, 1):  # each waiting rank times out on its own, and says so once
+        assert out.count(f"timed out after 2 s on rank {r}") == 1, out
+    assert "missing ranks: [2]" in out

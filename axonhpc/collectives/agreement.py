@@ -58,7 +58,7 @@ import numpy as np
 from .._dtypes import is_cupy_array
 from .._ext import _shm
 from ..backends.base import ReduceOp, Work
-from ..errors import CollectiveMismatchError, CollectiveTimeoutError
+from ..errors import CollectiveMismatchError, CollectiveTimeoutError, everywhere, replacing
 from ..settings import settings
 from . import fingerprint, flight, shm_path, watch
 from .group_state import state_of
@@ -117,13 +117,13 @@ def compare(pg: Any, seq: int, op: str, desc_of: Callable[[bool], Desc], mismatc
     if engine:
         try:
             engine.agree(desc_of(True))
-        except EngineMismatch:
-            mismatch()
-            raise  # mismatch raises; this keeps the engine's error should it not
+        except EngineMismatch as exc:
+            explain_mismatch(mismatch, exc)
         except CollectiveTimeoutError as exc:
             if arrivals is None:
-                raise shm_path.timed_out(exc, engine, pg, op) from exc
-            raise watch.engine_timed_out(exc, pg.effective_timeout(), label, arrivals, pg) from exc
+                raise replacing(shm_path.timed_out(exc, engine, pg, op), exc, settings.debug)
+            raise replacing(watch.engine_timed_out(exc, pg.effective_timeout(), label, arrivals, pg), exc,
+                            settings.debug)
         return
     desc = desc_of(False)
     words, reduce_max, host = _mpi_check(pg)
@@ -136,6 +136,16 @@ def compare(pg: Any, seq: int, op: str, desc_of: Callable[[bool], Desc], mismatc
         watch.wait(host.all_reduce(words, ReduceOp.MAX, True), timeout, what, arrivals, pg)
     if not _shm.words_agree(desc, words):
         mismatch()
+
+
+def explain_mismatch(mismatch: Callable[[], None], engine_error: BaseException) -> NoReturn:
+    """The engine refused a call (``EngineMismatch``, its own words): raise what ``mismatch()`` raises in its
+    place, the error every rank raises, without the engine's chained to it (debug mode keeps it)."""
+    try:
+        mismatch()
+    except CollectiveMismatchError as error:
+        raise replacing(error, engine_error, settings.debug)
+    raise engine_error  # mismatch always raises; should it not, the engine's error stands
 
 
 def start_check(pg: Any, seq: int, op: str, x: Any = None, reduce: Optional[str] = None,
@@ -288,12 +298,13 @@ def refuse(pg: Any, seq: int, op: str, x: Any, reduce: Optional[str], root: Opti
     rank's call and call site.
     """
     fingerprint.check(pg, op, x, reduce, root, seq=seq)
-    raise CollectiveMismatchError(
+    raise everywhere(CollectiveMismatchError(
         f"collective mismatch on group {pg.name}: every rank called {fingerprint.describe_call(op, x, reduce, root)} "
         f"(call #{seq}), but not in the same way: some ranks ran it through the node's shared memory and others "
         f"through MPI (the AXONHPC_SHM_* settings differ between the ranks), or an array in a shared window "
-        f"lies at another offset on some ranks")
+        f"lies at another offset on some ranks"), pg.ranks)
 
 
-__all__ = ["describe", "check", "compare", "start_check", "CheckedWork", "refuse", "refused", "node_engine",
+__all__ = ["describe", "check", "compare", "explain_mismatch", "start_check", "CheckedWork", "refuse", "refused",
+           "node_engine",
            "EngineMismatch"]

@@ -29,7 +29,7 @@ import numpy as np
 from .. import _capture, tracing
 from .._dtypes import array_module, check_array, is_cupy_array, is_low_precision_float
 from ..backends.base import CompletedWork, ReduceOp, Work
-from ..errors import AxonError, CollectiveTimeoutError, ReadOnlyBufferError, ShapeError
+from ..errors import AxonError, CollectiveTimeoutError, ReadOnlyBufferError, ShapeError, replacing
 from ..groups import ProcessGroup, resolve_group
 from ..settings import settings
 from . import agreement, fast_path, fingerprint, flight, graphed, shm_path, staged_path, watch
@@ -122,13 +122,12 @@ def _run(pg: ProcessGroup, label: _Label, issue, async_op: bool, carried: bool =
             work: Work = agreement.CheckedWork(pg, pending, lambda: issue(True))
         else:
             work = issue(async_op or timeout is not None)
-    except agreement.EngineMismatch:
-        label.refuse()
-        raise  # refuse raises; this keeps the engine's error should it not
+    except agreement.EngineMismatch as exc:
+        agreement.explain_mismatch(label.refuse, exc)
     except CollectiveTimeoutError as exc:  # the shared-memory engine timed out inside the call
         if arrivals is None:
             raise
-        raise watch.engine_timed_out(exc, timeout, label, arrivals, pg) from exc
+        raise replacing(watch.engine_timed_out(exc, timeout, label, arrivals, pg), exc, settings.debug)
     work.label = label
     _trace(work, start, label, collective)
     if async_op:

@@ -153,8 +153,8 @@ def attempt(spec: Spec, x: Any, group: Any, op: Any = None, root: Any = None, ou
         else:
             agreement.check(pg, seq, spec.op, x, name, root, engine=engine if engine is not None else False)
             _finish(spec.on_backend(backend, x, out, op, root))
-    except agreement.EngineMismatch:
-        agreement.refuse(pg, seq, spec.op, x, name, root)
+    except agreement.EngineMismatch as exc:
+        agreement.explain_mismatch(lambda: agreement.refuse(pg, seq, spec.op, x, name, root), exc)
     if entry is not None:
         entry[flight.DONE] = True
     return out

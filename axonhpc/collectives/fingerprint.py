@@ -21,7 +21,7 @@ from typing import Any, Optional
 import numpy as np
 
 from .._dtypes import is_cupy_array
-from ..errors import CollectiveMismatchError, CollectiveRefusedError
+from ..errors import CollectiveMismatchError, CollectiveRefusedError, everywhere
 from .group_state import private_channel
 
 _SLOT = 512  # bytes per rank in the exchanged table
@@ -123,9 +123,10 @@ def check(group, op: str, x: Any = None, reduce: Optional[str] = None, root: Opt
         refusing = [(group.ranks[i], p["refused"]) for i, p in enumerate(prints) if p.get("refused")]
         if refusing:  # a bad argument on some ranks, seen there before anything was sent: no dump
             rank, reason = refusing[0]
-            raise CollectiveRefusedError(f"{op} #{seq} on group {group.name} {list(group.ranks)}: rank {rank} "
-                                         f"refused its part before anything was sent: {lines}", rank, reason)
+            raise everywhere(CollectiveRefusedError(f"{op} #{seq} on group {group.name} {list(group.ranks)}: rank "
+                                                    f"{rank} refused its part before anything was sent: {lines}", rank,
+                                                    reason), group.ranks)
         from . import flight
 
         flight.dump(f"collective mismatch on group {group.name}", group.world.rank)
-        raise CollectiveMismatchError(f"collective mismatch on group {group.name}: {lines}")
+        raise everywhere(CollectiveMismatchError(f"collective mismatch on group {group.name}: {lines}"), group.ranks)

@@ -42,7 +42,7 @@ from .._dtypes import is_cupy_array, is_low_precision_float
 from ..backends.base import CompletedWork, ReduceOp, Work
 from ..backends import shm as shm_backend
 from ..backends.shm import allocate_array, engine_for, engine_in_window, free_array
-from ..errors import CollectiveTimeoutError
+from ..errors import CollectiveTimeoutError, replacing
 from ..settings import settings
 from .group_state import state_of
 
@@ -63,7 +63,7 @@ class _Path:
         try:
             getattr(self.engine, method)(*args)
         except CollectiveTimeoutError as exc:
-            raise timed_out(exc, self.engine, self.pg, self.op_name) from exc
+            raise replacing(timed_out(exc, self.engine, self.pg, self.op_name), exc, settings.debug)
 
     # ``desc``: the call's descriptor (``agreement.describe``), taken from the caller's own array: the
     # engine sees flattened, byte or widened views of it, and compares ``desc`` across the node.

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Dict, NamedTuple
 
-from ..errors import ConfigurationError, GroupMismatchError, InvalidKeyError
+from ..errors import ConfigurationError, GroupMismatchError, InvalidKeyError, everywhere
 from .agreement import compare, who_passed
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -62,8 +62,9 @@ class Mesh:
             seen = compare(world.default_group, problem is None, f"dp={dp!r}, tp={tp!r}, pp={pp!r}", same=True)
             if seen is not None and len({text for _, text in seen}) > 1:
                 passed = who_passed(seen, world.default_group.ranks, "mesh({})")
-                raise GroupMismatchError(f"mesh: the ranks passed different sizes ({passed}); every rank must pass "
-                                         f"the same, and every rank raises this") from problem
+                raise everywhere(GroupMismatchError(f"mesh: the ranks passed different sizes ({passed}); every rank "
+                                                    f"must pass the same, and every rank raises this"),
+                                 world.default_group.ranks) from problem
         if problem is not None:
             raise problem
         self.shape: Dict[str, int] = sizes

@@ -15,7 +15,7 @@ import numpy as np
 
 from ..backends.base import Backend
 from ..backends.shm import engine_for
-from ..errors import GroupMismatchError, InvalidArgumentError, NotAMemberError, RankError
+from ..errors import GroupMismatchError, InvalidArgumentError, NotAMemberError, RankError, everywhere
 from ..settings import settings
 from .agreement import compare
 
@@ -218,10 +218,10 @@ class ProcessGroup:
             seen = compare(self.require_member("split"), problem is None, f"color={color!r}, key={key!r}", same=False)
             if seen is not None and not all(not ok for ok, _ in seen):
                 bad = "; ".join(f"rank {self.ranks[r]} passed {text}" for r, (ok, text) in enumerate(seen) if not ok)
-                raise GroupMismatchError(
+                raise everywhere(GroupMismatchError(
                     f"split of group {self.name}: some ranks passed a color or key that is not an integer ({bad}); "
                     f"color must be an integer or None and key an integer, on every rank, and every rank of the "
-                    f"group raises this") from problem
+                    f"group raises this"), self.ranks) from problem
         if problem is not None:
             raise problem
         backend = self.backend.split(color, int(key))

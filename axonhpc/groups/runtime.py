@@ -9,7 +9,8 @@ import traceback
 from typing import Any, Callable, List, Optional, Tuple
 
 from .. import tracing
-from ..errors import ArgumentTypeError, ConfigurationError, InvalidGroupError
+from ..errors import (ArgumentTypeError, CollectiveMismatchError, CollectiveRefusedError, ConfigurationError,
+                      InvalidGroupError)
 from ..log import get_logger, set_rank_source
 from ..settings import BACKENDS, settings
 from ..threads import apply_plan, plan_threads
@@ -134,6 +135,20 @@ def is_initialized() -> bool:
 BEFORE_ABORT: List[Callable[[str], Any]] = []
 
 
+def told_elsewhere(exc: BaseException, rank: int) -> Optional[str]:
+    """Why ``rank`` prints one line for ``exc`` instead of its traceback: another rank prints it in full.
+
+    A refusal's traceback is the refusing rank's (its own error); an error raised alike on several
+    ranks (``CollectiveMismatchError.ranks``) is printed in full by the lowest of them.
+    """
+    if isinstance(exc, CollectiveRefusedError):
+        return f"rank {exc.rank} refused the call and prints its traceback"
+    ranks = getattr(exc, "ranks", ())
+    if isinstance(exc, CollectiveMismatchError) and ranks and rank in ranks and rank != min(ranks):
+        return f"the same error as on rank {min(ranks)}, which prints its traceback"
+    return None
+
+
 def install_abort_on_exception(world: World) -> None:
     """Make an uncaught exception on this rank end the whole job.
 
@@ -152,12 +167,18 @@ def install_abort_on_exception(world: World) -> None:
                 last_words(f"uncaught {exc_type.__name__}")
             except Exception:  # noqa: BLE001 - nothing may stop the abort
                 pass
-        text = "".join(traceback.format_exception(exc_type, exc, tb))
-        get_logger("runtime").error(f"uncaught exception on rank {world.rank}; aborting the job "
-                                    f"(set AXONHPC_ABORT_ON_EXCEPTION=0 to turn this off)\n{text}")
+        elsewhere = told_elsewhere(exc, world.rank)
+        if elsewhere is None:
+            text = "".join(traceback.format_exception(exc_type, exc, tb))
+            get_logger("runtime").error(f"uncaught exception on rank {world.rank}; aborting the job "
+                                        f"(set AXONHPC_ABORT_ON_EXCEPTION=0 to turn this off)\n{text}")
+        else:  # the same error on several ranks: one traceback in the job's log, one line from each other rank
+            first = str(exc).splitlines()[0] if str(exc) else ""
+            get_logger("runtime").error(f"uncaught {exc_type.__name__} on rank {world.rank} ({elsewhere}); aborting "
+                                        f"the job: {first[:300]}")
         sys.stderr.flush()
         sys.stdout.flush()
-        time.sleep(0.5)
+        time.sleep(0.5 if elsewhere is None else 1.5)  # the traceback's rank aborts first, once it is printed
         world.abort(1)
 
     sys.excepthook = hook

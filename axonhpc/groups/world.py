@@ -7,7 +7,7 @@ from typing import List, Optional, Sequence, Tuple
 import numpy as np
 
 from ..backends.base import Backend
-from ..errors import GroupMismatchError, RankError
+from ..errors import GroupMismatchError, RankError, everywhere
 from ..log import get_logger
 from ..settings import LauncherEnv
 from ..threads import affinity_words, sharing_ranks, usable_cores
@@ -116,9 +116,10 @@ class World:
         if self.world_size > 1:
             seen = compare(self.default_group, problem is None, show(ranks), same=True)
             if seen is not None and len({text for _, text in seen}) > 1:
-                raise GroupMismatchError(
+                raise everywhere(GroupMismatchError(
                     f"new_group: the ranks passed different lists ({who_passed(seen, self.default_group.ranks)}); "
-                    f"every rank must pass the same ranks in the same order, and every rank raises this") from problem
+                    f"every rank must pass the same ranks in the same order, and every rank raises this"),
+                    self.default_group.ranks) from problem
         if problem is not None:
             raise problem
         backend = self.backend.create_group(ranks)

@@ -32,7 +32,7 @@ import numpy as np
 
 from .._dtypes import is_cupy_array
 from ..collectives import all_gather
-from ..errors import AxonError, ModelMismatchError
+from ..errors import AxonError, ModelMismatchError, everywhere
 from ..groups.agreement import compare
 
 _state = threading.local()  # threads are ranks under run_local: one depth per rank
@@ -144,9 +144,9 @@ def check_same_model(group: Any, what: str, lines: Sequence[str], problem: Optio
         if problem is not None:
             raise problem
         first = failed[0]
-        raise ModelMismatchError(
+        raise everywhere(ModelMismatchError(
             f"{what}: {_ranks_text([group.ranks[r] for r in failed])} could not build it (rank "
-            f"{group.ranks[first]}: {seen[first][1]}); nothing else was sent")
+            f"{group.ranks[first]}: {seen[first][1]}); nothing else was sent"), group.ranks)
     index, values, present = _first_difference(group, described, "parameter")
     if index < len(settings):
         where = f"{settings[index].split(':', 1)[0]!r}"
@@ -155,9 +155,9 @@ def check_same_model(group: Any, what: str, lines: Sequence[str], problem: Optio
         position = index - len(settings)
         where = (f"parameter {names.pop()!r} (position {position}" if len(names) == 1
                  else f"the parameter at position {position}") + ", shown as name:dtype:shape)"
-    raise ModelMismatchError(
+    raise everywhere(ModelMismatchError(
         f"{what}: the {group.size} ranks hold different models; the first difference is "
-        f"{where}: {_by_value(values, group.ranks)}. {hint[0].upper()}{hint[1:]}; nothing else was sent")
+        f"{where}: {_by_value(values, group.ranks)}. {hint[0].upper()}{hint[1:]}; nothing else was sent"), group.ranks)
 
 
 __all__ = ["parameter_lines", "check_same_model", "agreed"]
