@@ -4,9 +4,13 @@
     axonhpc launch -n 4 -- examples/train_gpt.py --dp 2 --tp 2 --steps 200  # 2 replicas x 2-way tensor parallel
     axonhpc launch -n 4 -- examples/train_gpt.py --tp 2 --pp 2 --microbatches 4
     axonhpc launch -n 2 -- examples/train_gpt.py --dp 2 --fsdp --checkpoint-activations
+    axonhpc launch -n 2 -- examples/train_gpt.py --dp 2 --data my_corpus.txt      # your own text
+    axonhpc launch -n 2 -- examples/train_gpt.py --dp 2 --data data/openwebtext   # nanoGPT's train.bin/val.bin
 
 The text is byte-level (vocabulary 256) from the ``.py`` files of the
-standard library (``axonhpc.data.TextCorpus``), some files held out. The
+standard library (``axonhpc.data.TextCorpus``), some files held out, or your
+own corpus with ``--data`` (``axonhpc.data.FileCorpus``: a text file or
+folder, or uint16 token files, memory-mapped). The
 model is ``nn.GPT``; ``ax.ParallelGPT`` places its parts on a dp x tp x pp
 mesh of the ranks (``--dp D --tp T --pp P``, D * T * P ranks): blocks split
 into P pipeline stages run with ``--schedule`` over ``--microbatches``,
@@ -33,7 +37,7 @@ import numpy as np
 import axonhpc as ax
 from axonhpc import optim
 from axonhpc.checkpoint import AsyncCheckpointer, load_model_slices, save_model_slices
-from axonhpc.data import TextCorpus, TextWindows
+from axonhpc.data import FileCorpus, TextCorpus, TextWindows
 
 
 def parse_args(argv=None):
@@ -58,6 +62,11 @@ def parse_args(argv=None):
     p.add_argument("--checkpoint-activations", action="store_true",
                    help="recompute each block's activations in backward instead of keeping them")
     p.add_argument("--max-bytes", type=int, default=2_000_000, help="bytes of standard library source to read")
+    p.add_argument("--data", default=None, metavar="PATH",
+                   help="train on your own corpus: a text file or folder (bytes), or token files in nanoGPT's "
+                        "layout (a flat uint16 .bin, or a folder with train.bin and val.bin), memory-mapped")
+    p.add_argument("--vocab", type=int, default=None,
+                   help="vocabulary size of --data's token files (default: the largest token + 1)")
     p.add_argument("--eval-batches", type=int, default=4, help="held-out batches for the held-out loss")
     p.add_argument("--eval-every", type=int, default=0, help="held-out loss every N steps (0: only at the end)")
     p.add_argument("--save", default=None, metavar="DIR", help="write a checkpoint here at the end (any layout loads it)")
@@ -150,7 +159,10 @@ def main(argv=None):
     mesh = world.mesh(dp=dp, tp=tp, pp=pp)
     stages_per_rank = 2 if ax.PipelineSchedule.parse(args.schedule) is ax.PipelineSchedule.INTERLEAVED_1F1B else 1
     microbatches = args.microbatches or (2 * pp if pp > 1 else 1)
-    corpus = TextCorpus(max_bytes=args.max_bytes, held_out=0.1, seed=args.seed)
+    if args.data:  # your own corpus: text bytes, or nanoGPT's uint16 token files, memory-mapped
+        corpus = FileCorpus(args.data, held_out=0.1, seed=args.seed, vocab_size=args.vocab)
+    else:
+        corpus = TextCorpus(max_bytes=args.max_bytes, held_out=0.1, seed=args.seed)
     train = TextWindows(corpus.train, args.context, args.batch, dp, mesh.coords.dp, seed=args.seed)
     held = TextWindows(corpus.val, args.context, args.batch, dp, mesh.coords.dp, shuffle=False)
     eval_batches = min(args.eval_batches, held.steps_per_epoch)
