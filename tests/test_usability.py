@@ -1,6 +1,7 @@
 """Mistakes users make and spellings they already type (issue 42, part 4): each gets what it asks for, or an
 AxonError that says what was expected."""
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -160,3 +161,29 @@ def test_progress_in_a_file_is_a_plain_line_every_tenth_of_the_epoch():
     for bad in ("often", "0%", "-3s", "10"):
         with pytest.raises(ConfigurationError, match="progress="):
             parse_every(bad)
+
+
+WRONG_TYPES = {
+    "SGD(model)": (lambda: ax.optim.SGD(nn.Linear(2, 2), lr=0.1), "SGD takes the parameters, got the Linear itself"),
+    "SGD(lr='0.1')": (lambda: ax.optim.SGD([nn.Parameter(np.ones(2))], lr="0.1"), "SGD: lr must be a number"),
+    "Adam(lr=None)": (lambda: ax.optim.Adam([nn.Parameter(np.ones(2))], lr=None), "Adam: lr must be a number"),
+    "SGD(5)": (lambda: ax.optim.SGD(5, lr=0.1), "SGD takes an iterable of Parameters, got int"),
+    "Linear('4', 2)": (lambda: nn.Linear("4", 2), "Linear in_features must be an int, got str '4'"),
+    "Embedding(3.0, 2)": (lambda: nn.Embedding(3.0, 2), "Embedding num_embeddings must be an int, got float"),
+    "GPT(heads='4')": (lambda: nn.GPT(256, 8, 16, "4", 1), "GPT heads must be an int"),
+    "GradScaler('x')": (lambda: ax.GradScaler(init_scale="x"), "GradScaler init_scale must be a number"),
+    "save(None)": (lambda: ax.checkpoint.save(None, {"a": np.ones(2)}), "checkpoint path must be a str or os.PathLike"),
+    "Trainer(array)": (lambda: ax.DistributedTrainer(np.ones(3), None, None), "DistributedTrainer wraps an axonhpc.nn"),
+    "Trainer(optimizer=None)": (lambda: ax.DistributedTrainer(nn.Linear(2, 2), None, nn.MSELoss()),
+                                "optimizer must be an optimizer"),
+    "Trainer(loss_fn=len)": (lambda: ax.DistributedTrainer(nn.Linear(2, 2), ax.optim.SGD(nn.Linear(2, 2).parameters(),
+                                                                                          lr=0.1), len),
+                             "loss_fn must be a loss module"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(WRONG_TYPES))
+def test_public_entry_points_say_what_type_they_expected(case):
+    call, match = WRONG_TYPES[case]
+    with pytest.raises(ArgumentTypeError, match=re.escape(match)):
+        call()

@@ -64,7 +64,7 @@ from ..errors import CheckpointError, ConfigurationError
 from ..groups import ProcessGroup, resolve_group
 from .directory import (PER_RANK_FORMAT, begin_directory, put_in_place, rank_file, temporary_directory,
                         write_member)
-from .format import MAX_DEPTH
+from .format import MAX_DEPTH, checkpoint_path
 from .io import share_outcome, write_file
 from .sharded import INDEX_FORMAT, shard_file
 from .sliced import prepare_slices
@@ -207,7 +207,7 @@ class AsyncCheckpointer:
         """
         self.wait()
         pg = self.group
-        path = os.fspath(path)
+        path = checkpoint_path(path)
         work = None
         if pg.rank == 0:
             work = functools.partial(write_file, path, host_copy(state, copy), pg)
@@ -236,7 +236,7 @@ class AsyncCheckpointer:
         self.wait()
         pg = self.group
         index = {"format": PER_RANK_FORMAT, "world_size": pg.size, "extra": host_copy(extra, copy)}
-        self._start_directory(os.fspath(path), (rank_file(pg.rank, pg.size), host_copy(state, copy)), index)
+        self._start_directory(checkpoint_path(path), (rank_file(pg.rank, pg.size), host_copy(state, copy)), index)
 
     def save_sharded(self, path: "str | os.PathLike[str]", fsdp: Any, optimizer: Any = None,
                      extra: Any = None) -> None:
@@ -269,7 +269,7 @@ class AsyncCheckpointer:
                     host_copy(fsdp.sharded_state_dict(optimizer), copy=False))
         index = {"format": INDEX_FORMAT, "shard_world_size": fsdp.shard_world_size,
                  "units": {u.name: int(u.numel) for u in fsdp.units}, "extra": host_copy(extra)}
-        self._start_directory(os.fspath(path), mine, index)
+        self._start_directory(checkpoint_path(path), mine, index)
 
     def save_slices(self, path: "str | os.PathLike[str]", pieces: Any, extra: Any = None,
                     copy: bool = True) -> None:
@@ -300,7 +300,7 @@ class AsyncCheckpointer:
         """
         self.wait()
         pg = self.group
-        path = os.fspath(path)
+        path = checkpoint_path(path)
         mine, index = prepare_slices(path, pieces, pg, host_copy(extra, copy), copy)
         failed = None
         if mine is not None:

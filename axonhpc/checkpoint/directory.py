@@ -47,7 +47,7 @@ import numpy as np
 from ..collectives import all_gather
 from ..errors import CheckpointError
 from ..groups import resolve_group
-from .format import encode
+from .format import checkpoint_path, encode
 from .io import _agree, _broadcast_text, _fsync_directory, _read, write_atomic
 
 INDEX = "index.npz"
@@ -223,7 +223,7 @@ def save_directory(path: "str | os.PathLike[str]", pg: Any, my_file: Optional[Tu
     Raises:
         CheckpointError: on every rank, if any rank failed.
     """
-    path = os.fspath(path)
+    path = checkpoint_path(path)
     token = begin_directory(path, pg, None if my_file is None else my_file[0])
     problem: Optional[BaseException] = None
     if my_file is not None:
@@ -293,7 +293,7 @@ def load_per_rank(path: "str | os.PathLike[str]", group: Any = None) -> Tuple[An
             file resolves outside ``path``, or the ranks read different
             checkpoints.
     """
-    path = os.fspath(path)
+    path = checkpoint_path(path)
     pg = resolve_group(group).require_member("checkpoint load_per_rank")
     state: Any = None
     extra: Any = None

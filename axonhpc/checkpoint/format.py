@@ -41,6 +41,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 from typing import Any, Dict, List, Tuple
 
 import numpy as np
@@ -48,6 +49,15 @@ import numpy as np
 from .._dtypes import is_cupy_array
 from ..errors import ArgumentTypeError, CheckpointError, InvalidArgumentError
 from .archive import Archive, EntryRefused
+
+
+def checkpoint_path(path: Any, what: str = "checkpoint path") -> str:
+    """``os.fspath(path)``, or an ArgumentTypeError naming what was passed instead of a path."""
+    try:
+        return os.fspath(path)
+    except TypeError:
+        raise ArgumentTypeError(f"the {what} must be a str or os.PathLike, got {type(path).__name__} {path!r}") \
+            from None
 
 FORMAT_NAME = "axonhpc-checkpoint"
 FORMAT_VERSION = 1

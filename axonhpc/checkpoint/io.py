@@ -40,7 +40,7 @@ from ..collectives import all_gather, broadcast
 from ..errors import CheckpointError
 from ..groups import ProcessGroup, resolve_group
 from .archive import EntryRefused, open_archive
-from .format import MAX_META_BYTES, META_ENTRY, decode, encode, parse_meta
+from .format import MAX_META_BYTES, META_ENTRY, checkpoint_path, decode, encode, parse_meta
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -159,7 +159,7 @@ def save(path: PathLike, state: Any, group: Optional[ProcessGroup] = None) -> No
             the message names the key or the OS error.
         NotAMemberError: this rank is not in ``group``.
     """
-    path = os.fspath(path)
+    path = checkpoint_path(path)
     pg = _member_group(group, "save")
     share_outcome(path, pg, write_file(path, state, pg) if pg.rank == 0 else None)
 
@@ -232,7 +232,7 @@ def load(path: PathLike, group: Optional[ProcessGroup] = None) -> Any:
             mismatch names the key), or if the ranks read different files.
         NotAMemberError: this rank is not in ``group``.
     """
-    path = os.fspath(path)
+    path = checkpoint_path(path)
     pg = _member_group(group, "load")
     state: Any = None
     digest = bytes(32)

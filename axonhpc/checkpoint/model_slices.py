@@ -34,6 +34,7 @@ import numpy as np
 
 from .._dtypes import array_module
 from ..errors import CheckpointError
+from .format import checkpoint_path
 from ..groups import resolve_group
 from .directory import read_index, report
 from .sliced import INDEX_FORMAT, Box, flat_range_boxes, load_slices, save_slices
@@ -129,7 +130,7 @@ def save_model_slices(path: "str | os.PathLike[str]", boxes: Boxes, optimizer: A
     except CheckpointError as exc:  # malformed boxes: every rank hears of it before anything is sent
         problem = exc
     pg = writer.group if writer is not None else resolve_group(group).require_member("checkpoint save_model_slices")
-    report(pg, problem, f"saving checkpoint {os.fspath(path)!r}")
+    report(pg, problem, f"saving checkpoint {checkpoint_path(path)!r}")
     extra = {"optimizer": described, "user": extra}
     if writer is not None:
         writer.save_slices(path, pieces, extra=extra)
@@ -192,7 +193,7 @@ def load_model_slices(path: "str | os.PathLike[str]", boxes: Boxes, optimizer: A
             another class than the saved one, a checkpoint without optimizer state, or a
             malformed entry of ``boxes``.
     """
-    path = os.fspath(path)
+    path = checkpoint_path(path)
     pg = resolve_group(group).require_member("checkpoint load_model_slices")
     held: Dict[str, Tuple[Any, List[Piece]]] = {}
     saved: Dict[str, Any] = {}

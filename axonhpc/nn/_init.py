@@ -11,7 +11,20 @@ from typing import Any, Sequence, Union
 
 import numpy as np
 
+from ..errors import ArgumentTypeError
+
 SeedLike = Union[None, int, np.random.SeedSequence, np.random.Generator]
+
+
+def check_sizes(owner: str, **sizes: Any) -> None:
+    """Refuse a layer size that is not an int (``"4"``, ``4.0``, ``True``) before it reaches arithmetic.
+
+    Raises:
+        ArgumentTypeError: naming the layer, the argument and what it got.
+    """
+    for name, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise ArgumentTypeError(f"{owner} {name} must be an int, got {type(value).__name__} {value!r}")
 
 
 def make_rng(seed: SeedLike) -> np.random.Generator:

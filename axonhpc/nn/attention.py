@@ -114,6 +114,7 @@ class MultiHeadAttention(Module):
     def __init__(self, embed_dim: int, num_heads: int, bias: bool = True, causal: bool = False,
                  dtype: Any = np.float32, seed: _init.SeedLike = None) -> None:
         super().__init__()
+        _init.check_sizes("MultiHeadAttention", embed_dim=embed_dim, num_heads=num_heads)
         if embed_dim <= 0 or num_heads <= 0 or embed_dim % num_heads:
             raise ConfigurationError(f"MultiHeadAttention needs num_heads dividing embed_dim, both positive; "
                                      f"got embed_dim={embed_dim}, num_heads={num_heads}")

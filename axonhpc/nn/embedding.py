@@ -44,6 +44,7 @@ class Embedding(Module):
     def __init__(self, num_embeddings: int, embedding_dim: int, dtype: Any = np.float32,
                  seed: _init.SeedLike = None) -> None:
         super().__init__()
+        _init.check_sizes("Embedding", num_embeddings=num_embeddings, embedding_dim=embedding_dim)
         if num_embeddings <= 0 or embedding_dim <= 0:
             raise ConfigurationError(f"Embedding sizes must be positive, got num_embeddings={num_embeddings}, "
                                      f"embedding_dim={embedding_dim}")

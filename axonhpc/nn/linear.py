@@ -47,6 +47,7 @@ class Linear(Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  dtype: Any = np.float32, seed: _init.SeedLike = None, activation: Optional[str] = None) -> None:
         super().__init__()
+        _init.check_sizes("Linear", in_features=in_features, out_features=out_features)
         if in_features < 0 or out_features < 0:
             raise ConfigurationError(f"Linear sizes must be >= 0, got in_features={in_features}, "
                                      f"out_features={out_features}")

@@ -63,6 +63,7 @@ class TransformerBlock(Module):
     def __init__(self, width: int, heads: int, mlp_ratio: int = 4, dropout: float = 0.0, causal: bool = True,
                  dtype: Any = np.float32, seed: _init.SeedLike = None) -> None:
         super().__init__()
+        _init.check_sizes("TransformerBlock", width=width, heads=heads, mlp_ratio=mlp_ratio)
         if width <= 0 or mlp_ratio <= 0:
             raise ConfigurationError(f"TransformerBlock needs positive width and mlp_ratio, got width={width}, "
                                      f"mlp_ratio={mlp_ratio}")
@@ -151,6 +152,8 @@ class GPT(Module):
                  with_embedding: bool = True, with_head: bool = True,
                  make_block: Optional[Callable[[int, Any], Module]] = None) -> None:
         super().__init__()
+        _init.check_sizes("GPT", vocab_size=vocab_size, context=context, width=width, heads=heads, layers=layers,
+                          mlp_ratio=mlp_ratio)
         if vocab_size <= 0 or context <= 0 or width <= 0 or layers < 0:
             raise ConfigurationError(f"GPT needs positive vocab_size, context and width and layers >= 0, got "
                                      f"vocab_size={vocab_size}, context={context}, width={width}, layers={layers}")

@@ -14,6 +14,7 @@ Arrays are copies.
 """
 from __future__ import annotations
 
+import numbers
 from typing import Any, Dict, Iterable, List, Tuple
 
 import numpy as np
@@ -56,7 +57,14 @@ class Optimizer:
     """
 
     def __init__(self, params: Iterable[Any], **hyperparameters: Any) -> None:
-        params = list(params)
+        if hasattr(params, "parameters") and callable(params.parameters):
+            raise ArgumentTypeError(f"{type(self).__name__} takes the parameters, got the {type(params).__name__} "
+                                    f"itself: pass model.parameters()")
+        try:
+            params = list(params)
+        except TypeError:
+            raise ArgumentTypeError(f"{type(self).__name__} takes an iterable of Parameters, got "
+                                    f"{type(params).__name__}") from None
         if not params:
             raise ConfigurationError(f"{type(self).__name__} got an empty parameter list")
         for i, p in enumerate(params):
@@ -157,7 +165,10 @@ def _zero(p: Any, set_to_none: bool) -> None:
 
 
 def check_non_negative(owner: str, **values: float) -> None:
-    """Raise ConfigurationError naming each value that is negative (or NaN)."""
+    """Raise ArgumentTypeError naming a value that is not a number, ConfigurationError each that is negative (or NaN)."""
+    for k, v in values.items():
+        if isinstance(v, bool) or not isinstance(v, numbers.Real):
+            raise ArgumentTypeError(f"{owner}: {k} must be a number, got {type(v).__name__} {v!r}")
     bad = {k: v for k, v in values.items() if not v >= 0}
     if bad:
         raise ConfigurationError(f"{owner}: " + ", ".join(f"{k}={v} must be >= 0" for k, v in bad.items()))

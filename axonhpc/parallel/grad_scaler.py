@@ -26,6 +26,7 @@ call, as PyTorch's documentation does with its own ``GradScaler``.
 """
 from __future__ import annotations
 
+import numbers
 from typing import Any, Dict, List, Optional
 
 import numpy as np
@@ -34,7 +35,7 @@ from .. import _capture, _kernels
 from .._dtypes import array_module, finite_flags, is_cupy_array, is_low_precision_float
 from ..backends import ReduceOp
 from ..collectives import all_reduce
-from ..errors import ConfigurationError
+from ..errors import ArgumentTypeError, ConfigurationError
 from ..groups import resolve_group
 from ..optim import fused
 
@@ -72,6 +73,10 @@ class GradScaler:
 
     def __init__(self, init_scale: float = 2.0 ** 16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
                  growth_interval: int = 2000, group: Any = None, enabled: bool = True):
+        for name, value in (("init_scale", init_scale), ("growth_factor", growth_factor),
+                            ("backoff_factor", backoff_factor)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise ArgumentTypeError(f"GradScaler {name} must be a number, got {type(value).__name__} {value!r}")
         if not init_scale > 0:
             raise ConfigurationError(f"init_scale must be positive, got {init_scale!r}")
         if not growth_factor > 1:

@@ -58,7 +58,8 @@ from ..checkpoint import clean_interrupted, latest
 from ..checkpoint.background import AsyncCheckpointer
 from ..collectives import barrier
 from ..data import DataLoader
-from ..errors import ConfigurationError
+from ..errors import ArgumentTypeError, ConfigurationError
+from ..nn import require_module
 from ..groups import resolve_group
 from ..log import get_logger
 from ..settings import settings
@@ -154,6 +155,13 @@ class DistributedTrainer:
                  **strategy_options: Any):
         if strategy not in STRATEGIES:
             raise ConfigurationError(f"unknown strategy {strategy!r}; use one of {list(STRATEGIES)}")
+        require_module(model, "DistributedTrainer")
+        if not (callable(getattr(optimizer, "step", None)) and callable(getattr(optimizer, "zero_grad", None))):
+            raise ArgumentTypeError(f"DistributedTrainer optimizer must be an optimizer (with step and zero_grad), got "
+                                    f"{type(optimizer).__name__}")
+        if not (callable(loss_fn) and callable(getattr(loss_fn, "backward", None))):
+            raise ArgumentTypeError(f"DistributedTrainer loss_fn must be a loss module (callable, with backward), got "
+                                    f"{type(loss_fn).__name__}")
         _positive_int("keep_checkpoints", keep_checkpoints)
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
         self.strategy = strategy
