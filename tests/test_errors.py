@@ -37,13 +37,21 @@ ALLOWED = {
 FACTORIES = {
     ("backends/base.py", "self._timeout_error"): "CollectiveTimeoutError (Work._timeout_error)",
     ("collectives/watch.py", "work._timeout_error"): "CollectiveTimeoutError (Work._timeout_error)",
-    ("collectives/core.py", "watch.engine_timed_out"): "CollectiveTimeoutError naming the missing ranks",
-    ("collectives/shm_path.py", "timed_out"): "CollectiveTimeoutError naming the missing ranks",
-    ("collectives/agreement.py", "shm_path.timed_out"): "CollectiveTimeoutError naming the missing ranks",
-    ("collectives/agreement.py", "watch.engine_timed_out"): "CollectiveTimeoutError naming the missing ranks",
     ("checkpoint/format.py", "self.fail"): "CheckpointError naming the file and the metadata path",
     ("backends/mpi.py", "self._backend._size_problem"): "ShapeError naming the message's and the buffer's sizes",
     ("backends/mpi.py", "self._problem"): "ShapeError naming the message's and the buffer's sizes",
+    # errors.replacing returns the AxonError it is given (here the CollectiveTimeoutError that
+    # watch.engine_timed_out or shm_path.timed_out makes), its internal cause unchained (issue 42)
+    ("collectives/agreement.py", "replacing"): "CollectiveTimeoutError or CollectiveMismatchError",
+    ("collectives/core.py", "replacing"): "CollectiveTimeoutError naming the missing ranks",
+    ("collectives/shm_path.py", "replacing"): "CollectiveTimeoutError naming the missing ranks",
+    # errors.everywhere returns the CollectiveMismatchError it is given, marked with the ranks raising it
+    ("collectives/agreement.py", "everywhere"): "CollectiveMismatchError",
+    ("collectives/fingerprint.py", "everywhere"): "CollectiveMismatchError or CollectiveRefusedError",
+    ("parallel/same_model.py", "everywhere"): "ModelMismatchError",
+    ("groups/world.py", "everywhere"): "GroupMismatchError",
+    ("groups/mesh.py", "everywhere"): "GroupMismatchError",
+    ("groups/process_group.py", "everywhere"): "GroupMismatchError",
 }
 
 

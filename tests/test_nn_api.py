@@ -23,15 +23,15 @@ EXPECTED = {
 # threading: nn.autocast's state is per thread (each rank of the thread backend is a thread).
 # functools: the optimizers' work before a CUDA graph's replay is a partial of a method.
 ALLOWED_ROOTS = {"numpy", "cupy", "cupyx", "math", "sys", "typing", "collections", "__future__", "threading",
-                 "functools"}
+                 "functools", "numbers"}
 # tracing records timeline spans (axonhpc.tracing knows nothing of communication); settings holds
 # allow_tf32, which nn.matmul applies to cupy; _capture says whether a CUDA graph is being captured; log
 # gives the sampler the caller's rank and world size when it is not given them (``world_facts``, which
 # never builds a world: it knows nothing of communication either)
 ALLOWED_AXONHPC = {"axonhpc._dtypes", "axonhpc._kernels", "axonhpc._capture", "axonhpc.errors", "axonhpc.tracing",
                    "axonhpc.settings", "axonhpc.log"}
-# data/text.py reads the standard library's own source files from disk.
-ALLOWED_PER_FILE = {os.path.join("data", "text.py"): {"os", "sysconfig"}}
+# data/text.py reads the standard library's own source files from disk; data/files.py a user's corpus.
+ALLOWED_PER_FILE = {os.path.join("data", "text.py"): {"os", "sysconfig"}, os.path.join("data", "files.py"): {"os"}}
 
 
 @pytest.mark.parametrize("pkg", sorted(PACKAGES))

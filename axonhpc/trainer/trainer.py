@@ -156,9 +156,10 @@ class DistributedTrainer:
         if strategy not in STRATEGIES:
             raise ConfigurationError(f"unknown strategy {strategy!r}; use one of {list(STRATEGIES)}")
         require_module(model, "DistributedTrainer")
-        if not (callable(getattr(optimizer, "step", None)) and callable(getattr(optimizer, "zero_grad", None))):
-            raise ArgumentTypeError(f"DistributedTrainer optimizer must be an optimizer (with step and zero_grad), got "
-                                    f"{type(optimizer).__name__}")
+        if not (callable(optimizer) or (callable(getattr(optimizer, "step", None))
+                                        and callable(getattr(optimizer, "zero_grad", None)))):
+            raise ArgumentTypeError(f"DistributedTrainer optimizer must be an optimizer (with step and zero_grad) or a "
+                                    f"callable that builds one from the parameters, got {type(optimizer).__name__}")
         if not (callable(loss_fn) and callable(getattr(loss_fn, "backward", None))):
             raise ArgumentTypeError(f"DistributedTrainer loss_fn must be a loss module (callable, with backward), got "
                                     f"{type(loss_fn).__name__}")
