@@ -171,7 +171,12 @@ def test_plain_all_reduce_is_recorded_and_follows_the_settings(mpi_world):
         with pytest.raises(ReadOnlyBufferError):  # refused by the general path's checks
             x.setflags(write=False)
             ax.all_reduce(x, ax.ReduceOp.SUM, group)
-        assert group.seq == seq + 3  # nothing was sent for the refused call
+        # No data moved, but the refusal took its place in the call's agreement step (so that a refusal on one
+        # rank alone reaches the others: issue 42), and so its number.
+        assert group.seq == seq + 4 and engine.chunks == chunks + 3
+        x.setflags(write=True)
+        ax.all_reduce(x, ax.ReduceOp.SUM, group)  # in step
+        assert np.all(x == n ** 4)
     collectively(mpi_world, check)
 
 
