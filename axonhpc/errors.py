@@ -149,6 +149,17 @@ class CollectiveTimeoutError(AxonError, TimeoutError):
     """A blocking operation did not complete within its timeout."""
 
 
+class CollectiveStallError(CollectiveTimeoutError):
+    """A collective waited ``settings.stall_timeout`` seconds without the group joining it (the watchdog's
+    default timeout); the message is the watchdog's report of where every rank was."""
+
+
+class DeadlockError(CollectiveStallError):
+    """The ranks' waits prove a deadlock: each rank of a cycle waits in a collective the next one has not entered,
+    and that one waits too (two groups entered in different orders); raised on every rank of the cycle, naming
+    each rank's call and group."""
+
+
 class LocalAbort(AxonError):
     """Another rank of a local (``run_local``) world aborted or died."""
 
@@ -257,6 +268,8 @@ __all__ = [
     "GroupMismatchError",
     "ModelMismatchError",
     "CollectiveTimeoutError",
+    "CollectiveStallError",
+    "DeadlockError",
     "LocalAbort",
     "BackendUnavailableError",
     "StateDictError",

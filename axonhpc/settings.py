@@ -171,9 +171,17 @@ class Settings:
         backend: backend ``init()`` picks by default (``AXONHPC_BACKEND``).
         max_message_elements: the most elements one MPI call moves; larger
             buffers are sent in chunks (``AXONHPC_MAX_MESSAGE_ELEMENTS``).
-        stall_report: with ``debug``, seconds a blocking collective with a
-            timeout may wait before the rank prints what it waits for, once
-            (``AXONHPC_STALL_REPORT``).
+        stall_report: seconds a rank may wait in one collective before the
+            watchdog reports, on every rank, who waits where
+            (``axonhpc.collectives.watchdog``; ``AXONHPC_STALL_REPORT``).
+        stall_timeout: seconds a rank may wait in one collective before the
+            watchdog ends the wait with ``CollectiveStallError`` (a proven
+            deadlock ends it at once with ``DeadlockError``); None: never
+            (``AXONHPC_STALL_TIMEOUT``, 0/off/none for never). ``timeout``,
+            when set, still bounds every call.
+        watchdog: run the watchdog thread (stall reports, the stall timeout,
+            deadlocks, SIGUSR1 dumps while blocked) in processes that make
+            collectives (``AXONHPC_WATCHDOG``).
         flight_recorder: collectives each rank remembers for the flight
             recorder; 0 turns it off (``AXONHPC_FLIGHT_RECORDER``).
         flight_dir: where the recorder writes ``flight-rank<r>.json``
@@ -260,6 +268,8 @@ class Settings:
     max_message_elements: int = MPI_INT_MAX
     allreduce_algorithm: str = "native"
     stall_report: float = 30.0
+    stall_timeout: Optional[float] = 600.0
+    watchdog: bool = True
     flight_recorder: int = 256
     flight_dir: str = "axonhpc-flight"
     flight_signal: str = "SIGUSR1"
@@ -333,6 +343,8 @@ _ENVIRONMENT = {
     "flight_signal": ("AXONHPC_FLIGHT_SIGNAL", lambda name, text: _parse_signal(name, text)),
     "skip_nonfinite_steps": ("AXONHPC_SKIP_NONFINITE_STEPS", _parse_bool),
     "stall_report": ("AXONHPC_STALL_REPORT", lambda name, text: _parse_seconds(name, text)),
+    "stall_timeout": ("AXONHPC_STALL_TIMEOUT", _parse_timeout),
+    "watchdog": ("AXONHPC_WATCHDOG", _parse_bool),
     "allreduce_algorithm": ("AXONHPC_ALLREDUCE_ALGORITHM", lambda name, text: _parse_choice(name, text, ALGORITHMS)),
     "cuda_aware_mpi": ("AXONHPC_CUDA_AWARE_MPI", _parse_cuda_aware),
     "staging_chunk_bytes": ("AXONHPC_STAGING_CHUNK_BYTES", lambda name, text: _parse_count(name, text)),

@@ -72,6 +72,7 @@ cdef extern from "shm_engine.h":
         double wait_seconds
         long spin_iters
         long yield_iters
+        int abandon
     int ax_agree(ax_shm *s, const int64_t *desc, double timeout, unsigned char *lagging) nogil
     int ax_allreduce(ax_shm *s, char *x, size_t count, int dtype, int op, size_t itemsize,
                      const int64_t *desc, double timeout, unsigned char *lagging) nogil
@@ -220,6 +221,7 @@ cdef class Engine:
     cdef unsigned char _lagging[256]
     cdef public double timeout
     cdef public bint check
+    cdef object _verdict
 
     def __init__(self, addresses, int rank, Py_ssize_t slot_bytes, int nslots):
         cdef Py_ssize_t k, size = len(addresses)
@@ -262,8 +264,18 @@ cdef class Engine:
         """How many waits had to yield or sleep (a rank arrived late)."""
         return self.s.waits
 
+    def abandon(self, error):
+        """Make the call waiting in this engine (from another thread: the watchdog) give up and raise ``error``.
+
+        The engine's counters are then out of step with the other ranks': it is not used again.
+        """
+        self._verdict = error
+        self.s.abandon = 1
+
     cdef _check(self, int code, str what):
         cdef int k
+        if code == -1 and self._verdict is not None:
+            raise self._verdict  # the watchdog's verdict (a deadlock, a stall that did not end)
         if code == -1:
             missing = [k for k in range(self.s.size) if self._lagging[k]]
             error = CollectiveTimeoutError(

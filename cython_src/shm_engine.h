@@ -73,6 +73,7 @@ typedef struct {
     double wait_seconds;           /* time spent waiting for other ranks (for benchmarks) */
     long spin_iters;               /* busy polls before the first yield */
     long yield_iters;              /* polls (spins included) before the first sleep */
+    volatile int abandon;          /* set by another thread (the watchdog): the waits give up as on a timeout */
 } ax_shm;
 
 static inline uint64_t ax_load(const uint64_t *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
@@ -91,7 +92,7 @@ static inline double ax_now(void) {
 /* Wait until every rank's counter `field` is at least `target`.
  * Spins briefly, then yields the core, then sleeps with a growing delay: on an
  * oversubscribed node the rank being waited for needs the core.
- * Returns 0, or -1 after `timeout` seconds (timeout <= 0: never) with
+ * Returns 0, or -1 after `timeout` seconds (timeout <= 0: never), or once `abandon` is set, with
  * lagging[r] set for every rank r still behind. */
 static int ax_wait_all(ax_shm *s, int field, uint64_t target, double timeout, unsigned char *lagging) {
     long iter = 0;
@@ -117,7 +118,7 @@ static int ax_wait_all(ax_shm *s, int field, uint64_t target, double timeout, un
             nanosleep(&ts, NULL);
             if (sleep_ns < 200000) sleep_ns += sleep_ns / 4;
         }
-        if ((iter & 63) == 0 && timeout > 0 && ax_now() - start > timeout) {
+        if ((iter & 63) == 0 && ((timeout > 0 && ax_now() - start > timeout) || s->abandon)) {
             for (int r = 0; r < s->size; r++)
                 lagging[r] = ax_load(ax_field(s->ctrls[r], field)) < target;
             return -1;

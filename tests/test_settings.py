@@ -32,7 +32,8 @@ def test_environment_fills_fields():
                            "shm_slot_bytes": 262144,
                            "shm_slots": 4, "deterministic": False, "bucket_size_mb": "auto",
                           "check_collectives": True, "allow_tf32": False,
-                          "fused_kernels": True, "size_thread_pools": True}
+                          "fused_kernels": True, "size_thread_pools": True,
+                          "stall_timeout": 600.0, "watchdog": True}
 
 
 def test_revision_counts_every_assignment():

@@ -71,9 +71,9 @@ def test_debug_mode_reports_a_stall_once_and_keeps_waiting():
     out, _ = _run("stall")
     text = out.stdout + out.stderr
     assert out.returncode == 0, text[-3000:]
-    for rank in (0, 1):  # each waiting rank reports once, naming the late one
+    for rank in (0, 1):  # each waiting rank's watchdog reports once, naming the call it waits in
         assert text.count(f"rank {rank} has waited") == 1, text[-3000:]
-    assert "missing ranks: [2]" in text and "debug fingerprint exchange" in text, text[-3000:]
+    assert "debug fingerprint exchange" in text, text[-3000:]
     assert text.count("finished") == 3
 
 

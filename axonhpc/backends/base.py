@@ -50,6 +50,10 @@ class ReduceOp(enum.Enum):
 _OP_ALIASES = {"mean": "AVG", "average": "AVG", "prod": "PRODUCT"}  # spellings users already type
 
 
+# (enter(work) -> key or None, leave(key)): the collectives' watchdog notes the waits, which may block for good.
+WAIT_OBSERVER: Optional[Tuple[Callable[["Work"], Any], Callable[[Any], None]]] = None
+
+
 class Work:
     """Handle of an operation that may still be running.
 
@@ -127,8 +131,14 @@ class Work:
             CollectiveTimeoutError: the operation did not complete in time.
         """
         if not self._finished:
-            if not self._block(timeout):
-                raise self._timeout_error(timeout)
+            observer = WAIT_OBSERVER
+            key = observer[0](self) if observer is not None else None
+            try:
+                if not self._block(timeout):
+                    raise self._timeout_error(timeout)
+            finally:
+                if key is not None:
+                    observer[1](key)
             self._finish()
         return self._result
 

@@ -120,6 +120,12 @@ def engine_for(backend: Any, slot_bytes: int, nslots: int, one_node: Optional[bo
     return window.engine if window else None
 
 
+def cached_engine(backend: Any) -> Optional[Any]:
+    """``backend``'s engine if ``engine_for`` already made it, else None: never collective (for another thread)."""
+    cached = getattr(backend.host_side(), _ATTR, None)
+    return cached.engine if cached else None
+
+
 SHM_DIR = "/dev/shm"  # where MPI's shared windows live on Linux (a tmpfs, often small in containers)
 
 
@@ -234,4 +240,4 @@ def release(backend: Any) -> None:
         setattr(backend, _ATTR, None)
 
 
-__all__ = ["SharedWindow", "engine_for", "allocate_array", "free_array", "engine_in_window", "release"]
+__all__ = ["SharedWindow", "engine_for", "cached_engine", "allocate_array", "free_array", "engine_in_window", "release"]

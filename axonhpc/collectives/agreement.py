@@ -58,7 +58,7 @@ import numpy as np
 from .._dtypes import is_cupy_array
 from .._ext import _shm
 from ..backends.base import ReduceOp, Work
-from ..errors import CollectiveMismatchError, CollectiveTimeoutError, everywhere, replacing
+from ..errors import CollectiveMismatchError, CollectiveStallError, CollectiveTimeoutError, everywhere, replacing
 from ..settings import settings
 from . import fingerprint, flight, shm_path, watch
 from .group_state import state_of
@@ -119,6 +119,8 @@ def compare(pg: Any, seq: int, op: str, desc_of: Callable[[bool], Desc], mismatc
             engine.agree(desc_of(True))
         except EngineMismatch as exc:
             explain_mismatch(mismatch, exc)
+        except CollectiveStallError:
+            raise  # the watchdog's verdict, which says all there is to say
         except CollectiveTimeoutError as exc:
             if arrivals is None:
                 raise replacing(shm_path.timed_out(exc, engine, pg, op), exc, settings.debug)

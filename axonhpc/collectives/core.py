@@ -29,10 +29,10 @@ import numpy as np
 from .. import _capture, tracing
 from .._dtypes import array_module, check_array, is_cupy_array, is_low_precision_float
 from ..backends.base import CompletedWork, ReduceOp, Work
-from ..errors import AxonError, CollectiveTimeoutError, ReadOnlyBufferError, ShapeError, replacing
+from ..errors import AxonError, CollectiveStallError, CollectiveTimeoutError, ReadOnlyBufferError, ShapeError, replacing
 from ..groups import ProcessGroup, resolve_group
 from ..settings import settings
-from . import agreement, fast_path, fingerprint, flight, graphed, shm_path, staged_path, watch
+from . import agreement, fast_path, fingerprint, flight, graphed, shm_path, staged_path, watch, watchdog
 from .ring import ring_all_reduce, ring_reduce_scatter
 from .widen import divide_average
 
@@ -108,6 +108,17 @@ def _run(pg: ProcessGroup, label: _Label, issue, async_op: bool, carried: bool =
     arrivals = (pg.backend.announce(label.seq, label.op) if collective and timeout is not None and not async_op
                 else None)
     entry = label.entry if collective else None
+    key = watchdog.blocking(pg, entry, label) if not async_op else None
+    try:
+        return _checked_run(pg, label, issue, async_op, carried, timeout, collective, arrivals, entry)
+    finally:
+        if key is not None:
+            watchdog.unblocked(key)
+
+
+def _checked_run(pg: ProcessGroup, label: Any, issue, async_op: bool, carried: bool, timeout: Optional[float],
+                 collective: bool, arrivals: Any, entry: Optional[list]) -> Any:
+    """``_run``'s body: the agreement check, the call, and the wait (a blocking call's, which the watchdog sees)."""
     pending = None
     if collective and not carried and async_op and not is_cupy_array(label.call[0]):
         # A host call may start once its check is done (MPI progresses each communicator on its own).
@@ -124,6 +135,8 @@ def _run(pg: ProcessGroup, label: _Label, issue, async_op: bool, carried: bool =
             work = issue(async_op or timeout is not None)
     except agreement.EngineMismatch as exc:
         agreement.explain_mismatch(label.refuse, exc)
+    except CollectiveStallError:
+        raise  # the watchdog's verdict, which says all there is to say
     except CollectiveTimeoutError as exc:  # the shared-memory engine timed out inside the call
         if arrivals is None:
             raise

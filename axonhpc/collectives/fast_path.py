@@ -32,7 +32,7 @@ from ..backends import shm as shm_backend
 from ..backends.base import CompletedWork, ReduceOp, Work
 from ..groups import resolve_group
 from ..settings import settings
-from . import agreement, flight, shm_path
+from . import agreement, flight, shm_path, watchdog
 
 NOT_TAKEN = object()  # what ``attempt`` returns when the general path must handle the call
 
@@ -147,6 +147,8 @@ def attempt(spec: Spec, x: Any, group: Any, op: Any = None, root: Any = None, ou
     entry = flight.record(pg, spec.op, x, name, root, None)
     seq = pg.seq
     pg.seq += 1
+    blocked, key = watchdog._blocked, watchdog.get_ident()  # the watchdog's note, inline (see there)
+    blocked[key] = (pg, entry, None)
     try:
         if use_engine:
             spec.on_engine(engine, x, out, name, root)  # compares the call across the node as it goes
@@ -155,6 +157,8 @@ def attempt(spec: Spec, x: Any, group: Any, op: Any = None, root: Any = None, ou
             _finish(spec.on_backend(backend, x, out, op, root))
     except agreement.EngineMismatch as exc:
         agreement.explain_mismatch(lambda: agreement.refuse(pg, seq, spec.op, x, name, root), exc)
+    finally:
+        del blocked[key]
     if entry is not None:
         entry[flight.DONE] = True
     return out

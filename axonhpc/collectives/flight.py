@@ -104,6 +104,44 @@ def _write(rank: int, reason: str) -> Optional[str]:
     return path
 
 
+_last_signal_dump = [0.0]  # when (time.monotonic) a signal last made a dump
+
+
+def signal_dump(name: str) -> Optional[str]:
+    """Dump every rank of this process for the signal ``name`` and say where (the folder is the working
+    directory's by default)."""
+    _last_signal_dump[0] = time.monotonic()
+    path = dump(f"signal {name}")
+    if path is not None:
+        from ..log import get_logger
+
+        directory = os.path.dirname(os.path.abspath(path))
+        get_logger("flight").warning(f"{name}: wrote the flight recorder to {path} (AXONHPC_FLIGHT_DIR; merge every "
+                                     f"rank's with: axonhpc doctor {directory})")
+    return path
+
+
+_rank = [None]  # the world rank ``init`` gave this process
+
+
+def process_rank() -> Optional[int]:
+    """This process's world rank: ``init``'s, else the one whose records it keeps (None with several:
+    ``run_local``'s threads)."""
+    if _rank[0] is not None:
+        return _rank[0]
+    with _lock:
+        ranks = list(_buffers)
+    return ranks[0] if len(ranks) == 1 else None
+
+
+def install(world: Any = None) -> None:
+    """The flight signal's handler from ``init`` on (the watchdog calls it): a rank that has not made a
+    collective yet answers a signal too."""
+    if world is not None:
+        _rank[0] = world.rank
+    _install_signal()
+
+
 def _install_signal() -> None:
     global _installed
     if _installed or threading.current_thread() is not threading.main_thread():
@@ -119,17 +157,13 @@ def _install_signal() -> None:
     previous = signal.getsignal(number)
 
     def handler(signum: int, frame: Any) -> None:
-        path = dump(f"signal {name}")
-        if path is not None:  # say where: the folder is the user's working directory by default
-            from ..log import get_logger
-
-            directory = os.path.dirname(os.path.abspath(path))
-            get_logger("flight").warning(f"{name}: wrote the flight recorder to {path} (AXONHPC_FLIGHT_DIR; "
-                                         f"merge every rank's with: axonhpc doctor {directory})")
+        if time.monotonic() - _last_signal_dump[0] > 5.0:  # the watchdog dumped already while the rank was blocked
+            signal_dump(name)
         if callable(previous):
             previous(signum, frame)
 
     signal.signal(number, handler)
 
 
-__all__ = ["record", "records", "dump", "FIELDS", "DTYPE", "SHAPE", "DONE"]
+__all__ = ["record", "records", "dump", "signal_dump", "process_rank", "FIELDS", "DTYPE", "SHAPE", "DONE"]
+

@@ -42,7 +42,7 @@ from .._dtypes import is_cupy_array, is_low_precision_float
 from ..backends.base import CompletedWork, ReduceOp, Work
 from ..backends import shm as shm_backend
 from ..backends.shm import allocate_array, engine_for, engine_in_window, free_array
-from ..errors import CollectiveTimeoutError, replacing
+from ..errors import CollectiveStallError, CollectiveTimeoutError, replacing
 from ..settings import settings
 from .group_state import state_of
 
@@ -62,6 +62,8 @@ class _Path:
     def _call(self, method: str, *args: Any) -> None:
         try:
             getattr(self.engine, method)(*args)
+        except CollectiveStallError:
+            raise  # the watchdog's verdict, which says all there is to say
         except CollectiveTimeoutError as exc:
             raise replacing(timed_out(exc, self.engine, self.pg, self.op_name), exc, settings.debug)
 

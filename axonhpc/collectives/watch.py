@@ -2,10 +2,10 @@
 
 [Note: no silent hangs]
 A blocking collective on a group with a timeout (``pg.timeout`` or
-``ax.settings.timeout``) is waited for here. With the debug setting on, a
-rank still waiting after ``settings.stall_report`` seconds prints, once,
-what it waits for and which ranks have not arrived, and goes on waiting.
-When the timeout expires the rank raises ``CollectiveTimeoutError`` naming
+``ax.settings.timeout``) is waited for here. A rank still waiting after
+``settings.stall_report`` seconds is reported by the watchdog
+(``collectives.watchdog``), which also ends the wait with its verdict (a
+proven deadlock, a stall past ``settings.stall_timeout``). When the timeout expires the rank raises ``CollectiveTimeoutError`` naming
 the group, the operation, its sequence number, the ranks that arrived and
 the missing ones (from the backend's arrival notices: see
 ``backends.mpi_arrivals.Arrivals``; the in-process backend knows them itself). Every
@@ -20,9 +20,7 @@ import time
 from typing import Any, Optional
 
 from ..errors import CollectiveTimeoutError
-from ..log import get_logger
-from ..settings import settings
-from . import flight
+from . import flight, watchdog
 
 
 def _who(arrivals: Any, pg: Any, missing: Optional[list] = None) -> str:
@@ -44,15 +42,23 @@ def wait(work: Any, timeout: Optional[float], label: Any, arrivals: Any, pg: Any
         CollectiveTimeoutError: ``timeout`` seconds passed; the message names the missing ranks.
     """
     start = time.monotonic()
-    stall = settings.stall_report if pg.debug_enabled() else None
-    reported = False
+    key = watchdog.blocking(pg, getattr(label, "entry", None), label)  # the watchdog reports a stall here too
+    try:
+        return _wait(work, timeout, label, arrivals, pg, start, key)
+    finally:
+        watchdog.unblocked(key)
+
+
+def _wait(work: Any, timeout: Optional[float], label: Any, arrivals: Any, pg: Any, start: float,
+          key: Optional[int]) -> Any:
     delay = 1e-5
     while not work.is_completed():
         elapsed = time.monotonic() - start
-        if stall is not None and not reported and elapsed >= stall:
-            reported = True
-            who = _who(arrivals, pg) if arrivals is not None else "missing ranks: unknown"
-            get_logger("collectives").warning(f"rank {pg.world.rank} has waited {elapsed:.1f} s in {label}; {who}")
+        decided = watchdog.verdict()  # this thread's
+        if decided is not None:  # a deadlock, or a stall past settings.stall_timeout
+            if arrivals is not None:
+                arrivals.abandon()
+            raise decided
         if timeout is not None and elapsed >= timeout:
             if arrivals is None:
                 flight.dump(f"timeout in {label}", pg.world.rank)

@@ -93,6 +93,8 @@ def init(comm=None, backend: Optional[str] = None, debug: Optional[bool] = None,
     _global_world = world
     if choice != "local":  # ranks that are processes; run_local's thread ranks share one process's pools
         apply_plan(plan_threads(world.usable_cores, world.cpu_sharers), log=world.rank == 0)
+        for hook in AFTER_INIT:  # the collectives' watchdog and flight signal (a layer above this one)
+            hook(world)
     if settings.timeline_dir:
         tracing.record_run(world.rank, settings.timeline_dir)
     if settings.abort_on_exception:
@@ -133,6 +135,8 @@ def is_initialized() -> bool:
 
 # Called with a reason just before an uncaught exception aborts the job (layers above register here).
 BEFORE_ABORT: List[Callable[[str], Any]] = []
+# Called with the world once ``init`` has built an MPI world (layers above register here).
+AFTER_INIT: List[Callable[[World], Any]] = []
 
 
 def told_elsewhere(exc: BaseException, rank: int) -> Optional[str]:

@@ -1,0 +1,398 @@
+"""The watchdog: nothing hangs silently by default (a thread per process that watches the rank's collectives).
+
+[Note: the watchdog]
+A rank that waits in a collective its peers never join waits inside C (MPI,
+or the shared-memory engine), where no Python code of its own runs. So each
+process that makes collectives runs one daemon thread (started with the
+first collective of the main thread) that wakes four times a second and
+looks at what the rank is blocked in (``blocked``: set around every
+blocking call and wait, two dictionary stores).
+
+- **A stall.** After ``settings.stall_report`` seconds (30 by default) in one
+  call, the rank writes its state to ``settings.flight_dir`` (its flight
+  recorder, the call it waits in and where in the user's code it was made:
+  the main thread's innermost frame outside axonhpc) and a request that
+  every rank do the same; each rank's watchdog answers within a second,
+  blocked or not (a rank that is not in a collective says where it is: the
+  collective inside ``if rank == 0:`` shows up as "rank 1 is not in a
+  collective, at train.py:57"). The stalled ranks then log one report: who
+  waits in which call on which group, who is elsewhere, who never answered.
+- **A deadlock the waits prove.** When the states show a cycle of ranks,
+  each blocked in a call that the next one has not entered and will not
+  (it is blocked too: two groups entered in different orders), every rank
+  of the cycle raises ``DeadlockError`` naming each rank's call and group.
+- **A stall that does not end.** After ``settings.stall_timeout`` seconds (10
+  minutes by default, as PyTorch's NCCL process groups time out) the rank
+  raises ``CollectiveStallError`` with the report.
+
+Raising needs the blocked call to return: a call in the shared-memory
+engine is told to give up (``Engine.abandon``) and raises the error at
+once; a call in the general path with a timeout polls and raises it. A
+call blocked inside MPI cannot be interrupted: there the watchdog logs the
+error and ends the job (``MPI_Abort``), as an uncaught exception would.
+Both thresholds are settings (``AXONHPC_STALL_REPORT``,
+``AXONHPC_STALL_TIMEOUT``; 0 turns the timeout off); ``settings.timeout``,
+when set, still bounds every call as before.
+
+The same thread makes ``kill -USR1`` dump the flight recorder within a
+second while the rank is blocked: the signal's C handler writes to a pipe
+the watchdog reads (``signal.set_wakeup_fd``), where the Python handler
+would run only once the blocked call returned.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Any, Dict, List, Optional, Tuple
+
+from ..backends import base as backend_base
+from ..backends.shm import cached_engine
+from ..errors import CollectiveStallError, DeadlockError
+from ..log import get_logger
+from ..settings import settings
+from ..tracing import write_json_atomic
+from . import flight
+
+TICK = 0.25  # seconds between the watchdog's looks
+ANSWER_WAIT = 2.0  # seconds a stalled rank gives the others to write their state before it reports
+RECHECK = 5.0  # seconds between a stalled rank's later looks for a deadlock
+REQUEST = "stall-request.json"
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# thread ident -> (group, flight entry or None, the call (its label)): what each thread is blocked in. The
+# watchdog times each wait from when it first sees it (a quarter second late at most), so noting one costs
+# the hot path a dictionary store and no clock (the fast path writes it inline).
+_blocked: Dict[int, Tuple[Any, Optional[list], Any]] = {}
+get_ident = threading.get_ident
+
+
+def blocking(pg: Any, entry: Optional[list], call: Any = None) -> Optional[int]:
+    """Note that this thread now blocks in a collective of ``pg`` (its flight ``entry``; ``call``: its label);
+    returns the key for ``unblocked``, None inside a call already noted (a blocking call's own wait)."""
+    key = get_ident()
+    if key in _blocked:
+        return None
+    _blocked[key] = (pg, entry, call)
+    return key
+
+
+def unblocked(key: Optional[int]) -> None:
+    """The call noted by ``blocking`` returned (or raised)."""
+    if key is not None:
+        _blocked.pop(key, None)
+
+
+def _observe_wait(work: Any) -> Optional[int]:
+    """``Work.wait``'s hook: an asynchronous collective being waited for blocks like a blocking one."""
+    label = getattr(work, "label", None)
+    pg = getattr(label, "group", None)
+    if pg is None:
+        return None
+    return blocking(pg, getattr(label, "entry", None), label)
+
+
+def _call_text(pg: Any, entry: Optional[list], call: Any) -> str:
+    if entry is not None:
+        shape = entry[flight.SHAPE]
+        what = f"{entry[flight.FIELDS.index('op')]} #{entry[flight.FIELDS.index('seq')]}"
+        if entry[flight.DTYPE] is not None:
+            what += f" {entry[flight.DTYPE]} {tuple(shape) if shape is not None else ''}".rstrip()
+        return f"{what} on group {pg.name} {list(pg.ranks)}"
+    return str(call) if call is not None else f"a collective on group {pg.name} {list(pg.ranks)}"
+
+
+def user_location(thread_id: Optional[int] = None) -> str:
+    """Where ``thread_id`` (default: the main thread) is in the user's code: its innermost frame outside axonhpc."""
+    ident = threading.main_thread().ident if thread_id is None else thread_id
+    frame = sys._current_frames().get(ident)
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE_DIR):
+        frame = frame.f_back
+    if frame is None:
+        return "?"
+    return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno} in {frame.f_code.co_name}"
+
+
+class _Watchdog(threading.Thread):
+    def __init__(self) -> None:
+        super().__init__(name="axonhpc-watchdog", daemon=True)
+        self.reported: Dict[Tuple[int, float], float] = {}  # (thread, since) -> when its report is due
+        self.first_seen: Dict[int, Tuple[Any, float]] = {}  # thread -> (the call it waits in, when first seen)
+        self.answered = ""  # the last stall request this process wrote its state for
+        self.next_request_look = 0.0
+        self.verdicts: Dict[int, Exception] = {}  # thread ident -> the error its blocked call is to raise
+        self.wakeup: Optional[int] = None
+        self._checked: Dict[Tuple[int, float], float] = {}
+
+    # -- SIGUSR1 while blocked ------------------------------------------------------------------------
+    def listen_for_signals(self) -> None:
+        """Make the flight signal wake this thread (called from the main thread, where set_wakeup_fd must be)."""
+        if not settings.flight_signal:
+            return
+        read, write = os.pipe()
+        os.set_blocking(read, False)
+        os.set_blocking(write, False)
+        try:
+            previous = signal.set_wakeup_fd(write)
+        except ValueError:  # not the main thread, or an unusable fd
+            os.close(read)
+            os.close(write)
+            return
+        if previous != -1:  # another library (an event loop) uses the wakeup fd: leave it to it
+            signal.set_wakeup_fd(previous)
+            os.close(read)
+            os.close(write)
+            return
+        self.wakeup = read
+
+    def _signals(self) -> None:
+        if self.wakeup is None:
+            return
+        try:
+            data = os.read(self.wakeup, 512)
+        except BlockingIOError:
+            return
+        number = getattr(signal, settings.flight_signal, None) if settings.flight_signal else None
+        if number is not None and int(number) in data:
+            flight.signal_dump(settings.flight_signal)
+
+    # -- stalls -----------------------------------------------------------------------------------------
+    def run(self) -> None:
+        while True:
+            time.sleep(TICK)
+            try:
+                self._signals()
+                if settings.watchdog:
+                    self._look()
+            except Exception as exc:  # noqa: BLE001 - the watchdog must never take the process down
+                get_logger("watchdog").debug(f"watchdog: {type(exc).__name__}: {exc}")
+
+    def _look(self) -> None:
+        now = time.monotonic()
+        self._answer_requests(now)
+        for key, (pg, entry, call) in list(_blocked.items()):
+            since = self._since(key, pg, entry, call, now)
+            if pg.backend.name == "local":  # run_local's thread ranks share this process: no watchdog there
+                continue
+            waited = now - since
+            mark = (key, since)
+            if waited >= settings.stall_report and mark not in self.reported:
+                self.reported[mark] = now + ANSWER_WAIT
+                get_logger("watchdog").warning(
+                    f"rank {pg.world.rank} has waited {waited:.0f} s in {_call_text(pg, entry, call)}, called at "
+                    f"{user_location(key)}; asking every rank where it is (AXONHPC_STALL_REPORT)")
+                self._request(pg)
+            due = self.reported.get(mark)
+            if due is not None and now >= due:
+                first = due != self._checked.get(mark)
+                self.reported[mark] = now + RECHECK  # the proof of a deadlock may need states that came late
+                self._checked[mark] = self.reported[mark]
+                if key not in self.verdicts:
+                    self._report(key, pg, entry, call, waited, log=first)
+            timeout = settings.stall_timeout
+            if timeout is not None and waited >= timeout and key not in self.verdicts:
+                text = self._report(key, pg, entry, call, waited, log=False)
+                self._end(key, pg, CollectiveStallError(
+                    f"rank {pg.world.rank} waited {waited:.0f} s in {_call_text(pg, entry, call)} "
+                    f"(AXONHPC_STALL_TIMEOUT={timeout:g}); {text}"))
+
+    def _since(self, key: int, pg: Any, entry: Optional[list], call: Any, now: float) -> float:
+        """When this watchdog first saw thread ``key`` blocked in this very call (group and number tell calls apart)."""
+        which = (id(pg), entry[3] if entry is not None else getattr(call, "seq", id(call)))
+        seen = self.first_seen.get(key)
+        if seen is None or seen[0] != which:
+            seen = self.first_seen[key] = (which, now)
+        return seen[1]
+
+    def _state_dir(self) -> str:
+        return os.path.abspath(settings.flight_dir)
+
+    def _request(self, pg: Any) -> None:
+        """Ask every rank (through the flight folder) to write where it is, and write this rank's state."""
+        ident = f"{pg.world.rank}-{os.getpid()}-{time.time():.6f}"
+        try:
+            write_json_atomic(os.path.join(self._state_dir(), REQUEST), {"id": ident, "time": time.time()})
+        except OSError:
+            return
+        self._write_state(pg.world.rank, ident)
+
+    def _answer_requests(self, now: float) -> None:
+        if now < self.next_request_look:
+            return
+        self.next_request_look = now + 1.0
+        path = os.path.join(self._state_dir(), REQUEST)
+        try:
+            with open(path) as f:
+                request = json.load(f)
+        except (OSError, ValueError):
+            return
+        if request.get("id") == self.answered or time.time() - float(request.get("time", 0)) > 60:
+            return
+        rank = flight.process_rank()
+        if rank is not None:
+            self._write_state(rank, request["id"])
+
+    def _write_state(self, rank: int, request: str) -> None:
+        self.answered = request
+        now = time.monotonic()
+        mine = [(pg, entry, call, self._since(key, pg, entry, call, now))
+                for key, (pg, entry, call) in list(_blocked.items()) if pg.world.rank == rank]
+        blocked = None
+        if mine:
+            pg, entry, call, since = mine[0]
+            blocked = {"group": pg.name, "ranks": list(pg.ranks), "seq": None if entry is None else entry[3],
+                       "call": _call_text(pg, entry, call), "waited": time.monotonic() - since}
+        state = {"rank": rank, "pid": os.getpid(), "request": request, "time": time.time(), "blocked": blocked,
+                 "where": user_location(), "entered": _entered(flight.records(rank))}
+        try:
+            write_json_atomic(os.path.join(self._state_dir(), f"state-rank{rank:05d}.json"), state)
+        except OSError:
+            pass
+
+    def _states(self) -> Dict[int, dict]:
+        request = self.answered
+        out: Dict[int, dict] = {}
+        folder = self._state_dir()
+        try:
+            names = os.listdir(folder)
+        except OSError:
+            return out
+        for name in names:
+            if name.startswith("state-rank") and name.endswith(".json"):
+                try:
+                    with open(os.path.join(folder, name)) as f:
+                        state = json.load(f)
+                except (OSError, ValueError):
+                    continue
+                if state.get("request") == request:
+                    out[int(state["rank"])] = state
+        return out
+
+    def _report(self, key: int, pg: Any, entry: Optional[list], call: str, waited: float, log: bool = True) -> str:
+        states = self._states()
+        world_ranks = range(pg.world.world_size)
+        lines = []
+        for r in world_ranks:
+            state = states.get(r)
+            if state is None:
+                lines.append(f"rank {r}: no answer (not reachable: stopped outside Python, on another file system, "
+                             f"or dead)")
+            elif state["blocked"]:
+                b = state["blocked"]
+                lines.append(f"rank {r} waits in {b['call']} (for {b['waited']:.0f} s), at {state['where']}")
+            else:
+                lines.append(f"rank {r} is not in a collective, at {state['where']}")
+        text = ("who is where: " + "; ".join(lines) + ". A collective must be called by every rank of its group in "
+                "the same order: one called only on some ranks (inside `if rank == 0:`) or groups entered in "
+                "different orders never completes")
+        cycle = _deadlock(states, pg.world.rank)
+        if cycle:
+            calls = "; ".join(f"rank {r} waits in {states[r]['blocked']['call']}, which rank {nxt} has not entered"
+                              for r, nxt in zip(cycle, cycle[1:] + cycle[:1]))
+            error = DeadlockError(f"deadlock: {calls} (each waits for the next, so none can go on). {text}")
+            error.ranks = tuple(sorted(cycle))
+            self._end(key, pg, error)
+        elif log:
+            get_logger("watchdog").warning(f"rank {pg.world.rank} still waits after {waited:.0f} s; {text}")
+        return text
+
+    def _end(self, key: int, pg: Any, error: Exception) -> None:
+        """End the blocked call with ``error``: the engine gives up at once; a call in MPI cannot, so the job ends."""
+        self.verdicts[key] = error
+        engine = cached_engine(pg.backend)
+        if engine is not None:
+            engine.abandon(error)
+        deadline = time.monotonic() + 3.0
+        while key in _blocked and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if key in _blocked:  # blocked inside MPI, which cannot be interrupted: end the job with the error
+            get_logger("watchdog").error(f"{type(error).__name__} on rank {pg.world.rank}: {error}; the call waits "
+                                         "inside MPI, which cannot be interrupted: aborting the job")
+            sys.stderr.flush()
+            time.sleep(1.0)
+            pg.world.abort(1)
+
+
+def _entered(records: List[dict]) -> Dict[str, int]:
+    """The last sequence number this rank entered on each group, keyed ``name|ranks``."""
+    out: Dict[str, int] = {}
+    for r in records:
+        key = f"{r['group']}|{','.join(map(str, r['ranks']))}"
+        out[key] = max(out.get(key, -1), int(r["seq"]))
+    return out
+
+
+def _deadlock(states: Dict[int, dict], me: int) -> Optional[List[int]]:
+    """A cycle of blocked ranks through ``me``, each waiting in a call the next has not entered; or None."""
+    def waits_for(r: int) -> List[int]:
+        b = states[r]["blocked"]
+        if not b or b["seq"] is None:
+            return []
+        key = f"{b['group']}|{','.join(map(str, b['ranks']))}"
+        return [q for q in b["ranks"] if q != r and q in states and states[q]["blocked"]
+                and states[q]["entered"].get(key, -1) < b["seq"]]
+
+    if me not in states or not states[me]["blocked"]:
+        return None
+    path: List[int] = [me]
+    seen = {me}
+
+    def walk(r: int) -> Optional[List[int]]:
+        for q in waits_for(r):
+            if q == me:
+                return list(path)
+            if q not in seen:
+                seen.add(q)
+                path.append(q)
+                found = walk(q)
+                if found:
+                    return found
+                path.pop()
+        return None
+
+    return walk(me)
+
+
+_dog: Optional[_Watchdog] = None
+
+
+def install(world: Any = None) -> None:
+    """The flight signal's handler and, with ``settings.watchdog``, the watchdog of this process: from ``init``
+    on (``groups.runtime.AFTER_INIT``, in the main thread), so a rank that has made no collective yet answers
+    too."""
+    flight.install(world)
+    if settings.watchdog and threading.current_thread() is threading.main_thread():
+        start()
+
+
+def start() -> None:
+    """Start the watchdog of this process (once; from the main thread)."""
+    global _dog
+    if _dog is not None:
+        return
+    _dog = _Watchdog()
+    _dog.listen_for_signals()
+    backend_base.WAIT_OBSERVER = (_observe_wait, unblocked)
+    _dog.start()
+
+
+def verdict(key: Optional[int] = None) -> Optional[Exception]:
+    """The error the watchdog decided this thread's blocked call raises (for waits that poll), or None."""
+    if _dog is None:
+        return None
+    return _dog.verdicts.get(threading.get_ident() if key is None else key)
+
+
+def _register() -> None:
+    from ..groups import runtime
+
+    if install not in runtime.AFTER_INIT:
+        runtime.AFTER_INIT.append(install)
+
+
+_register()
+
+__all__ = ["blocking", "unblocked", "install", "start", "verdict", "user_location"]
