@@ -34,7 +34,7 @@ ranks, buffers), and a check that fails on one rank alone (rank 0 passes 8
 elements to a reduce-scatter over 3 ranks, the others 6) must not leave the
 others waiting in the call. So the refusing rank still takes its place in
 the call's agreement step, with a descriptor that says "refused"
-(``refused``): it numbers the call as the others do, makes the debug
+(``refuse_locally``): it numbers the call as the others do, makes the debug
 mode's exchange if that is on, and then the same engine step or MPI check
 the others make. They see a difference and exchange fingerprints, in which
 the refusing rank's carries its error; they raise ``CollectiveRefusedError``
@@ -254,7 +254,7 @@ def _mpi_check(pg: Any) -> Tuple[np.ndarray, Any, Any]:
     return cached
 
 
-def refused(pg: Any, op: str, problem: BaseException, nonblocking: bool = False) -> NoReturn:
+def refuse_locally(pg: Any, op: str, problem: BaseException, nonblocking: bool = False) -> NoReturn:
     """This rank refused its call of ``op`` on ``pg`` with ``problem``: tell the group, then raise ``problem``.
 
     See [Note: a refusal on one rank]. ``nonblocking``: the call would have
@@ -307,6 +307,6 @@ def refuse(pg: Any, seq: int, op: str, x: Any, reduce: Optional[str], root: Opti
         f"lies at another offset on some ranks"), pg.ranks)
 
 
-__all__ = ["describe", "check", "compare", "explain_mismatch", "start_check", "CheckedWork", "refuse", "refused",
+__all__ = ["describe", "check", "compare", "explain_mismatch", "start_check", "CheckedWork", "refuse", "refuse_locally",
            "node_engine",
            "EngineMismatch"]

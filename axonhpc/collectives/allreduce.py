@@ -23,7 +23,7 @@ from ..groups import ProcessGroup
 from ..settings import settings
 from . import algorithms
 from . import fast_path
-from .core import _member, checked_all_reduce, refused
+from .core import _member, checked_all_reduce, refuse_call
 
 
 def all_reduce(x, op=ReduceOp.SUM, group: Optional[ProcessGroup] = None, async_op: bool = False,
@@ -58,7 +58,7 @@ def all_reduce(x, op=ReduceOp.SUM, group: Optional[ProcessGroup] = None, async_o
         check_array(x, "all_reduce buffer", writable=True)
         chosen = algorithms.resolve_algorithm(algorithm)
     except AxonError as exc:  # the others hear it (a non-native algorithm's check is a blocking step)
-        refused(pg, "all_reduce", exc, x, async_op and (algorithm or settings.allreduce_algorithm) == "native")
+        refuse_call(pg, "all_reduce", exc, x, async_op and (algorithm or settings.allreduce_algorithm) == "native")
     if chosen == "native" or pg.size == 1:
         return checked_all_reduce(x, op, pg, async_op)
     return algorithms.run(chosen, x, op, pg, async_op)

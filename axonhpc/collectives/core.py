@@ -41,13 +41,13 @@ def _member(group: Optional[ProcessGroup], op: str) -> ProcessGroup:
     return resolve_group(group).require_member(op)
 
 
-def refused(pg: ProcessGroup, op: str, problem: AxonError, x: Any = None, async_op: bool = False) -> NoReturn:
+def refuse_call(pg: ProcessGroup, op: str, problem: AxonError, x: Any = None, async_op: bool = False) -> NoReturn:
     """A check of this rank's arguments failed: tell the group's other ranks, then raise ``problem``.
 
     See [Note: a refusal on one rank] in ``agreement``. An asynchronous call on host arrays would have
     been compared with a nonblocking step (not in deterministic mode, which compares before its ring).
     """
-    agreement.refused(pg, op, problem, nonblocking=async_op and not is_cupy_array(x) and not settings.deterministic)
+    agreement.refuse_locally(pg, op, problem, nonblocking=async_op and not is_cupy_array(x) and not settings.deterministic)
 
 
 # Why a route cannot be captured in a CUDA graph (see [Note: collectives in a graph] in ``graphed``).
@@ -227,7 +227,7 @@ def all_reduce(x, op=ReduceOp.SUM, group: Optional[ProcessGroup] = None, async_o
         op = ReduceOp.parse(op)
         check_array(x, "all_reduce buffer", writable=True)
     except AxonError as exc:
-        refused(pg, "all_reduce", exc, x, async_op)
+        refuse_call(pg, "all_reduce", exc, x, async_op)
     return checked_all_reduce(x, op, pg, async_op)
 
 
@@ -310,7 +310,7 @@ def reduce_scatter(x, op=ReduceOp.SUM, group: Optional[ProcessGroup] = None, asy
         out = _result_buffer(x, out, (x.shape[0] // pg.size,) + tuple(x.shape[1:]), "reduce_scatter",
                              "this rank's part")
     except AxonError as exc:
-        refused(pg, "reduce_scatter", exc, x, async_op)
+        refuse_call(pg, "reduce_scatter", exc, x, async_op)
     graphed.admit(pg, "reduce_scatter", x, _OP_NAMES[op],
                   why_not=_RING_IN_GRAPH if shm_path.fixed_order(x, op) else None)
     label = _start(pg, "reduce_scatter", x, op)
@@ -366,7 +366,7 @@ def broadcast(x, src: int = 0, group: Optional[ProcessGroup] = None, async_op: b
                 f"(src={src}), so that every rank refuses it alike before anything is sent")
         check_array(x, "broadcast buffer", writable=True)
     except AxonError as exc:
-        refused(pg, "broadcast", exc, x, async_op)
+        refuse_call(pg, "broadcast", exc, x, async_op)
     graphed.admit(pg, "broadcast", x, root=src)
     label = _start(pg, "broadcast", x, root=src)
     backend = pg.backend
@@ -402,7 +402,7 @@ def all_gather(x, group: Optional[ProcessGroup] = None, async_op: bool = False, 
         check_array(x, "all_gather input")
         out = _result_buffer(x, out, (pg.size,) + tuple(x.shape), "all_gather", "the result")
     except AxonError as exc:
-        refused(pg, "all_gather", exc, x, async_op)
+        refuse_call(pg, "all_gather", exc, x, async_op)
     graphed.admit(pg, "all_gather", x)
     label = _start(pg, "all_gather", x)
     node = shm_path.path(pg, x, "all_gather", reduction=False)
@@ -424,7 +424,7 @@ def gather(x, dst: int = 0, group: Optional[ProcessGroup] = None, async_op: bool
         dst = pg.check_rank(dst, "gather dst")
         check_array(x, "gather input")
     except AxonError as exc:
-        refused(pg, "gather", exc, x, async_op)
+        refuse_call(pg, "gather", exc, x, async_op)
     graphed.admit(pg, "gather", x, root=dst, why_not="NCCL has no gather (it is grouped sends and receives, "
                                                      "which axonhpc does not capture)")
     out = array_module(x).empty((pg.size,) + tuple(x.shape), dtype=x.dtype) if pg.rank == dst else None
@@ -457,7 +457,7 @@ def scatter(x, src: int = 0, group: Optional[ProcessGroup] = None, async_op: boo
     try:
         src = pg.check_rank(src, "scatter src")
     except AxonError as exc:
-        refused(pg, "scatter", exc)  # the others' check before the header hears it (a blocking step)
+        refuse_call(pg, "scatter", exc)  # the others' check before the header hears it (a blocking step)
     graphed.admit(pg, "scatter", None, root=src, why_not="the part's shape travels first in a host message, and "
                                                          "NCCL has no scatter (grouped sends and receives)")
     backend = pg.backend

@@ -93,7 +93,7 @@ def check(group, op: str, x: Any = None, reduce: Optional[str] = None, root: Opt
 
     ``seq``: the call's number (default: the group's next, as the debug mode
     checks a call before it is numbered). ``refused``: this rank refused the
-    call, for this reason (``agreement.refused``); the others then raise
+    call, for this reason (``agreement.refuse_locally``); the others then raise
     ``CollectiveRefusedError`` naming it.
 
     Raises:
