@@ -3,9 +3,9 @@
 [Note: the watchdog]
 A rank that waits in a collective its peers never join waits inside C (MPI,
 or the shared-memory engine), where no Python code of its own runs. So each
-process that makes collectives runs one daemon thread (started with the
-first collective of the main thread) that wakes four times a second and
-looks at what the rank is blocked in (``blocked``: set around every
+process runs one daemon thread (started by ``ax.init()`` in the main
+thread, ``settings.watchdog`` on) that wakes four times a second and
+looks at what the rank is blocked in (``_blocked``: set around every
 blocking call and wait, two dictionary stores).
 
 - **A stall.** After ``settings.stall_report`` seconds (30 by default) in one
