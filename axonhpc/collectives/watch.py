@@ -44,13 +44,12 @@ def wait(work: Any, timeout: Optional[float], label: Any, arrivals: Any, pg: Any
     start = time.monotonic()
     key = watchdog.blocking(pg, getattr(label, "entry", None), label)  # the watchdog reports a stall here too
     try:
-        return _wait(work, timeout, label, arrivals, pg, start, key)
+        return _wait(work, timeout, label, arrivals, pg, start)
     finally:
         watchdog.unblocked(key)
 
 
-def _wait(work: Any, timeout: Optional[float], label: Any, arrivals: Any, pg: Any, start: float,
-          key: Optional[int]) -> Any:
+def _wait(work: Any, timeout: Optional[float], label: Any, arrivals: Any, pg: Any, start: float) -> Any:
     delay = 1e-5
     while not work.is_completed():
         elapsed = time.monotonic() - start

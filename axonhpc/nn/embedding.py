@@ -80,8 +80,7 @@ class Embedding(Module):
             kernels.scatter_add_rows(dweight, indices.reshape(-1), rows)
             self.weight.accumulate_grad(dweight)
             return None
-        _scatter_add_rows(xp, dweight, indices.reshape(-1),
-                          grad_out.reshape(-1, self.embedding_dim).astype(dweight.dtype, copy=False))
+        _scatter_add_rows(xp, dweight, indices.reshape(-1), rows.astype(dweight.dtype, copy=False))
         self.weight.accumulate_grad(dweight)
         return None
 

@@ -77,8 +77,9 @@ def _refusal(data: Any) -> Optional[str]:
     return None
 
 
-def _host_layout(arrays: Sequence[Any]) -> bool:
-    """Whether host ``arrays`` (None entries skipped) are all C-contiguous, as the host kernels need."""
+def _all_contiguous(arrays: Sequence[Any]) -> bool:
+    """Whether ``arrays`` (None entries skipped) are all C-contiguous: the host kernels and the
+    multi-tensor launches need it."""
     return all(a is None or a.flags.c_contiguous for a in arrays)
 
 
@@ -117,7 +118,7 @@ def fuses(fused: Optional[bool], data: Any, grad: Any, *state: Any) -> bool:
     if reason is None and (type(grad) is not type(data) or grad.dtype != data.dtype or grad.shape != data.shape):
         reason = (f"has a gradient of another kind ({type(grad).__name__} of {np.dtype(grad.dtype).name}, "
                   f"shape {tuple(grad.shape)})")
-    if reason is None and type(data) is np.ndarray and not _host_layout((grad,) + state):
+    if reason is None and type(data) is np.ndarray and not _all_contiguous((grad,) + state):
         reason = "has a gradient or optimizer state that is not C-contiguous (the host kernels need C-contiguous)"
     if reason is not None and fused:
         raise ConfigurationError(f"fused=True: a parameter of shape {tuple(data.shape)} {reason}")
@@ -127,7 +128,7 @@ def fuses(fused: Optional[bool], data: Any, grad: Any, *state: Any) -> bool:
 def joins(fused: Optional[bool], data: Any, grad: Any, *state: Any) -> bool:
     """Whether ``data`` is updated with the others in one multi-tensor launch: ``fuses``, and every array C-contiguous."""
     return (fuses(fused, data, grad, *state) and data.flags.c_contiguous and grad.flags.c_contiguous
-            and _host_layout(state))
+            and _all_contiguous(state))
 
 
 def _host_updates() -> Any:
