@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import re
@@ -113,7 +114,16 @@ def _cmd_launch(args) -> int:
               f"environment's Python ({sys.executable}) itself, so drop {script!r} and give the script: "
               f"axonhpc launch -n {args.n} -- {' '.join(script_args) or 'script.py'}", file=sys.stderr)
         return 2
-    if not os.path.isfile(script):
+    if script == "-m":  # a module, as python -m runs it
+        if not script_args:
+            print(f"axonhpc launch: -m needs a module name: axonhpc launch -n {args.n} -- -m axonhpc bench allreduce",
+                  file=sys.stderr)
+            return 2
+        if importlib.util.find_spec(script_args[0].split(".")[0]) is None:
+            print(f"axonhpc launch: no module named {script_args[0]!r} in {sys.executable}'s environment",
+                  file=sys.stderr)
+            return 2
+    elif not os.path.isfile(script):
         print(f"axonhpc launch: script {script!r} does not exist (the launcher runs it with {sys.executable})",
               file=sys.stderr)
         return 2
@@ -247,7 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="number of ranks (-np, mpiexec's spelling, works too)")
     p.add_argument("--hosts", default=None, help="comma-separated host list passed to mpiexec")
     p.add_argument("-v", "--verbose", action="store_true", help="print the mpiexec command")
-    p.add_argument("command", nargs=argparse.REMAINDER, help="-- script.py args...")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="-- script.py args... (or -- -m module args...)")
     p.set_defaults(func=_cmd_launch)
     _add_slurm_parser(sub)
     return parser

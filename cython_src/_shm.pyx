@@ -44,7 +44,8 @@ explains the disagreement on every rank.
 """
 import zlib
 
-from libc.stdint cimport int64_t, uint64_t
+from libc.stdint cimport int32_t, int64_t, uint64_t
+from libc.string cimport memcpy, memset
 cimport numpy as cnp
 
 import numpy as np
@@ -191,6 +192,86 @@ def words_agree(tuple desc not None, cnp.ndarray buf not None):
         if b[k] != v or b[AX_DESC_WORDS + k] != -v:
             return False
     return True
+
+
+# -- a small all-reduce that carries its check (``collectives.carried``) ------------------------
+cdef inline int _put_vote(char *b, int t, double vote) except -1:
+    if t == cnp.NPY_FLOAT32:
+        (<float*>b)[0] = <float>vote
+    elif t == cnp.NPY_FLOAT64:
+        (<double*>b)[0] = vote
+    elif t == cnp.NPY_INT32:
+        (<int32_t*>b)[0] = <int32_t>vote
+    elif t == cnp.NPY_INT64:
+        (<int64_t*>b)[0] = <int64_t>vote
+    else:
+        raise ValueError("carry: the buffer must be float32, float64, int32 or int64")
+    return 0
+
+
+cdef inline double _vote(const char *b, int t) noexcept:
+    if t == cnp.NPY_FLOAT32:
+        return (<const float*>b)[0]
+    if t == cnp.NPY_FLOAT64:
+        return (<const double*>b)[0]
+    if t == cnp.NPY_INT32:
+        return (<const int32_t*>b)[0]
+    return <double>(<const int64_t*>b)[0]
+
+
+cdef char* _body_of(cnp.ndarray buf, object x) except? NULL:
+    """``x``'s data, checked to fill ``buf`` after its first element (NULL for None)."""
+    if not cnp.PyArray_IS_C_CONTIGUOUS(buf) or cnp.PyArray_SIZE(buf) < 1:
+        raise ValueError("carry: the buffer must be contiguous and hold the vote")
+    if x is None:
+        return NULL
+    if not isinstance(x, np.ndarray):
+        raise TypeError(f"carry: x must be a numpy array, not {type(x).__name__}")
+    cdef cnp.ndarray a = <cnp.ndarray>x
+    if (cnp.PyArray_TYPE(a) != cnp.PyArray_TYPE(buf) or cnp.PyArray_SIZE(a) != cnp.PyArray_SIZE(buf) - 1
+            or not cnp.PyArray_IS_C_CONTIGUOUS(a) or not cnp.PyArray_ISWRITEABLE(a)):
+        raise ValueError(f"carry: x ({a.dtype}, {a.size} elements) must be a writable contiguous array of "
+                         f"{buf.size - 1} {buf.dtype}")
+    return <char*>cnp.PyArray_DATA(a)
+
+
+cdef inline bint _carry_out(cnp.ndarray buf, char *dst, double all_yes) noexcept:
+    cdef char *b = <char*>cnp.PyArray_DATA(buf)
+    cdef size_t item = cnp.PyArray_ITEMSIZE(buf)
+    if _vote(b, cnp.PyArray_TYPE(buf)) != all_yes:
+        return False
+    if dst != NULL:
+        memcpy(dst, b + item, cnp.PyArray_NBYTES(buf) - item)
+    return True
+
+
+cdef int _carry_in(cnp.ndarray buf, char *src, double vote) except -1:
+    cdef char *b = <char*>cnp.PyArray_DATA(buf)
+    cdef size_t item = cnp.PyArray_ITEMSIZE(buf)
+    if src == NULL:
+        memset(b, 0, cnp.PyArray_NBYTES(buf))
+    else:
+        memcpy(b + item, src, cnp.PyArray_NBYTES(buf) - item)
+    return _put_vote(b, cnp.PyArray_TYPE(buf), vote)
+
+
+def carry_in(cnp.ndarray buf not None, object x, double vote):
+    """Write ``vote`` and then the elements of ``x`` (any shape, C order; zeros for None) into ``buf``: a fused
+    call's message."""
+    _carry_in(buf, _body_of(buf, x), vote)
+
+
+def carry_out(cnp.ndarray buf not None, object x, double all_yes):
+    """After the reduction: True if ``buf``'s vote is ``all_yes``, and then ``x`` (not None) takes the result."""
+    return _carry_out(buf, _body_of(buf, x), all_yes)
+
+
+def carry(cnp.ndarray buf not None, object x, object reduce, double vote, double all_yes):
+    """``carry_in``, ``reduce()`` (a blocking all-reduce of ``buf``), ``carry_out``: one fused call."""
+    cdef char *data = _body_of(buf, x)
+    _carry_in(buf, data, vote)
+    reduce()
+    return _carry_out(buf, data, all_yes)
 
 
 class EngineMismatch(CollectiveMismatchError):

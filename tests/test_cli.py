@@ -37,6 +37,16 @@ def test_launch_refuses_bad_input_clearly():
     assert missing.returncode == 2 and "script 'no/such/script.py' does not exist" in missing.stderr
     empty = run("launch", "-n", "2")
     assert empty.returncode == 2 and "no script given" in empty.stderr
+    bare = run("launch", "-n", "2", "--", "-m")
+    assert bare.returncode == 2 and "-m needs a module name" in bare.stderr
+    unknown = run("launch", "-n", "2", "--", "-m", "no_such_module_here")
+    assert unknown.returncode == 2 and "no module named 'no_such_module_here'" in unknown.stderr
+
+
+def test_launch_runs_a_module_as_python_m_does():
+    out = run("launch", "-n", "2", "--", "-m", "axonhpc", "info", "--json", timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert [json.loads(line)["rank"] for line in out.stdout.strip().splitlines()] == [0, 1]
 
 
 def test_launch_command_is_an_argument_list_with_open_mpi_settings():

@@ -33,12 +33,18 @@ def _env(tmp_path, **extra):
 def _run(tmp_path, *args, **extra):
     out = subprocess.run([MPIEXEC, "-n", "2", sys.executable, JOB, *args], capture_output=True, text=True,
                          timeout=HANG_GUARD, cwd=tmp_path, env=_env(tmp_path, **extra))
-    return out, out.stdout + out.stderr
+    text = out.stdout + out.stderr
+    for rank in (0, 1):
+        verdict = tmp_path / f"verdict-rank{rank}.txt"
+        if verdict.exists():
+            text += f"\nrank {rank}: {verdict.read_text()}"
+    return out, text
 
 
 def _rank_line(text, rank):
-    found = re.search(rf"^rank {rank}: (.*)$", text, re.M)
-    return found.group(1) if found else None
+    """Rank ``rank``'s verdict, from its own file (the job's merged output can split lines)."""
+    found = re.findall(rf"^rank {rank}: (.*)$", text, re.M)
+    return found[-1] if found else None
 
 
 @pytest.mark.timeout(180)

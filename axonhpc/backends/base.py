@@ -253,16 +253,17 @@ class Backend(abc.ABC):
         """
         return False
 
-    def max_reducer(self, words: np.ndarray) -> Callable[[], None]:
-        """A call that replaces ``words`` (a small int64 array) by its element-wise MAX over the ranks, blocking.
+    def reducer(self, buf: np.ndarray, op: "ReduceOp") -> Callable[[], None]:
+        """A call that replaces ``buf`` (a small host array) by its element-wise ``op`` over the ranks, blocking.
 
-        Made once per group by the collective layer's agreement check, which
-        runs it before every checked collective, so its latency is the
-        check's whole cost: a backend may return something quicker than a
-        general ``all_reduce`` (MPI: one ``Allreduce`` call on a prepared
-        buffer). The default is the general all-reduce.
+        Made once per buffer by the collective layer's agreement check, which
+        runs it before (or, carrying the data, instead of) a checked
+        collective, so its latency is the check's whole cost: a backend may
+        return something quicker than a general ``all_reduce`` (MPI: one
+        ``Allreduce`` call on a prepared buffer). The default is the general
+        all-reduce.
         """
-        return lambda: self.all_reduce(words, ReduceOp.MAX, False).wait()
+        return lambda: self.all_reduce(buf, op, False).wait()
 
     def announce(self, seq: int, op: str) -> Optional[Any]:
         """Tell every peer that this rank entered collective ``seq`` (``op``), before a timed blocking collective.

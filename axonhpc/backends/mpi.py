@@ -243,10 +243,10 @@ class MPIBackend(Backend):
     def _limit(self, per_rank_parts: int = 1) -> int:
         return max(1, settings.max_message_elements // per_rank_parts)
 
-    def max_reducer(self, words: np.ndarray) -> Callable[[], None]:
-        """One ``Allreduce`` call on the prepared int64 buffer (see ``Backend.max_reducer``)."""
+    def reducer(self, buf: np.ndarray, op: ReduceOp) -> Callable[[], None]:
+        """One ``Allreduce`` call on the prepared buffer (see ``Backend.reducer``)."""
         MPI, comm = _mpi(), self.comm
-        args = (MPI.IN_PLACE, [words, MPI.INT64_T], MPI.MAX)
+        args = (MPI.IN_PLACE, [buf, _datatype(buf.dtype)], _mpi_op(op))
         return lambda: comm.Allreduce(*args)
 
     # -- collectives ------------------------------------------------------------

@@ -22,8 +22,10 @@ across the group in the cheapest way the group's transport allows:
   call: the maximum of ``d`` and of ``-d`` are ``d`` and ``-d`` exactly when
   every rank sent the same ``d``. Exact, and a fixed 64 bytes, so ranks that
   would send different lengths meet in it before any data moves. It costs
-  one small-message latency per collective; ``docs/performance.md`` has
-  the measured figures.
+  one small-message latency per collective, which a small all-reduce the
+  group expects saves: it goes in one MPI call with its check (see [Note: a
+  check that rides with the data] in ``carried``). ``docs/performance.md``
+  has the measured figures.
 - **Threads** (``run_local``) take the same check as MPI through their
   backend (which compares its own calls too, but sees an AVG as the SUM it
   sends and a float16 reduction as the float32 it is widened to).
@@ -60,7 +62,7 @@ from .._ext import _shm
 from ..backends.base import ReduceOp, Work
 from ..errors import CollectiveMismatchError, CollectiveStallError, CollectiveTimeoutError, everywhere, replacing
 from ..settings import settings
-from . import fingerprint, flight, shm_path, watch
+from . import carried, fingerprint, flight, shm_path, watch
 from .group_state import state_of
 
 Desc = Tuple[int, int, int, int]
@@ -87,31 +89,41 @@ def node_engine(pg: Any) -> Optional[Any]:
 
 
 def check(pg: Any, seq: int, op: str, x: Any = None, reduce: Optional[str] = None, root: Optional[int] = None,
-          arrivals: Any = None, label: Any = None, engine: Any = None) -> None:
+          arrivals: Any = None, label: Any = None, engine: Any = None, carry: Optional[ReduceOp] = None) -> bool:
     """Compare a call that the shared-memory engine will not carry, before it starts (see the note).
 
     ``engine``: the group's engine if the caller has it at hand, False if
     the caller knows the group has none (else it is looked up). ``arrivals`` and ``label``: the general path's arrival
     notices and message label, so a timeout names the missing ranks as a
-    collective's would.
+    collective's would. ``carry``: the call is a blocking in-place
+    all-reduce of ``x`` with this op, which the check may carry over MPI
+    (``carried``).
+
+    Returns:
+        True if the check carried the call (``x`` holds the result), False
+        if the caller must make it.
 
     Raises:
         CollectiveMismatchError: on every rank, if any rank's call differs.
         CollectiveTimeoutError: a rank did not come within the group's timeout.
     """
-    compare(pg, seq, op, lambda elsewhere: describe(op, x, reduce, root, elsewhere),
-            lambda: refuse(pg, seq, op, x, reduce, root), arrivals, label, engine)
+    return compare(pg, seq, op, lambda elsewhere: describe(op, x, reduce, root, elsewhere),
+                   lambda: refuse(pg, seq, op, x, reduce, root), arrivals, label, engine,
+                   None if carry is None else (x, carry))
 
 
 def compare(pg: Any, seq: int, op: str, desc_of: Callable[[bool], Desc], mismatch: Callable[[], None],
-            arrivals: Any = None, label: Any = None, engine: Any = None) -> None:
+            arrivals: Any = None, label: Any = None, engine: Any = None,
+            carry: Optional[Tuple[Any, ReduceOp]] = None) -> bool:
     """``check`` for any descriptor: ``desc_of(elsewhere)`` gives this rank's, ``mismatch()`` raises on a difference.
 
     Every rank must pass the same kind of descriptor for the same call
     (``describe``'s words, or those of a graph's replay: ``graphed``).
+    ``carry``: ``(x, op)`` of a blocking in-place all-reduce the check may
+    carry; returns True if it did.
     """
     if pg.size == 1 or not settings.check_collectives:
-        return
+        return False
     if engine is None:
         engine = node_engine(pg)
     if engine:
@@ -126,18 +138,52 @@ def compare(pg: Any, seq: int, op: str, desc_of: Callable[[bool], Desc], mismatc
                 raise replacing(shm_path.timed_out(exc, engine, pg, op), exc, settings.debug)
             raise replacing(watch.engine_timed_out(exc, pg.effective_timeout(), label, arrivals, pg), exc,
                             settings.debug)
-        return
-    desc = desc_of(False)
-    words, reduce_max, host = _mpi_check(pg)
-    _shm.put_words(desc, words)
+        return False
+    return _mpi_compare(pg, seq, op, desc_of(False), mismatch, arrivals, label, carry)
+
+
+def check_all_reduce(pg: Any, seq: int, x: np.ndarray, reduce: str, op: ReduceOp) -> bool:
+    """``check`` of the fast path's blocking in-place all-reduce over MPI (the group has no engine).
+
+    Returns True if the check carried the call (``carried``)."""
+    if pg.size == 1 or not settings.check_collectives:
+        return False
+    predictor = _mpi_check(pg)[3]
+    done, tried = carried.quick(pg, predictor, x, op)
+    if done:
+        return True
+    mismatch = lambda: refuse(pg, seq, "all_reduce", x, reduce, None)  # noqa: E731
+    desc = describe("all_reduce", x, reduce)
+    if tried is None:
+        return _mpi_compare(pg, seq, "all_reduce", desc, mismatch, carry=(x, op))
+    return _mpi_compare(pg, seq, "all_reduce", desc, mismatch, tried=tried)
+
+
+_UNTRIED = object()
+
+
+def _mpi_compare(pg: Any, seq: int, op: str, desc: Desc, mismatch: Callable[[], None], arrivals: Any = None,
+                 label: Any = None, carry: Optional[Tuple[Any, ReduceOp]] = None, tried: Any = _UNTRIED) -> bool:
+    """``compare`` over MPI: the fused call the group expects (``carried``), unless ``tried`` says it was made
+    (and did not carry the call), then the check of fixed length. True if the fused call carried the call."""
+    words, reduce_max, host, predictor = _mpi_check(pg)
     timeout = pg.effective_timeout()
+    what = label if label is not None or timeout is None else (
+        f"{op} #{seq} on group {pg.name} {list(pg.ranks)} (agreement check)")
+    if tried is _UNTRIED:
+        done, tried = carried.attempt(pg, predictor, desc, carry, timeout, what, arrivals)
+        if done:
+            return True
+    _shm.put_words(desc, words)
     if timeout is None:
         reduce_max()
     else:
-        what = label if label is not None else f"{op} #{seq} on group {pg.name} {list(pg.ranks)} (agreement check)"
         watch.wait(host.all_reduce(words, ReduceOp.MAX, True), timeout, what, arrivals, pg)
     if not _shm.words_agree(desc, words):
+        predictor.forget()
         mismatch()
+    predictor.record(desc, tried)
+    return False
 
 
 def explain_mismatch(mismatch: Callable[[], None], engine_error: BaseException) -> NoReturn:
@@ -166,16 +212,27 @@ def start_check(pg: Any, seq: int, op: str, x: Any = None, reduce: Optional[str]
     if engine is not None:
         check(pg, seq, op, x, reduce, root, engine=engine)
         return None
-    desc = describe(op, x, reduce, root)
+    return _start_mpi_check(pg, seq, op, describe(op, x, reduce, root), lambda: refuse(pg, seq, op, x, reduce, root))
+
+
+def _start_mpi_check(pg: Any, seq: int, op: str, desc: Desc,
+                     mismatch: Callable[[], None]) -> Tuple[Work, Callable[[], None]]:
+    """The MPI check of an asynchronous call, started: ``(work, verify)``; ``verify()`` calls ``mismatch()`` on a
+    difference. A fused call the group expects is made first (blocking), with a "no" (``carried``)."""
+    predictor = _mpi_check(pg)[3]
+    timeout = pg.effective_timeout()
+    what = f"{op} #{seq} on group {pg.name} {list(pg.ranks)} (agreement check)"
+    _, tried = carried.attempt(pg, predictor, desc, None, timeout, what, None)
     words = np.zeros(8, dtype=np.int64)  # its own: several asynchronous checks may be in flight
     _shm.put_words(desc, words)
-    host = pg.backend.host_side()
 
     def verify() -> None:
         if not _shm.words_agree(desc, words):
-            refuse(pg, seq, op, x, reduce, root)
+            predictor.forget()
+            mismatch()
+        predictor.record(desc, tried)
 
-    return host.all_reduce(words, ReduceOp.MAX, True), verify
+    return pg.backend.host_side().all_reduce(words, ReduceOp.MAX, True), verify
 
 
 class CheckedWork(Work):
@@ -243,14 +300,15 @@ def flush_before(work: "CheckedWork") -> None:
         work._waiting[0]._start()
 
 
-def _mpi_check(pg: Any) -> Tuple[np.ndarray, Any, Any]:
-    """The group's MPI check, made once: its buffer (eight int64), a blocking MAX all-reduce of it, and the backend."""
+def _mpi_check(pg: Any) -> Tuple[np.ndarray, Any, Any, carried.Predictor]:
+    """The group's MPI check, made once: its buffer (eight int64), a blocking MAX all-reduce of it, the backend, and
+    the guess of the next call (``carried``)."""
     state = state_of(pg)
     cached = state.check
     if cached is None:
         host = pg.backend.host_side()  # a host/device dispatch backend: its MPI side
         words = np.zeros(8, dtype=np.int64)
-        cached = state.check = (words, host.max_reducer(words), host)
+        cached = state.check = (words, host.reducer(words, ReduceOp.MAX), host, carried.Predictor(pg.size))
     return cached
 
 
@@ -276,13 +334,10 @@ def refuse_locally(pg: Any, op: str, problem: BaseException, nonblocking: bool =
             fingerprint.check(pg, op, seq=seq, refused=reason)
 
         if nonblocking and node_engine(pg) is None and pg.size > 1 and settings.check_collectives:
-            desc = describe("refused")
-            words = np.zeros(8, dtype=np.int64)
-            _shm.put_words(desc, words)
-            watch.wait(pg.backend.host_side().all_reduce(words, ReduceOp.MAX, True), pg.effective_timeout(),
+            work, verify = _start_mpi_check(pg, seq, op, describe("refused"), mismatch)
+            watch.wait(work, pg.effective_timeout(),
                        f"{op} #{seq} on group {pg.name} {list(pg.ranks)} (telling the group of a refusal)", None, pg)
-            if not _shm.words_agree(desc, words):
-                mismatch()
+            verify()
         else:
             compare(pg, seq, op, lambda elsewhere: describe("refused", elsewhere=elsewhere), mismatch)
     except (CollectiveMismatchError, CollectiveTimeoutError):
@@ -307,6 +362,6 @@ def refuse(pg: Any, seq: int, op: str, x: Any, reduce: Optional[str], root: Opti
         f"lies at another offset on some ranks"), pg.ranks)
 
 
-__all__ = ["describe", "check", "compare", "explain_mismatch", "start_check", "CheckedWork", "refuse", "refuse_locally",
+__all__ = ["describe", "check", "check_all_reduce", "compare", "explain_mismatch", "start_check", "CheckedWork", "refuse", "refuse_locally",
            "node_engine",
            "EngineMismatch"]

@@ -94,12 +94,14 @@ def _start(pg: ProcessGroup, op: str, x: Any = None, reduce: Optional[ReduceOp] 
     return label
 
 
-def _run(pg: ProcessGroup, label: _Label, issue, async_op: bool, carried: bool = False) -> Any:
+def _run(pg: ProcessGroup, label: _Label, issue, async_op: bool, carried: bool = False,
+         carry: Optional[ReduceOp] = None) -> Any:
     """Call ``issue(nonblocking)`` and either return its Work or wait for it (see ``watch``).
 
     A collective is first compared across the ranks (``agreement.check``),
     unless ``carried``: the shared-memory engine carries it and compares it
-    itself.
+    itself. ``carry``: the call is a blocking in-place all-reduce with this
+    op, which the check may make itself over MPI (``collectives.carried``).
     """
     # In a CUDA graph capture nothing runs, so nothing can be waited for on the host: no timeout, no
     # arrival notices; the call is ordered on the stream (see [Note: collectives in a graph]).
@@ -110,27 +112,30 @@ def _run(pg: ProcessGroup, label: _Label, issue, async_op: bool, carried: bool =
     entry = label.entry if collective else None
     key = watchdog.blocking(pg, entry, label) if not async_op else None
     try:
-        return _checked_run(pg, label, issue, async_op, carried, timeout, collective, arrivals, entry)
+        return _checked_run(pg, label, issue, async_op, carried, timeout, collective, arrivals, entry, carry)
     finally:
         if key is not None:
             watchdog.unblocked(key)
 
 
 def _checked_run(pg: ProcessGroup, label: Any, issue, async_op: bool, carried: bool, timeout: Optional[float],
-                 collective: bool, arrivals: Any, entry: Optional[list]) -> Any:
+                 collective: bool, arrivals: Any, entry: Optional[list], carry: Optional[ReduceOp] = None) -> Any:
     """``_run``'s body: the agreement check, the call, and the wait (a blocking call's, which the watchdog sees)."""
     pending = None
+    done = False
     if collective and not carried and async_op and not is_cupy_array(label.call[0]):
         # A host call may start once its check is done (MPI progresses each communicator on its own).
         # A device call may not: NCCL runs the calls of all its communicators in the order they were
         # queued, so one started later on some ranks than on others could deadlock the GPUs.
         pending = agreement.start_check(pg, label.seq, label.op, *label.call)
     elif collective and not carried:
-        agreement.check(pg, label.seq, label.op, *label.call, arrivals=arrivals, label=label)
+        done = agreement.check(pg, label.seq, label.op, *label.call, arrivals=arrivals, label=label, carry=carry)
     start = time.perf_counter()
     try:
         if pending is not None:  # issued once the check is done (agreement.CheckedWork)
             work: Work = agreement.CheckedWork(pg, pending, lambda: issue(True))
+        elif done:  # the check carried the call
+            work = CompletedWork()
         else:
             work = issue(async_op or timeout is not None)
     except agreement.EngineMismatch as exc:
@@ -258,7 +263,9 @@ def checked_all_reduce(x: Any, op: ReduceOp, pg: ProcessGroup, async_op: bool) -
         issue = _reduction(pg, x, x, op, lambda s, d, base, nb: node.all_reduce(s, d, base, desc))
         return _run(pg, label, issue, async_op, carried=True)
     issue = _reduction(pg, x, x, op, lambda s, d, base, nb: backend.all_reduce(s, base, nb))
-    return _run(pg, label, issue, async_op)
+    # A blocking call that ``_reduction`` passes through unchanged may go with its check (collectives.carried).
+    carry = op if not async_op and op is not ReduceOp.AVG and not is_low_precision_float(x.dtype) else None
+    return _run(pg, label, issue, async_op, carry=carry)
 
 
 def _result_buffer(x: Any, out: Any, shape: tuple, op: str, what: str) -> Any:

@@ -11,7 +11,8 @@ does exactly that part and nothing else:
 - the flight record;
 - the sequence number;
 - the agreement check, which the node's shared-memory engine makes inside
-  its call, or ``agreement.check`` makes over MPI before it;
+  its call, or ``agreement.check`` makes over MPI before it (or, for a
+  small all-reduce the group expects, in the same MPI call: ``carried``);
 - the call itself.
 
 Each collective is one row of the table (a ``Spec``: what it writes, its
@@ -152,6 +153,10 @@ def attempt(spec: Spec, x: Any, group: Any, op: Any = None, root: Any = None, ou
     try:
         if use_engine:
             spec.on_engine(engine, x, out, name, root)  # compares the call across the node as it goes
+        elif engine is None and spec is ALL_REDUCE:
+            # Over MPI a small all-reduce the group expects goes with its check in one call (carried).
+            if not agreement.check_all_reduce(pg, seq, x, name, op):
+                _finish(spec.on_backend(backend, x, out, op, root))
         else:
             agreement.check(pg, seq, spec.op, x, name, root, engine=engine if engine is not None else False)
             _finish(spec.on_backend(backend, x, out, op, root))

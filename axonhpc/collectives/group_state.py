@@ -3,8 +3,9 @@
 A ``ProcessGroup`` is its ranks, its backend and its settings; it imports
 nothing above itself. The collective layer needs a little state per group
 besides: the fast path's choice of route, the private communicators of the
-algorithms and of the debug mode, the agreement check's buffer, and the
-asynchronous calls still waiting for their check. All of it lives in one
+algorithms and of the debug mode, the agreement check's buffer and guess
+of the next call, and the asynchronous calls still waiting for their
+check. All of it lives in one
 ``GroupState``, which the group holds in its one attribute for this layer
 (``pg.collective_state``) and knows nothing about; ``state_of`` makes it on
 first use. Reading an attribute keeps the hot path as fast as it was when
@@ -23,7 +24,8 @@ class GroupState:
     def __init__(self) -> None:
         self.route: Optional[tuple] = None  # shm_path.plain_route: (key, (engine, backend))
         self.channels: Dict[str, Any] = {}  # purpose -> private communicator (private_channel)
-        self.check: Optional[tuple] = None  # agreement's MPI check: (words, reduce_max, host)
+        # agreement's MPI check: (words, reduce_max, host, the guess of the next call: carried.Predictor)
+        self.check: Optional[tuple] = None
         self.unissued: List[Any] = []  # agreement.CheckedWork calls waiting for their check, oldest first
 
 

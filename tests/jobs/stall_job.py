@@ -51,10 +51,13 @@ def main():
             if world.rank == 1:
                 time.sleep(float(sys.argv[2]))
             ax.all_reduce(np.ones(4))
-        print(f"rank {world.rank}: done", flush=True)
+        verdict = "done"
     except ax.errors.AxonError as exc:
-        print(f"rank {world.rank}: {type(exc).__name__}: {exc}", flush=True)
-    sys.stdout.flush()
+        verdict = f"{type(exc).__name__}: {exc}"
+    print(f"rank {world.rank}: {verdict}", flush=True)
+    # Also in a file of its own: mpiexec merges the ranks' output in chunks, which can split a line.
+    with open(f"verdict-rank{world.rank}.txt", "w") as f:
+        f.write(verdict)
 
 
 if __name__ == "__main__":

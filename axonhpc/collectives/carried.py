@@ -1,0 +1,227 @@
+"""A small all-reduce that carries its own agreement check over MPI: one call instead of two.
+
+[Note: a check that rides with the data]
+Over MPI the agreement check (``agreement``) is a 64-byte all-reduce in
+front of the call, because ranks that would send different lengths must
+meet in a message of a fixed length before any data moves. For a 4 KiB
+all-reduce that second small-message latency was +60-70%.
+
+The fused message's length need not come from the call, though. Every
+rank of a group has seen the same agreed calls in the same order, so a
+rule that predicts the next call from them predicts the same call on every
+rank (``Predictor``). When it expects a small host all-reduce (at most
+``MAX_BYTES``, of a dtype and op MPI reduces natively), every rank makes
+one all-reduce of that call's length plus one element, its vote, whatever
+it was actually asked to do:
+
+- a rank whose call is the expected one and that can carry it (a blocking
+  call on the fast path) sends a "yes" and its data;
+- any other rank (another call, the same one asynchronous or through the
+  general path, a refusal) sends a "no" and zeros of the same length.
+
+The vote is reduced with the data's own op, in values whose result shows
+exactly whether all said yes (SUM: 1 or 0, the group size only if all
+are 1; MIN and PRODUCT: 1 or 0, 1 only if all are; MAX: 0 or 1, 0 only if
+all are). All yes means every rank's call is the expected one, so the calls
+agree, and the data is reduced. Anything else, every rank learns the same
+from the same result: the buffer is dropped, the caller's array untouched,
+and the ordinary check and call follow. So the guarantee is the check's,
+and MPI always sees one length on every rank.
+
+The rule: the call that followed the same three agreed calls before, kept
+with a small confidence so that one surprise (the end of a loop) does not
+unlearn it. A call that every rank made but some could not carry is not
+tried again, nor one guessed wrong too often: a wrong guess costs one extra
+small all-reduce, and a loop that repeats its calls is carried from its
+third pass on (all of it when no call in it comes after more than three of
+one kind; else all but those). After a mismatch the rule forgets
+everything, on every rank together.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Optional, Tuple
+
+import numpy as np
+
+from .._ext import _shm
+from ..backends.base import ReduceOp
+from . import watch
+
+MAX_BYTES = 64 * 1024  # the largest call carried: above it the check is a few percent (docs/performance.md)
+_LIMIT = 4096  # calls remembered; past it the rule starts afresh (on every rank at the same call)
+_BUFFER_BYTES = 8 << 20  # fused buffers kept per group, at most
+_MISSES = 64  # wrong guesses allowed before a call that is guessed wrong a quarter of the time is given up
+_KIND = _shm.KINDS["all_reduce"]
+_DTYPES = {_shm.dtype_code(np.dtype(t)): np.dtype(t) for t in (np.float32, np.float64, np.int32, np.int64)}
+# op code in a descriptor -> (op, yes, no, all-yes as a function of the group size)
+_VOTES = {
+    _shm.DESC_OPS["SUM"]: (ReduceOp.SUM, 1, 0, lambda n: n),
+    _shm.DESC_OPS["PRODUCT"]: (ReduceOp.PRODUCT, 1, 0, lambda n: 1),
+    _shm.DESC_OPS["MIN"]: (ReduceOp.MIN, 1, 0, lambda n: 1),
+    _shm.DESC_OPS["MAX"]: (ReduceOp.MAX, 0, 1, lambda n: 0),
+}
+
+
+class Plan:
+    """One agreed call as the rule knows it: carriable or not, and the fused buffer when it is."""
+
+    __slots__ = ("desc", "carriable", "declined", "dtype", "count", "op", "yes", "no", "all_yes", "buf", "reduce",
+                 "shape")
+
+    def __init__(self, desc: tuple, size: int):
+        self.desc = desc
+        self.declined = False  # expected, made by every rank, but some rank could not carry it
+        w0, count = desc[0], desc[1]
+        dtype = _DTYPES.get(w0 >> 8)
+        votes = _VOTES.get((w0 >> 4) & 15)
+        self.carriable = (w0 & 15 == _KIND and dtype is not None and votes is not None
+                          and 0 < count and count * dtype.itemsize <= MAX_BYTES and size < 1 << 24)
+        self.dtype, self.count = dtype, count
+        self.op, self.yes, self.no, all_yes = votes if votes is not None else (None, 0, 0, lambda n: 0)
+        self.all_yes = all_yes(size)
+        self.buf = self.reduce = None
+        self.shape: Optional[tuple] = None  # the caller's shape whose descriptor this is, once seen
+
+    def matches(self, x: np.ndarray, op: ReduceOp) -> bool:
+        """True if an in-place all-reduce of ``x`` with ``op`` is this call (without computing its descriptor)."""
+        return x.shape == self.shape and x.dtype is self.dtype and op is self.op
+
+
+class Predictor:
+    """The rule of the note: the next call expected from the group's last three agreed calls."""
+
+    __slots__ = ("size", "key", "after", "plans", "tries", "misses", "buffered")
+
+    def __init__(self, size: int):
+        self.size = size
+        self.key: Tuple[Any, ...] = (None, None, None)  # the plans of the last three agreed calls
+        self.after: Dict[tuple, list] = {}  # key -> [the call expected after it, confidence 0..3]
+        self.plans: Dict[tuple, Plan] = {}  # descriptor -> plan
+        self.tries = self.misses = 0  # fused calls made, and those that carried nothing
+        self.buffered: list = []  # the plans that hold a fused buffer
+
+    def buffer(self, plan: Plan, host: Any) -> np.ndarray:
+        """``plan``'s fused buffer (vote, then data), made on first use with its blocking reducer.
+
+        At most ``_BUFFER_BYTES`` are kept: past that, every plan's buffer is
+        dropped and made again when next used (buffers are this rank's
+        alone; the ranks need not agree about them).
+        """
+        if plan.buf is None:
+            if (len(self.buffered) + 1) * (MAX_BYTES + 8) > _BUFFER_BYTES:
+                for held in self.buffered:
+                    held.buf = held.reduce = None
+                self.buffered.clear()
+            plan.buf = np.zeros(plan.count + 1, dtype=plan.dtype)
+            plan.reduce = host.reducer(plan.buf, plan.op)
+            self.buffered.append(plan)
+        return plan.buf
+
+    def expected(self) -> Optional[Plan]:
+        """The call to carry next, or None when none is expected (or it is not worth a try)."""
+        entry = self.after.get(self.key)
+        if entry is None:
+            return None
+        plan = entry[0]
+        if not plan.carriable or plan.declined:
+            return None
+        return plan
+
+    def record(self, desc: tuple, tried: Optional[Plan]) -> None:
+        """Every rank agreed on call ``desc``; ``tried``: the plan whose fused call did not carry it, if any."""
+        if tried is not None:
+            self.tries += 1
+            self.misses += 1
+            if tried.desc == desc:
+                tried.declined = True  # all made the expected call, yet some voted no: they cannot carry it
+            elif self.misses > _MISSES and self.misses * 4 > self.tries:
+                tried.declined = True  # guesses that fail this often cost more than they save
+        plan = self.plans.get(desc)
+        if plan is None:
+            if len(self.plans) >= _LIMIT:
+                self.forget()
+            plan = self.plans[desc] = Plan(desc, self.size)
+        key = self.key
+        entry = self.after.get(key)
+        if entry is None:
+            self.after[key] = [plan, 1]
+        elif entry[0] is plan:
+            if entry[1] < 3:
+                entry[1] += 1
+        elif entry[1] > 0:
+            entry[1] -= 1  # a call seen often after this key survives a surprise (the end of a loop)
+        else:
+            entry[:] = [plan, 1]
+        self.key = (key[1], key[2], plan)
+
+    def carried(self, plan: Plan) -> None:
+        """Every rank agreed on the expected call ``plan``: the fused call carried it."""
+        self.tries += 1
+        key = self.key
+        entry = self.after[key]
+        if entry[1] < 3:
+            entry[1] += 1
+        self.key = (key[1], key[2], plan)
+
+    def forget(self) -> None:
+        """The ranks disagreed: start afresh (every rank does, at the same call)."""
+        self.key = (None, None, None)
+        self.after.clear()
+        self.plans.clear()
+        self.buffered.clear()
+
+
+def attempt(pg: Any, predictor: Predictor, desc: tuple, carry: Optional[Tuple[np.ndarray, ReduceOp]],
+            timeout: Optional[float], what: Any, arrivals: Any) -> Tuple[bool, Optional[Plan]]:
+    """Make the fused call when one is expected: ``(carried, plan tried)``.
+
+    ``carry``: this rank's in-place all-reduce ``(x, op)`` when it can go in
+    the fused call (else it votes no). ``carried``: every rank voted yes and
+    ``x`` holds the result. Without an expected call nothing is sent:
+    ``(False, None)``. ``what``, ``arrivals``: the timeout's message, as the
+    check's.
+    """
+    plan = predictor.expected()
+    if plan is None:
+        return False, None
+    host = pg.backend.host_side()
+    buf = predictor.buffer(plan, host)
+    x = None
+    if carry is not None and desc == plan.desc:
+        x, op = carry
+        if isinstance(x, np.ndarray) and x.dtype == plan.dtype and op is plan.op and x.flags.c_contiguous:
+            plan.shape = x.shape
+        else:
+            x = None  # a device array, say: it votes no
+    vote = plan.no if x is None else plan.yes
+    if timeout is None:
+        done = _shm.carry(buf, x, plan.reduce, vote, plan.all_yes)
+    else:
+        _shm.carry_in(buf, x, vote)
+        watch.wait(host.all_reduce(buf, plan.op, True), timeout, what, arrivals, pg)
+        done = _shm.carry_out(buf, x, plan.all_yes)
+    if done:
+        predictor.carried(plan)
+    return done, plan
+
+
+def quick(pg: Any, predictor: Predictor, x: np.ndarray, op: ReduceOp) -> Tuple[bool, Optional[Plan]]:
+    """``attempt`` for the fast path's blocking all-reduce, when the expected call is ``x``'s as seen before.
+
+    Returns ``(carried, plan tried)``, or ``(False, None)`` having sent
+    nothing when no call is expected or it is not known to be this one
+    (then ``attempt`` decides, from the descriptor).
+    """
+    entry = predictor.after.get(predictor.key)  # expected(), inline
+    if entry is None:
+        return False, None
+    plan = entry[0]
+    if plan.declined or plan.buf is None or not plan.matches(x, op):
+        return False, None
+    done = _shm.carry(plan.buf, x, plan.reduce, plan.yes, plan.all_yes)
+    if done:
+        predictor.carried(plan)
+    return done, plan
+
+
+__all__ = ["MAX_BYTES", "Plan", "Predictor", "attempt", "quick"]
