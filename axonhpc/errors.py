@@ -190,7 +190,16 @@ class ParameterServerError(AxonError, RuntimeError):
 
 
 class PeerFailedError(AxonError, RuntimeError):
-    """Another rank of the parameter server failed, so this one stopped; the message says who and why."""
+    """Another rank failed, so this call stopped; the message says who (``lost``: their job ranks, when known).
+
+    Raised on every survivor when a rank's process dies under a fault-tolerant
+    MPI (``backends.failures``), and by the parameter server when another of
+    its ranks stopped the run.
+    """
+
+    def __init__(self, message: str, lost: Sequence[int] = ()):
+        super().__init__(message)
+        self.lost = list(lost)
 
 
 class CheckpointError(AxonError):

@@ -39,13 +39,19 @@ def mpiexec_flavour(mpiexec: str) -> str:
 
 
 def launch_command(mpiexec: str, flavour: str, n: int, script: str, script_args: List[str],
-                   hosts: Optional[str] = None, is_root: bool = False) -> List[str]:
-    """The argument list (never a shell string) that runs ``script`` on ``n`` ranks."""
+                   hosts: Optional[str] = None, is_root: bool = False, fault_tolerant: bool = False) -> List[str]:
+    """The argument list (never a shell string) that runs ``script`` on ``n`` ranks.
+
+    ``fault_tolerant``: a rank that dies leaves the others running (Open
+    MPI's ``--with-ft ulfm``; the caller refuses it for other flavours).
+    """
     cmd = [mpiexec]
     if flavour == "openmpi":
         if is_root:
             cmd.append("--allow-run-as-root")
         cmd.append("--oversubscribe")
+        if fault_tolerant:
+            cmd += ["--with-ft", "ulfm"]
         if hosts:
             cmd += ["--host", hosts]
     elif hosts:

@@ -168,6 +168,12 @@ class Settings:
             job instead of leaving the other ranks waiting; on by default
             (``AXONHPC_ABORT_ON_EXCEPTION=0`` turns it off). Read when
             ``init`` builds the world.
+        fault_tolerant: a rank that dies must not end the job: ``init``
+            refuses unless MPI can survive it (Open MPI 5 with ULFM, started
+            with ``axonhpc launch --fault-tolerant``), and then every
+            survivor's call that needs the dead rank raises
+            ``PeerFailedError`` naming it (``AXONHPC_FAULT_TOLERANT``; read
+            when ``init`` builds the world). See docs/fault-tolerance.md.
         backend: backend ``init()`` picks by default (``AXONHPC_BACKEND``).
         max_message_elements: the most elements one MPI call moves; larger
             buffers are sent in chunks (``AXONHPC_MAX_MESSAGE_ELEMENTS``).
@@ -264,6 +270,7 @@ class Settings:
     debug: bool = False
     timeout: Optional[float] = None
     abort_on_exception: bool = True
+    fault_tolerant: bool = False
     backend: str = "auto"
     max_message_elements: int = MPI_INT_MAX
     allreduce_algorithm: str = "native"
@@ -336,6 +343,7 @@ _ENVIRONMENT = {
     "debug": ("AXONHPC_DEBUG", _parse_bool),
     "timeout": ("AXONHPC_TIMEOUT", _parse_timeout),
     "abort_on_exception": ("AXONHPC_ABORT_ON_EXCEPTION", _parse_bool),
+    "fault_tolerant": ("AXONHPC_FAULT_TOLERANT", _parse_bool),
     "backend": ("AXONHPC_BACKEND", lambda name, text: _parse_choice(name, text, BACKENDS)),
     "max_message_elements": ("AXONHPC_MAX_MESSAGE_ELEMENTS", _parse_positive_int),
     "flight_recorder": ("AXONHPC_FLIGHT_RECORDER", lambda name, text: _parse_count(name, text)),

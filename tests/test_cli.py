@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from axonhpc.mpiexec import launch_command
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -117,3 +119,48 @@ def test_doctor_names_a_truncated_dump_and_uses_the_others(tmp_path):
     assert "is not an axonhpc flight-recorder dump" in none.stderr
     gone = run("doctor", str(tmp_path / "nowhere"))
     assert gone.returncode == 2 and "does not exist" in gone.stderr and "nowhere" in gone.stderr
+
+
+SLEEPER = """
+import os, time
+rank = os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK"))
+with open(f"pid-{rank}.txt", "w") as f:
+    f.write(str(os.getpid()))
+time.sleep(120)
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGKILL"])
+def test_ending_the_launcher_ends_the_ranks(tmp_path, how):
+    import signal
+    import time
+
+    script = tmp_path / "sleeper.py"
+    script.write_text(SLEEPER)
+    launcher = subprocess.Popen([sys.executable, "-m", "axonhpc", "launch", "-n", "2", "--", str(script)],
+                                cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                env=dict(os.environ, OMP_NUM_THREADS="1"))
+    deadline = time.monotonic() + 60
+    while len(list(tmp_path.glob("pid-*.txt"))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(0.2)
+    pids = [int(p.read_text()) for p in tmp_path.glob("pid-*.txt")]
+    assert len(pids) == 2
+    launcher.send_signal(getattr(signal, how))
+    launcher.wait(timeout=30)
+
+    def alive(pid):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] not in "ZX"
+
+    deadline = time.monotonic() + 20
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = [p for p in pids if alive(p)]
+    for p in left:
+        os.kill(p, signal.SIGKILL)
+    assert not left, f"ranks {left} outlived the launcher ({how})"

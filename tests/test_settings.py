@@ -19,10 +19,11 @@ def test_defaults():
 def test_environment_fills_fields():
     s = Settings().load_environment({
         "AXONHPC_DEBUG": "1", "AXONHPC_TIMEOUT": "2.5", "AXONHPC_ABORT_ON_EXCEPTION": "yes",
-        "AXONHPC_BACKEND": "MPI", "AXONHPC_MAX_MESSAGE_ELEMENTS": "1024", "AXONHPC_ALLREDUCE_ALGORITHM": "Hierarchical",
+        "AXONHPC_FAULT_TOLERANT": "on", "AXONHPC_BACKEND": "MPI", "AXONHPC_MAX_MESSAGE_ELEMENTS": "1024", "AXONHPC_ALLREDUCE_ALGORITHM": "Hierarchical",
         "UNRELATED": "x",
     })
-    assert s.as_dict() == {"debug": True, "timeout": 2.5, "abort_on_exception": True, "backend": "mpi",
+    assert s.as_dict() == {"debug": True, "timeout": 2.5, "abort_on_exception": True, "fault_tolerant": True,
+                           "backend": "mpi",
                            "max_message_elements": 1024, "allreduce_algorithm": "hierarchical",
                            "stall_report": 30.0, "flight_recorder": 256, "flight_dir": "axonhpc-flight",
                            "flight_signal": "SIGUSR1", "skip_nonfinite_steps": False, "cuda_aware_mpi": "auto",

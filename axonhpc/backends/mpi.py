@@ -41,7 +41,7 @@ from ..errors import BackendUnavailableError, InvalidArgumentError, ShapeError
 from ..settings import settings
 from .base import Backend, CompletedWork, ReduceOp, Work
 from .mpi_arrivals import Arrivals
-from .mpi_work import MPIWork, _Plan, _blocks, _datatype, _mpi, _mpi_op
+from .mpi_work import MPIWork, _Plan, _blocks, _datatype, _mpi, _mpi_op, raise_failure
 
 
 def _cuda_aware() -> bool:
@@ -114,11 +114,14 @@ class _MatchedReceive(Work):
 
     def run_blocking(self) -> Work:
         comm, MPI = self._backend.comm, _mpi()
-        while self._pending:
-            a, b = self._pending.pop(0)
-            status = MPI.Status()
-            message = comm.Mprobe(self._src, self._tag, status)
-            self._accept(message, status, a, b, blocking=True)
+        try:
+            while self._pending:
+                a, b = self._pending.pop(0)
+                status = MPI.Status()
+                message = comm.Mprobe(self._src, self._tag, status)
+                self._accept(message, status, a, b, blocking=True)
+        except MPI.Exception as exc:
+            raise_failure(comm, exc)
         return CompletedWork(self._buf)
 
     def _match(self) -> bool:
@@ -134,14 +137,18 @@ class _MatchedReceive(Work):
         return True
 
     def _test(self) -> bool:
-        return self._match() and _mpi().Request.Testall(self._requests)
+        MPI = _mpi()
+        try:
+            return self._match() and MPI.Request.Testall(self._requests)
+        except MPI.Exception as exc:
+            raise_failure(self._backend.comm, exc)
 
 
 class _PostedReceive(MPIWork):
     """``irecv``'s posted receives, whose statuses are checked when they complete (see ``_MatchedReceive``)."""
 
-    def __init__(self, steps, buf, problem, facts):
-        super().__init__(steps, buf, sequential=False)
+    def __init__(self, steps, buf, problem, facts, comm):
+        super().__init__(steps, buf, sequential=False, comm=comm)
         self._problem, self._facts = problem, facts
 
     def _check(self, call) -> Any:
@@ -155,7 +162,7 @@ class _PostedReceive(MPIWork):
             # each request's error code in its status.
             big = [i for i, s in enumerate(statuses) if MPI.Get_error_class(s.Get_error()) == MPI.ERR_TRUNCATE]
             if not big and exc.Get_error_class() != MPI.ERR_TRUNCATE:
-                raise
+                raise_failure(self._comm, exc)
             a, b = blocks[(big or [0])[0]]
             raise self._problem(buf, src, tag, None, b - a, larger=True,
                                 chunk=None if len(blocks) == 1 else (a, b)) from None
@@ -247,7 +254,14 @@ class MPIBackend(Backend):
         """One ``Allreduce`` call on the prepared buffer (see ``Backend.reducer``)."""
         MPI, comm = _mpi(), self.comm
         args = (MPI.IN_PLACE, [buf, _datatype(buf.dtype)], _mpi_op(op))
-        return lambda: comm.Allreduce(*args)
+
+        def reduce() -> None:
+            try:
+                comm.Allreduce(*args)
+            except MPI.Exception as exc:
+                raise_failure(comm, exc)
+
+        return reduce
 
     # -- collectives ------------------------------------------------------------
     def all_reduce(self, buf, op: ReduceOp, async_op: bool) -> Work:
@@ -258,10 +272,13 @@ class MPIBackend(Backend):
         elif not async_op and buf.size <= settings.max_message_elements:
             # The common case, kept short: small messages are dominated by
             # per-call overhead.
-            comm.Allreduce(MPI.IN_PLACE, [buf, _datatype(buf.dtype)], mop)
+            try:
+                comm.Allreduce(MPI.IN_PLACE, [buf, _datatype(buf.dtype)], mop)
+            except MPI.Exception as exc:
+                raise_failure(comm, exc)
             return CompletedWork()
         flat = self._flat(buf)
-        plan = _Plan()
+        plan = _Plan(comm)
         for a, b in _blocks(flat.size, self._limit()):
             spec = self._spec(flat, a, b)
             plan.add(lambda s=spec: comm.Allreduce(MPI.IN_PLACE, s, mop),
@@ -274,7 +291,7 @@ class MPIBackend(Backend):
             return self._on_host(MPIBackend.broadcast, (buf, root, async_op), (0,) if mine else (), () if mine else (0,))
         comm = self.comm
         flat = self._flat(buf)
-        plan = _Plan()
+        plan = _Plan(comm)
         for a, b in _blocks(flat.size, self._limit()):
             spec = self._spec(flat, a, b)
             plan.add(lambda s=spec: comm.Bcast(s, root), lambda s=spec: comm.Ibcast(s, root))
@@ -286,7 +303,7 @@ class MPIBackend(Backend):
         comm, size = self.comm, self.size
         sflat = self._flat(send)
         rows = self._flat(recv).reshape(size, sflat.size)
-        plan = _Plan()
+        plan = _Plan(comm)
         limit = self._limit(size)
         if sflat.size <= limit:
             s, r = self._spec(sflat, 0, sflat.size), [rows, sflat.size, _datatype(sflat.dtype)]
@@ -305,7 +322,7 @@ class MPIBackend(Backend):
         comm, size, mop = self.comm, self.size, _mpi_op(op)
         rflat = self._flat(recv)
         rows = self._flat(send).reshape(size, rflat.size)
-        plan = _Plan()
+        plan = _Plan(comm)
         limit = self._limit(size)
         T = _datatype(rflat.dtype)
         if rflat.size <= limit:
@@ -327,7 +344,7 @@ class MPIBackend(Backend):
         is_root = self.rank == root
         rows = self._flat(recv).reshape(size, sflat.size) if is_root else None
         T = _datatype(sflat.dtype)
-        plan = _Plan()
+        plan = _Plan(comm)
         limit = self._limit(size)
         if sflat.size <= limit:
             s, r = self._spec(sflat, 0, sflat.size), ([rows, sflat.size, T] if is_root else None)
@@ -348,7 +365,7 @@ class MPIBackend(Backend):
         is_root = self.rank == root
         rows = self._flat(send).reshape(size, rflat.size) if is_root else None
         T = _datatype(rflat.dtype)
-        plan = _Plan()
+        plan = _Plan(comm)
         limit = self._limit(size)
         if rflat.size <= limit:
             s, r = ([rows, rflat.size, T] if is_root else None), self._spec(rflat, 0, rflat.size)
@@ -362,7 +379,7 @@ class MPIBackend(Backend):
 
     def barrier(self, async_op: bool) -> Work:
         comm = self.comm
-        plan = _Plan()
+        plan = _Plan(comm)
         plan.add(comm.Barrier, comm.Ibarrier)
         return plan.run(async_op)
 
@@ -372,7 +389,7 @@ class MPIBackend(Backend):
             return self._on_host(MPIBackend.send, (buf, dst, tag, async_op), (0,), ())
         comm = self.comm
         flat = self._flat(buf)
-        plan = _Plan()
+        plan = _Plan(comm)
         for a, b in _blocks(flat.size, self._limit()):
             spec = self._spec(flat, a, b)
             plan.add(lambda s=spec: comm.Send(s, dst, tag), lambda s=spec: comm.Isend(s, dst, tag))
@@ -395,7 +412,7 @@ class MPIBackend(Backend):
             return _MatchedReceive(self, buf, flat, blocks, src, tag).run_blocking()
         comm = self.comm
         steps = [(lambda s=self._spec(flat, a, b): comm.Irecv(s, src, tag), None) for a, b in blocks]
-        return _PostedReceive(steps, buf, self._size_problem, (buf, blocks, src, tag))
+        return _PostedReceive(steps, buf, self._size_problem, (buf, blocks, src, tag), comm)
 
     def recv_now(self, buf, src: int, tag: int, nonblocking: bool) -> Work:
         """A receive whose caller waits for it at once (a blocking ``recv`` under a timeout).

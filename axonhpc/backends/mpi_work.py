@@ -16,7 +16,9 @@ from typing import Any, Callable, List, Optional, Tuple
 import numpy as np
 
 from .._dtypes import bfloat16_dtype
+from ..errors import replacing
 from .base import CompletedWork, ReduceOp, Work
+from .failures import peer_failed
 
 
 _MPI = None
@@ -77,6 +79,15 @@ def _blocks(n: int, step: int):
         yield start, min(start + step, n)
 
 
+def raise_failure(comm: Any, exc: BaseException):
+    """Raise ``exc`` (an ``MPI.Exception`` from a call on ``comm``) as ``PeerFailedError`` when a peer died, else
+    as it is (``backends.failures``). Call it inside the ``except`` clause."""
+    error = peer_failed(_mpi(), comm, exc)
+    if error is exc:
+        raise exc
+    raise replacing(error, exc)
+
+
 class MPIWork(Work):
     """The requests of one operation (several when it is chunked).
 
@@ -88,18 +99,23 @@ class MPIWork(Work):
     chunked collective gains nothing from posting all chunks at once.
     Point-to-point chunks are all posted at once instead: a receiver waiting
     for chunk 2 must not depend on its peer calling ``wait`` on the send.
+    ``comm``: the communicator, whose failed peers an error names.
     """
 
     def __init__(self, steps: List[Tuple[Callable[[], Any], Optional[Callable[[], None]]]], result=None,
-                 sequential: bool = True):
+                 sequential: bool = True, comm: Any = None):
         super().__init__(result)
         self._steps = steps
         self._sequential = sequential
+        self._comm = comm
         self._next = 0
-        if sequential:
-            self._requests = [steps[0][0]()]
-        else:
-            self._requests = [start() for start, _ in steps]
+        try:
+            if sequential:
+                self._requests = [steps[0][0]()]
+            else:
+                self._requests = [start() for start, _ in steps]
+        except _mpi().Exception as exc:
+            raise_failure(comm, exc)
 
     def _advance(self) -> bool:
         """The requests in flight are done: finish them, start the next chunk; True when all are done."""
@@ -121,27 +137,34 @@ class MPIWork(Work):
 
     def _test(self) -> bool:
         MPI = _mpi()
-        while self._requests:
-            if not MPI.Request.Testall(self._requests):
-                return False
-            if self._advance():
-                return True
+        try:
+            while self._requests:
+                if not MPI.Request.Testall(self._requests):
+                    return False
+                if self._advance():
+                    return True
+        except MPI.Exception as exc:
+            raise_failure(self._comm, exc)
         return True
 
     def _block(self, timeout: Optional[float]) -> bool:
         if timeout is None:
             MPI = _mpi()
-            while self._requests:
-                MPI.Request.Waitall(self._requests)
-                self._advance()
+            try:
+                while self._requests:
+                    MPI.Request.Waitall(self._requests)
+                    self._advance()
+            except MPI.Exception as exc:
+                raise_failure(self._comm, exc)
             return True
         return super()._block(timeout)
 
 
 class _Plan:
-    """Steps of one (possibly chunked) operation: each starts a transfer, then finishes it."""
+    """Steps of one (possibly chunked) operation on ``comm``: each starts a transfer, then finishes it."""
 
-    def __init__(self):
+    def __init__(self, comm: Any):
+        self.comm = comm
         self.steps: List[Tuple[Callable[[], Any], Callable[[], Any], Optional[Callable[[], None]]]] = []
 
     def add(self, blocking: Callable[[], Any], nonblocking: Callable[[], Any],
@@ -150,12 +173,15 @@ class _Plan:
 
     def run(self, async_op: bool, result=None, sequential: bool = True) -> Work:
         if not async_op:
-            for blocking, _, after in self.steps:
-                blocking()
-                if after is not None:
-                    after()
+            try:
+                for blocking, _, after in self.steps:
+                    blocking()
+                    if after is not None:
+                        after()
+            except _mpi().Exception as exc:
+                raise_failure(self.comm, exc)
             return CompletedWork(result)
-        return MPIWork([(nonblocking, after) for _, nonblocking, after in self.steps], result, sequential)
+        return MPIWork([(nonblocking, after) for _, nonblocking, after in self.steps], result, sequential, self.comm)
 
 
-__all__ = ["MPIWork"]
+__all__ = ["MPIWork", "raise_failure"]

@@ -50,6 +50,7 @@ import time
 from typing import Any, Dict, List, Optional, Tuple
 
 from ..backends import base as backend_base
+from ..backends.failures import dead_node_peers, node_peer_failed
 from ..backends.shm import cached_engine
 from ..errors import CollectiveStallError, DeadlockError
 from ..log import get_logger
@@ -178,6 +179,11 @@ class _Watchdog(threading.Thread):
             if pg.backend.name == "local":  # run_local's thread ranks share this process: no watchdog there
                 continue
             waited = now - since
+            if settings.fault_tolerant and key not in self.verdicts and cached_engine(pg.backend) is not None:
+                dead = dead_node_peers(pg.world, pg.ranks)  # the engine's waits see no MPI error: look
+                if dead:
+                    self._end(key, pg, node_peer_failed(dead, _call_text(pg, entry, call)))
+                    continue
             mark = (key, since)
             if waited >= settings.stall_report and mark not in self.reported:
                 self.reported[mark] = now + ANSWER_WAIT

