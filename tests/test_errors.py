@@ -45,6 +45,8 @@ FACTORIES = {
     ("collectives/agreement.py", "replacing"): "CollectiveTimeoutError or CollectiveMismatchError",
     ("collectives/core.py", "replacing"): "CollectiveTimeoutError naming the missing ranks",
     ("collectives/shm_path.py", "replacing"): "CollectiveTimeoutError naming the missing ranks",
+    # the PeerFailedError that backends.failures.peer_failed makes of a dead peer's MPI error (issue 39)
+    ("backends/mpi_work.py", "replacing"): "PeerFailedError naming the lost ranks",
     # errors.everywhere returns the CollectiveMismatchError it is given, marked with the ranks raising it
     ("collectives/agreement.py", "everywhere"): "CollectiveMismatchError",
     ("collectives/fingerprint.py", "everywhere"): "CollectiveMismatchError or CollectiveRefusedError",

