@@ -77,6 +77,11 @@ def _failed_ranks(MPI: Any, comm: Any) -> List[int]:
         world_group.Free()
 
 
+def _who(ranks: List[int]) -> str:
+    """'rank 2' or 'ranks 1, 3'."""
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+
+
 def _is_revoked(MPI: Any, comm: Any) -> bool:
     try:
         return bool(comm.Is_revoked())
@@ -112,8 +117,7 @@ def peer_failed(MPI: Any, comm: Any, exc: BaseException, what: str = "") -> Base
         lost = _failed_ranks(MPI, comm)
     where = f" in {what}" if what else ""
     if lost:
-        who = f"rank{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))}"
-        text = (f"{who} of the job failed (the process is gone){where}; rank {MPI.COMM_WORLD.Get_rank()} and the "
+        text = (f"{_who(lost)} of the job failed (the process is gone){where}; rank {MPI.COMM_WORLD.Get_rank()} and the "
                 f"other survivors stop this call with this error. Its communicator is revoked, so save what this "
                 f"rank holds and exit (docs/fault-tolerance.md)")
     else:
@@ -164,8 +168,7 @@ def dead_node_peers(world: Any, ranks: Any) -> List[int]:
 
 def node_peer_failed(ranks: List[int], what: str) -> PeerFailedError:
     """The error of a rank that waits in the node's shared memory for peers whose processes have ended."""
-    who = f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
-    return PeerFailedError(f"{who} of the job failed (the process is gone) while this rank waited for it in "
+    return PeerFailedError(f"{_who(ranks)} of the job failed (the process is gone) while this rank waited for it in "
                            f"{what} through the node's shared memory; save what this rank holds and exit "
                            f"(docs/fault-tolerance.md)", ranks)
 
