@@ -162,14 +162,21 @@ def check_all_reduce(pg: Any, seq: int, x: np.ndarray, reduce: str, op: ReduceOp
 _UNTRIED = object()
 
 
+def _timeout_label(pg: Any, seq: int, op: str, timeout: Optional[float], label: Any = None) -> Any:
+    """What a timed-out check names: the caller's ``label``, else the call; nothing without a timeout (no
+    text is made on the untimed path)."""
+    if label is not None or timeout is None:
+        return label
+    return f"{op} #{seq} on group {pg.name} {list(pg.ranks)} (agreement check)"
+
+
 def _mpi_compare(pg: Any, seq: int, op: str, desc: Desc, mismatch: Callable[[], None], arrivals: Any = None,
                  label: Any = None, carry: Optional[Tuple[Any, ReduceOp]] = None, tried: Any = _UNTRIED) -> bool:
     """``compare`` over MPI: the fused call the group expects (``carried``), unless ``tried`` says it was made
     (and did not carry the call), then the check of fixed length. True if the fused call carried the call."""
     words, reduce_max, host, predictor = _mpi_check(pg)
     timeout = pg.effective_timeout()
-    what = label if label is not None or timeout is None else (
-        f"{op} #{seq} on group {pg.name} {list(pg.ranks)} (agreement check)")
+    what = _timeout_label(pg, seq, op, timeout, label)
     if tried is _UNTRIED:
         done, tried = carried.attempt(pg, predictor, desc, carry, timeout, what, arrivals)
         if done:
@@ -221,8 +228,7 @@ def _start_mpi_check(pg: Any, seq: int, op: str, desc: Desc,
     difference. A fused call the group expects is made first (blocking), with a "no" (``carried``)."""
     predictor = _mpi_check(pg)[3]
     timeout = pg.effective_timeout()
-    what = f"{op} #{seq} on group {pg.name} {list(pg.ranks)} (agreement check)"
-    _, tried = carried.attempt(pg, predictor, desc, None, timeout, what, None)
+    _, tried = carried.attempt(pg, predictor, desc, None, timeout, _timeout_label(pg, seq, op, timeout), None)
     words = np.zeros(8, dtype=np.int64)  # its own: several asynchronous checks may be in flight
     _shm.put_words(desc, words)
 
