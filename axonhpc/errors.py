@@ -202,6 +202,15 @@ class PeerFailedError(AxonError, RuntimeError):
         self.lost = list(lost)
 
 
+class RecoveryError(PeerFailedError):
+    """Ranks failed and the survivors cannot go on without them; the message says why (``lost``: their job ranks).
+
+    Raised on every survivor by ``axonhpc.elastic`` when the state of a lost
+    rank survives nowhere (an FSDP shard and its buddy copy both lost) or the
+    run cannot be laid out on the ranks left (a global batch they do not divide).
+    """
+
+
 class CheckpointError(AxonError):
     """A checkpoint cannot be written or read (unsupported value, corrupt or foreign file, failed write)."""
 
@@ -287,6 +296,7 @@ __all__ = [
     "GradientAfterReductionError",
     "ParameterServerError",
     "PeerFailedError",
+    "RecoveryError",
     "CheckpointError",
     "CheckpointEntryError",
     "TemplateError",

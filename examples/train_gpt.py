@@ -38,6 +38,7 @@ import axonhpc as ax
 from axonhpc import optim
 from axonhpc.checkpoint import AsyncCheckpointer, load_model_slices, save_model_slices
 from axonhpc.data import FileCorpus, TextCorpus, TextWindows
+from axonhpc.elastic import ElasticTraining
 
 
 def parse_args(argv=None):
@@ -72,6 +73,12 @@ def parse_args(argv=None):
     p.add_argument("--save", default=None, metavar="DIR", help="write a checkpoint here at the end (any layout loads it)")
     p.add_argument("--save-every", type=int, default=0, help="also write --save every N steps")
     p.add_argument("--resume", default=None, metavar="DIR", help="continue from this checkpoint (any layout's)")
+    p.add_argument("--elastic", action="store_true",
+                   help="go on when ranks die: shrink dp and redo the step (Open MPI with ULFM, under axonhpc "
+                        "launch --fault-tolerant; tp = pp = 1; --batch divisible by every dp width it may reach)")
+    p.add_argument("--simulate-failure", default=None, metavar="R:K[:WHERE]",
+                   help="with --elastic: rank R SIGKILLs itself once K steps are done (WHERE: forward, backward, "
+                        "optimizer or save); comma-separated for several")
     p.add_argument("--plot", default=None, metavar="PREFIX", help="write PREFIX-loss.png (and PREFIX-pipeline.png)")
     return p.parse_args(argv)
 
@@ -123,6 +130,13 @@ def to_device(x, y):
     return _xp.asarray(x), _xp.asarray(y)
 
 
+def peak_activations(run):
+    """The last step's peak activation bytes, the largest over the ranks."""
+    peak = np.array([run.model.peak_activation_bytes], dtype=np.int64)
+    ax.all_reduce(peak, ax.ReduceOp.MAX)
+    return peak
+
+
 def write_loss_plot(path, train, held):
     import matplotlib
     matplotlib.use("Agg")
@@ -140,10 +154,107 @@ def write_loss_plot(path, train, held):
     plt.close(fig)
 
 
+class Run:
+    """One world's part of the run: the mesh, the data, the model, the optimizer and the checkpoint writer.
+
+    ``--elastic`` builds a new one on the survivors after a rank is lost (``ax.elastic.ElasticTraining``).
+    """
+
+    def __init__(self, args, world, corpus, resume=None):
+        self.world = world
+        self.dp, tp, pp = layout(args, world.world_size) if not args.elastic else (world.world_size, 1, 1)
+        self.mesh = world.mesh(dp=self.dp, tp=tp, pp=pp)
+        stages_per_rank = 2 if ax.PipelineSchedule.parse(args.schedule) is ax.PipelineSchedule.INTERLEAVED_1F1B else 1
+        self.microbatches = args.microbatches or (2 * pp if pp > 1 else 1)
+        self.stages = pp * stages_per_rank
+        self.train = TextWindows(corpus.train, args.context, args.batch, self.dp, self.mesh.coords.dp, seed=args.seed)
+        self.held = TextWindows(corpus.val, args.context, args.batch, self.dp, self.mesh.coords.dp, shuffle=False)
+        self.model = ax.ParallelGPT(self.mesh, corpus.vocab_size, args.context, args.width, args.heads, args.layers,
+                                    dropout=args.dropout, dtype=np.dtype(args.dtype), seed=args.seed,
+                                    fsdp=args.fsdp, num_microbatches=self.microbatches, schedule=args.schedule,
+                                    stages_per_rank=stages_per_rank,
+                                    checkpoint_activations=args.checkpoint_activations,
+                                    device=None if args.device == "cpu" else "cuda")
+        self.optimizer = optim.AdamW(self.model.parameters(), lr=args.lr)
+        self.writer = AsyncCheckpointer() if args.save else None  # --save-every writes in the background
+        self.first_step = 0
+        if resume:
+            self.first_step = int(load_model_slices(resume, self.model.parameter_boxes(), self.optimizer)["step"])
+            self.model.step = self.first_step  # dropout masks are keyed by the step
+
+    def train_step(self, step):
+        self.model.zero_grad()
+        return self.model.train_step(*to_device(*self.train.batch(step)))
+
+    def save(self, path, step):
+        save_model_slices(path, self.model.parameter_boxes(), self.optimizer, extra={"step": step}, writer=self.writer)
+
+    def abandon(self):
+        """After a lost rank: drop a background save in flight (the previous checkpoint stays in place)."""
+        if self.writer is not None:
+            self.writer.abandon()
+
+
+class Steps:
+    """The steps of a plain run, or (``--elastic``) of one that goes on when ranks die."""
+
+    def __init__(self, args, corpus):
+        self.args, self.corpus = args, corpus
+        self.elastic = self.plain = None
+        if args.elastic:
+            self._resume = args.resume
+            self.elastic = ElasticTraining(self._build, simulate_failure=args.simulate_failure, save=args.save)
+            self.elastic.done = self.elastic.parts.model.step = self.elastic.parts.first_step
+        else:
+            self.plain = Run(args, ax.init(), corpus, resume=args.resume)
+            self.plain_done = self.plain.first_step
+
+    def _build(self, world):
+        resume, self._resume = self._resume, None  # only the first world loads --resume
+        return Run(self.args, world, self.corpus, resume=resume)
+
+    @property
+    def run(self):
+        return self.elastic.parts if self.elastic is not None else self.plain
+
+    @property
+    def done(self):
+        return self.elastic.done if self.elastic is not None else self.plain_done
+
+    def step(self):
+        """One step; its loss, or None when ranks were lost and the step is to be redone."""
+        if self.elastic is None:
+            loss = self.plain.train_step(self.plain_done)
+            self.plain.optimizer.step()
+            self.plain_done += 1
+            return loss
+        return self.elastic.step(lambda run: run.train_step(self.elastic.done))
+
+    def call(self, fn, where=None):
+        """``fn(run)`` between steps; with ``--elastic``, redone on the survivors if ranks are lost in it."""
+        if self.elastic is None:
+            return fn(self.plain)
+        while True:
+            if where is not None:
+                self.elastic.fail_point(where)
+            before = len(self.elastic.recoveries)
+            out = self.elastic.call(fn)
+            if len(self.elastic.recoveries) == before:
+                return out
+            if where == "save":
+                return None  # the interrupted save is not redone: the next one is written
+
+    def recovered(self, seen):
+        """The recovery lines since ``seen`` recoveries (rank 0 prints them)."""
+        return [r.line() for r in self.elastic.recoveries[seen:]] if self.elastic is not None else []
+
+
 def main(argv=None):
     global _xp
     args = parse_args(argv)
     if args.device == "cuda":
+        if args.elastic:
+            sys.exit("train_gpt: --elastic keeps its copies in host memory; it has not run with --device cuda")
         from axonhpc.backends.devices import device_facts
 
         facts = device_facts()
@@ -153,70 +264,68 @@ def main(argv=None):
         import cupy
 
         _xp = cupy
-    world = ax.init()
-    main_rank = world.rank == 0
-    dp, tp, pp = layout(args, world.world_size)
-    mesh = world.mesh(dp=dp, tp=tp, pp=pp)
-    stages_per_rank = 2 if ax.PipelineSchedule.parse(args.schedule) is ax.PipelineSchedule.INTERLEAVED_1F1B else 1
-    microbatches = args.microbatches or (2 * pp if pp > 1 else 1)
+    if args.simulate_failure and not args.elastic:
+        sys.exit("train_gpt: --simulate-failure needs --elastic (without it a lost rank ends the job)")
+    if args.elastic and (args.tp != 1 or args.pp != 1):
+        sys.exit(f"train_gpt: --elastic shrinks data parallelism only (tp = pp = 1), got --tp {args.tp} --pp {args.pp}")
+    world = ax.init(fault_tolerant=True) if args.elastic else ax.init()
     if args.data:  # your own corpus: text bytes, or nanoGPT's uint16 token files, memory-mapped
         corpus = FileCorpus(args.data, held_out=0.1, seed=args.seed, vocab_size=args.vocab)
     else:
         corpus = TextCorpus(max_bytes=args.max_bytes, held_out=0.1, seed=args.seed)
-    train = TextWindows(corpus.train, args.context, args.batch, dp, mesh.coords.dp, seed=args.seed)
-    held = TextWindows(corpus.val, args.context, args.batch, dp, mesh.coords.dp, shuffle=False)
-    eval_batches = min(args.eval_batches, held.steps_per_epoch)
-    model = ax.ParallelGPT(mesh, corpus.vocab_size, args.context, args.width, args.heads, args.layers,
-                           dropout=args.dropout, dtype=np.dtype(args.dtype), seed=args.seed, fsdp=args.fsdp,
-                           num_microbatches=microbatches, schedule=args.schedule, stages_per_rank=stages_per_rank,
-                           checkpoint_activations=args.checkpoint_activations,
-                           device=None if args.device == "cpu" else "cuda")
-    opt = optim.AdamW(model.parameters(), lr=args.lr)
-    writer = AsyncCheckpointer() if args.save else None  # --save-every writes in the background
-    first_step = 0
-    if args.resume:
-        first_step = int(load_model_slices(args.resume, model.parameter_boxes(), opt)["step"])
-        model.step = first_step  # dropout masks are keyed by the step
-        if main_rank:
-            print(f"resumed from {args.resume} at step {first_step}", flush=True)
+    steps = Steps(args, corpus)
+    run = steps.run
+    main_rank = world.rank == 0
+    first_step = steps.done
+    if args.resume and main_rank:
+        print(f"resumed from {args.resume} at step {first_step}", flush=True)
     n_params = int(sum(p.data.size for p in ax.nn.GPT(corpus.vocab_size, args.context, args.width, args.heads,
                                                         args.layers, seed=0).parameters())) if main_rank else 0
     if main_rank:
         print(f"GPT: {args.layers} blocks, width {args.width}, {args.heads} heads, context {args.context}, "
-              f"{n_params} parameters, {args.dtype}, on dp={dp} x tp={tp} x pp={pp} = {world.world_size} rank(s)"
-              f"{' (FSDP)' if args.fsdp else ''}; {corpus}", flush=True)
-        if pp > 1:
-            print(f"pipeline: {args.schedule}, {microbatches} micro-batches, {pp * stages_per_rank} stages",
-                  flush=True)
+              f"{n_params} parameters, {args.dtype}, on dp={run.dp} x tp={args.tp} x pp={args.pp} = "
+              f"{world.world_size} rank(s){' (FSDP)' if args.fsdp else ''}{' (elastic)' if args.elastic else ''}; "
+              f"{corpus}", flush=True)
+        if args.pp > 1:
+            print(f"pipeline: {args.schedule}, {run.microbatches} micro-batches, {run.stages} stages", flush=True)
     progress = Progress(args.steps, main_rank)
     curve, held_curve = [], []
     loss = math.nan
     tokens = 0
+    seen = 0
     start = time.perf_counter()
-    for step in range(first_step, args.steps):
-        model.zero_grad()
-        loss = model.train_step(*to_device(*train.batch(step)))
-        opt.step()
+    while steps.done < args.steps:
+        step = steps.done
+        out = steps.step()
+        run = steps.run
+        for line in steps.recovered(seen):
+            if run.world.rank == 0:
+                print(("\n" if progress.tty and progress.enabled else "") + line, flush=True)
+            seen += 1
+            progress.enabled = run.world.rank == 0
+        if out is None:
+            continue  # ranks were lost: the survivors redo the step
+        loss = out
         tokens += args.batch * args.context
         curve.append((step + 1, loss))
         progress.update(step, loss)
         if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.steps:
-            held_curve.append((step + 1, held_out_loss(model, held, eval_batches)))
+            held = steps.call(lambda r: held_out_loss(r.model, r.held, min(args.eval_batches, r.held.steps_per_epoch)))
+            held_curve.append((step + 1, held))
         if args.save and args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.steps:
-            save_model_slices(args.save, model.parameter_boxes(), opt, extra={"step": step + 1}, writer=writer)
-        elif writer is not None:
-            writer.poll()  # put a finished background save in place (one small all-reduce while one is in flight)
+            steps.call(lambda r: r.save(args.save, step + 1), where="save")
+        elif args.save:
+            steps.call(lambda r: r.writer.poll())  # put a finished background save in place (one small all-reduce)
     seconds = time.perf_counter() - start
-    peak = np.array([model.peak_activation_bytes], dtype=np.int64)  # the last step's, the largest over the ranks
-    ax.all_reduce(peak, ax.ReduceOp.MAX)
+    peak = steps.call(peak_activations)
     if args.save:
-        save_model_slices(args.save, model.parameter_boxes(), opt, extra={"step": args.steps}, writer=writer)
-        writer.wait()
-    held_loss = held_out_loss(model, held, eval_batches)
+        steps.call(lambda r: (r.save(args.save, args.steps), r.writer.wait()))
+    held_loss = steps.call(lambda r: held_out_loss(r.model, r.held, min(args.eval_batches, r.held.steps_per_epoch)))
     held_curve.append((args.steps, held_loss))
-    timelines = ax.gather_timelines(model.pipeline) if (args.plot and model.pipeline is not None
-                                                       and mesh.coords.dp == 0 and mesh.coords.tp == 0) else None
-    if main_rank:
+    run = steps.run
+    timelines = ax.gather_timelines(run.model.pipeline) if (args.plot and run.model.pipeline is not None and
+                                                            run.mesh.coords.dp == 0 and run.mesh.coords.tp == 0) else None
+    if run.world.rank == 0:
         print(f"final loss {loss!r}")
         print(f"held-out loss {held_loss!r}")
         print(f"{tokens / max(seconds, 1e-9):.0f} tokens/s ({args.steps - first_step} steps of {args.batch} x "

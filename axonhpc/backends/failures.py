@@ -77,7 +77,7 @@ def _failed_ranks(MPI: Any, comm: Any) -> List[int]:
         world_group.Free()
 
 
-def _who(ranks: List[int]) -> str:
+def describe_ranks(ranks: List[int]) -> str:
     """'rank 2' or 'ranks 1, 3'."""
     return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
 
@@ -117,9 +117,10 @@ def peer_failed(MPI: Any, comm: Any, exc: BaseException, what: str = "") -> Base
         lost = _failed_ranks(MPI, comm)
     where = f" in {what}" if what else ""
     if lost:
-        text = (f"{_who(lost)} of the job failed (the process is gone){where}; rank {MPI.COMM_WORLD.Get_rank()} and the "
-                f"other survivors stop this call with this error. Its communicator is revoked, so save what this "
-                f"rank holds and exit (docs/fault-tolerance.md)")
+        text = (f"{describe_ranks(lost)} of the job failed (the process is gone){where}; rank "
+                f"{MPI.COMM_WORLD.Get_rank()} and the other survivors stop this call with this error. Its "
+                f"communicator is revoked, so save what this rank holds and exit, or go on without it "
+                f"(axonhpc.elastic; docs/fault-tolerance.md)")
     else:
         text = (f"a peer failed{where}: another rank revoked this communicator after a process failure, and MPI "
                 f"has not named the failed rank within {_NAMING_SECONDS:g} s")
@@ -168,9 +169,10 @@ def dead_node_peers(world: Any, ranks: Any) -> List[int]:
 
 def node_peer_failed(ranks: List[int], what: str) -> PeerFailedError:
     """The error of a rank that waits in the node's shared memory for peers whose processes have ended."""
-    return PeerFailedError(f"{_who(ranks)} of the job failed (the process is gone) while this rank waited for it in "
-                           f"{what} through the node's shared memory; save what this rank holds and exit "
+    return PeerFailedError(f"{describe_ranks(ranks)} of the job failed (the process is gone) while this rank waited "
+                           f"for it in {what} through the node's shared memory; save what this rank holds and exit "
                            f"(docs/fault-tolerance.md)", ranks)
 
 
-__all__ = ["failure_classes", "peer_failed", "ulfm_problem", "process_gone", "dead_node_peers", "node_peer_failed"]
+__all__ = ["failure_classes", "peer_failed", "ulfm_problem", "process_gone", "dead_node_peers", "node_peer_failed",
+           "describe_ranks"]

@@ -78,6 +78,16 @@ class SharedWindow:
 _OPEN: List[SharedWindow] = []
 
 
+def abandon_open_windows() -> None:
+    """Local: forget every window made so far without freeing it (their communicator lost a rank, see
+    ``axonhpc.elastic``; a free would wait for it). Their memory stays mapped until the process ends."""
+    _ABANDONED.extend(_OPEN)
+    _OPEN.clear()
+
+
+_ABANDONED: List[SharedWindow] = []  # kept alive: the engines' memory must outlive any view of it
+
+
 def _free_open_windows() -> None:
     from mpi4py import MPI
 

@@ -195,37 +195,83 @@ def load_model_slices(path: "str | os.PathLike[str]", boxes: Boxes, optimizer: A
     """
     path = checkpoint_path(path)
     pg = resolve_group(group).require_member("checkpoint load_model_slices")
-    held: Dict[str, Tuple[Any, List[Piece]]] = {}
-    saved: Dict[str, Any] = {}
-    fresh: Dict[int, Dict[str, Any]] = {}  # id(Parameter) -> its new optimizer state, filled by the load
-    wanted: Dict[str, Any] = {}
-    problem = None
+    plan, problem = None, None
     try:
-        held = _pieces(boxes)
-        wanted = {f"model/{name}": _as_pieces(cut, p.data) for name, (p, cut) in held.items()}
-        if optimizer is not None:
-            saved = _saved_optimizer(path, optimizer)
-            _optimizer_states(held, optimizer)  # every named Parameter is the optimizer's
-            for name, (p, cut) in held.items():
-                if id(p) not in fresh:  # one state per Parameter (an FSDP shard holds many names)
-                    fresh[id(p)] = {key: array_module(p.data).zeros_like(p.data)
-                                    for key in saved["keys"] if key not in saved["scalars"]}
-                state = fresh[id(p)]
-                for key in saved["keys"]:
-                    wanted[f"optimizer/{key}/{name}"] = (Box((), (), ()) if key in saved["scalars"]
-                                                         else _as_pieces(cut, state[key]))
+        plan = _LoadPlan(boxes, optimizer, _saved_optimizer(path, optimizer) if optimizer is not None else {})
     except CheckpointError as exc:
         problem = exc
     report(pg, problem, f"loading checkpoint {path!r}")  # before the collective load, on every rank
-    arrays, extra = load_slices(path, wanted, group=pg)
-    if optimizer is not None:
-        states = _optimizer_states(held, optimizer)
-        for pid, state in fresh.items():
+    arrays, extra = load_slices(path, plan.wanted, group=pg)
+    plan.install(arrays)
+    return extra.get("user") if isinstance(extra, dict) else None
+
+
+def state_pieces(boxes: Boxes, optimizer: Any = None) -> Tuple[List[Tuple[str, Box, Any]], Any]:
+    """Local: this rank's model and optimizer values as ``(key, Box, array)``, and the optimizer's description.
+
+    The keys and boxes are those ``save_model_slices`` writes; ``fill_model_state``
+    takes the whole arrays they make up (``axonhpc.elastic`` moves them between ranks).
+    """
+    pieces, described = _save_plan(boxes, optimizer)
+    out = []
+    for key, value in pieces.items():
+        for item in value if isinstance(value, list) else [value]:
+            box, array = item if isinstance(item[0], Box) else (Box(item[0], item[1], np.shape(item[2])), item[2])
+            out.append((key, box, array))
+    return out, described
+
+
+def fill_model_state(boxes: Boxes, optimizer: Any, whole: Mapping[str, np.ndarray], described: Any) -> None:
+    """Local: ``load_model_slices`` from whole arrays in memory (key -> the global array; see ``state_pieces``).
+
+    Raises:
+        CheckpointError: a key of ``boxes`` or of the optimizer's state that ``whole`` lacks.
+    """
+    plan = _LoadPlan(boxes, optimizer, described if optimizer is not None else {})
+    missing = sorted(set(plan.wanted) - set(whole))
+    if missing:
+        raise CheckpointError(f"the state lacks {missing[:4]} ({len(missing)} in all)")
+    arrays = {}
+    for key, value in plan.wanted.items():
+        if isinstance(value, Box):
+            arrays[key] = np.asarray(whole[key])
+            continue
+        for box, view in value if isinstance(value, list) else [value]:
+            view[...] = whole[key][box.slices]
+    plan.install(arrays)
+
+
+class _LoadPlan:
+    """What a load fills on this rank (``wanted``: key -> pieces) and how it installs the optimizer's state."""
+
+    def __init__(self, boxes: Boxes, optimizer: Any, saved: Mapping[str, Any]):
+        self.optimizer, self.saved = optimizer, saved
+        self.held = _pieces(boxes)
+        self.wanted: Dict[str, Any] = {f"model/{name}": _as_pieces(cut, p.data) for name, (p, cut) in self.held.items()}
+        self.fresh: Dict[int, Dict[str, Any]] = {}  # id(Parameter) -> its new optimizer state, filled by the load
+        if optimizer is None:
+            return
+        _optimizer_states(self.held, optimizer)  # every named Parameter is the optimizer's
+        for name, (p, cut) in self.held.items():
+            if id(p) not in self.fresh:  # one state per Parameter (an FSDP shard holds many names)
+                self.fresh[id(p)] = {key: array_module(p.data).zeros_like(p.data)
+                                     for key in saved["keys"] if key not in saved["scalars"]}
+            state = self.fresh[id(p)]
+            for key in saved["keys"]:
+                self.wanted[f"optimizer/{key}/{name}"] = (Box((), (), ()) if key in saved["scalars"]
+                                                          else _as_pieces(cut, state[key]))
+
+    def install(self, arrays: Mapping[str, Any]) -> None:
+        """Put the loaded optimizer state in place (the parameters were filled in place); ``arrays``: the scalars."""
+        optimizer, saved = self.optimizer, self.saved
+        if optimizer is None:
+            return
+        states = _optimizer_states(self.held, optimizer)
+        for pid, state in self.fresh.items():
             states[pid].clear()
             states[pid].update(state)
-        for name, (p, _) in held.items():
+        for name, (p, _) in self.held.items():
             for key in saved["scalars"]:
                 states[id(p)][key] = arrays[f"optimizer/{key}/{name}"].item()
         for key, value in saved["hyperparameters"].items():
             setattr(optimizer, key, tuple(value) if isinstance(value, list) else value)
-    return extra.get("user") if isinstance(extra, dict) else None

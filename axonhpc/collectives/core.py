@@ -110,7 +110,8 @@ def _run(pg: ProcessGroup, label: _Label, issue, async_op: bool, carried: bool =
     arrivals = (pg.backend.announce(label.seq, label.op) if collective and timeout is not None and not async_op
                 else None)
     entry = label.entry if collective else None
-    key = watchdog.blocking(pg, entry, label) if not async_op else None
+    # An asynchronous call is noted too: the node's engine runs it (and its check) before returning.
+    key = watchdog.blocking(pg, entry, label)
     try:
         return _checked_run(pg, label, issue, async_op, carried, timeout, collective, arrivals, entry, carry)
     finally:

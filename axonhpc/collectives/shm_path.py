@@ -44,6 +44,7 @@ from ..backends import shm as shm_backend
 from ..backends.shm import allocate_array, engine_for, engine_in_window, free_array
 from ..errors import CollectiveStallError, CollectiveTimeoutError, replacing
 from ..settings import settings
+from . import watchdog
 from .group_state import state_of
 
 _KERNEL_DTYPES = frozenset(np.dtype(t) for t in (np.float32, np.float64, np.int32, np.int64, np.uint8))
@@ -60,12 +61,20 @@ class _Path:
         return op.value in FUSED.get(np.dtype(x.dtype), ())
 
     def _call(self, method: str, *args: Any) -> None:
+        # The watchdog sees this wait (an asynchronous call's too: the engine runs it now) and which engine
+        # to end it in (an array's window has its own).
+        key = watchdog.blocking(self.pg, None, self.op_name)
+        ident = watchdog.get_ident()
+        watchdog.engines[ident] = self.engine
         try:
             getattr(self.engine, method)(*args)
         except CollectiveStallError:
             raise  # the watchdog's verdict, which says all there is to say
         except CollectiveTimeoutError as exc:
             raise replacing(timed_out(exc, self.engine, self.pg, self.op_name), exc, settings.debug)
+        finally:
+            del watchdog.engines[ident]
+            watchdog.unblocked(key)
 
     # ``desc``: the call's descriptor (``agreement.describe``), taken from the caller's own array: the
     # engine sees flattened, byte or widened views of it, and compares ``desc`` across the node.

@@ -68,6 +68,8 @@ _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # watchdog times each wait from when it first sees it (a quarter second late at most), so noting one costs
 # the hot path a dictionary store and no clock (the fast path writes it inline).
 _blocked: Dict[int, Tuple[Any, Optional[list], Any]] = {}
+# thread -> the shared-memory engine it waits in, where that is not its group's own (an array's window)
+engines: Dict[int, Any] = {}
 get_ident = threading.get_ident
 
 
@@ -179,7 +181,8 @@ class _Watchdog(threading.Thread):
             if pg.backend.name == "local":  # run_local's thread ranks share this process: no watchdog there
                 continue
             waited = now - since
-            if settings.fault_tolerant and key not in self.verdicts and cached_engine(pg.backend) is not None:
+            if settings.fault_tolerant and key not in self.verdicts and (
+                    key in engines or cached_engine(pg.backend) is not None):
                 dead = dead_node_peers(pg.world, pg.ranks)  # the engine's waits see no MPI error: look
                 if dead:
                     self._end(key, pg, node_peer_failed(dead, _call_text(pg, entry, call)))
@@ -308,8 +311,7 @@ class _Watchdog(threading.Thread):
     def _end(self, key: int, pg: Any, error: Exception) -> None:
         """End the blocked call with ``error``: the engine gives up at once; a call in MPI cannot, so the job ends."""
         self.verdicts[key] = error
-        engine = cached_engine(pg.backend)
-        if engine is not None:
+        for engine in {id(e): e for e in (engines.get(key), cached_engine(pg.backend)) if e is not None}.values():
             engine.abandon(error)
         deadline = time.monotonic() + 3.0
         while key in _blocked and time.monotonic() < deadline:

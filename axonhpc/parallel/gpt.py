@@ -50,7 +50,7 @@ gradients as one process up to the order of floating-point sums.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -327,7 +327,8 @@ class ParallelGPT:
             out += [(names[n], p) for n, p in part.named_parameters()]
         return out
 
-    def parameter_boxes(self) -> Dict[str, Tuple[Any, ...]]:
+    def parameter_boxes(self, shard_rank: Optional[int] = None, shards: Optional[Sequence[Any]] = None
+                        ) -> Dict[str, Tuple[Any, ...]]:
         """Where the values this rank's optimizer updates lie in the whole model (for ``save_model_slices``).
 
         Returns:
@@ -338,7 +339,9 @@ class ParallelGPT:
             at))``: elements ``[start, stop)`` of the C-order flattening of
             the block of ``local shape`` at ``offset`` are
             ``shard.data[at:at + stop - start]``; a name this rank's shards
-            hold nothing of is left out.
+            hold nothing of is left out. ``shard_rank`` and ``shards`` (FSDP
+            only) describe instead dp rank ``shard_rank``'s shards, held in
+            ``shards`` (one flat Parameter per unit): a copy kept elsewhere.
         """
         out: Dict[str, Tuple[Any, ...]] = {}
         if self.fsdp:
@@ -346,10 +349,12 @@ class ParallelGPT:
             shapes = {id(p): tuple(shape) for u in units for p, shape in zip(u.params, u.layout.shapes)}
             params = dict(self.module.named_parameters())
             boxes = {id(params[name]): box for name, box in parameter_boxes(self.module, shapes).items()}
-            for unit in units:
-                for i, start, stop, at in unit.held_spans():
+            for k, unit in enumerate(units):
+                spans = unit.held_spans() if shard_rank is None else unit.flat.spans(shard_rank)
+                shard = unit.shard if shards is None else shards[k]
+                for i, start, stop, at in spans:
                     dense, shape, offset = boxes[id(unit.params[i])]
-                    out[dense] = (shape, offset, unit.shard, (unit.layout.shapes[i], start, stop, at))
+                    out[dense] = (shape, offset, shard, (unit.layout.shapes[i], start, stop, at))
             return out
         for part in self.parts:
             params = dict(part.named_parameters())

@@ -1,0 +1,305 @@
+"""Training that survives the loss of ranks: shrink the world, rebuild, and redo the interrupted step.
+
+[Note: why every survivor resumes from the same state]
+A step here has two halves. The first does every communication of the step
+(forward, backward, the gradients' all-reduce or reduce-scatter, the buddy
+copies' gradients) and ends with one more all-reduce of 8 bytes; the second
+only updates this rank's memory (the optimizer, and the buddy copy). A rank
+can finish that last all-reduce only once every rank has entered it, so when
+a rank dies, either no survivor has started the second half of that step, or
+every survivor has finished the first half and holds what the second half
+needs. The survivors agree on the most steps any of them finished; the ones
+one step behind finish theirs from the gradients they hold (and cannot be
+further behind). The state after that many steps is then whole somewhere:
+every DDP replica holds all of it, and a lost FSDP shard is held by its
+buddy (``elastic.buddy``).
+
+[Note: recovery]
+On ``PeerFailedError`` every survivor: shrinks the job's communicator
+(ULFM's ``MPI_Comm_shrink``, which agrees on who failed), agrees on the step
+as above, gathers the whole state from the pieces the survivors hold
+(``elastic.state``), builds a new world on the shrunk communicator
+(``ax.init(comm=...)``: groups, shared memory, the start-up table) and calls
+the user's ``build(world)`` again for the new data-parallel width, then fills
+the new model and optimizer from the gathered state and sets up the buddy
+copies anew. The interrupted step is then redone with the same global batch:
+the data sampler's global batch ``k`` is the same set of samples on any number
+of ranks, so the run follows the loss of the uninterrupted one.
+
+Where the state is not whole (an FSDP shard and its buddy both lost) or the
+run cannot go on on the ranks left (a global batch they do not divide), every
+survivor raises ``RecoveryError`` saying why; with ``save`` set, a whole
+state is first written there as a checkpoint (``load_model_slices`` resumes it
+under any layout).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import numpy as np
+
+from ..backends import ReduceOp
+from ..backends import shm
+from ..backends.failures import describe_ranks
+from ..checkpoint.boxes import Box
+from ..checkpoint.model_slices import fill_model_state, state_pieces
+from ..checkpoint.sliced import save_slices
+from ..collectives import all_reduce
+from ..errors import CheckpointError, ConfigurationError, PeerFailedError, RecoveryError
+from ..groups.runtime import current_world, init
+from ..log import get_logger
+from ..parallel.comm_hooks import allreduce_hook
+from ..settings import settings
+from .buddy import BuddyCopies, shard_parameters
+from .state import describe_missing, gather_state
+
+KILL_POINTS = ("forward", "backward", "optimizer", "save")
+
+
+@dataclass
+class Recovery:
+    """One recovery: who was lost, at which step (1-based), on how many ranks the run went on, how long it took."""
+
+    lost: List[int]
+    step: int
+    ranks: int
+    dp: int
+    seconds: float
+
+    def line(self) -> str:
+        """``recovered: lost rank(s) 2 at step 4, continuing on 3 ranks (dp=3) in 0.41 s``."""
+        return (f"recovered: lost rank{'s' if len(self.lost) > 1 else ''} {', '.join(map(str, self.lost))} at step "
+                f"{self.step}, continuing on {self.ranks} rank{'s' if self.ranks != 1 else ''} (dp={self.dp}) in "
+                f"{self.seconds:.2f} s")
+
+
+def parse_failures(text: Optional[str]) -> List[Tuple[int, int, str]]:
+    """``"R:K[:where][,R:K[:where]...]"`` as ``(rank, steps done, where)``: rank R SIGKILLs itself once K steps are done.
+
+    ``where``: "forward" (default: as the next step starts), "backward" (in the gradients' first
+    all-reduce or reduce-scatter), "optimizer" (after the step's communication, before its update),
+    or "save" (as the step's checkpoint save starts, see ``ElasticTraining.fail_point``).
+
+    Raises:
+        ConfigurationError: another form, naming it.
+    """
+    out = []
+    for item in (text or "").split(","):
+        if not item.strip():
+            continue
+        fields = item.strip().split(":")
+        where = fields[2] if len(fields) == 3 else "forward"
+        numbers = [f.strip() for f in fields[:2]]
+        if len(fields) not in (2, 3) or where not in KILL_POINTS or not all(f.isdigit() for f in numbers):
+            raise ConfigurationError(f"simulate_failure {item!r}: expected RANK:STEPS[:WHERE] (WHERE one of "
+                                     f"{', '.join(KILL_POINTS)}), e.g. 2:3 or 1:5:backward")
+        rank, steps = int(numbers[0]), int(numbers[1])
+        out.append((rank, steps, where))
+    return out
+
+
+class ElasticTraining:
+    """Steps of a data-parallel run that go on, on fewer ranks, when ranks die (Open MPI with ULFM).
+
+    Args:
+        build: ``build(world)`` returns the run's parts for that world: an
+            object with ``model`` (with ``parameter_boxes()``, and ``step`` if
+            it keys dropout by it; DDP or FSDP over the whole world, e.g.
+            ``ax.ParallelGPT`` with tp = pp = 1) and ``optimizer``, and
+            whatever else the steps use (the data, laid out for the world's
+            width). If it has ``abandon()``, that is called (locally) on the
+            old parts before the new ones are built.
+        first_step: the steps already done (a resumed run).
+        simulate_failure: ``"R:K[:where]"`` (comma-separated for several): job
+            rank R SIGKILLs itself once K steps are done (``parse_failures``).
+        save: a checkpoint directory for the whole state when the run cannot
+            go on (see the module note), or None.
+
+    Attributes:
+        parts: the current ``build(world)`` result.
+        done: the steps done.
+        recoveries: a ``Recovery`` per recovery so far.
+
+    Raises:
+        ConfigurationError: fault tolerance is off (``ax.init(fault_tolerant=True)`` under
+            ``axonhpc launch --fault-tolerant``), or the model is not data-parallel over the whole world.
+    """
+
+    def __init__(self, build: Callable[[Any], Any], first_step: int = 0, simulate_failure: Optional[str] = None,
+                 save: Optional[str] = None):
+        if not settings.fault_tolerant:
+            raise ConfigurationError("ElasticTraining needs fault tolerance: ax.init(fault_tolerant=True) in a job "
+                                     "started with axonhpc launch --fault-tolerant (Open MPI with ULFM)")
+        from mpi4py import MPI
+
+        self._MPI = MPI
+        self.build = build
+        self.done = int(first_step)
+        self.save = save
+        self.recoveries: List[Recovery] = []
+        self.comm = MPI.COMM_WORLD
+        self.members = list(range(self.comm.Get_size()))  # the job ranks of the current world, in its order
+        self.job_rank = self.comm.Get_rank()
+        self._failures = [(k, where) for r, k, where in parse_failures(simulate_failure) if r == self.job_rank]
+        self.buddy: Optional[BuddyCopies] = None
+        self._set_up(current_world(), None, None)
+
+    # -- set-up -------------------------------------------------------------------------------
+    def _set_up(self, world: Any, whole: Optional[Dict[str, np.ndarray]], described: Any) -> None:
+        parts = self.build(world)
+        model, optimizer = parts.model, parts.optimizer
+        dp = getattr(model, "dp", None)
+        if dp is None or dp.size != world.world_size:
+            raise ConfigurationError(f"ElasticTraining shrinks data parallelism: the model must be data-parallel "
+                                     f"over all {world.world_size} ranks (tp = pp = 1), its dp group has "
+                                     f"{getattr(dp, 'size', None)}")
+        if whole is not None:
+            fill_model_state(model.parameter_boxes(), optimizer, whole, described)
+        if hasattr(model, "step"):
+            model.step = self.done  # dropout masks are keyed by the step
+        shards = shard_parameters(model)
+        self.buddy = BuddyCopies(shards, optimizer, dp) if shards is not None and dp.size > 1 else None
+        if any(where == "backward" for _, where in self._failures):
+            self._arm_backward(model)
+        self.parts, self.world = parts, world
+
+    def _arm_backward(self, model: Any) -> None:
+        def hook(state: Any, bucket: Any) -> Any:
+            self._maybe_fail("backward")
+            return allreduce_hook(state, bucket)
+
+        model.engine.register_comm_hook(None, hook)
+
+    # -- simulated failures -------------------------------------------------------------------
+    def _maybe_fail(self, where: str) -> None:
+        if (self.done, where) in self._failures:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def fail_point(self, where: str) -> None:
+        """Die here (SIGKILL) if ``simulate_failure`` names this rank, this point and the steps done now."""
+        self._maybe_fail(where)
+
+    # -- steps --------------------------------------------------------------------------------
+    def step(self, fn: Callable[[Any], Any]) -> Optional[Any]:
+        """Collective: one training step, ``fn(parts)`` (forward, backward, gradient sync), then the optimizer.
+
+        Returns:
+            ``fn``'s result (the loss) once the step is done, or None when ranks
+            failed and the survivors went on without this step done: call again
+            (with ``parts`` as rebuilt) for step ``done``.
+
+        Raises:
+            RecoveryError: ranks failed and the run cannot go on (see the module note).
+        """
+        entered, result = False, None
+        try:
+            self._maybe_fail("forward")
+            result = fn(self.parts)
+            if self.buddy is not None:
+                self.buddy.exchange()
+            entered = True
+            all_reduce(np.zeros(1, dtype=np.int64), group=self.world.default_group)  # the step's last collective
+            self._maybe_fail("optimizer")
+            self._finish()
+            return result
+        except PeerFailedError as exc:
+            finished = self._recover(exc, entered)
+            return result if finished else None
+
+    def call(self, fn: Callable[[Any], Any]) -> Optional[Any]:
+        """Collective: ``fn(parts)`` between steps (a checkpoint save, an evaluation); None if ranks failed in it.
+
+        After a failure the survivors have rebuilt and go on; the call is not
+        redone (a save interrupted this way leaves the previous checkpoint in place).
+        """
+        try:
+            return fn(self.parts)
+        except PeerFailedError as exc:
+            self._recover(exc, False)
+            return None
+
+    def _finish(self) -> None:
+        """The step's local half: the optimizer, and the buddy copy's replay of the source's."""
+        self.parts.optimizer.step()
+        if self.buddy is not None:
+            self.buddy.step()
+        self.done += 1
+
+    # -- recovery -----------------------------------------------------------------------------
+    def _recover(self, exc: PeerFailedError, entered: bool) -> bool:
+        """Shrink, agree, rebuild (see the module note); True if this rank's interrupted step was finished."""
+        MPI, start = self._MPI, time.perf_counter()
+        old_members, old_parts = self.members, self.parts
+        comm = self.comm.Shrink()
+        comm.Set_errhandler(MPI.ERRORS_RETURN)
+        group, job = comm.Get_group(), MPI.COMM_WORLD.Get_group()
+        try:
+            survivors = list(MPI.Group.Translate_ranks(group, list(range(comm.Get_size())), job))
+        finally:
+            group.Free()
+            job.Free()
+        lost = [m for m in old_members if m not in survivors]
+        self.comm, self.members = comm, survivors
+        shm.abandon_open_windows()  # the old world's: freeing them would wait for the dead
+        world = init(comm=comm)
+        # The step every survivor goes on from: the most any finished (see the module note).
+        steps = np.array([self.done, -self.done], dtype=np.int64)
+        all_reduce(steps, ReduceOp.MAX, group=world.default_group)
+        target, failed_step = int(steps[0]), 1 - int(steps[1])
+        finished = False
+        if self.done < target:
+            if self.done + 1 != target or not entered:
+                raise RecoveryError(f"after the loss of {describe_ranks(lost)} this rank had done {self.done} steps and "
+                                    f"another {target}; the step's last collective should have made that impossible",
+                                    lost)
+            self._finish()
+            finished = True
+        old_index = {m: i for i, m in enumerate(old_members)}
+        lost_dp = sorted(old_index[m] for m in lost)
+        buddy = self.buddy
+        if buddy is not None or shard_parameters(old_parts.model) is not None:
+            n = len(old_members)
+            both = [i for i in lost_dp if (i + 1) % n in lost_dp]
+            if both:
+                pairs = ", ".join(f"dp rank {i} and its keeper {(i + 1) % n}" for i in both)
+                raise RecoveryError(f"FSDP shards are lost with their buddy copies: {pairs} both failed "
+                                    f"({describe_ranks(lost)} of the job); resume from the last checkpoint", lost)
+        pieces, described = state_pieces(old_parts.model.parameter_boxes(), old_parts.optimizer)
+        if buddy is not None and buddy.source in lost_dp:
+            copy, _ = state_pieces(old_parts.model.parameter_boxes(shard_rank=buddy.source, shards=buddy.copies),
+                                   buddy.copy_optimizer)
+            pieces += copy
+        whole, missing = gather_state(world.default_group, pieces)
+        if missing:
+            raise RecoveryError(f"after the loss of {describe_ranks(lost)} no survivor holds {describe_missing(missing)}; "
+                                f"resume from the last checkpoint", lost)
+        abandon = getattr(old_parts, "abandon", None)
+        if abandon is not None:
+            abandon()
+        del old_parts, pieces
+        self.buddy = None
+        try:
+            self._set_up(world, whole, described)
+        except (ConfigurationError, CheckpointError) as problem:
+            saved = self._save_whole(world, whole, described) if self.save else ""
+            raise RecoveryError(f"after the loss of {describe_ranks(lost)} the run cannot go on on {world.world_size} "
+                                f"rank{'s' if world.world_size != 1 else ''}: {problem}{saved}", lost) from problem
+        record = Recovery(lost, failed_step, world.world_size, self.parts.model.dp.size, time.perf_counter() - start)
+        self.recoveries.append(record)
+        if world.rank == 0:
+            get_logger("elastic").warning(record.line())
+        return finished
+
+    def _save_whole(self, world: Any, whole: Dict[str, np.ndarray], described: Any) -> str:
+        """Write the whole state to ``save`` (rank 0 holds every piece); the text that says so, for the error."""
+        pieces = {key: (Box.full(a.shape), a) for key, a in whole.items()} if world.rank == 0 else {}
+        save_slices(self.save, pieces, group=world.default_group,
+                    extra={"optimizer": described, "user": {"step": self.done}})
+        return f". The state after {self.done} steps is saved in {self.save!r} (load_model_slices resumes it)"
+
+
+__all__ = ["ElasticTraining", "Recovery", "parse_failures", "KILL_POINTS"]
