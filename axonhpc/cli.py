@@ -1,7 +1,7 @@
 """The ``axonhpc`` command (also ``python -m axonhpc``).
 
     axonhpc info                         what MPI, threads, GPU libraries, ranks and nodes this is
-    axonhpc bench NAME [args]            benchmarks (allreduce, ddp, fsdp, pack, pipeline, step)
+    axonhpc bench NAME [args]            benchmarks (allreduce, ddp, elastic, fsdp, gpt, pack, pipeline, step)
     axonhpc launch -n N [--] script.py   mpiexec wrapper that works as root and aborts on errors
     axonhpc doctor DIR                   which rank diverged first, from the flight recorder dumps
     axonhpc timeline merge DIR [-o F]    one Chrome trace from the ranks' timeline-rank*.json files
@@ -28,6 +28,7 @@ _PYTHON_NAME = re.compile(r"^(python|pypy)[0-9.]*$")
 BENCHMARKS = {
     "allreduce": "axonhpc.bench.allreduce",
     "ddp": "axonhpc.bench.ddp",
+    "elastic": "axonhpc.bench.elastic",
     "fsdp": "axonhpc.bench.fsdp",
     "gpt": "axonhpc.bench.gpt",
     "pack": "axonhpc.bench.pack",

@@ -147,3 +147,20 @@ def test_the_example_refuses_what_elastic_training_cannot_do(tmp_path):
         out = subprocess.run([sys.executable, EXAMPLE, *RUN, *args], capture_output=True, text=True, timeout=GUARD,
                              cwd=tmp_path, env=dict(os.environ, OMP_NUM_THREADS="1"))
         assert out.returncode != 0 and text in out.stderr, out.stderr
+
+
+@needs_openmpi
+@pytest.mark.timeout(300)
+def test_the_docs_script_survives_a_kill(tmp_path):
+    with open(os.path.join(ROOT, "docs", "fault-tolerance.md")) as f:
+        text = f.read()
+    script = re.search(r"```python\n(# elastic_steps.py:.*?)```", text, re.S).group(1)
+    (tmp_path / "elastic_steps.py").write_text(script)
+    cmd = [OPENMPI_PYTHON, "-m", "axonhpc", "launch", "--fault-tolerant", "-n", "3", "--", "elastic_steps.py"]
+    plain = subprocess.run(cmd, capture_output=True, text=True, timeout=GUARD, cwd=tmp_path, env=_env(tmp_path))
+    killed = subprocess.run(cmd, capture_output=True, text=True, timeout=GUARD, cwd=tmp_path,
+                            env=_env(tmp_path, SIMULATE_FAILURE="1:2"))
+    assert plain.returncode == 0 and killed.returncode == 0, plain.stderr[-3000:] + killed.stderr[-3000:]
+    assert "recovered" not in plain.stdout
+    assert RECOVERED.findall(killed.stdout) and "lost rank 1 at step 3, continuing on 2 ranks" in killed.stdout
+    assert abs(_final_loss(killed.stdout) - _final_loss(plain.stdout)) < 1e-5  # float32

@@ -50,10 +50,11 @@ def write_result(result: Any, path: str) -> None:
 
 
 def run_worker_job(mpiexec: str, n: int, module: str, worker_args: List[str], label: str,
-                   timeout: float, env: Optional[Dict[str, str]] = None) -> dict:
+                   timeout: float, env: Optional[Dict[str, str]] = None, mpiexec_args: Sequence[str] = ()) -> dict:
     """Run ``python -m module --out FILE *worker_args`` on ``n`` ranks; return rank 0's JSON result.
 
     ``env``: the job's environment (default ``worker_env()``: one BLAS thread per rank).
+    ``mpiexec_args``: more options for mpiexec (``--with-ft ulfm``).
 
     Open MPI gets its root and oversubscription flags (more ranks than cores
     is normal for these benchmarks on a small machine).
@@ -67,7 +68,7 @@ def run_worker_job(mpiexec: str, n: int, module: str, worker_args: List[str], la
         cmd = [mpiexec]
         if mpiexec_flavour(mpiexec) == "openmpi":
             cmd += (["--allow-run-as-root"] if os.geteuid() == 0 else []) + ["--oversubscribe"]
-        cmd += ["-n", str(n), sys.executable, "-m", module, "--out", out, *worker_args]
+        cmd += [*mpiexec_args, "-n", str(n), sys.executable, "-m", module, "--out", out, *worker_args]
         # A session of its own, so a timeout can end mpiexec and every rank it started.
         if env is None:
             env = worker_env()

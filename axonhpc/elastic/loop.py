@@ -62,13 +62,18 @@ KILL_POINTS = ("forward", "backward", "optimizer", "save")
 
 @dataclass
 class Recovery:
-    """One recovery: who was lost, at which step (1-based), on how many ranks the run went on, how long it took."""
+    """One recovery: who was lost, at which step (1-based), on how many ranks the run went on, how long it took.
+
+    ``seconds``: from this rank's ``PeerFailedError`` to the rebuilt run; ``caught``: the wall-clock
+    time (``time.time()``) of that error.
+    """
 
     lost: List[int]
     step: int
     ranks: int
     dp: int
     seconds: float
+    caught: float = 0.0
 
     def line(self) -> str:
         """``recovered: lost rank(s) 2 at step 4, continuing on 3 ranks (dp=3) in 0.41 s``."""
@@ -232,7 +237,7 @@ class ElasticTraining:
     # -- recovery -----------------------------------------------------------------------------
     def _recover(self, exc: PeerFailedError, entered: bool) -> bool:
         """Shrink, agree, rebuild (see the module note); True if this rank's interrupted step was finished."""
-        MPI, start = self._MPI, time.perf_counter()
+        MPI, start, caught = self._MPI, time.perf_counter(), time.time()
         old_members, old_parts = self.members, self.parts
         comm = self.comm.Shrink()
         comm.Set_errhandler(MPI.ERRORS_RETURN)
@@ -288,7 +293,8 @@ class ElasticTraining:
             saved = self._save_whole(world, whole, described) if self.save else ""
             raise RecoveryError(f"after the loss of {describe_ranks(lost)} the run cannot go on on {world.world_size} "
                                 f"rank{'s' if world.world_size != 1 else ''}: {problem}{saved}", lost) from problem
-        record = Recovery(lost, failed_step, world.world_size, self.parts.model.dp.size, time.perf_counter() - start)
+        record = Recovery(lost, failed_step, world.world_size, self.parts.model.dp.size, time.perf_counter() - start,
+                          caught)
         self.recoveries.append(record)
         if world.rank == 0:
             get_logger("elastic").warning(record.line())
