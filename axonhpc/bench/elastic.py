@@ -32,7 +32,7 @@ from typing import List, Optional, Sequence
 import numpy as np
 
 from ..errors import InvalidArgumentError
-from ..mpiexec import NOT_FOUND, find_mpiexec, mpiexec_flavour
+from ..mpiexec import FAULT_TOLERANT_ARGS, NOT_FOUND, find_mpiexec, mpiexec_flavour
 from .jobs import BenchError, check_counts, run_worker_job, worker_env, write_result
 
 MODES = ("ddp", "fsdp")
@@ -189,7 +189,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                            "--context", str(args.context), "--batch", str(args.batch), "--steps", str(args.steps),
                            "--warmup", str(args.warmup)]
             jobs.append(run_worker_job(mpiexec, n, "axonhpc.bench.elastic", worker_args, f"elastic {mode}",
-                                       args.timeout, env=env, mpiexec_args=["--with-ft", "ulfm"]))
+                                       args.timeout, env=env, mpiexec_args=FAULT_TOLERANT_ARGS))
     except BenchError as exc:
         print(f"axonhpc bench elastic: {exc}", file=sys.stderr)
         return 1
