@@ -188,7 +188,8 @@ def _cmd_slurm_render(args) -> int:
             nodes=args.nodes, tasks_per_node=args.tasks_per_node, gpus_per_node=args.gpus_per_node,
             cpus_per_task=args.cpus_per_task, time=args.time, partition=args.partition, account=args.account,
             job_name=args.job_name, requeue=args.requeue, resume=args.resume, signal_seconds=args.signal_seconds,
-            mpi=args.mpi, launcher=args.launcher, python=args.python, log_dir=args.log_dir, chdir=args.chdir,
+            mpi=args.mpi, launcher=args.launcher, fault_tolerant=args.fault_tolerant, python=args.python,
+            log_dir=args.log_dir, chdir=args.chdir,
             collective_timeout=args.collective_timeout, command=tuple(args.script_words),
         )
         script = render_file(args.template, options)
@@ -235,6 +236,9 @@ def _add_slurm_parser(sub) -> None:
                    help="srun --mpi plugin (default pmi2): pmi2 for MPICH, pmix for Open MPI")
     p.add_argument("--launcher", metavar="{" + ",".join(LAUNCHER_CHOICES) + "}",
                    help="how cpu-ddp starts the ranks (default srun)")
+    p.add_argument("--fault-tolerant", action="store_true",
+                   help="with --launcher mpiexec: a rank that dies leaves the others running (axonhpc launch "
+                        "--fault-tolerant: Open MPI with ULFM; docs/fault-tolerance.md)")
     p.add_argument("--python", metavar="PATH", help="interpreter the job runs (default: the one running this command)")
     p.add_argument("--log-dir", metavar="DIR",
                    help="directory of the %%x-%%j.out/.err logs (default: the job's directory)")

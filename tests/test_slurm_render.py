@@ -229,6 +229,17 @@ def test_mpiexec_launcher_passes_the_arguments_to_axonhpc_launch(capsys, tmp_pat
     assert not os.path.exists(pwned)
 
 
+def test_fault_tolerant_launches_with_axonhpc_launch_fault_tolerant(capsys, tmp_path, fake_cluster):
+    code, out, err = cli_render(capsys, "cpu-ddp", "--nodes", "1", "--tasks-per-node", "3", "--launcher", "mpiexec",
+                                "--fault-tolerant", "--python", fake_cluster.python, "--", "train.py", "--elastic")
+    assert code == 0, err
+    assert "keeps the others running" in out
+    result = fake_cluster.run(out)
+    assert result.returncode == 0, result.stderr
+    (call,) = fake_cluster.calls()
+    assert call["argv"] == ["-m", "axonhpc", "launch", "--fault-tolerant", "-n", "3", "--", "train.py", "--elastic"]
+
+
 def test_pytest_job_passes_extra_pytest_arguments(capsys, tmp_path, fake_cluster):
     args, pwned = hostile_args(tmp_path)
     code, out, err = cli_render(capsys, "pytest-mpi", "--nodes", "2", "--tasks-per-node", "2",
@@ -424,6 +435,8 @@ def test_exit_code_and_message_from_the_real_command():
     ("multinode", ["--nodes", "1", "--tasks-per-node", "2"], "template 'multinode' runs a program: give it after --"),
     ("cpu-ddp", ["--nodes", "1", "--tasks-per-node", "2", "--launcher", "ssh", "--", "t.py"],
      "--launcher 'ssh' is not one of srun, mpiexec"),
+    ("cpu-ddp", ["--nodes", "1", "--tasks-per-node", "2", "--fault-tolerant", "--", "t.py"],
+     "--fault-tolerant needs --launcher mpiexec (got srun): srun ends the whole step when a task dies"),
 ])
 def test_options_that_do_not_fit_the_template_are_refused(template, argv, message, capsys):
     code, out, err = cli_render(capsys, template, *argv)

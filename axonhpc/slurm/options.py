@@ -153,6 +153,8 @@ class SlurmOptions:
             to the batch shell (default 120, or half the time limit if shorter).
         mpi: ``srun --mpi`` plugin: ``pmi2`` (MPICH) or ``pmix`` (Open MPI).
         launcher: ``srun`` or ``mpiexec`` (``axonhpc launch``), where a template offers both.
+        fault_tolerant: a rank that dies leaves the others running (``axonhpc launch
+            --fault-tolerant`` inside the allocation: Open MPI with ULFM; needs ``launcher="mpiexec"``).
         python: the interpreter the job runs (default: this one).
         log_dir: directory of the ``%x-%j.out`` / ``.err`` logs (must exist).
         chdir: the job's working directory (default: where sbatch ran).
@@ -173,6 +175,7 @@ class SlurmOptions:
     signal_seconds: Optional[int] = None
     mpi: Optional[str] = None
     launcher: Optional[str] = None
+    fault_tolerant: bool = False
     python: Optional[str] = None
     log_dir: Optional[str] = None
     chdir: Optional[str] = None
@@ -208,6 +211,12 @@ class SlurmOptions:
                                      "pmix for Open MPI; --mpi=none would start one-rank worlds)")
         if self.launcher is not None and self.launcher not in LAUNCHER_CHOICES:
             raise ConfigurationError(f"--launcher {self.launcher!r} is not one of {', '.join(LAUNCHER_CHOICES)}")
+        if not isinstance(self.fault_tolerant, bool):
+            raise ConfigurationError(f"--fault-tolerant must be True or False, got {self.fault_tolerant!r}")
+        if self.fault_tolerant and self.launcher != "mpiexec":
+            raise ConfigurationError(f"--fault-tolerant needs --launcher mpiexec (got {self.launcher or 'srun'}): "
+                                     f"srun ends the whole step when a task dies, while Open MPI's mpiexec with "
+                                     f"ULFM inside the allocation keeps the survivors running")
         if self.python is not None and (not isinstance(self.python, str) or not self.python.strip()):
             raise ConfigurationError(f"--python must name an interpreter, got {self.python!r}")
         for name in ("log_dir", "chdir"):
@@ -238,8 +247,9 @@ class SlurmOptions:
         """The options set explicitly (not left to a default), as placeholder names."""
         names = {f.name for f in fields(self) if f.name not in _ALWAYS and getattr(self, f.name) is not None}
         names.discard("command")
-        if not self.requeue:
-            names.discard("requeue")
+        for flag in ("requeue", "fault_tolerant"):
+            if not getattr(self, flag):
+                names.discard(flag)
         if self.command:
             names.add("command")
         return names
@@ -274,6 +284,7 @@ class SlurmOptions:
             "signal_seconds": str(signal),
             "mpi": self.mpi or "pmi2",
             "launcher": self.launcher or "srun",
+            "fault_tolerant": self.fault_tolerant,
             "python": shell_quote(self.python or sys.executable),
             "log_dir": self.log_dir or ".",
             "chdir": self.chdir,
