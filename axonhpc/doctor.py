@@ -6,7 +6,9 @@ group must match across its ranks call by call, so the diagnosis walks each
 group's sequence numbers in order and reports the first one where the ranks
 called different things (operation, dtype, shape, reduce op or root), or
 where some ranks of the group recorded a call and others never reached it.
-Ranks that were still waiting in a call when they dumped are listed too.
+Ranks that were still waiting in a call when they dumped are listed too, and
+how often each rank arrived last (``lateness``: the times corrected by each
+dump's clock offset), which names a straggler after the fact.
 """
 from __future__ import annotations
 
@@ -142,6 +144,42 @@ def diagnose(dumps: Dict[int, dict]) -> List[str]:
     return lines
 
 
+def lateness(dumps: Dict[int, dict], margin: float = 0.001) -> List[str]:
+    """Per-rank lateness: in how many recorded calls each rank arrived last, later than the next by ``margin`` s.
+
+    Every call that all ranks of its group recorded is compared, each rank's
+    time put on rank 0's clock with the ``clock_offset`` its dump carries.
+    """
+    arrivals: Dict[Tuple[str, Tuple[int, ...], int], Dict[int, float]] = {}
+    for rank, data in dumps.items():
+        offset = float(data.get("clock_offset") or 0.0)
+        for entry in data["records"]:
+            key = (entry["group"], tuple(entry["ranks"]), entry["seq"])
+            arrivals.setdefault(key, {})[rank] = entry["t"] + offset
+    compared, last, late = 0, {}, {}
+    for (name, ranks, seq), times in arrivals.items():
+        if len(ranks) < 2 or set(times) != set(ranks):
+            continue
+        compared += 1
+        order = sorted(times, key=times.get)
+        gap = times[order[-1]] - times[order[-2]]
+        if gap > margin:
+            last[order[-1]] = last.get(order[-1], 0) + 1
+            late.setdefault(order[-1], []).append(gap)
+    if not compared:
+        return ["no collective recorded by every rank of its group: no lateness to compare"]
+    lines = [f"lateness over {compared} collectives recorded by every rank of their group (last by more than "
+             f"{margin * 1e3:g} ms):"]
+    for rank in sorted(last, key=last.get, reverse=True):
+        median = sorted(late[rank])[len(late[rank]) // 2]
+        mark = "  <- the straggler" if last[rank] >= 0.8 * compared else ""
+        lines.append(f"  rank {rank}: last in {last[rank]} ({last[rank] / compared:.0%}), by a median of "
+                     f"{median * 1e3:.2f} ms{mark}")
+    if not last:
+        lines.append("  no rank was last by more than the margin")
+    return lines
+
+
 def main(directory: str, out: Optional[Any] = None) -> int:
     """Print the diagnosis of ``directory``; 0 when a report was made, 2 without usable dumps.
 
@@ -162,9 +200,9 @@ def main(directory: str, out: Optional[Any] = None) -> int:
     for line in broken:
         print(f"axonhpc doctor: skipped {line}; diagnosing from the other dumps", file=sys.stderr)
     print(f"flight records of ranks {sorted(dumps)} in {directory}:", file=out)
-    for line in diagnose(dumps):
+    for line in diagnose(dumps) + lateness(dumps):
         print("  " + line, file=out)
     return 0
 
 
-__all__ = ["load_dumps", "diagnose", "describe", "main"]
+__all__ = ["load_dumps", "diagnose", "lateness", "describe", "main"]

@@ -190,6 +190,13 @@ class Settings:
             collectives (``AXONHPC_WATCHDOG``).
         flight_recorder: collectives each rank remembers for the flight
             recorder; 0 turns it off (``AXONHPC_FLIGHT_RECORDER``).
+        straggler_every: every this many collectives of a group the ranks
+            compare their arrival times at the last 100; a rank last in 80%
+            of them, later than the next by more than ``straggler_margin``,
+            is named in a warning (``collectives.stragglers``); 0 turns it
+            off (``AXONHPC_STRAGGLER_EVERY``). Every rank must use the same value.
+        straggler_margin: seconds a last rank must trail the next one by to
+            count as late (``AXONHPC_STRAGGLER_MARGIN``).
         flight_dir: where the recorder writes ``flight-rank<r>.json``
             (``AXONHPC_FLIGHT_DIR``).
         flight_signal: the signal that makes every rank dump its recorder, or
@@ -278,6 +285,8 @@ class Settings:
     stall_timeout: Optional[float] = 600.0
     watchdog: bool = True
     flight_recorder: int = 256
+    straggler_every: int = 1000
+    straggler_margin: float = 0.001
     flight_dir: str = "axonhpc-flight"
     flight_signal: str = "SIGUSR1"
     skip_nonfinite_steps: bool = False
@@ -347,6 +356,8 @@ _ENVIRONMENT = {
     "backend": ("AXONHPC_BACKEND", lambda name, text: _parse_choice(name, text, BACKENDS)),
     "max_message_elements": ("AXONHPC_MAX_MESSAGE_ELEMENTS", _parse_positive_int),
     "flight_recorder": ("AXONHPC_FLIGHT_RECORDER", lambda name, text: _parse_count(name, text)),
+    "straggler_every": ("AXONHPC_STRAGGLER_EVERY", lambda name, text: _parse_count(name, text)),
+    "straggler_margin": ("AXONHPC_STRAGGLER_MARGIN", lambda name, text: _parse_seconds(name, text)),
     "flight_dir": ("AXONHPC_FLIGHT_DIR", lambda name, text: text),
     "flight_signal": ("AXONHPC_FLIGHT_SIGNAL", lambda name, text: _parse_signal(name, text)),
     "skip_nonfinite_steps": ("AXONHPC_SKIP_NONFINITE_STEPS", _parse_bool),

@@ -33,6 +33,9 @@ size's all-reduce through the shared-memory path and through the MPI path
 (``shm_collectives="off"``, as across nodes), each with the check on and
 off in the same interleaved rounds, and the added fraction.
 
+``--straggler-cost`` does the same for the straggler comparison
+(``settings.straggler_every``, see ``collectives.stragglers``).
+
 ``--algorithms native,ring,rhd,hierarchical`` also times
 ``ax.all_reduce(x, algorithm=name)`` for each name in the same interleaved
 rounds and prints a second table: each algorithm's median time and its ratio
@@ -175,22 +178,24 @@ def _with_settings(call, **values):
             setattr(settings, name, value)
 
 
-def run_check_cost(sizes: List[int], rounds: int) -> List[dict]:
-    """All-reduce with the agreement check on and off, on the shared-memory and the MPI path (medians, us).
+def run_setting_cost(sizes: List[int], rounds: int, name: str, off: Any, on: Any) -> List[dict]:
+    """All-reduce with setting ``name`` at ``on`` and at ``off``, on the shared-memory and the MPI path (medians, us).
 
     Each candidate changes the settings only when the one before it left
     others (once per batch of calls, not per call: a change of the settings
-    makes the next call choose its route again).
+    makes the next call choose its route again). Every rank runs the
+    candidates in the same order, so they change the setting at the same call.
     """
     from mpi4py import MPI
 
     raw, job_time = _raw_world()
-    saved = (settings.shm_collectives, settings.check_collectives)
+    saved = (settings.shm_collectives, getattr(settings, name))
 
-    def configured(shm: str, on: bool):
+    def configured(shm: str, value: Any):
         def call():
-            if (settings.shm_collectives, settings.check_collectives) != (shm, on):
-                settings.shm_collectives, settings.check_collectives = shm, on
+            if (settings.shm_collectives, getattr(settings, name)) != (shm, value):
+                settings.shm_collectives = shm
+                setattr(settings, name, value)
             all_reduce(x)
         return call
 
@@ -198,23 +203,25 @@ def run_check_cost(sizes: List[int], rounds: int) -> List[dict]:
     try:
         for nbytes in sizes:
             x = np.ones(nbytes // 4, dtype=np.float32)
-            candidates = {f"{path}_{check}": configured(shm, on)
-                          for path, shm in (("shm", "auto"), ("mpi", "off")) for check, on in (("off", False), ("on", True))}
+            candidates = {f"{path}_{state}": configured(shm, value)
+                          for path, shm in (("shm", "auto"), ("mpi", "off"))
+                          for state, value in (("off", off), ("on", on))}
             candidates["raw"] = lambda: raw.Allreduce(MPI.IN_PLACE, [x, MPI.FLOAT])
             for _ in range(2):
                 for fn in candidates.values():
                     fn()
             t = median_times(candidates, _iters_for(nbytes), rounds, sync=job_time)
-            rows.append(dict(bytes=nbytes, **{name: t[name] * 1e6 for name in candidates}))
+            rows.append(dict(bytes=nbytes, **{key: t[key] * 1e6 for key in candidates}))
     finally:
-        settings.shm_collectives, settings.check_collectives = saved
+        settings.shm_collectives = saved[0]
+        setattr(settings, name, saved[1])
     raw.Free()
     return rows
 
 
-def format_check_cost_table(rows: List[dict], n: int) -> str:
-    """The check's cost: each path's time with it on and off, and the fraction it adds."""
-    lines = [f"# all_reduce with the agreement check on and off, float32, in place, {n} ranks, medians "
+def format_cost_table(rows: List[dict], n: int, what: str) -> str:
+    """A setting's cost: each path's time with it on and off, and the fraction it adds."""
+    lines = [f"# all_reduce with {what} on and off, float32, in place, {n} ranks, medians "
              f"(added = on / off - 1)",
              f"{'size':>10} {'shm on us':>10} {'shm off us':>11} {'added':>7} {'MPI on us':>10} {'MPI off us':>11} "
              f"{'added':>7} {'raw us':>8}"]
@@ -308,6 +315,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help="also time all-gather, reduce-scatter and broadcast against raw mpi4py")
     parser.add_argument("--check-cost", action="store_true",
                         help="also time the all-reduce with the agreement check on and off (shared memory and MPI)")
+    parser.add_argument("--straggler-cost", action="store_true",
+                        help="also time the all-reduce with the straggler comparison (straggler_every) on and off")
     parser.add_argument("--algorithms", default=None,
                         help=f"comma-separated all-reduce algorithms to time beside raw mpi4py, e.g. "
                              f"native,ring,rhd,hierarchical (known: {', '.join(ALGORITHMS)})")
@@ -335,7 +344,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     rows = run_sizes(sizes, args.rounds, algorithms)
     fusion = None if args.no_fusion else run_fusion(100, 1024, args.rounds)
     others = run_collectives(sizes, args.rounds) if args.collectives else None
-    checks = run_check_cost(sizes, args.rounds) if args.check_cost else None
+    checks = run_setting_cost(sizes, args.rounds, "check_collectives", False, True) if args.check_cost else None
+    every = settings.straggler_every or 1000
+    arrivals = (run_setting_cost(sizes, args.rounds, "straggler_every", 0, every) if args.straggler_cost
+                else None)
     if world.rank == 0:
         print(format_table(rows, world.world_size))
         if others:
@@ -343,7 +355,10 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(format_collectives_table(others, world.world_size))
         if checks:
             print()
-            print(format_check_cost_table(checks, world.world_size))
+            print(format_cost_table(checks, world.world_size, "the agreement check"))
+        if arrivals:
+            print()
+            print(format_cost_table(arrivals, world.world_size, f"the straggler comparison (straggler_every={every})"))
         if algorithms:
             print()
             print(format_algorithm_table(rows, world.world_size))

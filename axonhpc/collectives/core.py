@@ -32,7 +32,8 @@ from ..backends.base import CompletedWork, ReduceOp, Work
 from ..errors import AxonError, CollectiveStallError, CollectiveTimeoutError, ReadOnlyBufferError, ShapeError, replacing
 from ..groups import ProcessGroup, resolve_group
 from ..settings import settings
-from . import agreement, fast_path, fingerprint, flight, graphed, shm_path, staged_path, watch, watchdog
+from . import (agreement, fast_path, fingerprint, flight, graphed, shm_path, staged_path, stragglers, watch,
+               watchdog)
 from .ring import ring_all_reduce, ring_reduce_scatter
 from .widen import divide_average
 
@@ -113,10 +114,14 @@ def _run(pg: ProcessGroup, label: _Label, issue, async_op: bool, carried: bool =
     # An asynchronous call is noted too: the node's engine runs it (and its check) before returning.
     key = watchdog.blocking(pg, entry, label)
     try:
-        return _checked_run(pg, label, issue, async_op, carried, timeout, collective, arrivals, entry, carry)
+        result = _checked_run(pg, label, issue, async_op, carried, timeout, collective, arrivals, entry, carry)
     finally:
         if key is not None:
             watchdog.unblocked(key)
+    every = settings.straggler_every
+    if every and collective and not (label.seq + 1) % every and not (label.call and is_cupy_array(label.call[0])):
+        stragglers.compare(pg, label.seq + 1)  # host calls only (see stragglers)
+    return result
 
 
 def _checked_run(pg: ProcessGroup, label: Any, issue, async_op: bool, carried: bool, timeout: Optional[float],

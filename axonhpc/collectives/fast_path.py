@@ -33,7 +33,7 @@ from ..backends import shm as shm_backend
 from ..backends.base import CompletedWork, ReduceOp, Work
 from ..groups import resolve_group
 from ..settings import settings
-from . import agreement, flight, shm_path, watchdog
+from . import agreement, flight, shm_path, stragglers, watchdog
 
 NOT_TAKEN = object()  # what ``attempt`` returns when the general path must handle the call
 
@@ -166,4 +166,7 @@ def attempt(spec: Spec, x: Any, group: Any, op: Any = None, root: Any = None, ou
         del blocked[key]
     if entry is not None:
         entry[flight.DONE] = True
+    every = settings.straggler_every
+    if every and not pg.seq % every:
+        stragglers.compare(pg, pg.seq)
     return out

@@ -2,17 +2,18 @@
 
 [Note: what is kept and when it is written]
 Each collective appends one small record to a ring buffer of the last
-``settings.flight_recorder`` calls (0 turns it off): wall-clock time, group
-(name and global ranks), sequence number, operation, dtype, shape, reduce op,
-root, the caller's file:line when debug mode is on (finding it costs a stack
-walk), and whether the call has completed. The buffer is written to
+``settings.flight_recorder`` calls (0 turns it off): wall-clock time (the dump
+carries this rank's offset to rank 0's clock), group (name and global ranks),
+sequence number, operation, dtype, shape, reduce op, root, the caller's
+file:line when debug mode is on (finding it costs a stack walk), and whether
+the call has completed. The buffer is written to
 ``<settings.flight_dir>/flight-rank<r>.json`` (atomically: temporary file and
 rename) on a collective timeout, a collective mismatch, an uncaught exception
 that aborts the job, and on the signal ``settings.flight_signal`` (SIGUSR1 by
 default, which ``sbatch --signal`` can send; the handler chains to any handler
 installed before it, and the trainer's preemption handler chains to it).
 ``axonhpc doctor DIR`` merges the dumps of all ranks and says which rank
-diverged first and where.
+diverged first and where, and which rank arrived last how often.
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ _lock = threading.RLock()  # reentrant: the signal handler may interrupt a holde
 # One ring buffer per world rank living in this process: one under MPI, several under run_local's threads.
 _buffers: Dict[int, Deque[Dict[str, Any]]] = {}
 _installed = False
+_offsets: Dict[int, float] = {}  # world rank -> its clock's offset to rank 0's (``World.clock_offset``)
 
 
 @functools.lru_cache(maxsize=64)
@@ -62,6 +64,26 @@ def record(pg: Any, op: str, x: Any, reduce: Optional[str], root: Optional[int],
     if not _installed:
         _install_signal()
     return entry
+
+
+def arrival_times(pg: Any, first: int, count: int) -> Any:
+    """This rank's arrival times (``time.time()``) at ``pg``'s collectives ``first .. first + count - 1``.
+
+    Read from the recorder's buffer (the stragglers' comparison); NaN for a call it no longer holds.
+    """
+    import numpy as np
+
+    out = np.full(count, np.nan, dtype=np.float64)
+    with _lock:
+        entries = list(_buffers.get(pg.world.rank, ()))
+    name, ranks = pg.name, pg.ranks
+    seq_at, t_at, group_at, ranks_at = FIELDS.index("seq"), FIELDS.index("t"), FIELDS.index("group"), \
+        FIELDS.index("ranks")
+    for e in reversed(entries):  # newest first: an older world's group of the same name and ranks comes later
+        k = e[seq_at] - first
+        if 0 <= k < count and e[group_at] == name and e[ranks_at] == ranks and out[k] != out[k]:
+            out[k] = e[t_at]
+    return out
 
 
 def records(rank: int) -> list:
@@ -98,7 +120,7 @@ def _write(rank: int, reason: str) -> Optional[str]:
     path = os.path.join(directory, f"flight-rank{rank:05d}.json")
     try:
         write_json_atomic(path, {"rank": rank, "pid": os.getpid(), "reason": reason, "time": time.time(),
-                                 "records": records(rank)})
+                                 "clock_offset": _offsets.get(rank, 0.0), "records": records(rank)})
     except OSError:
         return None  # a dump must never turn one failure into another
     return path
@@ -139,6 +161,7 @@ def install(world: Any = None) -> None:
     collective yet answers a signal too."""
     if world is not None:
         _rank[0] = world.rank
+        _offsets[world.rank] = world.clock_offset  # the dumps carry it: doctor compares the ranks' times
     _install_signal()
 
 

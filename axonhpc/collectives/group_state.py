@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Optional
 class GroupState:
     """The collective layer's state of one group (see the module docstring)."""
 
-    __slots__ = ("route", "channels", "check", "unissued")
+    __slots__ = ("route", "channels", "check", "unissued", "arrivals")
 
     def __init__(self) -> None:
         self.route: Optional[tuple] = None  # shm_path.plain_route: (key, (engine, backend))
@@ -27,6 +27,7 @@ class GroupState:
         # agreement's MPI check: (words, reduce_max, host, the guess of the next call: carried.Predictor)
         self.check: Optional[tuple] = None
         self.unissued: List[Any] = []  # agreement.CheckedWork calls waiting for their check, oldest first
+        self.arrivals: Any = None  # stragglers.Arrivals: group rank 0's lateness totals
 
 
 def state_of(pg: Any) -> GroupState:

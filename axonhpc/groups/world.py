@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import time
 import warnings
 from typing import List, Optional, Sequence, Tuple
 
@@ -28,6 +29,7 @@ class World:
         node_of: every global rank's node index.
         usable_cores: the CPUs this rank may use (its affinity mask).
         cpu_sharers: the ranks of this node whose CPUs overlap this rank's (itself included).
+        clock_offset: seconds to add to this rank's ``time.time()`` to read rank 0's clock.
         default_group: the ProcessGroup of all ranks.
         launcher: what SLURM / Open MPI / PMI variables said about this process.
     """
@@ -56,8 +58,28 @@ class World:
         node_masks = [table[r, 2:].view(np.uint64) for r in range(self.world_size) if self.node_of[r] == self.node_rank]
         self.usable_cores = len(cores)
         self.cpu_sharers = sharing_ranks(mask, node_masks)
+        self.clock_offset = self._clock_offset()
         self.default_group.prepare_shared_memory()
         self._groups_made = 0
+
+    def _clock_offset(self, rounds: int = 5) -> float:
+        """Collective: seconds to add to this rank's ``time.time()`` to read rank 0's clock.
+
+        The ranks leave a barrier together (to its latency, microseconds on
+        one node) and read their clocks; the median over a few rounds is kept.
+        The straggler report compares arrival times with it
+        (``collectives.stragglers``); the flight recorder's dumps carry it.
+        """
+        if self.world_size == 1 or self.backend.name == "local":  # threads of one process share its clock
+            return 0.0
+        stamps = np.empty(self.world_size, dtype=np.float64)
+        offsets = []
+        for _ in range(rounds):
+            self.backend.barrier(async_op=False).wait()
+            now = np.array([time.time()], dtype=np.float64)
+            self.backend.all_gather(now, stamps, async_op=False).wait()
+            offsets.append(stamps[0] - stamps[self.rank])
+        return float(np.median(offsets))
 
     # -- constructors -------------------------------------------------------------
     @classmethod

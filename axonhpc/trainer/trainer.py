@@ -56,7 +56,7 @@ import numpy as np
 from .._dtypes import array_module
 from ..checkpoint import clean_interrupted, latest
 from ..checkpoint.background import AsyncCheckpointer
-from ..collectives import barrier
+from ..collectives import barrier, broadcast, stragglers
 from ..data import DataLoader
 from ..errors import ArgumentTypeError, ConfigurationError
 from ..nn import require_module
@@ -131,7 +131,9 @@ class DistributedTrainer:
         exit_on_preemption: raise ``SystemExit(75)`` after the preemption checkpoint.
         on_step: called as ``on_step(trainer, global_step, loss)`` on every rank after each step.
         on_epoch: called as ``on_epoch(trainer, record)`` on every rank after each epoch
-            (the record: epoch, loss, eval metrics, seconds).
+            (the record: epoch, loss, eval metrics, seconds, and ``straggler``, ``straggler_share``,
+            ``straggler_late_ms`` when one rank arrived last at 80% of the compared collectives:
+            ``collectives.stragglers``).
         verbose: rank 0 prints a line per epoch (and when it resumes or is preempted).
         skip_nonfinite_steps: before each optimizer step, check the gradients for
             inf and NaN; if any rank finds one, every rank skips the step (the
@@ -429,15 +431,36 @@ class DistributedTrainer:
         record = {"epoch": epoch + 1, "loss": loss, "seconds": seconds}
         if plan.eval_arrays is not None:
             record.update({f"eval_{k}": v for k, v in self.evaluate(plan.eval_arrays, plan.batch_size).items()})
+        record.update(self._straggler())
         if plan.checkpoint_dir:
             self.save_checkpoint(plan.checkpoint_dir, epoch, plan.per_epoch, background=self.async_checkpoints)
         self.history.append(record)
         self._log(plan.log_file, record)
         if self.verbose:
-            self._say(f"epoch {epoch + 1:3d}  " + "  ".join(f"{k} {v:.4f}" for k, v in record.items() if k != "epoch"))
+            self._say(f"epoch {epoch + 1:3d}  " + "  ".join(f"{k} {v}" if isinstance(v, int) else f"{k} {v:.4f}"
+                                                            for k, v in record.items() if k != "epoch"))
         if self.on_epoch is not None:
             self.on_epoch(self, record)
         return record
+
+    def _straggler(self) -> Dict[str, Any]:
+        """Collective: the rank last to arrive at 80% of the group's compared collectives this epoch, if one was.
+
+        ``{"straggler": world rank, "straggler_share": fraction of the calls, "straggler_late_ms": mean
+        lateness}`` or ``{}`` (see ``collectives.stragglers``; group rank 0 counts, and tells the others).
+        """
+        group = self.setup.group
+        if group.size == 1:
+            return {}
+        facts = stragglers.summary(group)
+        rank = facts["straggler"]
+        box = np.array([-1.0 if rank is None else rank, 0.0, 0.0])
+        if rank is not None:
+            box[1:] = facts["ranks"][rank]["share"], facts["ranks"][rank]["late_ms"]
+        broadcast(box, src=0, group=group)
+        if box[0] < 0:
+            return {}
+        return {"straggler": int(box[0]), "straggler_share": float(box[1]), "straggler_late_ms": float(box[2])}
 
     def _preempt(self, records: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
         self.preempted = True

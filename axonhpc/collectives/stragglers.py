@@ -1,0 +1,118 @@
+"""The slow rank, named while the job runs: who arrives last at a group's collectives, and by how much.
+
+[Note: arrivals]
+The flight recorder notes when this rank arrived at each collective
+(``time.time()``). Every ``settings.straggler_every`` collectives of a group
+of host ranks (1000 by default; 0 turns it off), the group's ranks send
+their arrival times at the last ``COMPARED`` (100) of them, put on rank 0's
+clock with the world's ``clock_offset``, to the group's rank 0 over a
+private communicator (one gather). For each of those calls, the last rank to
+arrive is late by its time minus the next-latest rank's. A rank that was
+last, by more than ``settings.straggler_margin`` seconds, in at least 80% of
+them holds the others back: group rank 0 logs a warning naming it (its world
+rank), how often it was last and its median lateness, and keeps the totals
+for ``summary`` (the trainer's per-epoch report).
+
+Nothing is added to a collective but the test of its sequence number: the
+times are the recorder's, and the comparison, about 60 us, comes once every
+``straggler_every`` calls (``axonhpc bench allreduce --straggler-cost``). The
+comparison is deterministic (every rank completes the same calls of a group
+in the same order), so it needs no agreement check of its own. With the
+flight recorder off (or shorter than ``COMPARED``) the ranks still meet, and
+compare the calls they recorded.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Optional
+
+import numpy as np
+
+from ..log import get_logger
+from ..settings import settings
+from . import flight
+from .group_state import private_channel, state_of
+
+SHARE = 0.8  # of the compared calls a rank must be last in to be named
+COMPARED = 100  # calls compared each time (the flight recorder keeps 256 by default)
+
+
+class Arrivals:
+    """Group rank 0's lateness totals of one group since the last ``summary``."""
+
+    __slots__ = ("last", "late", "calls", "named")
+
+    def __init__(self, size: int) -> None:
+        self.last = np.zeros(size, dtype=np.int64)  # calls in which each group rank was last by the margin
+        self.late = np.zeros(size, dtype=np.float64)  # their summed lateness, seconds
+        self.calls = 0  # calls compared since the last summary
+        self.named: Optional[int] = None  # the group rank named in the last comparison, if any
+
+
+def compare(pg: Any, done: int) -> None:
+    """Collective over ``pg``: compare the ranks' arrivals at its last calls (``done``: calls completed so far).
+
+    The callers call it after every ``settings.straggler_every``-th completed host collective of a group.
+    """
+    if pg.size == 1:
+        return
+    count = min(COMPARED, settings.straggler_every or COMPARED, done)  # windows never overlap
+    mine = flight.arrival_times(pg, done - count, count) + pg.world.clock_offset
+    channel = private_channel(pg, "arrivals")
+    table = np.empty((pg.size, count), dtype=np.float64) if pg.rank == 0 else None
+    channel.gather(mine, table, 0, async_op=False).wait()
+    if pg.rank != 0:
+        return
+    table = table[:, ~np.isnan(table).any(axis=0)]  # calls some rank no longer holds
+    calls = table.shape[1]
+    if calls < 2:
+        return
+    columns = np.arange(calls)
+    latest = np.argmax(table, axis=0)
+    top = table[latest, columns]
+    table[latest, columns] = -np.inf
+    lateness = top - table.max(axis=0)
+    counted = lateness > settings.straggler_margin
+    window_last = np.bincount(latest[counted], minlength=pg.size)
+    state = state_of(pg)
+    arrivals = state.arrivals
+    if arrivals is None:
+        arrivals = state.arrivals = Arrivals(pg.size)
+    arrivals.calls += calls
+    arrivals.last += window_last
+    arrivals.late += np.bincount(latest[counted], weights=lateness[counted], minlength=pg.size)
+    worst = int(np.argmax(window_last))
+    arrivals.named = worst if window_last[worst] >= SHARE * calls else None
+    if arrivals.named is not None:
+        late = float(np.median(lateness[counted & (latest == worst)]))
+        get_logger("stragglers").warning(
+            f"rank {pg.ranks[worst]} was the last to arrive in {window_last[worst]} of the last {calls} "
+            f"collectives on group {pg.name}, by a median of {late * 1e3:.2f} ms: it holds the others back "
+            f"(a slow node, a busy core, more work?)")
+
+
+def summary(pg: Any, reset: bool = True) -> Dict[str, Any]:
+    """Local: the lateness group rank 0 counted on ``pg`` since the last summary (empty on other ranks).
+
+    Returns:
+        ``{"calls": compared calls, "ranks": {world rank: {"last": calls it was last in by
+        the margin, "share": their fraction, "late_ms": its mean lateness in them}}, "straggler":
+        the world rank last in at least 80% of the calls (None if none)}``.
+    """
+    arrivals = state_of(pg).arrivals
+    if arrivals is None or not arrivals.calls:
+        return {"calls": 0, "ranks": {}, "straggler": None}
+    ranks = {}
+    for r in range(pg.size):
+        if arrivals.last[r]:
+            ranks[pg.ranks[r]] = {"last": int(arrivals.last[r]), "share": float(arrivals.last[r] / arrivals.calls),
+                                  "late_ms": float(arrivals.late[r] / arrivals.last[r]) * 1e3}
+    straggler = next((rank for rank, facts in ranks.items() if facts["share"] >= SHARE), None)
+    out = {"calls": arrivals.calls, "ranks": ranks, "straggler": straggler}
+    if reset:
+        arrivals.last[:] = 0
+        arrivals.late[:] = 0.0
+        arrivals.calls = 0
+    return out
+
+
+__all__ = ["compare", "summary", "Arrivals", "SHARE", "COMPARED"]
