@@ -79,6 +79,8 @@ def parse_args(argv=None):
     p.add_argument("--simulate-failure", default=None, metavar="R:K[:WHERE]",
                    help="with --elastic: rank R SIGKILLs itself once K steps are done (WHERE: forward, backward, "
                         "optimizer or save); comma-separated for several")
+    p.add_argument("--spares", type=int, default=0, metavar="N",
+                   help="with --elastic: N of the ranks wait, and one takes the place of each rank lost, so dp stays")
     p.add_argument("--plot", default=None, metavar="PREFIX", help="write PREFIX-loss.png (and PREFIX-pipeline.png)")
     return p.parse_args(argv)
 
@@ -203,8 +205,10 @@ class Steps:
         self.elastic = self.plain = None
         if args.elastic:
             self._resume = args.resume
-            self.elastic = ElasticTraining(self._build, simulate_failure=args.simulate_failure, save=args.save)
-            self.elastic.done = self.elastic.parts.model.step = self.elastic.parts.first_step
+            self.elastic = ElasticTraining(self._build, simulate_failure=args.simulate_failure, save=args.save,
+                                           spares=args.spares)
+            if self.elastic.active and not self.elastic.recoveries:  # a spare that took a place has the state
+                self.elastic.done = self.elastic.parts.model.step = self.elastic.parts.first_step
         else:
             self.plain = Run(args, ax.init(), corpus, resume=args.resume)
             self.plain_done = self.plain.first_step
@@ -244,6 +248,16 @@ class Steps:
             if where == "save":
                 return None  # the interrupted save is not redone: the next one is written
 
+    @property
+    def active(self):
+        """False on a spare once the run has ended without it."""
+        return self.elastic is None or self.elastic.active
+
+    def close(self):
+        """After the last step: the spares go (``--spares``)."""
+        if self.elastic is not None:
+            self.elastic.close()
+
     def recovered(self, seen):
         """The recovery lines since ``seen`` recoveries (rank 0 prints them)."""
         return [r.line() for r in self.elastic.recoveries[seen:]] if self.elastic is not None else []
@@ -264,6 +278,8 @@ def main(argv=None):
         import cupy
 
         _xp = cupy
+    if args.spares and not args.elastic:
+        sys.exit("train_gpt: --spares needs --elastic")
     if args.simulate_failure and not args.elastic:
         sys.exit("train_gpt: --simulate-failure needs --elastic (without it a lost rank ends the job)")
     if args.elastic and (args.tp != 1 or args.pp != 1):
@@ -274,8 +290,10 @@ def main(argv=None):
     else:
         corpus = TextCorpus(max_bytes=args.max_bytes, held_out=0.1, seed=args.seed)
     steps = Steps(args, corpus)
+    if not steps.active:
+        return 0  # a spare the run did not need
     run = steps.run
-    main_rank = world.rank == 0
+    main_rank = run.world.rank == 0
     first_step = steps.done
     if args.resume and main_rank:
         print(f"resumed from {args.resume} at step {first_step}", flush=True)
@@ -284,7 +302,8 @@ def main(argv=None):
     if main_rank:
         print(f"GPT: {args.layers} blocks, width {args.width}, {args.heads} heads, context {args.context}, "
               f"{n_params} parameters, {args.dtype}, on dp={run.dp} x tp={args.tp} x pp={args.pp} = "
-              f"{world.world_size} rank(s){' (FSDP)' if args.fsdp else ''}{' (elastic)' if args.elastic else ''}; "
+              f"{run.world.world_size} rank(s){' (FSDP)' if args.fsdp else ''}"
+              f"{' (elastic' + (f', {args.spares} spare(s))' if args.spares else ')') if args.elastic else ''}; "
               f"{corpus}", flush=True)
         if args.pp > 1:
             print(f"pipeline: {args.schedule}, {run.microbatches} micro-batches, {run.stages} stages", flush=True)
@@ -317,6 +336,7 @@ def main(argv=None):
         elif args.save:
             steps.call(lambda r: r.writer.poll())  # put a finished background save in place (one small all-reduce)
     seconds = time.perf_counter() - start
+    steps.close()
     peak = steps.call(peak_activations)
     if args.save:
         steps.call(lambda r: (r.save(args.save, args.steps), r.writer.wait()))

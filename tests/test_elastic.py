@@ -114,6 +114,25 @@ def test_a_killed_rank_is_survived_with_the_uninterrupted_loss(tmp_path, uninter
 
 @needs_openmpi
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("fsdp,spares,failure,lines", [
+    (True, 1, "", []),                                              # no failure: the spare waits, then leaves
+    (True, 1, "1:3", [("1", 4, 3)]),                                # the spare takes the lost rank's place
+    (False, 2, "0:3", [("0", 4, 2)]),                               # rank 0, the one that prints
+    (False, 1, "1:2,2:5", [("1", 3, 3), ("2", 6, 2)]),              # one spare: the second loss shrinks
+])
+def test_spares_keep_the_width_with_the_uninterrupted_loss(tmp_path, uninterrupted, fsdp, spares, failure, lines):
+    args = ["--batch", "12", "--spares", str(spares), *(["--simulate-failure", failure] if failure else []),
+            *(["--fsdp"] if fsdp else [])]
+    code, out, err = _run(tmp_path, 4, *args)
+    assert code == 0, out[-3000:] + err[-5000:]
+    assert f"= {4 - spares} rank(s)" in out and f"{spares} spare(s)" in out, out[:2000]
+    assert [(ranks, int(at), int(left)) for ranks, at, left, dp, _ in RECOVERED.findall(out)] == lines, out
+    loss = _final_loss(out)
+    assert abs(loss - uninterrupted[12]) <= 1e-10 * abs(uninterrupted[12]), (loss, uninterrupted[12])
+
+
+@needs_openmpi
+@pytest.mark.timeout(300)
 def test_a_shard_lost_with_its_buddy_copy_ends_every_survivor_with_the_reason(tmp_path):
     code, out, err = _run(tmp_path, 4, "--fsdp", "--batch", "12", "--simulate-failure", "1:3,2:3")
     assert code != 0 and "final loss" not in out
@@ -143,6 +162,7 @@ def test_a_width_that_cannot_go_on_saves_the_whole_state_which_resumes_elsewhere
 
 def test_the_example_refuses_what_elastic_training_cannot_do(tmp_path):
     for args, text in ((["--simulate-failure", "1:2"], "--simulate-failure needs --elastic"),
+                       (["--spares", "1"], "--spares needs --elastic"),
                        (["--elastic", "--tp", "2"], "--elastic shrinks data parallelism only")):
         out = subprocess.run([sys.executable, EXAMPLE, *RUN, *args], capture_output=True, text=True, timeout=GUARD,
                              cwd=tmp_path, env=dict(os.environ, OMP_NUM_THREADS="1"))

@@ -79,6 +79,8 @@ def blocking(pg: Any, entry: Optional[list], call: Any = None) -> Optional[int]:
     key = get_ident()
     if key in _blocked:
         return None
+    if _dog is not None and key in _dog.verdicts:
+        _dog.forget(key)  # a verdict ended this thread's earlier call; the process went on (axonhpc.elastic)
     _blocked[key] = (pg, entry, call)
     return key
 
@@ -127,6 +129,7 @@ class _Watchdog(threading.Thread):
         self.answered = ""  # the last stall request this process wrote its state for
         self.next_request_look = 0.0
         self.verdicts: Dict[int, Exception] = {}  # thread ident -> the error its blocked call is to raise
+        self.verdict_of: Dict[int, Any] = {}  # thread ident -> which call that verdict ended (see _since)
         self.wakeup: Optional[int] = None
         self._checked: Dict[Tuple[int, float], float] = {}
 
@@ -178,6 +181,8 @@ class _Watchdog(threading.Thread):
         self._answer_requests(now)
         for key, (pg, entry, call) in list(_blocked.items()):
             since = self._since(key, pg, entry, call, now)
+            if key in self.verdicts and self.verdict_of.get(key) != self.first_seen[key][0]:
+                self.forget(key)  # the verdict was for a call that has ended
             if pg.backend.name == "local":  # run_local's thread ranks share this process: no watchdog there
                 continue
             waited = now - since
@@ -208,9 +213,15 @@ class _Watchdog(threading.Thread):
                     f"rank {pg.world.rank} waited {waited:.0f} s in {_call_text(pg, entry, call)} "
                     f"(AXONHPC_STALL_TIMEOUT={timeout:g}); {text}"))
 
+    def forget(self, key: int) -> None:
+        """Drop thread ``key``'s verdict: the call it ended is over."""
+        self.verdicts.pop(key, None)
+        self.verdict_of.pop(key, None)
+
     def _since(self, key: int, pg: Any, entry: Optional[list], call: Any, now: float) -> float:
-        """When this watchdog first saw thread ``key`` blocked in this very call (group and number tell calls apart)."""
-        which = (id(pg), entry[3] if entry is not None else getattr(call, "seq", id(call)))
+        """When this watchdog first saw thread ``key`` blocked in this very call (group, number and record tell
+        calls apart)."""
+        which = (id(pg), entry[3] if entry is not None else getattr(call, "seq", id(call)), id(entry))
         seen = self.first_seen.get(key)
         if seen is None or seen[0] != which:
             seen = self.first_seen[key] = (which, now)
@@ -311,6 +322,7 @@ class _Watchdog(threading.Thread):
     def _end(self, key: int, pg: Any, error: Exception) -> None:
         """End the blocked call with ``error``: the engine gives up at once; a call in MPI cannot, so the job ends."""
         self.verdicts[key] = error
+        self.verdict_of[key] = self.first_seen[key][0] if key in self.first_seen else None
         for engine in {id(e): e for e in (engines.get(key), cached_engine(pg.backend)) if e is not None}.values():
             engine.abandon(error)
         deadline = time.monotonic() + 3.0

@@ -34,6 +34,7 @@ under any layout).
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -42,11 +43,11 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from ..backends import ReduceOp
 from ..backends import shm
 from ..backends.failures import describe_ranks
 from ..checkpoint.boxes import Box
 from ..checkpoint.model_slices import fill_model_state, state_pieces
+from ..checkpoint.slice_save import _gather_text
 from ..checkpoint.sliced import save_slices
 from ..collectives import all_reduce
 from ..errors import CheckpointError, ConfigurationError, PeerFailedError, RecoveryError
@@ -55,6 +56,7 @@ from ..log import get_logger
 from ..parallel.comm_hooks import allreduce_hook
 from ..settings import settings
 from .buddy import BuddyCopies, shard_parameters
+from .spares import Rendezvous
 from .state import describe_missing, gather_state
 
 KILL_POINTS = ("forward", "backward", "optimizer", "save")
@@ -123,11 +125,17 @@ class ElasticTraining:
             rank R SIGKILLs itself once K steps are done (``parse_failures``).
         save: a checkpoint directory for the whole state when the run cannot
             go on (see the module note), or None.
+        spares: this many of the job's ranks (the highest) wait instead of
+            training; when a rank is lost, one takes its place, so the width
+            stays (``elastic.spares``). On a spare the constructor returns once
+            it trains (``active``) or the run has ended (not ``active``: skip
+            the loop). The working ranks call ``close`` after the last step.
 
     Attributes:
-        parts: the current ``build(world)`` result.
+        parts: the current ``build(world)`` result (None on a spare).
         done: the steps done.
         recoveries: a ``Recovery`` per recovery so far.
+        width: the data-parallel width kept while spares last.
 
     Raises:
         ConfigurationError: fault tolerance is off (``ax.init(fault_tolerant=True)`` under
@@ -135,7 +143,7 @@ class ElasticTraining:
     """
 
     def __init__(self, build: Callable[[Any], Any], first_step: int = 0, simulate_failure: Optional[str] = None,
-                 save: Optional[str] = None):
+                 save: Optional[str] = None, spares: int = 0):
         if not settings.fault_tolerant:
             raise ConfigurationError("ElasticTraining needs fault tolerance: ax.init(fault_tolerant=True) in a job "
                                      "started with axonhpc launch --fault-tolerant (Open MPI with ULFM)")
@@ -147,11 +155,53 @@ class ElasticTraining:
         self.save = save
         self.recoveries: List[Recovery] = []
         self.comm = MPI.COMM_WORLD
-        self.members = list(range(self.comm.Get_size()))  # the job ranks of the current world, in its order
+        self.members = list(range(self.comm.Get_size()))  # the job ranks left, in the communicator's order
         self.job_rank = self.comm.Get_rank()
+        if isinstance(spares, bool) or not isinstance(spares, int) or not 0 <= spares < len(self.members):
+            raise ConfigurationError(f"ElasticTraining spares={spares!r}: a number of ranks from 0 to "
+                                     f"{len(self.members) - 1} (this job has {len(self.members)})")
+        self.width = len(self.members) - spares  # the data-parallel width the run keeps while spares last
+        self.working = self.members[:self.width]  # the job ranks that train; the others wait (spares)
         self._failures = [(k, where) for r, k, where in parse_failures(simulate_failure) if r == self.job_rank]
         self.buddy: Optional[BuddyCopies] = None
-        self._set_up(current_world(), None, None)
+        self.parts: Any = None
+        self.world: Any = None
+        self.rendezvous: Optional[Rendezvous] = Rendezvous(MPI, self.comm) if spares else None
+        self._working_comm = self.comm  # the working ranks' communicator (the job's, without spares)
+        if not spares:
+            self._set_up(current_world(), None, None)
+            return
+        mine = self.comm.Split(0 if self.active else MPI.UNDEFINED, self.job_rank)
+        if self.active:
+            self._working_comm = mine
+            self._set_up(init(comm=mine), None, None)
+        else:
+            self._wait_as_spare()
+
+    @property
+    def active(self) -> bool:
+        """Whether this rank trains now (False: a spare waiting, or one left over when the run ended)."""
+        return self.job_rank in self.working
+
+    def _wait_as_spare(self) -> None:
+        """A spare's life: wait; after a failure join the recovery, and return if it made this rank a working one."""
+        while not self.active:
+            if self.rendezvous is None or self.rendezvous.wait():
+                return  # the run ended
+            self._recover(False)
+
+    def close(self) -> None:
+        """Collective: let the spares go (on the working ranks, after the last step); a later failure shrinks.
+
+        From here on the run's communicator is the working ranks' alone: the
+        spares leave the job.
+        """
+        while self.active and self.rendezvous is not None:
+            if self.rendezvous.wait():
+                self.rendezvous = None
+                self.comm, self.members = self._working_comm, list(self.working)
+                return
+            self._recover(False, ending=True)
 
     # -- set-up -------------------------------------------------------------------------------
     def _set_up(self, world: Any, whole: Optional[Dict[str, np.ndarray]], described: Any) -> None:
@@ -211,8 +261,8 @@ class ElasticTraining:
             self._maybe_fail("optimizer")
             self._finish()
             return result
-        except PeerFailedError as exc:
-            finished = self._recover(exc, entered)
+        except PeerFailedError:
+            finished = self._recover(entered)
             return result if finished else None
 
     def call(self, fn: Callable[[Any], Any]) -> Optional[Any]:
@@ -223,8 +273,8 @@ class ElasticTraining:
         """
         try:
             return fn(self.parts)
-        except PeerFailedError as exc:
-            self._recover(exc, False)
+        except PeerFailedError:
+            self._recover(False)
             return None
 
     def _finish(self) -> None:
@@ -235,50 +285,64 @@ class ElasticTraining:
         self.done += 1
 
     # -- recovery -----------------------------------------------------------------------------
-    def _recover(self, exc: PeerFailedError, entered: bool) -> bool:
-        """Shrink, agree, rebuild (see the module note); True if this rank's interrupted step was finished."""
+    def _recover(self, entered: bool, ending: bool = False) -> bool:
+        """Shrink, agree, rebuild (see the module note); True if this rank's interrupted step was finished.
+
+        Every survivor calls it, spares too. ``ending``: this working rank was
+        letting the spares go (``close``) when the failure came.
+        """
         MPI, start, caught = self._MPI, time.perf_counter(), time.time()
-        old_members, old_parts = self.members, self.parts
-        comm = self.comm.Shrink()
-        comm.Set_errhandler(MPI.ERRORS_RETURN)
-        group, job = comm.Get_group(), MPI.COMM_WORLD.Get_group()
-        try:
-            survivors = list(MPI.Group.Translate_ranks(group, list(range(comm.Get_size())), job))
-        finally:
-            group.Free()
-            job.Free()
-        lost = [m for m in old_members if m not in survivors]
-        self.comm, self.members = comm, survivors
+        was_active, old_parts, old_working = self.active, self.parts, self.working
+        if self.rendezvous is not None:
+            self.rendezvous.revoke()  # wake the spares
+        comm, survivors = self._shrink()
+        lost = [m for m in self.members if m not in survivors]
+        # Every survivor, spares too: the most steps any working rank finished, the fewest, whether the run ends.
+        facts = np.array([self.done if was_active else -1, -self.done if was_active else -(1 << 62), int(ending)],
+                         dtype=np.int64)
+        comm.Allreduce(MPI.IN_PLACE, facts, op=MPI.MAX)
+        target, failed_step, ending = int(facts[0]), 1 - int(facts[1]), bool(facts[2])
+        keep = [m for m in old_working if m in survivors]
+        working = keep + [m for m in survivors if m not in old_working][:max(0, self.width - len(keep))]
+        self.comm, self.members, self.working = comm, survivors, working
+        self.rendezvous = Rendezvous(MPI, comm) if len(survivors) > len(working) else None
+        if ending:
+            self.working = []  # every survivor leaves: nothing is rebuilt
+            return False
+        mine = comm.Split(0 if self.active else MPI.UNDEFINED, working.index(self.job_rank) if self.active else 0)
+        if not self.active:
+            return False  # still a spare: back to waiting
+        self._working_comm = mine
         shm.abandon_open_windows()  # the old world's: freeing them would wait for the dead
-        world = init(comm=comm)
-        # The step every survivor goes on from: the most any finished (see the module note).
-        steps = np.array([self.done, -self.done], dtype=np.int64)
-        all_reduce(steps, ReduceOp.MAX, group=world.default_group)
-        target, failed_step = int(steps[0]), 1 - int(steps[1])
+        world = init(comm=mine)
         finished = False
-        if self.done < target:
+        if was_active and self.done < target:
             if self.done + 1 != target or not entered:
                 raise RecoveryError(f"after the loss of {describe_ranks(lost)} this rank had done {self.done} steps and "
                                     f"another {target}; the step's last collective should have made that impossible",
                                     lost)
             self._finish()
             finished = True
-        old_index = {m: i for i, m in enumerate(old_members)}
-        lost_dp = sorted(old_index[m] for m in lost)
+        self.done = target
+        old_index = {m: i for i, m in enumerate(old_working)}
+        lost_dp = sorted(old_index[m] for m in lost if m in old_index)
         buddy = self.buddy
-        if buddy is not None or shard_parameters(old_parts.model) is not None:
-            n = len(old_members)
+        if buddy is not None or (old_parts is not None and shard_parameters(old_parts.model) is not None):
+            n = len(old_working)
             both = [i for i in lost_dp if (i + 1) % n in lost_dp]
             if both:
                 pairs = ", ".join(f"dp rank {i} and its keeper {(i + 1) % n}" for i in both)
                 raise RecoveryError(f"FSDP shards are lost with their buddy copies: {pairs} both failed "
                                     f"({describe_ranks(lost)} of the job); resume from the last checkpoint", lost)
-        pieces, described = state_pieces(old_parts.model.parameter_boxes(), old_parts.optimizer)
+        pieces, described = [], None
+        if old_parts is not None:
+            pieces, described = state_pieces(old_parts.model.parameter_boxes(), old_parts.optimizer)
         if buddy is not None and buddy.source in lost_dp:
             copy, _ = state_pieces(old_parts.model.parameter_boxes(shard_rank=buddy.source, shards=buddy.copies),
                                    buddy.copy_optimizer)
             pieces += copy
         whole, missing = gather_state(world.default_group, pieces)
+        described = json.loads(_gather_text(json.dumps(described), world.default_group)[0])  # a spare has none
         if missing:
             raise RecoveryError(f"after the loss of {describe_ranks(lost)} no survivor holds {describe_missing(missing)}; "
                                 f"resume from the last checkpoint", lost)
@@ -299,6 +363,18 @@ class ElasticTraining:
         if world.rank == 0:
             get_logger("elastic").warning(record.line())
         return finished
+
+    def _shrink(self) -> Tuple[Any, List[int]]:
+        """Collective over the survivors: the run's communicator without the failed ranks, and its job ranks."""
+        MPI = self._MPI
+        comm = self.comm.Shrink()
+        comm.Set_errhandler(MPI.ERRORS_RETURN)
+        group, job = comm.Get_group(), MPI.COMM_WORLD.Get_group()
+        try:
+            return comm, list(MPI.Group.Translate_ranks(group, list(range(comm.Get_size())), job))
+        finally:
+            group.Free()
+            job.Free()
 
     def _save_whole(self, world: Any, whole: Dict[str, np.ndarray], described: Any) -> str:
         """Write the whole state to ``save`` (rank 0 holds every piece); the text that says so, for the error."""
