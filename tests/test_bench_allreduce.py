@@ -25,3 +25,20 @@ def test_allreduce_and_collectives_tables(mpi_world):
         assert f"{n} ranks" in table[0] and "all_gather us" in table[1] and len(table) == 4
         assert len(format_table(rows, n).splitlines()) == 4
     collectively(mpi_world, check)
+
+
+def test_setting_cost_tables_time_both_paths_and_restore_the_settings(mpi_world):
+    import axonhpc as ax
+    from axonhpc.bench.allreduce import format_cost_table, run_setting_cost
+
+    def check():
+        before = (ax.settings.shm_collectives, ax.settings.check_collectives, ax.settings.straggler_every)
+        for name, off, on, what in (("check_collectives", False, True, "the agreement check"),
+                                    ("straggler_every", 0, 7, "the straggler comparison")):
+            rows = run_setting_cost([4096], 1, name, off, on)
+            assert [r["bytes"] for r in rows] == [4096]
+            assert all(rows[0][k] > 0 for k in ("shm_on", "shm_off", "mpi_on", "mpi_off", "raw"))
+            table = format_cost_table(rows, mpi_world.world_size, what).splitlines()
+            assert what in table[0] and "added" in table[1] and len(table) == 3
+        assert (ax.settings.shm_collectives, ax.settings.check_collectives, ax.settings.straggler_every) == before
+    collectively(mpi_world, check)

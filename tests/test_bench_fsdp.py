@@ -6,12 +6,13 @@ import sys
 import pytest
 
 from axonhpc.bench import fsdp as bench_fsdp
+from axonhpc.mpiexec import find_mpiexec
 
 ROW = re.compile(r"^\s*(?P<ranks>\d+) (?P<config>\w+)\s+(?P<ms>\d+\.\d+)\s+(?P<vs>\d+\.\d+)\s+(?P<persist>\d+\.\d+)"
                  r"\s+(?P<peak>\d+\.\d+)\s+(?P<sent>\d+\.\d+)\s+(?P<ratio>\d+\.\d+)\s+(?P<theory>\d+\.\d+)$")
 
 
-@pytest.mark.skipif(bench_fsdp.find_mpiexec() is None, reason="no mpiexec")
+@pytest.mark.skipif(find_mpiexec() is None, reason="no mpiexec")
 @pytest.mark.timeout(300)
 def test_driver_prints_table():
     cmd = [sys.executable, "-m", "axonhpc", "bench", "fsdp", "--sizes", "16,64,4", "--ranks", "2", "--batch", "8",

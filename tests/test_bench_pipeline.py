@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from axonhpc.bench import pipeline as bench_pipeline
+from axonhpc.mpiexec import find_mpiexec
 
 ROW = re.compile(r"^(?P<schedule>GPipe|1F1B|interleaved)\s+(?P<ranks>\d+)\s+(?P<m>\d+)\s+(?P<v>\d+)\s+"
                  r"(?P<ms>\d+\.\d{3})\s+(?P<bubble>\d+\.\d{3})\s+(?P<formula>\d+\.\d{3})$")
@@ -34,7 +35,7 @@ def test_cli_lists_it():
     assert BENCHMARKS["pipeline"] == "axonhpc.bench.pipeline"
 
 
-@pytest.mark.skipif(bench_pipeline.find_mpiexec() is None, reason="no mpiexec")
+@pytest.mark.skipif(find_mpiexec() is None, reason="no mpiexec")
 @pytest.mark.timeout(300)
 def test_driver_prints_table():
     cmd = [sys.executable, "-m", "axonhpc", "bench", "pipeline", "--ranks", "2", "--width", "8", "--batch", "8",

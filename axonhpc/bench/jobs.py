@@ -12,10 +12,10 @@ import signal
 import subprocess
 import sys
 import tempfile
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from ..errors import BenchError
-from ..mpiexec import mpiexec_flavour
+from ..mpiexec import NOT_FOUND, find_mpiexec, mpiexec_flavour
 
 from ..settings import THREAD_VARIABLES as THREAD_ENV
 
@@ -89,3 +89,38 @@ def run_worker_job(mpiexec: str, n: int, module: str, worker_args: List[str], la
                              f"{' '.join(cmd)}\n{tail}")
         with open(out) as f:
             return json.load(f)
+
+
+def drive(name: str, run_jobs: Callable[[str], Any], table: Callable[[Any], str], json_path: Optional[str] = None,
+          mpiexec_problem: Callable[[str], Optional[str]] = lambda mpiexec: None) -> int:
+    """A driver's life: refuse to run under mpiexec, find mpiexec, run the jobs, print the table.
+
+    Args:
+        name: the benchmark, for messages (``axonhpc bench NAME: ...``).
+        run_jobs: ``run_jobs(mpiexec)`` runs every job and returns their results.
+        table: the text printed from those results.
+        json_path: also write the results there as JSON.
+        mpiexec_problem: why this mpiexec cannot run these jobs, or None.
+
+    Returns:
+        The exit status: 0, 1 (a job failed: ``BenchError``'s message on stderr) or 2 (no usable mpiexec).
+    """
+    if os.environ.get("PMI_SIZE") or os.environ.get("OMPI_COMM_WORLD_SIZE"):
+        print(f"axonhpc bench {name}: run it without mpiexec; it launches its own jobs", file=sys.stderr)
+        return 2
+    mpiexec = find_mpiexec()
+    problem = NOT_FOUND if mpiexec is None else mpiexec_problem(mpiexec)
+    if problem is not None:
+        print(f"axonhpc bench {name}: {problem}", file=sys.stderr)
+        return 2
+    try:
+        jobs = run_jobs(mpiexec)
+    except BenchError as exc:
+        print(f"axonhpc bench {name}: {exc}", file=sys.stderr)
+        return 1
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(jobs, f, indent=1)
+    print(table(jobs))
+    sys.stdout.flush()
+    return 0

@@ -22,8 +22,6 @@ reports medians over its timed steps.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import sys
 from typing import List, Optional, Sequence
@@ -31,8 +29,7 @@ from typing import List, Optional, Sequence
 import numpy as np
 
 from ..errors import InvalidArgumentError
-from ..mpiexec import NOT_FOUND, find_mpiexec
-from .jobs import BenchError, check_counts, run_worker_job, write_result
+from .jobs import check_counts, drive, run_worker_job, write_result
 from .timing import pin_blas_threads
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
@@ -174,26 +171,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         if not args.out:
             parser.error("--worker needs --out")
         return _run_worker(args)
-    if os.environ.get("PMI_SIZE") or os.environ.get("OMPI_COMM_WORLD_SIZE"):
-        print("axonhpc bench pipeline: run it without mpiexec; it launches its own jobs", file=sys.stderr)
-        return 2
-    mpiexec = find_mpiexec()
-    if mpiexec is None:
-        print(f"axonhpc bench pipeline: {NOT_FOUND}", file=sys.stderr)
-        return 2
-    jobs = []
-    try:
-        for n in ranks:
-            jobs.append(run_job(mpiexec, n, args, args.timeout))
-    except BenchError as exc:
-        print(f"axonhpc bench pipeline: {exc}", file=sys.stderr)
-        return 1
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(jobs, f, indent=1)
-    print(format_table(jobs, args))
-    sys.stdout.flush()
-    return 0
+    return drive("pipeline", lambda mpiexec: [run_job(mpiexec, n, args, args.timeout) for n in ranks],
+                 lambda jobs: format_table(jobs, args), args.json)
 
 
 if __name__ == "__main__":
