@@ -70,15 +70,15 @@ class World:
         The straggler report compares arrival times with it
         (``collectives.stragglers``); the flight recorder's dumps carry it.
         """
-        if self.world_size == 1 or self.backend.name == "local":  # threads of one process share its clock
+        if len(set(zip(self.node_of, self.pid_of))) == 1:  # one process (thread ranks): one clock
             return 0.0
-        stamps = np.empty(self.world_size, dtype=np.float64)
+        stamps = np.empty((self.world_size, 1), dtype=np.float64)
         offsets = []
         for _ in range(rounds):
             self.backend.barrier(async_op=False).wait()
             now = np.array([time.time()], dtype=np.float64)
             self.backend.all_gather(now, stamps, async_op=False).wait()
-            offsets.append(stamps[0] - stamps[self.rank])
+            offsets.append(stamps[0, 0] - stamps[self.rank, 0])
         return float(np.median(offsets))
 
     # -- constructors -------------------------------------------------------------
