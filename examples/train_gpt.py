@@ -78,7 +78,7 @@ def parse_args(argv=None):
                         "launch --fault-tolerant; tp = pp = 1; --batch divisible by every dp width it may reach)")
     p.add_argument("--simulate-failure", default=None, metavar="R:K[:WHERE]",
                    help="with --elastic: rank R SIGKILLs itself once K steps are done (WHERE: forward, backward, "
-                        "optimizer or save); comma-separated for several")
+                        "optimizer, save, or spare: a spare as it starts to wait); comma-separated for several")
     p.add_argument("--spares", type=int, default=0, metavar="N",
                    help="with --elastic: N of the ranks wait, and one takes the place of each rank lost, so dp stays")
     p.add_argument("--plot", default=None, metavar="PREFIX", help="write PREFIX-loss.png (and PREFIX-pipeline.png)")

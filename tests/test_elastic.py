@@ -119,6 +119,7 @@ def test_a_killed_rank_is_survived_with_the_uninterrupted_loss(tmp_path, uninter
     (True, 1, "1:3", [("1", 4, 3)]),                                # the spare takes the lost rank's place
     (False, 2, "0:3", [("0", 4, 2)]),                               # rank 0, the one that prints
     (False, 1, "1:2,2:5", [("1", 3, 3), ("2", 6, 2)]),              # one spare: the second loss shrinks
+    (True, 1, "3:0:spare", []),                                     # a spare dies: seen in close(), the run ends
 ])
 def test_spares_keep_the_width_with_the_uninterrupted_loss(tmp_path, uninterrupted, fsdp, spares, failure, lines):
     args = ["--batch", "12", "--spares", str(spares), *(["--simulate-failure", failure] if failure else []),

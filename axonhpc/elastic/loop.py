@@ -59,7 +59,7 @@ from .buddy import BuddyCopies, shard_parameters
 from .spares import Rendezvous
 from .state import describe_missing, gather_state
 
-KILL_POINTS = ("forward", "backward", "optimizer", "save")
+KILL_POINTS = ("forward", "backward", "optimizer", "save", "spare")
 
 
 @dataclass
@@ -89,7 +89,8 @@ def parse_failures(text: Optional[str]) -> List[Tuple[int, int, str]]:
 
     ``where``: "forward" (default: as the next step starts), "backward" (in the gradients' first
     all-reduce or reduce-scatter), "optimizer" (after the step's communication, before its update),
-    or "save" (as the step's checkpoint save starts, see ``ElasticTraining.fail_point``).
+    "save" (as the step's checkpoint save starts, see ``ElasticTraining.fail_point``), or "spare" (a spare,
+    as it starts to wait; K is then the steps done when the run started).
 
     Raises:
         ConfigurationError: another form, naming it.
@@ -185,6 +186,7 @@ class ElasticTraining:
 
     def _wait_as_spare(self) -> None:
         """A spare's life: wait; after a failure join the recovery, and return if it made this rank a working one."""
+        self._maybe_fail("spare")
         while not self.active:
             if self.rendezvous is None or self.rendezvous.wait():
                 return  # the run ended
@@ -303,12 +305,14 @@ class ElasticTraining:
         comm.Allreduce(MPI.IN_PLACE, facts, op=MPI.MAX)
         target, failed_step, ending = int(facts[0]), 1 - int(facts[1]), bool(facts[2])
         keep = [m for m in old_working if m in survivors]
+        if ending:  # the working ranks had finished: the spares leave, the working ones go on as they are
+            mine = comm.Split(0 if self.job_rank in keep else MPI.UNDEFINED, self.job_rank)
+            self.rendezvous, self.working, self.members = None, keep, keep
+            self.comm = self._working_comm = mine if self.active else comm
+            return False
         working = keep + [m for m in survivors if m not in old_working][:max(0, self.width - len(keep))]
         self.comm, self.members, self.working = comm, survivors, working
         self.rendezvous = Rendezvous(MPI, comm) if len(survivors) > len(working) else None
-        if ending:
-            self.working = []  # every survivor leaves: nothing is rebuilt
-            return False
         mine = comm.Split(0 if self.active else MPI.UNDEFINED, working.index(self.job_rank) if self.active else 0)
         if not self.active:
             return False  # still a spare: back to waiting
