@@ -77,6 +77,8 @@ def _job(tmp_path, n, *args, python=OPENMPI_PYTHON, launch=("--fault-tolerant",)
     (3, 2, "all_reduce", "auto"),
     (4, 0, "broadcast", "auto"),
     (3, 1, "large", "auto"),
+    (3, 2, "subgroup", "auto"),  # a peer of the wait stuck on the victim: ULFM's failed set ends it
+    (4, 3, "subgroup", "auto"),
 ])
 def test_every_survivor_raises_peer_failed_naming_the_dead_rank(tmp_path, n, victim, mode, shm):
     survivors = [r for r in range(n) if r != victim]

@@ -24,7 +24,9 @@ cannot survive a dead rank, for ``ax.init(fault_tolerant=True)`` and
 The node's shared-memory engine waits on its peers' counters, where MPI
 reports nothing. In a fault-tolerant job the watchdog thread looks, while a
 rank waits there, whether a peer's process (all on this machine) has ended
-(``dead_node_peers``), and if so ends the wait with ``PeerFailedError``.
+(``dead_node_peers``), or whether ULFM knows of a failed rank anywhere in the
+world (a peer of the wait may be stuck on it, on another node:
+``lost_while_waiting``), and if so ends the wait with ``PeerFailedError``.
 """
 from __future__ import annotations
 
@@ -167,12 +169,46 @@ def dead_node_peers(world: Any, ranks: Any) -> List[int]:
             and process_gone(world.pid_of[r])]
 
 
+def _job_ranks(world: Any, ranks: List[int]) -> List[int]:
+    """``world``'s ranks in the job's numbering (COMM_WORLD's), as ``PeerFailedError.lost`` names them."""
+    comm = getattr(world.backend, "comm", None)
+    if comm is None:
+        return list(ranks)
+    from mpi4py import MPI
+
+    group, job = comm.Get_group(), MPI.COMM_WORLD.Get_group()
+    try:
+        return [int(r) for r in MPI.Group.Translate_ranks(group, list(ranks), job)]
+    finally:
+        group.Free()
+        job.Free()
+
+
+def lost_while_waiting(world: Any, ranks: Any) -> List[int]:
+    """The job ranks a rank waiting in the node's shared memory for ``ranks`` (``world``'s) must give up on.
+
+    A peer of the wait whose process on this node has ended; else any rank
+    of ``world``, on any node, that ULFM knows to have failed: a peer of the
+    wait may be stuck on it (or have raised for it) and never come. Called
+    by the watchdog, only in a fault-tolerant job.
+    """
+    dead = dead_node_peers(world, ranks)
+    if dead:
+        return _job_ranks(world, dead)
+    comm = getattr(world.backend, "comm", None)
+    if comm is None:
+        return []
+    from mpi4py import MPI
+
+    return _failed_ranks(MPI, comm)
+
+
 def node_peer_failed(ranks: List[int], what: str) -> PeerFailedError:
     """The error of a rank that waits in the node's shared memory for peers whose processes have ended."""
     return PeerFailedError(f"{describe_ranks(ranks)} of the job failed (the process is gone) while this rank waited "
-                           f"for it in {what} through the node's shared memory; save what this rank holds and exit "
-                           f"(docs/fault-tolerance.md)", ranks)
+                           f"in {what} through the node's shared memory; save what this rank holds and exit, or go on "
+                           f"without it (axonhpc.elastic; docs/fault-tolerance.md)", ranks)
 
 
 __all__ = ["failure_classes", "peer_failed", "ulfm_problem", "process_gone", "dead_node_peers", "node_peer_failed",
-           "describe_ranks"]
+           "describe_ranks", "lost_while_waiting"]

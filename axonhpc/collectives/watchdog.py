@@ -50,7 +50,7 @@ import time
 from typing import Any, Dict, List, Optional, Tuple
 
 from ..backends import base as backend_base
-from ..backends.failures import dead_node_peers, node_peer_failed
+from ..backends.failures import lost_while_waiting, node_peer_failed
 from ..backends.shm import cached_engine
 from ..errors import CollectiveStallError, DeadlockError
 from ..log import get_logger
@@ -188,7 +188,7 @@ class _Watchdog(threading.Thread):
             waited = now - since
             if settings.fault_tolerant and key not in self.verdicts and (
                     key in engines or cached_engine(pg.backend) is not None):
-                dead = dead_node_peers(pg.world, pg.ranks)  # the engine's waits see no MPI error: look
+                dead = lost_while_waiting(pg.world, pg.ranks)  # the engine's waits see no MPI error: look
                 if dead:
                     self._end(key, pg, node_peer_failed(dead, _call_text(pg, entry, call)))
                     continue

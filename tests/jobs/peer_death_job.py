@@ -5,7 +5,9 @@
 MODE is the call the survivors are in when the victim dies: all_reduce (a loop of
 small all-reduces, carried with their check), large (1 MiB all-reduces), broadcast,
 barrier, async (an asynchronous all-reduce waited for), recv (every survivor waits
-for a message from the victim). SHM is "auto" or "off" (the default). Each rank
+for a message from the victim), subgroup (rank 1 waits for a message from the victim,
+the others for rank 1 in an all-reduce of the group without the victim: through shared
+memory, where only the victim's failure, not rank 1's absence, can end their wait). SHM is "auto" or "off" (the default). Each rank
 writes its verdict to verdict-rank<R>.txt: "PeerFailedError <lost ranks> <seconds from the
 kill>" or "done" or another error's name and text.
 """
@@ -35,6 +37,14 @@ def step(mode, world, victim, k):
     elif mode == "async":
         x = np.ones(16)
         ax.all_reduce(x, async_op=True).wait()
+    elif mode == "subgroup":  # a node group without the victim waits for a member stuck on the victim
+        if world.rank != victim:
+            if world.rank == 1:
+                ax.recv(np.empty(4), src=victim)
+            x = np.ones(1 << 12)
+            ax.all_reduce(x, group=SUBGROUP[0])
+        elif k < 3:
+            ax.send(np.ones(4), dst=1)
     elif mode == "recv":
         if world.rank != victim:
             ax.recv(np.empty(4), src=victim)
@@ -44,10 +54,15 @@ def step(mode, world, victim, k):
                     ax.send(np.ones(4), dst=r)
 
 
+SUBGROUP = [None]  # "subgroup" mode: the ranks but the victim
+
+
 def main():
     mode, victim = sys.argv[1], int(sys.argv[2])
     ax.settings.shm_collectives = sys.argv[3] if len(sys.argv) > 3 else "off"
     world = ax.init()
+    if mode == "subgroup":
+        SUBGROUP[0] = world.new_group([r for r in range(world.world_size) if r != victim])
     died_at = os.path.join(os.getcwd(), "killed-at.txt")
     verdict = "done"
     try:
