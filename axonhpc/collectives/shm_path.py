@@ -61,9 +61,8 @@ class _Path:
         return op.value in FUSED.get(np.dtype(x.dtype), ())
 
     def _call(self, method: str, *args: Any) -> None:
-        # The watchdog sees this wait (an asynchronous call's too: the engine runs it now) and which engine
-        # to end it in (an array's window has its own).
-        key = watchdog.blocking(self.pg, None, self.op_name)
+        # The watchdog, which sees the wait (``core._run`` notes every call), learns which engine to end it
+        # in: an array's window has its own.
         ident = watchdog.get_ident()
         watchdog.engines[ident] = self.engine
         try:
@@ -74,7 +73,6 @@ class _Path:
             raise replacing(timed_out(exc, self.engine, self.pg, self.op_name), exc, settings.debug)
         finally:
             del watchdog.engines[ident]
-            watchdog.unblocked(key)
 
     # ``desc``: the call's descriptor (``agreement.describe``), taken from the caller's own array: the
     # engine sees flattened, byte or widened views of it, and compares ``desc`` across the node.
