@@ -6,6 +6,8 @@
     axonhpc launch -n 2 -- examples/train_gpt.py --dp 2 --fsdp --checkpoint-activations
     axonhpc launch -n 2 -- examples/train_gpt.py --dp 2 --data my_corpus.txt      # your own text
     axonhpc launch -n 2 -- examples/train_gpt.py --dp 2 --data data/openwebtext   # nanoGPT's train.bin/val.bin
+    axonhpc launch --fault-tolerant -n 4 -- examples/train_gpt.py --elastic --fsdp --batch 12 \
+        --simulate-failure 2:3      # Open MPI with ULFM: rank 2 dies, the others go on (--spares 1: one replaces it)
 
 The text is byte-level (vocabulary 256) from the ``.py`` files of the
 standard library (``axonhpc.data.TextCorpus``), some files held out, or your
@@ -24,7 +26,10 @@ loss`` line and the tokens per second. ``--save DIR`` writes a checkpoint
 (every ``--save-every`` steps in the background, and at the end) that loads
 under any other layout, FSDP's included (``--resume DIR``); ``--plot PREFIX``
 writes ``PREFIX-loss.png`` (train and held-out loss) and, with P > 1,
-``PREFIX-pipeline.png`` (the Gantt chart of the last step).
+``PREFIX-pipeline.png`` (the Gantt chart of the last step). ``--elastic``
+(``axonhpc.elastic``, docs/fault-tolerance.md) survives ranks that die: the
+survivors shrink dp, or a ``--spares`` rank takes the place, and redo the
+step with the same global batch.
 """
 import argparse
 import math
