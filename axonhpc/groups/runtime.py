@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import numbers
+import os
 import sys
 import threading
 import time
@@ -10,7 +11,7 @@ from typing import Any, Callable, List, Optional, Tuple
 
 from .. import tracing
 from ..errors import (ArgumentTypeError, CollectiveMismatchError, CollectiveRefusedError, ConfigurationError,
-                      InvalidGroupError)
+                      InvalidGroupError, PeerFailedError)
 from ..log import get_logger, set_rank_source
 from ..settings import BACKENDS, settings
 from ..threads import apply_plan, plan_threads
@@ -219,6 +220,11 @@ def install_abort_on_exception(world: World) -> None:
         sys.stderr.flush()
         sys.stdout.flush()
         time.sleep(0.5 if elsewhere is None else 1.5)  # the traceback's rank aborts first, once it is printed
+        if settings.fault_tolerant and isinstance(exc, PeerFailedError):
+            # Every survivor raised it: none is left waiting. After a failure, MPI_Abort has left Open MPI's
+            # launcher deadlocked (prterun blocked on a lock, the ranks gone); a process that ends is what ULFM
+            # is built to survive, and the launcher ends the job with an error once every rank has.
+            os._exit(1)
         world.abort(1)
 
     sys.excepthook = hook
