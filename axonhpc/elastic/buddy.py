@@ -65,7 +65,6 @@ class BuddyCopies:
         self.copy_optimizer = _twin(optimizer, self.copies)
         self._present = np.zeros(len(self.shards), dtype=np.uint8)
         self._received = np.zeros(len(self.shards), dtype=np.uint8)
-        self._grads = [np.empty_like(p.data) for p in self.shards]
         self._send_state()
 
     def _swap(self, mine: List[np.ndarray], theirs: List[np.ndarray], tag: int) -> None:
@@ -99,10 +98,8 @@ class BuddyCopies:
         """Collective (the step's communicating half): send this rank's gradient shards, receive the source's."""
         for i, p in enumerate(self.shards):
             self._present[i] = p.grad is not None
-            if p.grad is not None:
-                self._grads[i] = p.grad
         self._swap([self._present], [self._received], _TAG_GRAD)
-        self._swap([self._grads[i] for i in range(len(self.shards)) if self._present[i]],
+        self._swap([p.grad for p in self.shards if p.grad is not None],
                    [self._incoming(i) for i in range(len(self.copies)) if self._received[i]], _TAG_GRAD)
 
     def _incoming(self, i: int) -> np.ndarray:
