@@ -4,6 +4,7 @@
 #   bash scripts/gpu-check.sh                       set up .venv (MPICH wheel + the GPU extra), then check
 #   PYTHON=/tmp/venv/bin/python bash scripts/gpu-check.sh   use a ready environment: nothing is installed
 #   bash scripts/gpu-check.sh --dry-run [--gpus N] [--cuda X.Y]   print the plan (for such a node), run nothing
+#   bash scripts/gpu-check.sh --parts train,step    only these parts (after setup and build), e.g. to rerun one
 #
 # Parts, each ending in one summary line (PASS / FAIL / SKIP, with the reason and the test counts):
 #   setup        find the CUDA version the driver supports (nvidia-smi, else libcuda) and the GPUs;
@@ -29,13 +30,15 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-usage() { sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//'; }
-DRY=0 FAKE_GPUS="" FAKE_CUDA=""
+usage() { sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//'; }
+DRY=0 FAKE_GPUS="" FAKE_CUDA="" PARTS=""
+ALL_PARTS="info gpu-1rank gpu-2shared gpu-2nccl train bench step step-unfused"
 while [ $# -gt 0 ]; do
     case "$1" in
         --dry-run) DRY=1 ;;
         --gpus) FAKE_GPUS=${2:-}; shift ;;
         --cuda) FAKE_CUDA=${2:-}; shift ;;
+        --parts) PARTS=${2:-}; shift ;;
         -h|--help) usage; exit 0 ;;
         *) echo "gpu-check: unknown argument '$1' (see --help)" >&2; exit 2 ;;
     esac
@@ -45,6 +48,16 @@ if [ -n "$FAKE_GPUS$FAKE_CUDA" ] && [ "$DRY" = 0 ]; then
     echo "gpu-check: --gpus and --cuda describe a node for --dry-run only; a real run finds them itself" >&2
     exit 2
 fi
+if [ -n "$PARTS" ] && [ -z "${PARTS//,/}" ]; then
+    echo "gpu-check: --parts takes a comma list of parts, got '$PARTS'" >&2; exit 2
+fi
+for part in ${PARTS//,/ }; do
+    if ! [[ " $ALL_PARTS " == *" $part "* ]]; then
+        echo "gpu-check: --parts: unknown part '$part'; the parts are: ${ALL_PARTS// /, } (setup and build always run)" >&2
+        exit 2
+    fi
+done
+wanted() { [ -z "$PARTS" ] || [[ ",$PARTS," == *",$1,"* ]]; }
 if [ -n "$FAKE_GPUS" ] && ! [[ "$FAKE_GPUS" =~ ^[0-9]+$ ]]; then
     echo "gpu-check: --gpus takes a number of GPUs, got '$FAKE_GPUS'" >&2; exit 2
 fi
@@ -235,11 +248,12 @@ MPIEXEC=$(dirname "$PY")/mpiexec
 [ -x "$MPIEXEC" ] || MPIEXEC=$(command -v mpiexec || echo mpiexec)
 
 # -- info ----------------------------------------------------------------------------------------------
-if run "$LOGS/info.json" "$PY" -m axonhpc info --json; then
-    if [ "$DRY" = 1 ]; then
-        record info PLAN "as above"
-    else
-        line=$("$PY" - "$LOGS/info.json" <<'PYEOF'
+if wanted info; then
+    if run "$LOGS/info.json" "$PY" -m axonhpc info --json; then
+        if [ "$DRY" = 1 ]; then
+            record info PLAN "as above"
+        else
+            line=$("$PY" - "$LOGS/info.json" <<'PYEOF'
 import json, sys
 text = open(sys.argv[1], errors="replace").read()
 try:  # the JSON object, whatever warnings were printed around it
@@ -251,83 +265,98 @@ print(("FAIL " if not f.get("cupy") or not f.get("cuda_devices") else "PASS ")
       + f"driver CUDA {f.get('cuda_driver')}, {f.get('cupy_package')}, NCCL {f.get('nccl')}, "
       + f"{f.get('cuda_devices')} GPU(s), device {f.get('device')}" + (f"; problems: {bad}" if bad else ""))
 PYEOF
-)
-        record info "${line%% *}" "${line#* }"
+    )
+            record info "${line%% *}" "${line#* }"
+        fi
+    else
+        record info FAIL "axonhpc info failed (log: $LOGS/info.json)"
     fi
-else
-    record info FAIL "axonhpc info failed (log: $LOGS/info.json)"
 fi
 
 # -- the gpu tests ---------------------------------------------------------------------------------------
 PYTEST_ARGS=(-p no:cacheprovider --color=no --timeout=300 --timeout-method=thread -rs)
-run "$LOGS/gpu-1rank.log" timeout -k 10 "$T" "$PY" -m pytest -q -m gpu --with-mpi "${PYTEST_ARGS[@]}" \
-    --junitxml="$LOGS/gpu-1rank/junit.xml" tests/
-verdict gpu-1rank $? "$LOGS/gpu-1rank/junit.xml"
+if wanted gpu-1rank; then
+    run "$LOGS/gpu-1rank.log" timeout -k 10 "$T" "$PY" -m pytest -q -m gpu --with-mpi "${PYTEST_ARGS[@]}" \
+        --junitxml="$LOGS/gpu-1rank/junit.xml" tests/
+    verdict gpu-1rank $? "$LOGS/gpu-1rank/junit.xml"
+fi
 
 # Two ranks on one GPU: the first device this process may use, for both.
-first=${CUDA_VISIBLE_DEVICES:-0}
-first=${first%%,*}
-run "$LOGS/gpu-2shared.log" env CUDA_VISIBLE_DEVICES="$first" timeout -k 10 "$T" "$MPIEXEC" -n 2 "$PY" \
-    scripts/mpi_pytest.py "$LOGS/gpu-2shared" -q -m "gpu and mpi" "${PYTEST_ARGS[@]}" tests/
-verdict gpu-2shared $? "$LOGS/gpu-2shared/junit-rank0.xml"
+if wanted gpu-2shared; then
+    first=${CUDA_VISIBLE_DEVICES:-0}
+    first=${first%%,*}
+    run "$LOGS/gpu-2shared.log" env CUDA_VISIBLE_DEVICES="$first" timeout -k 10 "$T" "$MPIEXEC" -n 2 "$PY" \
+        scripts/mpi_pytest.py "$LOGS/gpu-2shared" -q -m "gpu and mpi" "${PYTEST_ARGS[@]}" tests/
+    verdict gpu-2shared $? "$LOGS/gpu-2shared/junit-rank0.xml"
+fi
 
-if [ "$GPUS" -ge 2 ]; then
-    run "$LOGS/gpu-2nccl.log" timeout -k 10 "$T" "$MPIEXEC" -n 2 "$PY" \
-        scripts/mpi_pytest.py "$LOGS/gpu-2nccl" -q -m "gpu and mpi" "${PYTEST_ARGS[@]}" tests/
-    verdict gpu-2nccl $? "$LOGS/gpu-2nccl/junit-rank0.xml"
-else
-    record gpu-2nccl SKIP "one GPU: NCCL refuses two ranks on one GPU, so NCCL between ranks needs a node with 2+ GPUs"
+if wanted gpu-2nccl; then
+    if [ "$GPUS" -ge 2 ]; then
+        run "$LOGS/gpu-2nccl.log" timeout -k 10 "$T" "$MPIEXEC" -n 2 "$PY" \
+            scripts/mpi_pytest.py "$LOGS/gpu-2nccl" -q -m "gpu and mpi" "${PYTEST_ARGS[@]}" tests/
+        verdict gpu-2nccl $? "$LOGS/gpu-2nccl/junit-rank0.xml"
+    else
+        record gpu-2nccl SKIP "one GPU: NCCL refuses two ranks on one GPU, so NCCL between ranks needs a node with 2+ GPUs"
+    fi
 fi
 
 # -- the main job on the GPU --------------------------------------------------------------------------------
-if [ "$DRY" = 0 ] && ! "$PY" -c "import sklearn" >/dev/null 2>&1; then
-    record train SKIP "scikit-learn is not installed in $PY (the digits data set: extra 'examples')"
-else
-    rm -rf "$LOGS/train-checkpoints"
-    run "$LOGS/train.log" timeout -k 10 "$T" "$MPIEXEC" -n 2 "$PY" examples/train_digits.py --device cuda \
-        --epochs 20 --min-accuracy 0.95 --checkpoint-dir "$LOGS/train-checkpoints"
-    code=$?
-    if [ "$DRY" = 1 ]; then
-        record train PLAN "as above"
-    elif [ "$code" = 0 ]; then
-        record train PASS "$(grep -a 'final test accuracy' "$LOGS/train.log" | tail -n 1); $(grep -a -o 'training on .*:' "$LOGS/train.log" | head -n 1)"
+if wanted train; then
+    if [ "$DRY" = 0 ] && ! "$PY" -c "import sklearn" >/dev/null 2>&1; then
+        record train SKIP "scikit-learn is not installed in $PY (the digits data set: extra 'examples')"
     else
-        record train FAIL "exit $code: $(grep -a -E 'Error|below the required' "$LOGS/train.log" | tail -n 1) (log: $LOGS/train.log)"
+        rm -rf "$LOGS/train-checkpoints"
+        run "$LOGS/train.log" timeout -k 10 "$T" "$MPIEXEC" -n 2 "$PY" examples/train_digits.py --device cuda \
+            --epochs 20 --min-accuracy 0.95 --checkpoint-dir "$LOGS/train-checkpoints"
+        code=$?
+        if [ "$DRY" = 1 ]; then
+            record train PLAN "as above"
+        elif [ "$code" = 0 ]; then
+            record train PASS "$(grep -a 'final test accuracy' "$LOGS/train.log" | tail -n 1); $(grep -a -o 'training on .*:' "$LOGS/train.log" | head -n 1)"
+        else
+            record train FAIL "exit $code: $(grep -a -E 'Error|below the required' "$LOGS/train.log" | tail -n 1) (log: $LOGS/train.log)"
+        fi
     fi
 fi
 
 # -- the benchmark ---------------------------------------------------------------------------------------------
-# AXONHPC_BACKEND=mpi: the world's group stages cupy arrays (where MPI is not CUDA-aware), so the pipelined
-# staged all-reduce is timed beside its bound; the nccl column makes its own communicator either way.
-run "$LOGS/bench.log" timeout -k 10 "$T" env AXONHPC_BACKEND=mpi "$MPIEXEC" -n 2 "$PY" -m axonhpc bench allreduce \
-    --device gpu
-code=$?
-if [ "$DRY" = 1 ]; then
-    record bench PLAN "as above"
-elif [ "$code" = 0 ]; then
-    record bench PASS "$(grep -a -c -E '^ *[0-9.]+ [KMG]?i?B ' "$LOGS/bench.log") sizes timed; 256 MiB bound/pipelined $(grep -a -E '^ *256 MiB ' "$LOGS/bench.log" | awk '{print $NF}'); $(grep -a '^# nccl' "$LOGS/bench.log" | head -n 1 | cut -c1-160)"
-else
-    record bench FAIL "exit $code (log: $LOGS/bench.log)"
+if wanted bench; then
+    # AXONHPC_BACKEND=mpi: the world's group stages cupy arrays (where MPI is not CUDA-aware), so the pipelined
+    # staged all-reduce is timed beside its bound; the nccl column makes its own communicator either way.
+    run "$LOGS/bench.log" timeout -k 10 "$T" env AXONHPC_BACKEND=mpi "$MPIEXEC" -n 2 "$PY" -m axonhpc bench allreduce \
+        --device gpu
+    code=$?
+    if [ "$DRY" = 1 ]; then
+        record bench PLAN "as above"
+    elif [ "$code" = 0 ]; then
+        record bench PASS "$(grep -a -c -E '^ *[0-9.]+ [KMG]?i?B ' "$LOGS/bench.log") sizes timed; 256 MiB bound/pipelined $(grep -a -E '^ *256 MiB ' "$LOGS/bench.log" | awk '{print $NF}'); $(grep -a '^# nccl' "$LOGS/bench.log" | head -n 1 | cut -c1-160)"
+    else
+        record bench FAIL "exit $code (log: $LOGS/bench.log)"
+    fi
 fi
 
 # -- the training step -------------------------------------------------------------------------------------------
-run "$LOGS/step.log" timeout -k 10 "$T" "$PY" -m axonhpc bench step --device cuda
-code=$?
-if [ "$DRY" = 1 ]; then
-    record step PLAN "as above"
-elif [ "$code" = 0 ]; then
-    record step PASS "$(grep -a -c -E ' (fp32|tf32|bf16) ' "$LOGS/step.log") rows; ours/floor, ours/torch and graphed/torch in $LOGS/step.log"
-else
-    record step FAIL "exit $code (log: $LOGS/step.log)"
+if wanted step; then
+    run "$LOGS/step.log" timeout -k 10 "$T" "$PY" -m axonhpc bench step --device cuda
+    code=$?
+    if [ "$DRY" = 1 ]; then
+        record step PLAN "as above"
+    elif [ "$code" = 0 ]; then
+        record step PASS "$(grep -a -c -E ' (fp32|tf32|bf16) ' "$LOGS/step.log") rows; ours/floor, ours/torch and graphed/torch in $LOGS/step.log"
+    else
+        record step FAIL "exit $code (log: $LOGS/step.log)"
+    fi
 fi
-run "$LOGS/step-unfused.log" timeout -k 10 "$T" "$PY" -m axonhpc bench step --device cuda --precisions fp32,tf32 \
-    --no-fused
-code=$?
-if [ "$DRY" = 1 ]; then
-    record step-unfused PLAN "as above"
-elif [ "$code" = 0 ]; then
-    record step-unfused PASS "$(grep -a -c -E ' (fp32|tf32) ' "$LOGS/step-unfused.log") rows with fused kernels off; compare with $LOGS/step.log"
-else
-    record step-unfused FAIL "exit $code (log: $LOGS/step-unfused.log)"
+if wanted step-unfused; then
+    run "$LOGS/step-unfused.log" timeout -k 10 "$T" "$PY" -m axonhpc bench step --device cuda --precisions fp32,tf32 \
+        --no-fused
+    code=$?
+    if [ "$DRY" = 1 ]; then
+        record step-unfused PLAN "as above"
+    elif [ "$code" = 0 ]; then
+        record step-unfused PASS "$(grep -a -c -E ' (fp32|tf32) ' "$LOGS/step-unfused.log") rows with fused kernels off; compare with $LOGS/step.log"
+    else
+        record step-unfused FAIL "exit $code (log: $LOGS/step-unfused.log)"
+    fi
 fi
 finish

@@ -61,3 +61,56 @@ def test_the_default_environment_drops_the_thread_variables(monkeypatch):
     monkeypatch.setenv("AXONHPC_THREADS_SET_BY", "axonhpc launch")
     env = gpt.default_environment()
     assert "OMP_NUM_THREADS" not in env and "AXONHPC_THREADS_SET_BY" not in env and "PATH" in env
+
+
+def test_the_device_step_trains_the_host_steps_model(monkeypatch):
+    """``--device cuda``'s candidates on the strict stand-in: our step on device arrays gives the host step's losses,
+    and torch's model loads the device model's weights (read back through the host)."""
+    from fake_cuda import FakeCupy
+
+    fake = FakeCupy()
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setitem(sys.modules, "cupy.cuda", fake.cuda)
+    args = gpt.parse_args(TINY + ["--device", "cuda", "--no-scaling"])
+    on_device, model = gpt.our_step(args, fake)
+    assert all(type(p.data).__module__ != "numpy" for p in model.parameters())
+    on_host, _ = gpt.our_step(args)
+    device_losses = [on_device() for _ in range(4)]
+    host_losses = [on_host() for _ in range(4)]
+    assert device_losses == pytest.approx(host_losses, rel=1e-5) and device_losses[-1] < device_losses[0]
+    _, fresh = gpt.our_step(args, fake)
+    theirs = gpt.torch_step(args, fresh)  # torch's on the CPU: where this machine can run it
+    if theirs is not None:
+        assert theirs() == pytest.approx(host_losses[0], rel=1e-5)
+
+
+def test_the_device_comparison_runs_and_leaves_the_layouts_out(monkeypatch, capsys):
+    """The whole ``--device cuda`` run on the stand-in device: the table, and the layouts skipped with the reason."""
+    from fake_cuda import FakeCupy
+
+    from axonhpc.bench import step as bench_step
+
+    fake = FakeCupy()
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setitem(sys.modules, "cupy.cuda", fake.cuda)
+
+    class StandIn(bench_step.Device):
+        def __init__(self, name):
+            self.name, self.xp = name, fake
+
+        def describe(self):
+            return "cuda: the strict stand-in"
+
+    monkeypatch.setattr(gpt, "Device", StandIn)
+    monkeypatch.setitem(sys.modules, "torch", None)  # torch's CUDA step cannot run here
+    assert gpt.main(TINY + ["--device", "cuda", "--rounds", "1", "--steps", "1", "--profile-steps", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "device: cuda: the strict stand-in" in out and "one GPU, each step reading its loss" in out
+    assert re.search(r"axonhpc +\d+\.\d+ ms/step", out) and "top 10 functions" in out
+    assert "table of layouts: skipped with --device cuda" in out and "tokens/s on this machine" not in out
+
+
+def test_a_missing_gpu_is_refused(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "cupy", None)
+    assert gpt.main(TINY + ["--device", "cuda", "--rounds", "1", "--no-scaling"]) == 1
+    assert "--device cuda: no CUDA device" in capsys.readouterr().err

@@ -68,6 +68,9 @@ def test_bad_arguments_are_refused_with_the_value():
         (("--dry-run", "--gpus", "two"), "--gpus takes a number of GPUs, got 'two'"),
         (("--dry-run", "--cuda", "13"), "--cuda takes a CUDA version such as 13.0, got '13'"),
         (("--gpus", "2"), "--gpus and --cuda describe a node for --dry-run only"),
+        (("--dry-run", "--parts", "train,tests"), "--parts: unknown part 'tests'; the parts are: info, gpu-1rank, "
+                                                  "gpu-2shared, gpu-2nccl, train, bench, step, step-unfused"),
+        (("--dry-run", "--parts", ","), "--parts takes a comma list of parts, got ','"),
     ]
     for args, message in cases:
         out = check(*args)
@@ -95,6 +98,14 @@ def test_plan_for_one_gpu_shares_it_and_skips_nccl_between_ranks():
     assert "bench step --device cuda --precisions fp32,tf32 --no-fused" in plan
     every_mpiexec = [line for line in plan.splitlines() if "mpiexec" in line]
     assert len(every_mpiexec) == 3 and all("timeout -k 10 900 " in line for line in every_mpiexec)
+
+
+def test_parts_runs_only_the_parts_named_after_setup_and_build():
+    out = check("--dry-run", "--gpus", "2", "--cuda", "13.0", "--parts", "step,gpu-2nccl")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert list(summary(out.stdout)) == ["setup", "build", "gpu-2nccl", "step"]  # in the script's order
+    assert "bench step --device cuda" in out.stdout and "--no-fused" not in out.stdout
+    assert "train_digits" not in out.stdout and "-m pytest -q -m gpu" not in out.stdout
 
 
 def test_plan_for_two_gpus_adds_the_nccl_run_and_a_cuda_12_driver_gets_the_cuda_12_extra():

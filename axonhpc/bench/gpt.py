@@ -2,7 +2,7 @@
 
 Run it without mpiexec. Two parts, one run:
 
-- **The step, on one thread.** ``nn.GPT`` (pre-LayerNorm blocks, exact GELU,
+- **The step, on one thread or one GPU.** ``nn.GPT`` (pre-LayerNorm blocks, exact GELU,
   causal attention, untied head), ``CrossEntropyLoss`` and ``optim.AdamW``:
   zero_grad, forward, loss, backward, step. Beside it the same model in
   PyTorch eager, as its users write it (``nn.Linear``, ``nn.LayerNorm``,
@@ -12,7 +12,9 @@ Run it without mpiexec. Two parts, one run:
   BLAS and torch are pinned to one thread; the two steps alternate in
   rounds whose order rotates, and the medians are reported with their
   ratio, then the ten functions of our step with the most time of their own
-  (cProfile).
+  (cProfile). ``--device cuda`` runs both on the GPU (cupy and torch's
+  CUDA); every step reads its loss, so each timed step ends with the device
+  idle.
 - **Scaling on this machine, with the settings a user gets.** Worker jobs
   (``mpiexec -n N python -m axonhpc.bench.gpt --worker``) train
   ``ParallelGPT`` on one process and on ``--ranks`` ranks as dp, dp with
@@ -21,7 +23,8 @@ Run it without mpiexec. Two parts, one run:
   thread pools as it would for the user (``axonhpc.threads``). Each job
   reports the tokens per second of its timed steps (the slowest rank's
   time); the table gives the median over ``--repeats`` jobs and the ratio
-  to one process.
+  to one process. It runs on the CPU only: ``--device cuda`` skips it and
+  says so.
 
 Tests never assert these times; docs/performance.md quotes them with the
 machine they came from.
@@ -39,10 +42,11 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from ..errors import BenchError
+from ..errors import BenchError, InvalidArgumentError
 from ..mpiexec import NOT_FOUND, find_mpiexec
 from ..settings import THREAD_VARIABLES, THREADS_SET_BY
 from .jobs import check_counts, run_worker_job, write_result
+from .step import Device
 from .timing import median_times, pin_blas_threads
 
 LAYOUTS = {  # name -> (dp, tp, pp, fsdp), for 2 ranks; dp grows with --ranks
@@ -62,6 +66,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=16, help="sequences per step (the global batch of the layouts)")
     p.add_argument("--vocab", type=int, default=256)
     p.add_argument("--dtype", choices=("float32", "float64"), default="float32")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where the step comparison runs (the table of layouts is CPU-only)")
     p.add_argument("--rounds", type=int, default=7, help="interleaved rounds of the step comparison")
     p.add_argument("--steps", type=int, default=5, help="steps per round and candidate")
     p.add_argument("--profile-steps", type=int, default=10, help="steps profiled for the top-10 table (0: none)")
@@ -97,14 +103,16 @@ def _tokens(args: argparse.Namespace, step: int) -> Tuple[np.ndarray, np.ndarray
 
 # ------------------------------------------------------------------ the step beside PyTorch's
 
-def our_step(args: argparse.Namespace) -> Tuple[Callable[[], float], Any]:
-    """Our one-process training step (returns its loss) and the model."""
+def our_step(args: argparse.Namespace, xp: Any = np) -> Tuple[Callable[[], float], Any]:
+    """Our one-process training step (returns its loss) and the model, on ``xp``'s arrays (numpy or cupy)."""
     from .. import nn, optim
 
     model = nn.GPT(args.vocab, args.context, args.width, args.heads, args.layers, dtype=np.dtype(args.dtype), seed=0)
+    if xp is not np:
+        model.to("cuda")
     loss_fn = nn.CrossEntropyLoss()
     opt = optim.AdamW(model.parameters(), lr=1e-3)
-    x, y = _tokens(args, 0)
+    x, y = (xp.asarray(a) for a in _tokens(args, 0))
 
     def step() -> float:
         opt.zero_grad()
@@ -116,7 +124,7 @@ def our_step(args: argparse.Namespace) -> Tuple[Callable[[], float], Any]:
     return step, model
 
 
-def torch_step(args: argparse.Namespace, ours: Any) -> Optional[Callable[[], float]]:
+def torch_step(args: argparse.Namespace, ours: Any, dev: str = "cpu") -> Optional[Callable[[], float]]:
     """The same model, loss and optimizer in PyTorch eager, from ``ours``'s initial weights (None without torch)."""
     try:
         import torch
@@ -124,7 +132,10 @@ def torch_step(args: argparse.Namespace, ours: Any) -> Optional[Callable[[], flo
         return None
     import torch.nn.functional as F
 
-    torch.set_num_threads(1)
+    from .._dtypes import to_host
+
+    if dev == "cpu":
+        torch.set_num_threads(1)
     dtype = {"float32": torch.float32, "float64": torch.float64}[args.dtype]
     width, heads = args.width, args.heads
 
@@ -162,13 +173,14 @@ def torch_step(args: argparse.Namespace, ours: Any) -> Optional[Callable[[], flo
             self.head = torch.nn.Linear(width, args.vocab, bias=False)
 
         def forward(self, tokens: Any) -> Any:
-            h = self.tok_emb(tokens) + self.pos_emb(torch.arange(tokens.shape[1]))
+            h = self.tok_emb(tokens) + self.pos_emb(torch.arange(tokens.shape[1], device=tokens.device))
             return self.head(self.ln_f(self.blocks(h)))
 
     model = GPT().to(dtype)
-    model.load_state_dict({name: torch.from_numpy(np.array(value)) for name, value in ours.state_dict().items()})
+    model.load_state_dict({name: torch.from_numpy(np.array(to_host(value))) for name, value in ours.state_dict().items()})
+    model.to(dev)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    x, y = (torch.from_numpy(a) for a in _tokens(args, 0))
+    x, y = (torch.from_numpy(a).to(dev) for a in _tokens(args, 0))
 
     def step() -> float:
         opt.zero_grad()
@@ -200,8 +212,10 @@ def profile_lines(step: Callable[[], Any], steps: int, top: int = 10) -> List[st
 def compare_steps(args: argparse.Namespace) -> Dict[str, Any]:
     """Time our step and PyTorch's in interleaved rounds; print the table and our profile."""
     _limiter = pin_blas_threads(1)  # noqa: F841 - kept for the comparison
-    ours, model = our_step(args)
-    theirs = None if args.no_torch else torch_step(args, model)
+    device = Device(args.device)
+    print(f"device: {device.describe()}", flush=True)
+    ours, model = our_step(args, device.xp)
+    theirs = None if args.no_torch else torch_step(args, model, args.device)
     first = ours()
     line = f"same model: first-step loss ours {first:.6f}"
     if theirs is not None:
@@ -217,7 +231,8 @@ def compare_steps(args: argparse.Namespace) -> Dict[str, Any]:
         fn()  # one more warm step each
     times = median_times(candidates, args.steps, args.rounds)
     tokens = args.batch * args.context
-    print(f"median of {args.rounds} interleaved rounds of {args.steps} steps, one thread:", flush=True)
+    where = "one thread" if args.device == "cpu" else "one GPU, each step reading its loss"
+    print(f"median of {args.rounds} interleaved rounds of {args.steps} steps, {where}:", flush=True)
     for name, seconds in times.items():
         print(f"  {name:9s} {seconds * 1e3:9.2f} ms/step  {tokens / seconds:10.0f} tokens/s", flush=True)
     if "torch" in times:
@@ -335,9 +350,12 @@ def main(argv: Optional[List[str]] = None) -> int:
           f"batch {args.batch}, vocab {args.vocab}, {args.dtype}, AdamW", flush=True)
     try:
         compare_steps(args)
-        if not args.no_scaling:
+        if args.device != "cpu" and not args.no_scaling:
+            print("table of layouts: skipped with --device cuda (its jobs run on the CPU; on one GPU the ranks "
+                  "would share it)", flush=True)
+        elif not args.no_scaling:
             scaling_table(args)
-    except BenchError as exc:
+    except (BenchError, InvalidArgumentError) as exc:
         print(f"axonhpc bench gpt: {exc}", file=sys.stderr)
         return 1
     return 0
