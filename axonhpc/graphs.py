@@ -160,6 +160,12 @@ class GraphedStep:
                     pass
                 if isinstance(exc, GraphCaptureError) or not any(w in str(exc) for w in _CAPTURE_WORDS):
                     raise
+                if "cuBLAS" in str(exc):
+                    raise GraphCaptureError(
+                        f"the step multiplied through cupy, which refuses cuBLAS in a graph capture "
+                        f"({type(exc).__name__}: {exc}); axonhpc's layers route their 2-D products around it "
+                        "(nn.gemm), but not batched products (attention's) nor '@' in your own code: use "
+                        "axonhpc.nn.matmul.product_2d for a 2-D product, or leave that part out of the graph") from exc
                 raise GraphCaptureError(f"the step did work a CUDA graph cannot hold ({type(exc).__name__}: {exc}); "
                                         "typically a read of a device value (float(), .get(), .item(), a "
                                         "Python if on an array), a copy from host memory, or a stream "

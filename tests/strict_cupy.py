@@ -25,8 +25,14 @@ device runs. Every operation is put on a tape instead, and a graph's
 during the capture have their shape and dtype but no values (NaN, 0 or False:
 uninitialised memory); arrays written in place keep their contents until a
 launch. What cupy refuses during a capture is refused: reads of device values,
-copies from or to the host, a stream's ``synchronize``, and operations whose
-result's size depends on the values (boolean indexing, ``nonzero``). Scalars
+copies from or to the host, a stream's ``synchronize``, operations whose
+result's size depends on the values (boolean indexing, ``nonzero``), and every
+product that cupy hands to cuBLAS (``@``, ``matmul``, ``dot``, ``tensordot``,
+``einsum``, ``cupy.cublas.gemm``: cupy 14 refuses cuBLAS in a capture, which
+the first graph capture on a GPU met). ``cupy._axonhpc_cublas`` plays the
+library itself (``cublasGemmEx`` on the memory at the given addresses, read
+column-major with the leading dimensions given), which ``axonhpc.nn.gemm``
+calls in cupy's place. Scalars
 passed to an operation are frozen on the tape, as they are in a CUDA graph.
 
 Device memory is host memory underneath (nothing here runs on a GPU), so
@@ -37,6 +43,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import ctypes
 import importlib.machinery
 import sys
 import threading
@@ -102,6 +109,16 @@ def end_tape() -> List[Any]:
     """Stop recording; returns the recorded operations, in order."""
     ops, _tape.ops = _tape.ops, None
     return ops
+
+
+CUBLAS_IN_CAPTURE = "calling cuBLAS API during stream capture is currently unsupported"
+_CUBLAS_FUNCTIONS = {"matmul", "dot", "tensordot", "einsum"}
+
+
+def refuse_cublas_in_capture() -> None:
+    """cupy's refusal of a cuBLAS call while the current stream captures."""
+    if capturing():
+        raise NotImplementedError(CUBLAS_IN_CAPTURE)
 
 
 def refuse_in_capture(what: str, message: str = CAPTURING_SYNC) -> None:
@@ -468,6 +485,8 @@ class _Ufunc:
         return _wrap(_run(lambda: fn(*args, **kwargs), args))
 
     def __call__(self, *args, **kwargs):
+        if self._u is np.matmul:
+            refuse_cublas_in_capture()
         return self._apply(self._u, args, kwargs)
 
     def reduce(self, *args, **kwargs):
@@ -527,6 +546,8 @@ def _strict_function(source: Any, name: str) -> Any:
         kwargs = {k: _unwrap(v, where) for k, v in kwargs.items()}
         if name in _SIZED_BY_VALUES:
             refuse_in_capture(where)
+        if name in _CUBLAS_FUNCTIONS:
+            refuse_cublas_in_capture()
         if name == "copyto" or given is not None:  # in place into the first argument or ``out``
             done = _run(lambda: source(*args, **kwargs), in_place=True)
             return given if capturing() and given is not None else _wrap(done)
@@ -559,6 +580,7 @@ class _Cublas(types.ModuleType):
 
     def gemm(self, transa, transb, a, b, out=None, alpha=1.0, beta=0.0):
         where = "cupy.cublas.gemm"
+        refuse_cublas_in_capture()
         a_, b_ = _unwrap(a, where), _unwrap(b, where)
         if not isinstance(a_, np.ndarray) or not isinstance(b_, np.ndarray):
             raise AttributeError(f"{where}: the operands must be cupy arrays")
@@ -873,6 +895,65 @@ class ReductionKernel:
         return result
 
 
+class StandinCublas:
+    """``cublasGemmEx`` over the memory at the addresses given, as the library reads it (see the module docstring)."""
+
+    _TYPES = {0: np.float32, 1: np.float64, 2: np.float16}
+    _COMPUTE = {68: np.float32, 70: np.float64, 77: np.float32}  # 32F, 64F, 32F_FAST_TF32 (played as 32F)
+
+    def __init__(self):
+        self.calls = 0  # gemm_ex calls made (outside a capture: each launch of a recorded one is not counted)
+        self.computes: List[int] = []  # the compute type of each call
+        self.betas: List[float] = []  # and its beta (1: added into the output)
+
+    def _dtype(self, code: int) -> Any:
+        if code == 14:
+            import ml_dtypes
+            return np.dtype(ml_dtypes.bfloat16)
+        return np.dtype(self._TYPES[code])
+
+    @staticmethod
+    def _matrix(ptr: int, rows: int, cols: int, ld: int, dtype: Any) -> np.ndarray:
+        """The column-major (rows, cols) matrix at ``ptr`` with leading dimension ``ld``."""
+        assert ld >= max(1, rows), f"cuBLAS: leading dimension {ld} < {rows} rows"
+        size = dtype.itemsize * (ld * (cols - 1) + rows)
+        raw = (ctypes.c_char * size).from_address(ptr)
+        return np.ndarray((rows, cols), dtype, buffer=raw, strides=(dtype.itemsize, dtype.itemsize * ld))
+
+    def gemm_ex(self, opa, opb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc, compute):
+        from axonhpc.nn.gemm import data_type
+
+        for x in (a, b, c):
+            assert type(x) is DeviceArray, f"cuBLAS reads device memory, got a {type(x).__name__}"
+        a_type, b_type, c_type = data_type(a), data_type(b), data_type(c)
+        dtype, out_dtype = self._dtype(a_type), self._dtype(c_type)
+        assert b_type == a_type and (c_type == a_type or (c_type == 0 and a_type in (2, 14)))
+        assert opa in (0, 1) and opb in (0, 1)
+        acc = self._COMPUTE[compute]
+        assert (acc == np.float64) == (dtype == np.float64), "cuBLAS: compute type of another precision"
+        # Read at the addresses, as cuBLAS does; the arrays themselves are held by the launch, as a graph's
+        # memory pool holds what its capture allocated.
+        held = (a._a, b._a, c._a)
+        pa, pb, pc = (x.data.ptr for x in (a, b, c))
+        A = self._matrix(pa, m, k, lda, dtype) if opa == 0 else self._matrix(pa, k, m, lda, dtype).T
+        B = self._matrix(pb, k, n, ldb, dtype) if opb == 0 else self._matrix(pb, n, k, ldb, dtype).T
+        C = self._matrix(pc, m, n, ldc, out_dtype)
+        alpha, beta = acc(alpha), acc(beta)
+
+        def launch() -> None:
+            assert held
+            product = np.matmul(A.astype(acc), B.astype(acc)) * alpha
+            if beta != 0:  # beta 0: C is not read (it may hold anything)
+                product += beta * C.astype(acc)
+            C[...] = product.astype(out_dtype)
+
+        if not capturing():
+            self.calls += 1
+        self.computes.append(compute)
+        self.betas.append(float(beta))
+        _run(launch, in_place=True)
+
+
 class StrictCupy(types.ModuleType):
     """The ``cupy`` module over DeviceArrays; ``cuda`` is filled in by the caller (``fake_cuda``)."""
 
@@ -886,6 +967,7 @@ class StrictCupy(types.ModuleType):
         self.__spec__ = importlib.machinery.ModuleSpec("cupy", None)
         self.linalg = _Linalg("cupy.linalg")
         self.cublas = _Cublas()
+        self._axonhpc_cublas = StandinCublas()
         self._core = types.SimpleNamespace(_routines_linalg=_RoutinesLinalg())
         for name in ("float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "uint32",
                      "uint64", "bool_", "dtype", "newaxis", "inf", "nan", "pi", "e", "integer", "floating"):

@@ -179,3 +179,37 @@ def test_the_graphed_step_trains_as_the_eager_step_does(monkeypatch):
                torch="torch 0", floor_tflops=1.0, ours_over_floor=2.0, ours_over_torch=1.0, graphed_over_torch=0.5)
     assert "graphed/torch" in bench_step.format_table([row]).splitlines()[0]
     assert bench_step.format_table([row]).splitlines()[1].split()[-2] == "0.50"
+
+
+def test_a_step_that_cannot_be_graphed_leaves_the_other_columns(monkeypatch, capsys):
+    """The first GPU run lost the whole table to the graphed column's GraphCaptureError."""
+    from fake_cuda import FakeCupy
+
+    from axonhpc.errors import GraphCaptureError
+
+    fake = FakeCupy()
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setitem(sys.modules, "cupy.cuda", fake.cuda)
+    monkeypatch.setattr(bench_step, "TARGET_SECONDS", 0.002)
+
+    def refused(spec, device, precision="fp32"):
+        def step():
+            raise GraphCaptureError("the step did work a CUDA graph cannot hold (a read)")
+        return step
+
+    monkeypatch.setattr(bench_step, "graphed_step", refused)
+    monkeypatch.setattr(bench_step, "torch_step", lambda spec, device, precision: (None, "torch n/a"))
+
+    class StandIn(bench_step.Device):
+        def __init__(self, name):
+            self.name, self.xp = name, fake
+
+        def describe(self):
+            return "cuda: the strict stand-in"
+
+    monkeypatch.setattr(bench_step, "Device", StandIn)
+    assert bench_step.main(["--device", "cuda", "--models", TINY, "--rounds", "1", "--precisions", "fp32"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    row = out[2].split()
+    assert row[0] == "12-16-5" and row[5] == "n/a" and float(row[3]) > 0  # graphed n/a, ours timed
+    assert out[-1] == "graphed n/a: the step did work a CUDA graph cannot hold (a read)"

@@ -220,6 +220,19 @@ def test_reading_a_device_value_in_the_step_is_refused_at_the_capture(cupy):
         np.testing.assert_array_equal(a, p.data.get())
 
 
+def test_a_product_through_cupy_itself_is_refused_with_the_way_out(cupy):
+    """cupy refuses cuBLAS in a capture (the first GPU run met it); the layers' products go around it, '@' cannot."""
+    def body(model, opt, loss_fn, x, y):
+        loss = _plain_body(model, opt, loss_fn, x, y)
+        return loss, x @ model.parameters()[0].data.T
+
+    step, x, y, _, _ = _graphed(cupy, body)
+    step(x, y)
+    with pytest.raises(GraphCaptureError, match="multiplied through cupy.*cuBLAS.*product_2d"):
+        step(x, y)
+    assert not step.captured
+
+
 def test_dropout_in_training_is_refused(cupy):
     model = nn.Sequential(nn.Linear(WIDTHS[0], WIDTHS[-1], seed=1), nn.Dropout(0.2, seed=0)).to("cuda")
     opt = optim.SGD(model.parameters(), lr=0.1)

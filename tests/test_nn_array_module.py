@@ -108,7 +108,13 @@ def test_data_loader_on_device_arrays(fake_cupy):
 
 
 def test_autocast_on_device_matches_host(fake_cupy):
-    """float16 products on the stand-in: every cast, sum and product stays on the device and equals the host's."""
+    """float16 products on the stand-in: every cast, sum and product stays on the device and agrees with the host's.
+
+    Not bit for bit: a device product of float16 factors accumulates in float32 and rounds once (cuBLAS's
+    ``CUBLAS_COMPUTE_32F``, played by the stand-in), numpy's float16 product rounds at every step; and a
+    device weight gradient is accumulated into its float32 master inside the GEMM (``nn.gemm``), where the
+    host rounds the float16 product first. So float16 rounding apart (2e-3 relative).
+    """
     rng = np.random.default_rng(2)
     tokens = rng.integers(0, 11, (3, 5))
     targets = rng.integers(0, 11, 15)
@@ -122,7 +128,8 @@ def test_autocast_on_device_matches_host(fake_cupy):
         assert logits.dtype == np.float16
         model.backward(loss_fn.backward(1024.0).reshape(logits.shape))
         results.append((loss, [p.grad for p in model.parameters()]))
-    assert results[0][0] == pytest.approx(results[1][0], rel=1e-6)
+    assert results[0][0] == pytest.approx(results[1][0], rel=2e-3)
     for (name, p), g_host, g_dev in zip(host.named_parameters(), results[0][1], results[1][1]):
         assert isinstance(g_dev, DeviceArray) and g_dev.dtype == np.float32, name
-        np.testing.assert_array_equal(g_host, g_dev.get(), err_msg=name)
+        scale = np.abs(g_host).max()
+        np.testing.assert_allclose(g_dev.get(), g_host, rtol=0, atol=4e-3 * scale, err_msg=name)

@@ -1,8 +1,9 @@
 """Matrix products in nn: gradients accumulated inside the GEMM on the device, and the TF32 setting.
 
-Nothing here runs on a GPU: ``strict_cupy`` plays cupy, with cupy's
-``cublas.gemm`` checks and its compute-type table. What a real GPU does with
-them (the GEMM itself, TF32 rounding) is still to be run there.
+Nothing here runs on a GPU: ``strict_cupy`` plays cupy, with its compute-type
+table, and cuBLAS's ``cublasGemmEx`` (``nn.gemm`` calls it directly) reading
+the memory at the arrays' addresses column-major, as the library does. The
+GPU tests run the same products on a device (tests/test_nn_gemm.py).
 """
 import sys
 
@@ -79,38 +80,51 @@ def test_device_gradient_accumulates_inside_the_gemm_and_matches_the_host(fake_c
     layer, _, _ = _layer_and_data(dtype)
     layer.to("cuda")
     got_w, got_b = _two_backwards(layer, device(x), device(g))
-    assert fake_cupy.cublas.calls == 1  # the second backward: beta=1 into the existing gradient
+    blas = fake_cupy._axonhpc_cublas
+    # every product through nn.gemm, none through cupy (which refuses cuBLAS in a graph capture):
+    # per pass the forward, the input gradient and the weight gradient
+    assert fake_cupy.cublas.calls == 0 and blas.calls == 6
+    # per pass: forward, weight gradient, input gradient; the second weight gradient adds into the first
+    assert blas.betas == [0.0, 0.0, 0.0, 0.0, 1.0, 0.0]
+    assert set(blas.computes) == {70 if dtype == np.float64 else 68}  # 64F, or 32F (TF32 off)
     rtol = 1e-6 if dtype == np.float32 else 1e-15
     np.testing.assert_allclose(host(got_w), want_w, rtol=rtol)
     np.testing.assert_allclose(host(got_b), want_b, rtol=rtol)
 
 
-def test_half_precision_device_gradients_take_the_matmul_path(fake_cupy):
+def test_half_precision_device_gradients_go_through_the_gemm_in_float32_accumulation(fake_cupy):
     layer, x, g = _layer_and_data(np.float16)
     layer.to("cuda")
-    _two_backwards(layer, device(x), device(g))
-    assert fake_cupy.cublas.calls == 0  # cupy's gemm has no float16
+    got_w, _ = _two_backwards(layer, device(x), device(g))
+    blas = fake_cupy._axonhpc_cublas
+    assert blas.calls == 6 and set(blas.computes) == {68} and got_w.dtype == np.float16
+    host_layer, x, g = _layer_and_data(np.float32)
+    want_w, _ = _two_backwards(host_layer, x, g)
+    np.testing.assert_allclose(host(got_w).astype(np.float32), want_w, rtol=2e-2, atol=2e-2)
 
 
 def test_allow_tf32_sets_cupy_compute_type_at_the_next_module_call_and_restores_it(fake_cupy):
     table = fake_cupy._core._routines_linalg
+    blas = fake_cupy._axonhpc_cublas
     layer, x, g = _layer_and_data(np.float32)
     layer.to("cuda")
     layer(device(x))
-    assert table.compute_types[1] == table.COMPUTE_TYPE_TBD  # off and never on: cupy's own choice stands
+    assert table.get_compute_type(np.float32) == table.COMPUTE_TYPE_DEFAULT  # off, never on: cupy's own choice
+    assert blas.computes == [68]
     with override(allow_tf32=True):
-        assert table.compute_types[1] == table.COMPUTE_TYPE_TBD  # applied by the next call, not before
+        assert table.compute_types[1] == table.COMPUTE_TYPE_DEFAULT  # applied by the next call, not before
         layer(device(x))
         assert table.compute_types[1] == table.COMPUTE_TYPE_TF32
         assert table.compute_types[2] == table.COMPUTE_TYPE_TBD  # float64 is never TF32
         layer.backward(device(g))
         layer(device(x))
         layer.backward(device(g))
-        assert fake_cupy.cublas.calls == 0  # cupy's gemm ignores TF32: the product goes through matmul
+        assert blas.computes[1:] == [77] * 6  # forward, input and weight gradients (beta=1 too) in TF32
+        assert blas.betas[1:] == [0.0, 0.0, 0.0, 0.0, 1.0, 0.0]
     layer(device(x))
     assert table.compute_types[1] == table.COMPUTE_TYPE_DEFAULT
     layer.backward(device(g))
-    assert fake_cupy.cublas.calls == 1
+    assert blas.computes[-3:] == [68] * 3 and fake_cupy.cublas.calls == 0
 
 
 def test_cupy_tf32_from_the_environment_is_left_alone_and_respected(fake_cupy, monkeypatch):
@@ -120,7 +134,7 @@ def test_cupy_tf32_from_the_environment_is_left_alone_and_respected(fake_cupy, m
     layer.to("cuda")
     _two_backwards(layer, device(x), device(g))
     assert table.get_compute_type(np.float32) == table.COMPUTE_TYPE_TF32
-    assert fake_cupy.cublas.calls == 0
+    assert set(fake_cupy._axonhpc_cublas.computes) == {77}
 
 
 def test_apply_matmul_precision_acts_before_any_module_call(fake_cupy):

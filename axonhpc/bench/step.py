@@ -45,7 +45,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from .._dtypes import bfloat16_dtype
-from ..errors import InvalidArgumentError
+from ..errors import GraphCaptureError, InvalidArgumentError
 from .timing import median_times, pin_blas_threads
 
 DEFAULT_MODELS = {"cpu": "784-256-10x128,1024-1024-1024-10x256",
@@ -363,9 +363,14 @@ def measure(spec: ModelSpec, precision: str, device: Device, rounds: int, warmup
         torch_fn, torch_note = torch_step(spec, device, precision)
         if torch_fn is not None:
             fns["torch"] = torch_fn
-        blocks, counts = {}, {}
+        blocks, counts, graph_problem = {}, {}, None
         for name, fn in fns.items():
-            blocks[name], counts[name] = _timed(fn, device, warmup)
+            try:
+                blocks[name], counts[name] = _timed(fn, device, warmup)
+            except GraphCaptureError as exc:  # the other columns still stand; the reason goes under the table
+                if name != "graphed":
+                    raise
+                graph_problem = str(exc)
         medians = median_times(blocks, iters=1, rounds=rounds)
     finally:
         settings.allow_tf32, settings.fused_kernels = saved, saved_fused
@@ -373,7 +378,8 @@ def measure(spec: ModelSpec, precision: str, device: Device, rounds: int, warmup
     seconds = {name: medians[name] / counts[name] for name in medians}
     row = {"model": spec.label, "precision": precision, "axonhpc_s": seconds["axonhpc"],
            "floor_s": seconds["floor"], "graphed_s": seconds.get("graphed"), "torch_s": seconds.get("torch"),
-           "torch": torch_note, "floor_tflops": spec.gemm_flops() / seconds["floor"] / 1e12}
+           "torch": torch_note, "floor_tflops": spec.gemm_flops() / seconds["floor"] / 1e12,
+           "graphed_problem": graph_problem}
     row["ours_over_floor"] = row["axonhpc_s"] / row["floor_s"]
     row["ours_over_torch"] = None if row["torch_s"] is None else row["axonhpc_s"] / row["torch_s"]
     row["graphed_over_torch"] = (None if row["torch_s"] is None or row["graphed_s"] is None
@@ -441,6 +447,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           f"medians of {args.rounds} interleaved rounds")
     if rows:
         print(format_table(rows))
+    for problem in sorted({r["graphed_problem"] for r in rows if r.get("graphed_problem")}):
+        print(f"graphed n/a: {problem}")
     if skipped is not None:
         print(f"bf16 rows skipped: {skipped}")
     sys.stdout.flush()

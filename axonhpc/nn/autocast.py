@@ -46,6 +46,7 @@ import numpy as np
 
 from .._dtypes import floating_dtype, is_floating, is_low_precision_float
 from ..errors import ConfigurationError
+from .matmul import product_2d
 
 _FLOAT32 = np.dtype(np.float32)
 _state = threading.local()
@@ -147,11 +148,10 @@ def matmul_2d(a: Any, b: Any) -> Any:
 
     numpy multiplies a stack (B, T, k) by a matrix one (T, k) slice at a time: B small GEMMs, 1.3-3x
     slower than the one (B*T, k) GEMM here (batch 16 x 64 tokens, and 256 x 4, width 64). A reshape
-    of a C-contiguous array is a view, so nothing is copied.
+    of a C-contiguous array is a view, so nothing is copied. cupy arrays go through ``nn.gemm``
+    (``matmul.product_2d``), which a CUDA graph can hold.
     """
-    if a.ndim > 2 and a.flags.c_contiguous:
-        return (a.reshape(-1, a.shape[-1]) @ b).reshape(a.shape[:-1] + (b.shape[-1],))
-    return a @ b
+    return product_2d(a, b)
 
 
 def linear_product(x: Any, weight: Any) -> Tuple[Any, Tuple[Any, Any, Any]]:

@@ -17,12 +17,15 @@ working. numpy has no TF32 and ignores the setting.
 [Note: products into gradients]
 A weight gradient is a product, ``grad += a @ b``. numpy computes ``a @ b``
 into a temporary and adds it: one more pass over the gradient. For cupy
-arrays of float32 or float64, ``cupy.cublas.gemm`` with ``beta=1`` adds the
-product into the gradient inside the GEMM, with no temporary: what a
-framework's fused weight-gradient GEMM does. cupy's ``gemm`` issues the
-classic ``sgemm``, which ignores the TF32 table, so while TF32 is on (the
-settings ask for it, or ``CUPY_TF32=1`` does) the product goes through
-``matmul`` (which honours it) and an add instead.
+arrays of a floating dtype ``nn.gemm`` calls ``cublasGemmEx`` with
+``beta=1``, which adds the product into the gradient inside the GEMM, with
+no temporary: what a framework's fused weight-gradient GEMM does. Its
+compute type follows the table above, so TF32 applies there too.
+
+[Note: the layers' 2-D products]
+``product_2d`` is how the layers multiply: on cupy arrays through
+``nn.gemm`` (cuBLAS called directly, so a CUDA graph can hold the product;
+see [Note: products in a CUDA graph] there), elsewhere with ``@``.
 """
 from __future__ import annotations
 
@@ -33,6 +36,7 @@ import numpy as np
 
 from ..errors import BackendUnavailableError
 from ..settings import settings
+from . import gemm
 
 # cupy's compute types (cupy/_core/_routines_linalg.pxd): its default, and TF32 for float32.
 _COMPUTE_TYPE_DEFAULT = "COMPUTE_TYPE_DEFAULT"
@@ -107,14 +111,35 @@ def add_product(out: Any, a: Any, b: Any) -> None:
         out: the accumulator (a gradient), shape (a.shape[0], b.shape[1]).
         a, b: the factors, of ``out``'s array library.
     """
-    cupy = sys.modules.get("cupy")
-    if (cupy is not None and type(out) is cupy.ndarray and out.dtype.char in "fd"
-            and a.dtype == out.dtype and b.dtype == out.dtype
-            and (out.flags.c_contiguous or out.flags.f_contiguous) and not _tf32_in_force(cupy)):
-        from cupy import cublas
-        cublas.gemm("N", "N", a, b, out=out, alpha=1.0, beta=1.0)
+    cupy = gemm.module_of(out)
+    if cupy is not None and gemm.handles(a, b, cupy) and gemm.writes_into(out, a):
+        gemm.gemm(a, b, cupy, out=out, beta=1.0, tf32=_tf32_in_force(cupy))
         return
     out += a @ b
 
 
-__all__ = ["sync_matmul_precision", "apply_matmul_precision", "add_product"]
+def product_2d(a: Any, b: Any, dtype: Any = None) -> Any:
+    """``a @ b`` for ``a`` (..., k) and a matrix ``b`` (k, n): through ``nn.gemm`` on cupy arrays it takes.
+
+    An ``a`` of more dimensions is multiplied as the 2-D (rows, k) view of it when C-contiguous.
+    Anything ``nn.gemm`` does not take (integer arrays, strided views) goes to ``@``. ``dtype``
+    (2-D only): the result's, written by the GEMM itself where it can (float32 from 16-bit factors),
+    so the product is what ``add_product`` adds into a zero gradient.
+    """
+    cupy = gemm.module_of(a)
+    if cupy is not None and b.ndim == 2 and a.ndim >= 2:
+        flat = a.reshape(-1, a.shape[-1]) if a.ndim > 2 and a.flags.c_contiguous else a
+        if gemm.handles(flat, b, cupy):
+            out = None
+            if dtype is not None and np.dtype(dtype) != a.dtype and flat is a:
+                out = cupy.empty((a.shape[0], b.shape[1]), dtype=dtype)
+                if not gemm.writes_into(out, a):
+                    return gemm.gemm(flat, b, cupy, tf32=_tf32_in_force(cupy)).astype(dtype)
+            out = gemm.gemm(flat, b, cupy, out=out, tf32=_tf32_in_force(cupy))
+            return out if flat is a else out.reshape(a.shape[:-1] + (b.shape[-1],))
+    if a.ndim > 2 and a.flags.c_contiguous and b.ndim == 2:
+        return (a.reshape(-1, a.shape[-1]) @ b).reshape(a.shape[:-1] + (b.shape[-1],))
+    return a @ b
+
+
+__all__ = ["sync_matmul_precision", "apply_matmul_precision", "add_product", "product_2d"]

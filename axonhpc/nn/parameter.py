@@ -22,7 +22,7 @@ from typing import Any, Callable, List
 
 from .._dtypes import array_module
 from ..errors import ArgumentTypeError, ShapeError
-from .matmul import add_product
+from .matmul import add_product, product_2d
 
 GradHook = Callable[["Parameter"], None]
 
@@ -133,7 +133,7 @@ class Parameter:
             raise ShapeError(f"product of shapes {tuple(a.shape)} @ {tuple(b.shape)} for a parameter of shape "
                              f"{tuple(self.data.shape)}")
         if self.grad is None:
-            g = a @ b  # a new array, owned here
+            g = product_2d(a, b, self.data.dtype)  # a new array, owned here
             self.grad = g if g.dtype == self.data.dtype else g.astype(self.data.dtype)
         else:
             add_product(self.grad, a, b)

@@ -1,0 +1,209 @@
+"""2-D matrix products of cupy arrays through cuBLAS itself, so that a CUDA graph can hold them.
+
+[Note: products in a CUDA graph]
+cupy refuses every cuBLAS call while the current stream captures a graph
+("calling cuBLAS API during stream capture is currently unsupported", cupy
+14; cupy issue 6290), although cuBLAS supports stream capture: since CUDA
+12.2 its workspace comes from stream-ordered allocations, which a graph
+holds. The first whole-step capture on an H100 failed there, at the first
+Linear. The layers' 2-D products (``autocast.matmul_2d``, a weight
+gradient's ``grad += a @ b``) therefore call ``cublasGemmEx`` themselves,
+with cupy's own handle for the device and thread, on the current stream:
+eagerly and in a capture alike, so a replayed step runs the very calls of
+the eager one. The compute type follows cupy's table (``nn.matmul``'s
+[Note: TF32]): TF32 for float32 while it is in force, else float32
+accumulation for float32 and the 16-bit floats, float64 for float64.
+
+cuBLAS is column-major. A C-contiguous (r, c) array is, to it, the (c, r)
+matrix: the transpose, with leading dimension c; an F-contiguous one is the
+matrix itself, with leading dimension r. ``C = A @ B`` with C C-contiguous
+is computed as ``C^T = B^T A^T``; an F-contiguous C as ``C^T``'s transpose.
+
+The library is the ``libcublas.so.<major>`` already loaded (``RTLD_NOLOAD``:
+the copy cupy's cuBLAS module is bound to, with the major of cupy's
+handle); a cupy stand-in offers its own as ``cupy._axonhpc_cublas`` (tests).
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import sys
+import threading
+from typing import Any
+
+import numpy as np
+
+from ..errors import BackendUnavailableError
+
+logger = logging.getLogger(__name__)
+
+OP_N, OP_T = 0, 1
+# cudaDataType_t
+_DATA_TYPES = {"float32": 0, "float64": 1, "float16": 2, "bfloat16": 14}
+# cublasComputeType_t
+COMPUTE_32F, COMPUTE_64F, COMPUTE_32F_FAST_TF32 = 68, 70, 77
+_GEMM_DEFAULT = -1
+_POINTER_MODE_HOST = 0
+
+
+class _Cublas:
+    """``libcublas`` through ctypes: the three calls a product needs."""
+
+    def __init__(self, cupy: Any):
+        self._cupy = cupy
+        handle = cupy.cuda.device.get_cublas_handle()  # cupy has loaded the library and made its handle
+        lib = _loaded_cublas(_cublas_module(cupy).getVersion(handle) // 10000)
+        vp, i = ctypes.c_void_p, ctypes.c_int
+        self._set_stream = lib.cublasSetStream_v2
+        self._set_stream.argtypes, self._set_stream.restype = [vp, vp], i
+        self._pointer_mode = lib.cublasSetPointerMode_v2
+        self._pointer_mode.argtypes, self._pointer_mode.restype = [vp, i], i
+        self._gemm = lib.cublasGemmEx
+        self._gemm.argtypes = [vp, i, i, i, i, i, vp, vp, i, i, vp, i, i, vp, vp, i, i, i, i]
+        self._gemm.restype = i
+
+    def gemm_ex(self, opa: int, opb: int, m: int, n: int, k: int, alpha: Any, a: Any, lda: int, b: Any, ldb: int,
+                beta: Any, c: Any, ldc: int, compute: int) -> None:
+        """``cublasGemmEx`` on cupy's handle and current stream, on the memory of cupy arrays ``a``, ``b``, ``c``.
+
+        alpha and beta are 0-d numpy arrays of the compute type's scalar (host pointer mode).
+        """
+        handle = self._cupy.cuda.device.get_cublas_handle()
+        _check("cublasSetStream", self._set_stream(handle, self._cupy.cuda.get_current_stream().ptr))
+        _check("cublasSetPointerMode", self._pointer_mode(handle, _POINTER_MODE_HOST))
+        _check("cublasGemmEx", self._gemm(handle, opa, opb, m, n, k, alpha.ctypes.data, a.data.ptr, data_type(a),
+                                          lda, b.data.ptr, data_type(b), ldb, beta.ctypes.data, c.data.ptr,
+                                          data_type(c), ldc, compute, _GEMM_DEFAULT))
+
+
+def data_type(x: Any) -> int:
+    """cuBLAS's ``cudaDataType`` of ``x``'s dtype."""
+    return _DATA_TYPES[x.dtype.name]
+
+
+def _check(call: str, status: int) -> None:
+    if status != 0:
+        raise BackendUnavailableError(f"{call} returned cuBLAS status {status}")
+
+
+def _cublas_module(cupy: Any) -> Any:
+    """cupy's wrapper module of cuBLAS (``cupy.cuda.cublas``)."""
+    module = getattr(cupy.cuda, "cublas", None)
+    if module is None:
+        from cupy_backends.cuda.libs import cublas as module  # type: ignore[no-redef]
+    return module
+
+
+def _loaded_cublas(major: int) -> Any:
+    """The ``libcublas.so.<major>`` this process has loaded: the one a library linked against that name, as
+    cupy's cuBLAS module is, was bound to (the first loaded under it); else the first one mapped."""
+    try:
+        return ctypes.CDLL(f"libcublas.so.{major}", mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+    except OSError:
+        pass
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = [line.split()[-1] for line in maps if "/libcublas.so" in line]
+    except OSError:
+        paths = []
+    if not paths:
+        raise BackendUnavailableError(f"the layers' matrix products call cuBLAS themselves (see nn.gemm), but no "
+                                      f"libcublas.so.{major} is loaded in this process after cupy made its handle")
+    return ctypes.CDLL(paths[0])
+
+
+_cached: tuple = (None, None)  # (the cupy module, its library): one cupy per process, a test's stand-in aside
+_lock = threading.Lock()
+
+
+def _library(cupy: Any) -> Any:
+    """The cuBLAS of ``cupy`` (None where it could not be reached: products then go through cupy, and a
+    CUDA graph cannot hold them; the reason is logged once)."""
+    global _cached
+    module, lib = _cached
+    if module is not cupy:
+        with _lock:
+            module, lib = _cached
+            if module is not cupy:
+                lib = getattr(cupy, "_axonhpc_cublas", None)
+                if lib is None:
+                    try:
+                        lib = _Cublas(cupy)
+                    except (OSError, AttributeError, BackendUnavailableError) as exc:
+                        logger.warning("the layers' products go through cupy's matmul, which a CUDA graph cannot "
+                                       "hold: cuBLAS could not be called directly (%s: %s)", type(exc).__name__, exc)
+                        lib = None
+                _cached = (cupy, lib)
+    return lib
+
+
+def handles(a: Any, b: Any, cupy: Any) -> bool:
+    """Whether ``gemm`` multiplies these: 2-D cupy arrays of one dtype it knows, each C- or F-contiguous
+    (and cuBLAS reachable)."""
+    return (type(a) is cupy.ndarray and type(b) is cupy.ndarray and a.ndim == 2 and b.ndim == 2
+            and a.dtype == b.dtype and a.dtype.name in _DATA_TYPES
+            and (a.flags.c_contiguous or a.flags.f_contiguous) and (b.flags.c_contiguous or b.flags.f_contiguous)
+            and _library(cupy) is not None)
+
+
+def writes_into(out: Any, a: Any) -> bool:
+    """Whether ``gemm`` can write a product of ``a``'s dtype into ``out``: the same dtype, or float32 for
+    16-bit factors (cuBLAS accumulates those in float32 either way), C- or F-contiguous."""
+    same = out.dtype == a.dtype or (out.dtype.name == "float32" and a.dtype.name in ("float16", "bfloat16"))
+    return same and out.ndim == 2 and bool(out.flags.c_contiguous or out.flags.f_contiguous)
+
+
+def _operand(x: Any) -> tuple:
+    """(op, leading dimension) of ``x`` read as the transpose of cuBLAS's column-major matrix of it."""
+    rows, cols = x.shape
+    if x.flags.c_contiguous:
+        return OP_N, max(1, cols)
+    return OP_T, max(1, rows)
+
+
+def gemm(a: Any, b: Any, cupy: Any, out: Any = None, beta: float = 0.0, tf32: bool = False) -> Any:
+    """``out = a @ b + beta * out`` (a new C-contiguous array when ``out`` is None), by ``cublasGemmEx``.
+
+    Args:
+        a, b: arrays ``handles`` accepts, (m, k) and (k, n).
+        cupy: their array module.
+        out: (m, n) array that ``writes_into`` accepts, or None.
+        beta: what ``out`` is scaled by before the product is added (0: overwritten).
+        tf32: float32 products in TF32 (``nn.matmul`` says whether it is in force).
+    """
+    m, k = a.shape
+    n = b.shape[1]
+    if out is None:
+        out = cupy.empty((m, n), dtype=a.dtype)
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        out *= out.dtype.type(beta)
+        return out
+    dtype = a.dtype.name
+    if dtype == "float64":
+        compute, scalar = COMPUTE_64F, np.float64
+    else:
+        compute, scalar = (COMPUTE_32F_FAST_TF32 if tf32 and dtype == "float32" else COMPUTE_32F), np.float32
+    lib = _library(cupy)
+    if out.flags.c_contiguous:  # out^T = B^T A^T, column-major (n, m)
+        opa, lda = _operand(b)
+        opb, ldb = _operand(a)
+        lib.gemm_ex(opa, opb, n, m, k, np.array(1.0, scalar), b, lda, a, ldb, np.array(beta, scalar), out,
+                    max(1, n), compute)
+    else:  # column-major out (m, n): out = A B with A, B read as the matrices themselves
+        opa, lda = _operand(a.T)
+        opb, ldb = _operand(b.T)
+        lib.gemm_ex(opa, opb, m, n, k, np.array(1.0, scalar), a, lda, b, ldb, np.array(beta, scalar), out,
+                    max(1, m), compute)
+    return out
+
+
+def module_of(x: Any) -> Any:
+    """cupy, when ``x`` is one of its arrays; else None."""
+    cupy = sys.modules.get("cupy")
+    return cupy if cupy is not None and type(x) is cupy.ndarray else None
+
+
+__all__ = ["gemm", "handles", "writes_into", "module_of"]
