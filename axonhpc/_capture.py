@@ -18,7 +18,13 @@ layers do eagerly therefore change under a capture:
   every later step. Under a capture, the optimizers read such scalars from
   device memory and register, with ``before_replay``, the host code that
   computes them and writes them there before each launch (and advances the
-  step counts the state dict reports).
+  step counts the state dict reports). That memory comes from outside the
+  graph's own memory pool (``host_written``): within one launch the graph
+  reuses a freed temporary's block for a later allocation, so a block the
+  host filled before the launch could be overwritten by an earlier node of
+  the same graph before the update reads it. The first captured optimizer
+  step on an H100 read its learning rate from such a block: the backward's
+  gradients had been written there.
 - **Collectives.** A collective whose backend issues it on a stream (NCCL)
   is captured like a kernel: the ranks' agreement check runs once, at the
   capture, and each replay is compared across the ranks instead
@@ -45,9 +51,10 @@ class Recording:
         xp: the array module of the step's inputs (cupy), for layers that make device values of host ones.
     """
 
-    def __init__(self, capturing: bool, xp: Any = None) -> None:
+    def __init__(self, capturing: bool, xp: Any = None, host_allocator: Any = None) -> None:
         self.capturing = bool(capturing)
         self.xp = xp
+        self.host_allocator = host_allocator  # the allocator in force before the capture (see host_written)
         self.checks: List[Tuple[Any, Callable[[Any], None]]] = []
         self.before_replay: List[Callable[[], None]] = []
         self.collectives: List[Tuple[Any, Tuple[int, ...], str]] = []
@@ -98,6 +105,19 @@ def before_replay(fn: Callable[[], None]) -> None:
     current().before_replay.append(fn)
 
 
+def host_written(xp: Any, shape: Any, dtype: Any) -> Any:
+    """An empty device array the host writes between launches and the graph being captured reads.
+
+    Allocated with the allocator in force before the capture, never from the graph's own pool
+    (see the module note); outside a capture, a plain ``xp.empty``.
+    """
+    record = current()
+    if record is None or not record.capturing or record.host_allocator is None:
+        return xp.empty(shape, dtype)
+    with xp.cuda.using_allocator(record.host_allocator):
+        return xp.empty(shape, dtype)
+
+
 def note_collective(group: Any, desc: Tuple[int, ...], text: str) -> None:
     """Record that the capture holds a collective on ``group`` (its descriptor words, and how messages name it)."""
     current().collectives.append((group, desc, text))
@@ -114,4 +134,5 @@ def refuse(what: str, why: str) -> None:
 
 
 __all__ = ["Recording", "recording", "current", "capturing", "defers_reads", "defer_check", "before_replay",
+           "host_written",
            "note_collective", "refuse"]

@@ -148,7 +148,7 @@ class GraphedStep:
         stream = xp.cuda.Stream(non_blocking=True)
         stream.wait_event(current.record())  # the copies and all earlier work come first
         pool = xp.cuda.MemoryPool()
-        record = _capture.Recording(capturing=True, xp=xp)
+        record = _capture.Recording(capturing=True, xp=xp, host_allocator=_allocator_in_force(xp))
         with xp.cuda.using_allocator(pool.malloc), stream, _capture.recording(record):
             stream.begin_capture()
             try:
@@ -197,6 +197,12 @@ class GraphedStep:
         self._unchecked = bool(self._record.checks)
         self.calls += 1
         return self._outputs
+
+
+def _allocator_in_force(xp: Any) -> Any:
+    """The allocator this thread's cupy allocates with now (cupy's default pool's where none was set)."""
+    get = getattr(xp.cuda, "get_allocator", None)
+    return get() if get is not None else xp.get_default_memory_pool().malloc
 
 
 def graph_step(fn: Callable[..., Any], warmup: int = 2) -> GraphedStep:

@@ -167,7 +167,18 @@ class _Event:
 
 
 class _MemoryPool:
-    """``cupy.cuda.MemoryPool``: host memory underneath, so only the object and ``malloc`` are played."""
+    """``cupy.cuda.MemoryPool``: host memory underneath, so only the object and ``malloc`` are played.
+
+    It remembers the memory of the arrays made while its ``malloc`` is the allocator in force (a graph's
+    capture): between launches, a kernel writing into that memory is refused, as it is unsafe on a GPU.
+    A graph reuses a freed temporary's block for a later allocation within one launch, so what the host
+    wrote there before the launch may be overwritten by an earlier node before it is read (the first
+    captured optimizer step on an H100 read gradients as its learning rate that way).
+    """
+
+    def __init__(self):
+        self.ranges = []  # (first byte, end) of each array allocated from this pool
+        _pools.add(self)
 
     def malloc(self, size):
         raise NotImplementedError("the stand-in's arrays are numpy memory: its MemoryPool allocates nothing")
@@ -180,6 +191,37 @@ class _MemoryPool:
 
 
 _allocators = threading.local()
+_pools = weakref.WeakSet()
+
+
+def _default_malloc(size):
+    """cupy's default pool's ``malloc`` (what ``get_allocator`` returns where no other is in force)."""
+    raise NotImplementedError("the stand-in's arrays are numpy memory: nothing is allocated through it")
+
+
+def _bounds(a):
+    lo = a.__array_interface__["data"][0]
+    return lo, lo + max(a.nbytes, 1)
+
+
+def _note_allocation(a):
+    pool = getattr(current_allocator(), "__self__", None)
+    if isinstance(pool, _MemoryPool):
+        pool.ranges.append(_bounds(a))
+
+
+def _check_write(a, kernel):
+    lo, hi = _bounds(a)
+    for pool in list(_pools):
+        if any(lo < end and start < hi for start, end in pool.ranges):
+            raise RuntimeError(f"{kernel}: writing, between a graph's launches, into memory allocated from the "
+                               "graph's own pool during its capture; the graph's temporaries reuse such blocks "
+                               "within a launch, so this may be overwritten before the graph reads it (allocate "
+                               "what the host writes outside the graph's pool)")
+
+
+strict_cupy.allocation_hook = _note_allocation
+strict_cupy.write_hook = _check_write
 
 
 @contextlib.contextmanager
@@ -199,6 +241,11 @@ def current_allocator():
     return stack[-1] if stack else None
 
 
+def _get_allocator():
+    """``cupy.cuda.get_allocator``: the allocator in force on this thread."""
+    return current_allocator() or _default_malloc
+
+
 def _current_stream():
     stack = _Stream._current.__dict__.get("stack")
     return stack[-1] if stack else _NULL_STREAM
@@ -215,7 +262,7 @@ class FakeCupy(StrictCupy):
         runtime.streamCaptureModeRelaxed = 2
         self.cuda = types.SimpleNamespace(Stream=_Stream, Event=_Event, get_current_stream=_current_stream,
                                           runtime=runtime, Graph=_Graph, MemoryPool=_MemoryPool,
-                                          using_allocator=_using_allocator,
+                                          using_allocator=_using_allocator, get_allocator=_get_allocator,
                                           Device=lambda i: types.SimpleNamespace(use=lambda: self.bound.append(i)))
 
 

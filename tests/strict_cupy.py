@@ -121,6 +121,17 @@ def refuse_cublas_in_capture() -> None:
         raise NotImplementedError(CUBLAS_IN_CAPTURE)
 
 
+allocation_hook: Any = None  # fake_cuda: notes where arrays were allocated from (a graph's own pool)
+write_hook: Any = None  # fake_cuda: checks a kernel's outputs before it writes them outside a capture
+
+
+def _allocated(a: np.ndarray) -> np.ndarray:
+    """``a``, just allocated by a creation function or a kernel's output (told to ``allocation_hook``)."""
+    if allocation_hook is not None:
+        allocation_hook(a)
+    return a
+
+
 def refuse_in_capture(what: str, message: str = CAPTURING_SYNC) -> None:
     """Raise cupy's error for ``what`` if this thread is capturing."""
     if capturing():
@@ -552,7 +563,7 @@ def _strict_function(source: Any, name: str) -> Any:
             done = _run(lambda: source(*args, **kwargs), in_place=True)
             return given if capturing() and given is not None else _wrap(done)
         if name in _NO_KERNEL:
-            return _wrap(_poisoned(source(*args, **kwargs)))
+            return _wrap(_allocated(_poisoned(source(*args, **kwargs))))
         return _wrap(_run(lambda: source(*args, **kwargs), args))
 
     return call
@@ -742,9 +753,13 @@ class ElementwiseKernel:
                 raise ValueError(f"output {name!r} of {self.name!r} has shape {arg.shape}, the arguments broadcast "
                                  f"to {shape} (an output is never broadcast)")
         if len(args) == n_in:
-            args += [DeviceArray(np.empty(shape, dtype_of(t))) for t, _, _ in self.out_params]
+            args += [DeviceArray(_allocated(np.empty(shape, dtype_of(t)))) for t, _, _ in self.out_params]
             for out in args[n_in:]:
                 _poison(out._a)  # fresh memory: no values until the kernel (or a graph's launch) writes them
+        elif write_hook is not None and not capturing():
+            for out in args[n_in:]:
+                if type(out) is DeviceArray:
+                    write_hook(out._a, self.name)
         for (type_, name, _), arg in zip(self.out_params, args[n_in:]):
             if type(arg) is not DeviceArray:
                 raise TypeError(f"output {name!r} of {self.name!r} must be a cupy array, got {type(arg).__name__}")
@@ -996,8 +1011,8 @@ class StrictCupy(types.ModuleType):
             return from_host
         if name in _CREATION:
             if name in _NO_KERNEL:
-                return lambda *args, **kwargs: DeviceArray(_poisoned(getattr(np, name)(*args, **kwargs)))
-            return lambda *args, **kwargs: DeviceArray(_run(lambda: getattr(np, name)(*args, **kwargs)))
+                return lambda *args, **kwargs: DeviceArray(_allocated(_poisoned(getattr(np, name)(*args, **kwargs))))
+            return lambda *args, **kwargs: DeviceArray(_allocated(_run(lambda: getattr(np, name)(*args, **kwargs))))
         if name in _SEQUENCE_FIRST:
             def joined(arrays, *args, **kwargs):
                 where = f"cupy.{name}"

@@ -233,6 +233,26 @@ def test_a_product_through_cupy_itself_is_refused_with_the_way_out(cupy):
     assert not step.captured
 
 
+def test_what_the_host_writes_between_launches_lives_outside_the_graphs_pool(cupy):
+    """The first captured optimizer step on an H100 read its learning rate from a block of the graph's pool that
+    the backward's temporaries had written (within one launch a graph reuses freed blocks). The stand-in refuses a
+    write between launches into memory allocated from the pool during the capture; ``host_written`` goes around it."""
+    from axonhpc import _capture
+
+    pool, stream = cupy.cuda.MemoryPool(), cupy.cuda.Stream(non_blocking=True)
+    record = _capture.Recording(capturing=True, xp=cupy, host_allocator=cupy.cuda.get_allocator())
+    with cupy.cuda.using_allocator(pool.malloc), stream, _capture.recording(record):
+        stream.begin_capture()
+        inside = cupy.empty(4, np.float64)
+        outside = _capture.host_written(cupy, 4, np.float64)
+        stream.end_capture()
+    _kernels.fill(cupy, outside, [1.0, 2.0, 3.0, 4.0])
+    assert outside.get().tolist() == [1.0, 2.0, 3.0, 4.0]
+    with pytest.raises(RuntimeError, match="into memory allocated from the graph's own pool"):
+        _kernels.fill(cupy, inside, [1.0, 2.0, 3.0, 4.0])
+    assert _capture.host_written(cupy, 2, np.float32).shape == (2,)  # outside a capture: a plain empty
+
+
 def test_dropout_in_training_is_refused(cupy):
     model = nn.Sequential(nn.Linear(WIDTHS[0], WIDTHS[-1], seed=1), nn.Dropout(0.2, seed=0)).to("cuda")
     opt = optim.SGD(model.parameters(), lr=0.1)

@@ -43,7 +43,7 @@ OP_N, OP_T = 0, 1
 _DATA_TYPES = {"float32": 0, "float64": 1, "float16": 2, "bfloat16": 14}
 # cublasComputeType_t
 COMPUTE_32F, COMPUTE_64F, COMPUTE_32F_FAST_TF32 = 68, 70, 77
-_GEMM_DEFAULT = -1
+_GEMM_DEFAULT, _GEMM_DEFAULT_TENSOR_OP = -1, 99
 _POINTER_MODE_HOST = 0
 
 
@@ -62,6 +62,11 @@ class _Cublas:
         self._gemm = lib.cublasGemmEx
         self._gemm.argtypes = [vp, i, i, i, i, i, vp, vp, i, i, vp, i, i, vp, vp, i, i, i, i]
         self._gemm.restype = i
+        # the algorithm cupy's own products ask for (cupy/_core/_routines_linalg.pyx): the tensor-op default
+        # from compute capability 8.0 (7.0 for float16), else the default
+        capability = int(cupy.cuda.Device().compute_capability)
+        self._algo = {dtype: _GEMM_DEFAULT_TENSOR_OP if capability >= 80 or (capability >= 70 and dtype == 2)
+                      else _GEMM_DEFAULT for dtype in _DATA_TYPES.values()}
 
     def gemm_ex(self, opa: int, opb: int, m: int, n: int, k: int, alpha: Any, a: Any, lda: int, b: Any, ldb: int,
                 beta: Any, c: Any, ldc: int, compute: int) -> None:
@@ -74,7 +79,7 @@ class _Cublas:
         _check("cublasSetPointerMode", self._pointer_mode(handle, _POINTER_MODE_HOST))
         _check("cublasGemmEx", self._gemm(handle, opa, opb, m, n, k, alpha.ctypes.data, a.data.ptr, data_type(a),
                                           lda, b.data.ptr, data_type(b), ldb, beta.ctypes.data, c.data.ptr,
-                                          data_type(c), ldc, compute, _GEMM_DEFAULT))
+                                          data_type(c), ldc, compute, self._algo[data_type(c)]))
 
 
 def data_type(x: Any) -> int:

@@ -263,7 +263,8 @@ def captured_launch(xp: Any, tables: _kernels.TensorTables, name: str, variant: 
     Returns:
         The device array of the scalars, to be written (``_kernels.fill``) before each replay.
     """
-    scalars = xp.empty(count, lists[0][0].dtype)  # no kernel: written before each replay, outside the graph
+    # written before each launch, outside the graph: not from the graph's pool (see [Note: capturing a step])
+    scalars = _capture.host_written(xp, count, lists[0][0].dtype)
     _many(xp, tables, name, variant, build, lists, (scalars,), device_scalars=True)
     return scalars
 
