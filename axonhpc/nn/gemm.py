@@ -44,6 +44,7 @@ _DATA_TYPES = {"float32": 0, "float64": 1, "float16": 2, "bfloat16": 14}
 # cublasComputeType_t
 COMPUTE_32F, COMPUTE_64F, COMPUTE_32F_FAST_TF32 = 68, 70, 77
 _GEMM_DEFAULT, _GEMM_DEFAULT_TENSOR_OP = -1, 99
+_FLOAT32, _FLOAT64 = np.dtype(np.float32), np.dtype(np.float64)
 _POINTER_MODE_HOST = 0
 
 
@@ -74,17 +75,46 @@ class _Cublas:
 
         alpha and beta are 0-d numpy arrays of the compute type's scalar (host pointer mode).
         """
-        handle = self._cupy.cuda.device.get_cublas_handle()
-        _check("cublasSetStream", self._set_stream(handle, self._cupy.cuda.get_current_stream().ptr))
-        _check("cublasSetPointerMode", self._pointer_mode(handle, _POINTER_MODE_HOST))
-        _check("cublasGemmEx", self._gemm(handle, opa, opb, m, n, k, alpha.ctypes.data, a.data.ptr, data_type(a),
-                                          lda, b.data.ptr, data_type(b), ldb, beta.ctypes.data, c.data.ptr,
-                                          data_type(c), ldc, compute, self._algo[data_type(c)]))
+        cuda = self._cupy.cuda
+        handle = cuda.device.get_cublas_handle()
+        status = self._set_stream(handle, cuda.get_current_stream().ptr) or self._pointer_mode(handle, _POINTER_MODE_HOST)
+        if status:
+            _check("cublasSetStream/cublasSetPointerMode", status)
+        codes = _codes()
+        code_ab, code_c = codes[a.dtype], codes[c.dtype]
+        _check("cublasGemmEx", self._gemm(handle, opa, opb, m, n, k, alpha.ctypes.data, a.data.ptr, code_ab, lda,
+                                          b.data.ptr, code_ab, ldb, beta.ctypes.data, c.data.ptr, code_c, ldc,
+                                          compute, self._algo[code_c]))
+
+
+_CODES: dict = {}  # numpy dtype -> cudaDataType (a dict of dtypes: dtype.name is slow on a hot path)
+
+
+def _codes() -> dict:
+    if not _CODES:
+        for name, code in _DATA_TYPES.items():
+            try:
+                dtype = np.dtype(name) if name != "bfloat16" else np.dtype(__import__("ml_dtypes").bfloat16)
+            except (ImportError, TypeError):
+                continue
+            _CODES[dtype] = code
+    return _CODES
 
 
 def data_type(x: Any) -> int:
     """cuBLAS's ``cudaDataType`` of ``x``'s dtype."""
-    return _DATA_TYPES[x.dtype.name]
+    return _codes()[x.dtype]
+
+
+_ONE: dict = {}  # (scalar type, value) -> 0-d host array passed by address (never written)
+
+
+def _scalar(kind: Any, value: float) -> Any:
+    key = (kind, value)
+    array = _ONE.get(key)
+    if array is None:
+        array = _ONE[key] = np.array(value, kind)
+    return array
 
 
 def _check(call: str, status: int) -> None:
@@ -146,17 +176,21 @@ def _library(cupy: Any) -> Any:
 def handles(a: Any, b: Any, cupy: Any) -> bool:
     """Whether ``gemm`` multiplies these: 2-D cupy arrays of one dtype it knows, each C- or F-contiguous
     (and cuBLAS reachable)."""
-    return (type(a) is cupy.ndarray and type(b) is cupy.ndarray and a.ndim == 2 and b.ndim == 2
-            and a.dtype == b.dtype and a.dtype.name in _DATA_TYPES
-            and (a.flags.c_contiguous or a.flags.f_contiguous) and (b.flags.c_contiguous or b.flags.f_contiguous)
-            and _library(cupy) is not None)
+    if not (type(a) is cupy.ndarray and type(b) is cupy.ndarray and a.ndim == 2 and b.ndim == 2
+            and a.dtype == b.dtype and a.dtype in _codes()):
+        return False
+    fa, fb = a.flags, b.flags
+    return (fa.c_contiguous or fa.f_contiguous) and (fb.c_contiguous or fb.f_contiguous) and _library(cupy) is not None
 
 
 def writes_into(out: Any, a: Any) -> bool:
     """Whether ``gemm`` can write a product of ``a``'s dtype into ``out``: the same dtype, or float32 for
     16-bit factors (cuBLAS accumulates those in float32 either way), C- or F-contiguous."""
-    same = out.dtype == a.dtype or (out.dtype.name == "float32" and a.dtype.name in ("float16", "bfloat16"))
-    return same and out.ndim == 2 and bool(out.flags.c_contiguous or out.flags.f_contiguous)
+    same = out.dtype == a.dtype or (out.dtype == _FLOAT32 and a.dtype.itemsize == 2 and a.dtype in _codes())
+    if not same or out.ndim != 2:
+        return False
+    flags = out.flags
+    return bool(flags.c_contiguous or flags.f_contiguous)
 
 
 def _operand(x: Any) -> tuple:
@@ -186,22 +220,21 @@ def gemm(a: Any, b: Any, cupy: Any, out: Any = None, beta: float = 0.0, tf32: bo
     if k == 0:
         out *= out.dtype.type(beta)
         return out
-    dtype = a.dtype.name
-    if dtype == "float64":
+    dtype = a.dtype
+    if dtype == _FLOAT64:
         compute, scalar = COMPUTE_64F, np.float64
     else:
-        compute, scalar = (COMPUTE_32F_FAST_TF32 if tf32 and dtype == "float32" else COMPUTE_32F), np.float32
+        compute, scalar = (COMPUTE_32F_FAST_TF32 if tf32 and dtype == _FLOAT32 else COMPUTE_32F), np.float32
     lib = _library(cupy)
+    one, beta_ = _scalar(scalar, 1.0), _scalar(scalar, float(beta))
     if out.flags.c_contiguous:  # out^T = B^T A^T, column-major (n, m)
         opa, lda = _operand(b)
         opb, ldb = _operand(a)
-        lib.gemm_ex(opa, opb, n, m, k, np.array(1.0, scalar), b, lda, a, ldb, np.array(beta, scalar), out,
-                    max(1, n), compute)
+        lib.gemm_ex(opa, opb, n, m, k, one, b, lda, a, ldb, beta_, out, max(1, n), compute)
     else:  # column-major out (m, n): out = A B with A, B read as the matrices themselves
         opa, lda = _operand(a.T)
         opb, ldb = _operand(b.T)
-        lib.gemm_ex(opa, opb, m, n, k, np.array(1.0, scalar), a, lda, b, ldb, np.array(beta, scalar), out,
-                    max(1, m), compute)
+        lib.gemm_ex(opa, opb, m, n, k, one, a, lda, b, ldb, beta_, out, max(1, m), compute)
     return out
 
 
