@@ -551,3 +551,17 @@ def run_device_world(fn, n, nccl=None, cupy=None):
     if failed:
         raise failed[0]
     return results
+
+
+def bench_device(fake):
+    """``axonhpc.bench.step.Device`` played by the stand-in ``fake``: its arrays, and a fixed description."""
+    from axonhpc.bench import step
+
+    class StandIn(step.Device):
+        def __init__(self, name):
+            self.name, self.xp = name, fake
+
+        def describe(self):
+            return "cuda: the strict stand-in"
+
+    return StandIn

@@ -86,22 +86,12 @@ def test_the_device_step_trains_the_host_steps_model(monkeypatch):
 
 def test_the_device_comparison_runs_and_leaves_the_layouts_out(monkeypatch, capsys):
     """The whole ``--device cuda`` run on the stand-in device: the table, and the layouts skipped with the reason."""
-    from fake_cuda import FakeCupy
-
-    from axonhpc.bench import step as bench_step
+    from fake_cuda import FakeCupy, bench_device
 
     fake = FakeCupy()
     monkeypatch.setitem(sys.modules, "cupy", fake)
     monkeypatch.setitem(sys.modules, "cupy.cuda", fake.cuda)
-
-    class StandIn(bench_step.Device):
-        def __init__(self, name):
-            self.name, self.xp = name, fake
-
-        def describe(self):
-            return "cuda: the strict stand-in"
-
-    monkeypatch.setattr(gpt, "Device", StandIn)
+    monkeypatch.setattr(gpt, "Device", bench_device(fake))
     monkeypatch.setitem(sys.modules, "torch", None)  # torch's CUDA step cannot run here
     assert gpt.main(TINY + ["--device", "cuda", "--rounds", "1", "--steps", "1", "--profile-steps", "2"]) == 0
     out = capsys.readouterr().out

@@ -183,7 +183,7 @@ def test_the_graphed_step_trains_as_the_eager_step_does(monkeypatch):
 
 def test_a_step_that_cannot_be_graphed_leaves_the_other_columns(monkeypatch, capsys):
     """The first GPU run lost the whole table to the graphed column's GraphCaptureError."""
-    from fake_cuda import FakeCupy
+    from fake_cuda import FakeCupy, bench_device
 
     from axonhpc.errors import GraphCaptureError
 
@@ -199,15 +199,7 @@ def test_a_step_that_cannot_be_graphed_leaves_the_other_columns(monkeypatch, cap
 
     monkeypatch.setattr(bench_step, "graphed_step", refused)
     monkeypatch.setattr(bench_step, "torch_step", lambda spec, device, precision: (None, "torch n/a"))
-
-    class StandIn(bench_step.Device):
-        def __init__(self, name):
-            self.name, self.xp = name, fake
-
-        def describe(self):
-            return "cuda: the strict stand-in"
-
-    monkeypatch.setattr(bench_step, "Device", StandIn)
+    monkeypatch.setattr(bench_step, "Device", bench_device(fake))
     assert bench_step.main(["--device", "cuda", "--models", TINY, "--rounds", "1", "--precisions", "fp32"]) == 0
     out = capsys.readouterr().out.splitlines()
     row = out[2].split()
