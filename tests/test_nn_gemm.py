@@ -60,6 +60,8 @@ def test_vectors_and_empty_shapes(cp):
     gemm.gemm(device(np.ones((2, 0))), device(np.ones((0, 3))), cp, out=out, beta=0.5)  # k = 0: beta * out
     assert host(out).tolist() == [[1.0] * 3] * 2
     assert gemm.gemm(device(np.ones((0, 2))), device(np.ones((2, 3))), cp).shape == (0, 3)
+    fresh = gemm.gemm(device(np.ones((2, 0))), device(np.ones((0, 3))), cp)  # empty sums: zeros, not NaN
+    assert host(fresh).tolist() == [[0.0] * 3] * 2
     assert cp._axonhpc_cublas.calls == 8
 
 

@@ -183,11 +183,15 @@ def handles(a: Any, b: Any, cupy: Any) -> bool:
     return (fa.c_contiguous or fa.f_contiguous) and (fb.c_contiguous or fb.f_contiguous) and _library(cupy) is not None
 
 
+def can_write(out_dtype: Any, dtype: Any) -> bool:
+    """Whether ``gemm`` writes a product of ``dtype`` factors as ``out_dtype``: the same dtype, or float32 for
+    16-bit factors (cuBLAS accumulates those in float32 either way)."""
+    return out_dtype == dtype or (out_dtype == _FLOAT32 and dtype.itemsize == 2 and dtype in _codes())
+
+
 def writes_into(out: Any, a: Any) -> bool:
-    """Whether ``gemm`` can write a product of ``a``'s dtype into ``out``: the same dtype, or float32 for
-    16-bit factors (cuBLAS accumulates those in float32 either way), C- or F-contiguous."""
-    same = out.dtype == a.dtype or (out.dtype == _FLOAT32 and a.dtype.itemsize == 2 and a.dtype in _codes())
-    if not same or out.ndim != 2:
+    """Whether ``gemm`` can write a product of ``a``'s dtype into ``out`` (``can_write``, C- or F-contiguous)."""
+    if not can_write(out.dtype, a.dtype) or out.ndim != 2:
         return False
     flags = out.flags
     return bool(flags.c_contiguous or flags.f_contiguous)
@@ -217,8 +221,11 @@ def gemm(a: Any, b: Any, cupy: Any, out: Any = None, beta: float = 0.0, tf32: bo
         out = cupy.empty((m, n), dtype=a.dtype)
     if m == 0 or n == 0:
         return out
-    if k == 0:
-        out *= out.dtype.type(beta)
+    if k == 0:  # an empty sum: beta * out (0 where out was not to be read: it may hold NaN)
+        if beta == 0:
+            out.fill(0)
+        else:
+            out *= out.dtype.type(beta)
         return out
     dtype = a.dtype
     if dtype == _FLOAT64:
@@ -244,4 +251,4 @@ def module_of(x: Any) -> Any:
     return cupy if cupy is not None and type(x) is cupy.ndarray else None
 
 
-__all__ = ["gemm", "handles", "writes_into", "module_of"]
+__all__ = ["gemm", "handles", "can_write", "writes_into", "module_of"]

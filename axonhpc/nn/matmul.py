@@ -130,13 +130,12 @@ def product_2d(a: Any, b: Any, dtype: Any = None) -> Any:
     if cupy is not None and b.ndim == 2 and a.ndim >= 2:
         flat = a.reshape(-1, a.shape[-1]) if a.ndim > 2 and a.flags.c_contiguous else a
         if gemm.handles(flat, b, cupy):
-            out = None
-            if dtype is not None and np.dtype(dtype) != a.dtype and flat is a:
-                out = cupy.empty((a.shape[0], b.shape[1]), dtype=dtype)
-                if not gemm.writes_into(out, a):
-                    return gemm.gemm(flat, b, cupy, tf32=_tf32_in_force(cupy)).astype(dtype)
-            out = gemm.gemm(flat, b, cupy, out=out, tf32=_tf32_in_force(cupy))
-            return out if flat is a else out.reshape(a.shape[:-1] + (b.shape[-1],))
+            want = None if dtype is None else np.dtype(dtype)
+            into = (cupy.empty((a.shape[0], b.shape[1]), dtype=want)
+                    if want is not None and want != a.dtype and flat is a and gemm.can_write(want, a.dtype) else None)
+            out = gemm.gemm(flat, b, cupy, out=into, tf32=_tf32_in_force(cupy))
+            out = out if flat is a else out.reshape(a.shape[:-1] + (b.shape[-1],))
+            return out if want is None or out.dtype == want else out.astype(want)
     if a.ndim > 2 and a.flags.c_contiguous and b.ndim == 2:
         return (a.reshape(-1, a.shape[-1]) @ b).reshape(a.shape[:-1] + (b.shape[-1],))
     return a @ b
