@@ -42,10 +42,12 @@ class FlatOps:
     Attributes:
         name: "host" or "device".
         xp: the array module of the buffers (numpy or cupy).
+        host_memory: the buffers are host memory, so a node's shared-memory window can hold them.
     """
 
     name = "abstract"
     xp: Any = np
+    host_memory = False
 
     def empty(self, numel: int, dtype: Any) -> Any:
         """An uninitialised 1-D buffer of ``numel`` elements."""
@@ -101,6 +103,7 @@ class HostOps(FlatOps):
 
     name = "host"
     xp = np
+    host_memory = True
 
     def owns(self, array: Any) -> bool:
         return isinstance(array, np.ndarray)

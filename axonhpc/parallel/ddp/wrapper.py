@@ -62,7 +62,7 @@ from ...backends import ReduceOp
 # importable from here, where they were first defined.
 from ...errors import (ArgumentTypeError, AxonError, ConfigurationError, GradientAfterReductionError,
                       UnusedParameterError)
-from ...buffers import HOST, flat_ops_for
+from ...buffers import flat_ops_for
 from ...groups import resolve_group
 from ...nn import Module, call_backward, require_module
 from .autotune import bucket_bytes
@@ -159,7 +159,7 @@ class DistributedDataParallel(WrapperModes):
         groups = [[order[m] for m in members] for _, members in plan]
         params = [[self._params[i] for i in idx] for idx in groups]
         # One shared window for every bucket when the whole group is on one node (collective; see the note).
-        flats = (shared_flats(params, self.group, SHARED_BUCKETS_MIN_BYTES) if self._ops is HOST
+        flats = (shared_flats(params, self.group, SHARED_BUCKETS_MIN_BYTES) if self._ops.host_memory
                  else [None] * len(groups))
         return [Bucket(k, ps, [self._names[i] for i in idx], self._ops, flat)
                 for k, (idx, ps, flat) in enumerate(zip(groups, params, flats))]

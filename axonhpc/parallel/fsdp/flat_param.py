@@ -86,7 +86,7 @@ class Placement:
     def __init__(self, offload: CPUOffload, ops: FlatOps):
         self.offload = offload
         self.ops = ops
-        self.device = ops is not HOST
+        self.device = not ops.host_memory
         self.host_master = self.device and offload.any
 
     @property
@@ -122,7 +122,7 @@ def share_shards(units: List["FlatUnit"], group: Any) -> bool:
     """
     if group is None or group.size == 1:
         return False
-    eligible = [u for u in units if u.ops is HOST and u.gathers_master]
+    eligible = [u for u in units if u.ops.host_memory and u.gathers_master]
     sizes = [-(-int(u.shard.data.nbytes) // 64) * 64 for u in eligible]
     if sum(sizes) < SHARED_SHARDS_MIN_BYTES:
         return False
