@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 import sys
-from typing import Any, List, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -110,6 +110,19 @@ def array_module(x: Any):
     return np
 
 
+def dtype_groups(items: Iterable[Any], array_of: Optional[Callable[[Any], Any]] = None) -> List[List[Any]]:
+    """``items`` in groups of one dtype and one array library (numpy or cupy), in the order each first appears.
+
+    ``array_of(item)`` is the item's array (the item itself when None): what packs into one flat
+    message, or one flat shard, together.
+    """
+    groups: Dict[Tuple[str, type], List[Any]] = {}
+    for item in items:
+        array = item if array_of is None else array_of(item)
+        groups.setdefault((np.dtype(array.dtype).str, type(array)), []).append(item)
+    return list(groups.values())
+
+
 def finite_flags(arrays: Any, verdicts: Sequence[Any] = ()) -> List[bool]:
     """For each array, whether every element is finite (an empty array is), with one read of the device.
 
@@ -175,6 +188,7 @@ __all__ = [
     "is_integer",
     "is_cupy_array",
     "array_module",
+    "dtype_groups",
     "finite_flags",
     "to_host",
     "check_array",

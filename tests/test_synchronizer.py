@@ -328,3 +328,21 @@ def test_overlapped_wait_honours_the_group_timeout():
         return True
 
     assert ax.run_local(body, world_size=2) == [True, True]
+
+
+def test_dtype_groups_keep_first_seen_order_and_split_by_library():
+    """One helper groups arrays by dtype for every flat message (sync_gradients, broadcast_arrays, ZeRO's and the
+    parameter server's shards): a dtype's group comes where its first array is, and device arrays never join host
+    ones of the same dtype (they cannot share a flat buffer)."""
+    from axonhpc._dtypes import dtype_groups
+    from strict_cupy import device
+
+    a32, b64, c32, d64 = np.ones(2, np.float32), np.ones(3), np.zeros(4, np.float32), np.zeros(1)
+    assert [[x is y for x, y in zip(g, want)] for g, want in zip(dtype_groups([b64, a32, d64, c32]),
+                                                                 [[b64, d64], [a32, c32]])] == [[True, True]] * 2
+    on_device = device(np.ones(2, np.float32))
+    groups = dtype_groups([a32, on_device, c32])
+    assert [len(g) for g in groups] == [2, 1] and groups[1][0] is on_device
+    boxes = [type("P", (), {"data": x})() for x in (a32, b64)]
+    assert [g[0].data.dtype for g in dtype_groups(boxes, lambda p: p.data)] == [np.float32, np.float64]
+    assert dtype_groups([]) == []

@@ -12,11 +12,9 @@ is native).
 """
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence
+from typing import Optional, Sequence
 
-import numpy as np
-
-from .._dtypes import array_module, check_array
+from .._dtypes import array_module, check_array, dtype_groups
 from ..backends.base import ReduceOp
 from ..errors import AxonError
 from ..groups import ProcessGroup
@@ -105,11 +103,7 @@ def sync_gradients(grads: Sequence, group: Optional[ProcessGroup] = None) -> Non
     for i, g in enumerate(grads):
         check_array(g, f"gradient {i}", writable=True)
     pg = _member(group, "sync_gradients")
-    by_dtype: dict = {}
-    for g in grads:
-        by_dtype.setdefault(np.dtype(g.dtype).str + str(type(g)), []).append(g)
-    for key in sorted(by_dtype):
-        same: List[Any] = by_dtype[key]
+    for same in dtype_groups(grads):
         xp = array_module(same[0])
         flat = xp.concatenate([g.reshape(-1) for g in same])
         all_reduce(flat, ReduceOp.AVG, pg)

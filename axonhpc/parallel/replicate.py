@@ -1,10 +1,9 @@
 """Copy rank 0's arrays to every rank with one broadcast per dtype."""
 from __future__ import annotations
 
-from typing import Any, Dict, List, Sequence
+from typing import Any, Sequence
 
-import numpy as np
-
+from .._dtypes import dtype_groups
 from ..collectives import broadcast
 from ..buffers import flat_ops_for
 
@@ -19,11 +18,7 @@ def broadcast_arrays(arrays: Sequence[Any], group: Any, src: int = 0) -> None:
     if not arrays:
         return
     ops = flat_ops_for(arrays, what="broadcast_arrays")
-    by_dtype: Dict[str, List[Any]] = {}
-    for a in arrays:
-        by_dtype.setdefault(np.dtype(a.dtype).str, []).append(a)
-    for key in sorted(by_dtype):
-        same = by_dtype[key]
+    for same in dtype_groups(arrays):
         flat = ops.pack(same)
         broadcast(flat, src=src, group=group)
         ops.unpack(flat, same)

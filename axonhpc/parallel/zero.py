@@ -36,9 +36,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, Iterable, List, Tuple
 
-import numpy as np
-
-from .._dtypes import check_array
+from .._dtypes import check_array, dtype_groups
 from ..buffers import FlatOps, FlatShard, flat_ops_for
 from ..collectives import all_gather
 from ..errors import AxonError, ConfigurationError, ShapeError, StateDictError, UsageError
@@ -198,10 +196,8 @@ class ZeroRedundancyOptimizer:
         check_same_model(group, f"{_NAME} over group {group.name}",
                          parameter_lines((f"params[{i}]", p) for i, p in enumerate(given)), problem,
                          hint="every rank must pass the same parameters (the same model's, in the same order)")
-        by_dtype: Dict[np.dtype, List[Any]] = {}
-        for p in params:
-            by_dtype.setdefault(p.data.dtype, []).append(p)
-        shards = [_DtypeShard(members, group.rank, group.size, ops) for members in by_dtype.values()]
+        shards = [_DtypeShard(members, group.rank, group.size, ops)
+                  for members in dtype_groups(params, lambda p: p.data)]
         self.optimizer: Optimizer = optimizer_class([s.param for s in shards], **optimizer_args)
         if not isinstance(self.optimizer, Optimizer):  # a function that returned something else
             raise ConfigurationError(f"{_NAME}: {optimizer_class!r} returned a {type(self.optimizer).__name__}, not "

@@ -6,8 +6,9 @@ at the end of a run. The arithmetic is ``buffers.FlatShard``'s.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List
+from typing import Any, List
 
+from ..._dtypes import dtype_groups
 from ...buffers import FlatOps, FlatShard
 
 
@@ -26,12 +27,9 @@ class Slices:
     """
 
     def __init__(self, params: List[Any], num_servers: int, ops: FlatOps) -> None:
-        by_dtype: Dict[Any, List[Any]] = {}
-        for p in params:
-            by_dtype.setdefault(p.data.dtype, []).append(p)
-        self.groups = list(by_dtype.values())
-        self.shards = [FlatShard([p.data.shape for p in group], dtype, num_servers, ops)
-                       for dtype, group in by_dtype.items()]
+        self.groups = dtype_groups(params, lambda p: p.data)
+        self.shards = [FlatShard([p.data.shape for p in group], group[0].data.dtype, num_servers, ops)
+                       for group in self.groups]
         self.values: Any = None
 
     def allocate(self) -> None:
