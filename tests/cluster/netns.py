@@ -12,6 +12,8 @@ import shutil
 import subprocess
 from typing import Dict, List, Optional, Sequence
 
+from axonhpc.mpiexec import FAULT_TOLERANT_ARGS
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 
@@ -77,8 +79,11 @@ class Hosts:
             subprocess.run(["ip", "netns", "exec", f"host{i}", "tc", "qdisc", "replace", "dev", "eth0", "root", "tbf",
                             "rate", rate, "burst", "32kb", "latency", "2s"], check=True, capture_output=True)
 
-    def command(self, flavour: str, slots: Sequence[int], argv: List[str]) -> List[str]:
-        """The mpiexec command line (run from host1) for ``slots[i]`` ranks on host i+1."""
+    def command(self, flavour: str, slots: Sequence[int], argv: List[str], fault_tolerant: bool = False) -> List[str]:
+        """The mpiexec command line (run from host1) for ``slots[i]`` ranks on host i+1.
+
+        ``fault_tolerant``: Open MPI with ULFM, as ``axonhpc launch --fault-tolerant`` starts it.
+        """
         python = venv_python(flavour)
         mpiexec = os.path.join(os.path.dirname(python), "mpiexec")
         launcher = os.path.join(HERE, "netns-launch")
@@ -87,26 +92,29 @@ class Hosts:
         if flavour == "mpich":
             return [mpiexec, "-launcher", "ssh", "-launcher-exec", launcher, "-hosts", ",".join(hosts), "-n", str(n),
                     python, *argv]
-        return [mpiexec, "--prtemca", "plm_ssh_agent", launcher, "--host", ",".join(hosts), "-n", str(n), python,
+        ft = list(FAULT_TOLERANT_ARGS) if fault_tolerant else []
+        return [mpiexec, "--prtemca", "plm_ssh_agent", launcher, *ft, "--host", ",".join(hosts), "-n", str(n), python,
                 *argv]
 
     def _launch(self, flavour: str, slots: Sequence[int], argv: List[str], timeout: float,
-                env: Optional[Dict[str, str]]) -> tuple:
+                env: Optional[Dict[str, str]], fault_tolerant: bool = False) -> tuple:
         full_env = dict(self.env, UCX_TLS="tcp,self", UCX_NET_DEVICES="eth0", OMPI_ALLOW_RUN_AS_ROOT="1",
                         OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMP_NUM_THREADS="1", PYTHONPATH=REPO)
         full_env.update(env or {})
         # A mapping policy inherited from the caller (scripts/test.sh sets ":oversubscribe" for one-host runs)
         # would let Open MPI pack every rank onto host1; the host slots given here decide instead.
         full_env.pop("PRTE_MCA_rmaps_default_mapping_policy", None)
-        inner = " ".join(shlex.quote(a) for a in self.command(flavour, slots, argv))
+        if fault_tolerant:
+            full_env["AXONHPC_FAULT_TOLERANT"] = "1"  # what axonhpc launch --fault-tolerant sets
+        inner = " ".join(shlex.quote(a) for a in self.command(flavour, slots, argv, fault_tolerant))
         cmd = ["timeout", "-k", "5", str(timeout), "ip", "netns", "exec", "host1", "unshare", "--uts", "sh", "-c",
                f"hostname host1; exec {inner}"]
         return cmd, full_env
 
     def run(self, flavour: str, slots: Sequence[int], argv: List[str], timeout: float = 120,
-            env: Optional[Dict[str, str]] = None) -> subprocess.CompletedProcess:
+            env: Optional[Dict[str, str]] = None, fault_tolerant: bool = False) -> subprocess.CompletedProcess:
         """Run ``python argv`` on the hosts under mpiexec (outer ``timeout -k``); returns the finished process."""
-        cmd, full_env = self._launch(flavour, slots, argv, timeout, env)
+        cmd, full_env = self._launch(flavour, slots, argv, timeout, env, fault_tolerant)
         return subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=timeout + 30)
 
     def popen(self, flavour: str, slots: Sequence[int], argv: List[str], timeout: float = 120,
