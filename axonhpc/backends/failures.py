@@ -91,6 +91,14 @@ def _is_revoked(MPI: Any, comm: Any) -> bool:
         return False
 
 
+def revoke(MPI: Any, comm: Any) -> None:
+    """Revoke ``comm`` (ULFM): every call on it, on every rank, returns ``MPI_ERR_REVOKED``."""
+    try:
+        comm.Revoke()
+    except (MPI.Exception, NotImplementedError):
+        pass  # revoked already, by this rank or another
+
+
 def peer_failed(MPI: Any, comm: Any, exc: BaseException, what: str = "") -> BaseException:
     """``exc`` from an MPI call on ``comm``, as the error to raise: ``PeerFailedError`` for a dead peer.
 
@@ -108,10 +116,7 @@ def peer_failed(MPI: Any, comm: Any, exc: BaseException, what: str = "") -> Base
             return exc
     elif code not in failure_classes(MPI):
         return exc
-    try:
-        comm.Revoke()
-    except (MPI.Exception, NotImplementedError):
-        pass  # revoked already, by this rank or another
+    revoke(MPI, comm)
     deadline = time.monotonic() + _NAMING_SECONDS
     lost = _failed_ranks(MPI, comm)
     while not lost and time.monotonic() < deadline:
@@ -210,5 +215,5 @@ def node_peer_failed(ranks: List[int], what: str) -> PeerFailedError:
                            f"without it (axonhpc.elastic; docs/fault-tolerance.md)", ranks)
 
 
-__all__ = ["failure_classes", "peer_failed", "ulfm_problem", "process_gone", "dead_node_peers", "node_peer_failed",
+__all__ = ["failure_classes", "peer_failed", "revoke", "ulfm_problem", "process_gone", "dead_node_peers", "node_peer_failed",
            "describe_ranks", "lost_while_waiting"]

@@ -29,7 +29,10 @@ Raising needs the blocked call to return: a call in the shared-memory
 engine is told to give up (``Engine.abandon``) and raises the error at
 once; a call in the general path with a timeout polls and raises it. A
 call blocked inside MPI cannot be interrupted: there the watchdog logs the
-error and ends the job (``MPI_Abort``), as an uncaught exception would.
+error and ends the job (``MPI_Abort``), as an uncaught exception would;
+except for a failed peer in a fault-tolerant job, where it revokes the
+call's communicator (ULFM), so that the call raises ``PeerFailedError``
+itself on every rank and the survivors can go on.
 Both thresholds are settings (``AXONHPC_STALL_REPORT``,
 ``AXONHPC_STALL_TIMEOUT``; 0 turns the timeout off); ``settings.timeout``,
 when set, still bounds every call as before.
@@ -50,9 +53,9 @@ import time
 from typing import Any, Dict, List, Optional, Tuple
 
 from ..backends import base as backend_base
-from ..backends.failures import lost_while_waiting, node_peer_failed
+from ..backends.failures import lost_while_waiting, node_peer_failed, revoke
 from ..backends.shm import cached_engine
-from ..errors import CollectiveStallError, DeadlockError
+from ..errors import CollectiveStallError, DeadlockError, PeerFailedError
 from ..log import get_logger
 from ..settings import settings
 from ..tracing import write_json_atomic
@@ -328,6 +331,16 @@ class _Watchdog(threading.Thread):
         deadline = time.monotonic() + 3.0
         while key in _blocked and time.monotonic() < deadline:
             time.sleep(0.05)
+        comm = getattr(pg.backend, "comm", None)
+        if key in _blocked and settings.fault_tolerant and isinstance(error, PeerFailedError) and comm is not None:
+            # Blocked inside MPI in a fault-tolerant job: revoking the communicator (ULFM) makes the call return
+            # MPI_ERR_REVOKED on every rank, which it raises as PeerFailedError itself, and the survivors go on.
+            # Aborting here ended a whole elastic job once in this session's three full runs of test_elastic
+            # (rank 0 killed; rank 1 waited in a world all-gather inside MPI, which ULFM had not yet failed).
+            from mpi4py import MPI
+
+            revoke(MPI, comm)
+            return
         if key in _blocked:  # blocked inside MPI, which cannot be interrupted: end the job with the error
             get_logger("watchdog").error(f"{type(error).__name__} on rank {pg.world.rank}: {error}; the call waits "
                                          "inside MPI, which cannot be interrupted: aborting the job")
