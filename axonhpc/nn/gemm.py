@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from .._dtypes import bfloat16_dtype
 from ..errors import BackendUnavailableError
 
 logger = logging.getLogger(__name__)
@@ -92,12 +93,11 @@ _CODES: dict = {}  # numpy dtype -> cudaDataType (a dict of dtypes: dtype.name i
 
 def _codes() -> dict:
     if not _CODES:
+        bfloat16 = bfloat16_dtype()
         for name, code in _DATA_TYPES.items():
-            try:
-                dtype = np.dtype(name) if name != "bfloat16" else np.dtype(__import__("ml_dtypes").bfloat16)
-            except (ImportError, TypeError):
-                continue
-            _CODES[dtype] = code
+            dtype = bfloat16 if name == "bfloat16" else np.dtype(name)
+            if dtype is not None:  # bfloat16 without ml_dtypes: not a dtype here
+                _CODES[dtype] = code
     return _CODES
 
 
