@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from ..backends.failures import failure_classes
+from ..backends.failures import failure_classes, revoke
 
 POLL = 0.01  # seconds between a spare's looks at its barrier
 
@@ -45,10 +45,7 @@ class Rendezvous:
 
     def revoke(self) -> None:
         """Wake the spares' wait: a rank failed (local; revoking twice is harmless)."""
-        try:
-            self.comm.Revoke()
-        except (self._MPI.Exception, NotImplementedError):
-            pass
+        revoke(self._MPI, self.comm)
 
 
 __all__ = ["Rendezvous", "POLL"]
