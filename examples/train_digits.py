@@ -3,6 +3,8 @@
     axonhpc launch -n 2 -- examples/train_digits.py --epochs 20
     axonhpc launch -n 2 -- examples/train_digits.py --epochs 30 --resume   # continues from the last checkpoint
     axonhpc launch -n 2 -- examples/train_digits.py --device cuda          # on the GPU(s), with cupy
+    axonhpc launch --fault-tolerant -n 4 -- examples/train_digits.py --elastic --simulate-failure 2:30
+        # Open MPI with ULFM: rank 2 dies after 30 steps, the other three go on (--spares 1: one replaces it)
 
 The data is scikit-learn's bundled digits set (1,797 8x8 images, offline).
 ``ax.DistributedTrainer`` gives each rank its shard of every epoch
@@ -20,6 +22,13 @@ then travel over NCCL when every rank has a GPU of its own, and staged
 through host memory over MPI otherwise (two ranks on one GPU). The reported
 metrics are host numbers either way. Without cupy and a CUDA device it stops
 at once, saying what is missing.
+
+``--elastic`` trains with ``fault_tolerance="shrink"`` (docs/fault-tolerance.md):
+a rank that dies does not end the run; the survivors shrink the world, rebuild
+and redo the step with the same global batch, and rank 0 prints a
+``recovered: ...`` line. ``--simulate-failure R:K`` makes rank R SIGKILL
+itself once K steps are done; ``--spares N`` keeps N ranks waiting to take
+the place of lost ones.
 """
 import argparse
 import json
@@ -61,10 +70,10 @@ def device_module(device):
     return cupy
 
 
-def build_model(seed):
-    return nn.Sequential(nn.Linear(64, 128, seed=seed), nn.ReLU(),
-                         nn.Linear(128, 64, seed=seed + 1), nn.ReLU(),
-                         nn.Linear(64, 10, seed=seed + 2))
+def build_model(seed, dtype=np.float32):
+    return nn.Sequential(nn.Linear(64, 128, seed=seed, dtype=dtype), nn.ReLU(),
+                         nn.Linear(128, 64, seed=seed + 1, dtype=dtype), nn.ReLU(),
+                         nn.Linear(64, 10, seed=seed + 2, dtype=dtype))
 
 
 def _device_line(world):
@@ -90,24 +99,40 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--checkpoint-dir", default="checkpoints/digits")
     parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
+    parser.add_argument("--checkpoint-every", type=int, default=None, metavar="N",
+                        help="also checkpoint every N steps (besides after every epoch)")
     parser.add_argument("--min-accuracy", type=float, default=None,
                         help="exit with status 1 if the final held-out accuracy is lower")
     parser.add_argument("--metrics", default=None, help="append one JSON line per epoch to this file (rank 0)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cpu: numpy arrays (default); cuda: the model and the data on each rank's GPU (cupy)")
+    parser.add_argument("--strategy", choices=("ddp", "fsdp"), default="ddp")
+    parser.add_argument("--dtype", choices=("float32", "float64"), default="float32")
+    parser.add_argument("--elastic", action="store_true",
+                        help="go on when ranks die (axonhpc launch --fault-tolerant: Open MPI with ULFM)")
+    parser.add_argument("--simulate-failure", default=None, metavar="R:K[:WHERE]",
+                        help="with --elastic: rank R SIGKILLs itself once K steps are done (WHERE: forward, "
+                             "backward, optimizer, save, spare)")
+    parser.add_argument("--spares", type=int, default=0, metavar="N",
+                        help="with --elastic: N of the ranks wait, and one takes the place of each rank lost")
     args = parser.parse_args(argv)
+    if (args.simulate_failure or args.spares) and not args.elastic:
+        sys.exit("train_digits: --simulate-failure and --spares need --elastic")
+    if args.elastic and args.device != "cpu":
+        sys.exit("train_digits: --elastic keeps its copies in host memory; it has not run with --device cuda")
 
     cupy = device_module(args.device)  # before init: a missing cupy stops every rank alike, with the reason
-    world = ax.init()
+    world = ax.init(fault_tolerant=True) if args.elastic else ax.init()
     main_rank = world.rank == 0
     x_train, y_train, x_test, y_test = load_digits(args.seed)
-    model = build_model(args.seed)
+    x_train, x_test = x_train.astype(args.dtype), x_test.astype(args.dtype)
+    model = build_model(args.seed, np.dtype(args.dtype))
     if cupy is not None:
         model.to("cuda")  # before the optimizer and DDP see the parameters
         x_train, y_train, x_test, y_test = (cupy.asarray(a) for a in (x_train, y_train, x_test, y_test))
 
     def report(trainer, record):
-        if not main_rank:
+        if trainer.rank != 0:  # after a lost rank 0, the lowest survivor reports
             return
         print(f"epoch {record['epoch']:3d}  loss {record['loss']:.4f}  test accuracy {record['eval_accuracy']:.4f}  "
               f"({record['seconds']:.2f} s)", flush=True)
@@ -116,18 +141,24 @@ def main(argv=None):
                 f.write(json.dumps({"epoch": record["epoch"], "loss": record["loss"],
                                     "test_accuracy": record["eval_accuracy"], "seconds": record["seconds"]}) + "\n")
 
+    elastic = dict(fault_tolerance="shrink", simulate_failure=args.simulate_failure, spares=args.spares)
     trainer = ax.DistributedTrainer(model, optim.Adam(model.parameters(), lr=args.lr), nn.CrossEntropyLoss(),
-                                    strategy="ddp", seed=args.seed, on_epoch=report, verbose=False)
+                                    strategy=args.strategy, seed=args.seed, on_epoch=report, verbose=False,
+                                    **(elastic if args.elastic else {}))
     if main_rank:
         where = "" if cupy is None else f" ({_device_line(world)})"
         print(f"training on {world.world_size} rank(s){where}: {len(x_train)} train / {len(x_test)} test images, "
               f"{sum(p.size for p in model.parameters())} parameters", flush=True)
     trainer.fit((x_train, y_train), args.epochs, eval_arrays=(x_test, y_test), batch_size=args.batch_size,
-                checkpoint_dir=args.checkpoint_dir, resume=args.resume)
-    accuracy = trainer.evaluate((x_test, y_test))["accuracy"]
-    if main_rank:
-        print(f"final test accuracy {accuracy:.4f} on {world.world_size} rank(s)", flush=True)
-    return exit_status(accuracy, args.min_accuracy, main_rank)
+                checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every, resume=args.resume)
+    if not trainer.active:
+        return 0  # a spare no rank's loss needed: the run has ended
+    world = ax.current_world()  # after a lost rank: the survivors' world
+    scores = trainer.evaluate((x_test, y_test))
+    if world.rank == 0:
+        print(f"final test accuracy {scores['accuracy']:.4f} on {world.world_size} rank(s)", flush=True)
+        print(f"final test loss {float(scores['loss'])!r}", flush=True)
+    return exit_status(scores["accuracy"], args.min_accuracy, world.rank == 0)
 
 
 if __name__ == "__main__":

@@ -27,12 +27,12 @@ RECOVERED = re.compile(r"^recovered: lost ranks? ([\d, ]+) at step (\d+), contin
                        r"in (\d+\.\d\d) s$", re.M)
 
 
-def _stacks(pid):
+def _stacks(pid, name):
     """The native stacks of the job's Python processes (gdb, where installed): what a job that hangs waits in."""
     gdb = shutil.which("gdb")
     if gdb is None:
         return "(no gdb to show the stacks)"
-    pids = subprocess.run(["pgrep", "-g", str(os.getpgid(pid)), "-f", "train_gpt.py"], capture_output=True,
+    pids = subprocess.run(["pgrep", "-g", str(os.getpgid(pid)), "-f", name], capture_output=True,
                           text=True).stdout.split()
     out = []
     for p in pids:
@@ -42,26 +42,34 @@ def _stacks(pid):
     return "\n".join(out)
 
 
-def _run(tmp_path, n, *args):
-    """``axonhpc launch --fault-tolerant -n n -- train_gpt.py --elastic ...``: (return code, stdout, stderr)."""
-    cmd = [OPENMPI_PYTHON, "-m", "axonhpc", "launch", "--fault-tolerant", "-n", str(n), "--", EXAMPLE, "--elastic",
-           *RUN, *args]
+def launch_fault_tolerant(tmp_path, n, script, args, last_line):
+    """``axonhpc launch --fault-tolerant -n n -- script args``: (return code, stdout, stderr).
+
+    The job has EXIT_GRACE seconds to end once rank 0 printed ``last_line``, and GUARD in all; one
+    that outlives them has its native stacks shown and its process group killed.
+    """
+    cmd = [OPENMPI_PYTHON, "-m", "axonhpc", "launch", "--fault-tolerant", "-n", str(n), "--", script, *args]
     out_path, err_path = tmp_path / "job.out", tmp_path / "job.err"
     with open(out_path, "w") as out, open(err_path, "w") as err:
         proc = subprocess.Popen(cmd, stdout=out, stderr=err, stdin=subprocess.DEVNULL, cwd=tmp_path,
                                 env=_env(tmp_path), start_new_session=True)
         deadline = time.monotonic() + GUARD
         while proc.poll() is None and time.monotonic() < deadline:
-            if "peak activations" in out_path.read_text():  # the last line: the job has EXIT_GRACE s to end
+            if last_line in out_path.read_text():
                 deadline = min(deadline, time.monotonic() + EXIT_GRACE)
             time.sleep(0.2)
         if proc.poll() is None:
-            stacks = _stacks(proc.pid)
+            stacks = _stacks(proc.pid, os.path.basename(script))
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             pytest.fail(f"the job did not end:\n{out_path.read_text()[-2000:]}\n{err_path.read_text()[-3000:]}\n"
                         f"{stacks}")
     return proc.returncode, out_path.read_text(), err_path.read_text()
+
+
+def _run(tmp_path, n, *args):
+    """``axonhpc launch --fault-tolerant -n n -- train_gpt.py --elastic ...``: (return code, stdout, stderr)."""
+    return launch_fault_tolerant(tmp_path, n, EXAMPLE, ["--elastic", *RUN, *args], "peak activations")
 
 
 def _final_loss(text):

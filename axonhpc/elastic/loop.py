@@ -119,8 +119,9 @@ class ElasticTraining:
             it keys dropout by it; DDP or FSDP over the whole world, e.g.
             ``ax.ParallelGPT`` with tp = pp = 1) and ``optimizer``, and
             whatever else the steps use (the data, laid out for the world's
-            width). If it has ``abandon()``, that is called (locally) on the
-            old parts before the new ones are built.
+            width). If it has ``update()``, that is the step's local half
+            instead of ``optimizer.step()``. If it has ``abandon()``, that is
+            called (locally) on the old parts before the new ones are built.
         first_step: the steps already done (a resumed run).
         simulate_failure: ``"R:K[:where]"`` (comma-separated for several): job
             rank R SIGKILLs itself once K steps are done (``parse_failures``).
@@ -280,8 +281,12 @@ class ElasticTraining:
             return None
 
     def _finish(self) -> None:
-        """The step's local half: the optimizer, and the buddy copy's replay of the source's."""
-        self.parts.optimizer.step()
+        """The step's local half: the optimizer (``parts.update()`` where the parts have it), and the buddy copy's."""
+        update = getattr(self.parts, "update", None)
+        if update is not None:
+            update()
+        else:
+            self.parts.optimizer.step()
         if self.buddy is not None:
             self.buddy.step()
         self.done += 1

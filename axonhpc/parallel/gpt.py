@@ -50,7 +50,7 @@ gradients as one process up to the order of floating-point sums.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -58,13 +58,14 @@ from ..backends import ReduceOp
 from ..collectives import all_reduce, broadcast
 from ..errors import AxonError, ConfigurationError, ShapeError
 from ..groups import resolve_group
-from ..nn import (GELU, Checkpoint, CrossEntropyLoss, cached_nbytes, Dropout, LayerNorm, Module, Sequential, checkpoint,
+from ..nn import (GELU, CrossEntropyLoss, cached_nbytes, Dropout, LayerNorm, Module, Sequential, checkpoint,
                   key_dropout_by_sample)
 from ..nn import _init
 from ..nn.transformer import GPT, TransformerBlock
 from .ddp import DDP
 from .fsdp import FSDP
 from .pipeline import Pipeline, PipelineSchedule, PipelineStage
+from .boxes import dense_names, fsdp_boxes, parameter_boxes, replicated_boxes
 from .same_model import agreed
 from .tensor import ColumnParallelLinear, RowParallelLinear, TensorParallelAttention, partition_range
 from .tensor.partition import agree_on_geometry
@@ -189,57 +190,6 @@ def gpt_part(vocab_size: int, context: int, width: int, heads: int, layers: int,
                with_embedding=stage == 0, with_head=stage == num_stages - 1, make_block=make_block)
 
 
-def dense_names(module: Module) -> Dict[str, str]:
-    """Each parameter name of ``module`` -> the name without the ``module.`` parts that ``nn.Checkpoint`` adds."""
-    wrapped = sorted((name + "." if name else "" for name, m in module.named_modules() if isinstance(m, Checkpoint)),
-                     key=len, reverse=True)
-    out = {}
-    for name, _ in module.named_parameters():
-        dense = name
-        for prefix in wrapped:
-            if dense.startswith(prefix + "module."):
-                dense = prefix + dense[len(prefix) + len("module."):]
-        out[name] = dense
-    return out
-
-
-def parameter_boxes(module: Module, local_shapes: Optional[Mapping[int, Tuple[int, ...]]] = None
-                    ) -> Dict[str, Tuple[str, Tuple[int, ...], Tuple[int, ...]]]:
-    """Where each parameter of ``module`` lies in the whole model: name -> (whole-model name, global shape, offset).
-
-    A column-parallel layer's weight and bias are its rows of the full ones
-    (offset along axis 0), a row-parallel layer's weight its columns (offset
-    along axis 1); every other parameter is the whole array (replicated).
-
-    Args:
-        module: a model or a part of one (a ``gpt_part``, a tensor-parallel block).
-        local_shapes: ``id(Parameter)`` -> its shape, for parameters whose
-            ``data`` FSDP has released (None: every ``data`` is in place).
-
-    Returns:
-        A dict in ``named_parameters`` order.
-    """
-    owners: Dict[int, Module] = {}
-    for _, m in module.named_modules():
-        for p in m.parameters(recurse=False):
-            owners[id(p)] = m
-    names = dense_names(module)
-    out = {}
-    for name, p in module.named_parameters():
-        owner = owners[id(p)]
-        shape = tuple(local_shapes[id(p)]) if local_shapes is not None and id(p) in local_shapes else p.data.shape
-        shape, offset = tuple(shape), (0,) * len(shape)
-        if isinstance(owner, ColumnParallelLinear):
-            start = owner.group.rank * owner.out_features_per_rank
-            shape = (owner.out_features,) + shape[1:]
-            offset = (start,) + offset[1:]
-        elif isinstance(owner, RowParallelLinear) and p is owner.weight:
-            shape = (shape[0], owner.in_features)
-            offset = (0, owner.group.rank * owner.in_features_per_rank)
-        out[name] = (names[name], shape, offset)
-    return out
-
-
 class ParallelGPT:
     """One ``nn.GPT`` trained over a dp x tp x pp mesh (see the module notes).
 
@@ -343,23 +293,11 @@ class ParallelGPT:
             only) describe instead dp rank ``shard_rank``'s shards, held in
             ``shards`` (one flat Parameter per unit): a copy kept elsewhere.
         """
-        out: Dict[str, Tuple[Any, ...]] = {}
         if self.fsdp:
-            units = self.engine.units
-            shapes = {id(p): tuple(shape) for u in units for p, shape in zip(u.params, u.layout.shapes)}
-            params = dict(self.module.named_parameters())
-            boxes = {id(params[name]): box for name, box in parameter_boxes(self.module, shapes).items()}
-            for k, unit in enumerate(units):
-                spans = unit.held_spans() if shard_rank is None else unit.flat.spans(shard_rank)
-                shard = unit.shard if shards is None else shards[k]
-                for i, start, stop, at in spans:
-                    dense, shape, offset = boxes[id(unit.params[i])]
-                    out[dense] = (shape, offset, shard, (unit.layout.shapes[i], start, stop, at))
-            return out
+            return fsdp_boxes(self.module, self.engine.units, shard_rank, shards)
+        out: Dict[str, Tuple[Any, ...]] = {}
         for part in self.parts:
-            params = dict(part.named_parameters())
-            for name, (dense, shape, offset) in parameter_boxes(part).items():
-                out[dense] = (shape, offset, params[name])
+            out.update(replicated_boxes(part))
         return out
 
     # -- steps ------------------------------------------------------------------------------------

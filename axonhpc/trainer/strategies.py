@@ -30,7 +30,7 @@ and calls the class's ``build``:
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Dict, Iterator, List, Optional, Type
+from typing import Any, Dict, Iterator, List, Optional, Tuple, Type
 
 import numpy as np
 
@@ -141,8 +141,13 @@ class Setup:
         Returns:
             The mean loss over this rank's samples of the step.
         """
-        opt = self.optimizer
-        opt.zero_grad()
+        loss, skip = self.backward_step(batches, loss_fn)
+        self.update(skip)
+        return loss
+
+    def backward_step(self, batches: List[Any], loss_fn: Any) -> Tuple[float, bool]:
+        """Collective: the step's communicating half, forward and backward; ``(mean loss, skip the update)``."""
+        self.optimizer.zero_grad()
         total, count = 0.0, 0
         for k, (xb, yb) in enumerate(batches):
             with self.no_sync(k < len(batches) - 1):
@@ -155,12 +160,16 @@ class Setup:
                 call_backward(self.wrapper.backward, grad, input_grad=False)  # the input is data
             total += float(loss) * len(yb)
             count += len(yb)
+        skip = self.scaler is None and self.skip_nonfinite and self._skip_for_nonfinite()
+        return total / max(count, 1), skip
+
+    def update(self, skip: bool = False) -> None:
+        """The optimizer step (through the loss scaler, which may skip it), unless ``skip``."""
         if self.scaler is not None:
-            self.scaler.step(opt)
+            self.scaler.step(self.optimizer)
             self.scaler.update()
-        elif not (self.skip_nonfinite and self._skip_for_nonfinite()):
-            opt.step()
-        return total / max(count, 1)
+        elif not skip:
+            self.optimizer.step()
 
     def _gradient_holders(self) -> List[Any]:
         """``(name, Parameter)`` whose gradients the optimizer steps on."""

@@ -65,7 +65,8 @@ from ..log import get_logger
 from ..settings import settings
 from .preemption import PREEMPTED_EXIT_CODE, Preemption
 from .progress import DEFAULT_PERCENT, DEFAULT_SECONDS, Progress, parse_every
-from .strategies import SETUPS, STRATEGIES, Setup, batches_of, build, steps_per_epoch
+from .shrink import Shrinking, check_options, preemption_after
+from .strategies import SETUPS, STRATEGIES, Setup, batches_of, build
 
 CHECKPOINT_PATTERN = "ckpt-*"
 
@@ -141,6 +142,14 @@ class DistributedTrainer:
         async_checkpoints: write the periodic and end-of-epoch checkpoints in a
             background thread (see the module note); the preemption checkpoint
             is always written before ``fit`` stops.
+        fault_tolerance: None, or "shrink" (strategies "ddp" and "fsdp", under
+            ``axonhpc launch --fault-tolerant``): a rank that dies does not end
+            the run; the survivors shrink the world, rebuild and redo the step
+            with the same global batch (see the module note).
+        simulate_failure: with "shrink": ``"R:K[:where]"``, job rank R SIGKILLs
+            itself once K steps are done (``elastic.parse_failures``).
+        spares: with "shrink": this many ranks (the highest) wait, and one takes
+            the place of each rank lost, so the width stays.
         **strategy_options: passed to the wrapper (DDP, FSDP or Pipeline), e.g.
             ``sharding_strategy=...`` or ``num_microbatches=...``.
 
@@ -154,6 +163,7 @@ class DistributedTrainer:
                  on_step: Optional[Callable[["DistributedTrainer", int, float], None]] = None,
                  on_epoch: Optional[Callable[["DistributedTrainer", Dict[str, Any]], None]] = None,
                  verbose: bool = True, skip_nonfinite_steps: Optional[bool] = None, async_checkpoints: bool = False,
+                 fault_tolerance: Optional[str] = None, simulate_failure: Optional[str] = None, spares: int = 0,
                  **strategy_options: Any):
         if strategy not in STRATEGIES:
             raise ConfigurationError(f"unknown strategy {strategy!r}; use one of {list(STRATEGIES)}")
@@ -166,6 +176,13 @@ class DistributedTrainer:
             raise ArgumentTypeError(f"DistributedTrainer loss_fn must be a loss module (callable, with backward), got "
                                     f"{type(loss_fn).__name__}")
         _positive_int("keep_checkpoints", keep_checkpoints)
+        if fault_tolerance == "shrink":
+            check_options(strategy, group, mesh, optimizer, simulate_failure, spares)
+        elif fault_tolerance is not None:
+            raise ConfigurationError(f"fault_tolerance must be None or 'shrink', got {fault_tolerance!r}")
+        elif simulate_failure or spares:
+            raise ConfigurationError(f"simulate_failure={simulate_failure!r} and spares={spares!r} need "
+                                     f"fault_tolerance='shrink'")
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
         self.strategy = strategy
         self.group = group
@@ -183,7 +200,10 @@ class DistributedTrainer:
                                      else bool(skip_nonfinite_steps))
         self.async_checkpoints = bool(async_checkpoints)
         self.options = strategy_options
+        self.fault_tolerance, self.simulate_failure, self.spares = fault_tolerance, simulate_failure, spares
         self.setup: Optional[Setup] = None
+        self._shrinking: Optional[Shrinking] = None
+        self._recoveries_seen = 0
         self._mixed_precision: Any = None
         self.global_step = 0
         self.epoch = 0
@@ -208,6 +228,16 @@ class DistributedTrainer:
         """Ask ``fit`` to stop after the current step, as SIGTERM or SIGUSR1 would."""
         if self._preemption is not None:
             self._preemption.request()
+
+    @property
+    def active(self) -> bool:
+        """False on a ``spares`` rank that never took a place (after ``fit``: it holds no model); else True."""
+        return self._shrinking is None or self._shrinking.active
+
+    @property
+    def recoveries(self) -> List[Any]:
+        """With ``fault_tolerance="shrink"``: an ``elastic.Recovery`` per recovery so far."""
+        return [] if self._shrinking is None else list(self._shrinking.recoveries)
 
     @property
     def rank(self) -> int:
@@ -339,26 +369,41 @@ class DistributedTrainer:
             _positive_int(name, value)
         _positive_int("checkpoint_every", checkpoint_every, allow_none=True)
         SETUPS[self.strategy].check_fit(grad_accumulation)
+        log_file = self.log_file or (os.path.join(checkpoint_dir, "metrics.jsonl") if checkpoint_dir else None)
+        if self.fault_tolerance is not None:
+            return self._fit_shrinking(_Plan(epochs, 0, grad_accumulation, batch_size, eval_arrays, checkpoint_dir,
+                                             checkpoint_every, log_file), x, y, mixed_precision, resume)
         setup = self._ensure_setup(mixed_precision)
         loader = self._loader(x, y, batch_size)
-        per_epoch = steps_per_epoch(loader, grad_accumulation)
-        if per_epoch == 0:
-            raise ConfigurationError(f"an epoch has no complete step: {len(loader)} batch(es) of {batch_size} per "
-                                     f"rank, grad_accumulation={grad_accumulation}")
-        plan = _Plan(epochs, per_epoch, grad_accumulation, batch_size, eval_arrays, checkpoint_dir, checkpoint_every,
-                     self.log_file or (os.path.join(checkpoint_dir, "metrics.jsonl") if checkpoint_dir else None))
+        plan = _Plan(epochs, self._per_epoch(len(loader), batch_size, grad_accumulation), grad_accumulation,
+                     batch_size, eval_arrays, checkpoint_dir, checkpoint_every, log_file)
         start_epoch, skip = self._resume_point(plan, resume)
         self._preemption = Preemption(setup.group)
+        return self._run_epochs(plan, start_epoch, skip, lambda epoch, skip: self._train_epoch(plan, loader, epoch, skip))
+
+    @staticmethod
+    def _per_epoch(batches: int, batch_size: int, grad_accumulation: int) -> int:
+        per_epoch = batches // grad_accumulation
+        if per_epoch == 0:
+            raise ConfigurationError(f"an epoch has no complete step: {batches} batch(es) of {batch_size} per "
+                                     f"rank, grad_accumulation={grad_accumulation}")
+        return per_epoch
+
+    def _run_epochs(self, plan: "_Plan", start_epoch: int, skip: int,
+                    train_epoch: Callable[[int, int], Optional[float]]) -> List[Dict[str, Any]]:
+        """Collective: the epochs from ``start_epoch`` (the first ``skip`` steps of it done), their records."""
         records: List[Dict[str, Any]] = []
         try:
-            for epoch in range(start_epoch, epochs):
+            for epoch in range(start_epoch, plan.epochs):
                 started = time.perf_counter()
-                loss = self._train_epoch(plan, loader, epoch, skip)
+                loss = train_epoch(epoch, skip)
                 if loss is None:
                     return self._preempt(records)
                 skip = 0
-                records.append(self._end_epoch(plan, epoch, loss, time.perf_counter() - started))
-            self.finish_checkpoint()
+                records.append(self._epoch_ended(plan, epoch, loss, time.perf_counter() - started))
+            self._between_steps(self.finish_checkpoint, redo=True)
+            if self._shrinking is not None:
+                self._shrinking.close()
         except BaseException:
             if self._writer is not None:
                 self._writer.abandon()  # no collective here: the other ranks may not reach one
@@ -367,6 +412,88 @@ class DistributedTrainer:
             self._preemption.close()
             self._preemption = None
         return records
+
+    # -- fault_tolerance="shrink" -------------------------------------------------------------------
+    def _fit_shrinking(self, plan: "_Plan", x: Any, y: Any, mixed_precision: Any, resume: bool) -> List[Dict[str, Any]]:
+        """Collective over the job: ``fit`` under ``elastic.ElasticTraining`` (``shrink``'s module notes)."""
+        if self._shrinking is None:
+            self._shrinking = Shrinking(self, mixed_precision, plan.batch_size, (plan, resume))
+            start: Optional[Tuple[int, int]] = self._shrinking.resume_point
+            if self._shrinking.recoveries:  # a spare that took a place: the steps the others had done
+                self.global_step, start = self._shrinking.elastic.done, None
+            self._recoveries_seen = len(self._shrinking.recoveries)
+        elif mixed_precision is not None and mixed_precision is not self._mixed_precision:
+            raise ConfigurationError("mixed_precision is fixed when the model is first wrapped (the first fit); "
+                                     "pass it to the first fit")
+        else:
+            start = self._resume_point(plan, resume)
+        shrinking = self._shrinking
+        if not shrinking.active:
+            return []  # a spare that never took a place: the run has ended
+        per_epoch = shrinking.steps_per_epoch(len(x), plan.grad_accumulation)
+        if per_epoch == 0:
+            raise ConfigurationError(f"an epoch has no complete step: {len(x)} samples, a global batch of "
+                                     f"{shrinking.global_batch}, grad_accumulation={plan.grad_accumulation}")
+        plan = plan._replace(per_epoch=per_epoch)
+        epoch, skip = divmod(self.global_step, per_epoch) if start is None else start
+        self._preemption = Preemption(self.setup.group)
+        return self._run_epochs(plan, epoch, skip, lambda e, k: self._train_epoch_shrinking(plan, x, y, e, k))
+
+    def _train_epoch_shrinking(self, plan: "_Plan", x: Any, y: Any, epoch: int, skip: int) -> Optional[float]:
+        """Collective: ``_train_epoch`` whose steps are redone on the survivors after a recovery."""
+        self.epoch = epoch
+        shrinking = self._shrinking
+        first = self.global_step - skip  # the global step before the epoch's first
+        total, samples_seen = 0.0, 0
+        bar = self._bar(plan.per_epoch, skip, f"epoch {epoch + 1}/{plan.epochs}")
+        try:
+            while self.global_step - first < plan.per_epoch:
+                loader = shrinking.loader(x, y, self.seed)  # the current world's
+                loader.set_epoch(epoch)
+                setup = self.setup
+                for batches in batches_of(loader, plan.grad_accumulation, self.global_step - first):
+                    done = shrinking.step(batches)
+                    self.global_step = shrinking.elastic.done
+                    self._after_recovery()
+                    if done is not None:
+                        mean, samples = done
+                        total += mean * samples
+                        samples_seen += samples
+                        self._after_step(plan, epoch, mean, bar)
+                        if self._between_steps(lambda: self._checkpoint_after_step(plan, epoch,
+                                                                                   self.global_step - first)):
+                            return None
+                    if self.setup is not setup or self.global_step - first >= plan.per_epoch:
+                        break  # after a recovery: the new world's loader, from the step the survivors are at
+        finally:
+            if bar is not None:
+                bar.close()
+        return total / max(samples_seen, 1)
+
+    def _between_steps(self, fn: Callable[[], Any], redo: bool = False) -> Any:
+        """Collective: ``fn()``; under "shrink", None (or, ``redo``, done again) after a recovery in it."""
+        if self._shrinking is None:
+            return fn()
+        out = self._shrinking.call(fn, redo)
+        self._after_recovery()
+        return out
+
+    def _after_recovery(self) -> bool:
+        """After a recovery the run is on a new world: say so, and rebind what the old one's group held."""
+        recoveries = self.recoveries
+        if len(recoveries) == self._recoveries_seen:
+            return False
+        for record in recoveries[self._recoveries_seen:]:
+            self._say(record.line())
+        self._recoveries_seen = len(recoveries)
+        self._preemption = preemption_after(self._preemption, self.setup.group)
+        return True
+
+    def _abandon_save(self) -> None:
+        """Local, after ranks were lost: drop a background save in flight (the previous checkpoint stays)."""
+        if self._writer is not None:
+            self._writer.abandon()
+            self._writer = None
 
     def _resume_point(self, plan: "_Plan", resume: bool) -> Tuple[int, int]:
         """Collective: ``(epoch, steps done in it)`` to start from: the newest checkpoint's, loaded, or (0, 0)."""
@@ -402,11 +529,7 @@ class DistributedTrainer:
             samples_seen += samples
             step += 1
             self.global_step += 1
-            self._log(plan.log_file, {"epoch": epoch + 1, "step": self.global_step, "loss": mean})
-            if bar is not None:
-                bar.update(mean)
-            if self.on_step is not None:
-                self.on_step(self, self.global_step, mean)
+            self._after_step(plan, epoch, mean, bar)
             if self._checkpoint_after_step(plan, epoch, step):
                 if bar is not None:
                     bar.close()
@@ -415,16 +538,30 @@ class DistributedTrainer:
             bar.close()
         return total / max(samples_seen, 1)
 
+    def _after_step(self, plan: "_Plan", epoch: int, mean: float, bar: Optional[Progress]) -> None:
+        """Log, show and report the step just done."""
+        self._log(plan.log_file, {"epoch": epoch + 1, "step": self.global_step, "loss": mean})
+        if bar is not None:
+            bar.update(mean)
+        if self.on_step is not None:
+            self.on_step(self, self.global_step, mean)
+
     def _checkpoint_after_step(self, plan: "_Plan", epoch: int, step: int) -> bool:
         """Collective: a checkpoint if one is due (or a preemption asks); True when the ranks agreed to stop."""
         stop = self._preemption.agreed()
         every = plan.checkpoint_every
         if plan.checkpoint_dir and (stop or (every and self.global_step % every == 0)):
             background = self.async_checkpoints and not stop  # a preemption one is on disk at once
+            if self._shrinking is not None:
+                self._shrinking.fail_point("save")
             self.save_checkpoint(plan.checkpoint_dir, epoch, step, background=background)
         else:
             self.finish_checkpoint(only_if_written=True)
         return stop
+
+    def _epoch_ended(self, plan: "_Plan", epoch: int, loss: float, seconds: float) -> Dict[str, Any]:
+        """Collective: ``_end_epoch``, redone on the survivors after a recovery in it."""
+        return self._between_steps(lambda: self._end_epoch(plan, epoch, loss, seconds), redo=True)
 
     def _end_epoch(self, plan: "_Plan", epoch: int, loss: float, seconds: float) -> Dict[str, Any]:
         """Collective: evaluate, checkpoint, log and report the epoch; its record."""
