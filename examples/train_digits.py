@@ -28,7 +28,8 @@ a rank that dies does not end the run; the survivors shrink the world, rebuild
 and redo the step with the same global batch, and rank 0 prints a
 ``recovered: ...`` line. ``--simulate-failure R:K`` makes rank R SIGKILL
 itself once K steps are done; ``--spares N`` keeps N ranks waiting to take
-the place of lost ones.
+the place of lost ones, and ``--respawn`` starts a replacement for each rank
+lost once no spare is left.
 """
 import argparse
 import json
@@ -38,6 +39,7 @@ import numpy as np
 
 import axonhpc as ax
 from axonhpc import nn, optim
+from axonhpc.elastic import is_replacement
 
 
 def load_digits(seed=0, test_fraction=0.2):
@@ -115,9 +117,11 @@ def main(argv=None):
                              "backward, optimizer, save, spare)")
     parser.add_argument("--spares", type=int, default=0, metavar="N",
                         help="with --elastic: N of the ranks wait, and one takes the place of each rank lost")
+    parser.add_argument("--respawn", action="store_true",
+                        help="with --elastic: start a replacement for each rank lost once no spare is left")
     args = parser.parse_args(argv)
-    if (args.simulate_failure or args.spares) and not args.elastic:
-        sys.exit("train_digits: --simulate-failure and --spares need --elastic")
+    if (args.simulate_failure or args.spares or args.respawn) and not args.elastic:
+        sys.exit("train_digits: --simulate-failure, --spares and --respawn need --elastic")
     if args.elastic and args.device != "cpu":
         sys.exit("train_digits: --elastic keeps its copies in host memory; it has not run with --device cuda")
 
@@ -141,11 +145,12 @@ def main(argv=None):
                 f.write(json.dumps({"epoch": record["epoch"], "loss": record["loss"],
                                     "test_accuracy": record["eval_accuracy"], "seconds": record["seconds"]}) + "\n")
 
-    elastic = dict(fault_tolerance="shrink", simulate_failure=args.simulate_failure, spares=args.spares)
+    elastic = dict(fault_tolerance="shrink", simulate_failure=args.simulate_failure, spares=args.spares,
+                   respawn=args.respawn)
     trainer = ax.DistributedTrainer(model, optim.Adam(model.parameters(), lr=args.lr), nn.CrossEntropyLoss(),
                                     strategy=args.strategy, seed=args.seed, on_epoch=report, verbose=False,
                                     **(elastic if args.elastic else {}))
-    if main_rank:
+    if main_rank and not is_replacement():  # a replacement's world is itself until it joins
         where = "" if cupy is None else f" ({_device_line(world)})"
         print(f"training on {world.world_size} rank(s){where}: {len(x_train)} train / {len(x_test)} test images, "
               f"{sum(p.size for p in model.parameters())} parameters", flush=True)

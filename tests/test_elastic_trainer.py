@@ -53,6 +53,8 @@ def uninterrupted(tmp_path_factory):
     (4, "ddp", "1:10:optimizer,3:40", [], [("1", 12, 3), ("3", 41, 2)]),  # twice
     (4, "fsdp", "1:12,3:12", [], [("1, 3", 13, 2)]),                      # two at once, not each other's buddy
     (4, "fsdp", "0:35:save", ["--spares", "1", "--checkpoint-every", "5"], [("0", 36, 3)]),  # a spare takes over
+    (3, "ddp", "2:10", ["--respawn"], [("2", 11, 3)]),                   # a replacement is spawned
+    (3, "fsdp", "0:10:backward", ["--respawn"], [("0", 11, 3)]),
 ])
 def test_a_killed_rank_is_survived_by_the_trainer_with_the_uninterrupted_loss(tmp_path, uninterrupted, n, strategy,
                                                                              failure, extra, lines):
@@ -62,6 +64,18 @@ def test_a_killed_rank_is_survived_by_the_trainer_with_the_uninterrupted_loss(tm
                              failure, *extra)
     assert code == 0, out[-3000:] + err[-5000:]
     assert [(ranks, int(at), int(dp)) for ranks, at, _, dp, _ in RECOVERED.findall(out)] == lines, out[-3000:]
+    loss = _final_loss(out)
+    assert abs(loss - uninterrupted) <= 1e-10 * abs(uninterrupted), (loss, uninterrupted)
+
+
+@needs_openmpi
+@pytest.mark.timeout(300)
+def test_a_replacement_that_dies_is_replaced_in_turn(tmp_path, uninterrupted):
+    code, out, err = _digits(tmp_path, 3, "--strategy", "fsdp", "--batch-size", "16", "--respawn",
+                             "--simulate-failure", "1:10,3:20:backward")
+    # Open MPI's launcher ends with 137 once a spawned process was killed, though every survivor finished.
+    assert code in (0, 137), out[-3000:] + err[-5000:]
+    assert [(ranks, int(at), int(dp)) for ranks, at, _, dp, _ in RECOVERED.findall(out)] == [("1", 11, 3), ("3", 21, 3)]
     loss = _final_loss(out)
     assert abs(loss - uninterrupted) <= 1e-10 * abs(uninterrupted), (loss, uninterrupted)
 
@@ -92,8 +106,8 @@ def _trainer(**kwargs):
 
 @pytest.mark.parametrize("kwargs,text", [
     (dict(fault_tolerance="restart"), "fault_tolerance must be None or 'shrink', got 'restart'"),
-    (dict(simulate_failure="1:2"), "simulate_failure='1:2' and spares=0 need fault_tolerance='shrink'"),
-    (dict(spares=1), "simulate_failure=None and spares=1 need fault_tolerance='shrink'"),
+    (dict(simulate_failure="1:2"), "simulate_failure='1:2', spares=0 and respawn=False need fault_tolerance='shrink'"),
+    (dict(spares=1), "simulate_failure=None, spares=1 and respawn=False need fault_tolerance='shrink'"),
     (dict(fault_tolerance="shrink", strategy="pipeline"), "strategy must be one of ['ddp', 'fsdp'], got 'pipeline'"),
     (dict(fault_tolerance="shrink"), "needs fault tolerance: ax.init(fault_tolerant=True)"),
 ])

@@ -56,6 +56,7 @@ from ..log import get_logger
 from ..parallel.comm_hooks import allreduce_hook
 from ..settings import settings
 from .buddy import BuddyCopies, shard_parameters
+from .respawn import joined, spawn
 from .spares import Rendezvous
 from .state import describe_missing, gather_state
 
@@ -132,6 +133,10 @@ class ElasticTraining:
             stays (``elastic.spares``). On a spare the constructor returns once
             it trains (``active``) or the run has ended (not ``active``: skip
             the loop). The working ranks call ``close`` after the last step.
+        respawn: when a rank is lost and no spare is left, start a replacement
+            (``MPI_Comm_spawn`` of this command line, ``elastic.respawn``), so
+            the width stays. In a replacement the constructor joins the
+            recovery and returns once it trains.
 
     Attributes:
         parts: the current ``build(world)`` result (None on a spare).
@@ -145,7 +150,7 @@ class ElasticTraining:
     """
 
     def __init__(self, build: Callable[[Any], Any], first_step: int = 0, simulate_failure: Optional[str] = None,
-                 save: Optional[str] = None, spares: int = 0):
+                 save: Optional[str] = None, spares: int = 0, respawn: bool = False):
         if not settings.fault_tolerant:
             raise ConfigurationError("ElasticTraining needs fault tolerance: ax.init(fault_tolerant=True) in a job "
                                      "started with axonhpc launch --fault-tolerant (Open MPI with ULFM)")
@@ -155,20 +160,27 @@ class ElasticTraining:
         self.build = build
         self.done = int(first_step)
         self.save = save
+        self.respawn = bool(respawn)
         self.recoveries: List[Recovery] = []
+        self.buddy: Optional[BuddyCopies] = None
+        self.parts: Any = None
+        self.world: Any = None
+        self.rendezvous: Optional[Rendezvous] = None
+        facts = joined(MPI)
+        if facts is not None and not facts.get("taken"):
+            self._join(facts, simulate_failure)
+            return
         self.comm = MPI.COMM_WORLD
         self.members = list(range(self.comm.Get_size()))  # the job ranks left, in the communicator's order
         self.job_rank = self.comm.Get_rank()
+        self.next_id = len(self.members)  # the job rank of the next replacement (respawn)
         if isinstance(spares, bool) or not isinstance(spares, int) or not 0 <= spares < len(self.members):
             raise ConfigurationError(f"ElasticTraining spares={spares!r}: a number of ranks from 0 to "
                                      f"{len(self.members) - 1} (this job has {len(self.members)})")
         self.width = len(self.members) - spares  # the data-parallel width the run keeps while spares last
         self.working = self.members[:self.width]  # the job ranks that train; the others wait (spares)
         self._failures = [(k, where) for r, k, where in parse_failures(simulate_failure) if r == self.job_rank]
-        self.buddy: Optional[BuddyCopies] = None
-        self.parts: Any = None
-        self.world: Any = None
-        self.rendezvous: Optional[Rendezvous] = Rendezvous(MPI, self.comm) if spares else None
+        self.rendezvous = Rendezvous(MPI, self.comm) if spares else None
         self._working_comm = self.comm  # the working ranks' communicator (the job's, without spares)
         if not spares:
             self._set_up(current_world(), None, None)
@@ -179,6 +191,16 @@ class ElasticTraining:
             self._set_up(init(comm=mine), None, None)
         else:
             self._wait_as_spare()
+
+    def _join(self, facts: Dict[str, Any], simulate_failure: Optional[str]) -> None:
+        """A replacement (``elastic.respawn``): take part in the survivors' recovery, and train."""
+        facts["taken"] = True
+        self.comm, self.members, self.job_rank = facts["comm"], facts["members"], facts["id"]
+        self.width, self.working, self.next_id = facts["width"], facts["working"], facts["next_id"]
+        self._working_comm = self.comm
+        self._failures = [(k, where) for r, k, where in parse_failures(simulate_failure) if r == self.job_rank]
+        self._rebuild(self.comm, self.members, facts["lost"], facts["working"], None, False, False,
+                      facts["target"], facts["failed_step"], time.perf_counter(), time.time())
 
     @property
     def active(self) -> bool:
@@ -309,12 +331,26 @@ class ElasticTraining:
                          dtype=np.int64)
         comm.Allreduce(MPI.IN_PLACE, facts, op=MPI.MAX)
         target, failed_step, ending = int(facts[0]), 1 - int(facts[1]), bool(facts[2])
-        keep = [m for m in old_working if m in survivors]
         if ending:  # the working ranks had finished: the spares leave, the working ones go on as they are
+            keep = [m for m in old_working if m in survivors]
             mine = comm.Split(0 if self.job_rank in keep else MPI.UNDEFINED, self.job_rank)
             self.rendezvous, self.working, self.members = None, keep, keep
             self.comm = self._working_comm = mine if self.active else comm
             return False
+        if self.respawn and len(survivors) < self.width:
+            ids = list(range(self.next_id, self.next_id + self.width - len(survivors)))
+            self.next_id += len(ids)
+            told = {"members": survivors + ids, "width": self.width, "working": old_working, "lost": lost,
+                    "target": target, "failed_step": failed_step, "next_id": self.next_id}
+            comm, survivors = spawn(MPI, comm, told, ids), survivors + ids
+        return self._rebuild(comm, survivors, lost, old_working, old_parts, was_active, entered, target, failed_step,
+                             start, caught)
+
+    def _rebuild(self, comm: Any, survivors: List[int], lost: List[int], old_working: List[int], old_parts: Any,
+                 was_active: bool, entered: bool, target: int, failed_step: int, start: float, caught: float) -> bool:
+        """Collective over ``comm`` (survivors and replacements): the new world, its run, and the state in it."""
+        MPI = self._MPI
+        keep = [m for m in old_working if m in survivors]
         working = keep + [m for m in survivors if m not in old_working][:max(0, self.width - len(keep))]
         self.comm, self.members, self.working = comm, survivors, working
         self.rendezvous = Rendezvous(MPI, comm) if len(survivors) > len(working) else None
@@ -378,12 +414,13 @@ class ElasticTraining:
         MPI = self._MPI
         comm = self.comm.Shrink()
         comm.Set_errhandler(MPI.ERRORS_RETURN)
-        group, job = comm.Get_group(), MPI.COMM_WORLD.Get_group()
-        try:
-            return comm, list(MPI.Group.Translate_ranks(group, list(range(comm.Get_size())), job))
+        group, old = comm.Get_group(), self.comm.Get_group()
+        try:  # by the old communicator's ranks: replacements are in no COMM_WORLD the others know
+            ranks = MPI.Group.Translate_ranks(group, list(range(comm.Get_size())), old)
+            return comm, [self.members[r] for r in ranks]
         finally:
             group.Free()
-            job.Free()
+            old.Free()
 
     def _save_whole(self, world: Any, whole: Dict[str, np.ndarray], described: Any) -> str:
         """Write the whole state to ``save`` (rank 0 holds every piece); the text that says so, for the error."""

@@ -28,6 +28,7 @@ import numpy as np
 from ..data import DataLoader, DistributedSampler
 from ..elastic import ElasticTraining, parse_failures
 from ..elastic.loop import Recovery
+from ..elastic.respawn import joined
 from ..errors import ConfigurationError
 from ..groups import current_world
 from ..parallel import FSDP
@@ -39,6 +40,13 @@ from .strategies import Setup, build
 
 SHRINKABLE = ("ddp", "fsdp")
 WHOLE_STATE = "whole-state"  # under checkpoint_dir: the state when a run cannot go on (load_model_slices reads it)
+
+
+def replacement_facts() -> Optional[Dict[str, Any]]:
+    """In a process spawned to replace a lost rank, what the survivors told it (``elastic.respawn``); else None."""
+    from mpi4py import MPI
+
+    return joined(MPI)
 
 
 def check_options(strategy: str, group: Any, mesh: Any, optimizer: Any, simulate_failure: Optional[str],
@@ -116,17 +124,18 @@ class Shrinking:
         self.mixed_precision = mixed_precision
         self.template = copy.deepcopy(trainer.model)  # a rebuild's model, before any wrapper touched it
         world = current_world()
-        width = world.world_size - trainer.spares
+        replacing = replacement_facts() if trainer.respawn else None  # spawned to replace a lost rank
+        width = world.world_size - trainer.spares if replacing is None else replacing["width"]
         if width < 1:
             raise ConfigurationError(f"spares={trainer.spares} leaves no rank to train on {world.world_size}")
         self.global_batch = batch_size * width
         self.resume_point: Tuple[int, int] = (0, 0)
-        self._resume: Optional[Tuple[Any, bool]] = resume if world.rank < width else None
+        self._resume: Optional[Tuple[Any, bool]] = resume if replacing is None and world.rank < width else None
         self._built = False
         plan = resume[0]
         save = os.path.join(plan.checkpoint_dir, WHOLE_STATE) if plan.checkpoint_dir else None
         self.elastic = ElasticTraining(self.build, simulate_failure=trainer.simulate_failure, spares=trainer.spares,
-                                       save=save)
+                                       save=save, respawn=trainer.respawn)
         if self.elastic.active and not self.elastic.recoveries:
             self.elastic.done = trainer.global_step  # a resumed run; a spare that took a place was told by the others
 

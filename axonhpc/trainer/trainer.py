@@ -150,6 +150,10 @@ class DistributedTrainer:
             itself once K steps are done (``elastic.parse_failures``).
         spares: with "shrink": this many ranks (the highest) wait, and one takes
             the place of each rank lost, so the width stays.
+        respawn: with "shrink": where no spare is left, start a replacement for
+            each rank lost (``MPI_Comm_spawn`` of the same command line), so the
+            width stays; the replacement runs the script from its start and
+            joins in ``fit``.
         **strategy_options: passed to the wrapper (DDP, FSDP or Pipeline), e.g.
             ``sharding_strategy=...`` or ``num_microbatches=...``.
 
@@ -164,7 +168,7 @@ class DistributedTrainer:
                  on_epoch: Optional[Callable[["DistributedTrainer", Dict[str, Any]], None]] = None,
                  verbose: bool = True, skip_nonfinite_steps: Optional[bool] = None, async_checkpoints: bool = False,
                  fault_tolerance: Optional[str] = None, simulate_failure: Optional[str] = None, spares: int = 0,
-                 **strategy_options: Any):
+                 respawn: bool = False, **strategy_options: Any):
         if strategy not in STRATEGIES:
             raise ConfigurationError(f"unknown strategy {strategy!r}; use one of {list(STRATEGIES)}")
         require_module(model, "DistributedTrainer")
@@ -180,9 +184,9 @@ class DistributedTrainer:
             check_options(strategy, group, mesh, optimizer, simulate_failure, spares)
         elif fault_tolerance is not None:
             raise ConfigurationError(f"fault_tolerance must be None or 'shrink', got {fault_tolerance!r}")
-        elif simulate_failure or spares:
-            raise ConfigurationError(f"simulate_failure={simulate_failure!r} and spares={spares!r} need "
-                                     f"fault_tolerance='shrink'")
+        elif simulate_failure or spares or respawn:
+            raise ConfigurationError(f"simulate_failure={simulate_failure!r}, spares={spares!r} and "
+                                     f"respawn={respawn!r} need fault_tolerance='shrink'")
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
         self.strategy = strategy
         self.group = group
@@ -201,6 +205,7 @@ class DistributedTrainer:
         self.async_checkpoints = bool(async_checkpoints)
         self.options = strategy_options
         self.fault_tolerance, self.simulate_failure, self.spares = fault_tolerance, simulate_failure, spares
+        self.respawn = bool(respawn)
         self.setup: Optional[Setup] = None
         self._shrinking: Optional[Shrinking] = None
         self._recoveries_seen = 0
