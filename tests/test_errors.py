@@ -50,7 +50,6 @@ FACTORIES = {
     # errors.everywhere returns the CollectiveMismatchError it is given, marked with the ranks raising it
     ("collectives/agreement.py", "everywhere"): "CollectiveMismatchError",
     ("collectives/fingerprint.py", "everywhere"): "CollectiveMismatchError or CollectiveRefusedError",
-    ("parallel/same_model.py", "everywhere"): "ModelMismatchError",
     ("groups/world.py", "everywhere"): "GroupMismatchError",
     ("groups/mesh.py", "everywhere"): "GroupMismatchError",
     ("groups/process_group.py", "everywhere"): "GroupMismatchError",
