@@ -13,7 +13,8 @@ import pytest
 import axonhpc as ax
 from axonhpc import nn, optim
 from axonhpc.backends import shm as shm_backend
-from axonhpc.errors import ConfigurationError, ModelMismatchError, UsageError
+from axonhpc.errors import ConfigurationError, UsageError
+from axonhpc.groups import agreement
 from axonhpc.parallel import same_model
 from mpi_assert import collectively
 from wrapper_agreement_cases import CASES
@@ -35,15 +36,15 @@ def test_agreeing_ranks_cost_one_small_exchange_per_wrapper(monkeypatch):
     """Same models: each wrapper (a TP block too, not one per layer) runs one compare, which finds no difference."""
     calls = {}
     lock = threading.Lock()
-    real = same_model.compare
+    real = agreement.compare
 
-    def counting(group, ok, text, same):
-        seen = real(group, ok, text, same)
+    def counting(group, ok, text, same, gather=None):
+        seen = real(group, ok, text, same, gather)
         with lock:
             calls.setdefault(threading.get_ident(), []).append((group.name, seen))
         return seen
 
-    monkeypatch.setattr(same_model, "compare", counting)
+    monkeypatch.setattr(agreement, "compare", counting)
     n = 3
     counts = {}
 

@@ -58,18 +58,17 @@ from typing import Any, Callable, Optional, Tuple
 import numpy as np
 
 from .._dtypes import is_cupy_array
-from ..collectives import all_gather, all_reduce
+from ..collectives import all_reduce
 from ..backends import ReduceOp
 from ..errors import CheckpointError, ConfigurationError
 from ..groups import ProcessGroup, resolve_group
+from ..groups.agreement import Failed, agree
 from .directory import (PER_RANK_FORMAT, begin_directory, put_in_place, rank_file, temporary_directory,
                         write_member)
 from .format import MAX_DEPTH, checkpoint_path
-from .io import share_outcome, write_file
+from .io import all_gather_over, share_outcome, write_file
 from .sharded import INDEX_FORMAT, shard_file
 from .sliced import prepare_slices
-
-MAX_MESSAGE_BYTES = 4096  # of one rank's error message, when the ranks share them at ``wait``
 
 
 def host_copy(state: Any, copy: bool = True) -> Any:
@@ -142,22 +141,11 @@ class _Save:
 
 def _agree(pg: ProcessGroup, problem: Optional[BaseException], what: str) -> None:
     """Collective: if any rank failed, raise one CheckpointError with every failing rank's message, on every rank."""
-    text = b"" if problem is None else (str(problem) or type(problem).__name__).encode("utf-8")[:MAX_MESSAGE_BYTES]
-    if pg.size == 1:
-        messages = [text]
-    else:
-        lengths = all_gather(np.array([len(text)], dtype=np.int64), group=pg).reshape(-1)
-        longest = int(lengths.max())
-        if longest == 0:
-            return
-        mine = np.zeros(longest, dtype=np.uint8)
-        mine[:len(text)] = np.frombuffer(text, dtype=np.uint8)
-        table = all_gather(mine, group=pg)
-        messages = [table[r, :int(lengths[r])].tobytes() for r in range(pg.size)]
-    failed = [r for r in range(pg.size) if messages[r]]
-    if failed:
-        detail = "; ".join(f"group rank {r}: {messages[r].decode('utf-8', 'replace')}" for r in failed)
-        raise CheckpointError(f"{what} failed on group ranks {failed}: {detail}") from problem
+    def refused(failed: Failed) -> CheckpointError:
+        detail = "; ".join(f"group rank {r}: {why}" for r, why in failed)
+        return CheckpointError(f"{what} failed on group ranks {[r for r, _ in failed]}: {detail}")
+
+    agree(pg, problem, refused, alike=True, gather=all_gather_over(pg))
 
 
 class AsyncCheckpointer:
@@ -411,4 +399,4 @@ class AsyncCheckpointer:
             self.abandon()  # the other ranks may not be in a collective: finish nothing
 
 
-__all__ = ["AsyncCheckpointer", "host_copy", "MAX_MESSAGE_BYTES"]
+__all__ = ["AsyncCheckpointer", "host_copy"]

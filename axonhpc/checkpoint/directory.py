@@ -42,13 +42,11 @@ import shutil
 import uuid
 from typing import Any, Callable, Optional, Tuple
 
-import numpy as np
-
-from ..collectives import all_gather
 from ..errors import CheckpointError
 from ..groups import resolve_group
+from ..groups.agreement import agree
 from .format import checkpoint_path, encode
-from .io import _agree, _broadcast_text, _fsync_directory, _read, write_atomic
+from .io import _broadcast_text, _fsync_directory, _read, all_gather_over, failed_on, loading, write_atomic
 
 INDEX = "index.npz"
 PER_RANK_FORMAT = "axonhpc.per-rank/1"
@@ -106,13 +104,8 @@ def index_int(index: dict, key: str, path: str, low: int, high: int) -> int:
 
 
 def report(pg: Any, problem: Optional[BaseException], what: str) -> None:
-    """Raise on every rank if any rank failed (its own error where it failed)."""
-    flags = all_gather(np.array([problem is not None], dtype=np.uint8), group=pg).reshape(-1)
-    failed = [r for r in range(pg.size) if flags[r]]
-    if problem is not None:
-        raise problem
-    if failed:
-        raise CheckpointError(f"{what} failed on group ranks {failed} (see the error raised there)")
+    """Collective: raise on every rank if any rank failed (its own error where it failed)."""
+    agree(pg, problem, failed_on(what), gather=all_gather_over(pg))
 
 
 def _as_checkpoint_error(exc: Exception, what: str) -> CheckpointError:
@@ -295,12 +288,9 @@ def load_per_rank(path: "str | os.PathLike[str]", group: Any = None) -> Tuple[An
     """
     path = checkpoint_path(path)
     pg = resolve_group(group).require_member("checkpoint load_per_rank")
-    state: Any = None
-    extra: Any = None
-    digest = bytes(32)
-    problem: Optional[BaseException] = None
-    try:
+    with loading(pg, path) as vote:
         index, digest = read_index(path, PER_RANK_FORMAT)
+        vote.text = digest.hex()
         saved_world = index_int(index, "world_size", path, 1, MAX_WORLD_SIZE)
         if saved_world != pg.size:
             raise CheckpointError(f"{path!r} was saved by {saved_world} ranks; this group has {pg.size} "
@@ -308,12 +298,6 @@ def load_per_rank(path: "str | os.PathLike[str]", group: Any = None) -> Tuple[An
         name = rank_file(pg.rank, pg.size)
         state = _read(member_path(path, name, f"rank file of rank {pg.rank}"))[0]
         extra = index["extra"]
-    except Exception as exc:  # noqa: BLE001 - the other ranks must hear of it before this rank raises
-        problem = exc
-    if pg.size > 1:
-        _agree(pg, path, problem is not None, digest)
-    if problem is not None:
-        raise problem
     return state, extra
 
 

@@ -20,25 +20,27 @@ barrier. The waiting ranks are bound by the group's timeout (or
 ``load``: every rank reads the file itself. The ranks are about to train from
 the file rank 0 wrote, so a shared filesystem is assumed anyway, and reading
 locally moves no array through MPI and keeps one copy per rank. After reading,
-the ranks all-gather (ok?, sha256 of the metadata): if any rank failed, every
-rank raises; if ranks read different checkpoints (a node-local path, a file
-replaced during the load) every rank raises naming them. The metadata holds
-the sha256 of every array, each verified on reading, so equal metadata digests
-mean equal contents.
+the ranks agree (``groups.agreement.all_or_none``) on (ok?, sha256 of the
+metadata): if any rank failed, every rank raises; if ranks read different
+checkpoints (a node-local path, a file replaced during the load) every rank
+raises naming them. The metadata holds the sha256 of every array, each
+verified on reading, so equal metadata digests mean equal contents.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import os
 import threading
-from typing import Any, Optional, Tuple, Union
+from typing import Any, ContextManager, List, Optional, Tuple, Union
 
 import numpy as np
 
 from ..collectives import all_gather, broadcast
 from ..errors import CheckpointError
 from ..groups import ProcessGroup, resolve_group
+from ..groups.agreement import Gather, Refused, Vote, all_or_none
 from .archive import EntryRefused, open_archive
 from .format import MAX_META_BYTES, META_ENTRY, checkpoint_path, decode, encode, parse_meta
 
@@ -188,25 +190,33 @@ def _read(path: str) -> Tuple[Any, bytes]:
     return state, hashlib.sha256(raw.tobytes()).digest()
 
 
-def _agree(pg: ProcessGroup, path: str, failed_here: bool, digest: bytes) -> None:
-    """Raise on every rank if any rank failed to load, or the ranks read different files."""
-    verdict = np.zeros(1 + len(digest), dtype=np.uint8)
-    verdict[0] = failed_here
-    verdict[1:] = np.frombuffer(digest, dtype=np.uint8)
-    table = all_gather(verdict, group=pg)
-    failed = [r for r in range(pg.size) if table[r, 0]]
-    if failed:
-        if failed_here:
-            return  # this rank raises its own, more precise error
-        raise CheckpointError(f"loading checkpoint {path!r} failed on group ranks {failed} "
-                              f"(see the error raised there), so no rank uses it")
-    groups: dict = {}
-    for r in range(pg.size):
-        groups.setdefault(table[r, 1:].tobytes().hex()[:16], []).append(r)
-    if len(groups) > 1:
-        seen = "; ".join(f"ranks {ranks} read metadata sha256 {h}..." for h, ranks in groups.items())
-        raise CheckpointError(f"the ranks read different checkpoints at {path!r}: {seen} (is the path on a "
-                              f"filesystem every rank shares, and was it replaced during the load?)")
+def all_gather_over(pg: ProcessGroup) -> Gather:
+    """``all_or_none``'s transport for a checkpoint: the collective all-gather (the group's timeout applies)."""
+    return functools.partial(all_gather, group=pg)
+
+
+def failed_on(what: str, then: str = "") -> Refused:
+    """``all_or_none``'s error for the ranks that did not fail: ``{what} failed on group ranks [1] (...){then}``."""
+    return lambda failed: CheckpointError(f"{what} failed on group ranks {[r for r, _ in failed]} "
+                                          f"(see the error raised there){then}")
+
+
+def loading(pg: ProcessGroup, path: str) -> ContextManager[Vote]:
+    """Collective: run the block (this rank's read), then raise on every rank if any failed or read another file.
+
+    The block sets ``vote.text`` to the hex sha256 of the metadata it read.
+    """
+    def differ(seen: List[Tuple[bool, str]]) -> CheckpointError:
+        groups: dict = {}
+        for r, (_, digest) in enumerate(seen):
+            groups.setdefault(digest[:16], []).append(r)
+        read = "; ".join(f"ranks {ranks} read metadata sha256 {h}..." for h, ranks in groups.items())
+        return CheckpointError(f"the ranks read different checkpoints at {path!r}: {read} (is the path on a "
+                               f"filesystem every rank shares, and was it replaced during the load?)")
+
+    # Exception: any failure to read (an OSError the archive did not turn into a CheckpointError) is refused alike.
+    return all_or_none(pg, failed_on(f"loading checkpoint {path!r}", ", so no rank uses it"), differ, catch=Exception,
+                       gather=all_gather_over(pg))
 
 
 def load(path: PathLike, group: Optional[ProcessGroup] = None) -> Any:
@@ -234,15 +244,7 @@ def load(path: PathLike, group: Optional[ProcessGroup] = None) -> Any:
     """
     path = checkpoint_path(path)
     pg = _member_group(group, "load")
-    state: Any = None
-    digest = bytes(32)
-    problem: Optional[BaseException] = None
-    try:
+    with loading(pg, path) as vote:
         state, digest = _read(path)
-    except Exception as exc:  # noqa: BLE001 - the other ranks must hear of it before this rank raises
-        problem = exc
-    if pg.size > 1:
-        _agree(pg, path, problem is not None, digest)
-    if problem is not None:
-        raise problem
+        vote.text = digest.hex()
     return state

@@ -27,12 +27,12 @@ dict of str to non-negative int) and every file is opened through
 from __future__ import annotations
 
 import os
-from typing import Any, List, Optional
+from typing import Any, List
 
 from ..buffers import shard_size
 from ..errors import CheckpointError
 from .directory import MAX_WORLD_SIZE, index_int, member_path, read_index, save_directory
-from .io import _agree, _read
+from .io import _read, loading
 
 INDEX_FORMAT = "axonhpc.fsdp.checkpoint/1"
 
@@ -107,21 +107,13 @@ def load_sharded(path: "str | os.PathLike[str]", fsdp: Any, optimizer: Any = Non
     """
     path = os.fspath(path)
     pg = fsdp.group
-    index: Any = None
-    digest = bytes(32)
-    problem: Optional[BaseException] = None
-    try:
+    with loading(pg, path) as vote:  # raises on every rank if any rank failed
         index, digest = read_index(path, INDEX_FORMAT)
+        vote.text = digest.hex()
         needed = _needed_files(index, fsdp, path)
         saved_world = index["shard_world_size"]
         pieces = [_read(member_path(path, shard_file(k, saved_world), f"shard file {k}"))[0] for k in needed]
         apply = fsdp.prepare_load(pieces, optimizer)  # checks only: nothing changes yet
-    except Exception as exc:  # noqa: BLE001 - the other ranks must hear of it before this rank raises
-        problem = exc
-    if pg.size > 1:
-        _agree(pg, path, problem is not None, digest)  # raises on every rank if any rank failed
-    if problem is not None:
-        raise problem
     apply()  # every rank read and checked its part: now all change together
     return index["extra"]
 

@@ -20,9 +20,9 @@ from ..errors import CheckpointError
 from ..groups import resolve_group
 from .archive import EntryRefused, open_archive
 from .boxes import Box, _as_piece, _check_name, _cover_problem
-from .directory import MAX_WORLD_SIZE, _as_checkpoint_error, index_int, member_path, read_index
+from .directory import MAX_WORLD_SIZE, index_int, member_path, read_index
 from .format import MAX_META_BYTES, META_ENTRY, decode, parse_meta
-from .io import _agree
+from .io import loading
 from .slice_index import INDEX_FORMAT, _refuse_index, _Saved, _saved_array, slice_file
 
 
@@ -214,24 +214,20 @@ def load_slices(path: "str | os.PathLike[str]", wanted: Mapping[str, Any], group
     """
     path = os.fspath(path)
     pg = resolve_group(group).require_member("checkpoint load_slices")
-    requests: Dict[str, Tuple[bool, List[Tuple[Box, Any]]]] = {}
-    arrays: Dict[str, List[np.ndarray]] = {}
-    extra: Any = None
-    digest = bytes(32)
-    problem: Optional[BaseException] = None
-    try:
-        if not isinstance(wanted, Mapping):
-            raise CheckpointError(f"wanted must be a mapping of names to boxes, got {type(wanted).__name__}")
-        requests = {name: _as_requests(name, value) for name, value in wanted.items()}
-        arrays, extra, digest = _read_boxes(path, {
-            name: [(box, None if dest is None else dest.dtype) for box, dest in asked]
-            for name, (_, asked) in requests.items()})
-    except Exception as exc:  # noqa: BLE001 - the other ranks must hear of it before this rank raises
-        problem = _as_checkpoint_error(exc, f"loading checkpoint {path!r} failed on group rank {pg.rank}")
-    if pg.size > 1:
-        _agree(pg, path, problem is not None, digest)
-    if problem is not None:
-        raise problem
+    with loading(pg, path) as vote:
+        try:
+            if not isinstance(wanted, Mapping):
+                raise CheckpointError(f"wanted must be a mapping of names to boxes, got {type(wanted).__name__}")
+            requests = {name: _as_requests(name, value) for name, value in wanted.items()}
+            arrays, extra, digest = _read_boxes(path, {
+                name: [(box, None if dest is None else dest.dtype) for box, dest in asked]
+                for name, (_, asked) in requests.items()})
+        except CheckpointError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - raised as a CheckpointError, which every rank hears of
+            raise CheckpointError(f"loading checkpoint {path!r} failed on group rank {pg.rank}: "
+                                  f"{type(exc).__name__}: {exc}") from exc
+        vote.text = digest.hex()
     out: Dict[str, Any] = {}
     for name, (as_list, asked) in requests.items():
         results = []

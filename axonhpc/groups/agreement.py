@@ -9,13 +9,29 @@ different lists to ``new_group`` would build different groups (or hang).
 So each of these calls first runs ``compare``: one small all-gather over the
 parent group, after which every rank knows the same facts and raises the
 same error, or none does.
+
+[Note: all or none]
+The same holds wherever a check that may fail on one rank comes before a
+collective (a wrapper's model, a checkpoint's files): a rank that raised
+alone would leave the others waiting. ``all_or_none`` runs such a check in a
+``with`` block and then one ``compare`` over the group, so that every rank
+raises or none does: a rank whose block raised re-raises its own error, the
+others raise the caller's error naming it (``refused``). Only ``AxonError``
+is caught unless ``catch`` says more (a checkpoint's reads: any
+``Exception``): the library's checks raise those on purpose, with a message
+fit for the other ranks; anything else is a bug, raised here at once as it
+is (the others wait for this rank, as they would for a crashed one).
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Protocol, Sequence, Tuple
+from typing import (TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Protocol, Sequence, Tuple, Type,
+                    Union)
 
 import numpy as np
+
+from ..errors import AxonError
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..backends.base import Backend
@@ -41,7 +57,19 @@ def show(values: Sequence[Any]) -> str:
                            for v in values) + "]"
 
 
-def compare(group: Members, ok: bool, text: str, same: bool) -> Optional[List[Tuple[bool, str]]]:
+Gather = Callable[[np.ndarray], np.ndarray]  # an all-gather over the group: this rank's array -> (size, ...)
+
+
+def _all_gather(group: Members, gather: Optional[Gather], mine: np.ndarray) -> np.ndarray:
+    if gather is not None:
+        return gather(mine)
+    table = np.empty((group.size,) + mine.shape, dtype=mine.dtype)
+    group.backend.all_gather(mine, table, async_op=False).wait()
+    return table
+
+
+def compare(group: Members, ok: bool, text: str, same: bool,
+            gather: Optional[Gather] = None) -> Optional[List[Tuple[bool, str]]]:
     """Compare the arguments of a group-making call across ``group``, before anything else is sent.
 
     Each rank gives whether its arguments passed its local checks and their
@@ -49,6 +77,7 @@ def compare(group: Members, ok: bool, text: str, same: bool) -> Optional[List[Tu
     common case; only when some rank failed its checks, or (``same``) the
     texts differ, does a second all-gather bring every rank's text (at most
     ``_SHOWN_BYTES`` of it), so that every rank can raise the same error.
+    ``gather``: the all-gather to use (None: the group's backend, directly).
 
     Returns:
         None when every rank passed its checks and (``same``) every text is
@@ -57,16 +86,14 @@ def compare(group: Members, ok: bool, text: str, same: bool) -> Optional[List[Tu
     data = text.encode("utf-8")
     digest = int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little", signed=True)
     mine = np.array([int(ok), len(data), digest], dtype=np.int64)
-    table = np.empty((group.size, 3), dtype=np.int64)
-    group.backend.all_gather(mine, table, async_op=False).wait()
+    table = _all_gather(group, gather, mine)
     if table[:, 0].all() and (not same or (table[:, 1:] == table[0, 1:]).all()):
         return None
     shown = data[:_SHOWN_BYTES]
     width = max(1, min(int(table[:, 1].max()), _SHOWN_BYTES))
     padded = np.zeros(width, dtype=np.uint8)
     padded[:len(shown)] = np.frombuffer(shown, dtype=np.uint8)
-    texts = np.empty((group.size, width), dtype=np.uint8)
-    group.backend.all_gather(padded, texts, async_op=False).wait()
+    texts = _all_gather(group, gather, padded)
     seen = []
     for r in range(group.size):
         n = int(table[r, 1])
@@ -90,4 +117,71 @@ def who_passed(seen: Sequence[Tuple[bool, str]], ranks: Sequence[int], template:
                      for text, rs in sorted(by_text.items(), key=lambda item: item[1][0]))
 
 
-__all__ = ["compare", "show", "who_passed"]
+Failed = List[Tuple[int, str]]  # (group rank, "ErrorType: message") of each rank that failed
+Refused = Callable[[Failed], BaseException]  # the error the ranks raise that did not fail themselves
+Differ = Callable[[List[Tuple[bool, str]]], BaseException]  # the error every rank raises when the texts differ
+
+
+class Vote:
+    """What an ``all_or_none`` block gives: ``text``, which every rank must give alike (read when ``differ`` is set)."""
+
+    __slots__ = ("text",)
+
+    def __init__(self) -> None:
+        self.text = ""
+
+
+def reason(problem: BaseException) -> str:
+    """How a rank's error is shown to the others: ``"ShapeError: ..."``."""
+    return f"{type(problem).__name__}: {problem}"
+
+
+def agree(group: Members, problem: Optional[BaseException], refused: Refused, differ: Optional[Differ] = None,
+          text: str = "", alike: bool = False, gather: Optional[Gather] = None) -> None:
+    """Collective over ``group``: raise on every rank if any failed (``problem`` here), else if ``text`` differs.
+
+    ``problem`` is raised here (unless ``alike``: then ``refused``'s error,
+    from it), ``refused(failed)`` on the ranks that passed; ``differ(seen)``
+    everywhere when all passed with different texts (None: none compared).
+    ``gather``: ``collectives.all_gather`` above that layer, where the
+    group's timeout and debug checks should apply.
+    """
+    if group.size == 1:
+        seen = None if problem is None else [(False, reason(problem))]
+    else:
+        mine = text if problem is None else reason(problem)
+        seen = compare(group, problem is None, mine, same=differ is not None, gather=gather)
+    if seen is None:
+        return
+    failed = [(r, why) for r, (ok, why) in enumerate(seen) if not ok]
+    if not failed:
+        raise differ(seen)  # type: ignore[misc]  # only a comparison of texts returns with none failed
+    if problem is not None and not alike:
+        raise problem
+    raise refused(failed) from problem
+
+
+@contextlib.contextmanager
+def all_or_none(group: Members, refused: Refused, differ: Optional[Differ] = None,
+                catch: Union[Type[BaseException], Tuple[Type[BaseException], ...]] = AxonError,
+                alike: bool = False, gather: Optional[Gather] = None) -> Iterator[Vote]:
+    """Run the block, then ``agree`` over ``group`` on whether it raised (``catch``) anywhere (see the note).
+
+    With ``differ``, the block sets ``vote.text`` to what every rank must
+    give alike (a model's description, a file's digest).
+    """
+    vote, problem = Vote(), None
+    try:
+        yield vote
+    except catch as exc:
+        problem = exc
+    agree(group, problem, refused, differ, vote.text, alike, gather)
+
+
+def ranks_text(ranks: Sequence[int]) -> str:
+    """``rank 2`` or ``ranks [1, 3]``."""
+    return f"ranks {list(ranks)}" if len(ranks) > 1 else f"rank {ranks[0]}"
+
+
+__all__ = ["compare", "show", "who_passed", "agree", "all_or_none", "reason", "ranks_text", "Vote", "Failed", "Refused",
+           "Gather"]

@@ -56,7 +56,7 @@ import numpy as np
 
 from ..backends import ReduceOp
 from ..collectives import all_reduce, broadcast
-from ..errors import AxonError, ConfigurationError, ShapeError
+from ..errors import ConfigurationError, ShapeError
 from ..groups import resolve_group
 from ..nn import (GELU, CrossEntropyLoss, cached_nbytes, Dropout, LayerNorm, Module, Sequential, checkpoint,
                   key_dropout_by_sample)
@@ -68,7 +68,7 @@ from .pipeline import Pipeline, PipelineSchedule, PipelineStage
 from .boxes import dense_names, fsdp_boxes, parameter_boxes, replicated_boxes
 from .same_model import agreed
 from .tensor import ColumnParallelLinear, RowParallelLinear, TensorParallelAttention, partition_range
-from .tensor.partition import agree_on_geometry
+from .tensor.partition import same_geometry
 
 
 class TensorParallelBlock(TransformerBlock):
@@ -98,8 +98,9 @@ class TensorParallelBlock(TransformerBlock):
                  causal: bool = True, dtype: Any = np.float32, seed: _init.SeedLike = None) -> None:
         Module.__init__(self)
         pg = resolve_group(group).require_member("TensorParallelBlock")
-        problem = None
-        try:
+        # One exchange for the whole block, before any other message.
+        with same_geometry(pg, "TensorParallelBlock", width=width, heads=heads, mlp_ratio=mlp_ratio,
+                           dropout=float(dropout), causal=bool(causal), dtype=dtype):
             if width <= 0 or heads <= 0 or mlp_ratio <= 0 or width % heads:
                 raise ConfigurationError(f"TensorParallelBlock needs positive width, heads and mlp_ratio with heads "
                                          f"dividing width; got width={width}, heads={heads}, mlp_ratio={mlp_ratio}")
@@ -107,11 +108,6 @@ class TensorParallelBlock(TransformerBlock):
                 raise ConfigurationError("TensorParallelBlock needs a seed, the same on every rank of the group")
             partition_range(int(heads), pg.rank, pg.size, "TensorParallelBlock heads")
             partition_range(int(mlp_ratio * width), pg.rank, pg.size, "TensorParallelBlock mlp_ratio * width")
-        except AxonError as exc:
-            problem = exc
-        # One exchange for the whole block, before any other message.
-        agree_on_geometry(pg, "TensorParallelBlock", problem, width=width, heads=heads, mlp_ratio=mlp_ratio,
-                           dropout=float(dropout), causal=bool(causal), dtype=dtype)
         self.width = int(width)
         self.heads = int(heads)
         self.mlp_ratio = int(mlp_ratio)

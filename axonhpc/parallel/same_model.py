@@ -10,7 +10,7 @@ model (another config file, a seed-dependent architecture, a forgotten
 other sizes: a hang, a ``ShapeError`` on some ranks only, or, worst, numbers
 that are silently wrong. So each wrapper, before any other message of its
 constructor, describes its model as one line per parameter
-(``name:dtype:shape``) and runs ``groups.agreement.compare``: one all-gather
+(``name:dtype:shape``) and runs ``groups.agreement.all_or_none``: one all-gather
 of (ok, length, 64-bit digest) per rank. Only when the digests differ does
 anything more travel (the texts, then one digest per line to find the first
 line that differs), so that every rank raises the same
@@ -33,7 +33,7 @@ import numpy as np
 from .._dtypes import is_cupy_array
 from ..collectives import all_gather
 from ..errors import AxonError, ModelMismatchError, everywhere
-from ..groups.agreement import compare
+from ..groups.agreement import Failed, all_or_none, compare, ranks_text
 
 _state = threading.local()  # threads are ranks under run_local: one depth per rank
 
@@ -54,7 +54,7 @@ def parameter_lines(named: Iterable[Tuple[str, Any]]) -> List[str]:
 
 @contextlib.contextmanager
 def agreed() -> Iterator[None]:
-    """Inside, ``check_same_model`` does nothing on this rank: an enclosing layer has compared for it.
+    """Inside, ``compared_model`` compares nothing on this rank: an enclosing layer has compared for it.
 
     A tensor-parallel block (``TensorParallelMLP``) compares its whole
     geometry once and builds its column and row layers inside this context,
@@ -72,16 +72,12 @@ def _digest(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "little", signed=True)
 
 
-def _ranks_text(ranks: Sequence[int]) -> str:
-    return f"ranks {list(ranks)}" if len(ranks) > 1 else f"rank {ranks[0]}"
-
-
 def _by_value(values: Sequence[str], ranks: Sequence[int]) -> str:
     """``ranks [0, 2] have X; rank 1 has Y``, in order of each value's first rank."""
     groups: dict = {}
     for r, value in enumerate(values):
         groups.setdefault(value, []).append(int(ranks[r]))
-    return "; ".join(f"{_ranks_text(rs)} {'have' if len(rs) > 1 else 'has'} {value}"
+    return "; ".join(f"{ranks_text(rs)} {'have' if len(rs) > 1 else 'has'} {value}"
                      for value, rs in sorted(groups.items(), key=lambda item: item[1][0]))
 
 
@@ -109,45 +105,55 @@ def _first_difference(group: Any, lines: Sequence[str], noun: str) -> Tuple[int,
     return index, values, [index < int(c) for c in counts]
 
 
-def check_same_model(group: Any, what: str, lines: Sequence[str], problem: Optional[AxonError] = None,
-                     settings: Sequence[str] = (),
-                     hint: str = "every rank of the group must build the same model (the same layers, sizes and "
-                                 "dtypes, in the same order) before wrapping it") -> None:
-    """Collective over ``group``: every rank has the same model, or an error on every rank (see the note).
+class Description:
+    """What a ``compared_model`` block describes: ``lines`` (the parameters) and ``settings`` (``label: value``)."""
 
-    Args:
-        group: the wrapper's process group (every member calls).
-        what: how messages name the wrapper and its group ("DDP over group world").
-        lines: this rank's parameters, one ``name:dtype:shape`` line each (``parameter_lines``).
-        problem: the error this rank's own local checks found, or None.
-        settings: lines that must agree too, compared before the parameters,
-            each ``label: value`` (``"units: ['0', '2']"``, a layer's
-            geometry); the same number on every rank.
-        hint: what the message tells the user to do.
+    __slots__ = ("lines", "settings")
+
+    def __init__(self) -> None:
+        self.lines: Sequence[str] = []
+        self.settings: Sequence[str] = []
+
+
+_HINT = ("every rank of the group must build the same model (the same layers, sizes and dtypes, in the same order) "
+         "before wrapping it")
+
+
+@contextlib.contextmanager
+def compared_model(group: Any, what: str, hint: str = _HINT) -> Iterator[Description]:
+    """Collective over ``group``: run the block (this rank's local checks), then compare what it described.
+
+    The block sets the yielded description: ``lines`` (the parameters) and
+    ``settings`` (lines compared first, the same number on every rank). See
+    the module note.
 
     Raises:
         ModelMismatchError: the descriptions differ across the group (every
-            rank), or another rank's local checks failed (on the ranks whose passed).
-        AxonError: ``problem``, on the rank that found it.
+            rank), or another rank's block raised (on the ranks whose passed).
+        AxonError: what the block raised, on the rank that raised it.
     """
+    described = Description()
     if group.size == 1 or getattr(_state, "depth", 0):
-        if problem is not None:
-            raise problem
+        yield described
         return
-    described = list(settings) + list(lines)
-    text = f"{type(problem).__name__}: {problem}" if problem is not None else "\n".join(described)
-    seen = compare(group, problem is None, text, same=True)
-    if seen is None:
-        return
-    failed = [r for r, (ok, _) in enumerate(seen) if not ok]
-    if failed:
-        if problem is not None:
-            raise problem
-        first = failed[0]
-        raise everywhere(ModelMismatchError(
-            f"{what}: {_ranks_text([group.ranks[r] for r in failed])} could not build it (rank "
-            f"{group.ranks[first]}: {seen[first][1]}); nothing else was sent"), group.ranks)
-    index, values, present = _first_difference(group, described, "parameter")
+
+    def refused(failed: Failed) -> ModelMismatchError:
+        first, why = failed[0]
+        return everywhere(ModelMismatchError(
+            f"{what}: {ranks_text([group.ranks[r] for r, _ in failed])} could not build it (rank "
+            f"{group.ranks[first]}: {why}); nothing else was sent"), group.ranks)
+
+    def differ(seen: Any) -> ModelMismatchError:
+        return _mismatch(group, what, list(described.settings), list(described.lines), hint)
+
+    with all_or_none(group, refused, differ) as vote:
+        yield described
+        vote.text = "\n".join(list(described.settings) + list(described.lines))
+
+
+def _mismatch(group: Any, what: str, settings: List[str], lines: List[str], hint: str) -> ModelMismatchError:
+    """Collective: the error naming the first line that differs across the group, and which ranks have which."""
+    index, values, present = _first_difference(group, settings + lines, "parameter")
     if index < len(settings):
         where = f"{settings[index].split(':', 1)[0]!r}"
     else:
@@ -155,9 +161,18 @@ def check_same_model(group: Any, what: str, lines: Sequence[str], problem: Optio
         position = index - len(settings)
         where = (f"parameter {names.pop()!r} (position {position}" if len(names) == 1
                  else f"the parameter at position {position}") + ", shown as name:dtype:shape)"
-    raise everywhere(ModelMismatchError(
+    return everywhere(ModelMismatchError(
         f"{what}: the {group.size} ranks hold different models; the first difference is "
         f"{where}: {_by_value(values, group.ranks)}. {hint[0].upper()}{hint[1:]}; nothing else was sent"), group.ranks)
 
 
-__all__ = ["parameter_lines", "check_same_model", "agreed"]
+def check_same_model(group: Any, what: str, lines: Sequence[str], problem: Optional[AxonError] = None,
+                     settings: Sequence[str] = (), hint: str = _HINT) -> None:
+    """``compared_model`` for a model described (or a ``problem`` found) before: lines, settings as it describes."""
+    with compared_model(group, what, hint) as described:
+        if problem is not None:
+            raise problem
+        described.lines, described.settings = lines, settings
+
+
+__all__ = ["parameter_lines", "compared_model", "check_same_model", "agreed", "Description"]

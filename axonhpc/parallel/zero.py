@@ -39,12 +39,12 @@ from typing import Any, Dict, Iterable, List, Tuple
 from .._dtypes import check_array, dtype_groups
 from ..buffers import FlatOps, FlatShard, flat_ops_for
 from ..collectives import all_gather
-from ..errors import AxonError, ConfigurationError, ShapeError, StateDictError, UsageError
+from ..errors import ConfigurationError, ShapeError, StateDictError, UsageError
 from ..groups import resolve_group
 from ..nn.parameter import Parameter
 from ..optim.optimizer import Optimizer
 from .fsdp import fsdp_role
-from .same_model import check_same_model, parameter_lines
+from .same_model import compared_model, parameter_lines
 
 _NAME = "ZeroRedundancyOptimizer"
 
@@ -184,18 +184,13 @@ class ZeroRedundancyOptimizer:
             raise ConfigurationError(f"{_NAME}: optimizer_class must be a subclass of axonhpc.optim.Optimizer "
                                      f"(e.g. optim.Adam) or a function params -> Optimizer, got {optimizer_class!r}")
         group = resolve_group(group).require_member(_NAME)
-        given: List[Any] = []
-        problem = None
-        try:
-            params = given = _check_params(params)
+        # Before any other message: every rank shards the same parameters, or every rank raises.
+        same = "every rank must pass the same parameters (the same model's, in the same order)"
+        with compared_model(group, f"{_NAME} over group {group.name}", hint=same) as described:
+            params = _check_params(params)
             _check_not_fsdp(params)
             ops = flat_ops_for([p.data for p in params], what=_NAME)  # one kind of memory, or a clear refusal
-        except AxonError as exc:
-            problem = exc
-        # Before any other message: every rank shards the same parameters, or every rank raises.
-        check_same_model(group, f"{_NAME} over group {group.name}",
-                         parameter_lines((f"params[{i}]", p) for i, p in enumerate(given)), problem,
-                         hint="every rank must pass the same parameters (the same model's, in the same order)")
+            described.lines = parameter_lines((f"params[{i}]", p) for i, p in enumerate(params))
         shards = [_DtypeShard(members, group.rank, group.size, ops)
                   for members in dtype_groups(params, lambda p: p.data)]
         self.optimizer: Optimizer = optimizer_class([s.param for s in shards], **optimizer_args)

@@ -60,7 +60,7 @@ from ...collectives import all_reduce
 from ...backends import ReduceOp
 # UnusedParameterError and GradientAfterReductionError are defined in errors (ax.errors.<Name>) and stay
 # importable from here, where they were first defined.
-from ...errors import (ArgumentTypeError, AxonError, ConfigurationError, GradientAfterReductionError,
+from ...errors import (ArgumentTypeError, ConfigurationError, GradientAfterReductionError,
                       UnusedParameterError)
 from ...buffers import flat_ops_for
 from ...groups import resolve_group
@@ -70,7 +70,7 @@ from .buckets import Bucket, shared_flats
 from .join import Joiner
 from ..comm_hooks import GradBucket, finished
 from ..replicate import broadcast_arrays
-from ..same_model import check_same_model, parameter_lines
+from ..same_model import compared_model, parameter_lines
 from ..wrapping import WrapperModes
 
 FIRST_BUCKET_BYTES = 1 << 20  # PyTorch DDP's first bucket: 1 MiB
@@ -118,17 +118,14 @@ class DistributedDataParallel(WrapperModes):
         self.strategy = GradSyncStrategy.parse(strategy)
         self.group = resolve_group(group).require_member("DDP")
         named = list(module.named_parameters()) if isinstance(module, Module) else []
-        problem = None
-        try:
+        # Before any other message: every rank holds the same model, or every rank raises (see same_model).
+        with compared_model(self.group, f"DDP over group {self.group.name}") as described:
             require_module(module, "DDP")
             if not named:
                 raise ConfigurationError(f"DDP needs a module with parameters; {type(module).__name__} has none")
             # Host or device buffers, chosen once; a model in both kinds of memory is refused here.
             self._ops = flat_ops_for([p.data for _, p in named], [name for name, _ in named], "DDP")
-        except AxonError as exc:
-            problem = exc
-        # Before any other message: every rank holds the same model, or every rank raises (see same_model).
-        check_same_model(self.group, f"DDP over group {self.group.name}", parameter_lines(named), problem)
+            described.lines = parameter_lines(named)
         self.module = module
         self.broadcast_buffers = bool(broadcast_buffers)
         self.gradient_as_bucket_view = bool(gradient_as_bucket_view)

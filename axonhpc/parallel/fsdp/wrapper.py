@@ -26,7 +26,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 import numpy as np
 
 from ...buffers import flat_ops_for
-from ...errors import ArgumentTypeError, AxonError, ConfigurationError
+from ...errors import ArgumentTypeError, ConfigurationError
 from ...groups import resolve_group
 from ...nn import Module, call_backward, require_module
 from .flat_param import FlatUnit, Placement, share_shards
@@ -37,7 +37,7 @@ from .memory import CommCounter, FSDPMemoryStats, MemoryTracker, memory_estimate
 from .state import ROOT, full_state_dict, prepare_load, sharded_state
 from .units import assign_parameters, build_groups, select_units
 from ..replicate import broadcast_arrays
-from ..same_model import check_same_model, parameter_lines
+from ..same_model import compared_model, parameter_lines
 from ..wrapping import WrapperModes
 
 
@@ -91,9 +91,8 @@ class FullyShardedDataParallel(WrapperModes):
                 raise ConfigurationError(f"ranks_per_node must be a positive int, got {ranks_per_node!r}")
         self.group = resolve_group(group).require_member("FSDP")
         named = module.named_parameters() if isinstance(module, Module) else []
-        plan: List[Tuple[str, Any, List[Tuple[str, Any]]]] = []
-        problem = None
-        try:
+        # Before any other message: every rank holds the same model and units, or every rank raises.
+        with compared_model(self.group, f"FSDP over group {self.group.name}") as described:
             require_module(module, "FSDP")
             if not named:
                 raise ConfigurationError(f"FSDP needs a module with parameters; {type(module).__name__} has none")
@@ -103,11 +102,7 @@ class FullyShardedDataParallel(WrapperModes):
             plan = assign_parameters(module, select_units(module, units))
             # Host or device buffers, chosen once; a model in both kinds of memory is refused before any message.
             ops = flat_ops_for([p.data for _, p in named], [n for n, _ in named], "FSDP")
-        except AxonError as exc:
-            problem = exc
-        # Before any other message: every rank holds the same model and units, or every rank raises.
-        check_same_model(self.group, f"FSDP over group {self.group.name}", parameter_lines(named), problem,
-                         settings=[f"units: {[name for name, _, _ in plan]}"])
+            described.lines, described.settings = parameter_lines(named), [f"units: {[name for name, _, _ in plan]}"]
         if ranks_per_node is not None and self.group.size % ranks_per_node:
             raise ConfigurationError(f"ranks_per_node={ranks_per_node} does not divide the group size "
                                      f"{self.group.size}")

@@ -56,7 +56,7 @@ from ..._dtypes import array_module
 from ...errors import AxonError, ConfigurationError, ShapeError, UsageError
 from ...groups import resolve_group
 from ...nn import cached_nbytes, call_backward
-from ..same_model import check_same_model
+from ..same_model import check_same_model, compared_model
 from .lowering import RECV_B, RECV_F, SEND_B, SEND_F, Op, Step, lower_schedule
 from .render import format_schedule_table
 from .replicas import StageReplicas
@@ -129,19 +129,15 @@ class Pipeline:
         self.group = resolve_group(group).require_member("building a Pipeline")
         self.stage_modules = list(stage_modules)
         p = self.group.size
-        problem = None
-        try:
-            self._check_counts(stages_per_rank, schedule, num_microbatches)
-        except AxonError as exc:
-            problem = exc
         # Before any other message: the pipeline's ranks run the same schedule and counts (one exchange),
         # or every rank raises instead of waiting for messages that never come.
-        setting = (f"pipeline: {len(self.stage_modules)} stages, num_microbatches={num_microbatches!r}, "
-                   f"schedule={self.schedule.name if problem is None else schedule!r}, "
-                   f"stages_per_rank={stages_per_rank!r}")
-        check_same_model(self.group, f"Pipeline over group {self.group.name}", [], problem, settings=[setting],
-                         hint="every rank of the pipeline must pass the same number of stages, micro-batches, "
-                              "schedule and stages_per_rank")
+        with compared_model(self.group, f"Pipeline over group {self.group.name}",
+                            hint="every rank of the pipeline must pass the same number of stages, micro-batches, "
+                                 "schedule and stages_per_rank") as described:
+            self._check_counts(stages_per_rank, schedule, num_microbatches)
+            setting = (f"pipeline: {len(self.stage_modules)} stages, num_microbatches={num_microbatches!r}, "
+                       f"schedule={self.schedule.name}, stages_per_rank={stages_per_rank!r}")
+            described.settings = [setting]
         self.loss_fn = loss_fn
         self.rank = self.group.rank
         self.size = p

@@ -8,14 +8,14 @@ import numpy as np
 from ..._dtypes import array_module
 from ...backends import ReduceOp
 from ...collectives import all_reduce
-from ...errors import AxonError, ConfigurationError, ShapeError
+from ...errors import ConfigurationError, ShapeError
 from ...groups import ProcessGroup, resolve_group
 from ...nn import Module, MultiHeadAttention
 from ...nn import _init
 from ...nn.attention import attention_backward, attention_forward, merge_heads, split_heads
 from ..same_model import agreed
 from .linear import ColumnParallelLinear, RowParallelLinear
-from .partition import agree_on_geometry, partition_range, shared_seed
+from .partition import partition_range, same_geometry, shared_seed
 
 
 class TensorParallelAttention(Module):
@@ -62,18 +62,14 @@ class TensorParallelAttention(Module):
                  seed: _init.SeedLike = None) -> None:
         super().__init__()
         pg = resolve_group(group).require_member("TensorParallelAttention")
-        problem, head_start, head_stop = None, 0, 0
-        try:
+        # Before any other message (seed=None broadcasts): one exchange for the whole block.
+        with same_geometry(pg, "TensorParallelAttention", embed_dim=embed_dim, num_heads=num_heads, bias=bool(bias),
+                           causal=bool(causal), dtype=dtype):
             if embed_dim <= 0 or num_heads <= 0 or embed_dim % num_heads:
                 raise ConfigurationError(f"TensorParallelAttention needs num_heads dividing embed_dim, both "
                                          f"positive; got embed_dim={embed_dim}, num_heads={num_heads}")
             head_start, head_stop = partition_range(int(num_heads), pg.rank, pg.size,
                                                     "TensorParallelAttention num_heads")
-        except AxonError as exc:
-            problem = exc
-        # Before any other message (seed=None broadcasts): one exchange for the whole block.
-        agree_on_geometry(pg, "TensorParallelAttention", problem, embed_dim=embed_dim, num_heads=num_heads,
-                           bias=bool(bias), causal=bool(causal), dtype=dtype)
         self.group = pg
         self.embed_dim = int(embed_dim)
         self.num_heads = int(num_heads)

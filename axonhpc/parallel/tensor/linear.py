@@ -8,15 +8,14 @@ import numpy as np
 from ..._dtypes import array_module
 from ...backends import ReduceOp
 from ...collectives import all_reduce
-from ...errors import AxonError
 from ...groups import ProcessGroup, resolve_group
 from ...nn import GELU, Linear, Module, Parameter, Sequential
 from ...nn import _init
 from ...nn.autocast import (add_bias, linear_backward, linear_grad_output, linear_input_grad, linear_param_grads,
                             linear_product)
 from ..same_model import agreed
-from .partition import (agree_on_geometry, check_last_axis, check_sizes, full_linear_values, gather_last_axis, my_part,
-                        partition_range, shared_seed)
+from .partition import (check_last_axis, check_sizes, full_linear_values, gather_last_axis, my_part, partition_range,
+                        same_geometry, shared_seed)
 
 
 class ColumnParallelLinear(Module):
@@ -279,15 +278,11 @@ class TensorParallelMLP(Module):
                  dtype: Any = np.float32, seed: _init.SeedLike = None) -> None:
         super().__init__()
         pg = resolve_group(group).require_member("TensorParallelMLP")
-        problem = None
-        try:
+        # One exchange for the whole block: its two layers follow from these numbers.
+        with same_geometry(pg, "TensorParallelMLP", hidden=hidden, ffn_hidden=ffn_hidden, dtype=dtype):
             # Checked here too, so the message names the block's own argument.
             check_sizes("TensorParallelMLP", hidden, ffn_hidden)
             partition_range(int(ffn_hidden), pg.rank, pg.size, "TensorParallelMLP ffn_hidden")
-        except AxonError as exc:
-            problem = exc
-        # One exchange for the whole block: its two layers follow from these numbers.
-        agree_on_geometry(pg, "TensorParallelMLP", problem, hidden=hidden, ffn_hidden=ffn_hidden, dtype=dtype)
         self.hidden = int(hidden)
         self.ffn_hidden = int(ffn_hidden)
         seeds = _init.child_seeds(shared_seed(seed, pg), 2)

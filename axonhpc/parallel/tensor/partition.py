@@ -1,17 +1,18 @@
 """How a tensor-parallel layer is cut over its group, and the checks every rank agrees on before it is."""
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple
+import contextlib
+from typing import Any, Iterator, Optional, Tuple
 
 import numpy as np
 
 from ..._dtypes import array_module
 from ...collectives import all_gather, broadcast
-from ...errors import AxonError, ConfigurationError, ShapeError
+from ...errors import ConfigurationError, ShapeError
 from ...groups import ProcessGroup
 from ...nn import Module
 from ...nn import _init
-from ..same_model import check_same_model
+from ..same_model import compared_model
 
 
 def partition_range(total: int, rank: int, size: int, what: str = "features") -> Tuple[int, int]:
@@ -82,28 +83,24 @@ def my_part(pg: ProcessGroup, layer: str, in_features: int, out_features: int, s
     The local checks' error (sizes, a dimension the group does not divide)
     joins the exchange instead of being raised first, so that no rank waits.
     """
-    problem, start, stop = None, 0, 0
-    try:
+    with same_geometry(pg, layer, in_features=in_features, out_features=out_features, **geometry):
         check_sizes(layer, in_features, out_features)
         size = out_features if split == "out_features" else in_features
-        start, stop = partition_range(int(size), pg.rank, pg.size, f"{layer} {split}")
-    except AxonError as exc:
-        problem = exc
-    agree_on_geometry(pg, layer, problem, in_features=in_features, out_features=out_features, **geometry)
-    return start, stop
+        return partition_range(int(size), pg.rank, pg.size, f"{layer} {split}")
 
 
-def agree_on_geometry(pg: ProcessGroup, layer: str, problem: Optional[AxonError], **geometry: Any) -> None:
-    """Collective: every rank of the tensor-parallel group builds ``layer`` with the same geometry (one exchange).
+@contextlib.contextmanager
+def same_geometry(pg: ProcessGroup, layer: str, **geometry: Any) -> Iterator[None]:
+    """Collective: run the block (this rank's checks), then agree that every rank builds ``layer`` alike.
 
     Runs before any other message of the constructor (``seed=None`` broadcasts
-    the seed), so a rank with other sizes, flags or dtype, or one whose own
-    checks failed (``problem``), makes every rank raise instead of leaving
-    the others waiting or computing with shards of different layers.
+    the seed), so a rank with other sizes, flags or dtype, or one whose block
+    raised, makes every rank raise instead of leaving the others waiting or
+    computing with shards of different layers.
 
     Raises:
         ModelMismatchError: the geometry differs across the group (on every rank).
-        AxonError: ``problem``, on the rank that found it.
+        AxonError: what the block raised, on the rank that raised it.
     """
     def shown(key: str, value: Any) -> str:
         if key == "dtype":
@@ -116,9 +113,10 @@ def agree_on_geometry(pg: ProcessGroup, layer: str, problem: Optional[AxonError]
         return repr(value)
 
     text = ", ".join(f"{k}={shown(k, v)}" for k, v in geometry.items())
-    check_same_model(pg, f"{layer} over group {pg.name}", [], problem, settings=[f"layer: {layer}({text})"],
-                     hint=f"every rank of the tensor-parallel group must build the same {layer} (tp_size="
-                          f"{pg.size}), in the same order")
+    hint = f"every rank of the tensor-parallel group must build the same {layer} (tp_size={pg.size}), in the same order"
+    with compared_model(pg, f"{layer} over group {pg.name}", hint=hint) as described:
+        described.settings = [f"layer: {layer}({text})"]
+        yield
 
 
 def check_last_axis(layer: Module, x: Any, expected: int, what: str) -> None:
