@@ -493,10 +493,5 @@ def batches_of(loader: Any, accumulate: int, skip: int) -> Iterator[List[Any]]:
             group = []
 
 
-def steps_per_epoch(loader: Any, accumulate: int) -> int:
-    """Optimizer steps in one epoch (a trailing incomplete group of batches is dropped)."""
-    return len(loader) // accumulate
-
-
 __all__ = ["STRATEGIES", "SETUPS", "Setup", "DDPSetup", "Zero1Setup", "FSDPSetup", "TensorDataSetup", "PipelineSetup",
-           "build", "rebuild_optimizer", "check_rebuildable", "split_stages", "batches_of", "steps_per_epoch"]
+           "build", "rebuild_optimizer", "check_rebuildable", "split_stages", "batches_of"]

@@ -145,7 +145,7 @@ class DistributedTrainer:
         fault_tolerance: None, or "shrink" (strategies "ddp" and "fsdp", under
             ``axonhpc launch --fault-tolerant``): a rank that dies does not end
             the run; the survivors shrink the world, rebuild and redo the step
-            with the same global batch (see the module note).
+            with the same global batch (``trainer.shrink``, docs/fault-tolerance.md).
         simulate_failure: with "shrink": ``"R:K[:where]"``, job rank R SIGKILLs
             itself once K steps are done (``elastic.parse_failures``).
         spares: with "shrink": this many ranks (the highest) wait, and one takes
@@ -483,16 +483,15 @@ class DistributedTrainer:
         self._after_recovery()
         return out
 
-    def _after_recovery(self) -> bool:
+    def _after_recovery(self) -> None:
         """After a recovery the run is on a new world: say so, and rebind what the old one's group held."""
         recoveries = self.recoveries
         if len(recoveries) == self._recoveries_seen:
-            return False
+            return
         for record in recoveries[self._recoveries_seen:]:
             self._say(record.line())
         self._recoveries_seen = len(recoveries)
         self._preemption = preemption_after(self._preemption, self.setup.group)
-        return True
 
     def _abandon_save(self) -> None:
         """Local, after ranks were lost: drop a background save in flight (the previous checkpoint stays)."""
