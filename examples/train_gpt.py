@@ -43,7 +43,7 @@ import axonhpc as ax
 from axonhpc import optim
 from axonhpc.checkpoint import AsyncCheckpointer, load_model_slices, save_model_slices
 from axonhpc.data import FileCorpus, TextCorpus, TextWindows
-from axonhpc.elastic import ElasticTraining
+from axonhpc.elastic import ElasticTraining, is_replacement
 
 
 def parse_args(argv=None):
@@ -80,12 +80,15 @@ def parse_args(argv=None):
     p.add_argument("--resume", default=None, metavar="DIR", help="continue from this checkpoint (any layout's)")
     p.add_argument("--elastic", action="store_true",
                    help="go on when ranks die: shrink dp and redo the step (Open MPI with ULFM, under axonhpc "
-                        "launch --fault-tolerant; tp = pp = 1; --batch divisible by every dp width it may reach)")
+                        "launch --fault-tolerant; with tp or pp a replica that lost a rank is dropped; --batch "
+                        "divisible by every dp width it may reach)")
     p.add_argument("--simulate-failure", default=None, metavar="R:K[:WHERE]",
                    help="with --elastic: rank R SIGKILLs itself once K steps are done (WHERE: forward, backward, "
                         "optimizer, save, or spare: a spare as it starts to wait); comma-separated for several")
     p.add_argument("--spares", type=int, default=0, metavar="N",
                    help="with --elastic: N of the ranks wait, and one takes the place of each rank lost, so dp stays")
+    p.add_argument("--respawn", action="store_true",
+                   help="with --elastic: once no spare is left, start a replacement for each rank lost, so dp stays")
     p.add_argument("--plot", default=None, metavar="PREFIX", help="write PREFIX-loss.png (and PREFIX-pipeline.png)")
     return p.parse_args(argv)
 
@@ -169,7 +172,9 @@ class Run:
 
     def __init__(self, args, world, corpus, resume=None):
         self.world = world
-        self.dp, tp, pp = layout(args, world.world_size) if not args.elastic else (world.world_size, 1, 1)
+        if args.elastic:  # dp is what the ranks left give: it shrinks when a replica is dropped
+            args = argparse.Namespace(**{**vars(args), "dp": world.world_size // (args.tp * args.pp)})
+        self.dp, tp, pp = layout(args, world.world_size)
         self.mesh = world.mesh(dp=self.dp, tp=tp, pp=pp)
         stages_per_rank = 2 if ax.PipelineSchedule.parse(args.schedule) is ax.PipelineSchedule.INTERLEAVED_1F1B else 1
         self.microbatches = args.microbatches or (2 * pp if pp > 1 else 1)
@@ -209,9 +214,10 @@ class Steps:
         self.args, self.corpus = args, corpus
         self.elastic = self.plain = None
         if args.elastic:
-            self._resume = args.resume
+            world = ax.current_world()  # only the job's first working ranks load --resume, not a spare or replacement
+            self._resume = args.resume if world.rank < world.world_size - args.spares and not is_replacement() else None
             self.elastic = ElasticTraining(self._build, simulate_failure=args.simulate_failure, save=args.save,
-                                           spares=args.spares)
+                                           spares=args.spares, respawn=args.respawn)
             if self.elastic.active and not self.elastic.recoveries:  # a spare that took a place has the state
                 self.elastic.done = self.elastic.parts.model.step = self.elastic.parts.first_step
         else:
@@ -285,11 +291,13 @@ def main(argv=None):
         _xp = cupy
     if args.spares and not args.elastic:
         sys.exit("train_gpt: --spares needs --elastic")
+    if args.respawn and not args.elastic:
+        sys.exit("train_gpt: --respawn needs --elastic")
     if args.simulate_failure and not args.elastic:
         sys.exit("train_gpt: --simulate-failure needs --elastic (without it a lost rank ends the job)")
-    if args.elastic and (args.tp != 1 or args.pp != 1):
-        sys.exit(f"train_gpt: --elastic shrinks data parallelism only (tp = pp = 1), got --tp {args.tp} --pp {args.pp}")
-    world = ax.init(fault_tolerant=True) if args.elastic else ax.init()
+    if args.elastic and args.dp is not None:
+        sys.exit("train_gpt: --elastic sets dp from the ranks left (dp = working ranks / (tp x pp)); leave out --dp")
+    ax.init(fault_tolerant=True) if args.elastic else ax.init()
     if args.data:  # your own corpus: text bytes, or nanoGPT's uint16 token files, memory-mapped
         corpus = FileCorpus(args.data, held_out=0.1, seed=args.seed, vocab_size=args.vocab)
     else:

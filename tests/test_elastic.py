@@ -122,6 +122,25 @@ def test_a_killed_rank_is_survived_with_the_uninterrupted_loss(tmp_path, uninter
 
 @needs_openmpi
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("n,mesh,failure,line", [
+    (4, ["--tp", "2"], "3:3", ("3", 4, 2, 1)),                            # replica 1 dropped; rank 2 waits as a spare
+    (4, ["--pp", "2", "--microbatches", "2"], "1:3", ("1", 4, 2, 1)),     # a pipeline replica dropped
+    (4, ["--tp", "2", "--fsdp"], "0:3", ("0", 4, 2, 1)),                  # replica 0's shards from its keepers
+    (5, ["--tp", "2", "--spares", "1"], "1:3", ("1", 4, 4, 2)),           # the spare takes the place: dp stays
+    (3, ["--respawn"], "2:3", ("2", 4, 3, 3)),                            # a replacement is spawned
+    (4, ["--tp", "2", "--respawn"], "3:3", ("3", 4, 4, 2)),               # ... into the lost rank's place
+])
+def test_a_replica_that_lost_a_rank_is_dropped_with_the_uninterrupted_loss(tmp_path, uninterrupted, n, mesh, failure,
+                                                                          line):
+    code, out, err = _run(tmp_path, n, "--batch", "12", "--simulate-failure", failure, *mesh)
+    assert code == 0, out[-3000:] + err[-5000:]
+    assert [(ranks, int(at), int(left), int(dp)) for ranks, at, left, dp, _ in RECOVERED.findall(out)] == [line], out
+    loss = _final_loss(out)
+    assert abs(loss - uninterrupted[12]) <= 1e-10 * abs(uninterrupted[12]), (loss, uninterrupted[12])
+
+
+@needs_openmpi
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("fsdp,spares,failure,lines", [
     (True, 1, "", []),                                              # no failure: the spare waits, then leaves
     (True, 1, "1:3", [("1", 4, 3)]),                                # the spare takes the lost rank's place
@@ -172,7 +191,7 @@ def test_a_width_that_cannot_go_on_saves_the_whole_state_which_resumes_elsewhere
 def test_the_example_refuses_what_elastic_training_cannot_do(tmp_path):
     for args, text in ((["--simulate-failure", "1:2"], "--simulate-failure needs --elastic"),
                        (["--spares", "1"], "--spares needs --elastic"),
-                       (["--elastic", "--tp", "2"], "--elastic shrinks data parallelism only")):
+                       (["--elastic", "--dp", "2"], "--elastic sets dp from the ranks left")):
         out = subprocess.run([sys.executable, EXAMPLE, *RUN, *args], capture_output=True, text=True, timeout=GUARD,
                              cwd=tmp_path, env=dict(os.environ, OMP_NUM_THREADS="1"))
         assert out.returncode != 0 and text in out.stderr, out.stderr

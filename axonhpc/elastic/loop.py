@@ -56,6 +56,7 @@ from ..log import get_logger
 from ..parallel.comm_hooks import allreduce_hook
 from ..settings import settings
 from .buddy import BuddyCopies, shard_parameters
+from . import replicas
 from .respawn import joined, spawn
 from .spares import Rendezvous
 from .state import describe_missing, gather_state
@@ -112,13 +113,14 @@ def parse_failures(text: Optional[str]) -> List[Tuple[int, int, str]]:
 
 
 class ElasticTraining:
-    """Steps of a data-parallel run that go on, on fewer ranks, when ranks die (Open MPI with ULFM).
+    """Steps of a data-parallel run that go on, on fewer replicas, when ranks die (Open MPI with ULFM).
 
     Args:
         build: ``build(world)`` returns the run's parts for that world: an
             object with ``model`` (with ``parameter_boxes()``, and ``step`` if
-            it keys dropout by it; DDP or FSDP over the whole world, e.g.
-            ``ax.ParallelGPT`` with tp = pp = 1) and ``optimizer``, and
+            it keys dropout by it; its dp, tp and pp groups (``dp`` DDP or
+            FSDP; tp and pp optional) cover the world, e.g. ``ax.ParallelGPT``;
+            a replica that loses a rank is dropped, ``elastic.replicas``) and ``optimizer``, and
             whatever else the steps use (the data, laid out for the world's
             width). If it has ``update()``, that is the step's local half
             instead of ``optimizer.step()``. If it has ``abandon()``, that is
@@ -161,6 +163,7 @@ class ElasticTraining:
         self.done = int(first_step)
         self.save = save
         self.respawn = bool(respawn)
+        self.shape: replicas.Shape = (1, 1, 1)  # the model's dp x tp x pp, from its first build
         self.recoveries: List[Recovery] = []
         self.buddy: Optional[BuddyCopies] = None
         self.parts: Any = None
@@ -197,6 +200,7 @@ class ElasticTraining:
         facts["taken"] = True
         self.comm, self.members, self.job_rank = facts["comm"], facts["members"], facts["id"]
         self.width, self.working, self.next_id = facts["width"], facts["working"], facts["next_id"]
+        self.shape = tuple(facts["shape"])
         self._working_comm = self.comm
         self._failures = [(k, where) for r, k, where in parse_failures(simulate_failure) if r == self.job_rank]
         self._rebuild(self.comm, self.members, facts["lost"], facts["working"], None, False, False,
@@ -232,22 +236,30 @@ class ElasticTraining:
     def _set_up(self, world: Any, whole: Optional[Dict[str, np.ndarray]], described: Any) -> None:
         parts = self.build(world)
         model, optimizer = parts.model, parts.optimizer
-        dp = getattr(model, "dp", None)
-        if dp is None or dp.size != world.world_size:
-            raise ConfigurationError(f"ElasticTraining shrinks data parallelism: the model must be data-parallel "
-                                     f"over all {world.world_size} ranks (tp = pp = 1), its dp group has "
-                                     f"{getattr(dp, 'size', None)}")
+        shape = tuple(getattr(getattr(model, axis, None), "size", 1) for axis in ("dp", "tp", "pp"))
+        if getattr(model, "dp", None) is None or shape[0] * shape[1] * shape[2] != world.world_size:
+            raise ConfigurationError(f"ElasticTraining shrinks data parallelism: the model's dp x tp x pp must cover "
+                                     f"all {world.world_size} ranks, it has {' x '.join(map(str, shape))}"
+                                     f"{'' if getattr(model, 'dp', None) is not None else ' (no dp group)'}")
+        if self.shape[1:] != (1, 1) and shape[1:] != self.shape[1:]:
+            raise ConfigurationError(f"ElasticTraining keeps tp and pp: the model was built with tp x pp = "
+                                     f"{shape[1]} x {shape[2]}, the run has {self.shape[1]} x {self.shape[2]}")
+        self.shape = shape
         if whole is not None:
             fill_model_state(model.parameter_boxes(), optimizer, whole, described)
         if hasattr(model, "step"):
             model.step = self.done  # dropout masks are keyed by the step
         shards = shard_parameters(model)
+        dp = model.dp
         self.buddy = BuddyCopies(shards, optimizer, dp) if shards is not None and dp.size > 1 else None
         if any(where == "backward" for _, where in self._failures):
             self._arm_backward(model)
         self.parts, self.world = parts, world
 
     def _arm_backward(self, model: Any) -> None:
+        if getattr(model, "engine", None) is None:
+            raise ConfigurationError("simulate_failure's backward point waits in a DDP or FSDP gradient hook; this "
+                                     "model has none (a pipeline: pp > 1)")
         def hook(state: Any, bucket: Any) -> Any:
             self._maybe_fail("backward")
             return allreduce_hook(state, bucket)
@@ -337,11 +349,12 @@ class ElasticTraining:
             self.rendezvous, self.working, self.members = None, keep, keep
             self.comm = self._working_comm = mine if self.active else comm
             return False
-        if self.respawn and len(survivors) < self.width:
-            ids = list(range(self.next_id, self.next_id + self.width - len(survivors)))
+        empty = replicas.fill(old_working, survivors).count(None)
+        if self.respawn and empty:
+            ids = list(range(self.next_id, self.next_id + empty))
             self.next_id += len(ids)
             told = {"members": survivors + ids, "width": self.width, "working": old_working, "lost": lost,
-                    "target": target, "failed_step": failed_step, "next_id": self.next_id}
+                    "target": target, "failed_step": failed_step, "next_id": self.next_id, "shape": self.shape}
             comm, survivors = spawn(MPI, comm, told, ids), survivors + ids
         return self._rebuild(comm, survivors, lost, old_working, old_parts, was_active, entered, target, failed_step,
                              start, caught)
@@ -350,8 +363,11 @@ class ElasticTraining:
                  was_active: bool, entered: bool, target: int, failed_step: int, start: float, caught: float) -> bool:
         """Collective over ``comm`` (survivors and replacements): the new world, its run, and the state in it."""
         MPI = self._MPI
-        keep = [m for m in old_working if m in survivors]
-        working = keep + [m for m in survivors if m not in old_working][:max(0, self.width - len(keep))]
+        working, dp = replicas.plan(replicas.fill(old_working, survivors), self.shape)
+        if dp == 0:
+            raise RecoveryError(f"after the loss of {describe_ranks(lost)} no data-parallel replica is whole "
+                                f"(dp x tp x pp = {' x '.join(map(str, self.shape))}); resume from the last checkpoint",
+                                lost)
         self.comm, self.members, self.working = comm, survivors, working
         self.rendezvous = Rendezvous(MPI, comm) if len(survivors) > len(working) else None
         mine = comm.Split(0 if self.active else MPI.UNDEFINED, working.index(self.job_rank) if self.active else 0)
@@ -369,20 +385,17 @@ class ElasticTraining:
             self._finish()
             finished = True
         self.done = target
-        old_index = {m: i for i, m in enumerate(old_working)}
-        lost_dp = sorted(old_index[m] for m in lost if m in old_index)
-        buddy = self.buddy
+        buddy, shape = self.buddy, self.shape
         if buddy is not None or (old_parts is not None and shard_parameters(old_parts.model) is not None):
-            n = len(old_working)
-            both = [i for i in lost_dp if (i + 1) % n in lost_dp]
-            if both:
-                pairs = ", ".join(f"dp rank {i} and its keeper {(i + 1) % n}" for i in both)
-                raise RecoveryError(f"FSDP shards are lost with their buddy copies: {pairs} both failed "
+            pairs = replicas.unkept_shards(old_working, working, lost, shape)
+            if pairs:
+                raise RecoveryError(f"FSDP shards are lost with their buddy copies: {'; '.join(pairs)} "
                                     f"({describe_ranks(lost)} of the job); resume from the last checkpoint", lost)
         pieces, described = [], None
         if old_parts is not None:
             pieces, described = state_pieces(old_parts.model.parameter_boxes(), old_parts.optimizer)
-        if buddy is not None and buddy.source in lost_dp:
+        source = old_working[replicas.neighbour(old_working.index(self.job_rank), shape, -1)] if was_active else None
+        if buddy is not None and source not in working:  # the source's own shards are not in the new run
             copy, _ = state_pieces(old_parts.model.parameter_boxes(shard_rank=buddy.source, shards=buddy.copies),
                                    buddy.copy_optimizer)
             pieces += copy
