@@ -326,7 +326,7 @@ def main(argv=None):
     tokens = 0
     seen = 0
     start = time.perf_counter()
-    while steps.done < args.steps:
+    while steps.active and steps.done < args.steps:
         step = steps.done
         out = steps.step()
         run = steps.run
@@ -349,6 +349,8 @@ def main(argv=None):
         elif args.save:
             steps.call(lambda r: r.writer.poll())  # put a finished background save in place (one small all-reduce)
     seconds = time.perf_counter() - start
+    if not steps.active:
+        return 0  # its replica was dropped, and the run ended without it
     steps.close()
     peak = steps.call(peak_activations)
     if args.save:

@@ -42,11 +42,12 @@ def _stacks(pid, name):
     return "\n".join(out)
 
 
-def launch_fault_tolerant(tmp_path, n, script, args, last_line):
+def launch_fault_tolerant(tmp_path, n, script, args, last_line, may_linger=False):
     """``axonhpc launch --fault-tolerant -n n -- script args``: (return code, stdout, stderr).
 
     The job has EXIT_GRACE seconds to end once rank 0 printed ``last_line``, and GUARD in all; one
-    that outlives them has its native stacks shown and its process group killed.
+    that outlives them has its native stacks shown and its process group killed. With ``may_linger``
+    a job still there EXIT_GRACE seconds after ``last_line`` is killed and its return code is None.
     """
     cmd = [OPENMPI_PYTHON, "-m", "axonhpc", "launch", "--fault-tolerant", "-n", str(n), "--", script, *args]
     out_path, err_path = tmp_path / "job.out", tmp_path / "job.err"
@@ -58,6 +59,10 @@ def launch_fault_tolerant(tmp_path, n, script, args, last_line):
             if last_line in out_path.read_text():
                 deadline = min(deadline, time.monotonic() + EXIT_GRACE)
             time.sleep(0.2)
+        if proc.poll() is None and may_linger and last_line in out_path.read_text():
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            return None, out_path.read_text(), err_path.read_text()
         if proc.poll() is None:
             stacks = _stacks(proc.pid, os.path.basename(script))
             os.killpg(proc.pid, signal.SIGKILL)

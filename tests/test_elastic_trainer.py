@@ -34,12 +34,17 @@ def _final_loss(text):
     return float(losses[0])
 
 
+def _epoch_losses(text):
+    """The epochs' mean training losses rank 0 reported (4 decimals)."""
+    return re.findall(r"^epoch +\d+ +loss (\S+)", text, re.M)
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
-    """The final test loss of the run with no failure, on 2 ranks of 24 samples each."""
+    """The final test loss and the epochs' losses of the run with no failure, on 2 ranks of 24 samples each."""
     code, out, err = _digits(tmp_path_factory.mktemp("plain"), 2, "--batch-size", "24")
     assert code == 0 and "recovered" not in out, out[-3000:] + err[-3000:]
-    return _final_loss(out)
+    return _final_loss(out), _epoch_losses(out)
 
 
 @needs_openmpi
@@ -65,19 +70,23 @@ def test_a_killed_rank_is_survived_by_the_trainer_with_the_uninterrupted_loss(tm
     assert code == 0, out[-3000:] + err[-5000:]
     assert [(ranks, int(at), int(dp)) for ranks, at, _, dp, _ in RECOVERED.findall(out)] == lines, out[-3000:]
     loss = _final_loss(out)
-    assert abs(loss - uninterrupted) <= 1e-10 * abs(uninterrupted), (loss, uninterrupted)
+    assert abs(loss - uninterrupted[0]) <= 1e-10 * abs(uninterrupted[0]), (loss, uninterrupted)
+    assert _epoch_losses(out) == uninterrupted[1] == ["1.7702", "0.5576"], out[-3000:]  # whoever holds rank 0
 
 
 @needs_openmpi
 @pytest.mark.timeout(300)
 def test_a_replacement_that_dies_is_replaced_in_turn(tmp_path, uninterrupted):
-    code, out, err = _digits(tmp_path, 3, "--strategy", "fsdp", "--batch-size", "16", "--respawn",
-                             "--simulate-failure", "1:10,3:20:backward")
-    # Open MPI's launcher ends with 137 once a spawned process was killed, though every survivor finished.
-    assert code in (0, 137), out[-3000:] + err[-5000:]
+    code, out, err = launch_fault_tolerant(
+        tmp_path, 3, EXAMPLE, [*RUN, "--checkpoint-dir", str(tmp_path / "ckpt"), "--strategy", "fsdp", "--batch-size",
+                               "16", "--respawn", "--simulate-failure", "1:10,3:20:backward"],
+        "final test loss", may_linger=True)
+    # Known (docs/fault-tolerance.md): once a spawned process was killed, Open MPI's launcher ends with 137, and in
+    # about 2 runs of 5 the last replacement waits in MPI_Finalize (ompi_dpm_dyn_finalize) until the job is killed.
+    assert code in (0, 137, None), out[-3000:] + err[-5000:]
     assert [(ranks, int(at), int(dp)) for ranks, at, _, dp, _ in RECOVERED.findall(out)] == [("1", 11, 3), ("3", 21, 3)]
     loss = _final_loss(out)
-    assert abs(loss - uninterrupted) <= 1e-10 * abs(uninterrupted), (loss, uninterrupted)
+    assert abs(loss - uninterrupted[0]) <= 1e-10 * abs(uninterrupted[0]), (loss, uninterrupted)
 
 
 @needs_openmpi

@@ -49,6 +49,7 @@ from ..checkpoint.boxes import Box
 from ..checkpoint.model_slices import fill_model_state, state_pieces
 from ..checkpoint.slice_save import _gather_text
 from ..checkpoint.sliced import save_slices
+from ..backends import ReduceOp
 from ..collectives import all_reduce
 from ..errors import CheckpointError, ConfigurationError, PeerFailedError, RecoveryError
 from ..groups.runtime import current_world, init
@@ -287,6 +288,7 @@ class ElasticTraining:
         Raises:
             RecoveryError: ranks failed and the run cannot go on (see the module note).
         """
+        self._check_active("step")
         entered, result = False, None
         try:
             self._maybe_fail("forward")
@@ -308,11 +310,17 @@ class ElasticTraining:
         After a failure the survivors have rebuilt and go on; the call is not
         redone (a save interrupted this way leaves the previous checkpoint in place).
         """
+        self._check_active("call")
         try:
             return fn(self.parts)
         except PeerFailedError:
             self._recover(False)
             return None
+
+    def _check_active(self, what: str) -> None:
+        if not self.active:
+            raise ConfigurationError(f"ElasticTraining.{what} on job rank {self.job_rank}, which does not train: a "
+                                     f"spare once the run has ended (or a dropped replica's rank); check run.active")
 
     def _finish(self) -> None:
         """The step's local half: the optimizer (``parts.update()`` where the parts have it), and the buddy copy's."""
@@ -338,11 +346,13 @@ class ElasticTraining:
             self.rendezvous.revoke()  # wake the spares
         comm, survivors = self._shrink()
         lost = [m for m in self.members if m not in survivors]
-        # Every survivor, spares too: the most steps any working rank finished, the fewest, whether the run ends.
-        facts = np.array([self.done if was_active else -1, -self.done if was_active else -(1 << 62), int(ending)],
-                         dtype=np.int64)
+        # Every survivor, spares too: the most steps any working rank finished, the fewest, whether the run ends,
+        # and the working ranks' mesh (a spare has built none).
+        facts = np.array([self.done, -self.done, int(ending), *self.shape] if was_active else
+                         [-1, -(1 << 62), int(ending), 0, 0, 0], dtype=np.int64)
         comm.Allreduce(MPI.IN_PLACE, facts, op=MPI.MAX)
         target, failed_step, ending = int(facts[0]), 1 - int(facts[1]), bool(facts[2])
+        self.shape = tuple(int(v) for v in facts[3:])
         if ending:  # the working ranks had finished: the spares leave, the working ones go on as they are
             keep = [m for m in old_working if m in survivors]
             mine = comm.Split(0 if self.job_rank in keep else MPI.UNDEFINED, self.job_rank)
@@ -371,10 +381,12 @@ class ElasticTraining:
         self.comm, self.members, self.working = comm, survivors, working
         self.rendezvous = Rendezvous(MPI, comm) if len(survivors) > len(working) else None
         mine = comm.Split(0 if self.active else MPI.UNDEFINED, working.index(self.job_rank) if self.active else 0)
-        if not self.active:
-            return False  # still a spare: back to waiting
-        self._working_comm = mine
         shm.abandon_open_windows()  # the old world's: freeing them would wait for the dead
+        if not self.active:
+            if was_active:  # its replica was dropped: it waits as a spare, and may take a place later
+                self._wait_as_spare()
+            return False  # a spare: back to waiting (or the run ended, or it took a place and is rebuilt)
+        self._working_comm = mine
         world = init(comm=mine)
         finished = False
         if was_active and self.done < target:
@@ -400,7 +412,8 @@ class ElasticTraining:
                                    buddy.copy_optimizer)
             pieces += copy
         whole, missing = gather_state(world.default_group, pieces)
-        described = json.loads(_gather_text(json.dumps(described), world.default_group)[0])  # a spare has none
+        described = next(d for d in map(json.loads, _gather_text(json.dumps(described), world.default_group))
+                         if d is not None)  # a spare has none, and may hold rank 0 now
         if missing:
             raise RecoveryError(f"after the loss of {describe_ranks(lost)} no survivor holds {describe_missing(missing)}; "
                                 f"resume from the last checkpoint", lost)
@@ -415,8 +428,9 @@ class ElasticTraining:
             saved = self._save_whole(world, whole, described) if self.save else ""
             raise RecoveryError(f"after the loss of {describe_ranks(lost)} the run cannot go on on {world.world_size} "
                                 f"rank{'s' if world.world_size != 1 else ''}: {problem}{saved}", lost) from problem
-        record = Recovery(lost, failed_step, world.world_size, self.parts.model.dp.size, time.perf_counter() - start,
-                          caught)
+        took = np.array([time.perf_counter() - start])  # the longest: a spare's or replacement's clock started late
+        all_reduce(took, ReduceOp.MAX, group=world.default_group)
+        record = Recovery(lost, failed_step, world.world_size, self.parts.model.dp.size, float(took[0]), caught)
         self.recoveries.append(record)
         if world.rank == 0:
             get_logger("elastic").warning(record.line())

@@ -56,7 +56,8 @@ import numpy as np
 from .._dtypes import array_module
 from ..checkpoint import clean_interrupted, latest
 from ..checkpoint.background import AsyncCheckpointer
-from ..collectives import barrier, broadcast, stragglers
+from ..backends import ReduceOp
+from ..collectives import all_reduce, barrier, broadcast, stragglers
 from ..data import DataLoader
 from ..errors import ArgumentTypeError, ConfigurationError
 from ..nn import require_module
@@ -208,8 +209,8 @@ class DistributedTrainer:
         self.respawn = bool(respawn)
         self.setup: Optional[Setup] = None
         self._shrinking: Optional[Shrinking] = None
-        self._recoveries_seen = 0
-        self._mixed_precision: Any = None
+        self._recoveries_seen = 0  # the recoveries said (by rank 0; a rank that took a place says its own)
+        self._sync_sums = self._joined = False  # after a recovery: take the epoch's sums from a survivor        self._mixed_precision: Any = None
         self.global_step = 0
         self.epoch = 0
         self.preempted = False
@@ -424,9 +425,10 @@ class DistributedTrainer:
         if self._shrinking is None:
             self._shrinking = Shrinking(self, mixed_precision, plan.batch_size, (plan, resume))
             start: Optional[Tuple[int, int]] = self._shrinking.resume_point
-            if self._shrinking.recoveries:  # a spare that took a place: the steps the others had done
+            if self._shrinking.recoveries:  # a spare or replacement that took a place: where the others are
                 self.global_step, start = self._shrinking.elastic.done, None
-            self._recoveries_seen = len(self._shrinking.recoveries)
+                self._after_recovery()  # it may hold rank 0 now, and say the recovery
+                self._joined = True
         elif mixed_precision is not None and mixed_precision is not self._mixed_precision:
             raise ConfigurationError("mixed_precision is fixed when the model is first wrapped (the first fit); "
                                      "pass it to the first fit")
@@ -441,7 +443,7 @@ class DistributedTrainer:
                                      f"{shrinking.global_batch}, grad_accumulation={plan.grad_accumulation}")
         plan = plan._replace(per_epoch=per_epoch)
         epoch, skip = divmod(self.global_step, per_epoch) if start is None else start
-        self._preemption = Preemption(self.setup.group)
+        self._preemption = preemption_after(self._preemption, self.setup.group)
         return self._run_epochs(plan, epoch, skip, lambda e, k: self._train_epoch_shrinking(plan, x, y, e, k))
 
     def _train_epoch_shrinking(self, plan: "_Plan", x: Any, y: Any, epoch: int, skip: int) -> Optional[float]:
@@ -453,6 +455,11 @@ class DistributedTrainer:
         bar = self._bar(plan.per_epoch, skip, f"epoch {epoch + 1}/{plan.epochs}")
         try:
             while self.global_step - first < plan.per_epoch:
+                while self._sync_sums:  # a rank that took a place has none; a recovery in here asks again
+                    self._sync_sums, joined, self._joined = False, self._joined, False
+                    sums = self._between_steps(lambda: self._survivors_sums(total, samples_seen, joined))
+                    if sums is not None:
+                        total, samples_seen = sums
                 loader = shrinking.loader(x, y, self.seed)  # the current world's
                 loader.set_epoch(epoch)
                 setup = self.setup
@@ -475,6 +482,15 @@ class DistributedTrainer:
                 bar.close()
         return total / max(samples_seen, 1)
 
+    def _survivors_sums(self, total: float, samples: int, joined: bool) -> Tuple[float, int]:
+        """Collective: the epoch's loss sum and samples so far, as the lowest survivor of the recovery has them."""
+        group = self.setup.group
+        root = np.array([group.size if joined else group.rank], dtype=np.int64)
+        all_reduce(root, ReduceOp.MIN, group)
+        sums = np.array([total, samples], dtype=np.float64)
+        broadcast(sums, int(root[0]), group)
+        return float(sums[0]), int(sums[1])
+
     def _between_steps(self, fn: Callable[[], Any], redo: bool = False) -> Any:
         """Collective: ``fn()``; under "shrink", None (or, ``redo``, done again) after a recovery in it."""
         if self._shrinking is None:
@@ -491,6 +507,7 @@ class DistributedTrainer:
         for record in recoveries[self._recoveries_seen:]:
             self._say(record.line())
         self._recoveries_seen = len(recoveries)
+        self._sync_sums = True
         self._preemption = preemption_after(self._preemption, self.setup.group)
 
     def _abandon_save(self) -> None:
@@ -564,8 +581,17 @@ class DistributedTrainer:
         return stop
 
     def _epoch_ended(self, plan: "_Plan", epoch: int, loss: float, seconds: float) -> Dict[str, Any]:
-        """Collective: ``_end_epoch``, redone on the survivors after a recovery in it."""
-        return self._between_steps(lambda: self._end_epoch(plan, epoch, loss, seconds), redo=True)
+        """Collective: ``_end_epoch``; after a recovery in it, the survivors go on to the next epoch without it.
+
+        It is not redone: a spare or replacement that took a place starts at the next epoch's first step.
+        """
+        record = self._between_steps(lambda: self._end_epoch(plan, epoch, loss, seconds))
+        if record is None:
+            record = {"epoch": epoch + 1, "loss": loss, "seconds": seconds}
+            get_logger("trainer").warning(f"epoch {epoch + 1}'s evaluation, checkpoint and report were cut short by "
+                                          f"a lost rank; the run goes on with epoch {epoch + 2}")
+            self.history.append(record)
+        return record
 
     def _end_epoch(self, plan: "_Plan", epoch: int, loss: float, seconds: float) -> Dict[str, Any]:
         """Collective: evaluate, checkpoint, log and report the epoch; its record."""
