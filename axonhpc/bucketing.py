@@ -1,31 +1,19 @@
 """Gradient buckets and their synchronisation across a process group.
 
-Re-exports the compiled buffers of ``axonhpc.buffers`` (``GradientBucket``,
-``pack``, ``unpack``, shard arithmetic and the flatten/pad/slice helpers:
-the API documents them here) and defines ``GradientSynchronizer``, which
-averages gradients through fused buckets:
-pack several gradients into one flat buffer, one all-reduce (mean) per
-bucket, unpack.
+Re-exports the compiled buffers of ``axonhpc.buffers`` (documented here, as the API lists them) and defines
+``GradientSynchronizer``: pack several gradients into one flat buffer, one all-reduce (mean) per bucket, unpack.
 
 [Note: bucket layout]
-A bucket holds gradients of one dtype and at most ``bucket_size`` bytes.
-Gradients are assigned in the order they are given: a gradient that would
-overflow its dtype's open bucket closes that bucket and opens a new one; a
-bucket closes as soon as it is exactly full; a gradient larger than
-``bucket_size`` gets a bucket of its own. Closed buckets are all-reduced in
-the order they close, and ``finish`` closes the still-open ones in the order
-they were opened. The layout is therefore a pure function of the gradients'
-sizes, dtypes and order (``plan_buckets`` computes it with no arrays at all),
-so every rank issues the same all-reduces, of the same lengths, in the same
-order. SYNCHRONOUS and OVERLAPPED share that rule and differ only in when
-they wait, so their results are bit for bit the same.
+A bucket holds one dtype and at most ``bucket_size`` bytes; gradients are assigned in the order given, and a
+gradient larger than ``bucket_size`` gets a bucket of its own. The layout is therefore a pure function of the
+gradients' sizes, dtypes and order (``plan_buckets`` computes it with no arrays), so every rank issues the same
+all-reduces in the same order. SYNCHRONOUS and OVERLAPPED share that rule and differ only in when they wait,
+so their results are bit for bit the same.
 
 [Note: buffer reuse]
-Bucket buffers are kept per (dtype, position of the bucket among that
-dtype's buckets in a step) and reused by the next step whenever they are
-large enough, so a training loop with a fixed set of gradients allocates no
-bucket memory after its first step. A buffer is never shared by two buckets
-of one step, so an all-reduce in flight never sees another bucket's data.
+Bucket buffers are kept per (dtype, position in the step) and reused, so a loop with a fixed set of gradients
+allocates no bucket memory after its first step. A buffer is never shared by two buckets of one step, so an
+all-reduce in flight never sees another bucket's data.
 """
 from __future__ import annotations
 
@@ -49,11 +37,8 @@ from .groups import resolve_group
 class GradSyncStrategy(enum.Enum):
     """When gradients are averaged across the group.
 
-    SYNCHRONOUS: ``synchronize`` all-reduces bucket after bucket, waiting for each.
-    OVERLAPPED: each bucket's all-reduce starts as soon as the bucket is full
-    (``push``), so communication overlaps the rest of the backward pass;
-    ``finish`` waits for all of them.
-    NO_SYNC: nothing is communicated; gradients accumulate locally.
+    SYNCHRONOUS: bucket after bucket, waiting for each. OVERLAPPED: each bucket's all-reduce starts as soon as it
+    is full (``push``), overlapping the rest of backward; ``finish`` waits for all. NO_SYNC: nothing is sent.
     """
 
     SYNCHRONOUS = "synchronous"
@@ -62,11 +47,7 @@ class GradSyncStrategy(enum.Enum):
 
     @classmethod
     def parse(cls, value: Any) -> "GradSyncStrategy":
-        """Accept a GradSyncStrategy or its name in any case ("overlapped", "NO_SYNC").
-
-        Raises:
-            UnknownChoiceError: ``value`` names no strategy (an ``InvalidArgumentError``).
-        """
+        """Accept a GradSyncStrategy or its name in any case; else UnknownChoiceError (an ``InvalidArgumentError``)."""
         return parse_choice(cls, value, "gradient sync strategy")
 
 
@@ -78,8 +59,8 @@ def _bucket_capacity(bucket_size: int, dtype: np.dtype) -> int:
 class _BucketAssigner:
     """The bucketing rule of the note above, over element counts.
 
-    Items are opaque to it (indices when planning, gradients when pushing),
-    so the plan and the synchronizer cannot drift apart.
+    Items are opaque to it (indices when planning, gradients when pushing), so the plan and the synchronizer
+    cannot drift apart.
     """
 
     def __init__(self, bucket_size: int, first_bucket_size: Optional[int] = None):
@@ -123,21 +104,14 @@ def _check_bucket_size(bucket_size: Any) -> int:
 
 def plan_buckets(specs: Sequence[Tuple[int, Any]], bucket_size: int,
                  first_bucket_size: Optional[int] = None) -> List[Tuple[np.dtype, Tuple[int, ...]]]:
-    """The bucket layout ``GradientSynchronizer`` forms for gradients of these sizes.
+    """The bucket layout ``GradientSynchronizer`` forms: ``(dtype, indices into specs)`` per bucket, in order.
 
     Args:
         specs: ``(numel, dtype)`` of each gradient, in the order they are given.
-        bucket_size: bucket size in bytes, >= 1.
-        first_bucket_size: cap in bytes of the first bucket of each dtype
-            (None: ``bucket_size``). DDP makes it small so that the first
-            all-reduce starts early in backward.
+        first_bucket_size: cap in bytes of each dtype's first bucket (None: ``bucket_size``); DDP makes it small
+            so the first all-reduce starts early in backward.
 
-    Returns:
-        One ``(dtype, indices)`` per bucket, in the order the buckets are
-        all-reduced; ``indices`` index ``specs``.
-
-    Raises:
-        InvalidArgumentError: ``bucket_size`` < 1 or a negative ``numel`` (a ``ValueError``).
+    Raises InvalidArgumentError (a ``ValueError``) for ``bucket_size`` < 1 or a negative ``numel``.
     """
     first = None if first_bucket_size is None else _check_bucket_size(first_bucket_size)
     assigner = _BucketAssigner(_check_bucket_size(bucket_size), first)
@@ -154,20 +128,16 @@ def plan_buckets(specs: Sequence[Tuple[int, Any]], bucket_size: int,
 class GradientSynchronizer:
     """Average lists of gradients across a process group through fused buckets.
 
-    Each bucket is one ``all_reduce(..., op=ReduceOp.AVG)``; the averages are
-    written back into the gradient arrays. See the module notes for the
-    layout rule and buffer reuse. ``synchronize`` keeps the layouts of the
-    last few gradient lists it saw, so a training loop plans once.
+    Each bucket is one ``all_reduce(..., op=ReduceOp.AVG)``, written back into the gradient arrays.
+    ``synchronize`` caches the layouts of the last few gradient lists, so a training loop plans once.
 
     Args:
         strategy: a ``GradSyncStrategy`` (or its name).
-        bucket_size: bucket size in BYTES (25_000_000 is torch DDP's 25 MB);
-            a gradient larger than this gets a bucket of its own.
+        bucket_size: bucket size in BYTES (25_000_000 is torch DDP's 25 MB).
         group: the process group (None: the current world's default group).
 
     Attributes:
-        last_layout: ``(dtype, indices)`` of each bucket of the last completed
-            step, in all-reduce order (what ``plan_buckets`` returns).
+        last_layout: ``(dtype, indices)`` of each bucket of the last completed step, in all-reduce order.
 
     Raises:
         InvalidArgumentError: unknown strategy, or ``bucket_size`` < 1 (a ``ValueError``).
@@ -235,19 +205,10 @@ class GradientSynchronizer:
     def push(self, grad: np.ndarray) -> None:
         """Add a final gradient to its dtype's bucket; a bucket that fills is all-reduced at once.
 
-        With OVERLAPPED the all-reduce of a full bucket starts and runs while
-        the caller goes on; with SYNCHRONOUS it completes before ``push``
-        returns; with NO_SYNC nothing happens. ``grad`` is copied when its
-        bucket closes and receives the average in ``finish()``, so it must
-        stay alive and unchanged until then. Every rank must push gradients of
-        the same sizes and dtypes in the same order.
-
-        Args:
-            grad: writable C-contiguous numpy array of a supported dtype.
-
-        Raises:
-            UnsupportedDtypeError, NonContiguousBufferError, ReadOnlyBufferError:
-                ``grad`` cannot be averaged in place (raised before it is sent).
+        OVERLAPPED starts the all-reduce and returns; SYNCHRONOUS completes it first; NO_SYNC does nothing. ``grad``
+        receives the average in ``finish()``, so it must stay alive and unchanged until then, and every rank must push
+        the same sizes and dtypes in the same order. Raises UnsupportedDtypeError, NonContiguousBufferError or
+        ReadOnlyBufferError, before sending, if ``grad`` cannot be averaged in place.
         """
         if self.strategy is GradSyncStrategy.NO_SYNC:
             return
@@ -261,16 +222,8 @@ class GradientSynchronizer:
     def finish(self, timeout: Optional[float] = None) -> None:
         """All-reduce the still-open buckets, wait for every bucket, write the averages back.
 
-        Afterwards every pushed gradient holds the mean over the group and
-        ``last_layout`` describes the buckets of this step.
-
-        Args:
-            timeout: seconds to wait for each outstanding all-reduce; None takes
-                the group's ``timeout``, else ``ax.settings.timeout`` (None there
-                too: wait forever), the limit of a blocking all-reduce.
-
-        Raises:
-            CollectiveTimeoutError: an all-reduce did not complete in time.
+        ``timeout``: seconds per outstanding all-reduce; None takes the group's, else ``ax.settings.timeout``.
+        Raises CollectiveTimeoutError if one does not complete in time.
         """
         try:
             for dtype, items in self._assigner.flush():
@@ -313,20 +266,14 @@ class GradientSynchronizer:
         return plan
 
     def synchronize(self, grads: Sequence[np.ndarray]) -> None:
-        """Average ``grads`` in place across the group (nothing with NO_SYNC).
+        """Collective: average ``grads`` in place across the group (nothing with NO_SYNC).
 
-        All gradients are checked before any is sent. The buckets are those
-        that pushing the gradients in order would form; OVERLAPPED starts every
-        bucket's all-reduce before waiting for the first, SYNCHRONOUS waits for
-        each in turn, and both give the same result bit for bit.
-
-        Args:
-            grads: writable C-contiguous numpy arrays of supported dtypes; the
-                same sizes, dtypes and order on every rank.
+        All gradients are checked before any is sent; they must have the same sizes, dtypes and order on every rank.
+        The buckets are those that pushing them in order would form.
 
         Raises:
-            UnsupportedDtypeError, NonContiguousBufferError, ReadOnlyBufferError:
-                a gradient cannot be averaged in place.
+            UnsupportedDtypeError, NonContiguousBufferError, ReadOnlyBufferError: a gradient cannot be averaged in
+                place.
             UsageError: gradients were pushed and not yet finished (a ``RuntimeError``).
             CollectiveTimeoutError: an all-reduce did not complete in time.
         """

@@ -156,122 +156,79 @@ MPI_INT_MAX = 2**31 - 1
 
 @dataclass
 class Settings:
-    """Library-wide defaults.
+    """Library-wide defaults; each field is filled from the ``AXONHPC_<FIELD>`` variable named beside it.
 
     Attributes:
-        debug: check that all ranks call the same collective with the same
-            dtype, shape, op and root before running it (``AXONHPC_DEBUG``).
-        timeout: seconds a blocking call may wait before raising
-            ``CollectiveTimeoutError``; ``None`` waits forever (``AXONHPC_TIMEOUT``).
-        abort_on_exception: an uncaught exception on one rank of an MPI world
-            of more than one rank prints its traceback and aborts the whole
-            job instead of leaving the other ranks waiting; on by default
-            (``AXONHPC_ABORT_ON_EXCEPTION=0`` turns it off). Read when
-            ``init`` builds the world.
-        fault_tolerant: a rank that dies must not end the job: ``init``
-            refuses unless MPI can survive it (Open MPI 5 with ULFM, started
-            with ``axonhpc launch --fault-tolerant``), and then every
-            survivor's call that needs the dead rank raises
-            ``PeerFailedError`` naming it (``AXONHPC_FAULT_TOLERANT``; read
-            when ``init`` builds the world). See docs/fault-tolerance.md.
+        debug: check that all ranks call the same collective with the same dtype, shape, op and root before
+            running it (``AXONHPC_DEBUG``).
+        timeout: seconds a blocking call may wait before raising ``CollectiveTimeoutError``; None waits forever
+            (``AXONHPC_TIMEOUT``).
+        abort_on_exception: an uncaught exception on one rank of a multi-rank MPI world prints its traceback and
+            aborts the job instead of leaving the others waiting; on by default (``AXONHPC_ABORT_ON_EXCEPTION``;
+            read when ``init`` builds the world).
+        fault_tolerant: a dying rank must not end the job: ``init`` refuses unless MPI can survive it (Open MPI 5
+            with ULFM, ``axonhpc launch --fault-tolerant``), and survivors' calls that need the dead rank raise
+            ``PeerFailedError`` (``AXONHPC_FAULT_TOLERANT``; see docs/fault-tolerance.md).
         backend: backend ``init()`` picks by default (``AXONHPC_BACKEND``).
-        max_message_elements: the most elements one MPI call moves; larger
-            buffers are sent in chunks (``AXONHPC_MAX_MESSAGE_ELEMENTS``).
-        stall_report: seconds a rank may wait in one collective before the
-            watchdog reports, on every rank, who waits where
-            (``axonhpc.collectives.watchdog``; ``AXONHPC_STALL_REPORT``).
-        stall_timeout: seconds a rank may wait in one collective before the
-            watchdog ends the wait with ``CollectiveStallError`` (a proven
-            deadlock ends it at once with ``DeadlockError``); None: never
-            (``AXONHPC_STALL_TIMEOUT``, 0/off/none for never). ``timeout``,
-            when set, still bounds every call.
-        watchdog: run the watchdog thread (stall reports, the stall timeout,
-            deadlocks, SIGUSR1 dumps while blocked) in processes that make
-            collectives (``AXONHPC_WATCHDOG``).
-        flight_recorder: collectives each rank remembers for the flight
-            recorder; 0 turns it off (``AXONHPC_FLIGHT_RECORDER``).
-        straggler_every: every this many collectives of a group the ranks
-            compare their arrival times at the last 100; a rank last in 80%
-            of them, later than the next by more than ``straggler_margin``,
-            is named in a warning (``collectives.stragglers``); 0 turns it
-            off (``AXONHPC_STRAGGLER_EVERY``). Every rank must use the same value.
-        straggler_margin: seconds a last rank must trail the next one by to
-            count as late (``AXONHPC_STRAGGLER_MARGIN``).
-        flight_dir: where the recorder writes ``flight-rank<r>.json``
-            (``AXONHPC_FLIGHT_DIR``).
-        flight_signal: the signal that makes every rank dump its recorder, or
-            "" for none (``AXONHPC_FLIGHT_SIGNAL``).
-        skip_nonfinite_steps: the trainer checks the gradients before each
-            optimizer step and skips it on every rank if any rank has an inf or
-            NaN (``AXONHPC_SKIP_NONFINITE_STEPS``).
-        allreduce_algorithm: how ``all_reduce`` runs when the call does not
-            say: "native" (one MPI call), "hierarchical" (inside each node,
-            then across nodes), "ring" (reduce-scatter and all-gather around a
-            ring) or "rhd" (recursive halving-doubling);
-            ``AXONHPC_ALLREDUCE_ALGORITHM``.
-        cuda_aware_mpi: whether cupy arrays go to MPI directly: "auto"
-            decides from the MPI library (see ``axonhpc.backends.cuda_aware``),
-            "probe" also tries one device transfer in a subprocess, "yes" and
-            "no" (or 1/0) say so; otherwise they are staged through pinned
-            host memory (``AXONHPC_CUDA_AWARE_MPI``).
-        staging_chunk_bytes: a blocking all-reduce of a staged cupy array
-            larger than this runs as a pipeline of chunks of this many bytes:
-            each chunk's copy to the host, its host all-reduce and its copy
-            back overlap those of its neighbours (``collectives.staged_path``);
-            0 stages the whole array at once (``AXONHPC_STAGING_CHUNK_BYTES``).
-        timeline_dir: when set, ``init`` records this rank's timeline spans for
-            the whole run and writes ``timeline-rank<r>.json`` there at exit
-            (``AXONHPC_TIMELINE_DIR``; merge with ``axonhpc timeline merge``).
-        log_level: level of the "axonhpc" logger: DEBUG, INFO, WARNING, ERROR
-            (``AXONHPC_LOG_LEVEL``).
-        log_ranks: the world ranks whose INFO and DEBUG records are shown:
-            "0", a comma list "0,3", or "all" (``AXONHPC_LOG_RANKS``); WARNING
-            and above are shown from every rank.
-        shm_collectives: "auto" runs all-reduce, reduce-scatter, all-gather
-            and broadcast of at least ``shm_min_bytes`` through a shared-memory
-            window when every rank of the group is on one node; "off" always
-            uses MPI (``AXONHPC_SHM_COLLECTIVES``).
-        shm_min_bytes: the smallest message that takes the shared-memory
-            path (``AXONHPC_SHM_MIN_BYTES``).
-        shm_allgather_max_bytes: the largest all-gather result (bytes, all
-            ranks' parts together) that takes the shared-memory path; larger
-            ones go to MPI, whose single-copy transfers win there
-            (``AXONHPC_SHM_ALLGATHER_MAX_BYTES``).
-        deterministic: float all-reduces and reduce-scatters add in an order
-            fixed by the group size alone (shared-memory kernels inside a node,
-            the ring across nodes) and DDP's bucket size is not measured, so a
-            job gives the same bits run after run (``AXONHPC_DETERMINISTIC``).
-        bucket_size_mb: DDP's bucket cap when the DDP call does not give one:
-            "auto" measures it at start-up (``parallel.ddp.autotune``), or a number
-            of MiB (``AXONHPC_BUCKET_SIZE_MB``).
-        shm_slot_bytes, shm_slots: the geometry of each rank's segment: a
-            message passes through ``shm_slots`` slots of ``shm_slot_bytes``
-            (``AXONHPC_SHM_SLOT_BYTES``, ``AXONHPC_SHM_SLOTS``; 1 to 63 slots).
-        check_collectives: compare every collective's kind, dtype, shape, op
-            and root across the ranks, and raise ``CollectiveMismatchError`` on
-            all of them on a difference (``collectives.agreement``). On by
-            default; off makes a mismatched call undefined, as in plain MPI
-            (``AXONHPC_CHECK_COLLECTIVES``); the measured cost is in
-            docs/performance.md.
-        allow_tf32: let float32 matrix products on a GPU run on TF32 tensor
-            cores (inputs rounded to a 10-bit mantissa, float32 accumulation),
-            as PyTorch's ``torch.backends.cuda.matmul.allow_tf32``. Off by
-            default; applied to cupy, process-wide, by the next ``nn`` module
-            call or ``nn.apply_matmul_precision()``; numpy ignores it
-            (``AXONHPC_ALLOW_TF32``).
-        fused_kernels: run the element-wise and row-wise work of ``nn``'s
-            layers and the updates of optimizers built with ``fused=None`` as
-            one kernel each: on cupy float32/float64 arrays the array code's
-            result bit for bit; on numpy float32/float64 C-contiguous arrays the
-            compiled host kernels (GELU, ReLU, Tanh, the attention softmax,
-            LayerNorm, the cross-entropy, the embedding's backward, SGD and
-            Adam), within the ulps ``tests/test_host_kernels.py`` states (the
-            updates bit for bit). Off keeps the array code, for comparison
-            (``AXONHPC_FUSED_KERNELS``).
-        size_thread_pools: when the user has set none of ``THREAD_VARIABLES``,
-            ``init`` sizes this process's BLAS/OpenMP pools to the cores it may
-            use divided by the ranks of its node that share them
-            (``axonhpc.threads``; ``AXONHPC_SIZE_THREAD_POOLS``).
+        max_message_elements: the most elements one MPI call moves; larger buffers go in chunks
+            (``AXONHPC_MAX_MESSAGE_ELEMENTS``).
+        stall_report: seconds a rank may wait in one collective before the watchdog reports, on every rank, who
+            waits where (``AXONHPC_STALL_REPORT``).
+        stall_timeout: seconds before the watchdog ends such a wait with ``CollectiveStallError`` (a proven
+            deadlock ends it at once with ``DeadlockError``); None: never (``AXONHPC_STALL_TIMEOUT``, 0/off/none).
+            ``timeout``, when set, still bounds every call.
+        watchdog: run the watchdog thread (stall reports and timeout, deadlocks, SIGUSR1 dumps while blocked)
+            (``AXONHPC_WATCHDOG``).
+        flight_recorder: collectives each rank remembers for the flight recorder; 0 turns it off
+            (``AXONHPC_FLIGHT_RECORDER``).
+        straggler_every: every this many collectives of a group the ranks compare their arrival times at the
+            last 100, and a rank last in 80% of them by more than ``straggler_margin`` is named in a warning;
+            0 turns it off; must be the same on every rank (``AXONHPC_STRAGGLER_EVERY``).
+        straggler_margin: seconds a last rank must trail the next by to count as late
+            (``AXONHPC_STRAGGLER_MARGIN``).
+        flight_dir: where the recorder writes ``flight-rank<r>.json`` (``AXONHPC_FLIGHT_DIR``).
+        flight_signal: the signal that makes every rank dump its recorder, or "" (``AXONHPC_FLIGHT_SIGNAL``).
+        skip_nonfinite_steps: the trainer skips an optimizer step on every rank if any rank's gradients hold an
+            inf or NaN (``AXONHPC_SKIP_NONFINITE_STEPS``).
+        allreduce_algorithm: ``all_reduce``'s default: "native" (one MPI call), "hierarchical" (inside each
+            node, then across), "ring" or "rhd" (recursive halving-doubling) (``AXONHPC_ALLREDUCE_ALGORITHM``).
+        cuda_aware_mpi: whether cupy arrays go to MPI directly: "auto" decides from the MPI library, "probe"
+            also tries one device transfer in a subprocess, "yes"/"no" (or 1/0) say so; otherwise they are
+            staged through pinned host memory (``AXONHPC_CUDA_AWARE_MPI``).
+        staging_chunk_bytes: a blocking all-reduce of a larger staged cupy array runs as a pipeline of chunks
+            this size, each chunk's copies overlapping its neighbours' reductions; 0 stages all at once
+            (``AXONHPC_STAGING_CHUNK_BYTES``).
+        timeline_dir: when set, ``init`` records this rank's timeline for the whole run and writes
+            ``timeline-rank<r>.json`` there at exit (``AXONHPC_TIMELINE_DIR``; ``axonhpc timeline merge``).
+        log_level: level of the "axonhpc" logger (``AXONHPC_LOG_LEVEL``).
+        log_ranks: the world ranks whose INFO and DEBUG records are shown: "0", "0,3" or "all"; WARNING and above
+            are shown from every rank (``AXONHPC_LOG_RANKS``).
+        shm_collectives: "auto" runs all-reduce, reduce-scatter, all-gather and broadcast of at least
+            ``shm_min_bytes`` through shared memory when the group is on one node; "off" always uses MPI
+            (``AXONHPC_SHM_COLLECTIVES``).
+        shm_min_bytes: the smallest message that takes the shared-memory path (``AXONHPC_SHM_MIN_BYTES``).
+        shm_allgather_max_bytes: the largest all-gather result that takes the shared-memory path; beyond it MPI's
+            single-copy transfers win (``AXONHPC_SHM_ALLGATHER_MAX_BYTES``).
+        deterministic: float all-reduces and reduce-scatters add in an order fixed by the group size alone, and
+            DDP's bucket size is not measured, so a job gives the same bits run after run
+            (``AXONHPC_DETERMINISTIC``).
+        bucket_size_mb: DDP's bucket cap when the call gives none: "auto" measures it at start-up
+            (``parallel.ddp.autotune``), or a number of MiB (``AXONHPC_BUCKET_SIZE_MB``).
+        shm_slot_bytes, shm_slots: each rank's segment: a message passes through ``shm_slots`` slots (1 to 63)
+            of ``shm_slot_bytes`` (``AXONHPC_SHM_SLOT_BYTES``, ``AXONHPC_SHM_SLOTS``).
+        check_collectives: compare every collective's kind, dtype, shape, op and root across the ranks and raise
+            ``CollectiveMismatchError`` on all of them on a difference. On by default; off makes a mismatched
+            call undefined, as in plain MPI (``AXONHPC_CHECK_COLLECTIVES``; cost in docs/performance.md).
+        allow_tf32: let float32 GPU matrix products use TF32 tensor cores (10-bit mantissa inputs, float32
+            accumulation), as PyTorch's ``allow_tf32``. Off by default; applied to cupy, process-wide, by the
+            next ``nn`` call or ``nn.apply_matmul_precision()``; numpy ignores it (``AXONHPC_ALLOW_TF32``).
+        fused_kernels: run ``nn``'s element-wise and row-wise work and the updates of optimizers built with
+            ``fused=None`` as one kernel each: bit for bit on cupy; on numpy float32/float64 C-contiguous arrays
+            compiled host kernels within the ulps ``tests/test_host_kernels.py`` states (updates bit for bit).
+            Off keeps the array code, for comparison (``AXONHPC_FUSED_KERNELS``).
+        size_thread_pools: when the user set none of ``THREAD_VARIABLES``, ``init`` sizes this process's
+            BLAS/OpenMP pools to its cores divided by the ranks of its node sharing them
+            (``AXONHPC_SIZE_THREAD_POOLS``).
     """
 
     debug: bool = False
@@ -308,18 +265,9 @@ class Settings:
     size_thread_pools: bool = True
 
     def load_environment(self, environ: Optional[Mapping[str, str]] = None) -> "Settings":
-        """Fill every field whose ``AXONHPC_*`` variable is set.
+        """Fill every field whose ``AXONHPC_*`` variable is set in ``environ`` (``os.environ`` if None); returns self.
 
-        Args:
-            environ: the mapping to read (``os.environ`` if None).
-
-        Returns:
-            self.
-
-        Raises:
-            ConfigurationError: a variable holds a value its field cannot
-                take; the message names every such variable, its value and
-                what it takes, and no field is changed.
+        Raises ConfigurationError naming every variable whose value its field cannot take; no field is then changed.
         """
         env = os.environ if environ is None else environ
         values, problems = {}, []
@@ -405,13 +353,10 @@ def _int_or_none(env: Mapping[str, str], key: str) -> Optional[int]:
 
 
 def launcher_env(environ: Optional[Mapping[str, str]] = None) -> LauncherEnv:
-    """What SLURM, Open MPI or a PMI launcher says about this process.
+    """What SLURM, Open MPI or a PMI launcher says about this process (``environ``: ``os.environ`` if None).
 
-    SLURM's step variables win when present (``srun`` sets them per task), then
-    Open MPI's, then the PMI variables MPICH's hydra sets.
-
-    Args:
-        environ: the mapping to read (``os.environ`` if None).
+    SLURM's step variables win when present (``srun`` sets them per task), then Open MPI's, then the PMI
+    variables MPICH's hydra sets.
     """
     env = os.environ if environ is None else environ
     job = env.get("SLURM_JOB_ID")
@@ -470,21 +415,13 @@ _LAUNCHER_PREFIXES = ("PMI_", "PMIX_", "OMPI_", "PRTE_", "HYDRA_", "MPI_LOCAL", 
 
 
 def device_env(environ: Optional[Mapping[str, str]] = None) -> Dict[str, str]:
-    """The ``DEVICE_VARIABLES`` that are set, by name.
-
-    Args:
-        environ: the mapping to read (``os.environ`` if None).
-    """
+    """The ``DEVICE_VARIABLES`` that are set in ``environ`` (``os.environ`` if None), by name."""
     env = os.environ if environ is None else environ
     return {name: env[name] for name in DEVICE_VARIABLES if name in env}
 
 
 def standalone_environment(environ: Optional[Mapping[str, str]] = None) -> Dict[str, str]:
-    """A copy of the environment without the launcher's rank variables, for a helper process.
-
-    Args:
-        environ: the mapping to copy (``os.environ`` if None).
-    """
+    """A copy of ``environ`` (``os.environ`` if None) without the launcher's rank variables, for a helper process."""
     env = os.environ if environ is None else environ
     return {k: v for k, v in env.items() if not k.startswith(_LAUNCHER_PREFIXES)}
 
@@ -497,11 +434,7 @@ THREADS_SET_BY = "AXONHPC_THREADS_SET_BY"
 
 
 def thread_environment(environ: Optional[Mapping[str, str]] = None) -> Dict[str, str]:
-    """The ``THREAD_VARIABLES`` that are set (to a non-empty value), and ``THREADS_SET_BY`` if it is.
-
-    Args:
-        environ: the mapping to read (``os.environ`` if None).
-    """
+    """The ``THREAD_VARIABLES`` set to a non-empty value in ``environ``, and ``THREADS_SET_BY`` if it is."""
     env = os.environ if environ is None else environ
     return {name: env[name] for name in THREAD_VARIABLES + (THREADS_SET_BY,) if env.get(name, "").strip()}
 

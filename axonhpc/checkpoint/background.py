@@ -1,51 +1,23 @@
 """Checkpoints saved in the background: copy the state to host memory, return, write in a thread.
 
-``AsyncCheckpointer(group)`` has the saves of ``io``, ``directory``, ``sharded``
-and ``sliced`` with the same files and the same guarantees, but each save
-returns as soon as the state is copied: encoding (a sha256 per array),
-writing, fsync and the atomic rename run in a writer thread while training
-goes on.
-
 [Note: no communication in the writer thread]
-The calling thread keeps issuing collectives on the same groups while a save
-is written, and every rank must issue its collectives in the same order (the
-debug mode checks it and raises ``CollectiveMismatchError``). A collective
-from the writer thread would interleave with those in an order that differs
-from rank to rank, so the writer thread does local file I/O only: it encodes
-and writes this rank's file (``io.write_file``, ``directory.write_member``)
-and records the outcome. Everything that needs the ranks to agree runs in
-the calling thread, in the calls that are collective: ``save`` (agreeing on
-a directory's temporary name, as the synchronous save does first; for
-``save_slices`` also exchanging the descriptions of the pieces and planning
-who writes which box, so a refused layout raises at the call on every rank),
-``wait``, ``poll`` (one small all-reduce: has every rank's write ended?),
-``close``, and the next ``save``, which begins by finishing the last. There
-the ranks share their outcomes, so a failed write raises the same
-``CheckpointError`` on every rank, and only then does group rank 0 write a
-directory's index and switch it into place.
+Every rank must issue its collectives in the same order, and the calling thread keeps issuing them while a
+save is written; a collective from the writer thread would interleave in a different order on each rank. So
+the writer thread only encodes and writes this rank's file and records the outcome. Everything the ranks must
+agree on (the temporary name, the slice plan, whether every write worked) runs in the calling thread, in the
+collective calls ``save*``, ``wait``, ``poll`` and ``close``; a failed write then raises the same
+``CheckpointError`` on every rank, and only after that does rank 0 write a directory's index.
 
 [Note: when a checkpoint becomes visible]
-A file (``save``) is renamed into place by rank 0's writer thread when its
-last byte is synced, without waiting for anyone; the ranks learn whether it
-worked at ``wait``. A directory (``save_per_rank``, ``save_sharded``,
-``save_slices``) appears only when it is finished in the calling thread
-(``wait``, a ``poll`` that finds every write ended, ``close`` or the next
-save), because its index may be written only after every rank's file is.
-Until then it is ``<path>.tmp-<token>``, which ``latest`` never picks and
-``clean_interrupted`` removes; so a process killed at any moment leaves the
-previous checkpoint intact and loadable (the directory protocol of
-``directory``, the atomic writes of ``io``).
+A file is renamed into place by rank 0's writer thread as soon as it is synced. A directory appears only when
+finished in the calling thread, because its index may be written only after every rank's file is; until then
+it is ``<path>.tmp-<token>``, which ``latest`` never picks, so a killed process leaves the previous checkpoint
+loadable.
 
 [Note: one save in flight]
-Each save starts by finishing the previous one (``wait``), so at most one
-save is in flight per checkpointer and the memory it costs is bounded by one
-host copy of the state being written (the arrays are made C-contiguous by the
-copy, so the encoder copies nothing more). A copy is needed because the
-caller may change or free its arrays as soon as ``save`` returns; states that
-are fresh copies already (``state_dict()``, ``optimizer.state_dict()``) can
-skip it with ``copy=False``. Device (cupy) arrays are always copied to the
-host, in the calling thread. ``save_slices`` copies only the boxes this rank
-writes (not the replicas a lower rank writes).
+Each save first finishes the previous one, so memory is bounded by one host copy of the state. The copy is
+needed because the caller may change its arrays once ``save`` returns; fresh copies (``state_dict()``) can
+skip it with ``copy=False``. Device arrays are always copied, in the calling thread.
 """
 from __future__ import annotations
 
@@ -74,15 +46,8 @@ from .sliced import prepare_slices
 def host_copy(state: Any, copy: bool = True) -> Any:
     """``state`` with its containers rebuilt and every array in host memory, owned by the result.
 
-    Args:
-        state: a checkpointable state (nested dicts, lists, tuples, arrays, scalars).
-        copy: copy numpy arrays (C-contiguous); False keeps them (for fresh
-            copies such as a ``state_dict()``). Device (cupy) arrays are
-            always copied to the host.
-
-    Returns:
-        The copy. Values a checkpoint cannot hold are kept as they are, so
-        encoding them raises the usual ``CheckpointError`` naming the key.
+    ``copy=False`` keeps numpy arrays as they are (for fresh copies); device arrays are always copied. Values a
+    checkpoint cannot hold are kept, so encoding them later raises the usual ``CheckpointError``.
     """
     return _copy_node(state, copy, set(), 0)
 
@@ -151,21 +116,14 @@ def _agree(pg: ProcessGroup, problem: Optional[BaseException], what: str) -> Non
 class AsyncCheckpointer:
     """Save checkpoints in the background, one at a time (see the module notes).
 
-    Every method but ``abandon`` is collective over the group: all ranks call
-    them in the same order, each from the one thread that trains on it. Use it as a context manager, or call ``close``
-    at the end, so the last save is finished::
+    Every method but ``abandon`` is collective over ``group``: all ranks call them in the same order. Use it as a
+    context manager, or call ``close`` at the end, so the last save is finished::
 
         with AsyncCheckpointer() as saver:
             for step in range(steps):
                 train_step()
                 if step % 100 == 0:
                     saver.save_per_rank(f"run/ckpt-{step}", my_state)
-
-    Args:
-        group: the ranks that take part (None: the default group of the current world).
-
-    Raises:
-        NotAMemberError: this rank is not in ``group``.
     """
 
     def __init__(self, group: Optional[ProcessGroup] = None):
@@ -180,18 +138,8 @@ class AsyncCheckpointer:
     def save(self, path: "str | os.PathLike[str]", state: Any, copy: bool = True) -> None:
         """Collective: start saving ``state`` to the file ``path`` as ``checkpoint.save`` would.
 
-        Finishes the previous save first. On group rank 0 the state is
-        copied to host memory before this returns; the writer thread then
-        encodes it and writes ``path`` atomically. Other ranks' states are not
-        read (they may be None) and they start no thread.
-
-        Args:
-            path: file to write; replaced atomically when the write completes.
-            state: as ``checkpoint.save`` takes; free to change once this returns.
-            copy: False if the arrays are fresh copies nobody changes (see the module note).
-
-        Raises:
-            CheckpointError: on every rank, if the previous save failed (this one is then not started).
+        Finishes the previous save first (raising its ``CheckpointError`` on every rank if it failed). Only group
+        rank 0's state is read and copied; ``copy=False`` if its arrays are fresh copies nobody changes.
         """
         self.wait()
         pg = self.group
@@ -205,21 +153,8 @@ class AsyncCheckpointer:
                       copy: bool = True) -> None:
         """Collective: start saving a ``checkpoint.save_per_rank`` directory (every rank its own state).
 
-        Finishes the previous save first, then agrees on the temporary
-        directory (as the synchronous save does), copies ``state`` and
-        ``extra`` and returns; each rank's file is written in its writer
-        thread. The index and the switch into place come when the save is
-        finished (``wait``, ``poll``, ``close``, the next save).
-
-        Args:
-            path: the checkpoint directory; replaced when the save is finished.
-            state: this rank's plain state; free to change once this returns.
-            extra: shared plain state (rank 0's goes into the index).
-            copy: False if the arrays are fresh copies nobody changes.
-
-        Raises:
-            CheckpointError: on every rank, if the previous save failed or the
-                temporary directory cannot be created.
+        The directory is put in place when the save is finished (``wait``, ``poll``, ``close``, the next save).
+        Raises ``CheckpointError`` on every rank if the previous save failed or the temporary directory cannot be made.
         """
         self.wait()
         pg = self.group
@@ -230,21 +165,9 @@ class AsyncCheckpointer:
                      extra: Any = None) -> None:
         """Collective: start saving a ``checkpoint.save_sharded`` directory of an FSDP model.
 
-        The same directory as the synchronous save (each shard writer's file,
-        an index of the units, loadable at any world size), written in the
-        background: this rank's shards are taken (already copies) before it
-        returns.
-
-        Args:
-            path: the checkpoint directory; replaced when the save is finished.
-            fsdp: the FullyShardedDataParallel; its group must be this checkpointer's.
-            optimizer: the optimizer over ``fsdp.parameters()``, or None.
-            extra: more plain state (rank 0's is kept).
-
         Raises:
             ConfigurationError: ``fsdp`` works on another group (on this rank, before any message).
-            CheckpointError: on every rank, if the previous save failed or the
-                temporary directory cannot be created.
+            CheckpointError: on every rank, if the previous save failed or the temporary directory cannot be made.
         """
         if tuple(fsdp.group.ranks) != tuple(self.group.ranks):
             raise ConfigurationError(f"save_sharded: the FSDP model works on ranks {list(fsdp.group.ranks)}, this "
@@ -263,28 +186,8 @@ class AsyncCheckpointer:
                     copy: bool = True) -> None:
         """Collective: start saving a ``checkpoint.save_slices`` directory (global arrays in pieces).
 
-        The same checks as the synchronous save, raised alike on every rank
-        before anything is written (and no save is then in flight), and the
-        same directory, loadable by ``load_slices`` under any layout. The
-        description exchange and the plan run here, in the calling thread;
-        the boxes this rank writes are then copied to host memory and its
-        file is written by the writer thread. The index and the switch into
-        place come when the save is finished (``wait``, ``poll``, ``close``,
-        the next save).
-
-        Args:
-            path: the checkpoint directory; replaced when the save is finished.
-            pieces: as ``checkpoint.save_slices`` takes them (a ``(Box,
-                array)`` or a list of them per name); free to change once
-                this returns.
-            extra: shared plain state (group rank 0's goes into the index).
-            copy: False if the numpy arrays are fresh copies nobody changes
-                (cupy arrays are always copied to the host).
-
-        Raises:
-            CheckpointError: on every rank, if the previous save failed, a
-                piece or the layout is refused (as ``save_slices``), or the
-                temporary directory cannot be created.
+        The pieces are checked and the layout planned in this call, so a refused layout raises ``CheckpointError`` on
+        every rank with no save in flight; only this rank's boxes are then copied and written in the background.
         """
         self.wait()
         pg = self.group
@@ -304,8 +207,7 @@ class AsyncCheckpointer:
                          failed: Optional[CheckpointError] = None) -> None:
         """Agree on the temporary directory and start this rank's write of ``mine`` (``(file name, state)``).
 
-        ``failed``: this rank could not make its state; nothing is written,
-        and ``failed`` is reported at ``wait`` as a failed write would be.
+        ``failed`` (this rank could not make its state) is reported at ``wait`` as a failed write would be.
         """
         pg = self.group
         token = begin_directory(path, pg, None if mine is None else mine[0])
@@ -319,15 +221,8 @@ class AsyncCheckpointer:
     def poll(self) -> bool:
         """Collective: finish the save in flight if every rank's write has ended; never blocks on a write.
 
-        Costs one small all-reduce while a save is in flight (nothing when
-        none is), so a training loop can call it after every step to make a
-        directory checkpoint appear soon after its files are written.
-
-        Returns:
-            True if this call finished a save (it is now in place), else False.
-
-        Raises:
-            CheckpointError: on every rank, as ``wait``, if the finished save failed.
+        One small all-reduce while a save is in flight, so a loop can call it every step. Returns True if it
+        finished a save; raises as ``wait`` does.
         """
         current = self._save
         if current is None:
@@ -343,17 +238,8 @@ class AsyncCheckpointer:
     def wait(self) -> Optional[str]:
         """Collective: block until the save in flight is written on every rank, and finish it.
 
-        For a directory, group rank 0 then writes the index and switches it
-        into place. Afterwards nothing is in flight, whether the save worked or not.
-
-        Returns:
-            The path of the checkpoint now in place, or None if no save was in flight.
-
-        Raises:
-            CheckpointError: on every rank alike, naming every rank that
-                failed and why (an unwritable directory, a full disk, a value
-                a checkpoint cannot hold); a failed directory save leaves no
-                temporary directory and the previous checkpoint at ``path``.
+        Returns the path now in place, or None if nothing was in flight. Raises ``CheckpointError`` on every rank
+        alike, naming each failed rank; a failed directory save leaves the previous checkpoint at ``path``.
         """
         current, self._save = self._save, None
         if current is None:
@@ -376,10 +262,8 @@ class AsyncCheckpointer:
     def abandon(self) -> None:
         """Local, no communication: wait for this rank's writer thread and drop the save unfinished.
 
-        For an error path, where the other ranks may not reach a collective:
-        a file save may have landed (rank 0 renames it itself); a directory's
-        files stay under ``<path>.tmp-<token>``, never taken for a checkpoint,
-        and ``clean_interrupted`` removes them.
+        For error paths, where other ranks may not reach a collective; a directory's files stay under
+        ``<path>.tmp-<token>``, which ``clean_interrupted`` removes.
         """
         current, self._save = self._save, None
         if current is not None:

@@ -1,26 +1,13 @@
 """Boxes: the blocks of global arrays that ranks hold, and FSDP's flat ranges cut into boxes.
 
-[Note: boxes]
-A model spread over data-, tensor- and pipeline-parallel ranks holds pieces
-of its dense arrays: a tensor-parallel shard is a block of rows or columns
-of a weight, pipeline ranks hold different layers, data-parallel replicas
-hold identical copies. Each piece is described by a ``Box``: the global
-shape of the array, the offset of the piece in every dimension and the
-piece's own shape. ``save_slices`` takes, on every rank, a mapping from a
-global name to ``(box, array)``, or to a list of them when the rank holds
-several disjoint boxes of one array; ``load_slices`` takes a mapping from a
-name to the box (or list of boxes) this rank wants now, under whatever
-layout it runs, and assembles each from the saved boxes that overlap it.
+A ``Box`` describes one piece of a dense array (its global shape, offset and shape): a tensor-parallel shard,
+one pipeline stage's layers, a data-parallel replica. ``save_slices`` takes pieces as boxes, and
+``load_slices`` assembles any wanted box from the saved boxes that overlap it, under any layout.
 
 [Note: flat shards]
-FSDP keeps, of each parameter, a contiguous range of its C-order
-flattening (of the whole parameter, or of this rank's tensor-parallel block
-of it). Such a range is not a box but at most ``2 * ndim - 1`` of them: a
-partial run of the innermost axis, partial runs of each outer axis up to
-the first, one block of whole rows of the first axis, then the same down
-again (``flat_range_boxes``, a pure function). A rank gives them as a list
-of pieces of the one name; each piece is a view of its flat shard reshaped
-to its box, and a load fills views of a flat buffer the same way.
+FSDP keeps a contiguous range of each parameter's C-order flattening. Such a range is not a box but at most
+``2 * ndim - 1`` of them (``flat_range_boxes``); a rank gives them as a list of pieces of the one name, each a
+view of its flat shard reshaped to its box.
 """
 from __future__ import annotations
 
@@ -36,11 +23,7 @@ from .format import MAX_NDIM
 
 
 def _int_tuple(values: Any, what: str) -> Tuple[int, ...]:
-    """``values`` as a tuple of Python ints (numpy integers accepted).
-
-    Raises:
-        CheckpointError: not a sequence of integers, or more than ``MAX_NDIM`` of them.
-    """
+    """``values`` as a tuple of Python ints; CheckpointError if not integers or more than ``MAX_NDIM``."""
     try:
         out = tuple(operator.index(v) for v in values)
     except TypeError as exc:
@@ -59,9 +42,8 @@ class Box:
         offset: start of the block along every axis.
         shape: extent of the block along every axis (the local array's shape).
 
-    Raises:
-        CheckpointError: the three differ in length, a value is negative or
-            not an integer, or the block reaches beyond the global shape.
+    Raises CheckpointError if the three differ in length, hold a negative or non-integer value, or the block
+    reaches beyond the global shape.
     """
 
     global_shape: Tuple[int, ...]
@@ -112,15 +94,10 @@ class Box:
         return tuple(slice(o, o + s) for o, s in zip(self.offset, self.shape))
 
     def split(self, axis: int, index: int, parts: int) -> "Box":
-        """Block ``index`` of this box cut into ``parts`` along ``axis``.
+        """Block ``index`` of this box cut into ``parts`` along ``axis``, as ``numpy.array_split`` cuts.
 
-        The extent ``n`` is cut as ``numpy.array_split`` cuts it: the first
-        ``n % parts`` blocks are one longer. Splits compose: ``Box.full((8,
-        6)).split(0, i, 2).split(1, j, 3)`` is block (i, j) of a 2 x 3 grid.
-
-        Raises:
-            CheckpointError: ``axis`` not an axis of the box, ``parts`` below
-                1, or ``index`` not in ``[0, parts)``.
+        Splits compose: ``Box.full((8, 6)).split(0, i, 2).split(1, j, 3)`` is block (i, j) of a 2 x 3 grid.
+        Raises CheckpointError for a bad axis, ``parts`` below 1 or ``index`` outside ``[0, parts)``.
         """
         if not 0 <= axis < self.ndim or parts < 1 or not 0 <= index < parts:
             raise CheckpointError(f"cannot take block {index} of {parts} along axis {axis} of a box of shape "
@@ -133,11 +110,7 @@ class Box:
         return Box(self.global_shape, offset, shape)
 
     def intersect(self, other: "Box") -> Optional["Box"]:
-        """The block both boxes hold, or None when they share no element.
-
-        Raises:
-            CheckpointError: the boxes belong to arrays of different global shapes.
-        """
+        """The block both boxes hold, or None; CheckpointError if their global shapes differ."""
         if other.global_shape != self.global_shape:
             raise CheckpointError(f"boxes of arrays of global shapes {self.global_shape} and {other.global_shape} "
                                   f"do not intersect")
@@ -172,8 +145,8 @@ def _subtract(a: Box, b: Box) -> List[Box]:
 def _cover_problem(target: Box, boxes: Sequence[Box]) -> Optional[str]:
     """Why ``boxes`` (inside ``target``) do not cover ``target`` exactly once, or None when they do.
 
-    Disjoint boxes inside the target that leave no hole have volumes summing
-    to the target's; a larger sum means an overlap, found pairwise (only then).
+    Disjoint boxes that leave no hole have volumes summing to the target's, so overlaps are searched pairwise
+    only when the sum is larger.
     """
     remaining = [target] if target.size else []
     for box in boxes:
@@ -191,11 +164,7 @@ def _cover_problem(target: Box, boxes: Sequence[Box]) -> Optional[str]:
 
 
 def _flat_runs(shape: Tuple[int, ...], lo: int, hi: int) -> List[Tuple[Tuple[int, ...], Tuple[int, ...]]]:
-    """Elements ``[lo, hi)`` (``lo < hi``) of the C-order flattening of ``shape`` as ``(offset, extent)`` blocks.
-
-    The rows of the first axis that the range covers whole are one block; the
-    partial rows before and after them are the same problem one axis down.
-    """
+    """Elements ``[lo, hi)`` (``lo < hi``) of the C-order flattening of ``shape`` as ``(offset, extent)`` blocks."""
     if len(shape) <= 1:
         return [((lo,), (hi - lo,))] if shape else [((), ())]
     rest = shape[1:]
@@ -218,14 +187,9 @@ def _flat_runs(shape: Tuple[int, ...], lo: int, hi: int) -> List[Tuple[Tuple[int
 def flat_range_boxes(box: Box, start: int, stop: int) -> List[Tuple[Box, int, int]]:
     """The elements ``[start, stop)`` of the C-order flattening of the block ``box``, as boxes of the global array.
 
-    A pure function, for FSDP's flat shards (see [Note: flat shards]): with
-    ``local = global[box.slices]``, concatenating ``global[piece.slices].ravel()``
-    over the returned pieces gives ``local.ravel()[start:stop]``, and piece
-    ``(piece, a, b)`` is ``local.ravel()[a:b]``. The decomposition is the
-    minimal one: a partial run of the innermost axis, partial runs of each
-    outer axis up to the first, one block of whole rows of the first axis,
-    then the same down again; at most ``2 * ndim - 1`` boxes, none empty
-    (none at all for an empty range; ``[(box, 0, 1)]`` for a 0-d box)::
+    A pure function, for FSDP's flat shards: with ``local = global[box.slices]``, piece ``(piece, a, b)`` is
+    ``local.ravel()[a:b]``, and the pieces in order join into ``local.ravel()[start:stop]``. At most
+    ``2 * ndim - 1`` boxes, none empty (none for an empty range; ``[(box, 0, 1)]`` for a 0-d box)::
 
         >>> block = Box((4, 6), (1, 2), (3, 4))  # global[1:4, 2:6]
         >>> for piece, a, b in flat_range_boxes(block, 3, 10):
@@ -239,19 +203,7 @@ def flat_range_boxes(box: Box, start: int, stop: int) -> List[Tuple[Box, int, in
         >>> g[block.slices].ravel()[3:10].tolist()
         [11, 14, 15, 16, 17, 20, 21]
 
-    Args:
-        box: the block whose flattening is cut (a whole array: ``Box.full(shape)``).
-        start: first element of the range, in the block's flattening.
-        stop: end of the range (exclusive); ``0 <= start <= stop <= box.size``.
-
-    Returns:
-        ``[(piece, a, b), ...]`` in flat order: each piece a Box of the global
-        array (offsets include ``box.offset``) and its range ``[a, b)`` of
-        the block's flattening; the ranges join into ``[start, stop)``.
-
-    Raises:
-        CheckpointError: ``box`` is not a Box, or ``start`` and ``stop`` are
-            not integers with ``0 <= start <= stop <= box.size``.
+    Raises CheckpointError unless ``box`` is a Box and ``0 <= start <= stop <= box.size`` are integers.
     """
     if not isinstance(box, Box):
         raise CheckpointError(f"flat_range_boxes: expected a Box, got {type(box).__name__}")
@@ -281,17 +233,9 @@ def _check_name(name: Any, what: str) -> str:
 
 
 def _as_piece(name: Any, value: Any, what: str, item: Optional[int] = None) -> Tuple[Box, Any]:
-    """``(box, array)`` from ``(Box, array)`` or ``(global_shape, offset, array)``.
+    """``(box, array)`` from ``(Box, array)`` or ``(global_shape, offset, array)``; CheckpointError otherwise.
 
-    Args:
-        name: the array's global name.
-        value: the piece.
-        what: how messages name it ("piece", "wanted").
-        item: its position in the list of pieces of ``name``, or None for a piece given alone.
-
-    Raises:
-        CheckpointError: another form, a name that is not a str, or an array
-            whose shape is not the box's.
+    ``item`` is the piece's position in the list of pieces of ``name`` (None for one given alone).
     """
     _check_name(name, what)
     label = f"{what} {name!r}" + ("" if item is None else f" [{item}]")

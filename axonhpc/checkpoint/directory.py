@@ -1,39 +1,17 @@
 """Checkpoint directories: one file per writing rank, an index, and an atomic switch into place.
 
 [Note: the protocol]
-``save_directory`` is collective over a group. Rank 0 creates
-``path.tmp-<token>`` (the token is broadcast), every writing rank writes its
-own file there (each an ordinary checkpoint file: no pickle, a sha256 per
-array), and the ranks agree that all files are written. Only then does rank 0
-write ``index.npz`` and rename the directory into place; an existing
-checkpoint at ``path`` is first renamed aside and removed only after the new
-one is in place. A crash at any point leaves the previous checkpoint (at
-``path``, or at ``path.old-<token>`` for the instant between the two renames)
-or the new one, never a mixture; a directory without ``index.npz`` is never
-taken for a checkpoint (``latest`` looks for it). Every failure is raised on
-every rank.
-
-The steps are separate functions: ``begin_directory`` (collective: the token
-and the temporary directory), ``write_member`` (local: one rank's file) and
-``put_in_place`` (local, rank 0: the index and the switch), joined by the
-agreement between ranks. ``save_directory`` runs them in order;
-``background`` runs ``write_member`` in a writer thread and the collective
-steps in the calling thread.
+Rank 0 creates ``path.tmp-<token>``, every writing rank writes its own file there, and the ranks agree that
+all are written; only then does rank 0 write ``index.npz`` and rename the directory into place (an existing
+checkpoint is renamed aside first and removed after). A crash leaves the previous checkpoint or the new one,
+never a mixture; a directory without ``index.npz`` is never taken for a checkpoint. The steps are separate
+functions so ``background`` can run ``write_member`` in a writer thread and the collective steps in the
+calling thread.
 
 [Note: reading an index from an untrusted directory]
-File names are never taken from an index: they are computed
-(``rank_file``, ``sharded.shard_file``) from integers the index records, and
-those integers are checked first (``index_int``: an int in a sane range, such
-as a world size of 1 to ``MAX_WORLD_SIZE``). Every file is then opened
-through ``member_path``, which refuses a name that is not a plain file name
-and a file that resolves (through symlinks) outside the checkpoint directory,
-so a checkpoint cannot make a reader open ``/etc/passwd`` or another run's
-files. Each file is then read as any untrusted checkpoint file (``archive``).
-
-``save_per_rank`` / ``load_per_rank`` use it for states that differ per rank
-and are reloaded at the same world size (pipeline stages, tensor-parallel
-shards, ZeRO-1 optimizer shards); FSDP's resharding checkpoints are in
-``sharded``.
+File names are never taken from an index: they are computed from integers the index records, checked first
+(``index_int``), and every file is opened through ``member_path``, which refuses names that are not plain and
+files that resolve outside the directory, so a checkpoint cannot make a reader open ``/etc/passwd``.
 """
 from __future__ import annotations
 
@@ -54,11 +32,7 @@ MAX_WORLD_SIZE = 1 << 24  # more ranks than any job has run; a larger "world siz
 
 
 def check_file_name(name: Any, what: str) -> str:
-    """``name`` if it is a plain file name (no directory part, not ``.`` or ``..``).
-
-    Raises:
-        CheckpointError: anything else, naming ``what`` and the value.
-    """
+    """``name`` if it is a plain file name (no directory part, not ``.`` or ``..``); else CheckpointError."""
     if (not isinstance(name, str) or name in ("", ".", "..") or "\0" in name or "/" in name
             or os.sep in name or (os.altsep is not None and os.altsep in name) or os.path.isabs(name)):
         raise CheckpointError(f"{what}: {name!r} is not a plain file name inside the checkpoint directory")
@@ -66,19 +40,10 @@ def check_file_name(name: Any, what: str) -> str:
 
 
 def member_path(path: str, name: Any, what: str) -> str:
-    """``path/name``, checked to stay inside the checkpoint directory ``path``.
+    """``path/name`` (unresolved, for messages), checked to stay inside the checkpoint directory ``path``.
 
-    Args:
-        path: the checkpoint directory.
-        name: a file name in it.
-        what: how messages name the file ("index", "rank file of rank 3").
-
-    Returns:
-        The joined path (not resolved: messages show what the user gave).
-
-    Raises:
-        CheckpointError: ``name`` is not a plain file name, or the file
-            resolves (through symlinks) outside ``path``.
+    Raises CheckpointError if ``name`` is not a plain file name or resolves (through symlinks) outside ``path``;
+    ``what`` names the file in messages ("index", "rank file of rank 3").
     """
     check_file_name(name, f"{path!r}: the {what}")
     full = os.path.join(path, name)
@@ -90,11 +55,7 @@ def member_path(path: str, name: Any, what: str) -> str:
 
 
 def index_int(index: dict, key: str, path: str, low: int, high: int) -> int:
-    """``index[key]``, checked to be an int in ``[low, high]``.
-
-    Raises:
-        CheckpointError: missing, not an int, or out of range; naming the key and the value.
-    """
+    """``index[key]``, checked to be an int in ``[low, high]``; else CheckpointError naming the key."""
     value = index.get(key, None)
     if type(value) is not int or not low <= value <= high:
         shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:80] + "..."
@@ -115,18 +76,8 @@ def _as_checkpoint_error(exc: Exception, what: str) -> CheckpointError:
 def begin_directory(path: str, pg: Any, my_name: Optional[str]) -> str:
     """Collective: the first step of ``save_directory``: check the names, agree on a token, make the directory.
 
-    Args:
-        path: the checkpoint directory to be written.
-        pg: the group whose ranks take part.
-        my_name: the file this rank will write, or None.
-
-    Returns:
-        The token; the files go into ``temporary_directory(path, token)``.
-
-    Raises:
-        CheckpointError: on every rank, if rank 0 cannot create the
-            temporary directory (on this rank alone for a bad ``my_name``:
-            a local mistake, before any message).
+    Returns the token (files go into ``temporary_directory(path, token)``). Raises CheckpointError on every rank
+    if rank 0 cannot create the directory; a bad ``my_name`` raises on this rank alone, before any message.
     """
     if my_name is not None:
         check_file_name(my_name, f"saving checkpoint {path!r}: the file of group rank {pg.rank}")
@@ -153,17 +104,7 @@ def temporary_directory(path: str, token: str) -> str:
 def write_member(path: str, token: str, rank: int, name: str, state: Any) -> Optional[CheckpointError]:
     """Local: encode ``state`` and write it atomically as ``name`` in the temporary directory.
 
-    No communication, so a background save can call it in its writer thread.
-
-    Args:
-        path: the checkpoint directory being written.
-        token: from ``begin_directory``.
-        rank: this rank in the group (for the message).
-        name: the file name (checked by ``begin_directory``).
-        state: the plain state to write.
-
-    Returns:
-        None when the file is written, else the CheckpointError to report.
+    No communication, so a writer thread can call it. Returns None, or the CheckpointError to report.
     """
     try:
         write_atomic(os.path.join(temporary_directory(path, token), name), encode(state))
@@ -175,17 +116,7 @@ def write_member(path: str, token: str, rank: int, name: str, state: Any) -> Opt
 def put_in_place(path: str, token: str, index: Callable[[], Any]) -> Optional[CheckpointError]:
     """Local, group rank 0, once every rank's file is written: the index, then the atomic switch.
 
-    An existing checkpoint at ``path`` is renamed aside first and removed
-    only after the new one is in place (see the module note); on failure the
-    temporary directory is removed and ``path`` is left as it was.
-
-    Args:
-        path: the checkpoint directory.
-        token: from ``begin_directory``.
-        index: returns the index state.
-
-    Returns:
-        None when the checkpoint is in place, else the CheckpointError to report.
+    Returns None, or the CheckpointError to report; on failure ``path`` is left as it was.
     """
     tmp = temporary_directory(path, token)
     try:
@@ -207,14 +138,8 @@ def save_directory(path: "str | os.PathLike[str]", pg: Any, my_file: Optional[Tu
                    index: Callable[[], Any]) -> None:
     """Collective: write a checkpoint directory by the protocol of the module note.
 
-    Args:
-        path: the directory; replaced if it exists.
-        pg: the group whose ranks take part.
-        my_file: ``(file name, state())`` this rank writes, or None for a rank that writes nothing.
-        index: returns the index state (called on rank 0 only, after every file is written).
-
-    Raises:
-        CheckpointError: on every rank, if any rank failed.
+    ``my_file`` is ``(file name, state())`` this rank writes, or None; ``index`` is called on rank 0 only, after
+    every file is written. Raises CheckpointError on every rank if any rank failed.
     """
     path = checkpoint_path(path)
     token = begin_directory(path, pg, None if my_file is None else my_file[0])
@@ -235,12 +160,7 @@ def save_directory(path: "str | os.PathLike[str]", pg: Any, my_file: Optional[Tu
 
 
 def read_index(path: str, expected_format: str) -> Tuple[dict, bytes]:
-    """The index of a checkpoint directory and the sha256 of its metadata.
-
-    Raises:
-        CheckpointError: no index, one of another format or without its
-            ``extra`` entry, or an index that resolves outside ``path``.
-    """
+    """The index of a checkpoint directory and the sha256 of its metadata; CheckpointError if missing or malformed."""
     index, digest = _read(member_path(path, INDEX, "index"))
     if not isinstance(index, dict) or index.get("format") != expected_format:
         found = index.get("format") if isinstance(index, dict) else None
@@ -260,14 +180,7 @@ def rank_file(rank: int, world_size: int) -> str:
 def save_per_rank(path: "str | os.PathLike[str]", state: Any, group: Any = None, extra: Any = None) -> None:
     """Collective: every rank writes its own ``state``; ``extra`` (rank 0's) goes into the index.
 
-    Args:
-        path: the checkpoint directory; replaced if it exists.
-        state: this rank's plain state (as ``save`` takes).
-        group: the ranks that take part (None: the default group).
-        extra: shared plain state (epoch, step, ...).
-
-    Raises:
-        CheckpointError: on every rank, if any rank failed.
+    ``path`` is a directory, replaced if it exists. Raises CheckpointError on every rank if any rank failed.
     """
     pg = resolve_group(group).require_member("checkpoint save_per_rank")
     save_directory(path, pg, (rank_file(pg.rank, pg.size), lambda: state),
@@ -275,16 +188,10 @@ def save_per_rank(path: "str | os.PathLike[str]", state: Any, group: Any = None,
 
 
 def load_per_rank(path: "str | os.PathLike[str]", group: Any = None) -> Tuple[Any, Any]:
-    """Collective: this rank's state and the shared ``extra`` from a ``save_per_rank`` directory.
+    """Collective: ``(state, extra)``: this rank's state and the shared ``extra`` from a ``save_per_rank`` directory.
 
-    Returns:
-        ``(state, extra)``.
-
-    Raises:
-        CheckpointError: on every rank, if any rank cannot read its file, the
-            world size differs from the one saved, the index is malformed, a
-            file resolves outside ``path``, or the ranks read different
-            checkpoints.
+    Raises CheckpointError on every rank if any rank cannot read its file, the world size differs from the one
+    saved, or the ranks read different checkpoints.
     """
     path = checkpoint_path(path)
     pg = resolve_group(group).require_member("checkpoint load_per_rank")

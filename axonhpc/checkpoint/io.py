@@ -1,30 +1,17 @@
 """``save`` and ``load``: atomic checkpoint files and what the ranks of a group do.
 
 [Note: atomic writes]
-The file is written under a temporary name in the same directory
-(``<path>.tmp-<pid>-<thread>``), flushed and fsynced, then renamed over
-``path`` with ``os.replace``, which is atomic on POSIX filesystems. A crash at
-any point leaves either the previous checkpoint or the new one at ``path``,
-never a half-written file; a failed write removes its temporary file. The
-directory is fsynced after the rename so that the new name survives a power
-loss as well.
+The file is written under a temporary name in the same directory, fsynced, then renamed over ``path`` with
+``os.replace`` (atomic on POSIX), so a crash leaves the previous checkpoint or the new one, never a half-written
+file. The directory is fsynced after the rename so the new name survives a power loss too.
 
 [Note: groups]
-``save``: group rank 0 encodes and writes; the state passed on other ranks is
-not read. Rank 0 then broadcasts its outcome (empty, or the error message), so
-the others return only once the file is in place, and a failed write raises
-the same ``CheckpointError`` on every rank instead of leaving the others in a
-barrier. The waiting ranks are bound by the group's timeout (or
-``ax.settings.timeout``), like every collective.
-
-``load``: every rank reads the file itself. The ranks are about to train from
-the file rank 0 wrote, so a shared filesystem is assumed anyway, and reading
-locally moves no array through MPI and keeps one copy per rank. After reading,
-the ranks agree (``groups.agreement.all_or_none``) on (ok?, sha256 of the
-metadata): if any rank failed, every rank raises; if ranks read different
-checkpoints (a node-local path, a file replaced during the load) every rank
-raises naming them. The metadata holds the sha256 of every array, each
-verified on reading, so equal metadata digests mean equal contents.
+``save``: group rank 0 writes, then broadcasts its outcome, so the others return only once the file is in
+place and a failed write raises the same ``CheckpointError`` on every rank instead of leaving them in a barrier.
+``load``: every rank reads the file itself (a shared filesystem is assumed anyway, and no array moves through
+MPI), then the ranks agree on (ok?, sha256 of the metadata): any failure, or ranks that read different files
+(a node-local path, a file replaced mid-load), raises on every rank. The metadata holds every array's sha256,
+so equal metadata digests mean equal contents.
 """
 from __future__ import annotations
 
@@ -64,15 +51,9 @@ def _fsync_directory(directory: str) -> None:
 
 
 def write_atomic(path: str, entries: dict) -> None:
-    """Write ``entries`` as an npz file at ``path`` through a temporary file and a rename.
+    """Write ``entries`` as an npz file at exactly ``path`` through a temporary file and a rename.
 
-    Args:
-        path: the final file name (written exactly, no ``.npz`` is appended).
-        entries: entry name -> numpy array, as ``format.encode`` returns them.
-
-    Raises:
-        OSError: the directory is not writable, the disk is full, ... (the
-            temporary file is removed and ``path`` is left as it was).
+    On OSError the temporary file is removed and ``path`` is left as it was.
     """
     tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
     try:
@@ -106,17 +87,8 @@ def _broadcast_text(text: Optional[str], pg: ProcessGroup) -> Optional[str]:
 def write_file(path: str, state: Any, pg: ProcessGroup) -> Optional[Tuple[BaseException, str]]:
     """Group rank 0's local part of ``save``: encode ``state`` and write it atomically.
 
-    No communication: ``save`` calls it in the calling thread, a background
-    save (``background``) in its writer thread.
-
-    Args:
-        path: the file to write.
-        state: the state to encode.
-        pg: the group (only its ranks go into the message).
-
-    Returns:
-        None when the file is in place, else ``(exception, message)``: what
-        ``share_outcome`` reports to every rank.
+    No communication (a background save calls it in its writer thread). Returns None, or ``(exception,
+    message)`` for ``share_outcome`` to report.
     """
     try:
         write_atomic(path, encode(state))
@@ -129,13 +101,7 @@ def write_file(path: str, state: Any, pg: ProcessGroup) -> Optional[Tuple[BaseEx
 def share_outcome(path: str, pg: ProcessGroup, failure: Optional[Tuple[BaseException, str]]) -> None:
     """Collective: raise the same ``CheckpointError`` on every rank if group rank 0's write failed.
 
-    Args:
-        path: the file (for the record; the message is rank 0's).
-        pg: the group; ``failure`` is read on its rank 0 only.
-        failure: what ``write_file`` returned on rank 0 (None elsewhere).
-
-    Raises:
-        CheckpointError: on every rank, with rank 0's message, if it failed.
+    ``failure`` is what ``write_file`` returned on rank 0, and is read there only.
     """
     problem, message = failure if failure is not None else (None, None)
     if pg.size > 1:
@@ -145,20 +111,17 @@ def share_outcome(path: str, pg: ProcessGroup, failure: Optional[Tuple[BaseExcep
 
 
 def save(path: PathLike, state: Any, group: Optional[ProcessGroup] = None) -> None:
-    """Write ``state`` to ``path`` as a checkpoint (group rank 0 writes, every rank returns after).
+    """Collective: write ``state`` to ``path`` as a checkpoint (group rank 0 writes, every rank returns after).
 
     Args:
         path: file to write; replaced atomically if it exists.
-        state: nested dicts (str keys), lists and tuples of numpy arrays, numpy
-            scalars, int, float, bool, str and None, e.g. ``{"model":
-            model.state_dict(), "optimizer": opt.state_dict(), "epoch": 3}``.
-            Only group rank 0's state is read; other ranks may pass None.
+        state: nested dicts (str keys), lists and tuples of numpy arrays, numpy scalars, int, float, bool, str
+            and None, e.g. ``{"model": model.state_dict(), "epoch": 3}``. Only group rank 0's is read.
         group: the ranks that take part; None means the default group.
 
     Raises:
-        CheckpointError: on every rank, if rank 0 could not encode or write the
-            state (an unsupported value, an unwritable directory, a full disk);
-            the message names the key or the OS error.
+        CheckpointError: on every rank, if rank 0 could not encode or write the state (the message names the
+            key or the OS error).
         NotAMemberError: this rank is not in ``group``.
     """
     path = checkpoint_path(path)
@@ -167,11 +130,7 @@ def save(path: PathLike, state: Any, group: Optional[ProcessGroup] = None) -> No
 
 
 def _read(path: str) -> Tuple[Any, bytes]:
-    """The state in ``path`` and the sha256 of its metadata; every failure is a CheckpointError.
-
-    Nothing in the file is trusted: see ``archive`` for the checks made
-    before any array is allocated.
-    """
+    """The state in ``path`` and the sha256 of its metadata; every failure is a CheckpointError (see ``archive``)."""
     source = f"checkpoint {path!r}"
     with open_archive(path, source) as archive:
         names = archive.names
@@ -220,26 +179,15 @@ def loading(pg: ProcessGroup, path: str) -> ContextManager[Vote]:
 
 
 def load(path: PathLike, group: Optional[ProcessGroup] = None) -> Any:
-    """Read a checkpoint written by ``save``; every rank of ``group`` reads ``path`` itself.
+    """Collective: read a checkpoint written by ``save``; every rank of ``group`` reads ``path`` itself.
 
-    Loading never unpickles, so a crafted file cannot run code, and checks
-    every size in the file against the metadata before allocating anything
-    (see ``archive``), so it cannot make the reader allocate more than the
-    file could hold; such a file is refused instead.
-
-    Args:
-        path: the checkpoint file (on a filesystem all ranks share).
-        group: the ranks that take part; None means the default group.
-
-    Returns:
-        The saved state: dicts, lists, tuples, numpy arrays (bfloat16 and other
-        ml_dtypes types restored), numpy scalars and Python scalars as saved.
+    Never unpickles, and checks every size against the metadata before allocating, so a crafted file can neither
+    run code nor make the reader allocate more than the file holds. Returns the state as saved (bfloat16 and other
+    ml_dtypes restored).
 
     Raises:
-        CheckpointError: on every rank, if any rank finds the file missing, not
-            a checkpoint, of a newer format, containing pickled data, with
-            sizes that disagree with the metadata, or corrupt (a checksum
-            mismatch names the key), or if the ranks read different files.
+        CheckpointError: on every rank, if any rank finds the file missing, not a checkpoint, of a newer format,
+            pickled, inconsistent or corrupt (a checksum mismatch names the key), or the ranks read different files.
         NotAMemberError: this rank is not in ``group``.
     """
     path = checkpoint_path(path)

@@ -1,29 +1,14 @@
 """A model and its optimizer as global arrays in pieces: saved under one parallel layout, resumed under another.
 
 [Note: what is stored]
-``save_model_slices`` takes, on every rank, the ``boxes`` of the values its
-optimizer updates (e.g. ``ParallelGPT.parameter_boxes()``): a whole-model
-name -> ``(global shape, offset, Parameter)`` when the Parameter is a block
-of the global array, or ``(global shape, offset, Parameter, (local shape,
-start, stop, at))`` when a flat Parameter (FSDP's shard) holds elements
-``[start, stop)`` of the C-order flattening of the block of ``local shape``
-at ``offset``, as ``Parameter.data[at:at + stop - start]``. Such a range is
-cut into the boxes of the global array it covers (``flat_range_boxes``). It
-writes, through ``save_slices``:
-
-- ``model/<name>``: each parameter's pieces;
-- ``optimizer/<key>/<name>``: each array of the optimizer's per-parameter
-  state (Adam's ``exp_avg``, ``exp_avg_sq``) cut as the parameter is, since
-  it is element-wise like the parameter; a scalar of that state (Adam's
-  ``step``) as a 0-d array, replicated.
-
-The optimizer's class, hyperparameters and state keys go into the index
-(``extra["optimizer"]``), with the caller's ``extra``. A load under any other
-layout (FSDP's or not) asks for the pieces it now holds and gets exactly
-those values, written into the Parameters' arrays in place, so the
-parameters and the optimizer continue where the saved run stopped. A flat
-Parameter's elements that no name covers (FSDP's padding) keep their values,
-and their optimizer state is zero.
+``boxes`` maps a whole-model name to ``(global shape, offset, Parameter)`` when the Parameter is a block of
+the global array, or ``(global shape, offset, Parameter, (local shape, start, stop, at))`` when a flat
+Parameter (FSDP's shard) holds elements ``[start, stop)`` of the C-order flattening of the block of ``local
+shape`` at ``offset``, as ``Parameter.data[at:at + stop - start]``. The save writes ``model/<name>`` and
+``optimizer/<key>/<name>`` (Adam's moments are element-wise, so they are cut as the parameter is; a scalar
+such as ``step`` is a replicated 0-d array); the optimizer's class and hyperparameters go into the index.
+A load under any layout fills the Parameters in place; a flat Parameter's padding keeps its values and gets
+zero optimizer state.
 """
 from __future__ import annotations
 
@@ -52,11 +37,7 @@ def _flat_view(at: int, length: int, shape: Tuple[int, ...]) -> Callable[[Any], 
 
 
 def _pieces(boxes: Boxes) -> Dict[str, Tuple[Any, List[Piece]]]:
-    """Name -> (Parameter, its pieces), every entry checked.
-
-    Raises:
-        CheckpointError: an entry of another form, naming it.
-    """
+    """Name -> (Parameter, its pieces), every entry checked; CheckpointError naming a malformed one."""
     if not isinstance(boxes, Mapping):
         raise CheckpointError(f"boxes must map whole-model names to (global shape, offset, Parameter[, span]), got "
                               f"{type(boxes).__name__}")
@@ -111,18 +92,16 @@ def save_model_slices(path: "str | os.PathLike[str]", boxes: Boxes, optimizer: A
 
     Args:
         path: the checkpoint directory; replaced atomically if it exists.
-        boxes: whole-model name -> where this rank's Parameter holds it (see the module note).
+        boxes: whole-model name -> where this rank's Parameter holds it (see the module note), e.g.
+            ``ParallelGPT.parameter_boxes()``.
         optimizer: the optimizer over those Parameters, or None.
-        group: every rank that holds a part of the model (None: the default group; with
-            ``writer``, the writer's group).
+        group: every rank that holds a part of the model (None: the default group; with ``writer``, its group).
         extra: more plain state (the step, ...); group rank 0's is kept.
-        writer: an ``AsyncCheckpointer``: copy the pieces to host buffers, return, and write
-            them in its thread (in place once ``writer.wait()`` or a later save finishes it).
+        writer: an ``AsyncCheckpointer``: copy the pieces to host buffers, return, and write them in its thread.
 
     Raises:
-        CheckpointError: on every rank, as ``save_slices`` (the previous checkpoint is then left
-            intact), or when an entry of ``boxes`` is malformed or the optimizer does not update
-            a Parameter named there.
+        CheckpointError: on every rank, as ``save_slices``, or when an entry of ``boxes`` is malformed or the
+            optimizer does not update a Parameter named there.
     """
     problem, pieces, described = None, {}, None
     try:
@@ -175,23 +154,12 @@ def load_model_slices(path: "str | os.PathLike[str]", boxes: Boxes, optimizer: A
                       group: Any = None) -> Any:
     """Collective: fill this rank's parameters (and optimizer state) from a ``save_model_slices`` checkpoint.
 
-    The checkpoint may come from any layout of the same model (FSDP's
-    included): each rank reads only the files holding the pieces it now needs.
-
-    Args:
-        path: the checkpoint directory.
-        boxes: whole-model name -> where this rank's Parameter holds it now (see the module note).
-        optimizer: the optimizer over those Parameters (its state and hyperparameters are replaced), or None.
-        group: every rank that holds a part of the model (None: the default group).
-
-    Returns:
-        The ``extra`` given to ``save_model_slices``.
+    The checkpoint may come from any layout of the same model (FSDP's included). ``optimizer``'s state and
+    hyperparameters are replaced. Returns the ``extra`` given to ``save_model_slices``.
 
     Raises:
-        CheckpointError: on every rank, as ``load_slices`` (a name, global shape or dtype the
-            checkpoint lacks or differs in; nothing is changed then), or for an optimizer of
-            another class than the saved one, a checkpoint without optimizer state, or a
-            malformed entry of ``boxes``.
+        CheckpointError: on every rank, as ``load_slices`` (nothing is changed then), or for an optimizer of
+            another class than the saved one, a checkpoint without optimizer state, or a malformed entry.
     """
     path = checkpoint_path(path)
     pg = resolve_group(group).require_member("checkpoint load_model_slices")
@@ -209,8 +177,7 @@ def load_model_slices(path: "str | os.PathLike[str]", boxes: Boxes, optimizer: A
 def state_pieces(boxes: Boxes, optimizer: Any = None) -> Tuple[List[Tuple[str, Box, Any]], Any]:
     """Local: this rank's model and optimizer values as ``(key, Box, array)``, and the optimizer's description.
 
-    The keys and boxes are those ``save_model_slices`` writes; ``fill_model_state``
-    takes the whole arrays they make up (``axonhpc.elastic`` moves them between ranks).
+    The keys and boxes are those ``save_model_slices`` writes (``axonhpc.elastic`` moves them between ranks).
     """
     pieces, described = _save_plan(boxes, optimizer)
     out = []
@@ -224,8 +191,7 @@ def state_pieces(boxes: Boxes, optimizer: Any = None) -> Tuple[List[Tuple[str, B
 def fill_model_state(boxes: Boxes, optimizer: Any, whole: Mapping[str, np.ndarray], described: Any) -> None:
     """Local: ``load_model_slices`` from whole arrays in memory (key -> the global array; see ``state_pieces``).
 
-    Raises:
-        CheckpointError: a key of ``boxes`` or of the optimizer's state that ``whole`` lacks.
+    Raises CheckpointError for a key of ``boxes`` or of the optimizer's state that ``whole`` lacks.
     """
     plan = _LoadPlan(boxes, optimizer, described if optimizer is not None else {})
     missing = sorted(set(plan.wanted) - set(whole))

@@ -25,30 +25,14 @@ DEFAULT_PATTERNS = ("ckpt-*.npz", "ckpt-*")
 def latest(dirpath: "str | os.PathLike[str]", pattern: Optional[str] = None) -> Optional[str]:
     """The checkpoint in ``dirpath`` with the highest step number, or None if there is none.
 
-    A checkpoint is a file, or a directory written by ``save_per_rank`` /
-    ``save_sharded`` that holds its ``index.npz`` (its index is written last,
-    so a directory without one is a save that did not finish). With the
-    default ``pattern`` both kinds are found: ``ckpt-<step>.npz`` files
-    written by ``save`` and ``ckpt-<step>`` directories, such as the
-    ``ckpt-00000012`` that ``DistributedTrainer`` writes; the highest step
-    wins whichever kind it is.
-
-    Steps are compared as numbers, so ``ckpt-100.npz`` is newer than
-    ``ckpt-99.npz`` with or without zero padding. Names where the ``*`` part is
-    not all digits, and the temporary files of a save in progress
-    (``ckpt-000012.npz.tmp-...``), do not match.
+    A checkpoint is a file, or a directory that holds its ``index.npz`` (written last, so a directory without
+    one is an unfinished save). The default patterns find both ``ckpt-<step>.npz`` files and ``ckpt-<step>``
+    directories (as ``DistributedTrainer`` writes). Steps compare as numbers (``ckpt-100`` is newer than
+    ``ckpt-99``, padded or not); ties are broken by name. A missing ``dirpath`` has no checkpoint.
 
     Args:
-        dirpath: directory to look in; a directory that does not exist yet
-            (the first run of a job) has no checkpoint.
-        pattern: file name with one ``*`` where the step number stands
-            (``"ckpt-*.npz"``: files only, as before; ``"ckpt-*"``: names
-            without a suffix); None: both of ``DEFAULT_PATTERNS``.
-
-    Returns:
-        The path (``dirpath`` joined with the name), or None. Equal steps
-        written differently (``ckpt-12``, ``ckpt-0012``, ``ckpt-12.npz``) are
-        broken by name.
+        pattern: file name with one ``*`` where the step number stands (``"ckpt-*.npz"``: files only);
+            None: both of ``DEFAULT_PATTERNS``.
 
     Raises:
         ConfigurationError: ``pattern`` has no ``*``, more than one, or a path separator.
@@ -82,14 +66,9 @@ def _complete(path: str) -> bool:
 def clean_interrupted(dirpath: "str | os.PathLike[str]") -> List[str]:
     """Tidy what killed saves left in ``dirpath``; returns one line per entry it handled.
 
-    - ``X.tmp-<token>``: a save that never finished (never taken for a
-      checkpoint): removed.
-    - ``X.old-<token>``: the checkpoint that was at ``X``, renamed aside in the
-      instant before its replacement took its place: removed if ``X`` is
-      complete, otherwise renamed back to ``X``, so nothing is lost.
-
-    Not collective: call it from one process per directory, before anything
-    saves there (``DistributedTrainer.fit`` does, on its rank 0).
+    ``X.tmp-<token>`` (an unfinished save) is removed; ``X.old-<token>`` (the checkpoint renamed aside just
+    before its replacement took its place) is removed if ``X`` is complete, else renamed back to ``X``.
+    Not collective: call it from one process per directory, before anything saves there.
     """
     dirpath = os.fspath(dirpath)
     try:

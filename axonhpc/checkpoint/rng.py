@@ -1,13 +1,9 @@
 """Random generator state as checkpointable data.
 
 [Note: rng state]
-A numpy ``Generator``'s state is its bit generator's state dict: plain ints
-(PCG64's are 128-bit, which the checkpoint format stores as decimal strings,
-so nothing is rounded) and, for MT19937, Philox and SFC64, uint arrays. The
-legacy ``RandomState`` and numpy's global RNG (``np.random.seed``) give the
-same kind of dict through ``get_state(legacy=False)``. The captured dict
-records which of the three it came from, so ``restore_rng_state`` can rebuild
-a generator of the right kind when no target is given.
+PCG64's state holds 128-bit ints, which the checkpoint format stores as decimal strings so nothing is
+rounded. The captured dict records whether it came from a ``Generator``, a ``RandomState`` or numpy's global
+RNG, so ``restore_rng_state`` can rebuild a generator of the right kind when no target is given.
 """
 from __future__ import annotations
 
@@ -24,18 +20,10 @@ _KINDS = ("generator", "random_state", "global")
 
 
 def capture_rng_state(generator: Optional[RNG] = None) -> Dict[str, Any]:
-    """The state of ``generator`` as plain data that ``save`` can store.
+    """The state of ``generator`` as plain data that ``save`` can store (the arrays in it are copies).
 
-    Args:
-        generator: a ``numpy.random.Generator``, a ``numpy.random.RandomState``,
-            or None for numpy's global RNG (the one ``np.random.seed`` sets).
-
-    Returns:
-        ``{"kind": "generator" | "random_state" | "global", "state": {...}}``;
-        the arrays in it are copies.
-
-    Raises:
-        TypeError: ``generator`` is of another type.
+    ``generator`` is a ``numpy.random.Generator``, a ``RandomState``, or None for numpy's global RNG. Returns
+    ``{"kind": "generator" | "random_state" | "global", "state": {...}}``; raises TypeError for another type.
     """
     if isinstance(generator, np.random.Generator):
         return {"kind": "generator", "state": copy.deepcopy(generator.bit_generator.state)}
@@ -57,20 +45,12 @@ def _bit_generator_class(name: Any) -> type:
 def restore_rng_state(state: Dict[str, Any], generator: Optional[RNG] = None) -> Optional[RNG]:
     """Put a state from ``capture_rng_state`` back into a generator.
 
-    Args:
-        state: the dict ``capture_rng_state`` returned (possibly after a
-            ``save`` / ``load`` round trip).
-        generator: the Generator or RandomState to set, in place. If None, a
-            new one of the recorded kind and bit generator is made, except for a
-            ``"global"`` state, which is put back into numpy's global RNG.
-
-    Returns:
-        The generator that now has the state (``generator`` itself if one was
-        given), or None when numpy's global RNG was restored.
+    With ``generator=None`` a new one of the recorded kind is made, except that a ``"global"`` state goes back
+    into numpy's global RNG. Returns the generator that now has the state, or None for the global RNG.
 
     Raises:
-        CheckpointError: ``state`` is not a captured rng state, or it belongs to
-            another kind of generator or another bit generator than ``generator``.
+        CheckpointError: ``state`` is not a captured rng state, or is of another kind of generator or bit
+            generator than ``generator``.
     """
     if not isinstance(state, dict) or state.get("kind") not in _KINDS or not isinstance(state.get("state"), dict):
         raise CheckpointError(f"not an rng state from capture_rng_state: expected a dict with 'kind' in "

@@ -1,28 +1,9 @@
 """Sharded FSDP checkpoints: every rank writes its own shard, any world size reads them back.
 
-[Note: the directory]
-``save_sharded(path, fsdp, optimizer)`` writes a directory::
-
-    path/index.npz                      # world size, units, extra state (rank 0)
-    path/shard-00000-of-00004.npz       # one per shard rank, written in parallel
-    ...
-
-Each shard file is an ordinary checkpoint file (``format``: no pickle, a
-sha256 per array) holding ``fsdp.sharded_state_dict(optimizer)``: the values
-and optimizer state of the shard's range ``[start, stop)`` of every flat
-parameter. Under HYBRID_SHARD only the first replica of each shard writes.
-
-The directory is written by the protocol of ``directory`` (a temporary
-directory, every rank's file, then the index and an atomic switch), so a
-crash leaves the previous checkpoint or the new one, never a mixture.
-
-``load_sharded(path, fsdp, optimizer)`` reads the index, then on each rank
-only the shard files whose ranges overlap the rank's own shards under the
-current group (see ``parallel.fsdp.state``'s note on resharding), so a
-checkpoint saved on N ranks loads on M. The index is checked before it is
-used (``shard_world_size`` an int from 1 to ``MAX_WORLD_SIZE``, ``units`` a
-dict of str to non-negative int) and every file is opened through
-``directory.member_path`` (see the note there).
+``save_sharded`` writes ``path/index.npz`` and one ``shard-<k>-of-<n>.npz`` per shard rank (under HYBRID_SHARD
+only the first replica writes), by the protocol of ``directory``. ``load_sharded`` reads on each rank only the
+shard files whose ranges overlap its own shards under the current group, so a checkpoint saved on N ranks loads
+on M.
 """
 from __future__ import annotations
 
@@ -43,17 +24,10 @@ def shard_file(shard_rank: int, shard_world_size: int) -> str:
 
 
 def save_sharded(path: "str | os.PathLike[str]", fsdp: Any, optimizer: Any = None, extra: Any = None) -> None:
-    """Collective: write a sharded checkpoint directory (see the module note).
+    """Collective: write a sharded checkpoint directory of ``fsdp`` (and ``optimizer``).
 
-    Args:
-        path: the checkpoint directory; replaced if it exists.
-        fsdp: the FullyShardedDataParallel.
-        optimizer: the optimizer over ``fsdp.parameters()``, or None.
-        extra: more plain state (epoch, rng states, ...); rank 0's is kept.
-
-    Raises:
-        CheckpointError: on every rank, if any rank could not write its file
-            or rank 0 could not put the directory in place.
+    ``extra``: more plain state (epoch, rng states, ...); rank 0's is kept. Raises CheckpointError on every
+    rank if any rank could not write its file or rank 0 could not put the directory in place.
     """
     mine = None
     if fsdp.is_shard_writer:
@@ -91,18 +65,11 @@ def _needed_files(index: dict, fsdp: Any, path: str) -> List[int]:
 def load_sharded(path: "str | os.PathLike[str]", fsdp: Any, optimizer: Any = None) -> Any:
     """Collective: load a sharded checkpoint into ``fsdp`` (and ``optimizer``), at any world size.
 
-    Args:
-        path: the directory ``save_sharded`` wrote.
-        fsdp: the FullyShardedDataParallel (same model, any group size and strategy).
-        optimizer: the optimizer over ``fsdp.parameters()``, or None.
-
-    Returns:
-        The ``extra`` state saved with it.
+    Returns the ``extra`` state saved with it.
 
     Raises:
-        CheckpointError: on every rank, if any rank could not read what it
-            needs, the index is malformed, a file resolves outside ``path``,
-            or the ranks read different checkpoints.
+        CheckpointError: on every rank, if any rank could not read what it needs, the index is malformed, or the
+            ranks read different checkpoints.
         StateDictError: the checkpoint does not match the model (raised on every rank).
     """
     path = os.fspath(path)

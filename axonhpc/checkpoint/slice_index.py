@@ -8,26 +8,11 @@
                        "boxes": [[file rank, [offset...], [shape...]], ...]}},
      "extra": <rank 0's extra>}
 
-A rank that writes one box of a name stores it in its file under the key
-``name``, and its index entry is ``[file rank, offset, shape]`` (every
-checkpoint of the first version of this format is of this kind, and still
-loads). A rank that writes k > 1 boxes of a name stores them under the keys
-``name#0`` ... ``name#<k-1>``, in the order it gave them, and box ``i`` is
-recorded as ``[file rank, offset, shape, i]``. A save refuses a name that
-would collide with such a key in one rank's file (``w#0`` beside a ``w`` of
-several pieces).
-
-File names are computed from the file rank and ``world_size`` (never read
-from the index), and every integer is checked before it is used: the world
-size from 1 to ``MAX_WORLD_SIZE``, a file rank below it, a piece number
-below ``MAX_PIECES_PER_FILE``, dimensions and offsets non-negative with
-every box inside its global shape; per name, at most one unnumbered box per
-file, numbered boxes with distinct (file rank, piece number) and never both
-kinds in one file, and at most ``world_size * MAX_PIECES_PER_FILE`` boxes. A
-load also checks that the boxes it reads cover each box it wants exactly
-once, and, before allocating anything, that the bytes it expects from each
-file are no more than the file holds, so a crafted index cannot make a
-reader allocate more than the checkpoint could hold.
+A rank that writes one box of a name stores it under the key ``name`` (the first version of the format has
+only these, and still loads); k > 1 boxes go under ``name#0`` ... ``name#<k-1>`` and are recorded as
+``[file rank, offset, shape, i]``. File names are computed, never read from the index, and every integer is
+checked before use; a load also checks, before allocating, that the bytes it expects from each file are no
+more than the file holds, so a crafted index cannot make a reader allocate more than the checkpoint holds.
 """
 from __future__ import annotations
 
@@ -53,8 +38,7 @@ def _ml_dtypes_name(dtype: np.dtype) -> Optional[str]:
 def _dtype_text(dtype: np.dtype, what: str) -> str:
     """How the index records ``dtype``: ``"<f4"``, or an ml_dtypes name such as ``"bfloat16"``.
 
-    Raises:
-        CheckpointError: a dtype a checkpoint cannot store (object, string, structured).
+    Raises CheckpointError for a dtype a checkpoint cannot store (object, string, structured).
     """
     ml_name = _ml_dtypes_name(dtype)
     if ml_name is not None:
@@ -66,12 +50,7 @@ def _dtype_text(dtype: np.dtype, what: str) -> str:
 
 
 def _parse_dtype(text: Any, what: str) -> np.dtype:
-    """The dtype the index records as ``text``.
-
-    Raises:
-        CheckpointError: not a dtype a checkpoint stores, or an ml_dtypes type
-            without ml_dtypes installed.
-    """
+    """The dtype the index records as ``text``; CheckpointError if unknown or ml_dtypes is missing."""
     if isinstance(text, str) and text.startswith(("<", ">", "|", "=")):
         try:
             dtype = np.dtype(text)
@@ -126,11 +105,7 @@ class _Saved:
 
 
 def _saved_array(path: str, name: str, entry: Any, world_size: int) -> _Saved:
-    """The index entry of ``name``, every value checked before use.
-
-    Raises:
-        CheckpointError: a malformed entry, naming where and the value.
-    """
+    """The index entry of ``name``, every value checked before use (CheckpointError naming a bad one)."""
     where = f"arrays[{name!r}]"
     if not isinstance(entry, dict) or not {"shape", "dtype", "boxes"} <= set(entry):
         _refuse_index(path, where, entry, "a dict with 'shape', 'dtype' and 'boxes'")

@@ -1,12 +1,9 @@
 """Loading the boxes a rank wants from a sliced checkpoint of any layout, and whole arrays in one process.
 
 [Note: reading only what is needed]
-A load opens only the files holding a box that overlaps what this rank
-wants, and from each reads only the entries it needs (each checked against
-its sha256), each once however many wanted boxes it serves. A rank's
-result is assembled in new arrays; destinations given to ``load_slices``
-are filled only once every rank of the group has read and checked its part,
-so a failed load changes nothing on any rank.
+A load opens only the files holding a box that overlaps what this rank wants, and reads only the entries it
+needs, each once. Destinations given to ``load_slices`` are filled only after every rank has read and checked
+its part, so a failed load changes nothing on any rank.
 """
 from __future__ import annotations
 
@@ -52,10 +49,8 @@ def _plan_read(path: str, saved: _Saved, name: str, want: Box,
                dtype: Optional[np.dtype]) -> List[Tuple[int, str, Box, Box]]:
     """The saved boxes to read for ``want``: ``[(file rank, key, saved box, the part of it wanted)]``.
 
-    Raises:
-        CheckpointError: the global shape or dtype differs from the
-            checkpoint's (naming both), or the saved boxes do not cover
-            ``want`` exactly once (a crafted index).
+    Raises CheckpointError if the global shape or dtype differs from the checkpoint's, or the saved boxes do not
+    cover ``want`` exactly once (a crafted index).
     """
     if want.global_shape != saved.shape:
         raise CheckpointError(f"{path!r}: array {name!r} has global shape {saved.shape} in the checkpoint; the "
@@ -74,12 +69,7 @@ def _plan_read(path: str, saved: _Saved, name: str, want: Box,
 
 
 def _read_entries(path: str, names: Sequence[str], source: str) -> Dict[str, np.ndarray]:
-    """The arrays ``names`` of one slice file, reading (and verifying) only those entries.
-
-    Raises:
-        CheckpointError: the file is missing, not a slice file, lacks a name,
-            or an entry is refused (see ``archive`` and ``format``).
-    """
+    """The arrays ``names`` of one slice file, reading (and verifying) only those entries."""
     with open_archive(path, source) as archive:
         if META_ENTRY not in archive.names:
             raise CheckpointError(f"{source}: not an axonhpc checkpoint (no {META_ENTRY!r} entry)")
@@ -129,17 +119,8 @@ def _read_boxes(path: str, requests: Mapping[str, Sequence[Tuple[Optional[Box], 
                 ) -> Tuple[Dict[str, List[np.ndarray]], Any, bytes]:
     """Assemble every requested box (None: the whole array) on this rank alone.
 
-    Args:
-        path: the checkpoint directory.
-        requests: name -> ``[(box or None, destination dtype or None), ...]``.
-
-    Returns:
-        ``(arrays, extra, digest)``: name -> new host arrays, one per
-        request in order; the saved ``extra``; the sha256 of the index's
-        metadata.
-
-    Raises:
-        CheckpointError: see ``load_slices``.
+    ``requests``: name -> ``[(box or None, destination dtype or None), ...]``. Returns ``(arrays, extra,
+    digest)``: name -> new host arrays, one per request; the saved ``extra``; the sha256 of the index metadata.
     """
     index, digest = read_index(path, INDEX_FORMAT)
     world_size = index_int(index, "world_size", path, 1, MAX_WORLD_SIZE)
@@ -183,33 +164,21 @@ def load_slices(path: "str | os.PathLike[str]", wanted: Mapping[str, Any], group
                 ) -> Tuple[Dict[str, Any], Any]:
     """Collective: the boxes this rank wants, assembled from a ``save_slices`` checkpoint of any layout.
 
-    Reads only the files holding a saved box that overlaps a wanted box, and
-    only the entries it needs from them (each once); the ranks then agree
-    that every rank succeeded and read the same checkpoint, and only then
-    are destinations filled.
-
     Args:
         path: the directory ``save_slices`` wrote (on a filesystem every rank shares).
-        wanted: name -> a ``Box`` (returned as a new numpy array of the
-            checkpoint's dtype), or ``(Box, array)`` / ``(global_shape,
-            offset, array)`` with a numpy or cupy destination of the box's
-            shape and the checkpoint's dtype, filled in place; or a list of
-            these (several boxes of one name, e.g. the pieces of a flat
-            shard from ``flat_range_boxes`` with views of the shard as
-            destinations).
+        wanted: name -> a ``Box`` (returned as a new numpy array), or ``(Box, array)`` / ``(global_shape,
+            offset, array)`` with a numpy or cupy destination filled in place; or a list of these (e.g. the
+            pieces of a flat shard from ``flat_range_boxes``, with views of the shard as destinations).
         group: the ranks that take part (None: the default group).
 
     Returns:
-        ``(arrays, extra)``: name -> the array (the destination itself where
-        one was given), or for a list the list of them in the same order;
-        and the ``extra`` saved with the checkpoint.
+        ``(arrays, extra)``: name -> the array (the destination where one was given; a list for a list), and
+        the ``extra`` saved with the checkpoint.
 
     Raises:
-        CheckpointError: on every rank, if any rank wants a name the
-            checkpoint lacks, a global shape or dtype other than the
-            checkpoint's (naming both), a box outside its global shape, or
-            finds a file or the index missing, malformed or corrupt; or if the
-            ranks read different checkpoints. No destination is changed.
+        CheckpointError: on every rank, if any rank wants a name the checkpoint lacks, another global shape or
+            dtype, or finds a file or the index missing or corrupt; or the ranks read different checkpoints.
+            No destination is changed.
         NotAMemberError: this rank is not in ``group``.
     """
     path = os.fspath(path)
@@ -241,20 +210,10 @@ def load_slices(path: "str | os.PathLike[str]", wanted: Mapping[str, Any], group
 
 def read_full(path: "str | os.PathLike[str]",
               names: Optional[Sequence[str]] = None) -> Tuple[Dict[str, np.ndarray], Any]:
-    """The whole global arrays of a ``save_slices`` checkpoint, in this process alone (no group).
+    """``(arrays, extra)``: the whole global arrays of a ``save_slices`` checkpoint, in this process alone.
 
-    For tools, and for loading into a model that runs in one process.
-
-    Args:
-        path: the checkpoint directory.
-        names: the arrays to read; None: every array of the checkpoint.
-
-    Returns:
-        ``(arrays, extra)``: name -> the global numpy array, and the saved ``extra``.
-
-    Raises:
-        CheckpointError: a name the checkpoint lacks, or a file or the index
-            missing, malformed or corrupt.
+    For tools and one-process models; ``names=None`` reads every array. Raises CheckpointError for a missing name
+    or a missing or corrupt file.
     """
     path = os.fspath(path)
     try:

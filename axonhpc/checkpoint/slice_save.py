@@ -1,31 +1,13 @@
 """Saving global arrays held in pieces: the checks and the plan every rank computes alike, then the write.
 
 [Note: what a save checks, and who writes]
-Before anything is written, the ranks all-gather the small description of
-their pieces (name, dtype, box) and each rank computes the same plan from it
-(``plan_slices``, a pure function), so every check fails on every rank with
-the same message:
-
-- the ranks that hold a name agree on its global shape and dtype;
-- a rank gives at most ``MAX_PIECES_PER_FILE`` pieces of one name, and
-  not the same (non-empty) box of a name twice;
-- boxes that are equal are replicas: the lowest group rank holding one
-  writes it, the others write nothing of it (replicas are not compared:
-  that would move every array through the network);
-- distinct boxes of a name, whichever ranks hold them (the same rank
-  included), must not overlap at all (two tensor-parallel shards that share
-  a row are a bug in the layout, not replicas), and together they must
-  cover the global array: a hole is reported with its name and the first
-  uncovered position.
-
-Boxes with no element are allowed (an uneven split over more ranks than
-rows) and never written. Every group rank that writes at least one box writes
-one file, ``slices-<rank>-of-<size>.npz``, an ordinary checkpoint file (no
-pickle, a sha256 per array) mapping a key per box it writes to the piece
-(see [Note: the index] in ``slice_index`` for the keys). The directory
-protocol is ``directory``'s: a temporary directory, every file, then the
-index by rank 0 and an atomic switch, so a crash leaves the previous
-checkpoint whole.
+Before anything is written, the ranks all-gather the small description of their pieces (name, dtype, box) and
+each computes the same plan (``plan_slices``, a pure function), so every check fails on every rank with the
+same message. Equal boxes are replicas: the lowest rank holding one writes it (replicas are not compared; that
+would move every array through the network). Distinct boxes of a name must not overlap at all (two
+tensor-parallel shards sharing a row are a layout bug, not replicas) and must cover the array. Empty boxes
+(an uneven split over more ranks than rows) are allowed and never written. The directory protocol is
+``directory``'s, so a crash leaves the previous checkpoint whole.
 """
 from __future__ import annotations
 
@@ -49,13 +31,7 @@ def _too_many_pieces(count: int) -> str:
 
 
 def _checked_pieces(pieces: Mapping[str, Any]) -> List[Tuple[str, str, Box, Any]]:
-    """Every piece this rank gives as ``(name, dtype text, box, array)``, in order, each checked; nothing copied.
-
-    Raises:
-        CheckpointError: ``pieces`` is not a mapping, a piece is malformed or
-            of a dtype a checkpoint cannot store, or a list holds more than
-            ``MAX_PIECES_PER_FILE`` pieces.
-    """
+    """Every piece this rank gives as ``(name, dtype text, box, array)``, in order, each checked; nothing copied."""
     if not isinstance(pieces, Mapping):
         raise CheckpointError(f"pieces must be a mapping of names to (box, array), got {type(pieces).__name__}")
     out = []
@@ -113,11 +89,7 @@ def _shown_ranks(ranks: Sequence[int]) -> str:
 
 
 def _agreed(name: str, what: str, held: Sequence[Tuple[int, Any]]) -> Any:
-    """The one value every holder of ``name`` gives for ``what`` (``held``: ``(rank, value)`` in rank order).
-
-    Raises:
-        CheckpointError: the holders disagree, naming the ranks and the values.
-    """
+    """The one value every holder of ``name`` gives for ``what``; CheckpointError naming the ranks if they disagree."""
     by_value: Dict[Any, List[int]] = {}
     for rank, value in held:
         ranks = by_value.setdefault(value, [])
@@ -149,25 +121,16 @@ def plan_slices(table: Sequence[Sequence[Tuple[str, str, Box]]]) -> Tuple[Dict[i
     """Who writes which box under which key, and the index entries, from every rank's pieces (a pure function).
 
     Args:
-        table: per group rank, its pieces as ``(name, dtype text, box)``, in
-            the order it gave them; a name appears once per piece, so
-            several times on a rank that holds several boxes of it.
+        table: per group rank, its pieces as ``(name, dtype text, box)`` in the order it gave them.
 
     Returns:
-        ``(writes, arrays)``: group rank -> the keys it writes in its file
-        (for its boxes that no lower rank holds and that hold an element:
-        ``name`` for a name it writes one box of, ``name#0``, ``name#1``,
-        ... in its order for a name it writes several of), by name; and
-        name -> the index entry ``{"shape", "dtype", "boxes": [[rank,
+        ``(writes, arrays)``: group rank -> the keys it writes (``name``, or ``name#0``, ``name#1``, ... for a
+        name it writes several boxes of); and name -> the index entry ``{"shape", "dtype", "boxes": [[rank,
         offset, shape], or [rank, offset, shape, i] for key name#i, ...]}``.
 
     Raises:
-        CheckpointError: the holders of a name disagree on its global shape or
-            dtype, a rank gives more than ``MAX_PIECES_PER_FILE`` pieces of a
-            name or one non-empty box of it twice, two distinct boxes of a
-            name overlap, the boxes leave a hole, or a name is also the key
-            of another name's piece in one rank's file; naming the array,
-            the ranks and the values.
+        CheckpointError: holders disagree on a global shape or dtype, a rank gives too many pieces or one box
+            twice, distinct boxes overlap or leave a hole, or two names collide on one key in a rank's file.
     """
     holders: Dict[str, List[Tuple[int, str, Box]]] = {}
     for rank, pieces in enumerate(table):
@@ -233,29 +196,10 @@ def prepare_slices(path: str, pieces: Mapping[str, Any], pg: Any, extra: Any, co
                    ) -> Tuple[Optional[Tuple[str, Callable[[], Dict[str, np.ndarray]]]], Callable[[], Dict[str, Any]]]:
     """Collective, in the calling thread: every check and the plan of a ``save_slices``, and this rank's part.
 
-    The ranks all-gather the description of their pieces and plan with
-    ``plan_slices``, so a malformed piece on any rank, or a layout the plan
-    refuses, raises the same CheckpointError on every rank before anything
-    is written. The synchronous ``save_slices`` and
-    ``AsyncCheckpointer.save_slices`` both start here.
-
-    Args:
-        path: the checkpoint directory (for messages).
-        pieces: as ``save_slices`` takes them.
-        pg: the group (this rank a member).
-        extra: what goes into the index as ``extra``.
-        copy: ``state()`` copies the numpy arrays this rank writes
-            (C-contiguous); False keeps them as given. Cupy arrays are
-            always copied to the host.
-
-    Returns:
-        ``(my_file, index)``: ``(slice file name, state())`` where
-        ``state()`` copies to host memory and returns this rank's file as
-        key -> array, or None when this rank writes no box; and a function
-        returning the index (for rank 0 once every file is written).
-
-    Raises:
-        CheckpointError: on every rank alike, as ``save_slices`` describes.
+    Any refusal raises the same CheckpointError on every rank before anything is written; the synchronous and
+    the background save both start here. Returns ``(my_file, index)``: ``(slice file name, state())``, where
+    ``state()`` copies this rank's boxes to host memory (numpy ones only if ``copy``), or None when this rank
+    writes nothing; and a function returning the index.
     """
     mine: List[Tuple[str, str, Box, Any]] = []
     problem: Optional[str] = None
@@ -295,24 +239,15 @@ def save_slices(path: "str | os.PathLike[str]", pieces: Mapping[str, Any], group
 
     Args:
         path: the checkpoint directory; replaced atomically if it exists.
-        pieces: global name -> ``(Box, array)`` or ``(global_shape, offset,
-            array)`` for the piece this rank holds, or a list of them for
-            several disjoint boxes of the name (FSDP's flat shards, see
-            ``flat_range_boxes``; an empty list: none). Numpy arrays; cupy
-            arrays are copied to the host. Ranks may hold equal boxes
-            (replicas: written once) and different names (pipeline stages).
+        pieces: global name -> ``(Box, array)`` or ``(global_shape, offset, array)`` for the piece this rank
+            holds, or a list of them for several disjoint boxes (FSDP's flat shards, see ``flat_range_boxes``).
+            Ranks may hold equal boxes (replicas: written once) and different names (pipeline stages).
         group: the ranks that take part (None: the default group).
-        extra: shared plain state (step, rng states, ...), as ``save`` takes
-            it; group rank 0's goes into the index.
+        extra: shared plain state (step, rng states, ...); group rank 0's goes into the index.
 
     Raises:
-        CheckpointError: on every rank, with the same message, when a piece
-            is malformed on any rank, the ranks disagree on a name's global
-            shape or dtype, a rank gives a box twice or more than
-            ``MAX_PIECES_PER_FILE`` pieces of a name, boxes overlap or leave
-            a hole (all before anything is written); or when any rank fails
-            to write (the previous checkpoint at ``path`` is then left as it
-            was).
+        CheckpointError: on every rank, with the same message, when the pieces or the layout are refused (before
+            anything is written), or any rank fails to write (the previous checkpoint is then left as it was).
         NotAMemberError: this rank is not in ``group``.
     """
     path = os.fspath(path)

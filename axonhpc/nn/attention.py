@@ -28,18 +28,10 @@ def merge_heads(t: Any) -> Any:
 
 
 def attention_forward(q: Any, k: Any, v: Any, causal: bool) -> Tuple[Any, Any]:
-    """Scaled dot-product attention of each head on its own, for any number of heads.
+    """Scaled dot-product attention of each head on its own: ``(context, cache)``.
 
-    The core of ``MultiHeadAttention`` without the projections; a
-    tensor-parallel block calls it on the heads it holds.
-
-    Args:
-        q, k, v: (B, H, T, D) per-head queries, keys and values.
-        causal: position t attends only to positions <= t.
-
-    Returns:
-        ``(context, cache)``: context (B, H, T, D), softmax(q k^T / sqrt(D)) v per head, and the
-        activations ``attention_backward`` needs.
+    The core of ``MultiHeadAttention`` without the projections (a tensor-parallel block calls it on its heads).
+    q, k, v and the context are (B, H, T, D); the cache is what ``attention_backward`` needs.
     """
     xp = array_module(q)
     n = q.shape[2]
@@ -85,25 +77,11 @@ def attention_backward(dctx: Any, cache: Any) -> Tuple[Any, Any, Any]:
 class MultiHeadAttention(Module):
     """Scaled dot-product self-attention over ``num_heads`` heads, batch first.
 
-    For x of shape (B, T, E): q, k, v = x W_q^T + b_q, ...; each head h
-    computes softmax(q_h k_h^T / sqrt(E / H)) v_h (with future positions
-    masked out when ``causal``); the heads are concatenated and passed
-    through ``out_proj``. The four projections are ``Linear`` submodules
-    ``q_proj``, ``k_proj``, ``v_proj``, ``out_proj``. PyTorch's
-    ``nn.MultiheadAttention`` packs the first three into ``in_proj_weight``
-    (rows q, then k, then v); splitting that along rows gives these weights.
-
-    Initialisation follows PyTorch: q/k/v weights Glorot-uniform over the
-    packed (3E, E) matrix, i.e. U(-sqrt(6 / 4E), sqrt(6 / 4E)); out_proj
-    weight Linear's default; all biases zero.
-
-    Args:
-        embed_dim: E, the model width.
-        num_heads: H; must divide ``embed_dim``.
-        bias: learn biases in the four projections.
-        causal: position t attends only to positions <= t.
-        dtype: parameter dtype.
-        seed: int, SeedSequence or Generator for the initial values (None: fresh entropy).
+    For x (B, T, E) each head computes softmax(q_h k_h^T / sqrt(E / H)) v_h (future positions masked when
+    ``causal``); the heads are concatenated and passed through ``out_proj``. The projections are ``Linear``
+    submodules ``q_proj``, ``k_proj``, ``v_proj``, ``out_proj``; splitting PyTorch's packed ``in_proj_weight``
+    along rows gives the first three. Initialisation follows PyTorch: q/k/v weights U(-sqrt(6 / 4E),
+    sqrt(6 / 4E)) (Glorot over the packed (3E, E) matrix), out_proj Linear's default, biases zero.
 
     Raises:
         ConfigurationError: ``num_heads`` does not divide ``embed_dim``, or a non-positive size.
@@ -135,11 +113,7 @@ class MultiHeadAttention(Module):
                 proj.bias.data[...] = 0
 
     def forward(self, x: Any) -> Any:
-        """Self-attention over ``x`` of shape (B, T, E); returns (B, T, E).
-
-        Raises:
-            ShapeError: ``x`` is not 3-D with last axis ``embed_dim``.
-        """
+        """Self-attention over ``x`` (B, T, E); returns (B, T, E). ShapeError unless 3-D with last axis E."""
         if x.ndim != 3 or x.shape[-1] != self.embed_dim:
             raise ShapeError(f"MultiHeadAttention(embed_dim={self.embed_dim}) expects input (B, T, "
                              f"{self.embed_dim}), got {tuple(x.shape)}")

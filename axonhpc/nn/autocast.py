@@ -1,41 +1,18 @@
 """Autocast: matrix products in float16 or bfloat16 while the parameters stay float32.
 
 [Note: autocast]
-Inside ``with nn.autocast("float16"):`` (or ``"bfloat16"``, which needs
-ml_dtypes), every matrix product of the ``nn`` layers (``Linear``, the
-attention scores and context, a GPT's tied output weight, the tensor-parallel
-column and row layers) casts its float32
-operands to that dtype, so on a GPU the GEMMs run on the tensor cores at
-half the memory traffic. The rules are PyTorch's autocast rules for these
-layers:
+Inside ``with nn.autocast("float16"):`` every matrix product of the ``nn`` layers casts its float32 operands
+to that dtype, so on a GPU the GEMMs run on the tensor cores at half the memory traffic. PyTorch's rules:
+the parameters stay float32 master weights and no cast is cached (so an optimizer step inside the block is
+seen); float64 parameters are not lowered; products return the low dtype; softmax, ``LayerNorm`` and the
+losses compute in float32, because their sums and exponentials lose too much in 16 bits. ``backward`` does
+what the forward did wherever it is called, since each layer caches its forward's dtypes; gradients come
+back in each input's dtype, as a cast's backward does.
 
-- The parameters are never changed: they stay float32 and are the master
-  weights the optimizer updates; each product casts a fresh copy (no cast is
-  cached, so an optimizer step inside the block is always seen).
-- float64 parameters are not lowered (PyTorch leaves double alone too); the
-  input of a lowered product is, whatever its floating dtype (float64 data
-  into a float32 model included).
-- Products return the low dtype; element-wise layers (ReLU, GELU, Tanh,
-  Dropout) then run in it.
-- Softmax (in attention), ``LayerNorm`` and the losses compute in float32:
-  their sums and exponentials lose too much in 16 bits.
-- ``backward`` does what the forward did, wherever it is called (inside the
-  block or after it): every layer keeps the dtypes of its forward in its
-  cache. Weight and bias gradients are products in the low dtype added into
-  float32 ``p.grad`` (bias sums accumulate in float32), and every layer
-  returns its input gradient in its input's dtype, as a cast's backward does.
-- ``nn.Checkpoint`` recomputes its forward under the autocast state of the
-  original forward.
-
-float16 gradients underflow below about 6e-8: pair float16 with a loss
-scaler (``ax.GradScaler``), passing the scale to the loss's backward so the
-scaling happens in float32, before the rounding to float16
-(``loss_fn.backward(scaler.scale(1.0))``). bfloat16 has float32's exponent
-range and needs no scaler.
-
-The state is per thread, so ranks of the thread backend (one thread each)
-each have their own. numpy has no 16-bit GEMM in its BLAS: on the host,
-autocast is a faithful model of the device arithmetic, not a speed-up.
+float16 gradients underflow below about 6e-8: pair float16 with ``ax.GradScaler``, passing the scale to the
+loss's backward so the scaling happens before the rounding. bfloat16 has float32's range and needs no
+scaler. The state is per thread (so each thread-backend rank has its own). numpy has no 16-bit GEMM: on the
+host, autocast models the device arithmetic faithfully but is no speed-up.
 """
 from __future__ import annotations
 
@@ -81,7 +58,11 @@ class restored_autocast:
 
 
 class autocast(restored_autocast):
-    """Context manager: the ``nn`` layers' matrix products run in ``dtype`` (see the module note).
+    """Context manager: the ``nn`` layers' matrix products run in ``dtype`` (see the module note)::
+
+        with nn.autocast("bfloat16"):
+            loss = loss_fn(model(x), y)
+        model.backward(loss_fn.backward())
 
     Args:
         dtype: "float16" (default) or "bfloat16" (needs ml_dtypes), or the numpy dtype.
@@ -89,12 +70,6 @@ class autocast(restored_autocast):
 
     Raises:
         ConfigurationError: another dtype, or bfloat16 without ml_dtypes.
-
-    Usage::
-
-        with nn.autocast("bfloat16"):
-            loss = loss_fn(model(x), y)
-        model.backward(loss_fn.backward())
     """
 
     def __init__(self, dtype: Any = "float16", enabled: bool = True) -> None:
@@ -107,13 +82,10 @@ class autocast(restored_autocast):
 
 
 def lower(x: Any, dtype: Optional[np.dtype], keep_float64: bool = True) -> Any:
-    """``x`` as an operand of a product computed in ``dtype``: floating arrays cast, others as they are.
+    """``x`` as an operand of a product computed in ``dtype`` (None: no cast): floating arrays cast.
 
-    Args:
-        x: an array.
-        dtype: the compute dtype (``autocast_dtype()`` at the forward), or None for no cast.
-        keep_float64: leave float64 alone (a float64 model is not lowered); False for the input
-            of a product whose weight was lowered.
+    ``keep_float64`` leaves float64 alone (a float64 model is not lowered); False for the input of a product
+    whose weight was lowered.
     """
     if dtype is None or x.dtype == dtype or not is_floating(x.dtype) or (keep_float64 and x.dtype == np.float64):
         return x
@@ -146,29 +118,19 @@ def like(grad: Any, dtype: Any) -> Any:
 def matmul_2d(a: Any, b: Any) -> Any:
     """``a @ b`` for ``a`` (..., k) and a matrix ``b`` (k, n), as one 2-D GEMM when ``a`` is C-contiguous.
 
-    numpy multiplies a stack (B, T, k) by a matrix one (T, k) slice at a time: B small GEMMs, 1.3-3x
-    slower than the one (B*T, k) GEMM here (batch 16 x 64 tokens, and 256 x 4, width 64). A reshape
-    of a C-contiguous array is a view, so nothing is copied. cupy arrays go through ``nn.gemm``
-    (``matmul.product_2d``), which a CUDA graph can hold.
+    numpy multiplies a stack (B, T, k) by a matrix one (T, k) slice at a time: B small GEMMs, 1.3-3x slower
+    than the one (B*T, k) GEMM here (batch 16 x 64 tokens, and 256 x 4, width 64); the reshape is a view. cupy
+    arrays go through ``nn.gemm``, which a CUDA graph can hold.
     """
     return product_2d(a, b)
 
 
 def linear_product(x: Any, weight: Any) -> Tuple[Any, Tuple[Any, Any, Any]]:
-    """``x @ weight.T`` under this thread's autocast state, and what its backward needs.
+    """``(y, saved)``: ``x @ weight.T`` (..., out) under this thread's autocast state, and what its backward needs.
 
-    Args:
-        x: (..., in) input.
-        weight: (out, in) array (a Parameter's ``data``).
-
-    Returns:
-        ``(y, saved)``: y (..., out) in the compute dtype, and the tuple the backward helpers
-        below take. Only a cast weight is saved: the parameter's own array may be
-        resharded (FSDP) before backward, which then reads the parameter again.
-
-    Outside autocast the product runs in the weight's dtype: an input of another dtype
-    (float64 data into a float32 model, integers) is cast to it, as autocast casts what it
-    lowers, and its gradient comes back in the input's dtype (a cast's backward).
+    Only a cast weight is saved: the parameter's own array may be resharded (FSDP) before backward, which then
+    reads the parameter again. Outside autocast the product runs in the weight's dtype: an input of another
+    dtype is cast to it, and its gradient comes back in the input's dtype.
     """
     dtype = autocast_dtype()
     w = lower(weight, dtype)
@@ -186,13 +148,7 @@ def linear_grad_output(grad_out: Any, saved: Tuple[Any, Any, Any]) -> Any:
 
 
 def linear_input_grad(grad_out: Any, saved: Tuple[Any, Any, Any], weight: Any) -> Any:
-    """d loss / d x = ``grad_out @ weight``, in the dtype of ``x``.
-
-    Args:
-        grad_out: d loss / d y from ``linear_grad_output``.
-        saved: ``linear_product``'s tuple.
-        weight: the weight's Parameter.
-    """
+    """d loss / d x = ``grad_out @ weight``, in the dtype of ``x`` (``saved``: ``linear_product``'s tuple)."""
     w, x_dtype = saved[1], saved[2]
     if w is None:
         return like(matmul_2d(grad_out, weight.data), x_dtype)
@@ -200,14 +156,7 @@ def linear_input_grad(grad_out: Any, saved: Tuple[Any, Any, Any], weight: Any) -
 
 
 def linear_param_grads(grad_out: Any, saved: Tuple[Any, Any, Any], weight: Any, bias: Any = None) -> None:
-    """Add d loss / d bias (summed in float32 under autocast) and d loss / d weight into their ``grad``.
-
-    Args:
-        grad_out: d loss / d y from ``linear_grad_output``.
-        saved: ``linear_product``'s tuple.
-        weight: the weight's Parameter.
-        bias: the bias's Parameter, or None.
-    """
+    """Add d loss / d bias (summed in float32 under autocast) and d loss / d weight into their ``grad``."""
     g2 = grad_out.reshape(-1, grad_out.shape[-1])
     # Bias before weight: hooks fire in reverse registration order.
     if bias is not None:
@@ -220,14 +169,7 @@ def linear_backward(grad_out: Any, saved: Tuple[Any, Any, Any], weight: Any, bia
                     input_grad: bool = True) -> Any:
     """The whole backward of ``linear_product`` (plus a bias): parameter gradients, then d loss / d x.
 
-    Args:
-        grad_out: d loss / d y, in any dtype (taken to the product's).
-        saved: ``linear_product``'s tuple.
-        weight, bias: the Parameters (bias None without one).
-        input_grad: False skips the product for d loss / d x.
-
-    Returns:
-        d loss / d x in the dtype of ``x``; None with ``input_grad=False``.
+    ``grad_out`` may be in any dtype. Returns d loss / d x in the dtype of ``x``, or None with ``input_grad=False``.
     """
     grad_out = linear_grad_output(grad_out, saved)
     linear_param_grads(grad_out, saved, weight, bias)

@@ -1,18 +1,12 @@
 """Activation checkpointing: keep a module's input, recompute its activations in backward.
 
 [Note: bit-identical recomputation]
-``Checkpoint.forward`` runs the inner module and then drops every cached
-activation inside it, keeping only the input and the state of the generator of
-each ``Dropout`` inside (taken before the forward). ``backward`` restores
-those states, runs the same forward again on the same input, which draws
-the same masks and does the same arithmetic, so the recomputed activations
-and hence the gradients are bit for bit those of an unwrapped module; then
-it puts back the generators as they were before the backward, so the
-recomputation consumes no randomness, and runs the inner backward. The
-recomputation runs under the autocast state of the first forward (see
-``nn.autocast``), wherever backward is called.
-Memory between forward and backward drops to the input; the price is a
-second forward.
+``Checkpoint.forward`` keeps only the input and the generator state of each ``Dropout`` inside (taken before
+the forward). ``backward`` restores those states and reruns the forward, which draws the same masks and does
+the same arithmetic, so the gradients are bit for bit those of an unwrapped module; it then puts the
+generators back, so the recomputation consumes no randomness. It runs under the first forward's autocast
+state, wherever backward is called. Memory between forward and backward drops to the input, for the price
+of a second forward.
 """
 from __future__ import annotations
 
@@ -39,29 +33,17 @@ def _nbytes(obj: Any, seen: set) -> int:
 def cached_nbytes(module: Module) -> int:
     """Bytes of the arrays held in the forward caches of ``module`` and its submodules.
 
-    Each array object is counted once, even when several caches hold it
-    (views are counted at their own size).
-
-    Args:
-        module: any Module, after a forward and before its backward.
-
-    Returns:
-        The sum of ``nbytes`` over the cached arrays.
+    Each array object is counted once, even when several caches hold it (views at their own size).
     """
     seen: set = set()
     return sum(_nbytes(m.__dict__.get("_cache"), seen) for m in module.modules())
 
 
 class Checkpoint(Module):
-    """Wrap ``module`` so its activations are recomputed in backward instead of kept.
+    """Wrap ``module`` (whose forward takes one input) so its activations are recomputed in backward.
 
-    Parameters stay those of ``module`` (registered as the submodule
-    ``module``, so their names gain a ``module.`` prefix). Gradients are
-    bit-identical to the unwrapped module's, Dropout included (see the note
-    at the top of this file).
-
-    Args:
-        module: the Module to checkpoint; its forward takes one input.
+    Its parameters are registered under the submodule ``module``, so their names gain a ``module.`` prefix.
+    Gradients are bit-identical to the unwrapped module's, Dropout included (see the module note).
     """
 
     def __init__(self, module: Module) -> None:
@@ -81,10 +63,7 @@ class Checkpoint(Module):
         return out
 
     def backward(self, grad_out: Any, input_grad: bool = True) -> Any:
-        """Recompute the inner forward with the saved generators, then backpropagate through it.
-
-        ``input_grad=False`` is passed on to the inner module (see ``Module.backward``).
-        """
+        """Recompute the inner forward with the saved generators, then backpropagate (``input_grad`` passed on)."""
         x, states, autocast_state = self._pop_cache()
         dropouts = self._dropouts()
         current = [d.rng_state() for d in dropouts]
@@ -100,14 +79,7 @@ class Checkpoint(Module):
 
 
 def checkpoint(module: Module) -> Checkpoint:
-    """Wrap ``module`` in a ``Checkpoint`` (activations recomputed in backward).
-
-    Args:
-        module: the Module to checkpoint.
-
-    Returns:
-        The wrapper; use it in place of ``module``.
-    """
+    """Wrap ``module`` in a ``Checkpoint``; use the result in its place."""
     return Checkpoint(module)
 
 

@@ -13,30 +13,18 @@ from .module import Module
 
 
 class Dropout(Module):
-    """Zero each element with probability ``p`` in training, scaling the rest by 1/(1-p).
+    """Zero each element with probability ``p`` in training, scaling the rest by 1/(1-p); the identity in eval.
 
-    The identity in eval mode. Masks come from this layer's own numpy
-    Generator (drawn on the host, then moved to the input's device), so a
-    given seed produces the same sequence of masks on numpy and cupy. The
-    layer cannot know its rank: to give each data-parallel rank its own
-    masks, pass ``seed=base_seed + rank`` (or call ``manual_seed``), or key
-    the masks by sample (``key_by_sample``).
+    Masks come from this layer's own numpy Generator (drawn on the host, then moved to the input's device), so a
+    seed gives the same masks on numpy and cupy. The layer cannot know its rank: give data-parallel ranks their
+    own masks with ``seed=base_seed + rank`` (or ``manual_seed``), or key the masks by sample.
 
     [Note: masks keyed by sample]
-    After ``key_by_sample(step, first_row)``, row i of the inputs that follow
-    (counting on from ``first_row`` over the calls, in order) gets the mask
-    of a generator made from (this layer's key, ``step``, ``first_row + i``),
-    so a sample's mask depends only on the step and its place in the global
-    batch: not on how the batch is split into replicas or micro-batches, nor
-    on which rank draws it. That makes a data-, tensor- and pipeline-parallel
-    run draw exactly the masks of one process that keys its one layer the
-    same way, and a run resumed at step s draws the masks of step s. The
-    layer's key is drawn once from its seeded generator, on the first call.
-
-    Args:
-        p: drop probability in [0, 1].
-        seed: int, SeedSequence or Generator; the default 0 makes runs
-            reproducible.
+    After ``key_by_sample(step, first_row)``, row i of the following inputs gets the mask of a generator made
+    from (this layer's key, ``step``, ``first_row + i``), so a sample's mask depends only on the step and its
+    place in the global batch, not on how the batch is split or which rank draws it. A data-, tensor- and
+    pipeline-parallel run then draws exactly the masks of one process keyed the same way, and a run resumed at
+    step s draws those of step s.
 
     Raises:
         ConfigurationError: ``p`` outside [0, 1].
@@ -61,11 +49,8 @@ class Dropout(Module):
     def key_by_sample(self, step: int, first_row: int = 0) -> None:
         """Draw the masks of the next inputs by sample: row i from (key, ``step``, ``first_row + i``).
 
-        See the class note. Call it before each step's first forward, with
-        the global index of this rank's first sample of the step.
-
-        Raises:
-            ConfigurationError: a negative or non-integer ``step`` or ``first_row``.
+        Call it before each step's first forward with the global index of this rank's first sample. Raises
+        ConfigurationError for a negative or non-integer ``step`` or ``first_row``.
         """
         for name, value in (("step", step), ("first_row", first_row)):
             if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0:

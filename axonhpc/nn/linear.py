@@ -19,24 +19,14 @@ ACTIVATIONS = {"relu": lambda: ReLU(), "gelu": lambda: GELU(), "gelu_tanh": lamb
 class Linear(Module):
     """Affine map over the last axis: ``x @ weight.T + bias``.
 
-    Weights have PyTorch's layout (``weight`` is (out_features, in_features)),
-    so state dicts move between the two unchanged, and PyTorch's default
-    initialisation: kaiming-uniform with a=sqrt(5), which is
-    U(-1/sqrt(in_features), 1/sqrt(in_features)), for the weight and the bias.
+    PyTorch's layout (``weight`` is (out_features, in_features)), so state dicts move between the two unchanged,
+    and PyTorch's default initialisation: U(-1/sqrt(in_features), 1/sqrt(in_features)) for weight and bias.
 
     Args:
-        in_features: size of the input's last axis.
-        out_features: size of the output's last axis.
-        bias: learn an additive bias.
-        dtype: parameter dtype.
-        seed: int, numpy SeedSequence or Generator for the initial values;
-            None draws fresh entropy (ranks then differ until a data-parallel
-            wrapper broadcasts rank 0's parameters).
-        activation: None, or "relu", "gelu" or "gelu_tanh": the activation
-            applied to the output (``self.activation``, an ``nn.ReLU`` or
-            ``nn.GELU``). The result is ``Sequential(Linear, activation)``'s
-            bit for bit; on cupy float32/float64 the bias is added in the
-            activation's kernel, one pass over the output fewer.
+        seed: int, SeedSequence or Generator for the initial values; None draws fresh entropy (ranks then
+            differ until a data-parallel wrapper broadcasts rank 0's parameters).
+        activation: None, "relu", "gelu" or "gelu_tanh": applied to the output, bit for bit as
+            ``Sequential(Linear, activation)``; on cupy the bias is added in the activation's kernel.
 
     Raises:
         ConfigurationError: a negative size or an unknown activation.
@@ -66,22 +56,14 @@ class Linear(Module):
         self.activation = None if activation is None else ACTIVATIONS[activation]()
 
     def forward(self, x: Any) -> Any:
-        """Apply the map to ``x`` of shape (..., in_features); returns (..., out_features).
-
-        Raises:
-            ShapeError: the last axis of ``x`` is not ``in_features``.
-        """
+        """Apply the map to ``x`` (..., in_features); returns (..., out_features). ShapeError for another last axis."""
         return self.forward_with(x, self.activation)
 
     def forward_with(self, x: Any, activation: Optional[Module]) -> Any:
-        """``activation(self(x))`` for an ``nn.ReLU`` or ``nn.GELU`` (or None): the bias added in the activation's
-        kernel where the kernels run (``Sequential`` calls this for a Linear followed by one of them).
+        """``activation(self(x))`` for an ``nn.ReLU`` or ``nn.GELU`` (or None), the bias added in its kernel.
 
-        The activation keeps what its own ``backward`` needs, so ``activation.backward`` then
-        ``self.backward`` run as after two separate calls.
-
-        Raises:
-            ShapeError: the last axis of ``x`` is not ``in_features``.
+        ``Sequential`` calls this for a Linear followed by one of them; ``activation.backward`` then
+        ``self.backward`` run as after two separate calls. ShapeError for another last axis.
         """
         if x.ndim == 0 or x.shape[-1] != self.in_features:
             raise ShapeError(f"Linear({self.in_features}, {self.out_features}) got input of shape "
@@ -95,12 +77,10 @@ class Linear(Module):
         return y if activation is None else activation(y)
 
     def backward(self, grad_out: Any, input_grad: bool = True) -> Any:
-        """Gradients for ``x``, ``weight`` and ``bias`` from d loss / d y of shape (..., out_features).
+        """Gradients for ``x``, ``weight`` and ``bias`` from d loss / d y (..., out_features).
 
-        Args:
-            grad_out: d loss / d y (y the activation's output, with an activation).
-            input_grad: False skips the product ``grad_out @ weight`` for d loss / d x
-                (the first layer of a model, whose input is data) and returns None.
+        With an activation, y is its output. ``input_grad=False`` (a first layer, whose input is data) skips
+        ``grad_out @ weight`` and returns None.
         """
         if self.activation is not None:
             grad_out = self.activation.backward(grad_out)

@@ -24,13 +24,9 @@ def _working_dtype(x: Any):
 def _grad_factor(grad_output: Any, numerator: float, count: int, dtype: Any) -> Any:
     """``numerator * grad_output / count``, the factor of a loss gradient.
 
-    A host ``grad_output`` gives a host number. A device one (a one-element cupy array: the
-    loss scale of a graphed step, ``GradScaler.scale(1.0)``) gives a 0-d device array of
-    ``dtype``, computed in float64 as the host computes it and rounded once, so both give
-    the same gradient bit for bit.
-
-    Raises:
-        ShapeError: a device ``grad_output`` of more than one element.
+    A device ``grad_output`` (a one-element cupy array: a graphed step's loss scale) gives a 0-d device array
+    computed in float64 as the host computes it and rounded once, so both give the same gradient bit for bit.
+    ShapeError for a device ``grad_output`` of more than one element.
     """
     if not is_cupy_array(grad_output):
         return numerator * grad_output / count
@@ -43,38 +39,22 @@ def _grad_factor(grad_output: Any, numerator: float, count: int, dtype: Any) -> 
 class CrossEntropyLoss(Module):
     """Mean over the batch of -log softmax(logits)[target].
 
-    ``loss_fn(logits, targets)`` takes logits (N, C) and integer class
-    indices (N,) and returns the loss as a float; ``loss_fn.backward()``
-    returns (softmax(logits) - one_hot(targets)) / N with the logits' dtype.
-    Logits (..., C) with targets (...) (a language model's (B, T, V) and
-    (B, T)) are the mean over every position, and the gradient has the
-    logits' shape.
+    ``loss_fn(logits, targets)`` takes logits (N, C), or (..., C) such as a language model's (B, T, V), and
+    integer class indices of the logits' shape without C, and returns the mean over every position as a float;
+    ``loss_fn.backward()`` returns (softmax(logits) - one_hot(targets)) / N in the logits' dtype and shape.
 
-    The loss keeps the logits themselves (float32 and float64; a float32 copy
-    of 16-bit ones), the row maxima and the log of the row sums until
-    ``backward``, never the log-probabilities: logits changed in place in
-    between change the gradient. On cupy float32/float64 logits the forward
-    is the row maxima and two kernels and the backward one kernel ([Note:
-    the fused cross-entropy] in ``nn.kernels``).
+    It keeps the logits themselves (a float32 copy of 16-bit ones), the row maxima and the log row sums until
+    ``backward``, not the log-probabilities, so logits changed in place in between change the gradient.
     """
 
     takes_arrays = True
 
     def forward(self, logits: Any, targets: Any) -> float:
-        """Compute the loss.
+        """The mean loss as a Python float (inside a graphed step, a 0-d float64 device array).
 
-        Args:
-            logits: floating array (N, C) or (..., C), unnormalised scores.
-            targets: integer array (N,) or (...) of class indices in [0, C), the logits' shape without C.
-
-        Returns:
-            The mean loss as a Python float; inside a graphed step (``axonhpc.graphs``), a 0-d
-            float64 device array, and the targets' range is checked once the step has run.
-
-        Raises:
-            ShapeError: targets not of the logits' shape without the last axis, no position,
-                or a target outside [0, C).
-            UnsupportedDtypeError: non-integer targets.
+        Inside a graphed step the targets' range is checked once the step has run. Raises ShapeError for targets not
+        of the logits' shape without the last axis, no position, or a target outside [0, C); UnsupportedDtypeError
+        for non-integer targets.
         """
         xp = array_module(logits)
         targets = xp.asarray(targets)
@@ -121,8 +101,7 @@ class CrossEntropyLoss(Module):
         return loss
 
     def _host_forward(self, x: Any, targets: Any, dtype: Any, shape: Tuple[int, ...]) -> float:
-        """The loss of host logits ``x`` (N, C; float32 for 16-bit ``dtype``) in one pass a row ([Note: host
-        kernels] in ``nn.kernels``)."""
+        """The loss of host logits ``x`` (N, C) in one pass a row ([Note: host kernels] in ``nn.kernels``)."""
         lo, hi = int(targets.min()), int(targets.max())
         self._check_range(lo, hi, x.shape[1])
         targets = np.ascontiguousarray(targets, dtype=np.int64)
@@ -138,9 +117,8 @@ class CrossEntropyLoss(Module):
     def backward(self, grad_output: Any = 1.0) -> Any:
         """d loss / d logits (the logits' shape), times ``grad_output``.
 
-        Args:
-            grad_output: a number (e.g. 1/M for M accumulated micro-batches, or the loss scale),
-                or a one-element device array (``GradScaler.scale(1.0)`` inside a graphed step).
+        ``grad_output``: a number (1/M for M accumulated micro-batches, or the loss scale), or a one-element device
+        array (``GradScaler.scale(1.0)`` inside a graphed step).
         """
         x, m, ls, targets, dtype, shape = self._pop_cache()
         factor = _grad_factor(grad_output, 1.0, x.shape[0], x.dtype)
@@ -164,17 +142,9 @@ class MSELoss(Module):
     takes_arrays = True
 
     def forward(self, prediction: Any, target: Any) -> float:
-        """Compute the loss.
+        """The mean squared error as a Python float (inside a graphed step, a 0-d device array).
 
-        Args:
-            prediction: floating array.
-            target: array of the same shape.
-
-        Returns:
-            The mean squared error as a Python float (inside a graphed step, a 0-d device array).
-
-        Raises:
-            ShapeError: the shapes differ (no broadcasting, which hides bugs) or are empty.
+        ShapeError if the shapes differ (no broadcasting, which hides bugs) or are empty.
         """
         xp = array_module(prediction)
         target = xp.asarray(target)
@@ -187,11 +157,7 @@ class MSELoss(Module):
         return loss if _capture.defers_reads() and is_cupy_array(loss) else float(loss)
 
     def backward(self, grad_output: Any = 1.0) -> Any:
-        """d loss / d prediction = 2 (prediction - target) / numel, times ``grad_output``.
-
-        Args:
-            grad_output: a number, or a one-element device array (as for ``CrossEntropyLoss.backward``).
-        """
+        """d loss / d prediction = 2 (prediction - target) / numel, times ``grad_output`` (as for cross-entropy)."""
         diff, dtype = self._pop_cache()
         return (diff * _grad_factor(grad_output, 2.0, diff.size, diff.dtype)).astype(dtype, copy=False)
 

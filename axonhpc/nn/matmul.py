@@ -1,31 +1,18 @@
 """How the layers' matrix products run: TF32 on GPUs, and products added straight into gradients.
 
 [Note: TF32]
-cupy picks the cuBLAS compute type of a float32 product from a process-wide
-table (``cupy._core._routines_linalg.set_compute_type``) that it reads at
-every GEMM; unset, it takes TF32 only when the environment says
-``CUPY_TF32=1``. axonhpc's switch is ``ax.settings.allow_tf32`` (off by
-default, as in PyTorch). ``sync_matmul_precision`` copies it into cupy's
-table whenever the settings changed: every ``nn`` module call runs it (one
-integer comparison when nothing changed), so the next forward after
-``ax.settings.allow_tf32 = True`` computes in TF32, and so does every other
-cupy float32 product in the process from then on: the table is global.
-Turning the setting off again restores cupy's default. It is never written
-while the setting is off and was never on, so ``CUPY_TF32=1`` alone keeps
-working. numpy has no TF32 and ignores the setting.
+cupy picks a float32 product's cuBLAS compute type from a process-wide table it reads at every GEMM (TF32
+only with ``CUPY_TF32=1`` when unset). ``sync_matmul_precision`` copies ``ax.settings.allow_tf32`` into that
+table whenever the setting changed; every ``nn`` call runs it (one integer comparison), so the next forward
+follows the setting, and so does every other cupy float32 product in the process: the table is global. Turning
+the setting off restores cupy's default; the table is never written while the setting is off and was never on,
+so ``CUPY_TF32=1`` alone keeps working.
 
 [Note: products into gradients]
-A weight gradient is a product, ``grad += a @ b``. numpy computes ``a @ b``
-into a temporary and adds it: one more pass over the gradient. For cupy
-arrays of a floating dtype ``nn.gemm`` calls ``cublasGemmEx`` with
-``beta=1``, which adds the product into the gradient inside the GEMM, with
-no temporary: what a framework's fused weight-gradient GEMM does. Its
-compute type follows the table above, so TF32 applies there too.
-
-[Note: the layers' 2-D products]
-``product_2d`` is how the layers multiply: on cupy arrays through
-``nn.gemm`` (cuBLAS called directly, so a CUDA graph can hold the product;
-see [Note: products in a CUDA graph] there), elsewhere with ``@``.
+A weight gradient is ``grad += a @ b``; numpy computes ``a @ b`` into a temporary and adds it, one more pass
+over the gradient. On cupy ``nn.gemm`` calls ``cublasGemmEx`` with ``beta=1``, adding the product inside the
+GEMM with no temporary, as frameworks' fused weight-gradient GEMMs do. ``product_2d`` likewise goes through
+``nn.gemm`` on cupy, so a CUDA graph can hold the product.
 """
 from __future__ import annotations
 
@@ -58,11 +45,8 @@ def _routines(cupy: Any) -> Any:
 def sync_matmul_precision() -> None:
     """Make cupy's float32 products follow ``settings.allow_tf32`` (see the module note).
 
-    Cheap when nothing changed; does nothing while cupy is not imported.
-
-    Raises:
-        BackendUnavailableError: TF32 asked for, and the installed cupy has no
-            compute-type table to set.
+    Cheap when nothing changed; does nothing while cupy is not imported. BackendUnavailableError if TF32 is asked
+    for and the installed cupy has no compute-type table.
     """
     if _State.revision == settings.revision:
         return
@@ -85,12 +69,9 @@ def sync_matmul_precision() -> None:
 
 
 def apply_matmul_precision() -> None:
-    """Apply ``settings.allow_tf32`` to cupy now (``nn`` modules do it on their next call).
+    """Apply ``settings.allow_tf32`` to cupy now, for code that multiplies cupy matrices before any module call.
 
-    For code that multiplies cupy matrices itself, before any module call.
-
-    Raises:
-        BackendUnavailableError: as ``sync_matmul_precision``.
+    Raises BackendUnavailableError as ``sync_matmul_precision``.
     """
     _State.revision = -1
     sync_matmul_precision()
@@ -105,12 +86,7 @@ def _tf32_in_force(cupy: Any) -> bool:
 
 
 def add_product(out: Any, a: Any, b: Any) -> None:
-    """``out += a @ b`` for 2-D arrays, inside the GEMM where the array library allows it.
-
-    Args:
-        out: the accumulator (a gradient), shape (a.shape[0], b.shape[1]).
-        a, b: the factors, of ``out``'s array library.
-    """
+    """``out += a @ b`` for 2-D arrays, inside the GEMM where the array library allows it."""
     cupy = gemm.module_of(out)
     if cupy is not None and gemm.handles(a, b, cupy) and gemm.writes_into(out, a):
         gemm.gemm(a, b, cupy, out=out, beta=1.0, tf32=_tf32_in_force(cupy))
@@ -121,10 +97,9 @@ def add_product(out: Any, a: Any, b: Any) -> None:
 def product_2d(a: Any, b: Any, dtype: Any = None) -> Any:
     """``a @ b`` for ``a`` (..., k) and a matrix ``b`` (k, n): through ``nn.gemm`` on cupy arrays it takes.
 
-    An ``a`` of more dimensions is multiplied as the 2-D (rows, k) view of it when C-contiguous.
-    Anything ``nn.gemm`` does not take (integer arrays, strided views) goes to ``@``. ``dtype``
-    (2-D only): the result's, written by the GEMM itself where it can (float32 from 16-bit factors),
-    so the product is what ``add_product`` adds into a zero gradient.
+    A C-contiguous ``a`` of more dimensions is multiplied as its 2-D view; what ``nn.gemm`` does not take goes to
+    ``@``. ``dtype`` (2-D only) is the result's, written by the GEMM itself where it can (float32 from 16-bit
+    factors), so the product is what ``add_product`` adds into a zero gradient.
     """
     cupy = gemm.module_of(a)
     if cupy is not None and b.ndim == 2 and a.ndim >= 2:

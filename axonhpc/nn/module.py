@@ -1,30 +1,20 @@
 """Module: the base of every layer, with registration, state dicts and explicit backward.
 
 [Note: explicit backward and cached activations]
-There is no autograd tape. ``forward`` stores what ``backward`` needs in the
-module's ``_cache`` and ``backward(grad_out)`` consumes it: it returns the
-gradient with respect to the input, adds the parameter gradients into
-``p.grad`` and drops the cache (a second backward needs a second forward, as
-in PyTorch without ``retain_graph``). One cache slot per module means that
-schedules running several forwards before their backwards (pipeline
-micro-batches) must save and restore the caches in between, which is what
-``stash_activations`` and ``restore_activations`` are for.
+There is no autograd tape: ``forward`` stores what ``backward`` needs in the module's ``_cache``, and
+``backward(grad_out)`` returns d loss / d input, adds into ``p.grad`` and drops the cache (as PyTorch without
+``retain_graph``). One cache slot per module means that schedules running several forwards before their
+backwards (pipeline micro-batches) must ``stash_activations`` and ``restore_activations`` in between.
 
 [Note: input_grad=False]
-The input of a model's first layer is usually data, whose gradient nobody
-reads; computing it costs ``Linear`` a matrix product as large as its
-forward (PyTorch skips it because the input does not require grad). A
-backward may therefore take ``input_grad=False``: it fills ``p.grad`` as
-usual and need not compute (and may return None for) d loss / d input.
-Containers pass the flag on to the layer that sees their input, through
-``call_backward``, which gives it only to a backward whose signature has
-an ``input_grad`` parameter: a layer written without one still runs, and
-computes its input gradient as before. Inner layers always get their
-input gradient, since the layer before them needs it.
+The input of a model's first layer is usually data, whose gradient nobody reads; computing it costs
+``Linear`` a matrix product as large as its forward (PyTorch skips it because the input does not require
+grad). So a backward may take ``input_grad=False`` and return None. Containers pass the flag to the layer
+that sees their input through ``call_backward``, only where the backward's signature has the parameter, so
+layers written without it still run.
 
-Parameters, submodules and buffers are registered by attribute assignment, in
-order; ``parameters()`` and ``state_dict()`` follow that order, which is also
-the order a DDP bucket plan reverses.
+Registration order (attribute assignment) is the order of ``parameters()`` and ``state_dict()``, and the order
+a DDP bucket plan reverses.
 """
 from __future__ import annotations
 
@@ -47,18 +37,10 @@ def _takes_input_grad(backward: Callable[..., Any]) -> bool:
 
 
 def call_backward(backward: Callable[..., Any], grad_out: Any, input_grad: bool = True) -> Any:
-    """``backward(grad_out)``, with ``input_grad=False`` passed where the backward takes it.
+    """``backward(grad_out)``, with ``input_grad=False`` passed where the backward takes it (see the module note).
 
-    Containers and wrappers call their inner module's backward through this, so
-    a model's first layer can skip d loss / d input (see the module note).
-
-    Args:
-        backward: a module's ``backward`` (bound method, or a function a wrapper installed).
-        grad_out: d loss / d output.
-        input_grad: False when no one reads d loss / d input.
-
-    Returns:
-        What ``backward`` returned: d loss / d input, or possibly None with ``input_grad=False``.
+    Containers and wrappers call their inner module's backward through this. The result may be None with
+    ``input_grad=False``.
     """
     if not input_grad and _takes_input_grad(backward):
         return backward(grad_out, input_grad=False)
@@ -167,18 +149,10 @@ class Module:
         object.__delattr__(self, name)
 
     def register_buffer(self, name: str, array: Any, persistent: bool = True) -> None:
-        """Register a non-trainable array (running statistics, masks).
+        """Register a non-trainable array (running statistics, masks), or None to reserve the name.
 
-        Buffers are listed by ``buffers()``, moved by ``to()``, broadcast by
-        data-parallel wrappers, and (when persistent) saved in ``state_dict()``.
-
-        Args:
-            name: attribute name.
-            array: numpy or cupy array, or None to reserve the name.
-            persistent: include the buffer in ``state_dict()``.
-
-        Raises:
-            KeyError: ``name`` is already a parameter or submodule.
+        Buffers are moved by ``to()``, broadcast by data-parallel wrappers, and (when ``persistent``) saved in
+        ``state_dict()``. Raises KeyError if ``name`` is already a parameter or submodule.
         """
         params, modules, buffers = self._registries()
         if not isinstance(name, str) or not name or "." in name:
@@ -225,14 +199,8 @@ class Module:
     def named_parameters(self, prefix: str = "", recurse: bool = True) -> List[Tuple[str, Parameter]]:
         """Parameters as (dotted name, Parameter) in registration order, e.g. "0.weight".
 
-        A Parameter reachable under several names is listed once, under the first.
-
-        Args:
-            prefix: prepended to every name (with a dot).
-            recurse: include submodules' parameters.
-
-        Returns:
-            A list (not a generator, so it can be walked twice).
+        A Parameter reachable under several names is listed once, under the first. Returns a list (not a
+        generator), so it can be walked twice.
         """
         modules = self.named_modules(prefix) if recurse else [(prefix, self)]
         out: List[Tuple[str, Parameter]] = []
@@ -245,14 +213,7 @@ class Module:
         return out
 
     def parameters(self, recurse: bool = True) -> List[Parameter]:
-        """Parameters in registration order (each shared Parameter once).
-
-        Args:
-            recurse: include submodules' parameters.
-
-        Returns:
-            A list of Parameters.
-        """
+        """Parameters in registration order (each shared Parameter once)."""
         return [p for _, p in self.named_parameters(recurse=recurse)]
 
     def named_buffers(self, prefix: str = "", recurse: bool = True) -> List[Tuple[str, Any]]:
@@ -272,11 +233,9 @@ class Module:
     # ------------------------------------------------------------------ state
 
     def state_dict(self) -> "OrderedDict[str, Any]":
-        """Copies of all parameters and persistent buffers, by dotted name.
+        """Copies of all parameters and persistent buffers, by dotted name, in registration order.
 
-        Returns:
-            An OrderedDict name -> array (a copy, so later training does not change it),
-            parameters of each module before its buffers, in registration order.
+        Each module's parameters come before its buffers; the arrays are copies, so later training does not change them.
         """
         out: "OrderedDict[str, Any]" = OrderedDict()
         for key, (module, name, kind) in self._state_targets().items():
@@ -286,14 +245,9 @@ class Module:
         return out
 
     def named_state(self) -> "OrderedDict[str, Tuple[str, Any]]":
-        """What each ``state_dict()`` entry is read from, under the same names and in the same order.
+        """What each ``state_dict()`` entry is read from: name -> ``("param", Parameter)`` or ``("buffer", array)``.
 
-        Nothing is copied: a wrapper that keeps the values elsewhere (FSDP's
-        shards) builds its own state dict from it.
-
-        Returns:
-            An OrderedDict name -> ``("param", Parameter)`` or ``("buffer", array)``,
-            the persistent buffers only, as in ``state_dict()``.
+        Nothing is copied: a wrapper that keeps the values elsewhere (FSDP's shards) builds its own state dict from it.
         """
         out: "OrderedDict[str, Tuple[str, Any]]" = OrderedDict()
         for key, (module, name, kind) in self._state_targets().items():
@@ -316,23 +270,12 @@ class Module:
         return out
 
     def load_state_dict(self, state_dict: Dict[str, Any], strict: bool = True) -> IncompatibleKeys:
-        """Copy values into the parameters and buffers, in place.
+        """Copy values into the parameters and buffers, in place; returns IncompatibleKeys.
 
-        Parameters keep their arrays (values are written into ``p.data``), so
-        views other code holds stay valid; values are cast to each array's
-        dtype and moved to its device.
-
-        Args:
-            state_dict: name -> array, as returned by ``state_dict()``.
-            strict: require exactly the keys of ``state_dict()``.
-
-        Returns:
-            IncompatibleKeys(missing_keys, unexpected_keys).
-
-        Raises:
-            StateDictError: before anything is copied, if a shape differs, or
-                if ``strict`` and keys are missing or unexpected; the message
-                lists every problem.
+        Values are written into ``p.data`` (so views other code holds stay valid), cast to each array's dtype and
+        moved to its device. With ``strict`` the keys must be exactly those of ``state_dict()``. Raises
+        StateDictError, before anything is copied, listing every shape mismatch and (with ``strict``) every missing
+        or unexpected key.
         """
         targets = self._state_targets()
         missing = [k for k in targets if k not in state_dict]
@@ -370,50 +313,29 @@ class Module:
     # ------------------------------------------------------------------ modes and gradients
 
     def train(self, mode: bool = True) -> "Module":
-        """Set training mode (Dropout active) on this module and all submodules.
-
-        Returns:
-            self.
-        """
+        """Set training mode (Dropout active) on this module and all submodules; returns self."""
         for m in self.modules():
             object.__setattr__(m, "training", bool(mode))
         return self
 
     def eval(self) -> "Module":
-        """Set evaluation mode (Dropout is the identity); same as ``train(False)``.
-
-        Returns:
-            self.
-        """
+        """Set evaluation mode (Dropout is the identity), as ``train(False)``; returns self."""
         return self.train(False)
 
     def zero_grad(self, set_to_none: bool = False) -> None:
         """Reset every parameter's gradient.
 
-        Args:
-            set_to_none: drop the gradient arrays instead of zeroing them in
-                place. The default keeps them, so gradient views a
-                data-parallel wrapper installed stay valid.
+        The default zeroes in place, so gradient views a data-parallel wrapper installed stay valid;
+        ``set_to_none`` drops the arrays instead.
         """
         for p in self.parameters():
             p.zero_grad(set_to_none)
 
     def to(self, device: Optional[str] = None, dtype: Any = None) -> "Module":
-        """Move parameters, gradients and buffers to a device and/or floating dtype.
+        """Move parameters, gradients and buffers to ``device`` ("cpu", "cuda" or None) and/or floating ``dtype``.
 
-        This rebinds ``p.data``, so do it before handing parameters to an
-        optimizer or a parallel wrapper.
-
-        Args:
-            device: "cpu" (numpy), "cuda" (cupy), or None to stay.
-            dtype: new dtype for floating arrays, or None to keep theirs.
-
-        Returns:
-            self.
-
-        Raises:
-            ValueError: an unknown device name.
-            BackendUnavailableError: "cuda" without an importable cupy.
+        This rebinds ``p.data``, so do it before handing parameters to an optimizer or a parallel wrapper; returns
+        self. Raises ValueError for an unknown device, BackendUnavailableError for "cuda" without cupy.
         """
         if device not in (None, "cpu", "cuda"):
             raise InvalidArgumentError(f"device must be 'cpu', 'cuda' or None, got {device!r}")
@@ -457,21 +379,10 @@ class Module:
     def backward(self, grad_out: Any) -> Any:
         """Backpropagate through the last ``forward``; subclasses implement it.
 
-        Adds d loss / d parameter into each ``p.grad`` (running its grad
-        hooks) and drops the cached activations.
-
-        A layer whose input gradient costs work may also take
-        ``input_grad: bool = True``; False means no one reads d loss / d input,
-        so it may skip computing it and return None (see the module note).
-
-        Args:
-            grad_out: d loss / d output, shaped like the output of the last ``forward``.
-
-        Returns:
-            d loss / d input (None for integer inputs such as Embedding indices).
-
-        Raises:
-            BackwardBeforeForwardError: no forward since the last backward.
+        Adds d loss / d parameter into each ``p.grad`` (running its grad hooks), drops the cached activations and
+        returns d loss / d input (None for integer inputs such as Embedding indices). A layer may also take
+        ``input_grad: bool = True`` and skip the input gradient when False (see the module note). Raises
+        BackwardBeforeForwardError if no forward ran since the last backward.
         """
         raise NotImplementedError(f"{type(self).__name__} does not implement backward")
 
@@ -490,14 +401,10 @@ class Module:
         object.__setattr__(self, "_cache", cache)
 
     def stash_activations(self) -> List[Any]:
-        """Take the cached forward activations of this module and its submodules.
+        """Take the cached forward activations of this module and its submodules, as an opaque list.
 
-        Lets several forwards run before their backwards (pipeline
-        micro-batches): stash after each forward, ``restore_activations``
-        before the matching backward.
-
-        Returns:
-            An opaque list to pass to ``restore_activations``.
+        Lets several forwards run before their backwards (pipeline micro-batches): stash after each forward,
+        ``restore_activations`` before the matching backward.
         """
         saved = []
         for m in self.modules():
@@ -506,11 +413,7 @@ class Module:
         return saved
 
     def restore_activations(self, saved: List[Any]) -> None:
-        """Put back activations taken by ``stash_activations`` (replacing current ones).
-
-        Raises:
-            ShapeError: ``saved`` came from a module with another structure.
-        """
+        """Put back activations taken by ``stash_activations``; ShapeError if from another structure."""
         modules = self.modules()
         if len(saved) != len(modules):
             raise ShapeError(
@@ -539,11 +442,9 @@ class Module:
 
 
 def require_module(obj: Any, who: str) -> "Module":
-    """``obj`` when it is an ``nn.Module``.
+    """``obj`` when it is an ``nn.Module``, else ArgumentTypeError naming its type.
 
-    Raises:
-        ArgumentTypeError: anything else, naming its type (a wrapper given an array reached
-            ``named_parameters`` and failed with an AttributeError).
+    (A wrapper given an array used to fail with an AttributeError in ``named_parameters``.)
     """
     if not isinstance(obj, Module):
         raise ArgumentTypeError(f"{who} wraps an axonhpc.nn.Module, got {type(obj).__module__}.{type(obj).__name__}")

@@ -1,20 +1,14 @@
 """Parameter: an array the optimizer updates, its gradient, and grad-ready hooks.
 
 [Note: gradients are written in place]
-A data-parallel wrapper may replace ``p.grad`` with a view into a flat
-communication bucket before backward, and other code (optimizers, sharded
-wrappers) may hold views of ``p.data``. So a gradient that arrives while
-``p.grad`` exists is added into that very array (``p.grad[...] += g``), and
+A data-parallel wrapper may make ``p.grad`` a view into a flat communication bucket, and other code may hold
+views of ``p.data``. So a gradient is added into the existing ``p.grad`` (``p.grad[...] += g``), and
 ``zero_grad()`` fills it with zeros rather than dropping it, unless asked to.
-Only when ``p.grad`` is None does a new array get allocated.
 
 [Note: grad-ready hooks]
-Each layer calls ``accumulate_grad`` once per backward for each of its
-parameters, right after it computed that gradient, in reverse registration
-order. Hooks run at that moment, so across a whole model they fire in reverse
-layer order while backward is still running: a DDP wrapper can start reducing
-a bucket as soon as its last gradient is ready. A parameter shared by two
-layers (weight tying) receives one call, and fires its hooks once, per use.
+Each layer calls ``accumulate_grad`` right after computing a gradient, in reverse registration order, so
+hooks fire in reverse layer order while backward is still running: DDP can start reducing a bucket as soon as
+its last gradient is ready. A shared Parameter (weight tying) fires its hooks once per use.
 """
 from __future__ import annotations
 
@@ -43,13 +37,10 @@ class RemovableHandle:
 class Parameter:
     """A trainable array with an accumulated gradient.
 
-    Args:
-        data: the numpy or cupy array; kept as is (not copied).
-
     Attributes:
-        data: the values. Optimizers update it in place and never rebind it.
-        grad: the accumulated gradient, same shape and dtype as ``data``, or
-            None before the first backward (and after ``zero_grad(set_to_none=True)``).
+        data: the values (the array given, not copied). Optimizers update it in place and never rebind it.
+        grad: the accumulated gradient, like ``data``, or None before the first backward (and after
+            ``zero_grad(set_to_none=True)``).
     """
 
     def __init__(self, data: Any) -> None:
@@ -80,30 +71,16 @@ class Parameter:
         return self.data.ndim
 
     def register_grad_hook(self, fn: GradHook) -> RemovableHandle:
-        """Call ``fn(param)`` during backward each time this gradient becomes final.
-
-        Args:
-            fn: called with this Parameter after its ``grad`` holds the newly
-                accumulated gradient; its return value is ignored.
-
-        Returns:
-            A handle whose ``remove()`` unregisters ``fn``.
-        """
+        """Call ``fn(param)`` during backward each time this gradient becomes final; returns a removable handle."""
         if not callable(fn):
             raise ArgumentTypeError(f"grad hook must be callable, got {type(fn).__name__}")
         self._grad_hooks.append(fn)
         return RemovableHandle(self._grad_hooks, fn)
 
     def accumulate_grad(self, g: Any) -> None:
-        """Add ``g`` into ``grad`` (in place when it exists) and run the grad hooks.
+        """Add ``g`` (cast to ``data``'s dtype) into ``grad`` and run the grad hooks; layers call it from ``backward``.
 
-        Layers call this from ``backward``; users rarely need it.
-
-        Args:
-            g: gradient with the shape of ``data``; cast to ``data``'s dtype.
-
-        Raises:
-            ShapeError: ``g`` does not have the parameter's shape.
+        Raises ShapeError if ``g`` does not have the parameter's shape.
         """
         if tuple(g.shape) != tuple(self.data.shape):
             raise ShapeError(f"gradient of shape {tuple(g.shape)} for a parameter of shape {tuple(self.data.shape)}")
@@ -117,16 +94,9 @@ class Parameter:
     def accumulate_product(self, a: Any, b: Any) -> None:
         """Add the matrix product ``a @ b`` into ``grad`` and run the grad hooks.
 
-        What ``accumulate_grad(a @ b)`` does, with fewer passes over memory:
-        a first gradient is the product itself (no copy), and a product added
-        into an existing float32/float64 cupy gradient is accumulated inside
-        the GEMM (``beta=1``, no temporary; see ``nn.matmul``).
-
-        Args:
-            a, b: 2-D arrays with ``(a.shape[0], b.shape[1])`` the parameter's shape.
-
-        Raises:
-            ShapeError: the product does not have the parameter's shape.
+        ``accumulate_grad(a @ b)`` with fewer passes over memory: a first gradient is the product itself, and a
+        product added into a float32/float64 cupy gradient is accumulated inside the GEMM (``beta=1``). ShapeError
+        if the product does not have the parameter's shape.
         """
         shape = (a.shape[0], b.shape[1]) if a.ndim == 2 and b.ndim == 2 and a.shape[1] == b.shape[0] else None
         if shape != tuple(self.data.shape):
@@ -144,12 +114,7 @@ class Parameter:
             hook(self)
 
     def zero_grad(self, set_to_none: bool = False) -> None:
-        """Reset the gradient.
-
-        Args:
-            set_to_none: drop ``grad`` (the next backward allocates a new array)
-                instead of filling the existing array with zeros in place.
-        """
+        """Reset the gradient: fill it with zeros in place, or with ``set_to_none`` drop it."""
         if set_to_none:
             self.grad = None
         elif self.grad is not None:

@@ -1,17 +1,13 @@
 """A pre-LayerNorm transformer block and a GPT-style language model, with explicit backward.
 
 [Note: residual backward]
-A residual ``y = x + f(x)`` has d loss / d x = g + f.backward(g): the
-gradient flows both around and through the branch. ``TransformerBlock``
-does this twice (attention, then MLP), backward in reverse order, so
-parameter hooks fire in reverse registration order as everywhere in ``nn``.
+A residual ``y = x + f(x)`` has d loss / d x = g + f.backward(g): the gradient flows both around and through
+the branch. The block does this for the MLP first, then attention, so parameter hooks fire in reverse
+registration order as everywhere in ``nn``.
 
 [Note: tied output head]
-With ``tie_weights`` the output head is the token embedding's weight
-transposed (logits = h @ W_emb^T), as in GPT-2. That one Parameter then
-receives two gradient contributions per backward, one from the head and
-one from the lookup, each through ``accumulate_grad`` (so its hooks fire
-once per use, as the Parameter note describes).
+With ``tie_weights`` the head is the token embedding's weight transposed, as in GPT-2; that Parameter then
+receives two ``accumulate_grad`` calls per backward (head and lookup), so its hooks fire once per use.
 """
 from __future__ import annotations
 
@@ -37,22 +33,16 @@ _EMBED_STD = 0.02
 
 
 class TransformerBlock(Module):
-    """Pre-LayerNorm transformer block: x + drop(attn(ln1(x))), then h + mlp(ln2(h)).
+    """Pre-LayerNorm transformer block: x + drop(attn(ln1(x))), then h + mlp(ln2(h)), on (B, T, width).
 
-    ``mlp`` is ``Sequential(Linear(width, mlp_ratio * width), GELU(),
-    Linear(mlp_ratio * width, width), Dropout(dropout))``; ``attn`` is a
-    ``MultiHeadAttention`` whose output passes through ``attn_dropout``.
-    Input and output are (B, T, width).
+    ``mlp`` is ``Sequential(Linear(width, mlp_ratio * width), GELU(), Linear(mlp_ratio * width, width),
+    Dropout(dropout))``.
 
     Args:
-        width: model width E.
         heads: attention heads; must divide ``width``.
-        mlp_ratio: hidden width of the MLP as a multiple of ``width``.
         dropout: drop probability after the attention and after the MLP.
         causal: position t attends only to positions <= t.
-        dtype: parameter dtype.
-        seed: int, SeedSequence or Generator for the initial values and the
-            dropout masks (None: fresh entropy).
+        seed: int, SeedSequence or Generator for the initial values and the dropout masks (None: fresh entropy).
 
     Raises:
         ConfigurationError: a non-positive size, ``heads`` not dividing ``width``, or dropout outside [0, 1].
@@ -96,52 +86,29 @@ class TransformerBlock(Module):
 class GPT(Module):
     """A GPT-style decoder: token + position embeddings, causal blocks, final LayerNorm, output head.
 
-    ``forward(tokens)`` takes integer tokens (B, T) with T <= ``context`` and
-    returns logits (B, T, vocab_size); position t's logits predict token
-    t + 1 and depend only on tokens 0..t. ``backward(grad_logits)`` fills
-    every parameter's gradient and returns None (the input is integer).
-
-    Submodules: ``tok_emb`` (Embedding(vocab_size, width)), ``pos_emb``
-    (Embedding(context, width)), ``drop`` (Dropout on the summed embeddings),
-    ``blocks`` (``layers`` ``TransformerBlock``, named "0", "1", ...), ``ln_f``
-    (LayerNorm) and ``head`` (Linear(width, vocab_size, bias=False)), which
-    is absent when ``tie_weights``: the head is then ``tok_emb.weight``
-    transposed. Both embeddings start as N(0, 0.02^2), as in GPT-2.
+    ``forward(tokens)`` maps integer tokens (B, T), T <= ``context``, to logits (B, T, vocab_size); position t's
+    logits depend only on tokens 0..t. ``backward(grad_logits)`` fills the gradients and returns None.
+    Submodules: ``tok_emb``, ``pos_emb`` (both N(0, 0.02^2), as GPT-2), ``drop``, ``blocks`` ("0", "1", ...),
+    ``ln_f`` and ``head`` (absent with ``tie_weights``).
 
     [Note: a part of the model]
-    ``block_range``, ``with_embedding`` and ``with_head`` build a contiguous
-    part of the same model, as a pipeline stage holds it: blocks
-    ``[start, stop)`` (still named by their index in the whole model, so
-    parameter names and initial values are those of the whole model's), with
-    the embeddings only on the part that takes tokens and ``ln_f`` and the
-    head only on the part that gives logits. A part without the embedding
-    takes and gives back activations (B, T, width) in forward and backward;
-    a part without the head returns activations. ``make_block(index, seed)``
-    replaces ``TransformerBlock`` (a tensor-parallel block built from the
-    same seed, say); every seed is derived from ``seed`` the same way whatever
-    the part, so the parts of one seed together are the whole model.
+    ``block_range``, ``with_embedding`` and ``with_head`` build a contiguous part of the same model, as a pipeline
+    stage holds it. Blocks keep their whole-model index as name, and every seed is derived the same way whatever
+    the part, so parameter names and initial values are the whole model's and the parts of one seed together are
+    the whole model. A part without the embedding takes activations (B, T, width); without the head it returns
+    them. ``make_block(index, seed) -> Module`` replaces ``TransformerBlock`` (say, a tensor-parallel block).
 
     Args:
-        vocab_size: number of token values.
         context: the longest sequence (rows of the position embedding).
-        width: model width.
-        heads: attention heads per block.
         layers: number of blocks of the whole model.
         dropout: drop probability on the embeddings and inside every block.
         tie_weights: share the token embedding with the output head.
-        mlp_ratio: MLP hidden width as a multiple of ``width``.
-        dtype: parameter dtype.
         seed: int, SeedSequence or Generator for the initial values and dropout masks.
         block_range: ``(start, stop)``, the blocks this part holds (None: all).
-        with_embedding: this part holds the embeddings and takes tokens.
-        with_head: this part holds ``ln_f`` and the head and returns logits.
-        make_block: ``make_block(index, seed) -> Module`` builds block ``index``
-            (None: ``TransformerBlock(width, heads, mlp_ratio, dropout, causal=True, dtype, seed)``).
 
     Raises:
-        ConfigurationError: a non-positive size, a ``block_range`` outside ``[0, layers]``,
-            or ``tie_weights`` on a part without both the embedding and the head (and the
-            blocks' own checks).
+        ConfigurationError: a non-positive size, a ``block_range`` outside ``[0, layers]``, or ``tie_weights``
+            on a part without both the embedding and the head (and the blocks' own checks).
     """
 
     takes_arrays = True
@@ -195,10 +162,8 @@ class GPT(Module):
     def forward(self, x: Any) -> Any:
         """Logits (B, T, vocab_size) for integer tokens (B, T); a part's own input and output otherwise.
 
-        Raises:
-            ShapeError: tokens not 2-D, or T is 0 or longer than ``context``;
-                activations not (B, T, width) on a part without the embedding.
-            UnsupportedDtypeError: non-integer tokens.
+        Raises ShapeError for tokens not 2-D, T of 0 or longer than ``context`` (or activations not (B, T, width)
+        on a part without the embedding), UnsupportedDtypeError for non-integer tokens.
         """
         if self.with_embedding:
             h = self._embed(x)
@@ -227,11 +192,7 @@ class GPT(Module):
         return self.drop(self.tok_emb(tokens) + self.pos_emb(positions))
 
     def backward(self, grad_out: Any) -> Any:
-        """Fill the parameter gradients from d loss / d output; returns None, or d loss / d input of a part.
-
-        ``grad_out`` is d loss / d logits (B, T, vocab_size), or d loss / d
-        activations on a part without the head.
-        """
+        """Fill the parameter gradients from d loss / d output; returns None, or d loss / d input of a part."""
         dh = grad_out
         if self.with_head:
             if self.tie_weights:

@@ -10,11 +10,7 @@ from ..errors import InvalidArgumentError
 
 
 def checked_norm_type(norm_type: Any) -> float:
-    """``norm_type`` as a float, refused unless positive (``float("inf")`` is the largest absolute value).
-
-    Raises:
-        InvalidArgumentError: ``norm_type`` is not positive (a ``ValueError``).
-    """
+    """``norm_type`` as a float, or InvalidArgumentError (a ``ValueError``) unless positive (``inf`` allowed)."""
     norm_type = float(norm_type)
     if not norm_type > 0:
         raise InvalidArgumentError(f"clip_grad_norm norm_type must be positive, got {norm_type}")
@@ -32,23 +28,12 @@ def scale_to_norm(grads: Iterable[Any], total: float, max_norm: float) -> None:
 def clip_grad_norm(params: Union[Any, Iterable[Any]], max_norm: float, norm_type: float = 2.0) -> float:
     """Scale gradients in place so that their joint norm is at most ``max_norm``.
 
-    The norm is taken over all gradients together, as if concatenated; they
-    are multiplied by min(1, max_norm / (total_norm + 1e-6)). Parameters
-    without a gradient are skipped.
+    The norm is over all gradients together, as if concatenated; they are multiplied by ``min(1, max_norm /
+    (total_norm + 1e-6))``, and parameters without a gradient are skipped. ``norm_type`` is p (``inf`` for the
+    largest absolute value); ValueError unless positive.
 
-    Args:
-        params: a Parameter or an iterable of Parameters.
-        max_norm: largest allowed norm.
-        norm_type: p of the p-norm; ``float("inf")`` for the largest absolute value.
-
-    Returns:
-        The total norm before clipping, as a float (0.0 if no parameter has a gradient).
-        Inside a graphed step (``axonhpc.graphs``) on device arrays, a 0-d float64 device
-        array: the scale is then computed on the device and every gradient is multiplied
-        by it (by 1.0 where there is nothing to clip, which changes no value).
-
-    Raises:
-        ValueError: norm_type is not positive.
+    Returns the total norm before clipping (0.0 without gradients). Inside a graphed step on device arrays it is
+    a 0-d float64 device array, and the scale is computed on the device (1.0 where nothing is clipped).
     """
     if hasattr(params, "data") and hasattr(params, "grad"):
         params = [params]
@@ -72,13 +57,10 @@ def clip_grad_norm(params: Union[Any, Iterable[Any]], max_norm: float, norm_type
 
 
 def scale_on_device(grads: Iterable[Any], total: Any, max_norm: float) -> Any:
-    """``scale_to_norm`` without reading ``total`` (a 0-d device array): the same numbers, computed on the device.
+    """``scale_to_norm`` without reading ``total`` (a 0-d device array); returns ``total`` as float64.
 
-    The coefficient is computed in float64 as the host computes it, then rounded to each
-    gradient's dtype as a Python float is; where it is 1 the multiplication changes nothing.
-
-    Returns:
-        ``total`` as a 0-d float64 device array.
+    The coefficient is computed in float64 as the host computes it, then rounded to each gradient's dtype, so
+    the numbers are the same.
     """
     xp = array_module(total)
     total = total.astype("float64")

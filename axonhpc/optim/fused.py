@@ -1,53 +1,26 @@
 """Fused optimizer updates: one kernel for the parameters instead of one per operation, on a GPU and on the host.
 
 [Note: fused updates]
-On numpy the update of ``Adam`` or ``SGD`` is a dozen array operations, each a
-pass over the parameter's memory. On cupy each of them is also a kernel
-launch: Adam reads and writes 31 arrays' worth of memory a parameter, where
-one kernel that reads the gradient, the parameter and the two moments and
-writes back three needs 7. Here each update is one cupy ``ElementwiseKernel``
-that is the array code bit for bit (see [Note: exact fused kernels] in
-``axonhpc._kernels``); the tests check it against the strict stand-in and on
-a GPU.
-
-The choice is made for each parameter at each step (``fuses``: a type and
-dtype test, no device work): cupy arrays of float32 or float64 with a
-gradient of the same kind take the kernel (numpy arrays of float32 or
-float64 too, C-contiguous: [Note: host updates]). Those that are also C-contiguous
-(``joins``) are updated together: one multi-tensor launch (see [Note:
-multi-tensor kernels] in ``axonhpc._kernels``) for all the parameters of one
-dtype whose update has the same scalars (Adam's step count, SGD's first
-momentum step), instead of a launch a parameter; the body is the same, so
-the result is too, bit for bit. 16-bit floats (no half-precision kernel is
-written: mixed precision keeps float32 master weights), optimizers built with
-``fused=False``, and those built with ``fused=None`` while
-``settings.fused_kernels`` is off keep the array code.
+On cupy each array operation of an update is a kernel launch and a pass over memory: Adam reads and writes 31
+arrays' worth per parameter, where one kernel reading gradient, parameter and moments and writing three needs
+7. Each update here is one ``ElementwiseKernel`` that is the array code bit for bit (see [Note: exact fused
+kernels] in ``axonhpc._kernels``). cupy (and C-contiguous numpy) float32/float64 parameters take it, decided
+per parameter and step by a type test (``fuses``); C-contiguous ones of one dtype and equal scalars share one
+multi-tensor launch (``joins``), with the same result. 16-bit floats (mixed precision keeps float32 master
+weights) and ``fused=False`` keep the array code.
 
 [Note: host updates]
-On numpy the kernels are the compiled ``axonhpc._ext._updates``: ``adam_many``
-and ``sgd_many`` check every array first, then update all the parameters of a
-dtype in one call without the GIL, each element read and written once (Adam's
-array code makes a dozen passes and four temporaries a parameter). The C is
-the array code's operations in its order, with the scalars rounded as numpy
-rounds them and no fused multiply-add, so the result is the array code's bit
-for bit. They need C-contiguous parameters, gradients and state (``fuses``
-and ``joins`` check it); others keep the array code, or with ``fused=True``
-are refused.
+On numpy the kernels are the compiled ``_ext._updates``: all the parameters of a dtype in one call without
+the GIL, each element read and written once (Adam's array code makes a dozen passes and four temporaries).
+The C performs the array code's operations in its order, with numpy's scalar rounding and no fused
+multiply-add, so the result is the array code's bit for bit.
 
 [Note: updates in a CUDA graph]
-Inside a step being captured (``axonhpc.graphs``) every parameter is updated
-by the multi-tensor kernel with its scalars in device memory
-(``captured_launch``; [Note: scalars in device memory] in
-``axonhpc._kernels``); the optimizer registers, for each launch, the host
-code that runs before every replay: it advances the step counts, computes
-the scalars from the current hyperparameters (so a learning-rate schedule
-keeps working) exactly as an eager step does, and writes them with one
-launch. The values are the eager step's, so a replayed step is the eager
-step bit for bit. What a graph cannot replay is refused at the capture
-(``captured_groups``): a parameter the kernel does not take, or state that
-an eager step would still create (the moments, the momentum buffer). A
-hyperparameter change that would select another kernel (weight decay turned
-on, momentum turned off) is refused at the replay (``check_variant``).
+Inside a captured step every parameter is updated by the multi-tensor kernel with its scalars in device
+memory; before every replay the optimizer advances the step counts and recomputes the scalars from the
+current hyperparameters (so a learning-rate schedule keeps working), so a replay is the eager step bit for
+bit. What a graph cannot replay is refused at capture (a parameter the kernel does not take, state an eager
+step would still create), and a hyperparameter change that selects another kernel at replay.
 """
 from __future__ import annotations
 
@@ -78,20 +51,15 @@ def _refusal(data: Any) -> Optional[str]:
 
 
 def _all_contiguous(arrays: Sequence[Any]) -> bool:
-    """Whether ``arrays`` (None entries skipped) are all C-contiguous: the host kernels and the
-    multi-tensor launches need it."""
+    """Whether ``arrays`` (None skipped) are all C-contiguous, as host kernels and multi-tensor launches need."""
     return all(a is None or a.flags.c_contiguous for a in arrays)
 
 
 def check_fused(fused: Optional[bool], params: Any, owner: str) -> Optional[bool]:
-    """Validate an optimizer's ``fused`` argument against its parameters (at construction).
+    """Validate an optimizer's ``fused`` argument against its parameters (at construction); returns it.
 
-    Returns:
-        ``fused`` as None, True or False.
-
-    Raises:
-        ConfigurationError: ``fused`` is not None or a bool, or ``fused=True`` with a
-            parameter the kernels do not serve (named with its index and shape).
+    Raises ConfigurationError for a ``fused`` not None or a bool, or ``fused=True`` with a parameter the kernels
+    do not serve (named with its index and shape).
     """
     if fused is not None and not isinstance(fused, (bool, np.bool_)):
         raise ConfigurationError(f"{owner} fused must be None, True or False, got {fused!r}")
@@ -105,12 +73,10 @@ def check_fused(fused: Optional[bool], params: Any, owner: str) -> Optional[bool
 
 
 def fuses(fused: Optional[bool], data: Any, grad: Any, *state: Any) -> bool:
-    """Whether this step updates ``data`` from ``grad`` (and its ``state`` arrays) with the fused kernel (see the
-    module note).
+    """Whether this step updates ``data`` from ``grad`` (and ``state``) with the fused kernel (see the module note).
 
-    Raises:
-        ConfigurationError: ``fused=True`` and ``data`` or ``grad`` is (now) an array the kernel
-            does not serve.
+    Raises ConfigurationError if ``fused=True`` and ``data`` or ``grad`` is (now) an array the kernel does not
+    serve.
     """
     if fused is False or (fused is None and not settings.fused_kernels):
         return False
@@ -190,10 +156,7 @@ def adam(xp: Any, data: Any, grad: Any, exp_avg: Any, exp_avg_sq: Any, *, lr: fl
 def adam_many(xp: Any, tables: _kernels.TensorTables, datas: Sequence[Any], grads: Sequence[Any],
               exp_avgs: Sequence[Any], exp_avg_sqs: Sequence[Any], *, lr: float, beta1: float, beta2: float,
               eps: float, weight_decay: float, decoupled: bool, step: int) -> None:
-    """``adam`` for many parameters of one dtype and step count, one launch for all (see the module note).
-
-    ``tables`` keeps the device address tables between steps (the optimizer's).
-    """
+    """``adam`` for many parameters of one dtype and step count, one launch for all (``tables``: the optimizer's)."""
     variant = adam_variant(weight_decay, decoupled)
     lists = (grads, datas, exp_avgs, exp_avg_sqs)
     scalars = adam_scalars(datas[0].dtype.type, lr, beta1, beta2, eps, weight_decay, step)
@@ -231,14 +194,8 @@ def captured_groups(fused: Optional[bool], pending: Sequence[Tuple[Any, Dict[str
                     key: Callable[[Dict[str, Any]], Any]) -> Dict[Tuple[Any, Any], List[Tuple[Any, Dict[str, Any]]]]:
     """The ``(parameter, state)`` pairs of a captured step by ``(dtype, key(state))``.
 
-    See [Note: updates in a CUDA graph].
-
-    Args:
-        state_arrays: the state arrays the update reads and writes.
-        has_state: whether the state an eager step would create exists.
-
-    Raises:
-        GraphCaptureError: a parameter the multi-tensor kernel does not take, or without state.
+    Raises GraphCaptureError for a parameter the multi-tensor kernel does not take, or one without the state
+    (``has_state``) an eager step would create.
     """
     groups: Dict[Tuple[Any, Any], List[Tuple[Any, Dict[str, Any]]]] = {}
     for index, (p, state) in enumerate(pending):
@@ -258,10 +215,9 @@ def captured_groups(fused: Optional[bool], pending: Sequence[Tuple[Any, Dict[str
 
 def captured_launch(xp: Any, tables: _kernels.TensorTables, name: str, variant: tuple, build: Any,
                     lists: Sequence[Sequence[Any]], count: int) -> Any:
-    """Capture the multi-tensor update of ``lists`` (``grad`` the only array input), its ``count`` scalars on the device.
+    """Capture the multi-tensor update of ``lists``; returns the device array of its ``count`` scalars.
 
-    Returns:
-        The device array of the scalars, to be written (``_kernels.fill``) before each replay.
+    The scalars are written (``_kernels.fill``) before each replay.
     """
     # written before each launch, outside the graph: not from the graph's pool (see [Note: capturing a step])
     scalars = _capture.host_written(xp, count, lists[0][0].dtype)
@@ -270,11 +226,7 @@ def captured_launch(xp: Any, tables: _kernels.TensorTables, name: str, variant: 
 
 
 def check_variant(owner: str, captured: tuple, now: tuple, hyperparameters: Dict[str, Any]) -> None:
-    """Refuse a replay whose hyperparameters select another kernel than the captured one.
-
-    Raises:
-        GraphCaptureError: naming the hyperparameters now.
-    """
+    """Refuse (GraphCaptureError) a replay whose hyperparameters select another kernel than the captured one."""
     if captured != now:
         raise GraphCaptureError(f"{owner}: the hyperparameters now ({hyperparameters}) select another update kernel "
                                 "than the one captured in the graph (weight decay, momentum, dampening or nesterov "
@@ -288,11 +240,10 @@ def _unscale_source() -> _kernels.Source:
 
 
 def unscale_many(xp: Any, tables: _kernels.TensorTables, grads: Sequence[Any], inverse: float, found: Any) -> None:
-    """``grad *= inverse`` for many gradients of one dtype (C-contiguous), one launch for all; sets ``found[0]``
-    (``found``: an int32 device array) to 1 if an element is then inf or NaN.
+    """``grad *= inverse`` for many C-contiguous gradients of one dtype, one launch; ``found[0] = 1`` on inf/NaN.
 
-    The product is the array code's (``grad *= dtype(inverse)``) bit for bit. A loss scaler's unscale
-    (``GradScaler.unscale``), as PyTorch's ``_amp_foreach_non_finite_check_and_unscale_``.
+    Bit for bit the array code's product; PyTorch's ``_amp_foreach_non_finite_check_and_unscale_``, for
+    ``GradScaler.unscale``.
     """
     scalars = (grads[0].dtype.type(inverse), np.uint64(found.data.ptr))
     _many(xp, tables, "unscale", (), _unscale_source, (grads,), scalars)

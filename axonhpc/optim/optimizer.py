@@ -1,16 +1,12 @@
 """Optimizer base: the parameter list, per-parameter state, and state dicts.
 
 [Note: in-place updates]
-Optimizers change ``p.data`` in place and never rebind it: a sharded or
-bucketed wrapper may hold views of the parameter arrays. State arrays
-(momentum, Adam moments) are allocated with the parameter's array module, so
-the update runs on the device the parameter lives on.
+Optimizers change ``p.data`` in place and never rebind it, because a sharded or bucketed wrapper may hold
+views of the parameter arrays. State arrays use the parameter's array module, so updates run on its device.
 
 [Note: state dict format]
-``state_dict()`` returns plain data that a checkpoint can store without
-pickle: ``{"hyperparameters": {name: number | bool | list}, "state": [one
-dict per parameter, in parameter order, of "step": int and arrays]}``.
-Arrays are copies.
+``state_dict()`` is plain data a checkpoint stores without pickle: ``{"hyperparameters": {name: number |
+bool | list}, "state": [one dict per parameter, in order, of "step": int and array copies]}``.
 """
 from __future__ import annotations
 
@@ -43,13 +39,8 @@ def _plain(value: Any) -> Any:
 class Optimizer:
     """Base class: holds ``params``, per-parameter ``state`` and hyperparameters.
 
-    Subclasses pass their hyperparameters to ``__init__`` (they become
-    attributes, so ``opt.lr = 0.1`` changes the learning rate) and implement
-    ``_update(param, grad, state)``.
-
-    Args:
-        params: iterable of Parameters (each once).
-        **hyperparameters: name -> value.
+    Subclasses pass their hyperparameters to ``__init__`` (they become attributes, so ``opt.lr = 0.1`` changes
+    the learning rate) and implement ``_update(param, grad, state)``.
 
     Raises:
         ConfigurationError: an empty parameter list or a Parameter given twice.
@@ -83,11 +74,7 @@ class Optimizer:
         return {name: getattr(self, name) for name in self._hyperparameter_names}
 
     def zero_grad(self, set_to_none: bool = False) -> None:
-        """Reset the gradients of ``params``.
-
-        Args:
-            set_to_none: drop the gradient arrays instead of zeroing them in place.
-        """
+        """Reset the gradients of ``params`` (``set_to_none`` drops the arrays instead of zeroing them)."""
         for p in self.params:
             _zero(p, set_to_none)
 
@@ -99,21 +86,14 @@ class Optimizer:
                 self._update(p, p.grad, state)
 
     def _update_together(self, pending: List[Tuple[Any, Dict[str, Any]]]) -> List[Tuple[Any, Dict[str, Any]]]:
-        """Update at once the ``(parameter, state)`` pairs a subclass can (one kernel across them); return the rest.
-
-        The default updates none together: each goes through ``_update``.
-        """
+        """Update at once the pairs a subclass can (one kernel across them); return the rest (default: all)."""
         return pending
 
     def _update(self, param: Any, grad: Any, state: Dict[str, Any]) -> None:
         raise NotImplementedError(f"{type(self).__name__} does not implement _update")
 
     def state_dict(self) -> Dict[str, Any]:
-        """Hyperparameters and per-parameter state as plain data (see the module note).
-
-        Returns:
-            ``{"hyperparameters": {...}, "state": [dict per parameter]}`` with copied arrays.
-        """
+        """Hyperparameters and per-parameter state as plain data with copied arrays (see the module note)."""
         state = []
         for entry in self.state:
             state.append({k: (v.copy() if hasattr(v, "shape") else _plain(v)) for k, v in entry.items()})
@@ -122,9 +102,8 @@ class Optimizer:
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Restore hyperparameters and state saved by ``state_dict()``; arrays are copied in.
 
-        Raises:
-            StateDictError: before anything changes, if the hyperparameter names,
-                the number of parameters or an array's shape differ.
+        Raises StateDictError, before anything changes, if the hyperparameter names, the number of parameters or
+        an array's shape differ.
         """
         problems = []
         if set(state_dict) != {"hyperparameters", "state"}:

@@ -1,51 +1,24 @@
 """A GPT over a dp x tp x pp mesh: tensor-parallel blocks, pipeline stages, data-parallel replicas.
 
 [Note: the layout]
-``ParallelGPT`` builds, on every rank of ``world.mesh(dp=D, tp=T, pp=P)``, the
-part of one ``nn.GPT`` that rank holds:
+pp: the blocks are split into P contiguous stages (``stage_blocks``), embeddings on the first and the head on
+the last; with ``stages_per_rank`` v > 1 rank r holds stages r, r + P, .... tp: every block is a
+``TensorParallelBlock``; the embeddings, LayerNorms and head are replicated on the tp ranks, whose inputs and
+output gradients are identical there, so their gradients are too and nothing reduces them. dp: with P = 1 the
+part is wrapped in DDP (or FSDP) over ``mesh.dp``; with P > 1 the ``Pipeline`` averages its stages' gradients
+over ``mesh.dp`` after the step (FSDP inside pipeline stages is refused).
 
-- **pp**: the blocks are split into P contiguous stages (``stage_blocks``),
-  the embeddings on stage 0, ``ln_f`` and the head on the last stage (each
-  stage is an ``nn.GPT`` part, see the note there). The stages of one
-  replica form a ``Pipeline`` over ``mesh.pp`` with the chosen schedule and
-  micro-batches; with ``stages_per_rank`` v > 1 (interleaved 1F1B) there
-  are P * v stages and rank r holds stages r, r + P, ...
-- **tp**: every block is a ``TensorParallelBlock`` over ``mesh.tp``: the
-  attention heads and the MLP's hidden features are split (column- then
-  row-parallel layers, one all-reduce in forward and one in backward for
-  each). The embeddings, LayerNorms and head are replicated on the tp ranks:
-  their inputs and output gradients are identical there, so their gradients
-  are too, and nothing reduces them.
-- **dp**: D replicas, each on its own equal share of the global batch. With
-  P = 1 the part is wrapped in ``DDP`` (or ``FSDP`` with ``fsdp=True``, one
-  unit per block) over ``mesh.dp``; with P > 1 the ``Pipeline`` averages
-  its stages' gradients over ``mesh.dp`` after the step (``dp_group``).
-  FSDP inside pipeline stages is refused.
+Every part is built with the same seed derivation as the whole ``nn.GPT``, so the union of every rank's
+parameters is exactly ``nn.GPT(seed=seed)`` and parameter names are the whole model's on every rank.
 
-Every part is built from the same seed with the same derivation as the
-whole ``nn.GPT`` (its children seeds by block index; a tensor-parallel layer
-draws the full weight and keeps its slice), so with one seed the union of
-every rank's parameters is exactly ``nn.GPT(seed=seed)``, and parameter
-names are the whole model's ("blocks.3.attn.q_proj.weight") on every rank.
-``parameter_boxes`` says where each local array lies in the whole model's
-array of that name, which is what a layout-independent checkpoint needs.
-
-Dropout (``dropout`` > 0) draws its masks by sample (``Dropout.key_by_sample``):
-before each step, every Dropout is keyed with ``step`` (the steps taken)
-and the global index of this replica's first sample, so a sample's mask
-depends only on the step and its place in the global batch. Tensor-parallel
-ranks of a replica draw the same masks for the same replicated activations,
-replicas draw their own samples' masks, and the parity holds with dropout
-too, against one ``nn.GPT`` keyed the same way. A run resumed at step s
-sets ``step = s`` and draws what the uninterrupted run draws.
+Dropout masks are keyed by ``step`` and each sample's global index (``Dropout.key_by_sample``), so tp ranks
+draw the same masks for replicated activations, parity with one ``nn.GPT`` holds with dropout too, and a run
+resumed at step s (``step = s``) draws what the uninterrupted run draws.
 
 [Note: the loss of a step]
-``train_step`` takes this dp rank's share of the global batch and returns
-the mean loss over the global batch on every rank. Each replica's gradient
-is that of its share's mean loss (the micro-batch losses scaled by 1 / M),
-and the dp average of those is the gradient of the global mean, because the
-shares are equal in size. So every layout computes the same loss and
-gradients as one process up to the order of floating-point sums.
+Each replica's gradient is that of its share's mean loss (micro-batch losses scaled by 1 / M), and the dp
+average of those is the gradient of the global mean because the shares are equal in size. So every layout
+computes the same loss and gradients as one process, up to the order of floating-point sums.
 """
 from __future__ import annotations
 
@@ -74,20 +47,9 @@ from .tensor.partition import same_geometry
 class TensorParallelBlock(TransformerBlock):
     """``nn.TransformerBlock`` with its attention heads and MLP hidden features split over a tensor-parallel group.
 
-    ``attn`` is a ``TensorParallelAttention``; ``mlp`` is ``Sequential(
-    ColumnParallelLinear(width, mlp_ratio * width), GELU(), RowParallelLinear(
-    mlp_ratio * width, width), Dropout)``; the LayerNorms and dropouts are as in
-    ``TransformerBlock``, whose forward and backward it runs. Parameter names
-    and initial values are those of ``TransformerBlock(width, heads,
-    mlp_ratio, dropout, causal, dtype, seed)`` (each rank holding its slice),
-    so the same seed gives the same function. Input and output are full
-    (B, T, width) and identical on every rank of the group.
-
-    Args:
-        width, heads, mlp_ratio, dropout, causal, dtype: as ``TransformerBlock``.
-        group: the tensor-parallel group; its size divides ``heads`` and ``mlp_ratio * width``.
-        seed: int, SeedSequence or Generator, the same on every rank of the group (not None:
-            the replicated LayerNorm and dropout need one seed everywhere).
+    Parameter names and initial values are those of ``TransformerBlock(width, heads, mlp_ratio, dropout, causal,
+    dtype, seed)`` (each rank holding its slice), so the same seed gives the same function. ``seed`` may not be
+    None: the replicated LayerNorm and dropout need one seed everywhere.
 
     Raises:
         ConfigurationError: a size the group does not divide, a non-positive size, or seed None.
@@ -128,17 +90,9 @@ class TensorParallelBlock(TransformerBlock):
 
 
 def stage_blocks(layers: int, num_stages: int) -> List[Tuple[int, int]]:
-    """The blocks ``[start, stop)`` of each of ``num_stages`` pipeline stages, as even as can be.
+    """The blocks ``[start, stop)`` of each of ``num_stages`` pipeline stages, contiguous, as even as can be.
 
-    Args:
-        layers: blocks of the whole model.
-        num_stages: pipeline stages.
-
-    Returns:
-        One ``(start, stop)`` per stage, contiguous and covering ``[0, layers)``; sizes differ by at most one.
-
-    Raises:
-        ConfigurationError: ``num_stages`` < 1, or fewer blocks than stages.
+    Raises ConfigurationError for ``num_stages`` < 1 or fewer blocks than stages.
     """
     if num_stages < 1 or layers < num_stages:
         raise ConfigurationError(f"a GPT of {layers} blocks cannot be split into {num_stages} pipeline stages of at "
@@ -152,19 +106,9 @@ def gpt_part(vocab_size: int, context: int, width: int, heads: int, layers: int,
              checkpoint_blocks: bool = False) -> GPT:
     """Stage ``stage`` of ``num_stages`` of ``nn.GPT(..., seed=seed)``, its blocks tensor-parallel over ``tp_group``.
 
-    Args:
-        vocab_size, context, width, heads, layers, dropout, tie_weights, mlp_ratio, dtype, seed:
-            as ``nn.GPT`` (the whole model's).
-        stage: which stage (``stage_blocks(layers, num_stages)[stage]``).
-        num_stages: stages of the whole model.
-        tp_group: the tensor-parallel group of the blocks (None or size 1: plain ``TransformerBlock``).
-        checkpoint_blocks: wrap every block in ``nn.checkpoint`` (activations recomputed in backward).
-
-    Returns:
-        The ``nn.GPT`` part; its parameter names are the whole model's (see ``parameter_boxes``).
-
-    Raises:
-        ConfigurationError: as ``stage_blocks`` and ``nn.GPT``; seed None.
+    The model arguments are the whole model's; parameter names are too (see ``parameter_boxes``).
+    ``checkpoint_blocks`` wraps every block in ``nn.checkpoint``. ConfigurationError as ``stage_blocks`` and
+    ``nn.GPT``, or for seed None.
     """
     if seed is None:
         raise ConfigurationError("a parallel GPT needs a seed, the same on every rank, so that its parts make one model")
@@ -193,26 +137,20 @@ class ParallelGPT:
         mesh: ``world.mesh(dp=D, tp=T, pp=P)``.
         vocab_size, context, width, heads, layers, dropout, tie_weights, mlp_ratio, dtype, seed:
             the whole model, as ``nn.GPT`` (seed required, the same on every rank).
-        fsdp: shard the replicas' parameters, gradients and optimizer state over ``mesh.dp``
-            (FSDP, one unit per block); only with P = 1.
-        num_microbatches: micro-batches M per step (the pipeline's; with P = 1, gradient
-            accumulation over M pieces of the batch).
-        schedule: the pipeline schedule (a ``PipelineSchedule`` or its name).
+        fsdp: shard the replicas over ``mesh.dp`` (FSDP, one unit per block); only with P = 1.
+        num_microbatches: micro-batches M per step (with P = 1, gradient accumulation over M pieces).
         stages_per_rank: model chunks per pipeline rank (v > 1 needs the interleaved schedule).
-        checkpoint_activations: recompute every block's activations in backward (``nn.checkpoint``).
-        device: "cuda" moves the parts to this rank's GPU (``Module.to``) before they are wrapped;
-            None or "cpu" keeps them in host memory.
+        device: "cuda" moves the parts to this rank's GPU before they are wrapped.
 
     Attributes:
         module: this rank's stage (an ``nn.GPT`` part), or with v > 1 its first chunk.
         parts: this rank's stages, in stage order.
         stage_indices: their indices among the P * v stages.
-        step: the training steps taken; dropout masks are keyed by it, so a run
-            resumed at step s sets ``step = s`` (see the module notes).
+        step: the training steps taken; dropout masks are keyed by it, so a resumed run sets ``step = s``.
 
     Raises:
-        ConfigurationError: seed None, a size the mesh does not divide, too few blocks for
-            the stages, ``fsdp`` with P > 1 (and the wrappers' own checks).
+        ConfigurationError: seed None, a size the mesh does not divide, too few blocks for the stages,
+            ``fsdp`` with P > 1 (and the wrappers' own checks).
     """
 
     def __init__(self, mesh: Any, vocab_size: int, context: int, width: int, heads: int, layers: int, *,
@@ -277,17 +215,10 @@ class ParallelGPT:
                         ) -> Dict[str, Tuple[Any, ...]]:
         """Where the values this rank's optimizer updates lie in the whole model (for ``save_model_slices``).
 
-        Returns:
-            Whole-model name -> ``(global shape, offset, Parameter)``: the
-            Parameter is the block of the global array at ``offset``. With
-            ``fsdp=True`` the values are FSDP's flat shards, and a name maps
-            to ``(global shape, offset, shard, (local shape, start, stop,
-            at))``: elements ``[start, stop)`` of the C-order flattening of
-            the block of ``local shape`` at ``offset`` are
-            ``shard.data[at:at + stop - start]``; a name this rank's shards
-            hold nothing of is left out. ``shard_rank`` and ``shards`` (FSDP
-            only) describe instead dp rank ``shard_rank``'s shards, held in
-            ``shards`` (one flat Parameter per unit): a copy kept elsewhere.
+        Whole-model name -> ``(global shape, offset, Parameter)``; with ``fsdp=True`` ``(global shape, offset,
+        shard, (local shape, start, stop, at))`` for FSDP's flat shards (see ``checkpoint.model_slices``), names
+        this rank holds nothing of left out. ``shard_rank`` and ``shards`` (FSDP only) describe dp rank
+        ``shard_rank``'s shards instead, held in ``shards`` (a copy kept elsewhere).
         """
         if self.fsdp:
             return fsdp_boxes(self.module, self.engine.units, shard_rank, shards)
@@ -325,15 +256,9 @@ class ParallelGPT:
     def train_step(self, x: Any, y: Any) -> float:
         """Forward and backward of this dp rank's share of the global batch; gradients averaged over dp.
 
-        Args:
-            x: int tokens (b, T), this dp rank's share (every tp and pp rank of the replica passes the same).
-            y: next-token targets (b, T).
-
-        Returns:
-            The mean loss over the global batch, on every rank.
-
-        Raises:
-            ShapeError: ``b`` not a multiple of ``num_microbatches``.
+        ``x``: int tokens (b, T), the same on every tp and pp rank of the replica; ``y``: next-token targets.
+        Returns the mean loss over the global batch, on every rank. ShapeError if ``b`` is not a multiple of
+        ``num_microbatches``.
         """
         for part in self.parts:  # the masks of this step's samples (see the module notes)
             key_dropout_by_sample(part, self.step, self.dp.rank * int(x.shape[0]))
@@ -355,25 +280,17 @@ class ParallelGPT:
 
     @property
     def peak_activation_bytes(self) -> int:
-        """The most bytes of forward caches (activations kept for backward) this rank held at once in the last step.
+        """The most bytes of forward caches this rank held at once in the last step.
 
-        With pipeline stages, the stash of every micro-batch in flight (the
-        pipeline's ``peak_activation_bytes``); otherwise one micro-batch's
-        caches after its forward. Parameters and gradients are not counted.
+        With pipeline stages, the stash of every micro-batch in flight; otherwise one micro-batch's caches.
+        Parameters and gradients are not counted.
         """
         if self.pipeline is not None:
             return int(self.pipeline.last_step_stats.get("peak_activation_bytes", 0))
         return self._peak_bytes
 
     def loss(self, x: Any, y: Any) -> float:
-        """The mean loss of the model (in its current mode) on this dp rank's share, averaged over dp; no gradients.
-
-        Args:
-            x, y: as ``train_step``.
-
-        Returns:
-            The mean loss over every dp rank's share, on every rank.
-        """
+        """The mean loss over every dp rank's share (``x, y`` as ``train_step``), on every rank; no gradients."""
         if self.pipeline is not None:
             logits = self.pipeline.forward(x)
             loss = float(self.loss_fn(logits, y)) if logits is not None else None

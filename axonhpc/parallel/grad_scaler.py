@@ -1,28 +1,17 @@
 """Dynamic loss scaling for float16 training, with the skip decided by every rank together.
 
 [Note: loss scaling across ranks]
-float16 gradients underflow below about 6e-8, so the gradient of the loss
-is multiplied by a large scale before backward and the gradients are divided
-by it before the optimizer step. If a scaled gradient overflowed (inf or
-NaN) on any rank, the step must be skipped on every rank, or replicas and
-shards would drift apart: ``step`` checks this rank's gradients and
-all-reduces the verdict (MAX of a 0/1 flag) over the group before deciding.
-The scale then halves after an overflow and doubles after
-``growth_interval`` clean steps, the same on every rank because every rank
-saw the same verdicts (PyTorch's ``GradScaler`` rule).
+float16 gradients underflow below about 6e-8, so the loss gradient is scaled up before backward and the
+gradients scaled down before the step. If any rank overflowed, every rank must skip the step, or replicas and
+shards would drift apart; so ``step`` all-reduces the verdict. The scale then halves after an overflow and
+doubles after ``growth_interval`` clean steps, the same everywhere (PyTorch's ``GradScaler`` rule).
 
 [Note: the scale in a CUDA graph]
-A graphed step (``axonhpc.graphs``) replays its kernels with the arguments
-they were captured with, so a scale passed as a number would stay the one of
-the capture. Inside a graphed step's calls, ``scale`` therefore multiplies by
-a one-element float64 device copy of the scale (made by its first call, in a
-warm-up; the ``scale_value`` setter rewrites it with one launch whenever the
-scale changes), and returns a device array. Multiplying in float64 on the
-device and rounding once gives the bits the host's ``grad * scale`` gives.
-The skip decision is read on the host, so ``unscale``, ``step`` and
-``update`` stay outside the graph: capture the forward and the backward,
-then call ``scaler.step(opt)`` and ``scaler.update()`` after each graphed
-call, as PyTorch's documentation does with its own ``GradScaler``.
+A graphed step replays its kernels with their captured arguments, so a scale passed as a number would stay
+the capture's. Inside a graphed step ``scale`` therefore multiplies by a one-element float64 device copy of
+the scale (rewritten whenever the scale changes), which rounds to the same bits as the host's
+``grad * scale``. The skip decision is read on the host, so ``unscale``, ``step`` and ``update`` stay outside
+the graph, as PyTorch's documentation does with its own ``GradScaler``.
 """
 from __future__ import annotations
 
@@ -48,19 +37,14 @@ _STEP_OUTSIDE = ("whether to skip the step is decided on the host from a read of
 class GradScaler:
     """Scale the loss gradient, unscale and check the gradients, skip overflowing steps everywhere.
 
-    Usage: ``fsdp.backward(loss_fn.backward(scaler.scale(1.0))); scaler.step(opt); scaler.update()``.
+    Usage: ``fsdp.backward(loss_fn.backward(scaler.scale(1.0))); scaler.step(opt); scaler.update()``. Inside a
+    graphed step, capture the forward and backward and call ``step`` and ``update`` after each graphed call.
 
     Args:
-        init_scale: the first scale.
         growth_factor: multiplier after ``growth_interval`` steps without overflow (> 1).
         backoff_factor: multiplier after an overflow (in (0, 1)).
-        growth_interval: clean steps between growths (>= 1).
         group: the ranks that skip together (None: the current world's group).
         enabled: False makes every method a pass-through (scale 1, step always taken).
-
-    Inside a graphed step (``ax.graph_step``), ``scale`` reads the scale from device memory, so
-    each replay uses the current one: capture the forward and backward, and call ``step`` and
-    ``update`` after each graphed call (see [Note: the scale in a CUDA graph]).
 
     Attributes:
         scale_value: the current scale (setting it also updates the device copy graphs read).
@@ -112,16 +96,9 @@ class GradScaler:
     def scale(self, grad: Any) -> Any:
         """``grad * scale``: a new array (the loss gradient before ``backward``), or a float for a float.
 
-        Scale a float16 model's loss gradient before it is rounded to float16 by passing the
-        float: ``model.backward(loss_fn.backward(scaler.scale(1.0)))``; the loss then multiplies
-        in float32, so gradients below float16's range are not flushed to zero first.
-
-        Inside a graphed step's calls, a float gives a 0-d float64 device array and an array is
-        multiplied by the device copy of the scale (see the module note): the same values.
-
-        Raises:
-            GraphCaptureError: the first call inside a graphed step is in its capture (no
-                warm-up made the device copy).
+        Pass the float to scale a float16 model's loss gradient before it is rounded: ``model.backward(
+        loss_fn.backward(scaler.scale(1.0)))``, so small gradients are not flushed to zero first. Inside a graphed
+        step it returns a device array; GraphCaptureError if the first such call is in the capture (no warm-up).
         """
         if not self.enabled:
             return grad
@@ -151,13 +128,10 @@ class GradScaler:
         return grad * scale.astype(grad.dtype)
 
     def unscale(self, optimizer: Any) -> bool:
-        """Collective: divide the optimizer's gradients by the scale and agree on overflow.
+        """Collective: divide the optimizer's gradients by the scale; True if any rank found an inf or NaN.
 
-        Called by ``step`` if not before (call it yourself to clip gradients
-        first); a second call before ``update`` does nothing.
-
-        Returns:
-            True if any rank of the group found an inf or NaN.
+        ``step`` calls it if you did not (call it first to clip gradients); a second call before ``update`` does
+        nothing.
         """
         if self._unscaled == id(optimizer):
             return self.found_inf
@@ -175,9 +149,8 @@ class GradScaler:
     def _unscale(self, grads: List[Any]) -> List[bool]:
         """Divide ``grads`` by the scale in place; whether they are then finite, with one read of the device.
 
-        cupy float32/float64 gradients take one multi-tensor launch per dtype, which also flags an
-        overflow (``fused.unscale_many``); the others are multiplied one by one and checked with
-        ``finite_flags``. The products are the same.
+        cupy float32/float64 gradients take one multi-tensor launch per dtype (``fused.unscale_many``); the products
+        are the same as one by one.
         """
         inverse = 1.0 / self.scale_value
         together: Dict[Any, List[Any]] = {}
@@ -198,11 +171,7 @@ class GradScaler:
         return finite_flags(alone, verdicts)
 
     def step(self, optimizer: Any) -> bool:
-        """Collective: unscale, then ``optimizer.step()`` unless some rank overflowed.
-
-        Returns:
-            True if the step was taken (on every rank), False if skipped (on every rank).
-        """
+        """Collective: unscale, then ``optimizer.step()`` unless some rank overflowed; True if taken (on every rank)."""
         if self.unscale(optimizer):
             self.skipped_steps += 1
             return False

@@ -1,36 +1,21 @@
 """ZeroRedundancyOptimizer: ZeRO stage 1, the optimizer state sharded under DDP.
 
 [Note: one padded flat vector per dtype]
-The parameters are grouped by dtype, in the order each dtype first appears.
-A dtype's parameters, concatenated in order, form one flat vector of
-``numel`` elements, padded to a multiple of the group size (``buffers.FlatShard``);
-rank r owns ``[start, stop) = shard_bounds(numel, r, size)``, the same length
-on every rank, so odd group sizes work and the last ranks may own only
-padding. Each rank keeps one ``Parameter`` per dtype whose ``data`` is its
-owned slice (padding positions zero) and whose ``grad`` is filled at each
-step from the pieces of the parameters' gradients that fall into that slice
-(only those pieces are copied, never the whole model). The wrapped optimizer
-is built over these shard Parameters only, so its state (momentum, Adam
-moments) is 1/N of the model's. After the local update one ``all_gather``
-per dtype brings every rank's slice back, and the first ``numel`` elements
-are unpacked into every parameter's ``data`` in place.
+A dtype's parameters, concatenated in order, form one flat vector padded to a multiple of the group size, so
+every rank owns a slice of the same length (odd group sizes work; the last ranks may own only padding). The
+wrapped optimizer is built over one shard Parameter per dtype, so its state is 1/N of the model's; gradients
+are copied in only for the owned slice, and one ``all_gather`` per dtype brings the updated slices back.
 
 [Note: exact only for elementwise optimizers]
-An update that treats every element on its own (SGD with momentum, Nesterov
-and weight decay; Adam; AdamW) gives the same numbers on a slice as on the
-whole parameter, so ZeRO-1 training equals plain DDP training; padding
-positions have zero value and zero gradient, and such optimizers keep them
-at zero. An optimizer that looks across elements (a per-parameter norm as
-in LAMB or LARS, an update that depends on a parameter's shape) would see
-arbitrary slices that cut across parameters and compute something else.
+An update that treats every element on its own (SGD with momentum, Nesterov and weight decay; Adam; AdamW)
+gives the same numbers on a slice as on the whole parameter, so ZeRO-1 training equals DDP training, and
+padding stays zero. An optimizer that looks across elements (LAMB's or LARS's per-parameter norm) would see
+slices that cut across parameters and compute something else.
 
 [Note: the shard follows the parameters]
-The shard is copied from the live parameters when the wrapper is built and
-again, only the owned slice, at the start of every ``step``. Between steps
-the two are equal anyway (the all-gather writes the shards into the
-parameters), so this costs one copy of 1/N of the model and nothing in
-accuracy; it keeps the wrapper right when the model's values change behind
-its back (``model.load_state_dict`` on resume, ``ddp.sync_parameters()``).
+The owned slice is copied from the live parameters at the start of every ``step``. Between steps the two are
+equal anyway, so this costs one copy of 1/N of the model and keeps the wrapper right when the values change
+behind its back (``model.load_state_dict`` on resume, ``ddp.sync_parameters()``).
 """
 from __future__ import annotations
 
@@ -117,38 +102,19 @@ def _check_not_fsdp(params: List[Any]) -> None:
 class ZeroRedundancyOptimizer:
     """ZeRO stage 1: each rank keeps and updates 1/N of the optimizer state.
 
-    Use it under plain DDP, over ``ddp.parameters()``: DDP leaves the averaged
-    gradients on every rank; ``step()`` updates only this rank's slice of the
-    parameters (grouped per dtype into one padded flat vector, see the
-    module notes) with the wrapped optimizer, then all-gathers the slices so
-    that every rank holds all the updated parameters again (one all-gather
-    per dtype per step). The wrapped optimizer's state is therefore about
-    ``1/N`` of what it would be for the whole model.
-
-    The result equals unsharded training only for elementwise optimizers
-    (SGD, Adam, AdamW): an optimizer that combines elements of a parameter
-    (a per-parameter norm, as in LAMB) would see slices that cut across
-    parameters. The parameters must hold the same values on every rank when
-    the wrapper is built (DDP ensures that).
-
-    A parameter whose ``grad`` is None is stepped with a zero gradient (its
-    slice cannot be skipped on its own), so weight decay and momentum still
-    move it, where a plain optimizer would skip it; under DDP every
-    parameter has a gradient after backward. If no parameter has a gradient,
-    ``step()`` does nothing; that decision is local, so it must agree on
-    every rank (it does under DDP).
-
-    Hyperparameters of the wrapped optimizer can be read and set on the
-    wrapper (``opt.lr = 0.01`` changes the wrapped optimizer's ``lr``).
+    Use it under plain DDP, over ``ddp.parameters()``: ``step()`` updates this rank's slice with the wrapped
+    optimizer, then all-gathers so every rank holds all the updated parameters. Exact only for elementwise
+    optimizers (SGD, Adam, AdamW; see the module notes). A parameter whose ``grad`` is None is stepped with a
+    zero gradient, so weight decay and momentum still move it; if no parameter has a gradient ``step()`` does
+    nothing, a local decision that must agree on every rank (it does under DDP). Hyperparameters can be read
+    and set on the wrapper (``opt.lr = 0.01``).
 
     Args:
-        optimizer_class: an ``axonhpc.optim.Optimizer`` subclass (``optim.Adam``),
-            or a function ``params -> Optimizer`` (``lambda ps: optim.SGD(ps, lr=0.1)``)
-            for a class whose constructor does not take its hyperparameters by name.
-        params: the model's parameters, each once, with the same values on
-            every rank (``ddp.parameters()``).
-        group: the process group the state is sharded over, the same group
-            DDP averages over (None: the current world's default group).
+        optimizer_class: an ``axonhpc.optim.Optimizer`` subclass (``optim.Adam``), or a function ``params ->
+            Optimizer`` (``lambda ps: optim.SGD(ps, lr=0.1)``) for a constructor that does not take its
+            hyperparameters by name.
+        params: the model's parameters, each once, with the same values on every rank.
+        group: the group DDP averages over (None: the current world's default group).
         **optimizer_args: hyperparameters for ``optimizer_class`` (``lr=...``).
 
     Attributes:
@@ -157,20 +123,12 @@ class ZeroRedundancyOptimizer:
         group: the process group.
 
     Raises:
-        ConfigurationError: ``optimizer_class`` is not an Optimizer subclass,
-            ``params`` is empty, holds something that is not a Parameter, or
-            holds a Parameter twice; or the wrapped optimizer rejects its
-            hyperparameters. Raised before any communication but the model check.
-        UsageError: a parameter is one FSDP holds (a module Parameter of an
-            FSDP model, or an ``fsdp.parameters()`` shard): FSDP shards the
-            optimizer state itself.
-        ModelMismatchError: the ranks of the group passed different
-            parameters (count, shapes, dtypes); raised on every rank before
-            anything else is sent.
-        UnsupportedDtypeError, NonContiguousBufferError, ReadOnlyBufferError:
-            a parameter's data cannot be all-gathered into in place.
-        TypeError: ``group`` is neither a ProcessGroup nor None.
-        NotAMemberError: this rank is not in ``group``.
+        ConfigurationError: a bad ``optimizer_class``, empty or duplicate ``params``, or hyperparameters the
+            wrapped optimizer rejects; before any communication but the model check.
+        UsageError: a parameter is one FSDP holds (FSDP shards the optimizer state itself).
+        ModelMismatchError: the ranks passed different parameters; raised on every rank.
+        UnsupportedDtypeError, NonContiguousBufferError, ReadOnlyBufferError: a parameter's data cannot be
+            all-gathered into in place.
     """
 
     def __init__(self, optimizer_class: Any, params: Iterable[Any], group: Any = None,
@@ -217,21 +175,12 @@ class ZeroRedundancyOptimizer:
             object.__setattr__(self, name, value)
 
     def hyperparameters(self) -> Dict[str, Any]:
-        """The wrapped optimizer's current hyperparameters by name.
-
-        Returns:
-            name -> value, as ``Optimizer.hyperparameters()``.
-        """
+        """The wrapped optimizer's current hyperparameters by name."""
         return self.optimizer.hyperparameters()
 
     # -- training --------------------------------------------------------------------------------
     def zero_grad(self, set_to_none: bool = False) -> None:
-        """Reset the model parameters' gradients, as a plain optimizer does.
-
-        Args:
-            set_to_none: drop the gradient arrays instead of zeroing them in
-                place (DDP's bucket views are restored by its next backward).
-        """
+        """Reset the model parameters' gradients, as a plain optimizer does (``set_to_none`` drops them)."""
         for p in self.params:
             if set_to_none:
                 p.grad = None
@@ -239,14 +188,10 @@ class ZeroRedundancyOptimizer:
                 p.grad[...] = 0
 
     def step(self) -> None:
-        """Update this rank's slice with the wrapped optimizer, then all-gather every parameter.
+        """Collective: update this rank's slice with the wrapped optimizer, then all-gather every parameter.
 
-        Collective over ``group`` (one all-gather per dtype); does nothing, on
-        any rank, when no parameter has a gradient.
-
-        Raises:
-            ShapeError: a gradient's shape differs from its parameter's
-                (raised before anything changes or is sent).
+        Does nothing, on any rank, when no parameter has a gradient. Raises ShapeError for a gradient of the wrong
+        shape, before anything changes or is sent.
         """
         if all(p.grad is None for p in self.params):
             return
@@ -265,34 +210,24 @@ class ZeroRedundancyOptimizer:
     def memory_bytes(self) -> int:
         """Bytes of optimizer state this rank holds (the arrays in the wrapped optimizer's state).
 
-        Counts momentum buffers and moments only, not the shard copy of the
-        parameters or its gradient; 0 before the first step, as the state
-        is created lazily. With K state arrays per element, this is
-        ``K * ceil(numel / N) * itemsize`` summed over the dtypes, against
-        ``K * numel * itemsize`` for the unsharded optimizer.
-
-        Returns:
-            The byte count.
+        Momentum buffers and moments only; 0 before the first step (the state is created lazily). With K state
+        arrays per element: ``K * ceil(numel / N) * itemsize`` per dtype, against ``K * numel * itemsize`` unsharded.
         """
         return int(sum(v.nbytes for entry in self.optimizer.state for v in entry.values() if hasattr(v, "nbytes")))
 
     def shard_ranges(self) -> List[Dict[str, Any]]:
         """This rank's index range of each dtype's padded flat vector, in dtype order.
 
-        Returns:
-            One dict per dtype: ``dtype`` (name), ``numel`` (unpadded length),
-            ``start`` and ``stop`` (this rank's slice), ``pad`` (positions of
-            the slice at or beyond ``numel``).
+        One dict per dtype: ``dtype``, ``numel`` (unpadded), ``start`` and ``stop`` (this rank's slice), ``pad``
+        (positions of the slice at or beyond ``numel``).
         """
         return [shard.describe() for shard in self._shards]
 
     def state_dict(self) -> Dict[str, Any]:
         """This rank's shard of the optimizer state and its index ranges, as plain data (no pickle).
 
-        Returns:
-            ``{"optimizer": the wrapped optimizer's state_dict (one state entry
-            per dtype shard), "shards": shard_ranges(), "rank": int,
-            "world_size": int}``; arrays are copies.
+        ``{"optimizer": the wrapped optimizer's state_dict, "shards": shard_ranges(), "rank", "world_size"}``;
+        arrays are copies.
         """
         return {"optimizer": self.optimizer.state_dict(), "shards": self.shard_ranges(),
                 "rank": int(self.group.rank), "world_size": int(self.group.size)}
@@ -300,18 +235,9 @@ class ZeroRedundancyOptimizer:
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Restore this rank's shard of state saved by ``state_dict()`` on the same rank and group size.
 
-        Only the optimizer state is loaded: restore the model's parameters
-        with ``model.load_state_dict``; the next ``step`` takes its slice of
-        them (see the module notes). Loading at another group size is not
-        supported.
-
-        Args:
-            state_dict: what ``state_dict()`` returned.
-
-        Raises:
-            StateDictError: before anything changes, if the keys, the group
-                size or the shard ranges differ from this optimizer's, or the
-                wrapped optimizer rejects its part.
+        Only the optimizer state: restore the parameters with ``model.load_state_dict`` (the next ``step`` takes
+        its slice of them). Raises StateDictError, before anything changes, if the keys, group size or shard ranges
+        differ, or the wrapped optimizer rejects its part.
         """
         expected = {"optimizer", "shards", "rank", "world_size"}
         if not isinstance(state_dict, dict) or set(state_dict) != expected:

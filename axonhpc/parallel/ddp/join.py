@@ -1,24 +1,13 @@
 """Uneven inputs for DDP: ``Joiner``, the collaborator behind ``DistributedDataParallel.join``.
 
 [Note: uneven inputs and join]
-Every backward all-reduces every bucket, so a rank that runs out of data
-early would leave the others waiting in their next all-reduce. Inside
-``ddp.join()`` each forward first all-gathers two flags per rank (still
-active, will this iteration synchronise gradients). A rank whose loop has
-ended enters the context's exit and *shadows* the others: for each of their
-iterations it answers the flag exchange as joined, takes part in the buffer
-broadcast, and all-reduces zero gradients in plan order, so the active ranks'
-collectives always find a partner. By default the sum is still divided by the
-initial world size (PyTorch's default; joined ranks add zeros), or with
-``divide_by_initial_world_size=False`` by the number of active ranks. Given an
-``optimizer``, a joined rank steps it with the averaged gradients it received,
-so its parameters and optimizer state stay those of the active ranks. When
-every rank has joined, the rank that ran the most iterations broadcasts its
-parameters and buffers, so all ranks leave the context with one model.
-
-The ``Joiner`` owns the protocol (the flags, the shadowing loop, the final
-broadcast); the gradient buckets stay the DDP's, which it reaches only
-through ``JoinHost``.
+Every backward all-reduces every bucket, so a rank that runs out of data early would leave the others waiting.
+Inside ``ddp.join()`` each forward first all-gathers two flags per rank (still active, will it synchronise).
+A rank whose loop has ended shadows the others: it answers the flag exchange as joined, joins the buffer
+broadcast and all-reduces zero gradients in plan order, so the active ranks' collectives always find a
+partner. The sum is divided by the initial world size (PyTorch's default) or, on request, by the active ranks.
+A joined rank steps the given optimizer with the gradients it received, so its state follows the others;
+at the end the rank that ran the most iterations broadcasts its model, so all leave with one model.
 """
 from __future__ import annotations
 
@@ -62,10 +51,7 @@ class _JoinState:
 
 
 class Joiner:
-    """Uneven inputs for one DDP: flags before each forward and backward, shadowing, the final model.
-
-    Args:
-        host: the DDP it serves.
+    """Uneven inputs for one DDP (``host``): flags before each forward and backward, shadowing, the final model.
 
     Attributes:
         state: the open ``join``'s counters, or None outside ``join``.
@@ -117,15 +103,10 @@ class Joiner:
             self._exchange_flags(BACKWARD, syncing)
 
     def _exchange_flags(self, phase: int, flag: bool, active: bool = True) -> Tuple[np.ndarray, bool]:
-        """All-gather ``(phase, active, flag)`` of every rank.
+        """All-gather ``(phase, active, flag)`` of every rank; returns the active ranks and whether they set the flag.
 
-        ``phase`` is forward or backward (a joined rank gives the phase it
-        expects next) and ``flag`` says "training mode" (forward) or "will
-        synchronise gradients" (backward). Every rank sees the same rows, so
-        a disagreement raises on all of them together.
-
-        Returns:
-            The active group ranks, and whether they set the flag.
+        ``flag`` is "training mode" (forward) or "will synchronise" (backward). Every rank sees the same rows, so a
+        disagreement raises on all of them together.
         """
         rows = all_gather(np.array([phase, int(active), int(active and flag)], dtype=np.int64), self._host.group)
         active_ranks = np.flatnonzero(rows[:, 1])

@@ -1,52 +1,26 @@
 """DistributedDataParallel: replicate a model, average its gradients in buckets.
 
 [Note: buckets and their order]
-Parameters are grouped into flat buckets by ``plan_buckets`` over the
-parameters in *reverse* registration order (backward produces the last
-layer's gradients first), with a small first bucket so that communication
-starts early, and ``bucket_size_mb`` as the cap; a bucket holds one dtype.
-The plan is a pure function of the parameters' sizes and dtypes, so it is
-identical on every rank. Buckets are all-reduced strictly in plan order: a
-bucket whose gradients are ready waits for the buckets before it, so every
-rank issues the same collectives in the same order whatever the hooks do.
+Parameters are bucketed in reverse registration order (backward produces the last layer's gradients first),
+with a small first bucket so communication starts early; the plan is a pure function of sizes and dtypes, so
+it is identical on every rank. Buckets are all-reduced strictly in plan order, so every rank issues the same
+collectives in the same order whatever the hooks do.
 
 [Note: overlap and MPI progress]
-With ``OVERLAPPED`` each parameter's grad-ready hook (fired by the layer that
-computed the gradient, during backward) counts down its bucket; when a
-bucket's last gradient is final its non-blocking all-reduce (``Iallreduce``)
-starts at once. MPI libraries such as MPICH move a non-blocking collective
-forward only while the process is inside MPI, and nothing else calls MPI
-while numpy computes the next layer's backward. So every hook also tests
-the requests in flight (``MPI_Testall``): the transfer makes progress
-between layers, and by the time backward ends most buckets are done.
-``ddp.last_step`` records, per backward, how long the final wait took (all
-of the synchronisation after backward: launching the last buckets and
-waiting for every reduction) and how many buckets the hooks had already seen
-complete, so the overlap can be measured rather than assumed.
+With ``OVERLAPPED`` a bucket's ``Iallreduce`` starts as soon as its last gradient is final. MPI libraries such
+as MPICH progress a non-blocking collective only while the process is inside MPI, and nothing calls MPI while
+numpy computes the next layer's backward, so every grad-ready hook also tests the requests in flight
+(``MPI_Testall``). ``ddp.last_step`` records the final wait and how many buckets were already complete, so
+the overlap is measured rather than assumed.
 
 [Note: buckets in shared memory]
-When every rank of the group is on one node (and ``shm_collectives`` is not
-"off"), and the gradients add up to at least ``SHARED_BUCKETS_MIN_BYTES``,
-all buckets live in one shared-memory window allocated at
-construction (``collectives.shared_memory_array``; collective, once), so a
-bucket's all-reduce reduces straight from the other ranks' buckets with no
-copy in (``collectives.shm_path``). Otherwise each bucket's buffer comes
-from the model's memory (``buffers.FlatBucket``: numpy, or cupy's pool).
-A ``/dev/shm`` too small for the window is refused on every rank alike
-(``SharedMemoryError``, before anything is written); DDP then keeps private
-buckets, with a warning. ``buckets.py`` holds the buckets and lays out the window.
+When the group is on one node and the gradients reach ``SHARED_BUCKETS_MIN_BYTES``, all buckets live in one
+shared-memory window, so an all-reduce reads straight from the other ranks' buckets with no copy in. A
+``/dev/shm`` too small for it is refused on every rank alike, and DDP keeps private buckets with a warning.
 
 [Note: gradients as bucket views]
-With ``gradient_as_bucket_view=True`` each ``p.grad`` is a view into its
-bucket's flat buffer: layers accumulate straight into the buffer that is
-all-reduced, and the averaged values need no copy back. If something
-replaces ``p.grad`` (``zero_grad(set_to_none=True)``), the next backward
-copies it into the bucket and restores the view.
-
-[Note: uneven inputs and join]
-Inside ``ddp.join()`` a rank whose data has ended shadows the others'
-collectives until every rank has joined; ``join.py`` (``Joiner``) holds the
-protocol, and the DDP lends it ``_reduce_zeros`` and the buffer broadcast.
+With ``gradient_as_bucket_view=True`` each ``p.grad`` is a view into its bucket, so the averaged values need
+no copy back; a replaced ``p.grad`` (``zero_grad(set_to_none=True)``) is copied in and the view restored.
 """
 from __future__ import annotations
 
@@ -85,27 +59,20 @@ class DistributedDataParallel(WrapperModes):
     Args:
         module: the model (an ``axonhpc.nn.Module``).
         group: process group to replicate over (None: the current world's).
-        bucket_size_mb: cap of a gradient bucket in MiB (the first bucket is
-            at most 1 MiB, so communication starts early); None takes
-            ``ax.settings.bucket_size_mb``, whose default "auto" measures the
-            size on this machine at start-up (``parallel.ddp.autotune``; 25 MiB
-            for threads as ranks, one rank, or ``settings.deterministic``).
+        bucket_size_mb: cap of a gradient bucket in MiB (the first is at most 1 MiB); None takes
+            ``ax.settings.bucket_size_mb``, whose default "auto" measures the size on this machine at start-up
+            (``parallel.ddp.autotune``; 25 MiB for threads as ranks, one rank, or ``settings.deterministic``).
         broadcast_buffers: copy rank 0's buffers to every rank before each forward.
         gradient_as_bucket_view: make each ``p.grad`` a view into its flat bucket.
-        strategy: ``GradSyncStrategy.OVERLAPPED`` (all-reduce buckets during
-            backward), ``SYNCHRONOUS`` (one pass after backward) or
-            ``NO_SYNC`` (never, unless ``sync_gradients()`` is called).
-        find_unused_parameters: a parameter that got no gradient in a
-            backward is synchronised with what its gradient holds (zero after
-            ``zero_grad``); when False such a parameter raises
-            ``UnusedParameterError`` naming it, instead of leaving the other
-            ranks waiting for its bucket.
+        strategy: ``GradSyncStrategy.OVERLAPPED`` (all-reduce buckets during backward), ``SYNCHRONOUS`` (one
+            pass after backward) or ``NO_SYNC`` (only when ``sync_gradients()`` is called).
+        find_unused_parameters: a parameter that got no gradient is synchronised with what its gradient holds;
+            when False it raises ``UnusedParameterError`` naming it, instead of leaving the other ranks waiting.
 
     Raises:
         ConfigurationError: a non-positive bucket size or a module without parameters.
-        ModelMismatchError: the ranks of the group hold different models (parameter names,
-            shapes, dtypes), or another rank's model failed the checks above; raised on
-            every rank before anything else is sent.
+        ModelMismatchError: the ranks hold different models, or another rank's model failed the checks above;
+            raised on every rank before anything else is sent.
         NotAMemberError: this rank is not in ``group``.
     """
 
@@ -178,10 +145,7 @@ class DistributedDataParallel(WrapperModes):
         return self.forward(*args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the module; first copy rank 0's buffers if ``broadcast_buffers``.
-
-        Inside ``join()`` the buffers come from the lowest active rank.
-        """
+        """Run the module; first copy rank 0's buffers if ``broadcast_buffers`` (in ``join()``: the lowest active)."""
         self._broadcast_buffers(self._joiner.before_forward(bool(getattr(self.module, "training", True))))
         with tracing.span("forward"):
             return self.module(*args, **kwargs)
@@ -213,23 +177,13 @@ class DistributedDataParallel(WrapperModes):
     def backward(self, grad_out: Any, input_grad: bool = True) -> Any:
         """Backward through the module; on return gradients hold the group average.
 
-        Inside ``no_sync()`` (or with the ``NO_SYNC`` strategy) gradients only
-        accumulate locally; the next backward outside averages the sum.
-
-        Args:
-            grad_out: d loss / d output.
-            input_grad: False passes ``input_grad=False`` on to the module
-                (see ``nn.Module.backward``): its first layer may skip d loss / d input.
-
-        Returns:
-            The gradient with respect to the module's input (possibly None with ``input_grad=False``).
+        Inside ``no_sync()`` (or with ``NO_SYNC``) gradients only accumulate locally; the next backward outside
+        averages the sum. ``input_grad=False`` lets the first layer skip d loss / d input (the result may be None).
 
         Raises:
-            UnusedParameterError: a parameter got no gradient (see
-                ``find_unused_parameters``).
-            GradientAfterReductionError: a parameter's gradient changed after
-                its bucket's all-reduce began (a parameter used twice under
-                OVERLAPPED; use SYNCHRONOUS for such models).
+            UnusedParameterError: a parameter got no gradient (see ``find_unused_parameters``).
+            GradientAfterReductionError: a gradient changed after its bucket's all-reduce began (a parameter used
+                twice under OVERLAPPED; use SYNCHRONOUS for such models).
         """
         syncing = self._syncing()
         self._joiner.before_backward(syncing)
@@ -352,14 +306,9 @@ class DistributedDataParallel(WrapperModes):
     def register_comm_hook(self, state: Any, hook: Any) -> None:
         """Average each bucket with ``hook(state, bucket)`` instead of an all-reduce.
 
-        See ``parallel.comm_hooks``: ``bucket.kind`` is "all_reduce", and when
-        the hook's ``Work`` completes (or at once if it returns None)
-        ``bucket.buffer`` must hold the group average. ``fp16_compress_hook``
-        and ``bf16_compress_hook`` send 16-bit floats.
-
-        Raises:
-            ConfigurationError: a hook is already registered.
-            ArgumentTypeError: ``hook`` is not callable (a ``TypeError``).
+        ``bucket.kind`` is "all_reduce"; when the hook's ``Work`` completes (or at once if it returns None)
+        ``bucket.buffer`` must hold the group average (see ``parallel.comm_hooks``). Raises ConfigurationError if a
+        hook is registered already, ArgumentTypeError if ``hook`` is not callable.
         """
         if not callable(hook):
             raise ArgumentTypeError(f"a communication hook must be callable, got {type(hook).__name__}")
@@ -371,11 +320,10 @@ class DistributedDataParallel(WrapperModes):
     @contextlib.contextmanager
     def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
              optimizer: Any = None) -> Iterator[None]:
-        """Train on uneven inputs: a rank whose data ends first shadows the others (collective).
+        """Collective: train on uneven inputs; a rank whose data ends first shadows the others.
 
-        Wrap the whole loop; every rank enters, each leaves its loop when its
-        own data ends, and the context's exit returns once every rank has
-        finished (see the note in ``join.py``)::
+        Wrap the whole loop; each rank leaves its loop when its own data ends, and the exit returns once every rank
+        has finished (see ``join.py``)::
 
             with ddp.join(optimizer=opt):
                 for x, y in my_batches:          # a different count on each rank
@@ -384,21 +332,17 @@ class DistributedDataParallel(WrapperModes):
                     ddp.backward(loss_fn.backward())
                     opt.step()
 
-        Inside, every forward in training mode outside ``no_sync`` must be
-        followed by ``ddp.backward`` (that is what the joined ranks expect),
-        and gradients are synchronised only by ``backward``.
+        Inside, every training forward outside ``no_sync`` must be followed by ``ddp.backward``.
 
         Args:
-            divide_by_initial_world_size: divide the gradient sum by the group
-                size (True: joined ranks count as zeros, the default) or by
-                the number of ranks still active (False).
+            divide_by_initial_world_size: divide the gradient sum by the group size (joined ranks count as zeros)
+                or, when False, by the number of ranks still active.
             enable: False makes the context do nothing (same code on even inputs).
-            optimizer: stepped on a joined rank after each gradient it shadows,
-                so that its parameters and optimizer state follow the active ranks.
+            optimizer: stepped on a joined rank after each gradient it shadows, so its state follows the others.
 
         Raises:
-            ConfigurationError: nested ``join``, or active ranks disagree on
-                ``no_sync`` in one iteration (raised on every rank together).
+            ConfigurationError: nested ``join``, or active ranks disagree on ``no_sync`` in one iteration (raised
+                on every rank together).
         """
         with self._joiner.join(divide_by_initial_world_size, enable, optimizer, self._comm_hook is not None):
             yield

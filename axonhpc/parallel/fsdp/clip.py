@@ -1,9 +1,7 @@
 """Gradient norm clipping over FSDP's gradient shards: the global norm from the shards, one reduction.
 
-Each element of the model's gradient lives in exactly one shard of the
-shard group (replicas of HYBRID_SHARD hold the same shards), so the sum of
-the shards' p-th powers (or their largest absolute value, for the inf-norm)
-reduced over the shard group is that of the whole gradient: the same norm
+Each gradient element lives in exactly one shard of the shard group (HYBRID_SHARD replicas hold the same
+shards), so the shards' p-th power sums (or max, for inf) reduced over the shard group give the same norm
 single-process ``optim.clip_grad_norm`` computes.
 """
 from __future__ import annotations
@@ -18,22 +16,10 @@ from ...optim.clip import checked_norm_type, scale_to_norm
 
 
 def clip_grad_norm(grads: List[Any], max_norm: float, norm_type: float, shard_group: Any, xp: Any) -> float:
-    """Scale ``grads`` (this rank's gradient shards) in place so the global norm is at most ``max_norm``.
+    """Scale this rank's gradient shards in place so the global norm is at most ``max_norm``; returns the norm.
 
-    Collective over ``shard_group`` when it has more than one rank.
-
-    Args:
-        grads: the gradient shards that exist (Nones left out).
-        max_norm: largest allowed norm.
-        norm_type: p of the p-norm; ``float("inf")`` for the largest absolute value.
-        shard_group: the group the shards are spread over, or None (NO_SHARD).
-        xp: the array module of the shards' memory.
-
-    Returns:
-        The global norm before clipping.
-
-    Raises:
-        InvalidArgumentError: ``norm_type`` is not positive (a ``ValueError``).
+    Collective over ``shard_group`` when it has more than one rank (None: NO_SHARD). ``norm_type`` is p (``inf``
+    for the max); InvalidArgumentError (a ``ValueError``) unless positive.
     """
     norm_type = checked_norm_type(norm_type)
     inf = np.isinf(norm_type)

@@ -16,14 +16,10 @@ from ..._dtypes import floating_dtype, is_floating
 class ShardingStrategy(enum.Enum):
     """How FSDP spreads parameters, gradients and optimizer state over the group.
 
-    FULL_SHARD (ZeRO-3): parameters, gradients and optimizer state sharded;
-    a unit's parameters are gathered for its forward and again for its
-    backward, and freed after each.
-    SHARD_GRAD_OP (ZeRO-2): gradients and optimizer state sharded; a unit's
-    parameters stay gathered from its forward until its backward is done.
-    NO_SHARD: every rank holds everything; gradients are all-reduced (DDP).
-    HYBRID_SHARD: FULL_SHARD inside each node, replicated across nodes
-    (shard gradients are all-reduced between the nodes).
+    FULL_SHARD (ZeRO-3): everything sharded; a unit is gathered for its forward and again for its backward.
+    SHARD_GRAD_OP (ZeRO-2): gradients and optimizer state sharded; a unit stays gathered from its forward
+    until its backward is done. NO_SHARD: every rank holds everything (DDP). HYBRID_SHARD: FULL_SHARD inside each
+    node, replicated across nodes.
     """
 
     FULL_SHARD = "full_shard"
@@ -33,11 +29,7 @@ class ShardingStrategy(enum.Enum):
 
     @classmethod
     def parse(cls, value: Any) -> "ShardingStrategy":
-        """Accept a ShardingStrategy or its name in any case.
-
-        Raises:
-            UnknownChoiceError: ``value`` names no strategy (a ``ConfigurationError``).
-        """
+        """Accept a ShardingStrategy or its name in any case; UnknownChoiceError otherwise."""
         return parse_choice(cls, value, "sharding strategy")
 
     @property
@@ -54,17 +46,10 @@ class ShardingStrategy(enum.Enum):
 class CPUOffload(enum.Enum):
     """What lives in host memory when the model's arrays are on a GPU (cupy).
 
-    PARAMS: the parameter shards (and their gradients) stay on the host
-    between uses; each gather copies the shard to the device first, and the
-    optimizer steps on the host.
-    OPTIMIZER_STATES: the optimizer's parameter shards, gradients and states
-    stay on the host (the optimizer steps there); the device keeps a copy of
-    the shard for one step's gathers.
-    FULL: both; since host-resident shards already put the gradients and
-    the optimizer on the host, this is PARAMS (kept as its own name for
-    configurations written for PyTorch and DeepSpeed).
-    For host (numpy) models every option is a no-op: everything already is
-    in host memory, and no copy is made.
+    PARAMS: the parameter shards and their gradients stay on the host, copied to the device for each gather;
+    the optimizer steps on the host. OPTIMIZER_STATES: shards, gradients and optimizer state on the host; the
+    device keeps the step's shard copy for its gathers. FULL: the same as PARAMS (a separate name for
+    configurations written for PyTorch and DeepSpeed). For host (numpy) models every option is a no-op.
     """
 
     NONE = "none"
@@ -74,11 +59,7 @@ class CPUOffload(enum.Enum):
 
     @classmethod
     def parse(cls, value: Any) -> "CPUOffload":
-        """Accept a CPUOffload, its name in any case, or a bool (True: FULL, False: NONE).
-
-        Raises:
-            UnknownChoiceError: ``value`` names no option (a ``ConfigurationError``).
-        """
+        """Accept a CPUOffload, its name in any case, or a bool (True: FULL); UnknownChoiceError otherwise."""
         if value is True:
             return cls.FULL
         if value is False or value is None:
@@ -111,20 +92,13 @@ class MixedPrecision:
     """Compute and communicate in lower precision, keep the master shards as they are.
 
     Args:
-        param_dtype: dtype of the gathered parameters the forward and
-            backward compute with (float16, bfloat16 with ml_dtypes, ...);
-            None keeps the parameters' own dtype.
-        reduce_dtype: dtype the gradients are reduced in (None:
-            ``param_dtype``). float16/bfloat16 reductions are summed in a
-            float32 copy and rounded once by the collectives.
+        param_dtype: dtype the gathered parameters compute in (None: the parameters' own).
+        reduce_dtype: dtype the gradients are reduced in (None: ``param_dtype``); float16/bfloat16 reductions
+            are summed in a float32 copy and rounded once.
         buffer_dtype: dtype module buffers are cast to at wrapping (None: unchanged).
 
-    The master shards (``fsdp.parameters()``, what the optimizer updates)
-    keep the dtype the model was built with, e.g. float32, and the gradient
-    shards are accumulated in that dtype.
-
-    Raises:
-        ConfigurationError: a dtype that is not floating.
+    The master shards keep the model's dtype, and gradient shards accumulate in it. ConfigurationError for a
+    dtype that is not floating.
     """
 
     def __init__(self, param_dtype: Any = None, reduce_dtype: Any = None, buffer_dtype: Any = None):

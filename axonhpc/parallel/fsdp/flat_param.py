@@ -1,60 +1,28 @@
 """One FSDP unit: its parameters flattened into a padded flat parameter, sharded over a group.
 
 [Note: the flat parameter]
-The unit's parameters, in registration order, are packed into one flat
-vector of ``numel`` elements, zero-padded to a multiple of the shard group's
-size (``buffers.FlatShard``), and each rank keeps only its slice
-``[start, stop)``: the *master shard*, a ``Parameter`` the optimizer
-updates. Padding positions start at zero, get zero gradients, and so stay
-zero under SGD, Adam and AdamW (elementwise optimizers; an optimizer whose
-update mixes elements, like LAMB's per-tensor norms, would see the flat
-shard instead of the tensors).
-
-Gathering all-gathers the shards (cast to the compute dtype first) into a
-new padded flat array and points every module Parameter's ``data`` at its
-view of that array; freeing drops the array and leaves each module
-Parameter with an empty (0,) placeholder of its dtype, so a layer that
-computes with a freed parameter fails on the shape instead of computing with
-stale values (a reduction such as ``.sum()`` of an empty array still gives 0:
-code outside a unit's forward and backward must not read its parameters;
-use ``gather_parameters()``). With a
-shard group of one rank and no dtype cast (NO_SHARD), the module Parameters
-are views of the master itself and are never freed.
-
-Reducing packs the module Parameters' gradients into a padded flat vector
-(in the reduce dtype), drops them, and reduce-scatters (mean) over the shard
-group, then all-reduces (mean) the shard over the replicate group, if any;
-the result is added into the master shard's gradient.
+The unit's parameters are packed into one flat vector, zero-padded to a multiple of the shard group's size,
+and each rank keeps its slice: the master shard the optimizer updates. Padding gets zero gradients and so
+stays zero under elementwise optimizers (SGD, Adam, AdamW; LAMB's per-tensor norms would see the flat shard
+instead of the tensors). Freeing leaves each module Parameter an empty (0,) placeholder, so a layer that
+computes with a freed parameter fails on the shape instead of computing with stale values (though ``.sum()``
+of an empty array is 0: code outside a unit's forward and backward must use ``gather_parameters()``).
 
 [Note: an optimizer over the module's own Parameters]
-``optim.SGD(model.parameters())`` instead of ``optim.SGD(fsdp.parameters())``
-would update nothing: the module Parameters hold placeholders between
-gathers, and their gradients went into the shards. So instead of None, a
-reduced module Parameter's ``grad`` is a ``MovedGradient``: an empty array
-whose arithmetic raises ``UsageError`` naming the parameter, its unit and
-what to pass instead. The optimizer's first ``step()`` computes with it and
-raises, on every rank alike (every rank runs the same step), before it has
-changed anything; FSDP drops these markers before each backward, and
-``zero_grad`` drops them too.
+``optim.SGD(model.parameters())`` instead of ``optim.SGD(fsdp.parameters())`` would silently update
+nothing: the module Parameters hold placeholders and their gradients went into the shards. So a reduced
+module Parameter's ``grad`` is a ``MovedGradient`` whose arithmetic raises ``UsageError`` naming what to pass
+instead; the optimizer's first ``step()`` raises on every rank alike, before it changes anything.
 
 [Note: shards in shared memory]
-When the shard group is one node's (and ``shm_collectives`` is not "off"),
-the master shards that are gathered as they are (host arrays, no cast to
-another compute dtype) and add up to at least ``SHARED_SHARDS_MIN_BYTES``
-move into one shared-memory window when FSDP is built
-(``share_shards``; collective, once). Each all-gather then copies every
-rank's shard straight from where it lies into the gathered array: one copy
-per byte, no copy into the slots first (``collectives.shm_path``). The
-optimizer updates the shards in place, so they stay there. A ``/dev/shm``
-too small for the window is refused on every rank alike
-(``SharedMemoryError``, before anything is written): the shards then stay in
-private memory, with a warning, as they would on several nodes.
+When the shard group is one node's and the shards are gathered as they are (no cast, host arrays) and reach
+``SHARED_SHARDS_MIN_BYTES``, they move into one shared-memory window, so each all-gather copies every rank's
+shard straight into the gathered array: one copy per byte. A too small ``/dev/shm`` is refused on every rank
+alike, and the shards stay private with a warning.
 
 [Note: placement]
-Device (cupy) models may keep the master shards in host memory
-(``CPUOffload``): the shard is copied to the device for each gather, and the
-reduced gradient shard back to the host. For host (numpy) models placement
-is the identity: no array is copied.
+Device models may keep the master shards in host memory (``CPUOffload``): the shard is copied to the device
+for each gather and the reduced gradient back. For host models placement copies nothing.
 """
 from __future__ import annotations
 
@@ -76,12 +44,7 @@ from .config import CPUOffload
 
 
 class Placement:
-    """Where master shards live (see the module note).
-
-    Args:
-        offload: the CPUOffload option.
-        ops: the flat-buffer operations of the model's memory (host or device).
-    """
+    """Where master shards live (see the module note), for ``offload`` and the model's memory ``ops``."""
 
     def __init__(self, offload: CPUOffload, ops: FlatOps):
         self.offload = offload
@@ -114,11 +77,10 @@ SHARED_SHARDS_MIN_BYTES = 1 << 20
 
 
 def share_shards(units: List["FlatUnit"], group: Any) -> bool:
-    """Move the units' master shards into one shared window of ``group`` (see the note); True if they moved.
+    """Collective: move the units' master shards into one shared window of ``group``; True if they moved.
 
-    Collective over the group: every rank has the same units with shards of
-    the same sizes, so every rank decides alike and the shards sit at the
-    same offsets of every rank's segment.
+    Every rank has the same units and shard sizes, so every rank decides alike and the shards sit at the same
+    offsets of every rank's segment.
     """
     if group is None or group.size == 1:
         return False
@@ -144,11 +106,7 @@ def share_shards(units: List["FlatUnit"], group: Any) -> bool:
 
 
 class MovedGradient(np.ndarray):
-    """A module Parameter's ``grad`` after FSDP reduced it into its unit's shard (see the note).
-
-    An empty array; any arithmetic on it (an optimizer's update, a norm)
-    raises ``UsageError`` with ``message``.
-    """
+    """A module Parameter's ``grad`` after FSDP reduced it into its unit's shard; arithmetic raises ``UsageError``."""
 
     message = "this gradient was reduced into an FSDP shard; step an optimizer over fsdp.parameters()"
 
@@ -195,15 +153,9 @@ class FlatUnit:
 
     Args:
         name: the unit's module name ("" for the root's own parameters).
-        module: the unit's module (its forward and backward get wrapped).
         named_params: ``(name, Parameter)`` of the unit, one dtype.
         shard_group: group the flat parameter is sharded over, or None (this rank alone).
         replicate_group: group the gradient shard is averaged over afterwards, or None.
-        compute_dtype: dtype the gathered parameters compute in.
-        reduce_dtype: dtype the gradients are reduced in.
-        placement: where the master shard lives.
-        tracker: the MemoryTracker to report transient arrays to.
-        counter: the CommCounter to record collectives in.
     """
 
     def __init__(self, name: str, module: Any, named_params: List[Tuple[str, Parameter]], shard_group: Any,
@@ -366,8 +318,7 @@ class FlatUnit:
     def start_reduction(self) -> "PendingReduction":
         """Pack the module gradients (zeros where None), replace them by markers, start the reduce-scatter.
 
-        Returns:
-            The reduction in flight; ``finish()`` adds the result into the master shard's gradient.
+        ``finish()`` on the result adds it into the master shard's gradient.
         """
         # The module gradients in the compute dtype, as many bytes as the parameters (FlatShard.pack
         # takes a missing gradient as zeros and casts another dtype on the way).
@@ -409,13 +360,10 @@ class FlatUnit:
         return min(self.start, self.numel), min(self.stop, self.numel)
 
     def held_spans(self) -> List[Tuple[int, int, int, int]]:
-        """What of each module Parameter this rank's master shard holds.
+        """``(i, start, stop, at)`` per parameter ``i`` with elements in this rank's master shard.
 
-        Returns:
-            ``(i, start, stop, at)`` per parameter ``i`` of the unit that has
-            elements in the shard: elements ``[start, stop)`` of the C-order
-            flattening of parameter ``i`` (of shape ``layout.shapes[i]``) are
-            ``shard.data[at:at + stop - start]``. Padding is in no span.
+        Elements ``[start, stop)`` of parameter ``i``'s C-order flattening are ``shard.data[at:at + stop - start]``;
+        padding is in no span.
         """
         return self.flat.spans(self.shard_rank)
 

@@ -1,27 +1,15 @@
 """Per-rank memory of sharded data parallelism: the ZeRO formulas, and what a rank really holds.
 
 [Note: the ZeRO formulas]
-With Psi parameters, N ranks, and per parameter ``param_bytes`` for the
-parameters, ``grad_bytes`` for the gradients and K = ``optimizer_bytes`` for
-the optimizer state (mixed-precision Adam: 2 + 2 + 12, where the 12 are the
-float32 master copy, momentum and variance), each rank holds
-
-- stage 0 (plain data parallelism): ``(2 + 2 + K) Psi``;
-- stage 1 (optimizer state sharded): ``(2 + 2) Psi + K Psi / N``;
-- stage 2 (and gradients): ``2 Psi + (2 + K) Psi / N``;
-- stage 3 (and parameters): ``(2 + 2 + K) Psi / N``.
-
-(Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion
-Parameter Models", 2020, figure 1: 7.5B parameters on 64 ranks take 120 GB,
-31.4 GB, 16.6 GB and 1.9 GB per rank.)
+With Psi parameters, N ranks and K optimizer bytes per parameter (mixed-precision Adam: 2 + 2 + 12), a rank
+holds ``(2 + 2 + K) Psi`` at stage 0, ``(2 + 2) Psi + K Psi / N`` at stage 1, ``2 Psi + (2 + K) Psi / N`` at
+stage 2 and ``(2 + 2 + K) Psi / N`` at stage 3 (Rajbhandari et al., "ZeRO", 2020, figure 1: 7.5B parameters
+on 64 ranks take 120 GB, 31.4 GB, 16.6 GB and 1.9 GB per rank).
 
 [Note: measured memory]
-``MemoryTracker`` counts the bytes of arrays FSDP itself allocates and
-drops while it runs (gathered parameters, unsharded gradients on their way to
-the reduce-scatter, communication copies), and keeps the peak of that sum
-together with the persistent arrays (parameter shards, gradient shards)
-measured at each event from the arrays themselves. Activations belong to the
-model and are not counted.
+``MemoryTracker`` counts the arrays FSDP itself allocates and drops (gathered parameters, unsharded
+gradients, communication copies) and keeps the peak of that sum with the persistent shards. Activations
+belong to the model and are not counted.
 """
 from __future__ import annotations
 
@@ -36,10 +24,7 @@ class FSDPMemoryStats:
     """Per-rank bytes of parameters, gradients and optimizer state (see the module note).
 
     Attributes:
-        param_bytes: bytes of parameters per rank.
-        grad_bytes: bytes of gradients per rank.
-        optimizer_bytes: bytes of optimizer state per rank.
-        total_bytes: their sum.
+        param_bytes, grad_bytes, optimizer_bytes: bytes per rank; ``total_bytes`` their sum.
         stage: the ZeRO stage (0-3).
         world_size: number of ranks sharing the state.
         num_params: number of parameters of the model.
@@ -67,18 +52,11 @@ class FSDPMemoryStats:
 
         Args:
             num_params: parameters of the model (int or float, e.g. 7.5e9).
-            world_size: ranks sharing the state, >= 1.
             stage: 0 (DDP), 1 (optimizer state), 2 (and gradients) or 3 (and parameters).
-            param_bytes: bytes per parameter (2 for float16 parameters).
-            grad_bytes: bytes per gradient element.
-            optimizer_bytes: K, bytes of optimizer state per parameter (12 for
-                mixed-precision Adam: float32 master, momentum, variance).
+            param_bytes, grad_bytes: bytes per parameter and per gradient element (2 for float16).
+            optimizer_bytes: K, bytes of optimizer state per parameter (12 for mixed-precision Adam).
 
-        Returns:
-            The per-rank figures.
-
-        Raises:
-            ConfigurationError: a negative size, world_size < 1 or a stage outside 0-3.
+        Raises ConfigurationError for a negative size, ``world_size`` < 1 or a stage outside 0-3.
         """
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ConfigurationError(f"world_size must be a positive int, got {world_size!r}")
@@ -113,11 +91,7 @@ class FSDPMemoryStats:
 
 
 class MemoryTracker:
-    """Current and peak bytes of FSDP's arrays (see the module note).
-
-    Args:
-        persistent: returns the bytes of the persistent arrays by category, now.
-    """
+    """Current and peak bytes of FSDP's arrays; ``persistent()`` gives the persistent arrays' bytes now."""
 
     def __init__(self, persistent: Callable[[], Dict[str, int]]):
         self._persistent = persistent
@@ -158,12 +132,9 @@ class MemoryTracker:
 class CommCounter:
     """Collectives FSDP issued, and the bytes each rank sends for them.
 
-    The bytes are those a bandwidth-optimal algorithm (ring or
-    recursive halving/doubling) sends per rank for the buffer sizes FSDP
-    really passed: ``(S - 1) / S`` of the full buffer for an all-gather or a
-    reduce-scatter over S ranks, twice that for an all-reduce. They are
-    counted from the calls, not sniffed from the wire: an MPI library may
-    pick another algorithm.
+    The bytes a bandwidth-optimal algorithm sends per rank: ``(S - 1) / S`` of the full buffer for an all-gather
+    or reduce-scatter over S ranks, twice that for an all-reduce. Counted from the calls, not the wire: an MPI
+    library may pick another algorithm.
     """
 
     FACTORS = {"all_gather": 1.0, "reduce_scatter": 1.0, "all_reduce": 2.0}

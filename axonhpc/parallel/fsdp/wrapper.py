@@ -1,20 +1,12 @@
 """FullyShardedDataParallel: ZeRO-2/3 sharding of parameters, gradients and optimizer state.
 
-[Note: units and hooks]
-The model is cut into units (``units.py``), each one padded flat parameter
-sharded over the group (``FlatUnit``, ``flat_param.py``). FSDP wraps each
-unit module's ``forward`` and ``backward`` to gather its parameters just in
-time, prefetch the next units, free them and reduce-scatter the gradients
-(``UnitHooks``, ``hooks.py``, which holds the full note).
+The model is cut into units (``units.py``), each one padded flat parameter sharded over the group
+(``flat_param.py``); ``hooks.py`` gathers, prefetches, frees and reduce-scatters around each unit.
 
 [Note: mixed precision]
-With ``MixedPrecision(param_dtype=float16)`` the shards are cast to float16
-before the all-gather (half the traffic), the forward and backward run in
-float16, gradients are reduced in ``reduce_dtype``, and the result is added
-into the float32 master gradient shard. Floating inputs are cast to
-``param_dtype`` on the way in and the output back to the master dtype on the
-way out, so the loss is computed in full precision; ``backward`` casts the
-incoming gradient down again. Pair float16 with ``GradScaler``.
+With ``MixedPrecision(param_dtype=float16)`` the shards are cast to float16 before the all-gather (half the
+traffic), gradients are reduced in ``reduce_dtype`` and added into the float32 master shard. The output is
+cast back to the master dtype so the loss is computed in full precision. Pair float16 with ``GradScaler``.
 """
 from __future__ import annotations
 
@@ -44,33 +36,22 @@ from ..wrapping import WrapperModes
 class FullyShardedDataParallel(WrapperModes):
     """Sharded data parallelism (ZeRO-2/3, hybrid) over a process group.
 
-    Used like DDP: ``out = fsdp(x); fsdp.backward(grad)``, with the optimizer
-    built over ``fsdp.parameters()`` (this rank's master shards). Wrapping
-    copies rank 0's parameter values to every rank, then shards them.
+    Used like DDP: ``out = fsdp(x); fsdp.backward(grad)``, with the optimizer built over ``fsdp.parameters()``
+    (this rank's master shards). Wrapping copies rank 0's parameter values to every rank, then shards them.
 
     Args:
         module: the model (an ``axonhpc.nn.Module``).
-        group: the process group (None: the current world's).
-        sharding_strategy: a ``ShardingStrategy`` (or its name).
-        cpu_offload: a ``CPUOffload`` (or its name, or a bool).
-        mixed_precision: a ``MixedPrecision``, or None for none.
-        units: the submodules to wrap as units (None: each top-level child
-            with parameters).
-        ranks_per_node: HYBRID_SHARD only: shard over consecutive blocks of
-            this many group ranks instead of the nodes MPI reports (lets one
-            machine act as several nodes).
-        prefetch: how many units ahead to gather while the current unit
-            computes (0: none); at most ``1 + prefetch`` units are gathered at once.
+        sharding_strategy, cpu_offload: a ``ShardingStrategy`` / ``CPUOffload`` or its name (a bool for offload).
+        units: the submodules to wrap as units (None: each top-level child with parameters).
+        ranks_per_node: HYBRID_SHARD only: shard over blocks of this many consecutive group ranks instead of
+            the nodes MPI reports (lets one machine act as several nodes).
+        prefetch: units gathered ahead while one computes; at most ``1 + prefetch`` are gathered at once.
 
     Raises:
-        ConfigurationError: before any communication but the model check,
-            for a bad option, a model without parameters, units that are not
-            disjoint submodules, a unit mixing dtypes, or a group that
-            ``ranks_per_node`` does not divide.
-        ModelMismatchError: the ranks of the group hold different models
-            (parameter names, shapes, dtypes, units), or another rank's model
-            failed the checks above; raised on every rank before anything
-            else is sent.
+        ConfigurationError: before any communication but the model check, for a bad option, a model without
+            parameters, overlapping units, a unit mixing dtypes, or a group ``ranks_per_node`` does not divide.
+        ModelMismatchError: the ranks hold different models (or another rank failed the checks above); raised
+            on every rank before anything else is sent.
     """
 
     def __init__(self, module: Any, group: Any = None, sharding_strategy: Any = ShardingStrategy.FULL_SHARD,
@@ -170,11 +151,7 @@ class FullyShardedDataParallel(WrapperModes):
         return self.forward(*args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the model with each unit gathered just in time (see the note in ``hooks.py``).
-
-        Returns:
-            The model's output (cast to the master dtype under mixed precision).
-        """
+        """Run the model with each unit gathered just in time; the output is in the master dtype."""
         self._hooks.start_forward()
         if self.compute_dtype is not None:
             args = tuple(cast(a, self.compute_dtype) for a in args)
@@ -187,18 +164,9 @@ class FullyShardedDataParallel(WrapperModes):
     def backward(self, grad_out: Any, input_grad: bool = True) -> Any:
         """Backward through the model; on return the master shards hold the averaged gradients.
 
-        Inside ``no_sync()`` gradients only accumulate, unsharded, in the
-        module's Parameters; the next backward outside (or ``sync_gradients``)
-        reduces the sum. Gradients add into the master shards' ``grad`` until
-        the optimizer's ``zero_grad``.
-
-        Args:
-            grad_out: d loss / d output.
-            input_grad: False passes ``input_grad=False`` on to the model
-                (see ``nn.Module.backward``): its first layer may skip d loss / d input.
-
-        Returns:
-            The gradient with respect to the model's input (possibly None with ``input_grad=False``).
+        Inside ``no_sync()`` gradients only accumulate, unsharded, in the module's Parameters; the next backward
+        outside (or ``sync_gradients``) reduces the sum. ``input_grad=False`` lets the first layer skip d loss /
+        d input (the result may then be None). Gradients add into the shards' ``grad`` until ``zero_grad``.
         """
         if self.compute_dtype is not None:
             grad_out = cast(grad_out, self.compute_dtype)
@@ -208,15 +176,9 @@ class FullyShardedDataParallel(WrapperModes):
     def register_comm_hook(self, state: Any, hook: Any) -> None:
         """Average each unit's gradient with ``hook(state, bucket)`` instead of a reduce-scatter.
 
-        ``bucket.kind`` is "reduce_scatter": the hook's ``Work`` must return
-        this rank's averaged part of ``bucket.buffer`` (see
-        ``parallel.comm_hooks``; ``fp16_compress_hook`` and
-        ``bf16_compress_hook`` send 16-bit floats). Replicas of HYBRID_SHARD
-        are still averaged with a plain all-reduce afterwards.
-
-        Raises:
-            ConfigurationError: a hook is already registered.
-            ArgumentTypeError: ``hook`` is not callable (a ``TypeError``).
+        ``bucket.kind`` is "reduce_scatter": the hook's ``Work`` must return this rank's averaged part of
+        ``bucket.buffer`` (see ``parallel.comm_hooks``). HYBRID_SHARD replicas are still all-reduced afterwards.
+        Raises ConfigurationError if a hook is registered already, ArgumentTypeError if ``hook`` is not callable.
         """
         if not callable(hook):
             raise ArgumentTypeError(f"a communication hook must be callable, got {type(hook).__name__}")
@@ -240,13 +202,8 @@ class FullyShardedDataParallel(WrapperModes):
     def gather_parameters(self) -> Any:
         """Collective: the module's Parameters hold the full values until ``reshard_parameters()``.
 
-        Usable as a context manager (``with fsdp.gather_parameters(): ...``)
-        that reshards on exit, e.g. for evaluation or for reading the
-        weights. Changes written into the gathered arrays are not written
-        back to the shards; use ``load_state_dict`` for that.
-
-        Returns:
-            A context manager that calls ``reshard_parameters()`` on exit.
+        Returns a context manager that reshards on exit (``with fsdp.gather_parameters(): ...``). Changes written
+        into the gathered arrays are not written back to the shards; use ``load_state_dict`` for that.
         """
         self._hooks.gather_all()
         return self._resharding_on_exit()
@@ -259,19 +216,9 @@ class FullyShardedDataParallel(WrapperModes):
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> float:
         """Collective: scale the gradient shards so the global gradient norm is at most ``max_norm``.
 
-        The norm is that of all gradients of the model together, computed
-        from the shards (each element counted once) and reduced across the
-        shard group: the same number single-process ``clip_grad_norm`` gives.
-
-        Args:
-            max_norm: largest allowed norm.
-            norm_type: p of the p-norm; ``float("inf")`` for the largest absolute value.
-
-        Returns:
-            The global norm before clipping.
-
-        Raises:
-            InvalidArgumentError: ``norm_type`` is not positive (a ``ValueError``).
+        The norm of all the model's gradients, each element counted once: the number single-process
+        ``clip_grad_norm`` gives. Returns it (before clipping). ``norm_type`` is p (``inf`` for the max); a
+        non-positive one raises InvalidArgumentError.
         """
         grads = [u.shard.grad for u in self._units if u.shard.grad is not None]
         return clip_grad_norm(grads, max_norm, norm_type, self.shard_group, self._master_ops.xp)
@@ -301,14 +248,8 @@ class FullyShardedDataParallel(WrapperModes):
     def memory_stats(self, optimizer: Any = None) -> Dict[str, int]:
         """Bytes this rank holds now and at its peak, counted from the arrays FSDP owns.
 
-        Args:
-            optimizer: the optimizer over ``fsdp.parameters()``; its state
-                arrays are counted (now, and as present throughout for the peak).
-
-        Returns:
-            ``{"params", "grads", "optimizer", "gathered_params",
-            "unsharded_grads", "communication", "current", "peak"}`` in bytes
-            (see ``memory``'s note for what is counted).
+        Returns ``{"params", "grads", "optimizer", "gathered_params", "unsharded_grads", "communication",
+        "current", "peak"}``; ``optimizer``'s state arrays are counted when given.
         """
         return memory_stats(self._tracker, optimizer)
 
@@ -317,18 +258,10 @@ class FullyShardedDataParallel(WrapperModes):
         self._tracker.reset_peak()
 
     def memory_estimate(self, optimizer_bytes: Optional[float] = None) -> FSDPMemoryStats:
-        """The ZeRO-formula estimate for this model, shard group and strategy.
+        """The per-rank ZeRO-formula estimate for this model, shard group and strategy.
 
-        Parameters and gradients count the master dtype's bytes (the shards
-        FSDP keeps); the stage is 3 for FULL_SHARD and HYBRID_SHARD (over the
-        node group), 2 for SHARD_GRAD_OP, 0 for NO_SHARD.
-
-        Args:
-            optimizer_bytes: K, optimizer bytes per parameter (None: two
-                master-dtype words, Adam's moments).
-
-        Returns:
-            The per-rank ``FSDPMemoryStats``.
+        The stage is 3 for FULL_SHARD and HYBRID_SHARD, 2 for SHARD_GRAD_OP, 0 for NO_SHARD. ``optimizer_bytes``:
+        optimizer bytes per parameter (None: two master-dtype words, Adam's moments).
         """
         return memory_estimate(self, optimizer_bytes)
 
@@ -336,12 +269,7 @@ class FullyShardedDataParallel(WrapperModes):
     def full_state_dict(self, rank0_only: bool = True) -> "OrderedDict[str, Any]":
         """Collective: the model's full state dict (names and order of ``module.state_dict()``).
 
-        Args:
-            rank0_only: build it on group rank 0 only (the others return an
-                empty dict and hold no full copy).
-
-        Returns:
-            name -> numpy/cupy array (master dtype), or an empty dict off rank 0 with ``rank0_only``.
+        With ``rank0_only`` only group rank 0 builds it; the others return an empty dict and hold no full copy.
         """
         return full_state_dict(self, rank0_only)
 
@@ -352,47 +280,23 @@ class FullyShardedDataParallel(WrapperModes):
     def sharded_state_dict(self, optimizer: Any = None) -> Dict[str, Any]:
         """This rank's shards (and optimizer state shards) with their global index ranges.
 
-        Plain data (arrays, numbers, strings, lists, dicts) that ``checkpoint.save``
-        stores; ``load_state_dict`` on any world size accepts a list of them.
-
-        Args:
-            optimizer: the optimizer over ``fsdp.parameters()``, or None.
-
-        Returns:
-            See ``state.sharded_state``.
+        Plain data that ``checkpoint.save`` stores; ``load_state_dict`` at any world size accepts a list of them.
         """
         return sharded_state(self, optimizer)
 
     def load_state_dict(self, state: Any, optimizer: Any = None) -> None:
         """Load a full state dict, a sharded state dict, or a list of sharded ones (any world size).
 
-        A full state dict (name -> array, as ``module.state_dict()``) must be
-        given on every rank; each keeps its slice. Sharded dicts saved on N
-        ranks are reassembled for this group's shards whatever N was, with
-        the optimizer state when ``optimizer`` is given.
-
-        Args:
-            state: the state to load.
-            optimizer: the optimizer over ``fsdp.parameters()`` (sharded state only).
-
-        Raises:
-            StateDictError: before anything changes, for missing or
-                mismatched entries, or shards that do not cover this rank's range.
+        A full state dict must be given on every rank; each keeps its slice. Sharded dicts saved on N ranks are
+        reassembled for this group's shards, with the optimizer state when ``optimizer`` is given. Raises
+        StateDictError, before anything changes, for missing or mismatched entries or an uncovered range.
         """
         self.prepare_load(state, optimizer)()
 
     def prepare_load(self, state: Any, optimizer: Any = None) -> Callable[[], None]:
-        """Check ``state`` as ``load_state_dict`` would, and return the function that loads it.
+        """Check ``state`` as ``load_state_dict`` would, and return ``apply()``, which loads it.
 
-        Nothing changes until the returned function is called, so a
-        collective loader can make every rank agree first (see
-        ``checkpoint.load_sharded``).
-
-        Returns:
-            ``apply()``, which copies the values in and drops gathered parameters.
-
-        Raises:
-            StateDictError: as ``load_state_dict``.
+        Nothing changes until ``apply()`` is called, so a collective loader can make every rank agree first.
         """
         return prepare_load(self, state, optimizer)
 

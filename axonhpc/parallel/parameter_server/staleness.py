@@ -1,38 +1,17 @@
 """StalenessBound: the bookkeeping that keeps an asynchronous server's gradients at most k updates stale.
 
 [Note: what is counted]
-A server's ``version`` is the number of optimizer updates it has applied. A
-worker's gradient is computed on the parameters it last pulled, of version
-``base``; if the server applies it when its version is ``V`` (before the
-update), its staleness is ``V - base``: the number of other updates applied
-in between. The bound is ``V - base <= k`` for every applied gradient.
+A server's ``version`` is the number of updates it has applied. A gradient computed on version ``base`` and
+applied at version ``V`` has staleness ``V - base``; the bound is ``V - base <= k`` for every applied one.
 
 [Note: outstanding gradients and the admission rule]
-From the moment a pull is answered until the gradient computed on it has
-been applied, the worker has one *outstanding* gradient on the server: in
-flight (the worker is computing it) or buffered (received, not applied).
-Each outstanding gradient has a deadline ``base + k``: the last version at
-which it may still be applied. Applying one gradient per version, a set of
-outstanding gradients can all meet their deadlines iff, sorted by ``base``,
-the i-th (from 0) satisfies ``V + i - base_i <= k`` (earliest deadline
-first is an optimal order for unit jobs). The server keeps that true:
-
-- a pull is answered only if the worker has no outstanding gradient and at
-  most ``k`` other gradients are outstanding (the new one, the newest, then
-  meets its deadline behind all of them); otherwise the pull waits;
-- a received gradient is applied at once if the others still outstanding
-  stay feasible at ``V + 1``; otherwise it waits in the buffer until the
-  older gradients it would overtake have arrived. The earliest-deadline
-  buffered gradient is always applicable once it is the oldest outstanding
-  one, so the buffer empties as soon as the workers computing the older
-  gradients deliver them.
-
-So k = 0 lets one worker compute at a time (staleness 0 means no other
-update in between); with k >= workers - 1 a pull never waits for room, only
-for the worker's own buffered gradient; and fast workers run at most k
-updates ahead of the slowest one. Nothing here communicates:
-``ParameterServer`` feeds it the requests as they arrive and does what it
-says, and the tests drive it with random schedules.
+From an answered pull until its gradient is applied, the worker has one outstanding gradient, with deadline
+``base + k``. Applying one gradient per version, outstanding gradients can all meet their deadlines iff,
+sorted by ``base``, the i-th satisfies ``V + i - base_i <= k`` (earliest deadline first is optimal for unit
+jobs). The server keeps that true: a pull is answered only if at most ``k`` other gradients are outstanding;
+a received gradient is applied at once only if the others stay feasible at ``V + 1``, else it waits until the
+older ones it would overtake arrive. So k = 0 lets one worker compute at a time, and fast workers run at most
+k updates ahead of the slowest. Nothing here communicates, so tests drive it with random schedules.
 """
 from __future__ import annotations
 
@@ -45,8 +24,7 @@ class StalenessBound:
     """One server's versions and outstanding gradients under a staleness bound (see the module notes).
 
     Args:
-        max_staleness: the bound ``k`` (an int >= 0), or None for no bound
-            (every pull is answered and every gradient applied at once).
+        max_staleness: the bound ``k`` (an int >= 0), or None for no bound.
 
     Attributes:
         version: updates applied so far.
@@ -79,12 +57,7 @@ class StalenessBound:
         return all(version + i - base <= self.max_staleness for i, base in enumerate(sorted(bases)))
 
     def can_pull(self, worker: int) -> bool:
-        """Whether ``worker``'s pull may be answered now.
-
-        Returns:
-            False while the worker's previous gradient waits in the buffer, or
-            while more than ``max_staleness`` other gradients are outstanding.
-        """
+        """Whether ``worker``'s pull may be answered now (not while its gradient is buffered or k others are out)."""
         if worker in self._buffered:
             return False
         if self.max_staleness is None:
@@ -94,16 +67,9 @@ class StalenessBound:
 
     # -- events ------------------------------------------------------------------------------------
     def pull(self, worker: int) -> int:
-        """Answer ``worker``'s pull: its next gradient will be computed on the current version.
+        """Answer ``worker``'s pull; returns the version handed out (UsageError unless ``can_pull``).
 
-        A gradient still in flight from an earlier pull is forgotten (the
-        worker pulled again instead of pushing it).
-
-        Returns:
-            The version handed out.
-
-        Raises:
-            UsageError: ``can_pull(worker)`` is False.
+        A gradient still in flight from an earlier pull is forgotten (the worker pulled again instead of pushing).
         """
         if not self.can_pull(worker):
             raise UsageError(f"pull of worker {worker} answered against the staleness bound "
@@ -113,26 +79,14 @@ class StalenessBound:
         return self.version
 
     def push(self, worker: int, payload: Any = None) -> int:
-        """A gradient of ``worker`` arrived: buffer it until ``ready()`` says it may be applied.
-
-        Returns:
-            The version the gradient was computed on.
-
-        Raises:
-            UsageError: the worker has no gradient in flight (it did not pull
-                since its last push).
-        """
+        """A gradient of ``worker`` arrived: buffer it; returns its base version (UsageError if none was in flight)."""
         if worker not in self._base or worker in self._buffered:
             raise UsageError(f"worker {worker} pushed a gradient without pulling since its last push")
         self._buffered[worker] = payload
         return self._base[worker]
 
     def ready(self) -> Optional[int]:
-        """The buffered gradient to apply next, or None if each would break the bound.
-
-        Candidates are tried oldest first (by base version, then worker), so
-        the result is a pure function of the state.
-        """
+        """The buffered gradient to apply next (oldest first, deterministic), or None if each would break the bound."""
         for worker in sorted(self._buffered, key=lambda w: (self._base[w], w)):
             rest = [b for w, b in self._base.items() if w != worker]
             if self._feasible(rest, self.version + 1):
@@ -140,14 +94,7 @@ class StalenessBound:
         return None
 
     def apply(self, worker: int) -> Tuple[Any, int]:
-        """Apply ``worker``'s buffered gradient: the version advances by one.
-
-        Returns:
-            (the payload given to ``push``, the gradient's staleness).
-
-        Raises:
-            UsageError: nothing is buffered for ``worker``.
-        """
+        """Apply ``worker``'s buffered gradient; returns (its ``push`` payload, its staleness). UsageError if none."""
         if worker not in self._buffered:
             raise UsageError(f"worker {worker} has no buffered gradient to apply")
         staleness = self.version - self._base.pop(worker)

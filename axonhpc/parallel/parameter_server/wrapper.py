@@ -55,17 +55,10 @@ def _check_optimizer_class(optimizer_class: Any) -> type:
 class ParameterServer:
     """Parameter server training: servers hold the parameter shards and the optimizer, workers compute.
 
-    Built on every rank of ``group``. The last ``num_servers`` ranks are
-    servers: each owns one contiguous slice of every dtype's flattened
-    parameters and runs ``optimizer_class`` on it. The other ranks are
-    workers: they ``pull()`` fresh parameters into their model, run forward
-    and backward on their own data, and ``push()`` the gradients (each
-    server receives the slice it owns); ``step()`` is ``push()`` then
-    ``pull()``. Servers call ``serve()``, which answers the workers until
-    every worker has finished (``finish()``, or leaving ``with ps:``).
-    See docs/parameter-server.md and the notes in this module.
-
-    A worker's loop::
+    Built on every rank of ``group``. The last ``num_servers`` ranks are servers, each owning one slice of every
+    dtype's flattened parameters and running ``optimizer_class`` on it; they call ``serve()``, which answers until
+    every worker has finished. Workers ``pull()`` parameters, compute gradients on their own data and ``push()``
+    them; ``step()`` is ``push()`` then ``pull()``. See docs/parameter-server.md::
 
         with ps:
             if ps.is_server:
@@ -78,49 +71,27 @@ class ParameterServer:
                     ps.step()
         # here every rank's model holds the final parameters
 
-    ``mode="sync"``: every update averages one gradient from each worker
-    (summed in worker order, divided by their number) and a pull after a
-    push returns the parameters after that update, so training equals DDP
-    over the workers. ``mode="async"``: each gradient is divided by the
-    number of workers and applied as it arrives, subject to
-    ``max_staleness``: a gradient is applied at most ``max_staleness``
-    server updates after the pull it was computed on; pulls (and gradients
-    that would overtake older ones) wait as needed to guarantee it.
+    ``mode="sync"``: every update averages one gradient from each worker, in worker order, so training equals DDP
+    over the workers. ``mode="async"``: each gradient (divided by the number of workers) is applied as it
+    arrives, at most ``max_staleness`` server updates after the pull it was computed on (None: no bound; must be
+    0 in sync mode); pulls and overtaking gradients wait as needed.
 
     Args:
-        model: the model (an ``axonhpc.nn.Module``), built on every rank;
-            group rank 0's parameter values are copied to every rank.
-        group: the process group (None: the current world's); at least 2 ranks.
-        num_servers: how many of the group's last ranks are servers, in
-            ``[1, group.size - 1]``.
-        mode: "sync" or "async".
-        max_staleness: async only: the largest number of server updates
-            allowed between a worker's pull and the application of the
-            gradient computed on it (an int >= 0, or None for no bound).
-            Must be 0 in sync mode.
-        optimizer_class: an ``axonhpc.optim.Optimizer`` subclass the servers
-            run over their slices (``optim.SGD``, ``optim.Adam``); required.
-        **optimizer_args: its hyperparameters (``lr=0.1``, ``momentum=0.9``).
+        model: an ``axonhpc.nn.Module`` built on every rank; group rank 0's values are copied to every rank.
+        num_servers: how many of the group's last ranks are servers, in ``[1, group.size - 1]``.
+        optimizer_class: an ``axonhpc.optim.Optimizer`` subclass (required); ``**optimizer_args`` its
+            hyperparameters.
 
     Attributes:
-        model: the model.
-        group: the process group.
-        mode: "sync" or "async".
-        max_staleness: the bound (0 in sync mode, None for unbounded async).
-        num_servers, num_workers: the role counts.
-        server_index: this rank's server number, or None on a worker.
-        worker_index: this rank's worker number, or None on a server.
+        model, group, mode, max_staleness, num_servers, num_workers: as given or derived.
+        server_index, worker_index: this rank's number in its role, None in the other.
         optimizer: on a server, the optimizer over its slices; None on workers.
 
     Raises:
-        ConfigurationError: a model without parameters, a group of one rank,
-            ``num_servers`` outside ``[1, size - 1]``, an unknown mode, a bad
-            ``max_staleness``, a missing or unusable optimizer class, or
-            hyperparameters the optimizer rejects. Raised on every rank
-            before anything is sent.
-        UnsupportedDtypeError, NonContiguousBufferError, ReadOnlyBufferError:
-            a parameter cannot be sent or received in place.
-        TypeError: ``group`` is neither a ProcessGroup nor None.
+        ConfigurationError: a model without parameters, a group of one rank, a bad ``num_servers``, mode,
+            ``max_staleness`` or optimizer; raised on every rank before anything is sent.
+        UnsupportedDtypeError, NonContiguousBufferError, ReadOnlyBufferError: a parameter cannot be sent or
+            received in place.
         NotAMemberError: this rank is not in ``group``.
     """
 
@@ -197,11 +168,7 @@ class ParameterServer:
         return self.server_index is None
 
     def server_rank(self, server: int) -> int:
-        """The group rank of server ``server`` (``num_workers + server``).
-
-        Raises:
-            ConfigurationError: ``server`` is not in ``[0, num_servers)``.
-        """
+        """The group rank of server ``server`` (``num_workers + server``); ConfigurationError if out of range."""
         if isinstance(server, bool) or not hasattr(server, "__index__") or not 0 <= int(server) < self.num_servers:
             raise ConfigurationError(f"{NAME}: server index {server!r} is out of range [0, {self.num_servers})")
         return self.num_workers + int(server)
@@ -223,46 +190,32 @@ class ParameterServer:
     def pull(self) -> None:
         """Fetch the servers' current parameters into the model (in place).
 
-        In sync mode, after a push this waits until the update that includes
-        it is applied; in async mode it may wait for the staleness bound.
-
-        Raises:
-            ParameterServerError: called on a server, or after ``finish()``.
-            PeerFailedError: the servers stopped the run (another rank failed).
+        In sync mode, after a push this waits for the update that includes it; in async mode it may wait for the
+        staleness bound. Raises ParameterServerError on a server or after ``finish()``; PeerFailedError if the
+        servers stopped the run.
         """
         self._worker_for("pull").pull()
 
     def push(self) -> None:
         """Send the model's gradients: each server gets the slice it owns.
 
-        A parameter whose ``grad`` is None counts as a zero gradient. The
-        gradients are not reset; zero them (``ps.zero_grad()``) before the
-        next backward.
+        A ``grad`` of None counts as zero. The gradients are not reset (``ps.zero_grad()`` before the next backward).
 
         Raises:
-            ParameterServerError: called on a server, after ``finish()``,
-                without a ``pull()`` since the previous push (a gradient must be
-                computed on pulled parameters), or with no gradient at all.
+            ParameterServerError: on a server, after ``finish()``, with no ``pull()`` since the previous push (a
+                gradient must be computed on pulled parameters), or with no gradient at all.
             ShapeError: a gradient's shape differs from its parameter's.
             PeerFailedError: the servers stopped the run.
         """
         self._worker_for("push").push()
 
     def step(self) -> None:
-        """``push()`` the gradients, then ``pull()`` the updated parameters.
-
-        Raises:
-            ParameterServerError, ShapeError, PeerFailedError: as ``push`` and ``pull``.
-        """
+        """``push()`` the gradients, then ``pull()`` the updated parameters (raising as those do)."""
         self.push()
         self.pull()
 
     def zero_grad(self, set_to_none: bool = False) -> None:
-        """Reset the model's gradients, as an optimizer's ``zero_grad`` would.
-
-        Args:
-            set_to_none: drop the gradient arrays instead of zeroing them.
-        """
+        """Reset the model's gradients, as an optimizer's ``zero_grad`` would (``set_to_none`` drops them)."""
         for p in self._params:
             if set_to_none:
                 p.grad = None
@@ -272,32 +225,17 @@ class ParameterServer:
     def finish(self, pull: bool = True) -> None:
         """Tell every server this worker is done; by default wait for the final parameters.
 
-        Calling it again does nothing.
-
-        Args:
-            pull: wait until every worker has finished, then load the
-                servers' final parameters into the model. False returns at once.
-
-        Raises:
-            ParameterServerError: called on a server.
-            PeerFailedError: the run was stopped because another rank failed.
+        With ``pull`` it waits until every worker has finished and loads the final parameters; False returns at
+        once. Calling it again does nothing. ParameterServerError on a server; PeerFailedError if the run stopped.
         """
         self._worker_for("finish").finish(pull)
 
     def abort(self, reason: str = "aborted by the caller") -> None:
         """Stop the run because of a failure on this rank; every other rank stops with ``PeerFailedError``.
 
-        On a worker this sends FAILED with ``reason`` to every server and
-        returns (nothing, if it already finished). On a server that has not
-        served, it answers every worker's next request with ABORT and
-        returns once each has stopped (``with ps:`` does this when the block
-        raises before ``serve()``).
-
-        Args:
-            reason: what went wrong, shown in the other ranks' errors.
-
-        Raises:
-            CollectiveTimeoutError: a server waited longer than the group's timeout.
+        A worker sends FAILED with ``reason`` to every server and returns. A server that has not served answers
+        every worker's next request with ABORT and returns once each has stopped (``with ps:`` does this when the
+        block raises before ``serve()``); CollectiveTimeoutError if that takes longer than the group's timeout.
         """
         if self.is_server:
             if not self._served:
@@ -310,14 +248,12 @@ class ParameterServer:
     def serve(self) -> Dict[str, Any]:
         """Answer the workers until every one has finished; then every rank's model holds the final values.
 
-        Returns:
-            ``stats()`` at the end.
+        Returns ``stats()`` at the end.
 
         Raises:
             ParameterServerError: called on a worker, or twice.
             PeerFailedError: a worker failed (after every worker has stopped).
-            CollectiveTimeoutError: no request arrived within the group's
-                timeout (``ax.settings.timeout``) while workers were open; the
+            CollectiveTimeoutError: no request arrived within the group's timeout while workers were open; the
                 message lists them as ``missing ranks``.
         """
         if not self.is_server:
@@ -333,17 +269,11 @@ class ParameterServer:
     def stats(self) -> Dict[str, Any]:
         """This rank's counters, as plain data.
 
-        Returns:
-            On a server: ``role`` "server", ``server_index``, ``mode``,
-            ``max_staleness``, ``version`` (updates applied), ``gradients``
-            (gradients applied), ``max_staleness_observed``,
-            ``staleness_histogram`` (staleness -> count), per-worker lists
-            ``pushes``, ``pulls``, ``applied``, and ``deferred_pulls`` (pulls
-            that had to wait), ``deferred_gradients`` (gradients that waited
-            in the buffer), ``failure`` (None or why the run stopped).
-            On a worker: ``role`` "worker", ``worker_index``, ``mode``,
-            ``pushes``, ``pulls``, ``versions`` (of each server's slice last
-            pulled), ``pull_wait_s`` (seconds spent in pulls).
+        On a server: ``role``, ``server_index``, ``mode``, ``max_staleness``, ``version`` (updates applied),
+        ``gradients``, ``max_staleness_observed``, ``staleness_histogram``, per-worker ``pushes``, ``pulls``,
+        ``applied``, ``deferred_pulls``, ``deferred_gradients``, and ``failure``. On a worker: ``role``,
+        ``worker_index``, ``mode``, ``pushes``, ``pulls``, ``versions`` (of each server's slice last pulled),
+        ``pull_wait_s``.
         """
         if self.is_server:
             return self._server.stats()

@@ -1,23 +1,8 @@
 """Pipeline parallelism: schedules as data, their simulator, and the executor that runs them over MPI.
 
-One concept a module, each importing only the ones listed before it:
-
-- ``schedules``: ``PipelineSchedule``, ``Action`` and ``pipeline_schedule``,
-  the per-rank action lists (pure data, no communication);
-- ``simulate``: ``simulate_pipeline`` replays action lists without MPI
-  (makespan, bubble, peak activations, deadlocks);
-- ``render``: ``format_schedule_table`` prints them as a step-by-rank grid;
-- ``memory``: ``PipelineMemoryStats``, the closed-form peak activations and bubble;
-- ``lowering``: ``lower_schedule`` turns one rank's list into steps with
-  explicit sends and receives (internal to the executor);
-- ``transport``: ``Transport``, the point-to-point messages between stages
-  (tags, shape headers, sends and receives; internal to the executor);
-- ``replicas``: ``StageReplicas``, a rank's stages replicated over a
-  ``dp_group`` (internal to the executor);
-- ``executor``: ``Pipeline`` and ``PipelineStage``, which interpret those steps
-  over point-to-point messages;
-- ``trace``: gathers the executor's timelines and exports Chrome traces and
-  Gantt charts.
+One concept a module, each importing only the ones before it: ``schedules`` (pure data), ``simulate``,
+``render``, ``memory`` (closed forms), then the executor's internals ``lowering``, ``transport`` and
+``replicas``, then ``executor`` (``Pipeline``) and ``trace``.
 """
 from . import executor, memory, render, schedules, simulate, trace
 from .executor import Pipeline, PipelineStage

@@ -1,48 +1,20 @@
 """Pipeline parallelism: run the actions of a pipeline schedule over point-to-point messages.
 
-``Pipeline`` splits a model into stages, one (or ``stages_per_rank``) per rank
-of a group, and executes, on each rank, the action list that
-``axonhpc.parallel.pipeline.schedules.pipeline_schedule`` generates for it:
-the forward and backward of its stages on every micro-batch, in order.
-
 [Note: the executor]
-Rank r of a group of P ranks owns stages r, r + P, r + 2P, ... (Megatron's
-layout, the one ``pipeline_schedule`` assumes). For ``F`` of stage s on
-micro-batch i the input is the micro-batch itself (s == 0) or the activation
-stage s - 1 sent; the module's activation cache is then stashed under (s, i)
-(``Module.stash_activations``), because the module keeps only one cache and
-other micro-batches run through it before this one's backward. The output goes
-to stage s + 1, or, on the last stage, into ``loss_fn``. ``B`` of stage s on i
-restores that cache, takes the gradient stage s + 1 sent (or the loss
-gradient) and sends the input gradient on to stage s - 1. When stages s and
-s + 1 live on the same rank (one rank holding every chunk) the hand-over is a
-local dictionary, not a message.
+Rank r of P owns stages r, r + P, ... (Megatron's layout, the one ``pipeline_schedule`` assumes). After ``F``
+of stage s on micro-batch i the module's activation cache is stashed under (s, i), because a module keeps only
+one cache and other micro-batches run through it before this one's backward; ``B`` restores it. When stages s
+and s + 1 live on one rank the hand-over is a local dictionary, not a message.
 
 [Note: the interpreter]
-The construction lowers this rank's action list once (``lower_schedule`` in
-``lowering.py``) to steps whose messages are explicit ops: ``RECV_F``, ``F``,
-``SEND_F``, ``RECV_B``, ``B``, ``SEND_B``, as torch.distributed.pipelining
-does. ``train_step`` is then a loop over the steps; each op is one method,
-looked up by its kind in ``_OPS``, and ops pass arrays to each other through
-one dictionary keyed by (receiving stage, micro-batch, message kind). One
-wrapper, ``_run_step``, times and traces every action: its receives run first
-and are not timed (waiting for an input is the bubble), then its compute op
-and the sends it posts are, as one ``(action, start, end)`` entry.
+Each rank's action list is lowered once (``lowering.py``) to explicit ops (``RECV_F``, ``F``, ``SEND_F``,
+``RECV_B``, ``B``, ``SEND_B``), as torch.distributed.pipelining does. ``_run_step`` times every action
+without its receives (waiting for an input is the bubble), so the timeline shows compute and sends only.
 
 [Note: loss gradient]
-The last stage seeds its backward with ``loss_fn.backward(1 / M)``. It is
-computed right after the loss, during the forward, and kept with the stashed
-activations: a loss object also keeps a single cache, and calling its
-backward at once means it never has to be stashed itself. The sum over the M
-micro-batches of these gradients is the gradient of the mean of the
-micro-batch losses, which, micro-batches being equal in size, is the gradient
-of the full-batch mean loss.
-
-[Note: messages and replicas]
-Activations and gradients travel through ``Transport`` (``transport.py``:
-tags, deadlock freedom, shape headers); with ``dp_group`` the stages'
-gradients and the loss are averaged over the replicas by ``StageReplicas``
-(``replicas.py``: pipeline x data parallelism).
+The last stage computes ``loss_fn.backward(1 / M)`` right after the loss, during the forward, and keeps it
+with the stash: a loss object also keeps a single cache, and taking its gradient at once means it never has
+to be stashed. Summed over M equal micro-batches this is the gradient of the full-batch mean loss.
 """
 from __future__ import annotations
 
@@ -66,13 +38,7 @@ from .transport import ACT, EVAL_ACT, EVAL_HDR, GRAD, HDR, MAX_TAG, NUM_KINDS, T
 
 @dataclass(frozen=True)
 class PipelineStage:
-    """One stage this rank holds: its module and its place among all stages.
-
-    Attributes:
-        module: the stage's ``nn.Module``.
-        index: the stage's position in the model, 0 .. num_stages - 1.
-        num_stages: how many stages the whole model has.
-    """
+    """One stage this rank holds: its ``module`` and its ``index`` among ``num_stages`` stages."""
 
     module: Any
     index: int
@@ -80,46 +46,33 @@ class PipelineStage:
 
 
 class Pipeline:
-    """Pipeline-parallel execution of a model split into stages.
+    """Pipeline-parallel execution of a model split into stages (see the module notes).
 
-    Build it with ``Pipeline.from_modules``; see the module notes for how the
-    schedule is executed.
+    Build it with ``Pipeline.from_modules`` (or ``from_stages``).
 
     Args:
-        stage_modules: every stage's module, in order, the same list on every
-            rank (rank r only uses stages r, r + P, ...; the others are untouched).
-        group: the ranks of the pipeline (None: the current world's group).
+        stage_modules: every stage's module, in order, the same list on every rank (rank r only uses stages
+            r, r + P, ...).
         num_microbatches: micro-batches M per step; the batch size must be a multiple of M.
-        schedule: a ``PipelineSchedule`` or its name.
-        loss_fn: called as ``loss_fn(out, y)`` on the last stage's output,
-            returning a float; ``loss_fn.backward(grad_output)`` returns the
-            loss gradient scaled by ``grad_output``. Only ``train_step`` needs it.
+        loss_fn: ``loss_fn(out, y)`` returns a float on the last stage's output; ``loss_fn.backward(g)``
+            returns the loss gradient scaled by ``g``. Only ``train_step`` needs it.
         stages_per_rank: model chunks per rank (v > 1 needs INTERLEAVED_1F1B).
-        dp_group: data-parallel group over which this rank's stages are
-            replicated (the ranks holding the same stages in the other
-            pipeline replicas, e.g. ``mesh.dp``); None: no data parallelism.
-            When given, the stages' parameters are copied from its rank 0 at
-            construction (collective), and ``train_step`` ends by averaging
-            the stages' gradients and the loss over it (see the module notes).
+        dp_group: the ranks holding the same stages in the other pipeline replicas (e.g. ``mesh.dp``), or None.
+            When given, the stages' parameters are copied from its rank 0 at construction (collective), and
+            ``train_step`` ends by averaging the gradients and the loss over it.
         dp_bucket_size: bucket size in bytes of the gradient all-reduces over ``dp_group``.
 
     Attributes:
-        last_step_stats: after ``train_step``, a dict with ``peak_activations``
-            (the most (stage, micro-batch) caches this rank held at once),
-            ``peak_activation_bytes`` (the most bytes those caches held at once,
-            ``nn.cached_nbytes`` of each stage after its forward),
-            ``timeline`` (``(action, start, end)`` per action, seconds since
-            the step began), ``messages_sent``, ``dp_sync_time`` (seconds spent
-            averaging over ``dp_group``, 0.0 without one) and ``step_time``.
+        last_step_stats: after ``train_step``: ``peak_activations`` (most stashes held at once),
+            ``peak_activation_bytes``, ``timeline`` (``(action, start, end)``, seconds since the step began),
+            ``messages_sent``, ``dp_sync_time`` and ``step_time``.
 
     Raises:
-        ConfigurationError: the number of modules is not ``P * stages_per_rank``,
-            or the schedule rejects the counts, or tags would not fit.
+        ConfigurationError: the number of modules is not ``P * stages_per_rank``, the schedule rejects the
+            counts, or tags would not fit.
         NotAMemberError: this rank is not in ``group``.
-        ModelMismatchError: the ranks of ``group`` passed different counts or
-            schedules, or the replicas in ``dp_group`` hold different stage
-            parameters (names, shapes, dtypes); raised on every rank of that
-            group before anything else is sent.
+        ModelMismatchError: the ranks passed different counts or schedules, or the ``dp_group`` replicas hold
+            different stage parameters; raised on every rank of that group before anything else is sent.
     """
 
     def __init__(self, stage_modules: Sequence[Any], group: Any = None, num_microbatches: int = 8,
@@ -179,11 +132,7 @@ class Pipeline:
                      schedule: Union[PipelineSchedule, str] = PipelineSchedule.ONE_F_ONE_B,
                      loss_fn: Any = None, stages_per_rank: int = 1, dp_group: Any = None,
                      dp_bucket_size: int = 25_000_000) -> "Pipeline":
-        """Build a pipeline from the full list of stage modules (same arguments as the class).
-
-        Returns:
-            The Pipeline for this rank.
-        """
+        """Build this rank's pipeline from the full list of stage modules (same arguments as the class)."""
         return cls(stage_modules, group=group, num_microbatches=num_microbatches, schedule=schedule,
                    loss_fn=loss_fn, stages_per_rank=stages_per_rank, dp_group=dp_group,
                    dp_bucket_size=dp_bucket_size)
@@ -192,25 +141,11 @@ class Pipeline:
     def from_stages(cls, stages: Sequence[PipelineStage], group: Any = None, num_microbatches: int = 8,
                     schedule: Union[PipelineSchedule, str] = PipelineSchedule.ONE_F_ONE_B,
                     loss_fn: Any = None, dp_group: Any = None, dp_bucket_size: int = 25_000_000) -> "Pipeline":
-        """Build a pipeline from only the stages this rank holds.
+        """Build a pipeline from only the stages this rank holds, so no rank builds the whole model.
 
-        Unlike ``from_modules`` no rank needs to build the whole model: rank r
-        passes the stages r, r + P, r + 2P, ... of a model of ``num_stages``
-        stages (``num_stages // P`` of them; more than one means interleaving).
-
-        Args:
-            stages: this rank's ``PipelineStage`` objects, in any order.
-            group, num_microbatches, schedule, loss_fn, dp_group, dp_bucket_size:
-                as for ``Pipeline``.
-
-        Returns:
-            The Pipeline for this rank.
-
-        Raises:
-            ConfigurationError: no stages, stages that disagree on
-                ``num_stages``, a stage count the group size does not divide,
-                or indices other than the ones this rank must hold (the
-                message names both); found before any message is sent.
+        Rank r passes stages r, r + P, ... (``num_stages // P`` of them, in any order). Raises ConfigurationError,
+        before any message, for no stages, stages that disagree on ``num_stages``, a count the group size does not
+        divide, or indices other than this rank's.
         """
         pg = resolve_group(group).require_member("building a Pipeline")
         stages = list(stages)
@@ -263,25 +198,11 @@ class Pipeline:
         return [p for s in self.stages for p in self.stage_modules[s].parameters()]
 
     def schedule_table(self) -> List[List[Action]]:
-        """The per-rank action lists this pipeline runs.
-
-        Returns:
-            One list of Actions per rank (a fresh copy).
-        """
+        """The per-rank action lists this pipeline runs (a fresh copy)."""
         return [list(actions) for actions in self._table]
 
     def schedule_text(self, *, timed: bool = True, forward_cost: int = 1, backward_cost: int = 1) -> str:
-        """This pipeline's schedule as a step-by-rank grid: ``format_schedule_table(self.schedule_table(), ...)``.
-
-        Args:
-            timed, forward_cost, backward_cost: as for ``format_schedule_table``.
-
-        Returns:
-            The grid as a string of lines, no trailing newline.
-
-        Raises:
-            ConfigurationError: a cost is not a positive int.
-        """
+        """This pipeline's schedule as a step-by-rank grid: ``format_schedule_table(self.schedule_table(), ...)``."""
         return format_schedule_table(self._table, timed=timed, forward_cost=forward_cost,
                                      backward_cost=backward_cost)
 
@@ -289,19 +210,10 @@ class Pipeline:
     def train_step(self, x: Any, y: Any) -> Optional[float]:
         """Run one forward and backward of the whole batch through the pipeline.
 
-        Gradients are accumulated (added) into the stage modules' Parameters;
-        zero them before the step, as with any backward. With ``dp_group`` the
-        gradients are then averaged over it (so they must be zeroed before
-        every step, or the accumulated sum is averaged again).
-
-        Args:
-            x: the batch; only rank 0 (stage 0) needs it, other ranks may pass None
-                (an array passed there has its batch size checked too).
-            y: the targets; only the last stage's rank needs them (same rule).
-
-        Returns:
-            The mean of the micro-batch losses on the last stage's rank (with
-            ``dp_group``: also averaged over the replicas), None elsewhere.
+        Gradients are added into the stage modules' Parameters; zero them before every step (with ``dp_group`` an
+        accumulated sum would be averaged again). ``x`` is read on rank 0 and ``y`` on the last stage's rank; others
+        may pass None. Returns the mean micro-batch loss on the last stage's rank (averaged over ``dp_group``), None
+        elsewhere.
 
         Raises:
             ConfigurationError: no ``loss_fn`` was given.
@@ -414,22 +326,10 @@ class Pipeline:
         return st.stash[key]
 
     def forward(self, x: Any) -> Any:
-        """Inference: run the forwards of every micro-batch through the stages, keeping nothing.
+        """Inference: run every micro-batch's forward through the stages, keeping no caches.
 
-        The modules' train/eval mode is left as it is (call ``.eval()`` on
-        the stage modules first for layers such as dropout). The activation
-        caches the forwards leave behind are dropped, so nothing is held for a
-        backward.
-
-        Args:
-            x: the batch; only rank 0 reads it. Its size must be a multiple of
-                ``num_microbatches``.
-
-        Returns:
-            The last stage's output for the whole batch on its rank, None elsewhere.
-
-        Raises:
-            ShapeError: the batch size is not a multiple of ``num_microbatches``.
+        The modules' train/eval mode is left as it is. Only rank 0 reads ``x``. Returns the last stage's output for
+        the whole batch on its rank, None elsewhere; ShapeError if the batch is not a multiple of ``num_microbatches``.
         """
         xs = self._split(x, "x") if self.rank == 0 or hasattr(x, "shape") else None
         local: Dict[Tuple[int, int, int], Any] = {}

@@ -1,28 +1,14 @@
 """Lower a rank's schedule to explicit steps: receives, compute, sends.
 
-A schedule names only computation (``0F3``: forward of stage 0 on
-micro-batch 3); the messages are implied. ``lower_schedule`` makes them
-explicit for one rank, as torch.distributed.pipelining's ``_add_send_recv``
-does, so the executor is a small interpreter over the result. Like the
-schedules, it is pure data: it needs no communication and can be checked
-without MPI (every send has its receive on the peer rank).
+A schedule names only computation; ``lower_schedule`` makes the messages explicit for one rank, as
+torch.distributed.pipelining's ``_add_send_recv`` does, so the executor is a small interpreter. Like the
+schedules it is pure data, checkable without MPI (every send has its receive on the peer rank).
 
 [Note: steps]
-Each action of the rank's list becomes one ``Step``:
-
-- ``waits``: the receive the action needs before it can start, if its input
-  comes from another rank: ``RECV_F`` (the activation of stage s - 1) before
-  a forward of stage s > 0, ``RECV_B`` (the gradient of stage s + 1) before a
-  backward of a stage that is not the last;
-- ``work``: the compute op (``F`` or ``B``), then the send it posts, if the
-  consumer is on another rank: ``SEND_F`` (activation to stage s + 1) after a
-  forward that is not on the last stage, ``SEND_B`` (gradient to stage s - 1)
-  after a backward of stage s > 0.
-
-When the neighbouring stage lives on the same rank (one rank holding several
-chunks) there is no message and no op: the hand-over is local. The executor
-times ``work`` and not ``waits``: waiting for an input is the bubble, not part
-of the action.
+Each action becomes one ``Step``: ``waits`` (``RECV_F`` before a forward whose input is on another rank,
+``RECV_B`` before such a backward), then ``work`` (the compute op, then ``SEND_F``/``SEND_B`` if the consumer
+is on another rank). Neighbouring stages on one rank hand over locally, with no op. The executor times
+``work`` and not ``waits``: waiting for an input is the bubble, not part of the action.
 """
 from __future__ import annotations
 
@@ -41,14 +27,8 @@ SEND_B = "SEND_B"
 class Op:
     """One thing a rank does: compute (``"F"``, ``"B"``) or a message (``"SEND_F"`` ...).
 
-    ``str(Op("SEND_F", 0, 3, 1))`` is ``"0SEND_F3"``.
-
-    Attributes:
-        kind: ``"F"``, ``"B"``, ``"RECV_F"``, ``"SEND_F"``, ``"RECV_B"`` or ``"SEND_B"``.
-        stage: the stage whose forward or backward this belongs to (a send's
-            sender, a receive's receiver).
-        microbatch: micro-batch index.
-        peer: the rank at the other end of a send or receive; for compute, this rank.
+    ``str(Op("SEND_F", 0, 3, 1))`` is ``"0SEND_F3"``. ``stage`` is a send's sender, a receive's receiver;
+    ``peer`` the rank at the other end (this rank for compute).
     """
 
     kind: str
@@ -62,13 +42,7 @@ class Op:
 
 @dataclasses.dataclass(frozen=True)
 class Step:
-    """One schedule action lowered: the receives it waits for, then its work.
-
-    Attributes:
-        action: the schedule's action.
-        waits: receives that must complete before the action starts.
-        work: the compute op, then the sends it posts.
-    """
+    """One schedule action lowered: the receives it ``waits`` for, then its ``work`` (compute, then sends)."""
 
     action: Action
     waits: Tuple[Op, ...]
@@ -76,19 +50,9 @@ class Step:
 
 
 def lower_schedule(actions: Sequence[Action], rank: int, num_ranks: int, num_stages: int) -> List[Step]:
-    """Lower one rank's action list to steps with explicit sends and receives.
+    """Lower one rank's action list to steps with explicit sends and receives, one Step per action.
 
-    Stages are laid out as ``pipeline_schedule`` assumes: stage s lives on
-    rank ``s % num_ranks``.
-
-    Args:
-        actions: this rank's list, e.g. ``pipeline_schedule(...)[rank]``.
-        rank: this rank.
-        num_ranks: ranks in the pipeline.
-        num_stages: stages in the model.
-
-    Returns:
-        One Step per action, in the same order.
+    Stage s lives on rank ``s % num_ranks``, as ``pipeline_schedule`` assumes.
     """
     last = num_stages - 1
 

@@ -1,9 +1,7 @@
 """Pipeline schedules as text: a step-by-rank grid with one row per rank.
 
-The rendering sits on top of both the schedules and the simulator (as torch
-keeps ``_schedule_visualizer.py`` apart from ``schedules.py``): a timed grid
-places each action where ``simulate_pipeline`` says it runs, so this module
-imports the simulator, and neither ``schedules`` nor ``simulate`` imports it.
+A timed grid places each action where ``simulate_pipeline`` says it runs, so this module imports the
+simulator, and neither ``schedules`` nor ``simulate`` imports it (as torch keeps its visualizer apart).
 """
 from __future__ import annotations
 
@@ -20,34 +18,18 @@ def format_schedule_table(
     forward_cost: int = 1,
     backward_cost: int = 1,
 ) -> str:
-    """Render per-rank action lists as a step-by-rank grid (one row per rank).
+    """Render per-rank action lists as a step-by-rank grid (one row per rank), no trailing newline.
 
-    With ``timed=True`` (the default) the schedule is simulated
-    (``simulate_pipeline``) with integer costs, by default one time step per
-    forward and per backward, and column t shows what each rank runs during
-    step t: idle steps appear as ``.``, so the bubbles and the diagonal of the
-    warm-up are visible, and an action longer than one step is followed by
-    ``-`` cells. If the schedule deadlocks, the grid shows what ran and a last
-    line names the stuck actions. With ``timed=False`` column i is simply the
-    i-th action of each rank's list (the order only, no waiting).
-
-    Example (1F1B, 4 stages, 8 micro-batches, unit costs; first columns)::
+    With ``timed=True`` the schedule is simulated with integer costs (``forward_cost``, ``backward_cost``) and
+    column t shows what each rank runs during step t: idle steps are ``.`` (so bubbles and the warm-up diagonal
+    show), longer actions are followed by ``-`` cells, and a deadlock is named on a last line. With
+    ``timed=False`` column i is the i-th action of each rank's list. 1F1B, 4 stages, 8 micro-batches::
 
         step    0   1   2   3   4   5   6   7   8   9
         rank 0  0F0 0F1 0F2 0F3 .   .   .   0B0 0F4 0B1
         rank 1  .   1F0 1F1 1F2 .   .   1B0 1F3 1B1 1F4
 
-    Args:
-        actions_by_rank: one list of Actions per rank, e.g. from ``pipeline_schedule``.
-        timed: lay actions out on the simulated time axis (True) or by position (False).
-        forward_cost: time steps per forward when ``timed`` (a positive int).
-        backward_cost: time steps per backward when ``timed`` (a positive int).
-
-    Returns:
-        The table as a string of lines, no trailing newline.
-
-    Raises:
-        ConfigurationError: a cost is not a positive int, or the lists are malformed.
+    Raises ConfigurationError for a cost that is not a positive int, or malformed lists.
     """
     if timed:
         rows, note = _timed_rows(actions_by_rank, forward_cost, backward_cost)

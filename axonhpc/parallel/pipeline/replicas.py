@@ -1,19 +1,11 @@
 """Pipeline x data parallelism: ``StageReplicas``, one rank's stages replicated over a ``dp_group``.
 
 [Note: pipeline x data parallelism]
-With ``dp_group`` (for example ``world.mesh(dp=D, pp=P)``: ``group=mesh.pp``,
-``dp_group=mesh.dp``) D replicas of the pipeline each run ``train_step`` on
-their own, equal-sized shard of the global batch. The members of a dp group
-hold the same stages (same pp coordinate), so once the pipeline's backward is
-complete each rank averages its stages' gradients over ``dp_group`` with
-bucketed all-reduces (a ``GradientSynchronizer``): each replica's gradient is
-that of the mean loss over its shard, so the average is the gradient of the
-mean loss over the global batch. This is the simplest correct composition; it
-does not overlap the all-reduces with the pipeline's cool-down. The last
-stage's returned loss is averaged over ``dp_group`` too (one scalar
-all-reduce), so every replica's last rank returns the global-batch loss. The
-replicas' stage parameters are copied from dp rank 0 when the Pipeline is
-built, as ``DDP`` does.
+The members of a dp group hold the same stages, so after the pipeline's backward each rank averages its
+stages' gradients over ``dp_group`` with bucketed all-reduces; each replica's gradient is that of its equal
+shard's mean loss, so the average is the global-batch gradient. This simplest correct composition does not
+overlap the all-reduces with the pipeline's cool-down. The last stage's loss is averaged too, so every
+replica returns the global-batch loss.
 """
 from __future__ import annotations
 
@@ -31,20 +23,10 @@ from ..same_model import check_same_model, parameter_lines
 
 
 class StageReplicas:
-    """This rank's stages and their replicas over ``dp_group`` (see the note); built collectively.
+    """This rank's stages and their replicas over ``dp_group``; built collectively.
 
-    Checks that every replica holds the same stage parameters, then copies dp rank 0's values to all.
-
-    Args:
-        dp_group: the data-parallel group (its members hold the same stages).
-        stages: the indices of this rank's stages.
-        stage_modules: every stage's module (only ``stages`` are read).
-        setting: the pipeline's counts and schedule, compared across the replicas too.
-        bucket_size: bytes of a gradient all-reduce bucket.
-
-    Raises:
-        NotAMemberError: this rank is not in ``dp_group``.
-        ModelMismatchError: the replicas hold different stage parameters (on every replica together).
+    Checks that every replica holds the same stage parameters (and ``setting``), then copies dp rank 0's values.
+    Raises NotAMemberError, or ModelMismatchError on every replica together.
     """
 
     def __init__(self, dp_group: Any, stages: List[int], stage_modules: Sequence[Any], setting: str,
@@ -63,19 +45,9 @@ class StageReplicas:
 
     def average(self, parameters: Callable[[], List[Any]], loss: Optional[float], is_last: bool,
                 rank: int) -> Tuple[Optional[float], float]:
-        """Average the stages' gradients and (on the last stage's rank) the loss over the replicas (collective).
+        """Collective: average the stages' gradients and (on the last stage's rank) the loss over the replicas.
 
-        Args:
-            parameters: returns the stages' Parameters, whose gradients are averaged in place.
-            loss: this replica's loss on the last stage's rank, else None.
-            is_last: this rank holds the last stage.
-            rank: this rank in the pipeline group (for the message).
-
-        Returns:
-            ``(loss, seconds taken)``: the averaged loss (None off the last stage).
-
-        Raises:
-            UsageError: a parameter has no gradient.
+        Returns ``(loss, seconds taken)`` (loss None off the last stage). UsageError if a parameter has no gradient.
         """
         if self.group.size == 1:
             return loss, 0.0

@@ -1,45 +1,21 @@
 """Pipeline schedules as data: one list of actions per rank.
 
-``pipeline_schedule`` generates, for every rank of a pipeline, the order in
-which that rank runs the forward ("F") and backward ("B") passes of its stages
-on each micro-batch. This module only describes schedules and imports nothing
-else of the pipeline package: the executor (``executor.py``, over MPI) runs
-those lists, the simulator (``simulate.py``) replays them without any
-communication to find deadlocks, bubbles and activation memory, and
-``render.py`` prints them as a step-by-rank grid. Sends and receives are
-implied by the actions: the forward of stage ``s`` sends its activation to
-stage ``s + 1``, the backward of stage ``s`` sends its gradient to stage
-``s - 1``.
+Pure data with no other pipeline import, so the executor runs the lists, the simulator replays them without
+communication (deadlocks, bubbles, memory) and ``render.py`` prints them. Sends and receives are implied: the
+forward of stage s sends to s + 1, the backward of stage s to s - 1.
 
 [Note: stage layout]
-There are ``num_stages`` stages in total and ``P = num_stages //
-stages_per_rank`` ranks. Rank ``r`` holds stages ``r, r + P, r + 2P, ...``
-(Megatron-LM's interleaved layout), so with ``stages_per_rank == 1`` stage and
-rank coincide, and with ``v = stages_per_rank > 1`` every micro-batch passes
-through every rank ``v`` times.
+With ``P = num_stages // stages_per_rank`` ranks, rank r holds stages r, r + P, ... (Megatron-LM's
+interleaved layout), so with v = ``stages_per_rank`` > 1 every micro-batch passes through every rank v times.
 
 [Note: orders]
-GPIPE: every rank runs all its forwards (micro-batches 0..m-1), then all its
-backwards in the same micro-batch order. Every rank holds all m activations at
-its peak.
-
-ONE_F_ONE_B (PipeDream-flush / Megatron's non-interleaved schedule): rank r
-runs ``w = min(P - r - 1, m)`` warm-up forwards, then alternates one forward
-and one backward (forward of micro-batch ``w + i``, backward of ``i``) until
-its forwards run out, then runs the remaining backwards (cool-down). Rank r
-holds at most ``min(P - r, m)`` activations, with the same bubble as GPipe.
-
-INTERLEAVED_1F1B (Megatron-LM's interleaved schedule): each rank's work is
-``m * v`` "virtual" forwards and as many backwards. Virtual forward ``k`` runs
-model chunk ``(k // P) % v`` (stage ``chunk * P + r``) on micro-batch
-``(k // (P * v)) * P + k % P``: micro-batches advance in groups of P through
-one chunk before moving on to the next chunk, which is why m must be a
-multiple of P. Virtual backward ``k`` uses the same micro-batch and chunk
-``v - 1 - (k // P) % v``. Rank r runs ``min((P - r - 1) * 2 + (v - 1) * P,
-m * v)`` warm-up forwards, then 1F1B over virtual indices, then the
-cool-down. With ``stages_per_rank == 1`` it is exactly ONE_F_ONE_B (m must
-still be a multiple of P). Its bubble shrinks by about a factor v against 1F1B, at the price
-of v times more point-to-point messages.
+GPIPE: all forwards, then all backwards; every rank holds all m activations at its peak.
+ONE_F_ONE_B (PipeDream-flush): rank r runs ``min(P - r - 1, m)`` warm-up forwards, then alternates one
+forward and one backward, then cools down; it holds at most ``min(P - r, m)`` activations, same bubble.
+INTERLEAVED_1F1B (Megatron-LM): virtual forward k runs chunk ``(k // P) % v`` on micro-batch
+``(k // (P * v)) * P + k % P``: micro-batches advance in groups of P through one chunk before the next, which
+is why m must be a multiple of P. Rank r warms up with ``min((P - r - 1) * 2 + (v - 1) * P, m * v)``
+forwards. The bubble shrinks by about v against 1F1B, at the price of v times more messages.
 """
 from __future__ import annotations
 
@@ -68,20 +44,9 @@ class PipelineSchedule(enum.Enum):
 
     @classmethod
     def parse(cls, value: Any) -> "PipelineSchedule":
-        """Accept a PipelineSchedule, its name or its value in any case.
+        """Accept a PipelineSchedule, its name or its value in any case (``"1f1b"``, ``"interleaved-1f1b"``, ...).
 
-        ``"gpipe"``, ``"1f1b"``, ``"one_f_one_b"``, ``"interleaved_1f1b"``,
-        ``"interleaved"`` and the hyphenated spellings (``"interleaved-1f1b"``)
-        are all accepted.
-
-        Args:
-            value: a member or a string naming one.
-
-        Returns:
-            The member.
-
-        Raises:
-            UnknownChoiceError: ``value`` names no schedule (a ``ConfigurationError``).
+        Raises UnknownChoiceError (a ``ConfigurationError``) if ``value`` names no schedule.
         """
         return parse_choice(cls, value, "pipeline schedule", {"interleaved": "INTERLEAVED_1F1B"})
 
@@ -115,17 +80,7 @@ class Action:
 
     @classmethod
     def parse(cls, text: str) -> "Action":
-        """Build an Action from its string form, such as ``"0F3"`` or ``"12B7"``.
-
-        Args:
-            text: ``f"{stage}{kind}{microbatch}"``.
-
-        Returns:
-            The Action.
-
-        Raises:
-            ConfigurationError: ``text`` is not of that form.
-        """
+        """Build an Action from its string form, such as ``"0F3"`` or ``"12B7"``; ConfigurationError otherwise."""
         for kind in (FORWARD, BACKWARD):
             stage, sep, mb = str(text).partition(kind)
             if sep and stage.isdigit() and mb.isdigit():
@@ -148,31 +103,15 @@ def pipeline_schedule(
     num_microbatches: int,
     stages_per_rank: int = 1,
 ) -> List[List[Action]]:
-    """Generate the per-rank action lists of a pipeline schedule.
+    """Generate the per-rank action lists of a pipeline schedule (see the module notes).
 
-    See the module notes for the layout (rank r holds stages r, r + P, ...)
-    and the order each schedule uses.
-
-    Args:
-        schedule: a PipelineSchedule or its name (``"gpipe"``, ``"1f1b"``,
-            ``"interleaved_1f1b"``).
-        num_stages: total number of stages (all ranks together).
-        num_microbatches: number of micro-batches m per step.
-        stages_per_rank: model chunks per rank v; must be 1 for GPIPE and
-            ONE_F_ONE_B.
-
-    Returns:
-        A list with one list of Actions per rank (``num_stages //
-        stages_per_rank`` ranks), each in the order that rank runs them. Every
-        rank's list holds exactly one forward and one backward per (own
-        stage, micro-batch).
+    Returns one list of Actions per rank (``num_stages // stages_per_rank`` ranks), each holding exactly one
+    forward and one backward per (own stage, micro-batch), in the order that rank runs them.
 
     Raises:
-        ConfigurationError: a count is not a positive int, ``num_stages`` is
-            not a multiple of ``stages_per_rank``, ``stages_per_rank != 1``
-            for GPIPE or ONE_F_ONE_B, or the interleaved schedule gets a
-            number of micro-batches that is not a multiple of the number of
-            ranks.
+        ConfigurationError: a count is not a positive int, ``num_stages`` is not a multiple of
+            ``stages_per_rank``, ``stages_per_rank != 1`` for GPIPE or ONE_F_ONE_B, or the interleaved schedule
+            gets a number of micro-batches that is not a multiple of the number of ranks.
     """
     kind = PipelineSchedule.parse(schedule)
     _check_positive_int("num_stages", num_stages)

@@ -1,30 +1,13 @@
-"""Pipeline timelines: gather them to one rank, measure the bubble, export Chrome traces.
-
-``Pipeline.train_step`` records, on each rank, ``last_step_stats["timeline"]``:
-``(action, start, end)`` per action, in seconds since that rank's step began.
-This module turns those per-rank lists into something to look at or measure:
-
-- ``gather_timelines(pipe)`` collects every rank's timeline on one group rank
-  (one ``gather`` of a float64 array);
-- ``timeline_bubble(timelines)`` is the measured idle fraction, the quantity
-  the formula (p-1)/(m+p-1) predicts for equal stages;
-- ``write_chrome_trace(timelines, path)`` writes Chrome-trace JSON (open it in
-  ``chrome://tracing`` or https://ui.perfetto.dev), one process per rank;
-- ``write_gantt_png(timelines, path)`` draws a Gantt chart (needs matplotlib).
+"""Pipeline timelines: gather them to one rank, measure the bubble, export Chrome traces and Gantt charts.
 
 [Note: clocks]
-Each rank's times are relative to its own step start; ranks are not
-synchronised first, so rank r's 0 is when rank r entered ``train_step``. On
-ranks that start together (after a barrier, as the benchmark does) the offsets
-are small next to a step; the trace shows each rank's own view.
+Each rank's times are relative to its own step start; ranks are not synchronised first. On ranks that start
+together (after a barrier, as the benchmark does) the offsets are small next to a step.
 
 [Note: the gather encoding]
-A timeline travels as a float64 array of rows ``(stage, kind, microbatch,
-start, end)`` with kind 0 for a forward and 1 for a backward. Every rank knows
-every rank's action count from the schedule table, so the arrays are padded
-with NaN to the longest list and the receiver trims each rank's rows; a rank
-whose recorded timeline does not have its schedule's length raises before the
-gather, on every rank that notices (all, for a pipeline that ran a step).
+A timeline travels as a float64 array of rows ``(stage, kind, microbatch, start, end)``. Every rank knows
+every rank's action count from the schedule table, so arrays are NaN-padded to the longest and trimmed by
+the receiver; a timeline not of its schedule's length raises before the gather, on every rank that notices.
 """
 from __future__ import annotations
 
@@ -61,18 +44,9 @@ def timeline_from_array(rows: np.ndarray) -> Timeline:
 
 
 def gather_timelines(pipe: Any, dst: int = 0) -> Optional[List[Timeline]]:
-    """Collect every pipeline rank's last ``train_step`` timeline on group rank ``dst`` (collective).
+    """Collective: every pipeline rank's last ``train_step`` timeline, as a list on group rank ``dst``; None elsewhere.
 
-    Args:
-        pipe: a ``Pipeline`` that has run ``train_step`` on every rank of its group.
-        dst: the group rank that receives them.
-
-    Returns:
-        On ``dst`` a list with one timeline per group rank; None elsewhere.
-
-    Raises:
-        RuntimeError: this rank has no timeline of its schedule's length (no
-            step was run), raised before any message is sent.
+    Raises RuntimeError before any message if this rank has no timeline of its schedule's length (no step run).
     """
     table = pipe.schedule_table()
     timeline = pipe.last_step_stats.get("timeline")
@@ -102,17 +76,9 @@ def _by_rank(timelines: Timelines) -> List[Tuple[int, Timeline]]:
 
 
 def timeline_bubble(timelines: Timelines) -> float:
-    """Measured bubble: idle time over total rank-time, within the span of the step.
+    """Measured bubble: ``1 - sum(busy) / (ranks * span)`` over the step's span, in [0, 1] (0.0 for no actions).
 
-    The span runs from the earliest start to the latest end over all ranks;
-    every rank is counted busy only during its actions.
-
-    Args:
-        timelines: one timeline per rank (a list, or {rank: timeline}; a
-            ``last_step_stats`` dict stands for its timeline).
-
-    Returns:
-        ``1 - sum(busy) / (ranks * span)``, in [0, 1] (0.0 for no actions).
+    ``timelines``: one per rank, a list or {rank: timeline}; a ``last_step_stats`` dict stands for its timeline.
     """
     pairs = _by_rank(timelines)
     events = [(start, end) for _, tl in pairs for _, start, end in tl]
@@ -140,21 +106,10 @@ def chrome_trace(timelines: Timelines) -> Dict[str, Any]:
 
 
 def write_chrome_trace(timelines: Timelines, path: str) -> Dict[str, Any]:
-    """Write per-rank pipeline timelines as Chrome-trace JSON.
+    """Write per-rank pipeline timelines as Chrome-trace JSON (open in ``chrome://tracing`` or Perfetto).
 
-    One complete event (``"ph": "X"``) per action, ``pid`` = rank, ``name`` =
-    ``str(action)`` (``"0F3"``), ``ts`` and ``dur`` in microseconds, plus a
-    ``process_name`` metadata event per rank. Open the file in
-    ``chrome://tracing`` or Perfetto.
-
-    Args:
-        timelines: one timeline per rank (a list indexed by rank, or {rank:
-            timeline}; a ``last_step_stats`` dict stands for its timeline),
-            e.g. what ``gather_timelines`` returns on its ``dst``.
-        path: the JSON file to write.
-
-    Returns:
-        The document written.
+    One complete event per action, ``pid`` = rank, ``name`` = ``str(action)``, times in microseconds.
+    ``timelines`` as ``timeline_bubble`` takes them (e.g. from ``gather_timelines``). Returns the document.
     """
     doc = chrome_trace(timelines)
     with open(path, "w") as f:
@@ -163,15 +118,7 @@ def write_chrome_trace(timelines: Timelines, path: str) -> Dict[str, Any]:
 
 
 def write_gantt_png(timelines: Timelines, path: str) -> None:
-    """Draw per-rank timelines as a Gantt chart PNG (forwards light, backwards dark).
-
-    Args:
-        timelines: as for ``write_chrome_trace``.
-        path: the PNG file to write.
-
-    Raises:
-        ImportError: matplotlib is not installed (``pip install matplotlib``).
-    """
+    """Draw per-rank timelines as a Gantt chart PNG (forwards light, backwards dark); needs matplotlib."""
     try:
         import matplotlib
         matplotlib.use("Agg")

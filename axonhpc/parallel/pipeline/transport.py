@@ -1,32 +1,17 @@
 """The pipeline's point-to-point transport: activations and gradients between stages, with tags and shape headers.
 
-``Transport`` is what the executor's send and receive ops call; it knows
-which rank holds a stage, how a message is tagged, and how a receiver
-learns an activation's shape. It knows nothing of schedules.
-
 [Note: messages, tags and deadlock freedom]
-Sends are non-blocking (``isend``); their handles and buffers are kept until
-the end of the step and then waited, so a rank only ever blocks in a receive.
-Every schedule ``pipeline_schedule`` produces is deadlock-free under exactly
-this model (sends never block, a rank waits only for the activation or
-gradient an action needs), which ``simulate_pipeline`` checks; hence the
-executor cannot deadlock either. Each message's tag encodes (micro-batch,
-stage, kind) uniquely within a step, so a receive can never match another
-message, whatever order the network delivers them in; the largest tag must
-stay within 32767, the bound MPI guarantees (``MPI_TAG_UB``), which limits
-``num_microbatches * num_stages`` to 6553.
+Sends are non-blocking and waited at the end of the step, so a rank only ever blocks in a receive. Every
+schedule ``pipeline_schedule`` produces is deadlock-free under exactly this model (``simulate_pipeline``
+checks it), so the executor cannot deadlock either. Each tag encodes (micro-batch, stage, kind) uniquely within
+a step, so a receive never matches another message whatever the delivery order; the largest tag must stay
+within 32767, the bound MPI guarantees (``MPI_TAG_UB``), which limits ``num_microbatches * num_stages`` to 6553.
 
 [Note: shapes]
-Receivers do not know the shapes of activations in advance (only rank 0 sees
-the batch). Once per step and stage boundary, with micro-batch 0's activation,
-the sender sends a small int64 header (dtype index, ndim, whether it is a
-device array, dimensions), so the receiver allocates it in the same kind of
-memory (a cupy array for a device activation); all
-micro-batches of a step have the same shape, so the other M - 1 activations
-need none. Headers are not cached across steps, so the batch size may change
-from step to step. Gradients need no header at all: the gradient for the
-output of stage s has the shape and dtype of that output, which its receiver
-produced itself.
+Only rank 0 sees the batch, so receivers do not know activation shapes. Once per step and stage boundary the
+sender sends a small int64 header (dtype, ndim, device or host, dimensions) with micro-batch 0's activation;
+all micro-batches of a step share the shape, and headers are not cached across steps, so the batch size may
+change. Gradients need none: the output of stage s has the shape its receiver produced itself.
 """
 from __future__ import annotations
 
@@ -54,16 +39,11 @@ def message_tag(microbatch: int, stage: int, kind: int, num_stages: int) -> int:
 
 
 class Transport:
-    """Messages between the stages of one pipeline, as seen from one rank (see the notes).
+    """Messages between the stages of one pipeline, as seen from one rank (stage s on group rank s % size).
 
-    Every method takes the receiving stage; ``local`` is the step's hand-over
-    dictionary, keyed by (receiving stage, micro-batch, kind), where a message
-    to a stage on this same rank is put instead of being sent, and
-    ``pending`` the step's list of ``(Work, buffer)`` of sends in flight.
-
-    Args:
-        group: the pipeline's process group.
-        num_stages: how many stages the whole model has (stage s lives on group rank s % size).
+    Every method takes the receiving stage; ``local`` is the step's hand-over dictionary, keyed by (receiving
+    stage, micro-batch, kind), for messages to a stage on this same rank, and ``pending`` the step's list of
+    ``(Work, buffer)`` of sends in flight.
     """
 
     def __init__(self, group: Any, num_stages: int):
@@ -92,8 +72,7 @@ class Transport:
                         kind: int, header_kind: int) -> None:
         """Send stage ``stage``'s output to stage + 1, after a shape header with micro-batch 0's.
 
-        Raises:
-            ShapeError: ``out`` has a dtype or more dimensions than a header can describe.
+        ShapeError if ``out`` has a dtype or more dimensions than a header can describe.
         """
         nxt = stage + 1
         if microbatch == 0 and self.owner(nxt) != self.rank:

@@ -21,40 +21,24 @@ from .partition import partition_range, same_geometry, shared_seed
 class TensorParallelAttention(Module):
     """Multi-head self-attention with its heads split over a tensor-parallel group.
 
-    Rank r of a group of P holds heads ``[r*H/P, (r+1)*H/P)``. ``q_proj``,
-    ``k_proj`` and ``v_proj`` are ``ColumnParallelLinear(E, E)`` without output
-    gather (rank r keeps the rows of W_q, W_k, W_v, and of their biases, that
-    produce its heads); the attention runs on the local heads only; ``out_proj``
-    is a ``RowParallelLinear(E, E)`` taking the parallel input (the columns of
-    W_o that read its heads; the bias replicated). A step costs one all-reduce
-    in forward (in ``out_proj``) and one in backward: the three projections'
-    partial input gradients are added locally and summed over the group once.
-    Input and output are full (B, T, E) and identical on every rank.
-
-    Initialisation equals ``nn.MultiHeadAttention(embed_dim, num_heads, bias,
-    causal, dtype, seed)``: the same child seeds and draws (Glorot-uniform q/k/v
-    weights, Linear-default out_proj weight, zero biases), each rank keeping its
-    slice, so with an explicit seed the block computes the same function as that
-    dense layer and its parameters and gradients are slices of the dense ones.
+    Rank r of P holds heads ``[r*H/P, (r+1)*H/P)``: q/k/v are column layers producing its heads, the attention
+    runs on the local heads, and ``out_proj`` is a row layer. One all-reduce in forward and one in backward;
+    input and output are full (B, T, E) on every rank. Initialisation equals ``nn.MultiHeadAttention(embed_dim,
+    num_heads, bias, causal, dtype, seed)``, each rank keeping its slice, so with an explicit seed it computes
+    the same function as that dense layer.
 
     Args:
-        embed_dim: E, the model width.
-        num_heads: H, the total number of heads; divides ``embed_dim`` and is divisible
-            by the group size.
-        group: the tensor-parallel process group (None: the current world's default group).
-        bias: learn biases in the four projections.
+        num_heads: H, the total number of heads; divides ``embed_dim`` and is divisible by the group size.
         causal: position t attends only to positions <= t.
-        dtype: parameter dtype.
-        seed: int, SeedSequence or Generator, the same on every rank of the group
-            (None: group rank 0 picks fresh entropy and broadcasts it; collective).
+        seed: int, SeedSequence or Generator, the same on every rank (None: group rank 0 picks fresh entropy
+            and broadcasts it; collective).
 
     Raises:
-        ConfigurationError: ``num_heads`` does not divide ``embed_dim``, a non-positive size,
-            or ``num_heads`` not divisible by the group size.
+        ConfigurationError: ``num_heads`` does not divide ``embed_dim``, a non-positive size, or ``num_heads``
+            not divisible by the group size.
         NotAMemberError: this rank is not in ``group``.
-        ModelMismatchError: the ranks of the group build it with different geometry
-            (sizes, flags, dtype), or another rank's checks failed; raised on every rank
-            before anything else is sent.
+        ModelMismatchError: the ranks build it with different geometry, or another rank's checks failed; raised
+            on every rank before anything else is sent.
     """
 
     def __init__(self, embed_dim: int, num_heads: int, group: Optional[ProcessGroup] = None,
@@ -98,20 +82,11 @@ class TensorParallelAttention(Module):
     @staticmethod
     def dense_equivalent(embed_dim: int, num_heads: int, bias: bool = True, causal: bool = False,
                          dtype: Any = np.float32, seed: _init.SeedLike = None) -> MultiHeadAttention:
-        """The single-process layer that ``TensorParallelAttention`` with the same arguments shards.
-
-        Returns:
-            ``nn.MultiHeadAttention(embed_dim, num_heads, bias, causal, dtype, seed)`` (pass a
-            seed that is not None, or the two differ).
-        """
+        """The ``nn.MultiHeadAttention`` this layer shards, for the same arguments (seed not None)."""
         return MultiHeadAttention(embed_dim, num_heads, bias=bias, causal=causal, dtype=dtype, seed=seed)
 
     def forward(self, x: Any) -> Any:
-        """Self-attention over the full ``x`` (B, T, E); returns the full (B, T, E) on every rank.
-
-        Raises:
-            ShapeError: ``x`` is not 3-D with last axis ``embed_dim``.
-        """
+        """Self-attention over the full ``x`` (B, T, E); the full (B, T, E) on every rank (ShapeError if not 3-D)."""
         if x.ndim != 3 or x.shape[-1] != self.embed_dim:
             raise ShapeError(f"TensorParallelAttention(embed_dim={self.embed_dim}) expects input (B, T, "
                              f"{self.embed_dim}), got {tuple(x.shape)}")

@@ -21,32 +21,21 @@ from .partition import (check_last_axis, check_sizes, full_linear_values, gather
 class ColumnParallelLinear(Module):
     """Linear layer whose output features are split across a tensor-parallel group.
 
-    Rank r of the group holds rows ``[r*k, (r+1)*k)`` of the dense layer's
-    weight (k = out_features / group size) as ``weight`` (k, in_features) and
-    the same block of the bias as ``bias`` (k,). Forward takes the full input
-    (replicated on the group) and returns this rank's block of the output, or
-    the full output with ``gather_output``. Backward all-reduces (sums) the
-    input gradient over the group.
+    Rank r holds rows ``[r*k, (r+1)*k)`` of the dense weight (k = out_features / group size) and the same block
+    of the bias. Forward takes the full input (replicated on the group) and returns this rank's output block, or
+    the full output with ``gather_output``; backward all-reduces the input gradient.
 
     Args:
-        in_features: size of the input's last axis (the full input).
-        out_features: total output features over the group; divisible by the group size.
-        group: the tensor-parallel process group (None: the current world's default group).
-        gather_output: all-gather the output blocks into the full output; backward then
-            takes the full output gradient and uses this rank's block of it.
-        bias: learn an additive bias (split like the output).
-        dtype: parameter dtype.
-        seed: int, SeedSequence or Generator (the same on every rank of the group); the
-            full weight is drawn exactly as ``nn.Linear(in_features, out_features,
-            seed=seed, dtype=dtype)`` draws it. None: group rank 0 picks fresh entropy
-            and broadcasts it (collective).
+        gather_output: all-gather the output blocks; backward then takes the full output gradient.
+        seed: int, SeedSequence or Generator, the same on every rank; the full weight is drawn exactly as
+            ``nn.Linear(in_features, out_features, seed=seed, dtype=dtype)`` draws it. None: group rank 0 picks
+            fresh entropy and broadcasts it (collective).
 
     Raises:
         ConfigurationError: a negative size, or ``out_features`` not divisible by the group size.
         NotAMemberError: this rank is not in ``group``.
-        ModelMismatchError: the ranks of the group build it with different geometry
-            (sizes, flags, dtype), or another rank's checks failed; raised on every rank
-            before anything else is sent.
+        ModelMismatchError: the ranks build it with different geometry (sizes, flags, dtype), or another rank's
+            checks failed; raised on every rank before anything else is sent.
     """
 
     def __init__(self, in_features: int, out_features: int, group: Optional[ProcessGroup] = None,
@@ -70,11 +59,7 @@ class ColumnParallelLinear(Module):
     def forward(self, x: Any) -> Any:
         """This rank's output block (..., out_features / P), or the full output if ``gather_output``.
 
-        Args:
-            x: the full input, shape (..., in_features), the same on every rank of the group.
-
-        Raises:
-            ShapeError: the last axis of ``x`` is not ``in_features``.
+        ``x`` is the full input (..., in_features), the same on every rank; ShapeError if its last axis differs.
         """
         check_last_axis(self, x, self.in_features, "input")
         y, saved = linear_product(x, self.weight.data)  # in the autocast dtype under nn.autocast
@@ -86,17 +71,11 @@ class ColumnParallelLinear(Module):
         return y
 
     def backward(self, grad_out: Any, input_grad: bool = True) -> Any:
-        """Local weight/bias gradients; returns the full input gradient, summed over the group.
+        """Collective: local weight/bias gradients; returns d loss / d x (..., in_features), summed over the group.
 
-        Args:
-            grad_out: d loss / d output: this rank's block (..., out_features / P), or with
-                ``gather_output`` the full (..., out_features) gradient.
-            input_grad: False (the first layer of a model, whose input is data) skips the
-                input gradient's product and its all-reduce, and returns None. Every rank of
-                the group must pass the same value, as for any collective.
-
-        Returns:
-            d loss / d x (..., in_features), identical on every rank of the group.
+        ``grad_out`` is this rank's block, or the full gradient with ``gather_output``. ``input_grad=False`` (a first
+        layer, whose input is data) skips the input gradient and its all-reduce and returns None; every rank must
+        pass the same value.
         """
         block, saved = self.begin_backward(grad_out)
         if not input_grad:
@@ -112,15 +91,11 @@ class ColumnParallelLinear(Module):
         return grad_in
 
     def begin_backward(self, grad_out: Any) -> Tuple[Any, Any]:
-        """The first half of ``backward``, with no communication.
+        """The first half of ``backward``, with no communication: ``(block, saved)``.
 
-        For a layer that sums the partial input gradients of several column
-        layers itself (``TensorParallelAttention``: one all-reduce for q, k and v).
-
-        Returns:
-            ``(block, saved)``: this rank's block of the output gradient (checked; cut from the full gradient
-            with ``gather_output``; in the product's dtype under autocast) and what forward kept. This rank's
-            partial input gradient is ``partial_input_grad(block, saved)``; pass both to ``finish_backward``.
+        For a layer that sums the partial input gradients of several column layers itself
+        (``TensorParallelAttention``: one all-reduce for q, k and v). ``block`` is this rank's output-gradient block
+        (in the product's dtype under autocast); pass it to ``partial_input_grad`` and ``finish_backward``.
         """
         saved = self._pop_cache()
         if self.gather_output:
@@ -148,33 +123,21 @@ class ColumnParallelLinear(Module):
 class RowParallelLinear(Module):
     """Linear layer whose input features are split across a tensor-parallel group.
 
-    Rank r of the group holds columns ``[r*k, (r+1)*k)`` of the dense layer's
-    weight (k = in_features / group size) as ``weight`` (out_features, k) and
-    the whole, replicated ``bias`` (out_features,). Forward sums the partial
-    products over the group (all-reduce) and adds the bias once; the output
-    is the full output, identical on every rank.
+    Rank r holds columns ``[r*k, (r+1)*k)`` of the dense weight (k = in_features / group size) and the whole,
+    replicated bias. Forward all-reduces the partial products and adds the bias once; the output is full and
+    identical on every rank.
 
     Args:
-        in_features: total input features over the group; divisible by the group size.
-        out_features: size of the output's last axis.
-        group: the tensor-parallel process group (None: the current world's default group).
-        input_is_parallel: the input is already this rank's block (..., in_features / P),
-            as a ``ColumnParallelLinear`` without ``gather_output`` produces it. When False
-            the layer takes the full input, uses its block, and backward returns the full
-            input gradient (all-gathered).
-        bias: learn an additive bias (replicated; its gradient is identical on every rank).
-        dtype: parameter dtype.
-        seed: int, SeedSequence or Generator (the same on every rank of the group); the
-            full weight and bias are drawn exactly as ``nn.Linear(in_features,
-            out_features, seed=seed, dtype=dtype)`` draws them. None: group rank 0 picks
-            fresh entropy and broadcasts it (collective).
+        input_is_parallel: the input is already this rank's block (..., in_features / P), as a
+            ``ColumnParallelLinear`` without ``gather_output`` produces it. When False the layer takes the full
+            input and backward returns the full input gradient (all-gathered).
+        seed: as ``ColumnParallelLinear``'s; weight and bias are drawn as ``nn.Linear`` draws them.
 
     Raises:
         ConfigurationError: a negative size, or ``in_features`` not divisible by the group size.
         NotAMemberError: this rank is not in ``group``.
-        ModelMismatchError: the ranks of the group build it with different geometry
-            (sizes, flags, dtype), or another rank's checks failed; raised on every rank
-            before anything else is sent.
+        ModelMismatchError: the ranks build it with different geometry, or another rank's checks failed; raised
+            on every rank before anything else is sent.
     """
 
     def __init__(self, in_features: int, out_features: int, group: Optional[ProcessGroup] = None,
@@ -195,14 +158,9 @@ class RowParallelLinear(Module):
         self.bias = Parameter(bias_values) if bias else None
 
     def forward(self, x: Any) -> Any:
-        """The full output (..., out_features), identical on every rank of the group.
+        """Collective: the full output (..., out_features), identical on every rank of the group.
 
-        Args:
-            x: this rank's input block (..., in_features / P) if ``input_is_parallel``,
-                else the full input (..., in_features).
-
-        Raises:
-            ShapeError: the last axis of ``x`` does not match.
+        ``x`` is this rank's block if ``input_is_parallel``, else the full input; ShapeError if its last axis differs.
         """
         if self.input_is_parallel:
             check_last_axis(self, x, self.in_features_per_rank, "input")
@@ -223,12 +181,7 @@ class RowParallelLinear(Module):
     def backward(self, grad_out: Any) -> Any:
         """Local weight gradient and the replicated bias gradient; returns the input gradient.
 
-        Args:
-            grad_out: d loss / d output (..., out_features), the same on every rank of the group.
-
-        Returns:
-            d loss / d input: this rank's block (..., in_features / P) if
-            ``input_is_parallel``, else the full (..., in_features), all-gathered.
+        This rank's block (..., in_features / P) if ``input_is_parallel``, else the full one, all-gathered.
         """
         saved = self._pop_cache()
         check_last_axis(self, grad_out, self.out_features, "output gradient")
@@ -246,32 +199,16 @@ class RowParallelLinear(Module):
 class TensorParallelMLP(Module):
     """Transformer MLP block split over a tensor-parallel group: column, GELU, row.
 
-    ``fc1`` is a ``ColumnParallelLinear(hidden, ffn_hidden)`` without output
-    gather, ``act`` an exact ``nn.GELU``, ``fc2`` a ``RowParallelLinear(ffn_hidden,
-    hidden)`` taking the parallel input: the hidden activation stays split, so a
-    step costs one all-reduce in forward (in ``fc2``) and one in backward (in
-    ``fc1``). Input and output are full and identical on every rank.
-
-    With an explicit seed it computes the same function, and its shards are
-    slices of the same weights, as ``TensorParallelMLP.dense_equivalent(hidden,
-    ffn_hidden, dtype, seed)``, i.e. ``nn.Sequential(nn.Linear(hidden,
-    ffn_hidden), nn.GELU(), nn.Linear(ffn_hidden, hidden))`` seeded with the
-    two children of ``seed`` (as ``nn.MultiHeadAttention`` seeds its projections).
-
-    Args:
-        hidden: model width (input and output features).
-        ffn_hidden: width of the inner layer; divisible by the group size.
-        group: the tensor-parallel process group (None: the current world's default group).
-        dtype: parameter dtype.
-        seed: int, SeedSequence or Generator, the same on every rank of the group
-            (None: group rank 0 picks fresh entropy and broadcasts it; collective).
+    The hidden activation stays split between ``fc1`` (column, no gather) and ``fc2`` (row, parallel input), so a
+    step costs one all-reduce in forward and one in backward. Input and output are full on every rank. With an
+    explicit seed it computes the same function as ``TensorParallelMLP.dense_equivalent(hidden, ffn_hidden,
+    dtype, seed)``, and its shards are slices of the same weights.
 
     Raises:
         ConfigurationError: ``ffn_hidden`` not divisible by the group size, or a negative size.
         NotAMemberError: this rank is not in ``group``.
-        ModelMismatchError: the ranks of the group build it with different geometry
-            (sizes, flags, dtype), or another rank's checks failed; raised on every rank
-            before anything else is sent.
+        ModelMismatchError: the ranks build it with different geometry, or another rank's checks failed; raised
+            on every rank before anything else is sent.
     """
 
     def __init__(self, hidden: int, ffn_hidden: int, group: Optional[ProcessGroup] = None,
@@ -298,15 +235,8 @@ class TensorParallelMLP(Module):
                          seed: _init.SeedLike = None) -> Sequential:
         """The single-process MLP that ``TensorParallelMLP(hidden, ffn_hidden, dtype=dtype, seed=seed)`` shards.
 
-        Args:
-            hidden: model width.
-            ffn_hidden: inner width.
-            dtype: parameter dtype.
-            seed: the seed given to the tensor-parallel block (not None, or the two differ).
-
-        Returns:
-            ``nn.Sequential(nn.Linear(hidden, ffn_hidden), nn.GELU(), nn.Linear(ffn_hidden, hidden))``
-            with the same initial values as the union of the shards.
+        ``nn.Sequential(nn.Linear(hidden, ffn_hidden), nn.GELU(), nn.Linear(ffn_hidden, hidden))``, seeded with the
+        two children of ``seed`` (which must not be None, or the two differ).
         """
         seeds = _init.child_seeds(seed, 2)
         return Sequential(Linear(hidden, ffn_hidden, dtype=dtype, seed=seeds[0]), GELU(),
@@ -317,10 +247,7 @@ class TensorParallelMLP(Module):
         return self.fc2(self.act(self.fc1(x)))
 
     def backward(self, grad_out: Any, input_grad: bool = True) -> Any:
-        """Backward through fc2, GELU and fc1; returns the full input gradient.
-
-        ``input_grad=False`` goes to fc1 (see ``ColumnParallelLinear.backward``): None is returned.
-        """
+        """Backward through fc2, GELU and fc1; returns the full input gradient (None with ``input_grad=False``)."""
         return self.fc1.backward(self.act.backward(self.fc2.backward(grad_out)), input_grad=input_grad)
 
     def extra_repr(self) -> str:

@@ -18,21 +18,9 @@ from ..same_model import compared_model
 def partition_range(total: int, rank: int, size: int, what: str = "features") -> Tuple[int, int]:
     """The contiguous block ``[start, stop)`` of ``total`` items that ``rank`` of ``size`` holds.
 
-    A pure function (no communication), so the split is testable on its own
-    and identical on every rank.
-
-    Args:
-        total: number of items to split (features of a layer).
-        rank: the rank's index in the group, ``0 <= rank < size``.
-        size: number of ranks.
-        what: how error messages name the items.
-
-    Returns:
-        ``(start, stop)`` with ``stop - start == total // size``.
-
-    Raises:
-        ConfigurationError: ``total`` is negative, ``size`` not positive, ``rank``
-            out of range, or ``total`` not divisible by ``size``.
+    A pure function, so the split is identical on every rank. ``what`` names the items in messages. Raises
+    ConfigurationError for a negative ``total``, a non-positive ``size``, a ``rank`` out of range, or ``total``
+    not divisible by ``size``.
     """
     if size < 1 or not 0 <= rank < size:
         raise ConfigurationError(f"partition of {what}: rank {rank} is not in a group of size {size}")
@@ -48,8 +36,7 @@ def partition_range(total: int, rank: int, size: int, what: str = "features") ->
 def shared_seed(seed: _init.SeedLike, group: ProcessGroup) -> _init.SeedLike:
     """``seed``, or for None entropy drawn on group rank 0 and broadcast (collective).
 
-    Every rank must draw the same full weight; fresh entropy per rank would
-    give shards of different matrices and disagreeing replicated biases.
+    Fresh entropy per rank would give shards of different matrices and disagreeing replicated biases.
     """
     if seed is not None or group.size == 1:
         return seed
@@ -80,8 +67,7 @@ def my_part(pg: ProcessGroup, layer: str, in_features: int, out_features: int, s
              **geometry: Any) -> Tuple[int, int]:
     """This rank's ``[start, stop)`` of the ``split`` dimension, once every rank agrees on the layer's geometry.
 
-    The local checks' error (sizes, a dimension the group does not divide)
-    joins the exchange instead of being raised first, so that no rank waits.
+    The local checks' error joins the exchange instead of being raised first, so that no rank waits.
     """
     with same_geometry(pg, layer, in_features=in_features, out_features=out_features, **geometry):
         check_sizes(layer, in_features, out_features)
@@ -93,14 +79,9 @@ def my_part(pg: ProcessGroup, layer: str, in_features: int, out_features: int, s
 def same_geometry(pg: ProcessGroup, layer: str, **geometry: Any) -> Iterator[None]:
     """Collective: run the block (this rank's checks), then agree that every rank builds ``layer`` alike.
 
-    Runs before any other message of the constructor (``seed=None`` broadcasts
-    the seed), so a rank with other sizes, flags or dtype, or one whose block
-    raised, makes every rank raise instead of leaving the others waiting or
-    computing with shards of different layers.
-
-    Raises:
-        ModelMismatchError: the geometry differs across the group (on every rank).
-        AxonError: what the block raised, on the rank that raised it.
+    Runs before any other message of the constructor, so a rank with other sizes, flags or dtype, or whose
+    block raised, makes every rank raise (ModelMismatchError; the block's own error where it raised) instead of
+    leaving the others waiting or computing with shards of different layers.
     """
     def shown(key: str, value: Any) -> str:
         if key == "dtype":
