@@ -51,11 +51,14 @@ _LAZY = {
     "gather_timelines": "axonhpc.parallel",
     "write_gantt_png": "axonhpc.parallel",
     "timeline": "axonhpc.profiling",
-    "graph_step": "axonhpc.graphs",
-    "GraphedStep": "axonhpc.graphs",
+    "graph_step": "axonhpc.cuda.graphs",
+    "GraphedStep": "axonhpc.cuda.graphs",
 }
-_SUBMODULES = ("nn", "optim", "data", "bucketing", "comm", "backends", "settings", "cli", "bench", "parallel",
-               "checkpoint", "trainer", "tracing", "profiling", "graphs")
+# Submodules loaded on first use; ``ax.graphs`` keeps the name it had before the cuda/ package.
+_SUBMODULES = {name: f"axonhpc.{name}" for name in ("nn", "optim", "data", "bucketing", "comm", "backends",
+                                                     "settings", "cli", "bench", "parallel", "checkpoint", "trainer",
+                                                     "tracing", "profiling")}
+_SUBMODULES.update(graphs="axonhpc.cuda.graphs")
 
 
 def __getattr__(name):
@@ -64,7 +67,7 @@ def __getattr__(name):
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
     if name in _SUBMODULES:
-        return importlib.import_module(f"axonhpc.{name}")
+        return importlib.import_module(_SUBMODULES[name])
     raise AttributeError(f"module 'axonhpc' has no attribute {name!r}")
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 import math
 from typing import Any, Iterable, Union
 
-from .. import _capture
 from .._dtypes import array_module, is_cupy_array
+from ..cuda import capture
 from ..errors import InvalidArgumentError
 
 
@@ -43,7 +43,7 @@ def clip_grad_norm(params: Union[Any, Iterable[Any]], max_norm: float, norm_type
 
     Returns:
         The total norm before clipping, as a float (0.0 if no parameter has a gradient).
-        Inside a graphed step (``axonhpc.graphs``) on device arrays, a 0-d float64 device
+        Inside a graphed step (``axonhpc.cuda.graphs``) on device arrays, a 0-d float64 device
         array: the scale is then computed on the device and every gradient is multiplied
         by it (by 1.0 where there is nothing to clip, which changes no value).
 
@@ -64,7 +64,7 @@ def clip_grad_norm(params: Union[Any, Iterable[Any]], max_norm: float, norm_type
         # Per-gradient norms first, then the norm of those: one pass over each array.
         norms = xp.stack([xp.linalg.norm(g.reshape(-1), norm_type) for g in grads])
         total = xp.linalg.norm(norms, norm_type)
-    if _capture.defers_reads() and is_cupy_array(total):
+    if capture.defers_reads() and is_cupy_array(total):
         return scale_on_device(grads, total, max_norm)
     total = float(total)
     scale_to_norm(grads, total, max_norm)
