@@ -24,13 +24,13 @@ EXPECTED = {
 # functools: the optimizers' work before a CUDA graph's replay is a partial of a method.
 ALLOWED_ROOTS = {"numpy", "cupy", "cupyx", "math", "sys", "typing", "collections", "__future__", "threading",
                  "functools", "numbers"}
-# tracing records timeline spans (axonhpc.tracing knows nothing of communication); settings holds
+# observe.tracing records timeline spans (it knows nothing of communication); settings holds
 # allow_tf32, which nn.matmul applies to cupy; cuda.capture says whether a CUDA graph is being captured and
-# cuda.kernels builds the fused device kernels; _ext finds the compiled host kernels; log gives the sampler the
-# caller's rank and world size when it is not given them (``world_facts``, which never builds a world: it knows
-# nothing of communication either)
+# cuda.kernels builds the fused device kernels; _ext finds the compiled host kernels; observe.log gives the
+# sampler the caller's rank and world size when it is not given them (``world_facts``, which never builds a
+# world: it knows nothing of communication either)
 ALLOWED_AXONHPC = {"axonhpc._dtypes", "axonhpc._ext", "axonhpc.cuda.kernels", "axonhpc.cuda.capture", "axonhpc.errors",
-                   "axonhpc.tracing", "axonhpc.settings", "axonhpc.log"}
+                   "axonhpc.observe.tracing", "axonhpc.settings", "axonhpc.observe.log"}
 # data/text.py reads the standard library's own source files from disk; data/files.py a user's corpus.
 ALLOWED_PER_FILE = {os.path.join("data", "text.py"): {"os", "sysconfig"}, os.path.join("data", "files.py"): {"os"},
                     # cuBLAS called through ctypes (see nn.gemm), found in /proc/self/maps

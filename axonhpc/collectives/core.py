@@ -26,12 +26,12 @@ from typing import Any, NoReturn, Optional
 
 import numpy as np
 
-from .. import tracing
 from .._dtypes import array_module, check_array, is_cupy_array, is_low_precision_float
 from ..backends.base import CompletedWork, ReduceOp, Work
 from ..cuda import capture
 from ..errors import AxonError, CollectiveStallError, CollectiveTimeoutError, ReadOnlyBufferError, ShapeError, replacing
 from ..groups import ProcessGroup, resolve_group
+from ..observe import tracing
 from ..settings import settings
 from . import (agreement, fast_path, fingerprint, flight, graphed, shm_path, staged_path, stragglers, watch,
                watchdog)

@@ -27,12 +27,12 @@ from typing import Any, Callable, NamedTuple, Optional
 
 import numpy as np
 
-from .. import tracing
 from .._dtypes import is_supported
 from ..backends import shm as shm_backend
 from ..backends.base import CompletedWork, ReduceOp, Work
 from ..cuda import capture
 from ..groups import resolve_group
+from ..observe import tracing
 from ..settings import settings
 from . import agreement, flight, shm_path, stragglers, watchdog
 
