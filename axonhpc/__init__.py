@@ -11,7 +11,7 @@ from . import collectives as _collectives
 from .collectives import *  # noqa: F401,F403 - the collectives are the top-level API
 from .groups import Mesh, ProcessGroup, World, current_world, init, is_initialized, run_local
 from .info import info
-from .log import get_logger
+from .observe.log import get_logger
 from .settings import settings
 
 # Names loaded on first use: the compiled buffers and the model layer.
@@ -50,12 +50,16 @@ _LAZY = {
     "TensorParallelBlock": "axonhpc.parallel",
     "gather_timelines": "axonhpc.parallel",
     "write_gantt_png": "axonhpc.parallel",
-    "timeline": "axonhpc.profiling",
-    "graph_step": "axonhpc.graphs",
-    "GraphedStep": "axonhpc.graphs",
+    "timeline": "axonhpc.observe.timeline",
+    "graph_step": "axonhpc.cuda.graphs",
+    "GraphedStep": "axonhpc.cuda.graphs",
 }
-_SUBMODULES = ("nn", "optim", "data", "bucketing", "comm", "backends", "settings", "cli", "bench", "parallel",
-               "checkpoint", "trainer", "tracing", "profiling", "graphs")
+# Submodules loaded on first use; ``ax.tracing``, ``ax.profiling`` and ``ax.graphs`` keep the names they had
+# before the cuda/ and observe/ packages.
+_SUBMODULES = {name: f"axonhpc.{name}" for name in ("nn", "optim", "data", "bucketing", "comm", "backends",
+                                                     "settings", "cli", "bench", "parallel", "checkpoint", "trainer")}
+_SUBMODULES.update(tracing="axonhpc.observe.tracing", profiling="axonhpc.observe.timeline",
+                   graphs="axonhpc.cuda.graphs")
 
 
 def __getattr__(name):
@@ -64,7 +68,7 @@ def __getattr__(name):
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
     if name in _SUBMODULES:
-        return importlib.import_module(f"axonhpc.{name}")
+        return importlib.import_module(_SUBMODULES[name])
     raise AttributeError(f"module 'axonhpc' has no attribute {name!r}")
 
 

@@ -1,4 +1,4 @@
-"""Supported dtypes and the local buffer checks every collective runs first.
+"""Supported dtypes, array-module dispatch (numpy or cupy) and the local buffer checks every collective runs first.
 
 Arrays are numpy arrays, or cupy arrays where cupy exists. Nothing here
 imports cupy or ml_dtypes at package import: both are looked up lazily, so

@@ -82,13 +82,13 @@ def _cmd_bench(args) -> int:
 
 
 def _cmd_doctor(args) -> int:
-    from .doctor import main
+    from .observe.doctor import main
 
     return main(args.directory)
 
 
 def _cmd_timeline(args) -> int:
-    from .profiling import merge_directory
+    from .observe.timeline import merge_directory
 
     out = args.output or os.path.join(args.directory, "timeline.json")
     try:

@@ -32,7 +32,7 @@ from typing import Any, FrozenSet, Mapping, Optional, Sequence
 
 import numpy as np
 
-from .log import get_logger
+from .observe.log import get_logger
 from .settings import THREAD_VARIABLES, THREADS_SET_BY, settings, thread_environment
 
 AFFINITY_WORDS = 16  # affinity masks travel as 16 64-bit words: CPUs 0-1023 (higher ids fold onto them)

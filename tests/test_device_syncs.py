@@ -97,7 +97,7 @@ def _unscaled(cupy, bad, fused):
     """Gradients of three dtypes, one non-contiguous, ``bad`` (or nothing) in one: unscaled by a scaler of 8."""
     from types import SimpleNamespace
 
-    from axonhpc import _kernels
+    from axonhpc.cuda import kernels as cuda_kernels
 
     rng = np.random.default_rng(4)
     grads = [cupy.asarray(rng.standard_normal(shape).astype(dtype) * 1e3) for shape, dtype in [
@@ -106,10 +106,10 @@ def _unscaled(cupy, bad, fused):
     if bad is not None:
         grads[2][1, 3] = bad
     opt = SimpleNamespace(params=[SimpleNamespace(grad=g) for g in grads])
-    before = _kernels.launches(cupy, ["unscale_multi"])
+    before = cuda_kernels.launches(cupy, ["unscale_multi"])
     with override(fused_kernels=fused), count_syncs() as log:
         found = GradScaler(init_scale=8.0).unscale(opt)
-    return [g.get() for g in grads], found, len(log), _kernels.launches(cupy, ["unscale_multi"]) - before
+    return [g.get() for g in grads], found, len(log), cuda_kernels.launches(cupy, ["unscale_multi"]) - before
 
 
 @pytest.mark.parametrize("bad", [None, np.inf, -np.inf, np.nan])

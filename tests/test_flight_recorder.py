@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from axonhpc.doctor import diagnose, load_dumps
+from axonhpc.observe.doctor import diagnose, load_dumps
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 JOB = os.path.join(ROOT, "tests", "jobs", "timeout_job.py")

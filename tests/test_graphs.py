@@ -1,4 +1,4 @@
-"""CUDA graphs of a whole step (``axonhpc.graphs``), on the strict stand-in's stream capture.
+"""CUDA graphs of a whole step (``axonhpc.cuda.graphs``), on the strict stand-in's stream capture.
 
 The stand-in plays a capture as CUDA does (``strict_cupy``): nothing runs while
 a stream captures, a graph's launch runs the recorded operations on the
@@ -16,10 +16,11 @@ import numpy as np
 import pytest
 
 import axonhpc as ax
-from axonhpc import _kernels, nn, optim
+from axonhpc import nn, optim
+from axonhpc.cuda import kernels as cuda_kernels
 from axonhpc.backends.devices import device_facts
 from axonhpc.errors import ArgumentTypeError, ConfigurationError, GraphCaptureError, ShapeError
-from axonhpc.graphs import graph_step
+from axonhpc.cuda.graphs import graph_step
 from fake_cuda import FakeCupy
 
 STEPS = 6
@@ -136,8 +137,8 @@ def test_each_call_after_the_capture_is_one_graph_launch(cupy):
     step(x, y)  # the warm-up call
     first = step(x, y)  # the capture, and the first launch
     assert step.captured
-    fills = _kernels.launches(cupy, ("fill",))
-    updates = _kernels.launches(cupy, ("adam_multi_dev",))
+    fills = cuda_kernels.launches(cupy, ("fill",))
+    updates = cuda_kernels.launches(cupy, ("adam_multi_dev",))
     seen = [p.data.get() for p in model.parameters()]
     for _ in range(3):
         out = step(x, y)
@@ -146,8 +147,8 @@ def test_each_call_after_the_capture_is_one_graph_launch(cupy):
         assert all(not np.array_equal(a, b) for a, b in zip(seen, now))
         seen = now
     assert step._graph.launches == 4
-    assert _kernels.launches(cupy, ("fill",)) - fills == 3  # Adam's scalars, one launch per replay
-    assert _kernels.launches(cupy, ("adam_multi_dev",)) - updates == 3  # one update kernel per replay
+    assert cuda_kernels.launches(cupy, ("fill",)) - fills == 3  # Adam's scalars, one launch per replay
+    assert cuda_kernels.launches(cupy, ("adam_multi_dev",)) - updates == 3  # one update kernel per replay
 
 
 def test_the_capture_runs_nothing_and_the_replay_runs_it_once(cupy):
@@ -237,20 +238,20 @@ def test_what_the_host_writes_between_launches_lives_outside_the_graphs_pool(cup
     """The first captured optimizer step on an H100 read its learning rate from a block of the graph's pool that
     the backward's temporaries had written (within one launch a graph reuses freed blocks). The stand-in refuses a
     write between launches into memory allocated from the pool during the capture; ``host_written`` goes around it."""
-    from axonhpc import _capture
+    from axonhpc.cuda import capture
 
     pool, stream = cupy.cuda.MemoryPool(), cupy.cuda.Stream(non_blocking=True)
-    record = _capture.Recording(capturing=True, xp=cupy, host_allocator=cupy.cuda.get_allocator())
-    with cupy.cuda.using_allocator(pool.malloc), stream, _capture.recording(record):
+    record = capture.Recording(capturing=True, xp=cupy, host_allocator=cupy.cuda.get_allocator())
+    with cupy.cuda.using_allocator(pool.malloc), stream, capture.recording(record):
         stream.begin_capture()
         inside = cupy.empty(4, np.float64)
-        outside = _capture.host_written(cupy, 4, np.float64)
+        outside = capture.host_written(cupy, 4, np.float64)
         stream.end_capture()
-    _kernels.fill(cupy, outside, [1.0, 2.0, 3.0, 4.0])
+    cuda_kernels.fill(cupy, outside, [1.0, 2.0, 3.0, 4.0])
     assert outside.get().tolist() == [1.0, 2.0, 3.0, 4.0]
     with pytest.raises(RuntimeError, match="into memory allocated from the graph's own pool"):
-        _kernels.fill(cupy, inside, [1.0, 2.0, 3.0, 4.0])
-    assert _capture.host_written(cupy, 2, np.float32).shape == (2,)  # outside a capture: a plain empty
+        cuda_kernels.fill(cupy, inside, [1.0, 2.0, 3.0, 4.0])
+    assert capture.host_written(cupy, 2, np.float32).shape == (2,)  # outside a capture: a plain empty
 
 
 def test_dropout_in_training_is_refused(cupy):

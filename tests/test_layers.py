@@ -1,4 +1,5 @@
 """The layer picture of docs/architecture.md, enforced by import-linter; no import cycles; public docstrings."""
+import ast
 import inspect
 import os
 import shutil
@@ -23,19 +24,47 @@ def test_import_layers_hold():
     assert "broken" not in out.stdout.lower() or "0 broken" in out.stdout.lower()
 
 
-def test_layer_contract_catches_an_upward_import(tmp_path):
-    """The checker is live: a backend importing the collectives must fail it."""
+# (file under axonhpc/, import appended, the violation lint-imports must report)
+VIOLATIONS = [
+    ("backends/local.py", "from ..collectives import all_reduce", "axonhpc.backends.local -> axonhpc.collectives"),
+    # the namespaces cuda/ and observe/ span layers: their low modules may not import their high ones
+    ("cuda/capture.py", "from . import graphs", "axonhpc.cuda.capture -> axonhpc.cuda.graphs"),
+    ("observe/log.py", "from . import timeline", "axonhpc.observe.log -> axonhpc.observe.timeline"),
+    # a forbidden contract: the core helpers never import mpi4py
+    ("observe/tracing.py", "import mpi4py", "axonhpc.observe.tracing is not allowed to import mpi4py"),
+]
+
+
+def test_contracts_catch_upward_and_forbidden_imports(tmp_path):
+    """The checker is live: each of ``VIOLATIONS``, made in a copy of the package, must fail it."""
     src = os.path.join(ROOT, "axonhpc")
     dst = tmp_path / "axonhpc"
     shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.so", "__pycache__"))
-    with open(dst / "backends" / "local.py", "a") as f:
-        f.write("\nfrom ..collectives import all_reduce  # upward on purpose\n")
+    for path, line, _ in VIOLATIONS:
+        with open(dst / path, "a") as f:
+            f.write(f"\n{line}  # on purpose\n")
     shutil.copy(os.path.join(ROOT, "pyproject.toml"), tmp_path / "pyproject.toml")
     lint = os.path.join(os.path.dirname(sys.executable), "lint-imports")
     env = dict(os.environ, PYTHONPATH=str(tmp_path))
     out = subprocess.run([lint, "--no-cache"], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
     assert out.returncode != 0, out.stdout
-    assert "axonhpc.backends.local -> axonhpc.collectives" in out.stdout
+    for _, _, reported in VIOLATIONS:
+        assert reported in out.stdout, reported
+
+
+@pytest.mark.parametrize("package", ["cuda", "observe"])
+def test_namespace_packages_import_nothing(package):
+    """``axonhpc.cuda`` and ``axonhpc.observe`` are in no layer (their modules are): importing one must not load them."""
+    with open(os.path.join(ROOT, "axonhpc", package, "__init__.py")) as f:
+        tree = ast.parse(f.read())
+    imports = [ast.unparse(n) for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))]
+    assert not imports, imports
+
+
+def test_moved_modules_keep_their_top_level_names():
+    assert ax.tracing.__name__ == "axonhpc.observe.tracing"
+    assert ax.profiling.__name__ == "axonhpc.observe.timeline" and ax.timeline is ax.profiling.timeline
+    assert ax.graphs.__name__ == "axonhpc.cuda.graphs" and ax.graph_step is ax.graphs.graph_step
 
 
 def import_cycles(package):

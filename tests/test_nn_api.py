@@ -24,12 +24,13 @@ EXPECTED = {
 # functools: the optimizers' work before a CUDA graph's replay is a partial of a method.
 ALLOWED_ROOTS = {"numpy", "cupy", "cupyx", "math", "sys", "typing", "collections", "__future__", "threading",
                  "functools", "numbers"}
-# tracing records timeline spans (axonhpc.tracing knows nothing of communication); settings holds
-# allow_tf32, which nn.matmul applies to cupy; _capture says whether a CUDA graph is being captured; log
-# gives the sampler the caller's rank and world size when it is not given them (``world_facts``, which
-# never builds a world: it knows nothing of communication either)
-ALLOWED_AXONHPC = {"axonhpc._dtypes", "axonhpc._kernels", "axonhpc._capture", "axonhpc.errors", "axonhpc.tracing",
-                   "axonhpc.settings", "axonhpc.log"}
+# observe.tracing records timeline spans (it knows nothing of communication); settings holds
+# allow_tf32, which nn.matmul applies to cupy; cuda.capture says whether a CUDA graph is being captured and
+# cuda.kernels builds the fused device kernels; _ext finds the compiled host kernels; observe.log gives the
+# sampler the caller's rank and world size when it is not given them (``world_facts``, which never builds a
+# world: it knows nothing of communication either)
+ALLOWED_AXONHPC = {"axonhpc._dtypes", "axonhpc._ext", "axonhpc.cuda.kernels", "axonhpc.cuda.capture", "axonhpc.errors",
+                   "axonhpc.observe.tracing", "axonhpc.settings", "axonhpc.observe.log"}
 # data/text.py reads the standard library's own source files from disk; data/files.py a user's corpus.
 ALLOWED_PER_FILE = {os.path.join("data", "text.py"): {"os", "sysconfig"}, os.path.join("data", "files.py"): {"os"},
                     # cuBLAS called through ctypes (see nn.gemm), found in /proc/self/maps
@@ -74,9 +75,11 @@ def test_sources_import_only_numpy_and_core_helpers():
             elif isinstance(node, ast.ImportFrom):
                 if node.level == 1:
                     continue  # inside the same package
-                if node.level == 2:
-                    names = ([f"axonhpc.{node.module}"] if node.module
-                             else [f"axonhpc.{a.name}" for a in node.names])  # from .. import x
+                if node.level == 2:  # from ..pkg import x: the module ``axonhpc.pkg.x`` where x is one
+                    base = os.path.join(os.path.dirname(os.path.dirname(path)), *(node.module or "").split("."))
+                    prefix = "axonhpc." + f"{node.module}." * bool(node.module)
+                    names = [prefix + a.name if os.path.exists(os.path.join(base, a.name + ".py"))
+                             or os.path.isdir(os.path.join(base, a.name)) else prefix.rstrip(".") for a in node.names]
                 else:
                     names = [node.module]
             else:

@@ -16,7 +16,8 @@ import sys
 import numpy as np
 import pytest
 
-from axonhpc import _kernels, nn, optim
+from axonhpc import nn, optim
+from axonhpc.cuda import kernels as cuda_kernels
 from axonhpc.nn import kernels
 from axonhpc.backends.devices import device_facts
 from axonhpc.errors import ConfigurationError, ShapeError
@@ -38,7 +39,7 @@ def c_math(strict_cupy, monkeypatch):
         kernel = strict_cupy.ElementwiseKernel("T x", "T y", f"y = {name}(x);", f"c_{name}")
 
         def ufunc(x, out=None, _kernel=kernel, _name=name):
-            assert type(x) is DeviceArray and x.dtype in _kernels.KERNEL_DTYPES, (_name, type(x), x.dtype)
+            assert type(x) is DeviceArray and x.dtype in cuda_kernels.KERNEL_DTYPES, (_name, type(x), x.dtype)
             return _kernel(x) if out is None else _kernel(x, out)
 
         monkeypatch.setattr(strict_cupy, name, ufunc, raising=False)
@@ -79,12 +80,12 @@ LAUNCHES = {"relu": 1, "gelu": 2, "gelu_tanh": 2, "tanh": 1}
 @pytest.mark.parametrize("name", sorted(LAYERS))
 def test_a_layer_is_its_array_code_bit_for_bit(name, dtype, c_math, monkeypatch):
     x, g = _inputs(dtype)
-    before = _kernels.launches(c_math)
+    before = cuda_kernels.launches(c_math)
     fused = _layer_run(c_math, LAYERS[name](), x, g)
-    assert _kernels.launches(c_math) - before == LAUNCHES[name]
+    assert cuda_kernels.launches(c_math) - before == LAUNCHES[name]
     monkeypatch.setattr(settings, "fused_kernels", False)
     array_code = _layer_run(c_math, LAYERS[name](), x, g)
-    assert _kernels.launches(c_math) - before == LAUNCHES[name]  # the setting off launches none
+    assert cuda_kernels.launches(c_math) - before == LAUNCHES[name]  # the setting off launches none
     for a, b in zip(fused, array_code):
         _same_bits(a, b)
 
@@ -137,14 +138,14 @@ def _linear_run(xp, activation, dtype, fused_bias):
 @pytest.mark.parametrize("activation", sorted(ACTIVATED))
 def test_a_linear_with_an_activation_is_the_linear_then_the_activation(activation, dtype, c_math, monkeypatch):
     name = {"relu": "bias_relu"}.get(activation, "bias_gelu")
-    before = _kernels.launches(c_math, (name,))
+    before = cuda_kernels.launches(c_math, (name,))
     fused = _linear_run(c_math, activation, dtype, fused_bias=True)
-    assert _kernels.launches(c_math, (name,)) - before == 1  # the bias add is in the activation's kernel
+    assert cuda_kernels.launches(c_math, (name,)) - before == 1  # the bias add is in the activation's kernel
     apart = _linear_run(c_math, activation, dtype, fused_bias=False)
-    assert _kernels.launches(c_math, (name,)) - before == 2  # Sequential(Linear, activation) adds it there too
+    assert cuda_kernels.launches(c_math, (name,)) - before == 2  # Sequential(Linear, activation) adds it there too
     monkeypatch.setattr(settings, "fused_kernels", False)
     array_code = _linear_run(c_math, activation, dtype, fused_bias=True)
-    assert _kernels.launches(c_math, (name,)) - before == 2  # the setting off: the array code
+    assert cuda_kernels.launches(c_math, (name,)) - before == 2  # the setting off: the array code
     for a, b, c in zip(fused, apart, array_code):
         _same_bits(a, b)
         _same_bits(a, c)
@@ -180,11 +181,11 @@ def test_the_fused_cross_entropy_is_three_kernels_and_the_array_code_after_the_r
     logits = (rng.standard_normal((3, 5, 37)) * 4).astype(dtype)  # a language model's (B, T, V)
     targets = rng.integers(0, 37, (3, 5)).astype(target_dtype)
     loss_fn = nn.CrossEntropyLoss()
-    counts = {name: _kernels.launches(c_math, (name,)) for name in CE_KERNELS}
+    counts = {name: cuda_kernels.launches(c_math, (name,)) for name in CE_KERNELS}
     loss = loss_fn(c_math.asarray(logits), c_math.asarray(targets))
     x, m, ls, kept_targets, _, _ = cache = loss_fn._cache
     fused = loss_fn.backward(0.25)
-    assert {name: _kernels.launches(c_math, (name,)) - counts[name] for name in CE_KERNELS} == dict.fromkeys(CE_KERNELS, 1)
+    assert {name: cuda_kernels.launches(c_math, (name,)) - counts[name] for name in CE_KERNELS} == dict.fromkeys(CE_KERNELS, 1)
     assert fused.shape == logits.shape and fused.dtype == dtype
 
     # the row sums: the fused reduction's order against cupy.sum's (numpy's on the stand-in)
@@ -219,12 +220,12 @@ def test_the_fused_cross_entropy_checks_targets_and_leaves_strided_logits_to_the
         with pytest.raises(ShapeError, match=r"targets must be in \[0, 12\)"):
             loss_fn(logits, strict_cupy.asarray(np.array(bad)))
         assert loss_fn.__dict__.get("_cache") is None
-    before = _kernels.launches(strict_cupy)
+    before = cuda_kernels.launches(strict_cupy)
     strided = logits[:, ::2]  # (4, 6), not C-contiguous
     targets = np.array([0, 5, 3, 1])
     loss = loss_fn(strided, strict_cupy.asarray(targets))
     grad = loss_fn.backward()
-    assert _kernels.launches(strict_cupy) == before + 1  # the gradient's kernel only
+    assert cuda_kernels.launches(strict_cupy) == before + 1  # the gradient's kernel only
     host = nn.CrossEntropyLoss()
     assert loss == pytest.approx(host(strided.get(), targets), rel=1e-6)
     np.testing.assert_allclose(grad.get(), host.backward(), rtol=1e-6, atol=1e-8)
@@ -232,38 +233,38 @@ def test_the_fused_cross_entropy_checks_targets_and_leaves_strided_logits_to_the
 
 def test_what_the_kernels_do_not_serve_keeps_the_array_code(strict_cupy):
     rng = np.random.default_rng(2)
-    before = _kernels.launches(strict_cupy)
+    before = cuda_kernels.launches(strict_cupy)
     half = rng.standard_normal((4, 6)).astype(np.float16)
     for layer in (nn.ReLU(), nn.GELU(), nn.Tanh()):
         layer.backward(layer(strict_cupy.asarray(half)))
     _loss_grad(strict_cupy, half, rng.integers(0, 6, 4))  # float16 logits: float32 work, float16 gradient
     _loss_grad(strict_cupy, half.astype(np.float32), rng.integers(0, 6, 4).astype(np.uint8))
-    assert _kernels.launches(strict_cupy) == before
+    assert cuda_kernels.launches(strict_cupy) == before
     loss_fn = nn.CrossEntropyLoss()
     loss_fn(strict_cupy.asarray(half.astype(np.float32)), strict_cupy.asarray(rng.integers(0, 6, 4)))
-    before = _kernels.launches(strict_cupy)
+    before = cuda_kernels.launches(strict_cupy)
     loss_fn.backward(np.float32(0.5))  # not a Python number: the array code scales by it as it is
-    assert _kernels.launches(strict_cupy) == before
+    assert cuda_kernels.launches(strict_cupy) == before
     layer = nn.GELU()
     layer(strict_cupy.asarray(half.astype(np.float32)))
     layer.backward(strict_cupy.asarray(half))  # a gradient of another dtype: the backward's array code
-    assert _kernels.launches(strict_cupy) == before + 1
+    assert cuda_kernels.launches(strict_cupy) == before + 1
     nn.ReLU()(np.ones(3, dtype=np.float32))
-    assert not _kernels.kept(np)
+    assert not cuda_kernels.kept(np)
 
 
 def test_optimizers_built_with_fused_none_follow_the_setting(strict_cupy, monkeypatch):
     p = nn.Parameter(strict_cupy.ones(4, dtype=np.float32))
     opts = [optim.SGD([p], lr=0.1), optim.Adam([p], lr=0.1), optim.SGD([p], lr=0.1, fused=True)]
     monkeypatch.setattr(settings, "fused_kernels", False)
-    before = _kernels.launches(strict_cupy)
+    before = cuda_kernels.launches(strict_cupy)
     for opt in opts[:2]:
         p.grad = strict_cupy.ones(4, dtype=np.float32)
         opt.step()
-    assert _kernels.launches(strict_cupy) == before
+    assert cuda_kernels.launches(strict_cupy) == before
     p.grad = strict_cupy.ones(4, dtype=np.float32)
     opts[2].step()  # fused=True is the caller's explicit choice
-    assert _kernels.launches(strict_cupy) == before + 1
+    assert cuda_kernels.launches(strict_cupy) == before + 1
 
 
 def test_the_stand_in_kernel_broadcasts_indexes_and_refuses_as_cupy_does(strict_cupy):
@@ -309,9 +310,9 @@ def test_every_kernel_is_compiled_without_multiply_add_contraction(strict_cupy):
         m = layer()
         m.backward(m(x))
     _loss_grad(strict_cupy, np.ones((2, 4)), np.array([0, 3]))
-    names = {name for name, _ in _kernels.kept(strict_cupy)}
+    names = {name for name, _ in cuda_kernels.kept(strict_cupy)}
     assert names == {"relu", "gelu_forward", "gelu_backward", "tanh_backward", *CE_KERNELS}
-    assert all(k.options == _kernels.OPTIONS == ("--fmad=false",) for k in _kernels.kept(strict_cupy).values())
+    assert all(k.options == cuda_kernels.OPTIONS == ("--fmad=false",) for k in cuda_kernels.kept(strict_cupy).values())
 
 
 _cupy = importlib.import_module("cupy") if device_facts().devices > 0 else None

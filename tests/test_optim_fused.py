@@ -13,7 +13,8 @@ import sys
 import numpy as np
 import pytest
 
-from axonhpc import _kernels, nn, optim
+from axonhpc import nn, optim
+from axonhpc.cuda import kernels as cuda_kernels
 from axonhpc.backends.devices import device_facts
 from axonhpc.errors import ConfigurationError
 from strict_cupy import StrictCupy
@@ -61,7 +62,7 @@ def _train(xp, config, fused, dtype, skip=None):
 
 
 def _launches(xp):
-    return _kernels.launches(xp)
+    return cuda_kernels.launches(xp)
 
 
 def _assert_bitwise(got, expected):
@@ -95,7 +96,7 @@ def test_the_kernels_are_compiled_without_multiply_add_contraction(strict_cupy):
     opt = optim.SGD([one], lr=0.1, momentum=0.9)
     one.grad = strict_cupy.ones(3, dtype=np.float32)
     opt.step()
-    kernels = list(_kernels.kept(strict_cupy).values())
+    kernels = list(cuda_kernels.kept(strict_cupy).values())
     assert {k.name for k in kernels} >= {"axonhpc_adam", "axonhpc_adam_multi", "axonhpc_sgd", "axonhpc_sgd_multi"}
     assert all("--fmad=false" in k.options for k in kernels)
 
@@ -128,14 +129,14 @@ def test_each_dtype_is_one_launch_and_what_cannot_join_is_updated_alone(config, 
         results[(xp is np, fused)] = ([p.data if xp is np else p.data.get() for p in params], launched)
     fused_result, launched = results[(False, None)]
     assert launched == STEPS * 3  # a float32 launch, a float64 launch, and the view alone
-    names = {name for name, _ in _kernels.kept(strict_cupy)}
+    names = {name for name, _ in cuda_kernels.kept(strict_cupy)}
     assert {"adam", "adam_multi"} <= names or {"sgd", "sgd_multi"} <= names
     _assert_bitwise(fused_result, results[(False, False)][0])
     _assert_bitwise(fused_result, results[(True, None)][0])
 
 
 def test_address_tables_are_kept_until_an_address_changes(strict_cupy):
-    tables = _kernels.TensorTables()
+    tables = cuda_kernels.TensorTables()
     a, b = strict_cupy.zeros(3), strict_cupy.zeros(5)
     first = tables.tables(strict_cupy, "k", [[a, b]])
     assert tables.tables(strict_cupy, "k", [[a, b]]) is first
@@ -147,9 +148,9 @@ def test_address_tables_are_kept_until_an_address_changes(strict_cupy):
 
 
 def test_batches_cut_at_the_launch_limit_and_leave_a_larger_array_alone():
-    assert _kernels.batches([5, 3, 10, 1, 2], limit=8) == [[0, 1], [2], [3, 4]]
-    assert _kernels.batches([], limit=8) == []
-    assert _kernels.batches([8, 8], limit=8) == [[0], [1]]
+    assert cuda_kernels.batches([5, 3, 10, 1, 2], limit=8) == [[0, 1], [2], [3, 4]]
+    assert cuda_kernels.batches([], limit=8) == []
+    assert cuda_kernels.batches([8, 8], limit=8) == [[0], [1]]
 
 
 def test_the_stand_in_takes_raw_arrays_and_size_as_cupy_does(strict_cupy):
@@ -208,9 +209,9 @@ def test_fused_true_refuses_what_the_kernel_does_not_serve(strict_cupy):
 
 
 def test_fused_none_on_the_host_builds_no_kernel():
-    before = dict(_kernels._cache)
+    before = dict(cuda_kernels._cache)
     _train(np, "adamw", None, np.float32)
-    assert _kernels._cache == before
+    assert cuda_kernels._cache == before
     assert optim.SGD([nn.Parameter(np.zeros(2))], lr=0.1).fused is None
 
 

@@ -15,7 +15,7 @@ import pytest
 import axonhpc as ax
 from axonhpc import nn, optim
 from axonhpc.collectives import stragglers
-from axonhpc.doctor import lateness
+from axonhpc.observe.doctor import lateness
 from settings_override import override
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

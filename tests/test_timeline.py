@@ -7,8 +7,9 @@ import sys
 import pytest
 
 import axonhpc as ax
-from axonhpc import tracing
 from axonhpc.errors import ConfigurationError
+from axonhpc.observe import tracing
+from axonhpc.observe.timeline import merge_files
 from mpi_assert import collectively
 from timeline_cases import CASES
 
@@ -40,16 +41,16 @@ def test_recorder_rejects_unknown_lanes():
 
 def test_merge_refuses_bad_inputs(tmp_path):
     with pytest.raises(ConfigurationError, match="no timeline rank files"):
-        ax.profiling.merge_files([])
+        merge_files([])
     bad = tmp_path / "timeline-rank00000.json"
     bad.write_text(json.dumps({"traceEvents": []}))
     with pytest.raises(ConfigurationError, match="not an axonhpc per-rank timeline"):
-        ax.profiling.merge_files([str(bad)])
+        merge_files([str(bad)])
     rec = tracing.Recorder(3)
     tracing.write_rank_file(str(tmp_path / "a.json"), rec)
     tracing.write_rank_file(str(tmp_path / "b.json"), rec)
     with pytest.raises(ConfigurationError, match="rank 3 appears twice"):
-        ax.profiling.merge_files([str(tmp_path / "a.json"), str(tmp_path / "b.json")])
+        merge_files([str(tmp_path / "a.json"), str(tmp_path / "b.json")])
 
 
 @pytest.mark.timeout(300)

@@ -6,7 +6,9 @@ import numpy as np
 import pytest
 
 import axonhpc as ax
-from axonhpc import nn, optim, tracing
+from axonhpc import nn, optim
+from axonhpc.observe import tracing
+from axonhpc.observe.timeline import merge_files
 from ddp_cases import make_data, make_model, shard
 from pipeline_cases import make_data as pipeline_data, make_stages
 
@@ -97,7 +99,7 @@ def case_an_error_inside_writes_per_rank_files(world):
     ax.barrier()
     if world.rank == 0:
         assert not os.path.exists(path)  # no merged file: nobody communicated on the way out
-        merged = ax.profiling.merge_files([f"{path}.rank{k:05d}.json" for k in range(world.world_size)])
+        merged = merge_files([f"{path}.rank{k:05d}.json" for k in range(world.world_size)])
         assert sorted({e["pid"] for e in merged["traceEvents"] if e["ph"] == "X"}) == list(range(world.world_size))
 
 

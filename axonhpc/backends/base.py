@@ -245,7 +245,7 @@ class Backend(abc.ABC):
         return False
 
     def captures(self, buf) -> bool:
-        """Whether a collective on ``buf`` can be captured in a CUDA graph (``axonhpc.graphs``).
+        """Whether a collective on ``buf`` can be captured in a CUDA graph (``axonhpc.cuda.graphs``).
 
         True only for a backend that issues the call on a CUDA stream and
         does no host work for it once issued (NCCL), so that a graph's

@@ -27,7 +27,7 @@ API and have never run.
   wait on the host (a barrier is for the host; a timeout is a host clock),
   and ``is_completed()`` asks whether the event has fired.
 - Capture: while the caller's stream captures a CUDA graph
-  (``axonhpc.graphs``), the same calls are recorded, not run: the event
+  (``axonhpc.cuda.graphs``), the same calls are recorded, not run: the event
   the backend's stream waits for joins that stream into the capture, and
   the caller's stream waiting for the event after the call joins it back,
   as CUDA requires before the capture ends. NCCL (>= 2.9.6) replays a

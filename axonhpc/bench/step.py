@@ -248,7 +248,7 @@ def graphed_step(spec: ModelSpec, device: Device, precision: str = "fp32") -> Ca
     The gradients are zeroed in place (a graph writes the same memory at each replay). fp16: the
     graph holds the forward and backward, and the scaler's step and update run after each launch.
     """
-    from ..graphs import graph_step
+    from ..cuda.graphs import graph_step
 
     step, after, x, y = _step_fn(spec, device, precision, set_to_none=False)
     graphed = graph_step(step, warmup=2)

@@ -26,11 +26,12 @@ from typing import Any, NoReturn, Optional
 
 import numpy as np
 
-from .. import _capture, tracing
 from .._dtypes import array_module, check_array, is_cupy_array, is_low_precision_float
 from ..backends.base import CompletedWork, ReduceOp, Work
+from ..cuda import capture
 from ..errors import AxonError, CollectiveStallError, CollectiveTimeoutError, ReadOnlyBufferError, ShapeError, replacing
 from ..groups import ProcessGroup, resolve_group
+from ..observe import tracing
 from ..settings import settings
 from . import (agreement, fast_path, fingerprint, flight, graphed, shm_path, staged_path, stragglers, watch,
                watchdog)
@@ -106,7 +107,7 @@ def _run(pg: ProcessGroup, label: _Label, issue, async_op: bool, carried: bool =
     """
     # In a CUDA graph capture nothing runs, so nothing can be waited for on the host: no timeout, no
     # arrival notices; the call is ordered on the stream (see [Note: collectives in a graph]).
-    timeout = None if _capture.capturing() else pg.effective_timeout()
+    timeout = None if capture.capturing() else pg.effective_timeout()
     collective = isinstance(label, _Label)  # point-to-point calls carry a plain text label
     arrivals = (pg.backend.announce(label.seq, label.op) if collective and timeout is not None and not async_op
                 else None)

@@ -27,11 +27,12 @@ from typing import Any, Callable, NamedTuple, Optional
 
 import numpy as np
 
-from .. import _capture, tracing
 from .._dtypes import is_supported
 from ..backends import shm as shm_backend
 from ..backends.base import CompletedWork, ReduceOp, Work
+from ..cuda import capture
 from ..groups import resolve_group
+from ..observe import tracing
 from ..settings import settings
 from . import agreement, flight, shm_path, stragglers, watchdog
 
@@ -117,7 +118,7 @@ def attempt(spec: Spec, x: Any, group: Any, op: Any = None, root: Any = None, ou
         return NOT_TAKEN
     if tracing.EVER_INSTALLED and tracing.active() is not None:
         return NOT_TAKEN
-    if _capture.EVER_RECORDED and _capture.capturing():
+    if capture.EVER_RECORDED and capture.capturing():
         return NOT_TAKEN  # the general path refuses it (collectives.graphed)
     pg = resolve_group(group)
     if pg.member_backend is None:

@@ -25,8 +25,8 @@ import threading
 import time
 from typing import Any, Deque, Dict, Optional
 
+from ..observe.tracing import write_json_atomic
 from ..settings import settings
-from ..tracing import write_json_atomic
 
 _lock = threading.RLock()  # reentrant: the signal handler may interrupt a holder of it
 # One ring buffer per world rank living in this process: one under MPI, several under run_local's threads.
@@ -135,7 +135,7 @@ def signal_dump(name: str) -> Optional[str]:
     _last_signal_dump[0] = time.monotonic()
     path = dump(f"signal {name}")
     if path is not None:
-        from ..log import get_logger
+        from ..observe.log import get_logger
 
         directory = os.path.dirname(os.path.abspath(path))
         get_logger("flight").warning(f"{name}: wrote the flight recorder to {path} (AXONHPC_FLIGHT_DIR; merge every "

@@ -39,9 +39,9 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from .. import _capture
 from .._dtypes import is_cupy_array
 from .._ext import _shm
+from ..cuda import capture
 from ..errors import CollectiveMismatchError, GraphCaptureError
 from . import agreement, fingerprint, flight
 
@@ -60,7 +60,7 @@ def admit(pg: Any, op: str, x: Any = None, reduce: Optional[str] = None, root: O
     Raises:
         GraphCaptureError: naming the call, the group and the reason.
     """
-    if pg.size == 1 or not (_capture.EVER_RECORDED and _capture.capturing()):  # every collective passes here
+    if pg.size == 1 or not (capture.EVER_RECORDED and capture.capturing()):  # every collective passes here
         return
     if x is not None and not is_cupy_array(x):
         why_not = ("its array is in host memory: MPI carries it, driven by the host, so it would run once at "
@@ -71,7 +71,7 @@ def admit(pg: Any, op: str, x: Any = None, reduce: Optional[str] = None, root: O
     if why_not is not None:
         raise GraphCaptureError(f"{op} on group {pg.name} {list(pg.ranks)} cannot be captured in a CUDA graph: "
                                 f"{why_not}")
-    _capture.note_collective(pg, agreement.describe(op, x, reduce, root),
+    capture.note_collective(pg, agreement.describe(op, x, reduce, root),
                              fingerprint.describe_call(op, x, reduce, root))
 
 
@@ -112,7 +112,7 @@ def replay_descriptor(descs: List[Tuple[int, ...]], elsewhere: bool) -> agreemen
                          elsewhere)
 
 
-def replay_checks(record: _capture.Recording) -> List[ReplayCheck]:
+def replay_checks(record: capture.Recording) -> List[ReplayCheck]:
     """The checks to run before each launch of a captured graph: one per group it holds, in first-use order."""
     groups: Dict[int, Tuple[Any, List[Tuple[int, ...]], List[str]]] = {}
     for pg, desc, text in record.collectives:

@@ -27,7 +27,7 @@ from typing import Any, Dict, Optional
 
 import numpy as np
 
-from ..log import get_logger
+from ..observe.log import get_logger
 from ..settings import settings
 from . import flight
 from .group_state import private_channel, state_of

@@ -56,9 +56,9 @@ from ..backends import base as backend_base
 from ..backends.failures import lost_while_waiting, node_peer_failed, revoke
 from ..backends.shm import cached_engine
 from ..errors import CollectiveStallError, DeadlockError, PeerFailedError
-from ..log import get_logger
+from ..observe.log import get_logger
+from ..observe.tracing import write_json_atomic
 from ..settings import settings
-from ..tracing import write_json_atomic
 from . import flight
 
 TICK = 0.25  # seconds between the watchdog's looks

@@ -16,7 +16,7 @@ from typing import Iterator, Optional
 import numpy as np
 
 from ..errors import ArgumentTypeError, ConfigurationError, RankError
-from ..log import world_facts
+from ..observe.log import world_facts
 
 
 def _check_int(name: str, value: object) -> int:

@@ -53,7 +53,7 @@ from ..backends import ReduceOp
 from ..collectives import all_reduce
 from ..errors import CheckpointError, ConfigurationError, PeerFailedError, RecoveryError
 from ..groups.runtime import current_world, init
-from ..log import get_logger
+from ..observe.log import get_logger
 from ..parallel.comm_hooks import allreduce_hook
 from ..settings import settings
 from .buddy import BuddyCopies, shard_parameters

@@ -9,10 +9,10 @@ import time
 import traceback
 from typing import Any, Callable, List, Optional, Tuple
 
-from .. import tracing
+from ..observe import tracing
 from ..errors import (ArgumentTypeError, CollectiveMismatchError, CollectiveRefusedError, ConfigurationError,
                       InvalidGroupError, PeerFailedError)
-from ..log import get_logger, set_rank_source
+from ..observe.log import get_logger, set_rank_source
 from ..settings import BACKENDS, settings
 from ..threads import apply_plan, plan_threads
 from .process_group import ProcessGroup

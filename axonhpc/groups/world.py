@@ -10,7 +10,7 @@ import numpy as np
 
 from ..backends.base import Backend
 from ..errors import GroupMismatchError, RankError, everywhere
-from ..log import get_logger
+from ..observe.log import get_logger
 from ..settings import LauncherEnv
 from ..threads import affinity_words, sharing_ranks, usable_cores
 from .agreement import compare, show, who_passed

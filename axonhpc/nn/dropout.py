@@ -5,8 +5,8 @@ from typing import Any, Optional, Tuple
 
 import numpy as np
 
-from .. import _capture
 from .._dtypes import array_module
+from ..cuda import capture
 from ..errors import ConfigurationError
 from . import _init
 from .module import Module
@@ -87,7 +87,7 @@ class Dropout(Module):
         if self.p == 1.0:
             scaled_mask = xp.zeros(x.shape, dtype=x.dtype)
         else:
-            _capture.refuse("Dropout in training mode", f"its mask (p={self.p}) is drawn on the host at each call, "
+            capture.refuse("Dropout in training mode", f"its mask (p={self.p}) is drawn on the host at each call, "
                             "and a graph would replay the mask of the capture at every step; capture the step "
                             "with the model in eval mode or without dropout")
             keep = self._keep(tuple(x.shape))

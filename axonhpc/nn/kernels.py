@@ -7,7 +7,7 @@ The exact GELU forward is about a hundred of them (Cody's erf is three rational
 functions, two exponentials and the selections between them), ReLU's
 forward two, the cross-entropy gradient five. Each function here does the
 same work in one ``ElementwiseKernel`` that is the array code bit for bit on
-the same GPU ([Note: exact fused kernels] in ``axonhpc._kernels``): the same
+the same GPU ([Note: exact fused kernels] in ``axonhpc.cuda.kernels``): the same
 operations in the same order and dtype, with the same saved state, so a
 layer's backward may follow a forward taken either way.
 
@@ -61,8 +61,9 @@ from typing import Any, List, Tuple
 
 import numpy as np
 
-from .. import _kernels
 from .._dtypes import array_module
+from .._ext import host_modules
+from ..cuda import kernels as cuda_kernels
 from ..settings import settings
 
 INV_SQRT2 = 1.0 / math.sqrt(2.0)
@@ -71,7 +72,7 @@ SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 TANH_COEF = 0.044715
 
 
-_HOST, _ = _kernels.host_modules()
+_HOST, _ = host_modules()
 
 
 def takes_host_kernels(x: Any, *others: Any) -> bool:
@@ -90,7 +91,7 @@ def takes_kernels(x: Any, *others: Any) -> bool:
     compiled host kernels for numpy arrays, device kernels for cupy arrays."""
     if type(x) is np.ndarray:
         return takes_host_kernels(x, *others)
-    if not settings.fused_kernels or not _kernels.serves(x):
+    if not settings.fused_kernels or not cuda_kernels.serves(x):
         return False
     return all(type(o) is type(x) and o.dtype == x.dtype for o in others)
 
@@ -137,7 +138,7 @@ def _erf_preamble() -> str:
     return "\n".join(lines)
 
 
-def _relu_source() -> _kernels.Source:
+def _relu_source() -> cuda_kernels.Source:
     return "T x", "T y, bool mask", "mask = x > (T)0;\ny = x * (T)mask;", ""
 
 
@@ -147,10 +148,10 @@ def relu_forward(x: Any) -> Tuple[Any, Any]:
         y, mask = np.empty_like(x), np.empty(x.shape, dtype=np.bool_)
         _HOST.relu_forward(x, None, y, mask)
         return y, mask
-    return _kernels.elementwise(array_module(x), "relu", (), _relu_source)(x)
+    return cuda_kernels.elementwise(array_module(x), "relu", (), _relu_source)(x)
 
 
-def _gelu_forward_source(tanh_form: bool) -> _kernels.Source:
+def _gelu_forward_source(tanh_form: bool) -> cuda_kernels.Source:
     if tanh_form:  # t = tanh(sqrt(2/pi) (x + c x^3)); y = 0.5 x (1 + t)
         body = (f"aux = tanh({_t(SQRT_2_OVER_PI)} * (x + {_t(TANH_COEF)} * x * x * x));\n"
                 f"y = {_t(0.5)} * x * ({_t(1.0)} + aux);")
@@ -166,10 +167,10 @@ def gelu_forward(x: Any, tanh_form: bool) -> Tuple[Any, Any]:
         y, aux = np.empty_like(x), np.empty_like(x)
         _HOST.gelu_forward(x, None, x, y, aux, bool(tanh_form))
         return y, aux
-    return _kernels.elementwise(array_module(x), "gelu_forward", (bool(tanh_form),), _gelu_forward_source)(x)
+    return cuda_kernels.elementwise(array_module(x), "gelu_forward", (bool(tanh_form),), _gelu_forward_source)(x)
 
 
-def _bias_relu_source() -> _kernels.Source:
+def _bias_relu_source() -> cuda_kernels.Source:
     _, outputs, body, preamble = _relu_source()
     return "T pre, T bias", outputs, f"const T x = pre + bias;\n{body}", preamble
 
@@ -184,10 +185,10 @@ def bias_relu(pre: Any, bias: Any) -> Tuple[Any, Any]:
     if xp is np:
         _HOST.relu_forward(pre, bias, pre, mask)
         return pre, mask
-    return _kernels.elementwise(xp, "bias_relu", (), _bias_relu_source)(pre, bias, pre, mask)
+    return cuda_kernels.elementwise(xp, "bias_relu", (), _bias_relu_source)(pre, bias, pre, mask)
 
 
-def _bias_gelu_source(tanh_form: bool) -> _kernels.Source:
+def _bias_gelu_source(tanh_form: bool) -> cuda_kernels.Source:
     _, outputs, body, preamble = _gelu_forward_source(tanh_form)
     return "T pre, T bias", f"{outputs}, T x", f"x = pre + bias;\n{body}", preamble
 
@@ -202,11 +203,11 @@ def bias_gelu(pre: Any, bias: Any, tanh_form: bool) -> Tuple[Any, Any, Any]:
     if xp is np:
         _HOST.gelu_forward(pre, bias, pre, y, aux, bool(tanh_form))
         return y, aux, pre
-    kernel = _kernels.elementwise(xp, "bias_gelu", (bool(tanh_form),), _bias_gelu_source)
+    kernel = cuda_kernels.elementwise(xp, "bias_gelu", (bool(tanh_form),), _bias_gelu_source)
     return kernel(pre, bias, y, aux, pre)
 
 
-def _gelu_backward_source(tanh_form: bool) -> _kernels.Source:
+def _gelu_backward_source(tanh_form: bool) -> cuda_kernels.Source:
     if tanh_form:
         body = (f"T inner = {_t(SQRT_2_OVER_PI)} * ({_t(1.0)} + {_t(3 * TANH_COEF)} * x * x);\n"
                 f"dx = g * ({_t(0.5)} * ({_t(1.0)} + aux) + {_t(0.5)} * x * ({_t(1.0)} - aux * aux) * inner);")
@@ -222,11 +223,11 @@ def gelu_backward(grad_out: Any, x: Any, aux: Any, tanh_form: bool) -> Any:
         dx = np.empty_like(x)
         _HOST.gelu_backward(grad_out, x, aux, dx, bool(tanh_form))
         return dx
-    kernel = _kernels.elementwise(array_module(x), "gelu_backward", (bool(tanh_form),), _gelu_backward_source)
+    kernel = cuda_kernels.elementwise(array_module(x), "gelu_backward", (bool(tanh_form),), _gelu_backward_source)
     return kernel(grad_out, x, aux)
 
 
-def _tanh_backward_source() -> _kernels.Source:
+def _tanh_backward_source() -> cuda_kernels.Source:
     return "T g, T y", "T dx", f"dx = g * ({_t(1.0)} - y * y);", ""
 
 
@@ -236,10 +237,10 @@ def tanh_backward(grad_out: Any, y: Any) -> Any:
         dx = np.empty_like(y)
         _HOST.tanh_backward(grad_out, y, dx)
         return dx
-    return _kernels.elementwise(array_module(y), "tanh_backward", (), _tanh_backward_source)(grad_out, y)
+    return cuda_kernels.elementwise(array_module(y), "tanh_backward", (), _tanh_backward_source)(grad_out, y)
 
 
-def _sum_exp_source() -> _kernels.ReductionSource:
+def _sum_exp_source() -> cuda_kernels.ReductionSource:
     return "T x, T m", "T s", "exp(x - m)", "a + b", "s = a", "0", "T"
 
 
@@ -248,11 +249,11 @@ def sum_exp(x: Any, m: Any) -> Any:
 
     The terms are never written to memory. They are summed in the order cupy's reductions choose.
     """
-    kernel = _kernels.reduction(array_module(x), "sum_exp", (), _sum_exp_source)
+    kernel = cuda_kernels.reduction(array_module(x), "sum_exp", (), _sum_exp_source)
     return kernel(x, m, axis=-1, keepdims=True)
 
 
-def _cross_entropy_rows_source() -> _kernels.Source:
+def _cross_entropy_rows_source() -> cuda_kernels.Source:
     body = ("ls = log(s);\n"
             "const long long t = target < 0 ? 0 : (target >= classes ? classes - 1 : (long long)target);\n"
             "picked = (x[i * classes + t] - m) - ls;")
@@ -265,12 +266,12 @@ def cross_entropy_rows(x: Any, m: Any, s: Any, targets: Any) -> Tuple[Any, Any]:
     ``x`` is C-contiguous (N, C); ``m`` and ``s`` are (N, 1) row maxima and ``sum_exp``.
     Targets outside [0, C) are read clipped (the caller checks the range).
     """
-    kernel = _kernels.elementwise(array_module(x), "cross_entropy_rows", (), _cross_entropy_rows_source)
+    kernel = cuda_kernels.elementwise(array_module(x), "cross_entropy_rows", (), _cross_entropy_rows_source)
     n, c = x.shape
     return kernel(x, m.reshape(n), s.reshape(n), targets, int(c))
 
 
-def _cross_entropy_source(device_scale: bool) -> _kernels.Source:
+def _cross_entropy_source(device_scale: bool) -> cuda_kernels.Source:
     scale = "scale[0]" if device_scale else "scale"
     body = ("T e = exp((x - m) - ls);\n"
             "if (i % classes == target) e = e - (T)1;\n"
@@ -288,7 +289,7 @@ def cross_entropy_grad(x: Any, m: Any, ls: Any, targets: Any, scale: Any) -> Any
     """
     xp = array_module(x)
     device_scale = not isinstance(scale, (int, float))
-    kernel = _kernels.elementwise(xp, "cross_entropy_grad", (device_scale,), _cross_entropy_source)
+    kernel = cuda_kernels.elementwise(xp, "cross_entropy_grad", (device_scale,), _cross_entropy_source)
     scale = scale.reshape(1) if device_scale else x.dtype.type(scale)
     return kernel(x, m, ls, targets.reshape(-1, 1), int(x.shape[-1]), scale)
 

@@ -9,8 +9,8 @@ from typing import Any, Tuple
 
 import numpy as np
 
-from .. import _capture
 from .._dtypes import array_module, is_cupy_array, is_low_precision_float
+from ..cuda import capture
 from ..errors import ShapeError, UnsupportedDtypeError
 from . import kernels
 from .module import Module
@@ -87,8 +87,8 @@ class CrossEntropyLoss(Module):
                 picked = (x[rows, xp.clip(targets, 0, c - 1)] - m[:, 0]) - ls[:, 0]
             values = xp.stack([(-picked.mean()).astype(np.float64), targets.min().astype(np.float64),
                                targets.max().astype(np.float64)])
-            if _capture.defers_reads():
-                _capture.defer_check(values, lambda v: self._check_range(v[1], v[2], c))
+            if capture.defers_reads():
+                capture.defer_check(values, lambda v: self._check_range(v[1], v[2], c))
                 self._save_cache(cache)
                 return values[0]
             loss, lo, hi = values.get().tolist()
@@ -154,7 +154,7 @@ class MSELoss(Module):
         diff = prediction.astype(_working_dtype(prediction), copy=False) - target
         self._save_cache((diff, prediction.dtype))
         loss = (diff * diff).mean()
-        return loss if _capture.defers_reads() and is_cupy_array(loss) else float(loss)
+        return loss if capture.defers_reads() and is_cupy_array(loss) else float(loss)
 
     def backward(self, grad_output: Any = 1.0) -> Any:
         """d loss / d prediction = 2 (prediction - target) / numel, times ``grad_output`` (as for cross-entropy)."""

@@ -5,8 +5,8 @@ import functools
 import math
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
-from .. import _capture, _kernels
 from .._dtypes import array_module
+from ..cuda import capture, kernels as cuda_kernels
 from ..errors import ConfigurationError
 from . import fused as _fused
 from .optimizer import Optimizer, check_non_negative
@@ -53,7 +53,7 @@ class Adam(Optimizer):
         check_non_negative(name, lr=lr, eps=eps, weight_decay=weight_decay)
         super().__init__(params, lr=lr, betas=_check_betas(name, betas), eps=eps, weight_decay=weight_decay)
         self.fused = _fused.check_fused(fused, self.params, name)
-        self._tables = _kernels.TensorTables()
+        self._tables = cuda_kernels.TensorTables()
 
     @staticmethod
     def _advance(xp: Any, data: Any, state: Dict[str, Any]) -> int:
@@ -67,7 +67,7 @@ class Adam(Optimizer):
 
     def _update_together(self, pending: List[Tuple[Any, Dict[str, Any]]]) -> List[Tuple[Any, Dict[str, Any]]]:
         """The parameters ``fused.joins`` takes, one launch per dtype and step count (see ``optim.fused``)."""
-        if _capture.capturing():
+        if capture.capturing():
             self._capture_update(pending)
             return []
         groups: Dict[Tuple[Any, int], List[Tuple[Any, Dict[str, Any]]]] = {}
@@ -98,7 +98,7 @@ class Adam(Optimizer):
                      [s["exp_avg_sq"] for _, s in members])
             scalars = _fused.captured_launch(array_module(lists[1][0]), self._tables, "adam", variant,
                                              _fused._adam_source, lists, 8)
-            _capture.before_replay(functools.partial(self._before_replay, [s for _, s in members], scalars, variant))
+            capture.before_replay(functools.partial(self._before_replay, [s for _, s in members], scalars, variant))
 
     def _before_replay(self, states: List[Dict[str, Any]], scalars: Any, variant: Tuple[bool, bool]) -> None:
         """Advance the step counts and write this step's scalars for a replay of the captured update."""
@@ -107,7 +107,7 @@ class Adam(Optimizer):
         for state in states:
             state["step"] += 1
         beta1, beta2 = self.betas
-        _kernels.fill(array_module(scalars), scalars,
+        cuda_kernels.fill(array_module(scalars), scalars,
                       _fused.adam_scalars(scalars.dtype.type, self.lr, beta1, beta2, self.eps, self.weight_decay,
                                           states[0]["step"]))
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 import math
 from typing import Any, Iterable, Union
 
-from .. import _capture
 from .._dtypes import array_module, is_cupy_array
+from ..cuda import capture
 from ..errors import InvalidArgumentError
 
 
@@ -49,7 +49,7 @@ def clip_grad_norm(params: Union[Any, Iterable[Any]], max_norm: float, norm_type
         # Per-gradient norms first, then the norm of those: one pass over each array.
         norms = xp.stack([xp.linalg.norm(g.reshape(-1), norm_type) for g in grads])
         total = xp.linalg.norm(norms, norm_type)
-    if _capture.defers_reads() and is_cupy_array(total):
+    if capture.defers_reads() and is_cupy_array(total):
         return scale_on_device(grads, total, max_norm)
     total = float(total)
     scale_to_norm(grads, total, max_norm)

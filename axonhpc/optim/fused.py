@@ -4,7 +4,7 @@
 On cupy each array operation of an update is a kernel launch and a pass over memory: Adam reads and writes 31
 arrays' worth per parameter, where one kernel reading gradient, parameter and moments and writing three needs
 7. Each update here is one ``ElementwiseKernel`` that is the array code bit for bit (see [Note: exact fused
-kernels] in ``axonhpc._kernels``). cupy (and C-contiguous numpy) float32/float64 parameters take it, decided
+kernels] in ``axonhpc.cuda.kernels``). cupy (and C-contiguous numpy) float32/float64 parameters take it, decided
 per parameter and step by a type test (``fuses``); C-contiguous ones of one dtype and equal scalars share one
 multi-tensor launch (``joins``), with the same result. 16-bit floats (mixed precision keeps float32 master
 weights) and ``fused=False`` keep the array code.
@@ -29,8 +29,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .. import _capture, _kernels
 from .._dtypes import array_module
+from .._ext import host_modules
+from ..cuda import capture, kernels as cuda_kernels
 from ..errors import ConfigurationError, GraphCaptureError
 from ..settings import settings
 
@@ -38,14 +39,14 @@ from ..settings import settings
 def _refusal(data: Any) -> Optional[str]:
     """Why the kernels do not serve ``data``, or None when they do."""
     if type(data) is np.ndarray:
-        if _kernels.host_modules()[1] is None:
+        if host_modules()[1] is None:
             return ("is a host array and the compiled host kernels are not built (python setup.py build_ext "
                     "--inplace)")
         if not data.flags.c_contiguous:
             return "is a host array that is not C-contiguous (the host kernels take C-contiguous arrays)"
-    elif not _kernels.has_kernels(array_module(data)):
+    elif not cuda_kernels.has_kernels(array_module(data)):
         return f"is a {type(data).__name__} (fused kernels are for numpy and cupy arrays)"
-    if np.dtype(data.dtype) not in _kernels.KERNEL_DTYPES:
+    if np.dtype(data.dtype) not in cuda_kernels.KERNEL_DTYPES:
         return f"has dtype {np.dtype(data.dtype).name} (fused kernels are for float32 and float64)"
     return None
 
@@ -99,10 +100,10 @@ def joins(fused: Optional[bool], data: Any, grad: Any, *state: Any) -> bool:
 
 def _host_updates() -> Any:
     """``axonhpc._ext._updates`` (``fuses`` has refused host arrays where it is not built)."""
-    return _kernels.host_modules()[1]
+    return host_modules()[1]
 
 
-def _adam_source(l2: bool, decoupled: bool) -> _kernels.Source:
+def _adam_source(l2: bool, decoupled: bool) -> cuda_kernels.Source:
     """Adam's update in the order of ``Adam._update`` (torch's): lerp, second moment, denominator, step."""
     lines = []
     if l2:
@@ -148,12 +149,12 @@ def adam(xp: Any, data: Any, grad: Any, exp_avg: Any, exp_avg_sq: Any, *, lr: fl
         _host_updates().adam_many([data], [grad], [exp_avg], [exp_avg_sq],
                                   adam_scalars(data.dtype.type, lr, beta1, beta2, eps, weight_decay, step), *variant)
         return
-    kernel = _kernels.elementwise(xp, "adam", variant, _adam_source)
+    kernel = cuda_kernels.elementwise(xp, "adam", variant, _adam_source)
     kernel(grad, *adam_scalars(data.dtype.type, lr, beta1, beta2, eps, weight_decay, step), data, exp_avg,
            exp_avg_sq)
 
 
-def adam_many(xp: Any, tables: _kernels.TensorTables, datas: Sequence[Any], grads: Sequence[Any],
+def adam_many(xp: Any, tables: cuda_kernels.TensorTables, datas: Sequence[Any], grads: Sequence[Any],
               exp_avgs: Sequence[Any], exp_avg_sqs: Sequence[Any], *, lr: float, beta1: float, beta2: float,
               eps: float, weight_decay: float, decoupled: bool, step: int) -> None:
     """``adam`` for many parameters of one dtype and step count, one launch for all (``tables``: the optimizer's)."""
@@ -168,7 +169,7 @@ def adam_many(xp: Any, tables: _kernels.TensorTables, datas: Sequence[Any], grad
                          eps=eps, weight_decay=weight_decay, decoupled=decoupled, step=step))
 
 
-def _many(xp: Any, tables: _kernels.TensorTables, name: str, variant: tuple, build: Any,
+def _many(xp: Any, tables: cuda_kernels.TensorTables, name: str, variant: tuple, build: Any,
           lists: Sequence[Sequence[Any]], scalars: tuple, alone: Any = None, device_scalars: bool = False) -> None:
     """One multi-tensor launch per batch of ``lists``' arrays (``grad`` the only array input).
 
@@ -176,16 +177,16 @@ def _many(xp: Any, tables: _kernels.TensorTables, name: str, variant: tuple, bui
     is the one device array the kernel reads them from.
     """
     dtype = lists[0][0].dtype
-    for batch in _kernels.batches([int(a.size) for a in lists[0]]):
+    for batch in cuda_kernels.batches([int(a.size) for a in lists[0]]):
         chosen = [[arrays[k] for k in batch] for arrays in lists]
         key = (name, len(lists), dtype, tuple(batch))
         if alone is not None and len(batch) == 1:
             alone(batch[0])
-            if _capture.defers_reads():  # a graphed step's warm-up: its capture updates this one through the
+            if capture.defers_reads():  # a graphed step's warm-up: its capture updates this one through the
                 tables.tables(xp, key, chosen)  # tables, which it cannot copy to the device itself
             continue
-        kernel = _kernels.multi_tensor(xp, name, variant, build, ("grad",), dtype, device_scalars=device_scalars)
-        _kernels.launch_multi(xp, kernel, tables, key, chosen, scalars)
+        kernel = cuda_kernels.multi_tensor(xp, name, variant, build, ("grad",), dtype, device_scalars=device_scalars)
+        cuda_kernels.launch_multi(xp, kernel, tables, key, chosen, scalars)
 
 
 def captured_groups(fused: Optional[bool], pending: Sequence[Tuple[Any, Dict[str, Any]]], owner: str,
@@ -213,14 +214,14 @@ def captured_groups(fused: Optional[bool], pending: Sequence[Tuple[Any, Dict[str
     return groups
 
 
-def captured_launch(xp: Any, tables: _kernels.TensorTables, name: str, variant: tuple, build: Any,
+def captured_launch(xp: Any, tables: cuda_kernels.TensorTables, name: str, variant: tuple, build: Any,
                     lists: Sequence[Sequence[Any]], count: int) -> Any:
     """Capture the multi-tensor update of ``lists``; returns the device array of its ``count`` scalars.
 
-    The scalars are written (``_kernels.fill``) before each replay.
+    The scalars are written (``cuda_kernels.fill``) before each replay.
     """
     # written before each launch, outside the graph: not from the graph's pool (see [Note: capturing a step])
-    scalars = _capture.host_written(xp, count, lists[0][0].dtype)
+    scalars = capture.host_written(xp, count, lists[0][0].dtype)
     _many(xp, tables, name, variant, build, lists, (scalars,), device_scalars=True)
     return scalars
 
@@ -233,13 +234,13 @@ def check_variant(owner: str, captured: tuple, now: tuple, hyperparameters: Dict
                                 "turned on or off); capture the step again")
 
 
-def _unscale_source() -> _kernels.Source:
+def _unscale_source() -> cuda_kernels.Source:
     # found_at: the flag's device address (an input array is const in a cupy kernel)
     return "T inverse, uint64 found_at", "T grad", ("grad = grad * inverse;\n"
                                                    "if (!isfinite(grad)) *(int*)found_at = 1;"), ""
 
 
-def unscale_many(xp: Any, tables: _kernels.TensorTables, grads: Sequence[Any], inverse: float, found: Any) -> None:
+def unscale_many(xp: Any, tables: cuda_kernels.TensorTables, grads: Sequence[Any], inverse: float, found: Any) -> None:
     """``grad *= inverse`` for many C-contiguous gradients of one dtype, one launch; ``found[0] = 1`` on inf/NaN.
 
     Bit for bit the array code's product; PyTorch's ``_amp_foreach_non_finite_check_and_unscale_``, for
@@ -249,7 +250,7 @@ def unscale_many(xp: Any, tables: _kernels.TensorTables, grads: Sequence[Any], i
     _many(xp, tables, "unscale", (), _unscale_source, (grads,), scalars)
 
 
-def _sgd_source(l2: bool, momentum: bool, first: bool, dampened: bool, nesterov: bool) -> _kernels.Source:
+def _sgd_source(l2: bool, momentum: bool, first: bool, dampened: bool, nesterov: bool) -> cuda_kernels.Source:
     """SGD's update in the order of ``SGD._update`` (torch's)."""
     lines = ["T g = grad + weight_decay * param;" if l2 else "T g = grad;"]
     if momentum:
@@ -288,12 +289,12 @@ def sgd(xp: Any, data: Any, grad: Any, buf: Any, *, lr: float, momentum: float, 
     if xp is np:
         _host_updates().sgd_many([data], [grad], [buf], sgd_scalars(t, lr, momentum, dampening, weight_decay), *flags)
         return
-    kernel = _kernels.elementwise(xp, "sgd", flags, _sgd_source)
+    kernel = cuda_kernels.elementwise(xp, "sgd", flags, _sgd_source)
     outputs = (data, buf) if momentum != 0 else (data,)
     kernel(grad, *sgd_scalars(t, lr, momentum, dampening, weight_decay), *outputs)
 
 
-def sgd_many(xp: Any, tables: _kernels.TensorTables, datas: Sequence[Any], grads: Sequence[Any],
+def sgd_many(xp: Any, tables: cuda_kernels.TensorTables, datas: Sequence[Any], grads: Sequence[Any],
              bufs: Sequence[Any], *, lr: float, momentum: float, dampening: float, weight_decay: float,
              nesterov: bool, first: bool) -> None:
     """``sgd`` for many parameters of one dtype (all on their first momentum step, or none), one launch for all."""

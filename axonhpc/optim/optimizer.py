@@ -17,7 +17,7 @@ import numpy as np
 
 from .._dtypes import array_module, is_cupy_array
 from ..errors import ArgumentTypeError, ConfigurationError, StateDictError
-from ..tracing import span
+from ..observe.tracing import span
 
 
 def _as_array_like(value: Any, like: Any) -> Any:

@@ -4,8 +4,8 @@ from __future__ import annotations
 import functools
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
-from .. import _capture, _kernels
 from .._dtypes import array_module
+from ..cuda import capture, kernels as cuda_kernels
 from ..errors import ConfigurationError
 from . import fused as _fused
 from .optimizer import Optimizer, check_non_negative
@@ -46,11 +46,11 @@ class SGD(Optimizer):
         super().__init__(params, lr=lr, momentum=momentum, dampening=dampening,
                          weight_decay=weight_decay, nesterov=bool(nesterov))
         self.fused = _fused.check_fused(fused, self.params, "SGD")
-        self._tables = _kernels.TensorTables()
+        self._tables = cuda_kernels.TensorTables()
 
     def _update_together(self, pending: List[Tuple[Any, Dict[str, Any]]]) -> List[Tuple[Any, Dict[str, Any]]]:
         """The parameters ``fused.joins`` takes, one launch per dtype and first-step flag (see ``optim.fused``)."""
-        if _capture.capturing():
+        if capture.capturing():
             self._capture_update(pending)
             return []
         groups: Dict[Tuple[Any, bool], List[Tuple[Any, Any, Any]]] = {}
@@ -80,7 +80,7 @@ class SGD(Optimizer):
                 lists.append([s["momentum_buffer"] for _, s in members])
             scalars = _fused.captured_launch(array_module(lists[1][0]), self._tables, "sgd", variant,
                                              _fused._sgd_source, lists, 4)
-            _capture.before_replay(functools.partial(self._before_replay, scalars, variant))
+            capture.before_replay(functools.partial(self._before_replay, scalars, variant))
 
     def _variant(self) -> tuple:
         """The kernel flags of a step after the first (the only kind a graph replays)."""
@@ -89,7 +89,7 @@ class SGD(Optimizer):
     def _before_replay(self, scalars: Any, variant: tuple) -> None:
         """Write this step's scalars (the current learning rate among them) for a replay of the captured update."""
         _fused.check_variant("SGD", variant, self._variant(), self.hyperparameters())
-        _kernels.fill(array_module(scalars), scalars,
+        cuda_kernels.fill(array_module(scalars), scalars,
                       _fused.sgd_scalars(scalars.dtype.type, self.lr, self.momentum, self.dampening,
                                          self.weight_decay))
 

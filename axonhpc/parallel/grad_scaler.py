@@ -20,10 +20,10 @@ from typing import Any, Dict, List, Optional
 
 import numpy as np
 
-from .. import _capture, _kernels
 from .._dtypes import array_module, finite_flags, is_cupy_array, is_low_precision_float
 from ..backends import ReduceOp
 from ..collectives import all_reduce
+from ..cuda import capture, kernels as cuda_kernels
 from ..errors import ArgumentTypeError, ConfigurationError
 from ..groups import resolve_group
 from ..optim import fused
@@ -80,7 +80,7 @@ class GradScaler:
         self.skipped_steps = 0
         self._clean_steps = 0
         self._unscaled: Optional[int] = None
-        self._tables = _kernels.TensorTables()  # the unscale kernel's address tables
+        self._tables = cuda_kernels.TensorTables()  # the unscale kernel's address tables
 
     @property
     def scale_value(self) -> float:
@@ -91,7 +91,7 @@ class GradScaler:
     def scale_value(self, value: float) -> None:
         self._scale = float(value)
         if self._device_scale is not None:
-            _kernels.fill(array_module(self._device_scale), self._device_scale, [self._scale])
+            cuda_kernels.fill(array_module(self._device_scale), self._device_scale, [self._scale])
 
     def scale(self, grad: Any) -> Any:
         """``grad * scale``: a new array (the loss gradient before ``backward``), or a float for a float.
@@ -103,7 +103,7 @@ class GradScaler:
         if not self.enabled:
             return grad
         number = isinstance(grad, (int, float)) and not isinstance(grad, bool)
-        if _capture.defers_reads() and (number or is_cupy_array(grad)):
+        if capture.defers_reads() and (number or is_cupy_array(grad)):
             return self._scale_on_device(grad, number)
         if isinstance(grad, (int, float)) and not isinstance(grad, bool):
             return float(grad) * self.scale_value
@@ -113,13 +113,13 @@ class GradScaler:
 
     def _scale_on_device(self, grad: Any, number: bool) -> Any:
         """``scale`` inside a graphed step: multiplied by the device copy of the scale."""
-        xp = _capture.current().xp if number else array_module(grad)
+        xp = capture.current().xp if number else array_module(grad)
         if self._device_scale is None:
-            _capture.refuse("GradScaler.scale", "its first call in a graphed step must come in an eager "
+            capture.refuse("GradScaler.scale", "its first call in a graphed step must come in an eager "
                                                 "(warm-up) call, which makes the device copy of the scale "
                                                 "that replays read")
             self._device_scale = xp.empty(1, dtype=np.float64)
-            _kernels.fill(xp, self._device_scale, [self._scale])
+            cuda_kernels.fill(xp, self._device_scale, [self._scale])
         scale = self._device_scale.reshape(())
         if number:
             return scale * float(grad)
@@ -135,7 +135,7 @@ class GradScaler:
         """
         if self._unscaled == id(optimizer):
             return self.found_inf
-        _capture.refuse("GradScaler.unscale", _STEP_OUTSIDE)
+        capture.refuse("GradScaler.unscale", _STEP_OUTSIDE)
         grads = [p.grad for p in optimizer.params if p.grad is not None]
         bad = 0.0 if all(self._unscale(grads) if self.enabled else finite_flags(grads)) else 1.0
         if self.enabled:
@@ -180,7 +180,7 @@ class GradScaler:
 
     def update(self) -> None:
         """Adjust the scale from the last step's verdict (the same on every rank)."""
-        _capture.refuse("GradScaler.update", _STEP_OUTSIDE)
+        capture.refuse("GradScaler.update", _STEP_OUTSIDE)
         self._unscaled = None
         if not self.enabled:
             return

@@ -42,7 +42,7 @@ from ..backends import ReduceOp
 from ..collectives import all_reduce, broadcast
 from ..data import DistributedSampler
 from ..errors import ConfigurationError
-from ..log import get_logger
+from ..observe.log import get_logger
 from ..nn import autocast, call_backward
 from ..optim.optimizer import Optimizer
 from ..parallel import DDP, FSDP, GradScaler, MixedPrecision, Pipeline, ZeroRedundancyOptimizer

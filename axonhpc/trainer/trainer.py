@@ -62,7 +62,7 @@ from ..data import DataLoader
 from ..errors import ArgumentTypeError, ConfigurationError
 from ..nn import require_module
 from ..groups import resolve_group
-from ..log import get_logger
+from ..observe.log import get_logger
 from ..settings import settings
 from .preemption import PREEMPTED_EXIT_CODE, Preemption
 from .progress import DEFAULT_PERCENT, DEFAULT_SECONDS, Progress, parse_every

@@ -34,7 +34,7 @@ from ...backends.mpi import MPIBackend
 from ...collectives import all_reduce
 from ...collectives.shm_path import free_shared_memory_array, shared_memory_array
 from ...errors import SharedMemoryError
-from ...log import get_logger
+from ...observe.log import get_logger
 from ...settings import settings
 
 CANDIDATES = tuple(256 << 10 << (2 * k) for k in range(5))  # 256 KiB, 1, 4, 16, 64 MiB

@@ -16,7 +16,7 @@ from ...buffers import FlatBucket, FlatOps
 from ...collectives import shared_memory_array
 from ...collectives.shm_path import in_shared_memory
 from ...errors import SharedMemoryError
-from ...log import get_logger
+from ...observe.log import get_logger
 
 
 class Bucket:

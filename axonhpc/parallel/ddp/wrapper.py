@@ -28,7 +28,6 @@ import contextlib
 import time
 from typing import Any, Dict, Iterator, List, Tuple
 
-from ... import tracing
 from ...bucketing import GradSyncStrategy, plan_buckets
 from ...collectives import all_reduce
 from ...backends import ReduceOp
@@ -39,6 +38,7 @@ from ...errors import (ArgumentTypeError, ConfigurationError, GradientAfterReduc
 from ...buffers import flat_ops_for
 from ...groups import resolve_group
 from ...nn import Module, call_backward, require_module
+from ...observe import tracing
 from .autotune import bucket_bytes
 from .buckets import Bucket, shared_flats
 from .join import Joiner

@@ -37,7 +37,7 @@ from ...buffers import HOST, FlatOps, FlatShard
 from ...collectives import all_gather, all_reduce, reduce_scatter, shared_memory_array
 from ...collectives.shm_path import in_shared_memory
 from ...errors import SharedMemoryError, UsageError
-from ...log import get_logger
+from ...observe.log import get_logger
 from ..comm_hooks import GradBucket, finished
 from ...nn import Parameter
 from .config import CPUOffload

@@ -28,8 +28,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, List, Optional
 
-from ... import tracing
 from ...nn import call_backward
+from ...observe import tracing
 from .config import ShardingStrategy
 from .flat_param import FlatUnit, PendingReduction
 

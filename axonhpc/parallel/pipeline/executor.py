@@ -23,11 +23,11 @@ from dataclasses import dataclass, field
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
-from ... import tracing
 from ..._dtypes import array_module
 from ...errors import AxonError, ConfigurationError, ShapeError, UsageError
 from ...groups import resolve_group
 from ...nn import cached_nbytes, call_backward
+from ...observe import tracing
 from ..same_model import check_same_model, compared_model
 from .lowering import RECV_B, RECV_F, SEND_B, SEND_F, Op, Step, lower_schedule
 from .render import format_schedule_table

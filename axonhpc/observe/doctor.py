@@ -17,7 +17,7 @@ import json
 import os
 from typing import Any, Dict, List, Optional, Tuple
 
-from .errors import ConfigurationError, NotFoundError
+from ..errors import ConfigurationError, NotFoundError
 
 _COMPARED = ("op", "dtype", "shape", "reduce", "root")
 

@@ -29,7 +29,7 @@ import logging
 import sys
 from typing import Callable, Optional, Tuple
 
-from .settings import launcher_env, settings
+from ..settings import launcher_env, settings
 
 LOGGER_NAME = "axonhpc"
 TIME_FORMAT = "%Y-%m-%d %H:%M:%S"  # local time, to the second: lines of a run that spans days stay ordered

@@ -1,4 +1,4 @@
-"""A step being captured as a CUDA graph, as the layers below ``axonhpc.graphs`` see it.
+"""A step being captured as a CUDA graph, as the layers below ``axonhpc.cuda.graphs`` see it.
 
 [Note: capturing a step]
 While a CUDA stream captures, nothing asked of the device runs: each kernel
@@ -40,7 +40,7 @@ import contextlib
 import threading
 from typing import Any, Callable, Iterator, List, Optional, Tuple
 
-from .errors import GraphCaptureError
+from ..errors import GraphCaptureError
 
 
 class Recording:

@@ -20,8 +20,8 @@ whose inputs are device arrays of fixed shapes:
    They return the outputs of the capture: the same device arrays each time,
    overwritten by each replay.
 
-Every call, the eager ones included, runs under ``_capture.recording`` (see
-[Note: capturing a step] in ``axonhpc._capture``): losses return 0-d device
+Every call, the eager ones included, runs under ``capture.recording`` (see
+[Note: capturing a step] in ``axonhpc.cuda.capture``): losses return 0-d device
 arrays instead of floats, so every call returns the same kinds of values,
 and checks that would read the device (the cross-entropy targets' range) are
 read after the step. For replays that is at the start of the next call (the
@@ -48,10 +48,10 @@ from __future__ import annotations
 
 from typing import Any, Callable, List, Optional
 
-from . import _capture
-from ._dtypes import array_module, is_cupy_array
-from .collectives import graphed
-from .errors import ArgumentTypeError, ConfigurationError, GraphCaptureError
+from .._dtypes import array_module, is_cupy_array
+from ..collectives import graphed
+from ..errors import ArgumentTypeError, ConfigurationError, GraphCaptureError
+from . import capture
 
 # Words of cupy's and CUDA's errors for work a capture cannot hold.
 _CAPTURE_WORDS = ("captur", "cudaErrorStreamCapture")
@@ -94,7 +94,7 @@ class GraphedStep:
         self._pool: Any = None
         self._static: List[Any] = []
         self._outputs: Any = None
-        self._record: Optional[_capture.Recording] = None
+        self._record: Optional[capture.Recording] = None
         self._replay_checks: List[Any] = []
         self._unchecked = False
 
@@ -117,8 +117,8 @@ class GraphedStep:
         if self._graph is not None:
             return self._replay(xp, inputs)
         if self.calls < self.warmup:
-            record = _capture.Recording(capturing=False, xp=xp)
-            with _capture.recording(record):
+            record = capture.Recording(capturing=False, xp=xp)
+            with capture.recording(record):
                 out = self.fn(*inputs)
             _read(record.checks)
             self.calls += 1
@@ -148,8 +148,8 @@ class GraphedStep:
         stream = xp.cuda.Stream(non_blocking=True)
         stream.wait_event(current.record())  # the copies and all earlier work come first
         pool = xp.cuda.MemoryPool()
-        record = _capture.Recording(capturing=True, xp=xp, host_allocator=_allocator_in_force(xp))
-        with xp.cuda.using_allocator(pool.malloc), stream, _capture.recording(record):
+        record = capture.Recording(capturing=True, xp=xp, host_allocator=_allocator_in_force(xp))
+        with xp.cuda.using_allocator(pool.malloc), stream, capture.recording(record):
             stream.begin_capture()
             try:
                 outputs = self.fn(*self._static)

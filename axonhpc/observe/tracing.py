@@ -18,7 +18,7 @@ collective and point-to-point call, from its start to the moment its
 completion was seen) and ``buckets`` (DDP's gradient buckets).
 
 This module sits at the bottom of the layers (it knows nothing of
-communication); ``axonhpc.profiling`` (``ax.timeline``) aligns the ranks and writes the file.
+communication); ``axonhpc.observe.timeline`` (``ax.timeline``) aligns the ranks and writes the file.
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ import threading
 import time
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
-from .errors import InvalidArgumentError
+from ..errors import InvalidArgumentError
 
 LANES = ("compute", "comm", "buckets")
 RANK_FILE_FORMAT = "axonhpc-timeline-rank/1"
@@ -137,7 +137,7 @@ def write_json_atomic(path: str, data: Any) -> None:
 
 
 def write_rank_file(path: str, recorder: Recorder) -> None:
-    """One rank's spans with its wall-clock origin (merged by ``axonhpc.profiling.merge_files``)."""
+    """One rank's spans with its wall-clock origin (merged by ``timeline.merge_files``)."""
     write_json_atomic(path, {"format": RANK_FILE_FORMAT, "rank": recorder.rank,
                              "wall_origin": recorder.wall_origin, "spans": recorder.snapshot()})
 

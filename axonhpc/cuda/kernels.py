@@ -36,7 +36,7 @@ arrays' addresses do not change, so a step copies nothing to the device.
 
 [Note: scalars in device memory]
 A CUDA graph replays a kernel with the arguments it was captured with (see
-[Note: capturing a step] in ``axonhpc._capture``). ``multi_tensor(...,
+[Note: capturing a step] in ``axonhpc.cuda.capture``). ``multi_tensor(...,
 device_scalars=True)`` builds a kernel that reads its scalars from a small
 device array instead (``raw T axonhpc_scalars``, one element per scalar, in
 the parameters' order), and ``fill`` writes that array with one launch
@@ -50,9 +50,9 @@ from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 import numpy as np
 
-from . import _capture
-from ._dtypes import array_module
-from .errors import InvalidArgumentError, ShapeError
+from .._dtypes import array_module
+from ..errors import InvalidArgumentError, ShapeError
+from . import capture
 
 # Compile options: no multiply-add contraction, so every operation rounds as the array code does.
 OPTIONS = ("--fmad=false",)
@@ -63,31 +63,6 @@ _cache: Dict[Tuple[Any, str, Tuple[Any, ...]], Any] = {}  # (array module, name,
 _lock = threading.Lock()
 
 Source = Tuple[str, str, str, str]  # in_params, out_params, operation, preamble
-
-
-class _Host:
-    layers: Any = None
-    updates: Any = None
-    loaded = False
-
-
-def host_modules() -> Tuple[Any, Any]:
-    """The compiled host kernels ``(axonhpc._ext._layers, axonhpc._ext._updates)``; None for each one not built.
-
-    See [Note: host kernels] in ``axonhpc.nn.kernels``. An installation that did not compile
-    the Cython core (a source tree without ``build_ext``) keeps the numpy code everywhere.
-    """
-    if not _Host.loaded:
-        try:
-            from ._ext import _layers as layers
-        except ImportError:
-            layers = None
-        try:
-            from ._ext import _updates as updates
-        except ImportError:
-            updates = None
-        _Host.layers, _Host.updates, _Host.loaded = layers, updates, True
-    return _Host.layers, _Host.updates
 
 
 def has_kernels(xp: Any) -> bool:
@@ -250,7 +225,7 @@ class TensorTables:
         kept = self._kept.get(key)
         if kept is not None and kept[0] == identity:
             return kept[1]
-        _capture.refuse("a fused optimizer update over arrays it has not updated before",
+        capture.refuse("a fused optimizer update over arrays it has not updated before",
                         "its table of their device addresses would be copied to the device during the capture; "
                         "keep the gradient arrays between steps (zero_grad() with set_to_none=False, the "
                         "default) so that the table made in the warm-up steps still holds")
@@ -304,5 +279,5 @@ def kept(xp: Any) -> Dict[Tuple[str, Tuple[Any, ...]], Any]:
     return {(name, variant): k for (module, name, variant), k in list(_cache.items()) if module is xp}
 
 
-__all__ = ["OPTIONS", "KERNEL_DTYPES", "MAX_MULTI_ELEMENTS", "has_kernels", "host_modules", "serves", "elementwise", "reduction",
+__all__ = ["OPTIONS", "KERNEL_DTYPES", "MAX_MULTI_ELEMENTS", "has_kernels", "serves", "elementwise", "reduction",
            "multi_tensor", "fill", "TensorTables", "launch_multi", "batches", "launches", "kept"]

@@ -4,7 +4,7 @@
 ``with ax.timeline("trace.json"):`` records, on every rank of the group,
 spans of forward and backward (DDP, FSDP units, pipeline actions), each
 DDP bucket's all-reduce, optimizer steps and every collective and
-point-to-point call (``axonhpc.tracing``). Entering is collective: a barrier,
+point-to-point call (``axonhpc.observe.tracing``). Entering is collective: a barrier,
 after which each rank reads its clock, so the ranks' zero points differ only
 by the barrier's skew (microseconds on one node). Leaving is collective too:
 each rank's spans travel to group rank 0 (one gather of JSON bytes), which
@@ -34,10 +34,10 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 import numpy as np
 
+from ..collectives import all_gather, barrier, gather
+from ..errors import ConfigurationError, NotFoundError
+from ..groups import resolve_group
 from . import tracing
-from .collectives import all_gather, barrier, gather
-from .errors import ConfigurationError, NotFoundError
-from .groups import resolve_group
 
 _LANE_TIDS = {lane: k for k, lane in enumerate(tracing.LANES)}
 
