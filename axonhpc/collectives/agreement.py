@@ -1,54 +1,31 @@
 """Every collective is compared across the ranks before data is used, with no flag set.
 
 [Note: always-on agreement]
-A collective whose ranks disagree (a different length, dtype, reduce op,
-root or kind of call) must never return numbers: MPI and the shared-memory
-engine would reduce mismatched buffers into garbage, or wait forever. So
-every collective carries a descriptor (``_shm.describe``: four integers for
-kind, dtype, op, count, root and a code of the shape), and it is compared
-across the group in the cheapest way the group's transport allows:
+Ranks that disagree about a collective (length, dtype, op, root, kind of call) must never get
+numbers: MPI and the shared-memory engine would reduce garbage or wait forever. So each call carries
+a descriptor (``_shm.describe``), compared in the cheapest way the group's transport allows:
 
-- **On one node** (the group has a shared-memory engine), the engine
-  compares it inside the call: each rank publishes it with the first chunk
-  and reads the others' after the wait it makes anyway (a few stores and
-  one cache line per peer; see [Note: agreement on every call] in
-  ``_shm.pyx``). A call the engine does not carry (MPI or NCCL carries it:
-  a large all-gather, gather, scatter, barrier, a dtype the kernels lack, a
-  GPU array) first takes one data-free step through the engine with its
-  descriptor marked "elsewhere", so a rank that would go to MPI while
-  another goes to the engine is caught too.
-- **Across nodes, or with shared memory off**, one all-reduce (MAX) of the
-  eight integers ``[d, -d]`` on the group's MPI communicator comes before the
-  call: the maximum of ``d`` and of ``-d`` are ``d`` and ``-d`` exactly when
-  every rank sent the same ``d``. Exact, and a fixed 64 bytes, so ranks that
-  would send different lengths meet in it before any data moves. It costs
-  one small-message latency per collective, which a small all-reduce the
-  group expects saves: it goes in one MPI call with its check (see [Note: a
-  check that rides with the data] in ``carried``). ``docs/performance.md``
-  has the measured figures.
-- **Threads** (``run_local``) take the same check as MPI through their
-  backend (which compares its own calls too, but sees an AVG as the SUM it
-  sends and a float16 reduction as the float32 it is widened to).
+- **On one node** the engine compares it inside the call (a few stores and one cache line per peer;
+  see [Note: agreement on every call] in ``_shm.pyx``). A call the engine does not carry first takes
+  one data-free engine step marked "elsewhere", so a rank going to MPI while another goes to the
+  engine is caught too.
+- **Across nodes, or with shared memory off**, one MAX all-reduce of ``[d, -d]`` (64 bytes) comes
+  first: the results are ``d`` and ``-d`` exactly when every rank sent ``d``. A fixed length means
+  ranks that would send different lengths still meet. It costs one small-message latency, which a
+  small all-reduce the group expects saves (see [Note: a check that rides with the data] in
+  ``carried``); ``docs/performance.md`` has the figures.
+- **Threads** (``run_local``) take the MPI check through their backend.
 
 [Note: a refusal on one rank]
-A call's arguments are checked before anything is sent (shapes, dtypes,
-ranks, buffers), and a check that fails on one rank alone (rank 0 passes 8
-elements to a reduce-scatter over 3 ranks, the others 6) must not leave the
-others waiting in the call. So the refusing rank still takes its place in
-the call's agreement step, with a descriptor that says "refused"
-(``refuse_locally``): it numbers the call as the others do, makes the debug
-mode's exchange if that is on, and then the same engine step or MPI check
-the others make. They see a difference and exchange fingerprints, in which
-the refusing rank's carries its error; they raise ``CollectiveRefusedError``
-naming that rank and its error, and the refusing rank raises its own error.
-When every rank refuses alike, the descriptors agree and each raises its
-own error. A call that passes its checks pays nothing for this.
+A check that fails on one rank alone (rank 0 passes 8 elements to a reduce-scatter over 3 ranks, the
+others 6) must not leave the others waiting. So the refusing rank still takes its place in the
+agreement step with a "refused" descriptor (``refuse_locally``); the others see a difference, the
+ranks exchange fingerprints carrying the error, and they raise ``CollectiveRefusedError`` naming
+that rank while it raises its own error. When every rank refuses alike, each raises its own. A call
+that passes its checks pays nothing for this.
 
-On a difference every rank knows it at the same point, and all of them
-exchange their full fingerprints (the debug mode's: call, dtype, shape, op,
-root and call site) so that each raises the same ``CollectiveMismatchError``
-naming every rank's call. The debug mode (``ax.settings.debug``) still adds
-its exchange in front of every call, with the call sites in the comparison.
+On a difference every rank exchanges its full fingerprint, so each raises the same
+``CollectiveMismatchError`` naming every rank's call.
 """
 from __future__ import annotations
 
@@ -92,16 +69,11 @@ def check(pg: Any, seq: int, op: str, x: Any = None, reduce: Optional[str] = Non
           arrivals: Any = None, label: Any = None, engine: Any = None, carry: Optional[ReduceOp] = None) -> bool:
     """Compare a call that the shared-memory engine will not carry, before it starts (see the note).
 
-    ``engine``: the group's engine if the caller has it at hand, False if
-    the caller knows the group has none (else it is looked up). ``arrivals`` and ``label``: the general path's arrival
-    notices and message label, so a timeout names the missing ranks as a
-    collective's would. ``carry``: the call is a blocking in-place
-    all-reduce of ``x`` with this op, which the check may carry over MPI
-    (``carried``).
+    ``engine``: the group's engine if at hand, False if the group has none (else it is looked up).
+    ``carry``: ``(x, op)`` of a blocking in-place all-reduce the check may carry over MPI (``carried``).
 
     Returns:
-        True if the check carried the call (``x`` holds the result), False
-        if the caller must make it.
+        True if the check carried the call (``x`` holds the result), False if the caller must make it.
 
     Raises:
         CollectiveMismatchError: on every rank, if any rank's call differs.
@@ -117,10 +89,8 @@ def compare(pg: Any, seq: int, op: str, desc_of: Callable[[bool], Desc], mismatc
             carry: Optional[Tuple[Any, ReduceOp]] = None) -> bool:
     """``check`` for any descriptor: ``desc_of(elsewhere)`` gives this rank's, ``mismatch()`` raises on a difference.
 
-    Every rank must pass the same kind of descriptor for the same call
-    (``describe``'s words, or those of a graph's replay: ``graphed``).
-    ``carry``: ``(x, op)`` of a blocking in-place all-reduce the check may
-    carry; returns True if it did.
+    Every rank must pass the same kind of descriptor for the same call. Returns True if it carried
+    ``carry``.
     """
     if pg.size == 1 or not settings.check_collectives:
         return False
@@ -207,11 +177,7 @@ def start_check(pg: Any, seq: int, op: str, x: Any = None, reduce: Optional[str]
                 root: Optional[int] = None) -> Optional[Tuple[Work, Callable[[], None]]]:
     """The check of an asynchronous call: ``(work, verify)`` to finish later, or None once it is done.
 
-    On one node the engine's check is made at once (the engine's calls
-    complete before they return anyway); elsewhere the MPI check is started
-    without blocking, and ``CheckedWork`` issues the call once it is done,
-    so ``async_op=True`` still returns at once. For host arrays only: a
-    GPU call is checked before it is queued (see ``core._run``).
+    For host arrays only: a GPU call is checked before it is queued (see ``core._run``).
     """
     if pg.size == 1 or not settings.check_collectives:
         return None
@@ -244,12 +210,9 @@ def _start_mpi_check(pg: Any, seq: int, op: str, desc: Desc,
 class CheckedWork(Work):
     """An asynchronous collective that is issued once its agreement check (a nonblocking all-reduce) is done.
 
-    ``wait()`` and ``is_completed()`` drive both; the result and the
-    callbacks are the issued call's. MPI needs every rank to start the
-    group's collectives in one order, so the next collective on the group
-    first issues every call still waiting for its check (``flush``): each
-    rank then starts check 1, call 1, check 2, call 2, ... whatever the
-    order its waits come in.
+    MPI needs every rank to start the group's collectives in one order, so the next collective on the
+    group first issues every call still waiting for its check (``flush``): each rank then starts check
+    1, call 1, check 2, call 2, ... whatever the order its waits come in.
     """
 
     def __init__(self, pg: Any, pending: Tuple[Work, Callable[[], None]], issue: Callable[[], Work]):
@@ -321,9 +284,8 @@ def _mpi_check(pg: Any) -> Tuple[np.ndarray, Any, Any, carried.Predictor]:
 def refuse_locally(pg: Any, op: str, problem: BaseException, nonblocking: bool = False) -> NoReturn:
     """This rank refused its call of ``op`` on ``pg`` with ``problem``: tell the group, then raise ``problem``.
 
-    See [Note: a refusal on one rank]. ``nonblocking``: the call would have
-    checked with a nonblocking MPI step (an asynchronous call on host arrays),
-    as the other ranks then do; it must take the same kind of step.
+    See [Note: a refusal on one rank]. ``nonblocking``: the others check with a nonblocking MPI step
+    (an asynchronous call on host arrays), so this rank must take the same kind of step.
     """
     flush(pg)
     entry = flight.record(pg, op, None, None, None, "refused")
@@ -354,12 +316,7 @@ def refuse_locally(pg: Any, op: str, problem: BaseException, nonblocking: bool =
 
 
 def refuse(pg: Any, seq: int, op: str, x: Any, reduce: Optional[str], root: Optional[int]) -> None:
-    """The ranks disagreed about call ``seq``: raise the same ``CollectiveMismatchError`` on every rank.
-
-    Every rank is here together (each saw the difference at the same
-    point), so all of them exchange their full fingerprints, which name each
-    rank's call and call site.
-    """
+    """The ranks disagreed about call ``seq``: raise the same ``CollectiveMismatchError`` on every rank."""
     fingerprint.check(pg, op, x, reduce, root, seq=seq)
     raise everywhere(CollectiveMismatchError(
         f"collective mismatch on group {pg.name}: every rank called {fingerprint.describe_call(op, x, reduce, root)} "

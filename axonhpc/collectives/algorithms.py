@@ -1,39 +1,22 @@
 """All-reduce algorithms built from the plain collectives: hierarchical (node, then across nodes).
 
-The point-to-point algorithms "ring" and "rhd" live in ``collectives.ring``;
-``run`` dispatches to every non-native algorithm. The algorithms import the
-plain collectives of ``collectives.core`` they are built on; the all-reduce
-that users call, and that calls ``run``, is ``collectives.allreduce``'s.
+"ring" and "rhd" live in ``collectives.ring``; ``run`` dispatches to every non-native algorithm.
 
 [Note: hierarchical all-reduce]
-On a cluster the links inside a node (shared memory) are far faster than the
-links between nodes. With L ranks on each of K nodes, the hierarchical
-all-reduce of n elements runs in three steps:
+Links inside a node are far faster than between nodes. With L ranks on each of K nodes:
 
-1. reduce-scatter inside each node: local rank i ends with the node's sum of
-   part i (n / L elements);
-2. all-reduce of part i among the K ranks that hold part i on their nodes
-   (local rank i of every node): only n / L elements per rank cross the
-   network, and all L ranks of a node use the network at once;
-3. all-gather inside each node: every rank gets every part.
+1. reduce-scatter inside each node: local rank i holds the node's sum of part i (n / L elements);
+2. all-reduce of part i among local rank i of every node: only n / L elements per rank cross the
+   network, with all L ranks of a node using it at once;
+3. all-gather inside each node.
 
-A bandwidth-optimal flat all-reduce sends ``2 (P - 1) / P * n`` elements per
-rank over whatever link connects the ranks, so inter-node traffic per node
-falls from about ``2 n L`` to ``2 n (K - 1) / K``. When the nodes hold
-different numbers of ranks the parts cannot line up, and the fallback is
-all-reduce inside the node, all-reduce among the node leaders (local rank 0),
-broadcast inside the node.
+Inter-node traffic per node falls from about ``2 n L`` (flat, bandwidth-optimal) to
+``2 n (K - 1) / K``. With uneven nodes the parts cannot line up, and the fallback is all-reduce in
+the node, all-reduce among node leaders, broadcast in the node.
 
-The node groups come from the world's node layout (``Split_type(SHARED)``,
-which on a cluster means the host) unless ``ranks_per_node`` forces blocks of
-consecutive group ranks (tests on one machine). They are created on the
-first call for a group, which every rank makes, and kept on the group
-(``ProcessGroup.node_levels``).
-
-The result equals the flat all-reduce up to the order of the additions
-(exact for integers, MIN and MAX); float16 and bfloat16 are reduced in a
-float32 copy and rounded once, as the flat path does. The call completes
-before it returns; with ``async_op`` it returns a completed ``Work``.
+Node groups come from the world's node layout unless ``ranks_per_node`` forces blocks of
+consecutive ranks (tests on one machine); they are made on a group's first call (collective) and
+kept on it. The result equals the flat one up to the order of additions.
 """
 from __future__ import annotations
 
@@ -104,11 +87,7 @@ def node_levels(pg: ProcessGroup, ranks_per_node: Optional[int] = None) -> _Leve
 def hierarchical_all_reduce(x: Any, op: ReduceOp, pg: ProcessGroup, ranks_per_node: Optional[int] = None) -> None:
     """All-reduce ``x`` in place inside each node, then across nodes (see the module note).
 
-    Args:
-        x: checked, writable, C-contiguous array.
-        op: the reduction (AVG divides the sum by the group size at the end).
-        pg: the group (every member calls).
-        ranks_per_node: force blocks of this many consecutive group ranks as nodes.
+    ``ranks_per_node``: force blocks of this many consecutive group ranks as nodes.
     """
     levels = node_levels(pg, ranks_per_node)
     xp = array_module(x)
@@ -137,9 +116,7 @@ def hierarchical_all_reduce(x: Any, op: ReduceOp, pg: ProcessGroup, ranks_per_no
 def run(algorithm: str, x: Any, op: ReduceOp, pg: ProcessGroup, async_op: bool) -> Any:
     """Run a non-native all-reduce of checked ``x`` on member group ``pg``; a completed Work when ``async_op``.
 
-    The call takes one sequence number (and flight record) and is compared
-    across the ranks first, as a native one is; the collectives it is made
-    of then take their own.
+    The call takes one sequence number and agreement check, as a native one does; its parts take their own.
     """
     graphed.admit(pg, "all_reduce", x, op.name, why_not=f"the {algorithm!r} algorithm is made of several calls "
                                                          "driven from the host; capture the native all-reduce")

@@ -1,14 +1,10 @@
 """The all-reduce users call: the native one of ``core`` or an algorithm of ``algorithms``.
 
 [Note: the all-reduce above its algorithms]
-``core.all_reduce`` is one backend call (or the node's shared memory); the
-algorithms (``algorithms``, ``ring``) are built on it and on the other plain
-collectives. The choice between them (``algorithm=``, else
-``ax.settings.allreduce_algorithm``) is made here, above both, so that
-neither imports the other's caller. A blocking call on a plain host array
-takes the fast path (``fast_path``) first, from here, as directly as
-``core.all_reduce`` does (``shm_path.plain_route`` offers it only while the settings' algorithm
-is native).
+The algorithms are built on ``core.all_reduce`` and the other plain collectives, so the choice
+between them (``algorithm=``, else ``ax.settings.allreduce_algorithm``) is made here, above both,
+and neither imports the other's caller. A blocking call on a plain host array tries the fast path
+from here first, as ``core.all_reduce`` does.
 """
 from __future__ import annotations
 
@@ -95,9 +91,7 @@ def sync_gradient(grad, group: Optional[ProcessGroup] = None) -> None:
 def sync_gradients(grads: Sequence, group: Optional[ProcessGroup] = None) -> None:
     """Average several gradient arrays over the group, in place, one all-reduce per dtype.
 
-    Arrays of one dtype are concatenated into one flat buffer so that many
-    small gradients cost one message (``GradientSynchronizer`` does the same
-    with reusable compiled buckets).
+    Arrays of one dtype are concatenated so that many small gradients cost one message.
     """
     grads = list(grads)
     for i, g in enumerate(grads):

@@ -1,41 +1,23 @@
 """A small all-reduce that carries its own agreement check over MPI: one call instead of two.
 
 [Note: a check that rides with the data]
-Over MPI the agreement check (``agreement``) is a 64-byte all-reduce in
-front of the call, because ranks that would send different lengths must
-meet in a message of a fixed length before any data moves. For a 4 KiB
-all-reduce that second small-message latency was +60-70%.
+Over MPI the agreement check is a 64-byte all-reduce in front of the call (ranks that would send
+different lengths must meet in a fixed-length message first). For a 4 KiB all-reduce that second
+latency was +60-70%.
 
-The fused message's length need not come from the call, though. Every
-rank of a group has seen the same agreed calls in the same order, so a
-rule that predicts the next call from them predicts the same call on every
-rank (``Predictor``). When it expects a small host all-reduce (at most
-``MAX_BYTES``, of a dtype and op MPI reduces natively), every rank makes
-one all-reduce of that call's length plus one element, its vote, whatever
-it was actually asked to do:
+But every rank has seen the same agreed calls in the same order, so a rule that predicts the next
+call from them predicts the same call everywhere (``Predictor``). When it expects a small host
+all-reduce (at most ``MAX_BYTES``, an op MPI reduces natively), every rank makes one all-reduce of
+that length plus one element, its vote, whatever it was asked: "yes" and its data if its call is
+the expected one and can be carried, else "no" and zeros. The vote is reduced with the data's own
+op in values whose result shows exactly whether all said yes (SUM: 1/0; MIN, PRODUCT: 1/0; MAX:
+0/1). All yes: the calls agree and the data is reduced. Otherwise every rank learns the same, drops
+the buffer (the caller's array untouched) and makes the ordinary check and call. MPI always sees
+one length on every rank.
 
-- a rank whose call is the expected one and that can carry it (a blocking
-  call on the fast path) sends a "yes" and its data;
-- any other rank (another call, the same one asynchronous or through the
-  general path, a refusal) sends a "no" and zeros of the same length.
-
-The vote is reduced with the data's own op, in values whose result shows
-exactly whether all said yes (SUM: 1 or 0, the group size only if all
-are 1; MIN and PRODUCT: 1 or 0, 1 only if all are; MAX: 0 or 1, 0 only if
-all are). All yes means every rank's call is the expected one, so the calls
-agree, and the data is reduced. Anything else, every rank learns the same
-from the same result: the buffer is dropped, the caller's array untouched,
-and the ordinary check and call follow. So the guarantee is the check's,
-and MPI always sees one length on every rank.
-
-The rule: the call that followed the same three agreed calls before, kept
-with a small confidence so that one surprise (the end of a loop) does not
-unlearn it. A call that every rank made but some could not carry is not
-tried again, nor one guessed wrong too often: a wrong guess costs one extra
-small all-reduce, and a loop that repeats its calls is carried from its
-third pass on (all of it when no call in it comes after more than three of
-one kind; else all but those). After a mismatch the rule forgets
-everything, on every rank together.
+The rule: the call that followed the same three agreed calls before, with a small confidence so
+one surprise (a loop's end) does not unlearn it. A wrong guess costs one extra small all-reduce; a
+repeating loop is carried from its third pass. After a mismatch every rank forgets everything.
 """
 from __future__ import annotations
 
@@ -103,9 +85,8 @@ class Predictor:
     def buffer(self, plan: Plan, host: Any) -> np.ndarray:
         """``plan``'s fused buffer (vote, then data), made on first use with its blocking reducer.
 
-        At most ``_BUFFER_BYTES`` are kept: past that, every plan's buffer is
-        dropped and made again when next used (buffers are this rank's
-        alone; the ranks need not agree about them).
+        At most ``_BUFFER_BYTES`` are kept; past that all are dropped and remade when next used (they are
+        this rank's alone; the ranks need not agree about them).
         """
         if plan.buf is None:
             if (len(self.buffered) + 1) * (MAX_BYTES + 8) > _BUFFER_BYTES:
@@ -175,11 +156,8 @@ def attempt(pg: Any, predictor: Predictor, desc: tuple, carry: Optional[Tuple[np
             timeout: Optional[float], what: Any, arrivals: Any) -> Tuple[bool, Optional[Plan]]:
     """Make the fused call when one is expected: ``(carried, plan tried)``.
 
-    ``carry``: this rank's in-place all-reduce ``(x, op)`` when it can go in
-    the fused call (else it votes no). ``carried``: every rank voted yes and
-    ``x`` holds the result. Without an expected call nothing is sent:
-    ``(False, None)``. ``what``, ``arrivals``: the timeout's message, as the
-    check's.
+    ``carry``: this rank's in-place all-reduce ``(x, op)`` when it can go in the fused call (else it
+    votes no). Without an expected call nothing is sent: ``(False, None)``.
     """
     plan = predictor.expected()
     if plan is None:
@@ -208,9 +186,8 @@ def attempt(pg: Any, predictor: Predictor, desc: tuple, carry: Optional[Tuple[np
 def quick(pg: Any, predictor: Predictor, x: np.ndarray, op: ReduceOp) -> Tuple[bool, Optional[Plan]]:
     """``attempt`` for the fast path's blocking all-reduce, when the expected call is ``x``'s as seen before.
 
-    Returns ``(carried, plan tried)``, or ``(False, None)`` having sent
-    nothing when no call is expected or it is not known to be this one
-    (then ``attempt`` decides, from the descriptor).
+    Returns ``(False, None)`` having sent nothing when it is not known to be this one (then
+    ``attempt`` decides, from the descriptor).
     """
     entry = predictor.after.get(predictor.key)  # expected(), inline
     if entry is None:

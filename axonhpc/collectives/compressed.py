@@ -1,27 +1,19 @@
 """Averaging with 16-bit floats on the wire: the collectives behind gradient compression.
 
 [Note: compressed averaging]
-``compressed_all_reduce(x, "float16")`` averages a float32/float64 array over
-the group while every message carries float16 (or bfloat16): half the bytes
-of float32. The array is divided by the group size first and rounded to the
-wire type (so the sum cannot overflow where the average does not), then a
-ring runs on the 16-bit copy (``collectives.ring``: reduce-scatter, then
-all-gather), each hop adding in 16 bits with numpy, which rounds once per
-addition, as an NCCL float16 all-reduce does. The result is rounded once
-more into ``x``. MPI has no 16-bit addition, which is why the ring (point to
-point, reduced by numpy) carries these messages instead of one MPI call.
+``compressed_all_reduce(x, "float16")`` averages a float32/float64 array while every message carries
+float16 (or bfloat16): half of float32's bytes. The array is divided by the group size first (so the
+sum cannot overflow where the average does not) and rounded to the wire type; a ring then runs on
+the 16-bit copy, each hop adding in 16 bits with numpy, as an NCCL float16 all-reduce does. MPI has
+no 16-bit addition, hence the ring instead of one MPI call.
 
-Error: each element is rounded to the wire type once at the start, once per
-addition on its way around the ring (P - 1), and the result is exact in the
-wire type; with float16 (11 significant bits) the relative error of an
-average of P terms of one sign is about ``P * 2**-11`` at most, and values
-below float16's smallest normal (6.1e-5) lose precision progressively; with
-bfloat16 (8 bits, float32's range) about ``P * 2**-8``. The tests and
-``axonhpc bench ddp --comm-hook`` measure it.
+Error: one rounding at the start and one per addition (P - 1); with float16 the relative error of
+an average of P same-signed terms is at most about ``P * 2**-11`` (values below 6.1e-5 lose
+precision progressively), with bfloat16 about ``P * 2**-8``. The tests and ``axonhpc bench ddp
+--comm-hook`` measure it.
 
-``compressed_reduce_scatter`` is the first half alone, shifted so that rank r
-ends with chunk r (for FSDP's gradient shards). The order of every addition
-is fixed, so results are bit-identical run after run and on every rank.
+``compressed_reduce_scatter`` is the first half alone, shifted so rank r ends with chunk r (FSDP's
+gradient shards). The order of every addition is fixed, so results are bit-identical everywhere.
 """
 from __future__ import annotations
 
@@ -75,7 +67,6 @@ def compressed_all_reduce(x: Any, wire: str = "float16", group: Optional[Process
     Args:
         x: a writable, contiguous float32 or float64 array (same shape everywhere).
         wire: "float16" or "bfloat16".
-        group: the group (None: the current world's).
 
     Raises:
         UnsupportedDtypeError: ``x`` is not float32/float64, or bfloat16 without ml_dtypes.
@@ -95,11 +86,6 @@ def compressed_all_reduce(x: Any, wire: str = "float16", group: Optional[Process
 
 def compressed_reduce_scatter(x: Any, wire: str = "float16", group: Optional[ProcessGroup] = None) -> Any:
     """This rank's part of the group average of ``x``, with ``wire`` on the wire.
-
-    Args:
-        x: a contiguous float32 or float64 array whose size is divisible by the group size.
-        wire: "float16" or "bfloat16".
-        group: the group (None: the current world's).
 
     Returns:
         A new 1-d array of ``x.size // size`` elements in ``x``'s dtype: part ``rank``.

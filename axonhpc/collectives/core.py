@@ -1,22 +1,13 @@
 """Collectives on arrays: checks first, then one backend call.
 
-The all-reduce here is the native one (one backend call, or the node's
-shared memory). The algorithms of ``collectives.algorithms`` are built on it,
-and ``collectives.allreduce`` holds the all-reduce users call, which picks
-one of them (``algorithm=``) or this one; neither is imported here. A
-blocking call on a plain host array first tries ``fast_path``; point-to-point
-messages are in ``p2p``.
+The native all-reduce lives here; ``collectives.algorithms`` builds on it and
+``collectives.allreduce`` holds the all-reduce users call. Neither is imported here.
 
 [Note: what this layer adds over a backend]
-- Every argument is checked before anything is sent (dtype, contiguity,
-  writability, ranks, shapes, membership), with the values in the message.
-- ``ReduceOp.AVG`` is a SUM followed by a division by the group size once
-  the transfer completes (floor division for integer dtypes).
-- float16 and bfloat16 have no MPI reduction, so they are reduced in a
-  float32 copy and rounded back once; the result is the float32 sum rounded
-  to the 16-bit type (at least as accurate as summing in 16 bits).
-- ``async_op=True`` returns a ``Work`` whose ``wait()`` returns the result;
-  blocking calls wait with the group's (or the settings') timeout.
+- Every argument is checked before anything is sent, with the values in the message.
+- ``ReduceOp.AVG`` is a SUM then a division by the group size (floor division for integers).
+- float16 and bfloat16 have no MPI reduction, so they are reduced in a float32 copy and rounded
+  back once (at least as accurate as summing in 16 bits).
 """
 from __future__ import annotations
 
@@ -100,10 +91,9 @@ def _run(pg: ProcessGroup, label: _Label, issue, async_op: bool, carried: bool =
          carry: Optional[ReduceOp] = None) -> Any:
     """Call ``issue(nonblocking)`` and either return its Work or wait for it (see ``watch``).
 
-    A collective is first compared across the ranks (``agreement.check``),
-    unless ``carried``: the shared-memory engine carries it and compares it
-    itself. ``carry``: the call is a blocking in-place all-reduce with this
-    op, which the check may make itself over MPI (``collectives.carried``).
+    The call is first compared across the ranks (``agreement.check``) unless ``carried``: the
+    shared-memory engine compares it itself. ``carry``: a blocking in-place all-reduce with this op,
+    which the check may make itself over MPI (``collectives.carried``).
     """
     # In a CUDA graph capture nothing runs, so nothing can be waited for on the host: no timeout, no
     # arrival notices; the call is ordered on the stream (see [Note: collectives in a graph]).
@@ -185,9 +175,8 @@ def _trace(work: Work, start: float, label: Any, collective: bool) -> None:
 def _reduction(pg: ProcessGroup, x, out, op: ReduceOp, issue_on, result=None):
     """Shared AVG / 16-bit handling for all_reduce and reduce_scatter.
 
-    ``issue_on(src, dst, base_op, nonblocking)`` starts the backend transfer
-    from ``src`` into ``dst``; ``out`` receives the caller-visible values and
-    ``result`` is what ``Work.wait()`` returns.
+    ``issue_on(src, dst, base_op, nonblocking)`` starts the backend transfer; ``out`` receives the
+    caller-visible values and ``result`` is what ``Work.wait()`` returns.
     """
     base = ReduceOp.SUM if op is ReduceOp.AVG else op
     xp = array_module(x)
@@ -214,19 +203,14 @@ def _reduction(pg: ProcessGroup, x, out, op: ReduceOp, issue_on, result=None):
 def all_reduce(x, op=ReduceOp.SUM, group: Optional[ProcessGroup] = None, async_op: bool = False):
     """Reduce ``x`` over the group, in place, natively: one backend call (or the node's shared memory).
 
-    The building block of the algorithms in ``collectives.algorithms``;
-    users call ``ax.all_reduce`` (``collectives.allreduce``), which also
-    takes ``algorithm=``. In deterministic mode across nodes the call runs
-    the ring, whose order of additions is fixed.
+    Users call ``ax.all_reduce`` (``collectives.allreduce``), which also takes ``algorithm=``. In
+    deterministic mode across nodes the call runs the ring, whose order of additions is fixed.
 
     Args:
         x: contiguous, writable array of a supported dtype.
         op: a ``ReduceOp`` (or its name). ``AVG`` on integers floors.
         group: the group (None: the current world's default group).
         async_op: return a ``Work`` instead of waiting.
-
-    Returns:
-        None, or a ``Work`` if ``async_op``.
 
     Raises:
         NotAMemberError, UnsupportedDtypeError, NonContiguousBufferError,
@@ -295,19 +279,15 @@ def reduce_scatter(x, op=ReduceOp.SUM, group: Optional[ProcessGroup] = None, asy
 
     Args:
         x: array whose first dimension is divisible by the group size.
-        out: where to write this rank's part (contiguous, writable, of the
-            part's shape and ``x``'s dtype), so that a caller that reduces
-            every step reuses one buffer instead of a fresh allocation (whose
-            first touch costs about as much as the copy itself); None
-            allocates one.
+        out: where to write this rank's part (contiguous, writable, of the part's shape and ``x``'s
+            dtype), so a caller that reduces every step reuses one buffer (a fresh one's first touch
+            costs about as much as the copy); None allocates one.
 
     Returns:
-        This rank's part, shape ``(x.shape[0] // size, *x.shape[1:])`` (or a
-        ``Work`` returning it); ``out`` if given.
+        This rank's part, shape ``(x.shape[0] // size, *x.shape[1:])`` (or a ``Work`` returning it).
 
     Raises:
-        ShapeError: ``x`` is 0-d or ``x.shape[0]`` is not divisible by the
-            size, or ``out`` has the wrong shape or dtype.
+        ShapeError: ``x`` is 0-d or ``x.shape[0]`` is not divisible by the size, or ``out`` is wrong.
     """
     if not async_op:
         part = fast_path.attempt(fast_path.REDUCE_SCATTER, x, group, op, out=out)
@@ -357,11 +337,8 @@ def reduce_scatter_mean(x, group=None, async_op=False):
 def broadcast(x, src: int = 0, group: Optional[ProcessGroup] = None, async_op: bool = False):
     """Copy ``x`` of group rank ``src`` into ``x`` on every rank (in place).
 
-    ``x`` must be writable on every rank, the source included: the call
-    writes into it everywhere but on the source, and a check that only the
-    receivers made would leave the source sending to ranks that had already
-    refused (the source would wait forever). So every rank refuses a
-    read-only buffer alike, before anything is sent.
+    ``x`` must be writable on every rank, the source included: a check made only by the receivers
+    would leave the source sending to ranks that had already refused, waiting forever.
 
     Raises:
         RankError: ``src`` out of range for the group.
@@ -395,11 +372,9 @@ def all_gather(x, group: Optional[ProcessGroup] = None, async_op: bool = False, 
     """Every rank's ``x``, stacked: result ``[i]`` is rank i's array.
 
     Args:
-        out: where to write the result (contiguous, writable, shape
-            ``(size, *x.shape)``, ``x``'s dtype), so that a caller that
-            gathers every step reuses one buffer instead of a fresh one whose
-            first touch costs page faults (for 64 MiB, as much as the transfer
-            itself); None allocates one.
+        out: where to write the result (contiguous, writable, shape ``(size, *x.shape)``, ``x``'s
+            dtype), so a caller that gathers every step reuses one buffer (for 64 MiB a fresh one's
+            page faults cost as much as the transfer); None allocates one.
 
     Returns:
         Array of shape ``(size, *x.shape)`` (or a ``Work`` returning it); ``out`` if given.
@@ -454,13 +429,9 @@ _SCATTER_OK, _SCATTER_FAILED, _SCATTER_OK_DEVICE = 0, 1, 2  # the header's statu
 def scatter(x, src: int = 0, group: Optional[ProcessGroup] = None, async_op: bool = False):
     """Give rank i the part ``x[i]`` of group rank ``src``'s array.
 
-    ``x`` on ``src`` has shape ``(size, ...)``; other ranks pass None (their
-    argument is ignored). The part's shape and dtype travel from ``src`` in a
-    small header first, and a wrong ``x`` on ``src`` is reported on every
-    rank, so nobody is left waiting for a scatter that will never come.
-
-    Returns:
-        This rank's part (or a ``Work`` returning it).
+    ``x`` on ``src`` has shape ``(size, ...)``; other ranks pass None. The part's shape and dtype travel
+    from ``src`` in a small header, so a wrong ``x`` on ``src`` is reported on every rank instead of
+    leaving them waiting.
 
     Raises:
         ShapeError: on every rank, if ``x.shape[0]`` on ``src`` is not the group size.

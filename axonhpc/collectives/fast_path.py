@@ -1,25 +1,12 @@
 """The fast path of blocking collectives on plain host arrays: one eligibility check, one table of calls.
 
 [Note: why a second path]
-The general path of ``core`` checks every argument, records and numbers
-the call, compares it across the ranks and issues it through ``core._run``,
-which watches for timeouts and draws timeline spans: over a hundred Python
-calls, which at 8 bytes are the whole cost of an all-reduce on one node.
-A blocking call on a plain numpy array, with no debug mode, no timeout, no
-timeline and the native algorithm, needs only part of that. ``attempt``
-does exactly that part and nothing else:
-- the flight record;
-- the sequence number;
-- the agreement check, which the node's shared-memory engine makes inside
-  its call, or ``agreement.check`` makes over MPI before it (or, for a
-  small all-reduce the group expects, in the same MPI call: ``carried``);
-- the call itself.
-
-Each collective is one row of the table (a ``Spec``: what it writes, its
-result's shape, when the engine takes it, how the engine and the backend
-are called), and ``attempt`` is the one eligibility check for all of them.
-A call that does not qualify gets ``NOT_TAKEN`` back with nothing sent,
-and the general path handles it, error messages included.
+The general path (argument checks, records, agreement, ``core._run``'s timeouts and timeline spans)
+is over a hundred Python calls, which at 8 bytes are the whole cost of an all-reduce on one node.
+A blocking call on a plain numpy array with no debug mode, timeout or timeline and the native
+algorithm needs only the flight record, the sequence number, the agreement check and the call, and
+``attempt`` does only that. Each collective is one ``Spec`` row of the table; a call that does not
+qualify gets ``NOT_TAKEN`` with nothing sent, and the general path handles it, errors included.
 """
 from __future__ import annotations
 
@@ -88,18 +75,13 @@ ALL_GATHER = Spec(
 def attempt(spec: Spec, x: Any, group: Any, op: Any = None, root: Any = None, out: Any = None) -> Any:
     """Run one blocking collective on the fast path, or return ``NOT_TAKEN`` having sent nothing.
 
-    It qualifies when ``x`` is a plain numpy array (contiguous, of a
-    supported dtype, writable when the call writes into it, not empty, not
-    in a shared window) and ``op`` a ``ReduceOp`` the node's kernels reduce;
-    when ``root`` is a rank of the group and ``out``, if given, a plain
-    array of the result's shape and dtype; when no timeline records; and
-    when ``shm_path.plain_route`` offers the node's engine or the backend for
-    the group (no debug mode, no timeout, the native algorithm). A reduction
-    the engine does not take must also be one MPI has (not AVG).
+    It qualifies when ``x`` is a plain, contiguous, non-empty numpy array of a supported dtype (writable
+    if written, not in a shared window), ``op`` one the node's kernels reduce, ``root`` and ``out``
+    valid, no timeline records, and ``shm_path.plain_route`` offers a route. A reduction the engine
+    does not take must also be one MPI has (not AVG).
 
     Returns:
-        The result buffer (``out``, or a new array) for a call with a
-        result, None for one that works in place, or ``NOT_TAKEN``.
+        The result buffer (``out``, or a new array), None for an in-place call, or ``NOT_TAKEN``.
     """
     if type(x) is not np.ndarray or not x.nbytes:
         return NOT_TAKEN

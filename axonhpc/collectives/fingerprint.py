@@ -1,15 +1,11 @@
 """Debug mode: all ranks agree on each collective before running it.
 
 [Note: fingerprints]
-With ``ax.settings.debug`` on, every collective first exchanges a small
-fingerprint (sequence number, operation, dtype, shape, reduce op, root and
-the caller's file:line) with an all-gather on a private side channel of the
-group, and every rank compares the table. On any disagreement every rank
-raises the same ``CollectiveMismatchError`` naming each rank's call, instead
-of hanging or reducing mismatched buffers into garbage. The side channel is
-split off the group the first time it is needed; all ranks reach that point
-together because it is their first collective on the group. With debug off
-the only cost is one attribute test per call.
+With ``ax.settings.debug`` on, every collective first all-gathers a small fingerprint (sequence
+number, operation, dtype, shape, op, root, caller's file:line) on a private channel of the group,
+so every rank raises the same ``CollectiveMismatchError`` naming each rank's call instead of
+hanging. The channel is split off on first need, which all ranks reach together (their first
+collective on the group). With debug off the cost is one attribute test per call.
 """
 from __future__ import annotations
 
@@ -91,10 +87,8 @@ def check(group, op: str, x: Any = None, reduce: Optional[str] = None, root: Opt
           seq: Optional[int] = None, refused: Optional[str] = None) -> None:
     """Compare this collective's fingerprint across the group; raise on any difference.
 
-    ``seq``: the call's number (default: the group's next, as the debug mode
-    checks a call before it is numbered). ``refused``: this rank refused the
-    call, for this reason (``agreement.refuse_locally``); the others then raise
-    ``CollectiveRefusedError`` naming it.
+    ``seq``: the call's number (default: the group's next). ``refused``: this rank refused the call for
+    this reason (``agreement.refuse_locally``).
 
     Raises:
         CollectiveRefusedError: on every rank, if some ranks refused the call and others did not.

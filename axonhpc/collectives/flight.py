@@ -1,19 +1,13 @@
 """The flight recorder: every rank's last collectives, dumped when something goes wrong.
 
 [Note: what is kept and when it is written]
-Each collective appends one small record to a ring buffer of the last
-``settings.flight_recorder`` calls (0 turns it off): wall-clock time (the dump
-carries this rank's offset to rank 0's clock), group (name and global ranks),
-sequence number, operation, dtype, shape, reduce op, root, the caller's
-file:line when debug mode is on (finding it costs a stack walk), and whether
-the call has completed. The buffer is written to
-``<settings.flight_dir>/flight-rank<r>.json`` (atomically: temporary file and
-rename) on a collective timeout, a collective mismatch, an uncaught exception
-that aborts the job, and on the signal ``settings.flight_signal`` (SIGUSR1 by
-default, which ``sbatch --signal`` can send; the handler chains to any handler
-installed before it, and the trainer's preemption handler chains to it).
-``axonhpc doctor DIR`` merges the dumps of all ranks and says which rank
-diverged first and where, and which rank arrived last how often.
+Each collective appends a small record to a ring buffer of the last ``settings.flight_recorder``
+calls (0: off): time (the dump carries the offset to rank 0's clock), group, sequence number, call,
+dtype, shape, op, root, completion, and file:line in debug mode only (finding it costs a stack
+walk). It is written atomically to ``<settings.flight_dir>/flight-rank<r>.json`` on a timeout, a
+mismatch, an uncaught exception that aborts the job, and on ``settings.flight_signal`` (SIGUSR1,
+which ``sbatch --signal`` can send; the handler chains to any earlier one). ``axonhpc doctor DIR``
+merges the dumps and says which rank diverged first and which arrived last how often.
 """
 from __future__ import annotations
 
@@ -69,7 +63,7 @@ def record(pg: Any, op: str, x: Any, reduce: Optional[str], root: Optional[int],
 def arrival_times(pg: Any, first: int, count: int) -> Any:
     """This rank's arrival times (``time.time()``) at ``pg``'s collectives ``first .. first + count - 1``.
 
-    Read from the recorder's buffer (the stragglers' comparison); NaN for a call it no longer holds.
+    NaN for a call the buffer no longer holds.
     """
     import numpy as np
 

@@ -1,36 +1,20 @@
 """Collectives inside a CUDA graph: which can be captured, and the ranks' check before each replay.
 
 [Note: collectives in a graph]
-A collective on a device array over NCCL is a kernel on a stream, so a
-stream capture records it like any other, and each launch of the graph
-runs it again (NCCL >= 2.9.6). Every rank must then launch the same graph
-at the same point: a replay carries no agreement check of its own, and
-NCCL pairs one rank's captured all-reduce with whatever the other ranks
-issue next.
+An NCCL collective on a device array is a kernel on a stream, so a capture records it and each
+launch runs it again (NCCL >= 2.9.6). A replay carries no agreement check of its own, and NCCL
+pairs one rank's captured all-reduce with whatever the others issue next, so:
 
-- **What is captured.** ``admit`` is called by each collective, after its
-  arguments are checked and before anything is sent. Outside a capture, or
-  on a group of one rank (nothing is sent), it does nothing. In a capture
-  it refuses, with ``GraphCaptureError``, every call a graph could not
-  repeat: host arrays (MPI is driven by the host: the call would run once,
-  at the capture), device arrays over a backend that is not NCCL (staged or
-  CUDA-aware MPI), the deterministic ring and the point-to-point
-  algorithms, gather, scatter and barriers. Otherwise it notes the call's
-  descriptor in the recording, and the call goes on as usual: its
-  agreement check runs on the host, once, at the capture, and NCCL records
-  the transfer.
-- **Each replay is compared.** Before every launch, ``check_replay`` makes
-  one agreement step per group the graph holds, in the order the capture
-  first used them, with a descriptor of everything the graph sends on that
-  group (kind "graph": the count of calls and a 64-bit hash of their
-  descriptors). It takes a sequence number and a flight record
-  ("graph_replay"), as a collective does. So a rank that replays while
-  another calls a collective eagerly, or replays a graph of other
-  collectives, raises ``CollectiveMismatchError`` on every rank, as an
-  eager mismatch does, instead of NCCL mixing the two calls. Its cost is
-  that of one agreement check per group (on one node a step through the
-  shared-memory engine; across nodes a 64-byte MPI all-reduce), on the
-  host, while the previous replay may still run on the GPU.
+- **What is captured.** In a capture (on a group of more than one rank), ``admit`` refuses with
+  ``GraphCaptureError`` every call a graph could not repeat: host arrays (MPI is host-driven: the
+  call would run once, at capture), device arrays over staged or CUDA-aware MPI, the deterministic
+  ring, the point-to-point algorithms, gather, scatter and barriers. Otherwise it notes the call's
+  descriptor; the agreement check runs once, at capture.
+- **Each replay is compared.** Before every launch ``check_replay`` makes one agreement step per
+  group of the graph (in the capture's order) with a descriptor of everything it sends there (the
+  count of calls and a 64-bit hash of their descriptors). A rank that replays while another calls
+  eagerly, or replays another graph, raises ``CollectiveMismatchError`` on every rank instead of
+  NCCL mixing the calls. The step runs on the host while the previous replay may still run on the GPU.
 """
 from __future__ import annotations
 
@@ -53,9 +37,9 @@ def admit(pg: Any, op: str, x: Any = None, reduce: Optional[str] = None, root: O
     """In a capture: refuse a call a graph cannot repeat, else note it (see the note). Before anything is sent.
 
     Args:
-        pg: the (checked) group; x: the caller's array; reduce: the ReduceOp's name; root: the root's group rank.
-        why_not: why the route this call takes cannot be captured, when it cannot (the deterministic
-            ring, a point-to-point algorithm, a barrier); array-level reasons come first.
+        reduce: the ReduceOp's name; root: the root's group rank.
+        why_not: why this call's route cannot be captured, when it cannot (the deterministic ring, a
+            point-to-point algorithm, a barrier); array-level reasons come first.
 
     Raises:
         GraphCaptureError: naming the call, the group and the reason.

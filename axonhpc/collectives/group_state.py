@@ -1,15 +1,9 @@
 """What the collective layer keeps for each process group, in one typed object.
 
-A ``ProcessGroup`` is its ranks, its backend and its settings; it imports
-nothing above itself. The collective layer needs a little state per group
-besides: the fast path's choice of route, the private communicators of the
-algorithms and of the debug mode, the agreement check's buffer and guess
-of the next call, and the asynchronous calls still waiting for their
-check. All of it lives in one
-``GroupState``, which the group holds in its one attribute for this layer
-(``pg.collective_state``) and knows nothing about; ``state_of`` makes it on
-first use. Reading an attribute keeps the hot path as fast as it was when
-these were loose entries of the group's ``__dict__``.
+A ``ProcessGroup`` imports nothing above itself, so the layer's per-group state (routes, private
+communicators, the agreement buffer and guess, pending asynchronous calls) lives in one
+``GroupState`` held in ``pg.collective_state``, made on first use by ``state_of``. One attribute read
+keeps the hot path as fast as loose entries of the group's ``__dict__`` were.
 """
 from __future__ import annotations
 
@@ -41,9 +35,8 @@ def state_of(pg: Any) -> GroupState:
 def private_channel(pg: Any, purpose: str) -> Any:
     """A communicator with ``pg``'s ranks in ``pg``'s order, for ``purpose`` alone (collective on first use).
 
-    Messages on it never meet the group's own, so an algorithm built from
-    point-to-point steps ("ring") or the debug mode's fingerprint exchange
-    ("debug") cannot be confused with the user's traffic.
+    Its messages never meet the group's own, so the "ring" steps or the "debug" fingerprints cannot be
+    confused with the user's traffic.
     """
     channels = state_of(pg).channels
     channel = channels.get(purpose)

@@ -1,11 +1,7 @@
 """Point-to-point messages: ``send``, ``recv``, ``isend``, ``irecv``.
 
-Each is one row of a small table (``_Kind``: the name messages use, how
-they name the peer, whether it fills ``x``, whether it returns at once,
-and which backend call carries it); ``_p2p`` checks the arguments of all
-four alike before anything is sent and runs the call through ``core._run``
-(timeouts, timeline spans). Messages carry no sequence number: unlike a
-collective, a message is matched by its peer and tag, not by its order.
+Each is one row of a small table (``_Kind``), checked alike before anything is sent and run through
+``core._run``. Messages carry no sequence number: a message is matched by peer and tag, not order.
 """
 from __future__ import annotations
 

@@ -1,58 +1,35 @@
 """Explicit all-reduce algorithms on point-to-point messages: ring and recursive halving-doubling.
 
 [Note: ring all-reduce]
-The flat array of n elements is cut into P chunks of nearly equal size (the
-first ``n % P`` chunks hold one element more; chunks may be empty when
-n < P). In P - 1 reduce-scatter steps every rank sends one chunk to its right
-neighbour and receives one from its left neighbour, which it reduces into its
-own copy; afterwards rank r holds the full reduction of chunk r + 1. In
-P - 1 all-gather steps the finished chunks travel once more around the ring.
-Each rank sends ``2 (P - 1) / P * n`` elements in ``2 (P - 1)`` steps:
-bandwidth-optimal, but the step count grows linearly with P.
+The array is cut into P nearly equal chunks. P - 1 reduce-scatter steps pass one chunk to the right
+neighbour and reduce the one from the left; P - 1 all-gather steps pass the finished chunks around
+once more. Each rank sends ``2 (P - 1) / P * n`` elements (bandwidth-optimal) in ``2 (P - 1)`` steps,
+a count that grows linearly with P.
 
 [Note: recursive halving-doubling (Rabenseifner)]
-With P' the largest power of two <= P and r = P - P', the first 2r ranks
-fold pairwise: each even rank among them sends its whole array to its odd
-neighbour, which reduces it, and sits out. The remaining P' ranks (the odd
-ones of the first 2r, then the rest) split the array into P' chunks and run
-log2(P') halving steps: at distance 1, 2, 4, ... each rank exchanges half of
-the chunk range it still holds with its partner (virtual rank XOR distance)
-and reduces the half it keeps. Then the doubling steps retrace the halving
-in reverse, exchanging finished ranges until every rank holds everything,
-and the odd ranks of the fold send the result back to their even
-neighbours. The P' ranks send the same ``2 (P' - 1) / P' * n`` elements as
-the ring but in ``2 log2(P')`` steps; a non-power of two adds two steps of n
-elements each for the folded pairs. The first, largest exchange is between
-neighbouring ranks, which a block rank placement keeps inside a node.
+With P' the largest power of two <= P and r = P - P', the first 2r ranks fold pairwise (even sends
+everything to odd and sits out). The P' ranks then halve at distances 1, 2, 4, ... (exchange half
+of the range still held with virtual rank XOR distance, reduce the kept half) and double back, and
+the fold is undone. Same ``2 (P' - 1) / P' * n`` elements as the ring in ``2 log2(P')`` steps; a
+non-power of two adds two steps of n elements. The first, largest exchange is between neighbours,
+which a block placement keeps inside a node.
 
 [Note: schedules are data]
-``ring_schedule`` and ``rhd_schedule`` are pure functions of (size, rank):
-the list of ``Step`` each rank executes (to whom it sends which chunk range,
-from whom it receives which, and whether the received data is reduced or
-copied). One executor runs either list. Both fix the order of every
-reduction for a given (P, n): each chunk is reduced along one path and then
-only copied, so repeated runs are bit-identical, every rank ends with the
-same bits, and for P <= 2 the result equals the native all-reduce bit for
-bit (one addition of two numbers is exact in either operand order). For
-larger P the association differs from the MPI library's, so float results
-agree with native within rounding (integers, MIN and MAX exactly).
+``ring_schedule`` and ``rhd_schedule`` are pure functions of (size, rank) returning the ``Step``
+list one executor runs. Each chunk is reduced along one fixed path and then only copied, so runs
+are bit-identical, every rank gets the same bits, and for P <= 2 the result equals the native
+all-reduce (one addition is exact in either order). For larger P floats agree with native within
+rounding (integers, MIN and MAX exactly).
 
 [Note: a private channel for the messages]
-The messages travel on a communicator of their own, split once from the
-group's backend (``backend.split(0, rank)``: the same ranks in the same
-order, a fresh MPI context) on the first ring or rhd call on the group and
-kept on the group. A user's ``send``/``isend`` on the group, with any tag,
-can therefore never match one of these messages, even while in flight. On
-that channel every rank runs the same sequence of schedules, and MPI keeps
-messages between two ranks on one (communicator, tag) in order, so one tag
-per algorithm (``RING_TAG``, ``RHD_TAG``) is enough. Creating the channel is
-collective over the group, like the first call of the hierarchical
-algorithm; it costs one ``MPI_Comm_split``.
+The messages travel on a communicator split once from the group's backend (same ranks and order,
+a fresh MPI context) and kept on the group, so a user's ``send``/``isend`` with any tag can never
+match them. Every rank runs the same schedules on it and MPI keeps messages on one (communicator,
+tag) in order, so one tag per algorithm suffices. Creating it is collective (one
+``MPI_Comm_split``) on the first ring or rhd call.
 
-AVG is a SUM divided by P at the end (floor division for integers), and
-float16/bfloat16 are reduced in a float32 copy and rounded once, both as in
-``collectives.core``. Every step posts its receive and its send before
-waiting for either, so no size of message can deadlock.
+Every step posts its receive and its send before waiting for either, so no message size can
+deadlock.
 """
 from __future__ import annotations
 
@@ -71,15 +48,8 @@ RHD_TAG = 2
 class Step(NamedTuple):
     """One step of an all-reduce schedule on one rank.
 
-    Ranges are ``[lo, hi)`` in chunk indices. A step with ``send_to`` None
-    only receives; with ``recv_from`` None it only sends.
-
-    Attributes:
-        send_to: group rank this step sends to, or None.
-        send: chunk range sent.
-        recv_from: group rank this step receives from, or None.
-        recv: chunk range received.
-        reduce: the received data is reduced into the local range (else it replaces it).
+    Ranges are ``[lo, hi)`` in chunk indices; ``send_to`` None only receives, ``recv_from`` None only
+    sends; ``reduce``: the received data is reduced into the local range (else it replaces it).
     """
 
     send_to: Optional[int]
@@ -99,8 +69,7 @@ class Schedule(NamedTuple):
 def chunk_offsets(n: int, parts: int) -> List[int]:
     """Offsets of ``parts`` nearly equal chunks of ``n`` elements: chunk i is ``[off[i], off[i + 1])``.
 
-    The first ``n % parts`` chunks hold one element more; with ``n < parts``
-    the last chunks are empty.
+    The first ``n % parts`` chunks hold one element more; with ``n < parts`` the last are empty.
     """
     base, extra = divmod(n, parts)
     offsets = [0]
@@ -174,10 +143,7 @@ def _reducer(xp, op: ReduceOp) -> Callable:
 
 
 def channel(pg: ProcessGroup) -> Backend:
-    """The private communicator of ``pg`` for these algorithms (collective on the first call).
-
-    Same ranks in the same order as ``pg``; see the module note.
-    """
+    """The private communicator of ``pg`` for these algorithms (collective on the first call)."""
     return private_channel(pg, "ring")
 
 
@@ -187,10 +153,6 @@ def execute(flat: Any, schedule: Schedule, op: ReduceOp, backend: Backend, tag: 
 
     Args:
         flat: contiguous 1-d array of a dtype the backend reduces (not 16-bit floats).
-        schedule: this rank's steps, from ``ring_schedule`` or ``rhd_schedule``.
-        op: SUM, PRODUCT, MIN or MAX.
-        backend: the channel the messages travel on.
-        tag: the message tag on that channel.
         timeout: seconds each step may wait (None: forever).
         name: how timeout messages name the call.
     """
@@ -232,13 +194,7 @@ def _all_reduce(x: Any, op: ReduceOp, pg: ProcessGroup, make: Callable[[int, int
 
 
 def ring_all_reduce(x: Any, op: ReduceOp, pg: ProcessGroup) -> None:
-    """All-reduce ``x`` in place by reduce-scatter and all-gather around a ring.
-
-    Args:
-        x: checked, writable, C-contiguous array (same shape and dtype on every rank).
-        op: the reduction (AVG divides the sum by the group size at the end).
-        pg: the group (every member calls).
-    """
+    """All-reduce ``x`` in place by reduce-scatter and all-gather around a ring."""
     _all_reduce(x, op, pg, ring_schedule, RING_TAG, "ring")
 
 
@@ -248,8 +204,6 @@ def ring_reduce_scatter(x: Any, out: Any, op: ReduceOp, pg: ProcessGroup) -> Any
     Args:
         x: checked array whose size is divisible by the group size.
         out: contiguous, writable array of one part's shape and ``x``'s dtype.
-        op: the reduction (AVG divides at the end; 16-bit floats are reduced in float32).
-        pg: the group (every member calls).
 
     Returns:
         A finished ``Work`` whose ``wait()`` returns ``out``.
@@ -273,13 +227,7 @@ def ring_reduce_scatter(x: Any, out: Any, op: ReduceOp, pg: ProcessGroup) -> Any
 
 
 def rhd_all_reduce(x: Any, op: ReduceOp, pg: ProcessGroup) -> None:
-    """All-reduce ``x`` in place by recursive halving and doubling (Rabenseifner), any group size.
-
-    Args:
-        x: checked, writable, C-contiguous array (same shape and dtype on every rank).
-        op: the reduction (AVG divides the sum by the group size at the end).
-        pg: the group (every member calls).
-    """
+    """All-reduce ``x`` in place by recursive halving and doubling (Rabenseifner), any group size."""
     _all_reduce(x, op, pg, rhd_schedule, RHD_TAG, "rhd")
 
 

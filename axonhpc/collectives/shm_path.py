@@ -1,36 +1,20 @@
 """Which collectives go through the node's shared memory instead of MPI, and how.
 
 [Note: choosing the shared-memory path]
-All-reduce, reduce-scatter, broadcast and all-gather of host arrays take the
-shared-memory engine (``axonhpc._ext._shm``, set up by
-``axonhpc.backends.shm``) when every rank of the group is on one node and
-``settings.shm_collectives`` is "auto", whatever their size (from
-``settings.shm_min_bytes``, 0 by default): measured on 2-4 ranks here, the
-engine beat the MPICH wheel's own shared memory from 64 bytes to 256 MiB
-(docs/performance.md has the tables). All-gather takes it only up to
-``settings.shm_allgather_max_bytes`` of result (256 KiB): above that MPI's
-single-copy transfer, which moves each rank's part once, is faster than the
-slots, which copy every byte in and out. Everything the choice depends on
-is the same on every rank of a correct program (the group, the message size
-and dtype, the operation, the settings), so all ranks choose alike. The
-window is set up when the group is made (``ProcessGroup.prepare_shared_memory``),
-so a timeout is never stuck behind its set-up; a group made while shared
-memory was off sets it up at its first eligible call. Whether a group is one
-node's comes from the world's node table, with no communication. Across
-nodes, the hierarchical all-reduce uses it for its steps inside each node.
+All-reduce, reduce-scatter, broadcast and all-gather of host arrays take the shared-memory engine
+when the group is one node's and ``settings.shm_collectives`` is "auto", whatever their size:
+measured on 2-4 ranks here, the engine beat the MPICH wheel's own shared memory from 64 bytes to
+256 MiB (docs/performance.md). All-gather takes it only up to ``settings.shm_allgather_max_bytes``
+(256 KiB): above that MPI's single-copy transfer beats copying every byte through the slots. The
+choice depends only on what is equal on every rank of a correct program, so all ranks choose
+alike. The window is set up when the group is made, so a timeout is never stuck behind it.
 
-A plain blocking all-reduce, reduce-scatter, broadcast or all-gather (no
-debug, no timeout, no timeline, native algorithm) skips the general path
-altogether: ``plain_route`` keeps in the group's ``GroupState``, per
-settings revision, the engine (and the backend, for what the engine does
-not take) the call goes to, and ``fast_path.attempt`` makes the call with
-nothing else looked up: about 2-3 us over the engine's own time.
+``plain_route`` keeps per settings revision the route of a plain blocking call, and
+``fast_path.attempt`` makes it with nothing else looked up: about 2-3 us over the engine's time.
 
-The engine completes the operation before returning, so a call with
-``async_op=True`` returns a finished ``Work``: DDP's overlapped buckets
-become synchronous on this path, which on a node costs little (the copies
-and the reduction are work of the calling rank either way; there is no
-network card to overlap with).
+The engine completes before returning, so ``async_op=True`` gets a finished ``Work``: DDP's
+overlap is lost on this path, which on a node costs little (the copies are the calling rank's work
+either way; there is no network card to overlap with).
 """
 from __future__ import annotations
 
@@ -130,16 +114,11 @@ FUSED = {dtype: {op.value: op.name for op in ReduceOp if op is not ReduceOp.AVG 
 def plain_route(pg: Any) -> Tuple[Optional[Any], Optional[Any]]:
     """How a plain blocking call on ``pg`` runs: ``(engine, backend)`` (collective if the window is not made yet).
 
-    ``engine`` is the group's shared-memory engine when the group is one
-    node's and shared memory is on; ``backend`` is the group's backend, to
-    call directly for what the engine does not take, when the order of a
-    reduction may vary (not deterministic mode); both None: the general path. Neither is offered in debug mode (the call
-    is checked across ranks first), under a timeout (the general path
-    announces each call, so a timeout can say where the missing ranks are)
-    or when the settings' all-reduce algorithm is not native.
-    Decided once per change of the settings or of the group's
-    ``timeout``/``debug`` and kept on the group, so the hot path of
-    ``all_reduce`` reads one attribute. The caller has checked membership.
+    ``engine``: the group's shared-memory engine, if any; ``backend``: for what the engine does not
+    take, when a reduction's order may vary (not deterministic mode); both None: the general path.
+    Neither is offered in debug mode, under a timeout (the general path names where missing ranks are)
+    or with a non-native algorithm. Kept on the group per change of the settings or its
+    ``timeout``/``debug``. The caller has checked membership.
     """
     key = (settings.revision, pg.timeout, pg.debug)
     state = pg.collective_state or state_of(pg)  # state_of only on first use: no call on the hot path
@@ -203,12 +182,9 @@ def set_timeout(engine: Any, pg: Any) -> None:
 def shared_memory_array(shape: Any, dtype: Any, group: Any = None) -> Any:
     """A zeroed array in the node's shared window, or a plain one (collective over the group).
 
-    ``all_reduce`` of such an array (the whole array, passed by every rank)
-    reads the other ranks' arrays where they lie instead of copying them into
-    the slots first: DDP keeps its large gradient buckets here. A plain numpy
-    array comes back when shared memory cannot be used (one rank, ranks on
-    several nodes, ``shm_collectives="off"``, no MPI). The memory lives as
-    long as the process.
+    ``all_reduce`` of the whole array, passed by every rank, reads the other ranks' arrays in place
+    instead of copying them into the slots (DDP keeps its large buckets here). A plain numpy array comes
+    back when shared memory cannot be used. The memory lives as long as the process.
     """
     from ..groups import resolve_group
 

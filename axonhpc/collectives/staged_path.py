@@ -1,30 +1,17 @@
 """Large blocking all-reduces of staged device arrays, as a pipeline of chunks.
 
 [Note: pipelined staging]
-Where MPI is not CUDA-aware, a cupy array reaches MPI through pinned host
-twins (``backends.staging``). Whole, an all-reduce then takes the copy to
-the host, the host all-reduce and the copy back one after the other. A
-blocking all-reduce of more than ``settings.staging_chunk_bytes`` instead
-runs ``staging.run_pipelined``: the array is cut into chunks of that size,
-every chunk's copy to the host is queued at once, and chunk by chunk the
-host reduces what has arrived and queues it back, so the copies of the
-neighbouring chunks run under each chunk's host all-reduce.
+Where MPI is not CUDA-aware a cupy array goes through pinned host twins, and whole, the copy down,
+the host all-reduce and the copy up run one after another. Above ``settings.staging_chunk_bytes`` the
+array is cut into chunks, all copies down are queued at once, and chunk by chunk the host reduces
+what has arrived and queues it back, so neighbouring chunks' copies run under each all-reduce.
 
-Each chunk's host all-reduce is the one a numpy array of that size gets:
-the node's shared-memory engine when the group is one node's (the kernels
-finish AVG themselves for float32 and float64), otherwise the group's MPI
-backend; AVG and 16-bit floats follow ``widen`` (a float32 copy of the
-chunk, rounded back once). Elementwise reductions do not care how the array
-is cut, so the result is the unchunked one bit for bit, and in deterministic
-mode the engine's fixed order holds chunk by chunk (without an engine,
-deterministic mode keeps the ring).
-
-The whole call is compared across the ranks first (the general path's
-agreement check on the device array), so every rank cuts the same chunks.
-Not pipelined: ``async_op=True`` (the unchunked staging keeps the MPI
-request, which DDP overlaps with its backward), calls under a timeout (a
-chunk's MPI call could not be interrupted: the unchunked path is watched),
-arrays of at most one chunk, and ``staging_chunk_bytes = 0``.
+Each chunk's host all-reduce is the one a numpy array gets (the engine on one node, else MPI; AVG
+and 16-bit floats as ``widen``). Elementwise reductions ignore the cut, so the result is the
+unchunked one bit for bit. The whole call is compared first, so every rank cuts the same chunks.
+Not pipelined: ``async_op=True`` (DDP overlaps the unchunked MPI request with its backward), calls
+under a timeout (a chunk's MPI call could not be interrupted), one-chunk arrays, and
+``staging_chunk_bytes = 0``.
 """
 from __future__ import annotations
 

@@ -1,25 +1,13 @@
 """The slow rank, named while the job runs: who arrives last at a group's collectives, and by how much.
 
 [Note: arrivals]
-The flight recorder notes when this rank arrived at each collective
-(``time.time()``). Every ``settings.straggler_every`` collectives of a group
-of host ranks (1000 by default; 0 turns it off), the group's ranks send
-their arrival times at the last ``COMPARED`` (100) of them, put on rank 0's
-clock with the world's ``clock_offset``, to the group's rank 0 over a
-private communicator (one gather). For each of those calls, the last rank to
-arrive is late by its time minus the next-latest rank's. A rank that was
-last, by more than ``settings.straggler_margin`` seconds, in at least 80% of
-them holds the others back: group rank 0 logs a warning naming it (its world
-rank), how often it was last and its median lateness, and keeps the totals
-for ``summary`` (the trainer's per-epoch report).
-
-Nothing is added to a collective but the test of its sequence number: the
-times are the recorder's, and the comparison, about 60 us, comes once every
-``straggler_every`` calls (``axonhpc bench allreduce --straggler-cost``). The
-comparison is deterministic (every rank completes the same calls of a group
-in the same order), so it needs no agreement check of its own. With the
-flight recorder off (or shorter than ``COMPARED``) the ranks still meet, and
-compare the calls they recorded.
+Every ``settings.straggler_every`` collectives of a group (1000; 0: off) its ranks gather their
+flight-recorder arrival times at the last ``COMPARED`` (100) calls, on rank 0's clock, to group rank
+0. Per call the last rank is late by its time minus the next-latest's; a rank last by more than
+``settings.straggler_margin`` in at least 80% of them is logged by name with its median lateness
+and kept for ``summary``. A collective pays only a test of its sequence number; the comparison,
+about 60 us, is deterministic (every rank completes the same calls in order), so it needs no
+agreement check (``axonhpc bench allreduce --straggler-cost``).
 """
 from __future__ import annotations
 
@@ -49,10 +37,7 @@ class Arrivals:
 
 
 def compare(pg: Any, done: int) -> None:
-    """Collective over ``pg``: compare the ranks' arrivals at its last calls (``done``: calls completed so far).
-
-    The callers call it after every ``settings.straggler_every``-th completed host collective of a group.
-    """
+    """Collective over ``pg``: compare the ranks' arrivals at its last calls (``done``: calls completed so far)."""
     if pg.size == 1:
         return
     count = min(COMPARED, settings.straggler_every or COMPARED, done)  # windows never overlap

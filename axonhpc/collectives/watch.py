@@ -1,18 +1,11 @@
 """Waiting for a blocking collective under a timeout: stall reports and the names of the missing ranks.
 
 [Note: no silent hangs]
-A blocking collective on a group with a timeout (``pg.timeout`` or
-``ax.settings.timeout``) is waited for here. A rank still waiting after
-``settings.stall_report`` seconds is reported by the watchdog
-(``collectives.watchdog``), which also ends the wait with its verdict (a
-proven deadlock, a stall past ``settings.stall_timeout``). When the timeout expires the rank raises ``CollectiveTimeoutError`` naming
-the group, the operation, its sequence number, the ranks that arrived and
-the missing ones (from the backend's arrival notices: see
-``backends.mpi_arrivals.Arrivals``; the in-process backend knows them itself). Every
-rank that waits raises the same kind of message; under ``axonhpc launch``
-(``AXONHPC_ABORT_ON_EXCEPTION``) an uncaught one is printed and aborts the
-whole job, so the scheduler frees the nodes instead of holding them for the
-rest of the allocation.
+A blocking collective under a timeout (``pg.timeout`` or ``ax.settings.timeout``) is waited for
+here. When it expires the rank raises ``CollectiveTimeoutError`` naming the group, call, sequence
+number and the arrived and missing ranks (from the backend's arrival notices). Under ``axonhpc
+launch`` an uncaught one aborts the whole job, so the scheduler frees the nodes instead of holding
+them for the rest of the allocation.
 """
 from __future__ import annotations
 
@@ -76,9 +69,8 @@ def _wait(work: Any, timeout: Optional[float], label: Any, arrivals: Any, pg: An
 def engine_timed_out(exc: Exception, timeout: float, label: Any, arrivals: Any, pg: Any) -> CollectiveTimeoutError:
     """The error for a call the shared-memory engine gave up on, named like ``wait``'s.
 
-    The engine's counters say who never arrived (a notice can be late: a rank
-    waiting in the engine does not drive MPI's progress); the notices say
-    where those ranks are instead.
+    The engine's counters say who never arrived (a notice can be late: a rank waiting in the engine does
+    not drive MPI's progress); the notices say where those ranks are instead.
     """
     who = _who(arrivals, pg, [pg.ranks[k] for k in getattr(exc, "missing", [])])
     arrivals.abandon()

@@ -1,46 +1,29 @@
 """The watchdog: nothing hangs silently by default (a thread per process that watches the rank's collectives).
 
 [Note: the watchdog]
-A rank that waits in a collective its peers never join waits inside C (MPI,
-or the shared-memory engine), where no Python code of its own runs. So each
-process runs one daemon thread (started by ``ax.init()`` in the main
-thread, ``settings.watchdog`` on) that wakes four times a second and
-looks at what the rank is blocked in (``_blocked``: set around every
-blocking call and wait, two dictionary stores).
+A rank waiting in a collective its peers never join waits inside C (MPI or the shared-memory
+engine), where none of its Python runs. So each process runs one daemon thread (started by
+``ax.init()``, ``settings.watchdog`` on) that wakes four times a second and reads what the rank is
+blocked in (``_blocked``: two dictionary stores around every blocking call).
 
-- **A stall.** After ``settings.stall_report`` seconds (30 by default) in one
-  call, the rank writes its state to ``settings.flight_dir`` (its flight
-  recorder, the call it waits in and where in the user's code it was made:
-  the main thread's innermost frame outside axonhpc) and a request that
-  every rank do the same; each rank's watchdog answers within a second,
-  blocked or not (a rank that is not in a collective says where it is: the
-  collective inside ``if rank == 0:`` shows up as "rank 1 is not in a
-  collective, at train.py:57"). The stalled ranks then log one report: who
-  waits in which call on which group, who is elsewhere, who never answered.
-- **A deadlock the waits prove.** When the states show a cycle of ranks,
-  each blocked in a call that the next one has not entered and will not
-  (it is blocked too: two groups entered in different orders), every rank
-  of the cycle raises ``DeadlockError`` naming each rank's call and group.
-- **A stall that does not end.** After ``settings.stall_timeout`` seconds (10
-  minutes by default, as PyTorch's NCCL process groups time out) the rank
-  raises ``CollectiveStallError`` with the report.
+- **A stall.** After ``settings.stall_report`` seconds (30) in one call, the rank writes its state
+  (flight recorder, the call, the user's frame) to ``settings.flight_dir`` and asks every rank to do
+  the same; each answers within a second, blocked or not ("rank 1 is not in a collective, at
+  train.py:57"). The stalled ranks log one report: who waits where, who is elsewhere, who is silent.
+- **A deadlock the waits prove.** A cycle of ranks, each blocked in a call the next has not entered
+  and will not (two groups entered in different orders): every rank of it raises ``DeadlockError``.
+- **A stall that does not end.** After ``settings.stall_timeout`` (10 minutes, as PyTorch's NCCL
+  process groups) the rank raises ``CollectiveStallError`` with the report.
 
-Raising needs the blocked call to return: a call in the shared-memory
-engine is told to give up (``Engine.abandon``) and raises the error at
-once; a call in the general path with a timeout polls and raises it. A
-call blocked inside MPI cannot be interrupted: there the watchdog logs the
-error and ends the job (``MPI_Abort``), as an uncaught exception would;
-except for a failed peer in a fault-tolerant job, where it revokes the
-call's communicator (ULFM), so that the call raises ``PeerFailedError``
-itself on every rank and the survivors can go on.
-Both thresholds are settings (``AXONHPC_STALL_REPORT``,
-``AXONHPC_STALL_TIMEOUT``; 0 turns the timeout off); ``settings.timeout``,
-when set, still bounds every call as before.
+Raising needs the blocked call to return: the shared-memory engine is told to give up
+(``Engine.abandon``); the general path with a timeout polls. A call blocked inside MPI cannot be
+interrupted, so the watchdog logs the error and ends the job (``MPI_Abort``), except for a failed
+peer in a fault-tolerant job, where it revokes the communicator (ULFM) so the call raises
+``PeerFailedError`` on every rank and the survivors go on.
 
-The same thread makes ``kill -USR1`` dump the flight recorder within a
-second while the rank is blocked: the signal's C handler writes to a pipe
-the watchdog reads (``signal.set_wakeup_fd``), where the Python handler
-would run only once the blocked call returned.
+The same thread makes ``kill -USR1`` dump the flight recorder while the rank is blocked: the C
+handler writes to a pipe the watchdog reads (``signal.set_wakeup_fd``); the Python handler would
+run only once the blocked call returned.
 """
 from __future__ import annotations
 
@@ -394,8 +377,8 @@ _dog: Optional[_Watchdog] = None
 
 def install(world: Any = None) -> None:
     """The flight signal's handler and, with ``settings.watchdog``, the watchdog of this process: from ``init``
-    on (``groups.runtime.AFTER_INIT``, in the main thread), so a rank that has made no collective yet answers
-    too."""
+    on, so a rank that has made no collective yet answers too.
+    """
     flight.install(world)
     if settings.watchdog and threading.current_thread() is threading.main_thread():
         start()

@@ -1,9 +1,7 @@
 """The two rules every reduction here shares: AVG is a SUM then a division, 16-bit floats are reduced widened.
 
-- ``ReduceOp.AVG`` sums and then divides by the group size in place (floor
-  division for integer dtypes, documented in ``core``).
-- float16 and bfloat16 have no MPI reduction and lose too much summed in 16
-  bits, so they are reduced in a float32 copy and rounded back once.
+float16 and bfloat16 have no MPI reduction and lose too much summed in 16 bits, so they are reduced
+in a float32 copy and rounded back once.
 """
 from __future__ import annotations
 
@@ -34,11 +32,7 @@ def divide_average(a: Any, op: ReduceOp, size: int) -> None:
 def reduce_widened(x: Any, op: ReduceOp, size: int, body: Callable[[Any, ReduceOp], None]) -> None:
     """Run ``body(work, base_op)`` on ``x`` (or its float32 copy), finish AVG, write back into ``x``.
 
-    Args:
-        x: the caller's array, reduced in place.
-        op: the caller's operation.
-        size: the group size AVG divides by.
-        body: reduces ``work`` in place across the group with the base operation.
+    ``body`` reduces ``work`` in place across the group with the base operation.
     """
     work = x.astype(np.float32) if is_low_precision_float(x.dtype) else x
     body(work, base_op(op))
