@@ -1,11 +1,7 @@
 """Backends: the libraries that move the bytes (MPI, in-process threads, NCCL).
 
-Optional libraries are imported inside the backend that needs them, and
-``mpi4py.MPI`` (whose import initialises MPI) only when an MPI backend is
-made, so ``import axonhpc`` works anywhere. The device path: ``nccl``
-(NCCLBackend), ``dispatch`` (numpy to MPI, cupy to NCCL in one world),
-``devices`` (facts, binding, backend choice), ``cuda_aware`` and ``staging``
-(cupy arrays over MPI).
+Optional libraries, and ``mpi4py.MPI`` (whose import initialises MPI), are imported only when a
+backend needs them, so ``import axonhpc`` works anywhere.
 """
 from .base import Backend, CompletedWork, ReduceOp, Work
 from .local import LocalAbort, LocalBackend

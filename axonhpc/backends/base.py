@@ -1,16 +1,11 @@
 """The backend interface: what a communication library must provide.
 
 [Note: backend contract]
-A backend moves data for one communicator: ``rank`` of ``size``. The layer
-above (``axonhpc.collectives``) has already checked every buffer (dtype,
-contiguity, shapes, ranks) and has already turned the operations no library
-does natively into ones they do: ``ReduceOp.AVG`` arrives here as ``SUM``
-(the division happens after completion) and float16/bfloat16 reductions
-arrive widened to float32. So a backend sees only SUM/PRODUCT/MIN/MAX on
-float32/64, int32/64 and uint8, plus plain data movement of any supported
-dtype. Every operation returns a ``Work``; with ``async_op=False`` a backend
-may complete the call before returning (and MPI's blocking calls are faster
-than their nonblocking twins, so it should).
+A backend moves data for one communicator. The collective layer has already checked every buffer
+and turned what no library does natively into what they do: ``AVG`` arrives as ``SUM`` and 16-bit
+float reductions arrive widened to float32. So a backend sees only SUM/PRODUCT/MIN/MAX on
+float32/64, int32/64 and uint8, plus data movement. With ``async_op=False`` a backend should
+complete before returning (MPI's blocking calls are faster than their nonblocking twins).
 """
 from __future__ import annotations
 
@@ -57,9 +52,7 @@ WAIT_OBSERVER: Optional[Tuple[Callable[["Work"], Any], Callable[[Any], None]]] =
 class Work:
     """Handle of an operation that may still be running.
 
-    ``wait()`` blocks until it is done (or raises ``CollectiveTimeoutError``
-    after ``timeout`` seconds) and returns its result: the output array of
-    operations that produce one, otherwise None.
+    ``wait()`` returns its result: the output array of operations that produce one, otherwise None.
     """
 
     def __init__(self, result: Any = None):
@@ -96,10 +89,7 @@ class Work:
 
     # -- public API ---------------------------------------------------------
     def then(self, callback: Callable[[], None]) -> "Work":
-        """Run ``callback()`` once the transfer is complete, before ``wait`` returns.
-
-        On a Work that has already finished the callback runs at once.
-        """
+        """Run ``callback()`` once the transfer is complete, before ``wait`` returns (at once if already done)."""
         if self._finished:
             callback()
         else:
@@ -124,11 +114,8 @@ class Work:
     def wait(self, timeout: Optional[float] = None) -> Any:
         """Block until done and return the result (an array, or None).
 
-        Args:
-            timeout: seconds to wait at most; None waits forever.
-
         Raises:
-            CollectiveTimeoutError: the operation did not complete in time.
+            CollectiveTimeoutError: not complete within ``timeout`` seconds (None waits forever).
         """
         if not self._finished:
             observer = WAIT_OBSERVER
@@ -154,11 +141,7 @@ class CompletedWork(Work):
 class Backend(abc.ABC):
     """One communicator of one backend library.
 
-    Attributes:
-        name: "mpi", "local" or "nccl".
-        rank: this process's rank in the communicator.
-        size: number of ranks.
-        global_ranks: world rank of each communicator rank, in order.
+    ``global_ranks``: the world rank of each communicator rank, in order.
     """
 
     name: str = "abstract"
@@ -210,9 +193,8 @@ class Backend(abc.ABC):
     def recv_now(self, buf, src: int, tag: int, nonblocking: bool) -> Work:
         """A receive whose caller waits for it at once (a blocking ``recv``, perhaps under a timeout).
 
-        The same as ``recv`` unless a backend can check more before it
-        receives when nothing else may happen in between (MPI matches the
-        message first and compares its size with ``buf``'s).
+        A backend may check more here, nothing else happening in between (MPI matches the message first
+        and compares its size with ``buf``'s).
         """
         return self.recv(buf, src, tag, nonblocking)
 
@@ -228,61 +210,46 @@ class Backend(abc.ABC):
     def host_side(self) -> "Backend":
         """The backend that carries this group's host (numpy) messages: this one.
 
-        A backend that sends device arrays one way and host arrays another
-        (``dispatch.DeviceDispatchBackend``) returns its host side, which
-        carries the checks and headers the collective layer sends as small
-        numpy arrays.
+        ``dispatch.DeviceDispatchBackend`` returns its host side, which carries the layer's small checks.
         """
         return self
 
     def stages(self, buf) -> bool:
         """Whether this backend moves ``buf`` through host copies (a device array over an MPI that is not CUDA-aware).
 
-        The collective layer pipelines a large blocking all-reduce of such an
-        array in chunks (``collectives.staged_path``) instead of handing it
-        over whole. The default: no.
+        Then the collective layer pipelines a large blocking all-reduce in chunks (``staged_path``).
         """
         return False
 
     def captures(self, buf) -> bool:
         """Whether a collective on ``buf`` can be captured in a CUDA graph (``axonhpc.cuda.graphs``).
 
-        True only for a backend that issues the call on a CUDA stream and
-        does no host work for it once issued (NCCL), so that a graph's
-        replay repeats all of it. The default: no (MPI is driven by the host).
+        True only for a backend that issues the call on a CUDA stream with no later host work (NCCL), so a
+        replay repeats all of it; MPI is driven by the host.
         """
         return False
 
     def reducer(self, buf: np.ndarray, op: "ReduceOp") -> Callable[[], None]:
         """A call that replaces ``buf`` (a small host array) by its element-wise ``op`` over the ranks, blocking.
 
-        Made once per buffer by the collective layer's agreement check, which
-        runs it before (or, carrying the data, instead of) a checked
-        collective, so its latency is the check's whole cost: a backend may
-        return something quicker than a general ``all_reduce`` (MPI: one
-        ``Allreduce`` call on a prepared buffer). The default is the general
-        all-reduce.
+        Made once per buffer by the agreement check, whose whole cost is its latency, so a backend may return
+        something quicker than a general ``all_reduce`` (MPI: one ``Allreduce`` on a prepared buffer).
         """
         return lambda: self.all_reduce(buf, op, False).wait()
 
     def announce(self, seq: int, op: str) -> Optional[Any]:
         """Tell every peer that this rank entered collective ``seq`` (``op``), before a timed blocking collective.
 
-        A backend that can report arrivals returns an object the waiting loop
-        asks about them (``missing()``, ``elsewhere()``, ``drain()``,
-        ``abandon()``; see ``backends.mpi_arrivals.Arrivals``), so that a timeout names
-        the ranks that never came. The default reports none: it sends
-        nothing and returns None, and a timeout says the missing ranks are
-        unknown.
+        A backend that can report arrivals returns an object the wait asks (see
+        ``backends.mpi_arrivals.Arrivals``), so a timeout names the ranks that never came; the default
+        sends nothing and returns None.
         """
         return None
 
     def node_layout(self, local_key: Optional[int] = None) -> Tuple[int, int, int, int]:
         """(local_rank, local_size, node_rank, num_nodes) of this rank.
 
-        Args:
-            local_key: orders the ranks of a node (the launcher's local rank,
-                when it gave one); None orders them by rank.
+        ``local_key``: orders the ranks of a node (the launcher's local rank); None orders them by rank.
         """
         return self.rank, self.size, 0, 1
 

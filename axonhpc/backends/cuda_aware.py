@@ -1,33 +1,21 @@
 """Is MPI CUDA-aware? Decided once per process, without risking a crash.
 
 [Note: deciding CUDA-awareness]
-Handing a device pointer to an MPI that is not CUDA-aware crashes the rank
-(the library reads device memory as host memory), so the answer must come
-from what the library says about itself, never from trying a transfer in
-this process. In order, first answer wins:
+A device pointer handed to an MPI that is not CUDA-aware crashes the rank, so the answer comes from
+what the library says about itself, never from a transfer in this process. First answer wins:
 
-1. ``AXONHPC_CUDA_AWARE_MPI=yes|no`` (``ax.settings.cuda_aware_mpi``) says so.
-2. A switch that turns the library's GPU support off: MPICH's
-   ``MPIR_CVAR_ENABLE_GPU=0``, Open MPI's ``OMPI_MCA_opal_cuda_support=false``.
-3. ``AXONHPC_CUDA_AWARE_MPI=probe``: one device transfer (a send to itself
-   and an all-reduce on ``COMM_SELF``) in a separate Python process with the
-   launcher's rank variables removed; a crash there is a "no". It checks the
-   library's device support, not the network path between nodes.
-4. The library's own query, looked up with ctypes in the loaded MPI library:
-   ``MPIX_Query_cuda_support()`` (Open MPI, and MPICH >= 4.1), else MPICH's
-   ``MPIX_GPU_query_support(MPIX_GPU_SUPPORT_CUDA, &flag)``. mpi4py has no
-   wrapper for either. Both only read flags the library set in ``MPI_Init``.
-5. The vendor's switch: Cray MPICH ``MPICH_GPU_SUPPORT_ENABLED=1``, MVAPICH2
-   ``MV2_USE_CUDA=1``, Intel MPI ``I_MPI_OFFLOAD>=1``.
-6. How the library was built: the "MPICH configure:" line of
-   ``MPI.Get_library_version()`` naming ``--with-cuda``; for Open MPI,
-   ``ompi_info --parsable --all`` reporting ``mpi_built_with_cuda_support:value:true``.
-7. Otherwise: not CUDA-aware. Staging through pinned host memory is always
-   correct, only slower, so "unknown" means "stage".
+1. ``AXONHPC_CUDA_AWARE_MPI=yes|no`` (``ax.settings.cuda_aware_mpi``).
+2. A switch turning GPU support off: ``MPIR_CVAR_ENABLE_GPU=0``, ``OMPI_MCA_opal_cuda_support=false``.
+3. ``AXONHPC_CUDA_AWARE_MPI=probe``: one device transfer in a separate Python process without the
+   launcher's rank variables; a crash there is a "no". It checks the library, not the network.
+4. The library's query through ctypes (mpi4py wraps neither): ``MPIX_Query_cuda_support()`` (Open
+   MPI, MPICH >= 4.1), else MPICH's ``MPIX_GPU_query_support``.
+5. The vendor's switch: ``MPICH_GPU_SUPPORT_ENABLED=1``, ``MV2_USE_CUDA=1``, ``I_MPI_OFFLOAD>=1``.
+6. The build: "MPICH configure:" naming ``--with-cuda``; ``ompi_info`` reporting
+   ``mpi_built_with_cuda_support:value:true``.
+7. Otherwise not: staging is always correct, only slower, so "unknown" means "stage".
 
-Every step is a pure function of text or a mapping, except the ctypes query,
-the ``ompi_info`` run and the probe, which ``decide`` takes as callables and
-calls only when it gets that far.
+``decide`` takes the ctypes query, ``ompi_info`` and the probe as callables, called only if reached.
 """
 from __future__ import annotations
 
@@ -78,8 +66,7 @@ def mpi_flavour(version_text: str) -> str:
 def mpich_configured_with_cuda(version_text: str) -> Optional[bool]:
     """What the "MPICH configure:" line says about CUDA: True, False, or None when it does not say.
 
-    MPICH may also find CUDA by itself at build time, so a line without
-    ``--with-cuda`` proves nothing.
+    MPICH may also find CUDA by itself at build time, so a line without ``--with-cuda`` proves nothing.
     """
     for line in (version_text or "").splitlines():
         if not line.strip().lower().startswith("mpich configure:"):
@@ -142,8 +129,6 @@ def decide(setting: str, version_text: str, env: Mapping[str, str],
 
     Args:
         setting: ``ax.settings.cuda_aware_mpi``: "auto", "probe", "yes" or "no".
-        version_text: ``MPI.Get_library_version()``.
-        env: the device variables (``settings.device_env()``).
         query: the library's own query (ctypes); None when it has none.
         ompi_info: the text of ``ompi_info --parsable --all``, or None.
         probe: runs the probe transfer; (aware, what happened).
@@ -188,8 +173,7 @@ def _built_with(flavour: str, version_text: str, ompi_info: Callable[[], Optiona
 def query_loaded_library(library_path: str) -> Verdict:
     """Ask the loaded MPI library through ctypes (MPI must be initialised).
 
-    Args:
-        library_path: a loaded shared object that links the MPI library (mpi4py's ``MPI`` extension).
+    ``library_path``: a loaded shared object that links the MPI library (mpi4py's ``MPI`` extension).
     """
     try:
         lib = ctypes.CDLL(library_path, mode=getattr(os, "RTLD_NOLOAD", 0) | getattr(os, "RTLD_LAZY", 1))
@@ -266,8 +250,7 @@ _cached: Optional[CudaAwareness] = None
 def cuda_aware_mpi(refresh: bool = False) -> CudaAwareness:
     """This process's answer (computed once; MPI is initialised on first use).
 
-    Args:
-        refresh: decide again (after changing ``ax.settings.cuda_aware_mpi``).
+    ``refresh``: decide again (after changing ``ax.settings.cuda_aware_mpi``).
     """
     global _cached
     with _lock:

@@ -1,15 +1,11 @@
 """What the node offers for the device path, read without cupy: the CUDA driver, the GPU wheels installed.
 
 [Note: why read the driver directly]
-Which cupy to install depends on the CUDA version the *driver* supports
-(``cupy-cuda13x`` does not load on a CUDA 12 driver; ``cupy-cuda12x`` runs on a
-CUDA 13 one), so ``axonhpc info`` must answer that question where cupy is
-missing or is the wrong one. The driver library (``libcuda.so.1``) answers
-``cuDriverGetVersion`` without ``cuInit`` and without a device; counting
-devices takes a ``cuInit``. Both are called through ctypes, only from
-``axonhpc info`` (never at ``import axonhpc``), and every failure becomes a
-reason instead of an exception. The packages are read from the installed
-distributions' metadata, which imports nothing.
+Which cupy to install depends on the CUDA version the *driver* supports (``cupy-cuda13x`` does not
+load on a CUDA 12 driver), so ``axonhpc info`` must answer where cupy is missing or wrong.
+``libcuda.so.1`` answers ``cuDriverGetVersion`` without ``cuInit`` or a device; counting devices
+takes a ``cuInit``. Both go through ctypes, only from ``axonhpc info``, and every failure becomes a
+reason instead of an exception.
 """
 from __future__ import annotations
 
@@ -57,8 +53,7 @@ def version_text(code: int) -> str:
 def extra_for(major: int) -> Optional[str]:
     """The pyproject extra whose cupy and NCCL run on a driver of CUDA ``major`` (None: older than 12).
 
-    A newer major than the newest extra takes the newest one: CUDA drivers run
-    what older toolkits built.
+    A newer major takes the newest extra: CUDA drivers run what older toolkits built.
     """
     if major < min(GPU_EXTRAS):
         return None
@@ -86,9 +81,7 @@ def installed(names: Sequence[str], version_of: Callable[[str], str] = importlib
 def read_driver(load: Optional[Callable[[str], Any]] = None, count_devices: bool = True) -> DriverFacts:
     """Ask the CUDA driver library for its version (and device count); never raises.
 
-    Args:
-        load: opens a shared library by name (``ctypes.CDLL``; injected by tests).
-        count_devices: also ``cuInit`` and count the devices.
+    ``load``: opens a shared library by name (``ctypes.CDLL``; injected by tests).
     """
     load = load or ctypes.CDLL
     names = DRIVER_LIBRARIES.get(sys.platform, DEFAULT_DRIVER_LIBRARIES)
@@ -116,12 +109,7 @@ def read_driver(load: Optional[Callable[[str], Any]] = None, count_devices: bool
 
 
 def gpu_stack_problems(driver_version: Optional[int], cupy_packages: Sequence[Tuple[str, str]]) -> List[str]:
-    """What is wrong with the installed cupy for this driver, as sentences (empty when nothing is).
-
-    Args:
-        driver_version: the driver's code (``DriverFacts.version``), or None when unknown.
-        cupy_packages: the installed cupy distributions (``installed(CUPY_PACKAGES)``).
-    """
+    """What is wrong with the installed cupy for this driver, as sentences (empty when nothing is)."""
     problems = []
     if len(cupy_packages) > 1:
         names = ", ".join(f"{n} {v}" for n, v in cupy_packages)

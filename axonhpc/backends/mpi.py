@@ -1,33 +1,16 @@
 """MPI backend over any mpi4py intracommunicator.
 
 [Note: MPI backend]
-The backend works on a ``Dup`` of the communicator it is given, so its
-messages can never match the user's own traffic on that communicator.
-Blocking calls (``async_op=False``) use MPI's blocking collectives, which
-libraries tune better than their nonblocking twins; ``async_op=True`` uses
-the ``I*`` calls and returns a ``Work`` over the requests.
+The backend works on a ``Dup`` of its communicator, so its messages never match the user's own.
+Blocking calls use MPI's blocking collectives, which libraries tune better than the ``I*`` twins.
 
-Counts in MPI calls are C ints. A buffer of more than
-``settings.max_message_elements`` elements (2**31 - 1 by default) is moved
-in chunks; for the gather-like operations a chunk is a column block of every
-rank's part, staged through a contiguous temporary, and a chunk is kept at
-``max_message_elements // size`` elements per rank so that no single call
-moves more than the limit in total. Chunking is exact (elementwise
-reductions do not care how the buffer is split) and only costs the staging
-copies for the gather-like operations.
+Counts in MPI calls are C ints, so a buffer of more than ``settings.max_message_elements``
+(2**31 - 1) is moved in chunks; gather-like operations stage a column block of every rank's part
+through a temporary, keeping each call under the limit in total. Chunking is exact.
 
-Device (cupy) arrays: when MPI is CUDA-aware (``cuda_aware.cuda_aware_mpi``,
-decided once per process) they go to MPI as they are, mpi4py passing the
-device pointer from ``__cuda_array_interface__`` after the current stream is
-synchronised; otherwise each operation runs on reusable pinned host twins
-(``staging.run_staged``), copied in before and back after. Neither path has
-run on a GPU yet (none was available); the staging logic is tested with
-numpy stand-ins.
-
-Where the parts live: the chunked requests of one operation (``MPIWork``,
-``_Plan``, datatypes and ops) are ``mpi_work``'s, the arrival notices of
-timed collectives (``Arrivals``) ``mpi_arrivals``'s; this module is the
-backend and its checked receives.
+Device arrays go to a CUDA-aware MPI as they are (after the current stream is synchronised), else
+through pinned host twins (``staging.run_staged``). Neither path has run on a GPU yet (none was
+available); the staging logic is tested with numpy stand-ins.
 """
 from __future__ import annotations
 
@@ -77,17 +60,12 @@ class _MatchedReceive(Work):
     """A receive that matches each message before receiving it, so that its size is checked first.
 
     [Note: checking a receive's size]
-    MPI reports a message longer than the receive buffer only as a raw
-    "Message truncated" error, after the fact, and carries no dtype at all.
-    So a receive first matches the message (``MPI_Mprobe``, or
-    ``MPI_Improbe`` while a wait polls), reads its size (``Get_count`` in
-    bytes) and compares it with the buffer's. On a difference the matched
-    message is received into a scratch buffer (its sender is not left
-    waiting) and ``ShapeError`` names both sizes; otherwise the matched
-    message goes straight into the buffer (``MPI_Mrecv``/``MPI_Imrecv``).
-    A posted ``irecv`` cannot be matched early without changing MPI's
-    semantics (a sender may rely on the receive being posted), so it checks
-    its statuses on completion instead (``_PostedReceive``).
+    MPI reports a too-long message only as a raw "Message truncated" error, after the fact, and carries
+    no dtype. So a receive first matches the message (``MPI_Mprobe``/``MPI_Improbe``) and compares its
+    byte count with the buffer's; on a difference it drains it into scratch (so the sender is not left
+    waiting) and ``ShapeError`` names both sizes, else ``MPI_Mrecv`` receives it. A posted ``irecv``
+    cannot be matched early without changing MPI's semantics (a sender may rely on the receive being
+    posted), so it checks its statuses on completion (``_PostedReceive``).
     """
 
     def __init__(self, backend: "MPIBackend", buf, flat, blocks, src: int, tag: int):
@@ -192,10 +170,7 @@ class _PostedReceive(MPIWork):
 class MPIBackend(Backend):
     """Backend over an mpi4py intracommunicator (a private ``Dup`` of it).
 
-    Args:
-        comm: any intracommunicator, e.g. ``MPI.COMM_WORLD``.
-        dup: work on ``comm.Dup()`` (the default); False adopts ``comm``
-            itself, for communicators this library created.
+    ``dup``: False adopts ``comm`` itself, for communicators this library created.
     """
 
     name = "mpi"
@@ -396,14 +371,7 @@ class MPIBackend(Backend):
         return plan.run(async_op, sequential=False)
 
     def recv(self, buf, src: int, tag: int, async_op: bool) -> Work:
-        """Receive into ``buf``; see the note of ``_MatchedReceive`` for how sizes are checked.
-
-        Blocking: each chunk's message is matched first (``Mprobe``) and its
-        size compared with the buffer's before any byte lands in it.
-        Non-blocking (``irecv``): the receives are posted at once, as MPI's
-        ``Irecv`` (a sender may depend on it), and their statuses are
-        checked on completion.
-        """
+        """Receive into ``buf``; see the note of ``_MatchedReceive`` for how sizes are checked."""
         if self._staged(buf):
             return self._on_host(MPIBackend.recv, (buf, src, tag, async_op), (), (0,))
         flat = self._flat(buf)
@@ -417,9 +385,7 @@ class MPIBackend(Backend):
     def recv_now(self, buf, src: int, tag: int, nonblocking: bool) -> Work:
         """A receive whose caller waits for it at once (a blocking ``recv`` under a timeout).
 
-        Like the blocking ``recv``, each message is matched (``Improbe``, as
-        the wait polls) and its size checked before it is received, so a
-        message larger than ``buf`` is named with its own size.
+        Each message is matched (``Improbe``) and its size checked before it is received.
         """
         if self._staged(buf):
             return self._on_host(MPIBackend.recv_now, (buf, src, tag, nonblocking), (), (0,))
@@ -466,11 +432,8 @@ class MPIBackend(Backend):
     def node_layout(self, local_key: Optional[int] = None) -> Tuple[int, int, int, int]:
         """(local_rank, local_size, node_rank, num_nodes) from ``Split_type(COMM_TYPE_SHARED)``.
 
-        Args:
-            local_key: orders the ranks of a node. Launchers number local
-                ranks their own way (Open MPI's mapper need not follow the
-                global rank order), and device binding follows the
-                launcher's numbering, so the world passes it here.
+        ``local_key``: orders the ranks of a node. Launchers number local ranks their own way (Open MPI's
+        mapper need not follow the global order) and device binding follows them, so the world passes it.
         """
         if self._layout is None:
             MPI = _mpi()

@@ -1,9 +1,4 @@
-"""Which ranks have entered a timed collective of the MPI backend: ``Arrivals``, notices on a side communicator.
-
-``MPIBackend.announce`` makes one for each blocking collective that runs
-under a timeout, so that the wait can name the ranks that never came (see
-[Note: naming the missing ranks] below).
-"""
+"""Which ranks have entered a timed collective of the MPI backend: ``Arrivals``, notices on a side communicator."""
 from __future__ import annotations
 
 import zlib
@@ -23,17 +18,12 @@ class Arrivals:
     """Which ranks have entered one timed collective: notices on a side communicator.
 
     [Note: naming the missing ranks]
-    MPI cannot say which ranks have not joined a collective. So when a
-    blocking collective has a timeout, every rank first sends an 8-byte
-    notice holding the collective's sequence number to every peer over a
-    private duplicate of the group's communicator, and posts a receive for
-    each peer's notice; the waiting loop tests those receives alongside the
-    collective. A rank whose notice has not arrived when the time is up has
-    not entered the collective: those are the missing ranks, and a notice
-    with another sequence number names a rank that is in a different
-    collective. After the collective completes every peer has sent its
-    notice, so the receives are drained at once. This costs 2 (P - 1) tiny
-    messages per timed collective and nothing without a timeout.
+    MPI cannot say which ranks have not joined a collective. So before a timed blocking collective every
+    rank sends an 8-byte notice with its sequence number to every peer over a private duplicate
+    communicator and posts a receive for each peer's; the wait tests those alongside the collective. A
+    rank whose notice is missing at timeout has not entered; one with another number is in a different
+    collective. Afterwards the receives are drained at once. Cost: 2 (P - 1) tiny messages per timed
+    collective, nothing without a timeout.
     """
 
     TAG_SPACE = 30000

@@ -1,13 +1,8 @@
 """How the MPI backend's operations reach MPI: mpi4py on first use, datatypes and ops, chunks, ``MPIWork``.
 
-An operation of ``MPIBackend`` is a ``_Plan``: its chunks (``_blocks`` of at
-most ``settings.max_message_elements`` elements, since counts in MPI calls
-are C ints) as steps, each a blocking MPI call, its nonblocking twin, and
-what to do once the chunk is done (copy a staged block into place).
-``_Plan.run`` makes the blocking calls at once, or starts the nonblocking
-ones under an ``MPIWork``, the ``Work`` over the requests of one operation.
-``_datatype`` and ``_mpi_op`` are MPI's names for a buffer's dtype and for a
-``ReduceOp``.
+An operation is a ``_Plan`` of chunk steps (counts are C ints), each a blocking call, its
+nonblocking twin and what to do after; ``_Plan.run`` makes the blocking calls or starts the
+nonblocking ones under an ``MPIWork``.
 """
 from __future__ import annotations
 
@@ -91,15 +86,10 @@ def raise_failure(comm: Any, exc: BaseException):
 class MPIWork(Work):
     """The requests of one operation (several when it is chunked).
 
-    Collective chunks run one after the other: the next starts when the
-    previous one completes (in ``is_completed`` or ``wait``). Several
-    outstanding non-blocking collectives on one communicator are legal MPI,
-    but Open MPI 5.0 returns wrong sums for concurrent
-    ``MPI_Ireduce_scatter_block`` calls (seen here with 3 ranks), and a
-    chunked collective gains nothing from posting all chunks at once.
-    Point-to-point chunks are all posted at once instead: a receiver waiting
-    for chunk 2 must not depend on its peer calling ``wait`` on the send.
-    ``comm``: the communicator, whose failed peers an error names.
+    Collective chunks run one after the other: Open MPI 5.0 returns wrong sums for concurrent
+    ``MPI_Ireduce_scatter_block`` calls (seen here with 3 ranks), and posting all chunks gains nothing.
+    Point-to-point chunks are all posted at once: a receiver waiting for chunk 2 must not depend on its
+    peer calling ``wait`` on the send. ``comm``: the communicator, whose failed peers an error names.
     """
 
     def __init__(self, steps: List[Tuple[Callable[[], Any], Optional[Callable[[], None]]]], result=None,

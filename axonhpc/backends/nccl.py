@@ -1,52 +1,29 @@
 """NCCL backend: cupy arrays over ``cupy.cuda.nccl``, one NCCL communicator per process group.
 
-UNTESTED ON A GPU: no device was available where this was written. The pure
-parts (datatype and op tables, the unique-id bootstrap, the readiness vote)
-are tested everywhere; the device calls below follow cupy's documented NCCL
-API and have never run.
+UNTESTED ON A GPU: no device was available where this was written. The pure parts (datatype and op
+tables, the unique-id bootstrap, the readiness vote) are tested everywhere; the device calls follow
+cupy's documented NCCL API and have never run.
 
 [Note: NCCL backend]
-- Bootstrap: rank 0 of the group asks NCCL for a unique id and broadcasts it
-  over the group's host (MPI) backend; every rank then joins the NCCL
-  communicator. ``ncclCommInitRank`` waits for every rank, so before it the
-  ranks vote over MPI on whether each is ready, and all raise together when
-  one is not: no rank is left waiting inside NCCL for one that failed early.
-  Then they compare their devices (``shared_device``): NCCL refuses two ranks
-  on one GPU, so that too is refused on every rank before NCCL starts.
-- Streams: each backend issues its NCCL calls on its own non-blocking stream.
-  Each call first makes that stream wait for the caller's current stream (so
-  the kernels that produced the data have finished), and records an event
-  after the call. A blocking call (``async_op=False``), and ``Work.wait()``
-  without a timeout, make the caller's current stream wait for that event
-  and return without waiting on the host, as PyTorch's NCCL process groups
-  do: every later kernel on that stream comes after the operation, and so
-  does every host read of its result (cupy's ``get`` waits for the stream).
-  Memory the caller frees afterwards goes back to cupy's pool for that
-  stream, so whatever reuses it is ordered after the operation too. The
-  Work holds the arrays until then. ``barrier()`` and ``wait(timeout)`` do
-  wait on the host (a barrier is for the host; a timeout is a host clock),
-  and ``is_completed()`` asks whether the event has fired.
-- Capture: while the caller's stream captures a CUDA graph
-  (``axonhpc.cuda.graphs``), the same calls are recorded, not run: the event
-  the backend's stream waits for joins that stream into the capture, and
-  the caller's stream waiting for the event after the call joins it back,
-  as CUDA requires before the capture ends. NCCL (>= 2.9.6) replays a
-  captured call with each launch of the graph. A captured event cannot be
-  queried, so ``is_completed()`` answers False during the capture without
-  asking; waiting stays stream-ordered (a host wait would fail there).
-- Operations: the collective layer sends AVG as SUM and widens 16-bit floats
-  for reductions (see ``base``). Called directly, AVG on floats uses ncclAvg
-  (NCCL >= 2.10.3) or SUM then a division on the stream; on integers it is
-  always SUM then floor division, this library's meaning of an integer mean.
-  NCCL has no gather or scatter: those are grouped sends and receives.
-- Point to point: NCCL matches sends and receives in call order per peer and
-  has no tags (the tag is ignored) and no received-count check. A send and a
-  receive that must run concurrently (a ring step) must be in one
-  ``groupStart``/``groupEnd``, so non-blocking sends and receives are queued
-  and issued together, in one group, when any of their Works is waited on or
-  tested or when the next operation on this backend starts. A blocking send
-  or receive is issued at once (in its own group) and completes before it
-  returns, like MPI's ``Send`` of a large message.
+- Bootstrap: rank 0 broadcasts an NCCL unique id over the host (MPI) backend. ``ncclCommInitRank``
+  waits for every rank, so first the ranks vote over MPI on readiness and compare devices
+  (``shared_device``): a failure raises on every rank, and no rank waits inside NCCL for one that
+  failed early.
+- Streams: calls run on the backend's own non-blocking stream, after the caller's current stream,
+  with an event recorded after. A blocking call, and ``Work.wait()`` without a timeout, make the
+  caller's stream wait for the event and return without a host wait, as PyTorch's NCCL process
+  groups do: later kernels, host reads of the result and reuse of freed pool memory all come after
+  it. ``barrier()`` and ``wait(timeout)`` do wait on the host (a timeout is a host clock).
+- Capture: while the caller's stream captures a CUDA graph the same calls are recorded: the events
+  join the backend's stream into the capture and back, as CUDA requires. A captured event cannot be
+  queried, so ``is_completed()`` answers False during the capture.
+- Operations: called directly, AVG on floats uses ncclAvg (NCCL >= 2.10.3) or SUM then a division;
+  on integers always SUM then floor division. NCCL has no gather or scatter: grouped sends and receives.
+- Point to point: NCCL matches in call order per peer, with no tags and no received-count check. A
+  send and receive that must run concurrently (a ring step) must share one ``groupStart``/``groupEnd``,
+  so non-blocking ones are queued and issued together when any of their Works is waited on or tested,
+  or the next operation starts. A blocking send or receive is issued at once and completes before it
+  returns.
 """
 from __future__ import annotations
 
@@ -97,7 +74,6 @@ def nccl_datatype(dtype: Any, version: Optional[Tuple[int, int, int]] = None,
     """The NCCL datatype code that moves (and, when ``reducing``, reduces) ``dtype``.
 
     Args:
-        dtype: a numpy/cupy dtype (bfloat16 is ml_dtypes'; cupy uses the same).
         version: NCCL's version; None assumes a current one.
         constants: from ``nccl_constants`` (None: nccl.h's values).
         reducing: the call reduces (bfloat16 then needs NCCL >= 2.10.3).
@@ -119,11 +95,7 @@ def nccl_datatype(dtype: Any, version: Optional[Tuple[int, int, int]] = None,
 
 
 def reduction_plan(op: ReduceOp, dtype: Any, version: Optional[Tuple[int, int, int]] = None) -> Tuple[str, bool]:
-    """(NCCL op name, divide the result by the group size afterwards) for ``op`` on ``dtype``.
-
-    AVG is ncclAvg on floating types when NCCL has it, else SUM followed by a
-    division (floor division on integers, as the collective layer defines it).
-    """
+    """(NCCL op name, divide the result by the group size afterwards) for ``op`` on ``dtype``."""
     if op is not ReduceOp.AVG:
         return _REDUCE_OP_NAMES[op], False
     if is_integer(dtype) or (version is not None and tuple(version) < AVG_SINCE):
@@ -157,17 +129,12 @@ def unique_id_tuple(raw: bytes) -> Tuple[int, ...]:
 def bootstrap_unique_id(rank: int, broadcast_bytes: Callable[[bytes], bytes], make_id: Callable[[], Any]) -> bytes:
     """Collective: rank 0 makes an NCCL unique id and every rank gets it.
 
-    Rank 0 sends one status byte followed by the id, so that when it cannot
-    make an id every rank raises instead of waiting for one.
+    Rank 0 sends a status byte before the id, so when it cannot make one every rank raises instead of
+    waiting.
 
     Args:
-        rank: this rank in the group.
-        broadcast_bytes: collective; takes this rank's ``1 + 128`` bytes and
-            returns rank 0's (e.g. a host-backend broadcast of a uint8 array).
+        broadcast_bytes: collective; takes this rank's ``1 + 128`` bytes and returns rank 0's.
         make_id: called on rank 0 only; returns the id (bytes or cupy's tuple).
-
-    Returns:
-        The 128-byte id, the same on every rank.
 
     Raises:
         BackendUnavailableError: rank 0 could not make the id (on every rank).
@@ -195,9 +162,7 @@ def agree_ready(problem: Optional[str], gather_flags: Callable[[int], Sequence[i
 
     Args:
         problem: why this rank cannot join, or None.
-        gather_flags: collective; takes this rank's flag (1 ready, 0 not) and
-            returns every rank's, in group order.
-        global_ranks: the world ranks of the group, for the message.
+        gather_flags: collective; takes this rank's flag (1 ready, 0 not) and returns every rank's.
 
     Raises:
         BackendUnavailableError: naming the ranks that are not ready.
@@ -275,11 +240,7 @@ class NCCLWork(Work):
 class NCCLBackend(Backend):
     """cupy arrays over one NCCL communicator, bootstrapped over a host backend of the same ranks.
 
-    Args:
-        host: the group's host backend (MPI): same ranks, same order. It
-            carries the unique id and the readiness vote, and this backend
-            takes its rank, size and global ranks.
-        cupy_module, nccl_module: cupy and ``cupy.cuda.nccl`` (imported if None).
+    ``host``: the group's MPI backend (same ranks, same order); it carries the unique id and the vote.
 
     Raises:
         BackendUnavailableError: on every rank, when cupy/NCCL cannot start

@@ -1,19 +1,12 @@
 """One GPU per NCCL rank: find the ranks that share a device, on every rank, before NCCL starts.
 
 [Note: why compare devices before ncclCommInitRank]
-NCCL refuses a communicator in which two ranks use the same GPU
-(``NCCL_ERROR_INVALID_USAGE``, "Duplicate GPU detected"), and it does so
-inside ``ncclCommInitRank``: a rank that fails there has joined nothing, and
-a rank that waits for it may wait forever. The device binding
-(``devices.check_one_device_per_rank``) catches the usual case from counts,
-but a communicator can be made over any group, and the counts cannot see
-two ranks whose ``CUDA_VISIBLE_DEVICES`` name the same GPU by different
-indexes. So before NCCL starts, every rank sends the identity of its current
-device over the host backend: the host name and the PCI bus id, which is how
-NCCL itself tells devices apart. Every rank then finds the same ranks
-sharing a device and raises the same error. A rank whose device cannot be
-identified (a cupy without ``deviceGetPCIBusId``) is left out of the
-comparison, and NCCL decides.
+NCCL refuses two ranks on one GPU ("Duplicate GPU detected") inside ``ncclCommInitRank``, where a
+rank that fails has joined nothing and its peers may wait forever. ``devices.check_one_device_per_rank``
+catches the usual case from counts, but not two ranks whose ``CUDA_VISIBLE_DEVICES`` name one GPU by
+different indexes. So every rank first sends its device's host name and PCI bus id (how NCCL tells
+devices apart) over the host backend, and all raise the same error. A device that cannot be
+identified is left out, and NCCL decides.
 """
 from __future__ import annotations
 
@@ -31,8 +24,7 @@ SHARED_DEVICE_HINT = ("NCCL needs one GPU per rank and refuses a shared one (NCC
 def device_identity(cupy_module: Any, hostname: Optional[str] = None) -> Optional[Tuple[str, str]]:
     """(key, label) of the calling thread's current CUDA device; None when it cannot be identified.
 
-    The key is what NCCL compares (host name and PCI bus id); the label adds
-    the device index this process sees, for messages.
+    The key is what NCCL compares (host name and PCI bus id); the label adds the local device index.
     """
     try:
         runtime = cupy_module.cuda.runtime
@@ -80,9 +72,7 @@ def agree_distinct_devices(identity: Optional[Tuple[str, str]], gather: Callable
 
     Args:
         identity: this rank's device (``device_identity``), or None when unknown.
-        gather: collective; takes this rank's ``IDENTITY_BYTES`` bytes and
-            returns every rank's, in group order.
-        global_ranks: the world ranks of the group, for the message.
+        gather: collective; takes this rank's ``IDENTITY_BYTES`` bytes and returns every rank's.
 
     Raises:
         BackendUnavailableError: naming the ranks and the device they share.

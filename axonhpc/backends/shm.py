@@ -1,20 +1,12 @@
 """The shared-memory window behind intra-node collectives (the engine is ``axonhpc._ext._shm``).
 
 [Note: one window per communicator]
-``engine_for(backend, ...)`` is collective the first time it is called for a
-backend whose ranks share one node (the caller says so from the world's
-node table; without it ``Split_type(COMM_TYPE_SHARED)`` is asked, over every
-rank): it allocates one segment per rank with ``MPI.Win.Allocate_shared`` (each
-segment page-aligned on its owner's memory: ``alloc_shared_noncontig``),
-zeroes its own counters, and waits at a barrier so no rank reads a counter
-before its owner has zeroed it. The engine is kept on the backend and reused
-by every later call (persistent buffers: nothing is allocated per call);
-``close`` frees the window, and the windows still open are freed at exit,
-before ``MPI_Finalize``. A communicator that spans several nodes gets
-``None``, once, and is never asked again.
-
-The geometry (slot size and count) is the same on every rank: it comes from
-the settings, which every rank reads from the same environment.
+``engine_for`` is collective on first use for a one-node backend: one ``MPI.Win.Allocate_shared``
+segment per rank (page-aligned on its owner's memory), each rank zeroing its own counters, then a
+barrier so no rank reads a counter before its owner zeroed it. The engine is kept on the backend and
+reused (nothing is allocated per call); open windows are freed at exit, before ``MPI_Finalize``. A
+multi-node communicator gets ``None``, once. The geometry comes from the settings, which every rank
+reads from the same environment, so it is the same everywhere.
 """
 from __future__ import annotations
 
@@ -110,11 +102,8 @@ def _one_node(comm: Any) -> bool:
 def engine_for(backend: Any, slot_bytes: int, nslots: int, one_node: Optional[bool] = None) -> Optional[Any]:
     """The shared-memory engine of ``backend``'s communicator, or None (collective on first use).
 
-    None for a backend without an MPI communicator (threads, NCCL) or one
-    whose ranks are on more than one node. ``one_node`` says which, when
-    the caller knows (``ProcessGroup.on_one_node``): then only ranks of one
-    node ever communicate here. None asks the communicator (collective
-    over every rank, across nodes too).
+    None for a backend without an MPI communicator (threads, NCCL) or spanning nodes. ``one_node``: the
+    caller knows (``ProcessGroup.on_one_node``); None asks the communicator (collective across nodes too).
     """
     backend = backend.host_side()  # a host/device dispatch backend: its MPI side
     cached = getattr(backend, _ATTR, None)
@@ -151,11 +140,9 @@ def free_shm_bytes(path: str = SHM_DIR) -> Optional[int]:
 def check_room(comm: Any, segment: int, nbytes: int) -> None:
     """Refuse, on every rank alike, a window the node's shared memory cannot hold (collective over ``comm``).
 
-    A tmpfs that runs out does not fail the allocation: the first write past
-    its end kills the process with SIGBUS, and the other ranks wait forever.
-    So every rank tells the others its segment size and the free bytes it
-    sees under ``/dev/shm`` (one all-gather of two numbers), and all decide
-    from the same numbers before anything is allocated or written.
+    A full tmpfs does not fail the allocation: the first write past its end kills the process with
+    SIGBUS and the others wait forever. So the ranks all-gather their segment sizes and the free bytes
+    under ``/dev/shm`` and all decide from the same numbers before anything is allocated.
 
     Raises:
         SharedMemoryError: the segments of all ranks do not fit in the least
@@ -186,10 +173,8 @@ def check_room(comm: Any, segment: int, nbytes: int) -> None:
 def allocate_array(backend: Any, nbytes: int, one_node: Optional[bool] = None) -> Optional[np.ndarray]:
     """``nbytes`` of this rank's memory in a shared window of its own, or None (collective).
 
-    Every rank of the communicator gets its own array at the same offset of
-    its own segment, and ``engine_in_window`` finds the engine that reduces
-    such arrays in place. None where ``engine_for`` would give None. The
-    window lives as long as the process (freeing it would be collective).
+    Every rank gets its array at the same offset of its own segment, and ``engine_in_window`` finds the
+    engine that reduces such arrays in place. The window lives as long as the process.
 
     Raises:
         SharedMemoryError: the node's ``/dev/shm`` cannot hold the arrays of

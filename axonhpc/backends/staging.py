@@ -1,31 +1,17 @@
 """Staging device arrays through reusable host buffers, for an MPI that is not CUDA-aware.
 
 [Note: staging]
-``run_staged`` runs one host-array operation for device arrays: it leases a
-host buffer for each device buffer, copies in the ones the operation reads,
-runs the operation on the host twins, and once that completes copies back
-the ones it writes and returns the buffers to the pool. The Work it returns
-is the host operation's, so ``async_op`` keeps working: the copy back runs
-when the transfer is done (in ``wait``/``is_completed``), and a buffer is
-never leased twice while an operation still uses it.
+``run_staged`` runs a host operation on leased host twins of the device buffers, copying in what it
+reads and, once it completes (in ``wait``/``is_completed``), back what it writes; so ``async_op``
+keeps working and a buffer is never leased twice while in use.
 
-``run_pipelined`` is the chunked form for an in-place reduction (what
-``collectives.staged_path`` runs for a large blocking all-reduce): every
-chunk's copy to the host is queued at once on a copy stream, after the
-caller's stream's work so far; then, chunk by chunk, the host waits for that
-chunk's copy, reduces it, and queues its copy back on a second stream. So
-the copy in of chunk k+1 and the copy back of chunk k-1 run while the host
-reduces chunk k, and the whole takes about the slowest of the three
-stages instead of their sum. The host waits for both streams before the
-buffer goes back to the pool, so the call is as blocking as the unchunked
-one.
+``run_pipelined`` is the chunked form for an in-place reduction: all copies down are queued at once
+on one stream; chunk by chunk the host waits for one, reduces it, and queues its copy up on a second
+stream. The copy in of chunk k+1 and out of k-1 overlap the reduction of k, so the whole takes about
+the slowest stage instead of the sum. The host waits for both streams at the end.
 
-``HostBuffers`` keeps the buffers between calls: a lease takes the smallest
-free buffer that fits, or allocates one rounded up to a power of two (and
-drops the free buffers too small for that size, so the pool tracks the
-largest messages instead of growing). The allocator and the copies are
-injected: cupy's pinned memory and ``ndarray.get``/``set`` on a GPU
-(``cupy_staging``), plain numpy in the tests.
+``HostBuffers`` leases the smallest free buffer that fits, else allocates a power of two (dropping
+smaller free ones, so the pool tracks the largest messages instead of growing).
 """
 from __future__ import annotations
 
@@ -50,8 +36,7 @@ def _rounded(nbytes: int) -> int:
 class HostBuffers:
     """A pool of reusable host byte buffers (pinned on a GPU machine).
 
-    Args:
-        allocate: ``allocate(nbytes)`` returns a new 1-d uint8 array of that size.
+    ``allocate(nbytes)`` returns a new 1-d uint8 array of that size.
     """
 
     def __init__(self, allocate: Callable[[int], np.ndarray]):
@@ -123,11 +108,8 @@ class CopySession(Protocol):
 class Staging:
     """A buffer pool and the copies that go with it.
 
-    Args:
-        buffers: the host buffers.
-        copies: the whole-array copies of ``run_staged``.
-        pipeline: starts the copy session of a ``run_pipelined`` call (after
-            the caller's stream's work so far); None: no chunked pipeline.
+    ``pipeline``: starts the copy session of a ``run_pipelined`` call (after the caller's stream's work
+    so far); None: no chunked pipeline.
     """
 
     def __init__(self, buffers: HostBuffers, copies: DeviceCopies,
@@ -142,17 +124,13 @@ def run_staged(call: Callable[..., Work], args: Sequence[Any], reads: Collection
     """Run ``call`` on host twins of the device arrays in ``args`` (see the module note).
 
     Args:
-        call: ``call(*host_args)`` starts the operation on host arrays and
-            returns its Work.
-        args: the operation's arguments; those at ``reads`` and ``writes``
-            are device arrays or None (a buffer a rank does not have).
-        reads: positions whose values the operation reads (copied in).
+        call: ``call(*host_args)`` starts the operation on host arrays and returns its Work.
+        args: the operation's arguments; those at ``reads`` and ``writes`` are device arrays or None.
+        reads: positions the operation reads (copied in).
         writes: positions the operation fills (copied back on completion).
-        staging: the buffer pool and the copies.
 
     Returns:
-        The host operation's Work; its result, when it is a host twin, is
-        replaced by the device array.
+        The host operation's Work; a host-twin result is replaced by the device array.
     """
     host_args = list(args)
     leased: List[np.ndarray] = []
@@ -193,11 +171,9 @@ def run_pipelined(device: Any, reduce: Callable[[np.ndarray], None], staging: St
     """Reduce the contiguous device array ``device`` in place through host chunks (see the module note).
 
     Args:
-        device: the array; its flat elements are cut into chunks of ``chunk_elements``.
-        reduce: ``reduce(chunk)`` reduces one host chunk in place across the
-            ranks, blocking; every rank calls it for the same chunks in the same order.
-        staging: the buffer pool, and its ``pipeline`` (without one the
-            chunks are copied with ``copies``, one after the other).
+        reduce: ``reduce(chunk)`` reduces one host chunk in place across the ranks, blocking; every rank
+            calls it for the same chunks in the same order.
+        staging: the buffer pool, and its ``pipeline`` (without one, chunks are copied one by one).
         chunk_elements: elements per chunk (the last may be shorter).
     """
     flat = device.reshape(-1)
