@@ -1,26 +1,18 @@
 """Group-making calls compare their arguments across ranks before anything else is sent.
 
 [Note: why group creation compares arguments]
-``new_group``, ``split`` and ``mesh`` are collective: every rank of the
-parent must call them, with arguments that fit together. A rank whose local
-checks fail would raise alone and leave the others waiting inside
-``MPI_Comm_create`` or ``MPI_Comm_split`` forever, and ranks that pass
-different lists to ``new_group`` would build different groups (or hang).
-So each of these calls first runs ``compare``: one small all-gather over the
-parent group, after which every rank knows the same facts and raises the
-same error, or none does.
+``new_group``, ``split`` and ``mesh`` are collective. A rank whose local checks fail would raise
+alone and leave the others waiting inside ``MPI_Comm_create``/``MPI_Comm_split`` forever, and ranks
+passing different lists would build different groups (or hang). So each first runs ``compare``: one
+small all-gather, after which every rank raises the same error, or none does.
 
 [Note: all or none]
-The same holds wherever a check that may fail on one rank comes before a
-collective (a wrapper's model, a checkpoint's files): a rank that raised
-alone would leave the others waiting. ``all_or_none`` runs such a check in a
-``with`` block and then one ``compare`` over the group, so that every rank
-raises or none does: a rank whose block raised re-raises its own error, the
-others raise the caller's error naming it (``refused``). Only ``AxonError``
-is caught unless ``catch`` says more (a checkpoint's reads: any
-``Exception``): the library's checks raise those on purpose, with a message
-fit for the other ranks; anything else is a bug, raised here at once as it
-is (the others wait for this rank, as they would for a crashed one).
+The same holds wherever a check that may fail on one rank precedes a collective (a wrapper's model,
+a checkpoint's files). ``all_or_none`` runs the check in a ``with`` block, then one ``compare``: a
+rank whose block raised re-raises its own error, the others raise the caller's error naming it.
+Only ``AxonError`` is caught unless ``catch`` says more: the library raises those on purpose, with a
+message fit for the other ranks; anything else is a bug, raised at once (the others wait for this
+rank as for a crashed one).
 """
 from __future__ import annotations
 
@@ -72,16 +64,13 @@ def compare(group: Members, ok: bool, text: str, same: bool,
             gather: Optional[Gather] = None) -> Optional[List[Tuple[bool, str]]]:
     """Compare the arguments of a group-making call across ``group``, before anything else is sent.
 
-    Each rank gives whether its arguments passed its local checks and their
-    text. One all-gather of (ok, length, 64-bit digest) per rank settles the
-    common case; only when some rank failed its checks, or (``same``) the
-    texts differ, does a second all-gather bring every rank's text (at most
-    ``_SHOWN_BYTES`` of it), so that every rank can raise the same error.
-    ``gather``: the all-gather to use (None: the group's backend, directly).
+    Each rank gives whether its arguments passed its local checks, and their text. One all-gather of
+    (ok, length, 64-bit digest) settles the common case; only on a failure or (``same``) differing texts
+    does a second one bring every rank's text (at most ``_SHOWN_BYTES``).
 
     Returns:
-        None when every rank passed its checks and (``same``) every text is
-        the same; else ``(ok, text)`` of every group rank.
+        None when every rank passed and (``same``) every text is the same; else every group rank's
+        ``(ok, text)``.
     """
     data = text.encode("utf-8")
     digest = int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little", signed=True)
@@ -105,10 +94,7 @@ def compare(group: Members, ok: bool, text: str, same: bool,
 def who_passed(seen: Sequence[Tuple[bool, str]], ranks: Sequence[int], template: str = "{}") -> str:
     """``ranks [0, 2] passed X; rank 1 passed Y``: the texts of ``compare``, by the (world) ranks that passed each.
 
-    Args:
-        seen: ``compare``'s ``(ok, text)`` per group rank.
-        ranks: the world rank of each group rank.
-        template: how a text is shown (``"mesh({})"``).
+    ``template``: how a text is shown (``"mesh({})"``).
     """
     by_text: Dict[str, List[int]] = {}
     for r, (_, text) in enumerate(seen):
@@ -140,11 +126,9 @@ def agree(group: Members, problem: Optional[BaseException], refused: Refused, di
           text: str = "", alike: bool = False, gather: Optional[Gather] = None) -> None:
     """Collective over ``group``: raise on every rank if any failed (``problem`` here), else if ``text`` differs.
 
-    ``problem`` is raised here (unless ``alike``: then ``refused``'s error,
-    from it), ``refused(failed)`` on the ranks that passed; ``differ(seen)``
-    everywhere when all passed with different texts (None: none compared).
-    ``gather``: ``collectives.all_gather`` above that layer, where the
-    group's timeout and debug checks should apply.
+    ``problem`` is raised here (unless ``alike``: then ``refused``'s error, from it), ``refused(failed)``
+    on the ranks that passed; ``differ(seen)`` everywhere when all passed with different texts.
+    ``gather``: ``collectives.all_gather`` above that layer, where the group's timeout and debug apply.
     """
     if group.size == 1:
         seen = None if problem is None else [(False, reason(problem))]
@@ -167,8 +151,8 @@ def all_or_none(group: Members, refused: Refused, differ: Optional[Differ] = Non
                 alike: bool = False, gather: Optional[Gather] = None) -> Iterator[Vote]:
     """Run the block, then ``agree`` over ``group`` on whether it raised (``catch``) anywhere (see the note).
 
-    With ``differ``, the block sets ``vote.text`` to what every rank must
-    give alike (a model's description, a file's digest).
+    With ``differ``, the block sets ``vote.text`` to what every rank must give alike (a model's
+    description, a file's digest).
     """
     vote, problem = Vote(), None
     try:

@@ -1,25 +1,15 @@
 """Building an MPI world with its device path: binding each rank to a GPU, and NCCL when it can work.
 
 [Note: how init sets up the device path]
-1. Look at the devices (``backends.devices.device_facts``: cupy is imported
-   only when installed) and choose (``choose_backend``): "nccl" without cupy,
-   a device or NCCL raises ``BackendUnavailableError`` at once, naming what
-   is missing.
+1. Look at the devices and choose (``choose_backend``): "nccl" without cupy, a device or NCCL raises
+   at once, naming what is missing.
 2. Build the MPI world; its node layout gives each rank its local rank.
-3. When cupy sees a device, bind this rank to one (``select_device``), on
-   every backend choice, so that cupy arrays land on the rank's own GPU.
-4. For "auto" and "nccl" every rank votes over MPI on NCCL (each needs the
-   facts above and a device of its own; a rank without them still votes,
-   or the others would wait for it): "auto" uses NCCL only when every rank
-   can, "nccl" raises on every rank when one cannot. The NCCL backend then
-   checks, on every rank alike, that no two ranks share a GPU (the counts
-   above cannot see every such case); "auto" falls back to MPI when it
-   refuses, "nccl" raises. Then the world's backend becomes a
-   ``DeviceDispatchBackend``: numpy arrays over MPI, cupy arrays over NCCL.
-   Without NCCL, cupy arrays go to MPI, directly when MPI is CUDA-aware and
-   staged through pinned host memory otherwise.
-
-What was decided is kept for ``ax.info()`` (``device_report``).
+3. When cupy sees a device, bind this rank to one (``select_device``) on every backend choice.
+4. For "auto" and "nccl" every rank votes over MPI on NCCL (a rank that cannot still votes, or the
+   others would wait for it): "auto" uses NCCL only when every rank can, "nccl" raises on every rank
+   when one cannot. NCCL then checks that no two ranks share a GPU ("auto" falls back to MPI, "nccl"
+   raises). The world's backend becomes a ``DeviceDispatchBackend``. Without NCCL cupy arrays go to
+   MPI, CUDA-aware or staged.
 """
 from __future__ import annotations
 
@@ -55,11 +45,6 @@ def _vote(world: World, ok: bool) -> List[int]:
 
 def build_world(requested: str, comm=None, facts: Optional[DeviceFacts] = None) -> World:
     """The world for ``init(backend=requested)`` when that is "auto", "mpi" or "nccl" (see the module note).
-
-    Args:
-        requested: "auto", "mpi" or "nccl".
-        comm: the mpi4py communicator (None: ``COMM_WORLD``).
-        facts: the device facts (None: looked up).
 
     Raises:
         BackendUnavailableError: the requested backend cannot work; for
@@ -101,11 +86,7 @@ def agree_on_nccl(world: World, requested: str, choice: BackendChoice, facts: De
     """Collective: vote on NCCL; (world, choice), the world over NCCL when every rank can use it.
 
     Args:
-        world: the host (MPI) world; every rank calls.
-        requested: "auto" or "nccl".
         choice: this rank's own choice (``choose_backend``).
-        facts, binding: this rank's device facts and device.
-        launcher: passed on to the new world.
         make_device: builds the device backend over a host backend (``NCCLBackend``).
 
     Raises:

@@ -1,11 +1,8 @@
 """ProcessGroup: an ordered set of world ranks with a backend to talk over.
 
 [Note: groups below the world]
-``world.py`` imports this module to build the world's groups, so this module
-never imports ``world.py``: a group splits itself (its backend splits, and
-the new group keeps the parent's world), and what it reads of its world is
-spelled out by ``WorldFacts``. ``ProcessGroup.mock()`` needs a whole world,
-so ``world.py`` defines it.
+``world.py`` imports this module, so this one never imports it: a group splits itself and reads its
+world through ``WorldFacts``; ``ProcessGroup.mock()`` needs a whole world, so ``world.py`` defines it.
 """
 from __future__ import annotations
 
@@ -123,11 +120,8 @@ class ProcessGroup:
     def prepare_shared_memory(self) -> "ProcessGroup":
         """Make the group's shared-memory window now, if its collectives will use one; returns self.
 
-        Called when the group is made (a collective already), so that no
-        later call waits in a set-up that a timeout cannot interrupt: a rank
-        that is late to its first all-reduce is then named by the timeout
-        instead of holding the others in ``MPI_Win_allocate_shared``. A group
-        made while ``shm_collectives`` is "off" makes it at its first call.
+        Called when the group is made (a collective already), so a rank late to its first all-reduce is
+        named by the timeout instead of holding the others in ``MPI_Win_allocate_shared``.
         """
         if (self.member_backend is not None and self.size > 1 and settings.shm_collectives != "off"
                 and self.on_one_node):
@@ -191,19 +185,15 @@ class ProcessGroup:
             color: members with the same color form one new group; None (or a
                 negative number) joins none and gets a non-member group.
             key: orders the ranks inside a new group (ties: by group rank).
-            name: the new group's label in messages (default: one naming
-                the color and this group).
-            trusted: every rank computed ``color`` and ``key`` by one rule
-                (a mesh, the node groups), so the ranks skip comparing them.
+            name: the new group's label in messages.
+            trusted: every rank computed ``color`` and ``key`` by one rule (a mesh, the node groups), so the
+                ranks skip comparing them.
 
         Raises:
-            InvalidArgumentError: ``color`` or ``key`` is not an integer, on
-                every rank when every rank passed such a value.
-            GroupMismatchError: some ranks passed a ``color`` or ``key`` that
-                is not an integer and others did not; raised on every rank,
-                naming those ranks and their values (the ranks check each
-                other's arguments first: one all-gather of three numbers per
-                rank over this group).
+            InvalidArgumentError: ``color`` or ``key`` is not an integer, on every rank when every rank passed
+                such a value.
+            GroupMismatchError: some ranks passed a non-integer ``color`` or ``key`` and others did not; on
+                every rank, naming those ranks and their values.
             NotAMemberError: this rank is not in the group.
         """
         problem: Optional[InvalidArgumentError] = None

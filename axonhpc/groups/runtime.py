@@ -119,8 +119,7 @@ def init(comm=None, backend: Optional[str] = None, debug: Optional[bool] = None,
 def _check_fault_tolerance(choice: str, comm: Any) -> None:
     """Refuse ``fault_tolerant`` where a dead rank would end the job anyway; else let MPI errors raise.
 
-    Every rank decides alike, from the MPI library and the launch's
-    environment, before anything is sent.
+    Every rank decides alike, from the MPI library and the launch's environment.
     """
     if choice == "local":
         raise ConfigurationError("fault_tolerant needs MPI ranks: the 'local' backend is one process, which has "
@@ -193,9 +192,8 @@ def told_elsewhere(exc: BaseException, rank: int) -> Optional[str]:
 def install_abort_on_exception(world: World) -> None:
     """Make an uncaught exception on this rank end the whole job.
 
-    The traceback is printed with the rank, flushed, and the launcher is given
-    a moment to forward it before the job is aborted: an MPI job whose rank
-    died silently otherwise leaves the other ranks waiting forever.
+    The traceback is printed and flushed, and the launcher gets a moment to forward it before the abort:
+    an MPI job whose rank died silently leaves the others waiting forever.
     """
     global _previous_excepthook
     if _previous_excepthook is not None or world.world_size == 1:

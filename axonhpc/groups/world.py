@@ -65,10 +65,8 @@ class World:
     def _clock_offset(self, rounds: int = 5) -> float:
         """Collective: seconds to add to this rank's ``time.time()`` to read rank 0's clock.
 
-        The ranks leave a barrier together (to its latency, microseconds on
-        one node) and read their clocks; the median over a few rounds is kept.
-        The straggler report compares arrival times with it
-        (``collectives.stragglers``); the flight recorder's dumps carry it.
+        The ranks leave a barrier together (microseconds on one node) and read their clocks; the median
+        over a few rounds is kept.
         """
         if len(set(zip(self.node_of, self.pid_of))) == 1:  # one process (thread ranks): one clock
             return 0.0
@@ -118,13 +116,10 @@ class World:
 
     # -- groups ---------------------------------------------------------------------
     def new_group(self, ranks: Sequence[int], name: Optional[str] = None) -> ProcessGroup:
-        """A ProcessGroup of these global ranks, in this order; every rank must call it.
+        """A ProcessGroup of these global ranks, in this order; every rank must call it with the same list.
 
-        Every rank must pass the same list. The ranks compare their lists
-        first (one all-gather of three numbers per rank over the world), so
-        a rank that passed another list, or one that cannot work, makes
-        every rank raise instead of leaving the others waiting in the
-        group's creation.
+        The ranks compare their lists first (one all-gather), so a mismatch or a bad list makes every rank
+        raise instead of leaving the others waiting.
 
         Raises:
             RankError: a rank is not an integer, out of range, or repeated; or
