@@ -1,37 +1,23 @@
 """A step being captured as a CUDA graph, as the layers below ``axonhpc.cuda.graphs`` see it.
 
 [Note: capturing a step]
-While a CUDA stream captures, nothing asked of the device runs: each kernel
-and copy becomes a node of a graph, and launching the graph later runs them
-all again, on the same memory, with the same arguments. Two things the
-layers do eagerly therefore change under a capture:
+While a stream captures, nothing runs: kernels and copies become graph nodes, replayed later on the
+same memory with the same arguments. So three things change under ``recording`` (a capture, or
+``GraphedStep``'s eager warm-up, so every call returns the same kinds of values):
 
-- **Reads of device values.** A loss that returns a Python float, a check of
-  the targets' range, a gradient norm read to decide whether to clip: each
-  waits for the device, which a capture forbids (cupy raises). Under
-  ``recording`` (a capture, or ``graphs.GraphedStep``'s eager warm-up calls,
-  so that every call returns the same kinds of values) such layers keep the
-  value on the device instead: losses return 0-d device arrays, and checks
-  are handed over with ``defer_check`` to be read after the step has run.
-- **Host values that change from step to step.** A kernel argument is frozen
-  into the graph: Adam's bias corrections at step 5 would be replayed at
-  every later step. Under a capture, the optimizers read such scalars from
-  device memory and register, with ``before_replay``, the host code that
-  computes them and writes them there before each launch (and advances the
-  step counts the state dict reports). That memory comes from outside the
-  graph's own memory pool (``host_written``): within one launch the graph
-  reuses a freed temporary's block for a later allocation, so a block the
-  host filled before the launch could be overwritten by an earlier node of
-  the same graph before the update reads it. The first captured optimizer
-  step on an H100 read its learning rate from such a block: the backward's
-  gradients had been written there.
-- **Collectives.** A collective whose backend issues it on a stream (NCCL)
-  is captured like a kernel: the ranks' agreement check runs once, at the
-  capture, and each replay is compared across the ranks instead
-  (``collectives.graphed``); ``note_collective`` keeps what was captured.
+- **Reads of device values** (a loss as a float, a targets' range check, a norm to clip by) wait
+  for the device, which a capture forbids. Losses return 0-d device arrays instead, and checks are
+  handed to ``defer_check`` to be read after the step.
+- **Host values that change per step** would be frozen into the graph (Adam's step-5 bias
+  corrections replayed forever). Optimizers read them from device memory and register with
+  ``before_replay`` the host code that writes them before each launch. That memory comes from
+  outside the graph's pool (``host_written``): within a launch the graph reuses freed temporaries'
+  blocks, so a host-filled block could be overwritten by an earlier node. The first captured
+  optimizer step on an H100 read its learning rate from such a block: the backward's gradients.
+- **Collectives** issued on a stream (NCCL) are captured; the agreement check runs once at capture
+  and each replay is compared instead (``collectives.graphed``).
 
-What cannot work under a capture says so with ``refuse`` (a
-``GraphCaptureError`` naming the layer and the reason) instead of leaving
+What cannot work under a capture says so with ``refuse`` (``GraphCaptureError``) instead of leaving
 cupy's or CUDA's error to be decoded.
 """
 from __future__ import annotations
@@ -108,8 +94,7 @@ def before_replay(fn: Callable[[], None]) -> None:
 def host_written(xp: Any, shape: Any, dtype: Any) -> Any:
     """An empty device array the host writes between launches and the graph being captured reads.
 
-    Allocated with the allocator in force before the capture, never from the graph's own pool
-    (see the module note); outside a capture, a plain ``xp.empty``.
+    Allocated outside the graph's own pool (see the module note); outside a capture, a plain ``xp.empty``.
     """
     record = current()
     if record is None or not record.capturing or record.host_allocator is None:

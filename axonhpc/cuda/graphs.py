@@ -1,48 +1,27 @@
 """A whole training step captured once as a CUDA graph and replayed: ``graph_step``.
 
 [Note: graphed steps]
-A step of a small model on a GPU is mostly launch overhead: each of its
-kernels costs the host a few microseconds to launch, while the GPU finishes
-it sooner. A CUDA graph records the step's kernels once (stream capture) and
-launches them all with one call. ``graph_step(fn)`` does it for a step
-function ``fn(*inputs)`` (zero_grad, forward, loss, backward, optimizer step)
-whose inputs are device arrays of fixed shapes:
+A small model's step on a GPU is mostly launch overhead (microseconds of host time per kernel the
+GPU finishes sooner). ``graph_step(fn)`` records the step's kernels once and launches them with one
+call, for a step ``fn(*inputs)`` (zero_grad, forward, loss, backward, optimizer step) on device
+arrays of fixed shapes:
 
-1. The first ``warmup`` calls run ``fn`` eagerly: kernels are compiled, the
-   optimizer creates its state, the multi-tensor tables are uploaded.
-2. The next call copies its inputs into static device arrays and captures
-   ``fn`` on a side stream, with a memory pool of its own (the graph's
-   memory: the addresses the graph writes stay reserved for it).
-3. That call and every later one copy the inputs into the static arrays,
-   run the work registered for before each replay (the optimizers write
-   this step's scalars, [Note: updates in a CUDA graph] in
-   ``axonhpc.optim.fused``), and launch the graph on the current stream.
-   They return the outputs of the capture: the same device arrays each time,
-   overwritten by each replay.
+1. The first ``warmup`` calls run eagerly: kernels compile, the optimizer makes its state.
+2. The next call copies its inputs into static arrays and captures ``fn`` on a side stream, with a
+   memory pool of its own (the addresses the graph writes stay reserved for it).
+3. Every call from then on copies the inputs in, runs the before-replay work (this step's scalars,
+   [Note: updates in a CUDA graph] in ``axonhpc.optim.fused``) and launches the graph, returning
+   the capture's outputs: the same device arrays each time, overwritten.
 
-Every call, the eager ones included, runs under ``capture.recording`` (see
-[Note: capturing a step] in ``axonhpc.cuda.capture``): losses return 0-d device
-arrays instead of floats, so every call returns the same kinds of values,
-and checks that would read the device (the cross-entropy targets' range) are
-read after the step. For replays that is at the start of the next call (the
-check waits for the previous replay only) or at ``check()``: a step with bad
-targets has run, and its error is raised by the call after it.
+Every call runs under ``capture.recording`` ([Note: capturing a step]): checks that read the device
+are read at the start of the next call or at ``check()``, so a step with bad targets has run and the
+call after it raises.
 
-Collectives on device arrays over NCCL are captured with the rest (DDP's
-bucketed all-reduce overlapped with the backward, a broadcast of buffers):
-NCCL replays them with each launch. Every rank must then call its graphed
-step at the same point; before each launch the ranks of each group the
-graph communicates on compare what they are about to replay, so a rank
-that replays while another does something else raises
-``CollectiveMismatchError`` on all of them (see [Note: collectives in a
-graph] in ``axonhpc.collectives.graphed``).
-
-What a graph cannot replay is refused at the capture with
-``GraphCaptureError``: reads of device values, dropout in training mode,
-collectives a graph cannot hold (host arrays, MPI for device arrays, the
-deterministic ring, point to point, barriers), parameters the fused
-optimizer kernels do not take, optimizer state still to be created. Inputs
-of another shape or dtype than the capture's are refused at the call.
+NCCL collectives are captured with the rest and replayed; before each launch the ranks of each group
+compare what they are about to replay ([Note: collectives in a graph] in
+``axonhpc.collectives.graphed``). What a graph cannot replay (device reads, dropout in training,
+host or MPI collectives, parameters the fused kernels do not take, state still to be created) is
+refused at capture with ``GraphCaptureError``; inputs of another shape or dtype at the call.
 """
 from __future__ import annotations
 

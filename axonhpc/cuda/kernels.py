@@ -1,47 +1,28 @@
 """Device elementwise kernels, built once and kept: what ``optim.fused`` and ``nn.kernels`` share.
 
 [Note: exact fused kernels]
-A fused kernel performs, in one pass over memory, the operations the array
-code performs one kernel at a time, in the same order and the same dtype,
-with every Python float rounded to that dtype as numpy and cupy round a
-Python float against an array. It is compiled with ``--fmad=false``
-(``OPTIONS``), so NVRTC never contracts a multiply and an add into one
-rounding, and with IEEE division and square root (NVRTC's defaults). The
-result is then the array code's bit for bit on the same GPU: the
-transcendental functions (``exp``, ``tanh``) are the same CUDA functions cupy's
-own kernels call.
+A fused kernel does in one pass what the array code does one kernel at a time, in the same order
+and dtype, with Python floats rounded as numpy and cupy round them against an array. Compiled with
+``--fmad=false`` (no multiply-add contraction) and IEEE division and sqrt, it matches the array code
+bit for bit on the same GPU (``exp``, ``tanh`` are the CUDA functions cupy's kernels call).
 
-Bodies and preambles are written in the common part of CUDA C++ and C99 with
-``<tgmath.h>``: arithmetic, ``?:``, casts, the overloaded math functions, and
-helpers marked ``__device__``. The strict stand-in of the tests compiles them
-as C on the host, where ``exp`` and ``tanh`` are the C library's (a few ulp
-from numpy's), and arithmetic and ``sqrt`` round exactly as on a GPU.
-
-Kernels are built on first use and cached by array module, name and variant
-(the flags that select the body), so a stand-in module never meets the
-kernels of another.
+Bodies are written in the common part of CUDA C++ and C99 with ``<tgmath.h>``, so the tests'
+strict stand-in compiles them as C on the host, where arithmetic and ``sqrt`` round exactly as on a
+GPU (``exp`` and ``tanh`` are a few ulp from numpy's). Kernels are cached by array module, name and
+variant, so a stand-in never meets another module's kernels.
 
 [Note: multi-tensor kernels]
-``multi_tensor`` turns a kernel over one array into one over a list of
-arrays, one launch for all of them (what PyTorch's ``multi_tensor_apply``
-does for its fused optimizers). Each array argument becomes a table of the
-arrays' device addresses (``raw uint64``); ``starts`` holds where each array
-begins in the concatenated index space, and the thread of element ``i``
-finds its array by a binary search of ``starts``, reads its elements through
-the addresses, runs the same body on them, and writes the outputs back. The
-body and the scalars are the single-array kernel's, so the result is that
-kernel's bit for bit. The arrays must be C-contiguous (an address and an
-offset find an element). ``TensorTables`` keeps the device tables while the
-arrays' addresses do not change, so a step copies nothing to the device.
+``multi_tensor`` makes one launch over a list of arrays (as PyTorch's ``multi_tensor_apply``). Each
+array argument becomes a table of device addresses; the thread of element ``i`` finds its array by a
+binary search of ``starts`` and runs the single-array body, so the result is that kernel's bit for
+bit. Arrays must be C-contiguous. ``TensorTables`` keeps the tables while addresses do not change,
+so a step copies nothing to the device.
 
 [Note: scalars in device memory]
-A CUDA graph replays a kernel with the arguments it was captured with (see
-[Note: capturing a step] in ``axonhpc.cuda.capture``). ``multi_tensor(...,
-device_scalars=True)`` builds a kernel that reads its scalars from a small
-device array instead (``raw T axonhpc_scalars``, one element per scalar, in
-the parameters' order), and ``fill`` writes that array with one launch
-outside the graph. The values are the same numbers of the same dtype, so the
-result is the one-array kernel's bit for bit.
+A CUDA graph replays a kernel with its captured arguments ([Note: capturing a step] in
+``axonhpc.cuda.capture``). ``multi_tensor(..., device_scalars=True)`` reads the scalars from a small
+device array instead (``raw T axonhpc_scalars``, in the parameters' order), which ``fill`` writes
+with one launch outside the graph; same values, same bits.
 """
 from __future__ import annotations
 
@@ -80,7 +61,6 @@ def elementwise(xp: Any, name: str, variant: Tuple[Any, ...], build: Callable[..
 
     Args:
         xp: the array module (cupy, or the tests' stand-in).
-        name: the kernel's name, unique per ``build``.
         variant: hashable flags passed to ``build``; each distinct tuple is its own kernel.
         build: returns ``(in_params, out_params, operation, preamble)``.
     """
@@ -98,9 +78,8 @@ ReductionSource = Tuple[str, str, str, str, str, str, str]
 def reduction(xp: Any, name: str, variant: Tuple[Any, ...], build: Callable[..., ReductionSource]) -> Any:
     """The ``ReductionKernel`` ``axonhpc_<name>`` of ``build(*variant)``, built on first use and kept.
 
-    A reduction folds its elements in the order cupy chooses for the shape (a tree of partial
-    results, as ``cupy.sum`` folds them), so unlike the elementwise kernels it is not the array
-    code bit for bit unless cupy happens to choose the same order.
+    It folds in the order cupy chooses for the shape, so unlike the elementwise kernels it is not the
+    array code bit for bit unless cupy chooses the same order.
     """
     def make() -> Any:
         in_params, out_params, map_expr, reduce_expr, post_map_expr, identity, reduce_type = build(*variant)
@@ -173,7 +152,6 @@ def multi_tensor(xp: Any, name: str, variant: Tuple[Any, ...], build: Callable[.
     """The multi-tensor kernel ``axonhpc_<name>_multi`` of ``build(*variant)`` for arrays of ``dtype``.
 
     Args:
-        xp, name, variant, build: as for ``elementwise`` (the single-array kernel's).
         arrays: the input parameters of ``build``'s kernel that are arrays.
         dtype: float32 or float64.
         device_scalars: read the scalars (every other input, each of ``build``'s ``T``) from
@@ -211,8 +189,7 @@ def fill(xp: Any, out: Any, values: Sequence[Any]) -> None:
 class TensorTables:
     """The device tables of a multi-tensor launch, kept while the arrays' addresses stay the same.
 
-    Several groups (keys) may be kept at once: an optimizer's float32 and float64
-    parameters, say. The host reads nothing from the device to build or check them.
+    Several groups (keys) may be kept at once (an optimizer's float32 and float64 parameters).
     """
 
     def __init__(self) -> None:
@@ -241,9 +218,8 @@ def launch_multi(xp: Any, kernel: Any, tables: TensorTables, key: Any, lists: Se
     """Run a ``multi_tensor`` kernel over ``lists`` (the address tables' arrays, in the kernel's order).
 
     Args:
-        lists: one list per array parameter (array inputs, then outputs), each over
-            the same tensors in the same order, every array C-contiguous, at most
-            ``MAX_MULTI_ELEMENTS`` elements in all.
+        lists: one list per array parameter (array inputs, then outputs), each over the same tensors in
+            the same order, every array C-contiguous, at most ``MAX_MULTI_ELEMENTS`` elements in all.
         scalars: the kernel's scalar arguments, in order.
     """
     *addresses, starts = tables.tables(xp, key, lists)
@@ -267,8 +243,7 @@ def batches(sizes: Sequence[int], limit: int = MAX_MULTI_ELEMENTS) -> List[List[
 def launches(xp: Any, names: Any = None) -> int:
     """Launches so far of the kept kernels of ``xp`` (optionally only those named in ``names``).
 
-    Counts what the kernel objects count: the tests' stand-in keeps a ``calls``
-    counter; cupy's kernels have none and count 0.
+    Counts the kernels' ``calls`` counter (the tests' stand-in); cupy's kernels have none and count 0.
     """
     return sum(getattr(k, "calls", 0) for (module, name, _), k in list(_cache.items())
                if module is xp and (names is None or name in names))
