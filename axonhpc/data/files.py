@@ -1,26 +1,17 @@
 """A user's own corpus from disk, memory-mapped: text as bytes, or token files in nanoGPT's layout.
 
 [Note: what --data reads]
-``FileCorpus(path)`` gives ``train`` and ``val`` token arrays and a
-``vocab_size``, the attributes ``TextCorpus`` has, so ``TextWindows`` cuts
-the same deterministic, layout-independent windows from them:
+``FileCorpus(path)`` has ``TextCorpus``'s attributes, so ``TextWindows`` cuts the same windows:
 
-- **a token file** (``.bin``): a flat array of uint16 tokens, as nanoGPT's
-  ``prepare.py`` writes them; a folder holding ``train.bin`` and ``val.bin``
-  uses them as the two splits, and a single ``.bin`` file holds its last
-  ``held_out`` fraction out. The vocabulary is ``vocab_size`` when given,
-  else one more than the largest token (found in one pass over the file).
-- **a text file**: its bytes (vocabulary 256), the last ``held_out``
-  fraction held out.
-- **a folder of text files**: every regular file under it, sorted by relative
-  path, as bytes; a ``held_out`` fraction of the files (picked with a
-  seeded Generator, at least one on each side) held out, as ``TextCorpus``
-  does with the standard library.
+- **a token file** (``.bin``): flat uint16 tokens, as nanoGPT's ``prepare.py`` writes them; a folder
+  with ``train.bin`` and ``val.bin`` gives the splits, a single file holds its last ``held_out``
+  fraction out. The vocabulary is ``vocab_size``, else the largest token + 1 (one pass).
+- **a text file**: its bytes (vocabulary 256), the last ``held_out`` fraction held out.
+- **a folder of text files**: every regular file, sorted by relative path; a seeded ``held_out``
+  fraction of the files held out, as ``TextCorpus`` does.
 
-Files are mapped with ``np.memmap`` (read-only), so a corpus larger than
-memory trains: a batch reads only its windows' pages. A folder of text
-files is the exception: its files are concatenated in memory (write them
-into one file for a corpus that does not fit). nanoGPT's ``meta.pkl`` is
+Files are ``np.memmap``-ed read-only, so a corpus larger than memory trains (a batch reads only its
+windows' pages), except a folder of text files, concatenated in memory. nanoGPT's ``meta.pkl`` is
 never read (no pickle); pass the vocabulary size instead.
 """
 from __future__ import annotations
@@ -64,12 +55,10 @@ class FileCorpus:
             of text files.
         held_out: the fraction held out where the path does not say (a single file: its last part; a
             folder of text files: that fraction of the files).
-        seed: seed of the Generator that picks a folder's held-out files.
         vocab_size: the vocabulary of token files (default: the largest token + 1); text is 256 bytes.
 
     Attributes:
         train, val: 1-D token arrays (``np.memmap`` where the data is one file on disk).
-        vocab_size: the number of token values.
         kind: "tokens" or "bytes".
 
     Raises:

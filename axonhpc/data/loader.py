@@ -13,24 +13,14 @@ from ..errors import ConfigurationError, ShapeError
 class DataLoader:
     """Iterate over mini-batches of one or several arrays that share their first axis.
 
-    Batch i holds the rows at positions [i * batch_size, (i + 1) * batch_size)
-    of the index order: the sampler's when one is given (e.g. a
-    ``DistributedSampler`` for this rank), else 0..n-1, or a permutation of
-    it when ``shuffle``. Arrays may be numpy or cupy; each batch is a copy
-    taken by fancy indexing on the array's own device.
-
-    The loader's own shuffle draws the permutation of pass e from a numpy
-    Generator seeded with ``seed + e``, where e counts the passes started
-    (from 0) unless ``set_epoch`` fixed it: different orders every pass,
-    and the same orders for the same seed. With a sampler, the sampler
-    decides the order; ``set_epoch`` is forwarded to it.
+    Batch i holds rows ``[i * batch_size, (i + 1) * batch_size)`` of the index order: the sampler's,
+    else 0..n-1, or a permutation when ``shuffle``. Arrays may be numpy or cupy; each batch is a copy
+    taken on the array's own device. The own shuffle of pass e is seeded with ``seed + e`` (e counts
+    passes unless ``set_epoch`` fixed it); with a sampler, ``set_epoch`` is forwarded to it.
 
     Args:
         arrays: a single array, or a tuple/list of arrays with the same length.
-        batch_size: rows per batch.
         sampler: iterable of int indices with ``len`` (e.g. DistributedSampler); excludes ``shuffle``.
-        shuffle: permute the rows each pass (without a sampler).
-        seed: base seed of the loader's own shuffle.
         drop_last: drop a final batch smaller than ``batch_size``.
 
     Yields:

@@ -1,11 +1,9 @@
 """DistributedSampler: each rank's share of the sample indices for one epoch.
 
 [Note: identical permutations without communication]
-Every rank draws the epoch's permutation from a numpy Generator seeded with
-``seed + epoch``, so all ranks agree on it without exchanging anything and
-the shares rank r takes (``indices[r::num_replicas]``) are disjoint. The
-permutation is numpy's, not PyTorch's: with shuffling the exact order differs
-from torch.utils.data.DistributedSampler, while the padding and splitting
+Every rank draws the epoch's permutation from a Generator seeded with ``seed + epoch``, so all agree
+without exchanging anything and the shares ``indices[r::num_replicas]`` are disjoint. The
+permutation is numpy's, so the order differs from torch's DistributedSampler; padding and splitting
 rules are the same.
 """
 from __future__ import annotations
@@ -28,21 +26,16 @@ def _check_int(name: str, value: object) -> int:
 class DistributedSampler:
     """Split ``range(n)`` between ``num_replicas`` ranks, reshuffled each epoch.
 
-    Without ``drop_last`` every rank gets ceil(n / num_replicas) indices: the
-    (shuffled) index list is padded by repeating its start, so a few samples
-    appear twice per epoch. With ``drop_last`` every rank gets
-    floor(n / num_replicas) and the tail of the list is left out. Rank r
-    takes positions r, r + num_replicas, ... of the (padded or cut) list.
+    Without ``drop_last`` every rank gets ceil(n / num_replicas) indices (the list is padded by
+    repeating its start, so a few samples appear twice per epoch); with it, floor(n / num_replicas).
+    Rank r takes positions r, r + num_replicas, ... of the list.
 
     Args:
-        n: dataset length.
-        num_replicas: number of ranks sharing the data (the data-parallel group size); None: the
-            current world's size, as PyTorch takes the default group's (pass the dp group's size
-            under a mesh with tensor or pipeline parallelism).
+        num_replicas: ranks sharing the data (the data-parallel group size); None: the current world's
+            size (pass the dp group's size under a mesh with tensor or pipeline parallelism).
         rank: this rank in [0, num_replicas); None: this rank in the current world.
         shuffle: permute the indices each epoch (seed + epoch), the same way on every rank.
         seed: base seed; must be the same on every rank.
-        drop_last: drop the tail instead of padding.
 
     Raises:
         RankError: ``rank`` outside [0, num_replicas).

@@ -1,16 +1,10 @@
 """Byte-level text from the Python standard library's own source, for language-model training.
 
 [Note: a corpus every machine already has]
-Every Python installation carries its standard library as ``.py`` files, so
-this corpus needs no download: the files under
-``sysconfig.get_paths()["stdlib"]`` (``site-packages``, ``dist-packages``
-and ``__pycache__`` left out), sorted by their path relative to that folder,
-read as raw bytes, so the vocabulary is the 256 byte values. Files are read
-in that order until ``max_bytes`` is reached (the last one cut), which keeps
-loading fast. A fixed fraction of the files read is held out, chosen by a
-numpy Generator with a fixed seed, so the split is by file (no text of a
-held-out file is trained on) and is the same on every run and every machine
-with the same Python version.
+Every Python carries its standard library as ``.py`` files, so this corpus needs no download: the
+files under ``sysconfig.get_paths()["stdlib"]`` (no site-packages or caches), sorted by relative
+path, as raw bytes (vocabulary 256), read until ``max_bytes``. A seeded fraction of the files is
+held out, so the split is by file and the same on every machine with the same Python version.
 """
 from __future__ import annotations
 
@@ -31,12 +25,7 @@ _SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
 def stdlib_source_files(root: Optional[str] = None) -> List[str]:
     """The ``.py`` files under ``root`` (default: the standard library), as sorted relative paths.
 
-    Args:
-        root: folder to scan; None for ``sysconfig.get_paths()["stdlib"]``.
-
-    Returns:
-        Paths relative to ``root`` with "/" separators, sorted; folders named
-        site-packages, dist-packages and __pycache__ are skipped.
+    site-packages, dist-packages and __pycache__ are skipped; separators are "/".
     """
     root = sysconfig.get_paths()["stdlib"] if root is None else root
     out = []
@@ -54,9 +43,6 @@ def sample_windows(tokens: np.ndarray, batch_size: int, context: int,
     """``batch_size`` random windows of ``context + 1`` tokens, split into inputs and next-token targets.
 
     Args:
-        tokens: 1-D token array.
-        batch_size: number of windows.
-        context: input length T.
         rng: the numpy Generator that picks the window starts (uniform over all starts).
 
     Returns:
@@ -80,27 +66,16 @@ def sample_windows(tokens: np.ndarray, batch_size: int, context: int,
 class TextWindows:
     """A data-parallel rank's batches of next-token windows, the same global batches on any number of ranks.
 
-    The token array is cut into ``n = (len(tokens) - 1) // context``
-    windows of ``context + 1`` tokens (window i starts at ``i * context``;
-    its first ``context`` tokens are the input, its last ``context`` the
-    targets). A ``DistributedSampler(n, num_replicas, rank, shuffle, seed)``
-    orders them per epoch; global batch k of an epoch is positions
-    ``[k * B, (k + 1) * B)`` of the shuffled order, and rank r takes the
-    positions among those congruent to r modulo ``num_replicas`` (the
-    sampler's rule), so the union over the ranks of batch k is the same set
-    of windows whatever the number of ranks. An epoch has ``n // B``
-    steps (the rest is dropped); ``batch(step)`` is a pure function of the
-    step, so a resumed run reads exactly the batches the uninterrupted one
-    would.
+    The tokens are cut into ``n = (len(tokens) - 1) // context`` windows of ``context + 1`` tokens,
+    ordered per epoch by a ``DistributedSampler``. Global batch k is positions ``[k * B, (k + 1) * B)``
+    of that order and rank r takes those congruent to r modulo ``num_replicas``, so the union over the
+    ranks is the same whatever their number. An epoch has ``n // B`` steps; ``batch(step)`` is a pure
+    function of the step, so a resumed run reads exactly the batches the uninterrupted one would.
 
     Args:
-        tokens: 1-D token array.
         context: input length T.
         global_batch: windows per step over all ranks B; ``num_replicas`` divides it.
-        num_replicas: data-parallel ranks.
-        rank: this rank's index among them.
         shuffle: reshuffle every epoch (False: windows in order, for held-out data).
-        seed: the sampler's seed.
 
     Raises:
         ConfigurationError: non-positive sizes, ``num_replicas`` not dividing ``global_batch``,
@@ -149,13 +124,11 @@ class TextCorpus:
     Args:
         max_bytes: read files (in sorted order) until this many bytes, the last file cut.
         held_out: fraction of the files read that go to the held-out split (at least one file each side).
-        seed: seed of the Generator that picks the held-out files.
         root: folder to read instead of the standard library (tests use a small one).
 
     Attributes:
         train, val: uint8 token arrays, the files of each split concatenated in sorted order.
         train_files, val_files: the relative paths in each split.
-        vocab_size: 256.
 
     Raises:
         ConfigurationError: ``max_bytes`` < 1, ``held_out`` outside (0, 1), or fewer than two files to split.
@@ -204,14 +177,7 @@ class TextCorpus:
                 seed: int = 0) -> Iterator[Tuple[np.ndarray, np.ndarray]]:
         """Endless ``(inputs, targets)`` batches of random windows (``sample_windows``) from one split.
 
-        Args:
-            split: "train" or "val".
-            batch_size: windows per batch.
-            context: input length.
-            seed: seed of the Generator choosing the windows; the same seed gives the same batches.
-
-        Yields:
-            int64 arrays (batch_size, context): inputs and next-token targets.
+        ``seed``: the same seed gives the same batches. Yields int64 arrays (batch_size, context).
         """
         tokens = self.split(split)
         rng = np.random.default_rng(seed)
