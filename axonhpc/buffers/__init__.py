@@ -1,21 +1,8 @@
 """Flat buffers: the memory every strategy communicates through, and nothing that communicates.
 
-One concept per module:
-
-- ``ops``: where a model's flat buffers live, host (numpy, the compiled
-  nogil copies) or a GPU (cupy), behind one interface (``FlatOps``), chosen
-  once per wrapper by ``flat_ops_for``.
-- ``bucket``: ``FlatBucket``, arrays that are views of one flat buffer
-  (DDP's gradients as bucket views), from the model's memory or a buffer the
-  caller holds (a shared window).
-- ``shard``: ``FlatShard``, arrays as one padded flat vector cut into equal
-  parts (FSDP's flat parameters, ZeRO's shards, the parameter server's
-  slices).
-- the compiled core (``cython_src/``): ``GradientBucket``, ``pack``/``unpack``
-  and the shard arithmetic (``FlatLayout``, ``shard_bounds``, ...).
-
-``axonhpc.bucketing`` re-exports the compiled names (as documented in the
-API) beside ``GradientSynchronizer``, which does communicate.
+``ops`` (host or GPU, behind ``FlatOps``), ``bucket`` (``FlatBucket``: arrays as views of one
+buffer), ``shard`` (``FlatShard``: a padded flat vector cut into equal parts); the compiled core is
+in ``cython_src/``.
 """
 # Imported as modules of the package: the import-linter (grimp) reads only .py
 # files, and names imported from a compiled module it cannot see are charged

@@ -1,19 +1,10 @@
 """FlatBucket: arrays of one dtype that are views of one flat buffer.
 
-DDP's gradient buckets are this (PyTorch's ``gradient_as_bucket_view``):
-each parameter's gradient is a view into its bucket, so backward writes
-straight into the buffer that is all-reduced, with no pack copy. Where the
-buffer comes from is the bucket's allocator, chosen by the caller:
-
-- the memory the model lives in (``FlatOps.zeros``: numpy on the host, cupy's
-  memory pool on a device), the default;
-- memory the caller already holds, passed as ``flat``: a slice of the node's
-  shared-memory window, so an intra-node all-reduce reads the other ranks'
-  buckets in place (``parallel.ddp``'s shared buckets).
-
-The compiled ``GradientBucket`` (``cython_src/_bucket.pyx``) is the other
-kind of bucket: a fixed-capacity buffer that arrays are *copied* into one by
-one, for callers that do not own the arrays' memory.
+DDP's gradients are such views (PyTorch's ``gradient_as_bucket_view``), so backward writes straight
+into the buffer that is all-reduced, with no pack copy. The buffer is the model's memory by default,
+or one the caller holds (a slice of the node's shared window, so an intra-node all-reduce reads the
+other ranks' buckets in place). The compiled ``GradientBucket`` is the other kind: arrays are
+*copied* into it, for callers that do not own their memory.
 """
 from __future__ import annotations
 
@@ -29,17 +20,13 @@ class FlatBucket:
     """Arrays of ``shapes`` in one flat buffer of ``dtype``, back to back, each a view of it.
 
     Args:
-        shapes: the arrays' shapes, in order.
-        dtype: the buffer's dtype.
         ops: the flat-buffer operations of the memory the bucket lives in.
-        flat: the buffer to use (its allocator is then the caller's: a shared
-            window, say), 1-D, of ``dtype`` and exactly ``numel`` elements; None
-            allocates a zeroed one with ``ops``.
+        flat: the buffer to use (a shared window, say), 1-D, of ``dtype`` and exactly ``numel``
+            elements; None allocates a zeroed one with ``ops``.
 
     Attributes:
         flat: the flat buffer (what is communicated).
         views: one array per shape, sharing ``flat``'s memory.
-        numel: elements of the buffer.
 
     Raises:
         ShapeError, UnsupportedDtypeError: ``flat`` does not fit the shapes and dtype.

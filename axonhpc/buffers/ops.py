@@ -1,28 +1,15 @@
 """Flat buffers where a model's arrays live: host memory (the compiled buffers) or a GPU (cupy).
 
-Every strategy keeps its communication in flat buffers: DDP's buckets,
-FSDP's padded flat parameters and shards, ZeRO's per-dtype shards, the
-parameter server's slices, the broadcast that replicates a model. What a
-flat buffer is made of depends only on where the model's parameters live,
-so the choice is made once, when a wrapper is built, by ``flat_ops_for``:
-
-- ``HOST``: numpy buffers; ``pack``/``unpack`` are the compiled nogil copies
-  of ``cython_src/_pack.pyx``.
-- ``DeviceOps``: cupy buffers from cupy's memory pool; pack and unpack are
-  device-to-device copies on the current stream. Nothing passes through the
-  host.
-
-Both offer the same operations (``empty``, ``zeros``, ``pack``, ``unpack``,
-``pack_padded``, ``views``, ``to_host``, ``from_host``), so a strategy
-never branches on the array module. A model whose parameters are partly on
-the host and partly on a device is refused by ``flat_ops_for`` with the
-names of both kinds, before any message is sent.
+What a flat buffer is made of depends only on where the parameters live, so ``flat_ops_for``
+chooses once per wrapper: ``HOST`` (numpy, the compiled nogil copies) or ``DeviceOps`` (cupy,
+device-to-device copies; nothing passes through the host). Both offer the same operations, so a
+strategy never branches on the array module. A model split between host and device is refused
+before any message is sent.
 
 [Note: gradients as bucket views]
-``views(flat, shapes)`` returns arrays that share ``flat``'s memory, one per
-shape, back to back. DDP makes each ``p.grad`` such a view (PyTorch's
-``gradient_as_bucket_view``), so a bucket is all-reduced where backward
-wrote it, with no pack copy, on the host and on the device alike.
+``views(flat, shapes)`` returns arrays sharing ``flat``'s memory, back to back. DDP makes each
+``p.grad`` such a view (PyTorch's ``gradient_as_bucket_view``), so a bucket is all-reduced where
+backward wrote it, with no pack copy, on host and device alike.
 """
 from __future__ import annotations
 
@@ -37,7 +24,7 @@ from ..errors import ConfigurationError, ShapeError, UnsupportedDtypeError
 
 
 class FlatOps:
-    """Flat-buffer operations for one kind of memory (the interface; see the module docstring).
+    """Flat-buffer operations for one kind of memory.
 
     Attributes:
         name: "host" or "device".
@@ -194,10 +181,7 @@ def device_ops() -> DeviceOps:
 def flat_ops_for(arrays: Sequence[Any], names: Sequence[str] = (), what: str = "model") -> FlatOps:
     """The flat-buffer operations for arrays that all live in one kind of memory.
 
-    Args:
-        arrays: the model's arrays (parameters' data, usually).
-        names: their names, for the message (defaults to their positions).
-        what: how to name the owner in the message ("DDP", "FSDP").
+    ``names`` and ``what`` ("DDP", "FSDP") name the arrays and their owner in the message.
 
     Raises:
         ConfigurationError: no arrays, or some on the host and some on a device

@@ -1,20 +1,13 @@
 """FlatShard: arrays of one dtype as one padded flat vector cut into equal parts.
 
-Three strategies keep their state this way: FSDP's flat parameter (one part
-per rank of the shard group), ZeRO-1's optimizer shards (one part per rank)
-and the parameter server's slices (one part per server). The arithmetic is
-``FlatLayout``'s (compiled, ``cython_src/_shard.pyx``): the arrays, in order,
-back to back, zero-padded to a multiple of the number of parts, part ``k``
-being ``[k * n, (k + 1) * n)`` with ``n = padded_numel // parts``. What this
-class adds is the copies between the arrays and such a vector, in the memory
-the model lives in (``FlatOps``: the compiled copies on the host, cupy on a
-device), written once for all three.
+FSDP's flat parameter, ZeRO-1's optimizer shards and the parameter server's slices share this. The
+arithmetic is the compiled ``FlatLayout``'s (padded to a multiple of the parts, part ``k`` being
+``[k * n, (k + 1) * n)``); this class adds the copies, in the model's memory, written once for all three.
 
 [Note: missing arrays]
-Gradients may be absent: a parameter that took no part in a backward has
-``grad is None``. Every copy *into* a flat vector (``pack``, ``pack_part``)
-takes None as zeros of the array's shape, without allocating them, so the
-padded vector a collective sends is the same whatever was missing.
+A parameter that took no part in a backward has ``grad is None``. Every copy *into* a flat vector
+takes None as zeros without allocating them, so the padded vector a collective sends is the same
+whatever was missing.
 """
 from __future__ import annotations
 
@@ -32,15 +25,8 @@ Span = Tuple[int, int, int, int]
 class FlatShard:
     """Arrays of one dtype as one flat vector, zero-padded to a multiple of ``parts``, in ``parts`` parts.
 
-    Args:
-        shapes: the arrays' shapes, in order.
-        dtype: their dtype (and the flat vector's).
-        parts: how many equal parts the padded vector is cut into (>= 1).
-        ops: the flat-buffer operations of the memory the arrays live in.
-
     Attributes:
         layout: the ``FlatLayout`` (shapes, offsets, sizes, numel, padded_numel).
-        ops: the flat-buffer operations; ``xp`` their array module.
         part_numel: elements of one part.
 
     Raises:
@@ -116,9 +102,7 @@ class FlatShard:
     def pack(self, arrays: Sequence[Optional[Any]], out: Any = None) -> Any:
         """The arrays, back to back, into a padded flat vector (None as zeros; see the note).
 
-        Args:
-            arrays: one per shape, None for zeros; an array of another dtype is cast.
-            out: the padded vector to fill (a new one if None).
+        ``arrays``: one per shape, None for zeros, another dtype cast; ``out``: the vector (None: a new one).
         """
         arrays = list(arrays)
         self._check_count(arrays, "FlatShard.pack")
