@@ -1,14 +1,9 @@
 """``axonhpc doctor DIR``: merge the flight recorders of every rank and say who diverged first, and where.
 
-Each rank's dump (``flight-rank<r>.json``, see ``collectives.flight``) lists
-its last collectives with group, sequence number and call. Collectives of one
-group must match across its ranks call by call, so the diagnosis walks each
-group's sequence numbers in order and reports the first one where the ranks
-called different things (operation, dtype, shape, reduce op or root), or
-where some ranks of the group recorded a call and others never reached it.
-Ranks that were still waiting in a call when they dumped are listed too, and
-how often each rank arrived last (``lateness``: the times corrected by each
-dump's clock offset), which names a straggler after the fact.
+A group's collectives must match across its ranks call by call, so the diagnosis walks each group's
+sequence numbers and reports the first where the ranks called different things or some never
+reached it; it lists ranks still waiting when they dumped, and how often each arrived last
+(``lateness``, on rank 0's clock), which names a straggler after the fact.
 """
 from __future__ import annotations
 
@@ -26,9 +21,8 @@ def _read_dump(path: str) -> dict:
     """One rank's dump, checked to have the fields the diagnosis reads.
 
     Raises:
-        ConfigurationError: the file cannot be read, is not JSON (a truncated
-            file: the rank died while writing it, or the disk was full), or
-            is not a flight-recorder dump; the message names the file.
+        ConfigurationError: the file cannot be read, is not JSON (a truncated file: the rank died while
+            writing it, or the disk was full), or is not a flight-recorder dump; the message names the file.
     """
     try:
         with open(path, encoding="utf-8") as f:
@@ -49,10 +43,7 @@ def _read_dump(path: str) -> dict:
 def load_dumps(directory: str, broken: Optional[List[str]] = None) -> Dict[int, dict]:
     """rank -> its dump, for every ``flight-rank*.json`` in ``directory``.
 
-    Args:
-        directory: the ``AXONHPC_FLIGHT_DIR`` of the job.
-        broken: where to put a line for each file that cannot be used (it is
-            then skipped and the other dumps are used); None raises instead.
+    ``broken``: where to put a line for each unusable file (then skipped); None raises instead.
 
     Raises:
         NotFoundError: the folder does not exist or holds no usable dump.
@@ -147,8 +138,7 @@ def diagnose(dumps: Dict[int, dict]) -> List[str]:
 def lateness(dumps: Dict[int, dict], margin: float = 0.001) -> List[str]:
     """Per-rank lateness: in how many recorded calls each rank arrived last, later than the next by ``margin`` s.
 
-    Every call that all ranks of its group recorded is compared, each rank's
-    time put on rank 0's clock with the ``clock_offset`` its dump carries.
+    Every call all ranks of its group recorded is compared, on rank 0's clock (each dump's ``clock_offset``).
     """
     arrivals: Dict[Tuple[str, Tuple[int, ...], int], Dict[int, float]] = {}
     for rank, data in dumps.items():
@@ -183,8 +173,7 @@ def lateness(dumps: Dict[int, dict], margin: float = 0.001) -> List[str]:
 def main(directory: str, out: Optional[Any] = None) -> int:
     """Print the diagnosis of ``directory``; 0 when a report was made, 2 without usable dumps.
 
-    A dump that cannot be read (truncated, not JSON) is named on stderr and
-    skipped; the diagnosis uses the others (and says which ranks have none).
+    An unreadable dump is named on stderr and skipped; the diagnosis uses the others.
     """
     import sys
 

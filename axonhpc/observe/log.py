@@ -1,27 +1,16 @@
 """One logger, "axonhpc", with the rank on every line; INFO and DEBUG from rank 0 only by default.
 
 [Note: logging]
-Every message of the library, and of user code that asks
-``ax.get_logger("myapp")``, goes through the standard ``logging`` module
-under the logger "axonhpc" and reaches one handler on stderr that prints::
+Every message of the library, and of ``ax.get_logger("myapp")``, goes to one stderr handler::
 
     [axonhpc rank 3/8] 2026-11-26 18:40:01 WARNING axonhpc.collectives: rank 3 has waited 30.0 s in ...
 
-so that the interleaved output of many ranks can be told apart and
-filtered (``grep "rank 3/"``), and when. On N ranks, N copies of every progress line
-would bury the one that matters, so INFO and DEBUG records are shown only
-from the ranks in ``ax.settings.log_ranks`` (default "0"; "all" or "0,5");
-WARNING and above come from every rank, since a rank's own trouble is
-reported only by that rank. ``ax.settings.log_level`` sets the threshold.
-Both settings are read at each record, so changing them takes effect at once.
-
-The rank is that of the caller's world (each thread rank of ``ax.run_local``
-has its own); before ``ax.init`` it is the launcher's (SLURM, PMI, Open MPI
-variables), or "?".
-
-The "axonhpc" logger does not propagate to the root logger (no line is
-printed twice under ``logging.basicConfig``); add handlers to
-``logging.getLogger("axonhpc")`` to send the records elsewhere.
+so interleaved ranks can be told apart (``grep "rank 3/"``). N copies of every progress line would
+bury the one that matters, so INFO and DEBUG come only from ``ax.settings.log_ranks`` (default "0";
+"all" or "0,5"); WARNING and above from every rank, since a rank's trouble is reported only by it.
+``log_level`` and ``log_ranks`` are read at each record. The rank is the caller's world's (each
+``run_local`` thread its own), else the launcher's, or "?". The logger does not propagate to the
+root (no line twice under ``logging.basicConfig``); add handlers to ``logging.getLogger("axonhpc")``.
 """
 from __future__ import annotations
 
@@ -45,7 +34,7 @@ def set_rank_source(source: Callable[[], Optional[Tuple[int, int]]]) -> None:
 def world_facts() -> Optional[Tuple[int, int]]:
     """``(rank, world size)`` of the caller's world (a ``run_local`` thread's own), or None before ``ax.init``.
 
-    For the layers that may not import the groups (``data``'s sampler); it never builds a world.
+    For the layers that may not import the groups; it never builds a world.
     """
     return _rank_source() if _rank_source is not None else None
 

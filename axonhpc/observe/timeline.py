@@ -1,28 +1,17 @@
 """``ax.timeline``: every rank's spans, merged into one Chrome trace that Perfetto opens.
 
 [Note: the timeline]
-``with ax.timeline("trace.json"):`` records, on every rank of the group,
-spans of forward and backward (DDP, FSDP units, pipeline actions), each
-DDP bucket's all-reduce, optimizer steps and every collective and
-point-to-point call (``axonhpc.observe.tracing``). Entering is collective: a barrier,
-after which each rank reads its clock, so the ranks' zero points differ only
-by the barrier's skew (microseconds on one node). Leaving is collective too:
-each rank's spans travel to group rank 0 (one gather of JSON bytes), which
-writes one file, atomically (temporary name, then rename).
+``with ax.timeline("trace.json"):`` records on every rank spans of forward and backward, DDP
+buckets' all-reduces, optimizer steps and every collective and point-to-point call. Entering is a
+barrier after which each rank reads its clock, so zero points differ by the barrier's skew
+(microseconds on one node). Leaving gathers every rank's spans to group rank 0, which writes one
+file atomically. Each rank is a process (``pid`` = world rank) with compute, comm and buckets
+threads. A communication span ends when its completion was *seen*, so it bounds the transfer above.
 
-In the file each rank is a process (``pid`` = world rank, named
-"rank r") with three threads: compute, comm and buckets. A communication
-span runs from the call to the moment its completion was *seen* (for an
-asynchronous call, a ``wait`` or a test that found it done), so it is an
-upper bound on the transfer.
-
-If the body raises, no rank communicates on the way out (the others may
-not be there): each rank writes its own spans to ``<path>.rank<r>.json``
-and the error propagates. ``merge_files`` (and ``axonhpc timeline merge``)
-joins such per-rank files, and those written at exit when the setting
-``timeline_dir`` (``AXONHPC_TIMELINE_DIR``) records a whole run; rank files
-are aligned by their wall clocks, which on several nodes are only as close
-as the nodes' clock synchronisation.
+If the body raises, no rank communicates on the way out (the others may not be there): each writes
+``<path>.rank<r>.json`` and the error propagates. ``merge_files`` (``axonhpc timeline merge``) joins
+such files and those of ``timeline_dir`` (``AXONHPC_TIMELINE_DIR``), aligned by wall clocks (across
+nodes only as close as their clock synchronisation).
 """
 from __future__ import annotations
 

@@ -1,24 +1,11 @@
 """Spans of work on this rank: what ``ax.timeline`` records.
 
 [Note: recording spans]
-A ``Recorder`` holds one rank's spans: ``(name, lane, start, end, args)``
-with times in seconds of ``time.perf_counter`` since the recorder's origin.
-Code that does work worth seeing asks ``active()`` for the recorder and, when
-there is one, adds a span; when none is installed that is one lookup and a
-``None`` test, so recording costs nothing when it is off.
-
-A recorder is installed for the calling thread (thread ranks of
-``ax.run_local`` each have their own) and, for a process that is one rank,
-for the whole process, so that spans added from other threads (a callback
-that fires when a transfer completes) land on the same rank.
-
-Lanes become the rows (threads) of a rank in the Chrome trace: ``compute``
-(forward, backward, optimizer steps, pipeline actions), ``comm`` (every
-collective and point-to-point call, from its start to the moment its
-completion was seen) and ``buckets`` (DDP's gradient buckets).
-
-This module sits at the bottom of the layers (it knows nothing of
-communication); ``axonhpc.observe.timeline`` (``ax.timeline``) aligns the ranks and writes the file.
+A ``Recorder`` holds one rank's spans ``(name, lane, start, end, args)`` in ``perf_counter`` seconds
+since its origin. Code asks ``active()`` and adds a span when there is one, so recording off costs
+one lookup and a ``None`` test. A recorder is installed for the thread (each ``run_local`` rank has
+its own) and, for a one-rank process, process-wide, so spans from other threads (a completion
+callback) land on the same rank. Lanes (compute, comm, buckets) become a rank's rows in the trace.
 """
 from __future__ import annotations
 
@@ -49,12 +36,7 @@ EVER_INSTALLED = False  # no recorder has been installed yet: hot paths skip ``a
 
 
 class Recorder:
-    """The spans of one rank since ``origin`` (a ``time.perf_counter`` reading).
-
-    Args:
-        rank: the world rank whose spans these are.
-        origin: the ``perf_counter`` time that becomes 0 in the trace.
-    """
+    """The spans of one rank since ``origin`` (a ``time.perf_counter`` reading, 0 in the trace)."""
 
     def __init__(self, rank: int, origin: Optional[float] = None):
         self.rank = int(rank)
