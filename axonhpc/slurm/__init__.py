@@ -1,10 +1,7 @@
 """SLURM batch scripts from the templates in ``slurm/``: ``axonhpc slurm render``.
 
-The package's names are importable from here; each lives in the module of
-its one idea: ``options`` (``SlurmOptions``, validated, and the shell quoting
-of their values: [Note: quoting]), ``syntax`` (the template language,
-``render`` and ``template_names``: [Note: template syntax]) and ``templates``
-(the files in ``slurm/``: finding one, rendering it with ``SlurmOptions``).
+``options`` (``SlurmOptions`` and [Note: quoting]), ``syntax`` ([Note: template syntax]) and
+``templates`` (the files in ``slurm/``).
 """
 from ..errors import MissingValueError, TemplateError, TemplateNotFoundError
 from . import options, templates

@@ -1,15 +1,11 @@
 """The options of ``axonhpc slurm render``: ``SlurmOptions``, validated, and the shell quoting of their values.
 
 [Note: quoting]
-Scheduler values (counts, the time limit, partition, account, job name,
-directories) are validated against narrow patterns and inserted as they are:
-they land in ``#SBATCH`` lines, which sbatch reads itself, where shell quotes
-would be taken literally. The program and its arguments are arbitrary text and
-are shell-quoted word by word (``shlex.quote``); a word holding a control
-character (a newline, a tab, ...) is written in bash's ``$'...'`` form instead,
-so every rendered value is a single line. ``render`` refuses any value with a
-line break, so no value can end a comment or an ``#SBATCH`` line and start a
-command of its own.
+Scheduler values are validated against narrow patterns and inserted as they are: they land in
+``#SBATCH`` lines, which sbatch reads itself, where shell quotes would be taken literally. The program
+and its arguments are arbitrary text, shell-quoted word by word (``shlex.quote``; a word with a
+control character in bash's ``$'...'`` form), so every value is one line. ``render`` refuses any
+value with a line break, so no value can end a comment or ``#SBATCH`` line and start a command.
 """
 from __future__ import annotations
 
@@ -47,13 +43,6 @@ _ANSI_C_ESCAPES = {"\n": "\\n", "\t": "\\t", "\r": "\\r", "\\": "\\\\", "'": "\\
 
 def shell_quote(word: str) -> str:
     """``word`` as one bash word that expands to exactly ``word``, written on one line.
-
-    Args:
-        word: any text without a NUL byte (no program argument can hold one).
-
-    Returns:
-        ``shlex.quote(word)``, or for words with control characters the
-        ``$'...'`` form with those characters escaped.
 
     Raises:
         ConfigurationError: ``word`` contains a NUL byte.
@@ -96,10 +85,7 @@ def _matching(name: str, value: Any, pattern: "re.Pattern[str]", what: str) -> s
 
 
 def parse_time(text: Any) -> int:
-    """Seconds in a SLURM time limit.
-
-    Accepts SLURM's forms: ``MM``, ``MM:SS``, ``HH:MM:SS``, ``D-HH``,
-    ``D-HH:MM``, ``D-HH:MM:SS``.
+    """Seconds in a SLURM time limit: ``MM``, ``MM:SS``, ``HH:MM:SS``, ``D-HH``, ``D-HH:MM``, ``D-HH:MM:SS``.
 
     Raises:
         ConfigurationError: another form, a field out of range, or zero.
@@ -257,8 +243,7 @@ class SlurmOptions:
     def placeholders(self, template: str = "job") -> Dict[str, Any]:
         """The values ``render`` gets: validated, defaults applied, the command quoted.
 
-        Args:
-            template: the template's name, for the default job name.
+        ``template``: the template's name, for the default job name.
         """
         default_name = f"axonhpc-{template}"
         signal = self.signal_seconds

@@ -104,16 +104,8 @@ def template_names(template_text: str) -> Set[str]:
 def render(template_text: str, /, **values: Any) -> str:
     """Fill a template: placeholders, line guards and ``#@`` lines (see [Note: template syntax]).
 
-    A pure function of its arguments. Values are inserted as given (callers
-    quote; ``SlurmOptions.placeholders`` does): ``str`` and ``int`` values,
-    with ``None`` meaning "not given"; ``bool`` values only work in guards.
-
-    Args:
-        template_text: the template.
-        **values: one entry for every option the template names.
-
-    Returns:
-        The batch script.
+    A pure function. Values are inserted as given (callers quote; ``SlurmOptions.placeholders`` does):
+    ``str`` and ``int``, ``None`` meaning "not given"; ``bool`` values only work in guards.
 
     Raises:
         MissingValueError: a placeholder or check needs a value that is None.

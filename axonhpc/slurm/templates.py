@@ -1,9 +1,4 @@
 """The template files: ``slurm/`` beside the package, finding one by name or path, rendering it with ``SlurmOptions``.
-
-What ``axonhpc slurm render`` does: ``render_file`` finds the template
-(``find_template``) and renders it with validated options
-(``render_options``), which, unlike ``syntax.render``, refuses an option
-given explicitly that the template never uses.
 """
 from __future__ import annotations
 
@@ -71,14 +66,8 @@ def template_name(path: Path) -> str:
 def render_options(template_text: str, options: SlurmOptions, name: str = "job") -> str:
     """Render a template with validated options; what ``axonhpc slurm render`` prints.
 
-    Unlike ``render``, an option set explicitly that the template never uses
-    is an error (``--gpus-per-node`` for a CPU template is a mistake, not a
-    detail to drop), and messages name the template.
-
-    Args:
-        template_text: the template.
-        options: the validated options.
-        name: the template's name, for messages and the default job name.
+    Unlike ``render``, an option set explicitly that the template never uses is an error
+    (``--gpus-per-node`` for a CPU template is a mistake, not a detail to drop).
 
     Raises:
         TemplateError: as ``render``, or an option the template does not use.
