@@ -1,45 +1,20 @@
 """``axonhpc bench allreduce``: OSU-style all-reduce table against raw mpi4py.
 
-Run under MPI, e.g. ``mpiexec -n 2 axonhpc bench allreduce``. For each size
-(float32, in place) it times ``ax.all_reduce`` and mpi4py's
-``Allreduce(MPI.IN_PLACE, x)`` on the same buffer in interleaved rounds and
-prints the medians, the algorithm bandwidth (bytes / time), the bus bandwidth
-(algbw * 2(n-1)/n, the traffic each rank's link really carries in a ring),
-the ratio raw/ours (1.00 = as fast as raw MPI), and numpy ``copyto``
-bandwidth with every rank copying at once, as the memory limit. "ours" is
-``ax.all_reduce`` as configured (through the node's shared memory from
-``settings.shm_min_bytes`` on, when all ranks share a node); "MPI path" is
-the same call with ``shm_collectives="off"``. Bytes each rank must move
-through memory: its message read once and its result written once, 2 x the
-message size, which is what one ``copyto`` of the message moves (a read and
-a write), so the bound is the ``copyto`` time and "of bound" is that time
-divided by ours. (The shared-memory all-reduce meets it: its slots and the
-reduction stay in the cache.) A second
-table compares synchronising 100 gradients of 1 KiB one by one against one
-fused bucket (``GradientSynchronizer``: pack, one all-reduce, unpack).
+Run under MPI (``mpiexec -n 2 axonhpc bench allreduce``). For each size (float32, in place) it times
+``ax.all_reduce`` ("ours", through the node's shared memory when the ranks share a node; "MPI path"
+with ``shm_collectives="off"``) and mpi4py's ``Allreduce(MPI.IN_PLACE, x)`` in interleaved rounds,
+and prints medians, algorithm and bus bandwidth (algbw * 2(n-1)/n), the ratio raw/ours, and numpy
+``copyto`` with every rank copying at once as the memory bound: a rank must read its message and
+write its result, 2 x the message size, which is what one ``copyto`` moves, so "of bound" is the
+``copyto`` time over ours. A second table compares 100 gradients of 1 KiB one by one with one fused
+bucket (``GradientSynchronizer``).
 
-``--collectives`` adds a table of all-gather (the size is the gathered
-result), reduce-scatter (the size is the input) and broadcast: ``ax``'s call
-against the raw mpi4py one, in the same interleaved rounds, both writing
-into buffers made once (``out=``).
-
-``--device gpu`` runs the table on cupy arrays instead, NCCL against
-CUDA-aware MPI against MPI staged through pinned host memory (see
-``bench.allreduce_gpu``); without a CUDA device it refuses with exit status 2.
-
-``--check-cost`` prints what the always-on agreement check adds
-(``settings.check_collectives``, see ``collectives.agreement``): each
-size's all-reduce through the shared-memory path and through the MPI path
-(``shm_collectives="off"``, as across nodes), each with the check on and
-off in the same interleaved rounds, and the added fraction.
-
-``--straggler-cost`` does the same for the straggler comparison
-(``settings.straggler_every``, see ``collectives.stragglers``).
-
-``--algorithms native,ring,rhd,hierarchical`` also times
-``ax.all_reduce(x, algorithm=name)`` for each name in the same interleaved
-rounds and prints a second table: each algorithm's median time and its ratio
-raw/algorithm at every size.
+- ``--collectives``: all-gather (size: the result), reduce-scatter (size: the input) and broadcast
+  against raw mpi4py, both into buffers made once.
+- ``--device gpu``: cupy arrays (``bench.allreduce_gpu``); exit status 2 without a CUDA device.
+- ``--check-cost``: what the always-on agreement check adds, on the shared-memory and the MPI path.
+- ``--straggler-cost``: the same for the straggler comparison.
+- ``--algorithms native,ring,rhd,hierarchical``: each algorithm's median and ratio raw/algorithm.
 """
 from __future__ import annotations
 
@@ -81,11 +56,7 @@ def _raw_world() -> Tuple[Any, Callable[[float], float]]:
 def run_sizes(sizes: List[int], rounds: int, algorithms: Sequence[str] = ()) -> List[dict]:
     """Rows of the bandwidth table (every rank runs it; rank 0's rows are the job's).
 
-    Args:
-        sizes: message sizes in bytes.
-        rounds: interleaved rounds; medians are reported.
-        algorithms: all-reduce algorithms timed as well (``row["algorithms"][name]``
-            is the median in microseconds).
+    ``algorithms``: all-reduce algorithms timed as well (``row["algorithms"][name]``: median, us).
     """
     from mpi4py import MPI
 
@@ -181,10 +152,8 @@ def _with_settings(call, **values):
 def run_setting_cost(sizes: List[int], rounds: int, name: str, off: Any, on: Any) -> List[dict]:
     """All-reduce with setting ``name`` at ``on`` and at ``off``, on the shared-memory and the MPI path (medians, us).
 
-    Each candidate changes the settings only when the one before it left
-    others (once per batch of calls, not per call: a change of the settings
-    makes the next call choose its route again). Every rank runs the
-    candidates in the same order, so they change the setting at the same call.
+    A candidate changes the settings only when the one before it left others (a change makes the next
+    call choose its route again); every rank runs them in the same order, so all change at the same call.
     """
     from mpi4py import MPI
 

@@ -1,34 +1,20 @@
 """``axonhpc bench allreduce --device gpu``: NCCL against CUDA-aware MPI against staged MPI on cupy arrays.
 
-UNTESTED ON A GPU: no device was available where this was written. Without a
-CUDA device the command refuses ("no CUDA device: ...") with exit status 2,
-which is tested.
+UNTESTED ON A GPU: no device was available where this was written. Without a CUDA device the command
+refuses ("no CUDA device: ...") with exit status 2, which is tested.
 
-For each size (float32, in place, one GPU per rank) it times, in interleaved
-rounds, the paths a cupy array can take:
+For each size (float32, in place, one GPU per rank) it times in interleaved rounds:
 
-- ``nccl``: ``NCCLBackend.all_reduce`` (its own communicator over COMM_WORLD);
-- ``mpi-direct``: mpi4py's ``Allreduce`` on the device buffer, only when MPI
-  is CUDA-aware (``backends.cuda_aware``: a device pointer would crash an MPI
-  that is not, so the column reads n/a then);
-- ``mpi-staged``: the MPI backend's staging of the whole array through
-  reusable pinned host buffers (copy to the host, all-reduce, copy back);
-- ``pipelined``: ``ax.all_reduce`` on the world's group when that group
-  stages cupy arrays (MPI not CUDA-aware, no NCCL: run with
-  ``AXONHPC_BACKEND=mpi`` on a machine that has NCCL): arrays above
-  ``settings.staging_chunk_bytes`` go through ``collectives.staged_path``'s
-  chunked pipeline.
+- ``nccl``: ``NCCLBackend.all_reduce``;
+- ``mpi-direct``: mpi4py's ``Allreduce`` on the device buffer, only when MPI is CUDA-aware (a device
+  pointer would crash one that is not: n/a then);
+- ``mpi-staged``: the whole array through pinned host buffers;
+- ``pipelined``: ``ax.all_reduce`` when the world stages cupy arrays (``AXONHPC_BACKEND=mpi`` on a
+  machine with NCCL), chunked above ``settings.staging_chunk_bytes``;
 
-and the pipeline's three stages alone, on the same array: ``d2h`` (the
-blocking copy into a pinned buffer), ``host`` (``ax.all_reduce`` of a numpy
-array of that size: the node's shared-memory engine on one node) and ``h2d``
-(the copy back, waited for). The pipeline's bound is the slowest stage
-(``max``: perfect overlap); the table reports bound / pipelined, which the
-pipeline should keep at 0.8 or above from 64 MiB, and the sum of the stages
-(what staging the whole array costs at best).
-
-It prints each median time and the bus bandwidth (algbw * 2(n-1)/n, the
-traffic on each rank's link in a ring), and the ratio staged/NCCL.
+and the pipeline's stages alone: ``d2h``, ``host`` (``ax.all_reduce`` of a numpy array of that size)
+and ``h2d``. The bound is the slowest stage (perfect overlap); bound / pipelined should stay at 0.8 or
+above from 64 MiB. It prints medians, bus bandwidth (algbw * 2(n-1)/n) and staged/NCCL.
 """
 from __future__ import annotations
 
@@ -180,10 +166,7 @@ def run(sizes: List[int], rounds: int) -> tuple:
 def main(sizes: Optional[List[int]] = None, rounds: int = 7, facts: Optional[DeviceFacts] = None) -> int:
     """Run the GPU table (``axonhpc bench allreduce --device gpu``); 2 with a message when there is no device.
 
-    Args:
-        sizes: message sizes in bytes (default ``DEFAULT_SIZES``).
-        rounds: interleaved rounds; medians are reported.
-        facts: the device facts (looked up when None).
+    ``facts``: the device facts (looked up when None).
     """
     why = refusal(device_facts() if facts is None else facts)
     if why is not None:

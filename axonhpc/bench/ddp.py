@@ -1,27 +1,16 @@
 """``axonhpc bench ddp``: DDP weak scaling on 1 and 2 ranks, beside PyTorch DDP (gloo).
 
-Run it *without* mpiexec: the command is a driver that launches its own
-workers, ``mpiexec -n 1`` and ``mpiexec -n 2`` (the mpiexec beside this
-Python, else the one on PATH), with BLAS and OpenMP pinned to one thread per
-rank, and the same per-rank batch on both: perfect weak scaling keeps the
-step time constant, so the efficiency is T1 / T2.
+Run it *without* mpiexec: the driver launches ``mpiexec -n 1`` and ``-n 2`` workers with BLAS and
+OpenMP pinned to one thread per rank and the same per-rank batch, so the efficiency is T1 / T2.
 
 [Note: what one worker job measures]
-One job (one ``mpiexec -n N``) builds the MLP three times and times, in
-rounds whose order rotates, the plain model with no wrapper ("compute": the
-ceiling set by the ranks sharing the machine), DDP with ``OVERLAPPED`` and
-DDP with ``SYNCHRONOUS``. Every step starts after an untimed barrier; a
-step's time is the maximum over ranks, and a job reports the median over
-its timed steps. For OVERLAPPED it also reports the medians of
-``ddp.last_step`` (the final wait, and how many buckets had completed before
-it: the evidence of overlap) and the time of one raw ``MPI_Allreduce`` of
-all the gradients, the floor for any synchronisation. The PyTorch job does
-the same for its plain model and for ``DistributedDataParallel`` with gloo,
-rank and size taken from the launcher's ``PMI_RANK`` / ``PMI_SIZE``.
-
-The machine is noisy, so the driver repeats the 1-rank and 2-rank jobs in
-alternating order ``--repeats`` times and reports the median of the job
-medians.
+One job times, in rotating rounds, the plain model ("compute": the ceiling set by the ranks sharing
+the machine), DDP ``OVERLAPPED`` and DDP ``SYNCHRONOUS``. Each step starts after an untimed barrier;
+its time is the maximum over ranks, and the job reports the median. OVERLAPPED also reports
+``ddp.last_step`` (the final wait and the buckets done before it: the evidence of overlap) and one
+raw ``MPI_Allreduce`` of all gradients, the floor for any synchronisation. The PyTorch job does the
+same with gloo. The machine is noisy, so the 1- and 2-rank jobs alternate ``--repeats`` times and
+the median of job medians is reported.
 """
 from __future__ import annotations
 
@@ -76,8 +65,7 @@ def parameter_count(sizes: Sequence[int]) -> int:
 def make_mlp(sizes: Sequence[int], relu_in_linear: bool = False):
     """The benchmarks' float32 MLP with these widths (Linear, then ReLU between layers; fixed seeds).
 
-    ``relu_in_linear``: each ReLU is the ``activation`` of the Linear before it (its bias added in
-    the ReLU's kernel on cupy), the same model and numbers.
+    ``relu_in_linear``: each ReLU is the ``activation`` of the Linear before it; the same numbers.
     """
     from ..nn import Linear, ReLU, Sequential
 
@@ -269,9 +257,8 @@ def run_job(mpiexec: str, kind: str, n: int, args, timeout: float) -> dict:
 def summarize(jobs: Dict[int, List[dict]]) -> List[dict]:
     """Table rows: per config, the median over repeats of each rank count's job median.
 
-    The efficiencies are medians of per-repeat ratios: the 1-rank and 2-rank
-    jobs of one repeat run back to back, so a slow spell of the machine
-    (they last seconds to minutes on shared hosts) hits both sides of a ratio.
+    Efficiencies are medians of per-repeat ratios: one repeat's jobs run back to back, so a slow spell of
+    the machine hits both sides of a ratio.
     """
     rows = []
     configs = [c for c in LABELS if all(c in j["configs"] for n in RANKS for j in jobs[n])]

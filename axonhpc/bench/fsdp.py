@@ -1,21 +1,15 @@
 """``axonhpc bench fsdp``: step time, per-rank memory and communication of NO_SHARD, SHARD_GRAD_OP, FULL_SHARD.
 
-Run it *without* mpiexec: the driver launches one worker job per rank count
-(``--ranks 2,4``) with BLAS pinned to one thread per rank, and repeats them
-``--repeats`` times.
+Run it *without* mpiexec: one worker job per rank count (``--ranks 2,4``), BLAS pinned to one
+thread per rank, ``--repeats`` times.
 
 [Note: what one worker job measures]
-The job trains the same MLP (float32, Adam) under plain ``ax.DDP`` (the
-baseline from the same run) and under FSDP with each strategy, in rounds
-whose order rotates; a step's time is the maximum over ranks after an
-untimed barrier, and the job reports the median over its timed steps. After
-timing, each configuration reports from its own arrays: the persistent bytes
-per rank (parameters + gradients + optimizer state; for DDP those of the
-model and its optimizer), the peak that ``fsdp.memory_stats`` saw during one
-more step, and the bytes each rank sends per step by a bandwidth-optimal
-algorithm for the collectives really issued (``fsdp.comm``; for DDP the
-gradient all-reduce, ``2 (N - 1) / N`` of the gradients). The ZeRO paper's
-communication figures are 1x DDP for stage 2 and 1.5x for stage 3.
+The job trains one MLP (float32, Adam) under ``ax.DDP`` (the baseline) and FSDP with each strategy,
+in rotating rounds; a step's time is the maximum over ranks after an untimed barrier, and the job
+reports the median. Each configuration then reports its persistent bytes per rank (parameters,
+gradients, optimizer state), the peak ``fsdp.memory_stats`` saw in one more step, and the bytes each
+rank sends per step by a bandwidth-optimal algorithm for the collectives issued (DDP:
+``2 (N - 1) / N`` of the gradients). The ZeRO paper's figures are 1x DDP for stage 2, 1.5x for stage 3.
 """
 from __future__ import annotations
 

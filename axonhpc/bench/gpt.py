@@ -1,33 +1,18 @@
 """``axonhpc bench gpt``: a GPT training step beside PyTorch's, and tokens/s of 2-rank layouts beside one process.
 
-Run it without mpiexec. Two parts, one run:
+Run it without mpiexec. Two parts:
 
-- **The step, on one thread or one GPU.** ``nn.GPT`` (pre-LayerNorm blocks, exact GELU,
-  causal attention, untied head), ``CrossEntropyLoss`` and ``optim.AdamW``:
-  zero_grad, forward, loss, backward, step. Beside it the same model in
-  PyTorch eager, as its users write it (``nn.Linear``, ``nn.LayerNorm``,
-  ``F.scaled_dot_product_attention(is_causal=True)``, ``F.cross_entropy``,
-  ``torch.optim.AdamW``), loaded with our initial weights, so both start
-  from one loss (printed: the check that they are the same model). numpy's
-  BLAS and torch are pinned to one thread; the two steps alternate in
-  rounds whose order rotates, and the medians are reported with their
-  ratio, then the ten functions of our step with the most time of their own
-  (cProfile). ``--device cuda`` runs both on the GPU (cupy and torch's
-  CUDA); every step reads its loss, so each timed step ends with the device
-  idle.
-- **Scaling on this machine, with the settings a user gets.** Worker jobs
-  (``mpiexec -n N python -m axonhpc.bench.gpt --worker``) train
-  ``ParallelGPT`` on one process and on ``--ranks`` ranks as dp, dp with
-  FSDP, tp and pp, from an environment without ``OMP_NUM_THREADS``,
-  ``OPENBLAS_NUM_THREADS`` and ``MKL_NUM_THREADS``: ``ax.init`` sizes the
-  thread pools as it would for the user (``axonhpc.threads``). Each job
-  reports the tokens per second of its timed steps (the slowest rank's
-  time); the table gives the median over ``--repeats`` jobs and the ratio
-  to one process. It runs on the CPU only: ``--device cuda`` skips it and
-  says so.
+- **The step, on one thread or one GPU.** ``nn.GPT`` with ``CrossEntropyLoss`` and ``optim.AdamW``
+  beside the same model in PyTorch eager as its users write it, loaded with our weights (both print
+  one starting loss: the check they are the same model). BLAS and torch pinned to one thread; the
+  steps alternate in rotating rounds; medians, their ratio, then the ten functions of our step with
+  the most own time (cProfile). ``--device cuda`` runs both on the GPU, each step reading its loss.
+- **Scaling on this machine, with the settings a user gets.** Worker jobs train ``ParallelGPT`` on
+  one process and on ``--ranks`` ranks as dp, dp with FSDP, tp and pp, without ``OMP_NUM_THREADS``
+  and friends, so ``ax.init`` sizes the thread pools as for the user. The table gives the median
+  tokens/s over ``--repeats`` jobs and the ratio to one process. CPU only.
 
-Tests never assert these times; docs/performance.md quotes them with the
-machine they came from.
+Tests never assert these times; docs/performance.md quotes them with the machine they came from.
 """
 from __future__ import annotations
 

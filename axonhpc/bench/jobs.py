@@ -53,11 +53,8 @@ def run_worker_job(mpiexec: str, n: int, module: str, worker_args: List[str], la
                    timeout: float, env: Optional[Dict[str, str]] = None, mpiexec_args: Sequence[str] = ()) -> dict:
     """Run ``python -m module --out FILE *worker_args`` on ``n`` ranks; return rank 0's JSON result.
 
-    ``env``: the job's environment (default ``worker_env()``: one BLAS thread per rank).
-    ``mpiexec_args``: more options for mpiexec (``--with-ft ulfm``).
-
-    Open MPI gets its root and oversubscription flags (more ranks than cores
-    is normal for these benchmarks on a small machine).
+    ``env``: default ``worker_env()`` (one BLAS thread per rank); ``mpiexec_args``: e.g. ``--with-ft ulfm``.
+    Open MPI gets its root and oversubscription flags (more ranks than cores is normal here).
 
     Raises:
         BenchError: the job failed, timed out or wrote no result; the message
@@ -96,10 +93,8 @@ def drive(name: str, run_jobs: Callable[[str], Any], table: Callable[[Any], str]
     """A driver's life: refuse to run under mpiexec, find mpiexec, run the jobs, print the table.
 
     Args:
-        name: the benchmark, for messages (``axonhpc bench NAME: ...``).
         run_jobs: ``run_jobs(mpiexec)`` runs every job and returns their results.
         table: the text printed from those results.
-        json_path: also write the results there as JSON.
         mpiexec_problem: why this mpiexec cannot run these jobs, or None.
 
     Returns:

@@ -1,14 +1,11 @@
 """``python -m axonhpc.bench.pack``: the compiled pack against numpy, in one process.
 
-Two comparisons, each timed in interleaved rounds (medians):
+Interleaved rounds (medians) of two comparisons:
 
-- bandwidth: ``pack`` of a bucket of ``nbytes`` (split into ``count`` arrays)
-  into a preallocated flat buffer, against ``numpy.copyto`` of one array of the
-  same byte count (the memory-bandwidth ceiling of a single copy). The ratio
-  is ours / numpy's bandwidth; 1.00 means pack copies as fast as memcpy.
-- fusion overhead: ``pack`` of many small arrays into a preallocated buffer,
-  against ``numpy.concatenate`` of the same arrays into the same buffer
-  (``out=``). The ratio is numpy's time / ours; above 1 pack is cheaper.
+- bandwidth: ``pack`` of ``nbytes`` in ``count`` arrays into a preallocated buffer, against one
+  ``numpy.copyto`` of the same bytes (the single-copy ceiling); ours / numpy's, 1.00 = memcpy speed.
+- fusion overhead: ``pack`` of many small arrays against ``numpy.concatenate(..., out=)``; numpy's
+  time / ours, above 1 pack is cheaper.
 """
 from __future__ import annotations
 
@@ -38,17 +35,12 @@ def run(bandwidth_cases: Optional[Sequence[Tuple[int, int]]] = None,
     """Time pack against its numpy baselines.
 
     Args:
-        bandwidth_cases: ``(count, total_bytes)`` pairs compared with ``copyto``
-            (None: ``DEFAULT_BANDWIDTH_CASES``).
-        small_cases: ``(count, bytes_each)`` pairs compared with ``concatenate``
-            (None: ``DEFAULT_SMALL_CASES``).
-        repeats: interleaved rounds per case; the median is reported.
+        bandwidth_cases: ``(count, total_bytes)`` pairs compared with ``copyto`` (None: the defaults).
+        small_cases: ``(count, bytes_each)`` pairs compared with ``concatenate`` (None: the defaults).
 
     Returns:
-        One dict per case: ``case``, ``count``, ``nbytes``, ``baseline``
-        (its name), ``ours_s`` and ``baseline_s`` (median seconds per call),
-        ``ours_gbps`` and ``baseline_gbps``, and ``ratio`` (baseline time over
-        ours: above 1 means pack is faster).
+        One dict per case: ``case``, ``count``, ``nbytes``, ``baseline``, ``ours_s`` and ``baseline_s``
+        (median seconds per call), ``ours_gbps``, ``baseline_gbps``, and ``ratio`` (baseline time over ours).
     """
     rows: List[Dict[str, object]] = []
 
@@ -78,14 +70,7 @@ def run(bandwidth_cases: Optional[Sequence[Tuple[int, int]]] = None,
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Print the table of ``run()`` (``axonhpc bench pack``; no options but ``--help``).
-
-    Args:
-        argv: the command-line words after ``pack`` (None: none).
-
-    Returns:
-        0, the exit status.
-    """
+    """Print the table of ``run()`` (``axonhpc bench pack``; no options but ``--help``); returns 0."""
     import argparse
 
     argparse.ArgumentParser(prog="axonhpc bench pack",

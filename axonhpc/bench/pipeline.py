@@ -1,23 +1,15 @@
 """``axonhpc bench pipeline``: pipeline schedules on 2 and 4 ranks, measured bubble beside the formula.
 
-Run it *without* mpiexec: the command is a driver that launches its own
-workers, ``mpiexec -n 2`` and ``mpiexec -n 4`` (the mpiexec beside this
-Python, else the one on PATH), with BLAS and OpenMP pinned to one thread per
-rank.
+Run it *without* mpiexec: the driver launches ``mpiexec -n 2`` and ``-n 4`` workers with BLAS and
+OpenMP pinned to one thread per rank.
 
 [Note: what one worker job measures]
-One job (one ``mpiexec -n P``) runs the same model, ``P * layers_per_rank``
-blocks of ``Linear(width, width) + Tanh``, under each schedule: GPipe and
-1F1B with one stage of ``layers_per_rank`` blocks per rank, and, where
-``m % P == 0`` and ``layers_per_rank`` is even, interleaved 1F1B with v = 2
-chunks of half as many blocks. Every stage costs the same, the setting the
-bubble formulas assume: (p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/(v*m+p-1)
-interleaved. Each timed step starts after an untimed barrier; its time is the
-maximum over ranks of ``last_step_stats["step_time"]``, and its measured
-bubble is ``timeline_bubble`` of the gathered timelines: idle time over
-total rank-time within the step's span (the measured value also counts
-message latency and Python overhead, so it sits above the formula). A job
-reports medians over its timed steps.
+One job runs ``P * layers_per_rank`` blocks of ``Linear + Tanh`` under GPipe and 1F1B (one stage
+per rank) and, where ``m % P == 0`` and ``layers_per_rank`` is even, interleaved 1F1B with v = 2.
+Every stage costs the same, as the formulas assume: (p-1)/(m+p-1), interleaved (p-1)/(v*m+p-1). A
+step's time is the maximum over ranks after an untimed barrier; its measured bubble is idle over
+total rank-time in the gathered timelines (``timeline_bubble``), which also counts message latency
+and Python overhead, so it sits above the formula. A job reports medians.
 """
 from __future__ import annotations
 

@@ -1,37 +1,21 @@
 """``axonhpc bench step``: one training step of an MLP, ours beside PyTorch's and the GEMM floor.
 
-Run it in one process (no mpiexec). For each model (layer widths and a batch)
-and precision it times, in interleaved rounds, and reports the medians:
+Run it in one process. For each model and precision it reports medians of interleaved rounds:
 
-- ``axonhpc``: zero_grad, forward, cross-entropy, backward and an SGD step
-  (momentum 0.9) of ``nn.Sequential`` of Linear layers with ReLU activations
-  (``Linear(activation="relu")``: the bias added in the ReLU's kernel on cupy),
-  on numpy (``--device cpu``) or cupy (``--device cuda``);
-- ``gemm floor``: the matrix products a step needs, alone (forward
-  ``x @ W.T``, weight gradient ``g.T @ x`` and, for every layer but the first,
-  whose input is data, input gradient ``g @ W``) on the same array library,
-  into preallocated outputs. Every other pass over memory comes on top of
-  these, so the ratio ours/floor says how much of the step is not matrix
-  products. Our step (``backward(..., input_grad=False)``) and PyTorch's (the
-  data does not require grad) both skip the first layer's input gradient;
-- ``graphed`` (cuda only): our step captured once as a CUDA graph
-  (``axonhpc.graph_step``) and replayed, the loss left on the device;
-- ``torch``: the same model, loss and optimizer in PyTorch on the same
-  device, when torch is installed (else n/a).
+- ``axonhpc``: zero_grad, forward, cross-entropy, backward and SGD (momentum 0.9) of Linear layers
+  with ReLU activations, on numpy (``--device cpu``) or cupy (``--device cuda``);
+- ``gemm floor``: the step's matrix products alone, into preallocated outputs (forward, weight
+  gradient, and input gradient for every layer but the first, which both steps skip). Every other
+  pass over memory comes on top, so ours/floor says how much of the step is not matrix products;
+- ``graphed`` (cuda only): our step as a CUDA graph (``axonhpc.graph_step``);
+- ``torch``: the same model, loss and optimizer in PyTorch, when installed (else n/a).
 
-Precisions: ``fp32``; and on cuda ``tf32`` (float32 arrays, TF32 products:
-``settings.allow_tf32`` for us and the floor,
-``torch.backends.cuda.matmul.allow_tf32`` for torch) and ``bf16`` (float32
-parameters, the forward under ``nn.autocast("bfloat16")`` for us and
-``torch.autocast`` for torch; the floor's products on bfloat16 arrays; rows
-are skipped, with the reason, where cupy cannot multiply bfloat16) and
-``fp16`` (the same with float16, plus a dynamic loss scaler: ``GradScaler``
-for us, whose step and update run after the graph in the graphed column,
-and ``torch.amp.GradScaler`` for torch; both read the device once a step to
-decide on a skip). BLAS and torch are
-pinned to one thread on the CPU. Device timings synchronise the stream before
-the clock stops. Tests never assert these times; docs/performance.md quotes
-them with the machine they came from.
+Precisions: ``fp32``; on cuda ``tf32`` (``settings.allow_tf32`` / torch's ``allow_tf32``), ``bf16``
+(float32 parameters, forward under ``nn.autocast``/``torch.autocast``; the floor on bfloat16 arrays;
+skipped with a reason where cupy cannot multiply bfloat16) and ``fp16`` (the same plus a dynamic loss
+scaler, whose step runs after the graph in the graphed column; both read the device once a step).
+Device timings synchronise before the clock stops. Tests never assert these times;
+docs/performance.md quotes them with the machine they came from.
 """
 from __future__ import annotations
 
@@ -233,10 +217,7 @@ def _then(fn: Callable[[], Any], after: Optional[Callable[[], None]]) -> Callabl
 def axon_step(spec: ModelSpec, device: Device, precision: str = "fp32") -> Callable[[], float]:
     """One axonhpc training step of the spec's MLP on ``device``, as a closure returning the loss.
 
-    bf16: float32 parameters, the forward and loss under ``nn.autocast("bfloat16")``; fp16: the
-    same in float16, with the loss scaled by a ``GradScaler`` whose step skips overflows. The SGD
-    is built with ``fused=None``: its update, like the layers' element-wise work, follows
-    ``settings.fused_kernels`` when the step runs.
+    The SGD is built with ``fused=None``: its update follows ``settings.fused_kernels`` when the step runs.
     """
     step, after, x, y = _step_fn(spec, device, precision, set_to_none=True)
     return _then(lambda: step(x, y), after)
@@ -257,8 +238,6 @@ def graphed_step(spec: ModelSpec, device: Device, precision: str = "fp32") -> Ca
 
 def gemm_floor(spec: ModelSpec, device: Device, precision: str = "fp32") -> Callable[[], None]:
     """The products of a step of the spec's MLP, into preallocated outputs, as a closure.
-
-    Every layer's forward and weight gradient; the input gradient of every layer but the first.
 
     bf16, fp16: the operands and outputs are bfloat16 or float16 arrays.
     """
@@ -406,11 +385,7 @@ def format_table(rows: Sequence[dict]) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Print the step table (``axonhpc bench step``); 2 with a message for bad options or no CUDA device.
-
-    Args:
-        argv: the command-line words after ``step`` (None: none).
-    """
+    """Print the step table (``axonhpc bench step``); 2 with a message for bad options or no CUDA device."""
     parser = argparse.ArgumentParser(prog="axonhpc bench step", description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--models", default=None,

@@ -23,11 +23,9 @@ def median_times(candidates: Dict[str, Callable[[], None]], iters: int, rounds: 
                  sync: Optional[Callable[[float], float]] = None) -> Dict[str, float]:
     """Median seconds per call of each candidate over interleaved rounds.
 
-    Every round runs each candidate once, and the order rotates from round
-    to round (A B C, B C A, C A B, ...): a noisy neighbour slows all alike,
-    and no candidate always inherits the caches another one warmed or
-    flushed. ``sync(elapsed)`` turns one rank's elapsed time into the job's
-    (for example the maximum over ranks, after a barrier).
+    The order rotates each round (A B C, B C A, ...): a noisy neighbour slows all alike, and no candidate
+    always inherits the caches another warmed or flushed. ``sync(elapsed)`` turns one rank's elapsed
+    time into the job's (e.g. the maximum over ranks, after a barrier).
     """
     samples: Dict[str, List[float]] = {name: [] for name in candidates}
     names = list(candidates)
