@@ -53,6 +53,7 @@ _LAZY = {
     "timeline": "axonhpc.observe.timeline",
     "graph_step": "axonhpc.cuda.graphs",
     "GraphedStep": "axonhpc.cuda.graphs",
+    "defer_reads": "axonhpc.cuda.capture",
 }
 # Submodules loaded on first use; ``ax.tracing``, ``ax.profiling`` and ``ax.graphs`` keep the names they had
 # before the cuda/ and observe/ packages.

@@ -257,7 +257,7 @@ class FakeCupy(StrictCupy):
     def __init__(self, devices=1):
         super().__init__()
         self.bound = []
-        runtime = types.SimpleNamespace(getDeviceCount=lambda: devices, driverGetVersion=lambda: 13000,
+        runtime = types.SimpleNamespace(getDeviceCount=lambda: devices, getDevice=lambda: 0, driverGetVersion=lambda: 13000,
                                         runtimeGetVersion=lambda: 13000)
         runtime.streamCaptureModeRelaxed = 2
         self.cuda = types.SimpleNamespace(Stream=_Stream, Event=_Event, get_current_stream=_current_stream,

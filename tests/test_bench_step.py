@@ -81,8 +81,9 @@ def test_measure_row_is_consistent(monkeypatch, torch_present):
     lines = bench_step.format_table([row]).splitlines()
     assert "ours/floor" in lines[0] and len(lines) == 2
     assert row["graphed_s"] is None and row["graphed_over_torch"] is None  # no CUDA graphs on the CPU
+    assert row["deferred_s"] is None and row["deferred_over_torch"] is None  # nothing to defer on the CPU
     cells = lines[1].split()
-    assert cells[5] == "n/a" and (cells[6] == "n/a") == (row["torch_s"] is None)
+    assert cells[5] == cells[6] == "n/a" and (cells[7] == "n/a") == (row["torch_s"] is None)
 
 
 def test_main_prints_the_table(monkeypatch, capsys):
@@ -159,7 +160,7 @@ def test_bf16_rows_are_skipped_with_the_reason_where_the_device_cannot(monkeypat
 
 
 def test_the_graphed_step_trains_as_the_eager_step_does(monkeypatch):
-    """On the strict stand-in's stream capture: the graphed candidate replays the eager step bit for bit."""
+    """On the strict stand-in's stream capture: the graphed and deferred candidates are the eager step bit for bit."""
     from fake_cuda import FakeCupy
 
     fake = FakeCupy()
@@ -171,14 +172,17 @@ def test_the_graphed_step_trains_as_the_eager_step_does(monkeypatch):
     for precision in ("fp32", "fp16"):  # fp16: the forward and backward graphed, the scaler's step after
         eager = bench_step.axon_step(spec, device, precision)
         graphed = bench_step.graphed_step(spec, device, precision)
+        deferred = bench_step.axon_step(spec, device, precision, deferred=True)
         eager_losses = [eager() for _ in range(30)]
         graphed_losses = [float(graphed()) for _ in range(30)]
         assert graphed_losses == eager_losses
+        assert [float(deferred()) for _ in range(30)] == eager_losses
         assert eager_losses[-1] < 0.5 * eager_losses[0]
-    row = dict(model="m", precision="fp32", axonhpc_s=2e-3, floor_s=1e-3, graphed_s=1e-3, torch_s=2e-3,
-               torch="torch 0", floor_tflops=1.0, ours_over_floor=2.0, ours_over_torch=1.0, graphed_over_torch=0.5)
-    assert "graphed/torch" in bench_step.format_table([row]).splitlines()[0]
-    assert bench_step.format_table([row]).splitlines()[1].split()[-2] == "0.50"
+    row = dict(model="m", precision="fp32", axonhpc_s=2e-3, floor_s=1e-3, deferred_s=1.5e-3, graphed_s=1e-3,
+               torch_s=2e-3, torch="torch 0", floor_tflops=1.0, ours_over_floor=2.0, ours_over_torch=1.0,
+               deferred_over_torch=0.75, graphed_over_torch=0.5)
+    assert "deferred/torch graphed/torch" in bench_step.format_table([row]).splitlines()[0]
+    assert bench_step.format_table([row]).splitlines()[1].split()[-3:-1] == ["0.75", "0.50"]
 
 
 def test_a_step_that_cannot_be_graphed_leaves_the_other_columns(monkeypatch, capsys):
@@ -203,5 +207,5 @@ def test_a_step_that_cannot_be_graphed_leaves_the_other_columns(monkeypatch, cap
     assert bench_step.main(["--device", "cuda", "--models", TINY, "--rounds", "1", "--precisions", "fp32"]) == 0
     out = capsys.readouterr().out.splitlines()
     row = out[2].split()
-    assert row[0] == "12-16-5" and row[5] == "n/a" and float(row[3]) > 0  # graphed n/a, ours timed
+    assert row[0] == "12-16-5" and row[6] == "n/a" and float(row[3]) > 0 and float(row[5]) > 0  # graphed n/a
     assert out[-1] == "graphed n/a: the step did work a CUDA graph cannot hold (a read)"

@@ -8,6 +8,7 @@ notes each such read with the line that made it (``strict_cupy.count_syncs``),
 so these tests pin the number a step makes. Only the last test runs on a GPU
 (``scripts/gpu-check.sh``): the scaler's unscale kernel against the array code.
 """
+import contextlib
 import importlib
 import sys
 
@@ -17,6 +18,7 @@ import pytest
 import axonhpc as ax
 from axonhpc import nn, optim
 from axonhpc.backends.devices import device_facts
+from axonhpc.errors import ShapeError
 from axonhpc.parallel.grad_scaler import GradScaler
 from ddp_cases import make_data, make_model, make_optimizer, shard
 from fake_cuda import FakeNccl, install, run_device_world
@@ -61,6 +63,55 @@ def test_a_plain_step_reads_one_value_the_loss(cupy, make_opt):
             opt.step()
         assert isinstance(loss, float)
         assert len(log) == 1, log  # the loss (with the targets' range, in the same read)
+
+
+def _deferred_steps(cupy, deferred):
+    """Three AdamW steps with clipping, plain or under ``ax.defer_reads()``: losses, read logs, parameters."""
+    model = _model(cupy).train()
+    model[3].p = 0.0  # Dropout draws on the host; the steps compare arithmetic only
+    opt, loss_fn = optim.AdamW(model.parameters(), lr=1e-3), nn.CrossEntropyLoss()
+    losses, logs = [], []
+    for step in range(STEPS):
+        x, y = _batch(cupy, step)
+        with count_syncs() as log:
+            with (ax.defer_reads() if deferred else contextlib.nullcontext()):
+                opt.zero_grad()
+                loss = loss_fn(model(x), y)
+                model.backward(loss_fn.backward(), input_grad=False)
+                norm = optim.clip_grad_norm(model.parameters(), 0.5)
+                opt.step()
+                inside = len(log)
+        logs.append((inside, len(log)))
+        losses.append((loss, norm))
+    return losses, logs, [p.data.get() for p in model.parameters()]
+
+
+def test_defer_reads_keeps_the_step_on_the_device_until_the_block_ends(cupy):
+    plain, plain_logs, plain_params = _deferred_steps(cupy, deferred=False)
+    deferred, logs, params = _deferred_steps(cupy, deferred=True)
+    assert plain_logs == [(2, 2)] * STEPS  # the loss, then the norm, each mid-step
+    assert logs == [(0, 1)] * STEPS  # nothing inside; the targets' range as the block ends
+    for (loss, norm), (device_loss, device_norm) in zip(plain, deferred):
+        assert isinstance(loss, float) and not isinstance(device_loss, (float, np.ndarray))
+        assert float(device_loss) == loss and float(device_norm) == float(norm)
+    for a, b in zip(plain_params, params):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_defer_reads_raises_a_bad_target_as_the_block_ends_after_the_step_ran(cupy):
+    model = _model(cupy)
+    loss_fn = nn.CrossEntropyLoss()
+    x, _ = _batch(cupy, 0)
+    y = cupy.asarray(np.array([0, 1, 2, 3, 4, 1]))
+    ran = []
+    with pytest.raises(ShapeError, match=r"targets must be in \[0, 4\), got values in \[0, 4\]"):
+        with ax.defer_reads():
+            loss_fn(model(x), y)
+            ran.append(True)
+    assert ran == [True]
+    with count_syncs() as log, ax.defer_reads():  # host arrays are unaffected: a float, read at once
+        host_loss = nn.CrossEntropyLoss()(np.zeros((2, 3), np.float32), np.array([0, 2]))
+    assert isinstance(host_loss, float) and log == []
 
 
 def test_loss_scaling_and_clipping_read_one_value_each_whatever_the_number_of_parameters(cupy):
@@ -224,4 +275,16 @@ def test_the_unscale_kernel_is_the_array_codes_result_on_a_gpu(bad):
     array_grads, array_found, _, _ = _unscaled(_cupy, bad, fused=False)
     assert found == array_found == (bad is not None)
     for a, b in zip(grads, array_grads):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_cupy is None, reason="needs cupy and a CUDA device")
+def test_a_deferred_step_is_the_plain_step_on_a_gpu():
+    plain, _, plain_params = _deferred_steps(_cupy, deferred=False)
+    deferred, _, params = _deferred_steps(_cupy, deferred=True)
+    for (loss, norm), (device_loss, device_norm) in zip(plain, deferred):
+        assert isinstance(device_loss, _cupy.ndarray) and float(device_loss) == loss
+        assert float(device_norm) == float(norm)
+    for a, b in zip(plain_params, params):
         np.testing.assert_array_equal(a, b)

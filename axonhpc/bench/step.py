@@ -3,7 +3,11 @@
 Run it in one process. For each model and precision it reports medians of interleaved rounds:
 
 - ``axonhpc``: zero_grad, forward, cross-entropy, backward and SGD (momentum 0.9) of Linear layers
-  with ReLU activations, on numpy (``--device cpu``) or cupy (``--device cuda``);
+  with ReLU activations, on numpy (``--device cpu``) or cupy (``--device cuda``), reading its loss
+  as a float between the forward and the backward, as the plain loop of the API does;
+- ``deferred`` (cuda only): the same step under ``ax.defer_reads()``, its loss left on the device as
+  PyTorch's is (neither is read; the targets' check is read at the block's end, waiting for the
+  forward only);
 - ``gemm floor``: the step's matrix products alone, into preallocated outputs (forward, weight
   gradient, and input gradient for every layer but the first, which both steps skip). Every other
   pass over memory comes on top, so ours/floor says how much of the step is not matrix products;
@@ -162,14 +166,15 @@ def _batch(spec: ModelSpec, seed: int = 0) -> Tuple[np.ndarray, np.ndarray]:
 _CASTS = {"bf16": "bfloat16", "fp16": "float16"}
 
 
-def _step_fn(spec: ModelSpec, device: Device, precision: str,
-             set_to_none: bool) -> Tuple[Callable[..., Any], Optional[Callable[[], None]], Any, Any]:
+def _step_fn(spec: ModelSpec, device: Device, precision: str, set_to_none: bool,
+             deferred: bool = False) -> Tuple[Callable[..., Any], Optional[Callable[[], None]], Any, Any]:
     """Our step of the spec's MLP as ``step(x, y)``, what runs after it, and the batch on ``device``.
 
     fp16: ``step`` is the forward and backward with the loss scaled, and the second function is
     the scaler's step and update (outside a graph: they read the device); otherwise ``step`` is
     the whole step and the second is None.
     """
+    from ..cuda.capture import defer_reads
     from ..nn import CrossEntropyLoss, autocast
     from ..optim import SGD
     from ..parallel import GradScaler
@@ -185,13 +190,16 @@ def _step_fn(spec: ModelSpec, device: Device, precision: str,
     cast = autocast(_CASTS[precision]) if precision in _CASTS else contextlib.nullcontext()
     scaler = GradScaler() if precision == "fp16" else None
 
+    reads = defer_reads if deferred else contextlib.nullcontext
+
     def step(x: Any, y: Any) -> Any:
-        opt.zero_grad(set_to_none=set_to_none)
-        with cast:
-            loss = loss_fn(model(x), y)
-        model.backward(loss_fn.backward(1.0 if scaler is None else scaler.scale(1.0)), input_grad=False)
-        if scaler is None:  # the input is data, above
-            opt.step()
+        with reads():
+            opt.zero_grad(set_to_none=set_to_none)
+            with cast:
+                loss = loss_fn(model(x), y)
+            model.backward(loss_fn.backward(1.0 if scaler is None else scaler.scale(1.0)), input_grad=False)
+            if scaler is None:  # the input is data, above
+                opt.step()
         return loss
 
     def scaler_step() -> None:
@@ -214,12 +222,13 @@ def _then(fn: Callable[[], Any], after: Optional[Callable[[], None]]) -> Callabl
     return both
 
 
-def axon_step(spec: ModelSpec, device: Device, precision: str = "fp32") -> Callable[[], float]:
+def axon_step(spec: ModelSpec, device: Device, precision: str = "fp32", deferred: bool = False) -> Callable[[], float]:
     """One axonhpc training step of the spec's MLP on ``device``, as a closure returning the loss.
 
     The SGD is built with ``fused=None``: its update follows ``settings.fused_kernels`` when the step runs.
+    ``deferred``: the step under ``ax.defer_reads()``, returning its loss as a 0-d device array.
     """
-    step, after, x, y = _step_fn(spec, device, precision, set_to_none=True)
+    step, after, x, y = _step_fn(spec, device, precision, set_to_none=True, deferred=deferred)
     return _then(lambda: step(x, y), after)
 
 
@@ -338,6 +347,7 @@ def measure(spec: ModelSpec, precision: str, device: Device, rounds: int, warmup
         fns: Dict[str, Callable[[], Any]] = {"axonhpc": axon_step(spec, device, precision),
                                              "floor": gemm_floor(spec, device, precision)}
         if device.xp is not np:
+            fns["deferred"] = axon_step(spec, device, precision, deferred=True)
             fns["graphed"] = graphed_step(spec, device, precision)
         torch_fn, torch_note = torch_step(spec, device, precision)
         if torch_fn is not None:
@@ -356,13 +366,15 @@ def measure(spec: ModelSpec, precision: str, device: Device, rounds: int, warmup
         apply_matmul_precision()
     seconds = {name: medians[name] / counts[name] for name in medians}
     row = {"model": spec.label, "precision": precision, "axonhpc_s": seconds["axonhpc"],
-           "floor_s": seconds["floor"], "graphed_s": seconds.get("graphed"), "torch_s": seconds.get("torch"),
+           "floor_s": seconds["floor"], "deferred_s": seconds.get("deferred"), "graphed_s": seconds.get("graphed"),
+           "torch_s": seconds.get("torch"),
            "torch": torch_note, "floor_tflops": spec.gemm_flops() / seconds["floor"] / 1e12,
            "graphed_problem": graph_problem}
     row["ours_over_floor"] = row["axonhpc_s"] / row["floor_s"]
     row["ours_over_torch"] = None if row["torch_s"] is None else row["axonhpc_s"] / row["torch_s"]
-    row["graphed_over_torch"] = (None if row["torch_s"] is None or row["graphed_s"] is None
-                                 else row["graphed_s"] / row["torch_s"])
+    for name in ("deferred", "graphed"):
+        row[f"{name}_over_torch"] = (None if row["torch_s"] is None or row[f"{name}_s"] is None
+                                     else row[f"{name}_s"] / row["torch_s"])
     return row
 
 
@@ -374,12 +386,14 @@ def format_table(rows: Sequence[dict]) -> str:
     def ratio(v: Optional[float]) -> str:
         return "n/a" if v is None else f"{v:.2f}"
 
-    lines = [f"{'model':>28} {'prec':>5} {'axonhpc ms':>11} {'floor ms':>9} {'graphed ms':>10} {'torch ms':>9} "
-             f"{'ours/floor':>10} {'ours/torch':>10} {'graphed/torch':>13} {'floor TFLOP/s':>13}"]
+    lines = [f"{'model':>28} {'prec':>5} {'axonhpc ms':>11} {'floor ms':>9} {'deferred ms':>11} "
+             f"{'graphed ms':>10} {'torch ms':>9} {'ours/floor':>10} {'ours/torch':>10} {'deferred/torch':>14} "
+             f"{'graphed/torch':>13} {'floor TFLOP/s':>13}"]
     for r in rows:
         lines.append(f"{r['model']:>28} {r['precision']:>5} {ms(r['axonhpc_s']):>11} {ms(r['floor_s']):>9} "
-                     f"{ms(r.get('graphed_s')):>10} {ms(r['torch_s']):>9} {ratio(r['ours_over_floor']):>10} "
-                     f"{ratio(r['ours_over_torch']):>10} {ratio(r.get('graphed_over_torch')):>13} "
+                     f"{ms(r.get('deferred_s')):>11} {ms(r.get('graphed_s')):>10} {ms(r['torch_s']):>9} "
+                     f"{ratio(r['ours_over_floor']):>10} {ratio(r['ours_over_torch']):>10} "
+                     f"{ratio(r.get('deferred_over_torch')):>14} {ratio(r.get('graphed_over_torch')):>13} "
                      f"{r['floor_tflops']:>13.3f}")
     return "\n".join(lines)
 

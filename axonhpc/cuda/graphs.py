@@ -48,12 +48,6 @@ def _describe(arrays: List[Any]) -> str:
     return ", ".join(f"{tuple(a.shape)} {a.dtype}" for a in arrays)
 
 
-def _read(checks: List[Any]) -> None:
-    """Read each deferred check's values and run the check (which raises if they are bad)."""
-    for values, check in checks:
-        check(values.get())
-
-
 class GraphedStep:
     """A step function run eagerly ``warmup`` times, then captured as a CUDA graph and replayed.
 
@@ -99,7 +93,7 @@ class GraphedStep:
             record = capture.Recording(capturing=False, xp=xp)
             with capture.recording(record):
                 out = self.fn(*inputs)
-            _read(record.checks)
+            capture.read_checks(record.checks)
             self.calls += 1
             return out
         self._capture(xp, inputs)
@@ -109,7 +103,7 @@ class GraphedStep:
         """Read the checks of the last replay now (waits for it); raises what they raise."""
         if self._unchecked:
             self._unchecked = False
-            _read(self._record.checks)
+            capture.read_checks(self._record.checks)
 
     def _module(self, inputs: Any) -> Any:
         for i, x in enumerate(inputs):

@@ -182,7 +182,7 @@ def _many(xp: Any, tables: cuda_kernels.TensorTables, name: str, variant: tuple,
         key = (name, len(lists), dtype, tuple(batch))
         if alone is not None and len(batch) == 1:
             alone(batch[0])
-            if capture.defers_reads():  # a graphed step's warm-up: its capture updates this one through the
+            if capture.in_graphed_step():  # a graphed step's warm-up: its capture updates this one through the
                 tables.tables(xp, key, chosen)  # tables, which it cannot copy to the device itself
             continue
         kernel = cuda_kernels.multi_tensor(xp, name, variant, build, ("grad",), dtype, device_scalars=device_scalars)

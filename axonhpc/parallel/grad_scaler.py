@@ -103,7 +103,7 @@ class GradScaler:
         if not self.enabled:
             return grad
         number = isinstance(grad, (int, float)) and not isinstance(grad, bool)
-        if capture.defers_reads() and (number or is_cupy_array(grad)):
+        if capture.defers_reads() and (is_cupy_array(grad) or (number and capture.current().xp is not None)):
             return self._scale_on_device(grad, number)
         if isinstance(grad, (int, float)) and not isinstance(grad, bool):
             return float(grad) * self.scale_value

@@ -34,7 +34,9 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple, Type
 
 import numpy as np
 
-from .._dtypes import finite_flags, is_low_precision_float
+from .._dtypes import finite_flags, is_cupy_array, is_low_precision_float
+from ..cuda import capture
+from ..cuda.capture import defer_reads
 from ..checkpoint import (capture_rng_state, load_per_rank, load_sharded, restore_rng_state, save_per_rank,
                           save_sharded)
 from ..checkpoint.background import AsyncCheckpointer
@@ -148,18 +150,23 @@ class Setup:
     def backward_step(self, batches: List[Any], loss_fn: Any) -> Tuple[float, bool]:
         """Collective: the step's communicating half, forward and backward; ``(mean loss, skip the update)``."""
         self.optimizer.zero_grad()
-        total, count = 0.0, 0
-        for k, (xb, yb) in enumerate(batches):
-            with self.no_sync(k < len(batches) - 1):
-                with self.compute():
-                    loss = loss_fn(self.wrapper(xb), yb)
-                if self.scaler is None:
-                    grad = loss_fn.backward() / len(batches)
-                else:  # scaled in the loss's float32, before the gradient is rounded to float16
-                    grad = loss_fn.backward(self.scaler.scale(1.0) / len(batches))
-                call_backward(self.wrapper.backward, grad, input_grad=False)  # the input is data
-            total += float(loss) * len(yb)
-            count += len(yb)
+        losses, read = [], []
+        with defer_reads():  # device losses are read once every backward is queued ([Note: deferred reads])
+            for k, (xb, yb) in enumerate(batches):
+                with self.no_sync(k < len(batches) - 1):
+                    with self.compute():
+                        loss = loss_fn(self.wrapper(xb), yb)
+                    if self.scaler is None:
+                        grad = loss_fn.backward() / len(batches)
+                    else:  # scaled in the loss's float32, before the gradient is rounded to float16
+                        grad = loss_fn.backward(self.scaler.scale(1.0) / len(batches))
+                    call_backward(self.wrapper.backward, grad, input_grad=False)  # the input is data
+                losses.append((loss, len(yb)))
+            if capture.defers_reads() and any(is_cupy_array(loss) for loss, _ in losses):
+                # the losses' sum read in the same read as the targets' checks
+                capture.defer_check(sum(loss * n for loss, n in losses).reshape(1), lambda v: read.append(float(v[0])))
+        total = read[0] if read else sum(float(loss) * n for loss, n in losses)
+        count = sum(n for _, n in losses)
         skip = self.scaler is None and self.skip_nonfinite and self._skip_for_nonfinite()
         return total / max(count, 1), skip
 
