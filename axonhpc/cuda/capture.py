@@ -66,7 +66,7 @@ EVER_RECORDED = False  # a graphed step has been called in this process (hot pat
 def recording(record: Recording) -> Iterator[Recording]:
     """Make ``record`` this thread's recording inside the block."""
     global EVER_RECORDED
-    EVER_RECORDED = True
+    EVER_RECORDED = EVER_RECORDED or record.graphed  # a defer_reads block captures nothing: hot paths stay fast
     if current() is not None:
         raise GraphCaptureError("a graphed step was called inside another graphed step's call or a defer_reads() "
                                 "block; graphed steps do not nest")
