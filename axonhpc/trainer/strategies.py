@@ -36,7 +36,6 @@ import numpy as np
 
 from .._dtypes import finite_flags, is_cupy_array, is_low_precision_float
 from ..cuda import capture
-from ..cuda.capture import defer_reads
 from ..checkpoint import (capture_rng_state, load_per_rank, load_sharded, restore_rng_state, save_per_rank,
                           save_sharded)
 from ..checkpoint.background import AsyncCheckpointer
@@ -151,7 +150,7 @@ class Setup:
         """Collective: the step's communicating half, forward and backward; ``(mean loss, skip the update)``."""
         self.optimizer.zero_grad()
         losses, read = [], []
-        with defer_reads():  # device losses are read once every backward is queued ([Note: deferred reads])
+        with capture.defer_reads():  # device losses are read once every backward is queued ([Note: deferred reads])
             for k, (xb, yb) in enumerate(batches):
                 with self.no_sync(k < len(batches) - 1):
                     with self.compute():
@@ -162,7 +161,7 @@ class Setup:
                         grad = loss_fn.backward(self.scaler.scale(1.0) / len(batches))
                     call_backward(self.wrapper.backward, grad, input_grad=False)  # the input is data
                 losses.append((loss, len(yb)))
-            if capture.defers_reads() and any(is_cupy_array(loss) for loss, _ in losses):
+            if any(is_cupy_array(loss) for loss, _ in losses):
                 # the losses' sum read in the same read as the targets' checks
                 capture.defer_check(sum(loss * n for loss, n in losses).reshape(1), lambda v: read.append(float(v[0])))
         total = read[0] if read else sum(float(loss) * n for loss, n in losses)
