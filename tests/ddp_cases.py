@@ -137,7 +137,7 @@ def case_parity_synchronous(world):
 
 def case_parity_without_bucket_views(world):
     ddp = parity(world, np.float64, "adam", gradient_as_bucket_view=False)
-    assert not any(np.shares_memory(p.grad, b.flat) for b in ddp._buckets for p in b.params)
+    assert not any(np.shares_memory(p.grad, b.buffer) for b, ps in zip(ddp._buckets, ddp._bucket_params) for p in ps)
 
 
 def case_parity_many_small_buckets(world):
@@ -176,9 +176,9 @@ def case_grads_are_bucket_views_and_averaged(world):
     loss_fn = nn.CrossEntropyLoss()
     loss_fn(ddp(shard(x, r, n)), shard(y, r, n))
     ddp.backward(loss_fn.backward())
-    for b in ddp._buckets:
-        for p, view in zip(b.params, b.views):
-            assert p.grad is view and np.shares_memory(p.grad, b.flat)
+    for b, params in zip(ddp._buckets, ddp._bucket_params):
+        for p, view in zip(params, b.views):
+            assert p.grad is view and np.shares_memory(p.grad, b.buffer)
     grads = [p.grad.copy() for p in ddp.parameters()]
     everyone = [ax.all_gather(g) for g in grads]
     for g, all_g in zip(grads, everyone):
@@ -190,7 +190,7 @@ def case_grads_are_bucket_views_and_averaged(world):
     ddp.backward(loss_fn.backward())
     for g, p in zip(grads, ddp.parameters()):
         np.testing.assert_allclose(p.grad, g, rtol=1e-14, atol=1e-15)
-    assert all(p.grad is v for b in ddp._buckets for p, v in zip(b.params, b.views))
+    assert all(p.grad is v for b, ps in zip(ddp._buckets, ddp._bucket_params) for p, v in zip(ps, b.views))
 
 
 def case_sync_parameters_copies_rank0(world):

@@ -77,10 +77,10 @@ def _ddp(cupy, world, dtype=np.float64, kind="sgd", accumulate=1, **ddp_args):
 def case_ddp_overlapped_sgd_float64(world, cupy):
     ddp = _ddp(cupy, world)
     # gradients are views into the device buckets: no pack copy
-    for bucket in ddp._buckets:
-        assert isinstance(bucket.flat, cupy.ndarray)
-        for p in bucket.params:
-            assert p.grad.data.ptr >= bucket.flat.data.ptr
+    for bucket, params in zip(ddp._buckets, ddp._bucket_params):
+        assert isinstance(bucket.buffer, cupy.ndarray) and bucket.copies is None
+        for p in params:
+            assert p.grad.data.ptr >= bucket.buffer.data.ptr
 
 
 def case_ddp_adam_float32(world, cupy):

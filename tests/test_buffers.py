@@ -1,10 +1,11 @@
-"""axonhpc.buffers: FlatBucket and FlatShard on the host and on the strict cupy stand-in."""
+"""axonhpc.buffers: FlatShard (and the GradBucket views built on FlatOps) on the host and the strict cupy stand-in."""
 import sys
 
 import numpy as np
 import pytest
 
-from axonhpc.buffers import HOST, DeviceOps, FlatBucket, FlatShard, flat_ops_for
+from axonhpc.bucketing import GradBucket
+from axonhpc.buffers import HOST, DeviceOps, FlatShard, flat_ops_for
 from axonhpc.errors import ShapeError, UnsupportedDtypeError
 from strict_cupy import DeviceArray, StrictCupy, device, host
 
@@ -97,26 +98,27 @@ def test_a_wrong_number_of_arrays_is_refused_with_both_counts():
 
 def test_bucket_views_share_the_buffer_that_is_communicated(memory):
     ops, mem = memory
-    bucket = FlatBucket([(2, 3), (4,), (1,)], np.float32, ops)
-    assert bucket.numel == 11 and host(bucket.flat).tolist() == [0.0] * 11
+    bucket = GradBucket.of_views(0, [(2, 3), (4,), (1,)], np.float32, ops, ["a", "b", "c"], None)
+    assert bucket.buffer.size == 11 and host(bucket.buffer).tolist() == [0.0] * 11
     bucket.views[1][...] = mem(np.arange(4, dtype=np.float32))
-    bucket.flat[0:6] = mem(np.full(6, 2.0, np.float32))  # what an all-reduce in place does
+    bucket.buffer[0:6] = mem(np.full(6, 2.0, np.float32))  # what an all-reduce in place does
     assert host(bucket.views[0]).tolist() == [[2.0] * 3] * 2
-    assert host(bucket.flat)[6:10].tolist() == [0.0, 1.0, 2.0, 3.0]
+    assert host(bucket.buffer)[6:10].tolist() == [0.0, 1.0, 2.0, 3.0]
+    assert bucket.copies is None and bucket.kind == "all_reduce"
     if ops is not HOST:
-        assert type(bucket.flat) is DeviceArray and all(type(v) is DeviceArray for v in bucket.views)
+        assert type(bucket.buffer) is DeviceArray and all(type(v) is DeviceArray for v in bucket.views)
 
 
 def test_a_bucket_in_memory_the_caller_holds():
     window = np.zeros(64, np.uint8)  # as DDP passes a slice of the node's shared window
     flat = window[:40].view(np.float64)
-    bucket = FlatBucket([(2, 2), (1,)], np.float64, HOST, flat)
+    bucket = GradBucket.of_views(3, [(2, 2), (1,)], np.float64, HOST, ["w", "b"], None, flat)
     bucket.views[1][...] = 7.0
-    assert bucket.flat is flat and window[32:40].view(np.float64)[0] == 7.0
-    with pytest.raises(ShapeError, match=r"shape \(5,\) but the arrays hold 4 elements"):
-        FlatBucket([(2, 2)], np.float64, HOST, flat)
-    with pytest.raises(UnsupportedDtypeError, match="dtype float64, the bucket float32"):
-        FlatBucket([(5,)], np.float32, HOST, flat)
+    assert bucket.buffer is flat and window[32:40].view(np.float64)[0] == 7.0
+    with pytest.raises(ShapeError, match=r"shape \(5,\) but the gradients hold 4 elements"):
+        GradBucket.of_views(0, [(2, 2)], np.float64, HOST, ["w"], None, flat)
+    with pytest.raises(UnsupportedDtypeError, match="dtype float64, the gradients float32"):
+        GradBucket.of_views(0, [(5,)], np.float32, HOST, ["w"], None, flat)
 
 
 def test_the_memory_kind_is_chosen_once_from_the_arrays(monkeypatch):

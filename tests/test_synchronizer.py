@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import axonhpc as ax
-import axonhpc.bucketing as bucketing
+import axonhpc.bucketing.reducer as bucketing  # where the reducer calls all_reduce
 from axonhpc._dtypes import bfloat16_dtype
 from axonhpc.bucketing import GradientSynchronizer, GradSyncStrategy, plan_buckets
 from axonhpc.errors import NonContiguousBufferError, ReadOnlyBufferError, UnsupportedDtypeError

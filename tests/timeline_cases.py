@@ -62,6 +62,24 @@ def case_ddp_steps_are_recorded_on_every_rank(world):
         assert names_of_processes == {k: f"rank {k}" for k in range(n)}
 
 
+def case_blocking_buckets_are_recorded_too(world):
+    # One Reducer under DDP's SYNCHRONOUS pass and the GradientSynchronizer: a blocking all-reduce is a
+    # span of its own as well (it once passed None where the span wanted a Work).
+    n, r = world.world_size, world.rank
+    ddp = ax.DDP(make_model(), bucket_size_mb=300 / 2**20, strategy="synchronous")
+    sync = ax.GradientSynchronizer("synchronous", bucket_size=64)
+    grads = [np.full(8, r + 1.0) for _ in range(3)]
+    loss_fn = nn.CrossEntropyLoss()
+    with ax.timeline(_shared_path(world, "blocking.json")) as recorder:
+        x, y = make_data(0)
+        loss_fn(ddp(shard(x, r, n)), shard(y, r, n))
+        ddp.backward(loss_fn.backward())
+        sync.synchronize(grads)
+    buckets = [s for s in recorder.spans if s[1] == "buckets"]
+    assert len(buckets) == len(ddp.bucket_plan) + len(sync.last_layout)
+    assert all(np.all(g == (n + 1) / 2) for g in grads)
+
+
 def case_pipeline_actions_are_recorded(world):
     p = world.world_size
     path = _shared_path(world, "pipe.json")

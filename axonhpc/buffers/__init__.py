@@ -1,14 +1,12 @@
 """Flat buffers: the memory every strategy communicates through, and nothing that communicates.
 
-``ops`` (host or GPU, behind ``FlatOps``), ``bucket`` (``FlatBucket``: arrays as views of one
-buffer), ``shard`` (``FlatShard``: a padded flat vector cut into equal parts); the compiled core is
-in ``cython_src/``.
+``ops`` (host or GPU, behind ``FlatOps``: allocation, views, pack and unpack) and ``shard``
+(``FlatShard``: a padded flat vector cut into equal parts); the compiled core is in ``cython_src/``.
 """
 # Imported as modules of the package: the import-linter (grimp) reads only .py
 # files, and names imported from a compiled module it cannot see are charged
 # to the top-level package, which breaks the layers contract.
 from .._ext import _bucket, _pack, _shard
-from .bucket import FlatBucket
 from .ops import HOST, DeviceOps, FlatOps, HostOps, device_ops, flat_ops_for
 from .shard import FlatShard
 
@@ -20,7 +18,6 @@ shard_view, unflatten = _shard.shard_view, _shard.unflatten
 
 __all__ = [
     "DeviceOps",
-    "FlatBucket",
     "FlatLayout",
     "FlatOps",
     "FlatShard",

@@ -10,13 +10,11 @@ collectives in the same order whatever the hooks do.
 With ``OVERLAPPED`` a bucket's ``Iallreduce`` starts as soon as its last gradient is final. MPI libraries such
 as MPICH progress a non-blocking collective only while the process is inside MPI, and nothing calls MPI while
 numpy computes the next layer's backward, so every grad-ready hook also tests the requests in flight
-(``MPI_Testall``). ``ddp.last_step`` records the final wait and how many buckets were already complete, so
-the overlap is measured rather than assumed.
+(``Reducer.progress``). ``ddp.last_step`` records the final wait and how many buckets were already complete,
+so the overlap is measured rather than assumed.
 
-[Note: buckets in shared memory]
 When the group is on one node and the gradients reach ``SHARED_BUCKETS_MIN_BYTES``, all buckets live in one
-shared-memory window, so an all-reduce reads straight from the other ranks' buckets with no copy in. A
-``/dev/shm`` too small for it is refused on every rank alike, and DDP keeps private buckets with a warning.
+shared-memory window of the node (``bucketing.shared``).
 
 [Note: gradients as bucket views]
 With ``gradient_as_bucket_view=True`` each ``p.grad`` is a view into its bucket, so the averaged values need
@@ -28,9 +26,8 @@ import contextlib
 import time
 from typing import Any, Dict, Iterator, List, Tuple
 
-from ...bucketing import GradSyncStrategy, plan_buckets
-from ...collectives import all_reduce
 from ...backends import ReduceOp
+from ...bucketing import GradBucket, GradSyncStrategy, Reducer, plan_buckets, shared_flats
 # UnusedParameterError and GradientAfterReductionError are defined in errors (ax.errors.<Name>) and stay
 # importable from here, where they were first defined.
 from ...errors import (ArgumentTypeError, ConfigurationError, GradientAfterReductionError,
@@ -40,9 +37,7 @@ from ...groups import resolve_group
 from ...nn import Module, call_backward, require_module
 from ...observe import tracing
 from .autotune import bucket_bytes
-from .buckets import Bucket, shared_flats
 from .join import Joiner
-from ..comm_hooks import GradBucket, finished
 from ..replicate import broadcast_arrays
 from ..same_model import compared_model, parameter_lines
 from ..wrapping import WrapperModes
@@ -101,13 +96,16 @@ class DistributedDataParallel(WrapperModes):
                                          sum(int(p.data.nbytes) for _, p in named), bucket_size_mb)
         self._names = [name for name, _ in named]
         self._params = [p for _, p in named]
-        self._buckets = self._build_buckets()
-        self._where: Dict[int, Tuple[Bucket, int]] = {}
-        for bucket in self._buckets:
-            for slot, p in enumerate(bucket.params):
-                self._where[id(p)] = (bucket, slot)
+        self._reducer = Reducer(self.group, self._ops)
+        self._buckets, self._bucket_params = self._build_buckets()
+        # Which gradients of each bucket backward has made final (the grad-ready hooks fill it).
+        self._ready = [[False] * len(ps) for ps in self._bucket_params]
+        self._pending = [len(ps) for ps in self._bucket_params]
+        self._where: Dict[int, Tuple[int, int]] = {}
+        for k, params in enumerate(self._bucket_params):
+            for slot, p in enumerate(params):
+                self._where[id(p)] = (k, slot)
         self._hooks = [p.register_grad_hook(self._on_grad_ready) for p in self._params]
-        self._comm_hook: Any = None  # (state, hook): see comm_hooks
         self._joiner = Joiner(self)  # uneven inputs: see join.py
         self._overlapping = False
         self._next_launch = 0
@@ -115,7 +113,7 @@ class DistributedDataParallel(WrapperModes):
         self.sync_parameters()
 
     # -- plan ------------------------------------------------------------------------------
-    def _build_buckets(self) -> List[Bucket]:
+    def _build_buckets(self) -> Tuple[List[GradBucket], List[List[Any]]]:
         order = list(range(len(self._params) - 1, -1, -1))  # reverse registration order
         specs = [(self._params[i].size, self._params[i].dtype) for i in order]
         first = min(FIRST_BUCKET_BYTES, self.bucket_bytes)
@@ -125,8 +123,10 @@ class DistributedDataParallel(WrapperModes):
         # One shared window for every bucket when the whole group is on one node (collective; see the note).
         flats = (shared_flats(params, self.group, SHARED_BUCKETS_MIN_BYTES) if self._ops.host_memory
                  else [None] * len(groups))
-        return [Bucket(k, ps, [self._names[i] for i in idx], self._ops, flat)
-                for k, (idx, ps, flat) in enumerate(zip(groups, params, flats))]
+        buckets = [GradBucket.of_views(k, [p.shape for p in ps], ps[0].dtype, self._ops,
+                                       [self._names[i] for i in idx], self.group, flat)
+                   for k, (idx, ps, flat) in enumerate(zip(groups, params, flats))]
+        return buckets, params
 
     @property
     def bucket_plan(self) -> List[List[str]]:
@@ -159,8 +159,8 @@ class DistributedDataParallel(WrapperModes):
     # -- backward --------------------------------------------------------------------------
     def _attach_grads(self) -> None:
         """Make every ``p.grad`` its bucket view (or a separate array), keeping its values."""
-        for bucket in self._buckets:
-            for p, view in zip(bucket.params, bucket.views):
+        for bucket, params in zip(self._buckets, self._bucket_params):
+            for p, view in zip(params, bucket.views):
                 if self.gradient_as_bucket_view:
                     if p.grad is not view:
                         if p.grad is None:
@@ -188,8 +188,9 @@ class DistributedDataParallel(WrapperModes):
         syncing = self._syncing()
         self._joiner.before_backward(syncing)
         self._attach_grads()
-        for bucket in self._buckets:
-            bucket.reset()
+        self._reducer.reset()  # a step that raised before its reductions completed leaves nothing behind
+        self._ready = [[False] * len(ps) for ps in self._bucket_params]
+        self._pending = [len(ps) for ps in self._bucket_params]
         self._next_launch = 0
         self._overlapping = syncing and self.strategy is GradSyncStrategy.OVERLAPPED
         start = time.perf_counter()
@@ -208,100 +209,76 @@ class DistributedDataParallel(WrapperModes):
     def _on_grad_ready(self, param: Any) -> None:
         if not self._overlapping:
             return
-        bucket, slot = self._where[id(param)]
-        if bucket.ready[slot]:
-            if bucket.launched:
+        k, slot = self._where[id(param)]
+        if self._ready[k][slot]:
+            if k < self._next_launch:
                 raise GradientAfterReductionError(
-                    f"parameter {bucket.names[slot]!r} received a second gradient after its bucket {bucket.index} "
+                    f"parameter {self._buckets[k].names[slot]!r} received a second gradient after its bucket {k} "
                     "was already being all-reduced (is it used twice in forward?); use "
                     "strategy=GradSyncStrategy.SYNCHRONOUS for models with shared parameters"
                 )
             return
-        bucket.ready[slot] = True
-        bucket.pending -= 1
+        self._ready[k][slot] = True
+        self._pending[k] -= 1
         self._launch_ready()
-        # Drive MPI progress of the reductions in flight (see the module note).
-        for b in self._buckets[:self._next_launch]:
-            if b.work is not None and not b.done:
-                b.done = b.work.is_completed()
+        self._reducer.progress()  # drive MPI progress of the reductions in flight (see the module note)
 
     def _launch_ready(self) -> None:
-        while self._next_launch < len(self._buckets) and self._buckets[self._next_launch].pending == 0:
-            self._launch(self._buckets[self._next_launch], async_op=True)
+        while self._next_launch < len(self._buckets) and self._pending[self._next_launch] == 0:
+            self._launch(self._next_launch, async_op=True)
             self._next_launch += 1
 
     def _reduce_op(self) -> ReduceOp:
-        """AVG, or SUM when ``join`` divides by the active ranks instead (see ``_rescale``)."""
-        if self._joiner.divides_by_active and self._comm_hook is None:
+        """AVG, or SUM when ``join`` divides by the active ranks instead (see ``_divisor``)."""
+        if self._joiner.divides_by_active and self._reducer.hook is None:
             return ReduceOp.SUM
         return ReduceOp.AVG
 
-    def _rescale(self) -> None:
-        """Divide the buckets' sums by the active ranks (``join(divide_by_initial_world_size=False)``)."""
-        if self._reduce_op() is ReduceOp.SUM:
-            for bucket in self._buckets:
-                self._ops.xp.divide(bucket.flat, self._joiner.state.active, out=bucket.flat)
+    def _divisor(self) -> Any:
+        """What the buckets' sums are divided by: the active ranks (``join(divide_by_initial_world_size=False)``)."""
+        return self._joiner.state.active if self._reduce_op() is ReduceOp.SUM else None
 
-    def _unpack_grads(self) -> None:
-        """Copy the averaged buckets into the gradients (unless the gradients are the buckets' views)."""
-        if not self.gradient_as_bucket_view:
-            for bucket in self._buckets:
-                self._ops.unpack(bucket.flat, [p.grad for p in bucket.params])
+    def _launch(self, k: int, async_op: bool) -> None:
+        bucket = self._buckets[k]
+        if not self.gradient_as_bucket_view:  # copied in now, written back by complete()
+            bucket.copies = [p.grad for p in self._bucket_params[k]]
+        self._reducer.launch(bucket, self._reduce_op(), async_op)
 
-    def _launch(self, bucket: Bucket, async_op: bool) -> None:
-        if not self.gradient_as_bucket_view:
-            self._ops.pack([p.grad for p in bucket.params], out=bucket.flat)
-        bucket.launched = True
-        start = time.perf_counter()
-        if self._comm_hook is not None:
-            state, hook = self._comm_hook
-            grads = GradBucket(bucket.index, bucket.flat, bucket.names, self.group, "all_reduce")
-            bucket.work = finished(hook(state, grads))
-        else:
-            bucket.work = all_reduce(bucket.flat, self._reduce_op(), self.group, async_op=async_op)
-        tracing.span_until_done(bucket.work, start, f"bucket {bucket.index}", "buckets",
-                                elements=int(bucket.flat.size), dtype=str(bucket.flat.dtype))
+    def _launch_all(self, async_op: bool) -> None:
+        """Launch every bucket in plan order and complete them (collective)."""
+        for k in range(len(self._buckets)):
+            self._launch(k, async_op)
+        self._reducer.complete(self._divisor())
 
     def _check_unused(self) -> None:
-        unused = [name for b in self._buckets for name, ok in zip(b.names, b.ready) if not ok]
+        unused = [name for b, ready in zip(self._buckets, self._ready) for name, ok in zip(b.names, ready) if not ok]
         if unused and not self.find_unused_parameters:
             raise UnusedParameterError(
                 f"parameters {unused} received no gradient in this backward; pass "
                 "find_unused_parameters=True to DDP to synchronise their (zero) gradients, "
                 "or remove them from the model"
             )
-        for b in self._buckets:
-            b.pending = 0
-            b.ready = [True] * len(b.ready)
+        self._pending = [0] * len(self._pending)
 
     def _finish(self, backward_s: float) -> None:
+        start = time.perf_counter()
         if self.strategy is GradSyncStrategy.OVERLAPPED:
-            # Counted from what the hooks saw, without a probe of our own: a
-            # test drives MPI progress, and that work belongs in the wait.
-            done_before_wait = sum(1 for b in self._buckets if b.done)
-            start = time.perf_counter()
             self._check_unused()
             self._launch_ready()
-            for bucket in self._buckets:
-                bucket.work.wait()
-            wait_s = time.perf_counter() - start
+            # Counted from what the hooks saw, without a probe of our own: a
+            # test drives MPI progress, and that work belongs in the wait.
+            done_before_wait = self._reducer.complete(self._divisor())
         else:  # SYNCHRONOUS: one pass after backward, in plan order
+            self._launch_all(async_op=False)
             done_before_wait = 0
-            start = time.perf_counter()
-            for bucket in self._buckets:
-                self._launch(bucket, async_op=False)
-            wait_s = time.perf_counter() - start
-        self._rescale()
-        self._unpack_grads()
+        wait_s = time.perf_counter() - start
         self.last_step = {"backward_s": backward_s, "final_wait_s": wait_s, "buckets": len(self._buckets),
                           "completed_before_wait": done_before_wait}
 
     def sync_gradients(self) -> None:
         """Average the gradients across the group now (collective), bucket by bucket."""
         self._attach_grads()
-        for bucket in self._buckets:
-            self._launch(bucket, async_op=False)
-        self._unpack_grads()
+        self._launch_all(async_op=False)
 
     def register_comm_hook(self, state: Any, hook: Any) -> None:
         """Average each bucket with ``hook(state, bucket)`` instead of an all-reduce.
@@ -312,9 +289,9 @@ class DistributedDataParallel(WrapperModes):
         """
         if not callable(hook):
             raise ArgumentTypeError(f"a communication hook must be callable, got {type(hook).__name__}")
-        if self._comm_hook is not None:
+        if self._reducer.hook is not None:
             raise ConfigurationError("this DDP already has a communication hook")
-        self._comm_hook = (state, hook)
+        self._reducer.hook = (state, hook)
 
     # -- uneven inputs ----------------------------------------------------------------------
     @contextlib.contextmanager
@@ -344,7 +321,7 @@ class DistributedDataParallel(WrapperModes):
             ConfigurationError: nested ``join``, or active ranks disagree on ``no_sync`` in one iteration (raised
                 on every rank together).
         """
-        with self._joiner.join(divide_by_initial_world_size, enable, optimizer, self._comm_hook is not None):
+        with self._joiner.join(divide_by_initial_world_size, enable, optimizer, self._reducer.hook is not None):
             yield
 
     @property
@@ -355,20 +332,14 @@ class DistributedDataParallel(WrapperModes):
     def _reduce_zeros(self) -> None:
         """A joined rank's backward: all-reduce zero gradients in plan order, as the active ranks do (see join.py)."""
         self._attach_grads()
+        for bucket, params in zip(self._buckets, self._bucket_params):
+            bucket.buffer[...] = 0
+            if not self.gradient_as_bucket_view:
+                for p in params:
+                    p.grad[...] = 0
         # The same blocking or nonblocking calls as the active ranks: MPI never
         # matches a nonblocking collective with a blocking one.
-        overlapped = self.strategy is GradSyncStrategy.OVERLAPPED
-        for bucket in self._buckets:
-            bucket.flat[...] = 0
-            if not self.gradient_as_bucket_view:
-                for p in bucket.params:
-                    p.grad[...] = 0
-            self._launch(bucket, async_op=overlapped)
-        if overlapped:
-            for bucket in self._buckets:
-                bucket.work.wait()
-        self._rescale()
-        self._unpack_grads()
+        self._launch_all(async_op=self.strategy is GradSyncStrategy.OVERLAPPED)
 
     # -- the wrapped module ------------------------------------------------------------------
     def parameters(self) -> List[Any]:
