@@ -69,16 +69,7 @@ def is_floating(dtype: Any) -> bool:
 
 
 def floating_dtype(value: Any, what: str, expected: str = "a floating dtype") -> np.dtype:
-    """``value`` (a dtype or its name; "bfloat16" comes from ml_dtypes) as a floating numpy dtype.
-
-    Args:
-        value: what the user gave.
-        what: the option's name, for the message.
-        expected: what the option takes, for the message.
-
-    Raises:
-        ConfigurationError: not a floating dtype, or bfloat16 without ml_dtypes.
-    """
+    """``value`` (a dtype or its name; "bfloat16" from ml_dtypes) as a floating dtype; ConfigurationError otherwise."""
     if isinstance(value, str) and value.lower() == "bfloat16":
         bf16 = bfloat16_dtype()
         if bf16 is None:
@@ -124,16 +115,7 @@ def dtype_groups(items: Iterable[Any], array_of: Optional[Callable[[Any], Any]] 
 
 
 def finite_flags(arrays: Any, verdicts: Sequence[Any] = ()) -> List[bool]:
-    """For each array, whether every element is finite (an empty array is), with one read of the device.
-
-    On a GPU each read of a device value waits for the device's queued work: the
-    device arrays' verdicts are stacked on the device and read together, not one by one.
-
-    Args:
-        arrays: the arrays to check.
-        verdicts: 0-d boolean arrays computed elsewhere, read in the same read; their
-            values follow the arrays' flags in the list returned.
-    """
+    """Whether each array (and each of ``verdicts``, after them) is all finite, with one device read for all."""
     verdicts = [array_module(a).isfinite(a).all() if a.size else True for a in arrays] + list(verdicts)
     device = [v for v in verdicts if is_cupy_array(v)]
     read = iter(sys.modules["cupy"].stack(device).get().tolist() if device else ())
@@ -150,12 +132,7 @@ def _describe(x: Any) -> str:
 
 
 def check_array(x: Any, what: str, *, writable: bool = False) -> None:
-    """Raise a clear error if ``x`` cannot be handed to a collective.
-
-    Args:
-        x: the buffer.
-        what: how to name it in a message ("all_reduce buffer").
-        writable: the operation writes into ``x``.
+    """Raise a clear error, naming ``x`` as ``what``, if ``x`` cannot be handed to a collective.
 
     Raises:
         UnsupportedDtypeError: not an array, or a dtype outside ``supported_dtypes()``.

@@ -1,19 +1,12 @@
 """Every error axonhpc raises on purpose.
 
-Local mistakes (a bad rank, a non-member, a buffer MPI cannot use) are found
-before any message is sent, so no other rank is left waiting, and their
-messages carry the offending values. Cross-rank disagreements and hangs have
-their own types so that a job script can tell them apart.
-
 [Note: one hierarchy, with the built-in type as a second base]
-Every class here derives from ``AxonError``, so ``except ax.errors.AxonError``
-catches whatever the library raised on purpose. Where a built-in exception
-says the same thing (a bad value, a bad type, a missing file), the class
-derives from it too, so ``except ValueError`` keeps working:
-``InvalidArgumentError`` is an ``AxonError`` and a ``ValueError``.
-``tests/test_errors.py`` walks every ``raise`` in the package and fails on
-one that raises anything else (a short list of protocol exceptions such as
-``NotImplementedError`` in abstract methods is allowed, each with its reason).
+Every class derives from ``AxonError``, so ``except ax.errors.AxonError``
+catches whatever the library raised on purpose; where a built-in exception
+says the same thing the class derives from it too, so ``except ValueError``
+keeps working. Local mistakes are found before any message is sent, so no
+other rank is left waiting. ``tests/test_errors.py`` fails on any ``raise``
+of something else (bar a short, reasoned list).
 """
 from typing import Sequence, Tuple
 
@@ -43,17 +36,11 @@ class InvalidKeyError(AxonError, KeyError):
 
 
 class ConfigurationError(AxonError, ValueError):
-    """Arguments or settings that cannot work together (a mesh whose sizes do not multiply to the world
-    size, an ``AXONHPC_*`` variable with a value its setting cannot take)."""
+    """Arguments or settings that cannot work together (a mesh not multiplying to the world size, a bad ``AXONHPC_*``)."""
 
 
 class UnknownChoiceError(InvalidArgumentError, ConfigurationError):
-    """A string names no member of an option enum (a reduce op, a sharding strategy, a schedule, a mode).
-
-    Such a name comes from a call's argument or from a configuration, so this
-    is both an ``InvalidArgumentError`` and a ``ConfigurationError``: code
-    that catches either keeps working. The message lists the accepted names.
-    """
+    """A string names no member of an option enum; both an ``InvalidArgumentError`` and a ``ConfigurationError``."""
 
 
 class MissingDependencyError(AxonError, ImportError):
@@ -74,8 +61,7 @@ class ModuleNotInitializedError(AxonError, AttributeError):
 
 # -- ranks, groups and buffers ------------------------------------------------------------------
 class RankError(AxonError, ValueError):
-    """A rank is out of range, duplicated, not part of the parent group, or one the call cannot use
-    (a blocking send to this rank itself)."""
+    """A rank is out of range, duplicated, not in the parent group, or one the call cannot use."""
 
 
 class NotAMemberError(AxonError):
@@ -95,8 +81,7 @@ class ReadOnlyBufferError(InvalidBufferError):
 
 
 class ShapeError(InvalidBufferError):
-    """Shapes or sizes do not fit the operation (an indivisible reduce_scatter, a receive buffer whose size
-    differs from the incoming message)."""
+    """Shapes or sizes do not fit the operation (an indivisible reduce_scatter, a too-small receive buffer)."""
 
 
 class UnsupportedDtypeError(AxonError, TypeError):
@@ -109,20 +94,17 @@ class SharedMemoryError(AxonError, MemoryError):
 
 # -- across ranks -------------------------------------------------------------------------------
 class CollectiveMismatchError(AxonError):
-    """Ranks called different collectives, or passed arguments that must agree and do not; raised on
-    every rank.
+    """Ranks called different collectives, or passed arguments that must agree and do not; raised on every rank.
 
     Attributes:
-        ranks: the world ranks that raise this error alike (empty where not known): an uncaught one
-            prints its traceback on the lowest of them only (``groups.runtime``).
+        ranks: the world ranks raising it alike; an uncaught one prints its traceback on the lowest only.
     """
 
     ranks: Tuple[int, ...] = ()
 
 
 class CollectiveRefusedError(CollectiveMismatchError):
-    """Another rank of the group refused its part of this collective (a bad argument there) before anything was
-    sent; raised on the other ranks, naming the refusing rank and its error, while that rank raises its own.
+    """Another rank refused its part of this collective before anything was sent; raised on the other ranks.
 
     Attributes:
         rank: the world rank of the (first) refusing rank.
@@ -135,14 +117,11 @@ class CollectiveRefusedError(CollectiveMismatchError):
 
 
 class GroupMismatchError(CollectiveMismatchError, ValueError):
-    """Ranks passed different arguments to ``new_group``, or some passed arguments ``split`` cannot take;
-    raised on every rank of the parent group, naming the ranks and what each passed."""
+    """Ranks passed different arguments to ``new_group``, or ones ``split`` cannot take; raised on every rank."""
 
 
 class ModelMismatchError(CollectiveMismatchError, ValueError):
-    """The ranks of a parallel wrapper's group hold different models (parameter names, shapes or dtypes, or a
-    tensor-parallel layer's geometry); found when the wrapper is built, raised on every rank of the group,
-    naming the first parameter that differs and which ranks have which."""
+    """The ranks of a parallel wrapper's group hold different models; raised on every rank, naming the first difference."""
 
 
 class CollectiveTimeoutError(AxonError, TimeoutError):
@@ -150,14 +129,11 @@ class CollectiveTimeoutError(AxonError, TimeoutError):
 
 
 class CollectiveStallError(CollectiveTimeoutError):
-    """A collective waited ``settings.stall_timeout`` seconds without the group joining it (the watchdog's
-    default timeout); the message is the watchdog's report of where every rank was."""
+    """A collective waited ``settings.stall_timeout`` seconds for the group; the message is the watchdog's report."""
 
 
 class DeadlockError(CollectiveStallError):
-    """The ranks' waits prove a deadlock: each rank of a cycle waits in a collective the next one has not entered,
-    and that one waits too (two groups entered in different orders); raised on every rank of the cycle, naming
-    each rank's call and group."""
+    """The ranks' waits form a cycle (groups entered in different orders); raised on every rank of the cycle."""
 
 
 class LocalAbort(AxonError):
@@ -190,12 +166,7 @@ class ParameterServerError(AxonError, RuntimeError):
 
 
 class PeerFailedError(AxonError, RuntimeError):
-    """Another rank failed, so this call stopped; the message says who (``lost``: their job ranks, when known).
-
-    Raised on every survivor when a rank's process dies under a fault-tolerant
-    MPI (``backends.failures``), and by the parameter server when another of
-    its ranks stopped the run.
-    """
+    """Another rank failed, so this call stopped; ``lost``: their job ranks, when known."""
 
     def __init__(self, message: str, lost: Sequence[int] = ()):
         super().__init__(message)
@@ -203,12 +174,7 @@ class PeerFailedError(AxonError, RuntimeError):
 
 
 class RecoveryError(PeerFailedError):
-    """Ranks failed and the survivors cannot go on without them; the message says why (``lost``: their job ranks).
-
-    Raised on every survivor by ``axonhpc.elastic`` when the state of a lost
-    rank survives nowhere (an FSDP shard and its buddy copy both lost) or the
-    run cannot be laid out on the ranks left (a global batch they do not divide).
-    """
+    """Ranks failed and the survivors cannot go on without them (state lost, or layout impossible); ``lost`` as above."""
 
 
 class CheckpointError(AxonError):
@@ -251,11 +217,7 @@ def everywhere(error: CollectiveMismatchError, ranks: Sequence[int]) -> Collecti
 
 
 def replacing(error: BaseException, cause: BaseException, keep_cause: bool = False) -> BaseException:
-    """``error``, to be raised in place of the library's internal ``cause`` (an engine's code, a lower
-    layer's timeout that ``error`` restates): the traceback then shows ``error`` alone, not "During
-    handling of the above exception, another exception occurred"; ``keep_cause`` (debug mode) keeps
-    ``cause`` as its cause.
-    """
+    """``error`` with ``cause`` suppressed from the traceback (``keep_cause``, in debug mode, keeps it as the cause)."""
     error.__cause__ = cause if keep_cause else None
     error.__suppress_context__ = True
     return error

@@ -1,28 +1,13 @@
 """BLAS and OpenMP thread pools sized per rank, so that ranks sharing a node do not oversubscribe it.
 
 [Note: thread pools per rank]
-numpy's OpenBLAS (and MKL, and any OpenMP runtime) starts one thread per
-core of the machine in every process. Two ranks on a 2-core node then run
-four busy threads on two cores, and a matrix product that would take 1 ms
-takes ten: spinning threads wait for cores the other rank holds. torchrun
-sets one thread per rank for this reason; the SLURM templates here export
-``OMP_NUM_THREADS=$SLURM_CPUS_PER_TASK``. ``ax.init()`` does the same for a
-plain ``mpiexec``: when the user has set none of ``OMP_NUM_THREADS``,
-``OPENBLAS_NUM_THREADS`` and ``MKL_NUM_THREADS``, it limits the pools
-(threadpoolctl) to
-
-    the cores this rank may use / the ranks of its node that share them
-
-and at least 1. "The cores this rank may use" is its affinity mask
-(``os.sched_getaffinity``), so SLURM's ``--cpus-per-task`` binding and a
-cgroup's cpuset count, not the machine's core count; "the ranks that share
-them" are the ranks of the same node whose masks overlap this one's, learnt
-from the masks every rank sends with the node table at ``init``. A value the
-user set always wins, and ``AXONHPC_SIZE_THREAD_POOLS=0`` turns the sizing
-off. ``axonhpc launch`` sets the three variables for its ranks before Python
-starts (so pools are small from the first import), naming itself in
-``AXONHPC_THREADS_SET_BY`` so that ``init`` still sizes by affinity. Rank 0
-logs the choice once; ``axonhpc info`` shows it.
+OpenBLAS, MKL and OpenMP start one thread per core in every process: two ranks on a 2-core node run four
+busy threads, and a 1 ms matrix product takes ten. So, unless the user set ``OMP_NUM_THREADS``,
+``OPENBLAS_NUM_THREADS`` or ``MKL_NUM_THREADS``, ``ax.init()`` limits the pools to max(1, the cores in this
+rank's affinity mask / the node's ranks whose masks overlap it). The affinity mask makes SLURM's binding and
+cgroups count, not the machine's core count. ``axonhpc launch`` sets the variables before Python starts (so
+pools are small from the first import) and names itself in ``AXONHPC_THREADS_SET_BY``, so ``init`` still
+sizes by affinity.
 """
 from __future__ import annotations
 
@@ -65,8 +50,7 @@ class ThreadPlan:
     """What sizes this rank's thread pools, and why.
 
     Attributes:
-        threads: the pool size in force: axonhpc's choice, or the user's ``OMP_NUM_THREADS`` (None when the
-            user set only other variables, or the sizing is off and nothing is set: the libraries' defaults).
+        threads: the pool size in force (None: the libraries' defaults).
         cores: the CPUs this rank may use.
         sharing: the ranks of this node whose CPUs overlap this rank's.
         chosen: axonhpc sets the pools (False: the user's variables, or the sizing is off).
@@ -94,18 +78,7 @@ class ThreadPlan:
 
 def plan_threads(cores: int, sharing: int, environ: Optional[Mapping[str, str]] = None,
                  enabled: Optional[bool] = None) -> ThreadPlan:
-    """The pool size for a rank with ``cores`` usable CPUs shared by ``sharing`` ranks of its node.
-
-    Args:
-        cores: the CPUs this rank may use.
-        sharing: the ranks of its node (itself included) whose CPUs overlap its own.
-        environ: the environment to read the user's variables from (``os.environ`` if None).
-        enabled: size the pools at all (default ``settings.size_thread_pools``).
-
-    Returns:
-        The plan: ``max(1, cores // sharing)`` threads unless the user set a thread variable
-        (``axonhpc launch``'s own values do not count as the user's) or the sizing is off.
-    """
+    """The plan for ``cores`` CPUs shared by ``sharing`` ranks: ``max(1, cores // sharing)`` unless the user chose."""
     env = thread_environment(environ)
     from_launch = env.pop(THREADS_SET_BY, None) == LAUNCH
     user = {} if from_launch else env
@@ -130,11 +103,7 @@ class _Applied:
 
 
 def apply_plan(plan: ThreadPlan, log: bool = True) -> ThreadPlan:
-    """Limit this process's BLAS/OpenMP pools as ``plan`` says (where it chose), and log it once.
-
-    Without threadpoolctl (a dependency, so only in a broken environment) the pools are left
-    alone and a warning says so.
-    """
+    """Limit this process's pools as ``plan`` says, and log it once (a warning without threadpoolctl)."""
     if plan.chosen:
         try:
             from threadpoolctl import threadpool_limits
@@ -157,13 +126,7 @@ def current_plan() -> Optional[ThreadPlan]:
 
 def launch_environment(ranks_here: int, environ: Optional[Mapping[str, str]] = None,
                        cores: Optional[int] = None) -> dict:
-    """The variables ``axonhpc launch`` adds for ``ranks_here`` ranks on this machine (empty when the user set any).
-
-    Args:
-        ranks_here: the ranks the launch starts on this machine.
-        environ: the launcher's environment (``os.environ`` if None).
-        cores: the CPUs the launcher may use (default: its affinity mask).
-    """
+    """The variables ``axonhpc launch`` adds for ``ranks_here`` ranks on this machine (empty when the user set any)."""
     env = os.environ if environ is None else environ
     if thread_environment(env) or not settings.size_thread_pools:
         return {}

@@ -1,11 +1,10 @@
 """The backend interface: what a communication library must provide.
 
 [Note: backend contract]
-A backend moves data for one communicator. The collective layer has already checked every buffer
-and turned what no library does natively into what they do: ``AVG`` arrives as ``SUM`` and 16-bit
-float reductions arrive widened to float32. So a backend sees only SUM/PRODUCT/MIN/MAX on
-float32/64, int32/64 and uint8, plus data movement. With ``async_op=False`` a backend should
-complete before returning (MPI's blocking calls are faster than their nonblocking twins).
+The collective layer has already checked every buffer and turned ``AVG`` into ``SUM`` and 16-bit
+reductions into float32 ones, so a backend sees only SUM/PRODUCT/MIN/MAX on float32/64, int32/64 and
+uint8. With ``async_op=False`` a backend should complete before returning (MPI's blocking calls are
+faster than their nonblocking twins).
 """
 from __future__ import annotations
 
@@ -20,11 +19,7 @@ from .._choices import parse_choice
 
 
 class ReduceOp(enum.Enum):
-    """Reduction operations of ``all_reduce`` and ``reduce_scatter``.
-
-    ``AVG`` is the sum divided by the group size. On integer dtypes it is the
-    floor of that quotient (numpy's ``//``), so ``[1, 2]`` averages to ``1``.
-    """
+    """Reduction operations of ``all_reduce`` and ``reduce_scatter``; ``AVG`` on integers floors (``[1, 2]`` -> ``1``)."""
 
     SUM = "sum"
     PRODUCT = "product"
@@ -50,10 +45,7 @@ WAIT_OBSERVER: Optional[Tuple[Callable[["Work"], Any], Callable[[Any], None]]] =
 
 
 class Work:
-    """Handle of an operation that may still be running.
-
-    ``wait()`` returns its result: the output array of operations that produce one, otherwise None.
-    """
+    """Handle of an operation that may still be running; ``wait()`` returns its output array or None."""
 
     def __init__(self, result: Any = None):
         self._result = result
@@ -139,10 +131,7 @@ class CompletedWork(Work):
 
 
 class Backend(abc.ABC):
-    """One communicator of one backend library.
-
-    ``global_ranks``: the world rank of each communicator rank, in order.
-    """
+    """One communicator of one backend library; ``global_ranks``: the world rank of each communicator rank."""
 
     name: str = "abstract"
     rank: int
@@ -164,10 +153,7 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def reduce_scatter(self, send, recv, op: ReduceOp, async_op: bool) -> Work:
-        """``recv`` of rank i becomes the reduction of part i of every ``send``.
-
-        ``send`` holds ``size`` equal parts along its first axis.
-        """
+        """``recv`` of rank i becomes the reduction of part i (along the first axis) of every ``send``."""
 
     @abc.abstractmethod
     def gather(self, send, recv, root: int, async_op: bool) -> Work:
@@ -191,11 +177,7 @@ class Backend(abc.ABC):
         """Fill ``buf`` with a message from rank ``src``."""
 
     def recv_now(self, buf, src: int, tag: int, nonblocking: bool) -> Work:
-        """A receive whose caller waits for it at once (a blocking ``recv``, perhaps under a timeout).
-
-        A backend may check more here, nothing else happening in between (MPI matches the message first
-        and compares its size with ``buf``'s).
-        """
+        """A receive its caller waits for at once; a backend may check more here (MPI compares the size first)."""
         return self.recv(buf, src, tag, nonblocking)
 
     # communicators ----------------------------------------------------------
@@ -208,49 +190,33 @@ class Backend(abc.ABC):
         """Collective: a backend over these communicator ranks, in this order; None for non-members."""
 
     def host_side(self) -> "Backend":
-        """The backend that carries this group's host (numpy) messages: this one.
-
-        ``dispatch.DeviceDispatchBackend`` returns its host side, which carries the layer's small checks.
-        """
+        """The backend that carries this group's host (numpy) messages: this one."""
         return self
 
     def stages(self, buf) -> bool:
-        """Whether this backend moves ``buf`` through host copies (a device array over an MPI that is not CUDA-aware).
-
-        Then the collective layer pipelines a large blocking all-reduce in chunks (``staged_path``).
-        """
+        """Whether this backend moves ``buf`` through host copies (so large blocking all-reduces are chunked)."""
         return False
 
     def captures(self, buf) -> bool:
-        """Whether a collective on ``buf`` can be captured in a CUDA graph (``axonhpc.cuda.graphs``).
-
-        True only for a backend that issues the call on a CUDA stream with no later host work (NCCL), so a
-        replay repeats all of it; MPI is driven by the host.
-        """
+        """Whether a collective on ``buf`` can be captured in a CUDA graph: only stream-issued calls (NCCL), not MPI."""
         return False
 
     def reducer(self, buf: np.ndarray, op: "ReduceOp") -> Callable[[], None]:
-        """A call that replaces ``buf`` (a small host array) by its element-wise ``op`` over the ranks, blocking.
+        """A blocking call that replaces ``buf`` (small, host) by its ``op`` over the ranks, made once per buffer.
 
-        Made once per buffer by the agreement check, whose whole cost is its latency, so a backend may return
-        something quicker than a general ``all_reduce`` (MPI: one ``Allreduce`` on a prepared buffer).
+        The agreement check's cost is its latency, so a backend may return something quicker than ``all_reduce``.
         """
         return lambda: self.all_reduce(buf, op, False).wait()
 
     def announce(self, seq: int, op: str) -> Optional[Any]:
-        """Tell every peer that this rank entered collective ``seq`` (``op``), before a timed blocking collective.
+        """Tell every peer this rank entered collective ``seq``; an object the wait asks for arrivals, or None.
 
-        A backend that can report arrivals returns an object the wait asks (see
-        ``backends.mpi_arrivals.Arrivals``), so a timeout names the ranks that never came; the default
-        sends nothing and returns None.
+        With it a timeout names the ranks that never came (``backends.mpi_arrivals.Arrivals``).
         """
         return None
 
     def node_layout(self, local_key: Optional[int] = None) -> Tuple[int, int, int, int]:
-        """(local_rank, local_size, node_rank, num_nodes) of this rank.
-
-        ``local_key``: orders the ranks of a node (the launcher's local rank); None orders them by rank.
-        """
+        """(local_rank, local_size, node_rank, num_nodes); ``local_key`` orders a node's ranks (None: by rank)."""
         return self.rank, self.size, 0, 1
 
     def abort(self, code: int = 1) -> None:

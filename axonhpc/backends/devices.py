@@ -1,14 +1,10 @@
 """CUDA devices: what this process can use, which one it takes, and which backend moves device arrays.
 
 [Note: device facts and backend choice]
-Each decision is a pure function of plain values, tested without a GPU:
-
-- ``DeviceFacts`` (``device_facts()``): cupy, the visible devices, cupy's NCCL, every failure a reason;
-- ``select_device``: one visible device (the gpu template sets ``CUDA_VISIBLE_DEVICES`` per task)
-  is device 0; otherwise local rank i takes ``i % visible_count``, sharing when ranks outnumber devices;
-- ``choose_backend``: "auto" takes NCCL when cupy, a device and NCCL are there, MPI otherwise;
-  "nccl" without them raises ``BackendUnavailableError`` naming what is missing. NCCL also refuses
-  two ranks on one device (``check_one_device_per_rank``), known only once the node layout is.
+Each decision is a pure function of plain values, tested without a GPU. One visible device (the gpu
+template sets ``CUDA_VISIBLE_DEVICES`` per task) is device 0; otherwise local rank i takes
+``i % visible_count``. "auto" takes NCCL when cupy, a device and NCCL are there; NCCL also refuses two ranks
+on one device, known only once the node layout is.
 """
 from __future__ import annotations
 
@@ -27,10 +23,10 @@ class DeviceFacts:
     """What the device path can use in this process.
 
     Attributes:
-        cupy: cupy's version, or None when cupy cannot be imported.
+        cupy: cupy's version, or None.
         devices: CUDA devices visible to this process (0 when none or unknown).
         nccl: NCCL's runtime version as (major, minor, patch), or None.
-        problems: why each missing part is missing, in the order found.
+        problems: why each missing part is missing.
     """
 
     cupy: Optional[str] = None
@@ -40,11 +36,7 @@ class DeviceFacts:
 
 
 def nccl_version_tuple(code: int) -> Tuple[int, int, int]:
-    """(major, minor, patch) of an ``ncclGetVersion`` code.
-
-    NCCL encodes 2.8 and older as ``X*1000 + Y*100 + Z`` and later versions as
-    ``X*10000 + Y*100 + Z`` (2.8.4 is 2804, 2.10.3 is 21003).
-    """
+    """(major, minor, patch) of an ``ncclGetVersion`` code (2.8.4 is 2804, 2.10.3 is 21003)."""
     code = int(code)
     if code >= 10000:
         return code // 10000, (code % 10000) // 100, code % 100
@@ -103,8 +95,8 @@ class DeviceChoice:
 
     Attributes:
         index: the CUDA device index inside this process's visible set.
-        shared: more ranks than devices on the node: this rank shares its device.
-        physical: the ``CUDA_VISIBLE_DEVICES`` entry it maps to (an index or a UUID), when listed.
+        shared: more ranks than devices on the node.
+        physical: the ``CUDA_VISIBLE_DEVICES`` entry it maps to, when listed.
         reason: how the choice was made, for ``ax.info()``.
     """
 
@@ -133,15 +125,9 @@ def visible_device_list(env: Mapping[str, str]) -> Optional[List[str]]:
 
 
 def select_device(local_rank: int, visible_count: Optional[int], env: Mapping[str, str]) -> DeviceChoice:
-    """The device a rank uses, from its node-local rank.
+    """The device a rank uses, from its node-local rank; BackendUnavailableError if none is visible.
 
-    Args:
-        local_rank: the rank's index among its node's ranks, ordered like the launcher's
-            SLURM_LOCALID / OMPI_COMM_WORLD_LOCAL_RANK / MPI_LOCALRANKID.
-        visible_count: devices the CUDA runtime reports; None takes the length of ``CUDA_VISIBLE_DEVICES``.
-
-    Raises:
-        BackendUnavailableError: no device is visible.
+    ``visible_count``: devices the CUDA runtime reports; None takes the length of ``CUDA_VISIBLE_DEVICES``.
     """
     listed = visible_device_list(env)
     count = visible_count if visible_count is not None else (len(listed) if listed is not None else 0)
@@ -179,7 +165,7 @@ class BackendChoice:
 
     Attributes:
         host: "mpi" or "local": moves numpy arrays (and device arrays when ``device`` is None).
-        device: "nccl", or None when device arrays go to the host backend.
+        device: "nccl", or None.
         reason: why, for ``ax.info()``.
     """
 
@@ -189,12 +175,7 @@ class BackendChoice:
 
 
 def choose_backend(requested: str, facts: Optional[DeviceFacts], mpi_available: bool) -> BackendChoice:
-    """The backends for ``init(backend=requested)``.
-
-    Raises:
-        BackendUnavailableError: "nccl" or "mpi" was asked for and cannot work;
-            the message says what is missing.
-    """
+    """The backends for ``init(backend=requested)``; BackendUnavailableError, saying what is missing, if impossible."""
     if requested == "local":
         return BackendChoice("local", None, "backend='local' asked for")
     if requested == "mpi":

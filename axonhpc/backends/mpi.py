@@ -1,16 +1,10 @@
 """MPI backend over any mpi4py intracommunicator.
 
 [Note: MPI backend]
-The backend works on a ``Dup`` of its communicator, so its messages never match the user's own.
-Blocking calls use MPI's blocking collectives, which libraries tune better than the ``I*`` twins.
-
-Counts in MPI calls are C ints, so a buffer of more than ``settings.max_message_elements``
-(2**31 - 1) is moved in chunks; gather-like operations stage a column block of every rank's part
-through a temporary, keeping each call under the limit in total. Chunking is exact.
-
-Device arrays go to a CUDA-aware MPI as they are (after the current stream is synchronised), else
-through pinned host twins (``staging.run_staged``). Neither path has run on a GPU yet (none was
-available); the staging logic is tested with numpy stand-ins.
+The backend works on a ``Dup`` of its communicator, so its messages never match the user's. Blocking calls
+use MPI's blocking collectives, which libraries tune better than the ``I*`` twins. MPI counts are C ints, so
+buffers beyond ``settings.max_message_elements`` move in chunks. Device arrays go to a CUDA-aware MPI as they
+are, else through pinned host twins (neither path has run on a GPU yet).
 """
 from __future__ import annotations
 
@@ -40,11 +34,7 @@ def _cuda_aware_reason() -> str:
 
 
 def pinned_staging():
-    """The process's pinned staging area (``staging.cupy_staging``) for device arrays MPI cannot take.
-
-    Raises:
-        BackendUnavailableError: it cannot be made (no pinned memory); says why MPI needed it.
-    """
+    """The process's pinned staging area for device arrays MPI cannot take; BackendUnavailableError if impossible."""
     from .staging import cupy_staging
 
     try:
@@ -60,12 +50,10 @@ class _MatchedReceive(Work):
     """A receive that matches each message before receiving it, so that its size is checked first.
 
     [Note: checking a receive's size]
-    MPI reports a too-long message only as a raw "Message truncated" error, after the fact, and carries
-    no dtype. So a receive first matches the message (``MPI_Mprobe``/``MPI_Improbe``) and compares its
-    byte count with the buffer's; on a difference it drains it into scratch (so the sender is not left
-    waiting) and ``ShapeError`` names both sizes, else ``MPI_Mrecv`` receives it. A posted ``irecv``
-    cannot be matched early without changing MPI's semantics (a sender may rely on the receive being
-    posted), so it checks its statuses on completion (``_PostedReceive``).
+    MPI reports a too-long message only as a raw "Message truncated" error, after the fact. So a receive first
+    matches the message (``MPI_Mprobe``) and compares sizes; on a difference it drains it into scratch (so the
+    sender is not left waiting) and raises ``ShapeError``. A posted ``irecv`` cannot be matched early without
+    changing MPI's semantics, so it checks its statuses on completion (``_PostedReceive``).
     """
 
     def __init__(self, backend: "MPIBackend", buf, flat, blocks, src: int, tag: int):
@@ -430,11 +418,7 @@ class MPIBackend(Backend):
         return None if new == MPI.COMM_NULL else MPIBackend(new, dup=False)
 
     def node_layout(self, local_key: Optional[int] = None) -> Tuple[int, int, int, int]:
-        """(local_rank, local_size, node_rank, num_nodes) from ``Split_type(COMM_TYPE_SHARED)``.
-
-        ``local_key``: orders the ranks of a node. Launchers number local ranks their own way (Open MPI's
-        mapper need not follow the global order) and device binding follows them, so the world passes it.
-        """
+        """(local_rank, local_size, node_rank, num_nodes); ``local_key`` orders a node's ranks as the launcher numbers them."""
         if self._layout is None:
             MPI = _mpi()
             key = self.rank if local_key is None else int(local_key)

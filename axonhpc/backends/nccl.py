@@ -1,29 +1,18 @@
 """NCCL backend: cupy arrays over ``cupy.cuda.nccl``, one NCCL communicator per process group.
 
-UNTESTED ON A GPU: no device was available where this was written. The pure parts (datatype and op
-tables, the unique-id bootstrap, the readiness vote) are tested everywhere; the device calls follow
-cupy's documented NCCL API and have never run.
+UNTESTED ON A GPU: the pure parts (tables, unique-id bootstrap, readiness vote) are tested; the device calls
+follow cupy's documented NCCL API and have never run.
 
 [Note: NCCL backend]
-- Bootstrap: rank 0 broadcasts an NCCL unique id over the host (MPI) backend. ``ncclCommInitRank``
-  waits for every rank, so first the ranks vote over MPI on readiness and compare devices
-  (``shared_device``): a failure raises on every rank, and no rank waits inside NCCL for one that
-  failed early.
-- Streams: calls run on the backend's own non-blocking stream, after the caller's current stream,
-  with an event recorded after. A blocking call, and ``Work.wait()`` without a timeout, make the
-  caller's stream wait for the event and return without a host wait, as PyTorch's NCCL process
-  groups do: later kernels, host reads of the result and reuse of freed pool memory all come after
-  it. ``barrier()`` and ``wait(timeout)`` do wait on the host (a timeout is a host clock).
-- Capture: while the caller's stream captures a CUDA graph the same calls are recorded: the events
-  join the backend's stream into the capture and back, as CUDA requires. A captured event cannot be
-  queried, so ``is_completed()`` answers False during the capture.
-- Operations: called directly, AVG on floats uses ncclAvg (NCCL >= 2.10.3) or SUM then a division;
-  on integers always SUM then floor division. NCCL has no gather or scatter: grouped sends and receives.
-- Point to point: NCCL matches in call order per peer, with no tags and no received-count check. A
-  send and receive that must run concurrently (a ring step) must share one ``groupStart``/``groupEnd``,
-  so non-blocking ones are queued and issued together when any of their Works is waited on or tested,
-  or the next operation starts. A blocking send or receive is issued at once and completes before it
-  returns.
+- Bootstrap: ``ncclCommInitRank`` waits for every rank, so the ranks first vote over MPI on readiness and
+  compare devices: a failure raises on every rank, and none waits inside NCCL for one that failed early.
+- Streams: calls run on the backend's own stream after the caller's; a blocking call makes the caller's
+  stream wait for its event without a host wait (as PyTorch does), so later kernels, host reads and pool
+  reuse come after it. ``barrier()`` and ``wait(timeout)`` wait on the host (a timeout is a host clock).
+- Capture: a captured event cannot be queried, so ``is_completed()`` answers False during a capture.
+- Point to point: NCCL matches in call order per peer, with no tags. Sends and receives that must run
+  concurrently (a ring step) must share one ``groupStart``/``groupEnd``, so non-blocking ones are queued and
+  issued together when one of their Works is waited on or the next operation starts.
 """
 from __future__ import annotations
 
@@ -73,13 +62,8 @@ def nccl_datatype(dtype: Any, version: Optional[Tuple[int, int, int]] = None,
                   constants: Optional[Dict[str, int]] = None, reducing: bool = False) -> int:
     """The NCCL datatype code that moves (and, when ``reducing``, reduces) ``dtype``.
 
-    Args:
-        version: NCCL's version; None assumes a current one.
-        constants: from ``nccl_constants`` (None: nccl.h's values).
-        reducing: the call reduces (bfloat16 then needs NCCL >= 2.10.3).
-
     Raises:
-        UnsupportedDtypeError: NCCL has no such type, or this NCCL cannot reduce it.
+        UnsupportedDtypeError: NCCL has no such type, or this NCCL cannot reduce it (bfloat16 needs >= 2.10.3).
     """
     table = constants or nccl_constants()
     name = np.dtype(dtype).name
@@ -105,13 +89,7 @@ def reduction_plan(op: ReduceOp, dtype: Any, version: Optional[Tuple[int, int, i
 
 # -- bootstrap ----------------------------------------------------------------------------------------
 def unique_id_bytes(uid: Any) -> bytes:
-    """A unique id as cupy returns it, as 128 bytes.
-
-    cupy >= 14 returns bytes; older versions return a tuple of 128 signed chars.
-
-    Raises:
-        ShapeError: not 128 bytes long (a ``ValueError``).
-    """
+    """A unique id as cupy returns it (bytes, or before cupy 14 a tuple of signed chars) as 128 bytes; else ShapeError."""
     if isinstance(uid, (bytes, bytearray)):
         raw = bytes(uid)
     else:
@@ -127,14 +105,7 @@ def unique_id_tuple(raw: bytes) -> Tuple[int, ...]:
 
 
 def bootstrap_unique_id(rank: int, broadcast_bytes: Callable[[bytes], bytes], make_id: Callable[[], Any]) -> bytes:
-    """Collective: rank 0 makes an NCCL unique id and every rank gets it.
-
-    Rank 0 sends a status byte before the id, so when it cannot make one every rank raises instead of
-    waiting.
-
-    Args:
-        broadcast_bytes: collective; takes this rank's ``1 + 128`` bytes and returns rank 0's.
-        make_id: called on rank 0 only; returns the id (bytes or cupy's tuple).
+    """Collective: rank 0 makes an NCCL unique id and every rank gets it (a status byte first, so a failure raises everywhere).
 
     Raises:
         BackendUnavailableError: rank 0 could not make the id (on every rank).
@@ -158,15 +129,7 @@ def bootstrap_unique_id(rank: int, broadcast_bytes: Callable[[bytes], bytes], ma
 
 def agree_ready(problem: Optional[str], gather_flags: Callable[[int], Sequence[int]],
                 global_ranks: Sequence[int]) -> None:
-    """Collective: raise on every rank when any rank of the group is not ready for NCCL.
-
-    Args:
-        problem: why this rank cannot join, or None.
-        gather_flags: collective; takes this rank's flag (1 ready, 0 not) and returns every rank's.
-
-    Raises:
-        BackendUnavailableError: naming the ranks that are not ready.
-    """
+    """Collective: raise BackendUnavailableError on every rank, naming them, when any rank is not ready for NCCL."""
     flags = list(gather_flags(0 if problem else 1))
     bad = [global_ranks[i] for i, f in enumerate(flags) if not f]
     if bad:
@@ -238,13 +201,10 @@ class NCCLWork(Work):
 
 
 class NCCLBackend(Backend):
-    """cupy arrays over one NCCL communicator, bootstrapped over a host backend of the same ranks.
-
-    ``host``: the group's MPI backend (same ranks, same order); it carries the unique id and the vote.
+    """cupy arrays over one NCCL communicator, bootstrapped over ``host``, the group's MPI backend.
 
     Raises:
-        BackendUnavailableError: on every rank, when cupy/NCCL cannot start
-            on any rank, or when ranks share a GPU (naming them).
+        BackendUnavailableError: on every rank, when cupy/NCCL cannot start on any rank, or ranks share a GPU.
     """
 
     name = "nccl"

@@ -1,17 +1,12 @@
 """Staging device arrays through reusable host buffers, for an MPI that is not CUDA-aware.
 
 [Note: staging]
-``run_staged`` runs a host operation on leased host twins of the device buffers, copying in what it
-reads and, once it completes (in ``wait``/``is_completed``), back what it writes; so ``async_op``
-keeps working and a buffer is never leased twice while in use.
-
-``run_pipelined`` is the chunked form for an in-place reduction: all copies down are queued at once
-on one stream; chunk by chunk the host waits for one, reduces it, and queues its copy up on a second
-stream. The copy in of chunk k+1 and out of k-1 overlap the reduction of k, so the whole takes about
-the slowest stage instead of the sum. The host waits for both streams at the end.
-
-``HostBuffers`` leases the smallest free buffer that fits, else allocates a power of two (dropping
-smaller free ones, so the pool tracks the largest messages instead of growing).
+``run_staged`` runs a host operation on leased host twins of the device buffers and copies results back
+once it completes (in ``wait``/``is_completed``), so ``async_op`` keeps working and no buffer is leased
+twice while in use. ``run_pipelined`` chunks an in-place reduction over two copy streams: the copy in of
+chunk k+1 and out of k-1 overlap the reduction of k, so the whole takes about the slowest stage, not the
+sum. ``HostBuffers`` allocates powers of two and drops smaller free ones, so the pool tracks the largest
+messages instead of growing.
 """
 from __future__ import annotations
 
@@ -79,7 +74,7 @@ def host_view(raw: np.ndarray, shape, dtype) -> np.ndarray:
 
 @dataclass
 class DeviceCopies:
-    """How bytes cross between a device array and a host array of the same shape and dtype.
+    """How bytes cross between a device array and a host twin.
 
     Attributes:
         to_host: ``to_host(device, host)``; the host array holds the values when it returns.
@@ -106,11 +101,7 @@ class CopySession(Protocol):
 
 
 class Staging:
-    """A buffer pool and the copies that go with it.
-
-    ``pipeline``: starts the copy session of a ``run_pipelined`` call (after the caller's stream's work
-    so far); None: no chunked pipeline.
-    """
+    """A buffer pool and its copies; ``pipeline`` starts a ``run_pipelined`` copy session (None: no chunking)."""
 
     def __init__(self, buffers: HostBuffers, copies: DeviceCopies,
                  pipeline: Optional[Callable[[], CopySession]] = None):
@@ -121,16 +112,9 @@ class Staging:
 
 def run_staged(call: Callable[..., Work], args: Sequence[Any], reads: Collection[int], writes: Collection[int],
                staging: Staging) -> Work:
-    """Run ``call`` on host twins of the device arrays in ``args`` (see the module note).
+    """Run ``call(*host_args)`` on host twins of the device arrays in ``args``; its Work, with device results.
 
-    Args:
-        call: ``call(*host_args)`` starts the operation on host arrays and returns its Work.
-        args: the operation's arguments; those at ``reads`` and ``writes`` are device arrays or None.
-        reads: positions the operation reads (copied in).
-        writes: positions the operation fills (copied back on completion).
-
-    Returns:
-        The host operation's Work; a host-twin result is replaced by the device array.
+    ``reads`` are copied in, ``writes`` copied back on completion.
     """
     host_args = list(args)
     leased: List[np.ndarray] = []
@@ -168,14 +152,7 @@ def run_staged(call: Callable[..., Work], args: Sequence[Any], reads: Collection
 
 
 def run_pipelined(device: Any, reduce: Callable[[np.ndarray], None], staging: Staging, chunk_elements: int) -> None:
-    """Reduce the contiguous device array ``device`` in place through host chunks (see the module note).
-
-    Args:
-        reduce: ``reduce(chunk)`` reduces one host chunk in place across the ranks, blocking; every rank
-            calls it for the same chunks in the same order.
-        staging: the buffer pool, and its ``pipeline`` (without one, chunks are copied one by one).
-        chunk_elements: elements per chunk (the last may be shorter).
-    """
+    """Reduce the device array in place through host chunks; ``reduce(chunk)`` is blocking and the same on every rank."""
     flat = device.reshape(-1)
     n = int(flat.size)
     step = max(1, int(chunk_elements))
@@ -240,12 +217,7 @@ class _CupySession:
 
 
 def cupy_pipeline(cupy: Any) -> Callable[[], CopySession]:
-    """``Staging.pipeline`` on a GPU: two non-blocking copy streams per device, made on first use.
-
-    UNTESTED ON A GPU (none was available): follows cupy's documented
-    ``ndarray.get(stream=, out=, blocking=False)``, ``ndarray.set(stream=)``,
-    ``Stream.wait_event`` and ``Event``; the tests run it on ``fake_cuda``.
-    """
+    """``Staging.pipeline`` on a GPU: two non-blocking copy streams per device (UNTESTED ON A GPU; run on ``fake_cuda``)."""
     cuda = cupy.cuda
     streams: Dict[int, Tuple[Any, Any]] = {}
     lock = threading.Lock()
@@ -266,11 +238,7 @@ _default_lock = threading.Lock()
 
 
 def cupy_staging() -> Staging:
-    """The process's staging area on a GPU: pinned host buffers and cupy's copies on the current stream.
-
-    UNTESTED ON A GPU (none was available): follows cupy's documented
-    ``cupyx.empty_pinned``, ``ndarray.get(out=...)`` and ``ndarray.set``.
-    """
+    """The process's staging area on a GPU: pinned host buffers and cupy's copies (UNTESTED ON A GPU)."""
     global _default
     with _default_lock:
         if _default is None:

@@ -1,25 +1,11 @@
 """``axonhpc bench step``: one training step of an MLP, ours beside PyTorch's and the GEMM floor.
 
-Run it in one process. For each model and precision it reports medians of interleaved rounds:
-
-- ``axonhpc``: zero_grad, forward, cross-entropy, backward and SGD (momentum 0.9) of Linear layers
-  with ReLU activations, on numpy (``--device cpu``) or cupy (``--device cuda``), reading its loss
-  as a float between the forward and the backward, as the plain loop of the API does;
-- ``deferred`` (cuda only): the same step under ``ax.defer_reads()``, its loss left on the device as
-  PyTorch's is (neither is read; the targets' check is read at the block's end, waiting for the
-  forward only);
-- ``gemm floor``: the step's matrix products alone, into preallocated outputs (forward, weight
-  gradient, and input gradient for every layer but the first, which both steps skip). Every other
-  pass over memory comes on top, so ours/floor says how much of the step is not matrix products;
-- ``graphed`` (cuda only): our step as a CUDA graph (``axonhpc.graph_step``);
-- ``torch``: the same model, loss and optimizer in PyTorch, when installed (else n/a).
-
-Precisions: ``fp32``; on cuda ``tf32`` (``settings.allow_tf32`` / torch's ``allow_tf32``), ``bf16``
-(float32 parameters, forward under ``nn.autocast``/``torch.autocast``; the floor on bfloat16 arrays;
-skipped with a reason where cupy cannot multiply bfloat16) and ``fp16`` (the same plus a dynamic loss
-scaler, whose step runs after the graph in the graphed column; both read the device once a step).
-Device timings synchronise before the clock stops. Tests never assert these times;
-docs/performance.md quotes them with the machine they came from.
+Columns (medians of interleaved rounds, one process): ``axonhpc`` (the plain loop, reading its loss as
+a float between forward and backward); ``deferred`` (cuda: under ``ax.defer_reads()``, as PyTorch leaves
+its loss on the device); ``gemm floor`` (the step's matrix products alone, so ours/floor says how much of
+the step is not matrix products); ``graphed`` (cuda: ``axonhpc.graph_step``); ``torch`` (when installed).
+Precisions: ``fp32``; on cuda also ``tf32``, ``bf16`` and ``fp16`` (with a dynamic loss scaler). Tests
+never assert these times; docs/performance.md quotes them with their machine.
 """
 from __future__ import annotations
 
@@ -63,11 +49,7 @@ class ModelSpec:
 
 
 def parse_models(text: str) -> List[ModelSpec]:
-    """"784-256-10x128,1024-4096-10x2048" -> ModelSpecs (widths joined by '-', the batch after 'x').
-
-    Raises:
-        InvalidArgumentError: a spec that is not two or more positive widths and a positive batch.
-    """
+    """"784-256-10x128,1024-4096-10x2048" -> ModelSpecs; InvalidArgumentError for a bad spec."""
     specs = []
     for part in (p.strip() for p in text.split(",")):
         if not part:
@@ -88,11 +70,7 @@ def parse_models(text: str) -> List[ModelSpec]:
 
 
 def parse_precisions(text: str, device: str) -> List[str]:
-    """"fp32,tf32" -> the list, checked against what ``device`` can run.
-
-    Raises:
-        InvalidArgumentError: an unknown precision, tf32, bf16 or fp16 on the CPU, bf16 without ml_dtypes.
-    """
+    """"fp32,tf32" -> the list, checked against what ``device`` can run; InvalidArgumentError otherwise."""
     out = []
     for name in (p.strip().lower() for p in text.split(",") if p.strip()):
         if name not in PRECISIONS:
@@ -168,12 +146,7 @@ _CASTS = {"bf16": "bfloat16", "fp16": "float16"}
 
 def _step_fn(spec: ModelSpec, device: Device, precision: str, set_to_none: bool,
              deferred: bool = False) -> Tuple[Callable[..., Any], Optional[Callable[[], None]], Any, Any]:
-    """Our step of the spec's MLP as ``step(x, y)``, what runs after it, and the batch on ``device``.
-
-    fp16: ``step`` is the forward and backward with the loss scaled, and the second function is
-    the scaler's step and update (outside a graph: they read the device); otherwise ``step`` is
-    the whole step and the second is None.
-    """
+    """Our step of the spec's MLP as ``step(x, y)``, what runs after it (fp16: the scaler's step), and the batch."""
     from ..cuda.capture import defer_reads
     from ..nn import CrossEntropyLoss, autocast
     from ..optim import SGD
@@ -223,21 +196,13 @@ def _then(fn: Callable[[], Any], after: Optional[Callable[[], None]]) -> Callabl
 
 
 def axon_step(spec: ModelSpec, device: Device, precision: str = "fp32", deferred: bool = False) -> Callable[[], float]:
-    """One axonhpc training step of the spec's MLP on ``device``, as a closure returning the loss.
-
-    The SGD is built with ``fused=None``: its update follows ``settings.fused_kernels`` when the step runs.
-    ``deferred``: the step under ``ax.defer_reads()``, returning its loss as a 0-d device array.
-    """
+    """One axonhpc step of the spec's MLP as a closure returning the loss (``deferred``: under ``defer_reads``)."""
     step, after, x, y = _step_fn(spec, device, precision, set_to_none=True, deferred=deferred)
     return _then(lambda: step(x, y), after)
 
 
 def graphed_step(spec: ModelSpec, device: Device, precision: str = "fp32") -> Callable[[], Any]:
-    """``axon_step`` captured as a CUDA graph (``axonhpc.graph_step``, 2 eager calls first), returning the loss array.
-
-    The gradients are zeroed in place (a graph writes the same memory at each replay). fp16: the
-    graph holds the forward and backward, and the scaler's step and update run after each launch.
-    """
+    """``axon_step`` captured as a CUDA graph (fp16: the scaler's step and update run after each launch)."""
     from ..cuda.graphs import graph_step
 
     step, after, x, y = _step_fn(spec, device, precision, set_to_none=False)
@@ -331,11 +296,7 @@ def _timed(fn: Callable[[], Any], device: Device, warmup: int) -> Tuple[Callable
 
 def measure(spec: ModelSpec, precision: str, device: Device, rounds: int, warmup: int = 3,
             fused: bool = True) -> dict:
-    """Median seconds per step of each candidate for one model and precision (None where it did not run).
-
-    ``fused``: the value of ``settings.fused_kernels`` while our step runs (False: the layers'
-    element-wise work and the optimizer update as array operations, one kernel each).
-    """
+    """Median seconds per step of each candidate (None where it did not run); ``fused``: ``settings.fused_kernels``."""
     from ..nn import apply_matmul_precision
     from ..settings import settings
 

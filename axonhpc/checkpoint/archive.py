@@ -1,42 +1,20 @@
 """Reading a checkpoint's ``.npz`` archive without trusting it: every size is checked before anything is allocated.
 
 [Note: untrusted archives]
-``numpy.load`` of an npz believes each member's ``.npy`` header: a member that
-declares shape ``(2**40,)`` makes it allocate 8 TiB before reading a byte, and
-zipfile believes the sizes in the central directory. ``Archive`` reads the zip
-with ``zipfile`` and the ``.npy`` headers with ``numpy.lib.format``, and
-refuses, before any array is allocated:
-
-- at opening, from the central directory alone: a member name other than a
-  plain ``<name>.npy`` (no directories, no ``..``), a name given twice, an
-  encrypted member, a compression method other than stored or deflate, a
-  member whose data would lie beyond the end of the file or overlap another
-  member's (overlapping members are how a small zip expands to terabytes), a
-  stored member whose two sizes differ, a deflated member claiming more than
-  deflate can produce from its compressed size (``MAX_DEFLATE_RATIO``);
-- at reading one entry: a ``.npy`` header longer than ``MAX_HEADER_BYTES``, of
-  a version other than 1.0 / 2.0, an object (pickled), structured or other
-  non-plain dtype, Fortran order (the format stores C order), a dtype or
-  shape other than the metadata records, data larger than the caller's
-  ``max_bytes``, and a member whose uncompressed size is not exactly the
-  header length plus ``product(shape) * itemsize``.
-
-So the bytes an entry allocates are bounded by the file: a stored member by
-its own size, a deflated one by ``MAX_DEFLATE_RATIO`` times it. Only then is
-the array allocated and filled; zipfile checks the CRC as the last byte is
-read, and ``format`` checks the sha256 the metadata records. Nothing is ever
-written to disk, so member names cannot place files anywhere; they are still
-refused, because a checkpoint writer never makes them.
+``numpy.load`` believes each member's ``.npy`` header (a declared shape ``(2**40,)`` allocates 8 TiB before a
+byte is read), and zipfile believes the central directory. ``Archive`` refuses, before allocating: at opening,
+names other than a plain ``<name>.npy``, duplicates, encryption, other compression methods, members beyond
+the file or overlapping another (how a small zip expands to terabytes), inconsistent stored sizes, and deflate
+ratios above ``MAX_DEFLATE_RATIO``; at reading, oversize or unusual ``.npy`` headers, non-plain dtypes,
+Fortran order, a dtype or shape other than the metadata's, more than ``max_bytes``, and sizes that do not
+match the header. So what an entry allocates is bounded by the file; the CRC and then ``format``'s sha256
+are checked after. Nothing is written to disk, but odd names are refused since no writer makes them.
 
 [Note: one header at a time]
-``numpy.lib.format`` reads a header's dictionary with ``ast.literal_eval``. On
-Python 3.11 the ``ast`` module counts its recursion depth in state that every
-thread shares, so two threads building ASTs at once (ranks of the thread
-backend loading a checkpoint together, with the garbage collector running
-finalizers in between) can fail with ``SystemError: AST constructor recursion
-depth mismatch`` (seen in CPython issue 106905 and by other projects).
-``_HEADER_LOCK`` makes this module's header reads take turns. It cannot guard
-another library's ``ast`` calls in other threads.
+``numpy.lib.format`` parses headers with ``ast.literal_eval``; on Python 3.11 ``ast`` keeps its recursion
+depth in state shared by all threads, so two threads parsing at once (thread-backend ranks loading together)
+can fail with ``SystemError: AST constructor recursion depth mismatch`` (CPython issue 106905).
+``_HEADER_LOCK`` makes this module's header reads take turns; it cannot guard other libraries' calls.
 """
 from __future__ import annotations
 
@@ -74,9 +52,7 @@ def _shape_text(shape: Sequence[int]) -> str:
 
 
 class Archive:
-    """An open checkpoint archive whose central directory has passed the checks of the module note.
-
-    Use ``open_archive``; close it (or use it as a context manager) when done.
+    """An open checkpoint archive whose central directory passed the module note's checks (from ``open_archive``).
 
     Attributes:
         names: entry names (member names without ``.npy``), in file order.
@@ -103,15 +79,7 @@ class Archive:
 
     def read(self, entry: str, dtype: Optional[np.dtype] = None, shape: Optional[Tuple[int, ...]] = None,
              max_bytes: Optional[int] = None) -> np.ndarray:
-        """The array of ``entry``, after checking its header against what the caller expects.
-
-        Args:
-            entry: the entry name (without ``.npy``).
-            dtype, shape: what the metadata records (None: not compared).
-            max_bytes: refuse data larger than this (None: the file's checks only).
-
-        Returns:
-            A new C-contiguous, writable array.
+        """A new C-contiguous array of ``entry``, its header checked against ``dtype``, ``shape`` and ``max_bytes``.
 
         Raises:
             EntryRefused: missing, unsafe, not as expected, truncated or failing its CRC.
@@ -242,16 +210,11 @@ def _check_member(source: str, info: zipfile.ZipInfo, file_size: int, raw) -> Tu
 
 
 def open_archive(path: str, source: str) -> Archive:
-    """Open ``path`` and check its zip directory (see the module note).
-
-    Args:
-        path: the checkpoint file.
-        source: how messages name it ("checkpoint '/x/ckpt.npz'").
+    """Open ``path`` and check its zip directory; ``source`` is how messages name it.
 
     Raises:
-        CheckpointError: no such file, not a regular file, a single ``.npy``,
-            not a zip, or a zip directory that fails a check; the message
-            names the member and values.
+        CheckpointError: no such file, not a regular file, a single ``.npy``, not a zip, or a zip directory
+            that fails a check, naming the member and values.
     """
     try:
         # O_NONBLOCK: a FIFO planted under a checkpoint's name must not block the open forever

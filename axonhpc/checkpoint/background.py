@@ -1,23 +1,20 @@
 """Checkpoints saved in the background: copy the state to host memory, return, write in a thread.
 
 [Note: no communication in the writer thread]
-Every rank must issue its collectives in the same order, and the calling thread keeps issuing them while a
-save is written; a collective from the writer thread would interleave in a different order on each rank. So
-the writer thread only encodes and writes this rank's file and records the outcome. Everything the ranks must
-agree on (the temporary name, the slice plan, whether every write worked) runs in the calling thread, in the
-collective calls ``save*``, ``wait``, ``poll`` and ``close``; a failed write then raises the same
-``CheckpointError`` on every rank, and only after that does rank 0 write a directory's index.
+The calling thread keeps issuing collectives while a save is written; one from the writer thread would
+interleave differently on each rank. So the writer only encodes and writes this rank's file. All agreement
+(the temporary name, the slice plan, whether every write worked) happens in the calling thread's ``save*``,
+``wait``, ``poll`` and ``close``; a failed write raises the same ``CheckpointError`` on every rank, and
+only after that does rank 0 write a directory's index.
 
 [Note: when a checkpoint becomes visible]
-A file is renamed into place by rank 0's writer thread as soon as it is synced. A directory appears only when
-finished in the calling thread, because its index may be written only after every rank's file is; until then
-it is ``<path>.tmp-<token>``, which ``latest`` never picks, so a killed process leaves the previous checkpoint
-loadable.
+A directory's index may be written only after every rank's file is, so until finished it is
+``<path>.tmp-<token>``, which ``latest`` never picks: a killed process leaves the previous checkpoint loadable.
 
 [Note: one save in flight]
 Each save first finishes the previous one, so memory is bounded by one host copy of the state. The copy is
-needed because the caller may change its arrays once ``save`` returns; fresh copies (``state_dict()``) can
-skip it with ``copy=False``. Device arrays are always copied, in the calling thread.
+needed because the caller may change its arrays once ``save`` returns (``copy=False`` skips it for fresh
+copies; device arrays are always copied).
 """
 from __future__ import annotations
 
@@ -44,11 +41,7 @@ from .sliced import prepare_slices
 
 
 def host_copy(state: Any, copy: bool = True) -> Any:
-    """``state`` with its containers rebuilt and every array in host memory, owned by the result.
-
-    ``copy=False`` keeps numpy arrays as they are (for fresh copies); device arrays are always copied. Values a
-    checkpoint cannot hold are kept, so encoding them later raises the usual ``CheckpointError``.
-    """
+    """``state`` with every array in host memory, owned by the result (``copy=False`` keeps numpy arrays as they are)."""
     return _copy_node(state, copy, set(), 0)
 
 
@@ -114,16 +107,9 @@ def _agree(pg: ProcessGroup, problem: Optional[BaseException], what: str) -> Non
 
 
 class AsyncCheckpointer:
-    """Save checkpoints in the background, one at a time (see the module notes).
+    """Save checkpoints in the background, one at a time; every method but ``abandon`` is collective over ``group``.
 
-    Every method but ``abandon`` is collective over ``group``: all ranks call them in the same order. Use it as a
-    context manager, or call ``close`` at the end, so the last save is finished::
-
-        with AsyncCheckpointer() as saver:
-            for step in range(steps):
-                train_step()
-                if step % 100 == 0:
-                    saver.save_per_rank(f"run/ckpt-{step}", my_state)
+    Use it as a context manager, or call ``close`` at the end, so the last save is finished.
     """
 
     def __init__(self, group: Optional[ProcessGroup] = None):
@@ -136,11 +122,7 @@ class AsyncCheckpointer:
         return None if self._save is None else self._save.path
 
     def save(self, path: "str | os.PathLike[str]", state: Any, copy: bool = True) -> None:
-        """Collective: start saving ``state`` to the file ``path`` as ``checkpoint.save`` would.
-
-        Finishes the previous save first (raising its ``CheckpointError`` on every rank if it failed). Only group
-        rank 0's state is read and copied; ``copy=False`` if its arrays are fresh copies nobody changes.
-        """
+        """Collective: start saving ``state`` (group rank 0's) to the file ``path``, finishing the previous save first."""
         self.wait()
         pg = self.group
         path = checkpoint_path(path)
@@ -151,9 +133,8 @@ class AsyncCheckpointer:
 
     def save_per_rank(self, path: "str | os.PathLike[str]", state: Any, extra: Any = None,
                       copy: bool = True) -> None:
-        """Collective: start saving a ``checkpoint.save_per_rank`` directory (every rank its own state).
+        """Collective: start saving a ``checkpoint.save_per_rank`` directory; in place once the save is finished.
 
-        The directory is put in place when the save is finished (``wait``, ``poll``, ``close``, the next save).
         Raises ``CheckpointError`` on every rank if the previous save failed or the temporary directory cannot be made.
         """
         self.wait()
@@ -184,11 +165,7 @@ class AsyncCheckpointer:
 
     def save_slices(self, path: "str | os.PathLike[str]", pieces: Any, extra: Any = None,
                     copy: bool = True) -> None:
-        """Collective: start saving a ``checkpoint.save_slices`` directory (global arrays in pieces).
-
-        The pieces are checked and the layout planned in this call, so a refused layout raises ``CheckpointError`` on
-        every rank with no save in flight; only this rank's boxes are then copied and written in the background.
-        """
+        """Collective: start saving a ``checkpoint.save_slices`` directory; a refused layout raises here, on every rank."""
         self.wait()
         pg = self.group
         path = checkpoint_path(path)
@@ -205,10 +182,7 @@ class AsyncCheckpointer:
 
     def _start_directory(self, path: str, mine: Optional[Tuple[str, Any]], index: Any,
                          failed: Optional[CheckpointError] = None) -> None:
-        """Agree on the temporary directory and start this rank's write of ``mine`` (``(file name, state)``).
-
-        ``failed`` (this rank could not make its state) is reported at ``wait`` as a failed write would be.
-        """
+        """Agree on the temporary directory and start this rank's write of ``mine``; ``failed`` is reported at ``wait``."""
         pg = self.group
         token = begin_directory(path, pg, None if mine is None else mine[0])
         work = None
@@ -219,11 +193,7 @@ class AsyncCheckpointer:
             self._save.outcome = failed
 
     def poll(self) -> bool:
-        """Collective: finish the save in flight if every rank's write has ended; never blocks on a write.
-
-        One small all-reduce while a save is in flight, so a loop can call it every step. Returns True if it
-        finished a save; raises as ``wait`` does.
-        """
+        """Collective: finish the save in flight if every rank's write has ended (one small all-reduce); True if it did."""
         current = self._save
         if current is None:
             return False
@@ -236,10 +206,9 @@ class AsyncCheckpointer:
         return True
 
     def wait(self) -> Optional[str]:
-        """Collective: block until the save in flight is written on every rank, and finish it.
+        """Collective: wait for the save in flight on every rank and finish it; the path now in place, or None.
 
-        Returns the path now in place, or None if nothing was in flight. Raises ``CheckpointError`` on every rank
-        alike, naming each failed rank; a failed directory save leaves the previous checkpoint at ``path``.
+        Raises ``CheckpointError`` on every rank alike, naming each failed rank (the previous checkpoint stays).
         """
         current, self._save = self._save, None
         if current is None:
@@ -260,11 +229,7 @@ class AsyncCheckpointer:
         return current.path
 
     def abandon(self) -> None:
-        """Local, no communication: wait for this rank's writer thread and drop the save unfinished.
-
-        For error paths, where other ranks may not reach a collective; a directory's files stay under
-        ``<path>.tmp-<token>``, which ``clean_interrupted`` removes.
-        """
+        """Local: wait for this rank's writer and drop the save unfinished (for error paths; ``clean_interrupted`` tidies)."""
         current, self._save = self._save, None
         if current is not None:
             current.join()

@@ -1,13 +1,8 @@
 """Boxes: the blocks of global arrays that ranks hold, and FSDP's flat ranges cut into boxes.
 
-A ``Box`` describes one piece of a dense array (its global shape, offset and shape): a tensor-parallel shard,
-one pipeline stage's layers, a data-parallel replica. ``save_slices`` takes pieces as boxes, and
-``load_slices`` assembles any wanted box from the saved boxes that overlap it, under any layout.
-
 [Note: flat shards]
 FSDP keeps a contiguous range of each parameter's C-order flattening. Such a range is not a box but at most
-``2 * ndim - 1`` of them (``flat_range_boxes``); a rank gives them as a list of pieces of the one name, each a
-view of its flat shard reshaped to its box.
+``2 * ndim - 1`` of them (``flat_range_boxes``), each a view of the flat shard reshaped to its box.
 """
 from __future__ import annotations
 
@@ -35,15 +30,10 @@ def _int_tuple(values: Any, what: str) -> Tuple[int, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class Box:
-    """A block of a global array: ``global[offset[0]:offset[0]+shape[0], offset[1]:..., ...]``.
+    """A block of a global array: ``global[offset[0]:offset[0]+shape[0], ...]``.
 
-    Attributes:
-        global_shape: shape of the whole (dense) array.
-        offset: start of the block along every axis.
-        shape: extent of the block along every axis (the local array's shape).
-
-    Raises CheckpointError if the three differ in length, hold a negative or non-integer value, or the block
-    reaches beyond the global shape.
+    Raises CheckpointError if ``global_shape``, ``offset`` and ``shape`` differ in length, hold a negative or
+    non-integer value, or the block reaches beyond the global shape.
     """
 
     global_shape: Tuple[int, ...]
@@ -94,9 +84,8 @@ class Box:
         return tuple(slice(o, o + s) for o, s in zip(self.offset, self.shape))
 
     def split(self, axis: int, index: int, parts: int) -> "Box":
-        """Block ``index`` of this box cut into ``parts`` along ``axis``, as ``numpy.array_split`` cuts.
+        """Block ``index`` of this box cut into ``parts`` along ``axis``, as ``numpy.array_split`` cuts; splits compose.
 
-        Splits compose: ``Box.full((8, 6)).split(0, i, 2).split(1, j, 3)`` is block (i, j) of a 2 x 3 grid.
         Raises CheckpointError for a bad axis, ``parts`` below 1 or ``index`` outside ``[0, parts)``.
         """
         if not 0 <= axis < self.ndim or parts < 1 or not 0 <= index < parts:
@@ -143,11 +132,7 @@ def _subtract(a: Box, b: Box) -> List[Box]:
 
 
 def _cover_problem(target: Box, boxes: Sequence[Box]) -> Optional[str]:
-    """Why ``boxes`` (inside ``target``) do not cover ``target`` exactly once, or None when they do.
-
-    Disjoint boxes that leave no hole have volumes summing to the target's, so overlaps are searched pairwise
-    only when the sum is larger.
-    """
+    """Why ``boxes`` do not cover ``target`` exactly once, or None (overlaps searched only when volumes exceed)."""
     remaining = [target] if target.size else []
     for box in boxes:
         remaining = [piece for part in remaining for piece in _subtract(part, box)]

@@ -1,17 +1,14 @@
 """Checkpoint directories: one file per writing rank, an index, and an atomic switch into place.
 
 [Note: the protocol]
-Rank 0 creates ``path.tmp-<token>``, every writing rank writes its own file there, and the ranks agree that
-all are written; only then does rank 0 write ``index.npz`` and rename the directory into place (an existing
-checkpoint is renamed aside first and removed after). A crash leaves the previous checkpoint or the new one,
-never a mixture; a directory without ``index.npz`` is never taken for a checkpoint. The steps are separate
-functions so ``background`` can run ``write_member`` in a writer thread and the collective steps in the
-calling thread.
+Every rank writes its file into ``path.tmp-<token>`` and the ranks agree that all are written; only then
+does rank 0 write ``index.npz`` and rename the directory into place (an existing one aside first). A crash
+leaves the previous checkpoint or the new one, never a mixture; a directory without ``index.npz`` is never
+taken for a checkpoint.
 
 [Note: reading an index from an untrusted directory]
-File names are never taken from an index: they are computed from integers the index records, checked first
-(``index_int``), and every file is opened through ``member_path``, which refuses names that are not plain and
-files that resolve outside the directory, so a checkpoint cannot make a reader open ``/etc/passwd``.
+File names are never taken from an index: they are computed from checked integers, and every file is opened
+through ``member_path``, so a checkpoint cannot make a reader open ``/etc/passwd``.
 """
 from __future__ import annotations
 
@@ -40,11 +37,7 @@ def check_file_name(name: Any, what: str) -> str:
 
 
 def member_path(path: str, name: Any, what: str) -> str:
-    """``path/name`` (unresolved, for messages), checked to stay inside the checkpoint directory ``path``.
-
-    Raises CheckpointError if ``name`` is not a plain file name or resolves (through symlinks) outside ``path``;
-    ``what`` names the file in messages ("index", "rank file of rank 3").
-    """
+    """``path/name``, checked to be a plain name that does not resolve outside ``path`` (else CheckpointError)."""
     check_file_name(name, f"{path!r}: the {what}")
     full = os.path.join(path, name)
     root, real = os.path.realpath(path), os.path.realpath(full)
@@ -74,11 +67,7 @@ def _as_checkpoint_error(exc: Exception, what: str) -> CheckpointError:
 
 
 def begin_directory(path: str, pg: Any, my_name: Optional[str]) -> str:
-    """Collective: the first step of ``save_directory``: check the names, agree on a token, make the directory.
-
-    Returns the token (files go into ``temporary_directory(path, token)``). Raises CheckpointError on every rank
-    if rank 0 cannot create the directory; a bad ``my_name`` raises on this rank alone, before any message.
-    """
+    """Collective: check the names, agree on a token, make the temporary directory; returns the token."""
     if my_name is not None:
         check_file_name(my_name, f"saving checkpoint {path!r}: the file of group rank {pg.rank}")
         if my_name == INDEX:
@@ -136,11 +125,7 @@ def put_in_place(path: str, token: str, index: Callable[[], Any]) -> Optional[Ch
 
 def save_directory(path: "str | os.PathLike[str]", pg: Any, my_file: Optional[Tuple[str, Callable[[], Any]]],
                    index: Callable[[], Any]) -> None:
-    """Collective: write a checkpoint directory by the protocol of the module note.
-
-    ``my_file`` is ``(file name, state())`` this rank writes, or None; ``index`` is called on rank 0 only, after
-    every file is written. Raises CheckpointError on every rank if any rank failed.
-    """
+    """Collective: write a checkpoint directory by the module note's protocol; CheckpointError everywhere if any rank failed."""
     path = checkpoint_path(path)
     token = begin_directory(path, pg, None if my_file is None else my_file[0])
     problem: Optional[BaseException] = None
@@ -188,10 +173,10 @@ def save_per_rank(path: "str | os.PathLike[str]", state: Any, group: Any = None,
 
 
 def load_per_rank(path: "str | os.PathLike[str]", group: Any = None) -> Tuple[Any, Any]:
-    """Collective: ``(state, extra)``: this rank's state and the shared ``extra`` from a ``save_per_rank`` directory.
+    """Collective: this rank's state and the shared ``extra`` from a ``save_per_rank`` directory.
 
-    Raises CheckpointError on every rank if any rank cannot read its file, the world size differs from the one
-    saved, or the ranks read different checkpoints.
+    Raises CheckpointError on every rank if any rank cannot read its file, the world size differs, or the ranks
+    read different checkpoints.
     """
     path = checkpoint_path(path)
     pg = resolve_group(group).require_member("checkpoint load_per_rank")

@@ -1,40 +1,16 @@
-"""A state tree as flat named arrays plus a JSON description, and back.
+"""A state tree as flat named arrays plus a JSON description, and back (the format: docs/checkpoints.md).
 
 [Note: checkpoint format, version 1]
-A checkpoint is one ``.npz`` file (an uncompressed zip of ``.npy`` files, as
-``numpy.savez`` writes it). Every array of the state gets an entry named
-``a<index>`` (dict keys such as ``"0.weight"`` are not used as entry names, so
-any string key works). The entry ``__meta__`` is a uint8 array holding UTF-8
-JSON::
+Arrays are stored as entries ``a<index>``, not under their keys, so any string key works. Integers are
+decimal strings in the JSON (bit-generator states exceed 2**64, which other JSON readers would round);
+non-finite floats are strings, so the JSON stays standard. ml_dtypes types (bfloat16, float8_*) are stored
+as an unsigned view with their name recorded, since a ``.npy`` header cannot name them; object, string and
+structured arrays are refused (they would need pickle).
 
-    {"format": "axonhpc-checkpoint", "version": 1, "tree": <node>}
-
-A node is a small JSON object with a type tag ``"t"``:
-
-- ``dict`` with ``"items": [[key, node], ...]`` (order kept), ``list`` and
-  ``tuple`` with ``"items": [node, ...]``;
-- ``none``; ``bool`` / ``str`` with ``"v"``; ``int`` with ``"v"`` as a decimal
-  string (bit-generator states hold integers above 2**64, which JSON readers
-  other than Python's would round); ``float`` with ``"v"`` a JSON number or
-  ``"nan"`` / ``"inf"`` / ``"-inf"`` (so the JSON stays standard);
-- ``array`` with ``"entry"``, ``"dtype"``, ``"shape"`` and ``"sha256"`` of the
-  stored bytes; ``scalar`` is the same for a numpy scalar (``np.float32(1)``),
-  stored as a 0-d array and given back as a numpy scalar.
-
-Dtypes numpy saves without pickle (bool, integers, floats, complex) are stored
-as they are. ml_dtypes types (bfloat16, float8_*) are stored as an unsigned
-integer view of the same width with the ml_dtypes name recorded, because the
-``.npy`` header cannot name them. Object, string and structured arrays are
-refused: they would need pickle, or are not what a training state holds.
-
-Loading checks the recorded dtype, shape and sha256 of every array, so a
-flipped bit or a file stitched together from two checkpoints is reported with
-the key it hit, not returned as plausible numbers. The dtype and shape are
-compared with each entry's ``.npy`` header before the array is allocated
-(``archive``), so a crafted file cannot make the reader allocate more than the
-file itself could hold. The metadata is at most ``MAX_META_BYTES`` of JSON
-nested at most ``MAX_DEPTH`` containers deep; ``encode`` refuses a state
-beyond either limit, so everything written can be read back.
+Loading checks every array's dtype, shape and sha256, so a flipped bit or a file stitched from two
+checkpoints is reported with its key, not returned as plausible numbers. Dtype and shape are compared with
+the ``.npy`` header before allocating, so a crafted file cannot make the reader allocate more than the file
+holds. ``encode`` refuses states beyond ``MAX_META_BYTES`` or ``MAX_DEPTH``, so everything written can be read.
 """
 from __future__ import annotations
 
@@ -181,19 +157,11 @@ class _Encoder:
 
 
 def encode(state: Any) -> Dict[str, np.ndarray]:
-    """Flatten ``state`` into the entries of a checkpoint file.
-
-    Args:
-        state: nested dicts (str keys), lists and tuples of numpy (or cupy)
-            arrays, numpy scalars, int, float, bool, str and None.
-
-    Returns:
-        Entry name -> array, including the ``__meta__`` JSON entry.
+    """Flatten ``state`` (nested dicts, lists, tuples of arrays and plain scalars) into a checkpoint's entries.
 
     Raises:
-        CheckpointError: a value or key that cannot be stored, naming where it
-            is; containers nested deeper than ``MAX_DEPTH``; metadata larger
-            than ``MAX_META_BYTES``.
+        CheckpointError: a value or key that cannot be stored, naming where it is; nesting deeper than
+            ``MAX_DEPTH``; metadata larger than ``MAX_META_BYTES``.
     """
     encoder = _Encoder()
     tree = encoder.node(state, ())
@@ -347,21 +315,11 @@ def _described(tree: Any) -> set:
 
 
 def decode(meta: Dict[str, Any], entries: Archive, names: List[str], source: str) -> Any:
-    """Rebuild the state tree from checked metadata and the file's entries.
-
-    Args:
-        meta: the result of ``parse_meta``.
-        entries: the open archive; each entry is read only after its header
-            matches the dtype and shape the metadata records.
-        names: every entry name in the file, to refuse entries the metadata does not describe.
-        source: how messages name the file.
-
-    Returns:
-        The state, with dicts, lists, tuples, numpy arrays and scalars as saved.
+    """Rebuild the state tree from checked metadata and the archive's entries (``names``: all of them, to refuse extras).
 
     Raises:
-        CheckpointError: a missing, unreadable, mistyped or corrupt entry, or
-            a malformed or too deeply nested metadata node, naming its key.
+        CheckpointError: a missing, unreadable, mistyped or corrupt entry, or a malformed or too deeply nested
+            metadata node, naming its key.
     """
     extra = sorted(set(names) - _described(meta["tree"]) - {META_ENTRY})
     if extra:

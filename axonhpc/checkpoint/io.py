@@ -1,17 +1,14 @@
 """``save`` and ``load``: atomic checkpoint files and what the ranks of a group do.
 
 [Note: atomic writes]
-The file is written under a temporary name in the same directory, fsynced, then renamed over ``path`` with
-``os.replace`` (atomic on POSIX), so a crash leaves the previous checkpoint or the new one, never a half-written
-file. The directory is fsynced after the rename so the new name survives a power loss too.
+Written under a temporary name, fsynced, then ``os.replace``d over ``path`` and the directory fsynced, so a
+crash or power loss leaves the previous checkpoint or the new one, never a half-written file.
 
 [Note: groups]
-``save``: group rank 0 writes, then broadcasts its outcome, so the others return only once the file is in
-place and a failed write raises the same ``CheckpointError`` on every rank instead of leaving them in a barrier.
-``load``: every rank reads the file itself (a shared filesystem is assumed anyway, and no array moves through
-MPI), then the ranks agree on (ok?, sha256 of the metadata): any failure, or ranks that read different files
-(a node-local path, a file replaced mid-load), raises on every rank. The metadata holds every array's sha256,
-so equal metadata digests mean equal contents.
+``save``: group rank 0 writes and broadcasts its outcome, so a failed write raises the same ``CheckpointError``
+everywhere instead of leaving the others in a barrier. ``load``: every rank reads the file itself, then the
+ranks agree on (ok?, sha256 of the metadata): a failure anywhere, or ranks that read different files (a
+node-local path, a file replaced mid-load), raises on every rank.
 """
 from __future__ import annotations
 
@@ -85,11 +82,7 @@ def _broadcast_text(text: Optional[str], pg: ProcessGroup) -> Optional[str]:
 
 
 def write_file(path: str, state: Any, pg: ProcessGroup) -> Optional[Tuple[BaseException, str]]:
-    """Group rank 0's local part of ``save``: encode ``state`` and write it atomically.
-
-    No communication (a background save calls it in its writer thread). Returns None, or ``(exception,
-    message)`` for ``share_outcome`` to report.
-    """
+    """Group rank 0's local part of ``save`` (no communication); None, or ``(exception, message)`` for ``share_outcome``."""
     try:
         write_atomic(path, encode(state))
     except Exception as exc:  # noqa: BLE001 - every failure is reported to every rank by share_outcome
@@ -111,17 +104,14 @@ def share_outcome(path: str, pg: ProcessGroup, failure: Optional[Tuple[BaseExcep
 
 
 def save(path: PathLike, state: Any, group: Optional[ProcessGroup] = None) -> None:
-    """Collective: write ``state`` to ``path`` as a checkpoint (group rank 0 writes, every rank returns after).
+    """Collective: write ``state`` to ``path`` atomically (group rank 0 writes, every rank returns after).
 
     Args:
-        path: file to write; replaced atomically if it exists.
-        state: nested dicts (str keys), lists and tuples of numpy arrays, numpy scalars, int, float, bool, str
-            and None, e.g. ``{"model": model.state_dict(), "epoch": 3}``. Only group rank 0's is read.
-        group: the ranks that take part; None means the default group.
+        state: nested dicts (str keys), lists and tuples of numpy arrays and plain scalars, e.g.
+            ``{"model": model.state_dict(), "epoch": 3}``. Only group rank 0's is read.
 
     Raises:
-        CheckpointError: on every rank, if rank 0 could not encode or write the state (the message names the
-            key or the OS error).
+        CheckpointError: on every rank, if rank 0 could not encode or write the state.
         NotAMemberError: this rank is not in ``group``.
     """
     path = checkpoint_path(path)
@@ -179,15 +169,11 @@ def loading(pg: ProcessGroup, path: str) -> ContextManager[Vote]:
 
 
 def load(path: PathLike, group: Optional[ProcessGroup] = None) -> Any:
-    """Collective: read a checkpoint written by ``save``; every rank of ``group`` reads ``path`` itself.
-
-    Never unpickles, and checks every size against the metadata before allocating, so a crafted file can neither
-    run code nor make the reader allocate more than the file holds. Returns the state as saved (bfloat16 and other
-    ml_dtypes restored).
+    """Collective: read a checkpoint written by ``save`` (every rank reads ``path``); never unpickles.
 
     Raises:
         CheckpointError: on every rank, if any rank finds the file missing, not a checkpoint, of a newer format,
-            pickled, inconsistent or corrupt (a checksum mismatch names the key), or the ranks read different files.
+            inconsistent or corrupt, or the ranks read different files.
         NotAMemberError: this rank is not in ``group``.
     """
     path = checkpoint_path(path)

@@ -1,13 +1,11 @@
 """Saving global arrays held in pieces: the checks and the plan every rank computes alike, then the write.
 
 [Note: what a save checks, and who writes]
-Before anything is written, the ranks all-gather the small description of their pieces (name, dtype, box) and
-each computes the same plan (``plan_slices``, a pure function), so every check fails on every rank with the
-same message. Equal boxes are replicas: the lowest rank holding one writes it (replicas are not compared; that
-would move every array through the network). Distinct boxes of a name must not overlap at all (two
-tensor-parallel shards sharing a row are a layout bug, not replicas) and must cover the array. Empty boxes
-(an uneven split over more ranks than rows) are allowed and never written. The directory protocol is
-``directory``'s, so a crash leaves the previous checkpoint whole.
+The ranks all-gather a small description of their pieces and each computes the same plan (``plan_slices``),
+so every check fails on every rank alike. Equal boxes are replicas: the lowest holder writes it (comparing
+replicas would move every array through the network). Distinct boxes of a name must neither overlap (two
+tensor-parallel shards sharing a row are a layout bug, not replicas) nor leave a hole. Empty boxes are never
+written. The directory protocol is ``directory``'s, so a crash leaves the previous checkpoint whole.
 """
 from __future__ import annotations
 
@@ -118,15 +116,7 @@ def _check_pieces_per_rank(name: str, held: Sequence[Tuple[int, str, Box]]) -> N
 
 
 def plan_slices(table: Sequence[Sequence[Tuple[str, str, Box]]]) -> Tuple[Dict[int, List[str]], Dict[str, Any]]:
-    """Who writes which box under which key, and the index entries, from every rank's pieces (a pure function).
-
-    Args:
-        table: per group rank, its pieces as ``(name, dtype text, box)`` in the order it gave them.
-
-    Returns:
-        ``(writes, arrays)``: group rank -> the keys it writes (``name``, or ``name#0``, ``name#1``, ... for a
-        name it writes several boxes of); and name -> the index entry ``{"shape", "dtype", "boxes": [[rank,
-        offset, shape], or [rank, offset, shape, i] for key name#i, ...]}``.
+    """Who writes which box under which key, and the index entries, from every rank's ``(name, dtype, box)`` pieces.
 
     Raises:
         CheckpointError: holders disagree on a global shape or dtype, a rank gives too many pieces or one box
@@ -194,13 +184,7 @@ def _file_entries(arrays: Mapping[str, Any], rank: int) -> List[Tuple[str, str, 
 
 def prepare_slices(path: str, pieces: Mapping[str, Any], pg: Any, extra: Any, copy: bool = False
                    ) -> Tuple[Optional[Tuple[str, Callable[[], Dict[str, np.ndarray]]]], Callable[[], Dict[str, Any]]]:
-    """Collective, in the calling thread: every check and the plan of a ``save_slices``, and this rank's part.
-
-    Any refusal raises the same CheckpointError on every rank before anything is written; the synchronous and
-    the background save both start here. Returns ``(my_file, index)``: ``(slice file name, state())``, where
-    ``state()`` copies this rank's boxes to host memory (numpy ones only if ``copy``), or None when this rank
-    writes nothing; and a function returning the index.
-    """
+    """Collective: every check and the plan of a ``save_slices``, then ``(my_file or None, index function)``."""
     mine: List[Tuple[str, str, Box, Any]] = []
     problem: Optional[str] = None
     try:
@@ -238,16 +222,13 @@ def save_slices(path: "str | os.PathLike[str]", pieces: Mapping[str, Any], group
     """Collective: write the pieces every rank holds as one checkpoint directory (see the module notes).
 
     Args:
-        path: the checkpoint directory; replaced atomically if it exists.
-        pieces: global name -> ``(Box, array)`` or ``(global_shape, offset, array)`` for the piece this rank
-            holds, or a list of them for several disjoint boxes (FSDP's flat shards, see ``flat_range_boxes``).
-            Ranks may hold equal boxes (replicas: written once) and different names (pipeline stages).
-        group: the ranks that take part (None: the default group).
-        extra: shared plain state (step, rng states, ...); group rank 0's goes into the index.
+        pieces: global name -> ``(Box, array)`` or ``(global_shape, offset, array)``, or a list of them for
+            several disjoint boxes (FSDP's flat shards). Equal boxes on several ranks are written once.
+        extra: shared plain state; group rank 0's goes into the index.
 
     Raises:
-        CheckpointError: on every rank, with the same message, when the pieces or the layout are refused (before
-            anything is written), or any rank fails to write (the previous checkpoint is then left as it was).
+        CheckpointError: on every rank alike, when the layout is refused (before anything is written), or any
+            rank fails to write (the previous checkpoint is then left as it was).
         NotAMemberError: this rank is not in ``group``.
     """
     path = os.fspath(path)

@@ -1,31 +1,21 @@
 """Every collective is compared across the ranks before data is used, with no flag set.
 
 [Note: always-on agreement]
-Ranks that disagree about a collective (length, dtype, op, root, kind of call) must never get
-numbers: MPI and the shared-memory engine would reduce garbage or wait forever. So each call carries
-a descriptor (``_shm.describe``), compared in the cheapest way the group's transport allows:
+Ranks that disagree about a collective must never get numbers: MPI and the shared-memory engine would
+reduce garbage or wait forever. So each call carries a descriptor (``_shm.describe``), compared as cheaply
+as the transport allows:
 
-- **On one node** the engine compares it inside the call (a few stores and one cache line per peer;
-  see [Note: agreement on every call] in ``_shm.pyx``). A call the engine does not carry first takes
-  one data-free engine step marked "elsewhere", so a rank going to MPI while another goes to the
-  engine is caught too.
-- **Across nodes, or with shared memory off**, one MAX all-reduce of ``[d, -d]`` (64 bytes) comes
-  first: the results are ``d`` and ``-d`` exactly when every rank sent ``d``. A fixed length means
-  ranks that would send different lengths still meet. It costs one small-message latency, which a
-  small all-reduce the group expects saves (see [Note: a check that rides with the data] in
-  ``carried``); ``docs/performance.md`` has the figures.
-- **Threads** (``run_local``) take the MPI check through their backend.
+- **On one node** the engine compares it inside the call ([Note: agreement on every call] in ``_shm.pyx``).
+  A call the engine does not carry first takes one data-free engine step marked "elsewhere", so a rank
+  going to MPI while another goes to the engine is caught too.
+- **Across nodes** one fixed-length MAX all-reduce of ``[d, -d]`` comes first: the results are ``d`` and
+  ``-d`` exactly when every rank sent ``d``. Its latency is saved back on small all-reduces (``carried``).
 
 [Note: a refusal on one rank]
-A check that fails on one rank alone (rank 0 passes 8 elements to a reduce-scatter over 3 ranks, the
-others 6) must not leave the others waiting. So the refusing rank still takes its place in the
-agreement step with a "refused" descriptor (``refuse_locally``); the others see a difference, the
-ranks exchange fingerprints carrying the error, and they raise ``CollectiveRefusedError`` naming
-that rank while it raises its own error. When every rank refuses alike, each raises its own. A call
-that passes its checks pays nothing for this.
-
-On a difference every rank exchanges its full fingerprint, so each raises the same
-``CollectiveMismatchError`` naming every rank's call.
+A check that fails on one rank alone must not leave the others waiting. So the refusing rank still takes
+part in the agreement step with a "refused" descriptor; the others raise ``CollectiveRefusedError`` naming
+it while it raises its own error. A call that passes its checks pays nothing for this. On any other
+difference every rank raises the same ``CollectiveMismatchError`` naming every rank's call.
 """
 from __future__ import annotations
 
@@ -67,13 +57,7 @@ def node_engine(pg: Any) -> Optional[Any]:
 
 def check(pg: Any, seq: int, op: str, x: Any = None, reduce: Optional[str] = None, root: Optional[int] = None,
           arrivals: Any = None, label: Any = None, engine: Any = None, carry: Optional[ReduceOp] = None) -> bool:
-    """Compare a call that the shared-memory engine will not carry, before it starts (see the note).
-
-    ``engine``: the group's engine if at hand, False if the group has none (else it is looked up).
-    ``carry``: ``(x, op)`` of a blocking in-place all-reduce the check may carry over MPI (``carried``).
-
-    Returns:
-        True if the check carried the call (``x`` holds the result), False if the caller must make it.
+    """Compare a call the shared-memory engine will not carry, before it starts; True if it carried ``carry``.
 
     Raises:
         CollectiveMismatchError: on every rank, if any rank's call differs.
@@ -87,11 +71,7 @@ def check(pg: Any, seq: int, op: str, x: Any = None, reduce: Optional[str] = Non
 def compare(pg: Any, seq: int, op: str, desc_of: Callable[[bool], Desc], mismatch: Callable[[], None],
             arrivals: Any = None, label: Any = None, engine: Any = None,
             carry: Optional[Tuple[Any, ReduceOp]] = None) -> bool:
-    """``check`` for any descriptor: ``desc_of(elsewhere)`` gives this rank's, ``mismatch()`` raises on a difference.
-
-    Every rank must pass the same kind of descriptor for the same call. Returns True if it carried
-    ``carry``.
-    """
+    """``check`` for any descriptor: ``desc_of(elsewhere)`` gives this rank's, ``mismatch()`` raises on a difference."""
     if pg.size == 1 or not settings.check_collectives:
         return False
     if engine is None:
@@ -208,11 +188,10 @@ def _start_mpi_check(pg: Any, seq: int, op: str, desc: Desc,
 
 
 class CheckedWork(Work):
-    """An asynchronous collective that is issued once its agreement check (a nonblocking all-reduce) is done.
+    """An asynchronous collective issued once its (nonblocking) agreement check is done.
 
-    MPI needs every rank to start the group's collectives in one order, so the next collective on the
-    group first issues every call still waiting for its check (``flush``): each rank then starts check
-    1, call 1, check 2, call 2, ... whatever the order its waits come in.
+    MPI needs every rank to start the group's collectives in one order, so the next collective first issues
+    every call still waiting for its check (``flush``), whatever order the waits come in.
     """
 
     def __init__(self, pg: Any, pending: Tuple[Work, Callable[[], None]], issue: Callable[[], Work]):
@@ -282,11 +261,7 @@ def _mpi_check(pg: Any) -> Tuple[np.ndarray, Any, Any, carried.Predictor]:
 
 
 def refuse_locally(pg: Any, op: str, problem: BaseException, nonblocking: bool = False) -> NoReturn:
-    """This rank refused its call of ``op`` on ``pg`` with ``problem``: tell the group, then raise ``problem``.
-
-    See [Note: a refusal on one rank]. ``nonblocking``: the others check with a nonblocking MPI step
-    (an asynchronous call on host arrays), so this rank must take the same kind of step.
-    """
+    """Tell the group this rank refused ``op`` (with a nonblocking step if the others take one), then raise ``problem``."""
     flush(pg)
     entry = flight.record(pg, op, None, None, None, "refused")
     seq = pg.seq

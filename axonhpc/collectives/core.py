@@ -1,13 +1,9 @@
 """Collectives on arrays: checks first, then one backend call.
 
-The native all-reduce lives here; ``collectives.algorithms`` builds on it and
-``collectives.allreduce`` holds the all-reduce users call. Neither is imported here.
-
 [Note: what this layer adds over a backend]
-- Every argument is checked before anything is sent, with the values in the message.
-- ``ReduceOp.AVG`` is a SUM then a division by the group size (floor division for integers).
-- float16 and bfloat16 have no MPI reduction, so they are reduced in a float32 copy and rounded
-  back once (at least as accurate as summing in 16 bits).
+Every argument is checked before anything is sent. ``ReduceOp.AVG`` is a SUM
+then a division (floor for integers). float16 and bfloat16 have no MPI
+reduction, so they are reduced in a float32 copy and rounded back once.
 """
 from __future__ import annotations
 
@@ -35,11 +31,7 @@ def _member(group: Optional[ProcessGroup], op: str) -> ProcessGroup:
 
 
 def refuse_call(pg: ProcessGroup, op: str, problem: AxonError, x: Any = None, async_op: bool = False) -> NoReturn:
-    """A check of this rank's arguments failed: tell the group's other ranks, then raise ``problem``.
-
-    See [Note: a refusal on one rank] in ``agreement``. An asynchronous call on host arrays would have
-    been compared with a nonblocking step (not in deterministic mode, which compares before its ring).
-    """
+    """This rank's arguments failed a check: tell the group's other ranks, then raise ``problem`` ([Note: a refusal on one rank])."""
     agreement.refuse_locally(pg, op, problem, nonblocking=async_op and not is_cupy_array(x) and not settings.deterministic)
 
 
@@ -89,12 +81,7 @@ def _start(pg: ProcessGroup, op: str, x: Any = None, reduce: Optional[ReduceOp] 
 
 def _run(pg: ProcessGroup, label: _Label, issue, async_op: bool, carried: bool = False,
          carry: Optional[ReduceOp] = None) -> Any:
-    """Call ``issue(nonblocking)`` and either return its Work or wait for it (see ``watch``).
-
-    The call is first compared across the ranks (``agreement.check``) unless ``carried``: the
-    shared-memory engine compares it itself. ``carry``: a blocking in-place all-reduce with this op,
-    which the check may make itself over MPI (``collectives.carried``).
-    """
+    """Compare the call across ranks (unless ``carried``), then call ``issue(nonblocking)``: its Work, or wait for it."""
     # In a CUDA graph capture nothing runs, so nothing can be waited for on the host: no timeout, no
     # arrival notices; the call is ordered on the stream (see [Note: collectives in a graph]).
     timeout = None if capture.capturing() else pg.effective_timeout()
@@ -173,11 +160,7 @@ def _trace(work: Work, start: float, label: Any, collective: bool) -> None:
 
 
 def _reduction(pg: ProcessGroup, x, out, op: ReduceOp, issue_on, result=None):
-    """Shared AVG / 16-bit handling for all_reduce and reduce_scatter.
-
-    ``issue_on(src, dst, base_op, nonblocking)`` starts the backend transfer; ``out`` receives the
-    caller-visible values and ``result`` is what ``Work.wait()`` returns.
-    """
+    """Shared AVG / 16-bit handling for all_reduce and reduce_scatter; ``issue_on(src, dst, base_op, nonblocking)``."""
     base = ReduceOp.SUM if op is ReduceOp.AVG else op
     xp = array_module(x)
     if is_low_precision_float(x.dtype):
@@ -201,16 +184,7 @@ def _reduction(pg: ProcessGroup, x, out, op: ReduceOp, issue_on, result=None):
 
 # -- reductions ------------------------------------------------------------------------
 def all_reduce(x, op=ReduceOp.SUM, group: Optional[ProcessGroup] = None, async_op: bool = False):
-    """Reduce ``x`` over the group, in place, natively: one backend call (or the node's shared memory).
-
-    Users call ``ax.all_reduce`` (``collectives.allreduce``), which also takes ``algorithm=``. In
-    deterministic mode across nodes the call runs the ring, whose order of additions is fixed.
-
-    Args:
-        x: contiguous, writable array of a supported dtype.
-        op: a ``ReduceOp`` (or its name). ``AVG`` on integers floors.
-        group: the group (None: the current world's default group).
-        async_op: return a ``Work`` instead of waiting.
+    """Reduce ``x`` over the group, in place, natively (users call ``ax.all_reduce``, ``collectives.allreduce``).
 
     Raises:
         NotAMemberError, UnsupportedDtypeError, NonContiguousBufferError,
@@ -260,11 +234,7 @@ def checked_all_reduce(x: Any, op: ReduceOp, pg: ProcessGroup, async_op: bool) -
 
 
 def _result_buffer(x: Any, out: Any, shape: tuple, op: str, what: str) -> Any:
-    """``out``, checked to hold a result of ``shape`` and ``x``'s dtype, or a new array for it.
-
-    Raises:
-        ShapeError: ``out`` has another shape or dtype (and the usual buffer errors of ``check_array``).
-    """
+    """``out``, checked to fit a result of ``shape`` and ``x``'s dtype (else ShapeError), or a new array."""
     if out is None:
         return array_module(x).empty(shape, dtype=x.dtype)
     check_array(out, f"{op} out", writable=True)
@@ -278,16 +248,10 @@ def reduce_scatter(x, op=ReduceOp.SUM, group: Optional[ProcessGroup] = None, asy
     """Reduce ``x`` over the group and give rank i the i-th part along axis 0.
 
     Args:
-        x: array whose first dimension is divisible by the group size.
-        out: where to write this rank's part (contiguous, writable, of the part's shape and ``x``'s
-            dtype), so a caller that reduces every step reuses one buffer (a fresh one's first touch
-            costs about as much as the copy); None allocates one.
-
-    Returns:
-        This rank's part, shape ``(x.shape[0] // size, *x.shape[1:])`` (or a ``Work`` returning it).
+        out: a reusable buffer for this rank's part (a fresh one's first touch costs about the copy); None allocates.
 
     Raises:
-        ShapeError: ``x`` is 0-d or ``x.shape[0]`` is not divisible by the size, or ``out`` is wrong.
+        ShapeError: ``x`` is 0-d, ``x.shape[0]`` is not divisible by the size, or ``out`` is wrong.
     """
     if not async_op:
         part = fast_path.attempt(fast_path.REDUCE_SCATTER, x, group, op, out=out)
@@ -337,12 +301,11 @@ def reduce_scatter_mean(x, group=None, async_op=False):
 def broadcast(x, src: int = 0, group: Optional[ProcessGroup] = None, async_op: bool = False):
     """Copy ``x`` of group rank ``src`` into ``x`` on every rank (in place).
 
-    ``x`` must be writable on every rank, the source included: a check made only by the receivers
-    would leave the source sending to ranks that had already refused, waiting forever.
+    ``x`` must be writable on the source too: else the source would send to ranks that had already refused.
 
     Raises:
         RankError: ``src`` out of range for the group.
-        ReadOnlyBufferError: ``x`` is read-only (on any rank that passes one).
+        ReadOnlyBufferError: ``x`` is read-only (on any rank).
     """
     if not async_op and fast_path.attempt(fast_path.BROADCAST, x, group, root=src) is not fast_path.NOT_TAKEN:
         return None
@@ -372,12 +335,7 @@ def all_gather(x, group: Optional[ProcessGroup] = None, async_op: bool = False, 
     """Every rank's ``x``, stacked: result ``[i]`` is rank i's array.
 
     Args:
-        out: where to write the result (contiguous, writable, shape ``(size, *x.shape)``, ``x``'s
-            dtype), so a caller that gathers every step reuses one buffer (for 64 MiB a fresh one's
-            page faults cost as much as the transfer); None allocates one.
-
-    Returns:
-        Array of shape ``(size, *x.shape)`` (or a ``Work`` returning it); ``out`` if given.
+        out: a reusable result buffer (for 64 MiB a fresh one's page faults cost as much as the transfer).
 
     Raises:
         ShapeError: ``out`` has the wrong shape or dtype.
@@ -427,11 +385,9 @@ _SCATTER_OK, _SCATTER_FAILED, _SCATTER_OK_DEVICE = 0, 1, 2  # the header's statu
 
 
 def scatter(x, src: int = 0, group: Optional[ProcessGroup] = None, async_op: bool = False):
-    """Give rank i the part ``x[i]`` of group rank ``src``'s array.
+    """Give rank i the part ``x[i]`` of group rank ``src``'s array (others pass None).
 
-    ``x`` on ``src`` has shape ``(size, ...)``; other ranks pass None. The part's shape and dtype travel
-    from ``src`` in a small header, so a wrong ``x`` on ``src`` is reported on every rank instead of
-    leaving them waiting.
+    The part's shape and dtype travel in a small header, so a wrong ``x`` on ``src`` is reported everywhere.
 
     Raises:
         ShapeError: on every rank, if ``x.shape[0]`` on ``src`` is not the group size.

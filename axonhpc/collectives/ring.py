@@ -1,35 +1,21 @@
 """Explicit all-reduce algorithms on point-to-point messages: ring and recursive halving-doubling.
 
-[Note: ring all-reduce]
-The array is cut into P nearly equal chunks. P - 1 reduce-scatter steps pass one chunk to the right
-neighbour and reduce the one from the left; P - 1 all-gather steps pass the finished chunks around
-once more. Each rank sends ``2 (P - 1) / P * n`` elements (bandwidth-optimal) in ``2 (P - 1)`` steps,
-a count that grows linearly with P.
-
-[Note: recursive halving-doubling (Rabenseifner)]
-With P' the largest power of two <= P and r = P - P', the first 2r ranks fold pairwise (even sends
-everything to odd and sits out). The P' ranks then halve at distances 1, 2, 4, ... (exchange half
-of the range still held with virtual rank XOR distance, reduce the kept half) and double back, and
-the fold is undone. Same ``2 (P' - 1) / P' * n`` elements as the ring in ``2 log2(P')`` steps; a
-non-power of two adds two steps of n elements. The first, largest exchange is between neighbours,
-which a block placement keeps inside a node.
+[Note: ring and rhd]
+The ring sends ``2 (P - 1) / P * n`` elements (bandwidth-optimal) in ``2 (P - 1)`` steps. Rabenseifner's
+halving-doubling sends the same in ``2 log2(P')`` steps (P' the largest power of two <= P; the first 2r
+ranks fold pairwise first, two more steps of n elements), and its first, largest exchange is between
+neighbours, which a block placement keeps inside a node.
 
 [Note: schedules are data]
-``ring_schedule`` and ``rhd_schedule`` are pure functions of (size, rank) returning the ``Step``
-list one executor runs. Each chunk is reduced along one fixed path and then only copied, so runs
-are bit-identical, every rank gets the same bits, and for P <= 2 the result equals the native
-all-reduce (one addition is exact in either order). For larger P floats agree with native within
-rounding (integers, MIN and MAX exactly).
+``ring_schedule`` and ``rhd_schedule`` are pure functions of (size, rank) returning the ``Step`` list one
+executor runs. Each chunk is reduced along one fixed path and then only copied, so runs are bit-identical,
+every rank gets the same bits, and for P <= 2 the result equals the native all-reduce.
 
 [Note: a private channel for the messages]
-The messages travel on a communicator split once from the group's backend (same ranks and order,
-a fresh MPI context) and kept on the group, so a user's ``send``/``isend`` with any tag can never
-match them. Every rank runs the same schedules on it and MPI keeps messages on one (communicator,
-tag) in order, so one tag per algorithm suffices. Creating it is collective (one
-``MPI_Comm_split``) on the first ring or rhd call.
-
-Every step posts its receive and its send before waiting for either, so no message size can
-deadlock.
+The messages travel on a communicator split once from the group's backend (collective, on the first ring or
+rhd call), so a user's ``send`` with any tag can never match them; MPI keeps messages on one (communicator,
+tag) in order, so one tag per algorithm suffices. Every step posts its receive and send before waiting for
+either, so no message size can deadlock.
 """
 from __future__ import annotations
 
@@ -46,11 +32,7 @@ RHD_TAG = 2
 
 
 class Step(NamedTuple):
-    """One step of an all-reduce schedule on one rank.
-
-    Ranges are ``[lo, hi)`` in chunk indices; ``send_to`` None only receives, ``recv_from`` None only
-    sends; ``reduce``: the received data is reduced into the local range (else it replaces it).
-    """
+    """One step of a schedule on one rank: chunk ranges ``[lo, hi)``, peers (None: that half is skipped), ``reduce`` or replace."""
 
     send_to: Optional[int]
     send: Tuple[int, int]
@@ -149,13 +131,7 @@ def channel(pg: ProcessGroup) -> Backend:
 
 def execute(flat: Any, schedule: Schedule, op: ReduceOp, backend: Backend, tag: int,
             timeout: Optional[float] = None, name: str = "all_reduce") -> None:
-    """Run one rank's ``schedule`` on the 1-d array ``flat`` in place.
-
-    Args:
-        flat: contiguous 1-d array of a dtype the backend reduces (not 16-bit floats).
-        timeout: seconds each step may wait (None: forever).
-        name: how timeout messages name the call.
-    """
+    """Run one rank's ``schedule`` on the contiguous 1-d array ``flat`` in place (not 16-bit floats)."""
     xp = array_module(flat)
     reduce = _reducer(xp, op)
     off = chunk_offsets(flat.size, schedule.chunks)
@@ -199,15 +175,7 @@ def ring_all_reduce(x: Any, op: ReduceOp, pg: ProcessGroup) -> None:
 
 
 def ring_reduce_scatter(x: Any, out: Any, op: ReduceOp, pg: ProcessGroup) -> Any:
-    """Reduce-scatter around the ring in a fixed order: ``out`` gets part ``rank`` (deterministic mode).
-
-    Args:
-        x: checked array whose size is divisible by the group size.
-        out: contiguous, writable array of one part's shape and ``x``'s dtype.
-
-    Returns:
-        A finished ``Work`` whose ``wait()`` returns ``out``.
-    """
+    """Reduce-scatter around the ring in a fixed order (deterministic mode); a finished ``Work`` returning ``out``."""
     from ..backends.base import CompletedWork
 
     work_copy = x.reshape(-1).copy()

@@ -1,31 +1,24 @@
 """A step being captured as a CUDA graph, as the layers below ``axonhpc.cuda.graphs`` see it.
 
 [Note: capturing a step]
-While a stream captures, nothing runs: kernels and copies become graph nodes, replayed later on the
-same memory with the same arguments. So three things change under ``recording`` (a capture, or
-``GraphedStep``'s eager warm-up, so every call returns the same kinds of values):
+While a stream captures nothing runs: kernels become graph nodes, replayed later with the same arguments.
+So under ``recording`` (a capture, or ``GraphedStep``'s eager warm-up):
 
-- **Reads of device values** (a loss as a float, a targets' range check, a norm to clip by) wait
-  for the device, which a capture forbids. Losses return 0-d device arrays instead, and checks are
-  handed to ``defer_check`` to be read after the step.
-- **Host values that change per step** would be frozen into the graph (Adam's step-5 bias
-  corrections replayed forever). Optimizers read them from device memory and register with
-  ``before_replay`` the host code that writes them before each launch. That memory comes from
-  outside the graph's pool (``host_written``): within a launch the graph reuses freed temporaries'
-  blocks, so a host-filled block could be overwritten by an earlier node. The first captured
-  optimizer step on an H100 read its learning rate from such a block: the backward's gradients.
-- **Collectives** issued on a stream (NCCL) are captured; the agreement check runs once at capture
-  and each replay is compared instead (``collectives.graphed``).
+- **Reads of device values** wait for the device, which a capture forbids: losses return 0-d device
+  arrays, and checks go to ``defer_check`` to be read after the step.
+- **Host values that change per step** would be frozen into the graph (Adam's bias corrections).
+  Optimizers read them from device memory written before each launch (``before_replay``). That memory
+  comes from outside the graph's pool (``host_written``): within a launch the graph reuses freed
+  temporaries' blocks, so a host-filled block could be overwritten (on an H100 the first captured step
+  read its learning rate from the backward's gradients).
+- **Collectives** on a stream (NCCL) are captured; each replay is compared instead (``collectives.graphed``).
 
-What cannot work under a capture says so with ``refuse`` (``GraphCaptureError``) instead of leaving
-cupy's or CUDA's error to be decoded.
+What cannot work under a capture says so with ``refuse`` (``GraphCaptureError``).
 
 [Note: deferred reads]
-The first rule is useful without a graph. A plain step on a GPU that reads its loss as a float
-stops the host between the forward and the backward, and the device then idles while the host
-launches the backward's first kernels: on an H100, 0.7 ms of a 10 ms MLP step. ``defer_reads()``
-is a block under a recording that captures nothing (``graphed=False``): its losses and clipping
-norms stay on the device, and its checks are read as it ends.
+A GPU step that reads its loss as a float stops the host between forward and backward, and the device
+idles while the backward is launched (0.7 ms of a 10 ms MLP step on an H100). ``defer_reads()`` is a
+recording that captures nothing: losses and norms stay on the device, checks are read as it ends.
 """
 from __future__ import annotations
 
@@ -42,8 +35,7 @@ class Recording:
 
     Args:
         capturing: a CUDA graph is being captured (False: an eager call whose reads are deferred).
-        xp: the array module of the step's inputs (cupy), for layers that make device values of host ones
-            (None in ``defer_reads``: numbers stay numbers).
+        xp: the step's array module (None in ``defer_reads``: numbers stay numbers).
         graphed: a call of a graphed step (False: a ``defer_reads`` block).
     """
 
@@ -100,10 +92,7 @@ def in_graphed_step() -> bool:
 
 
 def defer_check(values: Any, check: Callable[[Any], None]) -> None:
-    """Have ``check(values.get())`` called once the step has run (it raises if the values are bad).
-
-    In a ``defer_reads`` block an event is recorded after ``values``, so that the read waits for them only.
-    """
+    """Have ``check(values.get())`` called once the step has run (in ``defer_reads``, after an event on ``values``)."""
     record = current()
     record.checks.append((values, check))
     if not record.graphed:
@@ -111,12 +100,9 @@ def defer_check(values: Any, check: Callable[[Any], None]) -> None:
 
 
 def read_checks(checks: List[Tuple[Any, Callable[[Any], None]]], events: Sequence[Any] = ()) -> None:
-    """Read the deferred checks' values, all in one read, and run each check (which raises if they are bad).
+    """Read the deferred checks' values in one float64 read (each read is a round trip), and run each check.
 
-    Several checks are read as one float64 array (exact for their float32/float64 values and integers
-    below 2**53): each read waits for the device, and a round trip costs tens of microseconds. With
-    ``events`` (one recorded after each check's values), the read runs on a stream of its own that
-    waits for those events only, so the work queued after them goes on while the host reads.
+    With ``events``, the read waits for those events only, on its own stream, so queued work goes on.
     """
     if not checks:
         return
@@ -138,18 +124,11 @@ def read_checks(checks: List[Tuple[Any, Callable[[Any], None]]], events: Sequenc
 
 @contextlib.contextmanager
 def defer_reads() -> Iterator[None]:
-    """Keep device values on the device inside the block: [Note: deferred reads]. ::
+    """Keep device values on the device inside the block: [Note: deferred reads].
 
-        with ax.defer_reads():
-            loss = loss_fn(model(x), y)        # cupy logits: a 0-d device array, not a float
-            model.backward(loss_fn.backward())
-            opt.step()
-        print(float(loss))                     # the read, after the whole step is queued
-
-    Losses on device arrays return 0-d device arrays and ``clip_grad_norm`` the norm as one; the
-    cross-entropy's target-range check is read when the block ends, so a step with a bad target has
-    run (optimizer included) when its ``ShapeError`` comes. Host arrays are unaffected. Inside a
-    graphed step's call, where reads are deferred already, the block does nothing more.
+    Losses on device arrays return 0-d device arrays and ``clip_grad_norm`` the norm as one; the cross-entropy's
+    target check is read when the block ends, so a bad target's ``ShapeError`` comes after the step has run.
+    Host arrays are unaffected.
     """
     if current() is not None:
         yield
@@ -178,10 +157,7 @@ def before_replay(fn: Callable[[], None]) -> None:
 
 
 def host_written(xp: Any, shape: Any, dtype: Any) -> Any:
-    """An empty device array the host writes between launches and the graph being captured reads.
-
-    Allocated outside the graph's own pool (see the module note); outside a capture, a plain ``xp.empty``.
-    """
+    """An empty device array, outside the graph's pool, that the host writes between launches (``xp.empty`` outside a capture)."""
     record = current()
     if record is None or not record.capturing or record.host_allocator is None:
         return xp.empty(shape, dtype)
@@ -195,11 +171,7 @@ def note_collective(group: Any, desc: Tuple[int, ...], text: str) -> None:
 
 
 def refuse(what: str, why: str) -> None:
-    """Raise ``GraphCaptureError`` for ``what`` if this thread is capturing a CUDA graph.
-
-    Raises:
-        GraphCaptureError: "<what> cannot be captured in a CUDA graph: <why>".
-    """
+    """Raise ``GraphCaptureError`` for ``what`` if this thread is capturing a CUDA graph."""
     if capturing():
         raise GraphCaptureError(f"{what} cannot be captured in a CUDA graph: {why}")
 

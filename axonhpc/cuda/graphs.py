@@ -1,27 +1,13 @@
 """A whole training step captured once as a CUDA graph and replayed: ``graph_step``.
 
 [Note: graphed steps]
-A small model's step on a GPU is mostly launch overhead (microseconds of host time per kernel the
-GPU finishes sooner). ``graph_step(fn)`` records the step's kernels once and launches them with one
-call, for a step ``fn(*inputs)`` (zero_grad, forward, loss, backward, optimizer step) on device
-arrays of fixed shapes:
-
-1. The first ``warmup`` calls run eagerly: kernels compile, the optimizer makes its state.
-2. The next call copies its inputs into static arrays and captures ``fn`` on a side stream, with a
-   memory pool of its own (the addresses the graph writes stay reserved for it).
-3. Every call from then on copies the inputs in, runs the before-replay work (this step's scalars,
-   [Note: updates in a CUDA graph] in ``axonhpc.optim.fused``) and launches the graph, returning
-   the capture's outputs: the same device arrays each time, overwritten.
-
-Every call runs under ``capture.recording`` ([Note: capturing a step]): checks that read the device
-are read at the start of the next call or at ``check()``, so a step with bad targets has run and the
-call after it raises.
-
-NCCL collectives are captured with the rest and replayed; before each launch the ranks of each group
-compare what they are about to replay ([Note: collectives in a graph] in
-``axonhpc.collectives.graphed``). What a graph cannot replay (device reads, dropout in training,
-host or MPI collectives, parameters the fused kernels do not take, state still to be created) is
-refused at capture with ``GraphCaptureError``; inputs of another shape or dtype at the call.
+A small model's GPU step is mostly launch overhead. ``graph_step(fn)`` runs ``warmup`` calls eagerly (kernels
+compile, optimizer state is made), then captures ``fn`` on a side stream with a memory pool of its own (the
+addresses the graph writes stay reserved), and from then on copies the inputs into static arrays, runs the
+before-replay work and launches the graph, returning the same, overwritten device arrays. Checks that read
+the device are read at the next call or ``check()``, so a step with bad targets has run when the call after
+it raises. NCCL collectives are replayed too, compared across ranks before each launch
+([Note: collectives in a graph]); what a graph cannot replay is refused at capture with ``GraphCaptureError``.
 """
 from __future__ import annotations
 
@@ -77,14 +63,12 @@ class GraphedStep:
         return self._graph is not None
 
     def __call__(self, *inputs: Any) -> Any:
-        """Run one step on ``inputs`` (device arrays); returns what ``fn`` returns (device arrays after the capture).
+        """Run one step on ``inputs`` (device arrays); returns what ``fn`` returns.
 
         Raises:
             ArgumentTypeError: an input that is not a cupy array.
-            GraphCaptureError: the step cannot be captured (why in the message), or inputs of
-                another shape or dtype than the capture's.
-            CollectiveMismatchError: on every rank of a group the graph communicates on, when
-                they do not all replay the same graph here.
+            GraphCaptureError: the step cannot be captured, or inputs differ in shape or dtype from the capture's.
+            CollectiveMismatchError: on every rank of a group, when they do not all replay the same graph here.
         """
         xp = self._module(inputs)
         if self._graph is not None:
@@ -182,13 +166,8 @@ def graph_step(fn: Callable[..., Any], warmup: int = 2) -> GraphedStep:
     """Capture the step ``fn(*inputs)`` as a CUDA graph after ``warmup`` eager calls (see [Note: graphed steps]).
 
     Args:
-        fn: the whole step: zero_grad (keeping the gradient arrays: ``set_to_none=False``),
-            forward, loss, backward, optimizer step; returns device arrays (the loss).
-        warmup: eager calls before the capture (at least 1: the optimizer's first step
-            creates its state).
-
-    Returns:
-        A ``GraphedStep``: call it with device arrays of the capture's shapes and dtypes.
+        fn: the whole step, zeroing gradients with ``set_to_none=False``; returns device arrays.
+        warmup: eager calls before the capture (at least 1: the optimizer's first step creates its state).
 
     Raises:
         ArgumentTypeError: ``fn`` is not callable.

@@ -1,28 +1,19 @@
 """Device elementwise kernels, built once and kept: what ``optim.fused`` and ``nn.kernels`` share.
 
 [Note: exact fused kernels]
-A fused kernel does in one pass what the array code does one kernel at a time, in the same order
-and dtype, with Python floats rounded as numpy and cupy round them against an array. Compiled with
-``--fmad=false`` (no multiply-add contraction) and IEEE division and sqrt, it matches the array code
-bit for bit on the same GPU (``exp``, ``tanh`` are the CUDA functions cupy's kernels call).
-
-Bodies are written in the common part of CUDA C++ and C99 with ``<tgmath.h>``, so the tests'
-strict stand-in compiles them as C on the host, where arithmetic and ``sqrt`` round exactly as on a
-GPU (``exp`` and ``tanh`` are a few ulp from numpy's). Kernels are cached by array module, name and
-variant, so a stand-in never meets another module's kernels.
+A fused kernel does in one pass what the array code does one kernel at a time, in the same order and dtype,
+with Python floats rounded as numpy rounds them. Compiled with ``--fmad=false`` and IEEE division and sqrt,
+it matches the array code bit for bit on the same GPU. Bodies are in the common part of CUDA C++ and C99,
+so the tests' stand-in compiles them as C on the host, where arithmetic rounds exactly as on a GPU.
 
 [Note: multi-tensor kernels]
-``multi_tensor`` makes one launch over a list of arrays (as PyTorch's ``multi_tensor_apply``). Each
-array argument becomes a table of device addresses; the thread of element ``i`` finds its array by a
-binary search of ``starts`` and runs the single-array body, so the result is that kernel's bit for
-bit. Arrays must be C-contiguous. ``TensorTables`` keeps the tables while addresses do not change,
-so a step copies nothing to the device.
+``multi_tensor`` makes one launch over a list of arrays (as PyTorch's ``multi_tensor_apply``): the thread
+of element ``i`` finds its array by a binary search of ``starts`` and runs the single-array body, so the
+result is bit for bit. ``TensorTables`` keeps the address tables, so a step copies nothing to the device.
 
 [Note: scalars in device memory]
-A CUDA graph replays a kernel with its captured arguments ([Note: capturing a step] in
-``axonhpc.cuda.capture``). ``multi_tensor(..., device_scalars=True)`` reads the scalars from a small
-device array instead (``raw T axonhpc_scalars``, in the parameters' order), which ``fill`` writes
-with one launch outside the graph; same values, same bits.
+A CUDA graph replays a kernel with its captured arguments, so ``multi_tensor(..., device_scalars=True)``
+reads the scalars from a small device array that ``fill`` writes outside the graph.
 """
 from __future__ import annotations
 
@@ -57,13 +48,7 @@ def serves(x: Any) -> bool:
 
 
 def elementwise(xp: Any, name: str, variant: Tuple[Any, ...], build: Callable[..., Source]) -> Any:
-    """The ``ElementwiseKernel`` ``axonhpc_<name>`` of ``build(*variant)``, built on first use and kept.
-
-    Args:
-        xp: the array module (cupy, or the tests' stand-in).
-        variant: hashable flags passed to ``build``; each distinct tuple is its own kernel.
-        build: returns ``(in_params, out_params, operation, preamble)``.
-    """
+    """The ``ElementwiseKernel`` ``axonhpc_<name>`` of ``build(*variant)``, built on first use and kept per variant."""
     def make() -> Any:
         in_params, out_params, body, preamble = build(*variant)
         return xp.ElementwiseKernel(in_params, out_params, body, f"axonhpc_{name}", preamble=preamble, options=OPTIONS)
@@ -76,11 +61,7 @@ ReductionSource = Tuple[str, str, str, str, str, str, str]
 
 
 def reduction(xp: Any, name: str, variant: Tuple[Any, ...], build: Callable[..., ReductionSource]) -> Any:
-    """The ``ReductionKernel`` ``axonhpc_<name>`` of ``build(*variant)``, built on first use and kept.
-
-    It folds in the order cupy chooses for the shape, so unlike the elementwise kernels it is not the
-    array code bit for bit unless cupy chooses the same order.
-    """
+    """The ``ReductionKernel`` ``axonhpc_<name>`` of ``build(*variant)``, kept; it folds in cupy's order, so not bit for bit."""
     def make() -> Any:
         in_params, out_params, map_expr, reduce_expr, post_map_expr, identity, reduce_type = build(*variant)
         return xp.ReductionKernel(in_params, out_params, map_expr, reduce_expr, post_map_expr, identity,
@@ -111,11 +92,7 @@ def _params(text: str) -> List[Tuple[str, ...]]:
 
 
 def _multi_source(source: Source, arrays: Tuple[str, ...], dtype: np.dtype) -> Source:
-    """The multi-tensor form of a single-array kernel's source (see the module note).
-
-    ``arrays``: the input parameters that are arrays (every output is one); the
-    other inputs are scalars of the arrays' dtype (``T``) or of their own type.
-    """
+    """The multi-tensor form of a single-array kernel's source; ``arrays``: the inputs that are arrays."""
     in_params, out_params, body, preamble = source
     ins, outs = _params(in_params), [name for _, name in _params(out_params)]
     read = [name for _, name in ins if name in arrays]
@@ -149,13 +126,9 @@ def _scalars_from_device(source: Source, names: Sequence[str]) -> Source:
 
 def multi_tensor(xp: Any, name: str, variant: Tuple[Any, ...], build: Callable[..., Source],
                  arrays: Tuple[str, ...], dtype: Any, device_scalars: bool = False) -> Any:
-    """The multi-tensor kernel ``axonhpc_<name>_multi`` of ``build(*variant)`` for arrays of ``dtype``.
+    """The multi-tensor kernel ``axonhpc_<name>_multi`` of ``build(*variant)`` for float32 or float64 arrays.
 
-    Args:
-        arrays: the input parameters of ``build``'s kernel that are arrays.
-        dtype: float32 or float64.
-        device_scalars: read the scalars (every other input, each of ``build``'s ``T``) from
-            one device array passed last (see [Note: scalars in device memory]).
+    ``device_scalars``: read the scalars from one device array passed last (see [Note: scalars in device memory]).
     """
     dtype = np.dtype(dtype)
 
@@ -189,10 +162,8 @@ def fill(xp: Any, out: Any, values: Sequence[Any]) -> None:
 class TensorTables:
     """The device tables of a multi-tensor launch, kept while the arrays' addresses stay the same.
 
-    Several groups (keys) may be kept at once (an optimizer's float32 and float64 parameters), and for
-    each the last ``KEEP`` sets of addresses: gradients made afresh each step (``zero_grad()``'s
-    ``set_to_none=True``) come back from cupy's pool at a few alternating addresses, and each table
-    made anew is a copy from the host (25 us of host time on an H100 machine).
+    The last ``KEEP`` address sets per key are kept: gradients made afresh each step come back from cupy's pool at
+    a few alternating addresses, and each new table is a host copy (25 us on an H100 machine).
     """
 
     KEEP = 4
@@ -228,13 +199,7 @@ class TensorTables:
 
 def launch_multi(xp: Any, kernel: Any, tables: TensorTables, key: Any, lists: Sequence[Sequence[Any]],
                  scalars: Sequence[Any]) -> None:
-    """Run a ``multi_tensor`` kernel over ``lists`` (the address tables' arrays, in the kernel's order).
-
-    Args:
-        lists: one list per array parameter (array inputs, then outputs), each over the same tensors in
-            the same order, every array C-contiguous, at most ``MAX_MULTI_ELEMENTS`` elements in all.
-        scalars: the kernel's scalar arguments, in order.
-    """
+    """Run a ``multi_tensor`` kernel over ``lists`` (one list per array parameter, C-contiguous) and ``scalars``."""
     *addresses, starts = tables.tables(xp, key, lists)
     total = sum(int(a.size) for a in lists[0])
     kernel(*addresses, starts, np.int64(len(lists[0])), *scalars, size=total)
@@ -254,10 +219,7 @@ def batches(sizes: Sequence[int], limit: int = MAX_MULTI_ELEMENTS) -> List[List[
 
 
 def launches(xp: Any, names: Any = None) -> int:
-    """Launches so far of the kept kernels of ``xp`` (optionally only those named in ``names``).
-
-    Counts the kernels' ``calls`` counter (the tests' stand-in); cupy's kernels have none and count 0.
-    """
+    """Launches so far of ``xp``'s kept kernels (the tests' stand-in counts; cupy's kernels count 0)."""
     return sum(getattr(k, "calls", 0) for (module, name, _), k in list(_cache.items())
                if module is xp and (names is None or name in names))
 

@@ -1,10 +1,9 @@
 """Byte-level text from the Python standard library's own source, for language-model training.
 
 [Note: a corpus every machine already has]
-Every Python carries its standard library as ``.py`` files, so this corpus needs no download: the
-files under ``sysconfig.get_paths()["stdlib"]`` (no site-packages or caches), sorted by relative
-path, as raw bytes (vocabulary 256), read until ``max_bytes``. A seeded fraction of the files is
-held out, so the split is by file and the same on every machine with the same Python version.
+Every Python carries its standard library as ``.py`` files, so this corpus needs no download. Files are read
+sorted by relative path as raw bytes (vocabulary 256), and a seeded fraction is held out by file, so the split
+is the same on every machine with the same Python version.
 """
 from __future__ import annotations
 
@@ -40,14 +39,7 @@ def stdlib_source_files(root: Optional[str] = None) -> List[str]:
 
 def sample_windows(tokens: np.ndarray, batch_size: int, context: int,
                    rng: np.random.Generator) -> Tuple[np.ndarray, np.ndarray]:
-    """``batch_size`` random windows of ``context + 1`` tokens, split into inputs and next-token targets.
-
-    Args:
-        rng: the numpy Generator that picks the window starts (uniform over all starts).
-
-    Returns:
-        ``(inputs, targets)``, both int64 (batch_size, context); targets[:, t] == inputs[:, t + 1]
-        for t < context - 1.
+    """``batch_size`` random windows as ``(inputs, targets)``, int64 (batch_size, context), targets shifted by one.
 
     Raises:
         ConfigurationError: non-positive sizes, or fewer than ``context + 1`` tokens.
@@ -66,20 +58,17 @@ def sample_windows(tokens: np.ndarray, batch_size: int, context: int,
 class TextWindows:
     """A data-parallel rank's batches of next-token windows, the same global batches on any number of ranks.
 
-    The tokens are cut into ``n = (len(tokens) - 1) // context`` windows of ``context + 1`` tokens,
-    ordered per epoch by a ``DistributedSampler``. Global batch k is positions ``[k * B, (k + 1) * B)``
-    of that order and rank r takes those congruent to r modulo ``num_replicas``, so the union over the
-    ranks is the same whatever their number. An epoch has ``n // B`` steps; ``batch(step)`` is a pure
-    function of the step, so a resumed run reads exactly the batches the uninterrupted one would.
+    Global batch k is positions ``[k * B, (k + 1) * B)`` of a ``DistributedSampler``'s order, and rank r takes
+    those congruent to r modulo ``num_replicas``. ``batch(step)`` is a pure function of the step, so a resumed
+    run reads exactly the batches the uninterrupted one would.
 
     Args:
-        context: input length T.
-        global_batch: windows per step over all ranks B; ``num_replicas`` divides it.
-        shuffle: reshuffle every epoch (False: windows in order, for held-out data).
+        global_batch: windows per step over all ranks; ``num_replicas`` divides it.
+        shuffle: reshuffle every epoch (False: in order, for held-out data).
 
     Raises:
-        ConfigurationError: non-positive sizes, ``num_replicas`` not dividing ``global_batch``,
-            or fewer than ``global_batch`` windows.
+        ConfigurationError: non-positive sizes, ``num_replicas`` not dividing ``global_batch``, or fewer
+            than ``global_batch`` windows.
     """
 
     def __init__(self, tokens: np.ndarray, context: int, global_batch: int, num_replicas: int = 1, rank: int = 0,
@@ -123,15 +112,15 @@ class TextCorpus:
 
     Args:
         max_bytes: read files (in sorted order) until this many bytes, the last file cut.
-        held_out: fraction of the files read that go to the held-out split (at least one file each side).
-        root: folder to read instead of the standard library (tests use a small one).
+        held_out: fraction of the files held out (at least one file each side).
+        root: folder to read instead of the standard library.
 
     Attributes:
-        train, val: uint8 token arrays, the files of each split concatenated in sorted order.
+        train, val: uint8 token arrays.
         train_files, val_files: the relative paths in each split.
 
     Raises:
-        ConfigurationError: ``max_bytes`` < 1, ``held_out`` outside (0, 1), or fewer than two files to split.
+        ConfigurationError: ``max_bytes`` < 1, ``held_out`` outside (0, 1), or fewer than two files.
     """
 
     vocab_size = VOCAB_SIZE
@@ -164,11 +153,7 @@ class TextCorpus:
         self.val = np.frombuffer(b"".join(t for i, t in enumerate(texts) if i in val_idx), dtype=np.uint8)
 
     def split(self, name: str) -> np.ndarray:
-        """The tokens of ``"train"`` or ``"val"``.
-
-        Raises:
-            ConfigurationError: another name.
-        """
+        """The tokens of ``"train"`` or ``"val"``; ConfigurationError for another name."""
         if name not in ("train", "val"):
             raise ConfigurationError(f"TextCorpus split must be 'train' or 'val', got {name!r}")
         return self.train if name == "train" else self.val

@@ -1,36 +1,25 @@
 """Training that survives the loss of ranks: shrink the world, rebuild, and redo the interrupted step.
 
 [Note: why every survivor resumes from the same state]
-A step here has two halves. The first does every communication of the step
-(forward, backward, the gradients' all-reduce or reduce-scatter, the buddy
-copies' gradients) and ends with one more all-reduce of 8 bytes; the second
-only updates this rank's memory (the optimizer, and the buddy copy). A rank
-can finish that last all-reduce only once every rank has entered it, so when
-a rank dies, either no survivor has started the second half of that step, or
-every survivor has finished the first half and holds what the second half
-needs. The survivors agree on the most steps any of them finished; the ones
-one step behind finish theirs from the gradients they hold (and cannot be
-further behind). The state after that many steps is then whole somewhere:
-every DDP replica holds all of it, and a lost FSDP shard is held by its
-buddy (``elastic.buddy``).
+A step has two halves: the first does all of the step's communication and
+ends with one more 8-byte all-reduce; the second only updates this rank's
+memory (optimizer, buddy copy). Nobody finishes that last all-reduce before
+every rank has entered it, so when a rank dies either no survivor has
+started the second half, or every survivor holds what it needs. The
+survivors agree on the most steps any finished; those one step behind finish
+theirs from the gradients they hold. The state after that step is then
+whole somewhere: in every DDP replica, or in a lost FSDP shard's buddy
+(``elastic.buddy``).
 
 [Note: recovery]
-On ``PeerFailedError`` every survivor: shrinks the job's communicator
-(ULFM's ``MPI_Comm_shrink``, which agrees on who failed), agrees on the step
-as above, gathers the whole state from the pieces the survivors hold
-(``elastic.state``), builds a new world on the shrunk communicator
-(``ax.init(comm=...)``: groups, shared memory, the start-up table) and calls
-the user's ``build(world)`` again for the new data-parallel width, then fills
-the new model and optimizer from the gathered state and sets up the buddy
-copies anew. The interrupted step is then redone with the same global batch:
-the data sampler's global batch ``k`` is the same set of samples on any number
-of ranks, so the run follows the loss of the uninterrupted one.
-
-Where the state is not whole (an FSDP shard and its buddy both lost) or the
-run cannot go on on the ranks left (a global batch they do not divide), every
-survivor raises ``RecoveryError`` saying why; with ``save`` set, a whole
-state is first written there as a checkpoint (``load_model_slices`` resumes it
-under any layout).
+On ``PeerFailedError`` the survivors shrink the communicator (ULFM), agree on
+the step, gather the state (``elastic.state``), build a new world and call
+``build(world)`` again, then redo the interrupted step with the same global
+batch: the sampler's global batch ``k`` is the same samples on any number of
+ranks, so the run follows the loss of the uninterrupted one. Where the state
+is not whole or the ranks left cannot divide the global batch, every
+survivor raises ``RecoveryError``; with ``save`` set, a whole state is first
+written there.
 """
 from __future__ import annotations
 
@@ -69,8 +58,7 @@ KILL_POINTS = ("forward", "backward", "optimizer", "save", "spare")
 class Recovery:
     """One recovery: who was lost, at which step (1-based), on how many ranks the run went on, how long it took.
 
-    ``seconds``: from this rank's ``PeerFailedError`` to the rebuilt run; ``caught``: the wall-clock
-    time (``time.time()``) of that error.
+    ``seconds``: from this rank's ``PeerFailedError`` to the rebuilt run; ``caught``: its ``time.time()``.
     """
 
     lost: List[int]
@@ -88,12 +76,10 @@ class Recovery:
 
 
 def parse_failures(text: Optional[str]) -> List[Tuple[int, int, str]]:
-    """``"R:K[:where][,R:K[:where]...]"`` as ``(rank, steps done, where)``: rank R SIGKILLs itself once K steps are done.
+    """``"R:K[:where][,...]"`` as ``(rank, steps done, where)``: rank R SIGKILLs itself once K steps are done.
 
-    ``where``: "forward" (default: as the next step starts), "backward" (in the gradients' first
-    all-reduce or reduce-scatter), "optimizer" (after the step's communication, before its update),
-    "save" (as the step's checkpoint save starts, see ``ElasticTraining.fail_point``), or "spare" (a spare,
-    as it starts to wait; K is then the steps done when the run started).
+    ``where``: "forward" (default), "backward", "optimizer", "save" or "spare"
+    (K is then the steps done when the run started).
 
     Raises:
         ConfigurationError: another form, naming it.
@@ -118,28 +104,20 @@ class ElasticTraining:
 
     Args:
         build: ``build(world)`` returns the run's parts for that world: an
-            object with ``model`` (with ``parameter_boxes()``, and ``step`` if
-            it keys dropout by it; its dp, tp and pp groups (``dp`` DDP or
-            FSDP; tp and pp optional) cover the world, e.g. ``ax.ParallelGPT``;
-            a replica that loses a rank is dropped, ``elastic.replicas``) and ``optimizer``, and
-            whatever else the steps use (the data, laid out for the world's
-            width). If it has ``update()``, that is the step's local half
-            instead of ``optimizer.step()``. If it has ``abandon()``, that is
-            called (locally) on the old parts before the new ones are built.
+            object with ``model`` (with ``parameter_boxes()``; dp group DDP or
+            FSDP covering the world, tp and pp optional) and ``optimizer``, plus
+            whatever the steps use. Its ``update()``, if any, replaces
+            ``optimizer.step()``; its ``abandon()``, if any, is called on the old
+            parts before new ones are built.
         first_step: the steps already done (a resumed run).
-        simulate_failure: ``"R:K[:where]"`` (comma-separated for several): job
-            rank R SIGKILLs itself once K steps are done (``parse_failures``).
-        save: a checkpoint directory for the whole state when the run cannot
-            go on (see the module note), or None.
-        spares: this many of the job's ranks (the highest) wait instead of
-            training; when a rank is lost, one takes its place, so the width
-            stays (``elastic.spares``). On a spare the constructor returns once
-            it trains (``active``) or the run has ended (not ``active``: skip
-            the loop). The working ranks call ``close`` after the last step.
-        respawn: when a rank is lost and no spare is left, start a replacement
-            (``MPI_Comm_spawn`` of this command line, ``elastic.respawn``), so
-            the width stays. In a replacement the constructor joins the
-            recovery and returns once it trains.
+        simulate_failure: see ``parse_failures``.
+        save: a checkpoint directory for the whole state when the run cannot go on, or None.
+        spares: this many of the highest ranks wait and replace lost ones
+            (``elastic.spares``). On a spare the constructor returns once it
+            trains (``active``) or the run has ended. Working ranks call
+            ``close`` after the last step.
+        respawn: where no spare is left, ``MPI_Comm_spawn`` a replacement
+            (``elastic.respawn``).
 
     Attributes:
         parts: the current ``build(world)`` result (None on a spare).
@@ -148,8 +126,7 @@ class ElasticTraining:
         width: the data-parallel width kept while spares last.
 
     Raises:
-        ConfigurationError: fault tolerance is off (``ax.init(fault_tolerant=True)`` under
-            ``axonhpc launch --fault-tolerant``), or the model is not data-parallel over the whole world.
+        ConfigurationError: fault tolerance is off, or the model is not data-parallel over the whole world.
     """
 
     def __init__(self, build: Callable[[Any], Any], first_step: int = 0, simulate_failure: Optional[str] = None,
@@ -221,11 +198,7 @@ class ElasticTraining:
             self._recover(False)
 
     def close(self) -> None:
-        """Collective: let the spares go (on the working ranks, after the last step); a later failure shrinks.
-
-        From here on the run's communicator is the working ranks' alone: the
-        spares leave the job.
-        """
+        """Collective: let the spares go (working ranks, after the last step); the communicator is then theirs alone."""
         while self.active and self.rendezvous is not None:
             if self.rendezvous.wait():
                 self.rendezvous = None
@@ -305,11 +278,7 @@ class ElasticTraining:
             return result if finished else None
 
     def call(self, fn: Callable[[Any], Any]) -> Optional[Any]:
-        """Collective: ``fn(parts)`` between steps (a checkpoint save, an evaluation); None if ranks failed in it.
-
-        After a failure the survivors have rebuilt and go on; the call is not
-        redone (a save interrupted this way leaves the previous checkpoint in place).
-        """
+        """Collective: ``fn(parts)`` between steps; None if ranks failed in it (it is not redone)."""
         self._check_active("call")
         try:
             return fn(self.parts)
@@ -335,11 +304,7 @@ class ElasticTraining:
 
     # -- recovery -----------------------------------------------------------------------------
     def _recover(self, entered: bool, ending: bool = False) -> bool:
-        """Shrink, agree, rebuild (see the module note); True if this rank's interrupted step was finished.
-
-        Every survivor calls it, spares too. ``ending``: this working rank was
-        letting the spares go (``close``) when the failure came.
-        """
+        """Shrink, agree, rebuild; True if this rank's interrupted step was finished. ``ending``: failure came in ``close``."""
         MPI, start, caught = self._MPI, time.perf_counter(), time.time()
         was_active, old_parts, old_working = self.active, self.parts, self.working
         if self.rendezvous is not None:

@@ -1,18 +1,15 @@
 """Group-making calls compare their arguments across ranks before anything else is sent.
 
 [Note: why group creation compares arguments]
-``new_group``, ``split`` and ``mesh`` are collective. A rank whose local checks fail would raise
-alone and leave the others waiting inside ``MPI_Comm_create``/``MPI_Comm_split`` forever, and ranks
-passing different lists would build different groups (or hang). So each first runs ``compare``: one
-small all-gather, after which every rank raises the same error, or none does.
+``new_group``, ``split`` and ``mesh`` are collective. A rank whose local checks fail would raise alone and
+leave the others inside ``MPI_Comm_split`` forever, and different lists would build different groups. So
+each first runs ``compare``: one small all-gather, after which every rank raises the same error, or none.
 
 [Note: all or none]
-The same holds wherever a check that may fail on one rank precedes a collective (a wrapper's model,
-a checkpoint's files). ``all_or_none`` runs the check in a ``with`` block, then one ``compare``: a
-rank whose block raised re-raises its own error, the others raise the caller's error naming it.
-Only ``AxonError`` is caught unless ``catch`` says more: the library raises those on purpose, with a
-message fit for the other ranks; anything else is a bug, raised at once (the others wait for this
-rank as for a crashed one).
+The same holds wherever a check that may fail on one rank precedes a collective. ``all_or_none`` runs the
+check in a ``with`` block, then one ``compare``. Only ``AxonError`` is caught unless ``catch`` says more: the
+library raises those on purpose, with a message fit for the other ranks; anything else is a bug, raised at
+once (the others wait for this rank as for a crashed one).
 """
 from __future__ import annotations
 
@@ -62,15 +59,9 @@ def _all_gather(group: Members, gather: Optional[Gather], mine: np.ndarray) -> n
 
 def compare(group: Members, ok: bool, text: str, same: bool,
             gather: Optional[Gather] = None) -> Optional[List[Tuple[bool, str]]]:
-    """Compare the arguments of a group-making call across ``group``, before anything else is sent.
+    """Compare a group-making call's ``(ok, text)`` across ``group``: None if all passed (and alike), else every rank's.
 
-    Each rank gives whether its arguments passed its local checks, and their text. One all-gather of
-    (ok, length, 64-bit digest) settles the common case; only on a failure or (``same``) differing texts
-    does a second one bring every rank's text (at most ``_SHOWN_BYTES``).
-
-    Returns:
-        None when every rank passed and (``same``) every text is the same; else every group rank's
-        ``(ok, text)``.
+    One all-gather of (ok, length, digest); only on a difference does a second bring the texts.
     """
     data = text.encode("utf-8")
     digest = int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little", signed=True)
@@ -124,12 +115,7 @@ def reason(problem: BaseException) -> str:
 
 def agree(group: Members, problem: Optional[BaseException], refused: Refused, differ: Optional[Differ] = None,
           text: str = "", alike: bool = False, gather: Optional[Gather] = None) -> None:
-    """Collective over ``group``: raise on every rank if any failed (``problem`` here), else if ``text`` differs.
-
-    ``problem`` is raised here (unless ``alike``: then ``refused``'s error, from it), ``refused(failed)``
-    on the ranks that passed; ``differ(seen)`` everywhere when all passed with different texts.
-    ``gather``: ``collectives.all_gather`` above that layer, where the group's timeout and debug apply.
-    """
+    """Collective over ``group``: raise on every rank if any failed (``problem`` here), else if ``text`` differs."""
     if group.size == 1:
         seen = None if problem is None else [(False, reason(problem))]
     else:

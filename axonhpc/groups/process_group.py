@@ -28,23 +28,15 @@ class WorldFacts(Protocol):
 
 
 class ProcessGroup:
-    """An ordered set of global ranks and, on its members, a backend.
-
-    Every rank of the world holds a ``ProcessGroup`` object for each group it
-    took part in creating; on ranks outside the group ``is_member`` is False
-    and any collective raises ``NotAMemberError`` at once.
+    """An ordered set of global ranks and, on its members, a backend; on non-members collectives raise ``NotAMemberError``.
 
     Attributes:
-        world: the world the group belongs to.
-        ranks: global ranks of the members, in group-rank order (empty for the
-            non-member side of a ``split`` with ``color=None``).
+        ranks: global ranks of the members, in group-rank order (empty for the non-member side of a
+            ``split`` with ``color=None``).
         name: a label used in messages ("world", "mesh.tp", "group[0, 2]").
-        member_backend: the backend on a member, None on a non-member (for
-            callers that must not raise there; ``backend`` raises).
-        timeout: seconds a blocking call on this group may wait (None: use
-            ``ax.settings.timeout``).
-        debug: check every collective on this group across ranks first
-            (None: use ``ax.settings.debug``).
+        member_backend: the backend on a member, None on a non-member (``backend`` raises there).
+        timeout: seconds a blocking call may wait (None: ``ax.settings.timeout``).
+        debug: check every collective across ranks first (None: ``ax.settings.debug``).
     """
 
     # ``ProcessGroup.mock()``: a one-rank group with no MPI at all (defined in world.py, which makes its world).
@@ -88,20 +80,12 @@ class ProcessGroup:
 
     @property
     def backend(self) -> Backend:
-        """The backend of this group on a member.
-
-        Raises:
-            NotAMemberError: this rank is not in the group.
-        """
+        """The backend of this group on a member; NotAMemberError elsewhere."""
         self.require_member("using the group's backend")
         return self.member_backend
 
     def require_member(self, what: str) -> "ProcessGroup":
-        """Return self, or raise ``NotAMemberError`` naming ``what`` the caller tried to do.
-
-        Raises:
-            NotAMemberError: this rank is not in the group.
-        """
+        """Self, or NotAMemberError naming ``what`` the caller tried to do."""
         if self.member_backend is None:
             raise NotAMemberError(
                 f"{what}: global rank {self.world.rank} is not a member of process group {self.name} "
@@ -118,10 +102,10 @@ class ProcessGroup:
         return self._one_node
 
     def prepare_shared_memory(self) -> "ProcessGroup":
-        """Make the group's shared-memory window now, if its collectives will use one; returns self.
+        """Make the group's shared-memory window now (the group's creation is a collective already); returns self.
 
-        Called when the group is made (a collective already), so a rank late to its first all-reduce is
-        named by the timeout instead of holding the others in ``MPI_Win_allocate_shared``.
+        So a rank late to its first all-reduce is named by the timeout instead of holding the others in
+        ``MPI_Win_allocate_shared``.
         """
         if (self.member_backend is not None and self.size > 1 and settings.shm_collectives != "off"
                 and self.on_one_node):
@@ -141,21 +125,13 @@ class ProcessGroup:
         return int(global_rank) in self.ranks
 
     def global_rank(self, group_rank: int) -> int:
-        """The global rank of a group rank.
-
-        Raises:
-            RankError: ``group_rank`` is outside ``[0, size)``.
-        """
+        """The global rank of a group rank; RankError outside ``[0, size)``."""
         if not 0 <= int(group_rank) < self.size:
             raise RankError(f"group rank {group_rank} is out of range for group {self.name} of size {self.size}")
         return self.ranks[int(group_rank)]
 
     def group_rank(self, global_rank: int) -> int:
-        """The group rank of a global rank.
-
-        Raises:
-            RankError: the global rank is not in this group.
-        """
+        """The group rank of a global rank; RankError if it is not in this group."""
         try:
             return self.ranks.index(int(global_rank))
         except ValueError:
@@ -164,11 +140,7 @@ class ProcessGroup:
             ) from None
 
     def check_rank(self, rank: int, what: str) -> int:
-        """Validate a group rank argument (``src``, ``dst``, ``root``) before anything is sent.
-
-        Raises:
-            RankError: not an integer, or outside ``[0, size)``.
-        """
+        """Validate a group rank argument (``src``, ``dst``, ``root``) before anything is sent; RankError if bad."""
         if isinstance(rank, bool) or not hasattr(rank, "__index__"):
             raise RankError(f"{what} must be an integer group rank, got {rank!r}")
         if not 0 <= int(rank) < self.size:
@@ -182,18 +154,13 @@ class ProcessGroup:
         """Collective over this group: like ``MPI_Comm_split``.
 
         Args:
-            color: members with the same color form one new group; None (or a
-                negative number) joins none and gets a non-member group.
+            color: members with the same color form one new group; None (or negative) gets a non-member group.
             key: orders the ranks inside a new group (ties: by group rank).
-            name: the new group's label in messages.
-            trusted: every rank computed ``color`` and ``key`` by one rule (a mesh, the node groups), so the
-                ranks skip comparing them.
+            trusted: every rank computed ``color`` and ``key`` by one rule, so they are not compared.
 
         Raises:
-            InvalidArgumentError: ``color`` or ``key`` is not an integer, on every rank when every rank passed
-                such a value.
-            GroupMismatchError: some ranks passed a non-integer ``color`` or ``key`` and others did not; on
-                every rank, naming those ranks and their values.
+            InvalidArgumentError: ``color`` or ``key`` is not an integer (every rank passed such a value).
+            GroupMismatchError: some ranks passed a non-integer ``color`` or ``key`` and others did not.
             NotAMemberError: this rank is not in the group.
         """
         problem: Optional[InvalidArgumentError] = None

@@ -33,43 +33,22 @@ _previous_excepthook = None
 
 def init(comm=None, backend: Optional[str] = None, debug: Optional[bool] = None,
          timeout: Optional[float] = None, fault_tolerant: Optional[bool] = None) -> World:
-    """Build the world (once) and make it the default for ``group=None``.
+    """Build the world (once; idempotent) and make it the default for ``group=None``.
 
-    Idempotent: a second call returns the same world (applying ``debug`` and
-    ``timeout`` if given). Passing ``comm`` builds a new world from that
-    communicator and makes it the default.
-
-    With ``ax.settings.abort_on_exception`` (on by default;
-    ``AXONHPC_ABORT_ON_EXCEPTION=0`` turns it off) a world of more than one
-    rank installs an exception hook: an uncaught exception on this rank
-    prints its traceback and aborts the whole job (``MPI_Abort``), under a
-    plain ``mpiexec`` as under ``axonhpc launch``, so no rank is left waiting.
+    With ``ax.settings.abort_on_exception`` an uncaught exception on any rank of a multi-rank world aborts the
+    whole job, so no rank is left waiting. Thread pools are sized per rank (``axonhpc.threads``).
 
     Args:
-        comm: an mpi4py intracommunicator (default ``MPI.COMM_WORLD``).
-        backend: "auto" (MPI where mpi4py is installed, else one local rank;
-            cupy arrays over NCCL when cupy, a GPU per rank and NCCL are
-            there), "mpi" (cupy arrays too, CUDA-aware or staged), "nccl"
-            (MPI for numpy arrays, NCCL for cupy arrays), or "local" (one
-            in-process rank; use ``run_local`` for more). Default:
-            ``ax.settings.backend``. See ``groups.device_path`` and docs/gpu.md.
-        debug: overrides ``ax.settings.debug``.
-        timeout: overrides ``ax.settings.timeout``: seconds, 0 for none (None keeps it).
-        fault_tolerant: overrides ``ax.settings.fault_tolerant``: a rank
-            that dies must not end the job. Refused unless MPI can survive
-            it (Open MPI 5 with ULFM, started with ``axonhpc launch
-            --fault-tolerant``); then a survivor's call that needs the dead
-            rank raises ``PeerFailedError`` naming it (docs/fault-tolerance.md).
-
-    A world of MPI ranks sizes each rank's BLAS/OpenMP thread pools to its
-    share of the node's cores unless the user set ``OMP_NUM_THREADS`` (or
-    ``OPENBLAS_NUM_THREADS``, ``MKL_NUM_THREADS``); rank 0 logs the choice.
-    See ``axonhpc.threads``.
+        comm: an mpi4py intracommunicator (default ``MPI.COMM_WORLD``); given, it builds a new default world.
+        backend: "auto", "mpi", "nccl" or "local" (one in-process rank; ``run_local`` for more). Default:
+            ``ax.settings.backend``. See docs/gpu.md.
+        timeout: seconds, 0 for none (None keeps ``ax.settings.timeout``).
+        fault_tolerant: a rank that dies must not end the job (Open MPI 5 with ULFM; docs/fault-tolerance.md).
 
     Raises:
         BackendUnavailableError: the requested backend cannot work here.
-        ConfigurationError: unknown backend name (also a ``ValueError``), a negative ``timeout``, or
-            ``fault_tolerant`` where a dead rank would end the job anyway (the message says why).
+        ConfigurationError: unknown backend name, a negative ``timeout``, or ``fault_tolerant`` where a dead
+            rank would end the job anyway.
         ArgumentTypeError: a ``timeout`` that is not a number.
     """
     global _global_world
@@ -176,11 +155,7 @@ AFTER_INIT: List[Callable[[World], Any]] = []
 
 
 def told_elsewhere(exc: BaseException, rank: int) -> Optional[str]:
-    """Why ``rank`` prints one line for ``exc`` instead of its traceback: another rank prints it in full.
-
-    A refusal's traceback is the refusing rank's (its own error); an error raised alike on several
-    ranks (``CollectiveMismatchError.ranks``) is printed in full by the lowest of them.
-    """
+    """Why ``rank`` prints one line for ``exc``, not its traceback: another rank prints it in full (or None)."""
     if isinstance(exc, CollectiveRefusedError):
         return f"rank {exc.rank} refused the call and prints its traceback"
     ranks = getattr(exc, "ranks", ())
@@ -190,11 +165,7 @@ def told_elsewhere(exc: BaseException, rank: int) -> Optional[str]:
 
 
 def install_abort_on_exception(world: World) -> None:
-    """Make an uncaught exception on this rank end the whole job.
-
-    The traceback is printed and flushed, and the launcher gets a moment to forward it before the abort:
-    an MPI job whose rank died silently leaves the others waiting forever.
-    """
+    """Make an uncaught exception on this rank print, flush and then abort the whole job."""
     global _previous_excepthook
     if _previous_excepthook is not None or world.world_size == 1:
         return
@@ -229,18 +200,14 @@ def install_abort_on_exception(world: World) -> None:
 
 
 def run_local(fn: Callable[[World], Any], world_size: int = 2) -> List[Any]:
-    """Run ``fn(world)`` on ``world_size`` ranks that are threads of this process.
-
-    Each thread gets its own ``World`` on the in-process backend (real data
-    movement), and ``group=None`` means that world inside the thread.
+    """Run ``fn(world)`` on ``world_size`` threads of this process, each with its own in-process ``World``.
 
     Returns:
         ``fn``'s results, in rank order.
 
     Raises:
-        The first exception of the lowest failing rank (the others are woken
-        with an error rather than left waiting); what the other failing ranks
-        raised is added to it as notes, since the root cause may be theirs.
+        The first exception of the lowest failing rank (the others are woken, not left waiting), with what
+        the other failing ranks raised added as notes.
     """
     from ..backends.local import LocalAbort, LocalBackend
 

@@ -118,14 +118,9 @@ class World:
     def new_group(self, ranks: Sequence[int], name: Optional[str] = None) -> ProcessGroup:
         """A ProcessGroup of these global ranks, in this order; every rank must call it with the same list.
 
-        The ranks compare their lists first (one all-gather), so a mismatch or a bad list makes every rank
-        raise instead of leaving the others waiting.
-
         Raises:
-            RankError: a rank is not an integer, out of range, or repeated; or
-                the list is empty (on every rank, when every rank passed it).
-            GroupMismatchError: ranks passed different lists; raised on every
-                rank, naming which ranks passed which list.
+            RankError: a rank is not an integer, out of range, or repeated; or the list is empty.
+            GroupMismatchError: ranks passed different lists; raised on every rank, naming them.
         """
         ranks = list(ranks)
         problem: Optional[RankError] = None
@@ -169,13 +164,11 @@ class World:
         """Collective: like ``MPI_Comm_split`` of the world (``ProcessGroup.split`` of the default group).
 
         Args:
-            color: ranks with the same color form one group; None (or a
-                negative number) joins none and gets a non-member group.
+            color: ranks with the same color form one group; None (or negative) gets a non-member group.
             key: orders ranks inside a group; ties keep world-rank order.
 
         Raises:
-            InvalidArgumentError, GroupMismatchError: a ``color`` or ``key``
-                that is not an integer, on every rank (see ``ProcessGroup.split``).
+            InvalidArgumentError, GroupMismatchError: a ``color`` or ``key`` that is not an integer.
         """
         return self.default_group.split(color, key)
 

@@ -1,18 +1,12 @@
 """Autocast: matrix products in float16 or bfloat16 while the parameters stay float32.
 
 [Note: autocast]
-Inside ``with nn.autocast("float16"):`` every matrix product of the ``nn`` layers casts its float32 operands
-to that dtype, so on a GPU the GEMMs run on the tensor cores at half the memory traffic. PyTorch's rules:
-the parameters stay float32 master weights and no cast is cached (so an optimizer step inside the block is
-seen); float64 parameters are not lowered; products return the low dtype; softmax, ``LayerNorm`` and the
-losses compute in float32, because their sums and exponentials lose too much in 16 bits. ``backward`` does
-what the forward did wherever it is called, since each layer caches its forward's dtypes; gradients come
-back in each input's dtype, as a cast's backward does.
-
-float16 gradients underflow below about 6e-8: pair float16 with ``ax.GradScaler``, passing the scale to the
-loss's backward so the scaling happens before the rounding. bfloat16 has float32's range and needs no
-scaler. The state is per thread (so each thread-backend rank has its own). numpy has no 16-bit GEMM: on the
-host, autocast models the device arithmetic faithfully but is no speed-up.
+PyTorch's rules: parameters stay float32 masters and no cast is cached (so an optimizer step inside the
+block is seen); float64 is not lowered; softmax, ``LayerNorm`` and the losses compute in float32, because
+their sums and exponentials lose too much in 16 bits. ``backward`` follows what the forward did, since each
+layer caches its forward's dtypes. float16 gradients underflow below about 6e-8, so pair float16 with
+``ax.GradScaler``; bfloat16 has float32's range. The state is per thread. numpy has no 16-bit GEMM: on the
+host autocast models the device arithmetic but is no speed-up.
 """
 from __future__ import annotations
 
@@ -58,11 +52,7 @@ class restored_autocast:
 
 
 class autocast(restored_autocast):
-    """Context manager: the ``nn`` layers' matrix products run in ``dtype`` (see the module note)::
-
-        with nn.autocast("bfloat16"):
-            loss = loss_fn(model(x), y)
-        model.backward(loss_fn.backward())
+    """Context manager: the ``nn`` layers' matrix products run in ``dtype`` (see the module note).
 
     Args:
         dtype: "float16" (default) or "bfloat16" (needs ml_dtypes), or the numpy dtype.
@@ -82,11 +72,7 @@ class autocast(restored_autocast):
 
 
 def lower(x: Any, dtype: Optional[np.dtype], keep_float64: bool = True) -> Any:
-    """``x`` as an operand of a product computed in ``dtype`` (None: no cast): floating arrays cast.
-
-    ``keep_float64`` leaves float64 alone (a float64 model is not lowered); False for the input of a product
-    whose weight was lowered.
-    """
+    """``x`` cast for a product in ``dtype`` (None: no cast); ``keep_float64`` leaves float64 alone."""
     if dtype is None or x.dtype == dtype or not is_floating(x.dtype) or (keep_float64 and x.dtype == np.float64):
         return x
     return x.astype(dtype)
@@ -116,21 +102,14 @@ def like(grad: Any, dtype: Any) -> Any:
 
 
 def matmul_2d(a: Any, b: Any) -> Any:
-    """``a @ b`` for ``a`` (..., k) and a matrix ``b`` (k, n), as one 2-D GEMM when ``a`` is C-contiguous.
-
-    numpy multiplies a stack (B, T, k) by a matrix one (T, k) slice at a time: B small GEMMs, 1.3-3x slower
-    than the one (B*T, k) GEMM here (batch 16 x 64 tokens, and 256 x 4, width 64); the reshape is a view. cupy
-    arrays go through ``nn.gemm``, which a CUDA graph can hold.
-    """
+    """``a @ b`` as one 2-D GEMM when ``a`` is C-contiguous (numpy's stacked product is 1.3-3x slower)."""
     return product_2d(a, b)
 
 
 def linear_product(x: Any, weight: Any) -> Tuple[Any, Tuple[Any, Any, Any]]:
-    """``(y, saved)``: ``x @ weight.T`` (..., out) under this thread's autocast state, and what its backward needs.
+    """``(y, saved)``: ``x @ weight.T`` under this thread's autocast state, and what its backward needs.
 
-    Only a cast weight is saved: the parameter's own array may be resharded (FSDP) before backward, which then
-    reads the parameter again. Outside autocast the product runs in the weight's dtype: an input of another
-    dtype is cast to it, and its gradient comes back in the input's dtype.
+    Only a cast weight is saved: the parameter's array may be resharded (FSDP) before backward.
     """
     dtype = autocast_dtype()
     w = lower(weight, dtype)

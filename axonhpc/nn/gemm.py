@@ -1,27 +1,13 @@
 """2-D matrix products of cupy arrays through cuBLAS itself, so that a CUDA graph can hold them.
 
 [Note: products in a CUDA graph]
-cupy refuses every cuBLAS call while the current stream captures a graph
-("calling cuBLAS API during stream capture is currently unsupported", cupy
-14; cupy issue 6290), although cuBLAS supports stream capture: since CUDA
-12.2 its workspace comes from stream-ordered allocations, which a graph
-holds. The first whole-step capture on an H100 failed there, at the first
-Linear. The layers' 2-D products (``autocast.matmul_2d``, a weight
-gradient's ``grad += a @ b``) therefore call ``cublasGemmEx`` themselves,
-with cupy's own handle for the device and thread, on the current stream:
-eagerly and in a capture alike, so a replayed step runs the very calls of
-the eager one. The compute type follows cupy's table (``nn.matmul``'s
-[Note: TF32]): TF32 for float32 while it is in force, else float32
-accumulation for float32 and the 16-bit floats, float64 for float64.
-
-cuBLAS is column-major. A C-contiguous (r, c) array is, to it, the (c, r)
-matrix: the transpose, with leading dimension c; an F-contiguous one is the
-matrix itself, with leading dimension r. ``C = A @ B`` with C C-contiguous
-is computed as ``C^T = B^T A^T``; an F-contiguous C as ``C^T``'s transpose.
-
-The library is the ``libcublas.so.<major>`` already loaded (``RTLD_NOLOAD``:
-the copy cupy's cuBLAS module is bound to, with the major of cupy's
-handle); a cupy stand-in offers its own as ``cupy._axonhpc_cublas`` (tests).
+cupy refuses every cuBLAS call while a stream captures (cupy issue 6290), although cuBLAS supports capture
+since CUDA 12.2; the first whole-step capture on an H100 failed there, at the first Linear. So the layers'
+2-D products call ``cublasGemmEx`` themselves with cupy's handle on the current stream, eagerly and in a
+capture alike, so a replayed step runs the very calls of the eager one. The compute type follows cupy's
+table (``nn.matmul``'s [Note: TF32]). cuBLAS is column-major: a C-contiguous (r, c) array is to it the
+(c, r) transpose, so ``C = A @ B`` is computed as ``C^T = B^T A^T``. The library is the already loaded
+``libcublas.so.<major>`` (``RTLD_NOLOAD``: the copy cupy is bound to).
 """
 from __future__ import annotations
 
@@ -208,12 +194,7 @@ def _operand(x: Any) -> tuple:
 def gemm(a: Any, b: Any, cupy: Any, out: Any = None, beta: float = 0.0, tf32: bool = False) -> Any:
     """``out = a @ b + beta * out`` (a new C-contiguous array when ``out`` is None), by ``cublasGemmEx``.
 
-    Args:
-        a, b: arrays ``handles`` accepts, (m, k) and (k, n).
-        cupy: their array module.
-        out: (m, n) array that ``writes_into`` accepts, or None.
-        beta: what ``out`` is scaled by before the product is added (0: overwritten).
-        tf32: float32 products in TF32 (``nn.matmul`` says whether it is in force).
+    ``tf32``: float32 products in TF32 (``nn.matmul`` says whether it is in force).
     """
     m, k = a.shape
     n = b.shape[1]

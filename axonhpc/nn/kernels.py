@@ -1,58 +1,30 @@
-"""The layers' element-wise work on a GPU as one kernel each: ReLU, GELU, Tanh, the cross-entropy loss and its
-gradient, and a Linear's bias added in the same kernel as the ReLU or GELU after it.
+"""The layers' element-wise work as one kernel each: activations, the cross-entropy loss and its gradient, bias+activation.
 
 [Note: fused layer kernels]
-On cupy every array operation is a kernel launch and a pass over memory.
-The exact GELU forward is about a hundred of them (Cody's erf is three rational
-functions, two exponentials and the selections between them), ReLU's
-forward two, the cross-entropy gradient five. Each function here does the
-same work in one ``ElementwiseKernel`` that is the array code bit for bit on
-the same GPU ([Note: exact fused kernels] in ``axonhpc.cuda.kernels``): the same
-operations in the same order and dtype, with the same saved state, so a
-layer's backward may follow a forward taken either way.
+On cupy every array operation is a launch and a pass over memory (the exact
+GELU forward is about a hundred). Each function here does the same
+operations in the same order and dtype in one ``ElementwiseKernel``, bit for
+bit ([Note: exact fused kernels] in ``axonhpc.cuda.kernels``), with the same
+saved state, so a backward may follow a forward taken either way.
 
 [Note: the fused cross-entropy]
-The loss needs per row the maximum ``m``, the sum ``s`` of ``exp(x - m)`` and
-``log(s)``; the target's log-probability is ``(x[target] - m) - log(s)``. The
-array code writes the terms ``exp(x - m)`` (N x C values, twice: the
-difference, then its exp in place) and sums them with ``cupy.sum``, then
-gathers the targets: ten launches. Fused, the forward is three launches,
-none writing N x C: the row maxima (cupy's own reduction), ``sum_exp`` (a
-``ReductionKernel`` summing ``exp(x - m)`` without writing the terms) and
-``cross_entropy_rows`` (``log(s)`` and the target's log-probability, per
-row). Both ways keep the logits, ``m`` and ``log(s)``, never the N x C
-log-probabilities, and the backward recomputes ``exp((x - m) - log(s))``
-inside the gradient's kernel. The one difference from the array code is the
-order in which ``s`` is summed: ``cupy.sum`` over the written terms there,
-``sum_exp``'s reduction here. Both are cupy's reduction machinery on the
-same shape and may well fold in the same order, but only a GPU can say; on
-the tests' stand-in the orders differ, so there the fused ``s`` is checked
-to a few ulp and everything computed from it bit for bit.
+Per row the loss needs the max ``m``, ``s = sum(exp(x - m))`` and ``log(s)``.
+Fused it is three launches, none writing N x C values (the array code: ten):
+the row maxima, ``sum_exp`` (a reduction that never writes the terms) and
+``cross_entropy_rows``. The one difference from the array code is the order
+``s`` is summed in; only a GPU can say whether cupy folds both alike, so on
+the tests' stand-in ``s`` is checked to a few ulp and the rest bit for bit.
 
 [Note: host kernels]
-On numpy the same layers run the compiled kernels of ``axonhpc._ext._layers``
-(Cython over C, ``cython_src/host_kernels.h``): each is one pass over memory
-where the array code makes several (the exact GELU's forward alone is about
-a hundred numpy operations), without the GIL. They compute the array code's
-operations in its order and type, with every Python constant rounded to the
-array's type as numpy rounds it, so where numpy's result depends only on
-that order they agree with it bit for bit: the GELU backward, the
-cross-entropy gradient's arithmetic, the optimizer updates. Two things
-differ, and the tests state by how much: float32 ``exp`` and ``tanh`` are the
-kernels' own vectorisable ones (host_math.h; numpy's and the C library's
-differ by an ulp or two too), and the sums along a row (softmax, LayerNorm,
-the loss's log-sum-exp) run in a fixed order of eight partial sums where
-numpy sums pairwise. Beyond ``takes_kernels``'s conditions they need
-C-contiguous arrays; other arrays keep the array code, as do 16-bit floats
-and integers. ``settings.fused_kernels`` switches the host and the device
-kernels alike. The attention softmax and LayerNorm have kernels on the host
-only (``takes_host_kernels``).
-
-The layers call ``takes_kernels(x)`` on each call: a type and dtype test
-(cupy float32 or float64, or numpy float32 or float64 C-contiguous, and
-``settings.fused_kernels`` on) that does no device work. 16-bit floats
-(computed in float32 by the array code and rounded once) and integers keep
-the array code.
+On numpy the layers run the compiled kernels of ``axonhpc._ext._layers``: one
+pass over memory, without the GIL, computing the array code's operations in
+its order and type (constants rounded as numpy rounds them), so they agree
+bit for bit wherever numpy's result depends only on that order. Two things
+differ, by amounts the tests state: float32 ``exp`` and ``tanh`` are the
+kernels' own vectorisable ones, and row sums use eight partial sums where
+numpy sums pairwise. 16-bit floats, integers and non-contiguous arrays keep
+the array code; ``takes_kernels(x)`` decides without device work, and
+``settings.fused_kernels`` switches host and device kernels alike.
 """
 from __future__ import annotations
 
@@ -176,10 +148,7 @@ def _bias_relu_source() -> cuda_kernels.Source:
 
 
 def bias_relu(pre: Any, bias: Any) -> Tuple[Any, Any]:
-    """``relu_forward(pre + bias)`` in one kernel, the output written over ``pre`` (a fresh product).
-
-    ``pre + bias`` rounds as ``pre += bias`` does, so this is the bias add and then ``relu_forward``, bit for bit.
-    """
+    """``relu_forward(pre + bias)`` in one kernel, bit for bit; the output is written over ``pre`` (a fresh product)."""
     xp = array_module(pre)
     mask = xp.empty(pre.shape, dtype=np.bool_)
     if xp is np:
@@ -194,10 +163,7 @@ def _bias_gelu_source(tanh_form: bool) -> cuda_kernels.Source:
 
 
 def bias_gelu(pre: Any, bias: Any, tanh_form: bool) -> Tuple[Any, Any, Any]:
-    """``gelu_forward(pre + bias)`` in one kernel: GELU's output, what its backward keeps, and ``pre + bias``.
-
-    ``pre + bias`` (GELU's input, which its backward reads) is written over ``pre`` (a fresh product).
-    """
+    """``gelu_forward(pre + bias)`` in one kernel: output, saved state, and ``pre + bias`` (written over ``pre``)."""
     xp = array_module(pre)
     y, aux = xp.empty_like(pre), xp.empty_like(pre)
     if xp is np:
@@ -245,10 +211,7 @@ def _sum_exp_source() -> cuda_kernels.ReductionSource:
 
 
 def sum_exp(x: Any, m: Any) -> Any:
-    """``sum(exp(x - m), axis=-1, keepdims=True)`` for ``x`` (N, C) and row maxima ``m`` (N, 1), in one reduction.
-
-    The terms are never written to memory. They are summed in the order cupy's reductions choose.
-    """
+    """``sum(exp(x - m), axis=-1, keepdims=True)`` in one reduction that never writes the terms."""
     kernel = cuda_kernels.reduction(array_module(x), "sum_exp", (), _sum_exp_source)
     return kernel(x, m, axis=-1, keepdims=True)
 
@@ -261,11 +224,7 @@ def _cross_entropy_rows_source() -> cuda_kernels.Source:
 
 
 def cross_entropy_rows(x: Any, m: Any, s: Any, targets: Any) -> Tuple[Any, Any]:
-    """``(log(s), log_softmax(x)[row, target])`` per row, in one kernel.
-
-    ``x`` is C-contiguous (N, C); ``m`` and ``s`` are (N, 1) row maxima and ``sum_exp``.
-    Targets outside [0, C) are read clipped (the caller checks the range).
-    """
+    """``(log(s), log_softmax(x)[row, target])`` per row, in one kernel (targets read clipped; the caller checks them)."""
     kernel = cuda_kernels.elementwise(array_module(x), "cross_entropy_rows", (), _cross_entropy_rows_source)
     n, c = x.shape
     return kernel(x, m.reshape(n), s.reshape(n), targets, int(c))
@@ -281,11 +240,9 @@ def _cross_entropy_source(device_scale: bool) -> cuda_kernels.Source:
 
 
 def cross_entropy_grad(x: Any, m: Any, ls: Any, targets: Any, scale: Any) -> Any:
-    """``(exp((x - m) - ls) - one_hot(targets)) * scale`` for logits (N, C), row maxima and log-sums (N, 1), in one kernel.
+    """``(exp((x - m) - ls) - one_hot(targets)) * scale`` in one kernel.
 
-    ``(x - m) - ls`` is log_softmax(x) as the forward computes it. ``scale`` is a float, or a
-    one-element device array of ``x``'s dtype read by the kernel (a graph replays it with the
-    value it then holds).
+    ``scale``: a float, or a one-element device array read by the kernel (a graph replays its current value).
     """
     xp = array_module(x)
     device_scale = not isinstance(scale, (int, float))

@@ -1,20 +1,15 @@
 """Module: the base of every layer, with registration, state dicts and explicit backward.
 
 [Note: explicit backward and cached activations]
-There is no autograd tape: ``forward`` stores what ``backward`` needs in the module's ``_cache``, and
-``backward(grad_out)`` returns d loss / d input, adds into ``p.grad`` and drops the cache (as PyTorch without
-``retain_graph``). One cache slot per module means that schedules running several forwards before their
-backwards (pipeline micro-batches) must ``stash_activations`` and ``restore_activations`` in between.
+There is no autograd tape: ``forward`` stores what ``backward`` needs in ``_cache``; ``backward(grad_out)``
+returns d loss / d input, adds into ``p.grad`` and drops the cache. With one cache slot per module, schedules
+that run several forwards before their backwards (pipeline micro-batches) must ``stash_activations`` and
+``restore_activations`` in between.
 
 [Note: input_grad=False]
-The input of a model's first layer is usually data, whose gradient nobody reads; computing it costs
-``Linear`` a matrix product as large as its forward (PyTorch skips it because the input does not require
-grad). So a backward may take ``input_grad=False`` and return None. Containers pass the flag to the layer
-that sees their input through ``call_backward``, only where the backward's signature has the parameter, so
-layers written without it still run.
-
-Registration order (attribute assignment) is the order of ``parameters()`` and ``state_dict()``, and the order
-a DDP bucket plan reverses.
+The first layer's input is usually data whose gradient nobody reads, and it costs ``Linear`` a matrix product
+as large as its forward. So a backward may take ``input_grad=False`` and return None; containers pass it on
+through ``call_backward``, only to backwards whose signature has it, so layers written without it still run.
 """
 from __future__ import annotations
 
@@ -37,11 +32,7 @@ def _takes_input_grad(backward: Callable[..., Any]) -> bool:
 
 
 def call_backward(backward: Callable[..., Any], grad_out: Any, input_grad: bool = True) -> Any:
-    """``backward(grad_out)``, with ``input_grad=False`` passed where the backward takes it (see the module note).
-
-    Containers and wrappers call their inner module's backward through this. The result may be None with
-    ``input_grad=False``.
-    """
+    """``backward(grad_out)``, with ``input_grad=False`` passed only where the backward takes it (see the module note)."""
     if not input_grad and _takes_input_grad(backward):
         return backward(grad_out, input_grad=False)
     return backward(grad_out)
@@ -151,7 +142,7 @@ class Module:
     def register_buffer(self, name: str, array: Any, persistent: bool = True) -> None:
         """Register a non-trainable array (running statistics, masks), or None to reserve the name.
 
-        Buffers are moved by ``to()``, broadcast by data-parallel wrappers, and (when ``persistent``) saved in
+        Buffers move with ``to()``, are broadcast by data-parallel wrappers and, when ``persistent``, saved in
         ``state_dict()``. Raises KeyError if ``name`` is already a parameter or submodule.
         """
         params, modules, buffers = self._registries()
@@ -197,11 +188,7 @@ class Module:
         return [m for _, m in self.named_modules()]
 
     def named_parameters(self, prefix: str = "", recurse: bool = True) -> List[Tuple[str, Parameter]]:
-        """Parameters as (dotted name, Parameter) in registration order, e.g. "0.weight".
-
-        A Parameter reachable under several names is listed once, under the first. Returns a list (not a
-        generator), so it can be walked twice.
-        """
+        """Parameters as (dotted name, Parameter) in registration order, each once (under its first name), as a list."""
         modules = self.named_modules(prefix) if recurse else [(prefix, self)]
         out: List[Tuple[str, Parameter]] = []
         seen = set()
@@ -233,10 +220,7 @@ class Module:
     # ------------------------------------------------------------------ state
 
     def state_dict(self) -> "OrderedDict[str, Any]":
-        """Copies of all parameters and persistent buffers, by dotted name, in registration order.
-
-        Each module's parameters come before its buffers; the arrays are copies, so later training does not change them.
-        """
+        """Copies of all parameters and persistent buffers, by dotted name, in registration order."""
         out: "OrderedDict[str, Any]" = OrderedDict()
         for key, (module, name, kind) in self._state_targets().items():
             registry = module._registries()[0 if kind == "param" else 2]
@@ -245,10 +229,7 @@ class Module:
         return out
 
     def named_state(self) -> "OrderedDict[str, Tuple[str, Any]]":
-        """What each ``state_dict()`` entry is read from: name -> ``("param", Parameter)`` or ``("buffer", array)``.
-
-        Nothing is copied: a wrapper that keeps the values elsewhere (FSDP's shards) builds its own state dict from it.
-        """
+        """Where each ``state_dict()`` entry is read from: name -> ``("param", Parameter)`` or ``("buffer", array)``; no copies."""
         out: "OrderedDict[str, Tuple[str, Any]]" = OrderedDict()
         for key, (module, name, kind) in self._state_targets().items():
             out[key] = (kind, module._registries()[0 if kind == "param" else 2][name])
@@ -270,12 +251,10 @@ class Module:
         return out
 
     def load_state_dict(self, state_dict: Dict[str, Any], strict: bool = True) -> IncompatibleKeys:
-        """Copy values into the parameters and buffers, in place; returns IncompatibleKeys.
+        """Copy values into the parameters and buffers, in place (into ``p.data``, cast and moved); returns IncompatibleKeys.
 
-        Values are written into ``p.data`` (so views other code holds stay valid), cast to each array's dtype and
-        moved to its device. With ``strict`` the keys must be exactly those of ``state_dict()``. Raises
-        StateDictError, before anything is copied, listing every shape mismatch and (with ``strict``) every missing
-        or unexpected key.
+        Raises StateDictError, before anything is copied, listing every shape mismatch and (with ``strict``) every
+        missing or unexpected key.
         """
         targets = self._state_targets()
         missing = [k for k in targets if k not in state_dict]
@@ -332,10 +311,10 @@ class Module:
             p.zero_grad(set_to_none)
 
     def to(self, device: Optional[str] = None, dtype: Any = None) -> "Module":
-        """Move parameters, gradients and buffers to ``device`` ("cpu", "cuda" or None) and/or floating ``dtype``.
+        """Move parameters, gradients and buffers to ``device`` ("cpu", "cuda" or None) and/or floating ``dtype``; returns self.
 
-        This rebinds ``p.data``, so do it before handing parameters to an optimizer or a parallel wrapper; returns
-        self. Raises ValueError for an unknown device, BackendUnavailableError for "cuda" without cupy.
+        This rebinds ``p.data``: do it before building an optimizer or wrapper. Raises ValueError for an unknown device,
+        BackendUnavailableError for "cuda" without cupy.
         """
         if device not in (None, "cpu", "cuda"):
             raise InvalidArgumentError(f"device must be 'cpu', 'cuda' or None, got {device!r}")
@@ -377,12 +356,9 @@ class Module:
         raise NotImplementedError(f"{type(self).__name__} does not implement forward")
 
     def backward(self, grad_out: Any) -> Any:
-        """Backpropagate through the last ``forward``; subclasses implement it.
+        """Backpropagate through the last ``forward``: add into each ``p.grad``, drop the cache, return d loss / d input.
 
-        Adds d loss / d parameter into each ``p.grad`` (running its grad hooks), drops the cached activations and
-        returns d loss / d input (None for integer inputs such as Embedding indices). A layer may also take
-        ``input_grad: bool = True`` and skip the input gradient when False (see the module note). Raises
-        BackwardBeforeForwardError if no forward ran since the last backward.
+        Returns None for integer inputs. Raises BackwardBeforeForwardError if no forward ran since the last backward.
         """
         raise NotImplementedError(f"{type(self).__name__} does not implement backward")
 
@@ -401,11 +377,7 @@ class Module:
         object.__setattr__(self, "_cache", cache)
 
     def stash_activations(self) -> List[Any]:
-        """Take the cached forward activations of this module and its submodules, as an opaque list.
-
-        Lets several forwards run before their backwards (pipeline micro-batches): stash after each forward,
-        ``restore_activations`` before the matching backward.
-        """
+        """Take the cached activations of this module and its submodules (restore with ``restore_activations``)."""
         saved = []
         for m in self.modules():
             saved.append(m.__dict__.get("_cache"))
@@ -442,10 +414,7 @@ class Module:
 
 
 def require_module(obj: Any, who: str) -> "Module":
-    """``obj`` when it is an ``nn.Module``, else ArgumentTypeError naming its type.
-
-    (A wrapper given an array used to fail with an AttributeError in ``named_parameters``.)
-    """
+    """``obj`` when it is an ``nn.Module``, else ArgumentTypeError naming its type."""
     if not isinstance(obj, Module):
         raise ArgumentTypeError(f"{who} wraps an axonhpc.nn.Module, got {type(obj).__module__}.{type(obj).__name__}")
     return obj

@@ -35,14 +35,11 @@ _EMBED_STD = 0.02
 class TransformerBlock(Module):
     """Pre-LayerNorm transformer block: x + drop(attn(ln1(x))), then h + mlp(ln2(h)), on (B, T, width).
 
-    ``mlp`` is ``Sequential(Linear(width, mlp_ratio * width), GELU(), Linear(mlp_ratio * width, width),
-    Dropout(dropout))``.
-
     Args:
         heads: attention heads; must divide ``width``.
         dropout: drop probability after the attention and after the MLP.
         causal: position t attends only to positions <= t.
-        seed: int, SeedSequence or Generator for the initial values and the dropout masks (None: fresh entropy).
+        seed: for the initial values and the dropout masks (None: fresh entropy).
 
     Raises:
         ConfigurationError: a non-positive size, ``heads`` not dividing ``width``, or dropout outside [0, 1].
@@ -86,29 +83,21 @@ class TransformerBlock(Module):
 class GPT(Module):
     """A GPT-style decoder: token + position embeddings, causal blocks, final LayerNorm, output head.
 
-    ``forward(tokens)`` maps integer tokens (B, T), T <= ``context``, to logits (B, T, vocab_size); position t's
-    logits depend only on tokens 0..t. ``backward(grad_logits)`` fills the gradients and returns None.
-    Submodules: ``tok_emb``, ``pos_emb`` (both N(0, 0.02^2), as GPT-2), ``drop``, ``blocks`` ("0", "1", ...),
-    ``ln_f`` and ``head`` (absent with ``tie_weights``).
+    ``forward(tokens)`` maps integer tokens (B, T), T <= ``context``, to logits (B, T, vocab_size).
 
     [Note: a part of the model]
-    ``block_range``, ``with_embedding`` and ``with_head`` build a contiguous part of the same model, as a pipeline
-    stage holds it. Blocks keep their whole-model index as name, and every seed is derived the same way whatever
-    the part, so parameter names and initial values are the whole model's and the parts of one seed together are
-    the whole model. A part without the embedding takes activations (B, T, width); without the head it returns
-    them. ``make_block(index, seed) -> Module`` replaces ``TransformerBlock`` (say, a tensor-parallel block).
+    ``block_range``, ``with_embedding`` and ``with_head`` build a contiguous part, as a pipeline stage holds it.
+    Blocks keep their whole-model index as name and every seed is derived alike whatever the part, so the parts
+    of one seed together are exactly the whole model. ``make_block(index, seed)`` replaces ``TransformerBlock``.
 
     Args:
         context: the longest sequence (rows of the position embedding).
-        layers: number of blocks of the whole model.
-        dropout: drop probability on the embeddings and inside every block.
         tie_weights: share the token embedding with the output head.
-        seed: int, SeedSequence or Generator for the initial values and dropout masks.
         block_range: ``(start, stop)``, the blocks this part holds (None: all).
 
     Raises:
         ConfigurationError: a non-positive size, a ``block_range`` outside ``[0, layers]``, or ``tie_weights``
-            on a part without both the embedding and the head (and the blocks' own checks).
+            on a part without both the embedding and the head.
     """
 
     takes_arrays = True
@@ -162,8 +151,7 @@ class GPT(Module):
     def forward(self, x: Any) -> Any:
         """Logits (B, T, vocab_size) for integer tokens (B, T); a part's own input and output otherwise.
 
-        Raises ShapeError for tokens not 2-D, T of 0 or longer than ``context`` (or activations not (B, T, width)
-        on a part without the embedding), UnsupportedDtypeError for non-integer tokens.
+        Raises ShapeError for a bad shape or T, UnsupportedDtypeError for non-integer tokens.
         """
         if self.with_embedding:
             h = self._embed(x)

@@ -1,26 +1,20 @@
 """Fused optimizer updates: one kernel for the parameters instead of one per operation, on a GPU and on the host.
 
 [Note: fused updates]
-On cupy each array operation of an update is a kernel launch and a pass over memory: Adam reads and writes 31
-arrays' worth per parameter, where one kernel reading gradient, parameter and moments and writing three needs
-7. Each update here is one ``ElementwiseKernel`` that is the array code bit for bit (see [Note: exact fused
-kernels] in ``axonhpc.cuda.kernels``). cupy (and C-contiguous numpy) float32/float64 parameters take it, decided
-per parameter and step by a type test (``fuses``); C-contiguous ones of one dtype and equal scalars share one
-multi-tensor launch (``joins``), with the same result. 16-bit floats (mixed precision keeps float32 master
-weights) and ``fused=False`` keep the array code.
+On cupy each array operation is a launch and a pass over memory: Adam moves 31 arrays' worth per parameter
+where one kernel needs 7. Each update here is one kernel that is the array code bit for bit ([Note: exact
+fused kernels] in ``axonhpc.cuda.kernels``); parameters of one dtype and equal scalars share one multi-tensor
+launch (``joins``). 16-bit floats and ``fused=False`` keep the array code.
 
 [Note: host updates]
-On numpy the kernels are the compiled ``_ext._updates``: all the parameters of a dtype in one call without
-the GIL, each element read and written once (Adam's array code makes a dozen passes and four temporaries).
-The C performs the array code's operations in its order, with numpy's scalar rounding and no fused
-multiply-add, so the result is the array code's bit for bit.
+On numpy the kernels are the compiled ``_ext._updates``: a dtype's parameters in one call without the GIL,
+each element read and written once, in the array code's order with numpy's rounding and no fused
+multiply-add, so bit for bit.
 
 [Note: updates in a CUDA graph]
-Inside a captured step every parameter is updated by the multi-tensor kernel with its scalars in device
-memory; before every replay the optimizer advances the step counts and recomputes the scalars from the
-current hyperparameters (so a learning-rate schedule keeps working), so a replay is the eager step bit for
-bit. What a graph cannot replay is refused at capture (a parameter the kernel does not take, state an eager
-step would still create), and a hyperparameter change that selects another kernel at replay.
+In a captured step the scalars live in device memory; before every replay the optimizer advances the step
+counts and recomputes them from the current hyperparameters (so schedules keep working). What a graph cannot
+replay is refused at capture, as is a hyperparameter change that would select another kernel.
 """
 from __future__ import annotations
 
@@ -57,11 +51,7 @@ def _all_contiguous(arrays: Sequence[Any]) -> bool:
 
 
 def check_fused(fused: Optional[bool], params: Any, owner: str) -> Optional[bool]:
-    """Validate an optimizer's ``fused`` argument against its parameters (at construction); returns it.
-
-    Raises ConfigurationError for a ``fused`` not None or a bool, or ``fused=True`` with a parameter the kernels
-    do not serve (named with its index and shape).
-    """
+    """Validate an optimizer's ``fused`` argument against its parameters; returns it (else ConfigurationError)."""
     if fused is not None and not isinstance(fused, (bool, np.bool_)):
         raise ConfigurationError(f"{owner} fused must be None, True or False, got {fused!r}")
     if fused:
@@ -74,11 +64,7 @@ def check_fused(fused: Optional[bool], params: Any, owner: str) -> Optional[bool
 
 
 def fuses(fused: Optional[bool], data: Any, grad: Any, *state: Any) -> bool:
-    """Whether this step updates ``data`` from ``grad`` (and ``state``) with the fused kernel (see the module note).
-
-    Raises ConfigurationError if ``fused=True`` and ``data`` or ``grad`` is (now) an array the kernel does not
-    serve.
-    """
+    """Whether this step updates ``data`` with the fused kernel; ConfigurationError if ``fused=True`` and it cannot."""
     if fused is False or (fused is None and not settings.fused_kernels):
         return False
     reason = _refusal(data)
@@ -171,11 +157,7 @@ def adam_many(xp: Any, tables: cuda_kernels.TensorTables, datas: Sequence[Any], 
 
 def _many(xp: Any, tables: cuda_kernels.TensorTables, name: str, variant: tuple, build: Any,
           lists: Sequence[Sequence[Any]], scalars: tuple, alone: Any = None, device_scalars: bool = False) -> None:
-    """One multi-tensor launch per batch of ``lists``' arrays (``grad`` the only array input).
-
-    ``alone(k)``, where given, updates a batch of one instead; ``device_scalars``: ``scalars``
-    is the one device array the kernel reads them from.
-    """
+    """One multi-tensor launch per batch of ``lists``' arrays (``alone(k)``, if given, updates a batch of one)."""
     dtype = lists[0][0].dtype
     for batch in cuda_kernels.batches([int(a.size) for a in lists[0]]):
         chosen = [[arrays[k] for k in batch] for arrays in lists]
@@ -193,11 +175,7 @@ def captured_groups(fused: Optional[bool], pending: Sequence[Tuple[Any, Dict[str
                     state_arrays: Callable[[Dict[str, Any]], Tuple[Any, ...]],
                     has_state: Callable[[Dict[str, Any]], bool],
                     key: Callable[[Dict[str, Any]], Any]) -> Dict[Tuple[Any, Any], List[Tuple[Any, Dict[str, Any]]]]:
-    """The ``(parameter, state)`` pairs of a captured step by ``(dtype, key(state))``.
-
-    Raises GraphCaptureError for a parameter the multi-tensor kernel does not take, or one without the state
-    (``has_state``) an eager step would create.
-    """
+    """The ``(parameter, state)`` pairs of a captured step by ``(dtype, key(state))``; GraphCaptureError if not capturable."""
     groups: Dict[Tuple[Any, Any], List[Tuple[Any, Dict[str, Any]]]] = {}
     for index, (p, state) in enumerate(pending):
         where = f"{owner}: parameter {index} of shape {tuple(p.data.shape)}"
@@ -241,11 +219,7 @@ def _unscale_source() -> cuda_kernels.Source:
 
 
 def unscale_many(xp: Any, tables: cuda_kernels.TensorTables, grads: Sequence[Any], inverse: float, found: Any) -> None:
-    """``grad *= inverse`` for many C-contiguous gradients of one dtype, one launch; ``found[0] = 1`` on inf/NaN.
-
-    Bit for bit the array code's product; PyTorch's ``_amp_foreach_non_finite_check_and_unscale_``, for
-    ``GradScaler.unscale``.
-    """
+    """``grad *= inverse`` for many gradients of one dtype in one launch; ``found[0] = 1`` on inf/NaN."""
     scalars = (grads[0].dtype.type(inverse), np.uint64(found.data.ptr))
     _many(xp, tables, "unscale", (), _unscale_source, (grads,), scalars)
 
@@ -279,11 +253,7 @@ def sgd_scalars(t: Any, lr: float, momentum: float, dampening: float, weight_dec
 
 def sgd(xp: Any, data: Any, grad: Any, buf: Any, *, lr: float, momentum: float, dampening: float,
         weight_decay: float, nesterov: bool, first: bool) -> None:
-    """One SGD update of ``data`` (and its momentum buffer ``buf``, when momentum is on) in one kernel.
-
-    ``first``: ``buf`` is new and takes the gradient, as torch's first momentum step does. Without
-    momentum ``buf`` is None.
-    """
+    """One SGD update of ``data`` (and momentum buffer ``buf``, None without momentum; ``first``: ``buf`` is new)."""
     t = data.dtype.type
     flags = sgd_variant(momentum, dampening, weight_decay, nesterov, first)
     if xp is np:

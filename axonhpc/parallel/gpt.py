@@ -1,24 +1,20 @@
 """A GPT over a dp x tp x pp mesh: tensor-parallel blocks, pipeline stages, data-parallel replicas.
 
 [Note: the layout]
-pp: the blocks are split into P contiguous stages (``stage_blocks``), embeddings on the first and the head on
-the last; with ``stages_per_rank`` v > 1 rank r holds stages r, r + P, .... tp: every block is a
-``TensorParallelBlock``; the embeddings, LayerNorms and head are replicated on the tp ranks, whose inputs and
-output gradients are identical there, so their gradients are too and nothing reduces them. dp: with P = 1 the
-part is wrapped in DDP (or FSDP) over ``mesh.dp``; with P > 1 the ``Pipeline`` averages its stages' gradients
-over ``mesh.dp`` after the step (FSDP inside pipeline stages is refused).
+pp: P contiguous stages (``stage_blocks``), embeddings on the first, head on the last. tp: every block is a
+``TensorParallelBlock``; embeddings, LayerNorms and head are replicated, and since their inputs and output
+gradients are identical on the tp ranks so are their gradients: nothing reduces them. dp: with P = 1, DDP (or
+FSDP) over ``mesh.dp``; with P > 1 the ``Pipeline`` averages stage gradients over ``mesh.dp`` after the step.
 
-Every part is built with the same seed derivation as the whole ``nn.GPT``, so the union of every rank's
-parameters is exactly ``nn.GPT(seed=seed)`` and parameter names are the whole model's on every rank.
-
-Dropout masks are keyed by ``step`` and each sample's global index (``Dropout.key_by_sample``), so tp ranks
-draw the same masks for replicated activations, parity with one ``nn.GPT`` holds with dropout too, and a run
-resumed at step s (``step = s``) draws what the uninterrupted run draws.
+Every part uses the seed derivation of the whole ``nn.GPT``, so the union of the ranks' parameters is
+exactly ``nn.GPT(seed=seed)``, under the whole model's names. Dropout masks are keyed by ``step`` and each
+sample's global index, so tp ranks draw the same masks, parity with ``nn.GPT`` holds with dropout, and a run
+resumed at step s draws what the uninterrupted run draws.
 
 [Note: the loss of a step]
-Each replica's gradient is that of its share's mean loss (micro-batch losses scaled by 1 / M), and the dp
-average of those is the gradient of the global mean because the shares are equal in size. So every layout
-computes the same loss and gradients as one process, up to the order of floating-point sums.
+Each replica's gradient is that of its share's mean loss, and the shares are equal in size, so the dp average
+is the gradient of the global mean: every layout computes one process's loss and gradients, up to the order
+of floating-point sums.
 """
 from __future__ import annotations
 
@@ -47,9 +43,8 @@ from .tensor.partition import same_geometry
 class TensorParallelBlock(TransformerBlock):
     """``nn.TransformerBlock`` with its attention heads and MLP hidden features split over a tensor-parallel group.
 
-    Parameter names and initial values are those of ``TransformerBlock(width, heads, mlp_ratio, dropout, causal,
-    dtype, seed)`` (each rank holding its slice), so the same seed gives the same function. ``seed`` may not be
-    None: the replicated LayerNorm and dropout need one seed everywhere.
+    Names and initial values are those of ``TransformerBlock(...)`` with the same seed (each rank holding its
+    slice); ``seed`` may not be None.
 
     Raises:
         ConfigurationError: a size the group does not divide, a non-positive size, or seed None.
@@ -90,10 +85,7 @@ class TensorParallelBlock(TransformerBlock):
 
 
 def stage_blocks(layers: int, num_stages: int) -> List[Tuple[int, int]]:
-    """The blocks ``[start, stop)`` of each of ``num_stages`` pipeline stages, contiguous, as even as can be.
-
-    Raises ConfigurationError for ``num_stages`` < 1 or fewer blocks than stages.
-    """
+    """Each stage's blocks ``[start, stop)``, contiguous, as even as can be (ConfigurationError if impossible)."""
     if num_stages < 1 or layers < num_stages:
         raise ConfigurationError(f"a GPT of {layers} blocks cannot be split into {num_stages} pipeline stages of at "
                                  f"least one block each")
@@ -104,12 +96,7 @@ def gpt_part(vocab_size: int, context: int, width: int, heads: int, layers: int,
              num_stages: int = 1, tp_group: Any = None, dropout: float = 0.0, tie_weights: bool = False,
              mlp_ratio: int = 4, dtype: Any = np.float32, seed: _init.SeedLike = None,
              checkpoint_blocks: bool = False) -> GPT:
-    """Stage ``stage`` of ``num_stages`` of ``nn.GPT(..., seed=seed)``, its blocks tensor-parallel over ``tp_group``.
-
-    The model arguments are the whole model's; parameter names are too (see ``parameter_boxes``).
-    ``checkpoint_blocks`` wraps every block in ``nn.checkpoint``. ConfigurationError as ``stage_blocks`` and
-    ``nn.GPT``, or for seed None.
-    """
+    """Stage ``stage`` of ``num_stages`` of ``nn.GPT(..., seed=seed)`` (whole-model arguments and names), tp over ``tp_group``."""
     if seed is None:
         raise ConfigurationError("a parallel GPT needs a seed, the same on every rank, so that its parts make one model")
     if not 0 <= stage < num_stages:
@@ -137,16 +124,15 @@ class ParallelGPT:
         mesh: ``world.mesh(dp=D, tp=T, pp=P)``.
         vocab_size, context, width, heads, layers, dropout, tie_weights, mlp_ratio, dtype, seed:
             the whole model, as ``nn.GPT`` (seed required, the same on every rank).
-        fsdp: shard the replicas over ``mesh.dp`` (FSDP, one unit per block); only with P = 1.
-        num_microbatches: micro-batches M per step (with P = 1, gradient accumulation over M pieces).
+        fsdp: shard the replicas over ``mesh.dp`` (one unit per block); only with P = 1.
+        num_microbatches: micro-batches per step (with P = 1, gradient accumulation).
         stages_per_rank: model chunks per pipeline rank (v > 1 needs the interleaved schedule).
-        device: "cuda" moves the parts to this rank's GPU before they are wrapped.
 
     Attributes:
-        module: this rank's stage (an ``nn.GPT`` part), or with v > 1 its first chunk.
+        module: this rank's stage, or with v > 1 its first chunk.
         parts: this rank's stages, in stage order.
         stage_indices: their indices among the P * v stages.
-        step: the training steps taken; dropout masks are keyed by it, so a resumed run sets ``step = s``.
+        step: the training steps taken; a resumed run sets ``step = s``.
 
     Raises:
         ConfigurationError: seed None, a size the mesh does not divide, too few blocks for the stages,
@@ -213,12 +199,9 @@ class ParallelGPT:
 
     def parameter_boxes(self, shard_rank: Optional[int] = None, shards: Optional[Sequence[Any]] = None
                         ) -> Dict[str, Tuple[Any, ...]]:
-        """Where the values this rank's optimizer updates lie in the whole model (for ``save_model_slices``).
+        """Whole-model name -> where the values this rank's optimizer updates lie (``checkpoint.model_slices``).
 
-        Whole-model name -> ``(global shape, offset, Parameter)``; with ``fsdp=True`` ``(global shape, offset,
-        shard, (local shape, start, stop, at))`` for FSDP's flat shards (see ``checkpoint.model_slices``), names
-        this rank holds nothing of left out. ``shard_rank`` and ``shards`` (FSDP only) describe dp rank
-        ``shard_rank``'s shards instead, held in ``shards`` (a copy kept elsewhere).
+        ``shard_rank`` and ``shards`` (FSDP only) describe dp rank ``shard_rank``'s shards, held in ``shards``, instead.
         """
         if self.fsdp:
             return fsdp_boxes(self.module, self.engine.units, shard_rank, shards)
@@ -254,11 +237,9 @@ class ParallelGPT:
         return [a[k * b:(k + 1) * b] for k in range(m)]
 
     def train_step(self, x: Any, y: Any) -> float:
-        """Forward and backward of this dp rank's share of the global batch; gradients averaged over dp.
+        """Forward and backward of this dp rank's share of ``(x, y)``; returns the global batch's mean loss on every rank.
 
-        ``x``: int tokens (b, T), the same on every tp and pp rank of the replica; ``y``: next-token targets.
-        Returns the mean loss over the global batch, on every rank. ShapeError if ``b`` is not a multiple of
-        ``num_microbatches``.
+        ShapeError if the batch is not a multiple of ``num_microbatches``.
         """
         for part in self.parts:  # the masks of this step's samples (see the module notes)
             key_dropout_by_sample(part, self.step, self.dp.rank * int(x.shape[0]))
@@ -280,11 +261,7 @@ class ParallelGPT:
 
     @property
     def peak_activation_bytes(self) -> int:
-        """The most bytes of forward caches this rank held at once in the last step.
-
-        With pipeline stages, the stash of every micro-batch in flight; otherwise one micro-batch's caches.
-        Parameters and gradients are not counted.
-        """
+        """The most bytes of forward caches this rank held at once in the last step (parameters and gradients not counted)."""
         if self.pipeline is not None:
             return int(self.pipeline.last_step_stats.get("peak_activation_bytes", 0))
         return self._peak_bytes

@@ -1,17 +1,13 @@
 """Dynamic loss scaling for float16 training, with the skip decided by every rank together.
 
 [Note: loss scaling across ranks]
-float16 gradients underflow below about 6e-8, so the loss gradient is scaled up before backward and the
-gradients scaled down before the step. If any rank overflowed, every rank must skip the step, or replicas and
-shards would drift apart; so ``step`` all-reduces the verdict. The scale then halves after an overflow and
-doubles after ``growth_interval`` clean steps, the same everywhere (PyTorch's ``GradScaler`` rule).
+If any rank overflowed, every rank must skip the step, or replicas and shards would drift apart; so ``step``
+all-reduces the verdict, and the scale changes the same everywhere (PyTorch's ``GradScaler`` rule).
 
 [Note: the scale in a CUDA graph]
-A graphed step replays its kernels with their captured arguments, so a scale passed as a number would stay
-the capture's. Inside a graphed step ``scale`` therefore multiplies by a one-element float64 device copy of
-the scale (rewritten whenever the scale changes), which rounds to the same bits as the host's
-``grad * scale``. The skip decision is read on the host, so ``unscale``, ``step`` and ``update`` stay outside
-the graph, as PyTorch's documentation does with its own ``GradScaler``.
+A graph replays its captured arguments, so inside a graphed step ``scale`` multiplies by a one-element
+float64 device copy of the scale (same bits as the host's ``grad * scale``). The skip decision is read on
+the host, so ``unscale``, ``step`` and ``update`` stay outside the graph, as with PyTorch's.
 """
 from __future__ import annotations
 
@@ -37,14 +33,13 @@ _STEP_OUTSIDE = ("whether to skip the step is decided on the host from a read of
 class GradScaler:
     """Scale the loss gradient, unscale and check the gradients, skip overflowing steps everywhere.
 
-    Usage: ``fsdp.backward(loss_fn.backward(scaler.scale(1.0))); scaler.step(opt); scaler.update()``. Inside a
-    graphed step, capture the forward and backward and call ``step`` and ``update`` after each graphed call.
+    Usage: ``model.backward(loss_fn.backward(scaler.scale(1.0))); scaler.step(opt); scaler.update()``.
 
     Args:
         growth_factor: multiplier after ``growth_interval`` steps without overflow (> 1).
         backoff_factor: multiplier after an overflow (in (0, 1)).
         group: the ranks that skip together (None: the current world's group).
-        enabled: False makes every method a pass-through (scale 1, step always taken).
+        enabled: False makes every method a pass-through.
 
     Attributes:
         scale_value: the current scale (setting it also updates the device copy graphs read).
@@ -94,11 +89,9 @@ class GradScaler:
             cuda_kernels.fill(array_module(self._device_scale), self._device_scale, [self._scale])
 
     def scale(self, grad: Any) -> Any:
-        """``grad * scale``: a new array (the loss gradient before ``backward``), or a float for a float.
+        """``grad * scale``: a new array, or a float for a float (scale 1.0 before float16 rounding flushes small gradients).
 
-        Pass the float to scale a float16 model's loss gradient before it is rounded: ``model.backward(
-        loss_fn.backward(scaler.scale(1.0)))``, so small gradients are not flushed to zero first. Inside a graphed
-        step it returns a device array; GraphCaptureError if the first such call is in the capture (no warm-up).
+        GraphCaptureError if the first call inside a graphed step is in the capture (no warm-up).
         """
         if not self.enabled:
             return grad
@@ -128,11 +121,7 @@ class GradScaler:
         return grad * scale.astype(grad.dtype)
 
     def unscale(self, optimizer: Any) -> bool:
-        """Collective: divide the optimizer's gradients by the scale; True if any rank found an inf or NaN.
-
-        ``step`` calls it if you did not (call it first to clip gradients); a second call before ``update`` does
-        nothing.
-        """
+        """Collective: divide the optimizer's gradients by the scale once before ``update``; True if any rank found inf/NaN."""
         if self._unscaled == id(optimizer):
             return self.found_inf
         capture.refuse("GradScaler.unscale", _STEP_OUTSIDE)
@@ -147,11 +136,7 @@ class GradScaler:
         return self.found_inf
 
     def _unscale(self, grads: List[Any]) -> List[bool]:
-        """Divide ``grads`` by the scale in place; whether they are then finite, with one read of the device.
-
-        cupy float32/float64 gradients take one multi-tensor launch per dtype (``fused.unscale_many``); the products
-        are the same as one by one.
-        """
+        """Divide ``grads`` by the scale in place; whether each is then finite, with one device read."""
         inverse = 1.0 / self.scale_value
         together: Dict[Any, List[Any]] = {}
         alone = []

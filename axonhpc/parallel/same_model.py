@@ -1,25 +1,13 @@
 """Parallel wrappers check, when they are built, that every rank of their group holds the same model.
 
 [Note: why and how the wrappers compare their models]
-DDP, FSDP, ZeroRedundancyOptimizer, a pipeline's data-parallel replicas and
-the tensor-parallel layers assume that every rank of their group built the
-same model: the same parameter names, shapes and dtypes in the same order (and
-for a tensor-parallel layer, the same geometry). A rank that built another
-model (another config file, a seed-dependent architecture, a forgotten
-``.astype``) would otherwise broadcast, all-reduce or all-gather buffers of
-other sizes: a hang, a ``ShapeError`` on some ranks only, or, worst, numbers
-that are silently wrong. So each wrapper, before any other message of its
-constructor, describes its model as one line per parameter
-(``name:dtype:shape``) and runs ``groups.agreement.all_or_none``: one all-gather
-of (ok, length, 64-bit digest) per rank. Only when the digests differ does
-anything more travel (the texts, then one digest per line to find the first
-line that differs), so that every rank raises the same
-``ModelMismatchError`` naming that parameter and which ranks have which.
-
-A rank whose own model fails a local check (no parameters, a unit mixing
-dtypes, a size the group does not divide) still takes part in the exchange,
-marked as failed: it raises its own error, and every other rank raises a
-``ModelMismatchError`` naming it, instead of waiting for it.
+The wrappers assume every rank built the same model. A rank that built another (another config, a forgotten
+``.astype``) would otherwise move buffers of other sizes: a hang, a ``ShapeError`` on some ranks only, or
+silently wrong numbers. So each wrapper, before any other message, describes its model as one
+``name:dtype:shape`` line per parameter and runs one all-gather of (ok, length, 64-bit digest) per rank.
+Only when digests differ does more travel, so that every rank raises the same ``ModelMismatchError`` naming
+the first differing parameter. A rank whose local checks failed still takes part, marked failed, so the
+others raise naming it instead of waiting for it.
 """
 from __future__ import annotations
 
@@ -39,11 +27,7 @@ _state = threading.local()  # threads are ranks under run_local: one depth per r
 
 
 def parameter_lines(named: Iterable[Tuple[str, Any]]) -> List[str]:
-    """``name:dtype:shape`` of each parameter (``:device`` appended for one in device memory).
-
-    Args:
-        named: ``(name, Parameter or array)`` pairs, in the model's order.
-    """
+    """``name:dtype:shape`` of each ``(name, Parameter or array)`` (``:device`` appended for device memory)."""
     lines = []
     for name, p in named:
         data = getattr(p, "data", p)
@@ -54,13 +38,7 @@ def parameter_lines(named: Iterable[Tuple[str, Any]]) -> List[str]:
 
 @contextlib.contextmanager
 def agreed() -> Iterator[None]:
-    """Inside, ``compared_model`` compares nothing on this rank: an enclosing layer has compared for it.
-
-    A tensor-parallel block (``TensorParallelMLP``) compares its whole
-    geometry once and builds its column and row layers inside this context,
-    so that building it costs one exchange, not one per layer. Every rank of
-    the group enters it alike (the same code runs on each).
-    """
+    """Inside, ``compared_model`` compares nothing: an enclosing layer compared its whole geometry once."""
     _state.depth = getattr(_state, "depth", 0) + 1
     try:
         yield
@@ -82,12 +60,7 @@ def _by_value(values: Sequence[str], ranks: Sequence[int]) -> str:
 
 
 def _first_difference(group: Any, lines: Sequence[str], noun: str) -> Tuple[int, List[str], List[bool]]:
-    """Collective: the index of the first line that differs across the group, and every rank's line there.
-
-    Only called once ``compare`` found a difference: one all-gather of the
-    line counts, one of a digest per line, and one ``compare`` of the line
-    found, so that texts longer than ``compare`` shows still give the exact line.
-    """
+    """Collective: the first line that differs across the group, and every rank's line there."""
     counts = all_gather(np.array([len(lines)], dtype=np.int64), group).reshape(-1)
     width = max(1, int(counts.max()))
     mine = np.zeros(width, dtype=np.int64)
@@ -121,15 +94,10 @@ _HINT = ("every rank of the group must build the same model (the same layers, si
 
 @contextlib.contextmanager
 def compared_model(group: Any, what: str, hint: str = _HINT) -> Iterator[Description]:
-    """Collective over ``group``: run the block (this rank's local checks), then compare what it described.
-
-    The block sets the yielded description: ``lines`` (the parameters) and
-    ``settings`` (lines compared first, the same number on every rank). See
-    the module note.
+    """Collective over ``group``: run the block (local checks, setting the description), then compare it.
 
     Raises:
-        ModelMismatchError: the descriptions differ across the group (every
-            rank), or another rank's block raised (on the ranks whose passed).
+        ModelMismatchError: the descriptions differ (every rank), or another rank's block raised.
         AxonError: what the block raised, on the rank that raised it.
     """
     described = Description()

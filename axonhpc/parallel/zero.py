@@ -1,21 +1,18 @@
 """ZeroRedundancyOptimizer: ZeRO stage 1, the optimizer state sharded under DDP.
 
 [Note: one padded flat vector per dtype]
-A dtype's parameters, concatenated in order, form one flat vector padded to a multiple of the group size, so
-every rank owns a slice of the same length (odd group sizes work; the last ranks may own only padding). The
-wrapped optimizer is built over one shard Parameter per dtype, so its state is 1/N of the model's; gradients
-are copied in only for the owned slice, and one ``all_gather`` per dtype brings the updated slices back.
+A dtype's parameters form one flat vector padded to a multiple of the group size, so every rank owns an
+equal slice (odd sizes work; the last ranks may own only padding). The wrapped optimizer runs over one
+shard Parameter per dtype, and one ``all_gather`` per dtype brings the updated slices back.
 
 [Note: exact only for elementwise optimizers]
-An update that treats every element on its own (SGD with momentum, Nesterov and weight decay; Adam; AdamW)
-gives the same numbers on a slice as on the whole parameter, so ZeRO-1 training equals DDP training, and
-padding stays zero. An optimizer that looks across elements (LAMB's or LARS's per-parameter norm) would see
-slices that cut across parameters and compute something else.
+An update that treats every element on its own (SGD, Adam, AdamW) gives the same numbers on a slice as on
+the whole parameter, so ZeRO-1 equals DDP and padding stays zero. One that looks across elements (LAMB's or
+LARS's per-parameter norm) would see slices cutting across parameters and compute something else.
 
 [Note: the shard follows the parameters]
-The owned slice is copied from the live parameters at the start of every ``step``. Between steps the two are
-equal anyway, so this costs one copy of 1/N of the model and keeps the wrapper right when the values change
-behind its back (``model.load_state_dict`` on resume, ``ddp.sync_parameters()``).
+The owned slice is copied from the live parameters at every ``step``: one copy of 1/N of the model, which
+keeps the wrapper right when values change behind its back (``load_state_dict``, ``sync_parameters()``).
 """
 from __future__ import annotations
 
@@ -100,22 +97,16 @@ def _check_not_fsdp(params: List[Any]) -> None:
 
 
 class ZeroRedundancyOptimizer:
-    """ZeRO stage 1: each rank keeps and updates 1/N of the optimizer state.
+    """ZeRO stage 1 under plain DDP: each rank keeps and updates 1/N of the optimizer state, then all-gathers.
 
-    Use it under plain DDP, over ``ddp.parameters()``: ``step()`` updates this rank's slice with the wrapped
-    optimizer, then all-gathers so every rank holds all the updated parameters. Exact only for elementwise
-    optimizers (SGD, Adam, AdamW; see the module notes). A parameter whose ``grad`` is None is stepped with a
-    zero gradient, so weight decay and momentum still move it; if no parameter has a gradient ``step()`` does
-    nothing, a local decision that must agree on every rank (it does under DDP). Hyperparameters can be read
-    and set on the wrapper (``opt.lr = 0.01``).
+    Exact only for elementwise optimizers (see the module notes). A parameter whose ``grad`` is None is stepped
+    with a zero gradient; with no gradient at all ``step()`` does nothing (a local decision DDP makes agree).
+    Hyperparameters can be read and set on the wrapper (``opt.lr = 0.01``).
 
     Args:
-        optimizer_class: an ``axonhpc.optim.Optimizer`` subclass (``optim.Adam``), or a function ``params ->
-            Optimizer`` (``lambda ps: optim.SGD(ps, lr=0.1)``) for a constructor that does not take its
-            hyperparameters by name.
+        optimizer_class: an ``axonhpc.optim.Optimizer`` subclass, or a function ``params -> Optimizer``.
         params: the model's parameters, each once, with the same values on every rank.
-        group: the group DDP averages over (None: the current world's default group).
-        **optimizer_args: hyperparameters for ``optimizer_class`` (``lr=...``).
+        **optimizer_args: hyperparameters for ``optimizer_class``.
 
     Attributes:
         optimizer: the wrapped optimizer, over this rank's shard Parameters.
@@ -127,8 +118,7 @@ class ZeroRedundancyOptimizer:
             wrapped optimizer rejects; before any communication but the model check.
         UsageError: a parameter is one FSDP holds (FSDP shards the optimizer state itself).
         ModelMismatchError: the ranks passed different parameters; raised on every rank.
-        UnsupportedDtypeError, NonContiguousBufferError, ReadOnlyBufferError: a parameter's data cannot be
-            all-gathered into in place.
+        UnsupportedDtypeError, NonContiguousBufferError, ReadOnlyBufferError: a parameter cannot be gathered into.
     """
 
     def __init__(self, optimizer_class: Any, params: Iterable[Any], group: Any = None,
@@ -188,10 +178,9 @@ class ZeroRedundancyOptimizer:
                 p.grad[...] = 0
 
     def step(self) -> None:
-        """Collective: update this rank's slice with the wrapped optimizer, then all-gather every parameter.
+        """Collective: update this rank's slice, then all-gather every parameter (nothing when no gradient exists).
 
-        Does nothing, on any rank, when no parameter has a gradient. Raises ShapeError for a gradient of the wrong
-        shape, before anything changes or is sent.
+        Raises ShapeError for a gradient of the wrong shape, before anything changes or is sent.
         """
         if all(p.grad is None for p in self.params):
             return
@@ -208,36 +197,23 @@ class ZeroRedundancyOptimizer:
 
     # -- inspection and state --------------------------------------------------------------------
     def memory_bytes(self) -> int:
-        """Bytes of optimizer state this rank holds (the arrays in the wrapped optimizer's state).
-
-        Momentum buffers and moments only; 0 before the first step (the state is created lazily). With K state
-        arrays per element: ``K * ceil(numel / N) * itemsize`` per dtype, against ``K * numel * itemsize`` unsharded.
-        """
+        """Bytes of optimizer state this rank holds (0 before the first step: the state is created lazily)."""
         return int(sum(v.nbytes for entry in self.optimizer.state for v in entry.values() if hasattr(v, "nbytes")))
 
     def shard_ranges(self) -> List[Dict[str, Any]]:
-        """This rank's index range of each dtype's padded flat vector, in dtype order.
-
-        One dict per dtype: ``dtype``, ``numel`` (unpadded), ``start`` and ``stop`` (this rank's slice), ``pad``
-        (positions of the slice at or beyond ``numel``).
-        """
+        """This rank's ``dtype``, ``numel``, ``start``, ``stop`` and ``pad`` of each dtype's padded flat vector."""
         return [shard.describe() for shard in self._shards]
 
     def state_dict(self) -> Dict[str, Any]:
-        """This rank's shard of the optimizer state and its index ranges, as plain data (no pickle).
-
-        ``{"optimizer": the wrapped optimizer's state_dict, "shards": shard_ranges(), "rank", "world_size"}``;
-        arrays are copies.
-        """
+        """This rank's shard of the optimizer state and its index ranges, as plain data (copies, no pickle)."""
         return {"optimizer": self.optimizer.state_dict(), "shards": self.shard_ranges(),
                 "rank": int(self.group.rank), "world_size": int(self.group.size)}
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        """Restore this rank's shard of state saved by ``state_dict()`` on the same rank and group size.
+        """Restore this rank's shard of optimizer state saved on the same rank and group size (not the parameters).
 
-        Only the optimizer state: restore the parameters with ``model.load_state_dict`` (the next ``step`` takes
-        its slice of them). Raises StateDictError, before anything changes, if the keys, group size or shard ranges
-        differ, or the wrapped optimizer rejects its part.
+        Raises StateDictError, before anything changes, if the keys, group size or shard ranges differ, or the
+        wrapped optimizer rejects its part.
         """
         expected = {"optimizer", "shards", "rank", "world_size"}
         if not isinstance(state_dict, dict) or set(state_dict) != expected:

@@ -1,11 +1,10 @@
 """The options of ``axonhpc slurm render``: ``SlurmOptions``, validated, and the shell quoting of their values.
 
 [Note: quoting]
-Scheduler values are validated against narrow patterns and inserted as they are: they land in
-``#SBATCH`` lines, which sbatch reads itself, where shell quotes would be taken literally. The program
-and its arguments are arbitrary text, shell-quoted word by word (``shlex.quote``; a word with a
-control character in bash's ``$'...'`` form), so every value is one line. ``render`` refuses any
-value with a line break, so no value can end a comment or ``#SBATCH`` line and start a command.
+Scheduler values land in ``#SBATCH`` lines, which sbatch reads itself and where shell quotes would be taken
+literally, so they are validated against narrow patterns and inserted as they are. The program and its
+arguments are arbitrary text, shell-quoted word by word. ``render`` refuses any value with a line break, so
+no value can end a comment or ``#SBATCH`` line and start a command.
 """
 from __future__ import annotations
 
@@ -42,11 +41,7 @@ _ANSI_C_ESCAPES = {"\n": "\\n", "\t": "\\t", "\r": "\\r", "\\": "\\\\", "'": "\\
 
 
 def shell_quote(word: str) -> str:
-    """``word`` as one bash word that expands to exactly ``word``, written on one line.
-
-    Raises:
-        ConfigurationError: ``word`` contains a NUL byte.
-    """
+    """``word`` as one bash word, on one line, that expands to exactly ``word``; ConfigurationError for a NUL byte."""
     if "\x00" in word:
         raise ConfigurationError(f"argument {word!r} contains a NUL byte, which no program argument can hold")
     if not _CONTROL.search(word):
@@ -85,11 +80,7 @@ def _matching(name: str, value: Any, pattern: "re.Pattern[str]", what: str) -> s
 
 
 def parse_time(text: Any) -> int:
-    """Seconds in a SLURM time limit: ``MM``, ``MM:SS``, ``HH:MM:SS``, ``D-HH``, ``D-HH:MM``, ``D-HH:MM:SS``.
-
-    Raises:
-        ConfigurationError: another form, a field out of range, or zero.
-    """
+    """Seconds in a SLURM time limit (``MM``, ``MM:SS``, ``HH:MM:SS``, ``D-HH[:MM[:SS]]``); ConfigurationError otherwise."""
     m = _TIME.fullmatch(text) if isinstance(text, str) else None
     bad = ConfigurationError(f"--time {text!r} is not a SLURM time limit (use HH:MM:SS, MM, MM:SS or "
                              "D-HH[:MM[:SS]], e.g. 01:30:00)")
@@ -118,32 +109,19 @@ def parse_time(text: Any) -> int:
 
 @dataclass(frozen=True)
 class SlurmOptions:
-    """The validated values of one ``axonhpc slurm render`` call.
-
-    Numbers may be given as ints or digit strings (the command line's). None
-    means "not given": the template's line for it is left out, or a default
-    applies (see ``placeholders``).
+    """The validated values of one ``axonhpc slurm render`` call; None means "not given" (see ``placeholders``).
 
     Attributes:
-        nodes: nodes to allocate.
-        tasks_per_node: ranks per node.
         gpus_per_node: GPUs per node (the gpu template: one rank each).
         cpus_per_task: cores per rank (``OMP_NUM_THREADS`` follows it).
-        time: SLURM time limit (``HH:MM:SS`` and SLURM's other forms).
-        partition, account: where to run and whom to bill (``[A-Za-z0-9._-]``;
-            partition may be a comma-separated list).
-        job_name: ``[A-Za-z0-9._-]``; default ``axonhpc-TEMPLATE``.
+        partition, account, job_name: ``[A-Za-z0-9._-]`` (partition may be a comma-separated list).
         requeue: make the job requeueable and requeue it on the USR1 notice.
         resume: pass ``--resume`` to the script (default: the same as requeue).
-        signal_seconds: seconds before the time limit that SLURM sends USR1
-            to the batch shell (default 120, or half the time limit if shorter).
+        signal_seconds: seconds before the time limit that SLURM sends USR1 (default 120, or half the limit).
         mpi: ``srun --mpi`` plugin: ``pmi2`` (MPICH) or ``pmix`` (Open MPI).
         launcher: ``srun`` or ``mpiexec`` (``axonhpc launch``), where a template offers both.
-        fault_tolerant: a rank that dies leaves the others running (``axonhpc launch
-            --fault-tolerant`` inside the allocation: Open MPI with ULFM; needs ``launcher="mpiexec"``).
-        python: the interpreter the job runs (default: this one).
+        fault_tolerant: ``axonhpc launch --fault-tolerant`` in the allocation (needs ``launcher="mpiexec"``).
         log_dir: directory of the ``%x-%j.out`` / ``.err`` logs (must exist).
-        chdir: the job's working directory (default: where sbatch ran).
         collective_timeout: seconds for ``AXONHPC_TIMEOUT`` in the job.
         command: the program (script) and its arguments, passed unchanged.
     """

@@ -1,31 +1,15 @@
-"""How the trainer wraps a model for each strategy: one ``Setup`` class per strategy.
+"""How the trainer wraps a model for each strategy: one ``Setup`` subclass per strategy.
 
-Every strategy is a ``Setup`` subclass with the same small surface (train a
-step, predict, the modules this rank holds, save and load, how the data is
-split and how metrics are summed), so the training loop in ``trainer`` has
-no per-strategy branches. ``SETUPS`` maps each strategy's name to its class;
-``build`` checks the arguments every rank alike, before anything is sent,
-and calls the class's ``build``:
+Every ``Setup`` has the same small surface (train a step, predict, the
+modules this rank holds, save and load, how the data is split and metrics
+summed), so the loop in ``trainer`` has no per-strategy branches.
+``SETUPS`` maps each strategy's name to its class; ``build`` checks the
+arguments alike on every rank, before anything is sent.
 
-- ``ddp`` (``DDPSetup``): ``DDP(model, group)``; the optimizer as given.
-  ``mixed_precision=MixedPrecision(param_dtype)`` runs each forward under
-  ``nn.autocast(param_dtype)`` (float32 masters, float16/bfloat16 products)
-  with a ``GradScaler`` for float16.
-- ``zero1`` (``Zero1Setup``): ``DDP`` and ``ZeroRedundancyOptimizer`` of the
-  given optimizer's class and hyperparameters (or of the callable
-  ``params -> Optimizer`` given instead) over the model's parameters;
-  mixed precision as ``ddp``.
-- ``fsdp`` (``FSDPSetup``): ``FSDP(model, group, mixed_precision=...)``; the
-  optimizer rebuilt (same class and hyperparameters) over the master shards;
-  a ``GradScaler`` for float16; sharded checkpoints.
-- ``tp+dp`` (``TensorDataSetup``): the model already holds tensor-parallel
-  layers over ``mesh["tp"]``; ``DDP`` over ``mesh["dp"]``; the data is split
-  over dp.
-- ``pipeline`` (``PipelineSetup``): the model (rank 0's values) is a
-  ``Sequential`` cut into one contiguous stage per rank of the group (as
-  equal in layer count as possible); ``Pipeline`` runs ``num_microbatches``
-  micro-batches per step, every rank sees the whole batch, and the loss lives
-  on the last stage.
+[Note: pipeline stages]
+``pipeline`` cuts rank 0's ``Sequential`` into one contiguous stage per rank
+(equal layer counts as far as possible); every rank sees the whole batch and
+the loss lives on the last stage.
 """
 from __future__ import annotations
 
@@ -58,13 +42,7 @@ def loss_scaler(mixed_precision: Optional[MixedPrecision], group: Any) -> Option
 
 
 class Setup:
-    """A data-parallel strategy's wrapped model and what the loop needs of it (see the module note).
-
-    The base class is plain data parallelism: one wrapper over the whole
-    model, the data split over ``dp_group``, per-rank checkpoints. Each
-    strategy is a subclass that says how it is built and what it does
-    differently.
-    """
+    """A strategy's wrapped model and what the loop needs of it; the base class is plain data parallelism."""
 
     name = ""  # the strategy's name, as DistributedTrainer takes it
     takes_mixed_precision = False  # accepts fit(mixed_precision=...)
@@ -111,11 +89,7 @@ class Setup:
         """Refuse ``fit`` arguments this strategy cannot take (local, before anything is sent)."""
 
     def autocasting(self, mixed_precision: Optional[MixedPrecision]) -> "Setup":
-        """Run every forward under ``nn.autocast(mixed_precision.param_dtype)``, with a ``GradScaler`` for float16.
-
-        Returns:
-            This setup.
-        """
+        """Run every forward under ``nn.autocast(mixed_precision.param_dtype)`` (a ``GradScaler`` for float16); returns self."""
         if mixed_precision is not None:
             self.compute_dtype = mixed_precision.param_dtype
             self.scaler = loss_scaler(mixed_precision, self.group)
@@ -251,12 +225,10 @@ class Setup:
         """Collective: write a checkpoint directory of this strategy's state.
 
         Args:
-            path: the checkpoint directory.
-            extra: where the run was (shared: rank 0's goes into the index).
+            extra: where the run was (rank 0's goes into the index).
             rank_state: this rank's own extra state (its Dropout generators).
-            writer: an ``AsyncCheckpointer`` over ``self.group`` to start the
-                save in the background with (the same directory), or None to
-                write it now.
+            writer: an ``AsyncCheckpointer`` over ``self.group`` to save in the
+                background with, or None to write now.
         """
         state = {"modules": [m.state_dict() for m in self.modules()], "optimizer": self.optimizer.state_dict(),
                  "rank": rank_state}

@@ -1,47 +1,22 @@
 """DistributedTrainer: the training loop, with data, metrics, checkpoints, resume and preemption.
 
-[Note: the loop]
-``fit`` builds a ``DistributedSampler`` over the data-parallel ranks (every
-rank of a pipeline sees every sample), a ``DataLoader`` of ``batch_size``
-samples per rank, and runs ``epochs`` epochs of optimizer steps of
-``grad_accumulation`` batches each (the wrapper's ``no_sync`` on all but the
-last). After every step the step's loss is averaged over the data-parallel
-ranks and, on rank 0, appended as a JSON line to the log file; a tqdm bar
-shows progress on rank 0 when tqdm is installed. After every epoch (and
-every ``checkpoint_every`` steps) the run writes ``checkpoint_dir/ckpt-<step>``
-(a directory: see ``checkpoint.directory``) and keeps the newest
-``keep_checkpoints``.
-
 [Note: checkpoints in the background]
-With ``async_checkpoints=True`` the periodic and end-of-epoch checkpoints are
-started with an ``AsyncCheckpointer`` (``checkpoint.background``): the step
-that saves only copies this rank's state (its ``state_dict()``s, already
-copies) and the ranks agree on the temporary directory; the files are written
-in a writer thread while training goes on. The loop finishes the save in the
-calling thread, where collectives belong: after every step ``poll`` (one
-small all-reduce while a save is in flight) finishes it once every rank's
-file is written; the next checkpoint, the preemption checkpoint (which is
-then written synchronously) and the end of ``fit`` wait for it. Only a
-finished save is in place under ``ckpt-<step>``, and pruning runs after it,
-so pruning, ``latest`` and a resumed run only ever see complete checkpoints.
-If ``fit`` raises, the save in flight is abandoned without communication (the
-other ranks may not be there): its temporary directory stays until the next
-``fit`` tidies it.
+With ``async_checkpoints=True`` a checkpoint step only copies this rank's
+state; a writer thread writes the files. The save is finished in the calling
+thread, where collectives belong: ``poll`` after every step (one small
+all-reduce while a save is in flight), and the next checkpoint, the
+preemption checkpoint and the end of ``fit`` wait for it. Only a finished
+save is renamed to ``ckpt-<step>`` and pruning runs after it, so pruning,
+``latest`` and a resume only see complete checkpoints. If ``fit`` raises,
+the save in flight is abandoned without communication (the other ranks may
+not be there); the next ``fit`` tidies its temporary directory.
 
 [Note: resume]
-A checkpoint holds each rank's model and optimizer state, the Dropout
-generators, the loss scaler, and where the run was: epoch, steps done in it,
-global step. The sampler's order is a pure function of its seed and the
-epoch, so a resumed run skips the steps already done in that epoch and from
-there computes exactly what the uninterrupted run would have: the final
-parameters are equal bit for bit (tested). FSDP checkpoints also reload on
-another world size; the others need the world size they were saved with.
-
-[Note: preemption]
-See ``preemption``: SIGTERM or SIGUSR1 on any rank stops every rank after the
-same step, a checkpoint is written, and ``fit`` raises
-``SystemExit(PREEMPTED_EXIT_CODE)`` (75) unless ``exit_on_preemption=False``,
-in which case it returns with ``trainer.preempted`` set.
+The sampler's order is a pure function of its seed and the epoch, so a
+resumed run skips the steps already done in that epoch and then computes
+exactly what the uninterrupted run would have (bit-equal parameters,
+tested). FSDP checkpoints reload on another world size; the others need the
+world size they were saved with.
 """
 from __future__ import annotations
 
@@ -108,55 +83,36 @@ def _positive_int(name: str, value: Any, allow_none: bool = False) -> None:
 
 
 class DistributedTrainer:
-    """Train a model with one of the parallel strategies (see the module notes).
+    """Train a model with one of the parallel strategies.
 
     Args:
-        model: an ``axonhpc.nn.Module`` (a ``Sequential`` for ``pipeline``).
         optimizer: an ``axonhpc.optim`` optimizer over ``model.parameters()``
-            (for ``fsdp``, ``zero1`` and ``pipeline`` a new one of its class
-            and hyperparameters is built over what the strategy trains), or a
+            (for ``fsdp``, ``zero1`` and ``pipeline`` one of its class and
+            hyperparameters is rebuilt over what the strategy trains), or a
             callable ``params -> optimizer``.
-        loss_fn: a loss module (``loss_fn(output, target)`` returns the mean,
-            ``loss_fn.backward()`` its gradient).
         strategy: "ddp", "fsdp", "zero1", "pipeline" or "tp+dp".
-        group: the ranks that train (None: the current world's group).
-        mesh: for "tp+dp", the ``world.mesh(dp=..., tp=...)`` the model's
-            tensor-parallel layers were built on.
-        seed: seed of the data order (the same on every rank).
+        mesh: for "tp+dp", the ``world.mesh(dp=..., tp=...)`` of the model's
+            tensor-parallel layers.
         log_file: JSON-lines metrics file (rank 0); None: ``checkpoint_dir/metrics.jsonl``
-            when a checkpoint directory is given, else no file.
-        progress: rank 0 shows its progress: a tqdm bar on a terminal (when tqdm is
-            installed); where stdout is not a terminal (an sbatch ``.out`` file), a
-            plain line every 10% of an epoch or every minute, whichever comes first.
-            ``"N%"`` or ``"Ns"`` sets how often those lines come; False shows nothing.
-        keep_checkpoints: how many of the newest checkpoints to keep.
+            when there is a checkpoint directory.
+        progress: rank 0's tqdm bar on a terminal, else a plain line every 10%
+            of an epoch or every minute; ``"N%"`` or ``"Ns"`` sets how often;
+            False shows nothing.
         exit_on_preemption: raise ``SystemExit(75)`` after the preemption checkpoint.
-        on_step: called as ``on_step(trainer, global_step, loss)`` on every rank after each step.
-        on_epoch: called as ``on_epoch(trainer, record)`` on every rank after each epoch
-            (the record: epoch, loss, eval metrics, seconds, and ``straggler``, ``straggler_share``,
-            ``straggler_late_ms`` when one rank arrived last at 80% of the compared collectives:
-            ``collectives.stragglers``).
-        verbose: rank 0 prints a line per epoch (and when it resumes or is preempted).
-        skip_nonfinite_steps: before each optimizer step, check the gradients for
-            inf and NaN; if any rank finds one, every rank skips the step (the
-            finders print the parameter names). None: ``ax.settings.skip_nonfinite_steps``.
-        async_checkpoints: write the periodic and end-of-epoch checkpoints in a
-            background thread (see the module note); the preemption checkpoint
-            is always written before ``fit`` stops.
-        fault_tolerance: None, or "shrink" (strategies "ddp" and "fsdp", under
-            ``axonhpc launch --fault-tolerant``): a rank that dies does not end
-            the run; the survivors shrink the world, rebuild and redo the step
-            with the same global batch (``trainer.shrink``, docs/fault-tolerance.md).
-        simulate_failure: with "shrink": ``"R:K[:where]"``, job rank R SIGKILLs
-            itself once K steps are done (``elastic.parse_failures``).
-        spares: with "shrink": this many ranks (the highest) wait, and one takes
-            the place of each rank lost, so the width stays.
-        respawn: with "shrink": where no spare is left, start a replacement for
-            each rank lost (``MPI_Comm_spawn`` of the same command line), so the
-            width stays; the replacement runs the script from its start and
-            joins in ``fit``.
-        **strategy_options: passed to the wrapper (DDP, FSDP or Pipeline), e.g.
-            ``sharding_strategy=...`` or ``num_microbatches=...``.
+        on_step: ``on_step(trainer, global_step, loss)``, every rank, after each step.
+        on_epoch: ``on_epoch(trainer, record)``, every rank, after each epoch.
+        skip_nonfinite_steps: if any rank finds an inf or NaN gradient, every
+            rank skips the step. None: ``ax.settings.skip_nonfinite_steps``.
+        async_checkpoints: write periodic and end-of-epoch checkpoints in a
+            background thread (the preemption checkpoint is always synchronous).
+        fault_tolerance: None, or "shrink" ("ddp" and "fsdp", under ``axonhpc
+            launch --fault-tolerant``): survivors of a dead rank shrink the world
+            and redo the step (docs/fault-tolerance.md).
+        simulate_failure: with "shrink": ``"R:K[:where]"`` (``elastic.parse_failures``).
+        spares: with "shrink": this many of the highest ranks wait to replace lost ones.
+        respawn: with "shrink": where no spare is left, ``MPI_Comm_spawn`` a
+            replacement for each rank lost.
+        **strategy_options: passed to the wrapper (DDP, FSDP or Pipeline).
 
     Raises:
         ConfigurationError: an unknown strategy or a bad option, before any communication.
@@ -260,17 +216,11 @@ class DistributedTrainer:
 
     # -- checkpoints ------------------------------------------------------------------------------
     def save_checkpoint(self, checkpoint_dir: str, epoch: int, step_in_epoch: int, background: bool = False) -> str:
-        """Collective: write ``checkpoint_dir/ckpt-<global step>`` and drop old ones beyond ``keep_checkpoints``.
-
-        A checkpoint still being written in the background is finished first.
+        """Collective: write ``checkpoint_dir/ckpt-<global step>`` and prune beyond ``keep_checkpoints``.
 
         Args:
-            checkpoint_dir: where checkpoints go.
-            epoch: the epoch the run is in.
-            step_in_epoch: optimizer steps done in that epoch.
-            background: start the save in a writer thread and return (see the
-                module note); it is in place, and older ones pruned, once
-                ``finish_checkpoint`` (or the next save) has finished it.
+            background: start the save in a writer thread and return; it is in
+                place once ``finish_checkpoint`` (or the next save) finishes it.
 
         Returns:
             The checkpoint's path.
@@ -292,15 +242,11 @@ class DistributedTrainer:
         return path
 
     def finish_checkpoint(self, only_if_written: bool = False) -> Optional[str]:
-        """Collective: finish the checkpoint being written in the background, then prune old ones.
+        """Collective: finish the background checkpoint, then prune old ones; its path, or None.
 
         Args:
             only_if_written: finish it only if every rank's files are already
-                written (one small all-reduce; never waits for a write), as
-                the loop does after every step.
-
-        Returns:
-            The path of the checkpoint this call put in place, or None.
+                written (one small all-reduce; never waits).
 
         Raises:
             CheckpointError: on every rank, if any rank failed to write it.
@@ -346,20 +292,16 @@ class DistributedTrainer:
             batch_size: int = 32, grad_accumulation: int = 1, mixed_precision: Any = None,
             checkpoint_dir: Optional[str] = None, checkpoint_every: Optional[int] = None,
             resume: bool = True) -> List[Dict[str, Any]]:
-        """Collective: train for ``epochs`` epochs (see the module notes).
+        """Collective: train for ``epochs`` epochs, resuming from ``checkpoint_dir`` if it holds one.
 
         Args:
             train_arrays: ``(inputs, targets)``, one row per sample (the same on every rank).
             epochs: total epochs of the run (a resumed run continues up to it).
-            eval_arrays: ``(inputs, targets)`` evaluated after every epoch, or None.
             batch_size: samples per rank per batch.
             grad_accumulation: batches per optimizer step.
-            mixed_precision: an ``ax.MixedPrecision``: FSDP's for strategy "fsdp"; for "ddp" and
-                "zero1", its ``param_dtype`` (float16 or bfloat16) is the ``nn.autocast`` dtype of every
-                forward, the parameters staying float32 (a ``GradScaler`` comes with float16).
-            checkpoint_dir: where checkpoints go (None: none are written).
-            checkpoint_every: also checkpoint every this many optimizer steps.
-            resume: continue from the newest checkpoint in ``checkpoint_dir``.
+            mixed_precision: an ``ax.MixedPrecision``: FSDP's for "fsdp"; for "ddp"
+                and "zero1" its ``param_dtype`` is the ``nn.autocast`` dtype (with a
+                ``GradScaler`` for float16).
 
         Returns:
             One dict per epoch run now: epoch, train loss, eval metrics, seconds.
@@ -581,10 +523,7 @@ class DistributedTrainer:
         return stop
 
     def _epoch_ended(self, plan: "_Plan", epoch: int, loss: float, seconds: float) -> Dict[str, Any]:
-        """Collective: ``_end_epoch``; after a recovery in it, the survivors go on to the next epoch without it.
-
-        It is not redone: a spare or replacement that took a place starts at the next epoch's first step.
-        """
+        """Collective: ``_end_epoch``; after a recovery in it the survivors go on to the next epoch, not redoing it."""
         record = self._between_steps(lambda: self._end_epoch(plan, epoch, loss, seconds))
         if record is None:
             record = {"epoch": epoch + 1, "loss": loss, "seconds": seconds}
@@ -611,11 +550,7 @@ class DistributedTrainer:
         return record
 
     def _straggler(self) -> Dict[str, Any]:
-        """Collective: the rank last to arrive at 80% of the group's compared collectives this epoch, if one was.
-
-        ``{"straggler": world rank, "straggler_share": fraction of the calls, "straggler_late_ms": mean
-        lateness}`` or ``{}`` (see ``collectives.stragglers``; group rank 0 counts, and tells the others).
-        """
+        """Collective: ``{"straggler", "straggler_share", "straggler_late_ms"}`` per ``collectives.stragglers``, or ``{}``."""
         group = self.setup.group
         if group.size == 1:
             return {}
@@ -638,14 +573,7 @@ class DistributedTrainer:
         return records
 
     def evaluate(self, eval_arrays: Sequence[Any], batch_size: int = 256) -> Dict[str, float]:
-        """Collective: mean loss (and accuracy for class targets) over the whole set, reduced across ranks.
-
-        Each data-parallel rank scores rows ``r, r + D, ...`` (every row once);
-        sums and counts are all-reduced, so the figures are those of the whole set.
-
-        Returns:
-            ``{"loss": ..., "accuracy": ...}`` (accuracy only for integer targets).
-        """
+        """Collective: mean loss (and accuracy for integer targets) over the whole set, reduced across ranks."""
         x, y = _arrays(eval_arrays, "eval_arrays")
         setup = self._ensure_setup(None)
         mine = setup.eval_rows(len(x))

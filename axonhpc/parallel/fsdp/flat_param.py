@@ -1,28 +1,20 @@
 """One FSDP unit: its parameters flattened into a padded flat parameter, sharded over a group.
 
 [Note: the flat parameter]
-The unit's parameters are packed into one flat vector, zero-padded to a multiple of the shard group's size,
-and each rank keeps its slice: the master shard the optimizer updates. Padding gets zero gradients and so
-stays zero under elementwise optimizers (SGD, Adam, AdamW; LAMB's per-tensor norms would see the flat shard
-instead of the tensors). Freeing leaves each module Parameter an empty (0,) placeholder, so a layer that
-computes with a freed parameter fails on the shape instead of computing with stale values (though ``.sum()``
-of an empty array is 0: code outside a unit's forward and backward must use ``gather_parameters()``).
+Padding gets zero gradients and so stays zero under elementwise optimizers (LAMB's per-tensor norms would see
+the flat shard instead of the tensors). Freeing leaves each module Parameter an empty (0,) placeholder, so a
+layer computing with a freed parameter fails on the shape instead of using stale values (though ``.sum()`` of
+an empty array is 0: code outside a unit's forward and backward must use ``gather_parameters()``).
 
 [Note: an optimizer over the module's own Parameters]
-``optim.SGD(model.parameters())`` instead of ``optim.SGD(fsdp.parameters())`` would silently update
-nothing: the module Parameters hold placeholders and their gradients went into the shards. So a reduced
-module Parameter's ``grad`` is a ``MovedGradient`` whose arithmetic raises ``UsageError`` naming what to pass
-instead; the optimizer's first ``step()`` raises on every rank alike, before it changes anything.
+``optim.SGD(model.parameters())`` instead of ``fsdp.parameters()`` would silently update nothing, so a
+reduced module Parameter's ``grad`` is a ``MovedGradient`` whose arithmetic raises ``UsageError`` saying what
+to pass; the optimizer's first ``step()`` raises on every rank alike, before it changes anything.
 
 [Note: shards in shared memory]
-When the shard group is one node's and the shards are gathered as they are (no cast, host arrays) and reach
-``SHARED_SHARDS_MIN_BYTES``, they move into one shared-memory window, so each all-gather copies every rank's
-shard straight into the gathered array: one copy per byte. A too small ``/dev/shm`` is refused on every rank
-alike, and the shards stay private with a warning.
-
-[Note: placement]
-Device models may keep the master shards in host memory (``CPUOffload``): the shard is copied to the device
-for each gather and the reduced gradient back. For host models placement copies nothing.
+When the shard group is one node's, the shards are host arrays gathered uncast and reach
+``SHARED_SHARDS_MIN_BYTES``, they live in one shared-memory window, so an all-gather copies each byte once.
+A too small ``/dev/shm`` is refused on every rank alike, and the shards stay private with a warning.
 """
 from __future__ import annotations
 
@@ -77,11 +69,7 @@ SHARED_SHARDS_MIN_BYTES = 1 << 20
 
 
 def share_shards(units: List["FlatUnit"], group: Any) -> bool:
-    """Collective: move the units' master shards into one shared window of ``group``; True if they moved.
-
-    Every rank has the same units and shard sizes, so every rank decides alike and the shards sit at the same
-    offsets of every rank's segment.
-    """
+    """Collective: move the units' master shards into one shared window of ``group`` (every rank decides alike)."""
     if group is None or group.size == 1:
         return False
     eligible = [u for u in units if u.ops.host_memory and u.gathers_master]
@@ -152,7 +140,6 @@ class FlatUnit:
     """The flat parameter of one FSDP unit (see the module notes).
 
     Args:
-        name: the unit's module name ("" for the root's own parameters).
         named_params: ``(name, Parameter)`` of the unit, one dtype.
         shard_group: group the flat parameter is sharded over, or None (this rank alone).
         replicate_group: group the gradient shard is averaged over afterwards, or None.
@@ -360,11 +347,7 @@ class FlatUnit:
         return min(self.start, self.numel), min(self.stop, self.numel)
 
     def held_spans(self) -> List[Tuple[int, int, int, int]]:
-        """``(i, start, stop, at)`` per parameter ``i`` with elements in this rank's master shard.
-
-        Elements ``[start, stop)`` of parameter ``i``'s C-order flattening are ``shard.data[at:at + stop - start]``;
-        padding is in no span.
-        """
+        """``(i, start, stop, at)``: elements ``[start, stop)`` of parameter ``i`` are ``shard.data[at:at + stop - start]``."""
         return self.flat.spans(self.shard_rank)
 
     def persistent_bytes(self) -> Tuple[int, int]:

@@ -53,7 +53,6 @@ class FSDPMemoryStats:
         Args:
             num_params: parameters of the model (int or float, e.g. 7.5e9).
             stage: 0 (DDP), 1 (optimizer state), 2 (and gradients) or 3 (and parameters).
-            param_bytes, grad_bytes: bytes per parameter and per gradient element (2 for float16).
             optimizer_bytes: K, bytes of optimizer state per parameter (12 for mixed-precision Adam).
 
         Raises ConfigurationError for a negative size, ``world_size`` < 1 or a stage outside 0-3.
@@ -130,12 +129,7 @@ class MemoryTracker:
 
 
 class CommCounter:
-    """Collectives FSDP issued, and the bytes each rank sends for them.
-
-    The bytes a bandwidth-optimal algorithm sends per rank: ``(S - 1) / S`` of the full buffer for an all-gather
-    or reduce-scatter over S ranks, twice that for an all-reduce. Counted from the calls, not the wire: an MPI
-    library may pick another algorithm.
-    """
+    """Collectives FSDP issued, and the bytes a bandwidth-optimal algorithm sends per rank for them (not the wire's)."""
 
     FACTORS = {"all_gather": 1.0, "reduce_scatter": 1.0, "all_reduce": 2.0}
 

@@ -1,15 +1,11 @@
 """FSDP's state dicts: full ones gathered from the shards, sharded ones, and resharding them for any world size.
 
 [Note: resharding]
-A sharded state dict records, for every unit, the parameter names and
-shapes, the dtype, the unpadded length ``numel`` of the flat parameter, and
-the range ``[start, stop)`` of it that this shard holds (padding is never
-stored), with the values and the optimizer state arrays of that range. To
-load on a group of another size, each rank computes its new range from
-``shard_bounds`` and copies in the overlapping pieces of every shard given;
-positions not covered by any piece are an error, named with the unit and the
-range. A full state dict is turned into one piece covering everything, so
-the same code loads both. Everything is checked before anything is written.
+A sharded state dict records per unit the names, shapes, dtype, unpadded ``numel`` and this shard's range
+``[start, stop)`` (padding is never stored). Loading on another group size, each rank computes its new range
+with ``shard_bounds`` and copies in the overlapping pieces; an uncovered position is an error naming the
+unit and range. A full state dict becomes one piece covering everything, so one code path loads both, and
+everything is checked before anything is written.
 """
 from __future__ import annotations
 
@@ -44,15 +40,7 @@ def _optimizer_units(fsdp: Any, optimizer: Any) -> List[Any]:
 
 
 def full_state_dict(fsdp: Any, rank0_only: bool = True) -> "OrderedDict[str, Any]":
-    """``FullyShardedDataParallel.full_state_dict``: the full values gathered from the shards (collective).
-
-    Args:
-        fsdp: the FullyShardedDataParallel.
-        rank0_only: build it on group rank 0 only (the others return an empty dict).
-
-    Returns:
-        name -> array in the order of ``module.state_dict()``, or an empty dict off rank 0 with ``rank0_only``.
-    """
+    """Collective: the full values gathered from the shards, in ``module.state_dict()`` order (``rank0_only``: {} elsewhere)."""
     values: Dict[int, Any] = {}
     keep = not rank0_only or fsdp.group.rank == 0
     for unit in fsdp.units:
@@ -76,17 +64,7 @@ def full_state_dict(fsdp: Any, rank0_only: bool = True) -> "OrderedDict[str, Any
 
 
 def sharded_state(fsdp: Any, optimizer: Any = None) -> Dict[str, Any]:
-    """This rank's shard of the model (and optimizer) state; see the module note.
-
-    Args:
-        fsdp: the FullyShardedDataParallel.
-        optimizer: its optimizer, or None.
-
-    Returns:
-        ``{"format", "shard_world_size", "shard_rank", "units": {unit: {"names",
-        "shapes", "dtype", "numel", "start", "stop", "values"}}, "buffers": {...}}``
-        and, with an optimizer, ``"optimizer": {"hyperparameters", "state": {unit: {...}}}``.
-    """
+    """This rank's shard of the model (and ``optimizer``) state, as plain data (see the module note)."""
     units = {}
     for u in fsdp.units:
         start, stop = u.unpadded_range()
@@ -108,11 +86,7 @@ def sharded_state(fsdp: Any, optimizer: Any = None) -> Dict[str, Any]:
 
 
 def full_to_sharded(fsdp: Any, state: Dict[str, Any]) -> Dict[str, Any]:
-    """A full state dict (name -> array) as one sharded piece covering every unit.
-
-    Raises:
-        StateDictError: a parameter is missing or has the wrong shape (all problems listed).
-    """
+    """A full state dict as one sharded piece covering every unit; StateDictError listing every missing or misshapen parameter."""
     problems = []
     units = {}
     for u in fsdp.units:
@@ -161,23 +135,13 @@ def _assemble(unit: Any, key: str, pieces: List[Tuple[int, int, Any]], problems:
 
 
 def prepare_sharded_load(fsdp: Any, shards: List[Dict[str, Any]], optimizer: Any = None) -> Callable[[], None]:
-    """Check ``shards`` against this rank's ranges and return the function that copies them in.
+    """Check ``shards`` against this rank's ranges and return ``apply()``, which copies them in.
 
-    Splitting the two lets a collective loader make every rank agree that
-    all checks passed before any rank changes anything.
-
-    Args:
-        fsdp: the FullyShardedDataParallel.
-        shards: sharded state dicts (or pieces from ``full_to_sharded``).
-        optimizer: its optimizer, to restore from the shards' "optimizer" entries, or None.
-
-    Returns:
-        ``apply()``: writes the assembled values (and optimizer state) in place.
+    Split so that a collective loader can make every rank agree before any changes anything.
 
     Raises:
-        StateDictError: if a unit is missing or differs (names, shapes,
-            dtype), a range is not covered, or the optimizer state is missing
-            or inconsistent (nothing has changed then).
+        StateDictError: a unit is missing or differs, a range is not covered, or the optimizer state is
+            missing or inconsistent (nothing has changed then).
     """
     problems: List[str] = []
     if not shards or not all(isinstance(s, dict) and "units" in s for s in shards):
@@ -218,14 +182,7 @@ def prepare_sharded_load(fsdp: Any, shards: List[Dict[str, Any]], optimizer: Any
 
 
 def prepare_load(fsdp: Any, state: Any, optimizer: Any = None) -> Callable[[], None]:
-    """``FullyShardedDataParallel.prepare_load``: check a full or sharded ``state``, return what loads it.
-
-    Returns:
-        ``apply()``, which copies the values in and drops gathered parameters.
-
-    Raises:
-        StateDictError: as ``prepare_sharded_load`` and ``full_to_sharded``.
-    """
+    """Check a full or sharded ``state`` and return ``apply()``; StateDictError as ``prepare_sharded_load``."""
     if isinstance(state, dict) and "units" not in state:
         write = prepare_sharded_load(fsdp, [full_to_sharded(fsdp, state)], None)
     else:

@@ -1,12 +1,9 @@
 """FullyShardedDataParallel: ZeRO-2/3 sharding of parameters, gradients and optimizer state.
 
-The model is cut into units (``units.py``), each one padded flat parameter sharded over the group
-(``flat_param.py``); ``hooks.py`` gathers, prefetches, frees and reduce-scatters around each unit.
-
 [Note: mixed precision]
-With ``MixedPrecision(param_dtype=float16)`` the shards are cast to float16 before the all-gather (half the
-traffic), gradients are reduced in ``reduce_dtype`` and added into the float32 master shard. The output is
-cast back to the master dtype so the loss is computed in full precision. Pair float16 with ``GradScaler``.
+With ``param_dtype=float16`` shards are cast before the all-gather (half the traffic), gradients are reduced
+in ``reduce_dtype`` and added into the float32 master shard, and the output is cast back to the master dtype
+so the loss is computed in full precision. Pair float16 with ``GradScaler``.
 """
 from __future__ import annotations
 
@@ -34,24 +31,18 @@ from ..wrapping import WrapperModes
 
 
 class FullyShardedDataParallel(WrapperModes):
-    """Sharded data parallelism (ZeRO-2/3, hybrid) over a process group.
-
-    Used like DDP: ``out = fsdp(x); fsdp.backward(grad)``, with the optimizer built over ``fsdp.parameters()``
-    (this rank's master shards). Wrapping copies rank 0's parameter values to every rank, then shards them.
+    """Sharded data parallelism (ZeRO-2/3, hybrid) over a process group; used like DDP, optimizer over ``fsdp.parameters()``.
 
     Args:
-        module: the model (an ``axonhpc.nn.Module``).
         sharding_strategy, cpu_offload: a ``ShardingStrategy`` / ``CPUOffload`` or its name (a bool for offload).
         units: the submodules to wrap as units (None: each top-level child with parameters).
-        ranks_per_node: HYBRID_SHARD only: shard over blocks of this many consecutive group ranks instead of
-            the nodes MPI reports (lets one machine act as several nodes).
-        prefetch: units gathered ahead while one computes; at most ``1 + prefetch`` are gathered at once.
+        ranks_per_node: HYBRID_SHARD only: shard over blocks of this many consecutive group ranks, not MPI's nodes.
+        prefetch: units gathered ahead while one computes.
 
     Raises:
         ConfigurationError: before any communication but the model check, for a bad option, a model without
             parameters, overlapping units, a unit mixing dtypes, or a group ``ranks_per_node`` does not divide.
-        ModelMismatchError: the ranks hold different models (or another rank failed the checks above); raised
-            on every rank before anything else is sent.
+        ModelMismatchError: the ranks hold different models (or another rank failed the checks above).
     """
 
     def __init__(self, module: Any, group: Any = None, sharding_strategy: Any = ShardingStrategy.FULL_SHARD,
@@ -162,22 +153,15 @@ class FullyShardedDataParallel(WrapperModes):
         return out
 
     def backward(self, grad_out: Any, input_grad: bool = True) -> Any:
-        """Backward through the model; on return the master shards hold the averaged gradients.
-
-        Inside ``no_sync()`` gradients only accumulate, unsharded, in the module's Parameters; the next backward
-        outside (or ``sync_gradients``) reduces the sum. ``input_grad=False`` lets the first layer skip d loss /
-        d input (the result may then be None). Gradients add into the shards' ``grad`` until ``zero_grad``.
-        """
+        """Backward through the model; on return the master shards hold the averaged gradients (outside ``no_sync()``)."""
         if self.compute_dtype is not None:
             grad_out = cast(grad_out, self.compute_dtype)
         backward = functools.partial(call_backward, self.module.backward, input_grad=input_grad)
         return self._hooks.run_backward(backward, grad_out, syncing=self.syncing)
 
     def register_comm_hook(self, state: Any, hook: Any) -> None:
-        """Average each unit's gradient with ``hook(state, bucket)`` instead of a reduce-scatter.
+        """Average each unit's gradient with ``hook(state, bucket)`` (``bucket.kind`` "reduce_scatter") instead of a reduce-scatter.
 
-        ``bucket.kind`` is "reduce_scatter": the hook's ``Work`` must return this rank's averaged part of
-        ``bucket.buffer`` (see ``parallel.comm_hooks``). HYBRID_SHARD replicas are still all-reduced afterwards.
         Raises ConfigurationError if a hook is registered already, ArgumentTypeError if ``hook`` is not callable.
         """
         if not callable(hook):
@@ -200,11 +184,7 @@ class FullyShardedDataParallel(WrapperModes):
             self.reshard_parameters()
 
     def gather_parameters(self) -> Any:
-        """Collective: the module's Parameters hold the full values until ``reshard_parameters()``.
-
-        Returns a context manager that reshards on exit (``with fsdp.gather_parameters(): ...``). Changes written
-        into the gathered arrays are not written back to the shards; use ``load_state_dict`` for that.
-        """
+        """Collective: a context manager in which the Parameters hold the full values (changes are not written back)."""
         self._hooks.gather_all()
         return self._resharding_on_exit()
 
@@ -214,11 +194,9 @@ class FullyShardedDataParallel(WrapperModes):
 
     # -- gradients -----------------------------------------------------------------------------
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> float:
-        """Collective: scale the gradient shards so the global gradient norm is at most ``max_norm``.
+        """Collective: scale the gradient shards so the global ``norm_type`` norm is at most ``max_norm``; returns it unclipped.
 
-        The norm of all the model's gradients, each element counted once: the number single-process
-        ``clip_grad_norm`` gives. Returns it (before clipping). ``norm_type`` is p (``inf`` for the max); a
-        non-positive one raises InvalidArgumentError.
+        Raises InvalidArgumentError for a non-positive ``norm_type``.
         """
         grads = [u.shard.grad for u in self._units if u.shard.grad is not None]
         return clip_grad_norm(grads, max_norm, norm_type, self.shard_group, self._master_ops.xp)
@@ -246,11 +224,7 @@ class FullyShardedDataParallel(WrapperModes):
 
     # -- memory ----------------------------------------------------------------------------------
     def memory_stats(self, optimizer: Any = None) -> Dict[str, int]:
-        """Bytes this rank holds now and at its peak, counted from the arrays FSDP owns.
-
-        Returns ``{"params", "grads", "optimizer", "gathered_params", "unsharded_grads", "communication",
-        "current", "peak"}``; ``optimizer``'s state arrays are counted when given.
-        """
+        """Bytes this rank holds now and at its peak, by kind, counted from the arrays FSDP owns (and ``optimizer``'s)."""
         return memory_stats(self._tracker, optimizer)
 
     def reset_peak_memory_stats(self) -> None:
@@ -258,19 +232,12 @@ class FullyShardedDataParallel(WrapperModes):
         self._tracker.reset_peak()
 
     def memory_estimate(self, optimizer_bytes: Optional[float] = None) -> FSDPMemoryStats:
-        """The per-rank ZeRO-formula estimate for this model, shard group and strategy.
-
-        The stage is 3 for FULL_SHARD and HYBRID_SHARD, 2 for SHARD_GRAD_OP, 0 for NO_SHARD. ``optimizer_bytes``:
-        optimizer bytes per parameter (None: two master-dtype words, Adam's moments).
-        """
+        """The per-rank ZeRO-formula estimate; ``optimizer_bytes`` per parameter (None: two master-dtype words)."""
         return memory_estimate(self, optimizer_bytes)
 
     # -- state dicts -----------------------------------------------------------------------------
     def full_state_dict(self, rank0_only: bool = True) -> "OrderedDict[str, Any]":
-        """Collective: the model's full state dict (names and order of ``module.state_dict()``).
-
-        With ``rank0_only`` only group rank 0 builds it; the others return an empty dict and hold no full copy.
-        """
+        """Collective: the model's full state dict; with ``rank0_only`` the other ranks return an empty dict."""
         return full_state_dict(self, rank0_only)
 
     def state_dict(self) -> "OrderedDict[str, Any]":
@@ -278,26 +245,18 @@ class FullyShardedDataParallel(WrapperModes):
         return self.full_state_dict(rank0_only=False)
 
     def sharded_state_dict(self, optimizer: Any = None) -> Dict[str, Any]:
-        """This rank's shards (and optimizer state shards) with their global index ranges.
-
-        Plain data that ``checkpoint.save`` stores; ``load_state_dict`` at any world size accepts a list of them.
-        """
+        """This rank's shards (and optimizer state shards) with their global index ranges, for ``checkpoint.save``."""
         return sharded_state(self, optimizer)
 
     def load_state_dict(self, state: Any, optimizer: Any = None) -> None:
-        """Load a full state dict, a sharded state dict, or a list of sharded ones (any world size).
+        """Load a full state dict (on every rank), a sharded one, or a list of sharded ones from any world size.
 
-        A full state dict must be given on every rank; each keeps its slice. Sharded dicts saved on N ranks are
-        reassembled for this group's shards, with the optimizer state when ``optimizer`` is given. Raises
-        StateDictError, before anything changes, for missing or mismatched entries or an uncovered range.
+        Raises StateDictError, before anything changes, for missing or mismatched entries or an uncovered range.
         """
         self.prepare_load(state, optimizer)()
 
     def prepare_load(self, state: Any, optimizer: Any = None) -> Callable[[], None]:
-        """Check ``state`` as ``load_state_dict`` would, and return ``apply()``, which loads it.
-
-        Nothing changes until ``apply()`` is called, so a collective loader can make every rank agree first.
-        """
+        """Check ``state`` as ``load_state_dict`` would and return ``apply()``, which loads it (so ranks can agree first)."""
         return prepare_load(self, state, optimizer)
 
 

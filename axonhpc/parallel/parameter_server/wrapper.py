@@ -53,34 +53,18 @@ def _check_optimizer_class(optimizer_class: Any) -> type:
 
 
 class ParameterServer:
-    """Parameter server training: servers hold the parameter shards and the optimizer, workers compute.
+    """Parameter server training: the last ``num_servers`` ranks hold parameter shards and the optimizer, workers compute.
 
-    Built on every rank of ``group``. The last ``num_servers`` ranks are servers, each owning one slice of every
-    dtype's flattened parameters and running ``optimizer_class`` on it; they call ``serve()``, which answers until
-    every worker has finished. Workers ``pull()`` parameters, compute gradients on their own data and ``push()``
-    them; ``step()`` is ``push()`` then ``pull()``. See docs/parameter-server.md::
-
-        with ps:
-            if ps.is_server:
-                ps.serve()
-            else:
-                ps.pull()
-                for x, y in batches:
-                    ps.zero_grad()
-                    loss_fn(model(x), y); model.backward(loss_fn.backward())
-                    ps.step()
-        # here every rank's model holds the final parameters
-
-    ``mode="sync"``: every update averages one gradient from each worker, in worker order, so training equals DDP
-    over the workers. ``mode="async"``: each gradient (divided by the number of workers) is applied as it
-    arrives, at most ``max_staleness`` server updates after the pull it was computed on (None: no bound; must be
-    0 in sync mode); pulls and overtaking gradients wait as needed.
+    Built on every rank of ``group``. Servers call ``serve()`` until every worker has finished; workers
+    ``pull()``, compute gradients and ``push()`` them (``step()`` is both). Usage in docs/parameter-server.md.
+    ``mode="sync"``: every update averages one gradient per worker, in worker order (equal to DDP over the
+    workers). ``mode="async"``: each gradient is applied as it arrives, at most ``max_staleness`` server updates
+    after its pull (None: no bound; 0 in sync mode).
 
     Args:
-        model: an ``axonhpc.nn.Module`` built on every rank; group rank 0's values are copied to every rank.
-        num_servers: how many of the group's last ranks are servers, in ``[1, group.size - 1]``.
-        optimizer_class: an ``axonhpc.optim.Optimizer`` subclass (required); ``**optimizer_args`` its
-            hyperparameters.
+        model: built on every rank; group rank 0's values are copied to every rank.
+        num_servers: in ``[1, group.size - 1]``.
+        optimizer_class: an ``axonhpc.optim.Optimizer`` subclass (required); ``**optimizer_args`` its hyperparameters.
 
     Attributes:
         model, group, mode, max_staleness, num_servers, num_workers: as given or derived.
@@ -89,9 +73,8 @@ class ParameterServer:
 
     Raises:
         ConfigurationError: a model without parameters, a group of one rank, a bad ``num_servers``, mode,
-            ``max_staleness`` or optimizer; raised on every rank before anything is sent.
-        UnsupportedDtypeError, NonContiguousBufferError, ReadOnlyBufferError: a parameter cannot be sent or
-            received in place.
+            ``max_staleness`` or optimizer; on every rank before anything is sent.
+        UnsupportedDtypeError, NonContiguousBufferError, ReadOnlyBufferError: a parameter cannot be sent in place.
         NotAMemberError: this rank is not in ``group``.
     """
 
@@ -188,22 +171,18 @@ class ParameterServer:
         return self._worker
 
     def pull(self) -> None:
-        """Fetch the servers' current parameters into the model (in place).
+        """Fetch the servers' current parameters into the model (in place), waiting as sync mode or the staleness bound needs.
 
-        In sync mode, after a push this waits for the update that includes it; in async mode it may wait for the
-        staleness bound. Raises ParameterServerError on a server or after ``finish()``; PeerFailedError if the
-        servers stopped the run.
+        Raises ParameterServerError on a server or after ``finish()``; PeerFailedError if the servers stopped the run.
         """
         self._worker_for("pull").pull()
 
     def push(self) -> None:
-        """Send the model's gradients: each server gets the slice it owns.
-
-        A ``grad`` of None counts as zero. The gradients are not reset (``ps.zero_grad()`` before the next backward).
+        """Send the model's gradients (None counts as zero) to the servers that own them; they are not reset.
 
         Raises:
-            ParameterServerError: on a server, after ``finish()``, with no ``pull()`` since the previous push (a
-                gradient must be computed on pulled parameters), or with no gradient at all.
+            ParameterServerError: on a server, after ``finish()``, with no ``pull()`` since the previous push, or
+                with no gradient at all.
             ShapeError: a gradient's shape differs from its parameter's.
             PeerFailedError: the servers stopped the run.
         """
@@ -223,19 +202,16 @@ class ParameterServer:
                 p.grad[...] = 0
 
     def finish(self, pull: bool = True) -> None:
-        """Tell every server this worker is done; by default wait for the final parameters.
+        """Tell every server this worker is done; with ``pull``, wait for every worker and load the final parameters.
 
-        With ``pull`` it waits until every worker has finished and loads the final parameters; False returns at
-        once. Calling it again does nothing. ParameterServerError on a server; PeerFailedError if the run stopped.
+        Idempotent. ParameterServerError on a server; PeerFailedError if the run stopped.
         """
         self._worker_for("finish").finish(pull)
 
     def abort(self, reason: str = "aborted by the caller") -> None:
         """Stop the run because of a failure on this rank; every other rank stops with ``PeerFailedError``.
 
-        A worker sends FAILED with ``reason`` to every server and returns. A server that has not served answers
-        every worker's next request with ABORT and returns once each has stopped (``with ps:`` does this when the
-        block raises before ``serve()``); CollectiveTimeoutError if that takes longer than the group's timeout.
+        A server that has not served waits for each worker to stop (CollectiveTimeoutError beyond the group's timeout).
         """
         if self.is_server:
             if not self._served:
@@ -246,15 +222,12 @@ class ParameterServer:
 
     # -- server side ---------------------------------------------------------------------------------------
     def serve(self) -> Dict[str, Any]:
-        """Answer the workers until every one has finished; then every rank's model holds the final values.
-
-        Returns ``stats()`` at the end.
+        """Answer the workers until every one has finished; returns ``stats()``.
 
         Raises:
             ParameterServerError: called on a worker, or twice.
             PeerFailedError: a worker failed (after every worker has stopped).
-            CollectiveTimeoutError: no request arrived within the group's timeout while workers were open; the
-                message lists them as ``missing ranks``.
+            CollectiveTimeoutError: no request within the group's timeout; lists the workers as ``missing ranks``.
         """
         if not self.is_server:
             raise ParameterServerError(f"{NAME}.serve() is for servers, but group rank {self.group.rank} is "
@@ -267,14 +240,7 @@ class ParameterServer:
         return self.stats()
 
     def stats(self) -> Dict[str, Any]:
-        """This rank's counters, as plain data.
-
-        On a server: ``role``, ``server_index``, ``mode``, ``max_staleness``, ``version`` (updates applied),
-        ``gradients``, ``max_staleness_observed``, ``staleness_histogram``, per-worker ``pushes``, ``pulls``,
-        ``applied``, ``deferred_pulls``, ``deferred_gradients``, and ``failure``. On a worker: ``role``,
-        ``worker_index``, ``mode``, ``pushes``, ``pulls``, ``versions`` (of each server's slice last pulled),
-        ``pull_wait_s``.
-        """
+        """This rank's counters as plain data (role, mode, versions, pushes, pulls, staleness, waits)."""
         if self.is_server:
             return self._server.stats()
         return self._worker.stats()

@@ -1,20 +1,14 @@
 """Pipeline parallelism: run the actions of a pipeline schedule over point-to-point messages.
 
 [Note: the executor]
-Rank r of P owns stages r, r + P, ... (Megatron's layout, the one ``pipeline_schedule`` assumes). After ``F``
-of stage s on micro-batch i the module's activation cache is stashed under (s, i), because a module keeps only
-one cache and other micro-batches run through it before this one's backward; ``B`` restores it. When stages s
-and s + 1 live on one rank the hand-over is a local dictionary, not a message.
-
-[Note: the interpreter]
-Each rank's action list is lowered once (``lowering.py``) to explicit ops (``RECV_F``, ``F``, ``SEND_F``,
-``RECV_B``, ``B``, ``SEND_B``), as torch.distributed.pipelining does. ``_run_step`` times every action
-without its receives (waiting for an input is the bubble), so the timeline shows compute and sends only.
+Rank r of P owns stages r, r + P, ... (Megatron's layout). A module keeps one activation cache and other
+micro-batches run through it before this one's backward, so after ``F`` of stage s on micro-batch i the cache
+is stashed under (s, i) and ``B`` restores it. Stages s and s + 1 on one rank hand over locally.
 
 [Note: loss gradient]
-The last stage computes ``loss_fn.backward(1 / M)`` right after the loss, during the forward, and keeps it
-with the stash: a loss object also keeps a single cache, and taking its gradient at once means it never has
-to be stashed. Summed over M equal micro-batches this is the gradient of the full-batch mean loss.
+The last stage takes ``loss_fn.backward(1 / M)`` right after the loss: a loss object also keeps a single
+cache, and taking its gradient at once means it never has to be stashed. Summed over M equal micro-batches
+this is the gradient of the full-batch mean loss.
 """
 from __future__ import annotations
 
@@ -46,33 +40,25 @@ class PipelineStage:
 
 
 class Pipeline:
-    """Pipeline-parallel execution of a model split into stages (see the module notes).
-
-    Build it with ``Pipeline.from_modules`` (or ``from_stages``).
+    """Pipeline-parallel execution of a model split into stages; build it with ``from_modules`` or ``from_stages``.
 
     Args:
-        stage_modules: every stage's module, in order, the same list on every rank (rank r only uses stages
-            r, r + P, ...).
+        stage_modules: every stage's module, in order, the same list on every rank.
         num_microbatches: micro-batches M per step; the batch size must be a multiple of M.
-        loss_fn: ``loss_fn(out, y)`` returns a float on the last stage's output; ``loss_fn.backward(g)``
-            returns the loss gradient scaled by ``g``. Only ``train_step`` needs it.
+        loss_fn: ``loss_fn(out, y)`` on the last stage's output, ``loss_fn.backward(g)`` the gradient scaled by ``g``.
         stages_per_rank: model chunks per rank (v > 1 needs INTERLEAVED_1F1B).
-        dp_group: the ranks holding the same stages in the other pipeline replicas (e.g. ``mesh.dp``), or None.
-            When given, the stages' parameters are copied from its rank 0 at construction (collective), and
-            ``train_step`` ends by averaging the gradients and the loss over it.
-        dp_bucket_size: bucket size in bytes of the gradient all-reduces over ``dp_group``.
+        dp_group: the ranks holding the same stages in other replicas, or None. When given, parameters are
+            copied from its rank 0 (collective) and ``train_step`` averages gradients and loss over it.
 
     Attributes:
-        last_step_stats: after ``train_step``: ``peak_activations`` (most stashes held at once),
-            ``peak_activation_bytes``, ``timeline`` (``(action, start, end)``, seconds since the step began),
-            ``messages_sent``, ``dp_sync_time`` and ``step_time``.
+        last_step_stats: after ``train_step``: peak activations and bytes, ``timeline``, ``messages_sent``,
+            ``dp_sync_time`` and ``step_time``.
 
     Raises:
         ConfigurationError: the number of modules is not ``P * stages_per_rank``, the schedule rejects the
             counts, or tags would not fit.
         NotAMemberError: this rank is not in ``group``.
-        ModelMismatchError: the ranks passed different counts or schedules, or the ``dp_group`` replicas hold
-            different stage parameters; raised on every rank of that group before anything else is sent.
+        ModelMismatchError: the ranks passed different counts or schedules, or ``dp_group`` replicas differ.
     """
 
     def __init__(self, stage_modules: Sequence[Any], group: Any = None, num_microbatches: int = 8,
@@ -141,11 +127,10 @@ class Pipeline:
     def from_stages(cls, stages: Sequence[PipelineStage], group: Any = None, num_microbatches: int = 8,
                     schedule: Union[PipelineSchedule, str] = PipelineSchedule.ONE_F_ONE_B,
                     loss_fn: Any = None, dp_group: Any = None, dp_bucket_size: int = 25_000_000) -> "Pipeline":
-        """Build a pipeline from only the stages this rank holds, so no rank builds the whole model.
+        """Build a pipeline from only the stages this rank holds (r, r + P, ...), so no rank builds the whole model.
 
-        Rank r passes stages r, r + P, ... (``num_stages // P`` of them, in any order). Raises ConfigurationError,
-        before any message, for no stages, stages that disagree on ``num_stages``, a count the group size does not
-        divide, or indices other than this rank's.
+        Raises ConfigurationError, before any message, for no stages, inconsistent ``num_stages``, a count the group
+        size does not divide, or indices other than this rank's.
         """
         pg = resolve_group(group).require_member("building a Pipeline")
         stages = list(stages)
@@ -208,12 +193,9 @@ class Pipeline:
 
     # -- training -----------------------------------------------------------
     def train_step(self, x: Any, y: Any) -> Optional[float]:
-        """Run one forward and backward of the whole batch through the pipeline.
+        """One forward and backward of the whole batch; the mean micro-batch loss on the last stage's rank, else None.
 
-        Gradients are added into the stage modules' Parameters; zero them before every step (with ``dp_group`` an
-        accumulated sum would be averaged again). ``x`` is read on rank 0 and ``y`` on the last stage's rank; others
-        may pass None. Returns the mean micro-batch loss on the last stage's rank (averaged over ``dp_group``), None
-        elsewhere.
+        Gradients add into the Parameters: zero them before every step. ``x`` is read on rank 0, ``y`` on the last.
 
         Raises:
             ConfigurationError: no ``loss_fn`` was given.
@@ -326,11 +308,7 @@ class Pipeline:
         return st.stash[key]
 
     def forward(self, x: Any) -> Any:
-        """Inference: run every micro-batch's forward through the stages, keeping no caches.
-
-        The modules' train/eval mode is left as it is. Only rank 0 reads ``x``. Returns the last stage's output for
-        the whole batch on its rank, None elsewhere; ShapeError if the batch is not a multiple of ``num_microbatches``.
-        """
+        """Inference through the stages, keeping no caches; the whole output on the last stage's rank, None elsewhere."""
         xs = self._split(x, "x") if self.rank == 0 or hasattr(x, "shape") else None
         local: Dict[Tuple[int, int, int], Any] = {}
         shapes: Dict[int, Tuple[Any, Tuple[int, ...]]] = {}

@@ -1,29 +1,12 @@
 """Replay pipeline schedules without communication: timing, bubbles, deadlocks, memory.
 
-``simulate_pipeline`` runs per-rank action lists (from
-``axonhpc.parallel.pipeline.schedules.pipeline_schedule`` or written by hand)
-on an idealised machine and reports when every action starts and ends, the
-makespan, the bubble fraction, the peak number of live activations per rank
-and, if the schedule cannot finish, which actions are stuck and what they wait
-for. It consumes schedules and never renders them (``render.py`` draws its
-results as a grid).
-
 [Note: the model]
-Each rank runs its list strictly in order, one action at a time. An action
-starts as soon as the rank has finished its previous action and every action
-it depends on has finished (communication takes no time, sends never block):
-
-- ``F`` of stage s on micro-batch i needs ``F`` of stage s - 1 on i (the
-  activation), on whichever rank holds stage s - 1, possibly the same one;
-- ``B`` of stage s on i needs ``F`` of stage s on i (its saved activation)
-  and, unless s is the last stage, ``B`` of stage s + 1 on i (the gradient).
-
-The number of stages is one more than the highest stage any action names.
-Start times are a pure function of the lists and costs (the order in which
-ready ranks are advanced does not matter). A deadlock is a state in which
-actions remain but no rank's next action can start: a receive whose matching
-send can never happen, because the sender waits (directly or through a chain)
-on the stuck rank, or because no rank has that action at all.
+Each rank runs its list in order, one action at a time; an action starts once the rank's previous action and
+every dependency have finished (communication is free, sends never block). ``F`` of stage s on micro-batch i
+needs ``F`` of stage s - 1 on i; ``B`` of stage s on i needs ``F`` of stage s on i and, unless s is last,
+``B`` of stage s + 1 on i. Start times are a pure function of the lists and costs. A deadlock is actions
+left but none able to start: a receive whose send waits, through a chain, on the stuck rank, or that no
+rank has at all.
 """
 from __future__ import annotations
 
@@ -42,11 +25,8 @@ class StuckAction:
     """The next action of a rank that cannot start in a deadlocked schedule.
 
     Attributes:
-        rank: the rank whose list is stuck.
-        action: its next action, which cannot start.
         waiting_for: the dependencies that never finished.
-        owners: for each dependency, ``(rank, position in that rank's list)``
-            or ``None`` if no rank has that action.
+        owners: for each dependency, ``(rank, position in that rank's list)`` or ``None`` if no rank has it.
     """
 
     rank: int
@@ -68,16 +48,11 @@ class SimulationResult:
 
     Attributes:
         makespan: end time of the last action that ran.
-        bubble_fraction: idle time over total time, over all ranks:
-            ``1 - sum(busy_time) / (num_ranks * makespan)`` (0.0 if nothing ran).
+        bubble_fraction: ``1 - sum(busy_time) / (num_ranks * makespan)`` (0.0 if nothing ran).
         deadlock: True if some actions could never start.
-        num_ranks: number of action lists.
-        timelines: per rank, ``(action, start, end)`` for every action that
-            ran, in the order it ran.
+        timelines: per rank, ``(action, start, end)`` of every action that ran, in order.
         busy_time: per rank, the summed cost of the actions that ran.
-        peak_activations: per rank, the largest number of micro-batches whose
-            forward had run on that rank (any of its stages) and whose
-            backward had not yet.
+        peak_activations: per rank, the most micro-batches forwarded but not yet backwarded.
         stuck: on deadlock, the next action of every rank that did not finish.
     """
 
@@ -145,23 +120,15 @@ def simulate_pipeline(
     forward_cost: Cost = 1.0,
     backward_cost: Cost = 2.0,
 ) -> SimulationResult:
-    """Simulate a pipeline schedule with zero-latency communication.
-
-    See the module note for the dependencies modelled.
+    """Simulate a pipeline schedule with zero-latency communication (see the module note).
 
     Args:
-        actions_by_rank: one list of Actions per rank, each in execution order.
-        forward_cost: time of one forward: a number, a sequence indexed by
-            stage, or a callable ``stage -> time``.
+        forward_cost: time of one forward: a number, a sequence indexed by stage, or ``stage -> time``.
         backward_cost: time of one backward, in the same forms.
 
-    Returns:
-        A SimulationResult (makespan, bubble_fraction, deadlock, timelines,
-        peak_activations, stuck actions, ...).
-
     Raises:
-        ConfigurationError: an entry is not an Action, an action appears more
-            than once, or a cost is negative, not finite or missing for a stage.
+        ConfigurationError: an entry is not an Action, an action appears twice, or a cost is negative, not
+            finite or missing for a stage.
     """
     lists: List[List[Action]] = []
     owner: Dict[Action, Tuple[int, int]] = {}

@@ -19,23 +19,20 @@ from .partition import (check_last_axis, check_sizes, full_linear_values, gather
 
 
 class ColumnParallelLinear(Module):
-    """Linear layer whose output features are split across a tensor-parallel group.
+    """Linear layer whose output features are split across a tensor-parallel group (rank r: rows ``[r*k, (r+1)*k)``).
 
-    Rank r holds rows ``[r*k, (r+1)*k)`` of the dense weight (k = out_features / group size) and the same block
-    of the bias. Forward takes the full input (replicated on the group) and returns this rank's output block, or
-    the full output with ``gather_output``; backward all-reduces the input gradient.
+    Forward takes the full, replicated input and returns this rank's output block (or the full output with
+    ``gather_output``); backward all-reduces the input gradient.
 
     Args:
         gather_output: all-gather the output blocks; backward then takes the full output gradient.
-        seed: int, SeedSequence or Generator, the same on every rank; the full weight is drawn exactly as
-            ``nn.Linear(in_features, out_features, seed=seed, dtype=dtype)`` draws it. None: group rank 0 picks
-            fresh entropy and broadcasts it (collective).
+        seed: the same on every rank; the full weight is drawn as ``nn.Linear(..., seed=seed)`` draws it.
+            None: group rank 0 picks fresh entropy and broadcasts it (collective).
 
     Raises:
         ConfigurationError: a negative size, or ``out_features`` not divisible by the group size.
         NotAMemberError: this rank is not in ``group``.
-        ModelMismatchError: the ranks build it with different geometry (sizes, flags, dtype), or another rank's
-            checks failed; raised on every rank before anything else is sent.
+        ModelMismatchError: the ranks build it with different geometry, or another rank's checks failed.
     """
 
     def __init__(self, in_features: int, out_features: int, group: Optional[ProcessGroup] = None,
@@ -57,10 +54,7 @@ class ColumnParallelLinear(Module):
         self.bias = Parameter(bias_values[start:stop].copy()) if bias else None
 
     def forward(self, x: Any) -> Any:
-        """This rank's output block (..., out_features / P), or the full output if ``gather_output``.
-
-        ``x`` is the full input (..., in_features), the same on every rank; ShapeError if its last axis differs.
-        """
+        """This rank's output block (..., out_features / P), or the full output if ``gather_output``; ShapeError on a bad ``x``."""
         check_last_axis(self, x, self.in_features, "input")
         y, saved = linear_product(x, self.weight.data)  # in the autocast dtype under nn.autocast
         self._save_cache(saved)
@@ -71,11 +65,9 @@ class ColumnParallelLinear(Module):
         return y
 
     def backward(self, grad_out: Any, input_grad: bool = True) -> Any:
-        """Collective: local weight/bias gradients; returns d loss / d x (..., in_features), summed over the group.
+        """Collective: local weight/bias gradients; returns d loss / d x summed over the group.
 
-        ``grad_out`` is this rank's block, or the full gradient with ``gather_output``. ``input_grad=False`` (a first
-        layer, whose input is data) skips the input gradient and its all-reduce and returns None; every rank must
-        pass the same value.
+        ``input_grad=False`` skips the input gradient and its all-reduce (the same value on every rank).
         """
         block, saved = self.begin_backward(grad_out)
         if not input_grad:
@@ -91,12 +83,7 @@ class ColumnParallelLinear(Module):
         return grad_in
 
     def begin_backward(self, grad_out: Any) -> Tuple[Any, Any]:
-        """The first half of ``backward``, with no communication: ``(block, saved)``.
-
-        For a layer that sums the partial input gradients of several column layers itself
-        (``TensorParallelAttention``: one all-reduce for q, k and v). ``block`` is this rank's output-gradient block
-        (in the product's dtype under autocast); pass it to ``partial_input_grad`` and ``finish_backward``.
-        """
+        """The first half of ``backward``, with no communication: ``(block, saved)``, for layers that sum partial input gradients themselves."""
         saved = self._pop_cache()
         if self.gather_output:
             check_last_axis(self, grad_out, self.out_features, "output gradient")
@@ -121,23 +108,19 @@ class ColumnParallelLinear(Module):
 
 
 class RowParallelLinear(Module):
-    """Linear layer whose input features are split across a tensor-parallel group.
+    """Linear layer whose input features are split across a tensor-parallel group (rank r: columns ``[r*k, (r+1)*k)``).
 
-    Rank r holds columns ``[r*k, (r+1)*k)`` of the dense weight (k = in_features / group size) and the whole,
-    replicated bias. Forward all-reduces the partial products and adds the bias once; the output is full and
-    identical on every rank.
+    Forward all-reduces the partial products and adds the replicated bias once; the output is full on every rank.
 
     Args:
-        input_is_parallel: the input is already this rank's block (..., in_features / P), as a
-            ``ColumnParallelLinear`` without ``gather_output`` produces it. When False the layer takes the full
-            input and backward returns the full input gradient (all-gathered).
-        seed: as ``ColumnParallelLinear``'s; weight and bias are drawn as ``nn.Linear`` draws them.
+        input_is_parallel: the input is already this rank's block, as a ``ColumnParallelLinear`` without
+            ``gather_output`` produces it; else the full input (backward all-gathers its gradient).
+        seed: as ``ColumnParallelLinear``'s.
 
     Raises:
         ConfigurationError: a negative size, or ``in_features`` not divisible by the group size.
         NotAMemberError: this rank is not in ``group``.
-        ModelMismatchError: the ranks build it with different geometry, or another rank's checks failed; raised
-            on every rank before anything else is sent.
+        ModelMismatchError: the ranks build it with different geometry, or another rank's checks failed.
     """
 
     def __init__(self, in_features: int, out_features: int, group: Optional[ProcessGroup] = None,
@@ -158,10 +141,7 @@ class RowParallelLinear(Module):
         self.bias = Parameter(bias_values) if bias else None
 
     def forward(self, x: Any) -> Any:
-        """Collective: the full output (..., out_features), identical on every rank of the group.
-
-        ``x`` is this rank's block if ``input_is_parallel``, else the full input; ShapeError if its last axis differs.
-        """
+        """Collective: the full output (..., out_features), identical on every rank; ShapeError on a bad ``x``."""
         if self.input_is_parallel:
             check_last_axis(self, x, self.in_features_per_rank, "input")
             x_local = x
@@ -179,10 +159,7 @@ class RowParallelLinear(Module):
         return y
 
     def backward(self, grad_out: Any) -> Any:
-        """Local weight gradient and the replicated bias gradient; returns the input gradient.
-
-        This rank's block (..., in_features / P) if ``input_is_parallel``, else the full one, all-gathered.
-        """
+        """Local weight and replicated bias gradients; returns the input gradient (this rank's block if ``input_is_parallel``)."""
         saved = self._pop_cache()
         check_last_axis(self, grad_out, self.out_features, "output gradient")
         grad_in = linear_backward(grad_out, saved, self.weight, self.bias)
@@ -197,18 +174,14 @@ class RowParallelLinear(Module):
 
 
 class TensorParallelMLP(Module):
-    """Transformer MLP block split over a tensor-parallel group: column, GELU, row.
+    """Transformer MLP split over a tensor-parallel group: column, GELU, row; one all-reduce each way.
 
-    The hidden activation stays split between ``fc1`` (column, no gather) and ``fc2`` (row, parallel input), so a
-    step costs one all-reduce in forward and one in backward. Input and output are full on every rank. With an
-    explicit seed it computes the same function as ``TensorParallelMLP.dense_equivalent(hidden, ffn_hidden,
-    dtype, seed)``, and its shards are slices of the same weights.
+    With an explicit seed it computes the same function as ``TensorParallelMLP.dense_equivalent(...)``.
 
     Raises:
         ConfigurationError: ``ffn_hidden`` not divisible by the group size, or a negative size.
         NotAMemberError: this rank is not in ``group``.
-        ModelMismatchError: the ranks build it with different geometry, or another rank's checks failed; raised
-            on every rank before anything else is sent.
+        ModelMismatchError: the ranks build it with different geometry, or another rank's checks failed.
     """
 
     def __init__(self, hidden: int, ffn_hidden: int, group: Optional[ProcessGroup] = None,
@@ -233,11 +206,7 @@ class TensorParallelMLP(Module):
     @staticmethod
     def dense_equivalent(hidden: int, ffn_hidden: int, dtype: Any = np.float32,
                          seed: _init.SeedLike = None) -> Sequential:
-        """The single-process MLP that ``TensorParallelMLP(hidden, ffn_hidden, dtype=dtype, seed=seed)`` shards.
-
-        ``nn.Sequential(nn.Linear(hidden, ffn_hidden), nn.GELU(), nn.Linear(ffn_hidden, hidden))``, seeded with the
-        two children of ``seed`` (which must not be None, or the two differ).
-        """
+        """The single-process ``Sequential(Linear, GELU, Linear)`` that ``TensorParallelMLP(..., seed=seed)`` shards (seed not None)."""
         seeds = _init.child_seeds(seed, 2)
         return Sequential(Linear(hidden, ffn_hidden, dtype=dtype, seed=seeds[0]), GELU(),
                           Linear(ffn_hidden, hidden, dtype=dtype, seed=seeds[1]))
