@@ -155,48 +155,79 @@ MPI_INT_MAX = 2**31 - 1
 
 @dataclass
 class Settings:
-    """Library-wide defaults; each field ``f`` is filled from ``AXONHPC_<F>`` (table in docs/concepts.md, docs/launching.md).
+    """Library-wide defaults; each field is filled from the ``AXONHPC_<FIELD>`` variable named beside it.
 
     Attributes:
-        debug: compare each collective's kind, dtype, shape, op, root and call site across ranks.
-        timeout: seconds a blocking call waits before ``CollectiveTimeoutError``; None: forever.
-        abort_on_exception: an uncaught exception on one rank of a multi-rank MPI world aborts the job
-            (read when ``init`` builds the world).
-        fault_tolerant: a dying rank must not end the job (Open MPI 5 with ULFM); survivors raise
-            ``PeerFailedError`` (docs/fault-tolerance.md).
-        backend: the backend ``init()`` picks by default.
-        max_message_elements: the most elements one MPI call moves; larger buffers go in chunks.
-        stall_report: seconds in one collective before the watchdog reports who waits where.
-        stall_timeout: seconds before the watchdog raises ``CollectiveStallError``; None: never.
-        watchdog: run the watchdog thread.
-        flight_recorder: collectives each rank remembers for the flight recorder; 0: off.
-        straggler_every: every this many collectives of a group the ranks compare arrival times
-            (``collectives.stragglers``); 0: off; the same on every rank.
-        straggler_margin: seconds a last rank must trail the next by to count as late.
-        flight_dir: where the recorder writes ``flight-rank<r>.json``.
-        flight_signal: the signal that makes every rank dump its recorder, or "".
-        skip_nonfinite_steps: the trainer skips a step on every rank if any rank's gradients hold inf or NaN.
-        allreduce_algorithm: ``all_reduce``'s default: "native", "hierarchical", "ring" or "rhd".
-        cuda_aware_mpi: "auto", "probe" (a test transfer in a subprocess), "yes" or "no"; otherwise
-            cupy arrays are staged through pinned host memory.
-        staging_chunk_bytes: a blocking staged all-reduce of more runs as a pipeline of chunks this size; 0: off.
-        timeline_dir: when set, ``init`` records this rank's timeline and writes it there at exit.
-        log_level: level of the "axonhpc" logger.
-        log_ranks: the world ranks whose INFO and DEBUG records are shown: "0", "0,3" or "all".
-        shm_collectives: "auto" runs large enough single-node collectives through shared memory; "off": MPI.
-        shm_min_bytes: the smallest message that takes the shared-memory path.
-        shm_allgather_max_bytes: the largest all-gather result that takes the shared-memory path.
-        deterministic: float reductions add in an order fixed by the group size alone, and DDP's bucket
-            size is not measured, so a job gives the same bits run after run.
-        bucket_size_mb: DDP's bucket cap when the call gives none: "auto" (measured) or MiB.
-        shm_slot_bytes, shm_slots: each rank's shared-memory segment: ``shm_slots`` (1 to 63) slots of this size.
-        check_collectives: compare every collective across the ranks (on by default; off makes a mismatched
-            call undefined, as in plain MPI).
-        allow_tf32: let float32 GPU matrix products use TF32 tensor cores (off; numpy ignores it).
-        fused_kernels: run ``nn``'s element-wise work and fused optimizer updates as one kernel each
-            (bit for bit on cupy; host kernels within tests/test_host_kernels.py's ulps).
-        size_thread_pools: when the user set none of ``THREAD_VARIABLES``, ``init`` sizes BLAS/OpenMP
-            pools to the node's cores per rank.
+        debug: check that all ranks call the same collective with the same dtype, shape, op and root before
+            running it (``AXONHPC_DEBUG``).
+        timeout: seconds a blocking call may wait before raising ``CollectiveTimeoutError``; None waits forever
+            (``AXONHPC_TIMEOUT``).
+        abort_on_exception: an uncaught exception on one rank of a multi-rank MPI world prints its traceback and
+            aborts the job instead of leaving the others waiting; on by default (``AXONHPC_ABORT_ON_EXCEPTION``;
+            read when ``init`` builds the world).
+        fault_tolerant: a dying rank must not end the job: ``init`` refuses unless MPI can survive it (Open MPI 5
+            with ULFM, ``axonhpc launch --fault-tolerant``), and survivors' calls that need the dead rank raise
+            ``PeerFailedError`` (``AXONHPC_FAULT_TOLERANT``; see docs/fault-tolerance.md).
+        backend: backend ``init()`` picks by default (``AXONHPC_BACKEND``).
+        max_message_elements: the most elements one MPI call moves; larger buffers go in chunks
+            (``AXONHPC_MAX_MESSAGE_ELEMENTS``).
+        stall_report: seconds a rank may wait in one collective before the watchdog reports, on every rank, who
+            waits where (``AXONHPC_STALL_REPORT``).
+        stall_timeout: seconds before the watchdog ends such a wait with ``CollectiveStallError`` (a proven
+            deadlock ends it at once with ``DeadlockError``); None: never (``AXONHPC_STALL_TIMEOUT``, 0/off/none).
+            ``timeout``, when set, still bounds every call.
+        watchdog: run the watchdog thread (stall reports and timeout, deadlocks, SIGUSR1 dumps while blocked)
+            (``AXONHPC_WATCHDOG``).
+        flight_recorder: collectives each rank remembers for the flight recorder; 0 turns it off
+            (``AXONHPC_FLIGHT_RECORDER``).
+        straggler_every: every this many collectives of a group the ranks compare their arrival times at the
+            last 100, and a rank last in 80% of them by more than ``straggler_margin`` is named in a warning;
+            0 turns it off; must be the same on every rank (``AXONHPC_STRAGGLER_EVERY``).
+        straggler_margin: seconds a last rank must trail the next by to count as late
+            (``AXONHPC_STRAGGLER_MARGIN``).
+        flight_dir: where the recorder writes ``flight-rank<r>.json`` (``AXONHPC_FLIGHT_DIR``).
+        flight_signal: the signal that makes every rank dump its recorder, or "" (``AXONHPC_FLIGHT_SIGNAL``).
+        skip_nonfinite_steps: the trainer skips an optimizer step on every rank if any rank's gradients hold an
+            inf or NaN (``AXONHPC_SKIP_NONFINITE_STEPS``).
+        allreduce_algorithm: ``all_reduce``'s default: "native" (one MPI call), "hierarchical" (inside each
+            node, then across), "ring" or "rhd" (recursive halving-doubling) (``AXONHPC_ALLREDUCE_ALGORITHM``).
+        cuda_aware_mpi: whether cupy arrays go to MPI directly: "auto" decides from the MPI library, "probe"
+            also tries one device transfer in a subprocess, "yes"/"no" (or 1/0) say so; otherwise they are
+            staged through pinned host memory (``AXONHPC_CUDA_AWARE_MPI``).
+        staging_chunk_bytes: a blocking all-reduce of a larger staged cupy array runs as a pipeline of chunks
+            this size, each chunk's copies overlapping its neighbours' reductions; 0 stages all at once
+            (``AXONHPC_STAGING_CHUNK_BYTES``).
+        timeline_dir: when set, ``init`` records this rank's timeline for the whole run and writes
+            ``timeline-rank<r>.json`` there at exit (``AXONHPC_TIMELINE_DIR``; ``axonhpc timeline merge``).
+        log_level: level of the "axonhpc" logger (``AXONHPC_LOG_LEVEL``).
+        log_ranks: the world ranks whose INFO and DEBUG records are shown: "0", "0,3" or "all"; WARNING and above
+            are shown from every rank (``AXONHPC_LOG_RANKS``).
+        shm_collectives: "auto" runs all-reduce, reduce-scatter, all-gather and broadcast of at least
+            ``shm_min_bytes`` through shared memory when the group is on one node; "off" always uses MPI
+            (``AXONHPC_SHM_COLLECTIVES``).
+        shm_min_bytes: the smallest message that takes the shared-memory path (``AXONHPC_SHM_MIN_BYTES``).
+        shm_allgather_max_bytes: the largest all-gather result that takes the shared-memory path; beyond it MPI's
+            single-copy transfers win (``AXONHPC_SHM_ALLGATHER_MAX_BYTES``).
+        deterministic: float all-reduces and reduce-scatters add in an order fixed by the group size alone, and
+            DDP's bucket size is not measured, so a job gives the same bits run after run
+            (``AXONHPC_DETERMINISTIC``).
+        bucket_size_mb: DDP's bucket cap when the call gives none: "auto" measures it at start-up
+            (``parallel.ddp.autotune``), or a number of MiB (``AXONHPC_BUCKET_SIZE_MB``).
+        shm_slot_bytes, shm_slots: each rank's segment: a message passes through ``shm_slots`` slots (1 to 63)
+            of ``shm_slot_bytes`` (``AXONHPC_SHM_SLOT_BYTES``, ``AXONHPC_SHM_SLOTS``).
+        check_collectives: compare every collective's kind, dtype, shape, op and root across the ranks and raise
+            ``CollectiveMismatchError`` on all of them on a difference. On by default; off makes a mismatched
+            call undefined, as in plain MPI (``AXONHPC_CHECK_COLLECTIVES``; cost in docs/performance.md).
+        allow_tf32: let float32 GPU matrix products use TF32 tensor cores (10-bit mantissa inputs, float32
+            accumulation), as PyTorch's ``allow_tf32``. Off by default; applied to cupy, process-wide, by the
+            next ``nn`` call or ``nn.apply_matmul_precision()``; numpy ignores it (``AXONHPC_ALLOW_TF32``).
+        fused_kernels: run ``nn``'s element-wise and row-wise work and the updates of optimizers built with
+            ``fused=None`` as one kernel each: bit for bit on cupy; on numpy float32/float64 C-contiguous arrays
+            compiled host kernels within the ulps ``tests/test_host_kernels.py`` states (updates bit for bit).
+            Off keeps the array code, for comparison (``AXONHPC_FUSED_KERNELS``).
+        size_thread_pools: when the user set none of ``THREAD_VARIABLES``, ``init`` sizes this process's
+            BLAS/OpenMP pools to its cores divided by the ranks of its node sharing them
+            (``AXONHPC_SIZE_THREAD_POOLS``).
     """
 
     debug: bool = False
