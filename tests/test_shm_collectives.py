@@ -282,8 +282,8 @@ def test_ddp_buckets_in_the_window_train_like_plain_buckets(mpi_world, monkeypat
     def check():
         shared, plain = train("auto"), train("off")
         backend = mpi_world.default_group.backend
-        assert all(engine_in_window(backend, b.flat) is not None for b in shared._buckets)
-        assert all(engine_in_window(backend, b.flat) is None for b in plain._buckets)
+        assert all(engine_in_window(backend, b.buffer) is not None for b in shared._buckets)
+        assert all(engine_in_window(backend, b.buffer) is None for b in plain._buckets)
         for (name, p), (_, q) in zip(shared.named_parameters(), plain.named_parameters()):
             if mpi_world.world_size == 2:
                 np.testing.assert_array_equal(p.data, q.data, err_msg=name)

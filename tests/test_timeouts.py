@@ -61,7 +61,7 @@ def test_no_timeout_means_no_notices():
 
     assert world.default_group.effective_timeout() is None
     fake = type("G", (), {"effective_timeout": lambda self: None, "backend": Recorder()})()
-    assert core._run(fake, core._Label("all_reduce", 0, world.default_group),
+    assert core.run_call(fake, core.CallLabel("all_reduce", 0, world.default_group),
                      lambda nonblocking: ax.backends.base.CompletedWork(), False, carried=True) is None
     assert calls == []
 

@@ -157,7 +157,7 @@ def start_check(pg: Any, seq: int, op: str, x: Any = None, reduce: Optional[str]
                 root: Optional[int] = None) -> Optional[Tuple[Work, Callable[[], None]]]:
     """The check of an asynchronous call: ``(work, verify)`` to finish later, or None once it is done.
 
-    For host arrays only: a GPU call is checked before it is queued (see ``core._run``).
+    For host arrays only: a GPU call is checked before it is queued (see ``core.run_call``).
     """
     if pg.size == 1 or not settings.check_collectives:
         return None

@@ -30,7 +30,7 @@ from ..errors import ConfigurationError
 from ..groups import ProcessGroup
 from ..settings import ALGORITHMS, settings
 from . import agreement, graphed
-from .core import _start, all_gather, all_reduce, broadcast, reduce_scatter
+from .core import all_gather, broadcast, native_all_reduce, reduce_scatter, start_call
 from .ring import rhd_all_reduce, ring_all_reduce
 from .widen import reduce_widened
 
@@ -102,12 +102,12 @@ def hierarchical_all_reduce(x: Any, op: ReduceOp, pg: ProcessGroup, ranks_per_no
             padded[:n] = flat
             part = reduce_scatter(padded, base, levels.node) if local > 1 else padded
             if levels.cross is not None and levels.cross.size > 1:
-                all_reduce(part, base, levels.cross)
+                native_all_reduce(part, base, levels.cross)
             flat[...] = (all_gather(part, levels.node).reshape(-1) if local > 1 else part)[:n]
         else:
-            all_reduce(work, base, levels.node)
+            native_all_reduce(work, base, levels.node)
             if levels.cross is not None:
-                all_reduce(work, base, levels.cross)
+                native_all_reduce(work, base, levels.cross)
             broadcast(work, 0, levels.node)
 
     reduce_widened(x, op, pg.size, body)
@@ -120,7 +120,7 @@ def run(algorithm: str, x: Any, op: ReduceOp, pg: ProcessGroup, async_op: bool) 
     """
     graphed.admit(pg, "all_reduce", x, op.name, why_not=f"the {algorithm!r} algorithm is made of several calls "
                                                          "driven from the host; capture the native all-reduce")
-    label = _start(pg, "all_reduce", x, op)
+    label = start_call(pg, "all_reduce", x, op)
     agreement.check(pg, label.seq, "all_reduce", x, label.call[1])
     if algorithm == "hierarchical":
         hierarchical_all_reduce(x, op, pg)

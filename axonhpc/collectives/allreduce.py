@@ -1,10 +1,10 @@
 """The all-reduce users call: the native one of ``core`` or an algorithm of ``algorithms``.
 
 [Note: the all-reduce above its algorithms]
-The algorithms are built on ``core.all_reduce`` and the other plain collectives, so the choice
+The algorithms are built on ``core.native_all_reduce`` and the other plain collectives, so the choice
 between them (``algorithm=``, else ``ax.settings.allreduce_algorithm``) is made here, above both,
 and neither imports the other's caller. A blocking call on a plain host array tries the fast path
-from here first, as ``core.all_reduce`` does.
+from here first, as ``core.native_all_reduce`` does.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from ..groups import ProcessGroup
 from ..settings import settings
 from . import algorithms
 from . import fast_path
-from .core import _member, checked_all_reduce, refuse_call
+from .core import member, checked_all_reduce, refuse_call
 
 
 def all_reduce(x, op=ReduceOp.SUM, group: Optional[ProcessGroup] = None, async_op: bool = False,
@@ -46,7 +46,7 @@ def all_reduce(x, op=ReduceOp.SUM, group: Optional[ProcessGroup] = None, async_o
     if (not async_op and algorithm is None
             and fast_path.attempt(fast_path.ALL_REDUCE, x, group, op) is not fast_path.NOT_TAKEN):
         return None
-    pg = _member(group, "all_reduce")
+    pg = member(group, "all_reduce")
     try:
         op = ReduceOp.parse(op)
         check_array(x, "all_reduce buffer", writable=True)
@@ -96,7 +96,7 @@ def sync_gradients(grads: Sequence, group: Optional[ProcessGroup] = None) -> Non
     grads = list(grads)
     for i, g in enumerate(grads):
         check_array(g, f"gradient {i}", writable=True)
-    pg = _member(group, "sync_gradients")
+    pg = member(group, "sync_gradients")
     for same in dtype_groups(grads):
         xp = array_module(same[0])
         flat = xp.concatenate([g.reshape(-1) for g in same])

@@ -26,7 +26,7 @@ from ..backends.base import ReduceOp
 from ..errors import InvalidArgumentError, ShapeError, UnsupportedDtypeError
 from ..groups import ProcessGroup
 from . import flight, graphed
-from .core import _member, _start
+from .core import member, start_call
 from .ring import RING_TAG, channel, execute, ring_reduce_scatter_schedule, ring_schedule
 
 WIRE_DTYPES = ("float16", "bfloat16")
@@ -72,10 +72,10 @@ def compressed_all_reduce(x: Any, wire: str = "float16", group: Optional[Process
         UnsupportedDtypeError: ``x`` is not float32/float64, or bfloat16 without ml_dtypes.
         ValueError: unknown ``wire``.
     """
-    pg = _member(group, "compressed_all_reduce")
+    pg = member(group, "compressed_all_reduce")
     graphed.admit(pg, "compressed_all_reduce", x, why_not=_RING_IN_GRAPH)
     half = _compressed(x, wire, pg, "compressed_all_reduce")
-    entry = _start(pg, "compressed_all_reduce", half, ReduceOp.SUM).entry
+    entry = start_call(pg, "compressed_all_reduce", half, ReduceOp.SUM).entry
     if pg.size > 1 and half.size:
         execute(half, ring_schedule(pg.size, pg.rank), ReduceOp.SUM, channel(pg), RING_TAG,
                 pg.effective_timeout(), f"compressed ({wire}) all_reduce on group {pg.name}")
@@ -94,13 +94,13 @@ def compressed_reduce_scatter(x: Any, wire: str = "float16", group: Optional[Pro
         ShapeError: ``x.size`` is not divisible by the group size.
         UnsupportedDtypeError, ValueError: as ``compressed_all_reduce``.
     """
-    pg = _member(group, "compressed_reduce_scatter")
+    pg = member(group, "compressed_reduce_scatter")
     if x.size % pg.size:
         raise ShapeError(f"compressed_reduce_scatter: {x.size} elements do not split into {pg.size} equal parts "
                          f"({x.size} % {pg.size} = {x.size % pg.size})")
     graphed.admit(pg, "compressed_reduce_scatter", x, why_not=_RING_IN_GRAPH)
     half = _compressed(x, wire, pg, "compressed_reduce_scatter")
-    entry = _start(pg, "compressed_reduce_scatter", half, ReduceOp.SUM).entry
+    entry = start_call(pg, "compressed_reduce_scatter", half, ReduceOp.SUM).entry
     if pg.size > 1 and half.size:
         execute(half, ring_reduce_scatter_schedule(pg.size, pg.rank), ReduceOp.SUM, channel(pg), RING_TAG,
                 pg.effective_timeout(), f"compressed ({wire}) reduce_scatter on group {pg.name}")

@@ -20,13 +20,14 @@ from ..errors import AxonError, CollectiveStallError, CollectiveTimeoutError, Re
 from ..groups import ProcessGroup, resolve_group
 from ..observe import tracing
 from ..settings import settings
-from . import (agreement, fast_path, fingerprint, flight, graphed, shm_path, staged_path, stragglers, watch,
-               watchdog)
+from . import (agreement, fast_path, fingerprint, flight, graphed, routes, shm_path, staged_path, stragglers,
+               watch, watchdog)
+from .routes import Route
 from .ring import ring_all_reduce, ring_reduce_scatter
 from .widen import divide_average
 
 
-def _member(group: Optional[ProcessGroup], op: str) -> ProcessGroup:
+def member(group: Optional[ProcessGroup], op: str) -> ProcessGroup:
     return resolve_group(group).require_member(op)
 
 
@@ -40,7 +41,7 @@ _RING_IN_GRAPH = ("deterministic mode (ax.settings.deterministic) reduces floats
                   "to point from the host; capture with deterministic mode off")
 
 
-class _Label:
+class CallLabel:
     """How messages name one call; formatted only when a message needs it."""
 
     __slots__ = ("op", "seq", "group", "entry", "call")
@@ -65,8 +66,8 @@ class _Label:
 _OP_NAMES = {op: op.name for op in ReduceOp}  # Enum.name is a slow property; this is on every call
 
 
-def _start(pg: ProcessGroup, op: str, x: Any = None, reduce: Optional[ReduceOp] = None,
-           root: Optional[int] = None) -> _Label:
+def start_call(pg: ProcessGroup, op: str, x: Any = None, reduce: Optional[ReduceOp] = None,
+           root: Optional[int] = None) -> CallLabel:
     """Flight record, debug check and sequence number; returns the label used in messages."""
     agreement.flush(pg)  # earlier asynchronous calls start first, in the same order on every rank
     debug = pg.debug_enabled()
@@ -74,18 +75,18 @@ def _start(pg: ProcessGroup, op: str, x: Any = None, reduce: Optional[ReduceOp] 
     entry = flight.record(pg, op, x, reduce_name, root, fingerprint.caller_location() if debug else None)
     if debug:
         fingerprint.check(pg, op, x, reduce_name, root)
-    label = _Label(op, pg.seq, pg, entry, (x, reduce_name, root))
+    label = CallLabel(op, pg.seq, pg, entry, (x, reduce_name, root))
     pg.seq += 1
     return label
 
 
-def _run(pg: ProcessGroup, label: _Label, issue, async_op: bool, carried: bool = False,
+def run_call(pg: ProcessGroup, label: CallLabel, issue, async_op: bool, carried: bool = False,
          carry: Optional[ReduceOp] = None) -> Any:
     """Compare the call across ranks (unless ``carried``), then call ``issue(nonblocking)``: its Work, or wait for it."""
     # In a CUDA graph capture nothing runs, so nothing can be waited for on the host: no timeout, no
     # arrival notices; the call is ordered on the stream (see [Note: collectives in a graph]).
     timeout = None if capture.capturing() else pg.effective_timeout()
-    collective = isinstance(label, _Label)  # point-to-point calls carry a plain text label
+    collective = isinstance(label, CallLabel)  # point-to-point calls carry a plain text label
     arrivals = (pg.backend.announce(label.seq, label.op) if collective and timeout is not None and not async_op
                 else None)
     entry = label.entry if collective else None
@@ -104,7 +105,7 @@ def _run(pg: ProcessGroup, label: _Label, issue, async_op: bool, carried: bool =
 
 def _checked_run(pg: ProcessGroup, label: Any, issue, async_op: bool, carried: bool, timeout: Optional[float],
                  collective: bool, arrivals: Any, entry: Optional[list], carry: Optional[ReduceOp] = None) -> Any:
-    """``_run``'s body: the agreement check, the call, and the wait (a blocking call's, which the watchdog sees)."""
+    """``run_call``'s body: the agreement check, the call, and the wait (a blocking call's, which the watchdog sees)."""
     pending = None
     done = False
     if collective and not carried and async_op and not is_cupy_array(label.call[0]):
@@ -183,8 +184,8 @@ def _reduction(pg: ProcessGroup, x, out, op: ReduceOp, issue_on, result=None):
 
 
 # -- reductions ------------------------------------------------------------------------
-def all_reduce(x, op=ReduceOp.SUM, group: Optional[ProcessGroup] = None, async_op: bool = False):
-    """Reduce ``x`` over the group, in place, natively (users call ``ax.all_reduce``, ``collectives.allreduce``).
+def native_all_reduce(x, op=ReduceOp.SUM, group: Optional[ProcessGroup] = None, async_op: bool = False):
+    """Reduce ``x`` over the group, in place, in one backend call (what ``ax.all_reduce`` does with "native").
 
     Raises:
         NotAMemberError, UnsupportedDtypeError, NonContiguousBufferError,
@@ -192,7 +193,7 @@ def all_reduce(x, op=ReduceOp.SUM, group: Optional[ProcessGroup] = None, async_o
     """
     if not async_op and fast_path.attempt(fast_path.ALL_REDUCE, x, group, op) is not fast_path.NOT_TAKEN:
         return None
-    pg = _member(group, "all_reduce")
+    pg = member(group, "all_reduce")
     try:
         op = ReduceOp.parse(op)
         check_array(x, "all_reduce buffer", writable=True)
@@ -204,33 +205,31 @@ def all_reduce(x, op=ReduceOp.SUM, group: Optional[ProcessGroup] = None, async_o
 def checked_all_reduce(x: Any, op: ReduceOp, pg: ProcessGroup, async_op: bool) -> Any:
     """The native all-reduce's general path, once ``x``, ``op`` and membership of ``pg`` are checked."""
     graphed.admit(pg, "all_reduce", x, _OP_NAMES[op], why_not=_RING_IN_GRAPH if shm_path.fixed_order(x, op) else None)
-    label = _start(pg, "all_reduce", x, op)
-    if pg.size == 1:
-        # Every op over one rank is the identity (AVG too: x // 1 == x / 1 == x).
+    label = start_call(pg, "all_reduce", x, op)
+    route, node = routes.choose(pg, x, "all_reduce", op, async_op)
+    if route is Route.ONE_RANK:
         work = CompletedWork()
         _trace(work, time.perf_counter(), label, True)
         work.wait()  # nothing to wait for: marks it finished (and ends its timeline span)
         return work if async_op else None
-    backend = pg.backend
-    if staged_path.takes(pg, x, op, async_op):  # a large device array through host memory: pipelined
-        return _run(pg, label, lambda nb: staged_path.all_reduce(pg, x, op), False)
-    fixed = shm_path.fixed_order(x, op)  # settings.deterministic, and the order could change the bits
-    node = shm_path.path(pg, x, "all_reduce", reduction=True, any_size=fixed)
-    if fixed and node is None:  # no shared memory (several nodes): the ring's order is fixed too
+    if route is Route.STAGED:
+        return run_call(pg, label, lambda nb: staged_path.all_reduce(pg, x, op), False)
+    if route is Route.RING:
         agreement.check(pg, label.seq, "all_reduce", x, label.call[1])
         ring_all_reduce(x, op, pg)
         return CompletedWork() if async_op else None
-    if node is not None and node.fuses(op, x):
+    if route is Route.NODE:
         desc = label.desc()
-        return _run(pg, label, lambda nb: node.all_reduce(x, x, op, desc), async_op, carried=True)
-    if node is not None:
+        return run_call(pg, label, lambda nb: node.all_reduce(x, x, op, desc), async_op, carried=True)
+    if route is Route.NODE_WIDENED:
         desc = label.desc()
         issue = _reduction(pg, x, x, op, lambda s, d, base, nb: node.all_reduce(s, d, base, desc))
-        return _run(pg, label, issue, async_op, carried=True)
+        return run_call(pg, label, issue, async_op, carried=True)
+    backend = pg.backend
     issue = _reduction(pg, x, x, op, lambda s, d, base, nb: backend.all_reduce(s, base, nb))
     # A blocking call that ``_reduction`` passes through unchanged may go with its check (collectives.carried).
     carry = op if not async_op and op is not ReduceOp.AVG and not is_low_precision_float(x.dtype) else None
-    return _run(pg, label, issue, async_op, carry=carry)
+    return run_call(pg, label, issue, async_op, carry=carry)
 
 
 def _result_buffer(x: Any, out: Any, shape: tuple, op: str, what: str) -> Any:
@@ -257,7 +256,7 @@ def reduce_scatter(x, op=ReduceOp.SUM, group: Optional[ProcessGroup] = None, asy
         part = fast_path.attempt(fast_path.REDUCE_SCATTER, x, group, op, out=out)
         if part is not fast_path.NOT_TAKEN:
             return part
-    pg = _member(group, "reduce_scatter")
+    pg = member(group, "reduce_scatter")
     try:
         op = ReduceOp.parse(op)
         check_array(x, "reduce_scatter input")
@@ -271,20 +270,20 @@ def reduce_scatter(x, op=ReduceOp.SUM, group: Optional[ProcessGroup] = None, asy
         refuse_call(pg, "reduce_scatter", exc, x, async_op)
     graphed.admit(pg, "reduce_scatter", x, _OP_NAMES[op],
                   why_not=_RING_IN_GRAPH if shm_path.fixed_order(x, op) else None)
-    label = _start(pg, "reduce_scatter", x, op)
-    backend = pg.backend
-    fixed = shm_path.fixed_order(x, op)
-    node = shm_path.path(pg, x, "reduce_scatter", reduction=True, any_size=fixed)
-    if fixed and node is None and pg.size > 1:  # deterministic across nodes: the ring's fixed order
-        return _run(pg, label, lambda nb: ring_reduce_scatter(x, out, op, pg), async_op)
-    if node is not None:
+    label = start_call(pg, "reduce_scatter", x, op)
+    route, node = routes.choose(pg, x, "reduce_scatter", op)
+    if route is Route.RING:
+        return run_call(pg, label, lambda nb: ring_reduce_scatter(x, out, op, pg), async_op)
+    if route is Route.NODE:
         desc = label.desc()
-        if node.fuses(op, x):
-            return _run(pg, label, lambda nb: node.reduce_scatter(x, out, op, desc), async_op, carried=True)
+        return run_call(pg, label, lambda nb: node.reduce_scatter(x, out, op, desc), async_op, carried=True)
+    if route is Route.NODE_WIDENED:
+        desc = label.desc()
         issue = _reduction(pg, x, out, op, lambda s, d, base, nb: node.reduce_scatter(s, d, base, desc), out)
-        return _run(pg, label, issue, async_op, carried=True)
+        return run_call(pg, label, issue, async_op, carried=True)
+    backend = pg.backend
     issue = _reduction(pg, x, out, op, lambda s, d, base, nb: backend.reduce_scatter(s, d, base, nb), out)
-    return _run(pg, label, issue, async_op)
+    return run_call(pg, label, issue, async_op)
 
 
 def reduce_scatter_sum(x, group=None, async_op=False):
@@ -309,7 +308,7 @@ def broadcast(x, src: int = 0, group: Optional[ProcessGroup] = None, async_op: b
     """
     if not async_op and fast_path.attempt(fast_path.BROADCAST, x, group, root=src) is not fast_path.NOT_TAKEN:
         return None
-    pg = _member(group, "broadcast")
+    pg = member(group, "broadcast")
     try:
         src = pg.check_rank(src, "broadcast src")
         if isinstance(x, np.ndarray) and not x.flags.writeable:
@@ -322,13 +321,13 @@ def broadcast(x, src: int = 0, group: Optional[ProcessGroup] = None, async_op: b
     except AxonError as exc:
         refuse_call(pg, "broadcast", exc, x, async_op)
     graphed.admit(pg, "broadcast", x, root=src)
-    label = _start(pg, "broadcast", x, root=src)
+    label = start_call(pg, "broadcast", x, root=src)
     backend = pg.backend
-    node = shm_path.path(pg, x, "broadcast", reduction=False)
-    if node is not None:
+    route, node = routes.choose(pg, x, "broadcast")
+    if route is Route.NODE:
         desc = label.desc()
-        return _run(pg, label, lambda nb: node.broadcast(x, src, desc), async_op, carried=True)
-    return _run(pg, label, lambda nb: backend.broadcast(x, src, nb), async_op)
+        return run_call(pg, label, lambda nb: node.broadcast(x, src, desc), async_op, carried=True)
+    return run_call(pg, label, lambda nb: backend.broadcast(x, src, nb), async_op)
 
 
 def all_gather(x, group: Optional[ProcessGroup] = None, async_op: bool = False, out=None):
@@ -344,20 +343,20 @@ def all_gather(x, group: Optional[ProcessGroup] = None, async_op: bool = False, 
         result = fast_path.attempt(fast_path.ALL_GATHER, x, group, out=out)
         if result is not fast_path.NOT_TAKEN:
             return result
-    pg = _member(group, "all_gather")
+    pg = member(group, "all_gather")
     try:
         check_array(x, "all_gather input")
         out = _result_buffer(x, out, (pg.size,) + tuple(x.shape), "all_gather", "the result")
     except AxonError as exc:
         refuse_call(pg, "all_gather", exc, x, async_op)
     graphed.admit(pg, "all_gather", x)
-    label = _start(pg, "all_gather", x)
-    node = shm_path.path(pg, x, "all_gather", reduction=False)
-    if node is not None:
+    label = start_call(pg, "all_gather", x)
+    route, node = routes.choose(pg, x, "all_gather")
+    if route is Route.NODE:
         desc = label.desc()
-        return _run(pg, label, lambda nb: node.all_gather(x, out, desc), async_op, carried=True)
+        return run_call(pg, label, lambda nb: node.all_gather(x, out, desc), async_op, carried=True)
     backend = pg.backend
-    return _run(pg, label, lambda nb: backend.all_gather(x, out, nb), async_op)
+    return run_call(pg, label, lambda nb: backend.all_gather(x, out, nb), async_op)
 
 
 def gather(x, dst: int = 0, group: Optional[ProcessGroup] = None, async_op: bool = False):
@@ -366,7 +365,7 @@ def gather(x, dst: int = 0, group: Optional[ProcessGroup] = None, async_op: bool
     Returns:
         On ``dst`` an array of shape ``(size, *x.shape)``; None elsewhere.
     """
-    pg = _member(group, "gather")
+    pg = member(group, "gather")
     try:
         dst = pg.check_rank(dst, "gather dst")
         check_array(x, "gather input")
@@ -375,9 +374,9 @@ def gather(x, dst: int = 0, group: Optional[ProcessGroup] = None, async_op: bool
     graphed.admit(pg, "gather", x, root=dst, why_not="NCCL has no gather (it is grouped sends and receives, "
                                                      "which axonhpc does not capture)")
     out = array_module(x).empty((pg.size,) + tuple(x.shape), dtype=x.dtype) if pg.rank == dst else None
-    label = _start(pg, "gather", x, root=dst)
+    label = start_call(pg, "gather", x, root=dst)
     backend = pg.backend
-    return _run(pg, label, lambda nb: backend.gather(x, out, dst, nb), async_op)
+    return run_call(pg, label, lambda nb: backend.gather(x, out, dst, nb), async_op)
 
 
 _HEADER = 34  # status, dtype index, ndim, up to 31 dimensions
@@ -394,7 +393,7 @@ def scatter(x, src: int = 0, group: Optional[ProcessGroup] = None, async_op: boo
     """
     from .._dtypes import supported_dtypes
 
-    pg = _member(group, "scatter")
+    pg = member(group, "scatter")
     try:
         src = pg.check_rank(src, "scatter src")
     except AxonError as exc:
@@ -420,7 +419,7 @@ def scatter(x, src: int = 0, group: Optional[ProcessGroup] = None, async_op: boo
         except Exception as exc:  # noqa: BLE001 - reported to every rank, then raised here
             problem = exc
             header[0] = _SCATTER_FAILED
-    label = _start(pg, "scatter", None, root=src)
+    label = start_call(pg, "scatter", None, root=src)
     agreement.check(pg, label.seq, "scatter", None, None, src)  # before the header: every rank must name one src
     backend.broadcast(header, src, async_op=False)
     if header[0] not in (_SCATTER_OK, _SCATTER_OK_DEVICE):
@@ -435,16 +434,16 @@ def scatter(x, src: int = 0, group: Optional[ProcessGroup] = None, async_op: boo
         xp = importlib.import_module("cupy") if header[0] == _SCATTER_OK_DEVICE else np
     out = xp.empty(shape, dtype=dtype)
     send = x if pg.rank == src else None
-    return _run(pg, label, lambda nb: backend.scatter(send, out, src, nb), async_op, carried=True)
+    return run_call(pg, label, lambda nb: backend.scatter(send, out, src, nb), async_op, carried=True)
 
 
 def barrier(group: Optional[ProcessGroup] = None, async_op: bool = False):
     """Return once every rank of the group has entered the barrier."""
-    pg = _member(group, "barrier")
+    pg = member(group, "barrier")
     graphed.admit(pg, "barrier", why_not="a barrier waits on the host, which a graph's replay does not")
-    label = _start(pg, "barrier")
+    label = start_call(pg, "barrier")
     backend = pg.backend
-    return _run(pg, label, lambda nb: backend.barrier(nb), async_op)
+    return run_call(pg, label, lambda nb: backend.barrier(nb), async_op)
 
 
 # -- facts ------------------------------------------------------------------------------------

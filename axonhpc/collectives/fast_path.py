@@ -1,7 +1,7 @@
 """The fast path of blocking collectives on plain host arrays: one eligibility check, one table of calls.
 
 [Note: why a second path]
-The general path (argument checks, records, agreement, ``core._run``'s timeouts and timeline spans)
+The general path (argument checks, records, agreement, ``core.run_call``'s timeouts and timeline spans)
 is over a hundred Python calls, which at 8 bytes are the whole cost of an all-reduce on one node.
 A blocking call on a plain numpy array with no debug mode, timeout or timeline and the native
 algorithm needs only the flight record, the sequence number, the agreement check and the call, and

@@ -1,7 +1,7 @@
 """Point-to-point messages: ``send``, ``recv``, ``isend``, ``irecv``.
 
 Each is one row of a small table (``_Kind``), checked alike before anything is sent and run through
-``core._run``. Messages carry no sequence number: a message is matched by peer and tag, not order.
+``core.run_call``. Messages carry no sequence number: a message is matched by peer and tag, not order.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from ..backends.base import Work
 from ..errors import InvalidArgumentError, RankError
 from ..groups import ProcessGroup
 from . import graphed
-from .core import _member, _run
+from .core import member, run_call
 
 
 class _Kind(NamedTuple):
@@ -38,7 +38,7 @@ def _check_tag(tag: Any) -> int:
 
 
 def _p2p(kind: _Kind, x: Any, peer: int, tag: int, group: Optional[ProcessGroup]) -> Any:
-    pg = _member(group, kind.name)
+    pg = member(group, kind.name)
     peer = pg.check_rank(peer, f"{kind.name} {kind.peer}")
     tag = _check_tag(tag)
     if kind is _SEND and peer == pg.rank:
@@ -50,7 +50,7 @@ def _p2p(kind: _Kind, x: Any, peer: int, tag: int, group: Optional[ProcessGroup]
                                             "them until a wait, which a graph's replay would not repeat)")
     call = kind.call(pg.backend)
     label = f"{kind.name} with group rank {peer} (tag {tag}) on group {pg.name}"  # p2p: no sequence number
-    return _run(pg, label, lambda nb: call(x, peer, tag, nb), kind.async_op)
+    return run_call(pg, label, lambda nb: call(x, peer, tag, nb), kind.async_op)
 
 
 def send(x, dst: int, tag: int = 0, group: Optional[ProcessGroup] = None) -> None:

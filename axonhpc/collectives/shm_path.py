@@ -45,7 +45,7 @@ class _Path:
         return op.value in FUSED.get(np.dtype(x.dtype), ())
 
     def _call(self, method: str, *args: Any) -> None:
-        # The watchdog, which sees the wait (``core._run`` notes every call), learns which engine to end it
+        # The watchdog, which sees the wait (``core.run_call`` notes every call), learns which engine to end it
         # in: an array's window has its own.
         ident = watchdog.get_ident()
         watchdog.engines[ident] = self.engine
