@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 import axonhpc as ax
-from axonhpc.backends.mpi import _blocks
+from axonhpc.backends.mpi import chunk_bounds
 from collective_cases import CASES, closed_form
 from mpi_assert import collectively
 
@@ -69,10 +69,10 @@ def test_chunked_messages(mpi_world, small_chunks):
 
 def test_blocks_cover_every_element():
     """The chunk arithmetic: consecutive, bounded, complete, one empty block for 0."""
-    assert list(_blocks(0, 5)) == [(0, 0)]
+    assert list(chunk_bounds(0, 5)) == [(0, 0)]
     for n in range(1, 40):
         for step in range(1, 12):
-            blocks = list(_blocks(n, step))
+            blocks = list(chunk_bounds(n, step))
             assert blocks[0][0] == 0 and blocks[-1][1] == n
             assert all(b - a <= step and b > a for a, b in blocks)
             assert all(blocks[i][1] == blocks[i + 1][0] for i in range(len(blocks) - 1))

@@ -18,7 +18,7 @@ from ..errors import BackendUnavailableError, InvalidArgumentError, ShapeError
 from ..settings import settings
 from .base import Backend, CompletedWork, ReduceOp, Work
 from .mpi_arrivals import Arrivals
-from .mpi_work import MPIWork, _Plan, _blocks, _datatype, _mpi, _mpi_op, raise_failure
+from .mpi_work import ChunkPlan, MPIWork, chunk_bounds, load_mpi, mpi_datatype, mpi_op, raise_failure
 
 
 def _cuda_aware() -> bool:
@@ -65,7 +65,7 @@ class _MatchedReceive(Work):
 
     def _accept(self, message, status, a: int, b: int, blocking: bool):
         """Receive the matched ``message`` into ``flat[a:b]``, or drop it and raise when its size differs."""
-        MPI = _mpi()
+        MPI = load_mpi()
         got = status.Get_count(MPI.BYTE)
         want = (b - a) * self._flat.dtype.itemsize
         if got != want:
@@ -79,7 +79,7 @@ class _MatchedReceive(Work):
         return message.Irecv(spec)
 
     def run_blocking(self) -> Work:
-        comm, MPI = self._backend.comm, _mpi()
+        comm, MPI = self._backend.comm, load_mpi()
         try:
             while self._pending:
                 a, b = self._pending.pop(0)
@@ -92,7 +92,7 @@ class _MatchedReceive(Work):
 
     def _match(self) -> bool:
         """Match every chunk whose message has arrived; True once all are matched."""
-        comm, MPI = self._backend.comm, _mpi()
+        comm, MPI = self._backend.comm, load_mpi()
         while self._pending:
             status = MPI.Status()
             message = comm.Improbe(self._src, self._tag, status)
@@ -103,7 +103,7 @@ class _MatchedReceive(Work):
         return True
 
     def _test(self) -> bool:
-        MPI = _mpi()
+        MPI = load_mpi()
         try:
             return self._match() and MPI.Request.Testall(self._requests)
         except MPI.Exception as exc:
@@ -118,7 +118,7 @@ class _PostedReceive(MPIWork):
         self._problem, self._facts = problem, facts
 
     def _check(self, call) -> Any:
-        MPI = _mpi()
+        MPI = load_mpi()
         statuses = [MPI.Status() for _ in self._requests]
         buf, blocks, src, tag = self._facts
         try:
@@ -143,13 +143,13 @@ class _PostedReceive(MPIWork):
     def _test(self) -> bool:
         if not self._requests:
             return True
-        if not self._check(_mpi().Request.Testall):
+        if not self._check(load_mpi().Request.Testall):
             return False
         return self._advance()
 
     def _block(self, timeout: Optional[float]) -> bool:
         if timeout is None and self._requests:
-            self._check(_mpi().Request.Waitall)
+            self._check(load_mpi().Request.Waitall)
             self._advance()
             return True
         return Work._block(self, timeout)
@@ -164,7 +164,7 @@ class MPIBackend(Backend):
     name = "mpi"
 
     def __init__(self, comm, dup: bool = True):
-        MPI = _mpi()
+        MPI = load_mpi()
         if comm == MPI.COMM_NULL:
             raise InvalidArgumentError("MPIBackend needs a communicator, got MPI.COMM_NULL")
         if comm.Is_inter():
@@ -208,15 +208,15 @@ class MPIBackend(Backend):
 
     @staticmethod
     def _spec(flat: np.ndarray, start: int, stop: int):
-        return [flat[start:stop], stop - start, _datatype(flat.dtype)]
+        return [flat[start:stop], stop - start, mpi_datatype(flat.dtype)]
 
     def _limit(self, per_rank_parts: int = 1) -> int:
         return max(1, settings.max_message_elements // per_rank_parts)
 
     def reducer(self, buf: np.ndarray, op: ReduceOp) -> Callable[[], None]:
         """One ``Allreduce`` call on the prepared buffer (see ``Backend.reducer``)."""
-        MPI, comm = _mpi(), self.comm
-        args = (MPI.IN_PLACE, [buf, _datatype(buf.dtype)], _mpi_op(op))
+        MPI, comm = load_mpi(), self.comm
+        args = (MPI.IN_PLACE, [buf, mpi_datatype(buf.dtype)], mpi_op(op))
 
         def reduce() -> None:
             try:
@@ -228,7 +228,7 @@ class MPIBackend(Backend):
 
     # -- collectives ------------------------------------------------------------
     def all_reduce(self, buf, op: ReduceOp, async_op: bool) -> Work:
-        MPI, comm, mop = _mpi(), self.comm, _mpi_op(op)
+        MPI, comm, mop = load_mpi(), self.comm, mpi_op(op)
         if is_cupy_array(buf):
             if self._staged(buf):
                 return self._on_host(MPIBackend.all_reduce, (buf, op, async_op), (0,), (0,))
@@ -236,13 +236,13 @@ class MPIBackend(Backend):
             # The common case, kept short: small messages are dominated by
             # per-call overhead.
             try:
-                comm.Allreduce(MPI.IN_PLACE, [buf, _datatype(buf.dtype)], mop)
+                comm.Allreduce(MPI.IN_PLACE, [buf, mpi_datatype(buf.dtype)], mop)
             except MPI.Exception as exc:
                 raise_failure(comm, exc)
             return CompletedWork()
         flat = self._flat(buf)
-        plan = _Plan(comm)
-        for a, b in _blocks(flat.size, self._limit()):
+        plan = ChunkPlan(comm)
+        for a, b in chunk_bounds(flat.size, self._limit()):
             spec = self._spec(flat, a, b)
             plan.add(lambda s=spec: comm.Allreduce(MPI.IN_PLACE, s, mop),
                      lambda s=spec: comm.Iallreduce(MPI.IN_PLACE, s, mop))
@@ -254,8 +254,8 @@ class MPIBackend(Backend):
             return self._on_host(MPIBackend.broadcast, (buf, root, async_op), (0,) if mine else (), () if mine else (0,))
         comm = self.comm
         flat = self._flat(buf)
-        plan = _Plan(comm)
-        for a, b in _blocks(flat.size, self._limit()):
+        plan = ChunkPlan(comm)
+        for a, b in chunk_bounds(flat.size, self._limit()):
             spec = self._spec(flat, a, b)
             plan.add(lambda s=spec: comm.Bcast(s, root), lambda s=spec: comm.Ibcast(s, root))
         return plan.run(async_op)
@@ -266,15 +266,15 @@ class MPIBackend(Backend):
         comm, size = self.comm, self.size
         sflat = self._flat(send)
         rows = self._flat(recv).reshape(size, sflat.size)
-        plan = _Plan(comm)
+        plan = ChunkPlan(comm)
         limit = self._limit(size)
         if sflat.size <= limit:
-            s, r = self._spec(sflat, 0, sflat.size), [rows, sflat.size, _datatype(sflat.dtype)]
+            s, r = self._spec(sflat, 0, sflat.size), [rows, sflat.size, mpi_datatype(sflat.dtype)]
             plan.add(lambda: comm.Allgather(s, r), lambda: comm.Iallgather(s, r))
         else:
-            for a, b in _blocks(sflat.size, limit):
+            for a, b in chunk_bounds(sflat.size, limit):
                 tmp = array_module(sflat).empty((size, b - a), dtype=sflat.dtype)
-                s, r = self._spec(sflat, a, b), [tmp, b - a, _datatype(sflat.dtype)]
+                s, r = self._spec(sflat, a, b), [tmp, b - a, mpi_datatype(sflat.dtype)]
                 plan.add(lambda s=s, r=r: comm.Allgather(s, r), lambda s=s, r=r: comm.Iallgather(s, r),
                          lambda a=a, b=b, tmp=tmp: rows.__setitem__((slice(None), slice(a, b)), tmp))
         return plan.run(async_op, recv)
@@ -282,17 +282,17 @@ class MPIBackend(Backend):
     def reduce_scatter(self, send, recv, op: ReduceOp, async_op: bool) -> Work:
         if self._staged(send):
             return self._on_host(MPIBackend.reduce_scatter, (send, recv, op, async_op), (0,), (1,))
-        comm, size, mop = self.comm, self.size, _mpi_op(op)
+        comm, size, mop = self.comm, self.size, mpi_op(op)
         rflat = self._flat(recv)
         rows = self._flat(send).reshape(size, rflat.size)
-        plan = _Plan(comm)
+        plan = ChunkPlan(comm)
         limit = self._limit(size)
-        T = _datatype(rflat.dtype)
+        T = mpi_datatype(rflat.dtype)
         if rflat.size <= limit:
             s, r = [rows, rflat.size, T], self._spec(rflat, 0, rflat.size)
             plan.add(lambda: comm.Reduce_scatter_block(s, r, mop), lambda: comm.Ireduce_scatter_block(s, r, mop))
         else:
-            for a, b in _blocks(rflat.size, limit):
+            for a, b in chunk_bounds(rflat.size, limit):
                 tmp = array_module(rows).ascontiguousarray(rows[:, a:b])
                 s, r = [tmp, b - a, T], self._spec(rflat, a, b)
                 plan.add(lambda s=s, r=r: comm.Reduce_scatter_block(s, r, mop),
@@ -306,14 +306,14 @@ class MPIBackend(Backend):
         sflat = self._flat(send)
         is_root = self.rank == root
         rows = self._flat(recv).reshape(size, sflat.size) if is_root else None
-        T = _datatype(sflat.dtype)
-        plan = _Plan(comm)
+        T = mpi_datatype(sflat.dtype)
+        plan = ChunkPlan(comm)
         limit = self._limit(size)
         if sflat.size <= limit:
             s, r = self._spec(sflat, 0, sflat.size), ([rows, sflat.size, T] if is_root else None)
             plan.add(lambda: comm.Gather(s, r, root), lambda: comm.Igather(s, r, root))
         else:
-            for a, b in _blocks(sflat.size, limit):
+            for a, b in chunk_bounds(sflat.size, limit):
                 tmp = array_module(sflat).empty((size, b - a), dtype=sflat.dtype) if is_root else None
                 s, r = self._spec(sflat, a, b), ([tmp, b - a, T] if is_root else None)
                 after = (lambda a=a, b=b, tmp=tmp: rows.__setitem__((slice(None), slice(a, b)), tmp)) if is_root else None
@@ -327,14 +327,14 @@ class MPIBackend(Backend):
         rflat = self._flat(recv)
         is_root = self.rank == root
         rows = self._flat(send).reshape(size, rflat.size) if is_root else None
-        T = _datatype(rflat.dtype)
-        plan = _Plan(comm)
+        T = mpi_datatype(rflat.dtype)
+        plan = ChunkPlan(comm)
         limit = self._limit(size)
         if rflat.size <= limit:
             s, r = ([rows, rflat.size, T] if is_root else None), self._spec(rflat, 0, rflat.size)
             plan.add(lambda: comm.Scatter(s, r, root), lambda: comm.Iscatter(s, r, root))
         else:
-            for a, b in _blocks(rflat.size, limit):
+            for a, b in chunk_bounds(rflat.size, limit):
                 s = [array_module(rows).ascontiguousarray(rows[:, a:b]), b - a, T] if is_root else None
                 r = self._spec(rflat, a, b)
                 plan.add(lambda s=s, r=r: comm.Scatter(s, r, root), lambda s=s, r=r: comm.Iscatter(s, r, root))
@@ -342,7 +342,7 @@ class MPIBackend(Backend):
 
     def barrier(self, async_op: bool) -> Work:
         comm = self.comm
-        plan = _Plan(comm)
+        plan = ChunkPlan(comm)
         plan.add(comm.Barrier, comm.Ibarrier)
         return plan.run(async_op)
 
@@ -352,8 +352,8 @@ class MPIBackend(Backend):
             return self._on_host(MPIBackend.send, (buf, dst, tag, async_op), (0,), ())
         comm = self.comm
         flat = self._flat(buf)
-        plan = _Plan(comm)
-        for a, b in _blocks(flat.size, self._limit()):
+        plan = ChunkPlan(comm)
+        for a, b in chunk_bounds(flat.size, self._limit()):
             spec = self._spec(flat, a, b)
             plan.add(lambda s=spec: comm.Send(s, dst, tag), lambda s=spec: comm.Isend(s, dst, tag))
         return plan.run(async_op, sequential=False)
@@ -363,7 +363,7 @@ class MPIBackend(Backend):
         if self._staged(buf):
             return self._on_host(MPIBackend.recv, (buf, src, tag, async_op), (), (0,))
         flat = self._flat(buf)
-        blocks = list(_blocks(flat.size, self._limit()))
+        blocks = list(chunk_bounds(flat.size, self._limit()))
         if not async_op:
             return _MatchedReceive(self, buf, flat, blocks, src, tag).run_blocking()
         comm = self.comm
@@ -378,7 +378,7 @@ class MPIBackend(Backend):
         if self._staged(buf):
             return self._on_host(MPIBackend.recv_now, (buf, src, tag, nonblocking), (), (0,))
         flat = self._flat(buf)
-        receive = _MatchedReceive(self, buf, flat, list(_blocks(flat.size, self._limit())), src, tag)
+        receive = _MatchedReceive(self, buf, flat, list(chunk_bounds(flat.size, self._limit())), src, tag)
         return receive if nonblocking else receive.run_blocking()
 
     def _size_problem(self, buf, src: int, tag: int, got_bytes: Optional[int], want: int, larger: bool = False,
@@ -404,12 +404,12 @@ class MPIBackend(Backend):
         return Arrivals(self._side, seq, op, self.rank, self.global_ranks)
 
     def split(self, color: Optional[int], key: int) -> Optional["MPIBackend"]:
-        MPI = _mpi()
+        MPI = load_mpi()
         new = self.comm.Split(MPI.UNDEFINED if color is None else int(color), int(key))
         return None if new == MPI.COMM_NULL else MPIBackend(new, dup=False)
 
     def create_group(self, ranks: Sequence[int]) -> Optional["MPIBackend"]:
-        MPI = _mpi()
+        MPI = load_mpi()
         parent = self.comm.Get_group()
         group = parent.Incl(list(ranks))
         new = self.comm.Create(group)
@@ -420,7 +420,7 @@ class MPIBackend(Backend):
     def node_layout(self, local_key: Optional[int] = None) -> Tuple[int, int, int, int]:
         """(local_rank, local_size, node_rank, num_nodes); ``local_key`` orders a node's ranks as the launcher numbers them."""
         if self._layout is None:
-            MPI = _mpi()
+            MPI = load_mpi()
             key = self.rank if local_key is None else int(local_key)
             local = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=key)
             local_rank, local_size = local.Get_rank(), local.Get_size()
@@ -435,10 +435,10 @@ class MPIBackend(Backend):
         return self._layout
 
     def abort(self, code: int = 1) -> None:
-        _mpi().COMM_WORLD.Abort(code)
+        load_mpi().COMM_WORLD.Abort(code)
 
     def free(self) -> None:
-        MPI = _mpi()
+        MPI = load_mpi()
         if MPI.Is_finalized():
             return
         if getattr(self, "_side", None) is not None:

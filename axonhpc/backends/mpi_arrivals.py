@@ -6,7 +6,7 @@ from typing import Dict, List, Sequence
 
 import numpy as np
 
-from .mpi_work import _mpi
+from .mpi_work import load_mpi
 
 
 # The operations a notice can name (by CRC-32 of the name), for messages.
@@ -29,7 +29,7 @@ class Arrivals:
     TAG_SPACE = 30000
 
     def __init__(self, side, seq: int, op: str, rank: int, global_ranks: Sequence[int]):
-        MPI = _mpi()
+        MPI = load_mpi()
         self.seq = int(seq)
         self.op = op
         self.global_ranks = tuple(global_ranks)
@@ -62,7 +62,7 @@ class Arrivals:
 
     def drain(self) -> None:
         """After the collective completed: receive every notice (all were sent) and finish the sends."""
-        MPI = _mpi()
+        MPI = load_mpi()
         MPI.Request.Waitall(list(self._recvs.values()) + self._sends)
 
     def abandon(self) -> None:

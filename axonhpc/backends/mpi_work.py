@@ -1,7 +1,7 @@
 """How the MPI backend's operations reach MPI: mpi4py on first use, datatypes and ops, chunks, ``MPIWork``.
 
-An operation is a ``_Plan`` of chunk steps (counts are C ints), each a blocking call, its
-nonblocking twin and what to do after; ``_Plan.run`` makes the blocking calls or starts the
+An operation is a ``ChunkPlan`` of chunk steps (counts are C ints), each a blocking call, its
+nonblocking twin and what to do after; ``ChunkPlan.run`` makes the blocking calls or starts the
 nonblocking ones under an ``MPIWork``.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ _DATATYPES: dict = {}
 _OPS: dict = {}
 
 
-def _mpi():
+def load_mpi():
     """mpi4py.MPI, imported on first use (importing it initialises MPI)."""
     global _MPI
     if _MPI is None:
@@ -31,13 +31,13 @@ def _mpi():
     return _MPI
 
 
-def _datatype(dtype: np.dtype):
+def mpi_datatype(dtype: np.dtype):
     """The MPI datatype that moves (and, for reducible dtypes, reduces) ``dtype``."""
     try:
         return _DATATYPES[dtype]
     except KeyError:
         pass
-    MPI = _mpi()
+    MPI = load_mpi()
     table = {
         np.dtype(np.float32): MPI.FLOAT,
         np.dtype(np.float64): MPI.DOUBLE,
@@ -55,17 +55,17 @@ def _datatype(dtype: np.dtype):
     return _DATATYPES[np.dtype(dtype)]
 
 
-def _mpi_op(op: ReduceOp):
+def mpi_op(op: ReduceOp):
     # Keyed by the member's string value: hashing an Enum member runs Python
     # code, hashing a str is cached, and this is on every call's path.
     if not _OPS:
-        MPI = _mpi()
+        MPI = load_mpi()
         _OPS.update({ReduceOp.SUM.value: MPI.SUM, ReduceOp.PRODUCT.value: MPI.PROD,
                      ReduceOp.MIN.value: MPI.MIN, ReduceOp.MAX.value: MPI.MAX})
     return _OPS[op._value_]
 
 
-def _blocks(n: int, step: int):
+def chunk_bounds(n: int, step: int):
     """[start, stop) blocks of at most ``step`` covering range(n) (one empty block for n == 0)."""
     if n == 0:
         yield 0, 0
@@ -77,7 +77,7 @@ def _blocks(n: int, step: int):
 def raise_failure(comm: Any, exc: BaseException):
     """Raise ``exc`` (an ``MPI.Exception`` from a call on ``comm``) as ``PeerFailedError`` when a peer died, else
     as it is (``backends.failures``). Call it inside the ``except`` clause."""
-    error = peer_failed(_mpi(), comm, exc)
+    error = peer_failed(load_mpi(), comm, exc)
     if error is exc:
         raise exc
     raise replacing(error, exc)
@@ -104,7 +104,7 @@ class MPIWork(Work):
                 self._requests = [steps[0][0]()]
             else:
                 self._requests = [start() for start, _ in steps]
-        except _mpi().Exception as exc:
+        except load_mpi().Exception as exc:
             raise_failure(comm, exc)
 
     def _advance(self) -> bool:
@@ -126,7 +126,7 @@ class MPIWork(Work):
         return False
 
     def _test(self) -> bool:
-        MPI = _mpi()
+        MPI = load_mpi()
         try:
             while self._requests:
                 if not MPI.Request.Testall(self._requests):
@@ -139,7 +139,7 @@ class MPIWork(Work):
 
     def _block(self, timeout: Optional[float]) -> bool:
         if timeout is None:
-            MPI = _mpi()
+            MPI = load_mpi()
             try:
                 while self._requests:
                     MPI.Request.Waitall(self._requests)
@@ -150,7 +150,7 @@ class MPIWork(Work):
         return super()._block(timeout)
 
 
-class _Plan:
+class ChunkPlan:
     """Steps of one (possibly chunked) operation on ``comm``: each starts a transfer, then finishes it."""
 
     def __init__(self, comm: Any):
@@ -168,7 +168,7 @@ class _Plan:
                     blocking()
                     if after is not None:
                         after()
-            except _mpi().Exception as exc:
+            except load_mpi().Exception as exc:
                 raise_failure(self.comm, exc)
             return CompletedWork(result)
         return MPIWork([(nonblocking, after) for _, nonblocking, after in self.steps], result, sequential, self.comm)

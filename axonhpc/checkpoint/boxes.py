@@ -131,7 +131,7 @@ def _subtract(a: Box, b: Box) -> List[Box]:
     return pieces
 
 
-def _cover_problem(target: Box, boxes: Sequence[Box]) -> Optional[str]:
+def cover_problem(target: Box, boxes: Sequence[Box]) -> Optional[str]:
     """Why ``boxes`` do not cover ``target`` exactly once, or None (overlaps searched only when volumes exceed)."""
     remaining = [target] if target.size else []
     for box in boxes:
@@ -211,18 +211,18 @@ def flat_range_boxes(box: Box, start: int, stop: int) -> List[Tuple[Box, int, in
     return pieces
 
 
-def _check_name(name: Any, what: str) -> str:
+def check_name(name: Any, what: str) -> str:
     if not isinstance(name, str):
         raise CheckpointError(f"{what}: array names must be str, got {type(name).__name__} {name!r}")
     return name
 
 
-def _as_piece(name: Any, value: Any, what: str, item: Optional[int] = None) -> Tuple[Box, Any]:
+def as_piece(name: Any, value: Any, what: str, item: Optional[int] = None) -> Tuple[Box, Any]:
     """``(box, array)`` from ``(Box, array)`` or ``(global_shape, offset, array)``; CheckpointError otherwise.
 
     ``item`` is the piece's position in the list of pieces of ``name`` (None for one given alone).
     """
-    _check_name(name, what)
+    check_name(name, what)
     label = f"{what} {name!r}" + ("" if item is None else f" [{item}]")
     if isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], Box):
         box, array = value

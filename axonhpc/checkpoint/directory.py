@@ -21,7 +21,7 @@ from ..errors import CheckpointError
 from ..groups import resolve_group
 from ..groups.agreement import agree
 from .format import checkpoint_path, encode
-from .io import _broadcast_text, _fsync_directory, _read, all_gather_over, failed_on, loading, write_atomic
+from .io import all_gather_over, broadcast_text, failed_on, fsync_directory, loading, read_file, write_atomic
 
 INDEX = "index.npz"
 PER_RANK_FORMAT = "axonhpc.per-rank/1"
@@ -72,7 +72,7 @@ def begin_directory(path: str, pg: Any, my_name: Optional[str]) -> str:
         check_file_name(my_name, f"saving checkpoint {path!r}: the file of group rank {pg.rank}")
         if my_name == INDEX:
             raise CheckpointError(f"saving checkpoint {path!r}: a rank's file may not be named {INDEX!r}")
-    token = _broadcast_text(uuid.uuid4().hex[:12] if pg.rank == 0 else None, pg) if pg.size > 1 \
+    token = broadcast_text(uuid.uuid4().hex[:12] if pg.rank == 0 else None, pg) if pg.size > 1 \
         else uuid.uuid4().hex[:12]
     tmp = temporary_directory(path, token)
     problem: Optional[BaseException] = None
@@ -110,12 +110,12 @@ def put_in_place(path: str, token: str, index: Callable[[], Any]) -> Optional[Ch
     tmp = temporary_directory(path, token)
     try:
         write_atomic(os.path.join(tmp, INDEX), encode(index()))
-        _fsync_directory(tmp)
+        fsync_directory(tmp)
         old = f"{path}.old-{token}"
         if os.path.exists(path):
             os.rename(path, old)
         os.rename(tmp, path)
-        _fsync_directory(os.path.dirname(os.path.abspath(path)))
+        fsync_directory(os.path.dirname(os.path.abspath(path)))
         shutil.rmtree(old, ignore_errors=True)
     except Exception as exc:  # noqa: BLE001
         shutil.rmtree(tmp, ignore_errors=True)
@@ -146,7 +146,7 @@ def save_directory(path: "str | os.PathLike[str]", pg: Any, my_file: Optional[Tu
 
 def read_index(path: str, expected_format: str) -> Tuple[dict, bytes]:
     """The index of a checkpoint directory and the sha256 of its metadata; CheckpointError if missing or malformed."""
-    index, digest = _read(member_path(path, INDEX, "index"))
+    index, digest = read_file(member_path(path, INDEX, "index"))
     if not isinstance(index, dict) or index.get("format") != expected_format:
         found = index.get("format") if isinstance(index, dict) else None
         raise CheckpointError(f"{path!r} is not a checkpoint of format {expected_format!r} (its index says "
@@ -188,7 +188,7 @@ def load_per_rank(path: "str | os.PathLike[str]", group: Any = None) -> Tuple[An
             raise CheckpointError(f"{path!r} was saved by {saved_world} ranks; this group has {pg.size} "
                                   "(per-rank states load only at the same world size)")
         name = rank_file(pg.rank, pg.size)
-        state = _read(member_path(path, name, f"rank file of rank {pg.rank}"))[0]
+        state = read_file(member_path(path, name, f"rank file of rank {pg.rank}"))[0]
         extra = index["extra"]
     return state, extra
 

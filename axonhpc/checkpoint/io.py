@@ -35,7 +35,7 @@ def _member_group(group: Optional[ProcessGroup], op: str) -> ProcessGroup:
     return resolve_group(group).require_member(f"checkpoint {op}")
 
 
-def _fsync_directory(directory: str) -> None:
+def fsync_directory(directory: str) -> None:
     if os.name != "posix":
         return  # directories cannot be opened for fsync elsewhere; the rename is still atomic
     fd = os.open(directory, os.O_RDONLY)
@@ -63,10 +63,10 @@ def write_atomic(path: str, entries: dict) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
-    _fsync_directory(os.path.dirname(os.path.abspath(path)))
+    fsync_directory(os.path.dirname(os.path.abspath(path)))
 
 
-def _broadcast_text(text: Optional[str], pg: ProcessGroup) -> Optional[str]:
+def broadcast_text(text: Optional[str], pg: ProcessGroup) -> Optional[str]:
     """Group rank 0's ``text`` (or None) on every rank: a length header, then the UTF-8 bytes."""
     header = np.zeros(1, dtype=np.int64)
     data = b""
@@ -79,6 +79,16 @@ def _broadcast_text(text: Optional[str], pg: ProcessGroup) -> Optional[str]:
     buffer = np.frombuffer(data, dtype=np.uint8).copy() if pg.rank == 0 else np.empty(int(header[0]), np.uint8)
     broadcast(buffer, 0, group=pg)
     return buffer.tobytes().decode("utf-8")
+
+
+def gather_text(text: str, pg: ProcessGroup) -> List[str]:
+    """Collective: every rank's ``text``, in group rank order (a length, then the padded UTF-8 bytes)."""
+    data = np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
+    sizes = all_gather(np.array([data.size], dtype=np.int64), group=pg).reshape(-1)
+    buffer = np.zeros(int(sizes.max()), dtype=np.uint8)
+    buffer[:data.size] = data
+    table = all_gather(buffer, group=pg)
+    return [table[r, :int(sizes[r])].tobytes().decode("utf-8") for r in range(pg.size)]
 
 
 def write_file(path: str, state: Any, pg: ProcessGroup) -> Optional[Tuple[BaseException, str]]:
@@ -98,7 +108,7 @@ def share_outcome(path: str, pg: ProcessGroup, failure: Optional[Tuple[BaseExcep
     """
     problem, message = failure if failure is not None else (None, None)
     if pg.size > 1:
-        message = _broadcast_text(message, pg)
+        message = broadcast_text(message, pg)
     if message is not None:
         raise CheckpointError(message) from problem
 
@@ -119,7 +129,7 @@ def save(path: PathLike, state: Any, group: Optional[ProcessGroup] = None) -> No
     share_outcome(path, pg, write_file(path, state, pg) if pg.rank == 0 else None)
 
 
-def _read(path: str) -> Tuple[Any, bytes]:
+def read_file(path: str) -> Tuple[Any, bytes]:
     """The state in ``path`` and the sha256 of its metadata; every failure is a CheckpointError (see ``archive``)."""
     source = f"checkpoint {path!r}"
     with open_archive(path, source) as archive:
@@ -179,6 +189,6 @@ def load(path: PathLike, group: Optional[ProcessGroup] = None) -> Any:
     path = checkpoint_path(path)
     pg = _member_group(group, "load")
     with loading(pg, path) as vote:
-        state, digest = _read(path)
+        state, digest = read_file(path)
         vote.text = digest.hex()
     return state

@@ -9,7 +9,7 @@ from typing import List, Optional
 from ..errors import ConfigurationError
 
 
-def _step_regex(pattern: str) -> "re.Pattern[str]":
+def step_regex(pattern: str) -> "re.Pattern[str]":
     parts = pattern.split("*")
     if len(parts) != 2 or os.sep in pattern:
         raise ConfigurationError(f"checkpoint name pattern {pattern!r} must be a file name with exactly one '*' "
@@ -37,7 +37,7 @@ def latest(dirpath: "str | os.PathLike[str]", pattern: Optional[str] = None) -> 
     Raises:
         ConfigurationError: ``pattern`` has no ``*``, more than one, or a path separator.
     """
-    regexes = [_step_regex(p) for p in (DEFAULT_PATTERNS if pattern is None else (pattern,))]
+    regexes = [step_regex(p) for p in (DEFAULT_PATTERNS if pattern is None else (pattern,))]
     dirpath = os.fspath(dirpath)
     try:
         names = os.listdir(dirpath)

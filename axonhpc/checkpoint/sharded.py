@@ -13,7 +13,7 @@ from typing import Any, List
 from ..buffers import shard_size
 from ..errors import CheckpointError
 from .directory import MAX_WORLD_SIZE, index_int, member_path, read_index, save_directory
-from .io import _read, loading
+from .io import loading, read_file
 
 INDEX_FORMAT = "axonhpc.fsdp.checkpoint/1"
 
@@ -79,7 +79,7 @@ def load_sharded(path: "str | os.PathLike[str]", fsdp: Any, optimizer: Any = Non
         vote.text = digest.hex()
         needed = _needed_files(index, fsdp, path)
         saved_world = index["shard_world_size"]
-        pieces = [_read(member_path(path, shard_file(k, saved_world), f"shard file {k}"))[0] for k in needed]
+        pieces = [read_file(member_path(path, shard_file(k, saved_world), f"shard file {k}"))[0] for k in needed]
         apply = fsdp.prepare_load(pieces, optimizer)  # checks only: nothing changes yet
     apply()  # every rank read and checked its part: now all change together
     return index["extra"]

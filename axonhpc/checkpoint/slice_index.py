@@ -35,7 +35,7 @@ def _ml_dtypes_name(dtype: np.dtype) -> Optional[str]:
     return dtype.name if getattr(dtype.type, "__module__", "") == "ml_dtypes" else None
 
 
-def _dtype_text(dtype: np.dtype, what: str) -> str:
+def dtype_text(dtype: np.dtype, what: str) -> str:
     """How the index records ``dtype``: ``"<f4"``, or an ml_dtypes name such as ``"bfloat16"``.
 
     Raises CheckpointError for a dtype a checkpoint cannot store (object, string, structured).
@@ -75,12 +75,12 @@ def slice_file(rank: int, world_size: int) -> str:
     return f"slices-{rank:05d}-of-{world_size:05d}.npz"
 
 
-def _file_key(name: str, piece: Optional[int]) -> str:
+def file_key(name: str, piece: Optional[int]) -> str:
     """The key of a box in its slice file: the name, or ``name#<piece>`` for one of several (see [Note: the index])."""
     return name if piece is None else f"{name}#{piece}"
 
 
-def _refuse_index(path: str, where: str, value: Any, expected: str) -> NoReturn:
+def refuse_index(path: str, where: str, value: Any, expected: str) -> NoReturn:
     """Raise the CheckpointError of a malformed index value, naming where it is and what it is."""
     shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:80] + "..."
     raise CheckpointError(f"{path!r}: the index records {where}={shown}; expected {expected} (a corrupt or "
@@ -91,12 +91,12 @@ def _index_ints(path: str, where: str, value: Any, length: int, high: int) -> Tu
     """``value`` checked to be a list of ``length`` ints from 0 to ``high``."""
     if (not isinstance(value, list) or len(value) != length
             or not all(type(v) is int and 0 <= v <= high for v in value)):
-        _refuse_index(path, where, value, f"a list of {length} integers from 0 to {high}")
+        refuse_index(path, where, value, f"a list of {length} integers from 0 to {high}")
     return tuple(value)
 
 
 @dataclasses.dataclass(frozen=True)
-class _Saved:
+class SavedArray:
     """One array as the (checked) index records it."""
 
     shape: Tuple[int, ...]
@@ -104,25 +104,25 @@ class _Saved:
     boxes: Tuple[Tuple[int, str, Box], ...]  # (file rank, key in that file, box)
 
 
-def _saved_array(path: str, name: str, entry: Any, world_size: int) -> _Saved:
+def saved_array(path: str, name: str, entry: Any, world_size: int) -> SavedArray:
     """The index entry of ``name``, every value checked before use (CheckpointError naming a bad one)."""
     where = f"arrays[{name!r}]"
     if not isinstance(entry, dict) or not {"shape", "dtype", "boxes"} <= set(entry):
-        _refuse_index(path, where, entry, "a dict with 'shape', 'dtype' and 'boxes'")
+        refuse_index(path, where, entry, "a dict with 'shape', 'dtype' and 'boxes'")
     raw_shape = entry["shape"]
     if not isinstance(raw_shape, list) or len(raw_shape) > MAX_NDIM:
-        _refuse_index(path, f"{where}.shape", raw_shape, f"a list of at most {MAX_NDIM} integers")
+        refuse_index(path, f"{where}.shape", raw_shape, f"a list of at most {MAX_NDIM} integers")
     shape = _index_ints(path, f"{where}.shape", raw_shape, len(raw_shape), MAX_DIM)
     dtype = _parse_dtype(entry["dtype"], f"{path!r}: array {name!r}")
     most = world_size * MAX_PIECES_PER_FILE
     if not isinstance(entry["boxes"], list) or len(entry["boxes"]) > most:
-        _refuse_index(path, f"{where}.boxes", entry["boxes"], f"a list of at most {most} boxes")
+        refuse_index(path, f"{where}.boxes", entry["boxes"], f"a list of at most {most} boxes")
     boxes = []
     pieces: Dict[int, set] = {}  # file rank -> its piece numbers (None: its one unnumbered box)
     for i, item in enumerate(entry["boxes"]):
         at = f"{where}.boxes[{i}]"
         if not isinstance(item, list) or len(item) not in (3, 4):
-            _refuse_index(path, at, item, "[file rank, offset, shape] or [file rank, offset, shape, piece]")
+            refuse_index(path, at, item, "[file rank, offset, shape] or [file rank, offset, shape, piece]")
         rank = _index_ints(path, f"{at} file rank", [item[0]], 1, world_size - 1)[0]
         offset = _index_ints(path, f"{at} offset", item[1], len(shape), MAX_DIM)
         extent = _index_ints(path, f"{at} shape", item[2], len(shape), MAX_DIM)
@@ -131,11 +131,11 @@ def _saved_array(path: str, name: str, entry: Any, world_size: int) -> _Saved:
         numbers = pieces.setdefault(rank, set())
         if (any(o + s > g for o, s, g in zip(offset, extent, shape)) or piece in numbers
                 or (numbers and (piece is None or None in numbers))):
-            _refuse_index(path, at, item, f"a box inside the global shape {shape}, one per file, or numbered "
-                                          f"pieces [file rank, offset, shape, i] with each (file rank, i) once")
+            refuse_index(path, at, item, f"a box inside the global shape {shape}, one per file, or numbered "
+                                         f"pieces [file rank, offset, shape, i] with each (file rank, i) once")
         numbers.add(piece)
-        boxes.append((rank, _file_key(name, piece), Box(shape, offset, extent)))
-    return _Saved(shape, dtype, tuple(boxes))
+        boxes.append((rank, file_key(name, piece), Box(shape, offset, extent)))
+    return SavedArray(shape, dtype, tuple(boxes))
 
 
 __all__ = ["INDEX_FORMAT", "MAX_DIM", "MAX_PIECES_PER_FILE", "slice_file"]

@@ -16,19 +16,19 @@ from .._dtypes import array_module, is_cupy_array
 from ..errors import CheckpointError
 from ..groups import resolve_group
 from .archive import EntryRefused, open_archive
-from .boxes import Box, _as_piece, _check_name, _cover_problem
+from .boxes import Box, as_piece, check_name, cover_problem
 from .directory import MAX_WORLD_SIZE, index_int, member_path, read_index
 from .format import MAX_META_BYTES, META_ENTRY, decode, parse_meta
 from .io import loading
-from .slice_index import INDEX_FORMAT, _refuse_index, _Saved, _saved_array, slice_file
+from .slice_index import INDEX_FORMAT, SavedArray, refuse_index, saved_array, slice_file
 
 
 def _as_request(name: Any, value: Any, item: Optional[int] = None) -> Tuple[Box, Any]:
     """``(box, destination or None)`` from a Box, ``(Box, array)`` or ``(global_shape, offset, array)``."""
     if isinstance(value, Box):
-        _check_name(name, "wanted")
+        check_name(name, "wanted")
         return value, None
-    box, dest = _as_piece(name, value, "wanted", item)
+    box, dest = as_piece(name, value, "wanted", item)
     label = f"wanted {name!r}" + ("" if item is None else f" [{item}]")
     if isinstance(dest, np.ndarray) and not dest.flags.writeable:
         raise CheckpointError(f"{label}: the destination array is read-only")
@@ -40,12 +40,12 @@ def _as_request(name: Any, value: Any, item: Optional[int] = None) -> Tuple[Box,
 def _as_requests(name: Any, value: Any) -> Tuple[bool, List[Tuple[Box, Any]]]:
     """``(given as a list?, [(box, destination or None), ...])`` for one name of ``wanted``."""
     if isinstance(value, list):
-        _check_name(name, "wanted")
+        check_name(name, "wanted")
         return True, [_as_request(name, item, i) for i, item in enumerate(value)]
     return False, [_as_request(name, value)]
 
 
-def _plan_read(path: str, saved: _Saved, name: str, want: Box,
+def _plan_read(path: str, saved: SavedArray, name: str, want: Box,
                dtype: Optional[np.dtype]) -> List[Tuple[int, str, Box, Box]]:
     """The saved boxes to read for ``want``: ``[(file rank, key, saved box, the part of it wanted)]``.
 
@@ -60,7 +60,7 @@ def _plan_read(path: str, saved: _Saved, name: str, want: Box,
                               f"{np.dtype(dtype)}")
     parts = [(rank, key, box, common) for rank, key, box in saved.boxes
              if (common := box.intersect(want)) is not None]
-    problem = _cover_problem(want, [common for _, _, _, common in parts])
+    problem = cover_problem(want, [common for _, _, _, common in parts])
     if problem is not None:
         raise CheckpointError(f"{path!r}: the saved boxes of {name!r} do not cover the requested offset "
                               f"{want.offset} shape {want.shape} exactly once: {problem} (a corrupt or crafted "
@@ -99,7 +99,7 @@ def _read_entries(path: str, names: Sequence[str], source: str) -> Dict[str, np.
 
 
 def _check_file_sizes(path: str, world_size: int, needs: Mapping[int, Mapping[str, Tuple[str, Box]]],
-                      saved: Mapping[str, _Saved]) -> None:
+                      saved: Mapping[str, SavedArray]) -> None:
     """Refuse to allocate for a file more bytes than it holds (a crafted index), before anything is read."""
     for rank, keys in needs.items():
         file = member_path(path, slice_file(rank, world_size), f"slice file of rank {rank}")
@@ -126,8 +126,8 @@ def _read_boxes(path: str, requests: Mapping[str, Sequence[Tuple[Optional[Box], 
     world_size = index_int(index, "world_size", path, 1, MAX_WORLD_SIZE)
     recorded = index.get("arrays")
     if not isinstance(recorded, dict):
-        _refuse_index(path, "arrays", type(recorded).__name__, "a dict of array names to entries")
-    saved: Dict[str, _Saved] = {}
+        refuse_index(path, "arrays", type(recorded).__name__, "a dict of array names to entries")
+    saved: Dict[str, SavedArray] = {}
     needs: Dict[int, Dict[str, Tuple[str, Box]]] = {}  # file rank -> key -> (name, saved box)
     parts: Dict[int, List[Tuple[str, str, int, Box, Box]]] = {}  # file rank -> (name, key, request, box, common)
     wants: Dict[str, List[Box]] = {}
@@ -136,7 +136,7 @@ def _read_boxes(path: str, requests: Mapping[str, Sequence[Tuple[Optional[Box], 
             held = sorted(recorded)
             raise CheckpointError(f"{path!r} holds no array {name!r} (it holds {len(held)}: {held[:10]}"
                                   f"{' ...' if len(held) > 10 else ''})")
-        saved[name] = _saved_array(path, name, recorded[name], world_size)
+        saved[name] = saved_array(path, name, recorded[name], world_size)
         wants[name] = [Box.full(saved[name].shape) if want is None else want for want, _ in asked]
         for j, (want, (_, dtype)) in enumerate(zip(wants[name], asked)):
             for rank, key, box, common in _plan_read(path, saved[name], name, want, dtype):
@@ -221,7 +221,7 @@ def read_full(path: "str | os.PathLike[str]",
             index, _ = read_index(path, INDEX_FORMAT)
             recorded = index.get("arrays")
             if not isinstance(recorded, dict):
-                _refuse_index(path, "arrays", type(recorded).__name__, "a dict of array names to entries")
+                refuse_index(path, "arrays", type(recorded).__name__, "a dict of array names to entries")
             names = list(recorded)
         arrays, extra, _ = _read_boxes(path, {name: [(None, None)] for name in names})
     except CheckpointError:

@@ -16,12 +16,12 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 
 from .._dtypes import is_cupy_array
-from ..collectives import all_gather
 from ..errors import CheckpointError
 from ..groups import resolve_group
-from .boxes import Box, _as_piece, _check_name, _cover_problem
+from .boxes import Box, as_piece, check_name, cover_problem
 from .directory import save_directory
-from .slice_index import INDEX_FORMAT, MAX_PIECES_PER_FILE, _dtype_text, _file_key, slice_file
+from .io import gather_text
+from .slice_index import INDEX_FORMAT, MAX_PIECES_PER_FILE, dtype_text, file_key, slice_file
 
 
 def _too_many_pieces(count: int) -> str:
@@ -34,7 +34,7 @@ def _checked_pieces(pieces: Mapping[str, Any]) -> List[Tuple[str, str, Box, Any]
         raise CheckpointError(f"pieces must be a mapping of names to (box, array), got {type(pieces).__name__}")
     out = []
     for name, value in pieces.items():
-        _check_name(name, "piece")
+        check_name(name, "piece")
         if isinstance(value, list):
             if len(value) > MAX_PIECES_PER_FILE:
                 raise CheckpointError(f"piece {name!r}: a list of {_too_many_pieces(len(value))}")
@@ -42,9 +42,9 @@ def _checked_pieces(pieces: Mapping[str, Any]) -> List[Tuple[str, str, Box, Any]
         else:
             items = [(None, value)]
         for item, piece in items:
-            box, array = _as_piece(name, piece, "piece", item)
+            box, array = as_piece(name, piece, "piece", item)
             dtype = array.dtype.newbyteorder("<") if array.dtype.byteorder == ">" else array.dtype
-            out.append((name, _dtype_text(dtype, f"piece {name!r}"), box, array))
+            out.append((name, dtype_text(dtype, f"piece {name!r}"), box, array))
     return out
 
 
@@ -57,16 +57,6 @@ def _host_array(array: Any, copy: bool) -> np.ndarray:
     if host.dtype.byteorder == ">":
         host = host.astype(host.dtype.newbyteorder("<"))
     return host
-
-
-def _gather_text(text: str, pg: Any) -> List[str]:
-    """Collective: every rank's ``text``, in group rank order (a length, then the padded UTF-8 bytes)."""
-    data = np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
-    sizes = all_gather(np.array([data.size], dtype=np.int64), group=pg).reshape(-1)
-    buffer = np.zeros(int(sizes.max()), dtype=np.uint8)
-    buffer[:data.size] = data
-    table = all_gather(buffer, group=pg)
-    return [table[r, :int(sizes[r])].tobytes().decode("utf-8") for r in range(pg.size)]
 
 
 def _describe(problem: Optional[str], mine: Sequence[Tuple[str, str, Box, Any]]) -> str:
@@ -138,7 +128,7 @@ def plan_slices(table: Sequence[Sequence[Tuple[str, str, Box]]]) -> Tuple[Dict[i
         for rank, _, box in held:  # in rank order, each rank's pieces in its order
             if box.size:
                 writer.setdefault(box, rank)  # replicas: the lowest rank holding the box writes it
-        problem = _cover_problem(Box.full(shape), list(writer))
+        problem = cover_problem(Box.full(shape), list(writer))
         if problem is not None:
             raise CheckpointError(f"the pieces of {name!r} (global shape {shape}) do not cover it exactly once: "
                                   f"{problem} (held by {_holders_text(held)})")
@@ -152,7 +142,7 @@ def plan_slices(table: Sequence[Sequence[Tuple[str, str, Box]]]) -> Tuple[Dict[i
             if written[rank] > 1:
                 piece = numbered[rank] = numbered.get(rank, -1) + 1
                 entry.append(piece)
-            key = _file_key(name, piece)
+            key = file_key(name, piece)
             if (rank, key) in keys:
                 several, single = (keys[(rank, key)], name) if piece is None else (name, keys[(rank, key)])
                 raise CheckpointError(f"group rank {rank} writes several boxes of {several!r}, stored in its file "
@@ -178,7 +168,7 @@ def _file_entries(arrays: Mapping[str, Any], rank: int) -> List[Tuple[str, str, 
         for item in entry["boxes"]:
             if item[0] == rank:
                 box = Box(entry["shape"], item[1], item[2])
-                out.append((_file_key(name, item[3] if len(item) == 4 else None), name, box))
+                out.append((file_key(name, item[3] if len(item) == 4 else None), name, box))
     return out
 
 
@@ -192,7 +182,7 @@ def prepare_slices(path: str, pieces: Mapping[str, Any], pg: Any, extra: Any, co
     except Exception as exc:  # noqa: BLE001 - every rank hears of it in the exchange below
         problem = str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
         mine = []
-    texts = _gather_text(_describe(problem, mine), pg) if pg.size > 1 else [_describe(problem, mine)]
+    texts = gather_text(_describe(problem, mine), pg) if pg.size > 1 else [_describe(problem, mine)]
     described = [_read_description(text) for text in texts]
     failed = [(rank, why) for rank, (why, _) in enumerate(described) if why is not None]
     if failed:

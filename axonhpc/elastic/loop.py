@@ -35,8 +35,8 @@ import numpy as np
 from ..backends import shm
 from ..backends.failures import describe_ranks
 from ..checkpoint.boxes import Box
+from ..checkpoint.io import gather_text
 from ..checkpoint.model_slices import fill_model_state, state_pieces
-from ..checkpoint.slice_save import _gather_text
 from ..checkpoint.sliced import save_slices
 from ..backends import ReduceOp
 from ..collectives import all_reduce
@@ -377,7 +377,7 @@ class ElasticTraining:
                                    buddy.copy_optimizer)
             pieces += copy
         whole, missing = gather_state(world.default_group, pieces)
-        described = next(d for d in map(json.loads, _gather_text(json.dumps(described), world.default_group))
+        described = next(d for d in map(json.loads, gather_text(json.dumps(described), world.default_group))
                          if d is not None)  # a spare has none, and may hold rank 0 now
         if missing:
             raise RecoveryError(f"after the loss of {describe_ranks(lost)} no survivor holds {describe_missing(missing)}; "

@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Sequence, Tuple
 import numpy as np
 
 from ..checkpoint.boxes import Box
-from ..checkpoint.slice_save import _gather_text
+from ..checkpoint.io import gather_text
 from ..collectives import broadcast
 from ..errors import ConfigurationError
 
@@ -43,7 +43,7 @@ def gather_state(group: Any, pieces: Sequence[Piece]) -> Tuple[Dict[str, np.ndar
         if not isinstance(a, (np.ndarray, np.generic)):
             raise ConfigurationError(f"rebuilding after a failure moves host arrays; {key!r} is a "
                                      f"{type(a).__name__} (device arrays are not supported here yet)")
-    offers = [json.loads(text) for text in _gather_text(_offer(pieces), group)]
+    offers = [json.loads(text) for text in gather_text(_offer(pieces), group)]
     sender: Dict[Tuple[str, tuple, tuple], int] = {}
     for rank, offer in enumerate(offers):
         for key, _, global_shape, offset, shape in offer:

@@ -8,7 +8,7 @@ import numpy as np
 
 from .._dtypes import array_module
 from ..errors import ConfigurationError, ShapeError
-from . import _init, kernels
+from . import initializers, kernels
 from .autocast import autocast_dtype, like, lower, product, widen
 from .functional import softmax
 from .linear import Linear
@@ -90,9 +90,9 @@ class MultiHeadAttention(Module):
     takes_arrays = True
 
     def __init__(self, embed_dim: int, num_heads: int, bias: bool = True, causal: bool = False,
-                 dtype: Any = np.float32, seed: _init.SeedLike = None) -> None:
+                 dtype: Any = np.float32, seed: initializers.SeedLike = None) -> None:
         super().__init__()
-        _init.check_sizes("MultiHeadAttention", embed_dim=embed_dim, num_heads=num_heads)
+        initializers.check_sizes("MultiHeadAttention", embed_dim=embed_dim, num_heads=num_heads)
         if embed_dim <= 0 or num_heads <= 0 or embed_dim % num_heads:
             raise ConfigurationError(f"MultiHeadAttention needs num_heads dividing embed_dim, both positive; "
                                      f"got embed_dim={embed_dim}, num_heads={num_heads}")
@@ -100,14 +100,14 @@ class MultiHeadAttention(Module):
         self.num_heads = int(num_heads)
         self.head_dim = self.embed_dim // self.num_heads
         self.causal = bool(causal)
-        seeds = _init.child_seeds(seed, 4)
+        seeds = initializers.child_seeds(seed, 4)
         self.q_proj = Linear(embed_dim, embed_dim, bias=bias, dtype=dtype, seed=seeds[0])
         self.k_proj = Linear(embed_dim, embed_dim, bias=bias, dtype=dtype, seed=seeds[1])
         self.v_proj = Linear(embed_dim, embed_dim, bias=bias, dtype=dtype, seed=seeds[2])
         self.out_proj = Linear(embed_dim, embed_dim, bias=bias, dtype=dtype, seed=seeds[3])
-        in_bound = _init.xavier_bound(embed_dim, 3 * embed_dim)
+        in_bound = initializers.xavier_bound(embed_dim, 3 * embed_dim)
         for proj, s in zip((self.q_proj, self.k_proj, self.v_proj), seeds[:3]):
-            proj.weight.data[...] = _init.uniform(_init.make_rng(s), proj.weight.shape, in_bound, dtype)
+            proj.weight.data[...] = initializers.uniform(initializers.make_rng(s), proj.weight.shape, in_bound, dtype)
         for proj in (self.q_proj, self.k_proj, self.v_proj, self.out_proj):
             if proj.bias is not None:
                 proj.bias.data[...] = 0

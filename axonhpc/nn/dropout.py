@@ -8,7 +8,7 @@ import numpy as np
 from .._dtypes import array_module
 from ..cuda import capture
 from ..errors import ConfigurationError
-from . import _init
+from . import initializers
 from .module import Module
 
 
@@ -32,18 +32,18 @@ class Dropout(Module):
 
     takes_arrays = True
 
-    def __init__(self, p: float = 0.5, seed: _init.SeedLike = 0) -> None:
+    def __init__(self, p: float = 0.5, seed: initializers.SeedLike = 0) -> None:
         super().__init__()
         if not 0.0 <= p <= 1.0:
             raise ConfigurationError(f"Dropout probability must be in [0, 1], got {p}")
         self.p = float(p)
-        self._rng = _init.make_rng(seed)
+        self._rng = initializers.make_rng(seed)
         self._key: Optional[int] = None  # drawn from _rng by the first key_by_sample
         self._rows: Optional[Tuple[int, int]] = None  # (step, next row) while keyed by sample
 
-    def manual_seed(self, seed: _init.SeedLike) -> None:
+    def manual_seed(self, seed: initializers.SeedLike) -> None:
         """Restart the mask sequence from ``seed`` (and stop keying masks by sample)."""
-        self._rng = _init.make_rng(seed)
+        self._rng = initializers.make_rng(seed)
         self._key, self._rows = None, None
 
     def key_by_sample(self, step: int, first_row: int = 0) -> None:
@@ -73,7 +73,7 @@ class Dropout(Module):
             return self._rng.random(shape) >= self.p
         step, row = self._rows
         rows = shape[0] if shape else 1
-        keep = np.stack([_init.make_rng([self._key, step, row + i]).random(shape[1:]) >= self.p
+        keep = np.stack([initializers.make_rng([self._key, step, row + i]).random(shape[1:]) >= self.p
                          for i in range(rows)]) if rows else np.zeros(shape, dtype=bool)
         self._rows = (step, row + rows)
         return keep.reshape(shape)

@@ -7,7 +7,7 @@ import numpy as np
 
 from .._dtypes import array_module
 from ..errors import ConfigurationError, ShapeError, UnsupportedDtypeError
-from . import _init, kernels
+from . import initializers, kernels
 from .module import Module
 from .parameter import Parameter
 
@@ -42,15 +42,15 @@ class Embedding(Module):
     takes_arrays = True
 
     def __init__(self, num_embeddings: int, embedding_dim: int, dtype: Any = np.float32,
-                 seed: _init.SeedLike = None) -> None:
+                 seed: initializers.SeedLike = None) -> None:
         super().__init__()
-        _init.check_sizes("Embedding", num_embeddings=num_embeddings, embedding_dim=embedding_dim)
+        initializers.check_sizes("Embedding", num_embeddings=num_embeddings, embedding_dim=embedding_dim)
         if num_embeddings <= 0 or embedding_dim <= 0:
             raise ConfigurationError(f"Embedding sizes must be positive, got num_embeddings={num_embeddings}, "
                                      f"embedding_dim={embedding_dim}")
         self.num_embeddings = int(num_embeddings)
         self.embedding_dim = int(embedding_dim)
-        rng = _init.make_rng(seed)
+        rng = initializers.make_rng(seed)
         self.weight = Parameter(rng.standard_normal((self.num_embeddings, self.embedding_dim)).astype(dtype))
 
     def forward(self, indices: Any) -> Any:

@@ -20,25 +20,26 @@ from typing import Any
 
 from .._dtypes import array_module, is_floating, is_low_precision_float
 
-_THRESH = 0.46875
-_SQRPI = 5.6418958354775628695e-1  # 1 / sqrt(pi)
+# Cody's constants, shared with ``nn.kernels``' device erf.
+ERF_THRESH = 0.46875
+ERF_SQRPI = 5.6418958354775628695e-1  # 1 / sqrt(pi)
 # erfc(x) < 1e-300 beyond this, so larger |x| can be clamped without changing erf.
-_XBIG = 27.0
+ERF_XBIG = 27.0
 
-_A = (3.16112374387056560e00, 1.13864154151050156e02, 3.77485237685302021e02,
-      3.20937758913846947e03, 1.85777706184603153e-1)
-_B = (2.36012909523441209e01, 2.44024637934444173e02, 1.28261652607737228e03,
-      2.84423683343917062e03)
-_C = (5.64188496988670089e-1, 8.88314979438837594e00, 6.61191906371416295e01,
-      2.98635138197400131e02, 8.81952221241769090e02, 1.71204761263407058e03,
-      2.05107837782607147e03, 1.23033935479799725e03, 2.15311535474403846e-8)
-_D = (1.57449261107098347e01, 1.17693950891312499e02, 5.37181101862009858e02,
-      1.62138957456669019e03, 3.29079923573345963e03, 4.36261909014324716e03,
-      3.43936767414372164e03, 1.23033935480374942e03)
-_P = (3.05326634961232344e-1, 3.60344899949804439e-1, 1.25781726111229246e-1,
-      1.60837851487422766e-2, 6.58749161529837803e-4, 1.63153871373020978e-2)
-_Q = (2.56852019228982242e00, 1.87295284992346047e00, 5.27905102951428412e-1,
-      6.05183413124413191e-2, 2.33520497626869185e-3)
+ERF_A = (3.16112374387056560e00, 1.13864154151050156e02, 3.77485237685302021e02,
+         3.20937758913846947e03, 1.85777706184603153e-1)
+ERF_B = (2.36012909523441209e01, 2.44024637934444173e02, 1.28261652607737228e03,
+         2.84423683343917062e03)
+ERF_C = (5.64188496988670089e-1, 8.88314979438837594e00, 6.61191906371416295e01,
+         2.98635138197400131e02, 8.81952221241769090e02, 1.71204761263407058e03,
+         2.05107837782607147e03, 1.23033935479799725e03, 2.15311535474403846e-8)
+ERF_D = (1.57449261107098347e01, 1.17693950891312499e02, 5.37181101862009858e02,
+         1.62138957456669019e03, 3.29079923573345963e03, 4.36261909014324716e03,
+         3.43936767414372164e03, 1.23033935480374942e03)
+ERF_P = (3.05326634961232344e-1, 3.60344899949804439e-1, 1.25781726111229246e-1,
+         1.60837851487422766e-2, 6.58749161529837803e-4, 1.63153871373020978e-2)
+ERF_Q = (2.56852019228982242e00, 1.87295284992346047e00, 5.27905102951428412e-1,
+         6.05183413124413191e-2, 2.33520497626869185e-3)
 
 
 def _compute_dtype(x: Any):
@@ -67,40 +68,40 @@ def erf(x: Any) -> Any:
     y = xp.abs(x)
 
     # |x| <= 0.46875: erf(y) = y * A(y^2) / B(y^2).
-    z = xp.minimum(y, _THRESH)
+    z = xp.minimum(y, ERF_THRESH)
     zsq = z * z
-    num = _A[4] * zsq
+    num = ERF_A[4] * zsq
     den = zsq
     for i in range(3):
-        num = (num + _A[i]) * zsq
-        den = (den + _B[i]) * zsq
-    small = z * (num + _A[3]) / (den + _B[3])
+        num = (num + ERF_A[i]) * zsq
+        den = (den + ERF_B[i]) * zsq
+    small = z * (num + ERF_A[3]) / (den + ERF_B[3])
 
     # 0.46875 < |x| <= 4: erfc(y) = exp(-y^2) * C(y) / D(y).
-    w = xp.clip(y, _THRESH, 4.0)
-    num = _C[8] * w
+    w = xp.clip(y, ERF_THRESH, 4.0)
+    num = ERF_C[8] * w
     den = w
     for i in range(7):
-        num = (num + _C[i]) * w
-        den = (den + _D[i]) * w
-    mid = (num + _C[7]) / (den + _D[7])
+        num = (num + ERF_C[i]) * w
+        den = (den + ERF_D[i]) * w
+    mid = (num + ERF_C[7]) / (den + ERF_D[7])
 
     # |x| > 4: erfc(y) = exp(-y^2) / y * (1/sqrt(pi) + P(1/y^2) / (y^2 Q(1/y^2))).
-    v = xp.clip(y, 4.0, _XBIG)
+    v = xp.clip(y, 4.0, ERF_XBIG)
     vsq = 1.0 / (v * v)
-    num = _P[5] * vsq
+    num = ERF_P[5] * vsq
     den = vsq
     for i in range(4):
-        num = (num + _P[i]) * vsq
-        den = (den + _Q[i]) * vsq
-    tail = (_SQRPI - vsq * (num + _P[4]) / (den + _Q[4])) / v
+        num = (num + ERF_P[i]) * vsq
+        den = (den + ERF_Q[i]) * vsq
+    tail = (ERF_SQRPI - vsq * (num + ERF_P[4]) / (den + ERF_Q[4])) / v
 
     # exp(-u^2) as exp(-r^2) * exp(-(u - r)(u + r)) with r = u rounded down to 1/16:
     # r^2 is exact, so the large exponent loses no bits.
     u = xp.where(y > 4.0, v, w)
     r = xp.trunc(u * 16.0) / 16.0
     erfc = xp.exp(-r * r) * xp.exp(-(u - r) * (u + r)) * xp.where(y > 4.0, tail, mid)
-    result = xp.where(y <= _THRESH, small, 1.0 - erfc)
+    result = xp.where(y <= ERF_THRESH, small, 1.0 - erfc)
     return xp.copysign(result, x).astype(out_dtype, copy=False)
 
 

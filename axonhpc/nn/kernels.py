@@ -83,27 +83,27 @@ def _rational(var: str, lead: float, num: Tuple[float, ...], den: Tuple[float, .
 
 def _erf_preamble() -> str:
     """``axonhpc_erf``: ``nn.functional.erf`` (Cody's rational erf) step for step, in T."""
-    from .functional import _A, _B, _C, _D, _P, _Q, _SQRPI, _THRESH, _XBIG
+    from .functional import ERF_A, ERF_B, ERF_C, ERF_D, ERF_P, ERF_Q, ERF_SQRPI, ERF_THRESH, ERF_XBIG
 
     lines = [
         "static __device__ T axonhpc_erf(T x) {",
         "T num, den;",
         "T y = fabs(x);",
-        f"T z = y > {_t(_THRESH)} ? {_t(_THRESH)} : y;",
+        f"T z = y > {_t(ERF_THRESH)} ? {_t(ERF_THRESH)} : y;",
         "T zsq = z * z;",
-        *_rational("zsq", _A[4], _A, _B, 3),
-        f"T small = z * (num + {_t(_A[3])}) / (den + {_t(_B[3])});",
-        f"T w = y < {_t(_THRESH)} ? {_t(_THRESH)} : (y > {_t(4.0)} ? {_t(4.0)} : y);",
-        *_rational("w", _C[8], _C, _D, 7),
-        f"T mid = (num + {_t(_C[7])}) / (den + {_t(_D[7])});",
-        f"T v = y < {_t(4.0)} ? {_t(4.0)} : (y > {_t(_XBIG)} ? {_t(_XBIG)} : y);",
+        *_rational("zsq", ERF_A[4], ERF_A, ERF_B, 3),
+        f"T small = z * (num + {_t(ERF_A[3])}) / (den + {_t(ERF_B[3])});",
+        f"T w = y < {_t(ERF_THRESH)} ? {_t(ERF_THRESH)} : (y > {_t(4.0)} ? {_t(4.0)} : y);",
+        *_rational("w", ERF_C[8], ERF_C, ERF_D, 7),
+        f"T mid = (num + {_t(ERF_C[7])}) / (den + {_t(ERF_D[7])});",
+        f"T v = y < {_t(4.0)} ? {_t(4.0)} : (y > {_t(ERF_XBIG)} ? {_t(ERF_XBIG)} : y);",
         f"T vsq = {_t(1.0)} / (v * v);",
-        *_rational("vsq", _P[5], _P, _Q, 4),
-        f"T tail = ({_t(_SQRPI)} - vsq * (num + {_t(_P[4])}) / (den + {_t(_Q[4])})) / v;",
+        *_rational("vsq", ERF_P[5], ERF_P, ERF_Q, 4),
+        f"T tail = ({_t(ERF_SQRPI)} - vsq * (num + {_t(ERF_P[4])}) / (den + {_t(ERF_Q[4])})) / v;",
         f"T u = y > {_t(4.0)} ? v : w;",
         f"T r = trunc(u * {_t(16.0)}) / {_t(16.0)};",
         f"T erfc = exp(-r * r) * exp(-(u - r) * (u + r)) * (y > {_t(4.0)} ? tail : mid);",
-        f"T result = y <= {_t(_THRESH)} ? small : {_t(1.0)} - erfc;",
+        f"T result = y <= {_t(ERF_THRESH)} ? small : {_t(1.0)} - erfc;",
         "return copysign(result, x);",
         "}",
     ]

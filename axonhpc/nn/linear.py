@@ -6,7 +6,7 @@ from typing import Any, Optional
 import numpy as np
 
 from ..errors import ConfigurationError, ShapeError
-from . import _init, kernels
+from . import initializers, kernels
 from .activation import GELU, ReLU
 from .autocast import add_bias, linear_backward, linear_product
 from .module import Module
@@ -35,9 +35,9 @@ class Linear(Module):
     takes_arrays = True
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
-                 dtype: Any = np.float32, seed: _init.SeedLike = None, activation: Optional[str] = None) -> None:
+                 dtype: Any = np.float32, seed: initializers.SeedLike = None, activation: Optional[str] = None) -> None:
         super().__init__()
-        _init.check_sizes("Linear", in_features=in_features, out_features=out_features)
+        initializers.check_sizes("Linear", in_features=in_features, out_features=out_features)
         if in_features < 0 or out_features < 0:
             raise ConfigurationError(f"Linear sizes must be >= 0, got in_features={in_features}, "
                                      f"out_features={out_features}")
@@ -46,11 +46,11 @@ class Linear(Module):
                                      f"got {activation!r}")
         self.in_features = int(in_features)
         self.out_features = int(out_features)
-        rng = _init.make_rng(seed)
-        bound = _init.fan_in_bound(self.in_features)
-        self.weight = Parameter(_init.uniform(rng, (self.out_features, self.in_features), bound, dtype))
+        rng = initializers.make_rng(seed)
+        bound = initializers.fan_in_bound(self.in_features)
+        self.weight = Parameter(initializers.uniform(rng, (self.out_features, self.in_features), bound, dtype))
         if bias:
-            self.bias = Parameter(_init.uniform(rng, (self.out_features,), bound, dtype))
+            self.bias = Parameter(initializers.uniform(rng, (self.out_features,), bound, dtype))
         else:
             self.bias = None
         self.activation = None if activation is None else ACTIVATIONS[activation]()

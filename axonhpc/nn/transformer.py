@@ -17,7 +17,7 @@ import numpy as np
 
 from .._dtypes import array_module
 from ..errors import ConfigurationError, ShapeError, UnsupportedDtypeError
-from . import _init
+from . import initializers
 from .activation import GELU
 from .attention import MultiHeadAttention
 from .autocast import linear_backward, linear_product
@@ -48,16 +48,16 @@ class TransformerBlock(Module):
     takes_arrays = True
 
     def __init__(self, width: int, heads: int, mlp_ratio: int = 4, dropout: float = 0.0, causal: bool = True,
-                 dtype: Any = np.float32, seed: _init.SeedLike = None) -> None:
+                 dtype: Any = np.float32, seed: initializers.SeedLike = None) -> None:
         super().__init__()
-        _init.check_sizes("TransformerBlock", width=width, heads=heads, mlp_ratio=mlp_ratio)
+        initializers.check_sizes("TransformerBlock", width=width, heads=heads, mlp_ratio=mlp_ratio)
         if width <= 0 or mlp_ratio <= 0:
             raise ConfigurationError(f"TransformerBlock needs positive width and mlp_ratio, got width={width}, "
                                      f"mlp_ratio={mlp_ratio}")
         self.width = int(width)
         self.heads = int(heads)
         self.mlp_ratio = int(mlp_ratio)
-        seeds = _init.child_seeds(seed, 5)
+        seeds = initializers.child_seeds(seed, 5)
         hidden = self.mlp_ratio * self.width
         self.ln1 = LayerNorm(width, dtype=dtype)
         self.attn = MultiHeadAttention(width, heads, causal=causal, dtype=dtype, seed=seeds[0])
@@ -104,12 +104,12 @@ class GPT(Module):
 
     def __init__(self, vocab_size: int, context: int, width: int, heads: int, layers: int, dropout: float = 0.0,
                  tie_weights: bool = False, mlp_ratio: int = 4, dtype: Any = np.float32,
-                 seed: _init.SeedLike = None, block_range: Optional[Tuple[int, int]] = None,
+                 seed: initializers.SeedLike = None, block_range: Optional[Tuple[int, int]] = None,
                  with_embedding: bool = True, with_head: bool = True,
                  make_block: Optional[Callable[[int, Any], Module]] = None) -> None:
         super().__init__()
-        _init.check_sizes("GPT", vocab_size=vocab_size, context=context, width=width, heads=heads, layers=layers,
-                          mlp_ratio=mlp_ratio)
+        initializers.check_sizes("GPT", vocab_size=vocab_size, context=context, width=width, heads=heads,
+                                 layers=layers, mlp_ratio=mlp_ratio)
         if vocab_size <= 0 or context <= 0 or width <= 0 or layers < 0:
             raise ConfigurationError(f"GPT needs positive vocab_size, context and width and layers >= 0, got "
                                      f"vocab_size={vocab_size}, context={context}, width={width}, layers={layers}")
@@ -129,7 +129,7 @@ class GPT(Module):
         self.tie_weights = bool(tie_weights)
         self.with_embedding = bool(with_embedding)
         self.with_head = bool(with_head)
-        seeds = _init.child_seeds(seed, 4 + layers)
+        seeds = initializers.child_seeds(seed, 4 + layers)
         if make_block is None:
             def make_block(index: int, block_seed: Any) -> Module:
                 return TransformerBlock(width, heads, mlp_ratio=mlp_ratio, dropout=dropout, causal=True,

@@ -29,7 +29,7 @@ from ..errors import ConfigurationError, ShapeError
 from ..groups import resolve_group
 from ..nn import (GELU, CrossEntropyLoss, cached_nbytes, Dropout, LayerNorm, Module, Sequential, checkpoint,
                   key_dropout_by_sample)
-from ..nn import _init
+from ..nn import initializers
 from ..nn.transformer import GPT, TransformerBlock
 from .ddp import DDP
 from .fsdp import FSDP
@@ -52,7 +52,7 @@ class TensorParallelBlock(TransformerBlock):
     """
 
     def __init__(self, width: int, heads: int, group: Any = None, mlp_ratio: int = 4, dropout: float = 0.0,
-                 causal: bool = True, dtype: Any = np.float32, seed: _init.SeedLike = None) -> None:
+                 causal: bool = True, dtype: Any = np.float32, seed: initializers.SeedLike = None) -> None:
         Module.__init__(self)
         pg = resolve_group(group).require_member("TensorParallelBlock")
         # One exchange for the whole block, before any other message.
@@ -68,7 +68,7 @@ class TensorParallelBlock(TransformerBlock):
         self.width = int(width)
         self.heads = int(heads)
         self.mlp_ratio = int(mlp_ratio)
-        seeds = _init.child_seeds(seed, 5)  # as TransformerBlock
+        seeds = initializers.child_seeds(seed, 5)  # as TransformerBlock
         hidden = self.mlp_ratio * self.width
         with agreed():
             self.ln1 = LayerNorm(width, dtype=dtype)
@@ -94,7 +94,7 @@ def stage_blocks(layers: int, num_stages: int) -> List[Tuple[int, int]]:
 
 def gpt_part(vocab_size: int, context: int, width: int, heads: int, layers: int, *, stage: int = 0,
              num_stages: int = 1, tp_group: Any = None, dropout: float = 0.0, tie_weights: bool = False,
-             mlp_ratio: int = 4, dtype: Any = np.float32, seed: _init.SeedLike = None,
+             mlp_ratio: int = 4, dtype: Any = np.float32, seed: initializers.SeedLike = None,
              checkpoint_blocks: bool = False) -> GPT:
     """Stage ``stage`` of ``num_stages`` of ``nn.GPT(..., seed=seed)`` (whole-model arguments and names), tp over ``tp_group``."""
     if seed is None:
@@ -141,7 +141,7 @@ class ParallelGPT:
 
     def __init__(self, mesh: Any, vocab_size: int, context: int, width: int, heads: int, layers: int, *,
                  dropout: float = 0.0, tie_weights: bool = False, mlp_ratio: int = 4, dtype: Any = np.float32,
-                 seed: _init.SeedLike = None, fsdp: bool = False, num_microbatches: int = 1,
+                 seed: initializers.SeedLike = None, fsdp: bool = False, num_microbatches: int = 1,
                  schedule: Any = PipelineSchedule.ONE_F_ONE_B, stages_per_rank: int = 1,
                  checkpoint_activations: bool = False, device: Optional[str] = None) -> None:
         self.mesh = mesh

@@ -16,7 +16,7 @@ from typing import Any, Dict, Optional, Sequence, Set, Tuple
 
 from ..errors import ConfigurationError
 
-_DIGITS = re.compile(r"[0-9]+")
+DIGITS = re.compile(r"[0-9]+")
 
 # sbatch reads these values in #SBATCH lines: refuse anything outside the set.
 _WORD = re.compile(r"[A-Za-z0-9._-]+")
@@ -64,7 +64,7 @@ def shell_join(words: Sequence[str]) -> str:
 
 # -- options ------------------------------------------------------------------------------------
 def _positive_int(name: str, value: Any, maximum: Optional[int] = None) -> int:
-    if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, str) and _DIGITS.fullmatch(value))):
+    if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, str) and DIGITS.fullmatch(value))):
         raise ConfigurationError(f"{option_flag(name)} must be a positive integer, got {value!r}")
     number = int(value)
     if number < 1 or (maximum is not None and number > maximum):
@@ -258,7 +258,7 @@ class SlurmOptions:
 
 
 _ALWAYS = {"nodes", "tasks_per_node"}  # required by the command, used by every template
-_OPTION_NAMES = {f.name for f in fields(SlurmOptions)}
+OPTION_NAMES = {f.name for f in fields(SlurmOptions)}
 
 
 __all__ = ["SlurmOptions", "shell_quote", "shell_join", "parse_time", "option_flag", "MPI_CHOICES", "LAUNCHER_CHOICES"]

@@ -23,7 +23,7 @@ import re
 from typing import Any, List, Mapping, Optional, Set, Tuple
 
 from ..errors import MissingValueError, TemplateError
-from .options import _DIGITS, _OPTION_NAMES, option_flag
+from .options import DIGITS, OPTION_NAMES, option_flag
 
 _NAME = r"[a-z_][a-z0-9_]*"
 _PLACEHOLDER = re.compile(r"\{\{(" + _NAME + r")\}\}")
@@ -39,7 +39,7 @@ _COMPARE = {
 def _spell(name: str) -> str:
     if name == "command":
         return "a program and its arguments after --"
-    return option_flag(name) if name in _OPTION_NAMES else "{{" + name + "}}"
+    return option_flag(name) if name in OPTION_NAMES else "{{" + name + "}}"
 
 
 def _guards(line: str) -> Tuple[List[Tuple[str, str, Optional[str]]], str]:
@@ -58,7 +58,7 @@ def _set(value: Any) -> bool:
 
 
 def _int_operand(token: str, values: Mapping[str, Any], lineno: int) -> Tuple[str, int]:
-    if _DIGITS.fullmatch(token):
+    if DIGITS.fullmatch(token):
         return token, int(token)
     if token not in values:
         raise TemplateError(f"line {lineno}: '#@ require' names unknown option {token!r}")
@@ -88,7 +88,7 @@ def template_names(template_text: str) -> Set[str]:
                 if not m:
                     raise TemplateError(f"line {lineno}: cannot read {line.strip()!r} (use '#@ require A OP B: "
                                         "reason' with OP one of == != < <= > >=)")
-                names.update(t for t in (m.group(1), m.group(3)) if not _DIGITS.fullmatch(t))
+                names.update(t for t in (m.group(1), m.group(3)) if not DIGITS.fullmatch(t))
             continue
         guards, rest = _guards(line)
         names.update(name for _, name, _ in guards)
@@ -140,9 +140,9 @@ def render(template_text: str, /, **values: Any) -> str:
                                                 _int_operand(right, values, lineno))
                 if not _COMPARE[op](lval, rval):
                     why = f" ({reason.strip()})" if reason else ""
-                    spelled = [t if _DIGITS.fullmatch(t) else _spell(t) for t in (left, right)]
+                    spelled = [t if DIGITS.fullmatch(t) else _spell(t) for t in (left, right)]
                     got = ", ".join(text for token, text in ((left, ltext), (right, rtext))
-                                    if not _DIGITS.fullmatch(token))
+                                    if not DIGITS.fullmatch(token))
                     raise TemplateError(f"this template requires {spelled[0]} {op} {spelled[1]}{why}; got {got}")
             continue
         guards, rest = _guards(line)

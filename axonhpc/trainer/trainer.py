@@ -269,9 +269,9 @@ class DistributedTrainer:
         barrier(setup.group)
 
     def _prune(self, checkpoint_dir: str) -> None:
-        from ..checkpoint.paths import _step_regex
+        from ..checkpoint.paths import step_regex
 
-        regex = _step_regex(CHECKPOINT_PATTERN)
+        regex = step_regex(CHECKPOINT_PATTERN)
         found = sorted((int(m.group(1)), name) for name in os.listdir(checkpoint_dir)
                        for m in [regex.fullmatch(name)] if m and os.path.isdir(os.path.join(checkpoint_dir, name)))
         for _, name in found[:-self.keep_checkpoints]:

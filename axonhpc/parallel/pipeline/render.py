@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import List, Optional, Sequence, Tuple
 
-from .schedules import Action, _check_positive_int
+from .schedules import Action, check_positive_int
 from .simulate import simulate_pipeline
 
 
@@ -40,8 +40,8 @@ def format_schedule_table(
 def _timed_rows(actions_by_rank: Sequence[Sequence[Action]], forward_cost: int,
                 backward_cost: int) -> Tuple[List[List[str]], Optional[str]]:
     """One row of cells per rank on the simulated time axis, and the deadlock line if any."""
-    _check_positive_int("forward_cost", forward_cost)
-    _check_positive_int("backward_cost", backward_cost)
+    check_positive_int("forward_cost", forward_cost)
+    check_positive_int("backward_cost", backward_cost)
     result = simulate_pipeline(actions_by_rank, forward_cost=forward_cost, backward_cost=backward_cost)
     width_t = int(round(result.makespan))
     rows = []

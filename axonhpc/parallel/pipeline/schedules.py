@@ -92,7 +92,7 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _check_positive_int(name: str, value: Any) -> None:
+def check_positive_int(name: str, value: Any) -> None:
     if not _is_int(value) or value < 1:
         raise ConfigurationError(f"{name} must be a positive int, got {value!r}")
 
@@ -114,9 +114,9 @@ def pipeline_schedule(
             gets a number of micro-batches that is not a multiple of the number of ranks.
     """
     kind = PipelineSchedule.parse(schedule)
-    _check_positive_int("num_stages", num_stages)
-    _check_positive_int("num_microbatches", num_microbatches)
-    _check_positive_int("stages_per_rank", stages_per_rank)
+    check_positive_int("num_stages", num_stages)
+    check_positive_int("num_microbatches", num_microbatches)
+    check_positive_int("stages_per_rank", stages_per_rank)
     if num_stages % stages_per_rank:
         raise ConfigurationError(
             f"num_stages={num_stages} is not a multiple of stages_per_rank={stages_per_rank}"

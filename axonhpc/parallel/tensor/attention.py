@@ -11,7 +11,7 @@ from ...collectives import all_reduce
 from ...errors import ConfigurationError, ShapeError
 from ...groups import ProcessGroup, resolve_group
 from ...nn import Module, MultiHeadAttention
-from ...nn import _init
+from ...nn import initializers
 from ...nn.attention import attention_backward, attention_forward, merge_heads, split_heads
 from ..same_model import agreed
 from .linear import ColumnParallelLinear, RowParallelLinear
@@ -43,7 +43,7 @@ class TensorParallelAttention(Module):
 
     def __init__(self, embed_dim: int, num_heads: int, group: Optional[ProcessGroup] = None,
                  bias: bool = True, causal: bool = False, dtype: Any = np.float32,
-                 seed: _init.SeedLike = None) -> None:
+                 seed: initializers.SeedLike = None) -> None:
         super().__init__()
         pg = resolve_group(group).require_member("TensorParallelAttention")
         # Before any other message (seed=None broadcasts): one exchange for the whole block.
@@ -63,17 +63,17 @@ class TensorParallelAttention(Module):
         # As nn.MultiHeadAttention: four child seeds; each projection first draws like
         # nn.Linear (so a Generator seed advances alike), then q/k/v weights are redrawn
         # Glorot-uniform over the packed (3E, E) matrix and all biases zeroed.
-        seeds = _init.child_seeds(shared_seed(seed, pg), 4)
+        seeds = initializers.child_seeds(shared_seed(seed, pg), 4)
         with agreed():
             self.q_proj, self.k_proj, self.v_proj = (
                 ColumnParallelLinear(embed_dim, embed_dim, group=pg, gather_output=False, bias=bias, dtype=dtype,
                                      seed=s) for s in seeds[:3])
             self.out_proj = RowParallelLinear(embed_dim, embed_dim, group=pg, input_is_parallel=True, bias=bias,
                                               dtype=dtype, seed=seeds[3])
-        in_bound = _init.xavier_bound(embed_dim, 3 * embed_dim)
+        in_bound = initializers.xavier_bound(embed_dim, 3 * embed_dim)
         rows = slice(head_start * self.head_dim, head_stop * self.head_dim)
         for proj, s in zip((self.q_proj, self.k_proj, self.v_proj), seeds[:3]):
-            full = _init.uniform(_init.make_rng(s), (self.embed_dim, self.embed_dim), in_bound, dtype)
+            full = initializers.uniform(initializers.make_rng(s), (self.embed_dim, self.embed_dim), in_bound, dtype)
             proj.weight.data[...] = full[rows]
         for proj in (self.q_proj, self.k_proj, self.v_proj, self.out_proj):
             if proj.bias is not None:
@@ -81,7 +81,7 @@ class TensorParallelAttention(Module):
 
     @staticmethod
     def dense_equivalent(embed_dim: int, num_heads: int, bias: bool = True, causal: bool = False,
-                         dtype: Any = np.float32, seed: _init.SeedLike = None) -> MultiHeadAttention:
+                         dtype: Any = np.float32, seed: initializers.SeedLike = None) -> MultiHeadAttention:
         """The ``nn.MultiHeadAttention`` this layer shards, for the same arguments (seed not None)."""
         return MultiHeadAttention(embed_dim, num_heads, bias=bias, causal=causal, dtype=dtype, seed=seed)
 

@@ -10,7 +10,7 @@ from ...backends import ReduceOp
 from ...collectives import all_reduce
 from ...groups import ProcessGroup, resolve_group
 from ...nn import GELU, Linear, Module, Parameter, Sequential
-from ...nn import _init
+from ...nn import initializers
 from ...nn.autocast import (add_bias, linear_backward, linear_grad_output, linear_input_grad, linear_param_grads,
                             linear_product)
 from ..same_model import agreed
@@ -37,7 +37,7 @@ class ColumnParallelLinear(Module):
 
     def __init__(self, in_features: int, out_features: int, group: Optional[ProcessGroup] = None,
                  gather_output: bool = False, bias: bool = True, dtype: Any = np.float32,
-                 seed: _init.SeedLike = None) -> None:
+                 seed: initializers.SeedLike = None) -> None:
         super().__init__()
         pg = resolve_group(group).require_member("ColumnParallelLinear")
         start, stop = my_part(pg, "ColumnParallelLinear", in_features, out_features, "out_features",
@@ -125,7 +125,7 @@ class RowParallelLinear(Module):
 
     def __init__(self, in_features: int, out_features: int, group: Optional[ProcessGroup] = None,
                  input_is_parallel: bool = True, bias: bool = True, dtype: Any = np.float32,
-                 seed: _init.SeedLike = None) -> None:
+                 seed: initializers.SeedLike = None) -> None:
         super().__init__()
         pg = resolve_group(group).require_member("RowParallelLinear")
         start, stop = my_part(pg, "RowParallelLinear", in_features, out_features, "in_features",
@@ -185,7 +185,7 @@ class TensorParallelMLP(Module):
     """
 
     def __init__(self, hidden: int, ffn_hidden: int, group: Optional[ProcessGroup] = None,
-                 dtype: Any = np.float32, seed: _init.SeedLike = None) -> None:
+                 dtype: Any = np.float32, seed: initializers.SeedLike = None) -> None:
         super().__init__()
         pg = resolve_group(group).require_member("TensorParallelMLP")
         # One exchange for the whole block: its two layers follow from these numbers.
@@ -195,7 +195,7 @@ class TensorParallelMLP(Module):
             partition_range(int(ffn_hidden), pg.rank, pg.size, "TensorParallelMLP ffn_hidden")
         self.hidden = int(hidden)
         self.ffn_hidden = int(ffn_hidden)
-        seeds = _init.child_seeds(shared_seed(seed, pg), 2)
+        seeds = initializers.child_seeds(shared_seed(seed, pg), 2)
         with agreed():
             self.fc1 = ColumnParallelLinear(hidden, ffn_hidden, group=pg, gather_output=False, dtype=dtype,
                                             seed=seeds[0])
@@ -205,9 +205,9 @@ class TensorParallelMLP(Module):
 
     @staticmethod
     def dense_equivalent(hidden: int, ffn_hidden: int, dtype: Any = np.float32,
-                         seed: _init.SeedLike = None) -> Sequential:
+                         seed: initializers.SeedLike = None) -> Sequential:
         """The single-process ``Sequential(Linear, GELU, Linear)`` that ``TensorParallelMLP(..., seed=seed)`` shards (seed not None)."""
-        seeds = _init.child_seeds(seed, 2)
+        seeds = initializers.child_seeds(seed, 2)
         return Sequential(Linear(hidden, ffn_hidden, dtype=dtype, seed=seeds[0]), GELU(),
                           Linear(ffn_hidden, hidden, dtype=dtype, seed=seeds[1]))
 

@@ -11,7 +11,7 @@ from ...collectives import all_gather, broadcast
 from ...errors import ConfigurationError, ShapeError
 from ...groups import ProcessGroup
 from ...nn import Module
-from ...nn import _init
+from ...nn import initializers
 from ..same_model import compared_model
 
 
@@ -33,7 +33,7 @@ def partition_range(total: int, rank: int, size: int, what: str = "features") ->
     return rank * per_rank, (rank + 1) * per_rank
 
 
-def shared_seed(seed: _init.SeedLike, group: ProcessGroup) -> _init.SeedLike:
+def shared_seed(seed: initializers.SeedLike, group: ProcessGroup) -> initializers.SeedLike:
     """``seed``, or for None entropy drawn on group rank 0 and broadcast (collective).
 
     Fresh entropy per rank would give shards of different matrices and disagreeing replicated biases.
@@ -48,12 +48,12 @@ def shared_seed(seed: _init.SeedLike, group: ProcessGroup) -> _init.SeedLike:
 
 
 def full_linear_values(in_features: int, out_features: int, bias: bool, dtype: Any,
-                        seed: _init.SeedLike) -> Tuple[np.ndarray, Optional[np.ndarray]]:
+                        seed: initializers.SeedLike) -> Tuple[np.ndarray, Optional[np.ndarray]]:
     """Weight and bias exactly as ``nn.Linear(in_features, out_features, bias, dtype, seed)`` draws them."""
-    rng = _init.make_rng(seed)
-    bound = _init.fan_in_bound(in_features)
-    weight = _init.uniform(rng, (out_features, in_features), bound, dtype)
-    bias_values = _init.uniform(rng, (out_features,), bound, dtype) if bias else None
+    rng = initializers.make_rng(seed)
+    bound = initializers.fan_in_bound(in_features)
+    weight = initializers.uniform(rng, (out_features, in_features), bound, dtype)
+    bias_values = initializers.uniform(rng, (out_features,), bound, dtype) if bias else None
     return weight, bias_values
 
 
