@@ -31,8 +31,8 @@ from axonhpc.errors import CheckpointError, ConfigurationError
 from axonhpc.groups import ProcessGroup
 from test_checkpoint_crash import B_ARRAYS, B_BYTES, B_ELEMENTS, FRACTIONS, STATES, assert_is_a
 from test_checkpoint_sliced import flat_pieces, flat_reference
+from support import runner  # not its names: CASES below is every global named case_*
 from support.crash_child import expect_line, kill_when_written, start_child
-from support.mpi_assert import collectively
 from support.trainer_cases import full_parameters, make_data, train
 
 try:
@@ -493,17 +493,8 @@ def case_a_refused_slices_save_raises_at_the_call_on_every_rank(world, gate):
 CASES = {name: fn for name, fn in globals().items() if name.startswith("case_")}
 
 
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_async_case_local(case, world_size, gate):
-    ax.run_local(lambda world: CASES[case](world, gate), world_size=world_size)
-
-
-@pytest.mark.mpi(min_size=1)
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_async_case_mpi(case, mpi_world, gate):
-    collectively(mpi_world, lambda: CASES[case](mpi_world, gate))
+test_async_case_local, test_async_case_mpi = runner.case_tests(CASES, fixtures=["gate"],
+                                                           threads_marks=[pytest.mark.timeout(300)])
 
 
 # ------------------------------------------------------------------------------------ one process

@@ -1,27 +1,13 @@
 """Disagreeing collectives raise on every rank with default settings: threads, and MPI with shared memory on and off."""
 import numpy as np
-import pytest
 
-import axonhpc as ax
 from axonhpc._dtypes import supported_dtypes
 from axonhpc._ext import _shm
 from support.agreement_cases import CASES
-from support.mpi_assert import collectively
-from support.settings_override import override
+from support.runner import case_tests
 
 
-@pytest.mark.parametrize("world_size", [2, 3, 4])
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_case_on_threads(case, world_size):
-    ax.run_local(CASES[case], world_size=world_size)
-
-
-@pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("shm", ["auto", "off"])
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_case_on_mpi_ranks(case, shm, mpi_world):
-    with override(shm_collectives=shm):
-        collectively(mpi_world, lambda: CASES[case](mpi_world))
+test_case_on_threads, test_case_on_mpi_ranks = case_tests(CASES, sizes=(2, 3, 4), min_size=2, shm=["auto", "off"])
 
 
 def test_every_supported_dtype_has_its_own_code():

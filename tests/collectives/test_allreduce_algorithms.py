@@ -8,19 +8,10 @@ import pytest
 import axonhpc as ax
 from axonhpc.collectives.ring import chunk_offsets, rhd_schedule, ring_schedule
 from support.algorithm_cases import CASES
-from support.mpi_assert import collectively
+from support.runner import case_tests
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_algorithm_case_local(case, world_size):
-    ax.run_local(CASES[case], world_size=world_size)
-
-
-@pytest.mark.mpi(min_size=1)
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_algorithm_case_mpi(case, mpi_world):
-    collectively(mpi_world, lambda: CASES[case](mpi_world))
+test_algorithm_case_local, test_algorithm_case_mpi = case_tests(CASES)
 
 
 @pytest.mark.parametrize("world_size", [5, 6, 7])

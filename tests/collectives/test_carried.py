@@ -3,27 +3,15 @@ cases of ``carried_cases`` on threads and on MPI ranks (shared memory off, so MP
 import numpy as np
 import pytest
 
-import axonhpc as ax
 from axonhpc._ext import _shm
 from axonhpc.backends.base import ReduceOp
 from axonhpc.collectives import carried
 from axonhpc.collectives.agreement import describe
 from support.carried_cases import CASES
-from support.mpi_assert import collectively
-from support.settings_override import override
+from support.runner import case_tests
 
 
-@pytest.mark.parametrize("world_size", [2, 3, 4])
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_case_on_threads(case, world_size):
-    ax.run_local(CASES[case], world_size=world_size)
-
-
-@pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_case_on_mpi_ranks(case, mpi_world):
-    with override(shm_collectives="off"):
-        collectively(mpi_world, lambda: CASES[case](mpi_world))
+test_case_on_threads, test_case_on_mpi_ranks = case_tests(CASES, sizes=(2, 3, 4), min_size=2, shm="off")
 
 
 def _desc(n, dtype=np.float64, op="SUM"):

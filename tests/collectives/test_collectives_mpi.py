@@ -6,12 +6,10 @@ import axonhpc as ax
 from axonhpc.backends.mpi import _blocks
 from support.collective_cases import CASES, closed_form
 from support.mpi_assert import collectively
+from support.runner import mpi_test
 
 
-@pytest.mark.mpi(min_size=1)
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_collective_case(case, mpi_world):
-    collectively(mpi_world, lambda: CASES[case](mpi_world))
+test_collective_case = mpi_test(CASES)
 
 
 @pytest.fixture

@@ -6,19 +6,10 @@ import axonhpc as ax
 from axonhpc.backends import ReduceOp
 from axonhpc.collectives.algorithms import hierarchical_all_reduce, node_levels
 from support.hierarchical_cases import CASES
-from support.mpi_assert import collectively
+from support.runner import case_tests
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_hierarchical_case_local(case, world_size):
-    ax.run_local(CASES[case], world_size=world_size)
-
-
-@pytest.mark.mpi(min_size=1)
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_hierarchical_case_mpi(case, mpi_world):
-    collectively(mpi_world, lambda: CASES[case](mpi_world))
+test_hierarchical_case_local, test_hierarchical_case_mpi = case_tests(CASES)
 
 
 def test_uneven_nodes_use_the_leader_fallback():

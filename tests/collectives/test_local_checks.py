@@ -7,18 +7,10 @@ from axonhpc.backends import shm as shm_backend
 from axonhpc.errors import SharedMemoryError
 from support.local_check_cases import CASES
 from support.mpi_assert import collectively
+from support.runner import case_tests
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_case_on_threads(case, world_size):
-    ax.run_local(CASES[case], world_size=world_size)
-
-
-@pytest.mark.mpi(min_size=1)
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_case_on_mpi_ranks(case, mpi_world):
-    collectively(mpi_world, lambda: CASES[case](mpi_world))
+test_case_on_threads, test_case_on_mpi_ranks = case_tests(CASES)
 
 
 def _windows(pg):

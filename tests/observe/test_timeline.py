@@ -6,24 +6,14 @@ import sys
 
 import pytest
 
-import axonhpc as ax
 from axonhpc.errors import ConfigurationError
 from axonhpc.observe import tracing
 from axonhpc.observe.timeline import merge_files
-from support.mpi_assert import collectively
+from support.runner import case_tests
 from support.timeline_cases import CASES
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3])
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_timeline_case_local(case, world_size):
-    ax.run_local(CASES[case], world_size=world_size)
-
-
-@pytest.mark.mpi(min_size=1)
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_timeline_case_mpi(case, mpi_world):
-    collectively(mpi_world, lambda: CASES[case](mpi_world))
+test_timeline_case_local, test_timeline_case_mpi = case_tests(CASES, sizes=(1, 2, 3))
 
 
 def test_nothing_records_by_default():

@@ -17,19 +17,11 @@ from axonhpc.errors import ConfigurationError, UsageError
 from axonhpc.groups import agreement
 from axonhpc.parallel import same_model
 from support.mpi_assert import collectively
+from support.runner import case_tests
 from support.wrapper_agreement_cases import CASES
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_case_on_threads(case, world_size):
-    ax.run_local(CASES[case], world_size=world_size)
-
-
-@pytest.mark.mpi(min_size=1)
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_case_on_mpi_ranks(case, mpi_world):
-    collectively(mpi_world, lambda: CASES[case](mpi_world))
+test_case_on_threads, test_case_on_mpi_ranks = case_tests(CASES)
 
 
 def test_agreeing_ranks_cost_one_small_exchange_per_wrapper(monkeypatch):

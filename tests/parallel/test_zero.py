@@ -5,20 +5,11 @@ import pytest
 import axonhpc as ax
 from axonhpc import optim
 from support.ddp_cases import make_model
-from support.mpi_assert import collectively
+from support.runner import case_tests
 from support.zero_cases import CASES
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_zero_case_local(case, world_size):
-    ax.run_local(CASES[case], world_size=world_size)
-
-
-@pytest.mark.mpi(min_size=1)
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_zero_case_mpi(case, mpi_world):
-    collectively(mpi_world, lambda: CASES[case](mpi_world))
+test_zero_case_local, test_zero_case_mpi = case_tests(CASES)
 
 
 def test_bad_arguments():

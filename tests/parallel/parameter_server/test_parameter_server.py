@@ -15,26 +15,13 @@ from axonhpc.parallel import parameter_server as ps_module
 from axonhpc.parallel.parameter_server import ParameterServer, ParameterServerError, PeerFailedError
 from axonhpc.parallel.parameter_server import StalenessBound
 from support.ddp_cases import make_model
-from support.mpi_assert import collectively
 from support.paths import ROOT
 from support.ps_cases import CASES
+from support.runner import case_tests
 
-LOCAL = [(case, n) for case in sorted(CASES) for n in CASES[case].sizes]
-
-
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("case,world_size", LOCAL, ids=[f"{c}-{n}" for c, n in LOCAL])
-def test_ps_case_local(case, world_size):
-    ax.run_local(CASES[case], world_size=world_size)
-
-
-@pytest.mark.timeout(300)
-@pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_ps_case_mpi(case, mpi_world):
-    if mpi_world.world_size not in CASES[case].sizes:
-        pytest.skip(f"{case} runs at world sizes {CASES[case].sizes}")
-    collectively(mpi_world, lambda: CASES[case](mpi_world))
+test_ps_case_local, test_ps_case_mpi = case_tests(CASES, sizes=lambda case: CASES[case].sizes, min_size=2,
+                                                  threads_marks=[pytest.mark.timeout(120)],
+                                                  mpi_marks=[pytest.mark.timeout(300)])
 
 
 # -- the staleness rule, without communication ------------------------------------------------------------

@@ -1,22 +1,12 @@
 import numpy as np
-import pytest
 
 import axonhpc as ax
 from axonhpc import nn
-from support.mpi_assert import collectively
 from support.pipeline_cases import BATCH, CASES, make_data, make_stages
+from support.runner import case_tests
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_pipeline_case_local(case, world_size):
-    ax.run_local(CASES[case], world_size=world_size)
-
-
-@pytest.mark.mpi(min_size=1)
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_pipeline_case_mpi(case, mpi_world):
-    collectively(mpi_world, lambda: CASES[case](mpi_world))
+test_pipeline_case_local, test_pipeline_case_mpi = case_tests(CASES)
 
 
 def test_exported():

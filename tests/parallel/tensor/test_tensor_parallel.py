@@ -6,20 +6,11 @@ import axonhpc as ax
 from axonhpc import nn
 from axonhpc.errors import ConfigurationError, ShapeError
 from axonhpc.parallel.tensor import partition_range
-from support.mpi_assert import collectively
+from support.runner import case_tests
 from support.tp_cases import CASES, FFN, HIDDEN
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_tp_case_local(case, world_size):
-    ax.run_local(CASES[case], world_size=world_size)
-
-
-@pytest.mark.mpi(min_size=1)
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_tp_case_mpi(case, mpi_world):
-    collectively(mpi_world, lambda: CASES[case](mpi_world))
+test_tp_case_local, test_tp_case_mpi = case_tests(CASES)
 
 
 def test_partition_range():
