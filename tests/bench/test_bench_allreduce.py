@@ -1,5 +1,4 @@
 """``axonhpc bench allreduce`` on real ranks: its tables are built from timed calls that give right answers."""
-import numpy as np
 import pytest
 
 from axonhpc.bench.allreduce import format_collectives_table, format_table, run_collectives, run_sizes

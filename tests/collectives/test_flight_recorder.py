@@ -1,11 +1,9 @@
 """The flight recorder and ``axonhpc doctor``: who diverged first, and where."""
-import json
 import os
 import signal
 import subprocess
 import re
 import sys
-import time
 
 import pytest
 

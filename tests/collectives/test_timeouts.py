@@ -10,6 +10,7 @@ import sys
 import time
 
 import pytest
+
 from support.paths import JOBS
 
 JOB = os.path.join(JOBS, "timeout_job.py")

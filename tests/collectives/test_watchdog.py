@@ -13,6 +13,7 @@ import sys
 import time
 
 import pytest
+
 from support.paths import JOBS
 
 JOB = os.path.join(JOBS, "stall_job.py")

@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+
 from support.paths import ROOT
 
 BLOCK = re.compile(r"```python\n(# run with: (?P<how>[^\n]+)\n.*?)```", re.S)

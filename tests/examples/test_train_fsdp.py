@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import pytest
+
 from support.paths import ROOT
 
 pytest.importorskip("sklearn")

@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+
 from support.paths import JOBS, ROOT
 
 JOB = os.path.join(JOBS, "abort_job.py")

@@ -6,12 +6,14 @@ on such a node, which is how its choices (the extra for the driver, the
 two-rank runs for one GPU and for several) are tested here.
 """
 import ctypes
+import importlib
 import os
 import shutil
 import subprocess
 import sys
 
 import pytest
+
 from support.paths import ROOT
 
 SCRIPT = os.path.join(ROOT, "scripts", "gpu-check.sh")
@@ -126,7 +128,7 @@ def test_a_driver_older_than_cuda_12_and_a_python_without_cupy_fail_the_set_up()
     given = check("--dry-run", "--gpus", "1", "--cuda", "13.0", python=sys.executable)
     verdict, detail = summary(given.stdout)["setup"]
     try:
-        import cupy  # noqa: F401
+        importlib.import_module("cupy")
     except ImportError:
         assert given.returncode == 1 and verdict == "FAIL"
         assert detail.startswith(f"{sys.executable} lacks: cupy") and "axonhpc[gpu-cuda13,test]" in detail

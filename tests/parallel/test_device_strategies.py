@@ -9,6 +9,7 @@ import sys
 
 import numpy as np
 import pytest
+
 from support.device_cases import CASES, MIN_RANKS
 from support.fake_cuda import FakeNccl, install, run_device_world
 from support.strict_cupy import DeviceArray, device

@@ -77,7 +77,7 @@ def case_all_reduce_named_variants(world):
 
 
 def case_all_reduce_matches_numpy(world):
-    n, r = world.world_size, world.rank
+    r = world.rank
     for dtype in DTYPES:
         x = rank_data(r, (5, 7), dtype, seed=3)
         everyone = ax.all_gather(x)

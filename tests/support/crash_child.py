@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+
 from support.paths import ROOT as REPO
 
 

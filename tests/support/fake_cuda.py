@@ -30,7 +30,11 @@ import numpy as np
 
 from axonhpc.backends.nccl import NCCL_DATATYPES, NCCL_OPS
 from support import strict_cupy
-from support.strict_cupy import DeviceArray, StrictCupy, device  # noqa: F401 - re-exported for the tests
+from support.strict_cupy import DeviceArray, StrictCupy, device
+
+# What the tests take from here, the stand-in's arrays among them (re-exported).
+__all__ = ["DeviceArray", "FakeCupy", "FakeNccl", "StrictCupy", "bench_device", "current_allocator", "device", "install",
+           "run_device_world"]
 
 WAIT = 30.0  # seconds any fake wait may take before the test fails instead of hanging
 

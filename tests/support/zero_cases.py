@@ -74,7 +74,7 @@ def _assert_close(model, reference, rtol):
 
 
 def _parity(world, dtype, kind):
-    n, r = world.world_size, world.rank
+    r = world.rank
     model = make_model(dtype, seed=0 if r == 0 else 1000 + r)
     arrays = [p.data for p in model.parameters()]
     model, opt = _train(world, kind, None, lambda s: make_data(s, dtype), nn.CrossEntropyLoss(), STEPS,
