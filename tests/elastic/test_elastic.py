@@ -17,7 +17,8 @@ import time
 
 import pytest
 
-from test_faults import OPENMPI_PYTHON, ROOT, _env, needs_openmpi
+from support.openmpi import OPENMPI_PYTHON, job_env, needs_openmpi
+from support.paths import ROOT
 
 EXAMPLE = os.path.join(ROOT, "examples", "train_gpt.py")
 GUARD = 150  # seconds: the outer timeout of every job
@@ -53,7 +54,7 @@ def launch_fault_tolerant(tmp_path, n, script, args, last_line, may_linger=False
     out_path, err_path = tmp_path / "job.out", tmp_path / "job.err"
     with open(out_path, "w") as out, open(err_path, "w") as err:
         proc = subprocess.Popen(cmd, stdout=out, stderr=err, stdin=subprocess.DEVNULL, cwd=tmp_path,
-                                env=_env(tmp_path), start_new_session=True)
+                                env=job_env(tmp_path), start_new_session=True)
         deadline = time.monotonic() + GUARD
         while proc.poll() is None and time.monotonic() < deadline:
             if last_line in out_path.read_text():
@@ -210,9 +211,9 @@ def test_the_docs_script_survives_a_kill(tmp_path):
     script = re.search(r"```python\n(# elastic_steps.py:.*?)```", text, re.S).group(1)
     (tmp_path / "elastic_steps.py").write_text(script)
     cmd = [OPENMPI_PYTHON, "-m", "axonhpc", "launch", "--fault-tolerant", "-n", "3", "--", "elastic_steps.py"]
-    plain = subprocess.run(cmd, capture_output=True, text=True, timeout=GUARD, cwd=tmp_path, env=_env(tmp_path))
+    plain = subprocess.run(cmd, capture_output=True, text=True, timeout=GUARD, cwd=tmp_path, env=job_env(tmp_path))
     killed = subprocess.run(cmd, capture_output=True, text=True, timeout=GUARD, cwd=tmp_path,
-                            env=_env(tmp_path, SIMULATE_FAILURE="1:2"))
+                            env=job_env(tmp_path, SIMULATE_FAILURE="1:2"))
     assert plain.returncode == 0 and killed.returncode == 0, plain.stderr[-3000:] + killed.stderr[-3000:]
     assert "recovered" not in plain.stdout
     assert RECOVERED.findall(killed.stdout) and "lost rank 1 at step 3, continuing on 2 ranks" in killed.stdout

@@ -17,7 +17,8 @@ import axonhpc as ax
 from axonhpc import nn, optim
 from axonhpc.errors import ConfigurationError
 from test_elastic import RECOVERED, launch_fault_tolerant
-from test_faults import ROOT, needs_openmpi
+from support.openmpi import needs_openmpi
+from support.paths import ROOT
 
 EXAMPLE = os.path.join(ROOT, "examples", "train_digits.py")
 RUN = ["--elastic", "--epochs", "2", "--dtype", "float64"]
