@@ -223,7 +223,7 @@ class Settings:
             next ``nn`` call or ``nn.apply_matmul_precision()``; numpy ignores it (``AXONHPC_ALLOW_TF32``).
         fused_kernels: run ``nn``'s element-wise and row-wise work and the updates of optimizers built with
             ``fused=None`` as one kernel each: bit for bit on cupy; on numpy float32/float64 C-contiguous arrays
-            compiled host kernels within the ulps ``tests/test_host_kernels.py`` states (updates bit for bit).
+            compiled host kernels within the ulps ``tests/ext/test_host_kernels.py`` states (updates bit for bit).
             Off keeps the array code, for comparison (``AXONHPC_FUSED_KERNELS``).
         size_thread_pools: when the user set none of ``THREAD_VARIABLES``, ``init`` sizes this process's
             BLAS/OpenMP pools to its cores divided by the ranks of its node sharing them

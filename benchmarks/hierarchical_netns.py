@@ -4,7 +4,7 @@
                                             [--sizes 64K,1M,8M] [--iters 5] [--repeats 3]
                                             [--algorithms native,hierarchical,ring,rhd]
 
-Needs root (network namespaces; see tests/cluster/netns.py). The hosts are
+Needs root (network namespaces; see tests/support/cluster/netns.py). The hosts are
 joined by veth links whose outgoing rate is limited with ``tc tbf``; ranks on
 one host talk through shared memory inside MPI... except that MPICH's UCX is
 forced onto TCP (``UCX_TLS=tcp,self``), so intra-host traffic goes over
@@ -22,7 +22,7 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests", "cluster"))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests", "support", "cluster"))
 
 
 def parse_size(text):

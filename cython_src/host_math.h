@@ -11,7 +11,7 @@
  * down to the smallest subnormal keep their bits. ax_tanhf is Cephes'
  * tanhf: an odd polynomial below |x| = 0.625, 1 - 2 / (e^(2|x|) + 1)
  * above. Both propagate NaN and give +-inf, 0 and +-1 where the C library
- * does; tests/test_host_kernels.py states their error against numpy in ulp.
+ * does; tests/ext/test_host_kernels.py states their error against numpy in ulp.
  * float64 keeps the C library's exp and tanh (one call per element).
  *
  * No kernel relies on the compiler to reorder floating-point operations:

@@ -6,7 +6,7 @@
  * are the same doubles rounded to T, as numpy rounds a Python float against a T array. Where
  * numpy sums a row (softmax, LayerNorm, the loss) the sum here is ax_sum8's order, not numpy's
  * pairwise one; that and EXP/TANH are where results may differ from numpy's, by the ulps that
- * tests/test_host_kernels.py states.
+ * tests/ext/test_host_kernels.py states.
  */
 
 /* ---------------------------------------------------------------- row reductions */

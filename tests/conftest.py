@@ -1,4 +1,10 @@
-"""Shared fixtures. Multi-rank tests are marked ``mpi`` and run under mpiexec (scripts/test.sh)."""
+"""Shared fixtures. Multi-rank tests are marked ``mpi`` and run under mpiexec (scripts/test.sh).
+
+The test files sit in folders like the package's (``tests/collectives/``, ``tests/parallel/ddp/``, ...), with
+names unique across the tree (pytest's default "prepend" import mode imports each by its bare name). What they
+share lives in the package ``tests/support/``, imported as ``support.<module>`` since this folder is put on
+``sys.path`` here.
+"""
 import os
 import sys
 import tempfile

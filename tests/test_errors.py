@@ -19,8 +19,9 @@ import pytest
 
 import axonhpc as ax
 from axonhpc import errors
+from support import paths
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(paths.ROOT)
 PACKAGE = ROOT / "axonhpc"
 
 # Built-in exceptions a raise may use, why, and under which condition (checked).

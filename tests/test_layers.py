@@ -10,8 +10,7 @@ import textwrap
 import pytest
 
 import axonhpc as ax
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from support.paths import ROOT
 
 
 def test_import_layers_hold():

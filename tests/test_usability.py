@@ -17,8 +17,8 @@ from axonhpc.cli import build_parser
 from axonhpc.data import DistributedSampler
 from axonhpc.errors import ArgumentTypeError, ConfigurationError
 from axonhpc.info import GPU_EXTRA_HINT, _concrete
+from support.paths import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 AXONHPC = os.path.join(os.path.dirname(sys.executable), "axonhpc")
 
 

@@ -1,0 +1,166 @@
+"""The axonhpc command: info, launch (its argument list and its clear errors)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from axonhpc.mpiexec import launch_command
+from support.paths import ROOT
+
+AXONHPC = [sys.executable, "-m", "axonhpc"]
+
+
+def run(*args, timeout=120):
+    return subprocess.run([*AXONHPC, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+def test_info_reports_mpi_and_world():
+    out = run("info", "--json")
+    assert out.returncode == 0, out.stderr
+    facts = json.loads(out.stdout)
+    assert facts["mpi_vendor"].split()[0] in ("MPICH", "Open")
+    assert facts["thread_level"] in ("single", "funneled", "serialized", "multiple")
+    assert facts["world_size"] == 1 and facts["num_nodes"] == 1
+    assert "cuda_aware_mpi" in facts and "nccl" in facts
+
+
+def test_launch_runs_a_script_on_several_ranks():
+    out = run("launch", "-n", "3", "--", "examples/collectives_demo.py", timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "world: 3 ranks" in out.stdout and "all checks passed on every rank" in out.stdout
+
+
+def test_launch_refuses_bad_input_clearly():
+    zero = run("launch", "-n", "0", "--", "examples/collectives_demo.py")
+    assert zero.returncode == 2 and "-n must be at least 1, got 0" in zero.stderr
+    missing = run("launch", "-n", "2", "--", "no/such/script.py")
+    assert missing.returncode == 2 and "script 'no/such/script.py' does not exist" in missing.stderr
+    empty = run("launch", "-n", "2")
+    assert empty.returncode == 2 and "no script given" in empty.stderr
+    bare = run("launch", "-n", "2", "--", "-m")
+    assert bare.returncode == 2 and "-m needs a module name" in bare.stderr
+    unknown = run("launch", "-n", "2", "--", "-m", "no_such_module_here")
+    assert unknown.returncode == 2 and "no module named 'no_such_module_here'" in unknown.stderr
+
+
+def test_launch_runs_a_module_as_python_m_does():
+    out = run("launch", "-n", "2", "--", "-m", "axonhpc", "info", "--json", timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert [json.loads(line)["rank"] for line in out.stdout.strip().splitlines()] == [0, 1]
+
+
+def test_launch_command_is_an_argument_list_with_open_mpi_settings():
+    hostile = "$(touch /tmp/pwned); echo 'x'"
+    cmd = launch_command("/opt/mpi/bin/mpiexec", "openmpi", 4, "train.py", ["--name", hostile], is_root=True)
+    assert cmd[:3] == ["/opt/mpi/bin/mpiexec", "--allow-run-as-root", "--oversubscribe"]
+    assert cmd[-2:] == ["--name", hostile]  # passed through untouched, never through a shell
+    mpich = launch_command("/x/mpiexec", "mpich", 2, "t.py", [], hosts="a,b")
+    assert mpich == ["/x/mpiexec", "-hosts", "a,b", "-n", "2", sys.executable, "t.py"]
+
+
+MPIEXEC = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+
+
+def test_info_json_under_mpiexec_is_one_object_per_rank_per_line():
+    """Every rank runs the command; rank 0 alone prints, one JSON object per line, in rank order."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    out = subprocess.run([MPIEXEC, "-n", "2", sys.executable, "-m", "axonhpc", "info", "--json"],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = out.stdout.strip().splitlines()
+    assert len(lines) == 2, out.stdout
+    facts = [json.loads(line) for line in lines]
+    assert [f["rank"] for f in facts] == [0, 1] and all(f["world_size"] == 2 for f in facts)
+
+
+def test_launch_with_python_before_the_script_says_to_drop_it():
+    for word in ("python", "python3", "/usr/bin/python3.11", sys.executable):
+        out = run("launch", "-n", "2", "--", word, "examples/collectives_demo.py")
+        assert out.returncode == 2, out.stderr
+        assert f"{word!r} is a Python interpreter, not a script" in out.stderr
+        assert f"drop {word!r}" in out.stderr and "axonhpc launch -n 2 -- examples/collectives_demo.py" in out.stderr
+        assert sys.executable in out.stderr  # the Python the launcher runs
+
+
+def test_bench_pack_runs_from_the_command_line():
+    out = run("bench", "pack", "--help")
+    assert out.returncode == 0 and "usage: axonhpc bench pack" in out.stdout, out.stderr
+    assert run("bench", "pack", "--bogus").returncode == 2
+
+
+def _dump(rank, records, reason="collective mismatch"):
+    return {"rank": rank, "pid": 1, "reason": reason, "time": 0.0, "records": records}
+
+
+def _record(seq, op, done=True, t=1.0):
+    return {"t": t, "group": "world", "ranks": [0, 1, 2], "seq": seq, "op": op, "dtype": "float64", "shape": [4],
+            "reduce": "SUM" if op == "all_reduce" else None, "root": None, "where": None, "done": done}
+
+
+def test_doctor_names_a_truncated_dump_and_uses_the_others(tmp_path):
+    for rank in (0, 1):
+        (tmp_path / f"flight-rank{rank:05d}.json").write_text(
+            json.dumps(_dump(rank, [_record(0, "all_reduce"), _record(1, "all_reduce", done=False)])))
+    whole = json.dumps(_dump(2, [_record(0, "all_reduce"), _record(1, "barrier", done=False)]))
+    (tmp_path / "flight-rank00002.json").write_text(whole[:len(whole) // 2])  # cut off mid-write
+    out = run("doctor", str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    broken = str(tmp_path / "flight-rank00002.json")
+    assert f"skipped flight dump {broken!r}" in out.stderr and "may be truncated" in out.stderr, out.stderr
+    assert "JSONDecodeError" not in out.stderr + out.stdout and "Traceback" not in out.stderr
+    assert "flight records of ranks [0, 1]" in out.stdout
+    assert "no dump from ranks [2]" in out.stdout, out.stdout
+    (tmp_path / "flight-rank00000.json").write_text("{")
+    (tmp_path / "flight-rank00001.json").write_text("[]")
+    none = run("doctor", str(tmp_path))
+    assert none.returncode == 2 and "none of its 3 flight-rank*.json can be used" in none.stderr, none.stderr
+    assert "is not an axonhpc flight-recorder dump" in none.stderr
+    gone = run("doctor", str(tmp_path / "nowhere"))
+    assert gone.returncode == 2 and "does not exist" in gone.stderr and "nowhere" in gone.stderr
+
+
+SLEEPER = """
+import os, time
+rank = os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK"))
+with open(f"pid-{rank}.txt", "w") as f:
+    f.write(str(os.getpid()))
+time.sleep(120)
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGKILL"])
+def test_ending_the_launcher_ends_the_ranks(tmp_path, how):
+    import signal
+    import time
+
+    script = tmp_path / "sleeper.py"
+    script.write_text(SLEEPER)
+    launcher = subprocess.Popen([sys.executable, "-m", "axonhpc", "launch", "-n", "2", "--", str(script)],
+                                cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                env=dict(os.environ, OMP_NUM_THREADS="1"))
+    deadline = time.monotonic() + 60
+    while len(list(tmp_path.glob("pid-*.txt"))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(0.2)
+    pids = [int(p.read_text()) for p in tmp_path.glob("pid-*.txt")]
+    assert len(pids) == 2
+    launcher.send_signal(getattr(signal, how))
+    launcher.wait(timeout=30)
+
+    def alive(pid):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] not in "ZX"
+
+    deadline = time.monotonic() + 20
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = [p for p in pids if alive(p)]
+    for p in left:
+        os.kill(p, signal.SIGKILL)
+    assert not left, f"ranks {left} outlived the launcher ({how})"

