@@ -290,7 +290,8 @@ def overlap_lines(jobs: Dict[int, List[dict]]) -> List[str]:
         lines.append(
             f"{n} rank{'s' if n > 1 else ' '}: OVERLAPPED backward {med('overlapped', 'backward_ms'):.2f} ms, "
             f"final wait {med('overlapped', 'final_wait_ms'):.2f} ms, "
-            f"{med('overlapped', 'completed_before_wait'):.2f}/{axon[0]['configs']['overlapped']['buckets']} buckets "
+            # both medians over jobs: "auto" sizes the buckets in each job, so their count may differ
+            f"{med('overlapped', 'completed_before_wait'):.2f}/{med('overlapped', 'buckets'):g} buckets "
             f"done before it; SYNCHRONOUS all-reduce pass {med('synchronous', 'final_wait_ms'):.2f} ms; "
             f"raw MPI_Allreduce of all gradients {statistics.median(j['raw_allreduce_ms'] for j in axon):.2f} ms")
     return lines

@@ -67,16 +67,20 @@ class Reducer:
         """
         if bucket.copies is not None:
             self.ops.pack(bucket.copies, out=bucket.buffer)
-        start = time.perf_counter()
+        traced = tracing.EVER_INSTALLED and tracing.active() is not None
+        start = time.perf_counter() if traced else 0.0
         if self.hook is not None:
             state, hook = self.hook
-            work = finished(hook(state, bucket))
+            work = hook(state, bucket)
         else:
-            work = finished(all_reduce(bucket.buffer, op, self.group, async_op=async_op))
+            work = all_reduce(bucket.buffer, op, self.group, async_op=async_op)
+        if work is None:  # a blocking call, or a hook that finished in place
+            work = CompletedWork()
         bucket.work, bucket.done = work, False
         self.launched.append(bucket)
-        tracing.span_until_done(work, start, f"bucket {bucket.index}", "buckets",
-                                elements=int(bucket.buffer.size), dtype=str(bucket.buffer.dtype))
+        if traced:  # the span's arguments cost microseconds (a dtype's name): only when a timeline records
+            tracing.span_until_done(work, start, f"bucket {bucket.index}", "buckets",
+                                    elements=int(bucket.buffer.size), dtype=str(bucket.buffer.dtype))
 
     def reset(self) -> None:
         """Forget the buckets launched and not completed (a step that failed before ``complete``)."""

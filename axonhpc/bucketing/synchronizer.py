@@ -48,7 +48,7 @@ class GradientSynchronizer:
         self.group = group
         self.last_layout: Tuple[Tuple[np.dtype, Tuple[int, ...]], ...] = ()
         self._reducer = Reducer(group)  # its ops are fixed by the first gradients seen (host or device)
-        self._buffers: Dict[Tuple[np.dtype, int], np.ndarray] = {}
+        self._buffers: Dict[Tuple[np.dtype, int], Tuple[Any, GradBucket]] = {}
         self._plans: Dict[bytes, List[Tuple[np.dtype, Tuple[int, ...], int]]] = {}
         self._reset_step()
 
@@ -70,12 +70,12 @@ class GradientSynchronizer:
             return  # every rank skips it: the layout is the same everywhere
         ordinal = self._ordinal.get(dtype, 0)
         self._ordinal[dtype] = ordinal + 1
-        buffer = self._buffers.get((dtype, ordinal))
-        if buffer is None or buffer.size < numel:
+        kept = self._buffers.get((dtype, ordinal))
+        if kept is None or kept[0].size < numel:
             buffer = self._reducer.ops.empty(max(numel, bucket_capacity(self.bucket_size, dtype)), dtype)
-            self._buffers[(dtype, ordinal)] = buffer
-        bucket = GradBucket(len(self._layout) - 1, buffer[:numel], (), self.group)
-        bucket.copies = grads
+            kept = self._buffers[(dtype, ordinal)] = (buffer, GradBucket(0, buffer, (), self.group))
+        buffer, bucket = kept  # the bucket object is kept with its buffer: nothing is made per step
+        bucket.index, bucket.buffer, bucket.copies = len(self._layout) - 1, buffer[:numel], grads
         self._reducer.launch(bucket, ReduceOp.AVG, async_op=self.strategy is GradSyncStrategy.OVERLAPPED)
 
     def _launch_items(self, dtype: np.dtype, items: List[Tuple[int, np.ndarray]]) -> None:

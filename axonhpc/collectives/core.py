@@ -22,7 +22,6 @@ from ..observe import tracing
 from ..settings import settings
 from . import (agreement, fast_path, fingerprint, flight, graphed, routes, shm_path, staged_path, stragglers,
                watch, watchdog)
-from .routes import Route
 from .ring import ring_all_reduce, ring_reduce_scatter
 from .widen import divide_average
 
@@ -207,21 +206,21 @@ def checked_all_reduce(x: Any, op: ReduceOp, pg: ProcessGroup, async_op: bool) -
     graphed.admit(pg, "all_reduce", x, _OP_NAMES[op], why_not=_RING_IN_GRAPH if shm_path.fixed_order(x, op) else None)
     label = start_call(pg, "all_reduce", x, op)
     route, node = routes.choose(pg, x, "all_reduce", op, async_op)
-    if route is Route.ONE_RANK:
+    if route is routes.ONE_RANK:
         work = CompletedWork()
         _trace(work, time.perf_counter(), label, True)
         work.wait()  # nothing to wait for: marks it finished (and ends its timeline span)
         return work if async_op else None
-    if route is Route.STAGED:
+    if route is routes.STAGED:
         return run_call(pg, label, lambda nb: staged_path.all_reduce(pg, x, op), False)
-    if route is Route.RING:
+    if route is routes.RING:
         agreement.check(pg, label.seq, "all_reduce", x, label.call[1])
         ring_all_reduce(x, op, pg)
         return CompletedWork() if async_op else None
-    if route is Route.NODE:
+    if route is routes.NODE:
         desc = label.desc()
         return run_call(pg, label, lambda nb: node.all_reduce(x, x, op, desc), async_op, carried=True)
-    if route is Route.NODE_WIDENED:
+    if route is routes.NODE_WIDENED:
         desc = label.desc()
         issue = _reduction(pg, x, x, op, lambda s, d, base, nb: node.all_reduce(s, d, base, desc))
         return run_call(pg, label, issue, async_op, carried=True)
@@ -272,12 +271,12 @@ def reduce_scatter(x, op=ReduceOp.SUM, group: Optional[ProcessGroup] = None, asy
                   why_not=_RING_IN_GRAPH if shm_path.fixed_order(x, op) else None)
     label = start_call(pg, "reduce_scatter", x, op)
     route, node = routes.choose(pg, x, "reduce_scatter", op)
-    if route is Route.RING:
+    if route is routes.RING:
         return run_call(pg, label, lambda nb: ring_reduce_scatter(x, out, op, pg), async_op)
-    if route is Route.NODE:
+    if route is routes.NODE:
         desc = label.desc()
         return run_call(pg, label, lambda nb: node.reduce_scatter(x, out, op, desc), async_op, carried=True)
-    if route is Route.NODE_WIDENED:
+    if route is routes.NODE_WIDENED:
         desc = label.desc()
         issue = _reduction(pg, x, out, op, lambda s, d, base, nb: node.reduce_scatter(s, d, base, desc), out)
         return run_call(pg, label, issue, async_op, carried=True)
@@ -324,7 +323,7 @@ def broadcast(x, src: int = 0, group: Optional[ProcessGroup] = None, async_op: b
     label = start_call(pg, "broadcast", x, root=src)
     backend = pg.backend
     route, node = routes.choose(pg, x, "broadcast")
-    if route is Route.NODE:
+    if route is routes.NODE:
         desc = label.desc()
         return run_call(pg, label, lambda nb: node.broadcast(x, src, desc), async_op, carried=True)
     return run_call(pg, label, lambda nb: backend.broadcast(x, src, nb), async_op)
@@ -352,7 +351,7 @@ def all_gather(x, group: Optional[ProcessGroup] = None, async_op: bool = False, 
     graphed.admit(pg, "all_gather", x)
     label = start_call(pg, "all_gather", x)
     route, node = routes.choose(pg, x, "all_gather")
-    if route is Route.NODE:
+    if route is routes.NODE:
         desc = label.desc()
         return run_call(pg, label, lambda nb: node.all_gather(x, out, desc), async_op, carried=True)
     backend = pg.backend

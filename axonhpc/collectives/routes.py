@@ -37,6 +37,10 @@ class Route(enum.Enum):
     BACKEND = "backend"
 
 
+# The members as module names: an Enum class's attribute read costs about 0.2 us, on every call.
+ONE_RANK, STAGED, NODE, NODE_WIDENED, RING, BACKEND = Route
+
+
 def choose(pg: Any, x: Any, op_name: str, op: Optional[ReduceOp] = None,
            async_op: bool = False) -> Tuple[Route, Optional[Any]]:
     """The route of ``op_name`` on ``x`` over ``pg`` and, for the engine's routes, its path (collective on a group's
@@ -46,16 +50,16 @@ def choose(pg: Any, x: Any, op_name: str, op: Optional[ReduceOp] = None,
     """
     if op_name == "all_reduce":
         if pg.size == 1:
-            return Route.ONE_RANK, None
+            return ONE_RANK, None
         if staged_path.takes(pg, x, op, async_op):
-            return Route.STAGED, None
+            return STAGED, None
     fixed = op is not None and shm_path.fixed_order(x, op)
     node = shm_path.path(pg, x, op_name, reduction=op is not None, any_size=fixed)
     if node is not None:
-        return (Route.NODE if op is None or node.fuses(op, x) else Route.NODE_WIDENED), node
+        return (NODE if op is None or node.fuses(op, x) else NODE_WIDENED), node
     if fixed and pg.size > 1:
-        return Route.RING, None
-    return Route.BACKEND, None
+        return RING, None
+    return BACKEND, None
 
 
-__all__ = ["Route", "choose"]
+__all__ = ["Route", "choose", "ONE_RANK", "STAGED", "NODE", "NODE_WIDENED", "RING", "BACKEND"]

@@ -238,14 +238,14 @@ def test_buffers_are_reused_across_steps():
     def body(world):
         s = GradientSynchronizer(SYNC, bucket_size=BUCKET)
         s.synchronize(rank_grads(world.rank))
-        first = {key: id(buf) for key, buf in s._buffers.items()}
+        first = {key: id(kept[0]) for key, kept in s._buffers.items()}
         s.synchronize(rank_grads(world.rank))  # new arrays, same sizes and dtypes
         o = GradientSynchronizer(OVERLAP, bucket_size=BUCKET)
         o._buffers = s._buffers
         for g in rank_grads(world.rank):
             o.push(g)
         o.finish()
-        return first, {key: id(buf) for key, buf in s._buffers.items()}
+        return first, {key: id(kept[0]) for key, kept in s._buffers.items()}
 
     for first, later in ax.run_local(body, world_size=2):
         assert first and first == later
