@@ -98,9 +98,9 @@ class DistributedDataParallel(WrapperModes):
         self._params = [p for _, p in named]
         self._reducer = Reducer(self.group, self._ops)
         self._buckets, self._bucket_params = self._build_buckets()
-        # Which gradients of each bucket backward has made final (the grad-ready hooks fill it).
-        self._ready = [[False] * len(ps) for ps in self._bucket_params]
-        self._pending = [len(ps) for ps in self._bucket_params]
+        self._ready: List[List[bool]] = []
+        self._pending: List[int] = []
+        self._reset_ready()
         self._where: Dict[int, Tuple[int, int]] = {}
         for k, params in enumerate(self._bucket_params):
             for slot, p in enumerate(params):
@@ -108,7 +108,6 @@ class DistributedDataParallel(WrapperModes):
         self._hooks = [p.register_grad_hook(self._on_grad_ready) for p in self._params]
         self._joiner = Joiner(self)  # uneven inputs: see join.py
         self._overlapping = False
-        self._next_launch = 0
         self.last_step: Dict[str, Any] = {}
         self.sync_parameters()
 
@@ -120,7 +119,8 @@ class DistributedDataParallel(WrapperModes):
         plan = plan_buckets(specs, self.bucket_bytes, first_bucket_size=first)
         groups = [[order[m] for m in members] for _, members in plan]
         params = [[self._params[i] for i in idx] for idx in groups]
-        # One shared window for every bucket when the whole group is on one node (collective; see the note).
+        # One shared window for every bucket when the whole group is on one node (collective; see
+        # [Note: buckets in shared memory] in bucketing.shared).
         flats = (shared_flats(params, self.group, SHARED_BUCKETS_MIN_BYTES) if self._ops.host_memory
                  else [None] * len(groups))
         buckets = [GradBucket.of_views(k, [p.shape for p in ps], ps[0].dtype, self._ops,
@@ -189,9 +189,7 @@ class DistributedDataParallel(WrapperModes):
         self._joiner.before_backward(syncing)
         self._attach_grads()
         self._reducer.reset()  # a step that raised before its reductions completed leaves nothing behind
-        self._ready = [[False] * len(ps) for ps in self._bucket_params]
-        self._pending = [len(ps) for ps in self._bucket_params]
-        self._next_launch = 0
+        self._reset_ready()
         self._overlapping = syncing and self.strategy is GradSyncStrategy.OVERLAPPED
         start = time.perf_counter()
         try:
@@ -205,6 +203,12 @@ class DistributedDataParallel(WrapperModes):
         if syncing:
             self._finish(backward_s)
         return grad_in
+
+    def _reset_ready(self) -> None:
+        """No gradient final yet, no bucket launched (the grad-ready hooks fill ``_ready`` during backward)."""
+        self._ready = [[False] * len(ps) for ps in self._bucket_params]
+        self._pending = [len(ps) for ps in self._bucket_params]
+        self._next_launch = 0
 
     def _on_grad_ready(self, param: Any) -> None:
         if not self._overlapping:
