@@ -71,11 +71,9 @@ class Reducer:
         start = time.perf_counter() if traced else 0.0
         if self.hook is not None:
             state, hook = self.hook
-            work = hook(state, bucket)
-        else:
-            work = all_reduce(bucket.buffer, op, self.group, async_op=async_op)
-        if work is None:  # a blocking call, or a hook that finished in place
-            work = CompletedWork()
+            work = finished(hook(state, bucket))
+        else:  # a blocking all-reduce returns None as well
+            work = finished(all_reduce(bucket.buffer, op, self.group, async_op=async_op))
         bucket.work, bucket.done = work, False
         self.launched.append(bucket)
         if traced:  # the span's arguments cost microseconds (a dtype's name): only when a timeline records
