@@ -45,7 +45,7 @@ explains the disagreement on every rank.
 import zlib
 
 from libc.stdint cimport int32_t, int64_t, uint64_t
-from libc.string cimport memcpy, memset
+from libc.string cimport memset
 cimport numpy as cnp
 
 import numpy as np
@@ -53,6 +53,9 @@ import numpy as np
 from axonhpc.errors import CollectiveMismatchError, CollectiveTimeoutError
 
 cnp.import_array()
+
+cdef extern from "byte_copy.h" nogil:
+    void ax_copy(void* dst, const void* src, size_t n)
 
 cdef extern from "shm_engine.h":
     enum: AX_MAX_RANKS
@@ -241,7 +244,7 @@ cdef inline bint _carry_out(cnp.ndarray buf, char *dst, double all_yes) noexcept
     if _vote(b, cnp.PyArray_TYPE(buf)) != all_yes:
         return False
     if dst != NULL:
-        memcpy(dst, b + item, cnp.PyArray_NBYTES(buf) - item)
+        ax_copy(dst, b + item, cnp.PyArray_NBYTES(buf) - item)
     return True
 
 
@@ -251,7 +254,7 @@ cdef int _carry_in(cnp.ndarray buf, char *src, double vote) except -1:
     if src == NULL:
         memset(b, 0, cnp.PyArray_NBYTES(buf))
     else:
-        memcpy(b + item, src, cnp.PyArray_NBYTES(buf) - item)
+        ax_copy(b + item, src, cnp.PyArray_NBYTES(buf) - item)
     return _put_vote(b, cnp.PyArray_TYPE(buf), vote)
 
 

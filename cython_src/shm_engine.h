@@ -17,6 +17,8 @@
 #include <string.h>
 #include <time.h>
 
+#include "byte_copy.h"
+
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #define AX_CPU_RELAX() _mm_pause()
@@ -142,7 +144,7 @@ static int ax_wait_all(ax_shm *s, int field, uint64_t target, double timeout, un
                 for (size_t i = 0; i < m; i++) { T a = acc[i], v = sr[i]; acc[i] = (EXPR); } \
             }                                                                         \
             FINISH                                                                    \
-            memcpy((T *)dst + b, acc, m * sizeof(T));                                 \
+            ax_copy((T *)dst + b, acc, m * sizeof(T));                                \
         }                                                                             \
     }
 
@@ -270,7 +272,7 @@ static int ax_allreduce(ax_shm *s, char *x, size_t count, int dtype, int op, siz
         const size_t n = count - first < per_chunk ? count - first : per_chunk;
         char *xc = x + first * itemsize;
         if (ax_wait_slot(s, g, timeout, lagging)) return -1;
-        memcpy(ax_slot(s, me, g), xc, n * itemsize);
+        ax_copy(ax_slot(s, me, g), xc, n * itemsize);
         AX_PUBLISH_FIRST(g, first);
         ax_store(&s->ctrls[me]->copied, g + 1);
         if (ax_wait_all(s, AX_COPIED, g + 1, timeout, lagging)) return -1;
@@ -285,7 +287,7 @@ static int ax_allreduce(ax_shm *s, char *x, size_t count, int dtype, int op, siz
         if (ax_wait_all(s, AX_REDUCED, g + 1, timeout, lagging)) return -1;
         for (int k = 0; k < p; k++) {
             ax_share(n, k, p, align, &lo, &hi);
-            if (hi > lo) memcpy(xc + lo * itemsize, ax_slot(s, k, g) + lo * itemsize, (hi - lo) * itemsize);
+            if (hi > lo) ax_copy(xc + lo * itemsize, ax_slot(s, k, g) + lo * itemsize, (hi - lo) * itemsize);
         }
         ax_store(&s->ctrls[me]->done, g + 1);
     }
@@ -311,7 +313,7 @@ static int ax_reduce_scatter(ax_shm *s, const char *x, char *out, size_t block, 
         if (ax_wait_slot(s, g, timeout, lagging)) return -1;
         char *mine = ax_slot(s, me, g);
         for (int k = 0; k < p; k++)
-            memcpy(mine + (size_t)k * piece * itemsize, x + ((size_t)k * block + first) * itemsize, n * itemsize);
+            ax_copy(mine + (size_t)k * piece * itemsize, x + ((size_t)k * block + first) * itemsize, n * itemsize);
         AX_PUBLISH_FIRST(g, first);
         ax_store(&s->ctrls[me]->copied, g + 1);
         if (ax_wait_all(s, AX_COPIED, g + 1, timeout, lagging)) return -1;
@@ -335,7 +337,7 @@ static int ax_broadcast(ax_shm *s, char *x, size_t count, size_t itemsize, int r
         const uint64_t g = s->seq++;
         const size_t n = count - first < per_chunk ? count - first : per_chunk;
         if (ax_wait_slot(s, g, timeout, lagging)) return -1;
-        if (me == root) memcpy(ax_slot(s, me, g), x + first * itemsize, n * itemsize);
+        if (me == root) ax_copy(ax_slot(s, me, g), x + first * itemsize, n * itemsize);
         AX_PUBLISH_FIRST(g, first);
         ax_store(&s->ctrls[me]->copied, g + 1);
         if (first == 0) { /* *reduced* after the check: a refusal must be able to finish the step */
@@ -346,7 +348,7 @@ static int ax_broadcast(ax_shm *s, char *x, size_t count, size_t itemsize, int r
             ax_store(&s->ctrls[me]->reduced, g + 1);
             if (ax_wait_all(s, AX_COPIED, g + 1, timeout, lagging)) return -1;
         }
-        if (me != root) memcpy(x + first * itemsize, ax_slot(s, root, g), n * itemsize);
+        if (me != root) ax_copy(x + first * itemsize, ax_slot(s, root, g), n * itemsize);
         ax_store(&s->ctrls[me]->done, g + 1);
     }
     return 0;
@@ -364,13 +366,13 @@ static int ax_allgather(ax_shm *s, const char *x, char *out, size_t nbytes, cons
         const uint64_t g = s->seq++;
         const size_t n = nbytes - first < per_chunk ? nbytes - first : per_chunk;
         if (ax_wait_slot(s, g, timeout, lagging)) return -1;
-        memcpy(ax_slot(s, me, g), x + first, n);
+        ax_copy(ax_slot(s, me, g), x + first, n);
         AX_PUBLISH_FIRST(g, first);
         ax_store(&s->ctrls[me]->copied, g + 1);
         if (ax_wait_all(s, AX_COPIED, g + 1, timeout, lagging)) return -1;
         AX_CHECK_FIRST(g, first);
         ax_store(&s->ctrls[me]->reduced, g + 1);
-        for (int k = 0; k < p; k++) memcpy(out + (size_t)k * nbytes + first, ax_slot(s, k, g), n);
+        for (int k = 0; k < p; k++) ax_copy(out + (size_t)k * nbytes + first, ax_slot(s, k, g), n);
         ax_store(&s->ctrls[me]->done, g + 1);
     }
     return 0;
@@ -405,7 +407,7 @@ static int ax_allreduce_direct(ax_shm *s, size_t offset, size_t count, int dtype
     for (int k = 0; k < p; k++) {
         if (k == me) continue;
         ax_share(count, k, p, align, &lo, &hi);
-        if (hi > lo) memcpy(s->segs[me] + offset + lo * itemsize, s->segs[k] + offset + lo * itemsize,
+        if (hi > lo) ax_copy(s->segs[me] + offset + lo * itemsize, s->segs[k] + offset + lo * itemsize,
                             (hi - lo) * itemsize);
     }
     ax_store(&s->ctrls[me]->done, g + 1);
@@ -427,7 +429,7 @@ static int ax_allgather_direct(ax_shm *s, size_t offset, size_t nbytes, char *ou
     if (ax_wait_all(s, AX_COPIED, g + 1, timeout, lagging)) return -1;
     if (desc && !ax_agrees(s, g, desc)) return ax_refuse(s, g, timeout, lagging);
     ax_store(&s->ctrls[me]->reduced, g + 1);
-    for (int k = 0; k < p; k++) memcpy(out + (size_t)k * nbytes, s->segs[k] + offset, nbytes);
+    for (int k = 0; k < p; k++) ax_copy(out + (size_t)k * nbytes, s->segs[k] + offset, nbytes);
     ax_store(&s->ctrls[me]->done, g + 1);
     if (ax_wait_all(s, AX_DONE, g + 1, timeout, lagging)) return -1;
     return 0;

@@ -190,6 +190,45 @@ def test_large_messages_with_default_geometry(mpi_world):
     collectively(mpi_world, check)
 
 
+def _placed(x, offset):
+    """A copy of ``x`` whose data starts ``offset`` bytes past a 64-byte boundary."""
+    raw = np.empty(x.nbytes + 128, dtype=np.uint8)
+    start = (-raw.ctypes.data) % 64 + offset
+    view = raw[start:start + x.nbytes].view(x.dtype).reshape(x.shape)
+    view[...] = x
+    assert view.ctypes.data % 64 == offset
+    return view
+
+
+@pytest.mark.parametrize("offset", [0, 8, 16, 24, 40, 56])
+def test_arrays_at_any_distance_from_a_cache_line(mpi_world, offset):
+    """The engine copies an array that is not 64-byte aligned against the slots in pieces (byte_copy.h):
+    every byte of every collective arrives, at each distance, across chunks of the default geometry."""
+    n = mpi_world.world_size
+
+    def through(call, x):
+        with override(shm_collectives="auto", shm_min_bytes=0):
+            a = call(_placed(x, offset))
+        with override(shm_collectives="off"):
+            b = call(x.copy())
+        return a, b
+
+    def check():
+        x = _inputs(np.float64, 100_003, mpi_world.rank, seed=7)  # 800 KB: four chunks, the last partial
+        for op in ("SUM", "MAX"):
+            a, b = through(lambda v: (ax.all_reduce(v, op), v)[1], x)
+            _same(a, b, op == "MAX" or n == 2, f"all_reduce {op} at offset {offset}")
+        a, b = through(lambda v: (ax.broadcast(v, n - 1), v)[1], x)
+        np.testing.assert_array_equal(a, b)
+        blocks = _inputs(np.float64, n * 30_001, mpi_world.rank, seed=8).reshape(n, 30_001)
+        a, b = through(lambda v: ax.reduce_scatter(v, "MAX"), blocks)
+        np.testing.assert_array_equal(a, b)
+        part = _inputs(np.float64, 7_001, mpi_world.rank, seed=9)  # under the all-gather cap at 4 ranks
+        a, b = through(lambda v: ax.all_gather(v), part)
+        np.testing.assert_array_equal(a, b)
+    collectively(mpi_world, check)
+
+
 def test_result_is_bit_identical_run_after_run(mpi_world, small_slots_group):
     """Deterministic: the reduction order is fixed, so timing cannot change the bits."""
     def check():
