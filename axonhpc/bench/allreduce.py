@@ -29,7 +29,7 @@ from ..collectives import all_reduce
 from ..errors import InvalidArgumentError
 from ..groups import init
 from ..settings import ALGORITHMS, settings
-from .timing import human_bytes, median_times, pin_blas_threads
+from .timing import empty_aligned_like, human_bytes, median_times, pin_blas_threads
 
 DEFAULT_SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20, 256 << 20]
 
@@ -65,7 +65,7 @@ def run_sizes(sizes: List[int], rounds: int, algorithms: Sequence[str] = ()) -> 
     rows = []
     for nbytes in sizes:
         x = np.ones(nbytes // 4, dtype=np.float32)
-        dst = np.empty_like(x)
+        dst = empty_aligned_like(x)  # the bound: a copy glibc makes at full speed
         iters = _iters_for(nbytes)
         candidates = {
             "ours": lambda: all_reduce(x),

@@ -14,7 +14,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from ..bucketing import pack
-from .timing import human_bytes, median_times
+from .timing import empty_aligned_like, human_bytes, median_times
 
 # (number of arrays, total bytes) of each bandwidth case: a 25 MB bucket as
 # 25 gradients of 1 MB, as one gradient, and as 1000 gradients of 25 KB.
@@ -58,7 +58,7 @@ def run(bandwidth_cases: Optional[Sequence[Tuple[int, int]]] = None,
         arrays = _arrays(count, total)
         out = np.empty(sum(a.size for a in arrays), dtype=np.float32)
         src = np.concatenate(arrays)
-        dst = np.empty_like(src)
+        dst = empty_aligned_like(src)
         row(f"{count} x {total // count:,} B", arrays, "numpy.copyto (one array)",
             lambda: pack(arrays, out=out), lambda: np.copyto(dst, src), iters=5)
     for count, each in DEFAULT_SMALL_CASES if small_cases is None else small_cases:

@@ -18,3 +18,15 @@ def test_main_prints_a_table(capsys, monkeypatch):
     bench_pack.main()
     out = capsys.readouterr().out.splitlines()
     assert "base/pack" in out[0] and len(out) == 3
+
+
+def test_the_copy_bound_copies_between_addresses_equal_modulo_64():
+    import numpy as np
+    from axonhpc.bench.timing import empty_aligned_like
+
+    base = np.zeros(4096 + 16, dtype=np.float32)
+    for k in range(16):  # every 4-byte distance from a cache line
+        x = base[k:k + 4096].reshape(64, 64)
+        dst = empty_aligned_like(x)
+        assert dst.shape == x.shape and dst.dtype == x.dtype and dst.flags.c_contiguous and dst.flags.writeable
+        assert (dst.ctypes.data - x.ctypes.data) % 64 == 0
