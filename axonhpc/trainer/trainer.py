@@ -34,7 +34,7 @@ from ..checkpoint.background import AsyncCheckpointer
 from ..backends import ReduceOp
 from ..collectives import all_reduce, barrier, broadcast, stragglers
 from ..data import DataLoader
-from ..errors import ArgumentTypeError, ConfigurationError
+from ..errors import ArgumentTypeError, AxonError, ConfigurationError
 from ..nn import require_module
 from ..groups import resolve_group
 from ..observe.log import get_logger
@@ -42,7 +42,7 @@ from ..settings import settings
 from .preemption import PREEMPTED_EXIT_CODE, Preemption
 from .progress import DEFAULT_PERCENT, DEFAULT_SECONDS, Progress, parse_every
 from .shrink import Shrinking, check_options, preemption_after
-from .strategies import SETUPS, STRATEGIES, Setup, batches_of, build
+from .strategies import SETUPS, STRATEGIES, Setup, batches_of, build, refuse_together
 
 CHECKPOINT_PATTERN = "ckpt-*"
 
@@ -581,21 +581,27 @@ class DistributedTrainer:
             m.eval()
         classes = _dtype_kind(y) in "iu"  # integer targets: class labels, so accuracy is reported too
         sums = np.zeros(3)  # loss * n, correct, n
+        problem: Optional[AxonError] = None
         try:
             for start in range(0, max(len(mine), 1), batch_size):
                 rows = mine[start:start + batch_size]
                 out = (setup.predict(x[array_module(x).asarray(rows)])
                        if len(rows) or setup.forward_needs_every_rank() else None)
-                if out is None or not len(rows):
-                    continue
+                if out is None or not len(rows) or problem is not None:
+                    continue  # after a refusal: the predictions go on, they may be collective
                 targets = y[array_module(y).asarray(rows)]  # on y's own device (numpy or cupy)
-                sums[0] += float(self.loss_fn(out, targets)) * len(rows)
+                try:
+                    sums[0] += float(self.loss_fn(out, targets)) * len(rows)
+                except AxonError as exc:  # refused on every rank below ([Note: a batch refused on one rank])
+                    problem = exc
+                    continue
                 if classes and out.ndim == 2:
                     sums[1] += float((out.argmax(axis=1) == targets).sum())
                 sums[2] += len(rows)
         finally:
             for m in setup.modules():
                 m.train()
+        refuse_together(setup.group, problem, "evaluate")
         setup.sum_metrics(sums)
         result = {"loss": sums[0] / sums[2] if sums[2] else float("nan")}
         if classes:

@@ -190,6 +190,54 @@ def case_nonfinite_gradients_skip_the_step_on_every_rank(world):
         assert all(np.isfinite(v).all() for v in full_parameters(trainer).values())
 
 
+def case_a_bad_target_on_one_rank_is_refused_on_every_rank_before_the_update(world):
+    """The last rank's third batch holds a class out of range: every rank raises (that rank the loss's error, the
+    others one naming it), and no rank has stepped its optimizer for that batch."""
+    last = world.world_size - 1
+    for strategy, accumulate in (("ddp", 1), ("ddp", 2), ("zero1", 1), ("fsdp", 1), ("tp+dp", 1)):
+        x, y = make_data()
+        model = make_model(seed=0 if world.rank == 0 else 50 + world.rank)
+        before = {}
+
+        def watch(trainer, step, loss):
+            if step == 1:  # the parameters after step 1; step 2 holds the bad batch
+                before.update(full_parameters(trainer))
+
+        trainer = ax.DistributedTrainer(model, make_optimizer(model.parameters()), nn.CrossEntropyLoss(),
+                                        strategy=strategy, progress=False, verbose=False, on_step=watch,
+                                        mesh=world.mesh(dp=world.world_size, tp=1) if strategy == "tp+dp" else None)
+        trainer._ensure_setup(None)
+        loader = trainer._loader(x, y, BATCH)
+        loader.set_epoch(0)
+        bad = y.copy()
+        if world.rank == last:
+            bad[list(loader.sampler)[accumulate * BATCH:(accumulate + 1) * BATCH]] = 7  # step 2's first micro-batch
+        if world.rank == last:
+            expected, match = ax.errors.ShapeError, r"targets must be in \[0, 3\), got values in \[7, 7\]"
+        else:
+            expected = ax.errors.CollectiveRefusedError
+            match = (rf"the training step refused the batch of rank {last} \(world numbering\): ShapeError: "
+                     r"CrossEntropyLoss targets must be in \[0, 3\)")
+        with pytest.raises(expected, match=match):
+            trainer.fit((x, bad), 1, batch_size=BATCH, grad_accumulation=accumulate)
+        assert trainer.global_step == 1, (strategy, accumulate)
+        after = full_parameters(trainer)
+        for name in before:
+            np.testing.assert_array_equal(after[name], before[name], err_msg=f"{strategy} {name}")
+        # the trainer goes on after the refusal: the next fit trains on every rank alike
+        trainer.on_step = None
+        trainer.fit((x, y), 1, batch_size=BATCH, grad_accumulation=accumulate)
+
+    metrics_bad = y.copy()
+    if world.rank == last:
+        metrics_bad[:] = 9
+    expected = ax.errors.ShapeError if world.rank == last else ax.errors.CollectiveRefusedError
+    with pytest.raises(expected, match="targets must be in" if world.rank == last else
+                       rf"evaluate refused the batch of rank {last}"):
+        trainer.evaluate((x, metrics_bad), batch_size=5)
+    assert np.isfinite(trainer.evaluate((x, y), batch_size=5)["loss"])
+
+
 def case_bad_arguments(world):
     model = make_model()
     errors = ax.errors.ConfigurationError

@@ -56,3 +56,33 @@ def test_a_device_run_resumes_from_its_checkpoint(fake_cupy, tmp_path):
     resumed = run_device_world(lambda w: _train(w, fake_cupy.asarray, str(tmp_path / "b"), 3), 2)
     assert len(resumed[0][0]) == 1  # only the third epoch ran
     assert resumed[0][0][0] == straight[0][0][2] and resumed[0][1] == straight[0][1]
+
+
+def test_a_bad_device_target_on_one_rank_is_refused_on_both_before_the_update(fake_cupy):
+    """The target check of a device batch is read as the step's deferred reads end; the vote after it raises on
+    both ranks, and neither has stepped its optimizer."""
+    x, y = _data()
+    model_values = []
+
+    def body(world):
+        model = nn.Sequential(nn.Linear(8, 16, seed=0), nn.ReLU(), nn.Linear(16, 2, seed=1))
+        model.to("cuda")
+        trainer = ax.DistributedTrainer(model, optim.Adam(model.parameters(), lr=1e-2), nn.CrossEntropyLoss(),
+                                        verbose=False, progress=False)
+        bad = y.copy()
+        if world.rank == 1:
+            bad[:] = 5  # every batch of rank 1: refused at the first step
+        before = {k: fake_cupy.asnumpy(v) for k, v in trainer.model.state_dict().items()}
+        expected = ax.errors.ShapeError if world.rank == 1 else ax.errors.CollectiveRefusedError
+        match = (r"targets must be in \[0, 2\), got values in \[5, 5\]" if world.rank == 1 else
+                 r"the training step refused the batch of rank 1 \(world numbering\): ShapeError")
+        with pytest.raises(expected, match=match):
+            trainer.fit((fake_cupy.asarray(x), fake_cupy.asarray(bad)), 1, batch_size=8)
+        after = {k: fake_cupy.asnumpy(v) for k, v in trainer.model.state_dict().items()}
+        model_values.append((before, after))
+        return trainer.global_step
+
+    assert run_device_world(body, 2) == [0, 0]
+    for before, after in model_values:
+        for name in before:
+            np.testing.assert_array_equal(after[name], before[name], err_msg=name)
