@@ -26,8 +26,8 @@ from ..checkpoint.background import AsyncCheckpointer
 from ..backends import ReduceOp
 from ..collectives import all_reduce, broadcast
 from ..data import DistributedSampler
-from ..errors import AxonError, CollectiveRefusedError, ConfigurationError
-from ..groups.agreement import Failed, Refused, agree, ranks_text
+from ..errors import AxonError, ConfigurationError
+from ..groups.agreement import batch_refused, vote
 from ..observe.log import get_logger
 from ..nn import autocast, call_backward
 from ..optim.optimizer import Optimizer
@@ -40,42 +40,6 @@ def loss_scaler(mixed_precision: Optional[MixedPrecision], group: Any) -> Option
     if mixed_precision is not None and mixed_precision.param_dtype == np.float16:
         return GradScaler(group=group)
     return None
-
-
-# [Note: a batch refused on one rank]
-# A loss refuses a bad batch (a target out of range, a shape that does not fit) with an ``AxonError``. Raised
-# at once on one rank, it would leave the others inside the backward's collectives, ended only by
-# ``abort_on_exception``. So the step catches it there: that rank runs the rest of the step with a zero
-# output gradient, so every collective of the backward still meets its peers, and the step ends with one
-# vote over the trainer's group (``refuse_together``: an 8-byte all-reduce, the reasons only on a refusal). Every
-# rank then raises before any optimizer step: the refusing rank its own error, the others
-# ``CollectiveRefusedError`` naming it and its reason. The parameters stay as they were on every rank. A
-# device batch's target check is read as the step's deferred reads end (its ``ShapeError`` comes from the
-# ``defer_reads`` block's end) and is voted on alike. An error raised in the forward itself is not caught:
-# FSDP's forward is collective, and a rank that stopped half-way cannot be brought back into step.
-
-
-def refused_batch(group: Any, what: str) -> Refused:
-    """The error of the ranks whose batch passed, when another's was refused in ``what``."""
-    def refused(failed: Failed) -> CollectiveRefusedError:
-        ranks = [group.ranks[r] for r, _ in failed]
-        why = failed[0][1]
-        return CollectiveRefusedError(f"{what} refused the batch of {ranks_text(ranks)} (world numbering): {why}",
-                                      rank=ranks[0], reason=why)
-    return refused
-
-
-def refuse_together(group: Any, problem: Optional[AxonError], what: str) -> None:
-    """Collective: raise on every rank of ``group`` if ``problem`` is set on any ([Note: a batch refused on one rank]).
-
-    One 8-byte all-reduce when every batch passed (7 us on 2 ranks here, where ``agree`` alone takes 39); the
-    reasons are gathered only after a refusal.
-    """
-    flag = np.array([0.0 if problem is None else 1.0])
-    if group.size > 1:
-        all_reduce(flag, ReduceOp.MAX, group)
-    if flag[0]:
-        agree(group, problem, refused_batch(group, what))
 
 
 class Setup:
@@ -195,7 +159,7 @@ class Setup:
             if not body_done:
                 raise  # not the loss's: the forward's or the backward's own error
             problem = problem or exc  # a deferred check of a device batch's targets, read as the block ended
-        refuse_together(self.group, problem, "the training step")
+        vote(self.group, problem, batch_refused(self.group, "the training step"))
         total = read[0] if read else sum(float(loss) * n for loss, n in losses)
         count = sum(n for _, n in losses)
         skip = self.scaler is None and self.skip_nonfinite and self._skip_for_nonfinite()

@@ -37,12 +37,13 @@ from ..data import DataLoader
 from ..errors import ArgumentTypeError, AxonError, ConfigurationError
 from ..nn import require_module
 from ..groups import resolve_group
+from ..groups.agreement import batch_refused, vote
 from ..observe.log import get_logger
 from ..settings import settings
 from .preemption import PREEMPTED_EXIT_CODE, Preemption
 from .progress import DEFAULT_PERCENT, DEFAULT_SECONDS, Progress, parse_every
 from .shrink import Shrinking, check_options, preemption_after
-from .strategies import SETUPS, STRATEGIES, Setup, batches_of, build, refuse_together
+from .strategies import SETUPS, STRATEGIES, Setup, batches_of, build
 
 CHECKPOINT_PATTERN = "ckpt-*"
 
@@ -601,7 +602,7 @@ class DistributedTrainer:
         finally:
             for m in setup.modules():
                 m.train()
-        refuse_together(setup.group, problem, "evaluate")
+        vote(setup.group, problem, batch_refused(setup.group, "evaluate"))
         setup.sum_metrics(sums)
         result = {"loss": sums[0] / sums[2] if sums[2] else float("nan")}
         if classes:

@@ -268,6 +268,44 @@ def case_pipeline_with_data_parallel(world):
             dp_parity(world, schedule, m, kind, v)
 
 
+def case_a_bad_target_is_refused_on_every_stage_and_replica(world):
+    """A target out of range on the last stage: every rank raises after the step's messages, the last stage the
+    loss's error and the others one naming it; the pipeline trains on afterwards. At 4 ranks, 2 stages x 2
+    replicas: only replica 1's targets are bad, and replica 0 raises too."""
+    p, r = world.world_size, world.rank
+    for schedule, m in ((GPIPE, 3), (ONE_F_ONE_B, 4)):
+        pipe = ax.Pipeline.from_modules(make_stages(p), num_microbatches=m, schedule=schedule,
+                                        loss_fn=nn.CrossEntropyLoss())
+        x, y = make_data(0)
+        bad = y.copy()
+        bad[BATCH // 2] = CLASSES + 4  # in the second micro-batch
+        expected = ShapeError if r == p - 1 else ax.errors.CollectiveRefusedError
+        match = (r"targets must be in \[0, 3\), got values in \[\d, 7\]" if r == p - 1 else
+                 rf"Pipeline.train_step refused the batch of rank {p - 1} \(world numbering\): ShapeError")
+        with pytest.raises(expected, match=match):
+            pipe.train_step(x, bad)
+        for q in pipe.parameters():
+            q.grad = None
+        assert np.isfinite(pipe.train_step(x, y)) if r == p - 1 else pipe.train_step(x, y) is None
+    if p != 4:
+        return
+    mesh = world.mesh(dp=2, pp=2)
+    pipe = ax.Pipeline.from_modules(make_stages(2), group=mesh.pp, num_microbatches=2, schedule=ONE_F_ONE_B,
+                                    loss_fn=nn.CrossEntropyLoss(), dp_group=mesh.dp)
+    x, y = make_data(0)
+    bad = y.copy()
+    if mesh.coords.dp == 1:
+        bad[:] = -1
+    if mesh.coords.dp == 1 and pipe.is_last:
+        expected, match = ShapeError, r"targets must be in \[0, 3\)"
+    elif mesh.coords.dp == 1:
+        expected, match = ax.errors.CollectiveRefusedError, r"refused the batch of rank \d \(world numbering\)"
+    else:
+        expected, match = ax.errors.CollectiveRefusedError, "another data-parallel replica refused its batch"
+    with pytest.raises(expected, match=match):
+        pipe.train_step(x, bad)
+
+
 def case_gather_timelines(world):
     p, r = world.world_size, world.rank
     x, y = make_data(0)

@@ -18,8 +18,9 @@ import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from ..._dtypes import array_module
-from ...errors import AxonError, ConfigurationError, ShapeError, UsageError
+from ...errors import AxonError, CollectiveRefusedError, ConfigurationError, ShapeError, UsageError
 from ...groups import resolve_group
+from ...groups.agreement import batch_refused, vote
 from ...nn import cached_nbytes, call_backward
 from ...observe import tracing
 from ..same_model import check_same_model, compared_model
@@ -212,6 +213,10 @@ class Pipeline:
             self._run_step(step, st)
         for work, _ in st.pending:
             work.wait()
+        replicas = None if self._replicas is None else self._replicas.group
+        vote(self.group, st.problem, batch_refused(self.group, "Pipeline.train_step"), wider=replicas,
+             elsewhere=lambda: CollectiveRefusedError("Pipeline.train_step: the loss of another data-parallel "
+                                                      "replica refused its batch"))
         loss = sum(st.losses) / self.num_microbatches if self.is_last else None
         dp_sync_time = 0.0
         if self._replicas is not None:  # average the stages' gradients and the loss over dp_group
@@ -256,8 +261,14 @@ class Pipeline:
         out = module(st.xs[i] if s == 0 else st.handover.pop((s, i, ACT)))
         seed = None
         if s == self.num_stages - 1:
-            st.losses.append(float(self.loss_fn(out, st.ys[i])))
-            seed = self.loss_fn.backward(1.0 / self.num_microbatches)
+            try:
+                loss = self.loss_fn(out, st.ys[i])
+            except AxonError as exc:  # voted on at the step's end: [Note: a batch refused on one rank]
+                st.problem = st.problem or exc
+                seed = array_module(out).zeros_like(out)
+            else:
+                st.losses.append(float(loss))
+                seed = self.loss_fn.backward(1.0 / self.num_microbatches)
         else:
             st.handover[(s + 1, i, ACT)] = out
         # Only the output's description is kept: the gradient for it is received into a
@@ -364,6 +375,7 @@ class _StepState:
     shapes: Dict[int, Tuple[Any, Tuple[int, ...], Any]] = field(default_factory=dict)  # stage -> its input's
     pending: List[Tuple[Any, Any]] = field(default_factory=list)  # (Work, buffer): the buffer lives until the wait
     losses: List[float] = field(default_factory=list)
+    problem: Optional[AxonError] = None  # the loss's refusal of a micro-batch, voted on at the step's end
     timeline: List[Tuple[Action, float, float]] = field(default_factory=list)
     peak: int = 0
     held_bytes: int = 0
