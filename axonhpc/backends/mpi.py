@@ -9,6 +9,7 @@ are, else through pinned host twins (neither path has run on a GPU yet).
 from __future__ import annotations
 
 import sys
+import time
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -18,6 +19,7 @@ from ..errors import BackendUnavailableError, InvalidArgumentError, ShapeError
 from ..settings import settings
 from .base import Backend, CompletedWork, ReduceOp, Work
 from .mpi_arrivals import Arrivals
+from .mpi_p2p import Looker, poll, wire_tag
 from .mpi_work import ChunkPlan, MPIWork, chunk_bounds, load_mpi, mpi_datatype, mpi_op, raise_failure
 
 
@@ -51,8 +53,9 @@ class _MatchedReceive(Work):
 
     [Note: checking a receive's size]
     MPI reports a too-long message only as a raw "Message truncated" error, after the fact. So a receive first
-    matches the message (``MPI_Mprobe``) and compares sizes; on a difference it drains it into scratch (so the
-    sender is not left waiting) and raises ``ShapeError``. A posted ``irecv`` cannot be matched early without
+    matches the message (``MPI_Improbe``) and compares sizes; on a difference it drains it into scratch (so the
+    sender is not left waiting) and raises ``ShapeError``. While it waits it also looks for the message under
+    another dtype's tag ([Note: the dtype in the tag]). A posted ``irecv`` cannot be matched early without
     changing MPI's semantics, so it checks its statuses on completion (``_PostedReceive``).
     """
 
@@ -61,6 +64,8 @@ class _MatchedReceive(Work):
         self._backend, self._buf, self._flat = backend, buf, flat
         self._pending = list(blocks)
         self._src, self._tag = src, tag
+        self._wire = wire_tag(backend.comm, tag, flat.dtype)
+        self._looker = Looker(backend.comm, src, self._wire, buf, backend.describe_receive(src, tag))
         self._requests: List[Any] = []
 
     def _accept(self, message, status, a: int, b: int, blocking: bool):
@@ -78,24 +83,36 @@ class _MatchedReceive(Work):
             return None
         return message.Irecv(spec)
 
+    def _probe(self, status) -> Any:
+        """The next message of this receive if it has arrived, else None (having looked for another dtype's)."""
+        message = self._backend.comm.Improbe(self._src, self._wire, status)
+        if message is None:
+            self._looker.look()
+        return message
+
     def run_blocking(self) -> Work:
-        comm, MPI = self._backend.comm, load_mpi()
+        MPI = load_mpi()
         try:
             while self._pending:
+                status, found = MPI.Status(), [None]
+
+                def arrived() -> bool:
+                    found[0] = self._probe(status)
+                    return found[0] is not None
+
+                poll(arrived)
                 a, b = self._pending.pop(0)
-                status = MPI.Status()
-                message = comm.Mprobe(self._src, self._tag, status)
-                self._accept(message, status, a, b, blocking=True)
+                self._accept(found[0], status, a, b, blocking=True)
         except MPI.Exception as exc:
-            raise_failure(comm, exc)
+            raise_failure(self._backend.comm, exc)
         return CompletedWork(self._buf)
 
     def _match(self) -> bool:
         """Match every chunk whose message has arrived; True once all are matched."""
-        comm, MPI = self._backend.comm, load_mpi()
+        MPI = load_mpi()
         while self._pending:
             status = MPI.Status()
-            message = comm.Improbe(self._src, self._tag, status)
+            message = self._probe(status)
             if message is None:
                 return False
             a, b = self._pending.pop(0)
@@ -113,9 +130,9 @@ class _MatchedReceive(Work):
 class _PostedReceive(MPIWork):
     """``irecv``'s posted receives, whose statuses are checked when they complete (see ``_MatchedReceive``)."""
 
-    def __init__(self, steps, buf, problem, facts, comm):
+    def __init__(self, steps, buf, problem, facts, comm, looker: Looker):
         super().__init__(steps, buf, sequential=False, comm=comm)
-        self._problem, self._facts = problem, facts
+        self._problem, self._facts, self._looker = problem, facts, looker
 
     def _check(self, call) -> Any:
         MPI = load_mpi()
@@ -143,16 +160,21 @@ class _PostedReceive(MPIWork):
     def _test(self) -> bool:
         if not self._requests:
             return True
-        if not self._check(load_mpi().Request.Testall):
+        MPI = load_mpi()
+        if not self._check(MPI.Request.Testall):
+            try:
+                self._looker.look()
+            except ShapeError:  # the message came under another dtype's tag: no message will match these
+                for request in self._requests:
+                    request.Cancel()
+                MPI.Request.Waitall(self._requests)
+                raise
             return False
         return self._advance()
 
     def _block(self, timeout: Optional[float]) -> bool:
-        if timeout is None and self._requests:
-            self._check(load_mpi().Request.Waitall)
-            self._advance()
-            return True
-        return Work._block(self, timeout)
+        # Polled, not MPI_Waitall: the wait must look for the message under another dtype's tag.
+        return poll(self._test, None if timeout is None else time.monotonic() + timeout)
 
 
 class MPIBackend(Backend):
@@ -352,10 +374,11 @@ class MPIBackend(Backend):
             return self._on_host(MPIBackend.send, (buf, dst, tag, async_op), (0,), ())
         comm = self.comm
         flat = self._flat(buf)
+        wire = wire_tag(comm, tag, flat.dtype)  # [Note: the dtype in the tag]
         plan = ChunkPlan(comm)
         for a, b in chunk_bounds(flat.size, self._limit()):
             spec = self._spec(flat, a, b)
-            plan.add(lambda s=spec: comm.Send(s, dst, tag), lambda s=spec: comm.Isend(s, dst, tag))
+            plan.add(lambda s=spec: comm.Send(s, dst, wire), lambda s=spec: comm.Isend(s, dst, wire))
         return plan.run(async_op, sequential=False)
 
     def recv(self, buf, src: int, tag: int, async_op: bool) -> Work:
@@ -367,8 +390,10 @@ class MPIBackend(Backend):
         if not async_op:
             return _MatchedReceive(self, buf, flat, blocks, src, tag).run_blocking()
         comm = self.comm
-        steps = [(lambda s=self._spec(flat, a, b): comm.Irecv(s, src, tag), None) for a, b in blocks]
-        return _PostedReceive(steps, buf, self._size_problem, (buf, blocks, src, tag), comm)
+        wire = wire_tag(comm, tag, flat.dtype)
+        steps = [(lambda s=self._spec(flat, a, b): comm.Irecv(s, src, wire), None) for a, b in blocks]
+        looker = Looker(comm, src, wire, buf, self.describe_receive(src, tag))
+        return _PostedReceive(steps, buf, self._size_problem, (buf, blocks, src, tag), comm, looker)
 
     def recv_now(self, buf, src: int, tag: int, nonblocking: bool) -> Work:
         """A receive whose caller waits for it at once (a blocking ``recv`` under a timeout).
@@ -380,6 +405,10 @@ class MPIBackend(Backend):
         flat = self._flat(buf)
         receive = _MatchedReceive(self, buf, flat, list(chunk_bounds(flat.size, self._limit())), src, tag)
         return receive if nonblocking else receive.run_blocking()
+
+    def describe_receive(self, src: int, tag: int) -> str:
+        """How errors name a receive: ``recv from rank 2 tag 5`` (the source's world rank, the user's tag)."""
+        return f"recv from rank {self.global_ranks[src]} tag {tag}"
 
     def _size_problem(self, buf, src: int, tag: int, got_bytes: Optional[int], want: int, larger: bool = False,
                       chunk: Optional[Tuple[int, int]] = None) -> ShapeError:
@@ -394,9 +423,7 @@ class MPIBackend(Backend):
         else:
             elements = f" = {got_bytes // itemsize} elements of {buf.dtype}" if got_bytes % itemsize == 0 else ""
             said = f"the incoming message holds {got_bytes} bytes{elements}, but {buffer}"
-        return ShapeError(
-            f"recv from rank {self.global_ranks[src]} tag {tag}: {said}; the message was received and dropped. "
-            f"MPI carries no dtype: a message of another dtype shows up as another byte count")
+        return ShapeError(f"{self.describe_receive(src, tag)}: {said}; the message was received and dropped")
 
     # -- communicators ------------------------------------------------------------
     def announce(self, seq: int, op: str) -> "Arrivals":

@@ -67,9 +67,9 @@ def recv(x, src: int, tag: int = 0, group: Optional[ProcessGroup] = None):
     """Fill ``x`` with the message from group rank ``src``; returns ``x``.
 
     Raises:
-        ShapeError: the message's size differs from ``x``'s (both sizes in the message; the message is
-            consumed, so its sender is not left waiting). The in-process backend also compares dtypes;
-            MPI carries no dtype, so there a message of another dtype is found when its byte size differs.
+        ShapeError: the message's size or dtype differs from ``x``'s (both in the message; the message is
+            consumed, so its sender is not left waiting). MPI's tags carry the dtype ([Note: the dtype in the
+            tag]), which bounds ``tag`` there (InvalidArgumentError beyond it).
     """
     return _p2p(_RECV, x, src, tag, group)
 

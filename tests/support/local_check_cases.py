@@ -169,6 +169,56 @@ def case_irecv_of_a_larger_message_raises_a_shape_error(world):
     _in_step(world)
 
 
+def case_a_message_of_another_dtype_and_the_same_size_is_refused(world):
+    """4 float64 into 8 float32: the same 32 bytes, which MPI alone would fill with garbage. recv (blocking, and
+    polled under a timeout) and irecv raise ShapeError naming both dtypes, and the pair stays in step."""
+    if world.world_size == 1:
+        return
+    role = _pair(world)
+    for timeout in (None, 60.0):
+        ax.settings.timeout = timeout
+        try:
+            if role is not None:
+                peer, sender = role
+                if sender:
+                    ax.send(np.arange(4.0), dst=peer, tag=7)
+                    ax.send(np.arange(4.0), dst=peer, tag=8)
+                    ax.send(np.arange(4, dtype=np.int32), dst=peer, tag=9)  # then one that fits
+                else:
+                    with pytest.raises(ShapeError, match=r"float64.*but the receive buffer is 8 elements of float32"):
+                        ax.recv(np.full(8, -1.0, np.float32), src=peer, tag=7)
+                    work = ax.irecv(np.full(8, -1.0, np.float32), src=peer, tag=8)
+                    with pytest.raises(ShapeError, match=r"float64.*but the receive buffer is 8 elements of float32"):
+                        work.wait()
+                    got = ax.recv(np.empty(4, np.int32), src=peer, tag=9)
+                    assert got.tolist() == [0, 1, 2, 3]
+        finally:
+            ax.settings.timeout = None
+        _in_step(world)
+
+
+def case_a_tag_beyond_what_mpi_carries_is_refused(world):
+    if world.world_size == 1 or type(world.default_group.backend).__name__ != "MPIBackend":
+        return
+    from mpi4py import MPI
+
+    largest = (MPI.COMM_WORLD.Get_attr(MPI.TAG_UB) - 7) // 8
+    role = _pair(world)
+    if role is not None:
+        peer, sender = role
+        with pytest.raises(ax.errors.InvalidArgumentError, match=rf"tag {largest + 1} is too large: point-to-point "
+                                                                 rf"tags go up to {largest}"):
+            if sender:
+                ax.send(np.arange(4.0), dst=peer, tag=largest + 1)
+            else:
+                ax.recv(np.empty(4), src=peer, tag=largest + 1)
+        if sender:  # the largest tag travels
+            ax.send(np.arange(4.0), dst=peer, tag=largest)
+        else:
+            assert ax.recv(np.empty(4), src=peer, tag=largest).tolist() == [0.0, 1.0, 2.0, 3.0]
+    _in_step(world)
+
+
 def case_blocking_send_to_oneself_is_refused(world):
     x = np.arange(3.0)
     with pytest.raises(RankError, match=f"dst={world.rank} is this rank itself"):
