@@ -11,17 +11,6 @@ check in a ``with`` block, then one ``compare``. Only ``AxonError`` is caught un
 library raises those on purpose, with a message fit for the other ranks; anything else is a bug, raised at
 once (the others wait for this rank as for a crashed one).
 
-[Note: a batch refused on one rank]
-A loss refuses a bad batch (a target out of range, a shape that does not fit) with an ``AxonError``. Raised
-at once on one rank, it would leave the others inside the step's collectives, ended only by
-``abort_on_exception``. So the training step (``DistributedTrainer``'s, ``Pipeline.train_step``) catches it at
-the loss: that rank finishes the step with a zero gradient for the output, so every collective of the
-backward still meets its peers, and the step ends with ``vote``: an 8-byte all-reduce, the reasons gathered
-only after a refusal. Every rank then raises before any optimizer step: the refusing rank its own error,
-the others ``CollectiveRefusedError`` naming it and its reason (``batch_refused``), and the parameters stay
-as they were everywhere. A device batch's target check, read as the step's deferred reads end, is voted on
-alike. An error inside the forward itself is not caught: FSDP's forward is collective, and a rank that
-stopped half-way through it cannot be brought back into step.
 """
 from __future__ import annotations
 
@@ -32,8 +21,7 @@ from typing import (TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional
 
 import numpy as np
 
-from ..backends.base import ReduceOp
-from ..errors import AxonError, CollectiveRefusedError
+from ..errors import AxonError
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..backends.base import Backend
@@ -144,38 +132,6 @@ def agree(group: Members, problem: Optional[BaseException], refused: Refused, di
     raise refused(failed) from problem
 
 
-def batch_refused(group: Any, what: str) -> Refused:
-    """The error of the ranks whose batch passed ``what`` when another's was refused ([Note: a batch refused on
-    one rank]): ``CollectiveRefusedError`` naming the first refusing rank (world numbering) and its reason."""
-    def refused(failed: Failed) -> CollectiveRefusedError:
-        ranks = [group.ranks[r] for r, _ in failed]
-        why = failed[0][1]
-        return CollectiveRefusedError(f"{what} refused the batch of {ranks_text(ranks)} (world numbering): {why}",
-                                      rank=ranks[0], reason=why)
-    return refused
-
-
-def vote(group: Members, problem: Optional[BaseException], refused: Refused, wider: Optional[Members] = None,
-         elsewhere: Optional[Callable[[], BaseException]] = None) -> None:
-    """Collective over ``group``: raise on every rank if any had a ``problem``, as ``agree`` does.
-
-    For a check made on every step: one 8-byte all-reduce of the group's backend when no rank failed (10-13 us
-    on 2 ranks here, where ``agree`` takes 37-48), the reasons gathered only after a failure. ``wider``: a second group every rank is
-    in (a pipeline's data-parallel replicas); a problem in any of its ``group``s makes every rank raise, those
-    of the groups with none ``elsewhere()``.
-    """
-    flag = np.array([0.0 if problem is None else 1.0])
-    if group.size > 1:
-        group.backend.all_reduce(flag, ReduceOp.MAX, async_op=False).wait()
-    mine = bool(flag[0])
-    if wider is not None and wider.size > 1:
-        wider.backend.all_reduce(flag, ReduceOp.MAX, async_op=False).wait()
-    if mine:
-        agree(group, problem, refused)
-    if flag[0]:
-        raise elsewhere()  # type: ignore[misc]  # ``wider`` is given with ``elsewhere``
-
-
 @contextlib.contextmanager
 def all_or_none(group: Members, refused: Refused, differ: Optional[Differ] = None,
                 catch: Union[Type[BaseException], Tuple[Type[BaseException], ...]] = AxonError,
@@ -198,5 +154,5 @@ def ranks_text(ranks: Sequence[int]) -> str:
     return f"ranks {list(ranks)}" if len(ranks) > 1 else f"rank {ranks[0]}"
 
 
-__all__ = ["compare", "show", "who_passed", "agree", "vote", "batch_refused", "all_or_none", "reason", "ranks_text", "Vote", "Failed", "Refused",
+__all__ = ["compare", "show", "who_passed", "agree", "all_or_none", "reason", "ranks_text", "Vote", "Failed", "Refused",
            "Gather"]

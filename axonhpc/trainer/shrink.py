@@ -185,9 +185,8 @@ class Shrinking:
         t = self.trainer
 
         def communicating_half(parts: Parts) -> Tuple[float, int]:
-            loss, parts.skip = parts.setup.backward_step(batches, t.loss_fn)
-            samples = sum(len(b[1]) for b in batches)
-            return t._dp_mean(loss * samples, samples), samples * parts.setup.dp_group.size
+            loss, parts.skip = parts.setup.backward_step(batches, t.loss_fn)  # the global batch's mean
+            return loss, sum(len(b[1]) for b in batches) * parts.setup.dp_group.size
 
         return self.elastic.step(communicating_half)
 

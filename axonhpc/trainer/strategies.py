@@ -27,7 +27,8 @@ from ..backends import ReduceOp
 from ..collectives import all_reduce, broadcast
 from ..data import DistributedSampler
 from ..errors import AxonError, ConfigurationError
-from ..groups.agreement import batch_refused, vote
+from ..collectives.refusal import batch_refused
+from ..groups.agreement import agree
 from ..observe.log import get_logger
 from ..nn import autocast, call_backward
 from ..optim.optimizer import Optimizer
@@ -112,17 +113,18 @@ class Setup:
         return contextlib.nullcontext()
 
     def train_step(self, batches: List[Any], loss_fn: Any) -> float:
-        """Forward and backward over the accumulated micro-batches, then the optimizer step.
+        """Collective: forward and backward over the accumulated micro-batches, then the optimizer step.
 
         Returns:
-            The mean loss over this rank's samples of the step.
+            The step's mean loss over the samples of every rank (the same on every rank).
         """
         loss, skip = self.backward_step(batches, loss_fn)
         self.update(skip)
         return loss
 
     def backward_step(self, batches: List[Any], loss_fn: Any) -> Tuple[float, bool]:
-        """Collective: the step's communicating half, forward and backward; ``(mean loss, skip the update)``.
+        """Collective: the step's communicating half, forward and backward; ``(mean loss of every rank's samples,
+        skip the update)``.
 
         Raises:
             AxonError: the loss refused this rank's batch (a target out of range, a shape), on this rank, and
@@ -159,11 +161,23 @@ class Setup:
             if not body_done:
                 raise  # not the loss's: the forward's or the backward's own error
             problem = problem or exc  # a deferred check of a device batch's targets, read as the block ended
-        vote(self.group, problem, batch_refused(self.group, "the training step"))
-        total = read[0] if read else sum(float(loss) * n for loss, n in losses)
-        count = sum(n for _, n in losses)
+        total = 0.0 if problem is not None else read[0] if read else sum(float(loss) * n for loss, n in losses)
+        mean = self._step_mean(total, sum(n for _, n in losses), problem)
         skip = self.scaler is None and self.skip_nonfinite and self._skip_for_nonfinite()
-        return total / max(count, 1), skip
+        return mean, skip
+
+    def _step_mean(self, total: float, count: int, problem: Optional[AxonError]) -> float:
+        """Collective: the step's mean loss over the samples of every rank, from one all-reduce that also carries
+        the vote on a refused batch ([Note: a batch refused on one rank]); raises on every rank after a refusal.
+
+        Over the whole group: tensor-parallel peers add the same loss and count, which leaves the mean as it is.
+        """
+        values = np.array([total, count, 0.0 if problem is None else 1.0])
+        if self.group.size > 1:
+            all_reduce(values, ReduceOp.SUM, self.group)
+        if values[2]:
+            agree(self.group, problem, batch_refused(self.group, "the training step"))
+        return float(values[0] / values[1]) if values[1] else float("nan")
 
     def update(self, skip: bool = False) -> None:
         """The optimizer step (through the loss scaler, which may skip it), unless ``skip``."""
@@ -410,13 +424,13 @@ class PipelineSetup(Setup):
         """One pipelined step over the batch's micro-batches, then the optimizer step.
 
         Returns:
-            The mean loss on the last stage, NaN elsewhere.
+            The mean loss, which the last stage computed, on every rank.
         """
         self.optimizer.zero_grad()
         (xb, yb), = batches
         loss = self.pipeline.train_step(xb, yb)
         self.optimizer.step()
-        return float("nan") if loss is None else float(loss)
+        return float(self.sum_metrics(np.array([float("nan") if loss is None else float(loss)]))[0])
 
     def predict(self, x: Any) -> Any:
         """Collective: the output on the last stage, None elsewhere."""

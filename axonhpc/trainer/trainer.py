@@ -37,7 +37,7 @@ from ..data import DataLoader
 from ..errors import ArgumentTypeError, AxonError, ConfigurationError
 from ..nn import require_module
 from ..groups import resolve_group
-from ..groups.agreement import batch_refused, vote
+from ..collectives.refusal import batch_refused, vote
 from ..observe.log import get_logger
 from ..settings import settings
 from .preemption import PREEMPTED_EXIT_CODE, Preemption
@@ -210,10 +210,6 @@ class DistributedTrainer:
     # -- data -------------------------------------------------------------------------------------
     def _loader(self, x: Any, y: Any, batch_size: int) -> DataLoader:
         return DataLoader((x, y), batch_size, sampler=self.setup.sampler(len(x), self.seed))
-
-    def _dp_mean(self, total: float, count: int) -> float:
-        values = self.setup.sum_metrics(np.array([total, count], dtype=np.float64))
-        return float(values[0] / values[1]) if values[1] else float("nan")
 
     # -- checkpoints ------------------------------------------------------------------------------
     def save_checkpoint(self, checkpoint_dir: str, epoch: int, step_in_epoch: int, background: bool = False) -> str:
@@ -486,9 +482,8 @@ class DistributedTrainer:
         for batches in batches_of(loader, plan.grad_accumulation, skip):
             if step >= plan.per_epoch:
                 break
-            loss = self.setup.train_step(batches, self.loss_fn)
+            mean = self.setup.train_step(batches, self.loss_fn)  # over every rank's samples
             samples = sum(len(b[1]) for b in batches)
-            mean = self._dp_mean(loss * samples, samples)
             total += mean * samples
             samples_seen += samples
             step += 1

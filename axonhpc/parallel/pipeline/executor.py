@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 from ..._dtypes import array_module
 from ...errors import AxonError, CollectiveRefusedError, ConfigurationError, ShapeError, UsageError
 from ...groups import resolve_group
-from ...groups.agreement import batch_refused, vote
+from ...collectives.refusal import batch_refused, vote
 from ...nn import cached_nbytes, call_backward
 from ...observe import tracing
 from ..same_model import check_same_model, compared_model
