@@ -19,7 +19,7 @@ ends any collective.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import numpy as np
 
@@ -41,12 +41,12 @@ def batch_refused(group: Any, what: str) -> Refused:
 
 
 def vote(group: Any, problem: Optional[BaseException], refused: Refused, wider: Any = None,
-         elsewhere: Optional[Callable[[], BaseException]] = None) -> None:
+         elsewhere: str = "") -> None:
     """Collective over ``group``: raise on every rank if any had a ``problem``, as ``agree`` does, for a check
     made on every step (see the note).
 
     ``wider``: a second group every rank is in (a pipeline's data-parallel replicas); a problem in any of its
-    ``group``s makes every rank raise, those of the groups with none ``elsewhere()``.
+    ``group``s makes every rank raise, those of the groups with none ``CollectiveRefusedError(elsewhere)``.
     """
     flag = np.array([0.0 if problem is None else 1.0])
     if group.size > 1:
@@ -57,7 +57,7 @@ def vote(group: Any, problem: Optional[BaseException], refused: Refused, wider: 
     if mine:
         agree(group, problem, refused)
     if flag[0]:
-        raise elsewhere()  # type: ignore[misc]  # ``wider`` is given with ``elsewhere``
+        raise CollectiveRefusedError(elsewhere)
 
 
 __all__ = ["vote", "batch_refused"]

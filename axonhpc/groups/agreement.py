@@ -10,7 +10,6 @@ The same holds wherever a check that may fail on one rank precedes a collective.
 check in a ``with`` block, then one ``compare``. Only ``AxonError`` is caught unless ``catch`` says more: the
 library raises those on purpose, with a message fit for the other ranks; anything else is a bug, raised at
 once (the others wait for this rank as for a crashed one).
-
 """
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from ..._dtypes import array_module
-from ...errors import AxonError, CollectiveRefusedError, ConfigurationError, ShapeError, UsageError
+from ...errors import AxonError, ConfigurationError, ShapeError, UsageError
 from ...groups import resolve_group
 from ...collectives.refusal import batch_refused, vote
 from ...nn import cached_nbytes, call_backward
@@ -215,8 +215,7 @@ class Pipeline:
             work.wait()
         replicas = None if self._replicas is None else self._replicas.group
         vote(self.group, st.problem, batch_refused(self.group, "Pipeline.train_step"), wider=replicas,
-             elsewhere=lambda: CollectiveRefusedError("Pipeline.train_step: the loss of another data-parallel "
-                                                      "replica refused its batch"))
+             elsewhere="Pipeline.train_step: the loss of another data-parallel replica refused its batch")
         loss = sum(st.losses) / self.num_microbatches if self.is_last else None
         dp_sync_time = 0.0
         if self._replicas is not None:  # average the stages' gradients and the loss over dp_group
