@@ -19,7 +19,7 @@ from ..errors import BackendUnavailableError, InvalidArgumentError, ShapeError
 from ..settings import settings
 from .base import Backend, CompletedWork, ReduceOp, Work
 from .mpi_arrivals import Arrivals
-from .mpi_p2p import Looker, poll, wire_tag
+from .mpi_p2p import Looker, drop, poll, wire_tag
 from .mpi_work import ChunkPlan, MPIWork, chunk_bounds, load_mpi, mpi_datatype, mpi_op, raise_failure
 
 
@@ -65,7 +65,7 @@ class _MatchedReceive(Work):
         self._pending = list(blocks)
         self._src, self._tag = src, tag
         self._wire = wire_tag(backend.comm, tag, flat.dtype)
-        self._looker = Looker(backend.comm, src, self._wire, buf, backend.describe_receive(src, tag))
+        self._looker = Looker(backend.comm, src, self._wire, buf, lambda: backend.describe_receive(src, tag))
         self._requests: List[Any] = []
 
     def _accept(self, message, status, a: int, b: int, blocking: bool):
@@ -74,7 +74,7 @@ class _MatchedReceive(Work):
         got = status.Get_count(MPI.BYTE)
         want = (b - a) * self._flat.dtype.itemsize
         if got != want:
-            message.Recv([np.empty(max(got, 1), dtype=np.uint8), got, MPI.BYTE])
+            drop(message, got)
             chunk = None if (a, b) == (0, self._flat.size) else (a, b)
             raise self._backend._size_problem(self._buf, self._src, self._tag, got, b - a, chunk=chunk)
         spec = MPIBackend._spec(self._flat, a, b)
@@ -392,7 +392,7 @@ class MPIBackend(Backend):
         comm = self.comm
         wire = wire_tag(comm, tag, flat.dtype)
         steps = [(lambda s=self._spec(flat, a, b): comm.Irecv(s, src, wire), None) for a, b in blocks]
-        looker = Looker(comm, src, wire, buf, self.describe_receive(src, tag))
+        looker = Looker(comm, src, wire, buf, lambda: self.describe_receive(src, tag))
         return _PostedReceive(steps, buf, self._size_problem, (buf, blocks, src, tag), comm, looker)
 
     def recv_now(self, buf, src: int, tag: int, nonblocking: bool) -> Work:

@@ -12,6 +12,7 @@ matched as before, at no cost but the multiplication. User tags go up to ``(MPI_
 """
 from __future__ import annotations
 
+import functools
 import os
 import time
 from typing import Any, Callable, Optional
@@ -27,9 +28,20 @@ CHECK_EVERY = 0.01  # seconds between the looks for a message of another dtype w
 _SPINS = 200  # polls before a wait starts to yield the core
 
 
+@functools.lru_cache(maxsize=None)
+def _codes() -> dict:
+    return {dtype: 1 + k for k, dtype in enumerate(supported_dtypes())}
+
+
 def dtype_code(dtype: np.dtype) -> int:
     """The dtype's code in a wire tag: 1 + its place in ``supported_dtypes()`` (the buffers were checked)."""
-    return 1 + supported_dtypes().index(np.dtype(dtype))
+    return _codes()[np.dtype(dtype)]
+
+
+def drop(message: Any, nbytes: int) -> None:
+    """Receive a matched ``message`` of ``nbytes`` into scratch: refused, yet its sender is not left waiting."""
+    MPI = load_mpi()
+    message.Recv([np.empty(max(nbytes, 1), dtype=np.uint8), nbytes, MPI.BYTE])
 
 
 def wire_tag(comm: Any, tag: int, dtype: np.dtype) -> int:
@@ -57,10 +69,10 @@ def _tag_ub(comm: Any) -> int:
     return _tag_ub_value
 
 
-def other_dtype(comm: Any, src: int, wire: int, buf: Any, where: str) -> None:
+def other_dtype(comm: Any, src: int, wire: int, buf: Any, where: Callable[[], str]) -> None:
     """Raise ``ShapeError`` if a message from ``src`` under ``wire``'s user tag waits with another dtype's code.
 
-    The message is received into scratch first, so its sender is not left waiting. ``where``: the receive, as
+    The message is received into scratch first, so its sender is not left waiting. ``where()``: the receive, as
     messages name it ("recv from rank 2 tag 5").
     """
     MPI = load_mpi()
@@ -73,10 +85,10 @@ def other_dtype(comm: Any, src: int, wire: int, buf: Any, where: str) -> None:
         if message is None:
             continue
         got = status.Get_count(MPI.BYTE)
-        message.Recv([np.empty(max(got, 1), dtype=np.uint8), got, MPI.BYTE])
+        drop(message, got)
         dtypes = supported_dtypes()
         theirs = dtypes[code - 1] if code <= len(dtypes) else f"dtype code {code}"
-        raise ShapeError(f"{where}: the incoming message holds {got} bytes of {theirs}, but the receive buffer is "
+        raise ShapeError(f"{where()}: the incoming message holds {got} bytes of {theirs}, but the receive buffer is "
                          f"{buf.size} elements of {buf.dtype} ({buf.nbytes} bytes; shape {tuple(buf.shape)}); the "
                          f"message was received and dropped")
 
@@ -84,7 +96,7 @@ def other_dtype(comm: Any, src: int, wire: int, buf: Any, where: str) -> None:
 class Looker:
     """``look()``: ``other_dtype`` at most every ``CHECK_EVERY`` seconds, for a receive that keeps waiting."""
 
-    def __init__(self, comm: Any, src: int, wire: int, buf: Any, where: str):
+    def __init__(self, comm: Any, src: int, wire: int, buf: Any, where: Callable[[], str]):
         self._args = (comm, src, wire, buf, where)
         self._next = time.monotonic() + CHECK_EVERY
 
@@ -109,4 +121,4 @@ def poll(done: Callable[[], bool], deadline: Optional[float] = None) -> bool:
     return True
 
 
-__all__ = ["DTYPE_TAGS", "CHECK_EVERY", "dtype_code", "wire_tag", "other_dtype", "Looker", "poll"]
+__all__ = ["DTYPE_TAGS", "CHECK_EVERY", "dtype_code", "drop", "wire_tag", "other_dtype", "Looker", "poll"]
