@@ -47,4 +47,8 @@ def extension(path: str) -> Extension:
 
 extensions = [extension(path) for path in sorted(glob.glob(os.path.join("cython_src", "*.pyx")))]
 
-setup(ext_modules=cythonize(extensions, compiler_directives=DIRECTIVES))
+# The modules compile side by side, on every core this process may use (setuptools' build_ext --parallel).
+JOBS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+setup(ext_modules=cythonize(extensions, compiler_directives=DIRECTIVES, nthreads=JOBS if JOBS > 1 else 0),
+      options={"build_ext": {"parallel": JOBS}})

@@ -18,6 +18,8 @@ export PYTHONDONTWRITEBYTECODE=1 OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
 export AXONHPC_ABORT_ON_EXCEPTION=1
 # Open MPI (AXONHPC_MPI=openmpi) needs these as root and to oversubscribe 2 cores.
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 PRTE_MCA_rmaps_default_mapping_policy=:oversubscribe
+# With no fabric, Open MPI's libfabric transport costs every MPI_Init about 1 s here (docs/install.md).
+export OMPI_MCA_btl=${OMPI_MCA_btl:-^ofi}
 TIMEOUT_ARGS=(--timeout=300 --timeout-method=thread)
 status=0
 

@@ -19,7 +19,7 @@ from ..errors import BackendUnavailableError, InvalidArgumentError, ShapeError
 from ..settings import settings
 from .base import Backend, CompletedWork, ReduceOp, Work
 from .mpi_arrivals import Arrivals
-from .mpi_p2p import Looker, drop, poll, wire_tag
+from .mpi_p2p import Looker, drop, poll, refuse_other, wire_tag
 from .mpi_work import ChunkPlan, MPIWork, chunk_bounds, load_mpi, mpi_datatype, mpi_op, raise_failure
 
 
@@ -55,7 +55,8 @@ class _MatchedReceive(Work):
     MPI reports a too-long message only as a raw "Message truncated" error, after the fact. So a receive first
     matches the message (``MPI_Improbe``) and compares sizes; on a difference it drains it into scratch (so the
     sender is not left waiting) and raises ``ShapeError``. While it waits it also looks for the message under
-    another dtype's tag ([Note: the dtype in the tag]). A posted ``irecv`` cannot be matched early without
+    another dtype's tag ([Note: the dtype in the tag]); seeing one, it probes for its own once more before it
+    refuses ([Note: the next message is not a mismatch]). A posted ``irecv`` cannot be matched early without
     changing MPI's semantics, so it checks its statuses on completion (``_PostedReceive``).
     """
 
@@ -65,7 +66,7 @@ class _MatchedReceive(Work):
         self._pending = list(blocks)
         self._src, self._tag = src, tag
         self._wire = wire_tag(backend.comm, tag, flat.dtype)
-        self._looker = Looker(backend.comm, src, self._wire, buf, lambda: backend.describe_receive(src, tag))
+        self._looker = Looker(backend.comm, src, self._wire)
         self._requests: List[Any] = []
 
     def _accept(self, message, status, a: int, b: int, blocking: bool):
@@ -85,9 +86,15 @@ class _MatchedReceive(Work):
 
     def _probe(self, status) -> Any:
         """The next message of this receive if it has arrived, else None (having looked for another dtype's)."""
-        message = self._backend.comm.Improbe(self._src, self._wire, status)
+        comm = self._backend.comm
+        message = comm.Improbe(self._src, self._wire, status)
         if message is None:
-            self._looker.look()
+            other = self._looker.look()
+            if other is not None:
+                message = comm.Improbe(self._src, self._wire, status)  # it may have come first, and be here now
+                if message is None:
+                    raise refuse_other(comm, self._src, other, self._buf,
+                                       lambda: self._backend.describe_receive(self._src, self._tag))
         return message
 
     def run_blocking(self) -> Work:
@@ -128,16 +135,22 @@ class _MatchedReceive(Work):
 
 
 class _PostedReceive(MPIWork):
-    """``irecv``'s posted receives, whose statuses are checked when they complete (see ``_MatchedReceive``)."""
+    """``irecv``'s posted receives, whose statuses are checked when they complete (see ``_MatchedReceive``).
 
-    def __init__(self, steps, buf, problem, facts, comm, looker: Looker):
+    ``where()``: the receive as messages name it.
+    """
+
+    def __init__(self, steps, buf, problem, facts, comm, looker: Looker, where: Callable[[], str]):
         super().__init__(steps, buf, sequential=False, comm=comm)
-        self._problem, self._facts, self._looker = problem, facts, looker
+        self._problem, self._facts, self._looker, self._where = problem, facts, looker, where
 
-    def _check(self, call) -> Any:
+    def _complete(self, call) -> Optional[list]:
+        """``call(requests, statuses)`` (Testall or Waitall): the statuses once every request is done, else None.
+
+        A message longer than its chunk raises ``ShapeError`` here (MPI's ERR_TRUNCATE).
+        """
         MPI = load_mpi()
         statuses = [MPI.Status() for _ in self._requests]
-        buf, blocks, src, tag = self._facts
         try:
             done = call(self._requests, statuses)
         except MPI.Exception as exc:
@@ -146,30 +159,35 @@ class _PostedReceive(MPIWork):
             big = [i for i, s in enumerate(statuses) if MPI.Get_error_class(s.Get_error()) == MPI.ERR_TRUNCATE]
             if not big and exc.Get_error_class() != MPI.ERR_TRUNCATE:
                 raise_failure(self._comm, exc)
+            buf, blocks, src, tag = self._facts
             a, b = blocks[(big or [0])[0]]
             raise self._problem(buf, src, tag, None, b - a, larger=True,
                                 chunk=None if len(blocks) == 1 else (a, b)) from None
-        if done is False:
-            return False
-        for (a, b), status in zip(blocks, statuses):
-            got = status.Get_count(MPI.BYTE)
-            if got != (b - a) * buf.dtype.itemsize:
-                raise self._problem(buf, src, tag, got, b - a, chunk=None if len(blocks) == 1 else (a, b))
-        return True
+        return None if done is False else statuses
 
     def _test(self) -> bool:
         if not self._requests:
             return True
         MPI = load_mpi()
-        if not self._check(MPI.Request.Testall):
-            try:
-                self._looker.look()
-            except ShapeError:  # the message came under another dtype's tag: no message will match these
-                for request in self._requests:
-                    request.Cancel()
-                MPI.Request.Waitall(self._requests)
-                raise
-            return False
+        statuses = self._complete(MPI.Request.Testall)
+        if statuses is None:
+            other = self._looker.look()
+            if other is None:
+                return False
+            # A message of another dtype waits under this tag: a mismatch only if no message of this receive
+            # came before it. One that did is matched to these requests already, and their cancel fails
+            # ([Note: the next message is not a mismatch]).
+            for request in self._requests:
+                request.Cancel()
+            statuses = self._complete(MPI.Request.Waitall)
+            if any(status.Is_cancelled() for status in statuses):
+                buf, _, src, _ = self._facts
+                raise refuse_other(self._comm, src, other, buf, self._where)
+        buf, blocks, src, tag = self._facts
+        for (a, b), status in zip(blocks, statuses):
+            got = status.Get_count(MPI.BYTE)
+            if got != (b - a) * buf.dtype.itemsize:
+                raise self._problem(buf, src, tag, got, b - a, chunk=None if len(blocks) == 1 else (a, b))
         return self._advance()
 
     def _block(self, timeout: Optional[float]) -> bool:
@@ -392,8 +410,8 @@ class MPIBackend(Backend):
         comm = self.comm
         wire = wire_tag(comm, tag, flat.dtype)
         steps = [(lambda s=self._spec(flat, a, b): comm.Irecv(s, src, wire), None) for a, b in blocks]
-        looker = Looker(comm, src, wire, buf, lambda: self.describe_receive(src, tag))
-        return _PostedReceive(steps, buf, self._size_problem, (buf, blocks, src, tag), comm, looker)
+        return _PostedReceive(steps, buf, self._size_problem, (buf, blocks, src, tag), comm, Looker(comm, src, wire),
+                              lambda: self.describe_receive(src, tag))
 
     def recv_now(self, buf, src: int, tag: int, nonblocking: bool) -> Work:
         """A receive whose caller waits for it at once (a blocking ``recv`` under a timeout).

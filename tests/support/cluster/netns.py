@@ -13,6 +13,7 @@ import subprocess
 from typing import Dict, List, Optional, Sequence
 
 from axonhpc.mpiexec import FAULT_TOLERANT_ARGS
+from support.openmpi import NO_FABRIC_BTL
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))  # tests/support/cluster -> the checkout
@@ -100,6 +101,7 @@ class Hosts:
                 env: Optional[Dict[str, str]], fault_tolerant: bool = False) -> tuple:
         full_env = dict(self.env, UCX_TLS="tcp,self", UCX_NET_DEVICES="eth0", OMPI_ALLOW_RUN_AS_ROOT="1",
                         OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMP_NUM_THREADS="1", PYTHONPATH=REPO)
+        full_env.setdefault("OMPI_MCA_btl", NO_FABRIC_BTL)  # TCP over the veths; no libfabric probe at each start
         full_env.update(env or {})
         # A mapping policy inherited from the caller (scripts/test.sh sets ":oversubscribe" for one-host runs)
         # would let Open MPI pack every rank onto host1; the host slots given here decide instead.
