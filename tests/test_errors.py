@@ -41,6 +41,7 @@ FACTORIES = {
     ("checkpoint/format.py", "self.fail"): "CheckpointError naming the file and the metadata path",
     ("backends/mpi.py", "self._backend._size_problem"): "ShapeError naming the message's and the buffer's sizes",
     ("backends/mpi.py", "self._problem"): "ShapeError naming the message's and the buffer's sizes",
+    ("backends/mpi.py", "refuse_other"): "ShapeError naming both dtypes (backends.mpi_p2p.refuse_other)",
     # errors.replacing returns the AxonError it is given (here the CollectiveTimeoutError that
     # watch.engine_timed_out or shm_path.timed_out makes), its internal cause unchained (issue 42)
     ("collectives/agreement.py", "replacing"): "CollectiveTimeoutError or CollectiveMismatchError",
