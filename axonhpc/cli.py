@@ -31,6 +31,7 @@ BENCHMARKS = {
     "elastic": "axonhpc.bench.elastic",
     "fsdp": "axonhpc.bench.fsdp",
     "gpt": "axonhpc.bench.gpt",
+    "p2p": "axonhpc.bench.p2p",
     "pack": "axonhpc.bench.pack",
     "pipeline": "axonhpc.bench.pipeline",
     "step": "axonhpc.bench.step",

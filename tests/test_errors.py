@@ -39,7 +39,7 @@ FACTORIES = {
     ("backends/base.py", "self._timeout_error"): "CollectiveTimeoutError (Work._timeout_error)",
     ("collectives/watch.py", "work._timeout_error"): "CollectiveTimeoutError (Work._timeout_error)",
     ("checkpoint/format.py", "self.fail"): "CheckpointError naming the file and the metadata path",
-    ("backends/mpi.py", "self._backend._size_problem"): "ShapeError naming the message's and the buffer's sizes",
+    ("backends/mpi.py", "backend._size_problem"): "ShapeError naming the message's and the buffer's sizes",
     ("backends/mpi.py", "self._problem"): "ShapeError naming the message's and the buffer's sizes",
     ("backends/mpi.py", "refuse_other"): "ShapeError naming both dtypes (backends.mpi_p2p.refuse_other)",
     # errors.replacing returns the AxonError it is given (here the CollectiveTimeoutError that

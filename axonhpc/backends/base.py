@@ -180,6 +180,16 @@ class Backend(abc.ABC):
         """A receive its caller waits for at once; a backend may check more here (MPI compares the size first)."""
         return self.recv(buf, src, tag, nonblocking)
 
+    def send_plain(self, buf, dst: int, tag: int) -> bool:
+        """Send the C-contiguous numpy array ``buf`` the short way and return True, or return False having sent
+        nothing (this backend or this size takes the general path, ``send``). The fast path of ``ax.send``."""
+        return False
+
+    def recv_plain(self, buf, src: int, tag: int) -> bool:
+        """``send_plain``'s receive: fill ``buf`` and return True (checked as ``recv_now`` checks), or return False
+        having received nothing."""
+        return False
+
     # communicators ----------------------------------------------------------
     @abc.abstractmethod
     def split(self, color: Optional[int], key: int) -> Optional["Backend"]:

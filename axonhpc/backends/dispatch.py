@@ -85,6 +85,12 @@ class DeviceDispatchBackend(Backend):
     def recv_now(self, buf, src: int, tag: int, nonblocking: bool) -> Work:
         return self._for(buf).recv_now(buf, src, tag, nonblocking)
 
+    def send_plain(self, buf, dst: int, tag: int) -> bool:
+        return self.host.send_plain(buf, dst, tag)  # numpy arrays only
+
+    def recv_plain(self, buf, src: int, tag: int) -> bool:
+        return self.host.recv_plain(buf, src, tag)
+
     # -- communicators ------------------------------------------------------------------------
     def host_side(self) -> Backend:
         """The MPI backend that carries the host arrays."""

@@ -48,6 +48,57 @@ def pinned_staging():
         ) from exc
 
 
+def _accept(backend: "MPIBackend", buf, flat, message, status, a: int, b: int, src: int, tag: int, blocking: bool):
+    """Receive the matched ``message`` into ``flat[a:b]`` (its request when not ``blocking``), or drop it and raise
+    ``ShapeError`` when its size differs ([Note: checking a receive's size])."""
+    MPI = load_mpi()
+    got = status.Get_count(MPI.BYTE)
+    if got != (b - a) * flat.dtype.itemsize:
+        drop(message, got)
+        raise backend._size_problem(buf, src, tag, got, b - a, chunk=None if (a, b) == (0, flat.size) else (a, b))
+    spec = [flat[a:b], b - a, mpi_datatype(flat.dtype)]
+    if blocking:
+        message.Recv(spec)
+        return None
+    return message.Irecv(spec)
+
+
+def _probe(backend: "MPIBackend", buf, src: int, tag: int, wire: int, looker: Looker, status) -> Any:
+    """The receive's next message (``Improbe``) if it has arrived, else None, having looked for one of another
+    dtype; that one is refused only if this receive's own message is still not there after it
+    ([Note: the next message is not a mismatch])."""
+    comm = backend.comm
+    message = comm.Improbe(src, wire, status)
+    if message is None:
+        other = looker.look()
+        if other is not None:
+            message = comm.Improbe(src, wire, status)
+            if message is None:
+                raise refuse_other(comm, src, other, buf, lambda: backend.describe_receive(src, tag))
+    return message
+
+
+def _receive(backend: "MPIBackend", buf, flat, a: int, b: int, src: int, tag: int, wire: int,
+             looker: Optional[Looker]) -> None:
+    """Wait for the message of ``flat[a:b]`` (polled: see ``mpi_p2p.poll``), check its size, receive it.
+
+    ``looker``: None makes one only if the message is not there at the first probe.
+    """
+    status = load_mpi().Status()
+    message = backend.comm.Improbe(src, wire, status)
+    if message is None:
+        looker = looker or Looker(backend.comm, src, wire)
+        found = [None]
+
+        def arrived() -> bool:
+            found[0] = _probe(backend, buf, src, tag, wire, looker, status)
+            return found[0] is not None
+
+        poll(arrived)
+        message = found[0]
+    _accept(backend, buf, flat, message, status, a, b, src, tag, blocking=True)
+
+
 class _MatchedReceive(Work):
     """A receive that matches each message before receiving it, so that its size is checked first.
 
@@ -70,46 +121,18 @@ class _MatchedReceive(Work):
         self._requests: List[Any] = []
 
     def _accept(self, message, status, a: int, b: int, blocking: bool):
-        """Receive the matched ``message`` into ``flat[a:b]``, or drop it and raise when its size differs."""
-        MPI = load_mpi()
-        got = status.Get_count(MPI.BYTE)
-        want = (b - a) * self._flat.dtype.itemsize
-        if got != want:
-            drop(message, got)
-            chunk = None if (a, b) == (0, self._flat.size) else (a, b)
-            raise self._backend._size_problem(self._buf, self._src, self._tag, got, b - a, chunk=chunk)
-        spec = MPIBackend._spec(self._flat, a, b)
-        if blocking:
-            message.Recv(spec)
-            return None
-        return message.Irecv(spec)
+        return _accept(self._backend, self._buf, self._flat, message, status, a, b, self._src, self._tag, blocking)
 
     def _probe(self, status) -> Any:
         """The next message of this receive if it has arrived, else None (having looked for another dtype's)."""
-        comm = self._backend.comm
-        message = comm.Improbe(self._src, self._wire, status)
-        if message is None:
-            other = self._looker.look()
-            if other is not None:
-                message = comm.Improbe(self._src, self._wire, status)  # it may have come first, and be here now
-                if message is None:
-                    raise refuse_other(comm, self._src, other, self._buf,
-                                       lambda: self._backend.describe_receive(self._src, self._tag))
-        return message
+        return _probe(self._backend, self._buf, self._src, self._tag, self._wire, self._looker, status)
 
     def run_blocking(self) -> Work:
         MPI = load_mpi()
         try:
             while self._pending:
-                status, found = MPI.Status(), [None]
-
-                def arrived() -> bool:
-                    found[0] = self._probe(status)
-                    return found[0] is not None
-
-                poll(arrived)
                 a, b = self._pending.pop(0)
-                self._accept(found[0], status, a, b, blocking=True)
+                _receive(self._backend, self._buf, self._flat, a, b, self._src, self._tag, self._wire, self._looker)
         except MPI.Exception as exc:
             raise_failure(self._backend.comm, exc)
         return CompletedWork(self._buf)
@@ -423,6 +446,30 @@ class MPIBackend(Backend):
         flat = self._flat(buf)
         receive = _MatchedReceive(self, buf, flat, list(chunk_bounds(flat.size, self._limit())), src, tag)
         return receive if nonblocking else receive.run_blocking()
+
+    def send_plain(self, buf, dst: int, tag: int) -> bool:
+        """A blocking send of a numpy array in one message (``Backend.send_plain``): one ``MPI_Send``."""
+        if buf.size > settings.max_message_elements:
+            return False
+        MPI, comm = load_mpi(), self.comm
+        wire = wire_tag(comm, tag, buf.dtype)  # [Note: the dtype in the tag]
+        try:
+            comm.Send([buf, mpi_datatype(buf.dtype)], dst, wire)
+        except MPI.Exception as exc:
+            raise_failure(comm, exc)
+        return True
+
+    def recv_plain(self, buf, src: int, tag: int) -> bool:
+        """A blocking receive of one message into a numpy array (``Backend.recv_plain``), size and dtype checked
+        as ``recv_now`` checks them."""
+        if buf.size > settings.max_message_elements:
+            return False
+        MPI, comm = load_mpi(), self.comm
+        try:
+            _receive(self, buf, buf.reshape(-1), 0, buf.size, src, tag, wire_tag(comm, tag, buf.dtype), None)
+        except MPI.Exception as exc:
+            raise_failure(comm, exc)
+        return True
 
     def describe_receive(self, src: int, tag: int) -> str:
         """How errors name a receive: ``recv from rank 2 tag 5`` (the source's world rank, the user's tag)."""

@@ -47,27 +47,28 @@ def drop(message: Any, nbytes: int) -> None:
 
 def wire_tag(comm: Any, tag: int, dtype: np.dtype) -> int:
     """The MPI tag of user tag ``tag`` for a message of ``dtype``; InvalidArgumentError past ``MPI_TAG_UB``."""
-    largest = (_tag_ub(comm) - (DTYPE_TAGS - 1)) // DTYPE_TAGS  # alike for every dtype
+    largest = _largest_tag if _largest_tag is not None else _find_largest_tag(comm)  # alike for every dtype
     if tag > largest:
         raise InvalidArgumentError(f"tag {tag} is too large: point-to-point tags go up to {largest} with this MPI "
-                                   f"(its MPI_TAG_UB {_tag_ub(comm)}, shared by the {DTYPE_TAGS} dtype codes a tag "
-                                   f"carries)")
-    return tag * DTYPE_TAGS + dtype_code(dtype)
+                                   f"(its MPI_TAG_UB {_tag_ub}, shared by the {DTYPE_TAGS} dtype codes a tag carries)")
+    return tag * DTYPE_TAGS + _codes()[dtype]
 
 
-_tag_ub_value: Optional[int] = None
+_largest_tag: Optional[int] = None
+_tag_ub: Optional[int] = None
 
 
-def _tag_ub(comm: Any) -> int:
-    """``MPI_TAG_UB``: an attribute of COMM_WORLD (a communicator made by a shrink or a merge may not carry it)."""
-    global _tag_ub_value
-    if _tag_ub_value is None:
-        MPI = load_mpi()
-        value = comm.Get_attr(MPI.TAG_UB)
-        if value is None:
-            value = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)
-        _tag_ub_value = 32767 if value is None else int(value)  # 32767: what the standard guarantees
-    return _tag_ub_value
+def _find_largest_tag(comm: Any) -> int:
+    """The largest user tag, ``(MPI_TAG_UB - 7) // DTYPE_TAGS``. ``MPI_TAG_UB`` is an attribute of COMM_WORLD (a
+    communicator made by a shrink or a merge may not carry it); 32767 is what the standard guarantees."""
+    global _largest_tag, _tag_ub
+    MPI = load_mpi()
+    value = comm.Get_attr(MPI.TAG_UB)
+    if value is None:
+        value = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)
+    _tag_ub = 32767 if value is None else int(value)
+    _largest_tag = (_tag_ub - (DTYPE_TAGS - 1)) // DTYPE_TAGS
+    return _largest_tag
 
 
 def other_dtype(comm: Any, src: int, wire: int) -> Optional[int]:

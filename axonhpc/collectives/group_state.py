@@ -13,10 +13,11 @@ from typing import Any, Dict, List, Optional
 class GroupState:
     """The collective layer's state of one group (see the module docstring)."""
 
-    __slots__ = ("route", "channels", "check", "unissued", "arrivals")
+    __slots__ = ("route", "p2p", "channels", "check", "unissued", "arrivals")
 
     def __init__(self) -> None:
         self.route: Optional[tuple] = None  # shm_path.plain_route: (key, (engine, backend))
+        self.p2p: Optional[tuple] = None  # p2p._route: (key, backend or None, size, rank)
         self.channels: Dict[str, Any] = {}  # purpose -> private communicator (private_channel)
         # agreement's MPI check: (words, reduce_max, host, the guess of the next call: carried.Predictor)
         self.check: Optional[tuple] = None
