@@ -207,6 +207,10 @@ class Backend(abc.ABC):
         """Whether this backend moves ``buf`` through host copies (so large blocking all-reduces are chunked)."""
         return False
 
+    def largest_tag(self) -> int:
+        """The largest tag ``send`` and ``recv`` carry here (MPI's depends on its ``MPI_TAG_UB``)."""
+        return 2 ** 31 - 1
+
     def captures(self, buf) -> bool:
         """Whether a collective on ``buf`` can be captured in a CUDA graph: only stream-issued calls (NCCL), not MPI."""
         return False

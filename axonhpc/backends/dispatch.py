@@ -85,6 +85,9 @@ class DeviceDispatchBackend(Backend):
     def recv_now(self, buf, src: int, tag: int, nonblocking: bool) -> Work:
         return self._for(buf).recv_now(buf, src, tag, nonblocking)
 
+    def largest_tag(self) -> int:
+        return self.host.largest_tag()  # the device side's NCCL has no tags: the host's bound is the bound
+
     def send_plain(self, buf, dst: int, tag: int) -> bool:
         return self.host.send_plain(buf, dst, tag)  # numpy arrays only
 

@@ -19,7 +19,7 @@ from ..errors import BackendUnavailableError, InvalidArgumentError, ShapeError
 from ..settings import settings
 from .base import Backend, CompletedWork, ReduceOp, Work
 from .mpi_arrivals import Arrivals
-from .mpi_p2p import Looker, drop, poll, refuse_other, wire_tag
+from .mpi_p2p import Looker, drop, largest_tag, poll, refuse_other, wire_tag
 from .mpi_work import ChunkPlan, MPIWork, chunk_bounds, load_mpi, mpi_datatype, mpi_op, raise_failure
 
 
@@ -166,6 +166,7 @@ class _PostedReceive(MPIWork):
     def __init__(self, steps, buf, problem, facts, comm, looker: Looker, where: Callable[[], str]):
         super().__init__(steps, buf, sequential=False, comm=comm)
         self._problem, self._facts, self._looker, self._where = problem, facts, looker, where
+        self._statuses: Optional[list] = None  # made on the first test, then reused by every poll
 
     def _complete(self, call) -> Optional[list]:
         """``call(requests, statuses)`` (Testall or Waitall): the statuses once every request is done, else None.
@@ -173,7 +174,9 @@ class _PostedReceive(MPIWork):
         A message longer than its chunk raises ``ShapeError`` here (MPI's ERR_TRUNCATE).
         """
         MPI = load_mpi()
-        statuses = [MPI.Status() for _ in self._requests]
+        statuses = self._statuses
+        if statuses is None or len(statuses) != len(self._requests):
+            statuses = self._statuses = [MPI.Status() for _ in self._requests]
         try:
             done = call(self._requests, statuses)
         except MPI.Exception as exc:
@@ -446,6 +449,9 @@ class MPIBackend(Backend):
         flat = self._flat(buf)
         receive = _MatchedReceive(self, buf, flat, list(chunk_bounds(flat.size, self._limit())), src, tag)
         return receive if nonblocking else receive.run_blocking()
+
+    def largest_tag(self) -> int:
+        return largest_tag(self.comm)  # [Note: the dtype in the tag]
 
     def send_plain(self, buf, dst: int, tag: int) -> bool:
         """A blocking send of a numpy array in one message (``Backend.send_plain``): one ``MPI_Send``."""

@@ -47,7 +47,7 @@ def drop(message: Any, nbytes: int) -> None:
 
 def wire_tag(comm: Any, tag: int, dtype: np.dtype) -> int:
     """The MPI tag of user tag ``tag`` for a message of ``dtype``; InvalidArgumentError past ``MPI_TAG_UB``."""
-    largest = _largest_tag if _largest_tag is not None else _find_largest_tag(comm)  # alike for every dtype
+    largest = _largest_tag if _largest_tag is not None else _find_largest_tag(comm)  # largest_tag, inline
     if tag > largest:
         raise InvalidArgumentError(f"tag {tag} is too large: point-to-point tags go up to {largest} with this MPI "
                                    f"(its MPI_TAG_UB {_tag_ub}, shared by the {DTYPE_TAGS} dtype codes a tag carries)")
@@ -56,6 +56,11 @@ def wire_tag(comm: Any, tag: int, dtype: np.dtype) -> int:
 
 _largest_tag: Optional[int] = None
 _tag_ub: Optional[int] = None
+
+
+def largest_tag(comm: Any) -> int:
+    """The largest user tag a point-to-point message carries with this MPI: ``(MPI_TAG_UB - 7) // DTYPE_TAGS``."""
+    return _largest_tag if _largest_tag is not None else _find_largest_tag(comm)
 
 
 def _find_largest_tag(comm: Any) -> int:
@@ -139,5 +144,5 @@ def poll(done: Callable[[], bool], deadline: Optional[float] = None) -> bool:
     return True
 
 
-__all__ = ["DTYPE_TAGS", "CHECK_EVERY", "dtype_code", "drop", "wire_tag", "other_dtype", "refuse_other", "Looker",
+__all__ = ["DTYPE_TAGS", "CHECK_EVERY", "dtype_code", "drop", "largest_tag", "wire_tag", "other_dtype", "refuse_other", "Looker",
            "poll"]

@@ -20,6 +20,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 from ..._dtypes import array_module
 from ...errors import AxonError, ConfigurationError, ShapeError, UsageError
 from ...groups import resolve_group
+from ...collectives.p2p import largest_tag
 from ...collectives.refusal import batch_refused, vote
 from ...nn import cached_nbytes, call_backward
 from ...observe import tracing
@@ -28,7 +29,7 @@ from .lowering import RECV_B, RECV_F, SEND_B, SEND_F, Op, Step, lower_schedule
 from .render import format_schedule_table
 from .replicas import StageReplicas
 from .schedules import BACKWARD, FORWARD, Action, PipelineSchedule, pipeline_schedule
-from .transport import ACT, EVAL_ACT, EVAL_HDR, GRAD, HDR, MAX_TAG, NUM_KINDS, Transport, message_tag
+from .transport import ACT, EVAL_ACT, EVAL_HDR, GRAD, HDR, NUM_KINDS, Transport, message_tag
 
 
 @dataclass(frozen=True)
@@ -103,16 +104,19 @@ class Pipeline:
             )
         self.schedule = PipelineSchedule.parse(schedule)
         self.num_stages = len(self.stage_modules)
+        if isinstance(num_microbatches, int) and not isinstance(num_microbatches, bool) and num_microbatches > 0:
+            # Before the schedule's table, whose size grows with num_microbatches.
+            largest = message_tag(num_microbatches - 1, self.num_stages - 1, NUM_KINDS - 1, self.num_stages)
+            bound = largest_tag(self.group)
+            if largest > bound:
+                raise ConfigurationError(
+                    f"num_microbatches={num_microbatches} x num_stages={self.num_stages} needs message tags up "
+                    f"to {largest}, above the {bound} that point-to-point messages carry on group "
+                    f"{self.group.name}; use fewer micro-batches or stages")
         self.num_microbatches = num_microbatches
         self.stages_per_rank = stages_per_rank
         # Validates the counts (positive ints, interleaving needs m % P == 0) once, here.
         self._table = pipeline_schedule(self.schedule, self.num_stages, num_microbatches, stages_per_rank)
-        largest = message_tag(num_microbatches - 1, self.num_stages - 1, NUM_KINDS - 1, self.num_stages)
-        if largest > MAX_TAG:
-            raise ConfigurationError(
-                f"num_microbatches={num_microbatches} x num_stages={self.num_stages} needs message tags up "
-                f"to {largest}, above the {MAX_TAG} every MPI guarantees; use fewer micro-batches or stages"
-            )
 
     @classmethod
     def from_modules(cls, stage_modules: Sequence[Any], group: Any = None, num_microbatches: int = 8,

@@ -5,7 +5,9 @@ Sends are non-blocking and waited at the end of the step, so a rank only ever bl
 schedule ``pipeline_schedule`` produces is deadlock-free under exactly this model (``simulate_pipeline``
 checks it), so the executor cannot deadlock either. Each tag encodes (micro-batch, stage, kind) uniquely within
 a step, so a receive never matches another message whatever the delivery order; the largest tag must stay
-within 32767, the bound MPI guarantees (``MPI_TAG_UB``), which limits ``num_microbatches * num_stages`` to 6553.
+within the group's ``collectives.p2p.largest_tag`` (on MPI ``(MPI_TAG_UB - 7) // 8``: 67,108,863 with the MPICH
+wheel, but 4095 where MPI_TAG_UB is the standard's minimum, 32767, which limits ``num_microbatches * num_stages``
+to 819 there).
 
 [Note: shapes]
 Only rank 0 sees the batch, so receivers do not know activation shapes. Once per step and stage boundary the
@@ -24,7 +26,6 @@ from ..._dtypes import array_module, is_cupy_array, supported_dtypes
 from ...collectives import isend, recv
 from ...errors import ShapeError
 
-MAX_TAG = 32767  # the smallest MPI_TAG_UB the MPI standard allows
 _MAX_DIMS = 16
 _HEADER = 3 + _MAX_DIMS  # dtype index, ndim, on a device (0/1), dimensions
 # Message kinds, the last component of a tag: a step's activations and gradients, the shape headers of its
@@ -112,4 +113,4 @@ class Transport:
         return recv(buf, self.owner(stage + 1), tag=self._tag(microbatch, stage, GRAD), group=self.group)
 
 
-__all__ = ["Transport", "message_tag", "MAX_TAG", "ACT", "GRAD", "HDR", "EVAL_ACT", "EVAL_HDR", "NUM_KINDS"]
+__all__ = ["Transport", "message_tag", "ACT", "GRAD", "HDR", "EVAL_ACT", "EVAL_HDR", "NUM_KINDS"]
