@@ -414,9 +414,12 @@ class MPIBackend(Backend):
 
     # -- point to point -----------------------------------------------------------
     def send(self, buf, dst: int, tag: int, async_op: bool) -> Work:
+        comm = self.comm
+        if async_op and type(buf) is np.ndarray and buf.size <= settings.max_message_elements:  # one message
+            spec, wire = [buf, mpi_datatype(buf.dtype)], wire_tag(comm, tag, buf.dtype)
+            return MPIWork([(lambda: comm.Isend(spec, dst, wire), None)], None, sequential=False, comm=comm)
         if self._staged(buf):
             return self._on_host(MPIBackend.send, (buf, dst, tag, async_op), (0,), ())
-        comm = self.comm
         flat = self._flat(buf)
         wire = wire_tag(comm, tag, flat.dtype)  # [Note: the dtype in the tag]
         plan = ChunkPlan(comm)
@@ -427,15 +430,19 @@ class MPIBackend(Backend):
 
     def recv(self, buf, src: int, tag: int, async_op: bool) -> Work:
         """Receive into ``buf``; see the note of ``_MatchedReceive`` for how sizes are checked."""
-        if self._staged(buf):
-            return self._on_host(MPIBackend.recv, (buf, src, tag, async_op), (), (0,))
-        flat = self._flat(buf)
-        blocks = list(chunk_bounds(flat.size, self._limit()))
-        if not async_op:
-            return _MatchedReceive(self, buf, flat, blocks, src, tag).run_blocking()
         comm = self.comm
-        wire = wire_tag(comm, tag, flat.dtype)
-        steps = [(lambda s=self._spec(flat, a, b): comm.Irecv(s, src, wire), None) for a, b in blocks]
+        if async_op and type(buf) is np.ndarray and buf.size <= settings.max_message_elements:  # one message
+            spec, wire, blocks = [buf, mpi_datatype(buf.dtype)], wire_tag(comm, tag, buf.dtype), [(0, buf.size)]
+            steps = [(lambda: comm.Irecv(spec, src, wire), None)]
+        else:
+            if self._staged(buf):
+                return self._on_host(MPIBackend.recv, (buf, src, tag, async_op), (), (0,))
+            flat = self._flat(buf)
+            blocks = list(chunk_bounds(flat.size, self._limit()))
+            if not async_op:
+                return _MatchedReceive(self, buf, flat, blocks, src, tag).run_blocking()
+            wire = wire_tag(comm, tag, flat.dtype)
+            steps = [(lambda s=self._spec(flat, a, b): comm.Irecv(s, src, wire), None) for a, b in blocks]
         return _PostedReceive(steps, buf, self._size_problem, (buf, blocks, src, tag), comm, Looker(comm, src, wire),
                               lambda: self.describe_receive(src, tag))
 
