@@ -10,7 +10,6 @@ reason instead of an exception.
 from __future__ import annotations
 
 import ctypes
-import importlib.metadata
 import re
 import sys
 from dataclasses import dataclass
@@ -66,9 +65,15 @@ def package_cuda_major(name: str) -> Optional[int]:
     return int(m.group(1)) if m else None
 
 
-def installed(names: Sequence[str], version_of: Callable[[str], str] = importlib.metadata.version
-              ) -> List[Tuple[str, str]]:
-    """``(name, version)`` of each distribution in ``names`` that is installed, in that order."""
+def installed(names: Sequence[str], version_of: Optional[Callable[[str], str]] = None) -> List[Tuple[str, str]]:
+    """``(name, version)`` of each distribution in ``names`` that is installed, in that order.
+
+    ``version_of``: ``importlib.metadata.version`` unless given; imported here, not with axonhpc (it costs every
+    rank of every job some 20 ms at start-up, for ``axonhpc info`` alone).
+    """
+    import importlib.metadata
+
+    version_of = version_of or importlib.metadata.version
     found = []
     for name in names:
         try:
