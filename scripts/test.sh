@@ -20,6 +20,10 @@ export AXONHPC_ABORT_ON_EXCEPTION=1
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 PRTE_MCA_rmaps_default_mapping_policy=:oversubscribe
 # With no fabric, Open MPI's libfabric transport costs every MPI_Init about 1 s here (docs/install.md).
 export OMPI_MCA_btl=${OMPI_MCA_btl:-^ofi}
+# Open MPI's session directories in a folder of this run (/tmp/ompi.<pid> by default): one left behind by a
+# job killed with SIGKILL breaks a later mpiexec that gets the same pid (docs/launching.md).
+mkdir -p "$LOGS/ompi-sessions"
+export PRTE_MCA_prte_tmpdir_base=${PRTE_MCA_prte_tmpdir_base:-$PWD/$LOGS/ompi-sessions}
 TIMEOUT_ARGS=(--timeout=300 --timeout-method=thread)
 status=0
 
