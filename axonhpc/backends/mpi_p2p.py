@@ -31,12 +31,8 @@ _SPINS = 200  # polls before a wait starts to yield the core
 
 @functools.lru_cache(maxsize=None)
 def _codes() -> dict:
+    """dtype -> its code in a wire tag: 1 + its place in ``supported_dtypes()`` (the buffers were checked)."""
     return {dtype: 1 + k for k, dtype in enumerate(supported_dtypes())}
-
-
-def dtype_code(dtype: np.dtype) -> int:
-    """The dtype's code in a wire tag: 1 + its place in ``supported_dtypes()`` (the buffers were checked)."""
-    return _codes()[np.dtype(dtype)]
 
 
 def drop(message: Any, nbytes: int) -> None:
@@ -47,7 +43,7 @@ def drop(message: Any, nbytes: int) -> None:
 
 def wire_tag(comm: Any, tag: int, dtype: np.dtype) -> int:
     """The MPI tag of user tag ``tag`` for a message of ``dtype``; InvalidArgumentError past ``MPI_TAG_UB``."""
-    largest = _largest_tag if _largest_tag is not None else _find_largest_tag(comm)  # largest_tag, inline
+    largest = largest_tag(comm)  # alike for every dtype
     if tag > largest:
         raise InvalidArgumentError(f"tag {tag} is too large: point-to-point tags go up to {largest} with this MPI "
                                    f"(its MPI_TAG_UB {_tag_ub}, shared by the {DTYPE_TAGS} dtype codes a tag carries)")
@@ -144,5 +140,5 @@ def poll(done: Callable[[], bool], deadline: Optional[float] = None) -> bool:
     return True
 
 
-__all__ = ["DTYPE_TAGS", "CHECK_EVERY", "dtype_code", "drop", "largest_tag", "wire_tag", "other_dtype", "refuse_other", "Looker",
+__all__ = ["DTYPE_TAGS", "CHECK_EVERY", "drop", "largest_tag", "wire_tag", "other_dtype", "refuse_other", "Looker",
            "poll"]
