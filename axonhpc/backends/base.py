@@ -180,6 +180,9 @@ class Backend(abc.ABC):
         """A receive its caller waits for at once; a backend may check more here (MPI compares the size first)."""
         return self.recv(buf, src, tag, nonblocking)
 
+    def issue_queued(self) -> None:
+        """Issue what this backend queued to issue later (NCCL's non-blocking sends and receives); most queue nothing."""
+
     def send_plain(self, buf, dst: int, tag: int) -> bool:
         """Send the C-contiguous numpy array ``buf`` the short way and return True, or return False having sent
         nothing (this backend or this size takes the general path, ``send``). The fast path of ``ax.send``."""

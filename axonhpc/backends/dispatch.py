@@ -11,6 +11,10 @@ call to ``device`` for a cupy array and to ``host`` otherwise.
   communicator and every rank issues the same calls in order, so host and device calls cannot cross.
 - Both ends of a send/recv must use the same kind of array: a numpy send travels over MPI and never
   meets a cupy receive posted on NCCL.
+- NCCL's non-blocking sends and receives wait in a queue to be issued together (``nccl``'s module note).
+  Every call that goes to the host issues them first: a host call may wait for a peer that waits for one
+  of them (a pipeline stage sends its output with ``isend``, then waits on the host for the next stage's
+  shape header, which that stage sends only once it has the output).
 """
 from __future__ import annotations
 
@@ -45,7 +49,15 @@ class DeviceDispatchBackend(Backend):
         self.device.global_ranks = tuple(ranks)
 
     def _for(self, buf) -> Backend:
-        return self.device if is_cupy_array(buf) else self.host
+        """The side that carries ``buf``; the device side's queued messages are issued before a host call."""
+        if is_cupy_array(buf):
+            return self.device
+        self.device.issue_queued()
+        return self.host
+
+    def _host(self) -> Backend:
+        self.device.issue_queued()
+        return self.host
 
     # -- collectives ------------------------------------------------------------------------
     def all_reduce(self, buf, op: ReduceOp, async_op: bool) -> Work:
@@ -67,13 +79,13 @@ class DeviceDispatchBackend(Backend):
         return self._for(recv).scatter(send, recv, root, async_op)
 
     def barrier(self, async_op: bool) -> Work:
-        return self.host.barrier(async_op)
+        return self._host().barrier(async_op)
 
     def stages(self, buf) -> bool:
-        return self._for(buf).stages(buf)
+        return (self.device if is_cupy_array(buf) else self.host).stages(buf)
 
     def captures(self, buf) -> bool:
-        return self._for(buf).captures(buf)
+        return (self.device if is_cupy_array(buf) else self.host).captures(buf)
 
     # -- point to point -----------------------------------------------------------------------
     def send(self, buf, dst: int, tag: int, async_op: bool) -> Work:
@@ -89,15 +101,18 @@ class DeviceDispatchBackend(Backend):
         return self.host.largest_tag()  # the device side's NCCL has no tags: the host's bound is the bound
 
     def send_plain(self, buf, dst: int, tag: int) -> bool:
-        return self.host.send_plain(buf, dst, tag)  # numpy arrays only
+        return self._host().send_plain(buf, dst, tag)  # numpy arrays only
 
     def recv_plain(self, buf, src: int, tag: int) -> bool:
-        return self.host.recv_plain(buf, src, tag)
+        return self._host().recv_plain(buf, src, tag)
+
+    def issue_queued(self) -> None:
+        self.device.issue_queued()
 
     # -- communicators ------------------------------------------------------------------------
     def host_side(self) -> Backend:
-        """The MPI backend that carries the host arrays."""
-        return self.host
+        """The MPI backend that carries the host arrays (the device side's queued messages issued first)."""
+        return self._host()
 
     def announce(self, seq: int, op: str) -> Optional[Any]:
         return self.host.announce(seq, op)
@@ -106,10 +121,10 @@ class DeviceDispatchBackend(Backend):
         return None if host is None else DeviceDispatchBackend(host, self._make_device)
 
     def split(self, color: Optional[int], key: int) -> Optional["DeviceDispatchBackend"]:
-        return self._wrap(self.host.split(color, key))
+        return self._wrap(self._host().split(color, key))
 
     def create_group(self, ranks: Sequence[int]) -> Optional["DeviceDispatchBackend"]:
-        return self._wrap(self.host.create_group(ranks))
+        return self._wrap(self._host().create_group(ranks))
 
     def node_layout(self, local_key: Optional[int] = None) -> Tuple[int, int, int, int]:
         return self.host.node_layout(local_key)

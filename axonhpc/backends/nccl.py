@@ -12,7 +12,11 @@ follow cupy's documented NCCL API and have never run.
 - Capture: a captured event cannot be queried, so ``is_completed()`` answers False during a capture.
 - Point to point: NCCL matches in call order per peer, with no tags. Sends and receives that must run
   concurrently (a ring step) must share one ``groupStart``/``groupEnd``, so non-blocking ones are queued and
-  issued together when one of their Works is waited on or the next operation starts.
+  issued together when one of their Works is waited on, or with the next operation (a blocking send or receive
+  joins their group: an ``irecv`` then a blocking ``send`` on both ranks of a pair is one group each), or before
+  the world's next host operation (``DeviceDispatchBackend``), so that no send waits unissued while its rank
+  waits on the host. Each message is announced over the host and checked by its receive
+  ([Note: envelopes] in ``nccl_envelopes``).
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ from .._dtypes import is_integer
 from ..errors import BackendUnavailableError, ShapeError, UnsupportedDtypeError
 from .base import Backend, CompletedWork, ReduceOp, Work
 from .devices import nccl_version_tuple
+from .nccl_envelopes import Envelopes, Expected
 from .shared_device import agree_distinct_devices, device_identity
 
 NCCL_UNIQUE_ID_BYTES = 128  # NCCL_UNIQUE_ID_BYTES in nccl.h
@@ -170,25 +175,36 @@ def _host_flag_gather(host: Backend) -> Callable[[int], Sequence[int]]:
 class NCCLWork(Work):
     """An NCCL operation: done when the event recorded after it on the backend's stream has fired."""
 
-    def __init__(self, backend: "NCCLBackend", event, keep: Tuple, result=None, host_wait: bool = False):
+    def __init__(self, backend: "NCCLBackend", event, keep: Tuple, result=None, host_wait: bool = False,
+                 expected: Optional[Expected] = None):
         super().__init__(result)
         self._backend = backend
         self._event = event  # None while queued (a non-blocking send/receive not issued yet)
         self._keep = keep
         self._host_wait = host_wait  # a barrier: wait() waits on the host
+        self._expected = expected  # a receive's envelope, checked before its data is waited for
 
     def _issued(self):
         if self._event is None:
             self._backend._flush()
         return self._event
 
+    def _check(self) -> None:
+        if self._expected is not None:
+            self._backend._envelopes.check(self._expected)
+
     def _test(self) -> bool:
         event = self._issued()
         if self._backend.capturing():  # a captured event cannot be queried (nothing has run yet)
             return False
-        return bool(event.done)
+        if not event.done:
+            return False
+        self._check()  # the data is there, so its envelope, sent before it, is too
+        return True
 
     def _block(self, timeout: Optional[float]) -> bool:
+        if timeout is None and self._expected is not None:  # before the data: the wrong size would wait forever
+            self._backend._envelopes.check(self._expected, before_wait=self._backend._before_envelope_wait)
         event = self._issued()
         if timeout is None or self._backend.capturing():  # in a capture: ordered on the stream, never on the host
             self._backend._wait_for(event, self._host_wait)
@@ -233,7 +249,8 @@ class NCCLBackend(Backend):
         self._cp, self._nccl = cupy_module, nccl_module
         uid = bootstrap_unique_id(self.rank, _host_bytes_broadcast(host), nccl_module.get_unique_id)
         self._comm = self._communicator(uid)
-        self._pending: List[Tuple[str, Any, int, "NCCLWork"]] = []
+        self._envelopes = Envelopes(host.split(0, self.rank), lambda r: self.global_ranks[r])
+        self._pending: List[Tuple[str, Any, int, Optional["NCCLWork"]]] = []
         self._one = None  # the barrier's one-element buffer
 
     def _communicator(self, uid: bytes):
@@ -277,16 +294,30 @@ class NCCLBackend(Backend):
         else:
             self._cp.cuda.get_current_stream().wait_event(event)
 
-    def _flush(self) -> None:
+    def _flush(self) -> Any:
+        """Issue the queued sends and receives in one group; the event recorded after them (None if none)."""
         pending, self._pending = self._pending, []
         if not pending:
-            return
+            return None
         stream = self._begin()
         self._group(lambda: [self._p2p(kind, buf, peer, stream) for kind, buf, peer, _ in pending])
         done = self._cp.cuda.Event(block=False, disable_timing=True)
         done.record(self._stream)
         for *_, work in pending:
-            work._event = done
+            if work is not None:
+                work._event = done
+        return done
+
+    def issue_queued(self) -> None:
+        """Issue the queued non-blocking sends and receives now (before the world waits on the host)."""
+        if self._pending:
+            self._flush()
+
+    def _before_envelope_wait(self) -> None:
+        """Before a receive waits on the host for its envelope: issue the queue if it holds a send (the peer may
+        need it to get as far as its own send); receives alone stay queued, to be checked before they are issued."""
+        if any(kind == "send" for kind, *_ in self._pending):
+            self._flush()
 
     def _group(self, body: Callable[[], Any]) -> None:
         self._nccl.groupStart()
@@ -386,19 +417,23 @@ class NCCLBackend(Backend):
 
     # -- point to point -----------------------------------------------------------------------------
     def send(self, buf, dst: int, tag: int, async_op: bool) -> Work:
-        return self._point_to_point("send", buf, dst, async_op, None)
+        self._envelopes.announce(buf, dst, tag)
+        return self._point_to_point("send", buf, dst, async_op, None, None)
 
     def recv(self, buf, src: int, tag: int, async_op: bool) -> Work:
-        return self._point_to_point("recv", buf, src, async_op, buf)
+        return self._point_to_point("recv", buf, src, async_op, buf, self._envelopes.expect(buf, src, tag))
 
-    def _point_to_point(self, kind: str, buf, peer: int, async_op: bool, result) -> Work:
+    def _point_to_point(self, kind: str, buf, peer: int, async_op: bool, result,
+                        expected: Optional[Expected]) -> Work:
         if async_op:
-            work = NCCLWork(self, None, (buf,), result)
+            work = NCCLWork(self, None, (buf,), result, expected=expected)
             self._pending.append((kind, buf, peer, work))
             return work
-        stream = self._begin()
-        self._group(lambda: self._p2p(kind, buf, peer, stream))
-        return self._end(False, (buf,), result)
+        if expected is not None:
+            self._envelopes.check(expected, before_wait=self._before_envelope_wait)
+        self._pending.append((kind, buf, peer, None))  # in one group with the queued ones (module note)
+        self._wait_for(self._flush(), False)
+        return CompletedWork(result)
 
     # -- communicators ------------------------------------------------------------------------------
     def split(self, color: Optional[int], key: int) -> Optional["NCCLBackend"]:
@@ -426,6 +461,10 @@ class NCCLBackend(Backend):
         if comm is not None and not sys.is_finalizing():
             comm.destroy()
             self._comm = None
+        envelopes = getattr(self, "_envelopes", None)
+        if envelopes is not None:
+            envelopes.free()
+            self._envelopes = None
 
 
 __all__ = ["NCCLBackend", "NCCLWork", "NCCL_DATATYPES", "NCCL_OPS", "NCCL_UNIQUE_ID_BYTES", "nccl_constants",

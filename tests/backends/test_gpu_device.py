@@ -213,8 +213,9 @@ def test_dispatch_sends_device_arrays_to_the_device_backend_and_the_rest_to_the_
     be.send(d, 0, 1, True)
     be.recv(d, 0, 1, True)
     be.barrier(False)  # the host's
-    assert be.device.calls == ["all_reduce", "broadcast", "all_gather", "reduce_scatter", "gather", "scatter",
-                               "send", "recv"]
+    # every host call first issues the device side's queued messages (NCCL's isend/irecv)
+    assert be.device.calls == ["issue_queued", "all_reduce", "broadcast", "all_gather", "reduce_scatter", "gather",
+                               "scatter", "send", "recv", "issue_queued"]
     assert be.announce(4, "all_reduce") == ("announced", 4, "all_reduce")
     be.global_ranks = (7,)
     assert host.global_ranks == be.device.global_ranks == (7,)

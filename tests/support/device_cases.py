@@ -274,16 +274,17 @@ def case_tensor_parallel_mlp_training(world, cupy):
     check_mlp_shards(tp, dense, world, "after Adam steps on the device")
 
 
-def _pipeline(world, cupy, schedule, m):
+def _pipeline(world, cupy, schedule, m, v=1):
     from support.pipeline_cases import STEPS as PP_STEPS, close, make_data as pp_data, make_stages, train_reference as pp_ref
 
     p, r = world.world_size, world.rank
-    stages = make_stages(p)
-    for k in range(p):
+    stages = make_stages(p * v)
+    for k in range(p * v):
         stages[k].to("cuda")
-    pipe = ax.Pipeline.from_modules(stages, num_microbatches=m, schedule=schedule, loss_fn=nn.CrossEntropyLoss())
+    pipe = ax.Pipeline.from_modules(stages, num_microbatches=m, schedule=schedule, stages_per_rank=v,
+                                    loss_fn=nn.CrossEntropyLoss())
     opt = make_optimizer("sgd", pipe.parameters())
-    reference, ref_losses = pp_ref(p, "sgd")
+    reference, ref_losses = pp_ref(p * v, "sgd")
     for step in range(PP_STEPS):
         x, y = pp_data(step)
         opt.zero_grad()
@@ -291,9 +292,10 @@ def _pipeline(world, cupy, schedule, m):
         if r == p - 1:
             close(float(loss), ref_losses[step], f"loss at step {step}")
         opt.step()
-    for (name, q), (_, q_ref) in zip(stages[r].named_parameters(), reference[r].named_parameters()):
-        assert isinstance(q.data, cupy.ndarray), name
-        close(host(q.data), q_ref.data, f"stage {r} {name} ({schedule})")
+    for s in range(r, p * v, p):  # this rank's stages
+        for (name, q), (_, q_ref) in zip(stages[s].named_parameters(), reference[s].named_parameters()):
+            assert isinstance(q.data, cupy.ndarray), name
+            close(host(q.data), q_ref.data, f"stage {s} {name} ({schedule})")
 
 
 def case_pipeline_gpipe(world, cupy):
@@ -302,6 +304,11 @@ def case_pipeline_gpipe(world, cupy):
 
 def case_pipeline_1f1b(world, cupy):
     _pipeline(world, cupy, ax.PipelineSchedule.ONE_F_ONE_B, 3)
+
+
+def case_pipeline_interleaved_1f1b(world, cupy):
+    """Two stages per rank: a rank waits on the host for a shape header while its output's isend is queued."""
+    _pipeline(world, cupy, ax.PipelineSchedule.INTERLEAVED_1F1B, 2 * world.world_size, v=2)
 
 
 # -- a GPT on a dp x tp x pp mesh ---------------------------------------------------------------------
