@@ -23,8 +23,8 @@ MPI's tags would sort out and NCCL cannot. Another dtype or size raises ``ShapeE
 sides. The sender's NCCL send is then left unmatched, so the job cannot go on past the error (under
 ``AXONHPC_ABORT_ON_EXCEPTION``, the default of ``axonhpc launch``, it ends).
 
-Costs: one host message of 24 bytes per device message. In a CUDA graph capture the envelopes travel once, at
-the capture; a replay sends none, on both sides alike.
+Costs: one host message of 24 bytes per device message. (Point-to-point messages are not captured in CUDA
+graphs: ``collectives.p2p`` refuses them in a capture.)
 """
 from __future__ import annotations
 
@@ -127,8 +127,7 @@ class Envelopes:
         return None
 
     def free(self) -> None:
-        self._sent.clear()
-        self.host.free()
+        self.host.free()  # envelopes still in flight complete normally (MPI frees the communicator after them)
 
 
 __all__ = ["Envelopes", "Expected", "FIELDS", "TAG", "dtype_code"]
