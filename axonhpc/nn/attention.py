@@ -40,7 +40,7 @@ def attention_forward(q: Any, k: Any, v: Any, causal: bool) -> Tuple[Any, Any]:
     in_dtypes = (q.dtype, k.dtype, v.dtype)
     q, k, v = lower(q, dtype), lower(k, dtype), lower(v, dtype)
     scores = widen(product(q, k.transpose(0, 1, 3, 2), dtype))  # softmax in float32 under autocast
-    if kernels.takes_host_kernels(scores):  # scale, mask and softmax in one pass, in place
+    if kernels.takes_kernels(scores):  # scale, mask and softmax: host in one pass, in place; device in 4 launches
         attn = kernels.softmax_forward(scores, scale, causal)
     else:
         scores = scores * scale
@@ -63,7 +63,7 @@ def attention_backward(dctx: Any, cache: Any) -> Tuple[Any, Any, Any]:
     dattn = dctx @ v.transpose(0, 1, 3, 2)
     dv = lower(attn, dtype).transpose(0, 1, 3, 2) @ dctx
     # Softmax backward; masked positions have attn == 0, so they get no gradient.
-    if kernels.takes_host_kernels(attn, dattn):
+    if kernels.takes_kernels(attn, dattn):
         dscores = kernels.softmax_backward(attn, dattn, scale)
     else:
         dscores = attn * (dattn - (dattn * attn).sum(axis=-1, keepdims=True))

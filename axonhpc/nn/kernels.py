@@ -251,22 +251,107 @@ def cross_entropy_grad(x: Any, m: Any, ls: Any, targets: Any, scale: Any) -> Any
     return kernel(x, m, ls, targets.reshape(-1, 1), int(x.shape[-1]), scale)
 
 
+# [Note: fused LayerNorm and softmax on the device]
+# The array code of a LayerNorm is ten launches forward and eleven backward, of an attention's softmax about
+# ten forward and five backward, most over the whole activation. Fused, as the cross-entropy is:
+# - LayerNorm forward, 3: the row means (cupy's ``mean``, the array code's own), ``rstd`` from a reduction of
+#   the squared deviations that never writes them, and one kernel for ``xhat`` and the affine output;
+# - LayerNorm backward, 5 with the affine parameters (3 without): the bias gradient (the array code's sum),
+#   the weight gradient and the two row means of the formula as reductions of products, and one kernel for dx;
+# - softmax forward, 4: the scores scaled and masked, the row maxima (cupy's ``max``), ``sum_exp``, and one
+#   kernel for ``exp(x - m) / s``; backward, 2: the row sums of ``dattn * attn`` and one kernel.
+# Every element-wise kernel is the array code's operations in its order and dtype, bit for bit; a reduction
+# folds in its own order, so what follows a row sum may differ from the array code in the last bits.
+
+
+def _scale_mask_source(causal: bool) -> cuda_kernels.Source:
+    if not causal:
+        return "T x, T scale, T neg_inf, int64 cols", "T y", "y = x * scale;", ""
+    body = ("const long long col = i % cols;\n"
+            "const long long row = (i / cols) % cols;\n"
+            "y = col > row ? neg_inf : x * scale;")
+    return "T x, T scale, T neg_inf, int64 cols", "T y", body, ""
+
+
+def _softmax_rows_source() -> cuda_kernels.Source:
+    return "T x, T m, T s", "T y", "y = exp(x - m) / s;", ""
+
+
+def _softmax_grad_source() -> cuda_kernels.Source:
+    return "T p, T d, T r, T scale", "T g", "g = (p * (d - r)) * scale;", ""
+
+
+def _sum_product_source() -> cuda_kernels.ReductionSource:
+    return "T u, T v", "T s", "u * v", "a + b", "s = a", "0", "T"
+
+
+def _mean_product_source(factors: int) -> cuda_kernels.ReductionSource:
+    params, product = (("T u, T v, T count", "u * v") if factors == 2 else
+                       ("T u, T v, T w, T count", "(u * v) * w"))
+    return params, "T m", product, "a + b", "m = a / count", "0", "T"
+
+
+def _rstd_source() -> cuda_kernels.ReductionSource:
+    return ("T x, T mean, T count, T eps", "T rstd", "(x - mean) * (x - mean)", "a + b",
+            "rstd = (T)1 / sqrt(a / count + eps)", "0", "T")
+
+
+def _normalize_source(affine: bool) -> cuda_kernels.Source:
+    if not affine:
+        return "T x, T mean, T rstd", "T xhat", "xhat = (x - mean) * rstd;", ""
+    return "T x, T mean, T rstd, T w, T b", "T xhat, T y", "xhat = (x - mean) * rstd;\ny = xhat * w + b;", ""
+
+
+def _layer_norm_dx_source(affine: bool) -> cuda_kernels.Source:
+    if not affine:
+        return "T g, T xhat, T rstd, T m1, T m2", "T dx", "dx = rstd * ((g - m1) - xhat * m2);", ""
+    return "T g, T w, T xhat, T rstd, T m1, T m2", "T dx", "dx = rstd * ((g * w - m1) - xhat * m2);", ""
+
+
+def _reduce(xp: Any, name: str, variant: Tuple[Any, ...], build: Any, *args: Any, axis: Any) -> Any:
+    keepdims = axis == -1
+    return cuda_kernels.reduction(xp, name, variant, build)(*args, axis=axis, keepdims=keepdims)
+
+
 def softmax_forward(scores: Any, scale: float, causal: bool) -> Any:
-    """In place on host ``scores`` (..., T, T): ``softmax(scores * scale)`` along the last axis, each query's future
-    masked out when ``causal`` (``takes_host_kernels(scores)`` holds). Returns ``scores``."""
-    _HOST.softmax_forward(scores, float(scale), bool(causal))
-    return scores
+    """``softmax(scores * scale)`` along the last axis of ``scores`` (..., T, T), each query's future masked out
+    when ``causal`` (``takes_kernels(scores)`` holds). Host arrays: in place, one pass; device arrays: four
+    launches ([Note: fused LayerNorm and softmax on the device])."""
+    if type(scores) is np.ndarray:
+        _HOST.softmax_forward(scores, float(scale), bool(causal))
+        return scores
+    xp, dtype = array_module(scores), scores.dtype.type
+    masked = cuda_kernels.elementwise(xp, "scale_mask", (bool(causal),), _scale_mask_source)(
+        scores, dtype(scale), dtype(-np.inf), int(scores.shape[-1]))
+    m = masked.max(axis=-1, keepdims=True)
+    s = sum_exp(masked, m)
+    return cuda_kernels.elementwise(xp, "softmax_rows", (), _softmax_rows_source)(masked, m, s)
 
 
 def softmax_backward(attn: Any, dattn: Any, scale: float) -> Any:
-    """``attn * (dattn - sum(dattn * attn)) * scale`` along the last axis, written over ``dattn`` (host arrays)."""
-    _HOST.softmax_backward(attn, dattn, dattn, float(scale))
-    return dattn
+    """``attn * (dattn - sum(dattn * attn)) * scale`` along the last axis: host arrays written over ``dattn``,
+    device arrays in two launches."""
+    if type(attn) is np.ndarray:
+        _HOST.softmax_backward(attn, dattn, dattn, float(scale))
+        return dattn
+    xp = array_module(attn)
+    r = _reduce(xp, "sum_product", (), _sum_product_source, dattn, attn, axis=-1)
+    return cuda_kernels.elementwise(xp, "softmax_grad", (), _softmax_grad_source)(attn, dattn, r,
+                                                                                   attn.dtype.type(scale))
 
 
 def layer_norm_forward(x: Any, weight: Any, bias: Any, eps: float) -> Tuple[Any, Any, Any]:
-    """LayerNorm of host ``x`` over its last axis: ``(y, xhat, rstd)``, ``rstd`` shaped (..., 1), ``y`` None
-    without ``weight``."""
+    """LayerNorm of ``x`` over its last axis: ``(y, xhat, rstd)``, ``rstd`` shaped (..., 1), ``y`` None without
+    ``weight``. Host arrays: one pass a row; device arrays: three launches."""
+    if type(x) is not np.ndarray:
+        xp, dtype = array_module(x), x.dtype.type
+        mean = x.mean(axis=-1, keepdims=True)
+        rstd = _reduce(xp, "layer_norm_rstd", (), _rstd_source, x, mean, dtype(x.shape[-1]), dtype(eps), axis=-1)
+        kernel = cuda_kernels.elementwise(xp, "layer_norm", (weight is not None,), _normalize_source)
+        if weight is None:
+            return None, kernel(x, mean, rstd), rstd
+        xhat, y = kernel(x, mean, rstd, weight, bias)
+        return y, xhat, rstd
     xhat = np.empty_like(x)
     rstd = np.empty(x.shape[:-1] + (1,), dtype=x.dtype)
     y = None if weight is None else np.empty_like(x)
@@ -275,12 +360,34 @@ def layer_norm_forward(x: Any, weight: Any, bias: Any, eps: float) -> Tuple[Any,
 
 
 def layer_norm_backward(grad_out: Any, xhat: Any, rstd: Any, weight: Any) -> Tuple[Any, Any, Any]:
-    """LayerNorm's ``(dx, dweight, dbias)`` from host arrays (the last two None without ``weight``)."""
+    """LayerNorm's ``(dx, dweight, dbias)`` (the last two None without ``weight``). Host arrays: one pass;
+    device arrays: five launches with ``weight``, three without."""
+    if type(grad_out) is not np.ndarray:
+        return _layer_norm_backward_device(grad_out, xhat, rstd, weight)
     dx = np.empty_like(grad_out)
     dweight = dbias = None
     if weight is not None:
         dweight, dbias = np.zeros_like(weight), np.zeros_like(weight)
     _HOST.layernorm_backward(grad_out, xhat, rstd, weight, dx, dweight, dbias)
+    return dx, dweight, dbias
+
+
+def _layer_norm_backward_device(g: Any, xhat: Any, rstd: Any, weight: Any) -> Tuple[Any, Any, Any]:
+    xp, n = array_module(g), g.dtype.type(g.shape[-1])
+    affine = weight is not None
+    dweight = dbias = None
+    if affine:
+        lead = tuple(range(g.ndim - 1))
+        dbias = g.sum(axis=lead)
+        dweight = _reduce(xp, "sum_product", (), _sum_product_source, g, xhat, axis=lead)
+        m1 = _reduce(xp, "mean_product", (2,), _mean_product_source, g, weight, n, axis=-1)
+        m2 = _reduce(xp, "mean_product", (3,), _mean_product_source, g, weight, xhat, n, axis=-1)
+        args = (g, weight, xhat, rstd, m1, m2)
+    else:
+        m1 = g.mean(axis=-1, keepdims=True)
+        m2 = _reduce(xp, "mean_product", (2,), _mean_product_source, g, xhat, n, axis=-1)
+        args = (g, xhat, rstd, m1, m2)
+    dx = cuda_kernels.elementwise(xp, "layer_norm_dx", (affine,), _layer_norm_dx_source)(*args)
     return dx, dweight, dbias
 
 

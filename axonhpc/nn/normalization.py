@@ -65,8 +65,8 @@ class LayerNorm(Module):
         xp = array_module(x)
         axes = tuple(range(x.ndim - k, x.ndim))
         affine = self._affine()
-        if k == 1 and kernels.takes_host_kernels(x, *affine):
-            y, xhat, rstd = kernels.layer_norm_forward(x, *(affine or (None, None)), self.eps)  # one pass a row
+        if k == 1 and kernels.takes_kernels(x, *affine):  # host: one pass a row; device: three launches
+            y, xhat, rstd = kernels.layer_norm_forward(x, *(affine or (None, None)), self.eps)
             self._save_cache((xhat, rstd, axes, widened_from))
             return xhat if y is None else y
         centred = x - x.mean(axis=axes, keepdims=True)
@@ -82,7 +82,7 @@ class LayerNorm(Module):
         """dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)) over the normalised axes."""
         xhat, rstd, axes, widened_from = self._pop_cache()
         weight = self._affine()[:1]
-        if len(axes) == 1 and kernels.takes_host_kernels(grad_out, xhat, rstd, *weight):
+        if len(axes) == 1 and kernels.takes_kernels(grad_out, xhat, rstd, *weight):
             dx, dweight, dbias = kernels.layer_norm_backward(grad_out, xhat, rstd, *(weight or (None,)))
             if self.elementwise_affine:  # bias before weight: hooks fire in reverse registration order
                 self.bias.accumulate_grad(dbias)

@@ -11,7 +11,6 @@ results agree to a few ulp. ``test_fused_matches_the_array_code_on_a_gpu``
 makes the bit-for-bit check with cupy on a GPU (marked ``gpu``).
 """
 import importlib
-import sys
 
 import numpy as np
 import pytest
@@ -22,28 +21,6 @@ from axonhpc.nn import kernels
 from axonhpc.backends.devices import device_facts
 from axonhpc.errors import ConfigurationError, ShapeError
 from axonhpc.settings import settings
-from support.strict_cupy import DeviceArray, StrictCupy
-
-
-@pytest.fixture
-def strict_cupy(monkeypatch):
-    cupy = StrictCupy()
-    monkeypatch.setitem(sys.modules, "cupy", cupy)
-    return cupy
-
-
-@pytest.fixture
-def c_math(strict_cupy, monkeypatch):
-    """The stand-in's ``exp``, ``tanh`` and ``log`` from the C library, as the fused kernels' are."""
-    for name in ("exp", "tanh", "log"):
-        kernel = strict_cupy.ElementwiseKernel("T x", "T y", f"y = {name}(x);", f"c_{name}")
-
-        def ufunc(x, out=None, _kernel=kernel, _name=name):
-            assert type(x) is DeviceArray and x.dtype in cuda_kernels.KERNEL_DTYPES, (_name, type(x), x.dtype)
-            return _kernel(x) if out is None else _kernel(x, out)
-
-        monkeypatch.setattr(strict_cupy, name, ufunc, raising=False)
-    return strict_cupy
 
 
 def _inputs(dtype):

@@ -131,7 +131,7 @@ def reduction_source(name: str, inputs: Sequence[Tuple[str, str, str]], output: 
     element reduces (the caller moves the reduced axes last). The reduction starts from
     ``identity`` and folds the mapped elements in index order: ``a`` the running value,
     ``b`` the next element's ``map_expr``, both of ``reduce_type``. ``post_map_expr``
-    then writes the output from ``a``. A GPU folds in a tree of partial results, so a
+    then writes the output from ``a`` (and the scalar inputs, as cupy's may). A GPU folds in a tree of partial results, so a
     sum here and there may differ in the last bits.
 
     Args:
@@ -143,11 +143,15 @@ def reduction_source(name: str, inputs: Sequence[Tuple[str, str, str]], output: 
     args += [f"{ct} _in_{nm}" if kind == "scalar" else f"const {ct}* _in_{nm}" for ct, nm, kind in inputs]
     args.append(f"{output[0]}* _out_{output[1]}")
     lines.append(f"void {name}({', '.join(args)}) {{")
+    # a scalar is a parameter of the whole kernel, as in cupy (the post-map may read it); an array's element
+    # exists only in the loop
+    lines += [f"  const {ct} {nm} = _in_{nm};" for ct, nm, kind in inputs if kind != "array"]
     lines.append("  for (int64_t _r = 0; _r < _rows; ++_r) {")
     lines.append(f"    {reduce_type} _acc = ({reduce_type})({identity});")
     lines.append("    for (int64_t _j = 0; _j < _len; ++_j) {")
     for ct, nm, kind in inputs:
-        lines.append(f"      const {ct} {nm} = _in_{nm}{'[_r * _len + _j]' if kind == 'array' else ''};")
+        if kind == "array":
+            lines.append(f"      const {ct} {nm} = _in_{nm}[_r * _len + _j];")
     lines.append(f"      const {reduce_type} b = ({reduce_type})({map_expr});")
     lines.append(f"      const {reduce_type} a = _acc;")
     lines.append(f"      _acc = ({reduce_expr});")
