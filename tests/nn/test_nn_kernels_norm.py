@@ -38,6 +38,13 @@ def _launches(xp, names):
     return {name: cuda_kernels.launches(xp, (name,)) for name in names}
 
 
+def _counted(xp, names, run):
+    """``run()``'s result, and the launches of each kernel of ``names`` it made."""
+    before = _launches(xp, names)
+    result = run()
+    return result, {k: v - before[k] for k, v in _launches(xp, names).items()}
+
+
 def _ln_data(dtype):
     rng = np.random.default_rng(5)
     x = (rng.standard_normal((4, 6, 33)) * 3 + 1.5).astype(dtype)  # (batch, tokens, width), off-centre
@@ -61,16 +68,14 @@ def _ln_run(xp, dtype, affine):
 
 @pytest.mark.parametrize("affine", [True, False], ids=["affine", "plain"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_layer_norm_on_the_device_is_five_or_seven_kernels_and_matches_the_array_code(dtype, affine, c_math,
-                                                                                    monkeypatch):
-    before = _launches(c_math, LN_KERNELS)
-    fused = _ln_run(c_math, dtype, affine)
-    counts = {k: v - before[k] for k, v in _launches(c_math, LN_KERNELS).items()}
+def test_layer_norm_on_the_device_is_its_fused_kernels_and_matches_the_array_code(dtype, affine, c_math,
+                                                                                  monkeypatch):
+    fused, counts = _counted(c_math, LN_KERNELS, lambda: _ln_run(c_math, dtype, affine))
     assert counts == {"layer_norm_rstd": 1, "layer_norm": 1, "sum_product": int(affine),
                       "mean_product": 2 if affine else 1, "layer_norm_dx": 1}
     monkeypatch.setattr(settings, "fused_kernels", False)
-    array_code = _ln_run(c_math, dtype, affine)
-    assert _launches(c_math, LN_KERNELS) == {k: v + counts[k] for k, v in before.items()}  # off: none
+    array_code, off = _counted(c_math, LN_KERNELS, lambda: _ln_run(c_math, dtype, affine))
+    assert off == dict.fromkeys(LN_KERNELS, 0)
     on_host = _ln_run(np, dtype, affine)
     for a, b, c in zip(fused, array_code, on_host):
         assert a.shape == b.shape and a.dtype == b.dtype == dtype
@@ -122,15 +127,14 @@ def _attention_run(xp, dtype, causal):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_the_softmax_on_the_device_is_four_and_two_kernels_and_matches_the_array_code(dtype, causal, c_math,
                                                                                     monkeypatch):
-    before = _launches(c_math, SOFTMAX_KERNELS)
-    fused = _attention_run(c_math, dtype, causal)
-    counts = {k: v - before[k] for k, v in _launches(c_math, SOFTMAX_KERNELS).items()}
+    fused, counts = _counted(c_math, SOFTMAX_KERNELS, lambda: _attention_run(c_math, dtype, causal))
     assert counts == dict.fromkeys(SOFTMAX_KERNELS, 1)
     if causal:  # the future of each query has no weight
         future = np.triu(np.ones(fused[1].shape[-2:], dtype=bool), 1)
         assert np.all(fused[1][..., future] == 0) and np.all(fused[1][..., ~future] > 0)
     monkeypatch.setattr(settings, "fused_kernels", False)
-    array_code = _attention_run(c_math, dtype, causal)
+    array_code, off = _counted(c_math, SOFTMAX_KERNELS, lambda: _attention_run(c_math, dtype, causal))
+    assert off == dict.fromkeys(SOFTMAX_KERNELS, 0)
     on_host = _attention_run(np, dtype, causal)
     for a, b, c in zip(fused, array_code, on_host):
         assert a.shape == b.shape and a.dtype == b.dtype == dtype
