@@ -23,6 +23,8 @@
 #                the GEMM floor and our step captured as a CUDA graph, fp32, TF32 and bf16, small and large MLP
 #   step-unfused the same, fp32 and TF32, with fused kernels off (--no-fused): what the fused
 #                layer kernels and optimizer update save
+#   gpt          axonhpc bench gpt --device cuda: the GPT step (width 768, 4 layers, context 256, batch 8)
+#                beside PyTorch's and beside itself with fused kernels off (--unfused)
 #
 # Exits 0 when no part failed, 1 when one did, 2 when there is no GPU or the arguments are wrong.
 # Every mpiexec runs under `timeout` (AXONHPC_GPU_TIMEOUT seconds a part, default 900). Logs:
@@ -30,9 +32,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-usage() { sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { awk 'NR > 1 && !/^#/ { exit } NR > 1' "$0" | sed 's/^# \{0,1\}//'; }  # the header comment
 DRY=0 FAKE_GPUS="" FAKE_CUDA="" PARTS=""
-ALL_PARTS="info gpu-1rank gpu-2shared gpu-2nccl train bench step step-unfused"
+ALL_PARTS="info gpu-1rank gpu-2shared gpu-2nccl train bench step step-unfused gpt"
 while [ $# -gt 0 ]; do
     case "$1" in
         --dry-run) DRY=1 ;;
@@ -357,6 +359,18 @@ if wanted step-unfused; then
         record step-unfused PASS "$(grep -a -c -E ' (fp32|tf32) ' "$LOGS/step-unfused.log") rows with fused kernels off; compare with $LOGS/step.log"
     else
         record step-unfused FAIL "exit $code (log: $LOGS/step-unfused.log)"
+    fi
+fi
+if wanted gpt; then
+    run "$LOGS/gpt.log" timeout -k 10 "$T" "$PY" -m axonhpc bench gpt --device cuda --width 768 --heads 12 \
+        --layers 4 --context 256 --batch 8 --rounds 5 --steps 3 --profile-steps 5 --no-scaling --unfused
+    code=$?
+    if [ "$DRY" = 1 ]; then
+        record gpt PLAN "as above"
+    elif [ "$code" = 0 ]; then
+        record gpt PASS "$(grep -a -E '^  (axonhpc|unfused|torch|fused|ratio) ' "$LOGS/gpt.log" | tr -s ' ' | paste -sd ';' | cut -c1-200)"
+    else
+        record gpt FAIL "exit $code (log: $LOGS/gpt.log)"
     fi
 fi
 finish

@@ -57,6 +57,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=5, help="steps per round and candidate")
     p.add_argument("--profile-steps", type=int, default=10, help="steps profiled for the top-10 table (0: none)")
     p.add_argument("--no-torch", action="store_true", help="skip PyTorch even where it is installed")
+    p.add_argument("--unfused", action="store_true",
+                   help="also time our step with settings.fused_kernels off (the layers' work as array operations): "
+                        "what the fused kernels save, in the same rounds")
     p.add_argument("--no-scaling", action="store_true", help="skip the table of layouts")
     p.add_argument("--ranks", type=int, default=2, help="ranks of the layouts in the scaling table")
     p.add_argument("--layouts", default="dp,dp+fsdp,tp,pp", help=f"comma list of {', '.join(LAYOUTS)}")
@@ -88,9 +91,11 @@ def _tokens(args: argparse.Namespace, step: int) -> Tuple[np.ndarray, np.ndarray
 
 # ------------------------------------------------------------------ the step beside PyTorch's
 
-def our_step(args: argparse.Namespace, xp: Any = np) -> Tuple[Callable[[], float], Any]:
-    """Our one-process training step (returns its loss) and the model, on ``xp``'s arrays (numpy or cupy)."""
+def our_step(args: argparse.Namespace, xp: Any = np, fused: bool = True) -> Tuple[Callable[[], float], Any]:
+    """Our one-process training step (returns its loss) and the model, on ``xp``'s arrays (numpy or cupy);
+    ``fused``: the step runs with ``settings.fused_kernels`` so (the setting is restored after each step)."""
     from .. import nn, optim
+    from ..settings import settings
 
     model = nn.GPT(args.vocab, args.context, args.width, args.heads, args.layers, dtype=np.dtype(args.dtype), seed=0)
     if xp is not np:
@@ -106,7 +111,18 @@ def our_step(args: argparse.Namespace, xp: Any = np) -> Tuple[Callable[[], float
         opt.step()
         return loss
 
-    return step, model
+    if fused:
+        return step, model
+
+    def unfused_step() -> float:
+        saved = settings.fused_kernels
+        settings.fused_kernels = False
+        try:
+            return step()
+        finally:
+            settings.fused_kernels = saved
+
+    return unfused_step, model
 
 
 def torch_step(args: argparse.Namespace, ours: Any, dev: str = "cpu") -> Optional[Callable[[], float]]:
@@ -210,6 +226,12 @@ def compare_steps(args: argparse.Namespace) -> Dict[str, Any]:
             raise BenchError(f"the two models differ: first-step loss {first} against torch's {first_torch}")
     print(line, flush=True)
     candidates = {"axonhpc": ours}
+    if args.unfused:  # a model of its own: the same weights, its own optimizer state
+        unfused, _ = our_step(args, device.xp, fused=False)
+        first_unfused = unfused()
+        if not abs(first - first_unfused) <= 1e-5 * abs(first):
+            raise BenchError(f"the step with fused kernels off starts at loss {first_unfused}, ours at {first}")
+        candidates["unfused"] = unfused
     if theirs is not None:
         candidates["torch"] = theirs
     for fn in candidates.values():
@@ -220,6 +242,9 @@ def compare_steps(args: argparse.Namespace) -> Dict[str, Any]:
     print(f"median of {args.rounds} interleaved rounds of {args.steps} steps, {where}:", flush=True)
     for name, seconds in times.items():
         print(f"  {name:9s} {seconds * 1e3:9.2f} ms/step  {tokens / seconds:10.0f} tokens/s", flush=True)
+    if "unfused" in times:
+        print(f"  fused     {times['axonhpc'] / times['unfused']:9.2f} (axonhpc / unfused: the step with the fused "
+              "kernels over the step without them)", flush=True)
     if "torch" in times:
         print(f"  ratio     {times['axonhpc'] / times['torch']:9.2f} (axonhpc / torch; below 1 is faster)", flush=True)
     else:

@@ -20,10 +20,12 @@ def _run(*args, timeout=280):
 
 
 def test_the_step_is_timed_beside_torch_with_our_profile():
-    out = _run(*TINY, "--rounds", "2", "--steps", "1", "--profile-steps", "2", "--no-scaling")
+    out = _run(*TINY, "--rounds", "2", "--steps", "1", "--profile-steps", "2", "--no-scaling", "--unfused")
     assert out.returncode == 0, out.stderr
     assert re.search(r"same model: first-step loss ours \d+\.\d+", out.stdout), out.stdout
     assert re.search(r"axonhpc +\d+\.\d+ ms/step +\d+ tokens/s", out.stdout), out.stdout
+    assert re.search(r"unfused +\d+\.\d+ ms/step +\d+ tokens/s", out.stdout), out.stdout  # fused kernels off
+    assert re.search(r"fused +\d+\.\d+ \(axonhpc / unfused", out.stdout), out.stdout
     try:
         importlib.import_module("torch")
         assert re.search(r"torch +\d+\.\d+ ms/step", out.stdout) and "ratio" in out.stdout, out.stdout

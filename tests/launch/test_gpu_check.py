@@ -53,6 +53,13 @@ def test_the_script_parses():
     assert out.returncode == 0, out.stderr
 
 
+def test_help_is_the_whole_header_comment():
+    out = check("--help")
+    header = open(SCRIPT).read().split("\nset -uo pipefail")[0].splitlines()[1:]
+    assert out.returncode == 0 and out.stdout.splitlines() == [line[2:] for line in header], out.stdout
+    assert out.stdout.rstrip().endswith("test-logs/gpu-check/ (AXONHPC_GPU_LOGS).") and "  gpt " in out.stdout
+
+
 def test_without_a_gpu_it_says_so_and_fails():
     if _gpu_here():
         pytest.skip("this machine has a GPU driver: run scripts/gpu-check.sh itself")
@@ -71,7 +78,7 @@ def test_bad_arguments_are_refused_with_the_value():
         (("--dry-run", "--cuda", "13"), "--cuda takes a CUDA version such as 13.0, got '13'"),
         (("--gpus", "2"), "--gpus and --cuda describe a node for --dry-run only"),
         (("--dry-run", "--parts", "train,tests"), "--parts: unknown part 'tests'; the parts are: info, gpu-1rank, "
-                                                  "gpu-2shared, gpu-2nccl, train, bench, step, step-unfused"),
+                                                  "gpu-2shared, gpu-2nccl, train, bench, step, step-unfused, gpt"),
         (("--dry-run", "--parts", ","), "--parts takes a comma list of parts, got ','"),
     ]
     for args, message in cases:
@@ -86,7 +93,7 @@ def test_plan_for_one_gpu_shares_it_and_skips_nccl_between_ranks():
     assert out.returncode == 0, out.stdout + out.stderr
     parts = summary(out.stdout)
     assert list(parts) == ["setup", "build", "info", "gpu-1rank", "gpu-2shared", "gpu-2nccl", "train", "bench",
-                           "step", "step-unfused"]
+                           "step", "step-unfused", "gpt"]
     assert parts["gpu-2nccl"] == ("SKIP", "one GPU: NCCL refuses two ranks on one GPU, so NCCL between ranks "
                                           "needs a node with 2+ GPUs")
     plan = out.stdout
