@@ -29,14 +29,14 @@ def _data():
     return x, y
 
 
-def _train(world, to_device, checkpoint_dir, epochs):
+def _train(world, to_device, checkpoint_dir, epochs, strategy="ddp"):
     x, y = _data()
     model = nn.Sequential(nn.Linear(8, 16, seed=0), nn.ReLU(), nn.Linear(16, 2, seed=1))
     if to_device is not None:
         model.to("cuda")
         x, y = to_device(x), to_device(y)
     trainer = ax.DistributedTrainer(model, optim.Adam(model.parameters(), lr=1e-2), nn.CrossEntropyLoss(),
-                                    verbose=False, progress=False, skip_nonfinite_steps=True)
+                                    strategy=strategy, verbose=False, progress=False, skip_nonfinite_steps=True)
     records = trainer.fit((x, y), epochs, eval_arrays=(x, y), batch_size=8, checkpoint_dir=checkpoint_dir)
     return [(r["loss"], r["eval_loss"], r["eval_accuracy"]) for r in records], trainer.evaluate((x, y), 32)
 
@@ -48,6 +48,17 @@ def test_fit_and_evaluate_on_device_arrays_match_the_host_run(fake_cupy, tmp_pat
     (records, final), (host_records, host_final) = dev[0], host[0]
     np.testing.assert_allclose(records, host_records, rtol=1e-6)
     assert final["accuracy"] == host_final["accuracy"] > 0.7
+
+
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("strategy", ["fsdp", "zero1", "pipeline"])
+def test_the_other_strategies_on_device_arrays_match_the_host_run(fake_cupy, tmp_path, strategy, n):
+    """FSDP, ZeRO-1 and the pipeline (its activations over the fake NCCL's point-to-point messages)."""
+    host = ax.run_local(lambda w: _train(w, None, str(tmp_path / "host"), 2, strategy), world_size=n)
+    dev = run_device_world(lambda w: _train(w, fake_cupy.asarray, str(tmp_path / "dev"), 2, strategy), n)
+    assert all(d == dev[0] for d in dev)
+    np.testing.assert_allclose(dev[0][0], host[0][0], rtol=1e-5)
+    assert dev[0][1]["accuracy"] == host[0][1]["accuracy"]
 
 
 def test_a_device_run_resumes_from_its_checkpoint(fake_cupy, tmp_path):
