@@ -48,12 +48,15 @@ class DeviceDispatchBackend(Backend):
         self.host.global_ranks = tuple(ranks)
         self.device.global_ranks = tuple(ranks)
 
+    def _side(self, buf) -> Backend:
+        return self.device if is_cupy_array(buf) else self.host
+
     def _for(self, buf) -> Backend:
-        """The side that carries ``buf``; the device side's queued messages are issued before a host call."""
-        if is_cupy_array(buf):
-            return self.device
-        self.device.issue_queued()
-        return self.host
+        """The side that carries a call on ``buf``; the device side's queued messages are issued before a host call."""
+        side = self._side(buf)
+        if side is self.host:
+            self.device.issue_queued()
+        return side
 
     def _host(self) -> Backend:
         self.device.issue_queued()
@@ -82,10 +85,10 @@ class DeviceDispatchBackend(Backend):
         return self._host().barrier(async_op)
 
     def stages(self, buf) -> bool:
-        return (self.device if is_cupy_array(buf) else self.host).stages(buf)
+        return self._side(buf).stages(buf)
 
     def captures(self, buf) -> bool:
-        return (self.device if is_cupy_array(buf) else self.host).captures(buf)
+        return self._side(buf).captures(buf)
 
     # -- point to point -----------------------------------------------------------------------
     def send(self, buf, dst: int, tag: int, async_op: bool) -> Work:

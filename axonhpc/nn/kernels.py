@@ -308,9 +308,9 @@ def _layer_norm_dx_source(affine: bool) -> cuda_kernels.Source:
     return "T g, T w, T xhat, T rstd, T m1, T m2", "T dx", "dx = rstd * ((g * w - m1) - xhat * m2);", ""
 
 
-def _reduce(xp: Any, name: str, variant: Tuple[Any, ...], build: Any, *args: Any, axis: Any) -> Any:
-    keepdims = axis == -1
-    return cuda_kernels.reduction(xp, name, variant, build)(*args, axis=axis, keepdims=keepdims)
+def _rows(xp: Any, name: str, variant: Tuple[Any, ...], build: Any, *args: Any) -> Any:
+    """The reduction ``name`` of ``args`` along their last axis, kept as a column (..., 1)."""
+    return cuda_kernels.reduction(xp, name, variant, build)(*args, axis=-1, keepdims=True)
 
 
 def softmax_forward(scores: Any, scale: float, causal: bool) -> Any:
@@ -335,7 +335,7 @@ def softmax_backward(attn: Any, dattn: Any, scale: float) -> Any:
         _HOST.softmax_backward(attn, dattn, dattn, float(scale))
         return dattn
     xp = array_module(attn)
-    r = _reduce(xp, "sum_product", (), _sum_product_source, dattn, attn, axis=-1)
+    r = _rows(xp, "sum_product", (), _sum_product_source, dattn, attn)
     return cuda_kernels.elementwise(xp, "softmax_grad", (), _softmax_grad_source)(attn, dattn, r,
                                                                                    attn.dtype.type(scale))
 
@@ -346,7 +346,7 @@ def layer_norm_forward(x: Any, weight: Any, bias: Any, eps: float) -> Tuple[Any,
     if type(x) is not np.ndarray:
         xp, dtype = array_module(x), x.dtype.type
         mean = x.mean(axis=-1, keepdims=True)
-        rstd = _reduce(xp, "layer_norm_rstd", (), _rstd_source, x, mean, dtype(x.shape[-1]), dtype(eps), axis=-1)
+        rstd = _rows(xp, "layer_norm_rstd", (), _rstd_source, x, mean, dtype(x.shape[-1]), dtype(eps))
         kernel = cuda_kernels.elementwise(xp, "layer_norm", (weight is not None,), _normalize_source)
         if weight is None:
             return None, kernel(x, mean, rstd), rstd
@@ -379,13 +379,13 @@ def _layer_norm_backward_device(g: Any, xhat: Any, rstd: Any, weight: Any) -> Tu
     if affine:
         lead = tuple(range(g.ndim - 1))
         dbias = g.sum(axis=lead)
-        dweight = _reduce(xp, "sum_product", (), _sum_product_source, g, xhat, axis=lead)
-        m1 = _reduce(xp, "mean_product", (2,), _mean_product_source, g, weight, n, axis=-1)
-        m2 = _reduce(xp, "mean_product", (3,), _mean_product_source, g, weight, xhat, n, axis=-1)
+        dweight = cuda_kernels.reduction(xp, "sum_product", (), _sum_product_source)(g, xhat, axis=lead)
+        m1 = _rows(xp, "mean_product", (2,), _mean_product_source, g, weight, n)
+        m2 = _rows(xp, "mean_product", (3,), _mean_product_source, g, weight, xhat, n)
         args = (g, weight, xhat, rstd, m1, m2)
     else:
         m1 = g.mean(axis=-1, keepdims=True)
-        m2 = _reduce(xp, "mean_product", (2,), _mean_product_source, g, xhat, n, axis=-1)
+        m2 = _rows(xp, "mean_product", (2,), _mean_product_source, g, xhat, n)
         args = (g, xhat, rstd, m1, m2)
     dx = cuda_kernels.elementwise(xp, "layer_norm_dx", (affine,), _layer_norm_dx_source)(*args)
     return dx, dweight, dbias
