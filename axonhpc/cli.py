@@ -14,9 +14,11 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from typing import List, NoReturn, Optional
 
 from .errors import AxonError
@@ -152,9 +154,30 @@ def _cmd_launch(args) -> int:
         from .threads import launch_environment
 
         env.update(launch_environment(args.n, env))
+    sessions = _fresh_session_directory(flavour, args.hosts, env)
     if args.verbose:
         print("axonhpc launch:", " ".join(cmd), file=sys.stderr)
-    return _run_forwarding_signals(cmd, env)
+    try:
+        return _run_forwarding_signals(cmd, env)
+    finally:
+        if sessions is not None:
+            shutil.rmtree(sessions, ignore_errors=True)
+
+
+def _fresh_session_directory(flavour: str, hosts: Optional[str], env: dict) -> Optional[str]:
+    """A new folder for Open MPI's session directory, set in ``env``, for a job on this machine whose user chose
+    none; None otherwise.
+
+    Open MPI keeps a job's session directory in ``/tmp/ompi.<pid of mpiexec>``. A job killed with SIGKILL leaves
+    it behind, and a later mpiexec given the same pid (Linux reuses them past ``pid_max``) fails with "The PMIx
+    server's listener thread failed to start". A folder of the job's own cannot meet a stale one. Jobs across
+    hosts keep Open MPI's default: the folder would be made on every host and removed on this one only.
+    """
+    if flavour != "openmpi" or hosts is not None or env.get("PRTE_MCA_prte_tmpdir_base"):
+        return None
+    folder = tempfile.mkdtemp(prefix="axonhpc-ompi-")
+    env["PRTE_MCA_prte_tmpdir_base"] = folder
+    return folder
 
 
 def _end_with_parent() -> None:

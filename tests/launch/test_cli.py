@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from axonhpc.mpiexec import launch_command
+from support.openmpi import OPENMPI_PYTHON, job_env, needs_openmpi
 from support.paths import ROOT
 
 AXONHPC = [sys.executable, "-m", "axonhpc"]
@@ -30,6 +31,40 @@ def test_launch_runs_a_script_on_several_ranks():
     out = run("launch", "-n", "3", "--", "examples/collectives_demo.py", timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "world: 3 ranks" in out.stdout and "all checks passed on every rank" in out.stdout
+
+
+def _stale_session_folders(base, count=3000):
+    """Session folders under ``base`` as a job killed with SIGKILL leaves them, for the next ``count`` process ids
+    (made without starting a process, so none of those ids is used up here)."""
+    pid_max = int(open("/proc/sys/kernel/pid_max").read())
+    for k in range(1, count + 1):
+        pid = os.getpid() + k
+        pid = pid if pid < pid_max else 300 + pid - pid_max  # Linux wraps past pid_max to 300
+        folder = base / f"ompi.{pid}"
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "pmix.vm.tool").touch()
+
+
+@needs_openmpi
+@pytest.mark.timeout(300)
+def test_launch_gives_an_open_mpi_job_a_session_folder_of_its_own(tmp_path):
+    """Open MPI keeps a job's session folder at <tmp>/ompi.<pid of mpiexec>; one a killed job left behind makes a
+    later mpiexec with that pid fail. With such folders for every next pid, a plain mpiexec fails and a job of
+    axonhpc launch runs (in a folder it makes and removes)."""
+    env = job_env(tmp_path, TMPDIR=str(tmp_path / "tmp"))  # Open MPI's default place and mkdtemp's
+    del env["PRTE_MCA_prte_tmpdir_base"]
+    _stale_session_folders(tmp_path / "tmp")
+    mpiexec = os.path.join(os.path.dirname(OPENMPI_PYTHON), "mpiexec")
+    plain = subprocess.run([mpiexec, "-n", "2", "true"], capture_output=True, text=True, timeout=120, env=env)
+    assert plain.returncode != 0 and "listener thread failed to start" in plain.stdout + plain.stderr, plain
+    script = tmp_path / "hello.py"
+    script.write_text("import axonhpc as ax\nax.init()\nprint('rank', ax.current_world().rank, 'of',"
+                      " ax.current_world().world_size)\n")
+    out = subprocess.run([OPENMPI_PYTHON, "-m", "axonhpc", "launch", "-n", "2", "--", str(script)],
+                         capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "rank 0 of 2" in out.stdout and "rank 1 of 2" in out.stdout, out.stdout
+    assert [p.name for p in (tmp_path / "tmp").iterdir() if not p.name.startswith("ompi.")] == []  # removed
 
 
 def test_launch_refuses_bad_input_clearly():
