@@ -59,7 +59,10 @@ def launch_fault_tolerant(tmp_path, n, script, args, last_line, may_linger=False
         while proc.poll() is None and time.monotonic() < deadline:
             if last_line in out_path.read_text():
                 deadline = min(deadline, time.monotonic() + EXIT_GRACE)
-            time.sleep(0.2)
+            try:
+                proc.wait(timeout=0.2)  # returns as the job ends, not up to 0.2 s after
+            except subprocess.TimeoutExpired:
+                pass
         if proc.poll() is None and may_linger and last_line in out_path.read_text():
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
