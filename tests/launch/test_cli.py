@@ -37,8 +37,9 @@ def _stale_session_folders(base, count=3000):
     """Session folders under ``base`` as a job killed with SIGKILL leaves them, for the next ``count`` process ids
     (made without starting a process, so none of those ids is used up here)."""
     pid_max = int(open("/proc/sys/kernel/pid_max").read())
+    last = int(open("/proc/loadavg").read().split()[-1])  # the process id Linux handed out last, to anyone
     for k in range(1, count + 1):
-        pid = os.getpid() + k
+        pid = last + k
         pid = pid if pid < pid_max else 300 + pid - pid_max  # Linux wraps past pid_max to 300
         folder = base / f"ompi.{pid}"
         folder.mkdir(parents=True, exist_ok=True)
