@@ -42,6 +42,12 @@ def supported_dtypes() -> Tuple[np.dtype, ...]:
 
 
 @functools.lru_cache(maxsize=None)
+def dtype_places() -> Dict[np.dtype, int]:
+    """dtype -> its place in ``supported_dtypes()``: the code a message or header carries for it."""
+    return {dtype: k for k, dtype in enumerate(supported_dtypes())}
+
+
+@functools.lru_cache(maxsize=None)
 def _supported_set() -> frozenset:
     return frozenset(supported_dtypes())
 
@@ -160,6 +166,7 @@ def check_array(x: Any, what: str, *, writable: bool = False) -> None:
 
 __all__ = [
     "supported_dtypes",
+    "dtype_places",
     "bfloat16_dtype",
     "is_low_precision_float",
     "is_integer",

@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from .._dtypes import supported_dtypes
+from .._dtypes import dtype_places, supported_dtypes
 from ..errors import InvalidArgumentError, ShapeError
 from .mpi_work import load_mpi
 
@@ -32,7 +32,7 @@ _SPINS = 200  # polls before a wait starts to yield the core
 @functools.lru_cache(maxsize=None)
 def _codes() -> dict:
     """dtype -> its code in a wire tag: 1 + its place in ``supported_dtypes()`` (the buffers were checked)."""
-    return {dtype: 1 + k for k, dtype in enumerate(supported_dtypes())}
+    return {dtype: 1 + k for dtype, k in dtype_places().items()}
 
 
 def drop(message: Any, nbytes: int) -> None:

@@ -33,7 +33,7 @@ from typing import Any, Callable, Deque, Dict, Optional
 
 import numpy as np
 
-from .._dtypes import supported_dtypes
+from .._dtypes import dtype_places, supported_dtypes
 from ..errors import ShapeError, UsageError
 from .base import Backend
 
@@ -43,9 +43,7 @@ TAG = 0  # every envelope travels under one tag, so that MPI keeps them in the o
 
 def dtype_code(dtype: Any) -> int:
     """The dtype's place in ``supported_dtypes()`` (-1 for one outside it, which NCCL would have refused)."""
-    dtypes = list(supported_dtypes())
-    dtype = np.dtype(dtype)
-    return dtypes.index(dtype) if dtype in dtypes else -1
+    return dtype_places().get(np.dtype(dtype), -1)
 
 
 def dtype_name(code: int) -> str:
