@@ -153,6 +153,21 @@ verdict() {  # verdict PART EXIT JUNIT: PASS/FAIL with the counts (FAIL also whe
     fi
 }
 
+part() {  # part PART LINE CMD...: run CMD, its output in $LOGS/PART.log; PASS with what LINE prints from the log,
+          # FAIL with the exit status and the log's last error line
+    local name=$1 line=$2 log="$LOGS/$1.log" code why; shift 2
+    run "$log" "$@"
+    code=$?
+    if [ "$DRY" = 1 ]; then
+        record "$name" PLAN "as above"
+    elif [ "$code" = 0 ]; then
+        record "$name" PASS "$("$line" "$log")"
+    else
+        why=$(grep -a -E '[A-Za-z]+(Error|Exception)\b|below the required' "$log" 2>/dev/null | tail -n 1 | cut -c1-200)
+        record "$name" FAIL "exit $code${why:+: $why} (log: $log)"
+    fi
+}
+
 # -- setup: the driver, the GPUs, cupy -------------------------------------------------------------
 if [ -n "$FAKE_CUDA$FAKE_GPUS" ]; then
     CUDA=${FAKE_CUDA:-13.0} GPUS=${FAKE_GPUS:-1} HOW="given on the command line"
@@ -303,74 +318,42 @@ if wanted gpu-2nccl; then
 fi
 
 # -- the main job on the GPU --------------------------------------------------------------------------------
+train_line() { echo "$(grep -a 'final test accuracy' "$1" | tail -n 1); $(grep -a -o 'training on .*:' "$1" | head -n 1)"; }
 if wanted train; then
     if [ "$DRY" = 0 ] && ! "$PY" -c "import sklearn" >/dev/null 2>&1; then
         record train SKIP "scikit-learn is not installed in $PY (the digits data set: extra 'examples')"
     else
         rm -rf "$LOGS/train-checkpoints"
-        run "$LOGS/train.log" timeout -k 10 "$T" "$MPIEXEC" -n 2 "$PY" examples/train_digits.py --device cuda \
+        part train train_line timeout -k 10 "$T" "$MPIEXEC" -n 2 "$PY" examples/train_digits.py --device cuda \
             --epochs 20 --min-accuracy 0.95 --checkpoint-dir "$LOGS/train-checkpoints"
-        code=$?
-        if [ "$DRY" = 1 ]; then
-            record train PLAN "as above"
-        elif [ "$code" = 0 ]; then
-            record train PASS "$(grep -a 'final test accuracy' "$LOGS/train.log" | tail -n 1); $(grep -a -o 'training on .*:' "$LOGS/train.log" | head -n 1)"
-        else
-            record train FAIL "exit $code: $(grep -a -E 'Error|below the required' "$LOGS/train.log" | tail -n 1) (log: $LOGS/train.log)"
-        fi
     fi
 fi
 
 # -- the benchmark ---------------------------------------------------------------------------------------------
+bench_line() {
+    echo "$(grep -a -c -E '^ *[0-9.]+ [KMG]?i?B ' "$1") sizes timed; 256 MiB bound/pipelined $(grep -a -E '^ *256 MiB ' "$1" \
+        | awk '{print $NF}'); $(grep -a '^# nccl' "$1" | head -n 1 | cut -c1-160)"
+}
 if wanted bench; then
     # AXONHPC_BACKEND=mpi: the world's group stages cupy arrays (where MPI is not CUDA-aware), so the pipelined
     # staged all-reduce is timed beside its bound; the nccl column makes its own communicator either way.
-    run "$LOGS/bench.log" timeout -k 10 "$T" env AXONHPC_BACKEND=mpi "$MPIEXEC" -n 2 "$PY" -m axonhpc bench allreduce \
+    part bench bench_line timeout -k 10 "$T" env AXONHPC_BACKEND=mpi "$MPIEXEC" -n 2 "$PY" -m axonhpc bench allreduce \
         --device gpu
-    code=$?
-    if [ "$DRY" = 1 ]; then
-        record bench PLAN "as above"
-    elif [ "$code" = 0 ]; then
-        record bench PASS "$(grep -a -c -E '^ *[0-9.]+ [KMG]?i?B ' "$LOGS/bench.log") sizes timed; 256 MiB bound/pipelined $(grep -a -E '^ *256 MiB ' "$LOGS/bench.log" | awk '{print $NF}'); $(grep -a '^# nccl' "$LOGS/bench.log" | head -n 1 | cut -c1-160)"
-    else
-        record bench FAIL "exit $code (log: $LOGS/bench.log)"
-    fi
 fi
 
 # -- the training step -------------------------------------------------------------------------------------------
+step_line() { echo "$(grep -a -c -E ' (fp32|tf32|bf16) ' "$1") rows; ours/floor, ours/torch and graphed/torch in $1"; }
+unfused_line() { echo "$(grep -a -c -E ' (fp32|tf32) ' "$1") rows with fused kernels off; compare with $LOGS/step.log"; }
+gpt_line() { grep -a -E '^  (axonhpc|unfused|torch|fused|ratio) ' "$1" | tr -s ' ' | paste -sd ';' | cut -c1-200; }
 if wanted step; then
-    run "$LOGS/step.log" timeout -k 10 "$T" "$PY" -m axonhpc bench step --device cuda
-    code=$?
-    if [ "$DRY" = 1 ]; then
-        record step PLAN "as above"
-    elif [ "$code" = 0 ]; then
-        record step PASS "$(grep -a -c -E ' (fp32|tf32|bf16) ' "$LOGS/step.log") rows; ours/floor, ours/torch and graphed/torch in $LOGS/step.log"
-    else
-        record step FAIL "exit $code (log: $LOGS/step.log)"
-    fi
+    part step step_line timeout -k 10 "$T" "$PY" -m axonhpc bench step --device cuda
 fi
 if wanted step-unfused; then
-    run "$LOGS/step-unfused.log" timeout -k 10 "$T" "$PY" -m axonhpc bench step --device cuda --precisions fp32,tf32 \
+    part step-unfused unfused_line timeout -k 10 "$T" "$PY" -m axonhpc bench step --device cuda --precisions fp32,tf32 \
         --no-fused
-    code=$?
-    if [ "$DRY" = 1 ]; then
-        record step-unfused PLAN "as above"
-    elif [ "$code" = 0 ]; then
-        record step-unfused PASS "$(grep -a -c -E ' (fp32|tf32) ' "$LOGS/step-unfused.log") rows with fused kernels off; compare with $LOGS/step.log"
-    else
-        record step-unfused FAIL "exit $code (log: $LOGS/step-unfused.log)"
-    fi
 fi
 if wanted gpt; then
-    run "$LOGS/gpt.log" timeout -k 10 "$T" "$PY" -m axonhpc bench gpt --device cuda --width 768 --heads 12 \
+    part gpt gpt_line timeout -k 10 "$T" "$PY" -m axonhpc bench gpt --device cuda --width 768 --heads 12 \
         --layers 4 --context 256 --batch 8 --rounds 5 --steps 3 --profile-steps 5 --no-scaling --unfused
-    code=$?
-    if [ "$DRY" = 1 ]; then
-        record gpt PLAN "as above"
-    elif [ "$code" = 0 ]; then
-        record gpt PASS "$(grep -a -E '^  (axonhpc|unfused|torch|fused|ratio) ' "$LOGS/gpt.log" | tr -s ' ' | paste -sd ';' | cut -c1-200)"
-    else
-        record gpt FAIL "exit $code (log: $LOGS/gpt.log)"
-    fi
 fi
 finish

@@ -145,13 +145,13 @@ def test_a_driver_older_than_cuda_12_and_a_python_without_cupy_fail_the_set_up()
 
 
 def _functions(*names):
-    """The script's own bash functions of these names (a function runs from its name to the first '}' line)."""
+    """The script's own bash functions of these names (from the name to the first '}' line, or one line)."""
     with open(SCRIPT) as f:
         lines = f.read().splitlines()
     out = []
     for name in names:
         start = next(i for i, line in enumerate(lines) if line.startswith(f"{name}() {{"))
-        end = next(i for i in range(start, len(lines)) if lines[i] == "}")
+        end = start if lines[start].endswith("; }") else next(i for i in range(start, len(lines)) if lines[i] == "}")
         out += lines[start:end + 1]
     return "\n".join(out)
 
@@ -183,4 +183,38 @@ def test_each_tests_line_counts_from_the_junit_report_with_the_skip_reasons(tmp_
     assert lines[1] == f"FAIL gpu-2shared  exit 1: {counted} (log: {tmp_path})"
     assert lines[2] == "FAIL gpu-2nccl    no test passed: 0 passed, 0 failed, 2 skipped"
     assert lines[3].startswith("FAIL train        no test passed: no test report (")
+    assert lines[4] == "status=1"
+
+
+def test_each_benchmark_part_reads_its_summary_from_the_benchmarks_real_output(tmp_path):
+    """The PASS lines of the GPU-only parts, read from what the same benchmarks print here on the CPU.
+
+    The GPU session has one try at these parts, so their summary lines are checked on real output (the step
+    and GPT benchmarks on the CPU, at a tiny size) and a failing command's last error line reaches FAIL.
+    """
+    py = sys.executable
+    bench_log = tmp_path / "gpu-bench.txt"
+    bench_log.write_text("# nccl: NCCL 2.21.5, 2 ranks, one communicator\n"
+                         "      size  nccl us\n   4 KiB  10.0  0.51\n 256 MiB  900.0  0.93\n")
+    calls = "\n".join([
+        f"part step step_line {py} -m axonhpc bench step --models 64-32-10x16 --rounds 1",
+        f"part gpt gpt_line {py} -m axonhpc bench gpt --width 32 --heads 2 --layers 1 --context 16 --batch 2 "
+        "--rounds 1 --steps 1 --profile-steps 1 --no-scaling --unfused",
+        f"part bench bench_line cat {bench_log}",
+        f"part step-unfused unfused_line {py} -c 'raise ValueError(\"the model 1-2 is too small\")'",
+    ])
+    script = (f"PY={py} DRY=0 status=0 SUMMARY=() LOGS={tmp_path}/logs\n"
+              f"{_functions('record', 'shown', 'run', 'part', 'step_line', 'unfused_line', 'gpt_line', 'bench_line')}"
+              f"\n{calls}\n" 'printf "%s\\n" "${SUMMARY[@]}"; echo "status=$status"\n')
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()[-5:]
+    assert lines[0] == f"PASS step         1 rows; ours/floor, ours/torch and graphed/torch in {tmp_path}/logs/step.log"
+    gpt = lines[1].split(None, 2)[2].split(";")
+    assert [row.split()[0] for row in gpt] == ["axonhpc", "unfused", "fused", "torch"], lines[1]
+    assert "ms/step" in gpt[0] and "ms/step" in gpt[1] and "(axonhpc / unfused" in gpt[2]
+    assert lines[2] == "PASS bench        2 sizes timed; 256 MiB bound/pipelined 0.93; # nccl: NCCL 2.21.5, 2 ranks, one communicator"
+    assert lines[3] == (f"FAIL step-unfused exit 1: ValueError: the model 1-2 is too small "
+                        f"(log: {tmp_path}/logs/step-unfused.log)")
     assert lines[4] == "status=1"
