@@ -17,6 +17,7 @@ import operator
 import numpy as np
 
 from axonhpc._ext._pack import checked_dtype, raise_unusable
+from axonhpc.errors import InvalidArgumentError
 
 cnp.import_array()
 
@@ -29,7 +30,7 @@ cdef class GradientBucket:
         dtype: a supported dtype; if None it is taken from the first array added.
 
     Raises:
-        ValueError: ``capacity`` is below 1.
+        InvalidArgumentError: ``capacity`` is below 1 (a ``ValueError``).
         UnsupportedDtypeError: ``dtype`` is not supported.
     """
 
@@ -43,7 +44,7 @@ cdef class GradientBucket:
     def __init__(self, capacity, dtype=None):
         capacity = operator.index(capacity)
         if capacity < 1:
-            raise ValueError(f"GradientBucket capacity must be at least 1 element, got {capacity}")
+            raise InvalidArgumentError(f"GradientBucket capacity must be at least 1 element, got {capacity}")
         self._capacity = capacity
         self._size = 0
         self._offsets = []

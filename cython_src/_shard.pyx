@@ -16,17 +16,17 @@ import numpy as np
 
 from axonhpc._dtypes import check_array
 from axonhpc._ext._pack import checked_dtype, pack
-from axonhpc.errors import RankError, ShapeError, UnsupportedDtypeError
+from axonhpc.errors import InvalidArgumentError, RankError, ShapeError, UnsupportedDtypeError
 
 
 cdef inline void _check_world(Py_ssize_t world_size) except *:
     if world_size < 1:
-        raise ValueError(f"world_size must be at least 1, got {world_size}")
+        raise InvalidArgumentError(f"world_size must be at least 1, got {world_size}")
 
 
 cdef inline void _check_numel(Py_ssize_t numel) except *:
     if numel < 0:
-        raise ValueError(f"numel must be non-negative, got {numel}")
+        raise InvalidArgumentError(f"numel must be non-negative, got {numel}")
 
 
 cpdef Py_ssize_t shard_size(Py_ssize_t numel, Py_ssize_t world_size) except -1:
@@ -40,7 +40,7 @@ cpdef Py_ssize_t shard_size(Py_ssize_t numel, Py_ssize_t world_size) except -1:
         The common slice length.
 
     Raises:
-        ValueError: ``numel`` < 0 or ``world_size`` < 1.
+        InvalidArgumentError: ``numel`` < 0 or ``world_size`` < 1 (a ``ValueError``).
     """
     _check_numel(numel)
     _check_world(world_size)
@@ -65,7 +65,7 @@ cpdef Py_ssize_t padded_size(Py_ssize_t numel, Py_ssize_t world_size) except -1:
         ``shard_size(numel, world_size) * world_size``.
 
     Raises:
-        ValueError: ``numel`` < 0 or ``world_size`` < 1.
+        InvalidArgumentError: ``numel`` < 0 or ``world_size`` < 1 (a ``ValueError``).
         OverflowError: the padded size does not fit in a Py_ssize_t.
     """
     cdef Py_ssize_t chunk = shard_size(numel, world_size)
@@ -87,7 +87,7 @@ cpdef tuple shard_bounds(Py_ssize_t numel, Py_ssize_t rank, Py_ssize_t world_siz
         is the number of positions of the slice at or beyond ``numel``.
 
     Raises:
-        ValueError: ``numel`` < 0 or ``world_size`` < 1.
+        InvalidArgumentError: ``numel`` < 0 or ``world_size`` < 1 (a ``ValueError``).
         RankError: ``rank`` outside ``[0, world_size)``.
         OverflowError: ``stop`` does not fit in a Py_ssize_t.
     """
@@ -133,7 +133,8 @@ cdef class FlatLayout:
             world_size: number of ranks, >= 1.
 
         Raises:
-            ValueError: ``world_size`` < 1, or a negative dimension.
+            InvalidArgumentError: ``world_size`` < 1.
+            ShapeError: a negative dimension (both are ``ValueError``s).
             OverflowError: the arrays hold more elements than a Py_ssize_t counts.
         """
         cdef list offsets = []
@@ -144,7 +145,7 @@ cdef class FlatLayout:
             n = 1
             for d in shape:
                 if d < 0:
-                    raise ValueError(f"FlatLayout: shape {shape} of array {i} has a negative dimension")
+                    raise ShapeError(f"FlatLayout: shape {shape} of array {i} has a negative dimension ({d})")
                 n *= d
             offsets.append(total)
             sizes.append(n)
@@ -185,7 +186,7 @@ def flatten_into_padded(arrays, Py_ssize_t world_size):
         elements (the arrays, then zeros) and its ``FlatLayout``.
 
     Raises:
-        ValueError: ``world_size`` < 1.
+        InvalidArgumentError: ``world_size`` < 1 (a ``ValueError``).
         ShapeError: no arrays.
         UnsupportedDtypeError, NonContiguousBufferError: as for ``pack``.
     """
@@ -220,7 +221,7 @@ def shard_view(flat_padded, Py_ssize_t rank, Py_ssize_t world_size):
         ``flat_padded[start:stop]`` with ``(start, stop, _) = shard_bounds(size, rank, world_size)``.
 
     Raises:
-        ValueError: ``world_size`` < 1.
+        InvalidArgumentError: ``world_size`` < 1 (a ``ValueError``).
         RankError: ``rank`` outside ``[0, world_size)``.
         ShapeError: ``flat_padded`` is not 1-D or its size is not a multiple of ``world_size``.
         UnsupportedDtypeError: not a numpy or cupy array of a supported dtype.

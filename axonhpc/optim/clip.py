@@ -10,11 +10,23 @@ from ..errors import InvalidArgumentError
 
 
 def checked_norm_type(norm_type: Any) -> float:
-    """``norm_type`` as a float, or InvalidArgumentError (a ``ValueError``) unless positive (``inf`` allowed)."""
-    norm_type = float(norm_type)
-    if not norm_type > 0:
-        raise InvalidArgumentError(f"clip_grad_norm norm_type must be positive, got {norm_type}")
-    return norm_type
+    """``norm_type`` as a float, or InvalidArgumentError (a ``ValueError``) unless a positive number (``inf`` allowed)."""
+    value = _number(norm_type, "norm_type")
+    if not value > 0:
+        raise InvalidArgumentError(f"clip_grad_norm norm_type must be positive, got {norm_type!r}")
+    return value
+
+
+def checked_max_norm(max_norm: Any) -> float:
+    """``max_norm`` as a float, or InvalidArgumentError (a ``ValueError``) unless a number."""
+    return _number(max_norm, "max_norm")
+
+
+def _number(value: Any, name: str) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise InvalidArgumentError(f"clip_grad_norm {name} must be a number, got {value!r}") from None
 
 
 def scale_to_norm(grads: Iterable[Any], total: float, max_norm: float) -> None:
@@ -30,7 +42,8 @@ def clip_grad_norm(params: Union[Any, Iterable[Any]], max_norm: float, norm_type
 
     The norm is over all gradients together, as if concatenated; they are multiplied by ``min(1, max_norm /
     (total_norm + 1e-6))``, and parameters without a gradient are skipped. ``norm_type`` is p (``inf`` for the
-    largest absolute value); ValueError unless positive.
+    largest absolute value); InvalidArgumentError (a ``ValueError``) unless positive, or if ``max_norm`` is not a
+    number.
 
     Returns the total norm before clipping (0.0 without gradients). Inside a graphed step on device arrays it is
     a 0-d float64 device array, and the scale is computed on the device (1.0 where nothing is clipped).
@@ -39,6 +52,7 @@ def clip_grad_norm(params: Union[Any, Iterable[Any]], max_norm: float, norm_type
         params = [params]
     grads = [p.grad for p in params if p.grad is not None]
     norm_type = checked_norm_type(norm_type)
+    max_norm = checked_max_norm(max_norm)
     if not grads:
         return 0.0
     xp = array_module(grads[0])
@@ -70,4 +84,4 @@ def scale_on_device(grads: Iterable[Any], total: Any, max_norm: float) -> Any:
     return total
 
 
-__all__ = ["clip_grad_norm", "checked_norm_type", "scale_to_norm", "scale_on_device"]
+__all__ = ["clip_grad_norm", "checked_norm_type", "checked_max_norm", "scale_to_norm", "scale_on_device"]

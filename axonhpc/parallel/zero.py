@@ -13,14 +13,23 @@ LARS's per-parameter norm) would see slices cutting across parameters and comput
 [Note: the shard follows the parameters]
 The owned slice is copied from the live parameters at every ``step``: one copy of 1/N of the model, which
 keeps the wrapper right when values change behind its back (``load_state_dict``, ``sync_parameters()``).
+
+[Note: a parameter without a gradient]
+As in PyTorch, a parameter whose ``grad`` is None is left as it is; but every rank makes the step's
+all-gathers whatever its gradients, so one rank's ``zero_grad(set_to_none=True)`` cannot leave the others
+waiting: its slices go out unchanged. A dtype none of whose parameters has a gradient here is skipped by the
+wrapped optimizer (its shard's ``grad`` is None), state included. Within a dtype the slice is stepped as one
+Parameter, so a gradient-less parameter's piece is stepped with zeros and its values put back afterwards:
+they stay, but that piece of the optimizer state (momentum, moments, step count) still sees a zero gradient.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, List, Tuple
+from typing import Any, Dict, Iterable, List, NoReturn, Optional, Tuple
 
 from .._dtypes import check_array, dtype_groups
 from ..buffers import FlatOps, FlatShard, flat_ops_for
 from ..collectives import all_gather
+from ..collectives.core import refuse_call
 from ..errors import ConfigurationError, ShapeError, StateDictError, UsageError
 from ..groups import resolve_group
 from ..nn.parameter import Parameter
@@ -41,7 +50,7 @@ class _DtypeShard:
         self.layout = self.flat.layout
         self.start, self.stop, self.pad = self.flat.bounds(rank)
         self.param = Parameter(ops.zeros(self.flat.part_numel, self.layout.dtype))
-        self.param.grad = ops.zeros(self.flat.part_numel, self.layout.dtype)
+        self._grad = self.param.grad = ops.zeros(self.flat.part_numel, self.layout.dtype)
         self.copy_values()
 
     def copy_values(self) -> None:
@@ -49,8 +58,21 @@ class _DtypeShard:
         self.flat.pack_part([p.data for p in self.params], self.rank, self.param.data)
 
     def copy_grads(self) -> None:
-        """The owned part of the parameters' gradients (None as zeros) into the shard's ``grad``."""
+        """The owned part of the parameters' gradients (None as zeros) into the shard's ``grad``; ``grad`` is
+        None when no parameter has one, so the optimizer skips the shard ([Note: a parameter without a gradient])."""
+        if all(p.grad is None for p in self.params):
+            self.param.grad = None
+            return
+        self.param.grad = self._grad
         self.flat.pack_part([p.grad for p in self.params], self.rank, self.param.grad)
+
+    def keep_unstepped(self) -> None:
+        """Put back the owned values of the parameters without a gradient, which the step saw as zeros."""
+        if self.param.grad is None or all(p.grad is not None for p in self.params):
+            return
+        for i, first, last, at in self.flat.spans(self.rank):
+            if self.params[i].grad is None:
+                self.param.data[at:at + last - first] = self.params[i].data.reshape(-1)[first:last]
 
     def gather_into_params(self, group: Any) -> None:
         """All-gather every rank's part and write the values into the parameters in place."""
@@ -99,8 +121,8 @@ def _check_not_fsdp(params: List[Any]) -> None:
 class ZeroRedundancyOptimizer:
     """ZeRO stage 1 under plain DDP: each rank keeps and updates 1/N of the optimizer state, then all-gathers.
 
-    Exact only for elementwise optimizers (see the module notes). A parameter whose ``grad`` is None is stepped
-    with a zero gradient; with no gradient at all ``step()`` does nothing (a local decision DDP makes agree).
+    Exact only for elementwise optimizers (see the module notes). A parameter whose ``grad`` is None keeps its
+    values, as in PyTorch; ``step()`` makes its all-gathers on every rank whatever the gradients.
     Hyperparameters can be read and set on the wrapper (``opt.lr = 0.01``).
 
     Args:
@@ -178,22 +200,40 @@ class ZeroRedundancyOptimizer:
                 p.grad[...] = 0
 
     def step(self) -> None:
-        """Collective: update this rank's slice, then all-gather every parameter (nothing when no gradient exists).
+        """Collective: update this rank's slice, then all-gather every parameter, on every rank.
 
-        Raises ShapeError for a gradient of the wrong shape, before anything changes or is sent.
+        A parameter whose ``grad`` is None keeps its values; a rank with no gradient at all still sends its
+        slices, unchanged, so the others never wait for it ([Note: a parameter without a gradient]).
+
+        Raises:
+            ShapeError: a gradient has the wrong shape, before anything changes; the other ranks raise
+                ``CollectiveRefusedError`` naming this rank instead of waiting in the all-gather.
         """
-        if all(p.grad is None for p in self.params):
-            return
-        for i, p in enumerate(self.params):
-            if p.grad is not None and tuple(p.grad.shape) != tuple(p.data.shape):
-                raise ShapeError(f"{_NAME}.step: params[{i}].grad has shape {tuple(p.grad.shape)}, the parameter "
-                                 f"has {tuple(p.data.shape)}")
+        problem = self._check_grads()
+        if problem is not None:
+            self._refuse(problem)
         for shard in self._shards:
             shard.copy_values()
             shard.copy_grads()
-        self.optimizer.step()
+        if any(shard.param.grad is not None for shard in self._shards):
+            self.optimizer.step()
         for shard in self._shards:
+            shard.keep_unstepped()
             shard.gather_into_params(self.group)
+
+    def _check_grads(self) -> Optional[ShapeError]:
+        """The error of the first gradient whose shape is not its parameter's, or None."""
+        for i, p in enumerate(self.params):
+            if p.grad is not None and tuple(p.grad.shape) != tuple(p.data.shape):
+                return ShapeError(f"{_NAME}.step: params[{i}].grad has shape {tuple(p.grad.shape)}, the parameter "
+                                  f"has {tuple(p.data.shape)}")
+        return None
+
+    def _refuse(self, problem: ShapeError) -> NoReturn:
+        """Raise ``problem`` here and ``CollectiveRefusedError`` on the other ranks, in the all-gather they enter."""
+        if self.group.size > 1 and any(shard.layout.numel for shard in self._shards):
+            refuse_call(self.group, "all_gather", problem)
+        raise problem
 
     # -- inspection and state --------------------------------------------------------------------
     def memory_bytes(self) -> int:

@@ -16,7 +16,7 @@ from axonhpc.bucketing import (
     unflatten,
     unpack,
 )
-from axonhpc.errors import NonContiguousBufferError, RankError, ShapeError, UnsupportedDtypeError
+from axonhpc.errors import InvalidArgumentError, NonContiguousBufferError, RankError, ShapeError, UnsupportedDtypeError
 from support.buffer_cases import DTYPE_IDS, DTYPES, make
 
 
@@ -90,14 +90,19 @@ def test_rank_out_of_range(rank):
 def test_world_size_below_one(world_size):
     for call in (lambda: shard_bounds(10, 0, world_size), lambda: padded_size(10, world_size),
                  lambda: shard_size(10, world_size), lambda: FlatLayout([(2,)], np.float32, world_size)):
-        with pytest.raises(ValueError, match=f"world_size must be at least 1, got {world_size}"):
+        with pytest.raises(InvalidArgumentError, match=f"world_size must be at least 1, got {world_size}"):
             call()
 
 
 def test_negative_numel():
     for call in (lambda: shard_bounds(-1, 0, 2), lambda: padded_size(-1, 2), lambda: shard_size(-1, 2)):
-        with pytest.raises(ValueError, match="numel must be non-negative, got -1"):
+        with pytest.raises(InvalidArgumentError, match="numel must be non-negative, got -1"):
             call()
+
+
+def test_negative_dimension():
+    with pytest.raises(ShapeError, match=r"FlatLayout: shape \(2, -3\) of array 1 has a negative dimension \(-3\)"):
+        FlatLayout([(4,), (2, -3)], np.float32, 2)
 
 
 # -- flatten / shard / unflatten --------------------------------------------------------

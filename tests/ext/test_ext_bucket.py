@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from axonhpc.bucketing import GradientBucket
-from axonhpc.errors import NonContiguousBufferError, UnsupportedDtypeError
+from axonhpc.errors import InvalidArgumentError, NonContiguousBufferError, UnsupportedDtypeError
 from support.buffer_cases import DTYPE_IDS, DTYPES, make
 
 
@@ -127,8 +127,8 @@ def test_bucket_follows_a_list_model(dtype, capacity, shapes, seed):
 # -- errors ------------------------------------------------------------------------------
 @pytest.mark.parametrize("capacity", [0, -3])
 def test_capacity_below_one(capacity):
-    with pytest.raises(ValueError, match=f"at least 1 element, got {capacity}"):
-        GradientBucket(capacity)
+    with pytest.raises(InvalidArgumentError, match=f"at least 1 element, got {capacity}"):
+        GradientBucket(capacity)  # an InvalidArgumentError is a ValueError too
 
 
 def test_capacity_must_be_an_integer():

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from axonhpc import nn, optim
-from axonhpc.errors import ConfigurationError, StateDictError
+from axonhpc.errors import ConfigurationError, InvalidArgumentError, StateDictError
 
 STEPS = 6
 
@@ -300,3 +300,7 @@ def test_clip_grad_norm_no_clip_below_threshold_and_other_norms():
     assert optim.clip_grad_norm([nn.Parameter(np.zeros(1))], 1.0) == 0.0
     with pytest.raises(ValueError):
         optim.clip_grad_norm(p, 1.0, norm_type=0)
+    with pytest.raises(InvalidArgumentError, match="norm_type must be a number, got 'two'"):
+        optim.clip_grad_norm(p, 1.0, norm_type="two")
+    with pytest.raises(InvalidArgumentError, match="max_norm must be a number, got None"):
+        optim.clip_grad_norm(p, None)

@@ -139,6 +139,32 @@ def case_clip_grad_norm_is_the_global_norm(world):
         assert_matches(fsdp, reference, 1e-12)
 
 
+def case_clip_grad_norm_refused_on_one_rank_raises_everywhere(world):
+    """A bad norm_type (or max_norm) on one rank: it raises its InvalidArgumentError, the shard group's others
+    CollectiveRefusedError naming it instead of waiting in the norm's all-reduce; nothing is scaled; NO_SHARD
+    makes no collective, so only the refusing rank raises there."""
+    bad = world.world_size - 1
+    for strategy in ("full_shard", "no_shard"):
+        for norm_type, max_norm, match in ((0, 1.0, "norm_type must be positive, got 0"),
+                                           ("two", 1.0, "norm_type must be a number, got 'two'"),
+                                           (2.0, "one", "max_norm must be a number, got 'one'")):
+            fsdp, _, _ = train_fsdp(world, np.float64, "sgd", strategy, steps=1)
+            grads = [p.grad.copy() for p in fsdp.parameters()]
+            refuses = world.rank == bad or world.world_size == 1
+            if refuses:
+                with pytest.raises(ax.errors.InvalidArgumentError, match=match):
+                    fsdp.clip_grad_norm(max_norm, norm_type=norm_type)
+            elif strategy == "no_shard":
+                fsdp.clip_grad_norm(1e-3)
+            else:
+                with pytest.raises(ax.errors.CollectiveRefusedError, match="InvalidArgumentError: clip_grad_norm") as info:
+                    fsdp.clip_grad_norm(1e-3)
+                assert info.value.rank == bad, (info.value.rank, str(info.value))
+            if refuses or strategy != "no_shard":
+                assert all(np.array_equal(p.grad, g) for p, g in zip(fsdp.parameters(), grads))
+            ax.barrier()  # every rank is still in step
+
+
 def case_mixed_precision_float16(world):
     """float16 compute and reduction, float32 master shards: within 1e-2 of float32 training.
 

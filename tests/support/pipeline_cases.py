@@ -205,7 +205,7 @@ def case_schedule_table(world):
 
 
 def case_configuration_errors(world):
-    p, r = world.world_size, world.rank
+    p = world.world_size
     with pytest.raises(ConfigurationError, match=rf"got {p + 1} stage modules.*{p} ranks.*needs exactly {p}"):
         ax.Pipeline.from_modules(make_stages(p + 1), num_microbatches=2)
     with pytest.raises(ConfigurationError, match=rf"needs exactly {2 * p}"):
@@ -226,11 +226,9 @@ def case_configuration_errors(world):
     x, y = make_data(0)  # 24 rows: not a multiple of 5; every rank is given the arrays, all raise
     with pytest.raises(ShapeError, match=r"batch size of [xy] \(24\) is not a multiple of num_microbatches=5"):
         pipe.train_step(x, y)
-    with pytest.raises(ShapeError, match="not a multiple"):
-        pipe.forward(x)
-    if r == 0:
-        with pytest.raises(ShapeError, match="needs x"):
-            pipe.forward(None)
+    _raises_on_every_rank(world, 0, lambda: pipe.forward(x), "not a multiple", "Pipeline.forward")
+    # forward is collective: rank 0's refusal reaches the other stages, which name it
+    _raises_on_every_rank(world, 0, lambda: pipe.forward(None), "needs x", "Pipeline.forward")
 
 
 def case_an_mpi_with_the_smallest_tag_bound(world):
@@ -333,6 +331,44 @@ def case_a_bad_target_is_refused_on_every_stage_and_replica(world):
         expected, match = ax.errors.CollectiveRefusedError, "another data-parallel replica refused its batch"
     with pytest.raises(expected, match=match):
         pipe.train_step(x, bad)
+
+
+def _raises_on_every_rank(world, refusing, call, match, what="Pipeline.train_step"):
+    """``call()`` raises ShapeError (``match``) on world rank ``refusing`` and CollectiveRefusedError naming it on
+    every other rank: none is left waiting for a message."""
+    if world.rank == refusing:
+        with pytest.raises(ShapeError, match=match):
+            call()
+    else:
+        with pytest.raises(ax.errors.CollectiveRefusedError,
+                           match=rf"{what} refused the batch of rank {refusing} \(world numbering\): ShapeError") as info:
+            call()
+        assert info.value.rank == refusing, (info.value.rank, str(info.value))
+
+
+def case_a_batch_refused_on_one_rank_raises_on_every_stage(world):
+    """A batch size num_microbatches does not divide on one rank only: rank 0's x (its refusal travels down the
+    stages in place of the shape headers), the last stage's y (a zero gradient goes back), or an x a middle rank
+    does not read (voted on). Every rank raises; the next step runs on every rank (no message was left over)."""
+    p, r = world.world_size, world.rank
+    x, y = make_data(0)
+    for schedule, v, m in ((GPIPE, 1, 4), (ONE_F_ONE_B, 1, 4), (INTERLEAVED, 2, 2 * p)):
+        pipe = ax.Pipeline.from_modules(make_stages(p * v), num_microbatches=m, schedule=schedule,
+                                        loss_fn=nn.CrossEntropyLoss(), stages_per_rank=v)
+        cases = [(0, x[:-1] if r == 0 else x, y, "x"), (p - 1, x, y[:-1] if r == p - 1 else y, "y")]
+        if p > 2:
+            cases.append((1, x[:-1] if r == 1 else x, y, "x"))
+        for refusing, xr, yr, name in cases:
+            for q in pipe.parameters():
+                q.grad = None
+            _raises_on_every_rank(world, refusing, lambda: pipe.train_step(xr, yr),
+                                  rf"batch size of {name} \({BATCH - 1}\) is not a multiple of num_microbatches={m}")
+            loss = pipe.train_step(x, y)
+            assert np.isfinite(loss) if pipe.is_last else loss is None
+        _raises_on_every_rank(world, 0, lambda: pipe.forward(x[:-1] if r == 0 else x), "is not a multiple",
+                              "Pipeline.forward")
+        out = pipe.forward(x[:-1] if r > 0 else x)  # x is read on rank 0 only
+        assert out.shape == (BATCH, CLASSES) if pipe.is_last else out is None
 
 
 def case_gather_timelines(world):

@@ -278,7 +278,7 @@ def case_no_gradients_no_step(world):
     before = [p.data.copy() for p in model.parameters()]
     for p in model.parameters():
         p.grad = None
-    opt.step()  # nothing to do, nothing sent
+    opt.step()  # nothing stepped (no state made); the unchanged slices are gathered on every rank
     assert opt.memory_bytes() == 0
     assert all(np.array_equal(p.data, b) for p, b in zip(model.parameters(), before))
     # zero_grad resets the model's gradients
@@ -288,6 +288,81 @@ def case_no_gradients_no_step(world):
     assert all(np.all(p.grad == 0) for p in model.parameters())
     opt.zero_grad(set_to_none=True)
     assert all(p.grad is None for p in model.parameters())
+
+
+def _stepped_once(world, kind="sgd"):
+    """DDP + ZeRO over ``make_model`` after one backward (the same gradients on every rank), and its values."""
+    model = make_model(np.float64, seed=0)
+    ddp = ax.DDP(model)
+    cls, kwargs = OPTIMIZERS[kind]
+    opt = ax.ZeroRedundancyOptimizer(cls, ddp.parameters(), **kwargs)
+    x, y = make_data(0, np.float64)
+    loss_fn = nn.CrossEntropyLoss()
+    loss_fn(ddp(shard(x, world.rank, world.world_size)), shard(y, world.rank, world.world_size))
+    ddp.backward(loss_fn.backward())
+    return model, opt, [p.data.copy() for p in model.parameters()]
+
+
+def _in_step(world):
+    """Every rank is still in step: an all-reduce of ones gives the world size."""
+    y = np.ones(1)
+    ax.all_reduce(y)
+    assert y[0] == world.world_size
+
+
+def case_wrong_gradient_shape_is_refused_on_every_rank(world):
+    """One rank's gradient of the wrong shape: it raises ShapeError, the others CollectiveRefusedError naming it
+    (not a wait in the all-gather); nothing changes anywhere, and the next step works."""
+    bad = world.world_size - 1
+    model, opt, before = _stepped_once(world)
+    good = model.parameters()[2].grad
+    if world.rank == bad:
+        model.parameters()[2].grad = np.zeros(3)
+    if world.rank == bad or world.world_size == 1:
+        with pytest.raises(ax.errors.ShapeError,
+                           match=r"params\[2\]\.grad has shape \(3,\), the parameter has \(8, 16\)"):
+            opt.step()
+    else:
+        with pytest.raises(ax.errors.CollectiveRefusedError, match=r"ZeroRedundancyOptimizer\.step") as info:
+            opt.step()
+        assert info.value.rank == bad and "ShapeError" in info.value.reason, (info.value.rank, str(info.value))
+    assert all(np.array_equal(p.data, b) for p, b in zip(model.parameters(), before))
+    _in_step(world)
+    model.parameters()[2].grad = good
+    opt.step()
+    assert not np.array_equal(model.parameters()[2].data, before[2])
+
+
+def case_a_rank_without_gradients_still_gathers(world):
+    """One rank's zero_grad(set_to_none=True) before step: every rank steps (none waits for it), its slices go
+    out unchanged, the others' are updated, and the replicas stay equal."""
+    lazy = world.world_size - 1
+    model, opt, before = _stepped_once(world, "adam")
+    if world.rank == lazy:
+        opt.zero_grad(set_to_none=True)
+    opt.step()
+    flat_before = np.concatenate([b.reshape(-1) for b in before])
+    flat_after = np.concatenate([p.data.reshape(-1) for p in model.parameters()])
+    everyone = ax.all_gather(flat_after)
+    assert all(np.array_equal(everyone[0], row) for row in everyone)
+    for r in range(world.world_size):
+        start, stop, pad = ax.all_gather(np.array([opt.shard_ranges()[0][k] for k in ("start", "stop", "pad")]))[r]
+        owned = slice(start, stop - pad)
+        if r == lazy:
+            assert np.array_equal(flat_after[owned], flat_before[owned]), r
+        else:
+            assert not np.array_equal(flat_after[owned], flat_before[owned]), r
+    assert (opt.memory_bytes() == 0) == (world.rank == lazy)  # its optimizer made no state
+
+
+def case_a_parameter_without_a_gradient_keeps_its_values(world):
+    """As in PyTorch: with weight decay and momentum a parameter whose grad is None still does not move."""
+    model, opt, before = _stepped_once(world, "sgd")
+    model.parameters()[1].grad = None
+    opt.step()
+    after = [p.data for p in model.parameters()]
+    assert np.array_equal(after[1], before[1])
+    assert all(not np.array_equal(a, b) for i, (a, b) in enumerate(zip(after, before)) if i != 1)
 
 
 def case_bad_arguments_raise_before_sending(world):

@@ -12,16 +12,26 @@ import numpy as np
 
 from ...backends import ReduceOp
 from ...collectives import all_reduce
-from ...optim.clip import checked_norm_type, scale_to_norm
+from ...collectives.core import refuse_call
+from ...errors import AxonError
+from ...optim.clip import checked_max_norm, checked_norm_type, scale_to_norm
 
 
 def clip_grad_norm(grads: List[Any], max_norm: float, norm_type: float, shard_group: Any, xp: Any) -> float:
     """Scale this rank's gradient shards in place so the global norm is at most ``max_norm``; returns the norm.
 
     Collective over ``shard_group`` when it has more than one rank (None: NO_SHARD). ``norm_type`` is p (``inf``
-    for the max); InvalidArgumentError (a ``ValueError``) unless positive.
+    for the max); InvalidArgumentError (a ``ValueError``) unless positive, or if ``max_norm`` is not a number,
+    before anything is sent: the group's other ranks raise ``CollectiveRefusedError`` naming this rank, from
+    the all-reduce of the norm they entered.
     """
-    norm_type = checked_norm_type(norm_type)
+    try:
+        norm_type = checked_norm_type(norm_type)
+        max_norm = checked_max_norm(max_norm)
+    except AxonError as exc:
+        if shard_group is not None and shard_group.size > 1:
+            refuse_call(shard_group, "all_reduce", exc)
+        raise
     inf = np.isinf(norm_type)
     # Each shard's part stays on the device; the host reads their max or sum once.
     parts = [_part(xp.abs(g.astype(np.float64)), inf, norm_type, xp) for g in grads]

@@ -9,6 +9,15 @@ is stashed under (s, i) and ``B`` restores it. Stages s and s + 1 on one rank ha
 The last stage takes ``loss_fn.backward(1 / M)`` right after the loss: a loss object also keeps a single
 cache, and taking its gradient at once means it never has to be stashed. Summed over M equal micro-batches
 this is the gradient of the full-batch mean loss.
+
+[Note: a refused batch]
+A batch that does not split into ``num_microbatches`` is refused, but no rank may stop alone while the
+others wait for its messages. Rank 0, which reads ``x``, computes nothing: its refusal travels down the
+stages in place of their shape headers ([Note: a refused header] in ``transport``), every rank stops, and
+the step's vote ([Note: a batch refused on one rank]) raises everywhere: the refusing rank its
+``ShapeError``, the others ``CollectiveRefusedError`` naming it. A refused ``y`` on the last stage is a
+loss that refuses every micro-batch (a zero gradient goes back), and an array a rank was given but does not
+read is voted on alike, so every rank raises before the step returns.
 """
 from __future__ import annotations
 
@@ -204,17 +213,21 @@ class Pipeline:
 
         Raises:
             ConfigurationError: no ``loss_fn`` was given.
-            ShapeError: the batch size is not a multiple of ``num_microbatches``.
+            ShapeError: the batch size is not a multiple of ``num_microbatches`` on this rank (the other ranks
+                raise ``CollectiveRefusedError`` naming it: [Note: a refused batch]).
         """
         if self.loss_fn is None:
             raise ConfigurationError("Pipeline.train_step needs a loss_fn (pass loss_fn= to from_modules)")
-        # Arrays are checked on every rank that passes them, so a bad batch size fails on all
-        # those ranks together instead of leaving a middle stage waiting for an activation.
-        xs = self._split(x, "x") if self.rank == 0 or hasattr(x, "shape") else None
-        ys = self._split(y, "y") if self.is_last or hasattr(y, "shape") else None
-        st = _StepState(xs, ys, time.perf_counter())
+        st = _StepState(None, None, time.perf_counter())
+        st.xs = self._batch(x, "x", self.rank == 0, st)
+        st.ys = self._batch(y, "y", self.is_last, st)
+        st.refused = self.rank == 0 and st.xs is None
         for step in self._steps:
+            if st.refused:
+                break
             self._run_step(step, st)
+        if st.refused:
+            self._transport.pass_on_refusal(self.stages, st.shapes, st.headers_sent, st.pending, st.handover, HDR)
         for work, _ in st.pending:
             work.wait()
         replicas = None if self._replicas is None else self._replicas.group
@@ -240,6 +253,8 @@ class Pipeline:
         # not part of the action.
         for op in step.waits:
             self._OPS[op.kind](self, op, st)
+        if st.refused:  # the header said rank 0 refused its batch: nothing to compute
+            return
         start = time.perf_counter() - st.start
         for op in step.work:
             self._OPS[op.kind](self, op, st)
@@ -255,8 +270,11 @@ class Pipeline:
     # The ops of a lowered schedule (see lowering.py). Every hand-over, received or computed on this
     # rank, goes through ``st.handover`` under (receiving stage, micro-batch, message kind).
     def _op_recv_f(self, op: Op, st: "_StepState") -> None:
-        st.handover[(op.stage, op.microbatch, ACT)] = self._transport.receive_activation(
-            op.stage, op.microbatch, st.shapes, st.handover, ACT, HDR)
+        got = self._transport.receive_activation(op.stage, op.microbatch, st.shapes, st.handover, ACT, HDR)
+        if got is None:
+            st.refused = True
+        else:
+            st.handover[(op.stage, op.microbatch, ACT)] = got
 
     def _op_forward(self, op: Op, st: "_StepState") -> None:
         s, i = op.stage, op.microbatch
@@ -264,10 +282,13 @@ class Pipeline:
         out = module(st.xs[i] if s == 0 else st.handover.pop((s, i, ACT)))
         seed = None
         if s == self.num_stages - 1:
-            try:
-                loss = self.loss_fn(out, st.ys[i])
-            except AxonError as exc:  # voted on at the step's end: [Note: a batch refused on one rank]
-                st.problem = st.problem or exc
+            loss = None
+            if st.ys is not None:  # else the targets were refused (st.problem): [Note: a refused batch]
+                try:
+                    loss = self.loss_fn(out, st.ys[i])
+                except AxonError as exc:  # voted on at the step's end: [Note: a batch refused on one rank]
+                    st.problem = st.problem or exc
+            if loss is None:
                 seed = array_module(out).zeros_like(out)
             else:
                 st.losses.append(float(loss))
@@ -285,6 +306,8 @@ class Pipeline:
     def _op_send_f(self, op: Op, st: "_StepState") -> None:
         out = st.handover.pop((op.stage + 1, op.microbatch, ACT))
         self._transport.send_activation(out, op.stage, op.microbatch, st.pending, st.handover, ACT, HDR)
+        if op.microbatch == 0:
+            st.headers_sent.add(op.stage)
 
     def _op_recv_b(self, op: Op, st: "_StepState") -> None:
         _, out_meta, _ = self._stashed(op, st)
@@ -322,32 +345,60 @@ class Pipeline:
         return st.stash[key]
 
     def forward(self, x: Any) -> Any:
-        """Inference through the stages, keeping no caches; the whole output on the last stage's rank, None elsewhere."""
-        xs = self._split(x, "x") if self.rank == 0 or hasattr(x, "shape") else None
+        """Inference through the stages, keeping no caches; the whole output on the last stage's rank, None elsewhere.
+
+        ``x`` is read on rank 0 only: with no vote at its end, an unread array refused elsewhere could not reach
+        the other ranks, so it is not looked at.
+
+        Raises:
+            ShapeError: on rank 0, ``x`` has no batch axis or one ``num_microbatches`` does not divide; the other
+                ranks raise ``CollectiveRefusedError`` naming it ([Note: a refused batch]).
+        """
+        st = _StepState(None, None, time.perf_counter())
+        xs = self._batch(x if self.rank == 0 else None, "x", self.rank == 0, st)
+        refused = self.rank == 0 and xs is None
         local: Dict[Tuple[int, int, int], Any] = {}
-        shapes: Dict[int, Tuple[Any, Tuple[int, ...]]] = {}
+        shapes: Dict[int, Any] = {}
         pending: List[Tuple[Any, Any]] = []
+        sent: set = set()
         outputs = []
         # Every rank walks (micro-batch, stage) in increasing order; an input only ever comes
         # from an earlier pair, so with non-blocking sends this order cannot deadlock.
-        for i in range(self.num_microbatches):
-            for s in self.stages:
-                module = self.stage_modules[s]
-                inp = xs[i] if s == 0 else self._transport.receive_activation(s, i, shapes, local, EVAL_ACT,
-                                                                              EVAL_HDR)
-                out = module(inp)
-                module.stash_activations()  # drop the cache: no backward follows
-                if s == self.num_stages - 1:
-                    outputs.append(out)
-                else:
-                    self._transport.send_activation(out, s, i, pending, local, EVAL_ACT, EVAL_HDR)
+        for i, s in [] if refused else ((i, s) for i in range(self.num_microbatches) for s in self.stages):
+            module = self.stage_modules[s]
+            inp = xs[i] if s == 0 else self._transport.receive_activation(s, i, shapes, local, EVAL_ACT, EVAL_HDR)
+            if inp is None:  # rank 0 refused its batch: [Note: a refused batch]
+                refused = True
+                break
+            out = module(inp)
+            module.stash_activations()  # drop the cache: no backward follows
+            if s == self.num_stages - 1:
+                outputs.append(out)
+            else:
+                self._transport.send_activation(out, s, i, pending, local, EVAL_ACT, EVAL_HDR)
+                sent.add(s)
+        if refused:
+            self._transport.pass_on_refusal(self.stages, shapes, sent, pending, local, EVAL_HDR)
         for work, _ in pending:
             work.wait()
+        if refused:  # every rank knows: raise on all of them
+            vote(self.group, st.problem, batch_refused(self.group, "Pipeline.forward"))
         if not self.is_last:
             return None
         return array_module(outputs[0]).concatenate(outputs, axis=0)
 
     # -- batches ------------------------------------------------------------
+    def _batch(self, a: Any, name: str, read_here: bool, st: "_StepState") -> Optional[List[Any]]:
+        """``a``'s micro-batches where this rank reads it (``read_here``) or was given an array; None if not, or if
+        it is refused, the error then in ``st.problem`` (see [Note: a refused batch])."""
+        if not (read_here or hasattr(a, "shape")):
+            return None
+        try:
+            return self._split(a, name)
+        except AxonError as exc:
+            st.problem = st.problem or exc
+            return None
+
     def _split(self, a: Any, name: str) -> List[Any]:
         m = self.num_microbatches
         if a is None or not hasattr(a, "shape") or len(a.shape) == 0:
@@ -378,7 +429,9 @@ class _StepState:
     shapes: Dict[int, Tuple[Any, Tuple[int, ...], Any]] = field(default_factory=dict)  # stage -> its input's
     pending: List[Tuple[Any, Any]] = field(default_factory=list)  # (Work, buffer): the buffer lives until the wait
     losses: List[float] = field(default_factory=list)
-    problem: Optional[AxonError] = None  # the loss's refusal of a micro-batch, voted on at the step's end
+    problem: Optional[AxonError] = None  # a refused batch or micro-batch, voted on at the step's end
+    refused: bool = False  # rank 0 refused its batch: the step stops ([Note: a refused batch])
+    headers_sent: set = field(default_factory=set)  # the stages whose output's shape header went out
     timeline: List[Tuple[Action, float, float]] = field(default_factory=list)
     peak: int = 0
     held_bytes: int = 0

@@ -14,6 +14,12 @@ Only rank 0 sees the batch, so receivers do not know activation shapes. Once per
 sender sends a small int64 header (dtype, ndim, device or host, dimensions) with micro-batch 0's activation;
 all micro-batches of a step share the shape, and headers are not cached across steps, so the batch size may
 change. Gradients need none: the output of stage s has the shape its receiver produced itself.
+
+[Note: a refused header]
+A header may say "refused" instead (ndim -1): rank 0 refused the step's batch before computing anything.
+Every rank that hears it sends one in place of each header of its own (``pass_on_refusal``) and takes every
+header still due to it, so the refusal reaches the last stage, every message sent is received, and nothing
+but headers was sent (each rank hears it in its first receive, before it has computed anything).
 """
 from __future__ import annotations
 
@@ -28,6 +34,7 @@ from ...errors import ShapeError
 
 _MAX_DIMS = 16
 _HEADER = 3 + _MAX_DIMS  # dtype index, ndim, on a device (0/1), dimensions
+_REFUSED = -1  # a header's ndim when the step was refused ([Note: a refused header])
 # Message kinds, the last component of a tag: a step's activations and gradients, the shape headers of its
 # activations, and forward()'s (inference) activations and headers.
 ACT, GRAD, HDR, EVAL_ACT, EVAL_HDR = range(5)
@@ -89,21 +96,46 @@ class Transport:
 
     def receive_activation(self, stage: int, microbatch: int, shapes: dict, local: dict,
                            kind: int, header_kind: int) -> Any:
-        """Stage ``stage``'s input from stage - 1; ``shapes`` keeps, per stage, the header received this step."""
+        """Stage ``stage``'s input from stage - 1; ``shapes`` keeps, per stage, the header received this step.
+
+        None if the header said the step was refused ([Note: a refused header]).
+        """
         src = self.owner(stage - 1)
         if src == self.rank:
             return local.pop((stage, microbatch, kind))
         if stage not in shapes:
             # The header always travels with micro-batch 0, whichever micro-batch comes first here.
-            header = np.empty(_HEADER, dtype=np.int64)
-            recv(header, src, tag=self._tag(0, stage, header_kind), group=self.group)
-            ndim = int(header[1])
-            # activations arrive where the sender computed them: host memory or the device
-            xp = importlib.import_module("cupy") if header[2] else np
-            shapes[stage] = (supported_dtypes()[int(header[0])], tuple(int(d) for d in header[3:3 + ndim]), xp)
+            self._receive_header(stage, shapes, header_kind)
+        if shapes[stage] is None:
+            return None
         dtype, shape, xp = shapes[stage]
         buf = xp.empty(shape, dtype=dtype)
         return recv(buf, src, tag=self._tag(microbatch, stage, kind), group=self.group)
+
+    def _receive_header(self, stage: int, shapes: dict, header_kind: int) -> None:
+        """Stage ``stage``'s input header into ``shapes[stage]``: (dtype, shape, array module), or None if refused."""
+        header = np.empty(_HEADER, dtype=np.int64)
+        recv(header, self.owner(stage - 1), tag=self._tag(0, stage, header_kind), group=self.group)
+        ndim = int(header[1])
+        if ndim == _REFUSED:
+            shapes[stage] = None
+            return
+        # activations arrive where the sender computed them: host memory or the device
+        xp = importlib.import_module("cupy") if header[2] else np
+        shapes[stage] = (supported_dtypes()[int(header[0])], tuple(int(d) for d in header[3:3 + ndim]), xp)
+
+    def pass_on_refusal(self, stages: Any, shapes: dict, sent: set, pending: list, local: dict,
+                        header_kind: int) -> None:
+        """The step was refused: a refused header wherever one of ``stages`` has not sent its own (``sent``),
+        then every header still due to them (see [Note: a refused header])."""
+        for s in stages:
+            if s + 1 < self.num_stages and s not in sent and self.owner(s + 1) != self.rank:
+                header = np.zeros(_HEADER, dtype=np.int64)
+                header[1] = _REFUSED
+                self.send(header, s + 1, 0, header_kind, pending, local)
+        for s in stages:
+            if s > 0 and s not in shapes and self.owner(s - 1) != self.rank:
+                self._receive_header(s, shapes, header_kind)
 
     def receive_gradient(self, stage: int, microbatch: int, out_meta: Tuple[Any, Any, Any]) -> Any:
         """The gradient for stage ``stage``'s output, from stage + 1; ``out_meta`` is that output's (xp, shape, dtype)."""
