@@ -78,6 +78,8 @@ cdef extern from "shm_engine.h":
         long yield_iters
         int abandon
     int ax_agree(ax_shm *s, const int64_t *desc, double timeout, unsigned char *lagging) nogil
+    int ax_agree_loosely(ax_shm *s, const int64_t *desc, int64_t loose, int64_t *seen, double timeout,
+                         unsigned char *lagging) nogil
     int ax_allreduce(ax_shm *s, char *x, size_t count, int dtype, int op, size_t itemsize,
                      const int64_t *desc, double timeout, unsigned char *lagging) nogil
     int ax_reduce_scatter(ax_shm *s, const char *x, char *out, size_t block, int dtype, int op,
@@ -108,11 +110,14 @@ cdef char* _address(cnp.ndarray a):
 # The kinds of collective, and the reduce ops by ReduceOp name (0: none).
 # graph: the replay of a CUDA graph's collectives (``collectives.graphed``); refused: a rank that refused its
 # call (a bad argument) before anything was sent, so the others hear it (``collectives.agreement.refused``).
+# An all-reduce by another algorithm is another call: its parts (point to point, sub-groups) meet no native one.
 KINDS = {"all_reduce": 1, "reduce_scatter": 2, "broadcast": 3, "all_gather": 4, "gather": 5, "scatter": 6,
-         "barrier": 7, "graph": 8, "refused": 9}
+         "barrier": 7, "graph": 8, "refused": 9, "all_reduce ring": 10, "all_reduce rhd": 11,
+         "all_reduce hierarchical": 12}
 DESC_OPS = {"SUM": 1, "PRODUCT": 2, "MIN": 3, "MAX": 4, "AVG": 5}
 DEVICE = 1 << 24  # the dtype code's flag for an array in GPU memory
 ELSEWHERE = 1 << 25  # this rank only checks the call here; another transport carries it
+NONBLOCKING = 1 << 26  # ... and makes it as a nonblocking call ([Note: blocking and nonblocking twins], ``agree``)
 cdef int64_t _MASK = (1 << 62) - 1  # every word stays below 2**62, so -word fits too (the MPI check's MAX)
 cdef dict _DTYPE_CODES = {}
 
@@ -372,15 +377,23 @@ cdef class Engine:
         if code != 0:
             raise ValueError(f"shared-memory {what}: unsupported dtype, operation or geometry")
 
-    def agree(self, tuple desc not None):
-        """One step that moves nothing: raise ``EngineMismatch`` unless every rank passes the same ``desc``."""
+    def agree(self, tuple desc not None, bint nonblocking=False):
+        """One step that moves nothing: raise ``EngineMismatch`` unless every rank passes the same ``desc``.
+
+        ``nonblocking``: this rank makes the call (which another transport carries) as a nonblocking one; the
+        ranks may differ in that. Returns True if some rank does ([Note: blocking and nonblocking twins]).
+        """
         cdef int64_t w[4]
+        cdef int64_t seen = 0, loose = NONBLOCKING << 8
         cdef int code
         cdef double timeout = self.timeout
         _fill(w, desc, 0, None, 0, -1)
+        if nonblocking:
+            w[0] |= loose
         with nogil:
-            code = ax_agree(&self.s, w, timeout, self._lagging)
+            code = ax_agree_loosely(&self.s, w, loose, &seen, timeout, self._lagging)
         self._check(code, "agreement check")
+        return seen != 0
 
     def all_reduce(self, cnp.ndarray x not None, str op, tuple desc=None):
         """Reduce ``x`` (C-contiguous, a kernel dtype) over the node's ranks, in place.

@@ -213,6 +213,22 @@ static inline int ax_agrees(ax_shm *s, uint64_t g, const int64_t *desc) {
     return 1;
 }
 
+/* ax_agrees, blind to the bits `loose` of word 0 (how each rank makes a call that another transport
+ * carries); on agreement *seen gets those bits of every rank, ORed. */
+static inline int ax_agrees_loosely(ax_shm *s, uint64_t g, const int64_t *desc, int64_t loose, int64_t *seen) {
+    int64_t bits = desc[0] & loose;
+    for (int r = 0; r < s->size; r++) {
+        if (r == s->rank) continue;
+        const ax_desc *d = ax_desc_of(s, r, g);
+        if (d->g != g || (d->w[0] & ~loose) != (desc[0] & ~loose)) return 0;
+        for (int k = 1; k < AX_DESC_WORDS; k++)
+            if (d->w[k] != desc[k]) return 0;
+        bits |= d->w[0] & loose;
+    }
+    *seen = bits;
+    return 1;
+}
+
 /* The ranks disagree about the call begun at chunk g: finish the chunk's steps
  * without touching any data, and wait until every rank has (so no descriptor
  * is rewritten while a slower rank still reads it). */
@@ -234,18 +250,25 @@ static inline int ax_wait_slot(ax_shm *s, uint64_t g, double timeout, unsigned c
 }
 
 /* One step that moves no data: every rank publishes its call's descriptor and
- * checks the others'. Used for a call that moves nothing, and before a call
+ * checks the others' (blind to the bits `loose` of word 0, whose OR over the
+ * ranks goes to *seen). Used for a call that moves nothing, and before a call
  * that another transport (MPI) will carry. Returns 0, -1 or AX_MISMATCH. */
-static int ax_agree(ax_shm *s, const int64_t *desc, double timeout, unsigned char *lagging) {
+static int ax_agree_loosely(ax_shm *s, const int64_t *desc, int64_t loose, int64_t *seen, double timeout,
+                            unsigned char *lagging) {
     const uint64_t g = s->seq++;
     if (ax_wait_slot(s, g, timeout, lagging)) return -1;
     ax_publish(s, g, desc);
     ax_store(&s->ctrls[s->rank]->copied, g + 1);
     if (ax_wait_all(s, AX_COPIED, g + 1, timeout, lagging)) return -1;
-    if (!ax_agrees(s, g, desc)) return ax_refuse(s, g, timeout, lagging);
+    if (!ax_agrees_loosely(s, g, desc, loose, seen)) return ax_refuse(s, g, timeout, lagging);
     ax_store(&s->ctrls[s->rank]->reduced, g + 1);
     ax_store(&s->ctrls[s->rank]->done, g + 1);
     return 0;
+}
+
+static int ax_agree(ax_shm *s, const int64_t *desc, double timeout, unsigned char *lagging) {
+    int64_t seen;
+    return ax_agree_loosely(s, desc, 0, &seen, timeout, lagging);
 }
 
 /* The first chunk of a call: publish before the *copied* store, check after

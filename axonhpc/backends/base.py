@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import abc
 import enum
+import math
 import time
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
@@ -46,6 +47,12 @@ WAIT_OBSERVER: Optional[Tuple[Callable[["Work"], Any], Callable[[Any], None]]] =
 
 class Work:
     """Handle of an operation that may still be running; ``wait()`` returns its output array or None."""
+
+    # What ``wait()`` with no timeout waits at most: the collective layer sets its group's timeout on the Work
+    # of a call (``pg.timeout``, ``AXONHPC_TIMEOUT``); None waits forever.
+    default_timeout: Optional[float] = None
+    # The collective layer's error for a wait that timed out (naming the missing ranks where it can tell).
+    explain_timeout: Optional[Callable[[float], Exception]] = None
 
     def __init__(self, result: Any = None):
         self._result = result
@@ -106,15 +113,25 @@ class Work:
     def wait(self, timeout: Optional[float] = None) -> Any:
         """Block until done and return the result (an array, or None).
 
+        ``timeout``: seconds; None takes the group's timeout for the Work of a collective or message (the
+        ``timeout`` a blocking call would wait), forever where the group has none; ``math.inf`` waits forever.
+
         Raises:
-            CollectiveTimeoutError: not complete within ``timeout`` seconds (None waits forever).
+            CollectiveTimeoutError: not complete within the timeout.
         """
         if not self._finished:
+            if timeout is None:
+                timeout = self.default_timeout
+            elif timeout == math.inf:
+                timeout = None
             observer = WAIT_OBSERVER
             key = observer[0](self) if observer is not None else None
             try:
                 if not self._block(timeout):
-                    raise self._timeout_error(timeout)
+                    explain = self.explain_timeout
+                    if explain is None:
+                        raise self._timeout_error(timeout)
+                    raise explain(timeout)
             finally:
                 if key is not None:
                     observer[1](key)
@@ -122,7 +139,7 @@ class Work:
         return self._result
 
     def result(self) -> Any:
-        """Same as ``wait()`` with no timeout."""
+        """Same as ``wait()``."""
         return self.wait()
 
 
@@ -218,12 +235,14 @@ class Backend(abc.ABC):
         """Whether a collective on ``buf`` can be captured in a CUDA graph: only stream-issued calls (NCCL), not MPI."""
         return False
 
-    def reducer(self, buf: np.ndarray, op: "ReduceOp") -> Callable[[], None]:
+    def reducer(self, buf: np.ndarray, op: "ReduceOp", nonblocking: bool = False) -> Callable[[], None]:
         """A blocking call that replaces ``buf`` (small, host) by its ``op`` over the ranks, made once per buffer.
 
         The agreement check's cost is its latency, so a backend may return something quicker than ``all_reduce``.
+        ``nonblocking``: the collective is made as a nonblocking one, then waited for (it must meet the calls of
+        ``all_reduce(buf, op, True)`` on other ranks).
         """
-        return lambda: self.all_reduce(buf, op, False).wait()
+        return lambda: self.all_reduce(buf, op, nonblocking).wait()
 
     def announce(self, seq: int, op: str) -> Optional[Any]:
         """Tell every peer this rank entered collective ``seq``; an object the wait asks for arrivals, or None.

@@ -239,6 +239,7 @@ class MPIBackend(Backend):
         # The side channel of timed collectives' arrival notices (see Arrivals): made now, while every
         # rank takes part, because a timeout is exactly when some rank would not come to a Dup.
         self._side = self.comm.Dup()
+        self._silent: set = set()  # peers that sent no arrival notice for a call that completed (``Arrivals.drain``)
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
         # The world that owns this backend renames these to its own ranks.
@@ -279,8 +280,8 @@ class MPIBackend(Backend):
     def _limit(self, per_rank_parts: int = 1) -> int:
         return max(1, settings.max_message_elements // per_rank_parts)
 
-    def reducer(self, buf: np.ndarray, op: ReduceOp) -> Callable[[], None]:
-        """One ``Allreduce`` call on the prepared buffer (see ``Backend.reducer``)."""
+    def reducer(self, buf: np.ndarray, op: ReduceOp, nonblocking: bool = False) -> Callable[[], None]:
+        """One ``Allreduce`` (or ``Iallreduce`` and its wait) on the prepared buffer (see ``Backend.reducer``)."""
         MPI, comm = load_mpi(), self.comm
         args = (MPI.IN_PLACE, [buf, mpi_datatype(buf.dtype)], mpi_op(op))
 
@@ -290,7 +291,13 @@ class MPIBackend(Backend):
             except MPI.Exception as exc:
                 raise_failure(comm, exc)
 
-        return reduce
+        def reduce_nonblocking() -> None:
+            try:
+                comm.Iallreduce(*args).Wait()
+            except MPI.Exception as exc:
+                raise_failure(comm, exc)
+
+        return reduce_nonblocking if nonblocking else reduce
 
     # -- collectives ------------------------------------------------------------
     def all_reduce(self, buf, op: ReduceOp, async_op: bool) -> Work:
@@ -506,7 +513,7 @@ class MPIBackend(Backend):
     # -- communicators ------------------------------------------------------------
     def announce(self, seq: int, op: str) -> "Arrivals":
         """Tell every peer this rank entered collective ``seq`` (``op``); see ``Arrivals``."""
-        return Arrivals(self._side, seq, op, self.rank, self.global_ranks)
+        return Arrivals(self._side, seq, op, self.rank, self.global_ranks, self._silent)
 
     def split(self, color: Optional[int], key: int) -> Optional["MPIBackend"]:
         MPI = load_mpi()

@@ -1,11 +1,13 @@
 """Which ranks have entered a timed collective of the MPI backend: ``Arrivals``, notices on a side communicator."""
 from __future__ import annotations
 
+import time
 import zlib
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
+from .mpi_p2p import poll
 from .mpi_work import load_mpi
 
 
@@ -28,8 +30,9 @@ class Arrivals:
 
     TAG_SPACE = 30000
 
-    def __init__(self, side, seq: int, op: str, rank: int, global_ranks: Sequence[int]):
+    def __init__(self, side, seq: int, op: str, rank: int, global_ranks: Sequence[int], silent: Optional[set] = None):
         MPI = load_mpi()
+        self._silent = set() if silent is None else silent  # the communicator's peers known to send no notices
         self.seq = int(seq)
         self.op = op
         self.global_ranks = tuple(global_ranks)
@@ -60,10 +63,26 @@ class Arrivals:
         return {self.global_ranks[r]: f"#{int(self._boxes[r][0])} {_NOTICE_OPS.get(int(self._boxes[r][1]), 'another op')}"
                 for r in self.peers if self._done[r] and self._other(r)}
 
-    def drain(self) -> None:
-        """After the collective completed: receive every notice (all were sent) and finish the sends."""
+    def drain(self, patience: float = 5.0) -> List[int]:
+        """After the collective completed: receive every notice and finish the sends; returns the peers without one.
+
+        A peer that waits under a timeout sends its notice before it enters, so once the collective is complete
+        its notice is at most in flight. One that has not come within ``patience`` seconds is from a peer that
+        sends none (its group has no timeout there): that receive is cancelled, its global rank returned, and
+        that peer not waited for again until a notice of its comes. Polled, not ``MPI_Waitall``: a wait inside
+        MPI could not be ended.
+        """
         MPI = load_mpi()
-        MPI.Request.Waitall(list(self._recvs.values()) + self._sends)
+        awaited = [request for r, request in self._recvs.items() if r not in self._silent] + self._sends
+        if poll(lambda: MPI.Request.Testall(awaited), time.monotonic() + patience):
+            if not self._silent:
+                return []
+        self._poll()
+        quiet = [r for r in self.peers if not self._done[r]]
+        self._silent.difference_update(r for r in self.peers if self._done[r])
+        self._silent.update(quiet)  # not waited for again: one such wait is enough to tell
+        self.abandon()
+        return [self.global_ranks[r] for r in quiet]
 
     def abandon(self) -> None:
         """After a timeout: cancel the receives that never completed (the job is ending)."""

@@ -121,7 +121,7 @@ def run(algorithm: str, x: Any, op: ReduceOp, pg: ProcessGroup, async_op: bool) 
     graphed.admit(pg, "all_reduce", x, op.name, why_not=f"the {algorithm!r} algorithm is made of several calls "
                                                          "driven from the host; capture the native all-reduce")
     label = start_call(pg, "all_reduce", x, op)
-    agreement.check(pg, label.seq, "all_reduce", x, label.call[1])
+    agreement.check(pg, label.seq, f"all_reduce {algorithm}", x, label.call[1])  # meets no other algorithm's call
     if algorithm == "hierarchical":
         hierarchical_all_reduce(x, op, pg)
     elif algorithm == "ring":

@@ -86,8 +86,8 @@ def run_call(pg: ProcessGroup, label: CallLabel, issue, async_op: bool, carried:
     # arrival notices; the call is ordered on the stream (see [Note: collectives in a graph]).
     timeout = None if capture.capturing() else pg.effective_timeout()
     collective = isinstance(label, CallLabel)  # point-to-point calls carry a plain text label
-    arrivals = (pg.backend.announce(label.seq, label.op) if collective and timeout is not None and not async_op
-                else None)
+    # Every rank announces each timed call, blocking or not (a rank may wait where another does not).
+    arrivals = pg.backend.announce(label.seq, label.op) if collective and timeout is not None else None
     entry = label.entry if collective else None
     # An asynchronous call is noted too: the node's engine runs it (and its check) before returning.
     key = watchdog.blocking(pg, entry, label)
@@ -106,22 +106,24 @@ def _checked_run(pg: ProcessGroup, label: Any, issue, async_op: bool, carried: b
                  collective: bool, arrivals: Any, entry: Optional[list], carry: Optional[ReduceOp] = None) -> Any:
     """``run_call``'s body: the agreement check, the call, and the wait (a blocking call's, which the watchdog sees)."""
     pending = None
-    done = False
+    way = agreement.AS_PLANNED
+    nonblocking = async_op or timeout is not None
     if collective and not carried and async_op and not is_cupy_array(label.call[0]):
         # A host call may start once its check is done (MPI progresses each communicator on its own).
         # A device call may not: NCCL runs the calls of all its communicators in the order they were
         # queued, so one started later on some ranks than on others could deadlock the GPUs.
         pending = agreement.start_check(pg, label.seq, label.op, *label.call)
     elif collective and not carried:
-        done = agreement.check(pg, label.seq, label.op, *label.call, arrivals=arrivals, label=label, carry=carry)
+        way = agreement.check(pg, label.seq, label.op, *label.call, arrivals=arrivals, label=label, carry=carry,
+                              nonblocking=nonblocking)
     start = time.perf_counter()
     try:
         if pending is not None:  # issued once the check is done (agreement.CheckedWork)
             work: Work = agreement.CheckedWork(pg, pending, lambda: issue(True))
-        elif done:  # the check carried the call
+        elif way == agreement.CARRIED:
             work = CompletedWork()
-        else:
-            work = issue(async_op or timeout is not None)
+        else:  # nonblocking where any rank makes it so ([Note: blocking and nonblocking twins])
+            work = issue(nonblocking or way == agreement.NONBLOCKING)
     except agreement.EngineMismatch as exc:
         agreement.explain_mismatch(label.refuse, exc)
     except CollectiveStallError:
@@ -135,6 +137,8 @@ def _checked_run(pg: ProcessGroup, label: Any, issue, async_op: bool, carried: b
     if async_op:
         if entry is not None:
             work.then(lambda: entry.__setitem__(flight.DONE, True))
+        if timeout is not None:  # wait() waits as long as a blocking call would
+            watch.arm(work, timeout, label, arrivals, pg)
         return work
     if arrivals is None and not (collective and timeout is not None and pg.debug_enabled()):
         result = work.wait(timeout)
@@ -214,7 +218,7 @@ def checked_all_reduce(x: Any, op: ReduceOp, pg: ProcessGroup, async_op: bool) -
     if route is routes.STAGED:
         return run_call(pg, label, lambda nb: staged_path.all_reduce(pg, x, op), False)
     if route is routes.RING:
-        agreement.check(pg, label.seq, "all_reduce", x, label.call[1])
+        agreement.check(pg, label.seq, "all_reduce ring", x, label.call[1])  # point to point: no native call meets it
         ring_all_reduce(x, op, pg)
         return CompletedWork() if async_op else None
     if route is routes.NODE:
@@ -239,6 +243,17 @@ def _result_buffer(x: Any, out: Any, shape: tuple, op: str, what: str) -> Any:
     if tuple(out.shape) != shape or out.dtype != x.dtype:
         raise ShapeError(f"{op}: out is {out.dtype} of shape {tuple(out.shape)}; {what} is {x.dtype} of shape {shape}")
     return out
+
+
+def _apart(x: Any, out: Any) -> Any:
+    """``x``, or a copy of it where it overlaps ``out``: MPI refuses aliased buffers, and a result written over
+    its own input would read parts already overwritten."""
+    if is_cupy_array(x):  # both contiguous (checked): their byte ranges tell
+        a, b = x.data.ptr, out.data.ptr
+        overlaps = a < b + out.nbytes and b < a + x.nbytes
+    else:
+        overlaps = np.may_share_memory(x, out)
+    return x.copy() if overlaps else x
 
 
 def reduce_scatter(x, op=ReduceOp.SUM, group: Optional[ProcessGroup] = None, async_op: bool = False,
@@ -267,6 +282,7 @@ def reduce_scatter(x, op=ReduceOp.SUM, group: Optional[ProcessGroup] = None, asy
                              "this rank's part")
     except AxonError as exc:
         refuse_call(pg, "reduce_scatter", exc, x, async_op)
+    x = _apart(x, out)
     graphed.admit(pg, "reduce_scatter", x, _OP_NAMES[op],
                   why_not=_RING_IN_GRAPH if shm_path.fixed_order(x, op) else None)
     label = start_call(pg, "reduce_scatter", x, op)
@@ -348,6 +364,7 @@ def all_gather(x, group: Optional[ProcessGroup] = None, async_op: bool = False, 
         out = _result_buffer(x, out, (pg.size,) + tuple(x.shape), "all_gather", "the result")
     except AxonError as exc:
         refuse_call(pg, "all_gather", exc, x, async_op)
+    x = _apart(x, out)
     graphed.admit(pg, "all_gather", x)
     label = start_call(pg, "all_gather", x)
     route, node = routes.choose(pg, x, "all_gather")
@@ -419,7 +436,10 @@ def scatter(x, src: int = 0, group: Optional[ProcessGroup] = None, async_op: boo
             problem = exc
             header[0] = _SCATTER_FAILED
     label = start_call(pg, "scatter", None, root=src)
-    agreement.check(pg, label.seq, "scatter", None, None, src)  # before the header: every rank must name one src
+    nonblocking = async_op or pg.effective_timeout() is not None
+    # Before the header: every rank must name one src ([Note: blocking and nonblocking twins] for the way).
+    nonblocking |= agreement.check(pg, label.seq, "scatter", None, None, src,
+                                   nonblocking=nonblocking) == agreement.NONBLOCKING
     backend.broadcast(header, src, async_op=False)
     if header[0] not in (_SCATTER_OK, _SCATTER_OK_DEVICE):
         if problem is not None:
@@ -433,7 +453,7 @@ def scatter(x, src: int = 0, group: Optional[ProcessGroup] = None, async_op: boo
         xp = importlib.import_module("cupy") if header[0] == _SCATTER_OK_DEVICE else np
     out = xp.empty(shape, dtype=dtype)
     send = x if pg.rank == src else None
-    return run_call(pg, label, lambda nb: backend.scatter(send, out, src, nb), async_op, carried=True)
+    return run_call(pg, label, lambda nb: backend.scatter(send, out, src, nb or nonblocking), async_op, carried=True)
 
 
 def barrier(group: Optional[ProcessGroup] = None, async_op: bool = False):

@@ -45,7 +45,8 @@ class Spec(NamedTuple):
     # result (x.nbytes times the group size) fits ``settings.shm_allgather_max_bytes``.
     bounded_result: bool
     on_engine: Callable[[Any, Any, Any, Optional[str], Optional[int]], None]  # (engine, x, out, op name, root)
-    on_backend: Callable[[Any, Any, Any, Optional[ReduceOp], Optional[int]], Work]  # (backend, x, out, op, root)
+    # (backend, x, out, op, root, nonblocking): nonblocking where another rank makes the call so
+    on_backend: Callable[[Any, Any, Any, Optional[ReduceOp], Optional[int], bool], Work]
 
 
 def _part_shape(shape: tuple, size: int) -> Optional[tuple]:
@@ -57,19 +58,19 @@ def _part_shape(shape: tuple, size: int) -> Optional[tuple]:
 ALL_REDUCE = Spec(
     "all_reduce", True, True, False, None, False,
     lambda engine, x, out, name, root: engine.all_reduce(x, name),
-    lambda backend, x, out, op, root: backend.all_reduce(x, op, False))
+    lambda backend, x, out, op, root, nb: backend.all_reduce(x, op, nb))
 REDUCE_SCATTER = Spec(
     "reduce_scatter", False, True, False, _part_shape, False,
     lambda engine, x, out, name, root: engine.reduce_scatter(x, out, name),
-    lambda backend, x, out, op, root: backend.reduce_scatter(x, out, op, False))
+    lambda backend, x, out, op, root, nb: backend.reduce_scatter(x, out, op, nb))
 BROADCAST = Spec(
     "broadcast", True, False, True, None, False,
     lambda engine, x, out, name, root: engine.broadcast(x, root),
-    lambda backend, x, out, op, root: backend.broadcast(x, root, False))
+    lambda backend, x, out, op, root, nb: backend.broadcast(x, root, nb))
 ALL_GATHER = Spec(
     "all_gather", False, False, False, lambda shape, size: (size,) + shape, True,
     lambda engine, x, out, name, root: engine.all_gather(x, out),
-    lambda backend, x, out, op, root: backend.all_gather(x, out, False))
+    lambda backend, x, out, op, root, nb: backend.all_gather(x, out, nb))
 
 
 def attempt(spec: Spec, x: Any, group: Any, op: Any = None, root: Any = None, out: Any = None) -> Any:
@@ -121,8 +122,8 @@ def attempt(spec: Spec, x: Any, group: Any, op: Any = None, root: Any = None, ou
         if out is None:
             out = np.empty(shape, dtype=x.dtype)
         elif (type(out) is not np.ndarray or out.shape != shape or out.dtype != x.dtype
-              or not out.flags.c_contiguous or not out.flags.writeable):
-            return NOT_TAKEN
+              or not out.flags.c_contiguous or not out.flags.writeable or np.may_share_memory(x, out)):
+            return NOT_TAKEN  # the general path says what is wrong, or copies an input that overlaps out
     else:
         out = None
     state = pg.collective_state  # made by plain_route
@@ -138,11 +139,12 @@ def attempt(spec: Spec, x: Any, group: Any, op: Any = None, root: Any = None, ou
             spec.on_engine(engine, x, out, name, root)  # compares the call across the node as it goes
         elif engine is None and spec is ALL_REDUCE:
             # Over MPI a small all-reduce the group expects goes with its check in one call (carried).
-            if not agreement.check_all_reduce(pg, seq, x, name, op):
-                _finish(spec.on_backend(backend, x, out, op, root))
+            way = agreement.check_all_reduce(pg, seq, x, name, op)
+            if way != agreement.CARRIED:
+                _finish(spec.on_backend(backend, x, out, op, root, way == agreement.NONBLOCKING))
         else:
-            agreement.check(pg, seq, spec.op, x, name, root, engine=engine if engine is not None else False)
-            _finish(spec.on_backend(backend, x, out, op, root))
+            way = agreement.check(pg, seq, spec.op, x, name, root, engine=engine if engine is not None else False)
+            _finish(spec.on_backend(backend, x, out, op, root, way == agreement.NONBLOCKING))
     except agreement.EngineMismatch as exc:
         agreement.explain_mismatch(lambda: agreement.refuse(pg, seq, spec.op, x, name, root), exc)
     finally:

@@ -13,6 +13,7 @@ import time
 from typing import Any, Optional
 
 from ..errors import CollectiveTimeoutError
+from ..observe.log import get_logger
 from . import flight, watchdog
 
 
@@ -52,18 +53,46 @@ def _wait(work: Any, timeout: Optional[float], label: Any, arrivals: Any, pg: An
                 arrivals.abandon()
             raise decided
         if timeout is not None and elapsed >= timeout:
-            if arrivals is None:
-                flight.dump(f"timeout in {label}", pg.world.rank)
-                raise work._timeout_error(timeout)
-            who = _who(arrivals, pg)
-            arrivals.abandon()
-            flight.dump(f"timeout in {label}", pg.world.rank)
-            raise CollectiveTimeoutError(f"{label} timed out after {timeout:g} s on rank {pg.world.rank}; {who}")
+            raise timed_out(work, timeout, label, arrivals, pg)
         time.sleep(delay)  # leave the core to the rank this one waits for (oversubscribed nodes)
         delay = min(delay * 2, 1e-3)
     if arrivals is not None:
-        arrivals.drain()
+        drain(arrivals, label)
     return work.wait()
+
+
+def timed_out(work: Any, timeout: float, label: Any, arrivals: Any, pg: Any) -> Exception:
+    """The error of a wait for ``work`` that timed out: the missing ranks named where notices tell them."""
+    if arrivals is None:
+        flight.dump(f"timeout in {label}", pg.world.rank)
+        return work._timeout_error(timeout)
+    who = _who(arrivals, pg)
+    arrivals.abandon()
+    flight.dump(f"timeout in {label}", pg.world.rank)
+    return CollectiveTimeoutError(f"{label} timed out after {timeout:g} s on rank {pg.world.rank}; {who}")
+
+
+def drain(arrivals: Any, label: Any) -> None:
+    """The call completed: take in its arrival notices, and say once which peers send none."""
+    silent = arrivals.drain()
+    if silent and arrivals.global_ranks not in _warned:
+        _warned.add(arrivals.global_ranks)
+        get_logger(__name__).warning(
+            "%s completed, but ranks %s sent no arrival notice: their timeout for this group is off while this "
+            "rank's is on (the ranks' AXONHPC_TIMEOUT, ax.init(timeout=...) or pg.timeout differ), so a timeout "
+            "here cannot name the missing ranks", label, silent)
+
+
+_warned: set = set()  # the groups (their global ranks) already warned of
+
+
+def arm(work: Any, timeout: float, label: Any, arrivals: Any, pg: Any) -> None:
+    """Give the Work of an asynchronous call the group's ``timeout`` for ``wait()`` ([Note: no silent hangs]),
+    with the timeout's message naming the missing ranks, and take in its arrival notices once it completes."""
+    work.default_timeout = timeout
+    work.explain_timeout = lambda waited: timed_out(work, waited, label, arrivals, pg)
+    if arrivals is not None:
+        work.then(lambda: drain(arrivals, label))
 
 
 def engine_timed_out(exc: Exception, timeout: float, label: Any, arrivals: Any, pg: Any) -> CollectiveTimeoutError:
@@ -79,4 +108,4 @@ def engine_timed_out(exc: Exception, timeout: float, label: Any, arrivals: Any, 
                                   f"shared-memory path; {who}")
 
 
-__all__ = ["wait", "engine_timed_out"]
+__all__ = ["wait", "timed_out", "drain", "arm", "engine_timed_out"]

@@ -17,8 +17,8 @@ JOB = os.path.join(JOBS, "timeout_job.py")
 MPIEXEC = os.path.join(os.path.dirname(sys.executable), "mpiexec")
 
 
-def _run(mode, n=3):
-    env = dict(os.environ, AXONHPC_ABORT_ON_EXCEPTION="1", OMP_NUM_THREADS="1")
+def _run(mode, n=3, **extra):
+    env = dict(os.environ, AXONHPC_ABORT_ON_EXCEPTION="1", OMP_NUM_THREADS="1", **extra)
     start = time.monotonic()
     out = subprocess.run(["timeout", "-k", "5", "60", MPIEXEC, "-n", str(n), sys.executable, JOB, mode],
                          capture_output=True, text=True, env=env)
@@ -34,6 +34,27 @@ def test_a_sleeping_rank_is_named_and_the_job_ends():
     assert "all_reduce #1 on group world" in text and "timed out after 1.5 s" in text, text[-3000:]
     assert "missing ranks: [2]" in text and "arrived ranks: [0, 1]" in text, text[-3000:]
     assert "finished" not in text
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("shm", ["auto", "off"])
+def test_wait_on_an_asynchronous_call_takes_the_groups_timeout(shm):
+    # Work.wait() with no timeout used to wait forever on the MPI path, whatever the group's timeout.
+    out, elapsed = _run("async", AXONHPC_SHM_COLLECTIVES=shm)
+    text = out.stdout + out.stderr
+    assert out.returncode not in (0, 124), text[-3000:]
+    assert elapsed < 15, (elapsed, text[-3000:])
+    assert "all_reduce #1 on group world" in text and "timed out after 1.5 s" in text, text[-3000:]
+    assert "missing ranks: [2]" in text and "finished" not in text, text[-3000:]
+
+
+@pytest.mark.timeout(120)
+def test_wait_on_an_irecv_takes_the_groups_timeout():
+    out, elapsed = _run("irecv")
+    text = out.stdout + out.stderr
+    assert out.returncode not in (0, 124), text[-3000:]
+    assert elapsed < 15, (elapsed, text[-3000:])
+    assert "irecv with group rank 2 (tag 0) on group world timed out after 1.5 s" in text, text[-3000:]
 
 
 @pytest.mark.timeout(120)

@@ -159,6 +159,33 @@ def case_matching_calls_still_work(world):
     assert part.tolist() == [2.0 * world.rank, 2.0 * world.rank + 1]
 
 
+def case_sync_gradients_of_other_shapes_with_the_same_total(world):
+    # Concatenated, [(2,), (3,)] and [(3,), (2,)] are both 5 numbers: they used to be averaged into each other.
+    odd, n = _odd(world), world.world_size
+    for shapes in (((2,), (3,)), ((2, 3),), ((2,), (3,), (4,))):
+        other = tuple(reversed(shapes)) if len(shapes) > 1 else ((3, 2),)
+        grads = [np.full(shape, 1.0 + world.rank) for shape in (other if odd else shapes)]
+        kept = [g.copy() for g in grads]
+        with pytest.raises(CollectiveMismatchError) as info:
+            ax.sync_gradients(grads)
+        text = str(info.value)
+        assert "sync_gradients" in text and f"ranks with the same gradients: {list(range(n - 1))} / [{n - 1}]" in text
+        assert all((g == k).all() for g, k in zip(grads, kept))  # nothing was averaged
+        _in_step(world)
+    grads = [np.full((2, 3), 1.0 + world.rank), np.full(4, 2.0, dtype=np.float32)]
+    ax.sync_gradients(grads)
+    assert np.allclose(grads[0], (n + 1) / 2) and (grads[1] == 2).all()
+
+
+@pytest.mark.parametrize("pair", [("ring", "rhd"), ("native", "ring"), ("rhd", "native"),
+                                  ("hierarchical", "ring")])
+def case_all_reduce_algorithms(world, pair):
+    # Each algorithm is its own pattern of messages: two of them used to wait on each other for good.
+    x = np.ones(6)
+    _refused(world, lambda: ax.all_reduce(x, algorithm=pair[_odd(world)]), *(
+        "all_reduce" + ("" if a == "native" else f" {a}") + " float64" for a in pair))
+
+
 def _expand():
     cases = {}
     for name, fn in list(globals().items()):

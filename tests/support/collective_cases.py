@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import axonhpc as ax
+from support.settings_override import override
 from axonhpc._dtypes import bfloat16_dtype, supported_dtypes
 from axonhpc.errors import (
     CollectiveMismatchError,
@@ -141,6 +142,31 @@ def case_all_gather(world):
         ax.all_gather(np.ones(3), out=np.empty((2, 3), dtype=np.float32))
     part = np.empty(2)
     assert ax.reduce_scatter(np.ones(2 * n), out=part) is part and np.all(part == n)
+
+
+def case_out_overlapping_the_input(world):
+    # MPI refuses aliased buffers ("Buffers must not be aliased"): the input that overlaps ``out`` is copied first,
+    # through shared memory and MPI alike, and the result is what it would be with separate buffers.
+    n, r = world.world_size, world.rank
+    for setting in ("auto", "off"):
+        with override(shm_collectives=setting):
+            for count in (2, 50_000):
+                rows = np.zeros((n, count))
+                rows[r] = r + 1
+                assert ax.all_gather(rows[r], out=rows) is rows
+                np.testing.assert_array_equal(rows, np.repeat(np.arange(1.0, n + 1), count).reshape(n, count))
+                rows = np.zeros((n, count))
+                rows[0] = r + 1  # every rank's input is row 0, which the result overwrites
+                ax.all_gather(rows[0], out=rows)
+                np.testing.assert_array_equal(rows, np.repeat(np.arange(1.0, n + 1), count).reshape(n, count))
+            x = np.arange(2.0 * n) + r
+            part = ax.reduce_scatter(x, out=x[2 * r:2 * r + 2])
+            total = sum(np.arange(2.0 * n) + k for k in range(n))
+            np.testing.assert_array_equal(part, total[2 * r:2 * r + 2])
+            async_rows = np.zeros((n, 3))
+            async_rows[r] = r
+            ax.all_gather(async_rows[r], out=async_rows, async_op=True).wait()
+            assert (async_rows == np.arange(n)[:, None]).all()
 
 
 def case_gather_and_scatter(world):

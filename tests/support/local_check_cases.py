@@ -357,4 +357,25 @@ def case_a_refusal_under_debug_mode_reaches_every_rank(world):
         ax.settings.debug = False
 
 
+def case_sync_gradients_with_an_unusable_gradient_on_one_rank_raises_on_every_rank(world):
+    n = world.world_size
+    grads = [np.ones(3), np.ones((2, 2))]
+    last = world.rank == n - 1
+    if last:
+        grads[1].flags.writeable = False
+    if n == 1:
+        with pytest.raises(ReadOnlyBufferError):
+            ax.sync_gradients(grads)
+        return
+    with pytest.raises(ReadOnlyBufferError if last else CollectiveRefusedError) as info:
+        ax.sync_gradients(grads)
+    assert "gradient 1" in str(info.value), str(info.value)
+    if not last:
+        assert f"rank {n - 1}" in str(info.value)
+    _in_step(world)
+    grads = [np.full(3, float(world.rank)), np.full((2, 2), 2.0 * world.rank)]
+    ax.sync_gradients(grads)
+    assert np.allclose(grads[0], (n - 1) / 2) and np.allclose(grads[1], n - 1)
+
+
 CASES = {name[len("case_"):]: fn for name, fn in sorted(globals().items()) if name.startswith("case_")}

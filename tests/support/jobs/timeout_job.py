@@ -6,6 +6,8 @@
     timeout_job.py mismatch debug mode: the last rank calls a barrier where the others all-reduce
     timeout_job.py usr1     a few collectives, "ready", then a pause in which the test sends SIGUSR1
     timeout_job.py p2p      nothing goes wrong: blocking and non-blocking point to point under a timeout
+    timeout_job.py async    the last rank sleeps past the timeout; the others wait() on an asynchronous all_reduce
+    timeout_job.py irecv    rank 0 wait()s on an irecv from the last rank, which sleeps past the timeout
 """
 import sys
 import time
@@ -45,10 +47,19 @@ elif sys.argv[1] == "usr1":
     sys.stdout.flush()
     time.sleep(3)
     ax.barrier()
-elif sys.argv[1] == "sleep":
+elif sys.argv[1] in ("sleep", "async"):
     if last:
         time.sleep(20)
-    ax.all_reduce(x)
+    if sys.argv[1] == "async":
+        ax.all_reduce(x, async_op=True).wait()  # no timeout given: the group's
+    else:
+        ax.all_reduce(x)
+elif sys.argv[1] == "irecv":
+    if world.rank == 0:
+        ax.irecv(x, world.world_size - 1).wait()
+    elif last:
+        time.sleep(20)
+        ax.send(x, 0)
 elif last:
     ax.barrier()
 else:

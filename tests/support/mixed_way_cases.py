@@ -1,0 +1,73 @@
+"""Ranks that make the same collective blocking on some and nonblocking on others get its result everywhere.
+
+MPI never matches a blocking collective with a nonblocking one, so a rank that passed ``async_op=True``
+(or waits under a timeout) beside ranks that did not used to wait forever wherever MPI carried the call:
+across nodes, with shared memory off, and on one node for an all-gather too large for the engine
+([Note: blocking and nonblocking twins] in ``collectives/agreement.py``). Each case runs every
+collective with some ranks' calls nonblocking. Run on threads and on MPI ranks with the shared-memory
+path on and off
+(``tests/collectives/test_mixed_ways.py``).
+"""
+import numpy as np
+
+import axonhpc as ax
+
+
+def _call(world, nonblocking, fn, *args, **kwargs):
+    """``fn(*args, **kwargs)``, nonblocking (its Work waited for) on the ranks where ``nonblocking`` holds."""
+    if nonblocking:
+        return fn(*args, async_op=True, **kwargs).wait()
+    return fn(*args, **kwargs)
+
+
+def _every_collective(world, nonblocking):
+    n, r = world.world_size, world.rank
+    for size, dtype in ((3, np.float64), (200_000, np.float32), (5, np.float16), (7, np.int32)):
+        x = np.full(size, r + 1, dtype=dtype)
+        _call(world, nonblocking, ax.all_reduce, x)
+        assert (x == n * (n + 1) // 2).all(), (size, dtype, x[:4])
+    x = np.full(4, float(r))
+    _call(world, nonblocking, ax.all_reduce, x, op="max")
+    assert (x == n - 1).all()
+    x = np.full(6, 2.0 * r)
+    _call(world, nonblocking, ax.all_reduce, x, op="mean")
+    assert np.allclose(x, n - 1)
+    for size in (5, 100_000):  # the larger one's result is over the engine's limit: MPI carries it
+        x = np.full(size, r, dtype=np.float32) if r == n - 1 else np.zeros(size, dtype=np.float32)
+        _call(world, nonblocking, ax.broadcast, x, src=n - 1)
+        assert (x == n - 1).all()
+        got = _call(world, nonblocking, ax.all_gather, np.full(size, r, dtype=np.int64))
+        assert (got == np.arange(n)[:, None]).all()
+    got = _call(world, nonblocking, ax.reduce_scatter, np.ones(3 * n))
+    assert (got == n).all() and got.shape == (3,)
+    got = _call(world, nonblocking, ax.gather, np.full(2, r), dst=0)
+    assert (got == np.arange(n)[:, None]).all() if r == 0 else got is None
+    parts = np.arange(2 * n, dtype=np.float64).reshape(n, 2) if r == 1 % n else None
+    got = _call(world, nonblocking, ax.scatter, parts, src=1 % n)
+    assert (got == [2 * r, 2 * r + 1]).all()
+    _call(world, nonblocking, ax.barrier)
+
+
+def _twice(world, nonblocking):
+    for _ in range(2):  # twice: the second time the MPI check expects the call (``carried``)
+        _every_collective(world, nonblocking)
+
+
+def case_first_rank_nonblocking(world):
+    _twice(world, world.rank == 0)
+
+
+def case_last_rank_nonblocking(world):
+    _twice(world, world.rank == world.world_size - 1)
+
+
+def case_all_but_the_first_nonblocking(world):
+    _twice(world, world.rank != 0)
+
+
+def case_ways_change_from_call_to_call(world):
+    for step in range(4):
+        _every_collective(world, (world.rank + step) % 2 == 0)
+
+
+CASES = {name[len("case_"):]: fn for name, fn in dict(globals()).items() if name.startswith("case_")}
