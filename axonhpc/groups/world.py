@@ -13,6 +13,7 @@ from ..errors import GroupMismatchError, RankError, everywhere
 from ..observe.log import get_logger
 from ..settings import LauncherEnv
 from ..threads import affinity_words, sharing_ranks, usable_cores
+from . import shared_settings
 from .agreement import compare, show, who_passed
 from .mesh import Mesh
 from .process_group import ProcessGroup
@@ -50,12 +51,16 @@ class World:
         cores = usable_cores()
         mask = affinity_words(cores)
         # The process ids let a fault-tolerant job see a dead peer on its node (collectives.watchdog).
-        mine = np.concatenate([np.array([self.node_rank, os.getpid()], dtype=np.int64), mask.view(np.int64)])
+        # So do the settings every rank must share ([Note: settings the ranks must share]).
+        shared = shared_settings.codes()
+        mine = np.concatenate([np.array([self.node_rank, os.getpid()], dtype=np.int64), shared, mask.view(np.int64)])
         table = np.empty((self.world_size, mine.size), dtype=np.int64)
         backend.all_gather(mine, table, async_op=False).wait()
+        shared_settings.check(table[:, 2:2 + shared.size], list(range(self.world_size)))
         self.node_of: Tuple[int, ...] = tuple(table[:, 0].tolist())
         self.pid_of: Tuple[int, ...] = tuple(table[:, 1].tolist())  # meaningful for the ranks of this node
-        node_masks = [table[r, 2:].view(np.uint64) for r in range(self.world_size) if self.node_of[r] == self.node_rank]
+        node_masks = [table[r, 2 + shared.size:].view(np.uint64) for r in range(self.world_size)
+                      if self.node_of[r] == self.node_rank]
         self.usable_cores = len(cores)
         self.cpu_sharers = sharing_ranks(mask, node_masks)
         self.clock_offset = self._clock_offset()
