@@ -215,8 +215,10 @@ def checked_all_reduce(x: Any, op: ReduceOp, pg: ProcessGroup, async_op: bool) -
         _trace(work, time.perf_counter(), label, True)
         work.wait()  # nothing to wait for: marks it finished (and ends its timeline span)
         return work if async_op else None
-    if route is routes.STAGED:
-        return run_call(pg, label, lambda nb: staged_path.all_reduce(pg, x, op), False)
+    backend = pg.backend
+    issue = _reduction(pg, x, x, op, lambda s, d, base, nb: backend.all_reduce(s, base, nb))
+    if route is routes.STAGED:  # unless another rank's call is nonblocking: then whole, as its is
+        return run_call(pg, label, lambda nb: issue(True) if nb else staged_path.all_reduce(pg, x, op), False)
     if route is routes.RING:
         agreement.check(pg, label.seq, "all_reduce ring", x, label.call[1])  # point to point: no native call meets it
         ring_all_reduce(x, op, pg)
@@ -228,8 +230,6 @@ def checked_all_reduce(x: Any, op: ReduceOp, pg: ProcessGroup, async_op: bool) -
         desc = label.desc()
         issue = _reduction(pg, x, x, op, lambda s, d, base, nb: node.all_reduce(s, d, base, desc))
         return run_call(pg, label, issue, async_op, carried=True)
-    backend = pg.backend
-    issue = _reduction(pg, x, x, op, lambda s, d, base, nb: backend.all_reduce(s, base, nb))
     # A blocking call that ``_reduction`` passes through unchanged may go with its check (collectives.carried).
     carry = op if not async_op and op is not ReduceOp.AVG and not is_low_precision_float(x.dtype) else None
     return run_call(pg, label, issue, async_op, carry=carry)

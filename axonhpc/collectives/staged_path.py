@@ -9,9 +9,10 @@ what has arrived and queues it back, so neighbouring chunks' copies run under ea
 Each chunk's host all-reduce is the one a numpy array gets (the engine on one node, else MPI; AVG
 and 16-bit floats as ``widen``). Elementwise reductions ignore the cut, so the result is the
 unchunked one bit for bit. The whole call is compared first, so every rank cuts the same chunks.
-Not pipelined: ``async_op=True`` (DDP overlaps the unchunked MPI request with its backward), calls
-under a timeout (a chunk's MPI call could not be interrupted), one-chunk arrays, and
-``staging_chunk_bytes = 0``.
+Not pipelined: ``async_op=True`` (DDP overlaps the unchunked MPI request with its backward), a blocking
+call whose check finds another rank's call asynchronous (it meets that one unchunked request: [Note:
+blocking and nonblocking twins]), calls under a timeout (a chunk's MPI call could not be interrupted),
+one-chunk arrays, and ``staging_chunk_bytes = 0``.
 """
 from __future__ import annotations
 

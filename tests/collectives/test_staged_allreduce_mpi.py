@@ -160,6 +160,24 @@ def test_what_is_not_pipelined_still_reduces(mpi_world, staged):
 
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("shm", ["auto", "off"])
+def test_a_rank_whose_call_is_asynchronous_takes_the_others_off_the_pipeline(mpi_world, staged, shm):
+    # The pipeline's chunks would meet the asynchronous rank's one nonblocking all-reduce of the whole
+    # array and wait forever ([Note: blocking and nonblocking twins]): every rank reduces it whole.
+    def check():
+        ax.settings.shm_collectives = shm
+        r, n = mpi_world.rank, mpi_world.world_size
+        data = np.full(37, float(r + 1))
+        for async_rank in (0, n - 1):
+            got, chunks = _pipelined(staged, data, "sum", async_op=r == async_rank)
+            assert chunks == 0 and (got == n * (n + 1) / 2).all(), (async_rank, chunks, got[:3])
+        got, chunks = _pipelined(staged, data, "sum")  # all blocking again: pipelined
+        assert chunks == -(-data.nbytes // CHUNK_BYTES) and (got == n * (n + 1) / 2).all()
+
+    collectively(mpi_world, check)
+
+
+@pytest.mark.mpi(min_size=2)
 def test_deterministic_mode_pipelines_through_the_engine_with_its_fixed_order(mpi_world, staged):
     def check():
         ax.settings.deterministic = True
