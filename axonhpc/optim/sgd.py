@@ -37,7 +37,7 @@ class SGD(Optimizer):
             dampening, or ``fused=True`` with a parameter the kernel does not serve.
     """
 
-    def __init__(self, params: Iterable[Any], lr: float, momentum: float = 0.0, dampening: float = 0.0,
+    def __init__(self, params: Iterable[Any], lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
                  weight_decay: float = 0.0, nesterov: bool = False, fused: Optional[bool] = None) -> None:
         check_non_negative("SGD", lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay)
         if nesterov and (momentum <= 0 or dampening != 0):

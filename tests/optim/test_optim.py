@@ -117,6 +117,16 @@ def test_adam_first_step_by_hand():
     assert opt.state[0]["step"] == 1
 
 
+def test_sgd_defaults_are_pytorchs():
+    # PyTorch 2.2 gave SGD's lr a default of 1e-3 (pytorch/pytorch#114467), like the other optimizers.
+    p = nn.Parameter(np.ones(3))
+    p.grad = np.array([1.0, 2.0, -4.0])
+    opt = optim.SGD([p])
+    assert (opt.lr, opt.momentum, opt.dampening, opt.weight_decay, opt.nesterov) == (1e-3, 0.0, 0.0, 0.0, False)
+    opt.step()
+    np.testing.assert_array_equal(p.data, np.ones(3) - 1e-3 * np.array([1.0, 2.0, -4.0]))
+
+
 def test_adamw_defaults_and_decay_by_hand():
     p = nn.Parameter(np.array([2.0]))
     opt = optim.AdamW([p], lr=0.1)
