@@ -65,6 +65,8 @@ def timed_out(work: Any, timeout: float, label: Any, arrivals: Any, pg: Any) -> 
     """The error of a wait for ``work`` that timed out: the missing ranks named where notices tell them."""
     if arrivals is None:
         flight.dump(f"timeout in {label}", pg.world.rank)
+        if label is not None:  # the caller's call, not the backend's step of it (an agreement check's all-reduce)
+            work.label = label
         return work._timeout_error(timeout)
     who = _who(arrivals, pg)
     arrivals.abandon()

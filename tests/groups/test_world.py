@@ -74,6 +74,9 @@ def test_local_timeout_names_missing_ranks():
             pg.timeout = 0.3
             with pytest.raises(CollectiveTimeoutError, match=r"timed out.*missing ranks: \[1, 2\]"):
                 ax.all_reduce(np.ones(2), group=pg)
+            # The user's call is named, not the agreement check's all-reduce that timed out inside it.
+            with pytest.raises(CollectiveTimeoutError, match=r"^barrier #1 on group world \[0, 1, 2\] timed out"):
+                ax.barrier(group=pg)
             world.backend.abort_quietly("test over")
         else:
             with pytest.raises(LocalAbort):
