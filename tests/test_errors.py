@@ -54,6 +54,7 @@ FACTORIES = {
     ("collectives/agreement.py", "everywhere"): "CollectiveMismatchError",
     ("collectives/fingerprint.py", "everywhere"): "CollectiveMismatchError or CollectiveRefusedError",
     ("collectives/allreduce.py", "everywhere"): "CollectiveMismatchError (sync_gradients' layouts)",
+    ("parallel/fsdp/clip.py", "everywhere"): "CollectiveMismatchError (clip_grad_norm's arguments)",
     ("groups/world.py", "everywhere"): "GroupMismatchError",
     ("groups/mesh.py", "everywhere"): "GroupMismatchError",
     ("groups/process_group.py", "everywhere"): "GroupMismatchError",

@@ -165,6 +165,23 @@ def case_clip_grad_norm_refused_on_one_rank_raises_everywhere(world):
             ax.barrier()  # every rank is still in step
 
 
+def case_clip_grad_norm_with_other_arguments_on_one_rank_raises_everywhere(world):
+    """Another norm_type or max_norm on one rank: the ranks would add other powers into one sum (or clip by another
+    factor) and drift apart; every rank raises CollectiveMismatchError with the range of each, nothing scaled."""
+    if world.world_size == 1:
+        return
+    odd = world.rank == world.world_size - 1
+    for norm_type, max_norm, shown in (((3.0, 2.0), (1.0, 1.0), "norm_type from 2 to 3"),
+                                       ((2.0, 2.0), (0.5, 1.0), "max_norm from 0.5 to 1"),
+                                       ((float("inf"), 2.0), (1.0, 1.0), "norm_type from 2 to inf")):
+        fsdp, _, _ = train_fsdp(world, np.float64, "sgd", "full_shard", steps=1)
+        grads = [p.grad.copy() for p in fsdp.parameters()]
+        with pytest.raises(ax.errors.CollectiveMismatchError, match=shown):
+            fsdp.clip_grad_norm(max_norm[odd], norm_type=norm_type[odd])
+        assert all(np.array_equal(p.grad, g) for p, g in zip(fsdp.parameters(), grads))
+        ax.barrier()  # every rank is still in step
+
+
 def case_mixed_precision_float16(world):
     """float16 compute and reduction, float32 master shards: within 1e-2 of float32 training.
 

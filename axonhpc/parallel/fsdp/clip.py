@@ -13,7 +13,7 @@ import numpy as np
 from ...backends import ReduceOp
 from ...collectives import all_reduce
 from ...collectives.core import refuse_call
-from ...errors import AxonError
+from ...errors import AxonError, CollectiveMismatchError, everywhere
 from ...optim.clip import checked_max_norm, checked_norm_type, scale_to_norm
 
 
@@ -32,6 +32,8 @@ def clip_grad_norm(grads: List[Any], max_norm: float, norm_type: float, shard_gr
         if shard_group is not None and shard_group.size > 1:
             refuse_call(shard_group, "all_reduce", exc)
         raise
+    if shard_group is not None and shard_group.size > 1:
+        _same_arguments(norm_type, max_norm, shard_group)
     inf = np.isinf(norm_type)
     # Each shard's part stays on the device; the host reads their max or sum once.
     parts = [_part(xp.abs(g.astype(np.float64)), inf, norm_type, xp) for g in grads]
@@ -42,6 +44,23 @@ def clip_grad_norm(grads: List[Any], max_norm: float, norm_type: float, shard_gr
     total = float(value[0]) if inf else float(value[0]) ** (1.0 / norm_type)
     scale_to_norm(grads, total, max_norm)
     return total
+
+
+def _same_arguments(norm_type: float, max_norm: float, group: Any) -> None:
+    """Every rank of ``group`` passed this ``norm_type`` and ``max_norm``, else all raise alike.
+
+    Ranks with another p would add other powers into one sum (and another ``max_norm`` clip by another
+    factor): every rank would get a norm, and the replicas would drift apart. One MAX all-reduce of
+    ``[p, -p, m, -m]`` (32 bytes, once a step) shows the largest and smallest of each.
+    """
+    words = np.array([norm_type, -norm_type, max_norm, -max_norm], dtype=np.float64)
+    all_reduce(words, ReduceOp.MAX, group)
+    if words[0] == -words[1] and words[2] == -words[3]:
+        return
+    raise everywhere(CollectiveMismatchError(
+        f"clip_grad_norm on group {group.name}: the ranks passed different arguments (norm_type from {-words[1]:g} "
+        f"to {words[0]:g}, max_norm from {-words[3]:g} to {words[2]:g}); every rank must clip by the same norm"),
+        group.ranks)
 
 
 def _part(g64: Any, inf: bool, norm_type: float, xp: Any) -> Any:
