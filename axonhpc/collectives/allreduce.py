@@ -8,19 +8,18 @@ from here first, as ``core.native_all_reduce`` does.
 """
 from __future__ import annotations
 
-import hashlib
-from typing import Optional, Sequence
-
-import numpy as np
+import functools
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from .._dtypes import array_module, check_array, dtype_groups
 from ..backends.base import ReduceOp
-from ..errors import AxonError, CollectiveMismatchError, everywhere
+from ..errors import AxonError, CollectiveMismatchError, CollectiveRefusedError, everywhere
 from ..groups import ProcessGroup
+from ..groups.agreement import Failed, all_or_none, ranks_text
 from ..settings import settings
 from . import algorithms
 from . import fast_path
-from .core import all_gather, member, checked_all_reduce, refuse_call
+from .core import member, checked_all_reduce, refuse_call
 
 
 def all_reduce(x, op=ReduceOp.SUM, group: Optional[ProcessGroup] = None, async_op: bool = False,
@@ -95,8 +94,8 @@ def sync_gradients(grads: Sequence, group: Optional[ProcessGroup] = None) -> Non
     """Average several gradient arrays over the group, in place, one all-reduce per dtype.
 
     Arrays of one dtype are concatenated so that many small gradients cost one message. The ranks first
-    compare the gradients' number, shapes and dtypes (one all-gather of 8 bytes): the concatenated arrays
-    alone could agree in size while holding other parameters.
+    compare the gradients' number, shapes and dtypes (``groups.agreement.all_or_none``: one small all-gather):
+    the concatenated arrays alone could agree in size while holding other parameters.
 
     Raises:
         CollectiveMismatchError: on every rank, if the ranks' gradients differ (naming the ranks).
@@ -105,12 +104,10 @@ def sync_gradients(grads: Sequence, group: Optional[ProcessGroup] = None) -> Non
     """
     grads = list(grads)
     pg = member(group, "sync_gradients")
-    try:
+    with all_or_none(pg, functools.partial(_refused, pg), functools.partial(_differ, pg)) as vote:
         for i, g in enumerate(grads):
             check_array(g, f"gradient {i}", writable=True)
-    except AxonError as exc:
-        refuse_call(pg, "all_gather", exc)
-    _same_layout(grads, pg)
+        vote.text = ", ".join(f"{g.dtype.name}{list(g.shape)}" for g in grads)
     for same in dtype_groups(grads):
         xp = array_module(same[0])
         flat = xp.concatenate([g.reshape(-1) for g in same])
@@ -121,23 +118,22 @@ def sync_gradients(grads: Sequence, group: Optional[ProcessGroup] = None) -> Non
             offset += g.size
 
 
-def _same_layout(grads: list, pg: ProcessGroup) -> None:
-    """Every rank of ``pg`` holds gradients of the same dtypes and shapes, in the same order, else all raise."""
-    if pg.size == 1:
-        return
-    layout = [(g.dtype.str, tuple(g.shape)) for g in grads]
-    digest = int.from_bytes(hashlib.blake2b(repr(layout).encode(), digest_size=8).digest(), "little", signed=True)
-    hashes = all_gather(np.array([digest], dtype=np.int64), pg).reshape(-1)
-    if (hashes == digest).all():
-        return
-    groups: dict = {}
-    for k, h in enumerate(hashes.tolist()):
-        groups.setdefault(h, []).append(pg.ranks[k])
-    shown = ", ".join(f"{np.dtype(d).name}{list(shape)}" for d, shape in layout[:8]) + (", ..." if len(layout) > 8 else "")
-    raise everywhere(CollectiveMismatchError(
+def _refused(pg: ProcessGroup, failed: Failed) -> CollectiveRefusedError:
+    """What the ranks whose gradients passed raise when another's did not."""
+    ranks = [pg.ranks[r] for r, _ in failed]
+    return CollectiveRefusedError(f"sync_gradients on group {pg.name}: {ranks_text(ranks)} refused (world "
+                                  f"numbering): {failed[0][1]}", rank=ranks[0], reason=failed[0][1])
+
+
+def _differ(pg: ProcessGroup, seen: List[Tuple[bool, str]]) -> CollectiveMismatchError:
+    """What every rank raises when the ranks' gradients differ in number, shape or dtype."""
+    holders: Dict[str, List[int]] = {}
+    for r, (_, text) in enumerate(seen):
+        holders.setdefault(text, []).append(pg.ranks[r])
+    return everywhere(CollectiveMismatchError(
         f"sync_gradients on group {pg.name}: the ranks' gradients differ in number, shape or dtype (ranks with the "
-        f"same gradients: {' / '.join(str(ranks) for ranks in groups.values())}); rank {pg.world.rank} has "
-        f"{len(layout)}: {shown}"), pg.ranks)
+        f"same gradients: {' / '.join(str(ranks) for ranks in holders.values())}); "
+        + "; ".join(f"{ranks_text(ranks)}: {text}" for text, ranks in holders.items())), pg.ranks)
 
 
 __all__ = ["all_reduce", "all_reduce_sum", "all_reduce_mean", "all_reduce_min", "all_reduce_max",
