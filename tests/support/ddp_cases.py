@@ -31,6 +31,8 @@ def make_data(step, dtype=np.float64):
 def make_optimizer(kind, params):
     if kind == "sgd":
         return optim.SGD(params, lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-3)
+    if kind == "default":  # the optimizer a ParameterServer runs when given none
+        return optim.SGD(params)
     return optim.Adam(params, lr=1e-2)
 
 

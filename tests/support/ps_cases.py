@@ -21,6 +21,7 @@ ALL_SIZES = (2, 3, 4, 5)
 OPTIMIZERS = {  # the hyperparameters of ddp_cases.make_optimizer, as class and arguments
     "sgd": (optim.SGD, dict(lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-3)),
     "adam": (optim.Adam, dict(lr=1e-2)),
+    "default": (None, {}),  # no optimizer_class: the servers run optim.SGD with its defaults
 }
 
 
@@ -56,7 +57,9 @@ def train_sync(world, kind, num_servers, dtype=np.float64, steps=STEPS, build=ma
     """Sync PS training; worker w runs ``steps_of(w)`` steps (default ``steps``). Returns (model, ps)."""
     model = build(dtype, seed=0 if world.rank == 0 else 1000 + world.rank)  # rank 0's values must reach all
     cls, kwargs = OPTIMIZERS[kind]
-    ps = ParameterServer(model, num_servers=num_servers, optimizer_class=cls, **kwargs)
+    if cls is not None:
+        kwargs = dict(kwargs, optimizer_class=cls)
+    ps = ParameterServer(model, num_servers=num_servers, **kwargs)
     loss_fn = nn.CrossEntropyLoss()
     with ps:  # servers serve when the block ends
         if ps.is_worker:
@@ -102,6 +105,12 @@ def case_sync_parity_sgd(world):
 @fits(*ALL_SIZES)
 def case_sync_parity_adam(world):
     _sync_parity(world, "adam")
+
+
+@fits(2, 3)
+def case_sync_parity_default_optimizer(world):
+    # ParameterServer(model) as API.md writes it: the servers run optim.SGD() (lr 1e-3).
+    _sync_parity(world, "default")
 
 
 def _two_dtype_model(dtype=None, seed=0):
@@ -406,8 +415,6 @@ def case_bad_arguments_raise_before_sending(world):
         ParameterServer(model, max_staleness=2, **sgd)
     with pytest.raises(bad, match=r"max_staleness must be an integer >= 0 \(or None for no bound\), got -1"):
         ParameterServer(model, mode="async", max_staleness=-1, **sgd)
-    with pytest.raises(bad, match="needs the optimizer its servers run"):
-        ParameterServer(model)
     with pytest.raises(bad, match="got an instance of SGD"):
         ParameterServer(model, optimizer_class=optim.SGD(model.parameters(), lr=0.1))
     with pytest.raises(bad, match="subclass of axonhpc.optim.Optimizer"):

@@ -11,6 +11,7 @@ from ...errors import ConfigurationError, ParameterServerError, PeerFailedError
 from ...groups import resolve_group
 from ...nn.parameter import Parameter
 from ...optim.optimizer import Optimizer
+from ...optim.sgd import SGD
 from ..replicate import broadcast_arrays
 from .protocol import MODES, NAME, Mode
 from .server import ServerLoop
@@ -38,9 +39,6 @@ def _check_staleness(mode: str, max_staleness: Any) -> Optional[int]:
 
 
 def _check_optimizer_class(optimizer_class: Any) -> type:
-    if optimizer_class is None:
-        raise ConfigurationError(f"{NAME} needs the optimizer its servers run: pass optimizer_class and its "
-                                 f"hyperparameters, e.g. {NAME}(model, optimizer_class=optim.SGD, lr=0.1)")
     if isinstance(optimizer_class, Optimizer):
         raise ConfigurationError(f"{NAME}: optimizer_class must be an Optimizer class, got an instance of "
                                  f"{type(optimizer_class).__name__}; the servers build it over their shards, so "
@@ -64,7 +62,8 @@ class ParameterServer:
     Args:
         model: built on every rank; group rank 0's values are copied to every rank.
         num_servers: in ``[1, group.size - 1]``.
-        optimizer_class: an ``axonhpc.optim.Optimizer`` subclass (required); ``**optimizer_args`` its hyperparameters.
+        optimizer_class: the ``axonhpc.optim.Optimizer`` subclass the servers run over their slices (default
+            ``optim.SGD``, whose own default lr is 1e-3); ``**optimizer_args`` its hyperparameters.
 
     Attributes:
         model, group, mode, max_staleness, num_servers, num_workers: as given or derived.
@@ -79,7 +78,7 @@ class ParameterServer:
     """
 
     def __init__(self, model: Any, group: Any = None, num_servers: int = 1, mode: str = "sync",
-                 max_staleness: Optional[int] = 0, *, optimizer_class: Any = None, **optimizer_args: Any) -> None:
+                 max_staleness: Optional[int] = 0, *, optimizer_class: Any = SGD, **optimizer_args: Any) -> None:
         named = list(model.named_parameters()) if hasattr(model, "named_parameters") else None
         if named is None:
             raise ConfigurationError(f"{NAME} needs an axonhpc.nn.Module, got a {type(model).__name__}")
