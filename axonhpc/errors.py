@@ -210,6 +210,11 @@ class GraphCaptureError(AxonError, RuntimeError):
     """A step cannot be captured as a CUDA graph, or a captured graph no longer fits its step (why in the message)."""
 
 
+# What a collective raises once the group already knows: every rank raised it alike, a rank did not come in
+# time, or a peer died. A rank whose step fails with one of these has nothing to tell the others.
+GROUP_FAILURES = (CollectiveMismatchError, CollectiveTimeoutError, PeerFailedError)
+
+
 def everywhere(error: CollectiveMismatchError, ranks: Sequence[int]) -> CollectiveMismatchError:
     """``error``, marked as raised alike on every one of ``ranks`` (world ranks)."""
     error.ranks = tuple(int(r) for r in ranks)

@@ -84,6 +84,18 @@ class Reducer:
         """Forget the buckets launched and not completed (a step that failed before ``complete``)."""
         self.launched = []
 
+    def abandon(self) -> None:
+        """A step failed: wait for the reductions still in flight (they write into the buckets), keep no result.
+
+        The calls that another rank's refusal or a failed check stopped raise again here and are passed over.
+        """
+        launched, self.launched = self.launched, []
+        for bucket in launched:
+            try:
+                bucket.work.wait()
+            except Exception:  # noqa: BLE001 - the step's own error is the one raised
+                pass
+
     def progress(self) -> None:
         """Test the reductions in flight, so MPI progresses them (see DDP's note on overlap and MPI progress)."""
         for bucket in self.launched:

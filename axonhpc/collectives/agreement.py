@@ -231,17 +231,24 @@ class CheckedWork(Work):
         self._check, self._verify = pending
         self._issue = issue
         self._inner: Optional[Work] = None
+        self._failed: Optional[BaseException] = None  # why the call was never issued: every later wait raises it
         self._waiting = state_of(pg).unissued
         self._waiting.append(self)
 
     def _start(self) -> None:
         self._waiting.remove(self)
-        self._check.wait()
-        self._verify()  # raises CollectiveMismatchError on every rank on a difference
-        self._inner = self._issue()
+        try:
+            self._check.wait()
+            self._verify()  # raises CollectiveMismatchError on every rank on a difference
+            self._inner = self._issue()
+        except BaseException as exc:
+            self._failed = exc
+            raise
 
     def _test(self) -> bool:
         if self._inner is None:
+            if self._failed is not None:
+                raise self._failed
             if not self._check._test():
                 return False
             flush_before(self)
@@ -250,6 +257,8 @@ class CheckedWork(Work):
     def _block(self, timeout: Optional[float]) -> bool:
         start = time.monotonic()
         if self._inner is None:
+            if self._failed is not None:
+                raise self._failed
             if not self._check._block(timeout):
                 return False
             flush_before(self)
@@ -277,6 +286,8 @@ def flush(pg: Any) -> None:
 def flush_before(work: "CheckedWork") -> None:
     """Issue ``work`` and every call of its group started before it, in the order they were started."""
     while work._inner is None:
+        if work._failed is not None:
+            raise work._failed
         work._waiting[0]._start()
 
 

@@ -531,4 +531,94 @@ def case_parity_autocast_float16_with_scaler(world):
     ddp, reference = train_autocast_float16(world)
     assert_same_parameters(ddp.module, reference, np.float32)
 
+class Faulty(nn.Module):
+    """Passes values through; its backward raises on the ranks in ``failing`` (a bug in a user's layer)."""
+
+    def __init__(self, failing=()):
+        super().__init__()
+        self.failing = set(failing)
+
+    def forward(self, x):
+        return x
+
+    def backward(self, g):
+        rank = ax.get_rank()
+        if rank in self.failing:
+            raise ValueError(f"layer failed on rank {rank}")
+        return g
+
+
+def _faulty_model(faulty):
+    # Several buckets on either side of the failing layer: some are in flight when it raises.
+    return nn.Sequential(nn.Linear(4, 16, dtype=np.float64, seed=1), nn.Tanh(), nn.Linear(16, 16, dtype=np.float64, seed=2),
+                         faulty, nn.Tanh(), nn.Linear(16, 16, dtype=np.float64, seed=3), nn.Tanh(),
+                         nn.Linear(16, 3, dtype=np.float64, seed=4))
+
+
+def _averaged_grads(world, model, x_of):
+    """What a good step must give: the average over the ranks of each rank's local gradients (one process)."""
+    total = None
+    for r in range(world.world_size):
+        for p in model.parameters():
+            p.zero_grad()
+        out = model(x_of(r))
+        model.backward(np.ones_like(out))
+        grads = [p.grad.copy() for p in model.parameters()]
+        total = grads if total is None else [t + g for t, g in zip(total, grads)]
+    return [t / world.world_size for t in total]
+
+
+def case_failed_backward_reaches_every_rank(world):
+    # The last rank's backward raises mid-way: it tells the group, so the others raise CollectiveRefusedError
+    # naming its error instead of waiting in a bucket it never launches (or, blocking, taking the next step's
+    # buckets for this one's). The next step is whole on every rank.
+    n, r = world.world_size, world.rank
+    x_of = lambda rank: np.linspace(-1, 1, 24).reshape(6, 4) * (rank + 1)  # noqa: E731
+    for strategy in (GradSyncStrategy.OVERLAPPED, GradSyncStrategy.SYNCHRONOUS):
+        for failing in ({n - 1}, set(range(n))):
+            faulty = Faulty(failing)
+            model = _faulty_model(faulty)
+            expected = _averaged_grads(world, _faulty_model(Faulty()), x_of)
+            ddp = ax.DDP(model, strategy=strategy, bucket_size_mb=1e-4)
+            assert len(ddp.bucket_plan) >= 4
+            out = ddp(x_of(r))
+            if r in failing:
+                with pytest.raises(ValueError, match=f"layer failed on rank {r}"):
+                    ddp.backward(np.ones_like(out))
+            else:
+                with pytest.raises(ax.errors.CollectiveRefusedError,
+                                   match=f"rank {n - 1} refused.*ValueError: layer failed on rank {n - 1}") as info:
+                    ddp.backward(np.ones_like(out))
+                assert info.value.rank == n - 1
+            faulty.failing = set()
+            ddp.zero_grad()
+            out = ddp(x_of(r))
+            ddp.backward(np.ones_like(out))
+            for p, e in zip(model.parameters(), expected):
+                np.testing.assert_allclose(p.grad, e, rtol=1e-12, atol=1e-14)
+
+
+def case_unused_parameter_on_some_ranks_reaches_every_rank(world):
+    # A gradient that only rank 0 computes: the others raise UnusedParameterError, and rank 0 hears of it
+    # instead of waiting for their last bucket.
+    n, r = world.world_size, world.rank
+    model = WithBuffer(use_extra=r == 0)
+    ddp = ax.DDP(model, bucket_size_mb=1e-5)
+    out = ddp(np.ones((2, 4)))
+    if r == 0 and n > 1:
+        with pytest.raises(ax.errors.CollectiveRefusedError, match="UnusedParameterError: parameters .*extra"):
+            ddp.backward(np.ones_like(out))
+    elif r > 0:
+        with pytest.raises(UnusedParameterError, match="extra"):
+            ddp.backward(np.ones_like(out))
+    else:
+        ddp.backward(np.ones_like(out))  # one rank alone: nothing is unused
+    model.use_extra = True
+    ddp.zero_grad()
+    out = ddp(np.ones((2, 4)))
+    ddp.backward(np.ones_like(out))
+    grads = ax.all_gather(np.concatenate([p.grad.ravel() for p in model.parameters()]))
+    assert all(np.array_equal(grads[0], row) for row in grads)
+
+
 CASES = {name[len("case_"):]: fn for name, fn in sorted(globals().items()) if name.startswith("case_")}

@@ -16,6 +16,16 @@ so the overlap is measured rather than assumed.
 When the group is on one node and the gradients reach ``SHARED_BUCKETS_MIN_BYTES``, all buckets live in one
 shared-memory window of the node (``bucketing.shared``).
 
+[Note: a failed backward]
+Every rank's synchronising backward reduces every bucket, so a backward that raises on one rank (a bug in a
+layer, a bad ``grad_out``, a parameter unused there alone) would leave the others waiting for a bucket it
+never launches, or, blocking, taking its next step's buckets for this one's. So the failing rank takes part
+in the first bucket it did not launch as a refusal (``refuse_call``): the others raise
+``CollectiveRefusedError`` naming it and its error, and it raises its own. Both then wait for the buckets
+already in flight, so the next step starts from a quiet group. Errors of the collectives themselves
+(``GROUP_FAILURES``) are known to the group already and tell nothing. A backward that fails after its last
+bucket was launched lets the others finish their step; only this rank raises.
+
 [Note: gradients as bucket views]
 With ``gradient_as_bucket_view=True`` each ``p.grad`` is a view into its bucket, so the averaged values need
 no copy back; a replaced ``p.grad`` (``zero_grad(set_to_none=True)``) is copied in and the view restored.
@@ -30,9 +40,10 @@ from ...backends import ReduceOp
 from ...bucketing import GradBucket, GradSyncStrategy, Reducer, plan_buckets, shared_flats
 # UnusedParameterError and GradientAfterReductionError are defined in errors (ax.errors.<Name>) and stay
 # importable from here, where they were first defined.
-from ...errors import (ArgumentTypeError, ConfigurationError, GradientAfterReductionError,
+from ...errors import (GROUP_FAILURES, ArgumentTypeError, ConfigurationError, GradientAfterReductionError,
                       UnusedParameterError)
 from ...buffers import flat_ops_for
+from ...collectives.core import refuse_call
 from ...groups import resolve_group
 from ...nn import Module, call_backward, require_module
 from ...observe import tracing
@@ -187,28 +198,45 @@ class DistributedDataParallel(WrapperModes):
         """
         syncing = self._syncing()
         self._joiner.before_backward(syncing)
-        self._attach_grads()
-        self._reducer.reset()  # a step that raised before its reductions completed leaves nothing behind
+        self._reducer.reset()
         self._reset_ready()
-        self._overlapping = syncing and self.strategy is GradSyncStrategy.OVERLAPPED
-        start = time.perf_counter()
         try:
-            grad_in = call_backward(self.module.backward, grad_out, input_grad)
-        finally:
-            self._overlapping = False
-        backward_s = time.perf_counter() - start
-        recorder = tracing.active()
-        if recorder is not None:
-            recorder.add("backward", "compute", start, start + backward_s)
-        if syncing:
-            self._finish(backward_s)
+            self._attach_grads()
+            self._overlapping = syncing and self.strategy is GradSyncStrategy.OVERLAPPED
+            start = time.perf_counter()
+            try:
+                grad_in = call_backward(self.module.backward, grad_out, input_grad)
+            finally:
+                self._overlapping = False
+            backward_s = time.perf_counter() - start
+            recorder = tracing.active()
+            if recorder is not None:
+                recorder.add("backward", "compute", start, start + backward_s)
+            if syncing:
+                self._finish(backward_s)
+        except Exception as exc:
+            if syncing:
+                self._fail_step(exc)
+            raise
         return grad_in
+
+    def _fail_step(self, problem: Exception) -> None:
+        """This rank's synchronising backward raised: tell the group if it still waits for buckets, then wait
+        for the reductions in flight ([Note: a failed backward]). Raises ``problem`` when it told the group."""
+        try:
+            if self._launches < len(self._buckets) and not isinstance(problem, GROUP_FAILURES):
+                bucket = self._buckets[self._launches]
+                overlapped = self.strategy is GradSyncStrategy.OVERLAPPED
+                refuse_call(resolve_group(self.group), "all_reduce", problem, bucket.buffer, async_op=overlapped)
+        finally:
+            self._reducer.abandon()
 
     def _reset_ready(self) -> None:
         """No gradient final yet, no bucket launched (the grad-ready hooks fill ``_ready`` during backward)."""
         self._ready = [[False] * len(ps) for ps in self._bucket_params]
         self._pending = [len(ps) for ps in self._bucket_params]
         self._next_launch = 0
+        self._launches = 0  # buckets launched in this step, by either strategy
 
     def _on_grad_ready(self, param: Any) -> None:
         if not self._overlapping:
@@ -247,6 +275,7 @@ class DistributedDataParallel(WrapperModes):
         if not self.gradient_as_bucket_view:  # copied in now, written back by complete()
             bucket.copies = [p.grad for p in self._bucket_params[k]]
         self._reducer.launch(bucket, self._reduce_op(), async_op)
+        self._launches += 1
 
     def _launch_all(self, async_op: bool) -> None:
         """Launch every bucket in plan order and complete them (collective)."""
