@@ -8,6 +8,7 @@ RNG, so ``restore_rng_state`` can rebuild a generator of the right kind when no 
 from __future__ import annotations
 
 import copy
+import json
 from typing import Any, Dict, Optional, Union
 
 import numpy as np
@@ -83,3 +84,37 @@ def restore_rng_state(state: Dict[str, Any], generator: Optional[RNG] = None) ->
         raise CheckpointError(f"the rng state is for bit generator {name!r}, the RandomState uses {have!r}")
     generator.set_state(inner)
     return generator
+
+
+_ARRAY = "__ndarray__"  # how rng_state_text marks an array (some bit generators keep their state in one)
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, np.ndarray):
+        return {_ARRAY: value.dtype.str, "shape": list(value.shape), "values": value.ravel().tolist()}
+    if isinstance(value, np.integer):
+        return int(value)
+    raise ArgumentTypeError(f"rng_state_text: cannot write a {type(value).__name__} of an rng state")
+
+
+def _array(obj: Dict[str, Any]) -> Any:
+    if _ARRAY not in obj:
+        return obj
+    try:
+        return np.array(obj["values"], dtype=np.dtype(obj[_ARRAY])).reshape(obj["shape"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"not an array of an rng state: {sorted(obj)} ({exc})") from exc
+
+
+def rng_state_text(state: Any) -> str:
+    """States from ``capture_rng_state`` (any nesting of them in dicts and lists) as JSON text, exactly:
+    Python's JSON keeps integers of any size, and the integer arrays of some bit generators are marked."""
+    return json.dumps(state, default=_plain, sort_keys=True)
+
+
+def rng_state_from_text(text: str) -> Any:
+    """What ``rng_state_text`` wrote, arrays included. Raises CheckpointError for text it did not write."""
+    try:
+        return json.loads(text, object_hook=_array)
+    except ValueError as exc:
+        raise CheckpointError(f"not the text of an rng state: {exc}") from exc

@@ -23,6 +23,8 @@ from ..cuda import capture
 from ..checkpoint import (capture_rng_state, load_per_rank, load_sharded, restore_rng_state, save_per_rank,
                           save_sharded)
 from ..checkpoint.background import AsyncCheckpointer
+from ..checkpoint.io import gather_text
+from ..checkpoint.rng import rng_state_from_text, rng_state_text
 from ..backends import ReduceOp
 from ..collectives import all_reduce, broadcast
 from ..data import DistributedSampler
@@ -351,17 +353,31 @@ class FSDPSetup(Setup):
         return list(self.wrapper.named_parameters())
 
     def save(self, path: str, extra: dict, rank_state: dict, writer: Optional[AsyncCheckpointer] = None) -> None:
-        """Collective: a sharded checkpoint (loadable on another world size); rank 0's own state in its extra."""
-        full_extra = {**extra, "rank0": rank_state}
+        """Collective: a sharded checkpoint (loadable on another world size). Its extra holds every rank's own
+        state (as ``rng_state_text``, by group rank) and the loss scaler's, which the shards do not."""
+        full_extra = {**extra, "ranks": gather_text(rng_state_text(rank_state), self.group)}
+        if self.scaler is not None:
+            full_extra["scaler"] = self.scaler.state_dict()
         if writer is not None:
             writer.save_sharded(path, self.wrapper, self.optimizer, extra=full_extra)
         else:
             save_sharded(path, self.wrapper, self.optimizer, extra=full_extra)
 
     def load(self, path: str) -> tuple:
-        """Collective: restore from ``save``; returns ``(extra, rank_state)``."""
+        """Collective: restore from ``save``; returns ``(extra, rank_state)``.
+
+        A rank the saving run did not have (resumed on more ranks) keeps its own generators. A checkpoint
+        written before every rank's state was kept gives each rank group rank 0's.
+        """
         extra = load_sharded(path, self.wrapper, self.optimizer)
-        return extra, extra.pop("rank0")
+        scaler = extra.pop("scaler", None)
+        if self.scaler is not None and scaler is not None:
+            self.scaler.load_state_dict(scaler)
+        ranks = extra.pop("ranks", None)
+        if ranks is None:
+            return extra, extra.pop("rank0", {})
+        mine = self.group.rank
+        return extra, rng_state_from_text(ranks[mine]) if mine < len(ranks) else {}
 
 
 class TensorDataSetup(Setup):

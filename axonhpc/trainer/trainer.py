@@ -31,12 +31,14 @@ import numpy as np
 from .._dtypes import array_module
 from ..checkpoint import clean_interrupted, latest
 from ..checkpoint.background import AsyncCheckpointer
+from ..checkpoint.io import broadcast_text, failed_on
 from ..backends import ReduceOp
-from ..collectives import all_reduce, barrier, broadcast, stragglers
+from ..collectives import all_reduce, broadcast, stragglers
 from ..data import DataLoader
-from ..errors import ArgumentTypeError, AxonError, ConfigurationError
+from ..errors import ArgumentTypeError, AxonError, CheckpointError, ConfigurationError
 from ..nn import require_module
 from ..groups import resolve_group
+from ..groups.agreement import all_or_none, who_passed
 from ..collectives.refusal import batch_refused, vote
 from ..observe.log import get_logger
 from ..settings import settings
@@ -224,8 +226,7 @@ class DistributedTrainer:
         """
         self.finish_checkpoint()
         path = os.path.join(checkpoint_dir, f"ckpt-{self.global_step:08d}")
-        if self.setup.group.rank == 0:
-            os.makedirs(checkpoint_dir, exist_ok=True)
+        self._checkpoint_dir_ready(checkpoint_dir)
         extra = {"epoch": epoch, "step_in_epoch": step_in_epoch, "global_step": self.global_step,
                  "strategy": self.strategy}
         if background:
@@ -258,12 +259,35 @@ class DistributedTrainer:
             self._prune(os.path.dirname(path))
         return path
 
-    def _clean_interrupted(self, checkpoint_dir: str, setup: Setup) -> None:
-        """Collective: rank 0 tidies the leftovers of killed saves before anything reads or writes there."""
-        if setup.group.rank == 0:
-            for line in clean_interrupted(checkpoint_dir):
-                get_logger("trainer").info(f"checkpoint directory {checkpoint_dir}: {line}")
-        barrier(setup.group)
+    def _checkpoint_dir_ready(self, checkpoint_dir: str, tidy: bool = False) -> Optional[str]:
+        """Collective: rank 0 makes ``checkpoint_dir``; with ``tidy`` it also clears the leftovers of killed saves
+        and names the newest checkpoint there, returned on every rank (None: there is none).
+
+        Raises:
+            CheckpointError: on every rank, if rank 0 could not use the directory.
+            ConfigurationError: on every rank, if the ranks name different directories.
+        """
+        group = self.setup.group
+        newest = None
+        differ = lambda seen: ConfigurationError(  # noqa: E731
+            f"the ranks name different checkpoint directories: {who_passed(seen, group.ranks)}; pass every rank "
+            f"the same checkpoint_dir (on a filesystem they share)")
+        with all_or_none(group, failed_on(f"preparing checkpoint directory {checkpoint_dir!r}",
+                                          ", so no rank writes or reads it"), differ) as vote:
+            vote.text = os.path.abspath(checkpoint_dir)
+            if group.rank == 0:
+                try:
+                    os.makedirs(checkpoint_dir, exist_ok=True)
+                    if tidy:
+                        for line in clean_interrupted(checkpoint_dir):
+                            get_logger("trainer").info(f"checkpoint directory {checkpoint_dir}: {line}")
+                        newest = latest(checkpoint_dir, CHECKPOINT_PATTERN)
+                except OSError as exc:
+                    raise CheckpointError(f"checkpoint_dir {checkpoint_dir!r} cannot be used (on group rank 0): "
+                                          f"{type(exc).__name__}: {exc}") from exc
+        # Rank 0's answer for all: ranks that see the directory differently load the same checkpoint or
+        # are told together that they cannot.
+        return broadcast_text(newest, group) if tidy else None
 
     def _prune(self, checkpoint_dir: str) -> None:
         from ..checkpoint.paths import step_regex
@@ -277,6 +301,14 @@ class DistributedTrainer:
     def load_checkpoint(self, path: str) -> Dict[str, Any]:
         """Collective: restore a checkpoint written by ``save_checkpoint``; returns where the run was."""
         extra, rank_state = self.setup.load(path)
+        if not isinstance(extra, dict):
+            raise CheckpointError(f"{path!r} records no trainer state (its extra is a {type(extra).__name__}, not "
+                                  f"a dict): it was not written by DistributedTrainer.save_checkpoint")
+        for key in ("epoch", "step_in_epoch", "global_step"):
+            value = extra.get(key)
+            if type(value) is not int or value < 0:
+                raise CheckpointError(f"{path!r} records {key}={value!r}; the trainer writes an integer >= 0 there "
+                                      f"(a checkpoint of another program, or an edited index)")
         if extra.get("strategy") != self.strategy:
             raise ConfigurationError(f"{path!r} was written with strategy {extra.get('strategy')!r}, this trainer "
                                      f"uses {self.strategy!r}")
@@ -456,13 +488,20 @@ class DistributedTrainer:
             self._writer = None
 
     def _resume_point(self, plan: "_Plan", resume: bool) -> Tuple[int, int]:
-        """Collective: ``(epoch, steps done in it)`` to start from: the newest checkpoint's, loaded, or (0, 0)."""
-        if not plan.checkpoint_dir:
-            return 0, 0
-        self._clean_interrupted(plan.checkpoint_dir, self.setup)
-        last = latest(plan.checkpoint_dir, CHECKPOINT_PATTERN) if resume else None
+        """Collective: ``(epoch, steps done in it)`` to start from: the newest checkpoint's, loaded, or (0, 0).
+
+        First the run's files: the metrics file and the checkpoint directory, checked on rank 0 for every rank.
+        """
+        last = self._checkpoint_dir_ready(plan.checkpoint_dir, tidy=True) if plan.checkpoint_dir else None
+        self._log_file_ready(plan.log_file)
         if last is None:
             return 0, 0
+        if not resume:
+            raise ConfigurationError(
+                f"fit(resume=False): checkpoint_dir {plan.checkpoint_dir!r} holds an earlier run's checkpoints "
+                f"(newest {os.path.basename(last)}); this run's would be written among them, and pruning (the "
+                f"newest {self.keep_checkpoints} by step are kept) could delete its own. Pass resume=True to go "
+                f"on from it, or give this run an empty checkpoint_dir")
         where = self.load_checkpoint(last)
         epoch, skip = int(where["epoch"]), int(where["step_in_epoch"])
         if skip >= plan.per_epoch:
@@ -617,9 +656,31 @@ class DistributedTrainer:
     def _log(self, log_file: Optional[str], record: Dict[str, Any]) -> None:
         if log_file is None or self.rank != 0:
             return
-        os.makedirs(os.path.dirname(os.path.abspath(log_file)), exist_ok=True)
-        with open(log_file, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        # Rank 0 alone writes here, so an error must not leave this rank (the others would wait for it in
+        # the next collective): fit checked the file before training; a later failure is logged.
+        try:
+            with open(log_file, "a") as f:
+                f.write(json.dumps(record) + "\n")
+        except OSError as exc:
+            get_logger("trainer").warning(f"could not write the metrics record {record} to {log_file!r}: "
+                                          f"{type(exc).__name__}: {exc}")
+
+    def _log_file_ready(self, log_file: Optional[str]) -> None:
+        """Collective: rank 0 opens ``log_file`` for appending (making its directory); else ConfigurationError
+        on every rank."""
+        if log_file is None:
+            return
+        group = self.setup.group
+        with all_or_none(group, lambda failed: ConfigurationError(
+                f"log_file {log_file!r} cannot be written on group rank 0 (see the error raised there)")):
+            if group.rank == 0:
+                try:
+                    os.makedirs(os.path.dirname(os.path.abspath(log_file)), exist_ok=True)
+                    with open(log_file, "a"):
+                        pass
+                except OSError as exc:
+                    raise ConfigurationError(f"log_file {log_file!r} cannot be written: "
+                                             f"{type(exc).__name__}: {exc}") from exc
 
 
 __all__ = ["DistributedTrainer", "PREEMPTED_EXIT_CODE"]

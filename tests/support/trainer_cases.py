@@ -150,6 +150,113 @@ def case_resume_after_preemption_is_bit_for_bit(world):
                 shutil.rmtree(directory, ignore_errors=True)
 
 
+def _resumed_equals_uninterrupted(world, strategy, build, data, **fit_args):
+    """Train straight; train, stop at step 3 and resume: the parameters and the loss scaler end equal, bit for bit."""
+    import shutil
+
+    directory = _tmpdir(world)
+
+    def run(checkpoint_dir=None, stop_at=None):
+        def on_step(trainer, step, loss):
+            if step == stop_at:
+                trainer.request_stop()
+
+        model = build(world.rank)
+        trainer = ax.DistributedTrainer(model, optim.Adam(model.parameters(), lr=1e-2), nn.CrossEntropyLoss(),
+                                        strategy=strategy, progress=False, exit_on_preemption=False,
+                                        on_step=on_step)
+        trainer.fit(data, EPOCHS, batch_size=BATCH, checkpoint_dir=checkpoint_dir, **fit_args)
+        return trainer
+
+    try:
+        straight = run()
+        assert run(directory, stop_at=3).preempted
+        resumed = run(directory)
+        got, want = full_parameters(resumed), full_parameters(straight)
+        for name in want:
+            np.testing.assert_array_equal(got[name], want[name], err_msg=f"{strategy} {name}")
+        if straight.setup.scaler is not None:
+            assert resumed.setup.scaler.state_dict() == straight.setup.scaler.state_dict()
+    finally:
+        ax.barrier()
+        if world.rank == 0:
+            shutil.rmtree(directory, ignore_errors=True)
+
+
+def case_resume_keeps_each_ranks_dropout_generator(world):
+    # Dropout seeded per rank, as its docstring suggests: every rank's generator comes back, not rank 0's.
+    def build(rank):
+        return nn.Sequential(nn.Linear(6, 16, dtype=np.float64, seed=0), nn.Dropout(0.3, seed=100 + rank),
+                             nn.Linear(16, 3, dtype=np.float64, seed=1))
+
+    for strategy in ("ddp", "fsdp"):
+        _resumed_equals_uninterrupted(world, strategy, build, make_data())
+
+
+def case_resume_keeps_the_loss_scaler(world):
+    # float16 mixed precision on inputs large enough that the scaler skips steps before the checkpoint.
+    x, y = make_data()
+    for strategy in ("ddp", "fsdp"):
+        _resumed_equals_uninterrupted(world, strategy, lambda rank: make_float32_model(),
+                                      (x.astype(np.float32) * 100, y), mixed_precision=ax.MixedPrecision(np.float16))
+
+
+def case_an_unusable_checkpoint_dir_or_log_file_is_refused_on_every_rank(world):
+    import os
+    import shutil
+
+    directory = _tmpdir(world)
+    blocker = os.path.join(directory, "a-file")
+    try:
+        if world.rank == 0:
+            open(blocker, "w").close()
+        ax.barrier()
+        for kwargs, error, mine, theirs in [
+                (dict(checkpoint_dir=os.path.join(blocker, "ckpts")), ax.errors.CheckpointError,
+                 "cannot be used .*NotADirectoryError", "preparing checkpoint directory .* failed on group ranks \\[0\\]"),
+                (dict(log_file=os.path.join(blocker, "metrics.jsonl")), ax.errors.ConfigurationError,
+                 "cannot be written: FileExistsError", "cannot be written on group rank 0")]:
+            model = make_model()
+            trainer = ax.DistributedTrainer(model, make_optimizer(model.parameters()), nn.CrossEntropyLoss(),
+                                            progress=False, log_file=kwargs.pop("log_file", None))
+            with pytest.raises(error, match=mine if world.rank == 0 else theirs):
+                trainer.fit(make_data(), 1, batch_size=BATCH, **kwargs)
+        # Ranks naming different directories: all refused alike, before anything is written.
+        mine = os.path.join(directory, f"run-{world.rank}")
+        model = make_model()
+        trainer = ax.DistributedTrainer(model, make_optimizer(model.parameters()), nn.CrossEntropyLoss(),
+                                        progress=False)
+        if world.world_size > 1:
+            with pytest.raises(ax.errors.ConfigurationError, match="different checkpoint directories: rank 0 passed"):
+                trainer.fit(make_data(), 1, batch_size=BATCH, checkpoint_dir=mine)
+    finally:
+        ax.barrier()
+        if world.rank == 0:
+            shutil.rmtree(directory, ignore_errors=True)
+
+
+def case_a_fresh_run_into_a_directory_of_checkpoints_is_refused(world):
+    import os
+    import shutil
+
+    directory = _tmpdir(world)
+    try:
+        first = train(world, epochs=2, checkpoint_dir=directory)
+        before = sorted(os.listdir(directory))
+        model = make_model()
+        fresh = ax.DistributedTrainer(model, make_optimizer(model.parameters()), nn.CrossEntropyLoss(),
+                                      progress=False)
+        with pytest.raises(ax.errors.ConfigurationError,
+                           match=f"holds an earlier run's checkpoints \\(newest ckpt-{first.global_step:08d}\\)"):
+            fresh.fit(make_data(), 1, batch_size=BATCH, checkpoint_dir=directory, resume=False)
+        ax.barrier()
+        assert sorted(os.listdir(directory)) == before  # nothing written, nothing pruned
+    finally:
+        ax.barrier()
+        if world.rank == 0:
+            shutil.rmtree(directory, ignore_errors=True)
+
+
 def case_evaluate_reduces_over_the_whole_set(world):
     trainer = train(world, "ddp", epochs=1)
     x, y = make_data(37, seed=9)  # not a multiple of the world size
