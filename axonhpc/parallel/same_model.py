@@ -18,9 +18,9 @@ from typing import Any, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .._dtypes import is_cupy_array
+from .._dtypes import check_array, is_cupy_array
 from ..collectives import all_gather
-from ..errors import AxonError, ModelMismatchError, everywhere
+from ..errors import AxonError, ModelMismatchError, NonContiguousBufferError, everywhere
 from ..groups.agreement import Failed, all_or_none, compare, ranks_text
 
 _state = threading.local()  # threads are ranks under run_local: one depth per rank
@@ -34,6 +34,25 @@ def parameter_lines(named: Iterable[Tuple[str, Any]]) -> List[str]:
         line = f"{name}:{np.dtype(data.dtype)}:{tuple(int(d) for d in data.shape)}"
         lines.append(line + (":device" if is_cupy_array(data) else ""))
     return lines
+
+
+def check_model_arrays(module: Any, what: str) -> None:
+    """Raise, naming it, on a parameter or buffer of ``module`` that a wrapper cannot send in place (an
+    unsupported dtype, not C-contiguous, read-only): meant inside ``compared_model``, so every rank hears of it.
+
+    Raises:
+        UnsupportedDtypeError, NonContiguousBufferError, ReadOnlyBufferError: from ``check_array``, with a hint
+            for a model's arrays.
+    """
+    arrays = [(f"parameter {name!r}", p.data) for name, p in module.named_parameters()]
+    arrays += [(f"buffer {name!r}", b) for name, b in module.named_buffers()]
+    for label, array in arrays:
+        try:
+            check_array(array, f"{what}: {label}", writable=True)
+        except NonContiguousBufferError as exc:
+            raise NonContiguousBufferError(
+                f"{str(exc).split('; pass')[0]}; make it C-contiguous before wrapping the model (assign "
+                f"numpy.ascontiguousarray of it to the parameter's .data, or the buffer)") from None
 
 
 @contextlib.contextmanager
@@ -143,4 +162,4 @@ def check_same_model(group: Any, what: str, lines: Sequence[str], problem: Optio
         described.lines, described.settings = lines, settings
 
 
-__all__ = ["parameter_lines", "compared_model", "check_same_model", "agreed", "Description"]
+__all__ = ["parameter_lines", "check_model_arrays", "compared_model", "check_same_model", "agreed", "Description"]

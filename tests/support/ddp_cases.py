@@ -248,7 +248,8 @@ def case_unused_parameters(world):
     ddp2 = ax.DDP(model2, bucket_size_mb=1e-5, find_unused_parameters=True)
     out = ddp2(x * (world.rank + 1))
     ddp2.backward(np.ones_like(out))
-    assert np.all(model2.extra.weight.grad == 0) and np.all(model2.extra.bias.grad == 0)
+    # No rank gave them a gradient and they had none before: None, as PyTorch's DDP leaves them.
+    assert model2.extra.weight.grad is None and model2.extra.bias.grad is None
     n = world.world_size
     np.testing.assert_allclose(model2.lin.bias.grad, np.full(2, 2.0))
     np.testing.assert_allclose(model2.lin.weight.grad, np.full((2, 4), 2.0 * (n + 1) / 2))
@@ -619,6 +620,66 @@ def case_unused_parameter_on_some_ranks_reaches_every_rank(world):
     ddp.backward(np.ones_like(out))
     grads = ax.all_gather(np.concatenate([p.grad.ravel() for p in model.parameters()]))
     assert all(np.array_equal(grads[0], row) for row in grads)
+
+
+class SometimesBranch(nn.Module):
+    """``out = head(tanh(body(x)))``, plus ``side(x)`` added on the steps where ``use_side`` is set."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(4, 6, dtype=np.float64, seed=11)
+        self.act = nn.Tanh()
+        self.head = nn.Linear(6, 3, dtype=np.float64, seed=12)
+        self.side = nn.Linear(4, 3, dtype=np.float64, seed=13)
+        self.use_side = True
+
+    def forward(self, x):
+        self._side = self.use_side
+        out = self.head(self.act(self.body(x)))
+        return out + self.side(x) if self._side else out
+
+    def backward(self, g):
+        gx = self.body.backward(self.act.backward(self.head.backward(g)))
+        return gx + self.side.backward(g) if self._side else gx
+
+
+def case_parameters_without_a_gradient_are_skipped_by_the_optimizer(world):
+    # find_unused_parameters=True, zero_grad(set_to_none=True), a branch used on some steps only: where no
+    # rank used it, its grad stays None and Adam (and SGD's momentum and weight decay) skip it, as in one
+    # process. Where some ranks used it, it is averaged with the others' zeros.
+    n, r = world.world_size, world.rank
+    x_of = lambda step, rank: np.linspace(-1, 1, 12).reshape(3, 4) * (rank + 1) + step  # noqa: E731
+    used_by = lambda step: {0} if step % 3 == 1 else (set() if step % 3 == 2 else set(range(n)))  # noqa: E731
+    for strategy in (GradSyncStrategy.OVERLAPPED, GradSyncStrategy.SYNCHRONOUS):
+        for opt_cls, kwargs in ((optim.Adam, dict(lr=1e-2)), (optim.SGD, dict(lr=0.1, momentum=0.9,
+                                                                               weight_decay=1e-2))):
+            reference, model = SometimesBranch(), SometimesBranch()
+            ref_opt = opt_cls(reference.parameters(), **kwargs)
+            ddp = ax.DDP(model, strategy=strategy, find_unused_parameters=True, bucket_size_mb=1e-4)
+            opt = opt_cls(ddp.parameters(), **kwargs)
+            for step in range(6):
+                ref_opt.zero_grad(set_to_none=True)
+                for q in range(n):  # the reference: the average of every rank's gradients, one process
+                    reference.use_side = q in used_by(step)
+                    out = reference(x_of(step, q))
+                    reference.backward(np.ones_like(out) / n)
+                ref_opt.step()
+                opt.zero_grad(set_to_none=True)
+                model.use_side = r in used_by(step)
+                out = ddp(x_of(step, r))
+                ddp.backward(np.ones_like(out))
+                assert (model.side.weight.grad is None) == (not used_by(step)), step
+                opt.step()
+            for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+                np.testing.assert_allclose(p.data, q.data, rtol=1e-12, atol=1e-13, err_msg=f"{strategy} {name}")
+
+
+def case_synchronous_refuses_an_unused_parameter_too(world):
+    model = WithBuffer(use_extra=False)
+    ddp = ax.DDP(model, strategy=GradSyncStrategy.SYNCHRONOUS, bucket_size_mb=1e-5)
+    out = ddp(np.ones((2, 4)))
+    with pytest.raises(UnusedParameterError, match=r"extra\.weight.*extra\.bias|extra\.bias.*extra\.weight"):
+        ddp.backward(np.ones_like(out))
 
 
 CASES = {name[len("case_"):]: fn for name, fn in sorted(globals().items()) if name.startswith("case_")}

@@ -93,6 +93,37 @@ def case_ddp_a_rank_whose_model_fails_its_own_check(world):
     _in_step(world)
 
 
+def case_a_rank_with_an_array_that_cannot_be_sent_in_place(world):
+    # One rank's weight in Fortran order, another's buffer read-only: named on that rank, refused on all,
+    # before the broadcast of rank 0's values (which waited forever for the rank that raised).
+    last = world.world_size - 1
+    for wrap in (ax.DDP,):
+        model = _mlp()
+        model.register_buffer("stats", np.zeros(3, np.float32))
+        if world.rank == last:
+            model[0].weight.data = np.asfortranarray(model[0].weight.data)
+        mine = (ax.errors.NonContiguousBufferError, r"DDP: parameter '0.weight' .* is not C-contiguous; make it "
+                r"C-contiguous before wrapping the model")
+        if world.rank == last:
+            with pytest.raises(mine[0], match=mine[1]):
+                wrap(model)
+        else:
+            with pytest.raises(ModelMismatchError, match=f"rank {last} could not build it .*NonContiguousBufferError"):
+                wrap(model)
+        _in_step(world)
+        model = _mlp()
+        model.register_buffer("stats", np.zeros(3, np.float32))
+        if world.rank == 0:
+            model.stats.flags.writeable = False
+        if world.rank == 0:
+            with pytest.raises(ax.errors.ReadOnlyBufferError, match="buffer 'stats'"):
+                wrap(model)
+        else:
+            with pytest.raises(ModelMismatchError, match="rank 0 could not build it .*ReadOnlyBufferError"):
+                wrap(model)
+        _in_step(world)
+
+
 def case_fsdp_names_shapes_and_units(world):
     n, last = world.world_size, world.world_size - 1
     model = _mlp(last_out=4 if world.rank == last else 3)

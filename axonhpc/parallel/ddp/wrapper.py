@@ -26,6 +26,15 @@ already in flight, so the next step starts from a quiet group. Errors of the col
 (``GROUP_FAILURES``) are known to the group already and tell nothing. A backward that fails after its last
 bucket was launched lets the others finish their step; only this rank raises.
 
+[Note: parameters without a gradient]
+With ``find_unused_parameters=True`` a parameter may get no gradient in a backward. Its bucket slot is
+reduced all the same (zeros where the rank had no gradient), but a parameter whose ``grad`` was None
+(``zero_grad(set_to_none=True)``) on every rank, and that no rank's backward reached since, gets None back after
+the reduction, as PyTorch's DDP leaves it: the optimizer then skips it (no momentum, moments or weight
+decay for it), exactly as it would without DDP. Which ones is one small MIN all-reduce of a flag per
+parameter, made only with ``find_unused_parameters=True`` (PyTorch makes the same one there). Without it a
+parameter that gets no gradient raises ``UnusedParameterError`` (OVERLAPPED and SYNCHRONOUS alike).
+
 [Note: gradients as bucket views]
 With ``gradient_as_bucket_view=True`` each ``p.grad`` is a view into its bucket, so the averaged values need
 no copy back; a replaced ``p.grad`` (``zero_grad(set_to_none=True)``) is copied in and the view restored.
@@ -36,6 +45,8 @@ import contextlib
 import time
 from typing import Any, Dict, Iterator, List, Tuple
 
+import numpy as np
+
 from ...backends import ReduceOp
 from ...bucketing import GradBucket, GradSyncStrategy, Reducer, plan_buckets, shared_flats
 # UnusedParameterError and GradientAfterReductionError are defined in errors (ax.errors.<Name>) and stay
@@ -43,6 +54,7 @@ from ...bucketing import GradBucket, GradSyncStrategy, Reducer, plan_buckets, sh
 from ...errors import (GROUP_FAILURES, ArgumentTypeError, ConfigurationError, GradientAfterReductionError,
                       UnusedParameterError)
 from ...buffers import flat_ops_for
+from ...collectives import all_reduce
 from ...collectives.core import refuse_call
 from ...groups import resolve_group
 from ...nn import Module, call_backward, require_module
@@ -50,7 +62,7 @@ from ...observe import tracing
 from .autotune import bucket_bytes
 from .join import Joiner
 from ..replicate import broadcast_arrays
-from ..same_model import compared_model, parameter_lines
+from ..same_model import check_model_arrays, compared_model, parameter_lines
 from ..wrapping import WrapperModes
 
 FIRST_BUCKET_BYTES = 1 << 20  # PyTorch DDP's first bucket: 1 MiB
@@ -96,6 +108,7 @@ class DistributedDataParallel(WrapperModes):
             require_module(module, "DDP")
             if not named:
                 raise ConfigurationError(f"DDP needs a module with parameters; {type(module).__name__} has none")
+            check_model_arrays(module, "DDP")
             # Host or device buffers, chosen once; a model in both kinds of memory is refused here.
             self._ops = flat_ops_for([p.data for _, p in named], [name for name, _ in named], "DDP")
             described.lines = parameter_lines(named)
@@ -112,6 +125,7 @@ class DistributedDataParallel(WrapperModes):
         self._ready: List[List[bool]] = []
         self._pending: List[int] = []
         self._reset_ready()
+        self._gradless: set = set()  # ids of parameters whose grad was None and that got none since
         self._where: Dict[int, Tuple[int, int]] = {}
         for k, params in enumerate(self._bucket_params):
             for slot, p in enumerate(params):
@@ -119,6 +133,7 @@ class DistributedDataParallel(WrapperModes):
         self._hooks = [p.register_grad_hook(self._on_grad_ready) for p in self._params]
         self._joiner = Joiner(self)  # uneven inputs: see join.py
         self._overlapping = False
+        self._tracking = False  # in a synchronising backward: the hooks record which gradients are final
         self.last_step: Dict[str, Any] = {}
         self.sync_parameters()
 
@@ -172,6 +187,8 @@ class DistributedDataParallel(WrapperModes):
         """Make every ``p.grad`` its bucket view (or a separate array), keeping its values."""
         for bucket, params in zip(self._buckets, self._bucket_params):
             for p, view in zip(params, bucket.views):
+                if p.grad is None:
+                    self._gradless.add(id(p))
                 if self.gradient_as_bucket_view:
                     if p.grad is not view:
                         if p.grad is None:
@@ -202,12 +219,13 @@ class DistributedDataParallel(WrapperModes):
         self._reset_ready()
         try:
             self._attach_grads()
+            self._tracking = syncing
             self._overlapping = syncing and self.strategy is GradSyncStrategy.OVERLAPPED
             start = time.perf_counter()
             try:
                 grad_in = call_backward(self.module.backward, grad_out, input_grad)
             finally:
-                self._overlapping = False
+                self._overlapping = self._tracking = False
             backward_s = time.perf_counter() - start
             recorder = tracing.active()
             if recorder is not None:
@@ -239,11 +257,12 @@ class DistributedDataParallel(WrapperModes):
         self._launches = 0  # buckets launched in this step, by either strategy
 
     def _on_grad_ready(self, param: Any) -> None:
-        if not self._overlapping:
+        self._gradless.discard(id(param))
+        if not self._tracking:
             return
         k, slot = self._where[id(param)]
         if self._ready[k][slot]:
-            if k < self._next_launch:
+            if self._overlapping and k < self._next_launch:
                 raise GradientAfterReductionError(
                     f"parameter {self._buckets[k].names[slot]!r} received a second gradient after its bucket {k} "
                     "was already being all-reduced (is it used twice in forward?); use "
@@ -252,8 +271,9 @@ class DistributedDataParallel(WrapperModes):
             return
         self._ready[k][slot] = True
         self._pending[k] -= 1
-        self._launch_ready()
-        self._reducer.progress()  # drive MPI progress of the reductions in flight (see the module note)
+        if self._overlapping:
+            self._launch_ready()
+            self._reducer.progress()  # drive MPI progress of the reductions in flight (see the module note)
 
     def _launch_ready(self) -> None:
         while self._next_launch < len(self._buckets) and self._pending[self._next_launch] == 0:
@@ -283,6 +303,16 @@ class DistributedDataParallel(WrapperModes):
             self._launch(k, async_op)
         self._reducer.complete(self._divisor())
 
+    def _restore_gradless(self) -> None:
+        """Collective: a parameter that no rank gave a gradient since its ``grad`` was None gets None back, so the
+        optimizer skips it as it would without DDP ([Note: parameters without a gradient])."""
+        flags = np.array([id(p) in self._gradless for p in self._params], dtype=np.int32)
+        all_reduce(flags, ReduceOp.MIN, self.group)
+        for p, none_everywhere in zip(self._params, flags.tolist()):
+            if none_everywhere:
+                p.grad = None
+        self._gradless.clear()
+
     def _check_unused(self) -> None:
         unused = [name for b, ready in zip(self._buckets, self._ready) for name, ok in zip(b.names, ready) if not ok]
         if unused and not self.find_unused_parameters:
@@ -295,8 +325,8 @@ class DistributedDataParallel(WrapperModes):
 
     def _finish(self, backward_s: float) -> None:
         start = time.perf_counter()
+        self._check_unused()
         if self.strategy is GradSyncStrategy.OVERLAPPED:
-            self._check_unused()
             self._launch_ready()
             # Counted from what the hooks saw, without a probe of our own: a
             # test drives MPI progress, and that work belongs in the wait.
@@ -304,6 +334,8 @@ class DistributedDataParallel(WrapperModes):
         else:  # SYNCHRONOUS: one pass after backward, in plan order
             self._launch_all(async_op=False)
             done_before_wait = 0
+        if self.find_unused_parameters:
+            self._restore_gradless()
         wait_s = time.perf_counter() - start
         self.last_step = {"backward_s": backward_s, "final_wait_s": wait_s, "buckets": len(self._buckets),
                           "completed_before_wait": done_before_wait}
