@@ -599,6 +599,37 @@ def case_failed_backward_reaches_every_rank(world):
                 np.testing.assert_allclose(p.grad, e, rtol=1e-12, atol=1e-14)
 
 
+def case_failed_training_forward_reaches_every_rank(world):
+    # The last rank's forward raises (a bad batch there): the others hear of it in their backward's first
+    # bucket instead of waiting in it; in eval mode a failed forward is the rank's own.
+    n, r = world.world_size, world.rank
+    x_of = lambda rank: np.linspace(-1, 1, 24).reshape(6, 4) * (rank + 1)  # noqa: E731
+    for strategy in (GradSyncStrategy.OVERLAPPED, GradSyncStrategy.SYNCHRONOUS):
+        model = _faulty_model(Faulty())
+        expected = _averaged_grads(world, _faulty_model(Faulty()), x_of)
+        ddp = ax.DDP(model, strategy=strategy, bucket_size_mb=1e-4)
+        if r == n - 1:
+            with pytest.raises(ax.errors.ShapeError, match="Linear"):
+                ddp(np.ones((6, 5)))  # 5 features, not 4
+        else:
+            out = ddp(x_of(r))
+            with pytest.raises(ax.errors.CollectiveRefusedError,
+                               match=f"rank {n - 1} refused.*ShapeError: Linear") as info:
+                ddp.backward(np.ones_like(out))
+            assert info.value.rank == n - 1
+        ddp.zero_grad()
+        out = ddp(x_of(r))
+        ddp.backward(np.ones_like(out))
+        for p, e in zip(model.parameters(), expected):
+            np.testing.assert_allclose(p.grad, e, rtol=1e-12, atol=1e-14)
+        ddp.eval()
+        if r == n - 1:  # alone, in eval mode: raises at once, nobody is told
+            with pytest.raises(ax.errors.ShapeError):
+                ddp(np.ones((6, 5)))
+        ax.barrier()
+        ddp.train()
+
+
 def case_unused_parameter_on_some_ranks_reaches_every_rank(world):
     # A gradient that only rank 0 computes: the others raise UnusedParameterError, and rank 0 hears of it
     # instead of waiting for their last bucket.

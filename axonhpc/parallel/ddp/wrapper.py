@@ -26,6 +26,9 @@ already in flight, so the next step starts from a quiet group. Errors of the col
 (``GROUP_FAILURES``) are known to the group already and tell nothing. A backward that fails after its last
 bucket was launched lets the others finish their step; only this rank raises.
 
+A training forward (outside ``no_sync``) that raises does the same at the others' next collective, their
+backward's first bucket: every training forward is followed by a backward on every rank.
+
 [Note: parameters without a gradient]
 With ``find_unused_parameters=True`` a parameter may get no gradient in a backward. Its bucket slot is
 reduced all the same (zeros where the rank had no gradient), but a parameter whose ``grad`` was None
@@ -171,10 +174,20 @@ class DistributedDataParallel(WrapperModes):
         return self.forward(*args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the module; first copy rank 0's buffers if ``broadcast_buffers`` (in ``join()``: the lowest active)."""
-        self._broadcast_buffers(self._joiner.before_forward(bool(getattr(self.module, "training", True))))
-        with tracing.span("forward"):
-            return self.module(*args, **kwargs)
+        """Run the module; first copy rank 0's buffers if ``broadcast_buffers`` (in ``join()``: the lowest active).
+
+        A training forward that raises tells the group, whose next collective is this step's backward
+        ([Note: a failed backward]); in eval mode a forward is this rank's own affair.
+        """
+        training = bool(getattr(self.module, "training", True))
+        self._broadcast_buffers(self._joiner.before_forward(training))
+        try:
+            with tracing.span("forward"):
+                return self.module(*args, **kwargs)
+        except Exception as exc:
+            if training and self._syncing() and not isinstance(exc, GROUP_FAILURES):
+                refuse_call(self.group, "DDP forward", exc)
+            raise
 
     def _broadcast_buffers(self, src: int) -> None:
         if self.broadcast_buffers:
