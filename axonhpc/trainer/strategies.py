@@ -10,6 +10,15 @@ arguments alike on every rank, before anything is sent.
 ``pipeline`` cuts rank 0's ``Sequential`` into one contiguous stage per rank
 (equal layer counts as far as possible); every rank sees the whole batch and
 the loss lives on the last stage.
+
+[Note: a partial batch]
+A ``Pipeline`` splits a batch into ``num_microbatches`` M equal micro-batches,
+but an epoch's last batch (or an evaluation set) need not be a multiple of M.
+Such a batch of n rows runs in the largest micro-batch count that divides n
+(at most M; 1 for a prime n), on a second ``Pipeline`` over the same stage
+modules, built once per count. Its micro-batches are equal, so the gradient
+is still that of the mean loss over the batch's samples, and the output the
+same rows in order: nothing is dropped, padded or refused.
 """
 from __future__ import annotations
 
@@ -126,7 +135,7 @@ class Setup:
 
     def backward_step(self, batches: List[Any], loss_fn: Any) -> Tuple[float, bool]:
         """Collective: the step's communicating half, forward and backward; ``(mean loss of every rank's samples,
-        skip the update)``.
+        skip the update)``. The gradient is that of the same mean: each batch's loss weighs by its samples.
 
         Raises:
             AxonError: the loss refused this rank's batch (a target out of range, a shape), on this rank, and
@@ -136,6 +145,9 @@ class Setup:
         losses, read = [], []
         problem: Optional[AxonError] = None
         body_done = False
+        # Each micro-batch's mean loss weighs by its share of the step's samples, so a partial last batch
+        # counts per sample, like the reported loss; equal batches divide by their count exactly as before.
+        step_samples = sum(len(yb) for _, yb in batches)
         try:
             with capture.defer_reads():  # device losses are read once every backward is queued ([Note: deferred reads])
                 for k, (xb, yb) in enumerate(batches):
@@ -146,12 +158,13 @@ class Setup:
                                 loss = loss_fn(out, yb)
                             except AxonError as exc:  # [Note: a batch refused on one rank]
                                 problem, loss = problem or exc, None
+                        parts = step_samples / len(yb)  # len(batches) when the batches are equal
                         if loss is None:
                             grad = array_module(out).zeros_like(out)
                         elif self.scaler is None:
-                            grad = loss_fn.backward() / len(batches)
+                            grad = loss_fn.backward() / parts
                         else:  # scaled in the loss's float32, before the gradient is rounded to float16
-                            grad = loss_fn.backward(self.scaler.scale(1.0) / len(batches))
+                            grad = loss_fn.backward(self.scaler.scale(1.0) / parts)
                         call_backward(self.wrapper.backward, grad, input_grad=False)  # the input is data
                     losses.append((loss, len(yb)))
                 if problem is None and any(is_cupy_array(loss) for loss, _ in losses):
@@ -406,9 +419,11 @@ class PipelineSetup(Setup):
     name = "pipeline"
     rebuilds_optimizer = True
 
-    def __init__(self, module: Any, pipeline: Pipeline, optimizer: Any, group: Any):
+    def __init__(self, module: Any, pipeline: Pipeline, optimizer: Any, group: Any, options: Optional[dict] = None):
         super().__init__(module, pipeline, optimizer, group, None)
         self.pipeline = pipeline
+        self._options = dict(options or {})  # Pipeline's, to build one for a partial batch
+        self._partial: Dict[int, Pipeline] = {}  # micro-batch count -> the pipeline for batches that take it
 
     @classmethod
     def check_fit(cls, grad_accumulation: int) -> None:
@@ -429,7 +444,7 @@ class PipelineSetup(Setup):
         broadcast_arrays([p.data for p in model.parameters()] + model.buffers(), pg)
         pipe = Pipeline.from_modules(split_stages(model, pg.size), group=pg, loss_fn=loss_fn, **options)
         params = pipe.parameters()  # a stage of parameter-free layers (an activation) has none to optimize
-        return cls(model, pipe, rebuild_optimizer(optimizer, params) if params else NoOptimizer(), pg)
+        return cls(model, pipe, rebuild_optimizer(optimizer, params) if params else NoOptimizer(), pg, options)
 
     @property
     def output_rank(self) -> int:
@@ -444,13 +459,30 @@ class PipelineSetup(Setup):
         """
         self.optimizer.zero_grad()
         (xb, yb), = batches
-        loss = self.pipeline.train_step(xb, yb)
+        loss = self.pipeline_for(len(xb)).train_step(xb, yb)
         self.optimizer.step()
         return float(self.sum_metrics(np.array([float("nan") if loss is None else float(loss)]))[0])
 
+    def pipeline_for(self, n: int) -> Pipeline:
+        """Collective the first time for each count: the pipeline for a batch of ``n`` rows ([Note: a partial batch]).
+
+        The trainer's own pipeline when ``num_microbatches`` M divides ``n``; else one over the same stages with
+        the largest micro-batch count below M that divides ``n`` (built once per count). Every rank sees the
+        same batch, so every rank picks the same one.
+        """
+        m = self.pipeline.num_microbatches
+        if n < 1 or n % m == 0:
+            return self.pipeline  # (an empty batch: the pipeline's own error)
+        count = max(k for k in range(1, min(m, n) + 1) if n % k == 0)
+        if count not in self._partial:
+            options = {**self._options, "num_microbatches": count}
+            self._partial[count] = Pipeline.from_modules(self.pipeline.stage_modules, group=self.group,
+                                                         loss_fn=self.pipeline.loss_fn, **options)
+        return self._partial[count]
+
     def predict(self, x: Any) -> Any:
         """Collective: the output on the last stage, None elsewhere."""
-        return self.pipeline.forward(x)
+        return self.pipeline_for(len(x)).forward(x)
 
     def modules(self) -> List[Any]:
         """This rank's stages."""

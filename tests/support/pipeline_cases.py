@@ -435,4 +435,128 @@ def case_from_stages_errors(world):
             ax.Pipeline.from_stages([ax.PipelineStage(None, r, p + 1)])
 
 
+VOCAB, WIDTH, SEQ = 7, 5, 3
+
+
+class MatMul(nn.Module):
+    """``h @ w`` with a Parameter given from outside, so that several stages can share it."""
+
+    def __init__(self, w):
+        super().__init__()
+        self.w = w
+
+    def forward(self, h):
+        self._save_cache(h)
+        return h @ self.w.data
+
+    def backward(self, g):
+        h = self._pop_cache()
+        self.w.accumulate_grad(h.reshape(-1, h.shape[-1]).T @ g.reshape(-1, g.shape[-1]))
+        return g @ self.w.data.T
+
+
+class TiedHead(MatMul):
+    """Logits ``h @ w.T`` over an embedding's weight ``w`` (the tied output projection)."""
+
+    def forward(self, h):
+        self._save_cache(h)
+        return h @ self.w.data.T
+
+    def backward(self, g):
+        h = self._pop_cache()
+        self.w.accumulate_grad(g.reshape(-1, g.shape[-1]).T @ h.reshape(-1, h.shape[-1]))
+        return g @ self.w.data
+
+
+def make_tied_stages(num_stages):
+    """Stage 0 embeds with E and the last stage's logits are ``h @ E.T`` (a tied embedding); every even stage
+    multiplies by one shared W. So at P ranks (stage s on rank s % P) the ties cross ranks or stay on one."""
+    emb = nn.Embedding(VOCAB, WIDTH, dtype=np.float64, seed=0)
+    w = nn.Linear(WIDTH, WIDTH, dtype=np.float64, seed=1).weight
+    stages = []
+    for k in range(num_stages):
+        layers = [emb] if k == 0 else []
+        layers += [MatMul(w) if k % 2 == 0 else nn.Linear(WIDTH, WIDTH, dtype=np.float64, seed=10 + k), nn.Tanh()]
+        if k == num_stages - 1:
+            layers.append(TiedHead(emb.weight))
+        stages.append(nn.Sequential(*layers))
+    return stages, [emb.weight, w]
+
+
+def make_token_data(step):
+    rng = np.random.default_rng(700 + step)
+    return rng.integers(0, VOCAB, (BATCH, SEQ)), rng.integers(0, VOCAB, (BATCH, SEQ))
+
+
+def tied_parity(world, schedule, m, kind, v=1, mesh=None):
+    """The tied stages pipelined (over ``mesh.pp``, replicated over ``mesh.dp``, when given) against one
+    process; every copy of a tied Parameter also equals rank 0's bit for bit."""
+    group = None if mesh is None else mesh.pp
+    dp = 1 if mesh is None else mesh.dp.size
+    p = world.world_size // dp
+    stages, tied = make_tied_stages(p * v)
+    pipe = ax.Pipeline.from_modules(stages, group=group, num_microbatches=m, schedule=schedule,
+                                    loss_fn=nn.CrossEntropyLoss(), stages_per_rank=v,
+                                    dp_group=None if mesh is None else mesh.dp)
+    params = pipe.parameters()
+    assert len({id(q) for q in params}) == len(params), "a shared Parameter listed twice"
+    opt = make_optimizer(kind, params)  # refused a Parameter listed twice
+    ref_stages, _ = make_tied_stages(p * v)
+    model = nn.Sequential(*ref_stages)
+    ref_opt = make_optimizer(kind, model.parameters())
+    loss_fn = nn.CrossEntropyLoss()
+    shard = BATCH // dp
+    lo = 0 if mesh is None else mesh.dp.rank * shard
+    for step in range(STEPS):
+        x, y = make_token_data(step)
+        ref_opt.zero_grad()
+        expected = loss_fn(model(x), y)
+        model.backward(loss_fn.backward())
+        ref_opt.step()
+        opt.zero_grad()
+        loss = pipe.train_step(x[lo:lo + shard], y[lo:lo + shard])
+        if pipe.is_last:
+            close(loss, expected, f"tied loss at step {step}")
+        opt.step()
+    what = f"({schedule.name}, m={m}, {kind}, v={v}, dp={dp})"
+    for s in pipe.stages:
+        for (name, q), (_, q_ref) in zip(stages[s].named_parameters(), ref_stages[s].named_parameters()):
+            close(q.data, q_ref.data, f"stage {s} {name} {what}")
+    for q in tied:  # the copies of the lowest holder (rank 0: stage 0 holds both) and this rank agree exactly
+        first = q.data.copy()
+        ax.broadcast(first, 0, group)
+        if any(q is h for h in params):
+            np.testing.assert_array_equal(q.data, first, err_msg=f"a tied copy drifted {what}")
+
+
+def case_tied_parameters_across_stages(world):
+    """A Parameter that stages on different ranks share (a tied embedding and output projection) gets the
+    gradient of every stage that uses it, on every rank that holds it; one shared by stages of one rank
+    (interleaved) is listed once for the optimizer and adds both stages' gradients."""
+    p = world.world_size
+    for schedule, m in ((GPIPE, 3), (ONE_F_ONE_B, 4), (ONE_F_ONE_B, 1)):
+        for kind in ("sgd", "adam"):
+            tied_parity(world, schedule, m, kind)
+    for kind in ("sgd", "adam"):
+        tied_parity(world, INTERLEAVED, 2 * p, kind, v=2)
+    if p == 4:
+        tied_parity(world, ONE_F_ONE_B, 4, "adam", mesh=world.mesh(dp=2, pp=2))
+        tied_parity(world, INTERLEAVED, 2, "sgd", v=2, mesh=world.mesh(dp=2, pp=2))
+
+
+def case_ranks_that_disagree_on_ties_are_refused(world):
+    """Every rank must pass the same list: one whose last stage has its own head (no tie) is named on every
+    rank, before any group for the ties is made."""
+    from axonhpc.errors import ModelMismatchError
+
+    p = world.world_size
+    if p == 1:
+        return
+    stages, _ = make_tied_stages(p)
+    if world.rank == p - 1:
+        stages[-1] = nn.Sequential(*list(stages[-1])[:-1], TiedHead(nn.Embedding(VOCAB, WIDTH, seed=0).weight))
+    with pytest.raises(ModelMismatchError, match="tied parameters"):
+        ax.Pipeline.from_modules(stages, num_microbatches=2, loss_fn=nn.CrossEntropyLoss())
+
+
 CASES = {name[len("case_"):]: fn for name, fn in sorted(globals().items()) if name.startswith("case_")}

@@ -106,6 +106,72 @@ def case_grad_accumulation(world):
     assert_parity(train(world, "fsdp", grad_accumulation=3), reference(world.world_size, accumulate=3))
 
 
+def reference_by_samples(replicas, n, batch, accumulate=1, epochs=EPOCHS, kind="sgd", seed=0):
+    """One process on each step's rows at once (the mean loss over the step's samples), where a step's last
+    batch may be partial; returns ``(model, the mean loss of each epoch)``."""
+    x, y = make_data(n)
+    model = make_model()
+    opt = make_optimizer(model.parameters(), kind)
+    loss_fn = nn.CrossEntropyLoss()
+    epoch_losses = []
+    for epoch in range(epochs):
+        parts = []
+        for r in range(replicas):
+            sampler = DistributedSampler(len(x), replicas, r, shuffle=True, seed=seed, drop_last=True)
+            sampler.set_epoch(epoch)
+            parts.append(sampler.indices())
+        batches = [np.concatenate([p[k:k + batch] for p in parts]) for k in range(0, len(parts[0]), batch)]
+        total = count = 0.0
+        for s in range(len(batches) // accumulate):
+            rows = np.concatenate(batches[s * accumulate:(s + 1) * accumulate])
+            opt.zero_grad()
+            total += loss_fn(model(x[rows]), y[rows]) * len(rows)
+            count += len(rows)
+            model.backward(loss_fn.backward())
+            opt.step()
+        epoch_losses.append(total / count)
+    return model, epoch_losses
+
+
+def case_grad_accumulation_weighs_a_partial_batch_by_its_samples(world):
+    """36 samples per rank in batches of 5 and steps of 4 batches: the second step's batches are 5, 5, 5 and 1.
+    Its gradient is that of the mean loss over its 16 samples (the loss the trainer reports), not the mean
+    of the 4 batch means."""
+    n = 36 * world.world_size
+    ref, losses = reference_by_samples(world.world_size, n, 5, accumulate=4)
+    for strategy in ("ddp", "zero1", "fsdp"):
+        model = make_model(seed=0 if world.rank == 0 else 50 + world.rank)
+        trainer = ax.DistributedTrainer(model, make_optimizer(model.parameters()), nn.CrossEntropyLoss(),
+                                        strategy=strategy, progress=False, exit_on_preemption=False, verbose=False)
+        trainer.fit(make_data(n), EPOCHS, batch_size=5, grad_accumulation=4)
+        assert trainer.global_step == 2 * EPOCHS
+        assert_parity(trainer, ref)
+        np.testing.assert_allclose([r["loss"] for r in trainer.history], losses, rtol=1e-12, err_msg=strategy)
+
+
+def case_pipeline_trains_and_evaluates_a_partial_batch(world):
+    """70 samples in batches of 8 leave a last batch of 6, which 4 micro-batches do not split: it runs as 3
+    (the largest count that divides it), and the epoch trains like one process on each batch. evaluate takes
+    63 rows (at most 4 micro-batches: 3 of 21 rows; in batches of 10: 2 of 5 each, then 3 of 1)."""
+    n = 70
+    ref, losses = reference_by_samples(1, n, 8)
+    model = make_model(seed=0 if world.rank == 0 else 50 + world.rank)
+    trainer = ax.DistributedTrainer(model, make_optimizer(model.parameters()), nn.CrossEntropyLoss(),
+                                    strategy="pipeline", progress=False, exit_on_preemption=False, verbose=False,
+                                    num_microbatches=4)
+    trainer.fit(make_data(n), EPOCHS, batch_size=8)
+    assert trainer.global_step == 9 * EPOCHS
+    assert_parity(trainer, ref)
+    np.testing.assert_allclose([r["loss"] for r in trainer.history], losses, rtol=1e-12)
+    x, y = make_data(63, seed=9)
+    out = ref(x)
+    loss_fn = nn.CrossEntropyLoss()
+    for batch_size in (256, 10):
+        metrics = trainer.evaluate((x, y), batch_size=batch_size)
+        np.testing.assert_allclose(metrics["loss"], loss_fn(out, y), rtol=1e-12)
+        assert metrics["accuracy"] == pytest.approx(float((out.argmax(axis=1) == y).mean()))
+
+
 def case_pipeline_parity(world):
     trainer = train(world, "pipeline", num_microbatches=2)
     assert_parity(trainer, reference(1))
@@ -251,6 +317,33 @@ def case_a_fresh_run_into_a_directory_of_checkpoints_is_refused(world):
             fresh.fit(make_data(), 1, batch_size=BATCH, checkpoint_dir=directory, resume=False)
         ax.barrier()
         assert sorted(os.listdir(directory)) == before  # nothing written, nothing pruned
+    finally:
+        ax.barrier()
+        if world.rank == 0:
+            shutil.rmtree(directory, ignore_errors=True)
+
+
+def case_a_checkpoint_without_the_trainers_fields_is_refused(world):
+    # A checkpoint written by another program (or with an edited index) names what is wrong.
+    import os
+    import shutil
+
+    from axonhpc.checkpoint import save_per_rank
+
+    directory = _tmpdir(world)
+    try:
+        trainer = train(world, epochs=1)
+        state = {"modules": [trainer.model.state_dict()], "optimizer": trainer.optimizer.state_dict(), "rank": {}}
+        for extra, match in [(None, "records no trainer state .* not a dict"),
+                             ({"epoch": "1", "step_in_epoch": 0, "global_step": 3, "strategy": "ddp"},
+                              "records epoch='1'; the trainer writes an integer >= 0"),
+                             ({"epoch": 1, "step_in_epoch": -3, "global_step": 3, "strategy": "ddp"},
+                              "records step_in_epoch=-3"),
+                             ({"epoch": 1, "step_in_epoch": 0, "strategy": "ddp"}, "records global_step=None")]:
+            path = os.path.join(directory, "other")
+            save_per_rank(path, state, trainer.setup.group, extra)
+            with pytest.raises(ax.errors.CheckpointError, match=match):
+                trainer.load_checkpoint(path)
     finally:
         ax.barrier()
         if world.rank == 0:

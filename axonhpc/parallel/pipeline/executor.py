@@ -38,6 +38,7 @@ from .lowering import RECV_B, RECV_F, SEND_B, SEND_F, Op, Step, lower_schedule
 from .render import format_schedule_table
 from .replicas import StageReplicas
 from .schedules import BACKWARD, FORWARD, Action, PipelineSchedule, pipeline_schedule
+from .tied import TiedParameters, describe_ties, find_ties, unique_parameters
 from .transport import ACT, EVAL_ACT, EVAL_HDR, GRAD, HDR, NUM_KINDS, Transport, message_tag
 
 
@@ -61,6 +62,9 @@ class Pipeline:
         dp_group: the ranks holding the same stages in other replicas, or None. When given, parameters are
             copied from its rank 0 (collective) and ``train_step`` averages gradients and loss over it.
 
+    A Parameter that stages on several ranks share (a tied embedding) has its copies made equal here and its
+    gradient summed over those ranks after every ``train_step`` ([Note: tied parameters] in ``tied``).
+
     Attributes:
         last_step_stats: after ``train_step``: peak activations and bytes, ``timeline``, ``messages_sent``,
             ``dp_sync_time`` and ``step_time``.
@@ -83,17 +87,20 @@ class Pipeline:
         # or every rank raises instead of waiting for messages that never come.
         with compared_model(self.group, f"Pipeline over group {self.group.name}",
                             hint="every rank of the pipeline must pass the same number of stages, micro-batches, "
-                                 "schedule and stages_per_rank") as described:
+                                 "schedule and stages_per_rank, and tie the same Parameters between stages"
+                            ) as described:
             self._check_counts(stages_per_rank, schedule, num_microbatches)
             setting = (f"pipeline: {len(self.stage_modules)} stages, num_microbatches={num_microbatches!r}, "
                        f"schedule={self.schedule.name}, stages_per_rank={stages_per_rank!r}")
-            described.settings = [setting]
+            ties = find_ties(self.stage_modules, p)  # [Note: tied parameters]
+            described.settings = [setting, describe_ties(ties)]
         self.loss_fn = loss_fn
         self.rank = self.group.rank
         self.size = p
         self.stages = list(range(self.rank, self.num_stages, p))
         self._transport = Transport(self.group, self.num_stages)  # the messages between stages
         self._steps = lower_schedule(self._table[self.rank], self.rank, p, self.num_stages)
+        self._tied = TiedParameters(self.group, ties)
         self.last_step_stats: Dict[str, Any] = {}
         self.dp_group = None
         self._replicas: Optional[StageReplicas] = None
@@ -193,8 +200,8 @@ class Pipeline:
         return self.owner(self.num_stages - 1) == self.rank
 
     def parameters(self) -> List[Any]:
-        """This rank's stages' Parameters, in stage order (for its optimizer)."""
-        return [p for s in self.stages for p in self.stage_modules[s].parameters()]
+        """This rank's stages' Parameters, in stage order, each shared Parameter once (for its optimizer)."""
+        return unique_parameters([self.stage_modules[s] for s in self.stages])
 
     def schedule_table(self) -> List[List[Action]]:
         """The per-rank action lists this pipeline runs (a fresh copy)."""
@@ -234,6 +241,7 @@ class Pipeline:
         vote(self.group, st.problem, batch_refused(self.group, "Pipeline.train_step"), wider=replicas,
              elsewhere="Pipeline.train_step: the loss of another data-parallel replica refused its batch")
         loss = sum(st.losses) / self.num_microbatches if self.is_last else None
+        self._tied.sum_gradients()  # a Parameter stages on other ranks share: its whole gradient everywhere
         dp_sync_time = 0.0
         if self._replicas is not None:  # average the stages' gradients and the loss over dp_group
             loss, dp_sync_time = self._replicas.average(self.parameters, loss, self.is_last, self.rank)

@@ -20,6 +20,7 @@ from ...collectives import all_reduce
 from ...errors import UsageError
 from ..replicate import broadcast_arrays
 from ..same_model import check_same_model, parameter_lines
+from .tied import unique_parameters
 
 
 class StageReplicas:
@@ -39,7 +40,7 @@ class StageReplicas:
                          parameter_lines(named), settings=[setting],
                          hint="the data-parallel replicas of a stage must build the same stage modules")
         self._sync = GradientSynchronizer(bucket_size=bucket_size, group=self.group)
-        params = [p for s in stages for p in stage_modules[s].parameters()]
+        params = unique_parameters([stage_modules[s] for s in stages])
         if self.group.size > 1 and params:
             broadcast_arrays([q.data for q in params], self.group)
 
