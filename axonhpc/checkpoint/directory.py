@@ -6,6 +6,13 @@ does rank 0 write ``index.npz`` and rename the directory into place (an existing
 leaves the previous checkpoint or the new one, never a mixture; a directory without ``index.npz`` is never
 taken for a checkpoint.
 
+[Note: save tokens]
+Each directory save draws one random 128-bit token (rank 0, broadcast), which names the temporary directory
+and is recorded in the metadata of every file of that save, the index included (index formats ``.../2``). A
+load compares each member file's token with the index's, so a directory stitched from two saves (one rank's
+file restored from an older checkpoint) is refused naming the file and both tokens, not loaded as a mixture.
+Indexes of format ``.../1`` predate tokens: they still load, without this check.
+
 [Note: reading an index from an untrusted directory]
 File names are never taken from an index: they are computed from checked integers, and every file is opened
 through ``member_path``, so a checkpoint cannot make a reader open ``/etc/passwd``.
@@ -13,19 +20,21 @@ through ``member_path``, so a checkpoint cannot make a reader open ``/etc/passwd
 from __future__ import annotations
 
 import os
+import re
+import secrets
 import shutil
-import uuid
 from typing import Any, Callable, Optional, Tuple
 
 from ..errors import CheckpointError
 from ..groups import resolve_group
 from ..groups.agreement import agree
 from .format import checkpoint_path, encode
-from .io import all_gather_over, broadcast_text, failed_on, fsync_directory, loading, read_file, write_atomic
+from .io import all_gather_over, broadcast_text, failed_on, fsync_directory, loading, read_saved, write_atomic
 
 INDEX = "index.npz"
-PER_RANK_FORMAT = "axonhpc.per-rank/1"
+PER_RANK_FORMAT = "axonhpc.per-rank/2"  # /1: before save tokens (still read)
 MAX_WORLD_SIZE = 1 << 24  # more ranks than any job has run; a larger "world size" is a corrupt index
+_TOKEN = re.compile(r"[0-9a-f]{32}")  # a save token: 16 random bytes in hex (see the module note)
 
 
 def check_file_name(name: Any, what: str) -> str:
@@ -67,13 +76,13 @@ def _as_checkpoint_error(exc: Exception, what: str) -> CheckpointError:
 
 
 def begin_directory(path: str, pg: Any, my_name: Optional[str]) -> str:
-    """Collective: check the names, agree on a token, make the temporary directory; returns the token."""
+    """Collective: check the names, agree on the save token (module note), make the temporary directory; returns it."""
     if my_name is not None:
         check_file_name(my_name, f"saving checkpoint {path!r}: the file of group rank {pg.rank}")
         if my_name == INDEX:
             raise CheckpointError(f"saving checkpoint {path!r}: a rank's file may not be named {INDEX!r}")
-    token = broadcast_text(uuid.uuid4().hex[:12] if pg.rank == 0 else None, pg) if pg.size > 1 \
-        else uuid.uuid4().hex[:12]
+    token = broadcast_text(secrets.token_hex(16) if pg.rank == 0 else None, pg) if pg.size > 1 \
+        else secrets.token_hex(16)
     tmp = temporary_directory(path, token)
     problem: Optional[BaseException] = None
     if pg.rank == 0:
@@ -96,7 +105,7 @@ def write_member(path: str, token: str, rank: int, name: str, state: Any) -> Opt
     No communication, so a writer thread can call it. Returns None, or the CheckpointError to report.
     """
     try:
-        write_atomic(os.path.join(temporary_directory(path, token), name), encode(state))
+        write_atomic(os.path.join(temporary_directory(path, token), name), encode(state, save=token))
     except Exception as exc:  # noqa: BLE001 - every failure is reported to every rank
         return _as_checkpoint_error(exc, f"writing {name} of {path!r} failed on group rank {rank}")
     return None
@@ -109,7 +118,7 @@ def put_in_place(path: str, token: str, index: Callable[[], Any]) -> Optional[Ch
     """
     tmp = temporary_directory(path, token)
     try:
-        write_atomic(os.path.join(tmp, INDEX), encode(index()))
+        write_atomic(os.path.join(tmp, INDEX), encode(index(), save=token))
         fsync_directory(tmp)
         old = f"{path}.old-{token}"
         if os.path.exists(path):
@@ -144,17 +153,57 @@ def save_directory(path: "str | os.PathLike[str]", pg: Any, my_file: Optional[Tu
     report(pg, put_in_place(path, token, index) if pg.rank == 0 else None, f"finishing {path!r}")
 
 
-def read_index(path: str, expected_format: str) -> Tuple[dict, bytes]:
-    """The index of a checkpoint directory and the sha256 of its metadata; CheckpointError if missing or malformed."""
-    index, digest = read_file(member_path(path, INDEX, "index"))
-    if not isinstance(index, dict) or index.get("format") != expected_format:
-        found = index.get("format") if isinstance(index, dict) else None
+def read_index(path: str, expected_format: str) -> Tuple[dict, bytes, Optional[str]]:
+    """The index of a checkpoint directory, the sha256 of its metadata, and its save token.
+
+    ``expected_format`` is the current ``name/version``; an index of an earlier version of the same name is read
+    too, and its token is None (not checked: see the module note); "" if a current index records none. Raises
+    CheckpointError if missing or malformed.
+    """
+    index, digest, token = read_saved(member_path(path, INDEX, "index"))
+    name, _, version = expected_format.rpartition("/")
+    older = [f"{name}/{v}" for v in range(1, int(version))]
+    found = index.get("format") if isinstance(index, dict) else None
+    if not isinstance(index, dict) or (found != expected_format and found not in older):
         raise CheckpointError(f"{path!r} is not a checkpoint of format {expected_format!r} (its index says "
                               f"{found!r})")
     if "extra" not in index:
         raise CheckpointError(f"{path!r}: the index has no 'extra' entry (keys {sorted(index)[:10]}); a corrupt "
                               f"or crafted index")
-    return index, digest
+    if found in older:
+        return index, digest, None
+    if token is None:
+        return index, digest, ""  # no member file can match it: refused when one is read (check_save)
+    if not isinstance(token, str) or not _TOKEN.fullmatch(token):
+        shown = repr(token) if len(repr(token)) <= 80 else repr(token)[:80] + "..."
+        raise CheckpointError(f"{path!r}: the index (format {found!r}) records the save token {shown}; expected 32 "
+                              f"hex digits (a corrupt or crafted index)")
+    return index, digest, token
+
+
+def check_save(path: str, name: str, what: str, expected: Optional[str], found: Any) -> None:
+    """Raise CheckpointError if member file ``name`` comes from another save than the index.
+
+    ``expected``: ``read_index``'s token (None: a ``.../1`` index, not checked; "": the index records none).
+    """
+    if expected is None or (expected and found == expected):
+        return
+    if found is None:
+        written = "records no save token (written by an older axonhpc, or not by a directory save)"
+    else:
+        shown = repr(found) if len(repr(found)) <= 80 else repr(found)[:80] + "..."
+        written = f"was written by save {shown}"
+    by = f"by save {expected!r}" if expected else "with no save token (rewritten by hand?)"
+    raise CheckpointError(f"{path!r}: the {what} {name!r} {written}, but the index was written {by}: the "
+                          f"directory mixes files of different saves (one copied in from another checkpoint?), so "
+                          f"it is refused; save the checkpoint again or restore the whole directory")
+
+
+def read_member(path: str, name: str, what: str, save: Optional[str]) -> Any:
+    """The state in member file ``name`` of the directory ``path``, checked to come from the index's save ``save``."""
+    state, _, found = read_saved(member_path(path, name, what))
+    check_save(path, name, what, save, found)
+    return state
 
 
 def rank_file(rank: int, world_size: int) -> str:
@@ -175,24 +224,23 @@ def save_per_rank(path: "str | os.PathLike[str]", state: Any, group: Any = None,
 def load_per_rank(path: "str | os.PathLike[str]", group: Any = None) -> Tuple[Any, Any]:
     """Collective: this rank's state and the shared ``extra`` from a ``save_per_rank`` directory.
 
-    Raises CheckpointError on every rank if any rank cannot read its file, the world size differs, or the ranks
-    read different checkpoints.
+    Raises CheckpointError on every rank if any rank cannot read its file, the world size differs, a file comes
+    from another save than the index (a stitched directory), or the ranks read different checkpoints.
     """
     path = checkpoint_path(path)
     pg = resolve_group(group).require_member("checkpoint load_per_rank")
     with loading(pg, path) as vote:
-        index, digest = read_index(path, PER_RANK_FORMAT)
+        index, digest, save = read_index(path, PER_RANK_FORMAT)
         vote.text = digest.hex()
         saved_world = index_int(index, "world_size", path, 1, MAX_WORLD_SIZE)
         if saved_world != pg.size:
             raise CheckpointError(f"{path!r} was saved by {saved_world} ranks; this group has {pg.size} "
                                   "(per-rank states load only at the same world size)")
-        name = rank_file(pg.rank, pg.size)
-        state = read_file(member_path(path, name, f"rank file of rank {pg.rank}"))[0]
+        state = read_member(path, rank_file(pg.rank, pg.size), f"rank file of rank {pg.rank}", save)
         extra = index["extra"]
     return state, extra
 
 
 __all__ = ["save_directory", "begin_directory", "write_member", "put_in_place", "temporary_directory", "read_index",
            "report", "save_per_rank", "load_per_rank", "rank_file", "INDEX", "MAX_WORLD_SIZE", "check_file_name",
-           "index_int", "member_path"]
+           "index_int", "member_path", "read_member", "check_save"]

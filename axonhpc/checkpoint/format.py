@@ -18,7 +18,7 @@ import hashlib
 import json
 import math
 import os
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -156,8 +156,11 @@ class _Encoder:
                 "sha256": _sha256(stored)}
 
 
-def encode(state: Any) -> Dict[str, np.ndarray]:
+def encode(state: Any, save: Optional[str] = None) -> Dict[str, np.ndarray]:
     """Flatten ``state`` (nested dicts, lists, tuples of arrays and plain scalars) into a checkpoint's entries.
+
+    ``save``: the token of the directory save this file belongs to, recorded in the metadata (see
+    ``checkpoint.directory``); None for a file of its own.
 
     Raises:
         CheckpointError: a value or key that cannot be stored, naming where it is; nesting deeper than
@@ -166,6 +169,8 @@ def encode(state: Any) -> Dict[str, np.ndarray]:
     encoder = _Encoder()
     tree = encoder.node(state, ())
     meta = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "tree": tree}
+    if save is not None:
+        meta["save"] = save
     data = json.dumps(meta, allow_nan=False, separators=(",", ":")).encode("utf-8")
     if len(data) > MAX_META_BYTES:
         raise CheckpointError(f"cannot checkpoint this state: its metadata takes {len(data)} bytes of JSON, more "

@@ -24,7 +24,7 @@ import numpy as np
 from ..collectives import all_gather, broadcast
 from ..errors import CheckpointError
 from ..groups import ProcessGroup, resolve_group
-from ..groups.agreement import Gather, Refused, Vote, all_or_none
+from ..groups.agreement import Failed, Gather, Refused, Vote, all_or_none
 from .archive import EntryRefused, open_archive
 from .format import MAX_META_BYTES, META_ENTRY, checkpoint_path, decode, encode, parse_meta
 
@@ -131,6 +131,12 @@ def save(path: PathLike, state: Any, group: Optional[ProcessGroup] = None) -> No
 
 def read_file(path: str) -> Tuple[Any, bytes]:
     """The state in ``path`` and the sha256 of its metadata; every failure is a CheckpointError (see ``archive``)."""
+    state, digest, _ = read_saved(path)
+    return state, digest
+
+
+def read_saved(path: str) -> Tuple[Any, bytes, Any]:
+    """``read_file``, and the save token its metadata records (None if it records none: see ``format.encode``)."""
     source = f"checkpoint {path!r}"
     with open_archive(path, source) as archive:
         names = archive.names
@@ -146,7 +152,7 @@ def read_file(path: str) -> Tuple[Any, bytes]:
             state = decode(meta, archive, names, source)
         except RecursionError as exc:  # crafted metadata nested deeper than Python recurses
             raise CheckpointError(f"{source}: the metadata is nested too deeply to read") from exc
-    return state, hashlib.sha256(raw.tobytes()).digest()
+    return state, hashlib.sha256(raw.tobytes()).digest(), meta.get("save")
 
 
 def all_gather_over(pg: ProcessGroup) -> Gather:
@@ -173,9 +179,14 @@ def loading(pg: ProcessGroup, path: str) -> ContextManager[Vote]:
         return CheckpointError(f"the ranks read different checkpoints at {path!r}: {read} (is the path on a "
                                f"filesystem every rank shares, and was it replaced during the load?)")
 
+    def refused(failed: Failed) -> CheckpointError:
+        # What failed where, so that every rank's error names the file and the reason, not only the failed rank's.
+        detail = "; ".join(f"group rank {r}: {why}" for r, why in failed)
+        return CheckpointError(f"loading checkpoint {path!r} failed on group ranks {[r for r, _ in failed]} (see the "
+                               f"error raised there), so no rank uses it: {detail}")
+
     # Exception: any failure to read (an OSError the archive did not turn into a CheckpointError) is refused alike.
-    return all_or_none(pg, failed_on(f"loading checkpoint {path!r}", ", so no rank uses it"), differ, catch=Exception,
-                       gather=all_gather_over(pg))
+    return all_or_none(pg, refused, differ, catch=Exception, gather=all_gather_over(pg))
 
 
 def load(path: PathLike, group: Optional[ProcessGroup] = None) -> Any:

@@ -135,7 +135,7 @@ def _save_plan(boxes: Boxes, optimizer: Any) -> Tuple[Dict[str, Any], Any]:
 
 def _saved_optimizer(path: str, optimizer: Any) -> Dict[str, Any]:
     """The optimizer description in the index (read locally), checked against ``optimizer``."""
-    index, _ = read_index(path, INDEX_FORMAT)
+    index, _, _ = read_index(path, INDEX_FORMAT)
     extra = index.get("extra")
     saved = extra.get("optimizer") if isinstance(extra, dict) else None
     if not isinstance(saved, dict):

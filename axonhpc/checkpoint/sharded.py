@@ -12,10 +12,10 @@ from typing import Any, List
 
 from ..buffers import shard_size
 from ..errors import CheckpointError
-from .directory import MAX_WORLD_SIZE, index_int, member_path, read_index, save_directory
-from .io import loading, read_file
+from .directory import MAX_WORLD_SIZE, index_int, read_index, read_member, save_directory
+from .io import loading
 
-INDEX_FORMAT = "axonhpc.fsdp.checkpoint/1"
+INDEX_FORMAT = "axonhpc.fsdp.checkpoint/2"  # /1: before save tokens (still read)
 
 
 def shard_file(shard_rank: int, shard_world_size: int) -> str:
@@ -68,18 +68,19 @@ def load_sharded(path: "str | os.PathLike[str]", fsdp: Any, optimizer: Any = Non
     Returns the ``extra`` state saved with it.
 
     Raises:
-        CheckpointError: on every rank, if any rank could not read what it needs, the index is malformed, or the
-            ranks read different checkpoints.
+        CheckpointError: on every rank, if any rank could not read what it needs, the index is malformed, a
+            shard file comes from another save than the index (a stitched directory), or the ranks read
+            different checkpoints.
         StateDictError: the checkpoint does not match the model (raised on every rank).
     """
     path = os.fspath(path)
     pg = fsdp.group
     with loading(pg, path) as vote:  # raises on every rank if any rank failed
-        index, digest = read_index(path, INDEX_FORMAT)
+        index, digest, save = read_index(path, INDEX_FORMAT)
         vote.text = digest.hex()
         needed = _needed_files(index, fsdp, path)
         saved_world = index["shard_world_size"]
-        pieces = [read_file(member_path(path, shard_file(k, saved_world), f"shard file {k}"))[0] for k in needed]
+        pieces = [read_member(path, shard_file(k, saved_world), f"shard file {k}", save) for k in needed]
         apply = fsdp.prepare_load(pieces, optimizer)  # checks only: nothing changes yet
     apply()  # every rank read and checked its part: now all change together
     return index["extra"]

@@ -3,14 +3,15 @@
 [Note: the index]
 ``index.npz`` holds::
 
-    {"format": "axonhpc.sliced/1", "world_size": <group size at save>,
+    {"format": "axonhpc.sliced/2", "world_size": <group size at save>,
      "arrays": {name: {"shape": [7, 5], "dtype": "<f8",
                        "boxes": [[file rank, [offset...], [shape...]], ...]}},
      "extra": <rank 0's extra>}
 
-A rank that writes one box of a name stores it under the key ``name`` (the first version of the format has
-only these, and still loads); k > 1 boxes go under ``name#0`` ... ``name#<k-1>`` and are recorded as
-``[file rank, offset, shape, i]``. File names are computed, never read from the index, and every integer is
+Version 2 adds the save token in the metadata of the index and of every file (``checkpoint.directory``'s
+note); version 1 indexes still load, unchecked. A rank that writes one box of a name stores it under the key
+``name`` (the first checkpoints of the format have only these, and still load); k > 1 boxes go under
+``name#0`` ... ``name#<k-1>`` and are recorded as ``[file rank, offset, shape, i]``. File names are computed, never read from the index, and every integer is
 checked before use; a load also checks, before allocating, that the bytes it expects from each file are no
 more than the file holds, so a crafted index cannot make a reader allocate more than the checkpoint holds.
 """
@@ -25,7 +26,7 @@ from ..errors import CheckpointError
 from .boxes import Box
 from .format import MAX_NDIM
 
-INDEX_FORMAT = "axonhpc.sliced/1"
+INDEX_FORMAT = "axonhpc.sliced/2"  # /1: before save tokens (still read)
 MAX_DIM = 1 << 62  # elements along one axis; more is a corrupt index, not a model
 MAX_PIECES_PER_FILE = 4096  # pieces of one name from one rank (a flat shard needs at most 2 * ndim - 1)
 _PLAIN_KINDS = "biufc"  # what a checkpoint file stores as it is (see ``format``)

@@ -17,7 +17,7 @@ from ..errors import CheckpointError
 from ..groups import resolve_group
 from .archive import EntryRefused, open_archive
 from .boxes import Box, as_piece, check_name, cover_problem
-from .directory import MAX_WORLD_SIZE, index_int, member_path, read_index
+from .directory import MAX_WORLD_SIZE, check_save, index_int, member_path, read_index
 from .format import MAX_META_BYTES, META_ENTRY, decode, parse_meta
 from .io import loading
 from .slice_index import INDEX_FORMAT, SavedArray, refuse_index, saved_array, slice_file
@@ -68,8 +68,12 @@ def _plan_read(path: str, saved: SavedArray, name: str, want: Box,
     return parts
 
 
-def _read_entries(path: str, names: Sequence[str], source: str) -> Dict[str, np.ndarray]:
-    """The arrays ``names`` of one slice file, reading (and verifying) only those entries."""
+def _read_entries(path: str, names: Sequence[str], source: str, checked: Tuple[str, str, Optional[str]]
+                  ) -> Dict[str, np.ndarray]:
+    """The arrays ``names`` of one slice file, reading (and verifying) only those entries.
+
+    ``checked``: ``(directory, file name, the index's save token)`` for ``check_save``.
+    """
     with open_archive(path, source) as archive:
         if META_ENTRY not in archive.names:
             raise CheckpointError(f"{source}: not an axonhpc checkpoint (no {META_ENTRY!r} entry)")
@@ -78,6 +82,8 @@ def _read_entries(path: str, names: Sequence[str], source: str) -> Dict[str, np.
         except EntryRefused as exc:
             raise CheckpointError(f"{source}: entry {META_ENTRY!r} cannot be read ({exc})") from exc
         meta = parse_meta(raw, source)
+        directory, file_name, save = checked
+        check_save(directory, file_name, "slice file", save, meta.get("save"))
         tree = meta["tree"]
         items = tree.get("items") if isinstance(tree, dict) and tree.get("t") == "dict" else None
         if not isinstance(items, list):
@@ -122,7 +128,7 @@ def _read_boxes(path: str, requests: Mapping[str, Sequence[Tuple[Optional[Box], 
     ``requests``: name -> ``[(box or None, destination dtype or None), ...]``. Returns ``(arrays, extra,
     digest)``: name -> new host arrays, one per request; the saved ``extra``; the sha256 of the index metadata.
     """
-    index, digest = read_index(path, INDEX_FORMAT)
+    index, digest, save = read_index(path, INDEX_FORMAT)
     world_size = index_int(index, "world_size", path, 1, MAX_WORLD_SIZE)
     recorded = index.get("arrays")
     if not isinstance(recorded, dict):
@@ -147,7 +153,7 @@ def _read_boxes(path: str, requests: Mapping[str, Sequence[Tuple[Optional[Box], 
     for rank in sorted(needs):
         file_name = slice_file(rank, world_size)
         file = member_path(path, file_name, f"slice file of rank {rank}")
-        arrays = _read_entries(file, list(needs[rank]), f"checkpoint {file!r}")
+        arrays = _read_entries(file, list(needs[rank]), f"checkpoint {file!r}", (path, file_name, save))
         for key, (name, box) in needs[rank].items():
             array = arrays[key]
             if not isinstance(array, np.ndarray) or array.shape != box.shape or array.dtype != saved[name].dtype:
@@ -218,7 +224,7 @@ def read_full(path: "str | os.PathLike[str]",
     path = os.fspath(path)
     try:
         if names is None:
-            index, _ = read_index(path, INDEX_FORMAT)
+            index, _, _ = read_index(path, INDEX_FORMAT)
             recorded = index.get("arrays")
             if not isinstance(recorded, dict):
                 refuse_index(path, "arrays", type(recorded).__name__, "a dict of array names to entries")

@@ -46,6 +46,7 @@ class Adam(Optimizer):
     """
 
     _decoupled = False
+    state_keys = ("step", "exp_avg", "exp_avg_sq")
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, fused: Optional[bool] = None) -> None:

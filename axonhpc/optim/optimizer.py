@@ -11,7 +11,7 @@ bool | list}, "state": [one dict per parameter, in order, of "step": int and arr
 from __future__ import annotations
 
 import numbers
-from typing import Any, Dict, Iterable, List, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
 
@@ -46,6 +46,9 @@ class Optimizer:
         ConfigurationError: an empty parameter list or a Parameter given twice.
         TypeError: an element without ``.data`` and ``.grad``.
     """
+
+    # The keys of a parameter's state once it has stepped (None: not checked); a subclass names its own.
+    state_keys: Optional[Tuple[str, ...]] = None
 
     def __init__(self, params: Iterable[Any], **hyperparameters: Any) -> None:
         if hasattr(params, "parameters") and callable(params.parameters):
@@ -99,29 +102,47 @@ class Optimizer:
             state.append({k: (v.copy() if hasattr(v, "shape") else _plain(v)) for k, v in entry.items()})
         return {"hyperparameters": {k: _plain(v) for k, v in self.hyperparameters().items()}, "state": state}
 
-    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        """Restore hyperparameters and state saved by ``state_dict()``; arrays are copied in.
+    def check_state_dict(self, state_dict: Any) -> None:
+        """Raise StateDictError, changing nothing, if ``load_state_dict(state_dict)`` would refuse it.
 
-        Raises StateDictError, before anything changes, if the hyperparameter names, the number of parameters or
-        an array's shape differ.
+        Checked: the keys, the hyperparameter names (another kind of optimizer has others), the number of
+        parameters, each state's keys (``state_keys``) and each array's shape. Every problem is listed.
         """
+        name = type(self).__name__
+        if not isinstance(state_dict, dict) or set(state_dict) != {"hyperparameters", "state"}:
+            found = sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict).__name__
+            raise StateDictError(f"{name} state dict must have keys 'hyperparameters' and 'state', got {found}")
         problems = []
-        if set(state_dict) != {"hyperparameters", "state"}:
-            raise StateDictError(f"{type(self).__name__} state dict must have keys 'hyperparameters' and "
-                                 f"'state', got {sorted(state_dict)}")
         hyper, states = state_dict["hyperparameters"], state_dict["state"]
-        if set(hyper) != set(self._hyperparameter_names):
-            problems.append(f"hyperparameters {sorted(hyper)} differ from {sorted(self._hyperparameter_names)}")
-        if len(states) != len(self.params):
-            problems.append(f"state for {len(states)} parameters, the optimizer has {len(self.params)}")
+        if not isinstance(hyper, dict) or set(hyper) != set(self._hyperparameter_names):
+            found = sorted(hyper) if isinstance(hyper, dict) else type(hyper).__name__
+            problems.append(f"hyperparameters {found} differ from {sorted(self._hyperparameter_names)} (a state "
+                            f"dict of another kind of optimizer?)")
+        if not isinstance(states, (list, tuple)) or len(states) != len(self.params):
+            count = len(states) if isinstance(states, (list, tuple)) else type(states).__name__
+            problems.append(f"state for {count} parameters, the optimizer has {len(self.params)}")
         else:
             for i, (p, entry) in enumerate(zip(self.params, states)):
+                if not isinstance(entry, dict):
+                    problems.append(f"the state of parameter {i} is a {type(entry).__name__}, not a dict")
+                    continue
+                if self.state_keys is not None and entry and set(entry) != set(self.state_keys):
+                    problems.append(f"the state of parameter {i} has keys {sorted(entry)}; {name} keeps "
+                                    f"{sorted(self.state_keys)} (or nothing before its first step)")
                 for k, v in entry.items():
                     if hasattr(v, "shape") and tuple(v.shape) != tuple(p.data.shape):
                         problems.append(f"state {k!r} of parameter {i} has shape {tuple(v.shape)}, "
                                         f"the parameter has {tuple(p.data.shape)}")
         if problems:
-            raise StateDictError(f"cannot load state dict into {type(self).__name__}: " + "; ".join(problems))
+            raise StateDictError(f"cannot load state dict into {name}: " + "; ".join(problems))
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Restore hyperparameters and state saved by ``state_dict()``; arrays are copied in.
+
+        Raises StateDictError, before anything changes, for what ``check_state_dict`` refuses.
+        """
+        self.check_state_dict(state_dict)
+        hyper, states = state_dict["hyperparameters"], state_dict["state"]
         for name in self._hyperparameter_names:
             current = getattr(self, name)
             value = hyper[name]

@@ -37,6 +37,8 @@ class SGD(Optimizer):
             dampening, or ``fused=True`` with a parameter the kernel does not serve.
     """
 
+    state_keys = ("momentum_buffer",)
+
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
                  weight_decay: float = 0.0, nesterov: bool = False, fused: Optional[bool] = None) -> None:
         check_non_negative("SGD", lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay)

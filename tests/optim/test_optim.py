@@ -254,6 +254,23 @@ def test_load_state_dict_errors():
         opt.load_state_dict({"state": []})
 
 
+def test_state_keys_of_another_optimizer_are_refused_before_anything_changes():
+    params = make_params()
+    opt = optim.Adam(params, lr=0.5)
+    run(opt, params, grad_sequence(params, steps=1))
+    before = opt.state_dict()
+    bad = opt.state_dict()
+    bad["hyperparameters"]["lr"] = 0.1
+    bad["state"][0]["momentum_buffer"] = bad["state"][0].pop("exp_avg")
+    with pytest.raises(StateDictError, match=r"parameter 0 has keys \['exp_avg_sq', 'momentum_buffer', 'step'\]; "
+                                             r"Adam keeps \['exp_avg', 'exp_avg_sq', 'step'\]"):
+        opt.check_state_dict(bad)
+    with pytest.raises(StateDictError, match="momentum_buffer"):
+        opt.load_state_dict(bad)
+    assert opt.lr == 0.5 and sorted(opt.state[0]) == sorted(before["state"][0])
+    opt.check_state_dict(optim.Adam(params).state_dict())  # a fresh state (nothing before the first step) fits
+
+
 # ---------------------------------------------------------------- validation
 
 @pytest.mark.parametrize("make,match", [

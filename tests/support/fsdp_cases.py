@@ -359,6 +359,86 @@ def case_sharded_state_dict_round_trip(world):
         fresh.load_state_dict({**fsdp.full_state_dict(rank0_only=False), "0.weight": np.zeros((2, 2))})
 
 
+def _held(fsdp, opt=None):
+    """What a refused load must leave as it was: this rank's shards, and the optimizer's hyperparameters and state."""
+    shards = [p.data.copy() for p in fsdp.parameters()]
+    return shards, (None if opt is None else opt.state_dict())
+
+
+def _assert_unchanged(fsdp, opt, before):
+    shards, opt_state = _held(fsdp, opt)
+    for got, want in zip(shards, before[0]):
+        np.testing.assert_array_equal(got, want)
+    if opt is not None:
+        assert opt_state["hyperparameters"] == before[1]["hyperparameters"]
+        for got, want in zip(opt_state["state"], before[1]["state"]):
+            assert sorted(got) == sorted(want)
+            for key in want:
+                np.testing.assert_array_equal(got[key], want[key])
+
+
+def case_optimizer_state_of_another_kind_is_refused_before_anything_changes(world):
+    """SGD state into Adam: refused on every rank with the model and the optimizer as they were (not half-loaded)."""
+    saved, sgd, _ = train_fsdp(world, np.float64, "sgd", steps=2)
+    shards = saved.sharded_state_dict(sgd)
+    fresh, adam, _ = train_fsdp(world, np.float64, "adam", steps=1)
+    before = _held(fresh, adam)
+    with pytest.raises(ax.errors.StateDictError, match=r"hyperparameters \['dampening', 'lr', 'momentum'"):
+        fresh.load_state_dict(shards, adam)
+    _assert_unchanged(fresh, adam, before)
+
+
+def case_optimizer_state_refused_on_one_rank_changes_nothing_on_any_rank(world):
+    """The last rank's shard has optimizer state keys Adam does not keep: every rank refuses, none loads."""
+    saved, opt, _ = train_fsdp(world, np.float64, "adam", steps=2)
+    shards = saved.sharded_state_dict(opt)
+    last = world.world_size - 1
+    if world.rank == last:
+        for state in shards["optimizer"]["state"].values():
+            state["exp_avg_sqr"] = state.pop("exp_avg_sq")
+    fresh, fresh_opt, _ = train_fsdp(world, np.float64, "adam", steps=1)
+    before = _held(fresh, fresh_opt)
+    with pytest.raises(ax.errors.StateDictError) as info:
+        fresh.load_state_dict(shards, fresh_opt)
+    assert f"refused on group ranks [{last}]" in str(info.value), str(info.value)
+    assert "keys ['exp_avg', 'exp_avg_sqr', 'step']; Adam keeps" in str(info.value), str(info.value)
+    _assert_unchanged(fresh, fresh_opt, before)
+
+
+def case_rank0_only_full_state_dict_is_refused_on_every_rank(world):
+    """``full_state_dict()``'s default gives {} beyond rank 0: loading it is refused everywhere, with the remedy."""
+    fsdp, _, _ = train_fsdp(world, np.float64, "sgd", steps=1)
+    full = fsdp.full_state_dict()  # rank0_only=True
+    full = {k: v + 1.0 for k, v in full.items()}  # edited on rank 0
+    before = _held(fsdp)
+    if world.world_size == 1:  # rank 0's dict is the whole dict
+        fsdp.load_state_dict(full)
+        np.testing.assert_array_equal(fsdp.full_state_dict()["0.weight"], full["0.weight"])
+        return
+    with pytest.raises(ax.errors.StateDictError) as info:
+        fsdp.load_state_dict(full)
+    message = str(info.value)
+    assert "nothing was loaded on any rank" in message and "rank0_only=False" in message, message
+    _assert_unchanged(fsdp, None, before)
+
+
+def case_different_full_state_dicts_are_refused_on_every_rank(world):
+    """Each rank keeping its slice of its own dict would mix them: the ranks compare a digest first."""
+    fsdp, _, _ = train_fsdp(world, np.float64, "sgd", steps=1)
+    full = fsdp.full_state_dict(rank0_only=False)
+    same = {k: v * 2.0 for k, v in full.items()}
+    fsdp.load_state_dict(same)  # the same dict everywhere loads
+    before = _held(fsdp)
+    np.testing.assert_array_equal(fsdp.full_state_dict(rank0_only=False)["0.weight"], same["0.weight"])
+    if world.world_size == 1:
+        return
+    mine = {k: v + (world.rank == 1) for k, v in full.items()}
+    with pytest.raises(ax.errors.StateDictError, match="the ranks gave different states") as info:
+        fsdp.load_state_dict(mine)
+    assert "group ranks [1] gave a full state dict with sha256" in str(info.value), str(info.value)
+    _assert_unchanged(fsdp, None, before)
+
+
 def case_bad_arguments(world):
     model = make_model()
     errors = ax.errors.ConfigurationError

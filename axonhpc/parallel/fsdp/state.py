@@ -9,6 +9,7 @@ everything is checked before anything is written.
 """
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -18,6 +19,7 @@ from ..._dtypes import array_module, to_host
 from ...buffers import unflatten
 from ...collectives import all_gather, gather
 from ...errors import StateDictError
+from ...groups.agreement import Failed, all_or_none
 
 ROOT = "<root>"  # the unit of the parameters outside every wrapped module
 FORMAT = "axonhpc.fsdp.sharded/1"
@@ -87,6 +89,11 @@ def sharded_state(fsdp: Any, optimizer: Any = None) -> Dict[str, Any]:
 
 def full_to_sharded(fsdp: Any, state: Dict[str, Any]) -> Dict[str, Any]:
     """A full state dict as one sharded piece covering every unit; StateDictError listing every missing or misshapen parameter."""
+    if not state:
+        raise StateDictError(f"cannot load an empty state dict into FSDP on group rank {fsdp.group.rank}: a full "
+                             f"state dict must be given on every rank, and fsdp.full_state_dict() returns {{}} on "
+                             f"all ranks but 0 by default (rank0_only=True). Load the dict of "
+                             f"fsdp.full_state_dict(rank0_only=False) (or fsdp.state_dict()), or a sharded one")
     problems = []
     units = {}
     for u in fsdp.units:
@@ -164,25 +171,53 @@ def prepare_sharded_load(fsdp: Any, shards: List[Dict[str, Any]], optimizer: Any
         if assembled is not None:
             values[u.name] = assembled
     opt_state = _optimizer_state(fsdp, shards, optimizer, problems) if optimizer is not None else None
+    if opt_state is not None and not problems:
+        _check_optimizer_state(optimizer, opt_state, problems)
+    buffers = next((s.get("buffers") for s in shards if s.get("buffers")), None)
+    if buffers:
+        _check_buffers(fsdp, buffers, problems)
     if problems:
         raise StateDictError("cannot load sharded state into FSDP: " + "; ".join(problems))
-    buffers = next((s.get("buffers") for s in shards if s.get("buffers")), None)
 
     def apply() -> None:
+        if opt_state is not None:  # checked above; first, so that nothing else has changed if it still refused
+            optimizer.load_state_dict(opt_state)
         for u in fsdp.units:
             u.shard.data[...] = _like(values[u.name], u.shard.data)
         if buffers:
             for name, b in fsdp.module.named_buffers():
                 if name in buffers:
                     b[...] = _like(buffers[name], b)
-        if opt_state is not None:
-            optimizer.load_state_dict(opt_state)
 
     return apply
 
 
+def _check_optimizer_state(optimizer: Any, opt_state: Dict[str, Any], problems: List[str]) -> None:
+    """Add to ``problems`` why ``optimizer.load_state_dict(opt_state)`` would refuse it (kind, keys, shapes)."""
+    check = getattr(optimizer, "check_state_dict", None)
+    if check is None:
+        return  # not an axonhpc Optimizer: its load_state_dict runs first in apply(), before anything else
+    try:
+        check(opt_state)
+    except StateDictError as exc:
+        problems.append(f"the checkpoint's optimizer state does not fit this optimizer: {exc}")
+
+
+def _check_buffers(fsdp: Any, buffers: Any, problems: List[str]) -> None:
+    """Add to ``problems`` each buffer whose saved value is not an array of the module buffer's shape."""
+    if not isinstance(buffers, dict):
+        problems.append(f"the buffers are a {type(buffers).__name__}, not a dict of names to arrays")
+        return
+    for name, b in fsdp.module.named_buffers():
+        if name in buffers:
+            shape = getattr(buffers[name], "shape", None)
+            if shape is None or tuple(shape) != tuple(b.shape):
+                problems.append(f"shape mismatch for buffer {name!r}: the state has "
+                                f"{None if shape is None else tuple(shape)}, the model {tuple(b.shape)}")
+
+
 def prepare_load(fsdp: Any, state: Any, optimizer: Any = None) -> Callable[[], None]:
-    """Check a full or sharded ``state`` and return ``apply()``; StateDictError as ``prepare_sharded_load``."""
+    """Local: check a full or sharded ``state`` and return ``apply()``; StateDictError as ``prepare_sharded_load``."""
     if isinstance(state, dict) and "units" not in state:
         write = prepare_sharded_load(fsdp, [full_to_sharded(fsdp, state)], None)
     else:
@@ -195,6 +230,58 @@ def prepare_load(fsdp: Any, state: Any, optimizer: Any = None) -> Callable[[], N
         fsdp.reshard_parameters()
 
     return apply
+
+
+def state_digest(state: Any) -> str:
+    """What the ranks compare before loading: ``full:<sha256 of names, dtypes, shapes, values>``, or ``sharded``.
+
+    Sharded states differ from rank to rank by design; a full one must be the same dict everywhere.
+    """
+    if not (isinstance(state, dict) and "units" not in state):
+        return "sharded"
+    h = hashlib.sha256()
+    for key in sorted(state, key=str):
+        value = state[key]
+        h.update(repr(key).encode("utf-8") + b"\0")
+        if hasattr(value, "shape") and hasattr(value, "dtype"):
+            array = np.ascontiguousarray(_host(value))
+            h.update(f"{array.dtype.str}{array.shape}".encode("utf-8") + b"\0")
+            h.update(array.reshape(-1).view(np.uint8))
+        else:
+            h.update(repr(value).encode("utf-8") + b"\0")
+    return "full:" + h.hexdigest()
+
+
+def load_state(fsdp: Any, state: Any, optimizer: Any = None) -> None:
+    """Collective over ``fsdp.group``: check ``state`` on every rank, agree, then load it everywhere or nowhere.
+
+    Raises:
+        StateDictError: on every rank alike, naming each rank that refused and why, or the ranks whose full
+            state dicts differ; no rank has changed anything then.
+    """
+    group = fsdp.group
+
+    def refused(failed: Failed) -> StateDictError:
+        detail = "; ".join(f"group rank {r}: {why}" for r, why in failed)
+        return StateDictError(f"FSDP load_state_dict refused on group ranks {[r for r, _ in failed]}, so nothing "
+                              f"was loaded on any rank: {detail}")
+
+    def differ(seen: List[Tuple[bool, str]]) -> StateDictError:
+        by_text: Dict[str, List[int]] = {}
+        for r, (_, text) in enumerate(seen):
+            by_text.setdefault(text, []).append(r)
+        kinds = "; ".join(f"group ranks {ranks} gave " + (f"a full state dict with sha256 {text[5:21]}..."
+                                                           if text.startswith("full:") else "sharded state")
+                          for text, ranks in by_text.items())
+        return StateDictError(f"FSDP load_state_dict: the ranks gave different states ({kinds}), so nothing was "
+                              f"loaded on any rank. A full state dict must be the same on every rank (each keeps "
+                              f"its slice): pass fsdp.full_state_dict(rank0_only=False) everywhere")
+
+    # Exception: malformed input (a KeyError in a hand-made shard) is refused alike, not left to hang the others.
+    with all_or_none(group, refused, differ, catch=Exception, alike=True) as vote:
+        apply = prepare_load(fsdp, state, optimizer)
+        vote.text = state_digest(state)
+    apply()
 
 
 def _like(values: np.ndarray, target: Any) -> Any:
@@ -228,8 +315,11 @@ def _optimizer_state(fsdp: Any, shards: List[Dict[str, Any]], optimizer: Any,
                                     f"{sorted(distinct)}")
                 state[k] = arrays[0][2]
         states.append(state)
-    return {"hyperparameters": with_opt[0]["optimizer"]["hyperparameters"], "state": states}
+    hypers = [s["optimizer"].get("hyperparameters") for s in with_opt]
+    if any(h != hypers[0] for h in hypers[1:]):
+        problems.append(f"the shards record different optimizer hyperparameters: {sorted({repr(h) for h in hypers})}")
+    return {"hyperparameters": hypers[0], "state": states}
 
 
 __all__ = ["ROOT", "FORMAT", "full_state_dict", "sharded_state", "full_to_sharded", "prepare_sharded_load",
-           "prepare_load"]
+           "prepare_load", "load_state", "state_digest"]

@@ -23,7 +23,7 @@ from .config import CPUOffload, MixedPrecision, ShardingStrategy, cast, is_float
 from .clip import clip_grad_norm
 from .hooks import UnitHooks
 from .memory import CommCounter, FSDPMemoryStats, MemoryTracker, memory_estimate, memory_stats, persistent_bytes
-from .state import ROOT, full_state_dict, prepare_load, sharded_state
+from .state import ROOT, full_state_dict, load_state, prepare_load, sharded_state
 from .units import assign_parameters, build_groups, select_units
 from ..replicate import broadcast_arrays
 from ..same_model import compared_model, parameter_lines
@@ -249,14 +249,24 @@ class FullyShardedDataParallel(WrapperModes):
         return sharded_state(self, optimizer)
 
     def load_state_dict(self, state: Any, optimizer: Any = None) -> None:
-        """Load a full state dict (on every rank), a sharded one, or a list of sharded ones from any world size.
+        """Collective: load a full state dict (the same on every rank), a sharded one, or a list of sharded ones from any world size.
 
-        Raises StateDictError, before anything changes, for missing or mismatched entries or an uncovered range.
+        Every rank checks its part, then the ranks agree: all load, or none changes anything.
+
+        Raises:
+            StateDictError: on every rank alike, before anything changes anywhere, if any rank finds missing or
+                mismatched entries, an uncovered range, optimizer state that does not fit ``optimizer``, an empty
+                dict (``full_state_dict()``'s default gives one on all ranks but 0), or if the ranks' full
+                state dicts differ.
         """
-        self.prepare_load(state, optimizer)()
+        load_state(self, state, optimizer)
 
     def prepare_load(self, state: Any, optimizer: Any = None) -> Callable[[], None]:
-        """Check ``state`` as ``load_state_dict`` would and return ``apply()``, which loads it (so ranks can agree first)."""
+        """Local: check ``state`` as ``load_state_dict`` would and return ``apply()``, which loads it.
+
+        For a collective loader that makes the ranks agree itself (``checkpoint.load_sharded``) before any calls
+        ``apply()``; full state dicts are not compared across ranks here.
+        """
         return prepare_load(self, state, optimizer)
 
 
