@@ -256,6 +256,24 @@ class Module:
         Raises StateDictError, before anything is copied, listing every shape mismatch and (with ``strict``) every
         missing or unexpected key.
         """
+        missing, unexpected = self.check_state_dict(state_dict, strict)
+        for key, (module, name, kind) in self._state_targets().items():
+            if key not in state_dict:
+                continue
+            if kind == "param":
+                data = module._parameters[name].data
+                data[...] = _to_array_module_of(state_dict[key], data)
+            else:
+                buf = module._buffers[name]
+                buf[...] = _to_array_module_of(state_dict[key], buf)
+        return IncompatibleKeys(missing, unexpected)
+
+    def check_state_dict(self, state_dict: Dict[str, Any], strict: bool = True) -> Tuple[List[str], List[str]]:
+        """Raise StateDictError, changing nothing, where ``load_state_dict`` would refuse; else ``(missing keys,
+        unexpected keys)``."""
+        if not isinstance(state_dict, dict):
+            raise StateDictError(f"cannot load a {type(state_dict).__name__} into {type(self).__name__}: a state "
+                                 f"dict is a dict of names to arrays")
         targets = self._state_targets()
         missing = [k for k in targets if k not in state_dict]
         unexpected = [k for k in state_dict if k not in targets]
@@ -278,16 +296,7 @@ class Module:
                 )
         if problems:
             raise StateDictError(f"cannot load state dict into {type(self).__name__}: " + "; ".join(problems))
-        for key, (module, name, kind) in targets.items():
-            if key not in state_dict:
-                continue
-            if kind == "param":
-                data = module._parameters[name].data
-                data[...] = _to_array_module_of(state_dict[key], data)
-            else:
-                buf = module._buffers[name]
-                buf[...] = _to_array_module_of(state_dict[key], buf)
-        return IncompatibleKeys(missing, unexpected)
+        return missing, unexpected
 
     # ------------------------------------------------------------------ modes and gradients
 

@@ -32,14 +32,14 @@ from ..cuda import capture
 from ..checkpoint import (capture_rng_state, load_per_rank, load_sharded, restore_rng_state, save_per_rank,
                           save_sharded)
 from ..checkpoint.background import AsyncCheckpointer
-from ..checkpoint.io import gather_text
+from ..checkpoint.io import failed_on, gather_text
 from ..checkpoint.rng import rng_state_from_text, rng_state_text
 from ..backends import ReduceOp
 from ..collectives import all_reduce, broadcast
 from ..data import DistributedSampler
-from ..errors import AxonError, ConfigurationError
+from ..errors import AxonError, CheckpointError, ConfigurationError
 from ..collectives.refusal import batch_refused
-from ..groups.agreement import agree
+from ..groups.agreement import agree, all_or_none
 from ..observe.log import get_logger
 from ..nn import autocast, call_backward
 from ..optim.optimizer import Optimizer
@@ -291,9 +291,24 @@ class Setup:
             save_per_rank(path, state, self.group, extra)
 
     def load(self, path: str) -> tuple:
-        """Collective: restore from ``save``; returns ``(extra, rank_state)``."""
+        """Collective: restore from ``save``; returns ``(extra, rank_state)``.
+
+        Every rank checks its state against its modules and optimizer first; if any rank's does not fit, every
+        rank raises and none has changed anything.
+        """
         state, extra = load_per_rank(path, self.group)
-        for module, saved in zip(self.modules(), state["modules"]):
+        modules = self.modules()
+        with all_or_none(self.group, failed_on(f"restoring checkpoint {path!r}", ", so no rank changed anything")):
+            saved_modules = state.get("modules") if isinstance(state, dict) else None
+            if not isinstance(saved_modules, list) or len(saved_modules) != len(modules):
+                raise CheckpointError(f"{path!r} holds {type(saved_modules).__name__} module states on this rank, "
+                                      f"not a list of {len(modules)} (this strategy's modules here)")
+            for module, saved in zip(modules, saved_modules):
+                module.check_state_dict(saved)
+            check = getattr(self.optimizer, "check_state_dict", None)
+            if check is not None:
+                check(state.get("optimizer"))
+        for module, saved in zip(modules, saved_modules):
             module.load_state_dict(saved)
         self.optimizer.load_state_dict(state["optimizer"])
         if self.scaler is not None and "scaler" in state:

@@ -350,6 +350,34 @@ def case_a_checkpoint_without_the_trainers_fields_is_refused(world):
             shutil.rmtree(directory, ignore_errors=True)
 
 
+def case_a_checkpoint_that_does_not_fit_changes_nothing_anywhere(world):
+    # Saved with SGD and momentum; resumed by a trainer whose optimizer on the last rank is Adam: that rank
+    # names the mismatch, the others refuse with it, and no rank's model or optimizer changed.
+    import shutil
+
+    directory = _tmpdir(world)
+    try:
+        train(world, epochs=1, checkpoint_dir=directory)
+        model = make_model(seed=7)
+        kind = "adam" if world.rank == world.world_size - 1 else "sgd"
+        trainer = ax.DistributedTrainer(model, make_optimizer(model.parameters(), kind), nn.CrossEntropyLoss(),
+                                        progress=False)
+        before = {k: v.copy() for k, v in model.state_dict().items()}
+        if world.rank == world.world_size - 1:
+            error, match = ax.errors.StateDictError, "cannot load state dict into Adam"
+        else:
+            error, match = ax.errors.CheckpointError, "restoring checkpoint .* failed on group ranks"
+        with pytest.raises(error, match=match):
+            trainer.fit(make_data(), 2, batch_size=BATCH, checkpoint_dir=directory)
+        for name, value in model.state_dict().items():  # every rank built seed 7: DDP's copy changes nothing
+            np.testing.assert_array_equal(value, before[name], err_msg=name)
+        assert all(not st for st in trainer.optimizer.state_dict()["state"])  # no state loaded
+    finally:
+        ax.barrier()
+        if world.rank == 0:
+            shutil.rmtree(directory, ignore_errors=True)
+
+
 def case_evaluate_reduces_over_the_whole_set(world):
     trainer = train(world, "ddp", epochs=1)
     x, y = make_data(37, seed=9)  # not a multiple of the world size
