@@ -97,13 +97,14 @@ def case_a_rank_with_an_array_that_cannot_be_sent_in_place(world):
     # One rank's weight in Fortran order, another's buffer read-only: named on that rank, refused on all,
     # before the broadcast of rank 0's values (which waited forever for the rank that raised).
     last = world.world_size - 1
-    for wrap in (ax.DDP,):
+    for wrap in (ax.DDP, ax.FSDP):
         model = _mlp()
         model.register_buffer("stats", np.zeros(3, np.float32))
         if world.rank == last:
             model[0].weight.data = np.asfortranarray(model[0].weight.data)
-        mine = (ax.errors.NonContiguousBufferError, r"DDP: parameter '0.weight' .* is not C-contiguous; make it "
-                r"C-contiguous before wrapping the model")
+        label = "DDP" if wrap is ax.DDP else "FSDP"
+        mine = (ax.errors.NonContiguousBufferError, rf"{label}: parameter '0.weight' .* is not C-contiguous; make "
+                r"it C-contiguous before wrapping the model")
         if world.rank == last:
             with pytest.raises(mine[0], match=mine[1]):
                 wrap(model)

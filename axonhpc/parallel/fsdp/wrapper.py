@@ -26,7 +26,7 @@ from .memory import CommCounter, FSDPMemoryStats, MemoryTracker, memory_estimate
 from .state import ROOT, full_state_dict, load_state, prepare_load, sharded_state
 from .units import assign_parameters, build_groups, select_units
 from ..replicate import broadcast_arrays
-from ..same_model import compared_model, parameter_lines
+from ..same_model import check_model_arrays, compared_model, parameter_lines
 from ..wrapping import WrapperModes
 
 
@@ -68,6 +68,7 @@ class FullyShardedDataParallel(WrapperModes):
             require_module(module, "FSDP")
             if not named:
                 raise ConfigurationError(f"FSDP needs a module with parameters; {type(module).__name__} has none")
+            check_model_arrays(module, "FSDP")
             for _, m in module.named_modules():
                 if "forward" in m.__dict__ or "backward" in m.__dict__:
                     raise ConfigurationError(f"{type(m).__name__} is already wrapped (by another FSDP?)")
