@@ -439,6 +439,46 @@ def case_different_full_state_dicts_are_refused_on_every_rank(world):
     _assert_unchanged(fsdp, None, before)
 
 
+def _fails_on_the_last_rank(world, action, error, match):
+    """The last rank's ``action()`` raises ``error``; the others' raises ``CollectiveRefusedError`` naming it."""
+    n, last = world.world_size, world.world_size - 1
+    if world.rank == last:
+        with pytest.raises(error, match=match):
+            action()
+    else:
+        with pytest.raises(ax.errors.CollectiveRefusedError, match=f"rank {last} refused") as info:
+            action()
+        assert error.__name__ in info.value.reason or "CollectiveRefusedError" in info.value.reason, info.value
+
+
+def case_a_step_that_fails_on_one_rank_reaches_every_rank(world):
+    # A bad batch (forward) and a bad grad_out (backward) on the last rank: every other rank raises instead of
+    # waiting in the next unit's gather or reduction, every replica of HYBRID_SHARD too; then training goes on
+    # and ends where the single-process reference does.
+    n, r = world.world_size, world.rank
+    if n == 1:
+        return
+    loss_fn = nn.CrossEntropyLoss()
+    for strategy in STRATEGIES:
+        model = make_model(np.float64, seed=0 if r == 0 else 1000 + r)
+        fsdp = ax.FSDP(model, sharding_strategy=strategy, **hybrid_kwargs(world, strategy))
+        opt = make_optimizer("sgd", fsdp.parameters())
+        x, y = make_data(0)
+        bad_x = shard(x, r, n)[:, :5] if r == n - 1 else shard(x, r, n)
+
+        def bad_forward():
+            loss_fn(fsdp(bad_x), shard(y, r, n))
+            fsdp.backward(loss_fn.backward())
+
+        _fails_on_the_last_rank(world, bad_forward, ax.errors.ShapeError, "Linear")
+        out = fsdp(shard(x, r, n))
+        grad = np.ones((out.shape[0], 2)) if r == n - 1 else np.ones_like(out)
+        _fails_on_the_last_rank(world, lambda: fsdp.backward(grad), ax.errors.ShapeError, "shape")
+        for step in range(STEPS):
+            train_step(fsdp, opt, loss_fn, r, n, step)
+        assert_matches(fsdp, train_reference(np.float64, "sgd"), TOL[np.float64])
+
+
 def case_bad_arguments(world):
     model = make_model()
     errors = ax.errors.ConfigurationError

@@ -264,6 +264,21 @@ class FlatUnit:
         self.full = stacked.reshape(-1)
         self._attach(self.full)
 
+    def abandon_gather(self) -> None:
+        """The step failed: wait for an all-gather in flight and drop its result (an error of its own is passed
+        over: the step's error is the one raised)."""
+        work, self._gather_work = self._gather_work, None
+        if work is None:
+            return
+        try:
+            work.wait()
+        except Exception:  # noqa: BLE001 - a call another rank's refusal stopped raises again here
+            pass
+        if self._gather_src is not self.shard.data:
+            self.tracker.release("communication", self._gather_src.nbytes)
+        self._gather_src = None
+        self.tracker.release("gathered_params", self.gathered_bytes)
+
     def gather(self) -> None:
         """Make the full parameters available now (waits for a prefetch in flight)."""
         self.start_gather(async_op=False)
@@ -368,6 +383,16 @@ class PendingReduction:
         """Let MPI move the reduce-scatter forward."""
         if self.work is not None:
             self.work.is_completed()
+
+    def abandon(self) -> None:
+        """The step failed: wait for the reduce-scatter in flight and drop it (its own error passed over)."""
+        if self.work is not None:
+            try:
+                self.work.wait()
+            except Exception:  # noqa: BLE001 - the step's error is the one raised
+                pass
+        self.unit.tracker.release("communication", self.flat.nbytes)
+        self.flat = None
 
     def finish(self) -> None:
         """Wait for the reduce-scatter, average across replicas, add into the master gradient."""

@@ -168,12 +168,27 @@ class UnitHooks:
                     if unit not in self.reduced:
                         self._reduce(unit)
                 self._finish_pending()
+        except Exception:
+            self.abandon()
+            raise
         finally:
             self.last_order = [u for u in self.forward_order if u in self.hooked] or self.last_order
             if not self.pinned:
                 for unit in self.units:
                     unit.free()
         return grad_in
+
+    def abandon(self) -> None:
+        """The step failed on this rank: wait for every all-gather and reduction in flight and keep none of them,
+        so nothing writes into this rank's buffers later and the next step starts from a quiet group. The module
+        Parameters' unreduced gradients are dropped: part of them is the failed backward's."""
+        for unit in self.units:
+            unit.abandon_gather()
+            for p in unit.params:
+                p.grad = None
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            pending.abandon()
 
     def reduce_all(self) -> None:
         """Reduce every unit's unsharded gradients now, one at a time (collective)."""

@@ -4,6 +4,15 @@
 With ``param_dtype=float16`` shards are cast before the all-gather (half the traffic), gradients are reduced
 in ``reduce_dtype`` and added into the float32 master shard, and the output is cast back to the master dtype
 so the loss is computed in full precision. Pair float16 with ``GradScaler``.
+
+[Note: a failed step]
+Forward and backward are collective (all-gathers, reduce-scatters, the replicas' all-reduces), so one that
+raises on some ranks would leave the others waiting in the next unit's collective. The failing rank first
+waits for its own gathers and reductions in flight (the others made them too), then takes part in the others'
+next call on its shard group, and on its replicate group, as a refusal: they raise ``CollectiveRefusedError``
+naming it and its error. A rank refused on its shard group tells its replicate group in turn, so with
+HYBRID_SHARD every replica hears of it. Errors the group raised alike tell nothing more there; after a
+timeout or a dead peer nothing is sent.
 """
 from __future__ import annotations
 
@@ -15,7 +24,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 import numpy as np
 
 from ...buffers import flat_ops_for
-from ...errors import ArgumentTypeError, ConfigurationError
+from ...collectives.core import refuse_call
+from ...errors import GROUP_FAILURES, ArgumentTypeError, CollectiveMismatchError, ConfigurationError
 from ...groups import resolve_group
 from ...nn import Module, call_backward, require_module
 from .flat_param import FlatUnit, Placement, share_shards
@@ -143,22 +153,57 @@ class FullyShardedDataParallel(WrapperModes):
         return self.forward(*args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the model with each unit gathered just in time; the output is in the master dtype."""
-        self._hooks.start_forward()
-        if self.compute_dtype is not None:
-            args = tuple(cast(a, self.compute_dtype) for a in args)
-            kwargs = {k: cast(v, self.compute_dtype) for k, v in kwargs.items()}
-        out = self.module(*args, **kwargs)
+        """Run the model with each unit gathered just in time; the output is in the master dtype.
+
+        Collective; if it raises on some ranks, the others raise ``CollectiveRefusedError`` ([Note: a failed step]).
+        """
+        try:
+            self._hooks.start_forward()
+            if self.compute_dtype is not None:
+                args = tuple(cast(a, self.compute_dtype) for a in args)
+                kwargs = {k: cast(v, self.compute_dtype) for k, v in kwargs.items()}
+            out = self.module(*args, **kwargs)
+        except Exception as exc:
+            self._hooks.abandon()
+            self._fail_step(exc)
+            raise
         if self.compute_dtype is not None:
             out = cast(out, self.master_dtype)
         return out
 
     def backward(self, grad_out: Any, input_grad: bool = True) -> Any:
-        """Backward through the model; on return the master shards hold the averaged gradients (outside ``no_sync()``)."""
-        if self.compute_dtype is not None:
-            grad_out = cast(grad_out, self.compute_dtype)
-        backward = functools.partial(call_backward, self.module.backward, input_grad=input_grad)
-        return self._hooks.run_backward(backward, grad_out, syncing=self.syncing)
+        """Backward through the model; on return the master shards hold the averaged gradients (outside ``no_sync()``).
+
+        Collective; if it raises on some ranks, the others raise ``CollectiveRefusedError`` ([Note: a failed step]).
+        """
+        try:
+            if self.compute_dtype is not None:
+                grad_out = cast(grad_out, self.compute_dtype)
+            backward = functools.partial(call_backward, self.module.backward, input_grad=input_grad)
+            return self._hooks.run_backward(backward, grad_out, syncing=self.syncing)  # it abandons what failed
+        except Exception as exc:
+            self._fail_step(exc)
+            raise
+
+    def _fail_step(self, problem: Exception) -> None:
+        """This rank's forward or backward raised and waited for what it had in flight: tell the groups whose
+        ranks still wait for it ([Note: a failed step]). Raises ``problem`` once it told one."""
+        told = False
+        for pg in (self.shard_group, self.replicate_group):
+            if pg is None or pg.size == 1:
+                continue
+            if isinstance(problem, GROUP_FAILURES) and not (
+                    isinstance(problem, CollectiveMismatchError)
+                    and set(getattr(problem, "ranks", ())) != set(pg.ranks)):
+                continue  # raised alike on this group's ranks already, or the group is broken (timeout, dead peer)
+            try:
+                refuse_call(pg, "FSDP step", problem)
+            except Exception as exc:  # noqa: BLE001 - refuse_call raises the problem it told of
+                if exc is not problem:
+                    raise
+            told = True
+        if told:
+            raise problem
 
     def register_comm_hook(self, state: Any, hook: Any) -> None:
         """Average each unit's gradient with ``hook(state, bucket)`` (``bucket.kind`` "reduce_scatter") instead of a reduce-scatter.
