@@ -441,7 +441,7 @@ def case_different_full_state_dicts_are_refused_on_every_rank(world):
 
 def _fails_on_the_last_rank(world, action, error, match):
     """The last rank's ``action()`` raises ``error``; the others' raises ``CollectiveRefusedError`` naming it."""
-    n, last = world.world_size, world.world_size - 1
+    last = world.world_size - 1
     if world.rank == last:
         with pytest.raises(error, match=match):
             action()
