@@ -17,6 +17,14 @@ resumed run skips the steps already done in that epoch and then computes
 exactly what the uninterrupted run would have (bit-equal parameters,
 tested). FSDP checkpoints reload on another world size; the others need the
 world size they were saved with.
+
+Where in the epoch is recorded in samples, not steps: W ranks taking
+``order[r::W]`` in batches of B have trained, after k steps, exactly the first
+k * B * W samples of the epoch's order (``samples_in_epoch``). A resumed epoch
+runs the rest of that order, cut between this world's ranks the way the
+sampler cuts (``_rest_of_epoch``): on the same world that is batch for batch
+what skipping k steps gives; on another one (FSDP) no sample is lost or seen
+twice. A checkpoint from before this was recorded skips steps of this world.
 """
 from __future__ import annotations
 
@@ -34,7 +42,7 @@ from ..checkpoint.background import AsyncCheckpointer
 from ..checkpoint.io import broadcast_text, failed_on
 from ..backends import ReduceOp
 from ..collectives import all_reduce, broadcast, stragglers
-from ..data import DataLoader
+from ..data import DataLoader, DistributedSampler
 from ..errors import ArgumentTypeError, AxonError, CheckpointError, ConfigurationError
 from ..nn import require_module
 from ..groups import resolve_group
@@ -172,6 +180,9 @@ class DistributedTrainer:
         self._sync_sums = self._joined = False  # after a recovery: take the epoch's sums from a survivor        self._mixed_precision: Any = None
         self.global_step = 0
         self.epoch = 0
+        self._epoch_samples: Optional[int] = None  # in fit: the samples of every rank trained in this epoch
+        self._resumed: Optional[Dict[str, Any]] = None  # what the checkpoint fit resumed from recorded
+        self._steps_per_epoch = 0  # in fit: this world's optimizer steps in an epoch
         self.preempted = False
         self.history: List[Dict[str, Any]] = []
         self._preemption: Optional[Preemption] = None
@@ -229,6 +240,9 @@ class DistributedTrainer:
         self._checkpoint_dir_ready(checkpoint_dir)
         extra = {"epoch": epoch, "step_in_epoch": step_in_epoch, "global_step": self.global_step,
                  "strategy": self.strategy}
+        if self._epoch_samples is not None:  # in fit: where in the epoch's order, at any world size ([Note: resume])
+            extra["samples_in_epoch"] = self._epoch_samples
+            extra["steps_per_epoch"] = self._steps_per_epoch
         if background:
             if self._writer is None or self._writer.group is not self.setup.group:
                 self._writer = AsyncCheckpointer(self.setup.group)
@@ -355,8 +369,14 @@ class DistributedTrainer:
         plan = _Plan(epochs, self._per_epoch(len(loader), batch_size, grad_accumulation), grad_accumulation,
                      batch_size, eval_arrays, checkpoint_dir, checkpoint_every, log_file)
         start_epoch, skip = self._resume_point(plan, resume)
+        start_epoch, done = self._samples_done(plan, len(x), start_epoch, skip)
         self._preemption = Preemption(setup.group)
-        return self._run_epochs(plan, start_epoch, skip, lambda epoch, skip: self._train_epoch(plan, loader, epoch, skip))
+        self._steps_per_epoch = plan.per_epoch
+        try:
+            return self._run_epochs(plan, start_epoch, done,
+                                    lambda epoch, done: self._train_epoch(plan, x, y, loader, epoch, done))
+        finally:
+            self._epoch_samples = None
 
     @staticmethod
     def _per_epoch(batches: int, batch_size: int, grad_accumulation: int) -> int:
@@ -503,6 +523,7 @@ class DistributedTrainer:
                 f"newest {self.keep_checkpoints} by step are kept) could delete its own. Pass resume=True to go "
                 f"on from it, or give this run an empty checkpoint_dir")
         where = self.load_checkpoint(last)
+        self._resumed = where
         epoch, skip = int(where["epoch"]), int(where["step_in_epoch"])
         if skip >= plan.per_epoch:
             epoch, skip = epoch + 1, 0
@@ -511,20 +532,27 @@ class DistributedTrainer:
                   + (f", step {skip + 1} of {plan.per_epoch}" if skip else ""))
         return epoch, skip
 
-    def _train_epoch(self, plan: "_Plan", loader: DataLoader, epoch: int, skip: int) -> Optional[float]:
-        """Collective: the steps of one epoch after the first ``skip``; their mean loss, or None once preempted."""
+    def _train_epoch(self, plan: "_Plan", x: Any, y: Any, loader: DataLoader, epoch: int,
+                     done: int) -> Optional[float]:
+        """Collective: the steps of one epoch after its first ``done`` samples (of every rank); their mean loss, or
+        None once preempted."""
         self.epoch = epoch
+        self._epoch_samples = done
+        width = self._data_rank()[1]
+        if done:  # the rest of the epoch's order, cut for this world ([Note: resume])
+            loader = self._rest_of_epoch(x, y, plan.batch_size, epoch, done)
         loader.set_epoch(epoch)
+        step = max(0, plan.per_epoch - len(loader) // plan.grad_accumulation) if done else 0
         total, samples_seen = 0.0, 0
-        step = skip
-        bar = self._bar(plan.per_epoch, skip, f"epoch {epoch + 1}/{plan.epochs}")
-        for batches in batches_of(loader, plan.grad_accumulation, skip):
+        bar = self._bar(plan.per_epoch, step, f"epoch {epoch + 1}/{plan.epochs}")
+        for batches in batches_of(loader, plan.grad_accumulation, 0):
             if step >= plan.per_epoch:
                 break
             mean = self.setup.train_step(batches, self.loss_fn)  # over every rank's samples
             samples = sum(len(b[1]) for b in batches)
             total += mean * samples
             samples_seen += samples
+            self._epoch_samples += samples * width
             step += 1
             self.global_step += 1
             self._after_step(plan, epoch, mean, bar)
@@ -535,6 +563,37 @@ class DistributedTrainer:
         if bar is not None:
             bar.close()
         return total / max(samples_seen, 1)
+
+    def _rest_of_epoch(self, x: Any, y: Any, batch_size: int, epoch: int, done: int) -> DataLoader:
+        """This rank's loader for epoch ``epoch`` after its first ``done`` samples: the epoch's order (what the
+        sampler of one rank gives) without them, cut between this world's data-parallel ranks as the sampler cuts."""
+        rank, width = self._data_rank()
+        whole = DistributedSampler(len(x), 1, 0, shuffle=True, seed=self.seed, drop_last=True)
+        whole.set_epoch(epoch)
+        rest = whole.indices()[done:]
+        return DataLoader((x, y), batch_size, sampler=rest[rank::width][:len(rest) // width])
+
+    def _data_rank(self) -> Tuple[int, int]:
+        """``(rank, size)`` of this rank among the ranks that split the data (1 where every rank sees it all)."""
+        dp = self.setup.dp_group
+        return (0, 1) if dp is None else (dp.rank, dp.size)
+
+    def _samples_done(self, plan: "_Plan", n: int, epoch: int, skip: int) -> Tuple[int, int]:
+        """``(epoch, samples of every rank already trained in it)`` to start from ([Note: resume]): what the
+        checkpoint resumed from recorded, whatever world wrote it; ``skip`` steps of this world's for an older one."""
+        where, self._resumed = self._resumed, None
+        width = self._data_rank()[1]
+        if where is None or "samples_in_epoch" not in where:
+            return epoch, skip * plan.batch_size * plan.grad_accumulation * width
+        done, steps = where["samples_in_epoch"], where.get("steps_per_epoch")
+        for key, value in (("samples_in_epoch", done), ("steps_per_epoch", steps)):
+            if type(value) is not int or value < 0:
+                raise CheckpointError(f"the checkpoint records {key}={value!r}; the trainer writes an integer "
+                                      f">= 0 there (an edited index)")
+        epoch = int(where["epoch"])
+        if where["step_in_epoch"] >= steps or done >= n:  # it was saved at the end of its epoch
+            return epoch + 1, 0
+        return epoch, done
 
     def _after_step(self, plan: "_Plan", epoch: int, mean: float, bar: Optional[Progress]) -> None:
         """Log, show and report the step just done."""
