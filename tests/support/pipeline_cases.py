@@ -488,7 +488,7 @@ def make_token_data(step):
     return rng.integers(0, VOCAB, (BATCH, SEQ)), rng.integers(0, VOCAB, (BATCH, SEQ))
 
 
-def tied_parity(world, schedule, m, kind, v=1, mesh=None):
+def tied_parity(world, schedule, m, kind, v=1, mesh=None, clip=None):
     """The tied stages pipelined (over ``mesh.pp``, replicated over ``mesh.dp``, when given) against one
     process; every copy of a tied Parameter also equals rank 0's bit for bit."""
     group = None if mesh is None else mesh.pp
@@ -512,11 +512,16 @@ def tied_parity(world, schedule, m, kind, v=1, mesh=None):
         ref_opt.zero_grad()
         expected = loss_fn(model(x), y)
         model.backward(loss_fn.backward())
+        if clip is not None:  # the norm of the whole model's gradients, the tied ones once
+            ref_norm = optim.clip_grad_norm(model.parameters(), clip[0], clip[1])
         ref_opt.step()
         opt.zero_grad()
         loss = pipe.train_step(x[lo:lo + shard], y[lo:lo + shard])
         if pipe.is_last:
             close(loss, expected, f"tied loss at step {step}")
+        if clip is not None:
+            assert ref_norm > clip[0]  # so the step clips
+            close(pipe.clip_grad_norm(clip[0], clip[1]), ref_norm, f"norm at step {step}")
         opt.step()
     what = f"({schedule.name}, m={m}, {kind}, v={v}, dp={dp})"
     for s in pipe.stages:
@@ -542,6 +547,18 @@ def case_tied_parameters_across_stages(world):
     if p == 4:
         tied_parity(world, ONE_F_ONE_B, 4, "adam", mesh=world.mesh(dp=2, pp=2))
         tied_parity(world, INTERLEAVED, 2, "sgd", v=2, mesh=world.mesh(dp=2, pp=2))
+
+
+def case_clip_grad_norm_over_every_stage(world):
+    """``pipe.clip_grad_norm`` clips by the whole model's norm (2, 1 and inf), tied Parameters counted once,
+    replicas alike: the parameters end where one process clipping with ``optim.clip_grad_norm`` ends."""
+    p = world.world_size
+    for clip in ((0.05, 2.0), (0.5, 1.0), (0.01, float("inf"))):
+        tied_parity(world, ONE_F_ONE_B, 4, "sgd", clip=clip)
+    tied_parity(world, GPIPE, 3, "adam", clip=(0.05, 2.0))
+    tied_parity(world, INTERLEAVED, 2 * p, "sgd", v=2, clip=(0.05, 2.0))
+    if p == 4:
+        tied_parity(world, ONE_F_ONE_B, 4, "adam", mesh=world.mesh(dp=2, pp=2), clip=(0.05, 2.0))
 
 
 def case_ranks_that_disagree_on_ties_are_refused(world):

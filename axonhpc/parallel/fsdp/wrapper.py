@@ -30,11 +30,11 @@ from ...groups import resolve_group
 from ...nn import Module, call_backward, require_module
 from .flat_param import FlatUnit, Placement, share_shards
 from .config import CPUOffload, MixedPrecision, ShardingStrategy, cast, is_floating
-from .clip import clip_grad_norm
 from .hooks import UnitHooks
 from .memory import CommCounter, FSDPMemoryStats, MemoryTracker, memory_estimate, memory_stats, persistent_bytes
 from .state import ROOT, full_state_dict, load_state, prepare_load, sharded_state
 from .units import assign_parameters, build_groups, select_units
+from ..grad_norm import clip_grad_norm
 from ..replicate import broadcast_arrays
 from ..same_model import check_model_arrays, compared_model, parameter_lines
 from ..wrapping import WrapperModes

@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
+import numpy as np
+
 from ..._dtypes import array_module
 from ...errors import AxonError, ConfigurationError, ShapeError, UsageError
 from ...groups import resolve_group
@@ -33,6 +35,7 @@ from ...collectives.p2p import largest_tag
 from ...collectives.refusal import batch_refused, vote
 from ...nn import cached_nbytes, call_backward
 from ...observe import tracing
+from ..grad_norm import clip_grad_norm
 from ..same_model import check_same_model, compared_model
 from .lowering import RECV_B, RECV_F, SEND_B, SEND_F, Op, Step, lower_schedule
 from .render import format_schedule_table
@@ -202,6 +205,25 @@ class Pipeline:
     def parameters(self) -> List[Any]:
         """This rank's stages' Parameters, in stage order, each shared Parameter once (for its optimizer)."""
         return unique_parameters([self.stage_modules[s] for s in self.stages])
+
+    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> float:
+        """Collective over the pipeline's group: scale this rank's gradients so that the norm of the whole model's
+        (every stage's, a tied Parameter once) is at most ``max_norm``; returns that norm, before clipping, on
+        every rank: what ``optim.clip_grad_norm`` over the unsplit model gives.
+
+        Call it between ``train_step`` (which sums tied gradients and averages over ``dp_group``: every replica
+        computes the same norm) and the optimizer's step.
+
+        Raises:
+            InvalidArgumentError: a non-positive ``norm_type`` or a ``max_norm`` that is not a number, on every
+                rank; CollectiveMismatchError on every rank if the ranks passed different ones.
+        """
+        elsewhere = self._tied.held_elsewhere()
+        params = [q for q in self.parameters() if q.grad is not None]
+        counted = [q.grad for q in params if id(q) not in elsewhere]
+        uncounted = [q.grad for q in params if id(q) in elsewhere]
+        xp = array_module(params[0].grad) if params else np
+        return clip_grad_norm(counted, max_norm, norm_type, self.group, xp, uncounted)
 
     def schedule_table(self) -> List[List[Action]]:
         """The per-rank action lists this pipeline runs (a fresh copy)."""

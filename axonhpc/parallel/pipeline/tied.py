@@ -89,6 +89,10 @@ class TiedParameters:
                 broadcast_arrays([q.data for q in params], sub)  # from the lowest owner (key = pipeline rank)
                 self.sets.append((sub, params))
 
+    def held_elsewhere(self) -> set:
+        """Ids of this rank's tied Parameters that a lower rank also holds: a sum over the ranks counts them there."""
+        return {id(q) for sub, params in self.sets if sub.rank != 0 for q in params}
+
     def sum_gradients(self) -> None:
         """Collective over each set's owners: every copy of a tied Parameter gets the sum of their gradients."""
         for sub, params in self.sets:

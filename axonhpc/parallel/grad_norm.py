@@ -1,27 +1,31 @@
-"""Gradient norm clipping over FSDP's gradient shards: the global norm from the shards, one reduction.
+"""Gradient norm clipping over gradients spread across a group: the global norm from the parts, one reduction.
 
-Each gradient element lives in exactly one shard of the shard group (HYBRID_SHARD replicas hold the same
-shards), so the shards' p-th power sums (or max, for inf) reduced over the shard group give the same norm
+When each gradient element lives on exactly one rank of the group (FSDP's shards over the shard group, whose
+HYBRID_SHARD replicas hold the same shards; a pipeline's stages over its ranks, a tied Parameter counted on
+one of its holders), the parts' p-th power sums (or max, for inf) reduced over the group give the norm
 single-process ``optim.clip_grad_norm`` computes.
 """
 from __future__ import annotations
 
-from typing import Any, List
+from typing import Any, List, Sequence
 
 import numpy as np
 
-from ...backends import ReduceOp
-from ...collectives import all_reduce
-from ...collectives.core import refuse_call
-from ...errors import AxonError, CollectiveMismatchError, everywhere
-from ...optim.clip import checked_max_norm, checked_norm_type, scale_to_norm
+from ..backends import ReduceOp
+from ..collectives import all_reduce
+from ..collectives.core import refuse_call
+from ..errors import AxonError, CollectiveMismatchError, everywhere
+from ..optim.clip import checked_max_norm, checked_norm_type, scale_to_norm
 
 
-def clip_grad_norm(grads: List[Any], max_norm: float, norm_type: float, shard_group: Any, xp: Any) -> float:
-    """Scale this rank's gradient shards in place so the global norm is at most ``max_norm``; returns the norm.
+def clip_grad_norm(grads: List[Any], max_norm: float, norm_type: float, shard_group: Any, xp: Any,
+                   uncounted: Sequence[Any] = ()) -> float:
+    """Scale this rank's gradients (its part of them all) in place so the global norm is at most ``max_norm``;
+    returns the norm.
 
-    Collective over ``shard_group`` when it has more than one rank (None: NO_SHARD). ``norm_type`` is p (``inf``
-    for the max); InvalidArgumentError (a ``ValueError``) unless positive, or if ``max_norm`` is not a number,
+    Collective over ``shard_group`` when it has more than one rank (None: nothing spread, as FSDP's NO_SHARD). ``norm_type`` is p (``inf``
+    for the max); ``uncounted``: more gradients scaled alike but counted on another rank (a copy of a tied
+    Parameter). InvalidArgumentError (a ``ValueError``) unless positive, or if ``max_norm`` is not a number,
     before anything is sent: the group's other ranks raise ``CollectiveRefusedError`` naming this rank, from
     the all-reduce of the norm they entered.
     """
@@ -42,7 +46,7 @@ def clip_grad_norm(grads: List[Any], max_norm: float, norm_type: float, shard_gr
     if shard_group is not None and shard_group.size > 1:
         all_reduce(value, ReduceOp.MAX if inf else ReduceOp.SUM, shard_group)
     total = float(value[0]) if inf else float(value[0]) ** (1.0 / norm_type)
-    scale_to_norm(grads, total, max_norm)
+    scale_to_norm(list(grads) + list(uncounted), total, max_norm)
     return total
 
 
