@@ -10,7 +10,6 @@ import glob
 import io
 import json
 import os
-import shutil
 import signal
 import sys
 import tempfile
@@ -18,7 +17,6 @@ import threading
 import time
 import zipfile
 from collections import defaultdict
-from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -33,7 +31,7 @@ from axonhpc.errors import CheckpointError, ConfigurationError
 from axonhpc.groups import ProcessGroup
 from test_checkpoint_crash import B_ARRAYS, B_BYTES, B_ELEMENTS, FRACTIONS, STATES, assert_is_a
 from test_checkpoint_sliced import flat_pieces, flat_reference
-from support import runner  # not its names: CASES below is every global named case_*
+from support import runner, scratch  # not runner's names: CASES below is every global named case_*
 from support.crash_child import expect_line, kill_when_written, start_child
 from support.trainer_cases import full_parameters, make_data, train
 
@@ -109,19 +107,9 @@ def gate(monkeypatch):
     return Gate(monkeypatch)
 
 
-@contextmanager
 def shared_dir(world):
-    """A scratch directory every rank sees (rank 0 makes it and sends its name), removed afterwards."""
-    path = tempfile.mkdtemp(prefix="axonhpc-async-") if world.rank == 0 else None
-    text = np.frombuffer((path or "").ljust(256).encode(), dtype=np.uint8).copy()
-    ax.broadcast(text, 0)
-    path = text.tobytes().decode().strip()
-    try:
-        yield path
-    finally:
-        ax.barrier()
-        if world.rank == 0:
-            shutil.rmtree(path, ignore_errors=True)
+    """``support.scratch.shared_dir`` with this module's prefix."""
+    return scratch.shared_dir(world, "axonhpc-async-")
 
 
 def sample_state(rank):

@@ -9,10 +9,8 @@ raises (none is left waiting) and that no rank changed anything:
   directories, written now or in the background). Every rank's error names
   the file and both save tokens.
 """
-import contextlib
 import os
 import shutil
-import tempfile
 
 import numpy as np
 import pytest
@@ -23,22 +21,13 @@ from axonhpc.checkpoint import AsyncCheckpointer, Box
 from axonhpc.checkpoint.directory import INDEX
 from axonhpc.checkpoint.io import read_saved
 from axonhpc.errors import CheckpointError, StateDictError
+from support import scratch
 from support.ddp_cases import make_data, make_model, shard
 
 
-@contextlib.contextmanager
 def shared_dir(world):
-    """A scratch directory every rank sees (rank 0 makes it and sends its name), removed afterwards."""
-    path = tempfile.mkdtemp(prefix="axonhpc-refused-") if world.rank == 0 else None
-    text = np.frombuffer((path or "").ljust(256).encode(), dtype=np.uint8).copy()
-    ax.broadcast(text, 0)
-    path = text.tobytes().decode().strip()
-    try:
-        yield path
-    finally:
-        ax.barrier()
-        if world.rank == 0:
-            shutil.rmtree(path, ignore_errors=True)
+    """``support.scratch.shared_dir`` with this module's prefix."""
+    return scratch.shared_dir(world, "axonhpc-refused-")
 
 
 def _step(fsdp, opt, world, step):

@@ -9,6 +9,7 @@ import pytest
 import axonhpc as ax
 from axonhpc import nn, optim
 from axonhpc.data import DistributedSampler
+from support.scratch import shared_dir
 
 N_SAMPLES, BATCH, EPOCHS = 96, 4, 2
 
@@ -30,6 +31,16 @@ def make_optimizer(params, kind="sgd"):
     return optim.Adam(params, lr=1e-2)
 
 
+def global_batches(n, replicas, batch, epoch, seed=0):
+    """The rows of each global batch of ``epoch``: every data-parallel rank's k-th batch, concatenated."""
+    parts = []
+    for r in range(replicas):
+        sampler = DistributedSampler(n, replicas, r, shuffle=True, seed=seed, drop_last=True)
+        sampler.set_epoch(epoch)
+        parts.append(sampler.indices())
+    return [np.concatenate([p[k:k + batch] for p in parts]) for k in range(0, len(parts[0]), batch)]
+
+
 def reference(replicas, epochs=EPOCHS, accumulate=1, kind="sgd", seed=0):
     """Single-process training on the batches ``replicas`` data-parallel ranks see together."""
     x, y = make_data()
@@ -37,12 +48,7 @@ def reference(replicas, epochs=EPOCHS, accumulate=1, kind="sgd", seed=0):
     opt = make_optimizer(model.parameters(), kind)
     loss_fn = nn.CrossEntropyLoss()
     for epoch in range(epochs):
-        parts = []
-        for r in range(replicas):
-            sampler = DistributedSampler(len(x), replicas, r, shuffle=True, seed=seed, drop_last=True)
-            sampler.set_epoch(epoch)
-            parts.append(sampler.indices())
-        batches = [np.concatenate([p[k:k + BATCH] for p in parts]) for k in range(0, len(parts[0]), BATCH)]
+        batches = global_batches(len(x), replicas, BATCH, epoch, seed)
         for s in range(len(batches) // accumulate):
             opt.zero_grad()
             for rows in batches[s * accumulate:(s + 1) * accumulate]:
@@ -115,12 +121,7 @@ def reference_by_samples(replicas, n, batch, accumulate=1, epochs=EPOCHS, kind="
     loss_fn = nn.CrossEntropyLoss()
     epoch_losses = []
     for epoch in range(epochs):
-        parts = []
-        for r in range(replicas):
-            sampler = DistributedSampler(len(x), replicas, r, shuffle=True, seed=seed, drop_last=True)
-            sampler.set_epoch(epoch)
-            parts.append(sampler.indices())
-        batches = [np.concatenate([p[k:k + batch] for p in parts]) for k in range(0, len(parts[0]), batch)]
+        batches = global_batches(len(x), replicas, batch, epoch, seed)
         total = count = 0.0
         for s in range(len(batches) // accumulate):
             rows = np.concatenate(batches[s * accumulate:(s + 1) * accumulate])
@@ -182,21 +183,9 @@ def case_tp_dp_with_a_one_wide_tp_mesh(world):
     assert_parity(train(world, "tp+dp", mesh=mesh), reference(world.world_size))
 
 
-def _tmpdir(world):
-    import tempfile
-
-    path = tempfile.mkdtemp(prefix="axonhpc-trainer-") if world.rank == 0 else None
-    text = np.frombuffer((path or "").ljust(200).encode(), dtype=np.uint8).copy()
-    ax.broadcast(text, 0)
-    return text.tobytes().decode().strip()
-
-
 def case_resume_after_preemption_is_bit_for_bit(world):
-    import shutil
-
     for strategy in ("ddp", "zero1", "fsdp"):
-        directory = _tmpdir(world)
-        try:
+        with shared_dir(world, "axonhpc-trainer-") as directory:
             uninterrupted = train(world, strategy, kind="adam")
 
             def stop_at_5(trainer, step, loss):
@@ -210,18 +199,10 @@ def case_resume_after_preemption_is_bit_for_bit(world):
             got, want = full_parameters(resumed), full_parameters(uninterrupted)
             for name in want:
                 np.testing.assert_array_equal(got[name], want[name], err_msg=f"{strategy} {name}")
-        finally:
-            ax.barrier()
-            if world.rank == 0:
-                shutil.rmtree(directory, ignore_errors=True)
 
 
 def _resumed_equals_uninterrupted(world, strategy, build, data, **fit_args):
     """Train straight; train, stop at step 3 and resume: the parameters and the loss scaler end equal, bit for bit."""
-    import shutil
-
-    directory = _tmpdir(world)
-
     def run(checkpoint_dir=None, stop_at=None):
         def on_step(trainer, step, loss):
             if step == stop_at:
@@ -234,19 +215,15 @@ def _resumed_equals_uninterrupted(world, strategy, build, data, **fit_args):
         trainer.fit(data, EPOCHS, batch_size=BATCH, checkpoint_dir=checkpoint_dir, **fit_args)
         return trainer
 
-    try:
+    with shared_dir(world, "axonhpc-trainer-") as directory:
         straight = run()
         assert run(directory, stop_at=3).preempted
         resumed = run(directory)
-        got, want = full_parameters(resumed), full_parameters(straight)
-        for name in want:
-            np.testing.assert_array_equal(got[name], want[name], err_msg=f"{strategy} {name}")
-        if straight.setup.scaler is not None:
-            assert resumed.setup.scaler.state_dict() == straight.setup.scaler.state_dict()
-    finally:
-        ax.barrier()
-        if world.rank == 0:
-            shutil.rmtree(directory, ignore_errors=True)
+    got, want = full_parameters(resumed), full_parameters(straight)
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=f"{strategy} {name}")
+    if straight.setup.scaler is not None:
+        assert resumed.setup.scaler.state_dict() == straight.setup.scaler.state_dict()
 
 
 def case_resume_keeps_each_ranks_dropout_generator(world):
@@ -269,11 +246,9 @@ def case_resume_keeps_the_loss_scaler(world):
 
 def case_an_unusable_checkpoint_dir_or_log_file_is_refused_on_every_rank(world):
     import os
-    import shutil
 
-    directory = _tmpdir(world)
-    blocker = os.path.join(directory, "a-file")
-    try:
+    with shared_dir(world, "axonhpc-trainer-") as directory:
+        blocker = os.path.join(directory, "a-file")
         if world.rank == 0:
             open(blocker, "w").close()
         ax.barrier()
@@ -295,18 +270,12 @@ def case_an_unusable_checkpoint_dir_or_log_file_is_refused_on_every_rank(world):
         if world.world_size > 1:
             with pytest.raises(ax.errors.ConfigurationError, match="different checkpoint directories: rank 0 passed"):
                 trainer.fit(make_data(), 1, batch_size=BATCH, checkpoint_dir=mine)
-    finally:
-        ax.barrier()
-        if world.rank == 0:
-            shutil.rmtree(directory, ignore_errors=True)
 
 
 def case_a_fresh_run_into_a_directory_of_checkpoints_is_refused(world):
     import os
-    import shutil
 
-    directory = _tmpdir(world)
-    try:
+    with shared_dir(world, "axonhpc-trainer-") as directory:
         first = train(world, epochs=2, checkpoint_dir=directory)
         before = sorted(os.listdir(directory))
         model = make_model()
@@ -317,21 +286,15 @@ def case_a_fresh_run_into_a_directory_of_checkpoints_is_refused(world):
             fresh.fit(make_data(), 1, batch_size=BATCH, checkpoint_dir=directory, resume=False)
         ax.barrier()
         assert sorted(os.listdir(directory)) == before  # nothing written, nothing pruned
-    finally:
-        ax.barrier()
-        if world.rank == 0:
-            shutil.rmtree(directory, ignore_errors=True)
 
 
 def case_a_checkpoint_without_the_trainers_fields_is_refused(world):
     # A checkpoint written by another program (or with an edited index) names what is wrong.
     import os
-    import shutil
 
     from axonhpc.checkpoint import save_per_rank
 
-    directory = _tmpdir(world)
-    try:
+    with shared_dir(world, "axonhpc-trainer-") as directory:
         trainer = train(world, epochs=1)
         state = {"modules": [trainer.model.state_dict()], "optimizer": trainer.optimizer.state_dict(), "rank": {}}
         for extra, match in [(None, "records no trainer state .* not a dict"),
@@ -344,19 +307,12 @@ def case_a_checkpoint_without_the_trainers_fields_is_refused(world):
             save_per_rank(path, state, trainer.setup.group, extra)
             with pytest.raises(ax.errors.CheckpointError, match=match):
                 trainer.load_checkpoint(path)
-    finally:
-        ax.barrier()
-        if world.rank == 0:
-            shutil.rmtree(directory, ignore_errors=True)
 
 
 def case_a_checkpoint_that_does_not_fit_changes_nothing_anywhere(world):
     # Saved with SGD and momentum; resumed by a trainer whose optimizer on the last rank is Adam: that rank
     # names the mismatch, the others refuse with it, and no rank's model or optimizer changed.
-    import shutil
-
-    directory = _tmpdir(world)
-    try:
+    with shared_dir(world, "axonhpc-trainer-") as directory:
         train(world, epochs=1, checkpoint_dir=directory)
         model = make_model(seed=7)
         kind = "adam" if world.rank == world.world_size - 1 else "sgd"
@@ -372,10 +328,6 @@ def case_a_checkpoint_that_does_not_fit_changes_nothing_anywhere(world):
         for name, value in model.state_dict().items():  # every rank built seed 7: DDP's copy changes nothing
             np.testing.assert_array_equal(value, before[name], err_msg=name)
         assert all(not st for st in trainer.optimizer.state_dict()["state"])  # no state loaded
-    finally:
-        ax.barrier()
-        if world.rank == 0:
-            shutil.rmtree(directory, ignore_errors=True)
 
 
 def case_evaluate_reduces_over_the_whole_set(world):
