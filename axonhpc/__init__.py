@@ -47,6 +47,7 @@ _LAZY = {
     "TensorParallelAttention": "axonhpc.parallel",
     "ZeroRedundancyOptimizer": "axonhpc.parallel",
     "ParallelGPT": "axonhpc.parallel",
+    "clip_grad_norm": "axonhpc.parallel",
     "TensorParallelBlock": "axonhpc.parallel",
     "gather_timelines": "axonhpc.parallel",
     "write_gantt_png": "axonhpc.parallel",

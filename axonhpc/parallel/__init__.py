@@ -1,5 +1,6 @@
 """Parallel strategies built on the collectives and the model layer."""
 from . import comm_hooks
+from .clipping import clip_grad_norm
 from .comm_hooks import GradBucket, bf16_compress_hook, fp16_compress_hook
 from .ddp import DDP, DistributedDataParallel, GradientAfterReductionError, UnusedParameterError
 from .fsdp import FSDP, CPUOffload, FSDPMemoryStats, FullyShardedDataParallel, MixedPrecision, ShardingStrategy
@@ -14,6 +15,7 @@ from .tensor import TensorParallelAttention
 from .zero import ZeroRedundancyOptimizer
 
 __all__ = [
+    "clip_grad_norm",
     "comm_hooks",
     "GradBucket",
     "fp16_compress_hook",

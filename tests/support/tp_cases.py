@@ -112,10 +112,12 @@ def batch(step):
     return x, rng.standard_normal((BATCH, HIDDEN)), rng.integers(0, HIDDEN, BATCH)
 
 
-def train_pair(world, kind, loss_name, input_grad=True):
+def train_pair(world, kind, loss_name, input_grad=True, clip=None):
     """Train the TP MLP on this rank and the dense MLP alike; both see the whole batch.
 
-    ``input_grad=False``: both backwards skip d loss / d x (fc1's product, and its all-reduce in TP)."""
+    ``input_grad=False``: both backwards skip d loss / d x (fc1's product, and its all-reduce in TP).
+    ``clip=(max_norm, norm_type)``: ``ax.clip_grad_norm`` on the TP MLP, ``optim.clip_grad_norm`` on the dense
+    one, before each step; the norms must agree."""
     tp = ax.TensorParallelMLP(HIDDEN, FFN, dtype=np.float64, seed=21)
     dense = ax.TensorParallelMLP.dense_equivalent(HIDDEN, FFN, dtype=np.float64, seed=21)
     opts = [make_optimizer(kind, m.parameters()) for m in (tp, dense)]
@@ -128,8 +130,17 @@ def train_pair(world, kind, loss_name, input_grad=True):
             losses.append(loss_fn(model(x), target if loss_name == "mse" else labels))
             grad_in = model.backward(loss_fn.backward(), input_grad=input_grad)
             assert (grad_in is None) == (not input_grad)
+            if clip is not None:
+                norm = (ax.clip_grad_norm(model, *clip) if model is tp
+                        else optim.clip_grad_norm(model.parameters(), *clip))
+                losses.append(norm)
             opt.step()
-        close(losses[0], losses[1], f"loss at step {step}")
+        if clip is None:
+            close(losses[0], losses[1], f"loss at step {step}")
+        else:  # [loss, norm] of the TP model, then of the dense one
+            close(losses[0], losses[2], f"loss at step {step}")
+            assert losses[3] > clip[0], "the step must clip"
+            close(losses[1], losses[3], f"gradient norm at step {step}")
     return tp, dense
 
 
@@ -143,7 +154,15 @@ def case_training_parity_adam(world):
     check_mlp_shards(tp, dense, world, f"after {STEPS} Adam steps")
 
 
-def tp_dp_parity(world, kind, loss_name):
+def case_clip_grad_norm_counts_each_element_once(world):
+    # Each rank's shards of fc1 and fc2.weight, and the replicated fc2.bias once: the dense model's norm
+    # (2, 1 and inf), and after clipping the same parameters.
+    for clip in ((0.05, 2.0), (0.2, 1.0), (0.01, float("inf"))):
+        tp, dense = train_pair(world, "sgd", "mse", clip=clip)
+        check_mlp_shards(tp, dense, world, f"after {STEPS} clipped SGD steps {clip}")
+
+
+def tp_dp_parity(world, kind, loss_name, clip=None):
     mesh = world.mesh(dp=2, tp=2)
     dp_rank = mesh.coords.dp
     # Replica 1 starts from other values on purpose: DDP's sync_parameters must
@@ -161,11 +180,14 @@ def tp_dp_parity(world, kind, loss_name):
         opts[0].zero_grad()
         loss_fn(ddp(x[rows]), y[rows])
         ddp.backward(loss_fn.backward(), input_grad=kind == "sgd")  # adam: without fc1's input gradient
+        norm = None if clip is None else ax.clip_grad_norm(ddp, *clip)
         opts[0].step()
         ref_loss = nn.MSELoss() if loss_name == "mse" else nn.CrossEntropyLoss()
         opts[1].zero_grad()
         ref_loss(dense(x), y)
         dense.backward(ref_loss.backward())
+        if clip is not None:
+            close(norm, optim.clip_grad_norm(dense.parameters(), *clip), f"gradient norm at step {step}")
         opts[1].step()
     rows_ffn = block(FFN, mesh.coords.tp, 2)
     close(tp.fc1.weight.data, dense[0].weight.data[rows_ffn], "fc1.weight")
@@ -184,6 +206,12 @@ def case_tp_x_dp_adam_cross_entropy(world):
     if world.world_size != 4:
         return
     tp_dp_parity(world, "adam", "cross_entropy")
+
+
+def case_tp_x_dp_clipped(world):
+    if world.world_size != 4:
+        return
+    tp_dp_parity(world, "sgd", "mse", clip=(0.05, 2.0))
 
 
 def case_seed_none_agrees_across_the_group(world):

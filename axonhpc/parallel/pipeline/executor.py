@@ -30,7 +30,7 @@ import numpy as np
 
 from ..._dtypes import array_module
 from ...errors import AxonError, ConfigurationError, ShapeError, UsageError
-from ...groups import resolve_group
+from ...groups import ProcessGroup, resolve_group
 from ...collectives.p2p import largest_tag
 from ...collectives.refusal import batch_refused, vote
 from ...nn import cached_nbytes, call_backward
@@ -217,7 +217,17 @@ class Pipeline:
         Raises:
             InvalidArgumentError: a non-positive ``norm_type`` or a ``max_norm`` that is not a number, on every
                 rank; CollectiveMismatchError on every rank if the ranks passed different ones.
+            ConfigurationError: a stage holds tensor-parallel layers (on every rank).
         """
+        # A layer with a group of its own (tensor-parallel) splits its parameters over it, and holds others
+        # replicated there, which a sum over this group alone would count once per rank of that group.
+        split = sorted({name for stage in self.stage_modules if stage is not None for name, m in stage.named_modules()
+                        if isinstance(getattr(m, "group", None), ProcessGroup) and m.group.size > 1})
+        if split:  # the same list on every rank: every rank refuses alike, before anything is sent
+            raise ConfigurationError(f"Pipeline.clip_grad_norm: stages hold layers split over groups of their own "
+                                     f"(tensor-parallel: {split[:3]}), whose replicated parameters a sum over the "
+                                     f"pipeline would count once per rank of their group; a norm over pipeline and "
+                                     f"tensor parallelism together is not implemented")
         elsewhere = self._tied.held_elsewhere()
         params = [q for q in self.parameters() if q.grad is not None]
         counted = [q.grad for q in params if id(q) not in elsewhere]

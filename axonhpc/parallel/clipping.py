@@ -1,0 +1,86 @@
+"""``clip_grad_norm``: clip a model's gradients by the norm of the whole model, however a strategy split it.
+
+[Note: one norm for a split model]
+``optim.clip_grad_norm`` clips by the norm of the gradients it is given. Where each rank holds only a part
+of the model's gradients, that is a different norm, and so a different factor, on every rank: the model's
+copies then drift apart, and none of them is clipped as the unsplit model would be. The global norm sums
+each element's p-th power once over the ranks that hold the parts (a max for ``inf``): FSDP's shards over
+their shard group (``fsdp.clip_grad_norm``), a pipeline's stages over its group (``pipe.clip_grad_norm``),
+and a tensor-parallel model's layers over their group, where a column-parallel layer's weight and bias and
+a row-parallel layer's weight are each rank's own rows or columns and every other parameter (a row-parallel
+bias, a norm layer) is the same on every rank of the group, counted on its rank 0. DDP's gradients are the
+same on every rank after the reduction, so its module is clipped as one process would (TP layers inside
+counted as above).
+"""
+from __future__ import annotations
+
+from typing import Any, List, Tuple
+
+import numpy as np
+
+from .._dtypes import array_module
+from ..errors import ArgumentTypeError, ConfigurationError
+from ..nn import Module
+from ..optim import clip_grad_norm as clip_local
+from .ddp import DDP
+from .fsdp import FSDP
+from .grad_norm import clip_grad_norm as clip_spread
+from .pipeline import Pipeline
+from .tensor import ColumnParallelLinear, RowParallelLinear
+
+
+def _tensor_parallel_parts(module: Module) -> Tuple[Any, List[Any], List[Any]]:
+    """``(the layers' group or None, gradients counted here, gradients counted on another rank)``."""
+    groups, sharded = {}, set()
+    for _, m in module.named_modules():
+        if isinstance(m, ColumnParallelLinear):
+            sharded.update(id(p) for p in (m.weight, m.bias) if p is not None)
+        elif isinstance(m, RowParallelLinear):
+            sharded.add(id(m.weight))
+        else:
+            continue
+        groups.setdefault(id(m.group), m.group)
+    if len(groups) > 1:
+        names = sorted(g.name for g in groups.values())
+        raise ConfigurationError(f"clip_grad_norm: the model's tensor-parallel layers use {len(groups)} groups "
+                                 f"({names}); one norm over them needs a single tensor-parallel group")
+    group = next(iter(groups.values()), None)
+    counted, elsewhere = [], []
+    for p in module.parameters():
+        if p.grad is None:
+            continue
+        if group is None or id(p) in sharded or group.rank == 0:
+            counted.append(p.grad)
+        else:
+            elsewhere.append(p.grad)  # a replicated parameter: the same gradient as on group rank 0
+    return group, counted, elsewhere
+
+
+def clip_grad_norm(model: Any, max_norm: float, norm_type: float = 2.0) -> float:
+    """Scale ``model``'s gradients in place so that the norm of the whole model's is at most ``max_norm``;
+    returns that norm before clipping, the same on every rank ([Note: one norm for a split model]).
+
+    ``model`` is an ``FSDP``, a ``Pipeline``, a ``DDP``, or a module (tensor-parallel layers in it are counted
+    over their group). Collective over the ranks that split it; call it after the backward (and, for a
+    pipeline, ``train_step``) and before the optimizer's step.
+
+    Raises:
+        InvalidArgumentError: a non-positive ``norm_type`` or a ``max_norm`` that is not a number (on every rank
+            of the group that would reduce).
+        ConfigurationError: tensor-parallel layers over more than one group.
+        ArgumentTypeError: ``model`` is none of these.
+    """
+    if isinstance(model, (FSDP, Pipeline)):
+        return model.clip_grad_norm(max_norm, norm_type)
+    module = model.module if isinstance(model, DDP) else model
+    if not isinstance(module, Module):
+        raise ArgumentTypeError(f"clip_grad_norm takes an FSDP, a Pipeline, a DDP or an axonhpc.nn.Module, got "
+                                f"{type(model).__name__}")
+    group, counted, elsewhere = _tensor_parallel_parts(module)
+    if group is None:
+        return clip_local(module.parameters(), max_norm, norm_type)
+    xp = array_module(counted[0]) if counted else (array_module(elsewhere[0]) if elsewhere else np)
+    return clip_spread(counted, max_norm, norm_type, group, xp, elsewhere)
+
+
+__all__ = ["clip_grad_norm"]
