@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import math
 from typing import (TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Protocol, Sequence, Tuple, Type,
                     Union)
 
@@ -49,11 +50,32 @@ def show(values: Sequence[Any]) -> str:
 Gather = Callable[[np.ndarray], np.ndarray]  # an all-gather over the group: this rank's array -> (size, ...)
 
 
+class CheckLabel:
+    """How a check's wait is named in messages, and the group the stall watchdog watches it on."""
+
+    __slots__ = ("group", "text")
+
+    def __init__(self, group: Any, text: str):
+        self.group, self.text = group, text
+
+    def __str__(self) -> str:
+        return self.text
+
+
 def _all_gather(group: Members, gather: Optional[Gather], mine: np.ndarray) -> np.ndarray:
+    """The check's all-gather over ``group``, waited for under the group's timeout and seen by the watchdog:
+    a rank that never makes its call (a ``new_group`` skipped on one rank) must not leave the others waiting
+    without a word."""
     if gather is not None:
         return gather(mine)
     table = np.empty((group.size,) + mine.shape, dtype=mine.dtype)
-    group.backend.all_gather(mine, table, async_op=False).wait()
+    work = group.backend.all_gather(mine, table, async_op=True)
+    name = getattr(group, "name", None)
+    if name is not None:
+        work.label = CheckLabel(group, f"the check of a call's arguments across group {name} {list(group.ranks)} "
+                                       f"(new_group, split, mesh, a wrapper's model check or a refusal)")
+    timeout = group.effective_timeout() if hasattr(group, "effective_timeout") else None
+    work.wait(math.inf if timeout is None else timeout)
     return table
 
 

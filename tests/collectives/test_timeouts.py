@@ -58,6 +58,18 @@ def test_wait_on_an_irecv_takes_the_groups_timeout():
 
 
 @pytest.mark.timeout(120)
+def test_making_a_group_takes_the_groups_timeout():
+    # The check of new_group's arguments across the world waited forever (a raw MPI all-gather) for a rank
+    # that never came, and the watchdog did not see it.
+    out, elapsed = _run("group")
+    text = out.stdout + out.stderr
+    assert out.returncode not in (0, 124), text[-3000:]
+    assert elapsed < 15, (elapsed, text[-3000:])
+    assert "the check of a call's arguments across group world [0, 1, 2]" in text, text[-3000:]
+    assert "timed out after 1.5 s" in text and "finished" not in text, text[-3000:]
+
+
+@pytest.mark.timeout(120)
 def test_a_rank_in_another_collective_is_named_with_where_it_is():
     out, elapsed = _run("skip")
     text = out.stdout + out.stderr

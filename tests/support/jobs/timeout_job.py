@@ -8,6 +8,7 @@
     timeout_job.py p2p      nothing goes wrong: blocking and non-blocking point to point under a timeout
     timeout_job.py async    the last rank sleeps past the timeout; the others wait() on an asynchronous all_reduce
     timeout_job.py irecv    rank 0 wait()s on an irecv from the last rank, which sleeps past the timeout
+    timeout_job.py group    the last rank sleeps past the timeout where the others make a new group
 """
 import sys
 import time
@@ -54,6 +55,10 @@ elif sys.argv[1] in ("sleep", "async"):
         ax.all_reduce(x, async_op=True).wait()  # no timeout given: the group's
     else:
         ax.all_reduce(x)
+elif sys.argv[1] == "group":
+    if last:
+        time.sleep(20)
+    world.new_group(list(range(world.world_size - 1)))
 elif sys.argv[1] == "irecv":
     if world.rank == 0:
         ax.irecv(x, world.world_size - 1).wait()
