@@ -53,7 +53,7 @@ FACTORIES = {
     # errors.everywhere returns the CollectiveMismatchError it is given, marked with the ranks raising it
     ("collectives/agreement.py", "everywhere"): "CollectiveMismatchError",
     ("collectives/fingerprint.py", "everywhere"): "CollectiveMismatchError or CollectiveRefusedError",
-    ("parallel/fsdp/clip.py", "everywhere"): "CollectiveMismatchError (clip_grad_norm's arguments)",
+    ("parallel/grad_norm.py", "everywhere"): "CollectiveMismatchError (clip_grad_norm's arguments)",
     ("groups/world.py", "everywhere"): "GroupMismatchError",
     ("groups/mesh.py", "everywhere"): "GroupMismatchError",
     ("groups/process_group.py", "everywhere"): "GroupMismatchError",
