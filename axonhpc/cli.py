@@ -1,7 +1,7 @@
 """The ``axonhpc`` command (also ``python -m axonhpc``).
 
     axonhpc info                         what MPI, threads, GPU libraries, ranks and nodes this is
-    axonhpc bench NAME [args]            benchmarks (allreduce, ddp, elastic, fsdp, gpt, pack, pipeline, step)
+    axonhpc bench NAME [args]            benchmarks (allreduce, ddp, elastic, fsdp, gpt, p2p, pack, pipeline, step)
     axonhpc launch -n N [--] script.py   mpiexec wrapper that works as root and aborts on errors
     axonhpc doctor DIR                   which rank diverged first, from the flight recorder dumps
     axonhpc timeline merge DIR [-o F]    one Chrome trace from the ranks' timeline-rank*.json files
@@ -191,11 +191,12 @@ def _end_with_parent() -> None:
 
 
 def _run_forwarding_signals(cmd: List[str], env: dict) -> int:
-    """Run ``cmd`` and pass on SIGTERM and SIGHUP to it, so that ending the launcher (``timeout``, a batch
-    system, even SIGKILL on Linux) ends the job and its ranks too, instead of leaving them running. Returns
-    its exit status."""
+    """Run ``cmd`` and pass on SIGTERM, SIGHUP and SIGINT to it, so that ending the launcher (``timeout``, a
+    batch system, Ctrl-C, even SIGKILL on Linux) ends the job and its ranks too, instead of leaving them
+    running; the launcher itself waits for the job, so it exits with the job's status (a preempted trainer's
+    75), never with a traceback of its own. Returns that status."""
     proc = subprocess.Popen(cmd, env=env, preexec_fn=_end_with_parent if sys.platform.startswith("linux") else None)
-    forwarded = (signal.SIGTERM, signal.SIGHUP)
+    forwarded = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
     previous = {s: signal.signal(s, lambda signum, frame: proc.send_signal(signum)) for s in forwarded}
     try:
         return proc.wait()
@@ -301,9 +302,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print every rank's facts as JSON: one object per line, one line per rank in rank order, "
                         "all printed by rank 0")
     p.set_defaults(func=_cmd_info)
-    p = sub.add_parser("bench", help="benchmarks; run under mpiexec for more than one rank")
-    p.add_argument("name", choices=sorted(BENCHMARKS))
-    p.add_argument("rest", nargs=argparse.REMAINDER, help="arguments of the benchmark (--help for each)")
+    names = ", ".join(sorted(BENCHMARKS))
+    p = sub.add_parser("bench", help="benchmarks; run under mpiexec for more than one rank",
+                       hint=f"NAME is the benchmark to run, one of {names} (e.g. axonhpc bench allreduce; "
+                            "axonhpc bench NAME --help lists its options)")
+    p.add_argument("name", metavar="NAME", choices=sorted(BENCHMARKS), help=f"the benchmark: {names}")
+    # Optional, so that a missing NAME is the one thing the error names (a REMAINDER positional counts as required).
+    p.add_argument("rest", metavar="ARGS", nargs=argparse.REMAINDER,
+                   help="arguments of the benchmark (axonhpc bench NAME --help)").required = False
     p.set_defaults(func=_cmd_bench)
     p = sub.add_parser("doctor", help="merge the ranks' flight recorder dumps; say who diverged first and where")
     p.add_argument("directory", help="the AXONHPC_FLIGHT_DIR of the job (flight-rank*.json)")

@@ -34,7 +34,8 @@ def _mpi_facts() -> Dict[str, Any]:
         from mpi4py import MPI
     except ImportError as exc:
         return {"mpi4py": None, "mpi_error": str(exc)}
-    version_line = MPI.Get_library_version().strip().splitlines()[0]
+    # Open MPI's string ends in a NUL byte, which .strip() keeps: it would reach the terminal and the JSON.
+    version_line = MPI.Get_library_version().replace("\x00", "").strip().splitlines()[0]
     return {
         "mpi4py": mpi4py.__version__,
         "mpi_library": " ".join(version_line.split()),

@@ -45,6 +45,9 @@ def mpiexec_flavour(mpiexec: str) -> str:
 FAULT_TOLERANT_ARGS = ("--with-ft", "ulfm", "--mca", "async_mpi_finalize", "1")
 
 
+LAUNCHED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "launched.py")  # run as a file (see there)
+
+
 def launch_command(mpiexec: str, flavour: str, n: int, script: str, script_args: List[str],
                    hosts: Optional[str] = None, is_root: bool = False, fault_tolerant: bool = False) -> List[str]:
     """The argument list (never a shell string) that runs ``script`` on ``n`` ranks.
@@ -63,5 +66,7 @@ def launch_command(mpiexec: str, flavour: str, n: int, script: str, script_args:
             cmd += ["--host", hosts]
     elif hosts:
         cmd += ["-hosts", hosts]
-    cmd += ["-n", str(n), sys.executable, script] + list(script_args)
+    # Through axonhpc.launched: a rank that exits with an error ends the job ([Note: a rank that exits with
+    # an error] there).
+    cmd += ["-n", str(n), sys.executable, LAUNCHED, script] + list(script_args)
     return cmd

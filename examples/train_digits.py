@@ -3,8 +3,9 @@
     axonhpc launch -n 2 -- examples/train_digits.py --epochs 20
     axonhpc launch -n 2 -- examples/train_digits.py --epochs 30 --resume   # continues from the last checkpoint
     axonhpc launch -n 2 -- examples/train_digits.py --device cuda          # on the GPU(s), with cupy
-    axonhpc launch --fault-tolerant -n 4 -- examples/train_digits.py --elastic --simulate-failure 2:30
-        # Open MPI with ULFM: rank 2 dies after 30 steps, the other three go on (--spares 1: one replaces it)
+    axonhpc launch --fault-tolerant -n 4 -- examples/train_digits.py --elastic --batch-size 12 --simulate-failure 2:30
+        # Open MPI with ULFM: rank 2 dies after 30 steps, the other three go on (--spares 1: one replaces it);
+        # the global batch, 4 x 12 = 48, must split evenly over the ranks left (the default 4 x 32 does not)
 
 The data is scikit-learn's bundled digits set (1,797 8x8 images, offline).
 ``ax.DistributedTrainer`` gives each rank its shard of every epoch

@@ -29,6 +29,7 @@ from ..collectives import all_reduce
 from ..errors import InvalidArgumentError
 from ..groups import init
 from ..settings import ALGORITHMS, settings
+from .jobs import check_counts, parse_counts
 from .timing import empty_aligned_like, human_bytes, median_times, pin_blas_threads
 
 DEFAULT_SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20, 256 << 20]
@@ -293,22 +294,25 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help="cpu: numpy arrays against raw mpi4py (default); gpu: cupy arrays, NCCL against "
                              "CUDA-aware and staged MPI (needs a CUDA device)")
     args = parser.parse_args(argv)
+    check_counts(parser, args, ("rounds", "max_size") if args.max_size is not None else ("rounds",), ())
     try:
         algorithms = parse_algorithms(args.algorithms)
+        sizes = parse_counts(args.sizes, "--sizes", "sizes in bytes") if args.sizes else None
     except ValueError as exc:
         parser.error(str(exc))
     if args.device == "gpu" and algorithms:
         parser.error("--algorithms times numpy arrays; it does not combine with --device gpu")
-    limiter = pin_blas_threads(1)  # noqa: F841 - keeps the limit in force
-    sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else None
-    if args.device == "gpu":
-        from . import allreduce_gpu
+    from . import allreduce_gpu
 
-        chosen = sizes or list(allreduce_gpu.DEFAULT_SIZES)
-        return allreduce_gpu.main([s for s in chosen if not args.max_size or s <= args.max_size], args.rounds)
-    sizes = sizes or list(DEFAULT_SIZES)
+    sizes = sizes or list(allreduce_gpu.DEFAULT_SIZES if args.device == "gpu" else DEFAULT_SIZES)
     if args.max_size:
-        sizes = [s for s in sizes if s <= args.max_size]
+        kept = [s for s in sizes if s <= args.max_size]
+        if not kept:
+            parser.error(f"--max-size {args.max_size} drops every size ({', '.join(map(str, sizes))})")
+        sizes = kept
+    limiter = pin_blas_threads(1)  # noqa: F841 - keeps the limit in force
+    if args.device == "gpu":
+        return allreduce_gpu.main(sizes, args.rounds)
     world = init()
     rows = run_sizes(sizes, args.rounds, algorithms)
     fusion = None if args.no_fusion else run_fusion(100, 1024, args.rounds)

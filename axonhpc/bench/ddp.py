@@ -26,9 +26,8 @@ from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
-from ..errors import InvalidArgumentError
 from ..mpiexec import NOT_FOUND, find_mpiexec
-from .jobs import BenchError, check_counts, run_worker_job, write_result
+from .jobs import BenchError, check_counts, parse_counts, run_worker_job, write_result
 from .timing import human_bytes, pin_blas_threads
 
 DEFAULT_SIZES = "512,1024,1024,10"
@@ -48,13 +47,7 @@ LABELS = {
 
 def parse_sizes(text: str) -> List[int]:
     """Layer widths "512,1024,1024,10" -> [512, 1024, 1024, 10] (at least two, all positive)."""
-    try:
-        sizes = [int(s) for s in text.split(",") if s.strip()]
-    except ValueError:
-        raise InvalidArgumentError(f"--sizes must be comma-separated integers, got {text!r}") from None
-    if len(sizes) < 2 or min(sizes) < 1:
-        raise InvalidArgumentError(f"--sizes needs at least two positive widths (input, ..., classes), got {text!r}")
-    return sizes
+    return parse_counts(text, "--sizes", "layer widths (input, ..., classes)", min_items=2)
 
 
 def parameter_count(sizes: Sequence[int]) -> int:

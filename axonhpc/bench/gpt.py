@@ -79,7 +79,31 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     unknown = [name for name in args.layout_list if name not in LAYOUTS]
     if unknown:
         p.error(f"--layouts: unknown {', '.join(unknown)}; choose from {', '.join(LAYOUTS)}")
+    if not args.worker and not args.no_scaling and args.device == "cpu":
+        problem = layout_problem(args)
+        if problem:
+            p.error(problem)
     return args
+
+
+def layout_problem(args: argparse.Namespace) -> Optional[str]:
+    """Why a layout of ``--layouts`` cannot train this model on ``--ranks`` ranks (None if all can).
+
+    Checked before any job starts, so a bad combination costs no timed jobs first; the rules are the ones
+    ``_worker`` and ``ParallelGPT`` apply (pp: 2 * pp micro-batches, one block per stage at least).
+    """
+    for name in args.layout_list:
+        dp, tp, pp, _ = _layout_sizes(name, args.ranks)
+        where = f"layout {name} on --ranks {args.ranks}"
+        if args.layers < pp:
+            return (f"--layers {args.layers} cannot be split into {pp} pipeline stages ({where}): give --layers "
+                    f"{pp} or more, or leave {name} out of --layouts")
+        if args.batch % (dp * 2 * pp if pp > 1 else dp):
+            split = f"{2 * pp} micro-batches" if pp > 1 else f"dp={dp}"
+            return f"--batch {args.batch} does not split into {split} ({where})"
+        if args.heads % tp:
+            return f"--heads {args.heads} does not split over tp={tp} ({where})"
+    return None
 
 
 def _tokens(args: argparse.Namespace, step: int) -> Tuple[np.ndarray, np.ndarray]:

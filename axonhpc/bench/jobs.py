@@ -14,7 +14,7 @@ import sys
 import tempfile
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-from ..errors import BenchError
+from ..errors import BenchError, InvalidArgumentError
 from ..mpiexec import NOT_FOUND, find_mpiexec, mpiexec_flavour
 
 from ..settings import THREAD_VARIABLES as THREAD_ENV
@@ -39,6 +39,32 @@ def check_counts(parser: Any, args: Any, positive: Sequence[str], non_negative: 
             value = getattr(args, name)
             if value < least:
                 parser.error(f"--{name.replace('_', '-')} must be at least {least}, got {value}")
+
+
+def parse_counts(text: str, option: str, what: str, least: int = 1, min_items: int = 1) -> List[int]:
+    """A comma-separated list of integers ("4096,65536" -> [4096, 65536]), each at least ``least``.
+
+    The one parser of the benchmarks' list options (``--sizes``, ``--ranks``); ``what`` names the items in
+    messages ("sizes in bytes"), and there must be ``min_items`` of them or more.
+
+    Raises:
+        InvalidArgumentError: (a ValueError) a word that is not an integer, too few items, or an item below
+            ``least``; the message names ``option`` and the offending values.
+    """
+    words = [w.strip() for w in text.split(",") if w.strip()]
+    try:
+        values = [int(w) for w in words]
+    except ValueError:
+        bad = [w for w in words if not w.lstrip("+-").isdigit()]
+        raise InvalidArgumentError(f"{option} must be comma-separated integers ({what}), got {text!r}: "
+                                   f"{', '.join(map(repr, bad))} is not an integer") from None
+    if len(values) < min_items:
+        raise InvalidArgumentError(f"{option} needs at least {min_items} {what}, got {text!r}")
+    small = [v for v in values if v < least]
+    if small:
+        raise InvalidArgumentError(f"{option} must be at least {least} each ({what}), got {text!r}: "
+                                   f"{', '.join(map(str, small))} {'is' if len(small) == 1 else 'are'} below {least}")
+    return values
 
 
 def write_result(result: Any, path: str) -> None:

@@ -16,6 +16,7 @@ import numpy as np
 
 from ..collectives import irecv, isend, recv, send
 from .allreduce import _raw_world
+from .jobs import check_counts, parse_counts
 from .timing import human_bytes, median_times, pin_blas_threads
 
 DEFAULT_SIZES = [8, 1 << 10, 16 << 10, 256 << 10, 4 << 20]
@@ -113,8 +114,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--sizes", default=None, help="comma-separated sizes in bytes (default 8 B .. 4 MiB)")
     parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds; the median is reported")
     args = parser.parse_args(argv)
+    check_counts(parser, args, ("rounds",), ())
+    try:
+        sizes = parse_counts(args.sizes, "--sizes", "sizes in bytes") if args.sizes else list(DEFAULT_SIZES)
+    except ValueError as exc:
+        parser.error(str(exc))
     limiter = pin_blas_threads(1)  # noqa: F841 - keeps the limit in force
-    sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else list(DEFAULT_SIZES)
     from ..groups import init
 
     world = init()

@@ -29,9 +29,12 @@ def _arrays(count: int, total_bytes: int) -> List[np.ndarray]:
     return [rng.standard_normal(per, dtype=np.float32) for _ in range(count)]
 
 
+REPEATS = 15  # interleaved rounds of each case; the table gives their medians
+
+
 def run(bandwidth_cases: Optional[Sequence[Tuple[int, int]]] = None,
         small_cases: Optional[Sequence[Tuple[int, int]]] = None,
-        repeats: int = 15) -> List[Dict[str, object]]:
+        repeats: int = REPEATS) -> List[Dict[str, object]]:
     """Time pack against its numpy baselines.
 
     Args:
@@ -77,6 +80,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                             description="The compiled pack against numpy.copyto / numpy.concatenate, in this one "
                                         "process (no MPI needed); prints one row per case.").parse_args(
         [] if argv is None else list(argv))
+    print(f"# pack against its baseline in this process, medians of {REPEATS} interleaved rounds "
+          f"(base/pack = baseline time / pack time, above 1 pack is faster)")
     print(f"{'case':>20} {'MB':>10} {'pack':>10} {'baseline':>10} {'pack GB/s':>10} "
           f"{'base GB/s':>10} {'base/pack':>10}  baseline")
     for r in run():

@@ -20,8 +20,7 @@ from typing import List, Optional, Sequence
 
 import numpy as np
 
-from ..errors import InvalidArgumentError
-from .jobs import check_counts, drive, run_worker_job, write_result
+from .jobs import check_counts, drive, parse_counts, run_worker_job, write_result
 from .timing import pin_blas_threads
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
@@ -44,13 +43,7 @@ def configurations(p: int, m: int, layers_per_rank: int) -> List[tuple]:
 
 def parse_ranks(text: str) -> List[int]:
     """"2,4" -> [2, 4] (each at least 2)."""
-    try:
-        ranks = [int(s) for s in text.split(",") if s.strip()]
-    except ValueError:
-        raise InvalidArgumentError(f"--ranks must be comma-separated integers, got {text!r}") from None
-    if not ranks or min(ranks) < 2:
-        raise InvalidArgumentError(f"--ranks needs rank counts of at least 2, got {text!r}")
-    return ranks
+    return parse_counts(text, "--ranks", "rank counts", least=2)
 
 
 # -- worker (runs under mpiexec) ---------------------------------------------------------------

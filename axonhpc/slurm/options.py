@@ -181,6 +181,9 @@ class SlurmOptions:
             raise ConfigurationError(f"--fault-tolerant needs --launcher mpiexec (got {self.launcher or 'srun'}): "
                                      f"srun ends the whole step when a task dies, while Open MPI's mpiexec with "
                                      f"ULFM inside the allocation keeps the survivors running")
+        if self.mpi is not None and self.launcher == "mpiexec":
+            raise ConfigurationError(f"--mpi {self.mpi} chooses srun's MPI plugin, and --launcher mpiexec starts the "
+                                     f"ranks without srun: drop --mpi, or use --launcher srun")
         if self.python is not None and (not isinstance(self.python, str) or not self.python.strip()):
             raise ConfigurationError(f"--python must name an interpreter, got {self.python!r}")
         for name in ("log_dir", "chdir"):

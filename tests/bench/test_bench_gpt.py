@@ -59,6 +59,22 @@ def test_bad_arguments_are_refused_with_the_option():
     assert out.returncode == 2 and "--rounds must be at least 1" in out.stderr
 
 
+def test_layouts_the_model_cannot_take_are_refused_before_any_job():
+    """One block cannot make the two stages of the default layouts' pp=2: refused up front, naming the values,
+    with nothing timed first (without the check the other layouts ran, then pp's worker failed)."""
+    quick = ["--width", "16", "--heads", "2", "--context", "8", "--vocab", "32", "--rounds", "1", "--steps", "1",
+             "--profile-steps", "0", "--no-torch", "--repeats", "1", "--scaling-steps", "1", "--warmup", "0"]
+    out = _run(*quick, "--layers", "1")
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "--layers 1 cannot be split into 2 pipeline stages (layout pp on --ranks 2)" in out.stderr, out.stderr
+    assert out.stdout == "" and "Traceback" not in out.stderr
+    out = _run(*quick, "--layers", "2", "--batch", "6")  # pp=2 runs 4 micro-batches
+    assert out.returncode == 2 and "--batch 6 does not split into 4 micro-batches" in out.stderr, out.stderr
+    out = _run(*quick, "--layers", "2", "--batch", "4", "--heads", "1", "--layouts", "tp")
+    assert out.returncode == 2 and "--heads 1 does not split over tp=2" in out.stderr, out.stderr
+    assert gpt.layout_problem(gpt.parse_args([*quick, "--layers", "1", "--layouts", "dp,tp"])) is None
+
+
 def test_the_default_environment_drops_the_thread_variables(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setenv("AXONHPC_THREADS_SET_BY", "axonhpc launch")

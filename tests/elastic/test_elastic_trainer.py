@@ -7,6 +7,7 @@ the final test loss of the uninterrupted run on 2 ranks to 1e-10 (the steps
 see the same samples at every width); a run that cannot go on must end, on
 every rank, with a ``RecoveryError`` that says why.
 """
+import ast
 import os
 import re
 
@@ -107,6 +108,22 @@ def test_a_global_batch_the_survivors_cannot_split_ends_with_the_reason(tmp_path
     assert ("RecoveryError: after the loss of rank 1 the run cannot go on on 3 ranks: the global batch of 40 samples "
             "does not split evenly over 3 data-parallel ranks") in err, err[-5000:]
     assert f"The state after 5 steps is saved in '{tmp_path / 'ckpt' / 'whole-state'}'" in err, err[-5000:]
+
+
+@needs_openmpi
+@pytest.mark.timeout(300)
+def test_the_docstrings_fault_tolerant_command_runs(tmp_path):
+    """The ``axonhpc launch --fault-tolerant`` line of the example's docstring survives its failure (3 epochs)."""
+    with open(EXAMPLE) as f:
+        docstring = ast.get_docstring(ast.parse(f.read()))
+    line = next(x for x in docstring.splitlines() if "launch --fault-tolerant" in x).split()
+    assert line[:4] == ["axonhpc", "launch", "--fault-tolerant", "-n"] and line[5:7] == ["--", "examples/train_digits.py"]
+    n, args = int(line[4]), line[7:]
+    code, out, err = launch_fault_tolerant(tmp_path, n, EXAMPLE, [*args, "--epochs", "3", "--checkpoint-dir",
+                                                                  str(tmp_path / "ckpt")], "final test loss")
+    assert code == 0, out[-3000:] + err[-5000:]
+    assert [(ranks, int(dp)) for ranks, _, _, dp, _ in RECOVERED.findall(out)] == [("2", n - 1)], out[-3000:]
+    assert "final test accuracy" in out
 
 
 def _trainer(**kwargs):

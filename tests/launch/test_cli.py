@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from axonhpc.mpiexec import launch_command
+from axonhpc.mpiexec import LAUNCHED, launch_command
 from support.openmpi import OPENMPI_PYTHON, job_env, needs_openmpi
 from support.paths import ROOT
 
@@ -25,6 +25,22 @@ def test_info_reports_mpi_and_world():
     assert facts["thread_level"] in ("single", "funneled", "serialized", "multiple")
     assert facts["world_size"] == 1 and facts["num_nodes"] == 1
     assert "cuda_aware_mpi" in facts and "nccl" in facts
+
+
+@needs_openmpi
+@pytest.mark.timeout(300)
+def test_info_under_open_mpi_prints_no_nul_byte(tmp_path):
+    """Open MPI's library version string ends in a NUL byte: neither the table nor the JSON may carry it."""
+    env = job_env(tmp_path)
+    table = subprocess.run([OPENMPI_PYTHON, "-m", "axonhpc", "info"], capture_output=True, timeout=240, env=env,
+                           cwd=ROOT)
+    assert table.returncode == 0, table.stderr
+    line = next(row for row in table.stdout.splitlines() if row.startswith(b"mpi_library"))
+    assert b"Open MPI" in line and b"\x00" not in table.stdout, line
+    as_json = subprocess.run([OPENMPI_PYTHON, "-m", "axonhpc", "info", "--json"], capture_output=True, text=True,
+                             timeout=240, env=env, cwd=ROOT)
+    assert as_json.returncode == 0, as_json.stderr
+    assert "\\u0000" not in as_json.stdout and "\x00" not in json.loads(as_json.stdout)["mpi_library"]
 
 
 def test_launch_runs_a_script_on_several_ranks():
@@ -93,7 +109,7 @@ def test_launch_command_is_an_argument_list_with_open_mpi_settings():
     assert cmd[:3] == ["/opt/mpi/bin/mpiexec", "--allow-run-as-root", "--oversubscribe"]
     assert cmd[-2:] == ["--name", hostile]  # passed through untouched, never through a shell
     mpich = launch_command("/x/mpiexec", "mpich", 2, "t.py", [], hosts="a,b")
-    assert mpich == ["/x/mpiexec", "-hosts", "a,b", "-n", "2", sys.executable, "t.py"]
+    assert mpich == ["/x/mpiexec", "-hosts", "a,b", "-n", "2", sys.executable, LAUNCHED, "t.py"]
 
 
 MPIEXEC = os.path.join(os.path.dirname(sys.executable), "mpiexec")
@@ -124,6 +140,17 @@ def test_bench_pack_runs_from_the_command_line():
     out = run("bench", "pack", "--help")
     assert out.returncode == 0 and "usage: axonhpc bench pack" in out.stdout, out.stderr
     assert run("bench", "pack", "--bogus").returncode == 2
+
+
+def test_bench_without_a_name_lists_the_benchmarks_and_the_help_names_them_all():
+    import axonhpc.cli as cli
+
+    out = run("bench")
+    assert out.returncode == 2 and out.stdout == "", out.stderr
+    assert "the following arguments are required: NAME\n" in out.stderr and "rest" not in out.stderr, out.stderr
+    assert f"NAME is the benchmark to run, one of {', '.join(sorted(cli.BENCHMARKS))}" in out.stderr, out.stderr
+    listed = cli.__doc__.split("axonhpc bench NAME [args]")[1].splitlines()[0]
+    assert all(name in listed for name in cli.BENCHMARKS), listed  # the module docstring's list is complete
 
 
 def _dump(rank, records, reason="collective mismatch"):

@@ -437,6 +437,8 @@ def test_exit_code_and_message_from_the_real_command():
      "--launcher 'ssh' is not one of srun, mpiexec"),
     ("cpu-ddp", ["--nodes", "1", "--tasks-per-node", "2", "--fault-tolerant", "--", "t.py"],
      "--fault-tolerant needs --launcher mpiexec (got srun): srun ends the whole step when a task dies"),
+    ("cpu-ddp", ["--nodes", "1", "--tasks-per-node", "2", "--launcher", "mpiexec", "--mpi", "pmix", "--", "t.py"],
+     "--mpi pmix chooses srun's MPI plugin, and --launcher mpiexec starts the ranks without srun: drop --mpi"),
 ])
 def test_options_that_do_not_fit_the_template_are_refused(template, argv, message, capsys):
     code, out, err = cli_render(capsys, template, *argv)
