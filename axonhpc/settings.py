@@ -284,6 +284,11 @@ class Settings:
         return self
 
     def __setattr__(self, name: str, value: object) -> None:
+        """Assign a field, checked and converted by the parser of its ``AXONHPC_*`` variable (one rule for both:
+        ``settings.timeout = "off"`` is None, ``= -1`` or ``= float("nan")`` raises ``ConfigurationError``)."""
+        spec = _ENVIRONMENT.get(name)
+        if spec is not None:
+            value = _assigned(name, spec, value)
         object.__setattr__(self, name, value)
         # ``revision`` counts assignments: the hot paths cache what they derive
         # from the settings and check this one number instead of every field.
@@ -329,6 +334,19 @@ _ENVIRONMENT = {
     "size_thread_pools": ("AXONHPC_SIZE_THREAD_POOLS", _parse_bool),
     "bucket_size_mb": ("AXONHPC_BUCKET_SIZE_MB", lambda name, text: _parse_bucket_mb(name, text)),
 }
+
+
+def _assigned(name: str, spec: tuple, value: object) -> object:
+    """``value`` assigned to field ``name`` as its variable's parser reads it (the value's text: ``str(value)``;
+    None reads as "none"); ConfigurationError naming the field, the value and the variable otherwise."""
+    var, parse = spec
+    label = f"ax.settings.{name}"
+    text = "none" if value is None else os.fspath(value) if isinstance(value, os.PathLike) else str(value)
+    try:
+        return parse(label, text)
+    except ConfigurationError as exc:
+        message = str(exc).replace(f"{label}={text!r}", f"{label}={value!r}", 1)
+        raise ConfigurationError(f"{message} ({var} takes the same)") from None
 
 
 @dataclass(frozen=True)

@@ -106,11 +106,12 @@ def test_backend_set_by_assignment_is_named_by_init():
 
     saved = runtime._global_world
     runtime._global_world = None
-    ax.settings.backend = "gloo"
     try:
-        with pytest.raises(ConfigurationError, match=r"unknown backend 'gloo' from ax.settings.backend "
-                                                     r"\(AXONHPC_BACKEND\); use one of: auto, mpi, nccl, local"):
-            ax.init()
+        # The assignment itself is refused now, as AXONHPC_BACKEND=gloo is (init named it only later)
+        with pytest.raises(ConfigurationError, match=r"ax.settings.backend='gloo' must be one of auto, mpi, nccl, "
+                                                     r"local \(AXONHPC_BACKEND takes the same\)"):
+            ax.settings.backend = "gloo"
+        assert ax.settings.backend in BACKENDS
         with pytest.raises(ConfigurationError, match=r"unknown backend 'tcp' from init\(backend=...\)"):
             ax.init(backend="tcp")
     finally:
@@ -148,3 +149,48 @@ def test_collective_checks_and_slot_count_settings():
     # The engine keeps one call descriptor per slot in a 4 KiB control block: 63 at most.
     with pytest.raises(ConfigurationError, match="AXONHPC_SHM_SLOTS='64' must be an integer from 1 to 63"):
         Settings().load_environment({"AXONHPC_SHM_SLOTS": "64"})
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("timeout", -1, "ax.settings.timeout=-1 must be a positive number of seconds"),
+    ("timeout", float("nan"), "ax.settings.timeout=nan must be a positive number of seconds"),
+    ("timeout", "x", "ax.settings.timeout='x' is not a number"),
+    ("timeout", float("inf"), "ax.settings.timeout=inf must be a positive number of seconds"),
+    ("stall_timeout", -5, "ax.settings.stall_timeout=-5 must be a positive number of seconds"),
+    ("stall_report", 0, "ax.settings.stall_report=0 must be a positive number of seconds"),
+    ("debug", "maybe", "ax.settings.debug='maybe' is not a boolean"),
+    ("debug", 2, "ax.settings.debug=2 is not a boolean"),
+    ("allreduce_algorithm", "bogus", "ax.settings.allreduce_algorithm='bogus' must be one of native, hierarchical"),
+    ("max_message_elements", 0, "ax.settings.max_message_elements=0 must be a positive integer"),
+    ("shm_collectives", "sometimes", "ax.settings.shm_collectives='sometimes' must be one of auto, off"),
+])
+def test_an_assignment_is_checked_as_its_variable_is(field, value, match):
+    """One rule for both: assigning a field takes what its AXONHPC_* variable takes, and refuses the rest, naming
+    the field, the value and the variable; the field keeps its value."""
+    s = Settings()
+    before = getattr(s, field)
+    with pytest.raises(ConfigurationError, match=match) as info:
+        setattr(s, field, value)
+    assert f"(AXONHPC_{field.upper()} takes the same)" in str(info.value)
+    assert getattr(s, field) == before
+
+
+@pytest.mark.parametrize("field,value,want", [
+    ("timeout", 0, None), ("timeout", None, None), ("timeout", "off", None), ("timeout", 3, 3.0),
+    ("timeout", "2.5", 2.5), ("stall_timeout", None, None), ("debug", "yes", True), ("debug", "no", False),
+    ("debug", True, True), ("debug", 0, False), ("shm_collectives", "OFF", "off"), ("log_level", "debug", "DEBUG"),
+    ("allreduce_algorithm", "Ring", "ring"), ("max_message_elements", 7, 7), ("flight_signal", None, ""),
+])
+def test_an_assignment_is_read_as_its_variable_is(field, value, want):
+    s = Settings()
+    setattr(s, field, value)
+    assert getattr(s, field) == want and type(getattr(s, field)) is type(want)
+
+
+def test_the_global_settings_refuse_a_bad_timeout():
+    import axonhpc as ax
+
+    before = ax.settings.timeout
+    with pytest.raises(ConfigurationError, match="ax.settings.timeout=nan"):
+        ax.settings.timeout = float("nan")
+    assert ax.settings.timeout == before

@@ -11,12 +11,14 @@ from __future__ import annotations
 import abc
 import enum
 import math
+import numbers
 import time
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from .._choices import parse_choice
+from ..errors import ArgumentTypeError, InvalidArgumentError
 
 
 class ReduceOp(enum.Enum):
@@ -118,7 +120,10 @@ class Work:
 
         Raises:
             CollectiveTimeoutError: not complete within the timeout.
+            InvalidArgumentError: a negative or NaN ``timeout``; ArgumentTypeError: one that is not a number.
         """
+        if timeout is not None:
+            timeout = _wait_timeout(timeout)
         if not self._finished:
             if timeout is None:
                 timeout = self.default_timeout
@@ -141,6 +146,18 @@ class Work:
     def result(self) -> Any:
         """Same as ``wait()``."""
         return self.wait()
+
+
+def _wait_timeout(timeout: Any) -> float:
+    """``Work.wait``'s ``timeout`` checked: a number of seconds, 0 or more (``math.inf``: forever)."""
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
+        raise ArgumentTypeError(f"wait(timeout={timeout!r}): the timeout is a number of seconds (math.inf waits "
+                                f"forever, None the group's timeout), got {type(timeout).__name__}")
+    if not timeout >= 0:  # NaN too: a NaN deadline is never reached
+        shown = timeout if type(timeout) in (int, float) else float(timeout)  # np.float64(nan) as nan
+        raise InvalidArgumentError(f"wait(timeout={shown!r}): the timeout must be 0 or more seconds (math.inf "
+                                   f"waits forever, None the group's timeout)")
+    return float(timeout)
 
 
 class CompletedWork(Work):

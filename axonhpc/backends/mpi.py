@@ -195,6 +195,12 @@ class _PostedReceive(MPIWork):
         if not self._requests:
             return True
         MPI = load_mpi()
+        try:
+            return self._test_now(MPI)
+        except MPI.Exception as exc:  # the look for another dtype's message (Iprobe), a cancel, a refusal's receive
+            raise_failure(self._comm, exc)
+
+    def _test_now(self, MPI) -> bool:
         statuses = self._complete(MPI.Request.Testall)
         if statuses is None:
             other = self._looker.look()

@@ -18,6 +18,7 @@ from .._dtypes import is_supported
 from ..backends import shm as shm_backend
 from ..backends.base import CompletedWork, ReduceOp, Work
 from ..cuda import capture
+from ..errors import PeerFailedError
 from ..groups import resolve_group
 from ..observe import tracing
 from ..settings import settings
@@ -147,6 +148,9 @@ def attempt(spec: Spec, x: Any, group: Any, op: Any = None, root: Any = None, ou
             _finish(spec.on_backend(backend, x, out, op, root, way == agreement.NONBLOCKING))
     except agreement.EngineMismatch as exc:
         agreement.explain_mismatch(lambda: agreement.refuse(pg, seq, spec.op, x, name, root), exc)
+    except PeerFailedError as exc:
+        watchdog.delivered(exc)  # an abandoned engine's error names this call
+        raise
     finally:
         del blocked[key]
     if entry is not None:

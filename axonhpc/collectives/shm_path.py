@@ -26,7 +26,7 @@ from .._dtypes import is_cupy_array, is_low_precision_float
 from ..backends.base import CompletedWork, ReduceOp, Work
 from ..backends import shm as shm_backend
 from ..backends.shm import allocate_array, engine_for, engine_in_window, free_array
-from ..errors import CollectiveStallError, CollectiveTimeoutError, replacing
+from ..errors import CollectiveStallError, CollectiveTimeoutError, PeerFailedError, replacing
 from ..settings import settings
 from . import watchdog
 from .group_state import state_of
@@ -55,6 +55,9 @@ class _Path:
             raise  # the watchdog's verdict, which says all there is to say
         except CollectiveTimeoutError as exc:
             raise replacing(timed_out(exc, self.engine, self.pg, self.op_name), exc, settings.debug)
+        except PeerFailedError as exc:
+            watchdog.delivered(exc)  # an abandoned engine's error names this call
+            raise
         finally:
             del watchdog.engines[ident]
 

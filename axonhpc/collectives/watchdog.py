@@ -165,9 +165,10 @@ class _Watchdog(threading.Thread):
     def _look(self) -> None:
         now = time.monotonic()
         self._answer_requests(now)
-        for key, (pg, entry, call) in list(_blocked.items()):
+        for key, seen in list(_blocked.items()):
+            pg, entry, call = seen
             since = self._since(key, pg, entry, call, now)
-            if key in self.verdicts and self.verdict_of.get(key) != self.first_seen[key][0]:
+            if key in self.verdicts and self.verdict_of.get(key) is not seen:
                 self.forget(key)  # the verdict was for a call that has ended
             if pg.backend.name == "local":  # run_local's thread ranks share this process: no watchdog there
                 continue
@@ -176,7 +177,7 @@ class _Watchdog(threading.Thread):
                     key in engines or cached_engine(pg.backend) is not None):
                 dead = lost_while_waiting(pg.world, pg.ranks)  # the engine's waits see no MPI error: look
                 if dead:
-                    self._end(key, pg, node_peer_failed(dead, _call_text(pg, entry, call)))
+                    self._end(key, seen, node_peer_failed(dead, _call_text(pg, entry, call)))
                     continue
             mark = (key, since)
             if waited >= settings.stall_report and mark not in self.reported:
@@ -191,11 +192,11 @@ class _Watchdog(threading.Thread):
                 self.reported[mark] = now + RECHECK  # the proof of a deadlock may need states that came late
                 self._checked[mark] = self.reported[mark]
                 if key not in self.verdicts:
-                    self._report(key, pg, entry, call, waited, log=first)
+                    self._report(key, seen, waited, log=first)
             timeout = settings.stall_timeout
             if timeout is not None and waited >= timeout and key not in self.verdicts:
-                text = self._report(key, pg, entry, call, waited, log=False)
-                self._end(key, pg, CollectiveStallError(
+                text = self._report(key, seen, waited, log=False)
+                self._end(key, seen, CollectiveStallError(
                     f"rank {pg.world.rank} waited {waited:.0f} s in {_call_text(pg, entry, call)} "
                     f"(AXONHPC_STALL_TIMEOUT={timeout:g}); {text}"))
 
@@ -277,7 +278,8 @@ class _Watchdog(threading.Thread):
                     out[int(state["rank"])] = state
         return out
 
-    def _report(self, key: int, pg: Any, entry: Optional[list], call: str, waited: float, log: bool = True) -> str:
+    def _report(self, key: int, seen: tuple, waited: float, log: bool = True) -> str:
+        pg = seen[0]
         states = self._states()
         world_ranks = range(pg.world.world_size)
         lines = []
@@ -300,22 +302,41 @@ class _Watchdog(threading.Thread):
                               for r, nxt in zip(cycle, cycle[1:] + cycle[:1]))
             error = DeadlockError(f"deadlock: {calls} (each waits for the next, so none can go on). {text}")
             error.ranks = tuple(sorted(cycle))
-            self._end(key, pg, error)
+            self._end(key, seen, error)
         elif log:
             get_logger("watchdog").warning(f"rank {pg.world.rank} still waits after {waited:.0f} s; {text}")
         return text
 
-    def _end(self, key: int, pg: Any, error: Exception) -> None:
-        """End the blocked call with ``error``: the engine gives up at once; a call in MPI cannot, so the job ends."""
+    def _end(self, key: int, seen: tuple, error: Exception) -> None:
+        """End the blocked call ``seen`` (its note in ``_blocked``) with ``error``: the engine gives up at once; a
+        call in MPI cannot, so the job ends.
+
+        [Note: a verdict ends the call it was made for]
+        A verdict takes time to make (ULFM's failed set, the other ranks' state files), and the thread goes on
+        meanwhile: one rank of a pair whose third rank had died got, 2 600 all-reduces later, an error naming the
+        call the look had seen. So a verdict is given only while the thread is still in that very call (each note
+        is a tuple of its own), ``verdict()`` answers only that call, and the job is ended only while the
+        thread still waits in it: a healthy later call is never ended with a stall found in an earlier one. The
+        engine is told last; should its call return in the instant between, the next call it fails names
+        itself (``delivered``).
+        """
+        pg = seen[0]
+        if _blocked.get(key) is not seen:
+            return  # that call ended: the next look judges the one the thread is in now
         self.verdicts[key] = error
-        self.verdict_of[key] = self.first_seen[key][0] if key in self.first_seen else None
+        self.verdict_of[key] = seen
+        error._axonhpc_call = seen  # which call its text names (see delivered)
+        if _blocked.get(key) is not seen:
+            self.forget(key)
+            return
         for engine in {id(e): e for e in (engines.get(key), cached_engine(pg.backend)) if e is not None}.values():
             engine.abandon(error)
         deadline = time.monotonic() + 3.0
-        while key in _blocked and time.monotonic() < deadline:
+        while _blocked.get(key) is seen and time.monotonic() < deadline:
             time.sleep(0.05)
+        still = _blocked.get(key) is seen
         comm = getattr(pg.backend, "comm", None)
-        if key in _blocked and settings.fault_tolerant and isinstance(error, PeerFailedError) and comm is not None:
+        if still and settings.fault_tolerant and isinstance(error, PeerFailedError) and comm is not None:
             # Blocked inside MPI in a fault-tolerant job: revoking the communicator (ULFM) makes the call return
             # MPI_ERR_REVOKED on every rank, which it raises as PeerFailedError itself, and the survivors go on.
             # Aborting here ended a whole elastic job once in this session's three full runs of test_elastic
@@ -324,7 +345,7 @@ class _Watchdog(threading.Thread):
 
             revoke(MPI, comm)
             return
-        if key in _blocked:  # blocked inside MPI, which cannot be interrupted: end the job with the error
+        if still:  # blocked inside MPI, which cannot be interrupted: end the job with the error
             get_logger("watchdog").error(f"{type(error).__name__} on rank {pg.world.rank}: {error}; the call waits "
                                          "inside MPI, which cannot be interrupted: aborting the job")
             sys.stderr.flush()
@@ -396,10 +417,27 @@ def start() -> None:
 
 
 def verdict(key: Optional[int] = None) -> Optional[Exception]:
-    """The error the watchdog decided this thread's blocked call raises (for waits that poll), or None."""
+    """The error the watchdog decided this thread's blocked call raises (for waits that poll), or None: one
+    decided for an earlier call is not this one's ([Note: a verdict ends the call it was made for])."""
     if _dog is None:
         return None
-    return _dog.verdicts.get(threading.get_ident() if key is None else key)
+    key = threading.get_ident() if key is None else key
+    error = _dog.verdicts.get(key)
+    if error is None or _dog.verdict_of.get(key) is not _blocked.get(key):
+        return None
+    return error
+
+
+def delivered(error: BaseException) -> None:
+    """``error`` ends this thread's call now (raised by the node's engine): if it is a watchdog's
+    ``PeerFailedError`` whose text names another call, make it name this one. An abandoned engine fails every
+    later call with the same error; the peer is still gone, but the call is not the one first judged."""
+    named = getattr(error, "_axonhpc_call", None)
+    seen = _blocked.get(get_ident())
+    if named is None or seen is None or named is seen or not isinstance(error, PeerFailedError):
+        return
+    error._axonhpc_call = seen
+    error.args = (node_peer_failed(list(error.lost), _call_text(*seen)).args[0],)
 
 
 def _register() -> None:
@@ -411,4 +449,4 @@ def _register() -> None:
 
 _register()
 
-__all__ = ["blocking", "unblocked", "install", "start", "verdict", "user_location"]
+__all__ = ["blocking", "unblocked", "install", "start", "verdict", "delivered", "user_location"]

@@ -63,12 +63,16 @@ def _job(tmp_path, n, *args, python=OPENMPI_PYTHON, launch=("--fault-tolerant",)
     (4, 2, "barrier", "off"),
     (3, 1, "async", "off"),
     (3, 2, "recv", "off"),
+    (3, 1, "irecv_poll", "off"),  # is_completed's look for another dtype's message (Iprobe) met the failure raw
+    (3, 1, "irecv_wait", "off"),
     # The node's shared-memory engine: the watchdog sees the process gone
     (3, 2, "all_reduce", "auto"),
     (4, 0, "broadcast", "auto"),
     (3, 1, "large", "auto"),
     (3, 2, "subgroup", "auto"),  # a peer of the wait stuck on the victim: ULFM's failed set ends it
     (4, 3, "subgroup", "auto"),
+    # The watchdog's verdict names the call it ends, not one of the thousands before it (ULFM is slow to ask)
+    (3, 1, "pair", "auto"),
 ])
 def test_every_survivor_raises_peer_failed_naming_the_dead_rank(tmp_path, n, victim, mode, shm):
     survivors = [r for r in range(n) if r != victim]
@@ -85,6 +89,11 @@ def test_every_survivor_raises_peer_failed_naming_the_dead_rank(tmp_path, n, vic
         assert json.loads(lost) == [victim], verdict
         assert float(seconds) < 10, verdict  # measured: 0.01-0.1 s; bounded well below any timeout
         assert f"rank {victim} of the job failed" in message, verdict
+        if mode == "pair":
+            seq = (tmp_path / f"seq-rank{rank}.txt").read_text()
+            assert f"all_reduce #{seq} " in message, f"rank {rank} raised in all_reduce #{seq}: {message}"
+        if mode in ("recv", "irecv_poll", "irecv_wait"):  # docs/fault-tolerance.md: the communicator is revoked
+            assert (tmp_path / f"revoked-rank{rank}.txt").read_text() == "1", f"rank {rank}: world not revoked"
 
 
 @needs_openmpi

@@ -136,11 +136,114 @@ def test_a_failed_peer_found_while_a_call_waits_inside_mpi_revokes_in_a_fault_to
     monkeypatch.setattr(watchdog.time, "monotonic", iter(range(0, 10**6, 10)).__next__)  # the grace passes at once
     dog = watchdog._Watchdog()
     key = -12345  # a thread that stays blocked inside MPI
-    monkeypatch.setitem(watchdog._blocked, key, (pg, None, "all_gather"))
+    seen = (pg, None, "all_gather")
+    monkeypatch.setitem(watchdog._blocked, key, seen)
     lost = PeerFailedError("rank 0 of the job failed", [0])
     for tolerant, error, want in ((True, lost, ["revoke"]), (False, lost, ["abort 1"]),
                                   (True, DeadlockError("deadlock"), ["abort 1"])):
         calls.clear()
         monkeypatch.setattr(settings, "fault_tolerant", tolerant)
-        dog._end(key, pg, error)
+        dog._end(key, seen, error)
         assert calls == want, (tolerant, error)
+
+
+class _Engine:
+    """A stand-in for the node's engine: records what the watchdog abandons it with."""
+
+    def __init__(self):
+        self.abandoned = []
+
+    def abandon(self, error):
+        self.abandoned.append(error)
+
+
+def _moving_thread(monkeypatch, tolerant):
+    """A watchdog, a group on a stand-in engine and a thread key whose call the test replaces mid-look."""
+    import types
+
+    from axonhpc.collectives import watchdog
+    from axonhpc.settings import settings
+
+    calls = []
+    world = types.SimpleNamespace(rank=0, world_size=3, abort=lambda code: calls.append(f"abort {code}"))
+    pg = types.SimpleNamespace(backend=types.SimpleNamespace(name="mpi"), world=world, name="pair", ranks=(0, 2))
+    engine = _Engine()
+    monkeypatch.setattr(watchdog, "cached_engine", lambda backend: engine)
+    monkeypatch.setattr(settings, "fault_tolerant", tolerant)
+    monkeypatch.setattr(watchdog, "_dog", watchdog._Watchdog())
+    return watchdog, pg, engine, calls
+
+
+def _note(watchdog, pg, seq):
+    """The note a call of seq ``seq`` leaves in ``_blocked`` (a flight entry as ``flight.record`` makes it)."""
+    from axonhpc.collectives import flight
+
+    entry = [None] * len(flight.FIELDS)
+    entry[flight.FIELDS.index("op")], entry[flight.FIELDS.index("seq")] = "all_reduce", seq
+    return (pg, entry, None)
+
+
+def test_a_peer_failure_found_during_one_call_names_the_call_it_ends(monkeypatch):
+    """F4: ULFM's failed set takes a while to read; the thread finished thousands of small all-reduces meanwhile, and
+    the error named the call the look had seen (#28520) in the call it ended (#31108). The look now gives no
+    verdict to a call that has ended; the next look ends the call then waiting, named as it is."""
+    watchdog, pg, engine, _ = _moving_thread(monkeypatch, tolerant=True)
+    key = -23456
+    first, later = _note(watchdog, pg, 28520), _note(watchdog, pg, 31108)
+    monkeypatch.setitem(watchdog._blocked, key, first)
+
+    def slow_look(world, ranks):  # the thread moves on to a later call while ULFM is asked
+        watchdog._blocked[key] = later
+        return [1]
+
+    monkeypatch.setattr(watchdog, "lost_while_waiting", slow_look)
+    dog = watchdog._dog
+    dog._look()
+    assert engine.abandoned == [] and watchdog.verdict(key) is None
+    dog._look()  # the thread still waits in the later call
+    assert len(engine.abandoned) == 1, engine.abandoned
+    text = str(engine.abandoned[0])
+    assert "all_reduce #31108" in text and "#28520" not in text, text
+    assert watchdog.verdict(key) is engine.abandoned[0]
+
+
+def test_a_stall_verdict_never_ends_a_later_healthy_call(monkeypatch):
+    """A stall whose call completes while the watchdog reads the other ranks' states: the verdict must reach neither
+    the thread's next call (the engine, a polling wait) nor end the job while that next call waits in MPI."""
+    from axonhpc.settings import settings
+
+    watchdog, pg, engine, calls = _moving_thread(monkeypatch, tolerant=False)
+    monkeypatch.setattr(settings, "stall_report", 1000.0)
+    monkeypatch.setattr(settings, "stall_timeout", 5.0)
+    key = -34567
+    stalled, healthy = _note(watchdog, pg, 7), _note(watchdog, pg, 8)
+    monkeypatch.setitem(watchdog._blocked, key, stalled)
+    dog = watchdog._dog
+    clock = iter(range(0, 10**6, 10))
+    monkeypatch.setattr(watchdog.time, "monotonic", lambda: float(next(clock)))
+    monkeypatch.setattr(watchdog.time, "sleep", lambda s: None)
+    dog._look()  # first sight of the call
+    report = dog._report
+
+    def report_then_complete(*args, **kwargs):  # the stalled call returns; the thread enters the next one
+        watchdog._blocked[key] = healthy
+        return report(*args, **kwargs)
+
+    monkeypatch.setattr(dog, "_report", report_then_complete)
+    dog._look()  # past stall_timeout: the verdict is made for the call that has just ended
+    assert engine.abandoned == [] and calls == [], (engine.abandoned, calls)
+    assert watchdog.verdict(key) is None
+
+
+def test_a_verdict_answers_only_the_call_it_was_made_for(monkeypatch):
+    from axonhpc.errors import CollectiveStallError
+
+    watchdog, pg, engine, calls = _moving_thread(monkeypatch, tolerant=False)
+    key = -45678
+    stalled, healthy = _note(watchdog, pg, 3), _note(watchdog, pg, 4)
+    monkeypatch.setitem(watchdog._blocked, key, stalled)
+    monkeypatch.setattr(watchdog.time, "sleep", lambda s: watchdog._blocked.__setitem__(key, healthy))
+    error = CollectiveStallError("stalled")
+    watchdog._dog._end(key, stalled, error)  # the call returns during the grace; the next one starts
+    assert engine.abandoned == [error] and calls == []  # no abort: the thread waits in another call
+    assert watchdog.verdict(key) is None  # a polling wait of the next call does not raise it
