@@ -13,7 +13,9 @@ The data is scikit-learn's bundled digits set (1,797 8x8 images, offline).
 bar, the loss and the held-out accuracy are reduced across ranks after each
 epoch, and a checkpoint directory is written after each epoch; --resume
 continues from the newest one and gives, bit for bit, the same parameters as
-an uninterrupted run. SIGTERM or SIGUSR1 (what SLURM sends before a time
+an uninterrupted run. Without --resume the checkpoint directory must hold no
+earlier run's checkpoints (the trainer refuses to mix two runs; scripts/demo.sh
+empties its own first). SIGTERM or SIGUSR1 (what SLURM sends before a time
 limit or a preemption) stops every rank after the same step, writes a
 checkpoint and exits with status 75, so a requeued job resumes.
 

@@ -17,7 +17,9 @@ The data is scikit-learn's bundled digits set; each rank trains on its shard
 of every epoch, the loss and held-out accuracy are reduced across ranks, a
 checkpoint directory is written after each epoch (``--checkpoint-dir``), and
 ``--resume`` continues from the newest one (bit for bit the uninterrupted
-run). ``--min-accuracy`` makes the exit status say whether it learned.
+run); without it the directory must hold no earlier run's checkpoints (the
+trainer refuses to mix two runs). ``--min-accuracy`` makes the exit status say
+whether it learned.
 """
 import argparse
 import sys

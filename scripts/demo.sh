@@ -15,5 +15,11 @@ case "$DEVICE" in
     *) echo "demo: AXONHPC_DEVICE must be cpu or cuda, got '$DEVICE'" >&2; exit 2 ;;
 esac
 export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 AXONHPC_ABORT_ON_EXCEPTION=1
+# A run without --resume starts afresh: the trainer refuses to write a new run's checkpoints among an
+# earlier run's (pruning could delete the new ones), so the demo's own directory is emptied first.
+case " $* " in
+    *" --resume "*) ;;
+    *) rm -rf checkpoints/digits ;;
+esac
 exec timeout -k 10 900 "${AXONHPC_VENV:-.venv}/bin/axonhpc" launch -n "$N" -- examples/train_digits.py \
     --epochs 20 --min-accuracy 0.95 --checkpoint-dir checkpoints/digits --device "$DEVICE" "$@"
