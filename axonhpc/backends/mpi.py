@@ -15,7 +15,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 import numpy as np
 
 from .._dtypes import array_module, is_cupy_array
-from ..errors import BackendUnavailableError, InvalidArgumentError, ShapeError
+from ..errors import BackendUnavailableError, InvalidArgumentError, ShapeError, UsageError
 from ..settings import settings
 from .base import Backend, CompletedWork, ReduceOp, Work
 from .mpi_arrivals import Arrivals
@@ -227,6 +227,26 @@ class _PostedReceive(MPIWork):
         return poll(self._test, None if timeout is None else time.monotonic() + timeout)
 
 
+def new_communicator(make: Callable[[], Any], what: str) -> Any:
+    """``make()``'s communicator, or UsageError when MPI has run out of them (a raw mpi4py error otherwise).
+
+    Each process group holds two or three MPI communicators (its own, the side channel of timed calls, and
+    a shared-memory window's), which live as long as the process: MPICH allows about 2,000 in all.
+    """
+    MPI = load_mpi()
+    try:
+        return make()
+    except MPI.Exception as exc:
+        text = exc.Get_error_string()
+        # MPICH: "Too many communicators (0/2048 free ...)"; Open MPI: out of context ids / resources.
+        if not any(sign in text.lower() for sign in ("too many communicators", "context id", "out of resource")):
+            raise
+        raise UsageError(f"MPI could not make the communicator of {what}: it has run out of them. Every process "
+                         f"group (new_group, split, each group of a mesh) keeps two or three MPI communicators for "
+                         f"the life of the process, and MPI has a few thousand: make each group once and reuse it. "
+                         f"MPI said: {text.strip()}") from exc
+
+
 class MPIBackend(Backend):
     """Backend over an mpi4py intracommunicator (a private ``Dup`` of it).
 
@@ -241,10 +261,10 @@ class MPIBackend(Backend):
             raise InvalidArgumentError("MPIBackend needs a communicator, got MPI.COMM_NULL")
         if comm.Is_inter():
             raise InvalidArgumentError("MPIBackend needs an intracommunicator, got an intercommunicator")
-        self.comm = comm.Dup() if dup else comm
+        self.comm = new_communicator(comm.Dup, "a process group") if dup else comm
         # The side channel of timed collectives' arrival notices (see Arrivals): made now, while every
         # rank takes part, because a timeout is exactly when some rank would not come to a Dup.
-        self._side = self.comm.Dup()
+        self._side = new_communicator(self.comm.Dup, "a process group's side channel")
         self._silent: set = set()  # peers that sent no arrival notice for a call that completed (``Arrivals.drain``)
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
@@ -523,15 +543,18 @@ class MPIBackend(Backend):
 
     def split(self, color: Optional[int], key: int) -> Optional["MPIBackend"]:
         MPI = load_mpi()
-        new = self.comm.Split(MPI.UNDEFINED if color is None else int(color), int(key))
+        new = new_communicator(lambda: self.comm.Split(MPI.UNDEFINED if color is None else int(color), int(key)),
+                               "a split group")
         return None if new == MPI.COMM_NULL else MPIBackend(new, dup=False)
 
     def create_group(self, ranks: Sequence[int]) -> Optional["MPIBackend"]:
         MPI = load_mpi()
         parent = self.comm.Get_group()
         group = parent.Incl(list(ranks))
-        new = self.comm.Create(group)
-        group.Free()
+        try:
+            new = new_communicator(lambda: self.comm.Create(group), f"group {list(ranks)}")
+        finally:
+            group.Free()
         parent.Free()
         return None if new == MPI.COMM_NULL else MPIBackend(new, dup=False)
 
