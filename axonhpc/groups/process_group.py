@@ -6,13 +6,14 @@ world through ``WorldFacts``; ``ProcessGroup.mock()`` needs a whole world, so ``
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, ClassVar, Dict, Optional, Protocol, Sequence, Tuple
 
 import numpy as np
 
 from ..backends.base import Backend
 from ..backends.shm import engine_for
-from ..errors import GroupMismatchError, InvalidArgumentError, NotAMemberError, RankError, everywhere
+from ..errors import ArgumentTypeError, GroupMismatchError, InvalidArgumentError, NotAMemberError, RankError, everywhere
 from ..settings import settings
 from .agreement import compare
 
@@ -47,7 +48,7 @@ class ProcessGroup:
         self.member_backend = backend
         self.ranks: Tuple[int, ...] = tuple(int(r) for r in ranks)
         self.name = name
-        self.timeout: Optional[float] = None
+        self._timeout: Optional[float] = None
         self.debug: Optional[bool] = None
         self.seq = 0  # collectives issued on this group by this rank
         # The collective layer's state of this group (collectives.group_state.GroupState), made on first use.
@@ -111,6 +112,23 @@ class ProcessGroup:
                 and self.on_one_node):
             engine_for(self.member_backend, settings.shm_slot_bytes, settings.shm_slots, True)
         return self
+
+    @property
+    def timeout(self) -> Optional[float]:
+        """Seconds a blocking call on this group may wait; None takes ``ax.settings.timeout``."""
+        return self._timeout
+
+    @timeout.setter
+    def timeout(self, value: Optional[float]) -> None:
+        if value is not None:
+            if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+                raise ArgumentTypeError(f"group {self.name}: timeout must be a number of seconds or None, got "
+                                        f"{type(value).__name__} {value!r}")
+            if not (math.isfinite(value) and value > 0):
+                raise InvalidArgumentError(f"group {self.name}: timeout must be a finite number of seconds > 0, or "
+                                           f"None for ax.settings.timeout, got {value!r}")
+            value = float(value)
+        self._timeout = value
 
     def effective_timeout(self) -> Optional[float]:
         """Seconds a blocking call on this group waits: ``timeout``, else ``ax.settings.timeout``."""

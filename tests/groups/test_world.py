@@ -37,6 +37,21 @@ def test_import_does_not_start_mpi_or_load_extras():
     assert out.returncode == 0, out.stdout + out.stderr
 
 
+def test_a_groups_timeout_is_checked_when_set():
+    # A NaN or negative timeout was kept and meant waiting forever, or timing out at once.
+    pg = ax.ProcessGroup.mock()
+    for bad in (float("nan"), -1, 0, float("inf")):
+        with pytest.raises(ax.errors.InvalidArgumentError, match=f"timeout must be a finite number of seconds > 0, "
+                                                                 f"or None for ax.settings.timeout, got {bad!r}"):
+            pg.timeout = bad
+    with pytest.raises(ax.errors.ArgumentTypeError, match="timeout must be a number of seconds or None, got str '3'"):
+        pg.timeout = "3"
+    pg.timeout = 2
+    assert pg.timeout == 2.0 and isinstance(pg.timeout, float) and pg.effective_timeout() == 2.0
+    pg.timeout = None
+    assert pg.timeout is None
+
+
 def test_run_local_returns_results_in_rank_order():
     assert ax.run_local(lambda w: (w.rank, w.world_size), world_size=3) == [(0, 3), (1, 3), (2, 3)]
 
