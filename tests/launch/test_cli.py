@@ -216,9 +216,10 @@ def test_ending_the_launcher_ends_the_ranks(tmp_path, how):
     def alive(pid):
         try:
             os.kill(pid, 0)
-        except ProcessLookupError:
+            with open(f"/proc/{pid}/stat") as stat:  # the process may end between the two
+                return stat.read().rsplit(")", 1)[1].split()[0] not in "ZX"
+        except (ProcessLookupError, FileNotFoundError):
             return False
-        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] not in "ZX"
 
     deadline = time.monotonic() + 20
     while any(alive(p) for p in pids) and time.monotonic() < deadline:

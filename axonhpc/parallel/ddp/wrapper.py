@@ -200,7 +200,7 @@ class DistributedDataParallel(WrapperModes):
         """Make every ``p.grad`` its bucket view (or a separate array), keeping its values."""
         for bucket, params in zip(self._buckets, self._bucket_params):
             for p, view in zip(params, bucket.views):
-                if p.grad is None:
+                if p.grad is None and self.find_unused_parameters:
                     self._gradless.add(id(p))
                 if self.gradient_as_bucket_view:
                     if p.grad is not view:
@@ -270,7 +270,8 @@ class DistributedDataParallel(WrapperModes):
         self._launches = 0  # buckets launched in this step, by either strategy
 
     def _on_grad_ready(self, param: Any) -> None:
-        self._gradless.discard(id(param))
+        if self.find_unused_parameters:
+            self._gradless.discard(id(param))
         if not self._tracking:
             return
         k, slot = self._where[id(param)]
