@@ -15,9 +15,11 @@ cannot help. This module runs the script as ``python script.py`` would (``__main
 script's directory first on ``sys.path``) and catches a ``SystemExit`` with a non-zero status from it. Where
 MPI runs with more than one rank, it then aborts the job with that status: ``MPI_Abort`` passes it on as
 mpiexec's exit status under MPICH and Open MPI alike (measured here), so the job ends at once and
-``axonhpc launch`` exits with the rank's code (a preempted trainer's 75 too). Status 0 exits as usual. Under
-``--fault-tolerant`` the rank just exits: ULFM's survivors go on without it. ``AXONHPC_ABORT_ON_EXCEPTION=0``
-turns this off, as it does the abort on an uncaught exception.
+``axonhpc launch`` exits with the rank's code. Status 0 exits as usual, and so does a ``SystemExit`` whose
+``every_rank`` attribute is True: every rank raises it together (the trainer's preemption exit, 75), so none
+waits for another, and under ``srun`` (the SLURM templates run scripts through this file too) an abort would
+turn the 75 into the step's 137. Under ``--fault-tolerant`` the rank just exits: ULFM's survivors go on
+without it. ``AXONHPC_ABORT_ON_EXCEPTION=0`` turns this off, as it does the abort on an uncaught exception.
 """
 from __future__ import annotations
 
@@ -72,7 +74,7 @@ def main(argv: List[str]) -> None:
             runpy.run_path(argv[0], run_name="__main__")
     except SystemExit as exc:
         status = _status(exc.code)
-        if status != 0:
+        if status != 0 and getattr(exc, "every_rank", False) is not True:
             _end_job(status, exc.code)
         raise
 

@@ -26,6 +26,20 @@ PREEMPTED_EXIT_CODE = 75
 SIGNALS = ("SIGTERM", "SIGUSR1")
 
 
+class PreemptedExit(SystemExit):
+    """``SystemExit(75)``, raised by every rank together after the preemption checkpoint.
+
+    ``every_rank`` tells ``axonhpc/launched.py`` that no rank is left waiting for this one, so the job ends as
+    usual instead of being aborted ([Note: a rank that exits with an error]): under ``srun`` an abort would
+    replace the 75, which a requeue rule such as ``RequeueExit=75`` looks for, with the step's 137.
+    """
+
+    every_rank = True
+
+    def __init__(self) -> None:
+        super().__init__(PREEMPTED_EXIT_CODE)
+
+
 class Preemption:
     """A stop request from a signal or from code, agreed on by every rank of a group.
 
@@ -69,4 +83,4 @@ class Preemption:
         self._previous = {}
 
 
-__all__ = ["Preemption", "PREEMPTED_EXIT_CODE", "SIGNALS"]
+__all__ = ["Preemption", "PreemptedExit", "PREEMPTED_EXIT_CODE", "SIGNALS"]

@@ -50,7 +50,7 @@ from ..groups.agreement import all_or_none, who_passed
 from ..collectives.refusal import batch_refused, vote
 from ..observe.log import get_logger
 from ..settings import settings
-from .preemption import PREEMPTED_EXIT_CODE, Preemption
+from .preemption import PREEMPTED_EXIT_CODE, Preemption, PreemptedExit
 from .progress import DEFAULT_PERCENT, DEFAULT_SECONDS, Progress, parse_every
 from .shrink import Shrinking, check_options, preemption_after
 from .strategies import SETUPS, STRATEGIES, Setup, batches_of, build
@@ -663,7 +663,7 @@ class DistributedTrainer:
         self._say(f"preempted after step {self.global_step}: checkpoint written, exiting with "
                   f"{PREEMPTED_EXIT_CODE} so a requeued run resumes")
         if self.exit_on_preemption:
-            raise SystemExit(PREEMPTED_EXIT_CODE)
+            raise PreemptedExit()
         return records
 
     def evaluate(self, eval_arrays: Sequence[Any], batch_size: int = 256) -> Dict[str, float]:

@@ -52,6 +52,18 @@ def test_every_rank_exiting_with_one_status_gives_that_status_under_open_mpi(tmp
     assert out.returncode == 75, out.stdout + out.stderr
 
 
+@pytest.mark.timeout(240)
+def test_the_trainers_preemption_exit_on_every_rank_exits_without_an_abort(tmp_path):
+    # Every rank raises it together, so none waits for another: the job ends as usual with 75 (under srun an
+    # abort would make the step's status 137; tests/launch/test_slurm_cluster.py runs that case).
+    script = tmp_path / "preempted.py"
+    script.write_text("import axonhpc as ax\nfrom axonhpc.trainer import PreemptedExit\nax.init()\nax.barrier()\n"
+                      "raise PreemptedExit()\n")
+    out = _launch(sys.executable, script, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert out.returncode == 75, out.stdout + out.stderr
+    assert "ending the job" not in out.stderr, out.stderr
+
+
 SHOWS_WHAT_IT_SEES = """
 import json, os, sys
 print(json.dumps({"numpy_loaded": "numpy" in sys.modules, "axonhpc_loaded": "axonhpc" in sys.modules,

@@ -98,6 +98,34 @@ def test_a_failing_rank_ends_the_job_quickly(cluster, tmp_path):
     assert time.monotonic() - start < 60, job.logs()
 
 
+@pytest.mark.parametrize("template", ["multinode", "cpu-ddp"])
+def test_a_rank_that_exits_with_an_error_ends_the_job(cluster, tmp_path, template):
+    # Under srun too the script runs through axonhpc/launched.py: without it the exiting rank waited for the
+    # others in MPI_Finalize, they waited for it in the all-reduce, and the job ran to its time limit. (srun
+    # reports 137 for the step, as it does for any task that exits early: the 4 is in the log.)
+    script = slurm.render(template, ["--nodes", "1", "--tasks-per-node", "3", "--time", "00:05:00",
+                                     *_common(tmp_path)], [os.path.join(CLUSTER, "exit_rank.py"), "one"])
+    start = time.monotonic()
+    job = cluster.submit(script, str(tmp_path))
+    fields = job.wait(timeout=120)
+    logs = job.logs()
+    assert fields["JobState"] == "FAILED" and fields["ExitCode"] != "0:0", (fields, logs)
+    assert "[axonhpc rank 2] exits with status 4: ending the job" in logs, logs
+    assert time.monotonic() - start < 60, logs
+
+
+def test_a_preempted_exit_on_every_rank_keeps_its_status_under_srun(cluster, tmp_path):
+    # Every rank leaves with 75 together: launched.py lets them exit instead of aborting (which srun would
+    # report as 137), so a requeue rule on 75 sees it.
+    script = slurm.render("multinode", ["--nodes", "1", "--tasks-per-node", "3", "--time", "00:05:00",
+                                        *_common(tmp_path)], [os.path.join(CLUSTER, "exit_rank.py"), "every"])
+    job = cluster.submit(script, str(tmp_path))
+    fields = job.wait(timeout=120)
+    logs = job.logs()
+    assert fields["JobState"] == "FAILED" and fields["ExitCode"] == "75:0", (fields, logs)
+    assert "ending the job" not in logs, logs
+
+
 def test_pytest_mpi_template_runs_the_multi_rank_suite(cluster, tmp_path):
     script = slurm.render("pytest-mpi", ["--nodes", "1", "--tasks-per-node", "2", *_common(tmp_path)],
                           ["-k", "test_hierarchical_case_mpi"])

@@ -29,6 +29,7 @@ from support.paths import ROOT
 BASH = shutil.which("bash")
 TEMPLATES = ["cpu-ddp", "fsdp-hybrid", "gpu", "multinode", "pytest-mpi"]
 TRAINING = ["cpu-ddp", "fsdp-hybrid", "gpu", "multinode"]  # run a script; pytest-mpi runs the suite
+LAUNCHED = os.path.join(ROOT, "axonhpc", "launched.py")
 pytestmark = pytest.mark.skipif(BASH is None, reason="bash is needed to check the rendered scripts")
 
 # Each of these must reach the program as exactly this one argument.
@@ -101,10 +102,16 @@ def fake_cluster(tmp_path):
     fake_python = tmp_path / "fake python"  # a space in the interpreter's path, on purpose
     write(fake_python, f"#!{sys.executable}\n"
           "import json, os, signal, sys, time\n"
+          "if sys.argv[1] == '-c':  # the template asks where launched.py is: answer as python would\n"
+          "    exec(sys.argv[2])\n"
+          "    sys.exit(0)\n"
           "keys = ('CUDA_VISIBLE_DEVICES', 'OMP_NUM_THREADS', 'PYTHONUNBUFFERED', 'AXONHPC_TIMEOUT',\n"
           "        'AXONHPC_ABORT_ON_EXCEPTION', 'OPENBLAS_NUM_THREADS')\n"
+          f"launched = sys.argv[1] == {LAUNCHED!r}  # the script runs through axonhpc/launched.py\n"
+          "argv = sys.argv[2:] if launched else sys.argv[1:]\n"
           f"with open({str(log)!r}, 'a') as f:\n"
-          "    f.write(json.dumps({'argv': sys.argv[1:], 'env': {k: os.environ.get(k) for k in keys}}) + '\\n')\n"
+          "    f.write(json.dumps({'argv': argv, 'launched': launched,\n"
+          "                        'env': {k: os.environ.get(k) for k in keys}}) + '\\n')\n"
           "if os.environ.get('FAKE_NOTICE') == '1' and 'junit_total' not in ' '.join(sys.argv):\n"
           "    os.kill(os.getppid(), signal.SIGUSR1)\n"
           "    time.sleep(0.5)\n"
@@ -209,6 +216,7 @@ def test_hostile_arguments_arrive_as_single_literal_arguments(template, capsys, 
     calls = fake_cluster.calls()
     assert len(calls) == 1
     assert calls[0]["argv"] == ["my script.py", *args]
+    assert calls[0]["launched"], "under srun the script runs through axonhpc/launched.py"
     assert not os.path.exists(pwned), "an argument ran a command"
     assert "--kill-on-bad-exit=1" in fake_cluster.srun_options()
     env = calls[0]["env"]
