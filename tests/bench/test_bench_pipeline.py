@@ -14,7 +14,10 @@ from axonhpc.bench import pipeline as bench_pipeline
 from axonhpc.mpiexec import find_mpiexec
 
 ROW = re.compile(r"^(?P<schedule>GPipe|1F1B|interleaved)\s+(?P<ranks>\d+)\s+(?P<m>\d+)\s+(?P<v>\d+)\s+"
-                 r"(?P<ms>\d+\.\d{3})\s+(?P<bubble>\d+\.\d{3})\s+(?P<formula>\d+\.\d{3})$")
+                 r"(?P<ms>\d+\.\d{3})\s+(?P<bubble>\d+\.\d{3})\s+(?P<formula>\d+\.\d{3})\s+"
+                 r"(?P<ratio>\d+\.\d{2})\s+(?P<speedup>\d+\.\d{2})$")
+BASELINES = re.compile(r"^# (?P<ranks>\d+) ranks: raw mpi4py GPipe (?P<raw>\d+\.\d{3}) ms, one rank "
+                       r"(?P<one>\d+\.\d{3}) ms$")
 
 
 def test_formula_and_configurations():
@@ -51,8 +54,14 @@ def test_driver_prints_table():
         assert m, f"unparsable row: {line!r}"
         rows.append(m)
     assert [(r["schedule"], r["v"]) for r in rows] == [("GPipe", "1"), ("1F1B", "1"), ("interleaved", "2")]
+    (base,) = [BASELINES.match(line) for line in lines if BASELINES.match(line)]
+    raw, one = float(base["raw"]), float(base["one"])
+    assert base["ranks"] == "2" and raw > 0 and one > 0
     for r in rows:
         assert r["ranks"] == "2" and r["m"] == "4"
+        # the ratios are the row's time against the same job's baselines (to the printed rounding)
+        assert float(r["ratio"]) == pytest.approx(float(r["ms"]) / raw, rel=0.01, abs=0.006)
+        assert float(r["speedup"]) == pytest.approx(one / float(r["ms"]), rel=0.01, abs=0.006)
         assert float(r["ms"]) > 0 and 0 <= float(r["bubble"]) < 1
         v = int(r["v"])
         assert float(r["formula"]) == pytest.approx(bench_pipeline.bubble_formula(2, 4, v), abs=5e-4)
