@@ -196,7 +196,9 @@ AX_HOT void FN(ax_gelu_backward)(const T *g, const T *x, const T *aux, T *dx, in
     }
 }
 
-/* ReLU over rows x cols of x = pre (+ bias): y = x * (x > 0) and the mask. */
+/* ReLU over rows x cols of x = pre (+ bias), as PyTorch's: y = x < 0 ? +0 : x (a select: -inf * 0 would be NaN,
+ * -1 * 0 would be -0; NaN and -0 pass as they are), and the mask !(x <= 0) of where the gradient passes (NaN
+ * included, as PyTorch's backward passes it where the output is not <= 0). */
 AX_HOT void FN(ax_relu_forward)(const T *pre, const T *bias, T *y, uint8_t *mask, int64_t rows, int64_t cols) {
     for (int64_t r = 0; r < rows; r++) {
         const T *pr = pre + r * cols;
@@ -205,16 +207,14 @@ AX_HOT void FN(ax_relu_forward)(const T *pre, const T *bias, T *y, uint8_t *mask
         if (bias) {
             for (int64_t j = 0; j < cols; j++) {
                 T xv = pr[j] + bias[j];
-                uint8_t m = xv > 0;
-                mr[j] = m;
-                yr[j] = xv * (T)m;
+                mr[j] = !(xv <= (T)0);
+                yr[j] = xv < (T)0 ? (T)0 : xv;
             }
         } else {
             for (int64_t j = 0; j < cols; j++) {
                 T xv = pr[j];
-                uint8_t m = xv > 0;
-                mr[j] = m;
-                yr[j] = xv * (T)m;
+                mr[j] = !(xv <= (T)0);
+                yr[j] = xv < (T)0 ? (T)0 : xv;
             }
         }
     }

@@ -8,6 +8,7 @@ import numpy as np
 
 from .._dtypes import array_module
 from ..errors import ConfigurationError, ShapeError
+from .sampler import DistributedSampler
 
 
 class DataLoader:
@@ -27,7 +28,9 @@ class DataLoader:
         For a single array, one batch array; for a tuple/list, a tuple of batches.
 
     Raises:
-        ShapeError: the arrays have different lengths (the message lists them) or are 0-d.
+        ShapeError: the arrays have different lengths (the message lists them) or are 0-d; a
+            ``DistributedSampler`` over another number of samples than the arrays' length; while
+            iterating, a sampler index outside ``[0, length)``.
         ConfigurationError: batch_size < 1, no arrays, or both a sampler and shuffle.
     """
 
@@ -49,6 +52,10 @@ class DataLoader:
         if sampler is not None and shuffle:
             raise ConfigurationError("DataLoader takes either a sampler or shuffle=True, not both "
                                      "(let the sampler shuffle)")
+        if isinstance(sampler, DistributedSampler) and sampler.n != lengths[0]:
+            # fewer would leave rows out silently, more would index past the arrays
+            raise ShapeError(f"DataLoader sampler is a DistributedSampler over n={sampler.n} samples, but the "
+                             f"arrays have length {lengths[0]}; build it with n={lengths[0]}")
         self.n = lengths[0]
         self.batch_size = int(batch_size)
         self.sampler = sampler
@@ -65,7 +72,12 @@ class DataLoader:
 
     def _order(self) -> np.ndarray:
         if self.sampler is not None:
-            return np.fromiter(iter(self.sampler), dtype=np.int64)
+            order = np.fromiter(iter(self.sampler), dtype=np.int64)
+            outside = order[(order < 0) | (order >= self.n)]
+            if outside.size:
+                raise ShapeError(f"DataLoader sampler gave index {int(outside[0])}, outside the arrays' length "
+                                 f"{self.n} (indices must be in [0, {self.n}))")
+            return order
         if self.shuffle:
             return np.random.default_rng(self.seed + self.epoch).permutation(self.n)
         return np.arange(self.n)

@@ -34,7 +34,7 @@ def _rounded(out: Any, dtype: Any) -> Any:
 
 
 class ReLU(Module):
-    """max(x, 0); the gradient at 0 is taken as 0, as in PyTorch.
+    """max(x, 0), NaN passing; the gradient at 0 is taken as 0, as in PyTorch.
 
     On cupy float32/float64 arrays the forward is one kernel (``nn.kernels``).
     """
@@ -47,9 +47,11 @@ class ReLU(Module):
             y, mask = kernels.relu_forward(x)
             self._save_cache(mask)
             return y
-        mask = x > 0
+        # Selects, not ``x * (x > 0)``: -inf * 0 is NaN and -1 * 0 is -0.0, where PyTorch gives +0.0. As in
+        # PyTorch, a NaN passes (its gradient too) and -0.0 stays -0.0.
+        mask = ~(x <= 0)
         self._save_cache(mask)
-        return x * mask
+        return array_module(x).where(x < 0, 0, x)
 
     def fused_bias_forward(self, pre: Any, bias: Any) -> Any:
         """``forward(pre + bias)`` with the add in the same kernel (``Linear(activation="relu")`` on cupy).
@@ -61,8 +63,8 @@ class ReLU(Module):
         return y
 
     def backward(self, grad_out: Any) -> Any:
-        """Pass the gradient where the input was positive."""
-        return grad_out * self._pop_cache()
+        """Pass the gradient where the input was positive (or NaN), +0.0 elsewhere (an inf or NaN there included)."""
+        return array_module(grad_out).where(self._pop_cache(), grad_out, 0)
 
 
 class Tanh(Module):

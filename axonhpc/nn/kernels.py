@@ -111,11 +111,12 @@ def _erf_preamble() -> str:
 
 
 def _relu_source() -> cuda_kernels.Source:
-    return "T x", "T y, bool mask", "mask = x > (T)0;\ny = x * (T)mask;", ""
+    # selects, as ReLU's array code: -inf * 0 would be NaN (and NaN passes, with its gradient, as in PyTorch)
+    return "T x", "T y, bool mask", "mask = !(x <= (T)0);\ny = x < (T)0 ? (T)0 : x;", ""
 
 
 def relu_forward(x: Any) -> Tuple[Any, Any]:
-    """``(x * (x > 0), x > 0)`` in one kernel: ReLU's output and the mask its backward keeps."""
+    """``(where(x < 0, +0, x), ~(x <= 0))`` in one kernel: ReLU's output and the mask its backward keeps."""
     if type(x) is np.ndarray:
         y, mask = np.empty_like(x), np.empty(x.shape, dtype=np.bool_)
         _HOST.relu_forward(x, None, y, mask)

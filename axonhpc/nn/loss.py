@@ -9,7 +9,7 @@ from typing import Any, Tuple
 
 import numpy as np
 
-from .._dtypes import array_module, is_cupy_array, is_low_precision_float
+from .._dtypes import array_module, is_cupy_array, is_floating, is_low_precision_float
 from ..cuda import capture
 from ..errors import ShapeError, UnsupportedDtypeError
 from . import kernels
@@ -21,18 +21,26 @@ def _working_dtype(x: Any):
     return "float32" if is_low_precision_float(x.dtype) else x.dtype
 
 
+def _check_grad_output(grad_output: Any) -> None:
+    """ShapeError for an array ``grad_output`` (host or device) of other than one element, which would broadcast
+    against the gradient's last axis instead of scaling it; checked before the backward takes the cache."""
+    if hasattr(grad_output, "shape") and grad_output.size != 1:
+        where = "device" if is_cupy_array(grad_output) else "host"
+        raise ShapeError(f"a loss's grad_output must be a number or a one-element {where} array, got shape "
+                         f"{tuple(grad_output.shape)}")
+
+
 def _grad_factor(grad_output: Any, numerator: float, count: int, dtype: Any) -> Any:
     """``numerator * grad_output / count``, the factor of a loss gradient.
 
     A device ``grad_output`` (a one-element cupy array: a graphed step's loss scale) gives a 0-d device array
     computed in float64 as the host computes it and rounded once, so both give the same gradient bit for bit.
-    ShapeError for a device ``grad_output`` of more than one element.
+    ``grad_output`` has passed ``_check_grad_output``.
     """
     if not is_cupy_array(grad_output):
+        if hasattr(grad_output, "shape"):
+            grad_output = grad_output.reshape(())  # (1,) or (1, 1) would change the gradient's shape
         return numerator * grad_output / count
-    if grad_output.size != 1:
-        raise ShapeError(f"a loss's grad_output must be a number or a one-element device array, got shape "
-                         f"{tuple(grad_output.shape)}")
     return ((grad_output.reshape(()).astype(np.float64, copy=False) * numerator) / count).astype(dtype)
 
 
@@ -54,7 +62,7 @@ class CrossEntropyLoss(Module):
 
         Inside a graphed step the targets' range is checked once the step has run. Raises ShapeError for targets not
         of the logits' shape without the last axis, no position, or a target outside [0, C); UnsupportedDtypeError
-        for non-integer targets.
+        for non-integer targets or non-floating logits.
         """
         xp = array_module(logits)
         targets = xp.asarray(targets)
@@ -64,6 +72,9 @@ class CrossEntropyLoss(Module):
                              f"{tuple(targets.shape)}")
         if targets.dtype.kind not in "iu":
             raise UnsupportedDtypeError(f"CrossEntropyLoss targets must be integer class indices, got dtype {targets.dtype}")
+        if not is_floating(logits.dtype):
+            raise UnsupportedDtypeError(f"CrossEntropyLoss logits must be floating point, got dtype {logits.dtype} "
+                                        f"(cast them, e.g. logits.astype(numpy.float32))")
         c, shape = logits.shape[-1], logits.shape
         flat = logits.reshape(-1, c)
         fused = kernels.takes_kernels(flat) and targets.dtype.kind == "i" and flat.flags.c_contiguous
@@ -117,9 +128,10 @@ class CrossEntropyLoss(Module):
     def backward(self, grad_output: Any = 1.0) -> Any:
         """d loss / d logits (the logits' shape), times ``grad_output``.
 
-        ``grad_output``: a number (1/M for M accumulated micro-batches, or the loss scale), or a one-element device
-        array (``GradScaler.scale(1.0)`` inside a graphed step).
+        ``grad_output``: a number (1/M for M accumulated micro-batches, or the loss scale), or a one-element array
+        (``GradScaler.scale(1.0)`` inside a graphed step is a device one); ShapeError for an array of another size.
         """
+        _check_grad_output(grad_output)
         x, m, ls, targets, dtype, shape = self._pop_cache()
         factor = _grad_factor(grad_output, 1.0, x.shape[0], x.dtype)
         if kernels.takes_host_kernels(x, m, ls) and targets.dtype == np.int64 and isinstance(factor, float):
@@ -157,7 +169,9 @@ class MSELoss(Module):
         return loss if capture.defers_reads() and is_cupy_array(loss) else float(loss)
 
     def backward(self, grad_output: Any = 1.0) -> Any:
-        """d loss / d prediction = 2 (prediction - target) / numel, times ``grad_output`` (as for cross-entropy)."""
+        """d loss / d prediction = 2 (prediction - target) / numel, times ``grad_output`` (as for cross-entropy:
+        a number or a one-element array, else ShapeError)."""
+        _check_grad_output(grad_output)
         diff, dtype = self._pop_cache()
         return (diff * _grad_factor(grad_output, 2.0, diff.size, diff.dtype)).astype(dtype, copy=False)
 

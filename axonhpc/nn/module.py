@@ -374,15 +374,29 @@ class Module:
     def _pop_cache(self) -> Any:
         """Take the cached forward activations (leaving none), or raise."""
         cache = self.__dict__.get("_cache")
+        replaced = self.__dict__.get("_replaced", 0)  # forwards whose cache a later forward replaced
         if cache is None:
+            earlier = self.__dict__.get("_replaced_before_backward", 0)
+            object.__setattr__(self, "_replaced_before_backward", 0)
+            if earlier:
+                raise BackwardBeforeForwardError(
+                    f"{type(self).__name__}.backward was called again without a forward, and this module was "
+                    f"called {earlier + 1} times before its last backward: "
+                    "each call replaces the cache of the one before, so only the last can be backpropagated. "
+                    "One instance used at two places of a model (the same activation listed twice in a "
+                    "Sequential) needs an instance for each place")
             raise BackwardBeforeForwardError(
                 f"{type(self).__name__}.backward was called without a forward since the last backward "
                 "(call the module on an input first; restore_activations() after stash_activations())"
             )
         object.__setattr__(self, "_cache", None)
+        object.__setattr__(self, "_replaced", 0)
+        object.__setattr__(self, "_replaced_before_backward", replaced)
         return cache
 
     def _save_cache(self, cache: Any) -> None:
+        if self.__dict__.get("_cache") is not None:
+            object.__setattr__(self, "_replaced", self.__dict__.get("_replaced", 0) + 1)
         object.__setattr__(self, "_cache", cache)
 
     def stash_activations(self) -> List[Any]:

@@ -1,6 +1,7 @@
 """LayerNorm over the trailing axes."""
 from __future__ import annotations
 
+import math
 from typing import Any, Sequence, Tuple, Union
 
 import numpy as np
@@ -26,7 +27,7 @@ class LayerNorm(Module):
         dtype: parameter dtype.
 
     Raises:
-        ConfigurationError: an empty or non-positive ``normalized_shape``, or eps < 0.
+        ConfigurationError: an empty or non-positive ``normalized_shape``, or eps not a number >= 0 (NaN).
     """
 
     takes_arrays = True
@@ -37,10 +38,14 @@ class LayerNorm(Module):
         shape = (int(normalized_shape),) if np.ndim(normalized_shape) == 0 else tuple(int(s) for s in normalized_shape)
         if not shape or any(s <= 0 for s in shape):
             raise ConfigurationError(f"LayerNorm normalized_shape must be non-empty and positive, got {shape}")
-        if eps < 0:
-            raise ConfigurationError(f"LayerNorm eps must be >= 0, got {eps}")
+        try:
+            value = float(eps)
+        except (TypeError, ValueError):
+            value = math.nan
+        if not value >= 0:  # NaN too, which would make every output NaN
+            raise ConfigurationError(f"LayerNorm eps must be a number >= 0, got {eps!r}")
         self.normalized_shape = shape
-        self.eps = float(eps)
+        self.eps = value
         self.elementwise_affine = bool(elementwise_affine)
         if self.elementwise_affine:
             self.weight = Parameter(np.ones(shape, dtype=dtype))

@@ -13,19 +13,27 @@ from .optimizer import Optimizer, check_non_negative
 
 
 def _check_betas(owner: str, betas: Tuple[float, float]) -> Tuple[float, float]:
-    betas = tuple(float(b) for b in betas)
-    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
-        raise ConfigurationError(f"{owner} betas must be two numbers in [0, 1), got {betas}")
-    return betas
+    try:
+        values = tuple(float(b) for b in betas)
+    except (TypeError, ValueError):
+        raise ConfigurationError(f"{owner} betas must be two numbers in [0, 1), got {betas!r}") from None
+    if len(values) != 2 or not all(0.0 <= b < 1.0 for b in values):
+        raise ConfigurationError(f"{owner} betas must be two numbers in [0, 1), got {values}")
+    return values
 
 
 class Adam(Optimizer):
     """Adam (Kingma & Ba) exactly as torch.optim.Adam (amsgrad off).
 
     Per step t, with g = grad + weight_decay * p (L2 added to the gradient):
-    m = m + (1 - beta1) (g - m); v = beta2 v + (1 - beta2) g^2;
+    m = lerp(m, g, 1 - beta1); v = beta2 v + (1 - beta2) g^2;
     p -= lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps).
-    Note eps is added after the bias-corrected square root.
+    Note eps is added after the bias-corrected square root. The lerp is
+    torch's, two-sided: m + w (g - m) for a weight w = 1 - beta1 below 0.5,
+    else g - (g - m)(1 - w), so beta1 = 0 gives m = g exactly. The
+    operations are torch's, in its order and dtype; torch's CPU kernels fuse
+    some into multiply-adds, which these do not, so the results can differ
+    from its in the last bit.
 
     Args:
         params: Parameters to update.
@@ -128,17 +136,29 @@ class Adam(Optimizer):
             else:
                 grad = grad + self.weight_decay * data
         exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-        # torch uses lerp for the first moment: m + (1 - beta1)(g - m).
-        exp_avg += (1 - beta1) * (grad - exp_avg)
+        # torch's exp_avg.lerp_(grad, w), w = 1 - beta1 in the parameters' dtype: m + w (g - m) for |w| < 0.5,
+        # else g - (g - m)(1 - w), exact where w is 1 (beta1 = 0 keeps the gradient's low bits).
+        weight = exp_avg.dtype.type(1 - beta1)
+        diff = grad - exp_avg
+        if abs(weight) < 0.5:
+            diff *= weight
+            exp_avg += diff
+        else:
+            diff *= 1 - weight
+            xp.subtract(grad, diff, out=exp_avg)
+        # torch's exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2): v b2 + ((1 - b2) g) g
         exp_avg_sq *= beta2
-        exp_avg_sq += (1 - beta2) * (grad * grad)
+        square = grad * (1 - beta2)
+        square *= grad
+        exp_avg_sq += square
         bias_correction1 = 1 - beta1 ** step
         bias_correction2 = 1 - beta2 ** step
         denom = xp.sqrt(exp_avg_sq)
         denom /= math.sqrt(bias_correction2)
         denom += self.eps
-        update = exp_avg / denom
-        update *= self.lr / bias_correction1
+        # torch's param.addcdiv_(exp_avg, denom, value=-step_size): p + ((-step_size) m) / denom
+        update = exp_avg * (self.lr / bias_correction1)
+        update /= denom
         data -= update
 
 

@@ -99,13 +99,14 @@ def _adam_source(l2: bool, decoupled: bool) -> cuda_kernels.Source:
     if decoupled:
         lines.append("param = param * decay;")
     lines += [
-        "exp_avg = exp_avg + one_minus_beta1 * (g - exp_avg);",
+        "T d = g - exp_avg;",  # torch's lerp, two-sided (exact where 1 - beta1 is 1)
+        "exp_avg = one_minus_beta1 < (T)0.5 ? exp_avg + d * one_minus_beta1 : g - d * ((T)1 - one_minus_beta1);",
         "exp_avg_sq = exp_avg_sq * beta2;",
-        "exp_avg_sq = exp_avg_sq + one_minus_beta2 * (g * g);",
+        "exp_avg_sq = exp_avg_sq + (g * one_minus_beta2) * g;",  # torch's addcmul_: value * g first
         "T denom = sqrt(exp_avg_sq) / sqrt_bias_correction2;",
         "denom = denom + eps;",
-        "T update = exp_avg / denom;",
-        "update = update * step_size;",
+        "T update = exp_avg * step_size;",  # torch's addcdiv_: value * m, then / denom
+        "update = update / denom;",
         "param = param - update;",
     ]
     return ("T grad, T weight_decay, T decay, T one_minus_beta1, T beta2, T one_minus_beta2, "

@@ -15,7 +15,7 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
 
-from .._dtypes import array_module, is_cupy_array
+from .._dtypes import array_module, is_cupy_array, is_floating
 from ..errors import ArgumentTypeError, ConfigurationError, StateDictError
 from ..observe.tracing import span
 
@@ -25,6 +25,24 @@ def _as_array_like(value: Any, like: Any) -> Any:
     if is_cupy_array(value) and not is_cupy_array(like):
         value = value.get()
     return array_module(like).array(value, dtype=like.dtype, copy=True)
+
+
+def _state_array(value: Any, like: Any) -> Tuple[Any, Optional[str]]:
+    """``(value as an array, None)`` if it can be state of a parameter ``like``, else ``(None, what is wrong)``.
+
+    Arrays of the parameter's shape with real numbers fit, and so do nested lists of them (what a JSON or YAML
+    round trip makes of the arrays): ``load_state_dict`` copies them in with the parameter's dtype.
+    """
+    if not hasattr(value, "shape"):
+        try:
+            value = np.asarray(value)
+        except (TypeError, ValueError) as exc:
+            return None, f"is a {type(value).__name__} that is not an array ({exc})"
+    if not (is_floating(value.dtype) or np.dtype(value.dtype).kind in "iu"):  # bfloat16 is no "f" kind
+        return None, f"has dtype {np.dtype(value.dtype)}, not real numbers"
+    if tuple(value.shape) != tuple(like.shape):
+        return None, f"has shape {tuple(value.shape)}, the parameter has {tuple(like.shape)}"
+    return value, None
 
 
 def _plain(value: Any) -> Any:
@@ -106,7 +124,9 @@ class Optimizer:
         """Raise StateDictError, changing nothing, if ``load_state_dict(state_dict)`` would refuse it.
 
         Checked: the keys, the hyperparameter names (another kind of optimizer has others), the number of
-        parameters, each state's keys (``state_keys``) and each array's shape. Every problem is listed.
+        parameters, each state's keys (``state_keys``), its ``step`` (an int >= 0) and every other value: an
+        array of real numbers with the parameter's shape, or nested lists that ``np.asarray`` makes one (a
+        JSON round trip's). Every problem is listed.
         """
         name = type(self).__name__
         if not isinstance(state_dict, dict) or set(state_dict) != {"hyperparameters", "state"}:
@@ -130,14 +150,19 @@ class Optimizer:
                     problems.append(f"the state of parameter {i} has keys {sorted(entry)}; {name} keeps "
                                     f"{sorted(self.state_keys)} (or nothing before its first step)")
                 for k, v in entry.items():
-                    if hasattr(v, "shape") and tuple(v.shape) != tuple(p.data.shape):
-                        problems.append(f"state {k!r} of parameter {i} has shape {tuple(v.shape)}, "
-                                        f"the parameter has {tuple(p.data.shape)}")
+                    if k == "step":
+                        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 0:
+                            problems.append(f"state 'step' of parameter {i} is {v!r}, not an int >= 0")
+                        continue
+                    problem = _state_array(v, p.data)[1]
+                    if problem is not None:
+                        problems.append(f"state {k!r} of parameter {i} {problem}")
         if problems:
             raise StateDictError(f"cannot load state dict into {name}: " + "; ".join(problems))
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        """Restore hyperparameters and state saved by ``state_dict()``; arrays are copied in.
+        """Restore hyperparameters and state saved by ``state_dict()``; arrays (or lists of numbers) are copied in,
+        with the parameter's dtype and on its device.
 
         Raises StateDictError, before anything changes, for what ``check_state_dict`` refuses.
         """
@@ -148,7 +173,8 @@ class Optimizer:
             value = hyper[name]
             setattr(self, name, tuple(value) if isinstance(current, tuple) else value)
         self.state = [
-            {k: (_as_array_like(v, p.data) if hasattr(v, "shape") else v) for k, v in entry.items()}
+            {k: (int(v) if k == "step" else _as_array_like(_state_array(v, p.data)[0], p.data))
+             for k, v in entry.items()}
             for p, entry in zip(self.params, states)
         ]
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 from ..nn import Checkpoint, Module
-from .tensor import ColumnParallelLinear, RowParallelLinear
+from .tensor import split_parameters
 
 
 def dense_names(module: Module) -> Dict[str, str]:
@@ -43,24 +43,17 @@ def parameter_boxes(module: Module, local_shapes: Optional[Mapping[int, Tuple[in
     Returns:
         A dict in ``named_parameters`` order.
     """
-    owners: Dict[int, Module] = {}
-    for _, m in module.named_modules():
-        for p in m.parameters(recurse=False):
-            owners[id(p)] = m
+    split = split_parameters(module)
     names = dense_names(module)
     out = {}
     for name, p in module.named_parameters():
-        owner = owners[id(p)]
         shape = tuple(local_shapes[id(p)]) if local_shapes is not None and id(p) in local_shapes else p.data.shape
-        shape, offset = tuple(shape), (0,) * len(shape)
-        if isinstance(owner, ColumnParallelLinear):
-            start = owner.group.rank * owner.out_features_per_rank
-            shape = (owner.out_features,) + shape[1:]
-            offset = (start,) + offset[1:]
-        elif isinstance(owner, RowParallelLinear) and p is owner.weight:
-            shape = (shape[0], owner.in_features)
-            offset = (0, owner.group.rank * owner.in_features_per_rank)
-        out[name] = (names[name], shape, offset)
+        shape, offset = list(shape), [0] * len(shape)
+        if id(p) in split:  # the group's ranks hold equal consecutive blocks along the axis
+            layer, axis = split[id(p)]
+            offset[axis] = layer.group.rank * shape[axis]
+            shape[axis] *= layer.group.size
+        out[name] = (names[name], tuple(shape), tuple(offset))
     return out
 
 

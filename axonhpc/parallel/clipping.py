@@ -26,20 +26,13 @@ from .ddp import DDP
 from .fsdp import FSDP
 from .grad_norm import clip_grad_norm as clip_spread
 from .pipeline import Pipeline
-from .tensor import ColumnParallelLinear, RowParallelLinear
+from .tensor import split_parameters
 
 
 def _tensor_parallel_parts(module: Module) -> Tuple[Any, List[Any], List[Any]]:
     """``(the layers' group or None, gradients counted here, gradients counted on another rank)``."""
-    groups, sharded = {}, set()
-    for _, m in module.named_modules():
-        if isinstance(m, ColumnParallelLinear):
-            sharded.update(id(p) for p in (m.weight, m.bias) if p is not None)
-        elif isinstance(m, RowParallelLinear):
-            sharded.add(id(m.weight))
-        else:
-            continue
-        groups.setdefault(id(m.group), m.group)
+    split = split_parameters(module)
+    groups = {id(layer.group): layer.group for layer, _ in split.values()}
     if len(groups) > 1:
         names = sorted(g.name for g in groups.values())
         raise ConfigurationError(f"clip_grad_norm: the model's tensor-parallel layers use {len(groups)} groups "
@@ -49,7 +42,7 @@ def _tensor_parallel_parts(module: Module) -> Tuple[Any, List[Any], List[Any]]:
     for p in module.parameters():
         if p.grad is None:
             continue
-        if group is None or id(p) in sharded or group.rank == 0:
+        if group is None or id(p) in split or group.rank == 0:
             counted.append(p.grad)
         else:
             elsewhere.append(p.grad)  # a replicated parameter: the same gradient as on group rank 0

@@ -15,7 +15,7 @@ from ..backends import ReduceOp
 from ..collectives import all_reduce
 from ..collectives.core import refuse_call
 from ..errors import AxonError, CollectiveMismatchError, everywhere
-from ..optim.clip import checked_max_norm, checked_norm_type, scale_to_norm
+from ..optim.clip import checked_max_norm, checked_norm_type, norm_part, scale_to_norm
 
 
 def clip_grad_norm(grads: List[Any], max_norm: float, norm_type: float, shard_group: Any, xp: Any,
@@ -40,7 +40,7 @@ def clip_grad_norm(grads: List[Any], max_norm: float, norm_type: float, shard_gr
         _same_arguments(norm_type, max_norm, shard_group)
     inf = np.isinf(norm_type)
     # Each shard's part stays on the device; the host reads their max or sum once.
-    parts = [_part(xp.abs(g.astype(np.float64)), inf, norm_type, xp) for g in grads]
+    parts = [norm_part(g, norm_type) for g in grads]
     local = (float(xp.stack(parts).max()) if inf else float(xp.stack(parts).sum())) if parts else 0.0
     value = np.array([local], dtype=np.float64)
     if shard_group is not None and shard_group.size > 1:
@@ -65,13 +65,6 @@ def _same_arguments(norm_type: float, max_norm: float, group: Any) -> None:
         f"clip_grad_norm on group {group.name}: the ranks passed different arguments (norm_type from {-words[1]:g} "
         f"to {words[0]:g}, max_norm from {-words[3]:g} to {words[2]:g}); every rank must clip by the same norm"),
         group.ranks)
-
-
-def _part(g64: Any, inf: bool, norm_type: float, xp: Any) -> Any:
-    """One shard's part of the norm as a 0-d array of its array module: max |g|, or sum |g|^p."""
-    if inf:
-        return g64.max() if g64.size else xp.zeros((), dtype=np.float64)
-    return (g64 ** norm_type).sum()
 
 
 __all__ = ["clip_grad_norm"]

@@ -157,3 +157,18 @@ def test_loader_validation():
         DataLoader(np.float64(3.0), 2)
     with pytest.raises(ConfigurationError):
         DataLoader((), 2)
+
+
+@pytest.mark.parametrize("n", [100, 20])
+def test_loader_refuses_a_distributed_sampler_over_another_length(n):
+    # more samples than rows indexed past the arrays (a bare IndexError); fewer left rows out silently
+    with pytest.raises(ShapeError, match=rf"DistributedSampler over n={n} samples, but the arrays have length 50"):
+        DataLoader(np.arange(50), 8, sampler=DistributedSampler(n, 2, 0))
+
+
+@pytest.mark.parametrize("bad", [10, -1])
+def test_loader_refuses_a_sampler_index_outside_the_arrays(bad):
+    loader = DataLoader((np.arange(10), np.arange(10)), 4, sampler=[3, 1, bad, 0])
+    assert len(loader) == 1
+    with pytest.raises(ShapeError, match=rf"index {bad}, outside the arrays' length 10"):
+        list(loader)

@@ -79,6 +79,21 @@ def test_a_layer_on_the_device_matches_numpy(name, dtype, strict_cupy):
         assert np.array_equal(np.isnan(a), np.isnan(b))
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_the_relu_kernels_give_plus_zero_for_negative_infinity_as_pytorch(dtype, c_math):
+    # torch.relu: -inf and -1 give +0.0 (x * (x > 0) gives NaN and -0.0), -0.0 and NaN pass; the gradient passes
+    # where the output is not <= 0 (NaN included)
+    x = np.array([-np.inf, -1.0, -0.0, 0.0, np.nan, 2.0, np.inf], dtype=dtype)
+    expected = np.array([0.0, 0.0, -0.0, 0.0, np.nan, 2.0, np.inf], dtype=dtype)
+    mask = [False, False, False, False, True, True, True]
+    y, m = kernels.relu_forward(c_math.asarray(x))
+    _same_bits(y.get(), expected)
+    np.testing.assert_array_equal(m.get(), mask)
+    y, m = kernels.bias_relu(c_math.asarray(x - 1), c_math.asarray(np.ones_like(x)))
+    _same_bits(y.get(), expected + 0.0)  # -0.0 - 1 + 1 is +0.0
+    np.testing.assert_array_equal(m.get(), mask)
+
+
 @pytest.mark.parametrize("name", ["gelu", "gelu_tanh"])
 def test_a_fused_forward_and_an_array_backward_share_what_is_saved(name, c_math, monkeypatch):
     x, g = _inputs(np.float32)

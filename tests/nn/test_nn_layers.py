@@ -1,11 +1,14 @@
 """Layer behaviour beyond gradients: initialisation, values, modes, dtypes, errors."""
 import math
+import re
 
 import numpy as np
 import pytest
 
 from axonhpc import nn
-from axonhpc.errors import AxonError, ConfigurationError, ShapeError
+from axonhpc.errors import AxonError, ConfigurationError, ShapeError, UnsupportedDtypeError
+from axonhpc.nn import kernels
+from axonhpc.settings import settings
 from axonhpc.nn.functional import erf, log_softmax, softmax
 
 
@@ -81,6 +84,37 @@ def test_relu_and_tanh_values():
     x = np.array([-2.0, 0.0, 3.0])
     np.testing.assert_array_equal(nn.ReLU()(x), [0.0, 0.0, 3.0])
     np.testing.assert_allclose(nn.Tanh()(x), np.tanh(x))
+
+
+# PyTorch's relu and its backward on these (torch.relu, y.backward(RELU_G)): -inf and -1 give +0.0, not NaN
+# and -0.0 as x * (x > 0) gives; -0.0 and NaN pass; the gradient is +0.0 wherever x <= 0, an inf or NaN there too.
+RELU_X = [-np.inf, -1.0, -0.0, 0.0, np.nan, 2.0, np.inf]
+RELU_Y = [0.0, 0.0, -0.0, 0.0, np.nan, 2.0, np.inf]
+RELU_G = [-1.0, np.inf, np.nan, -2.0, 3.0, -1.0, 5.0]
+RELU_DX = [0.0, 0.0, 0.0, 0.0, 3.0, -1.0, 5.0]
+
+
+def _assert_same_bits(a, b):
+    a, b = np.asarray(a), np.asarray(b)
+    assert a.dtype == b.dtype and a.shape == b.shape
+    assert np.array_equal(a, b, equal_nan=True) and np.array_equal(np.signbit(a), np.signbit(b)), (a, b)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_relu_gives_plus_zero_for_negative_infinity_as_pytorch(dtype, fused, monkeypatch):
+    monkeypatch.setattr(settings, "fused_kernels", fused)
+    layer = nn.ReLU()
+    _assert_same_bits(layer(np.array(RELU_X, dtype=dtype)), np.array(RELU_Y, dtype=dtype))
+    _assert_same_bits(layer.backward(np.array(RELU_G, dtype=dtype)), np.array(RELU_DX, dtype=dtype))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_relu_host_kernel_with_a_bias_gives_plus_zero_for_negative_infinity(dtype):
+    pre = np.array([RELU_X, RELU_X], dtype=dtype)
+    y, mask = kernels.bias_relu(pre, np.zeros(len(RELU_X), dtype=dtype))
+    _assert_same_bits(y, np.array([RELU_Y, RELU_Y], dtype=dtype) + 0.0)  # -0.0 + 0.0 is +0.0
+    np.testing.assert_array_equal(mask[0], [False, False, False, False, True, True, True])
 
 
 def test_softmax_helpers_are_stable():
@@ -174,6 +208,13 @@ def test_layernorm_normalises_trailing_axes():
         nn.LayerNorm((4, 5))(np.ones((5, 4)))
     with pytest.raises(ShapeError):
         nn.LayerNorm((4, 5))(np.ones(5))
+
+
+@pytest.mark.parametrize("eps", [float("nan"), -1e-5, "small", None])
+def test_layernorm_refuses_an_eps_that_is_not_a_number_at_least_zero(eps):
+    # NaN passed ``eps < 0`` and made every output NaN
+    with pytest.raises(ConfigurationError, match=re.escape(f"LayerNorm eps must be a number >= 0, got {eps!r}")):
+        nn.LayerNorm(3, eps=eps)
 
 
 def test_embedding_lookup_and_errors():
@@ -279,6 +320,32 @@ def test_cross_entropy_errors():
     with pytest.raises(TypeError):
         loss_fn(np.zeros((2, 3)), np.array([0.0, 1.0]))
     assert issubclass(ShapeError, AxonError)
+
+
+@pytest.mark.parametrize("make", [nn.CrossEntropyLoss, nn.MSELoss])
+def test_loss_backward_takes_a_one_element_host_array_and_refuses_others(make):
+    logits, targets = np.array([[2.0, 1.0, 0.1], [0.5, 2.5, 0.3], [0.0, 0.2, 0.1]]), np.array([0, 2, 1])
+    other = np.zeros((3, 3)) if make is nn.MSELoss else targets
+    loss_fn = make()
+    loss_fn(logits, other)
+    expected = loss_fn.backward(0.5)
+    for one in (np.array([0.5]), np.array([[0.5]]), np.array(0.5)):
+        loss_fn(logits, other)
+        got = loss_fn.backward(one)
+        assert got.shape == logits.shape  # a (1, 1) array does not add an axis
+        np.testing.assert_array_equal(got, expected)
+    loss_fn(logits, other)
+    for bad in (np.array([1.0, 0.0, 0.0]), np.ones(5), np.ones((3, 1)), np.zeros(0)):
+        # per-sample weights of the batch's length would have scaled the class axis instead
+        with pytest.raises(ShapeError, match=r"a number or a one-element host array, got shape " + re.escape(
+                str(bad.shape))):
+            loss_fn.backward(bad)
+    np.testing.assert_array_equal(loss_fn.backward(0.5), expected)  # a refused call leaves the forward's cache
+
+
+def test_cross_entropy_refuses_integer_logits():
+    with pytest.raises(UnsupportedDtypeError, match="logits must be floating point, got dtype int64"):
+        nn.CrossEntropyLoss()(np.zeros((2, 3), np.int64), np.array([0, 1]))
 
 
 def test_mse_value_gradient_and_errors():

@@ -239,6 +239,23 @@ def test_backward_without_forward_raises():
         model.backward(np.ones((2, 3)))  # the cache is consumed by the first backward
 
 
+def test_one_activation_at_two_places_says_it_was_called_twice_before_a_backward():
+    act = nn.Tanh()
+    model = nn.Sequential(nn.Linear(4, 4, seed=0), act, nn.Linear(4, 4, seed=1), act)
+    y = model(np.ones((2, 4), dtype=np.float32))
+    with pytest.raises(BackwardBeforeForwardError, match=r"Tanh.backward was called again without a forward, and "
+                                                         r"this module was called 2 times before its last backward"
+                                                         r".*an instance for each place"):
+        model.backward(np.ones_like(y))
+    # the plain message again once that is reported, and after a forward and a backward each
+    with pytest.raises(BackwardBeforeForwardError, match="without a forward since the last backward"):
+        act.backward(np.ones((2, 4), dtype=np.float32))
+    act(np.ones((2, 4), dtype=np.float32))
+    act.backward(np.ones((2, 4), dtype=np.float32))
+    with pytest.raises(BackwardBeforeForwardError, match="without a forward since the last backward"):
+        act.backward(np.ones((2, 4), dtype=np.float32))
+
+
 def test_stash_and_restore_activations_for_interleaved_microbatches():
     rng = np.random.default_rng(1)
     xs = [rng.standard_normal((2, 4)) for _ in range(2)]

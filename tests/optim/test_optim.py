@@ -117,6 +117,55 @@ def test_adam_first_step_by_hand():
     assert opt.state[0]["step"] == 1
 
 
+def torch_adam(p0, grads, lr, betas, eps, weight_decay, decoupled):
+    """torch's _single_tensor_adam, operation for operation in the parameters' dtype (its scalar CPU code):
+    ``exp_avg.lerp_(g, 1 - beta1)``, two-sided; ``exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)``;
+    ``param.addcdiv_(exp_avg, denom, value=-step_size)``. Returns the parameter and the first moment."""
+    t = p0.dtype.type
+    p, m, v = p0.copy(), np.zeros_like(p0), np.zeros_like(p0)
+    for step, g in enumerate(grads, start=1):
+        if decoupled:
+            p = p * t(1 - lr * weight_decay)
+        elif weight_decay:
+            g = g + t(weight_decay) * p
+        w = t(1 - betas[0])
+        m = m + w * (g - m) if abs(w) < 0.5 else g - (g - m) * (t(1) - w)
+        v = v * t(betas[1]) + (t(1 - betas[1]) * g) * g
+        denom = np.sqrt(v) / t(math.sqrt(1 - betas[1] ** step)) + t(eps)
+        p = p + (t(-(lr / (1 - betas[0] ** step))) * m) / denom
+    return p, m
+
+
+@pytest.mark.parametrize("fused", [None, False])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("betas,decoupled,weight_decay", [((0.9, 0.999), False, 0.0), ((0.5, 0.9), True, 0.1),
+                                                          ((0.3, 0.99), False, 0.05), ((0.0, 0.999), True, 0.0)])
+def test_adam_is_torchs_update_operation_for_operation(betas, decoupled, weight_decay, dtype, fused):
+    params = make_params(dtype=dtype)
+    grads = grad_sequence(params, steps=4)
+    for g in grads:
+        g[1][:2] *= 1e4  # a large gradient that the first moment then forgets (beta1 = 0: entirely)
+    cls = optim.AdamW if decoupled else optim.Adam
+    opt = cls(params, lr=0.01, betas=betas, eps=1e-6, weight_decay=weight_decay, fused=fused)
+    start = [p.data.copy() for p in params]
+    run(opt, params, grads)
+    for i, (p, p0) in enumerate(zip(params, start)):
+        expected, exp_avg = torch_adam(p0, [step[i] for step in grads], 0.01, betas, 1e-6, weight_decay, decoupled)
+        np.testing.assert_array_equal(p.data, expected)
+        np.testing.assert_array_equal(opt.state[i]["exp_avg"], exp_avg)
+
+
+@pytest.mark.parametrize("fused", [None, False])
+def test_adam_first_moment_is_the_gradient_with_beta1_zero(fused):
+    # torch's lerp with weight 1 gives g exactly; m + 1 * (g - m) loses g's low bits after a large m
+    p = nn.Parameter(np.zeros(1, np.float32))
+    opt = optim.Adam([p], lr=1.0, betas=(0.0, 0.999), fused=fused)
+    for g in (100.0, 1e-3):
+        p.grad = np.array([g], np.float32)
+        opt.step()
+    assert opt.state[0]["exp_avg"][0] == np.float32(1e-3)
+
+
 def test_sgd_defaults_are_pytorchs():
     # PyTorch 2.2 gave SGD's lr a default of 1e-3 (pytorch/pytorch#114467), like the other optimizers.
     p = nn.Parameter(np.ones(3))
@@ -254,6 +303,59 @@ def test_load_state_dict_errors():
         opt.load_state_dict({"state": []})
 
 
+@pytest.mark.parametrize("make", [lambda ps: optim.Adam(ps, lr=0.01), lambda ps: optim.SGD(ps, lr=0.1, momentum=0.9)])
+def test_a_state_dict_through_json_loads_and_continues_identically(make):
+    # a JSON round trip turns the state arrays into nested lists; they load as arrays of the parameter's dtype
+    params = make_params(dtype=np.float32)
+    grads = grad_sequence(params, steps=4)
+    opt = make(params)
+    run(opt, params, grads[:2])
+    sd = json.loads(json.dumps(opt.state_dict(), default=lambda a: a.tolist()))
+    clones = [nn.Parameter(p.data.copy()) for p in params]
+    fresh = make(clones)
+    fresh.load_state_dict(sd)
+    for state, p in zip(fresh.state, clones):
+        for k, v in state.items():
+            assert (type(v), v.dtype) == (np.ndarray, p.dtype) if k != "step" else type(v) is int
+    run(opt, params, grads[2:])
+    run(fresh, clones, grads[2:])
+    for a, b in zip(params, clones):
+        np.testing.assert_array_equal(a.data, b.data)
+
+
+def test_a_bfloat16_state_dict_loads():
+    from axonhpc._dtypes import floating_dtype
+    p = nn.Parameter(np.ones(3, floating_dtype("bfloat16", "test")))
+    opt = optim.Adam([p])
+    p.grad = np.ones_like(p.data)
+    opt.step()
+    fresh = optim.Adam([p])
+    fresh.load_state_dict(opt.state_dict())  # bfloat16's numpy kind is "V", not "f"
+    assert fresh.state[0]["exp_avg"].dtype == p.data.dtype
+
+
+@pytest.mark.parametrize("key,value,match", [
+    ("exp_avg", [1.0, 2.0], r"state 'exp_avg' of parameter 1 has shape \(2,\), the parameter has \(5,\)"),
+    ("exp_avg_sq", [[1.0], [2.0, 3.0]], r"state 'exp_avg_sq' of parameter 1 is a list that is not an array"),
+    ("exp_avg", ["a"] * 5, r"state 'exp_avg' of parameter 1 has dtype <U1, not real numbers"),
+    ("exp_avg_sq", None, r"state 'exp_avg_sq' of parameter 1 has dtype object, not real numbers"),
+    ("step", "1", r"state 'step' of parameter 1 is '1', not an int >= 0"),
+    ("step", -1, r"state 'step' of parameter 1 is -1, not an int >= 0"),
+])
+def test_state_values_that_are_not_arrays_of_the_parameters_shape_are_refused(key, value, match):
+    params = make_params()
+    opt = optim.Adam(params)
+    run(opt, params, grad_sequence(params, steps=1))
+    sd = opt.state_dict()
+    sd["state"][1][key] = value
+    fresh = optim.Adam(params)
+    with pytest.raises(StateDictError, match=match):
+        fresh.check_state_dict(sd)
+    with pytest.raises(StateDictError, match=match):
+        fresh.load_state_dict(sd)
+    assert fresh.state == [{}, {}]
+
+
 def test_state_keys_of_another_optimizer_are_refused_before_anything_changes():
     params = make_params()
     opt = optim.Adam(params, lr=0.5)
@@ -278,6 +380,9 @@ def test_state_keys_of_another_optimizer_are_refused_before_anything_changes():
     (lambda ps: optim.SGD(ps, lr=0.1, nesterov=True), "nesterov"),
     (lambda ps: optim.SGD(ps, lr=0.1, momentum=0.9, dampening=0.1, nesterov=True), "dampening=0.1"),
     (lambda ps: optim.Adam(ps, betas=(0.9, 1.0)), "betas"),
+    (lambda ps: optim.Adam(ps, betas=0.9), r"Adam betas must be two numbers in \[0, 1\), got 0.9"),
+    (lambda ps: optim.AdamW(ps, betas=("a", "b")), r"AdamW betas must be two numbers in \[0, 1\), got \('a', 'b'\)"),
+    (lambda ps: optim.Adam(ps, betas=(float("nan"), 0.9)), r"got \(nan, 0.9\)"),
     (lambda ps: optim.Adam(ps, eps=-1.0), "eps=-1.0"),
     (lambda ps: optim.AdamW(ps, weight_decay=-0.1), "weight_decay=-0.1"),
     (lambda ps: optim.SGD([], lr=0.1), "empty"),
@@ -331,3 +436,29 @@ def test_clip_grad_norm_no_clip_below_threshold_and_other_norms():
         optim.clip_grad_norm(p, 1.0, norm_type="two")
     with pytest.raises(InvalidArgumentError, match="max_norm must be a number, got None"):
         optim.clip_grad_norm(p, None)
+
+
+@pytest.mark.parametrize("norm_type,expected", [(2.0, math.sqrt(1000 * 100.0 ** 2)), (1.0, 1000 * 100.0),
+                                                (3.0, (1000 * 100.0 ** 3) ** (1 / 3)), (float("inf"), 100.0)])
+def test_clip_grad_norm_of_float16_gradients_is_computed_in_float64(norm_type, expected):
+    # a thousand 100s: the sum (1e5), the sum of squares and of cubes are all past float16's 65504
+    p = nn.Parameter(np.zeros(1000, dtype=np.float16))
+    p.grad = np.full(1000, 100.0, dtype=np.float16)
+    total = optim.clip_grad_norm([p], 1.0, norm_type)
+    assert total == pytest.approx(expected, rel=1e-12)
+    assert p.grad.dtype == np.float16
+    np.testing.assert_array_equal(p.grad, np.float16(100.0) * np.float16(1.0 / (expected + 1e-6)))
+
+
+@pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, float("inf")])
+def test_clip_grad_norm_leaves_gradients_with_a_non_finite_norm_unchanged(bad, norm_type):
+    params = make_params()
+    for p in params:
+        p.grad = np.full(p.shape, 5.0)
+    params[1].grad[2] = bad
+    before = [p.grad.copy() for p in params]
+    total = optim.clip_grad_norm(params, 1.0, norm_type)
+    assert math.isnan(total) if np.isnan(bad) else total == math.inf
+    for p, b in zip(params, before):
+        np.testing.assert_array_equal(p.grad, b)  # neither zeroed (torch, an inf norm) nor NaN (torch, a NaN norm)

@@ -27,6 +27,8 @@ CONFIGS = {
     "adam_l2": lambda ps, f: optim.Adam(ps, lr=1e-2, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1, fused=f),
     "adamw": lambda ps, f: optim.AdamW(ps, lr=1e-2, weight_decay=0.05, fused=f),
     "adamw_no_decay": lambda ps, f: optim.AdamW(ps, lr=3e-3, weight_decay=0.0, fused=f),
+    "adam_low_beta1": lambda ps, f: optim.Adam(ps, lr=1e-2, betas=(0.3, 0.9), fused=f),  # the lerp's other side
+    "adamw_beta1_zero": lambda ps, f: optim.AdamW(ps, lr=1e-2, betas=(0.0, 0.999), fused=f),
     "sgd": lambda ps, f: optim.SGD(ps, lr=0.1, fused=f),
     "sgd_l2": lambda ps, f: optim.SGD(ps, lr=0.1, weight_decay=0.01, fused=f),
     "sgd_momentum": lambda ps, f: optim.SGD(ps, lr=0.1, momentum=0.9, fused=f),

@@ -371,6 +371,163 @@ def case_a_batch_refused_on_one_rank_raises_on_every_stage(world):
         assert out.shape == (BATCH, CLASSES) if pipe.is_last else out is None
 
 
+class Fault(nn.Module):
+    """The identity, or one stage's failure on one rank, on its ``at``-th forward (backward) call since ``arm``:
+    "value" raises a user's ValueError in the forward, "backward" in the backward, "complex" returns an output
+    the transport does not carry, "tuple" one that is not a single array."""
+
+    def __init__(self):
+        super().__init__()
+        self.arm(None)
+
+    def arm(self, mode, at=0):
+        self.mode, self.at, self.forwards, self.backwards = mode, at, 0, 0
+
+    def forward(self, x):
+        self.forwards += 1
+        if self.forwards - 1 == self.at and self.mode == "value":
+            raise ValueError("a user's layer failed")
+        if self.forwards - 1 == self.at and self.mode == "complex":
+            return x.astype(np.complex128)
+        if self.forwards - 1 == self.at and self.mode == "tuple":
+            return (x, x)
+        return x
+
+    def backward(self, g):
+        self.backwards += 1
+        if self.backwards - 1 == self.at and self.mode == "backward":
+            raise ValueError("a user's backward failed")
+        return g
+
+
+def make_fault_stages(num_stages):
+    return [nn.Sequential(*stage, Fault()) for stage in make_stages(num_stages)]
+
+
+def fault_cases(p, v, m, training):
+    """(stage, mode, micro-batch, error on the failing rank, its match) for a pipeline of p ranks and v chunks:
+    the first stage, a sender (the last rank's first chunk with v > 1: its refusal wraps around to rank 0), the
+    last stage, and a failure after micro-batch 0's messages went out."""
+    n = p * v
+    sender = p - 1 if v > 1 else max(p - 2, 0)
+    cases = [(0, "x", 0, ShapeError, r"Linear\(6, 8\) got input of shape \(\d+, 5\)"),
+             (sender, "tuple", 0, ShapeError, f"a stage's output must be one array .* stage {sender} returned a tuple"),
+             (n - 1, "value", min(1, m - 1), ValueError, "a user's layer failed"),
+             (n - 1, "tuple", 0, ShapeError, "a stage's output must be one array")]
+    if p > 1:  # an output a message cannot carry: at once, or after micro-batch 0's header and activation
+        cases += [(sender, "complex", 0, ShapeError, rf"stage {sender} produced a complex128 array of 2 dimensions"),
+                  (sender, "complex", m - 1, ShapeError, rf"stage {sender} produced a complex128 array .* for "
+                                                         rf"micro-batch {m - 1}, but float64")]
+    if n > 1:
+        cases.append((n // 2, "value", m - 1, ValueError, "a user's layer failed"))
+    if training:
+        cases += [(min(1, n - 1), "backward", 0, ValueError, "a user's backward failed"),
+                  (n - 1, "backward", m - 1, ValueError, "a user's backward failed")]
+    return cases
+
+
+def _fails_on_every_rank(world, failing, call, error, match, what):
+    """``call()`` raises ``error`` on world rank ``failing`` and CollectiveRefusedError naming it on every other
+    rank, none left waiting for a message."""
+    if world.rank == failing:
+        with pytest.raises(error, match=match):
+            call()
+    else:
+        with pytest.raises(ax.errors.CollectiveRefusedError,
+                           match=rf"{what} refused the batch of rank {failing} \(world numbering\): "
+                                 rf"{error.__name__}") as info:
+            call()
+        assert info.value.rank == failing, (info.value.rank, str(info.value))
+
+
+def case_a_stage_that_fails_on_one_rank_raises_on_every_rank(world):
+    """A stage's forward, backward or send raises on one rank only (a wrong feature count, a user's error, an
+    output the transport does not carry, at once or mid-step): every rank raises before train_step returns, the
+    failing one its own error, none waits for its messages; then the next step trains as the single process
+    does (no message of the failed step is left to pair with its own)."""
+    p, r = world.world_size, world.rank
+    x, y = make_data(0)
+    for schedule, v, m in ((GPIPE, 1, 4), (ONE_F_ONE_B, 1, 4), (INTERLEAVED, 2, 2 * p)):
+        stages = make_fault_stages(p * v)
+        pipe = ax.Pipeline.from_modules(stages, num_microbatches=m, schedule=schedule,
+                                        loss_fn=nn.CrossEntropyLoss(), stages_per_rank=v)
+        reference = nn.Sequential(*make_fault_stages(p * v))
+        loss_fn = nn.CrossEntropyLoss()
+        expected_loss = loss_fn(reference(x), y)
+        reference.backward(loss_fn.backward())
+        for stage, mode, at, error, match in fault_cases(p, v, m, training=True):
+            stages[stage][-1].arm(None if mode == "x" else mode, at)
+            xr = x[:, :IN - 1] if mode == "x" and r == 0 else x
+            _fails_on_every_rank(world, stage % p, lambda: pipe.train_step(xr, y), error, match,
+                                 "Pipeline.train_step")
+            for s in range(p * v):
+                stages[s][-1].arm(None)
+            for q in pipe.parameters():
+                q.grad = None
+            loss = pipe.train_step(x, y)
+            what = f"{schedule.name}: the step after stage {stage} failed ({mode} at micro-batch {at})"
+            if pipe.is_last:
+                close(loss, expected_loss, f"loss, {what}")
+            for s in pipe.stages:
+                for (name, q), (_, q_ref) in zip(stages[s].named_parameters(), reference[s].named_parameters()):
+                    close(q.grad, q_ref.grad, f"stage {s} {name}.grad, {what}")
+
+
+def case_a_stage_that_fails_in_one_replica_raises_on_every_replica(world):
+    """2 stages x 2 data-parallel replicas: a user's error in replica 1's last stage, mid-step. Its pipeline raises
+    as above, replica 0 that another replica refused its batch; then both train on, averaged as before."""
+    if world.world_size != 4:
+        return
+    mesh = world.mesh(dp=2, pp=2)
+    stages = make_fault_stages(2)
+    pipe = ax.Pipeline.from_modules(stages, group=mesh.pp, num_microbatches=2, schedule=ONE_F_ONE_B,
+                                    loss_fn=nn.CrossEntropyLoss(), dp_group=mesh.dp)
+    x, y = make_data(0)
+    if mesh.coords.dp == 1:
+        stages[1][-1].arm("value", 1)
+    failing = mesh.pp.ranks[1]
+    if mesh.coords.dp == 0:
+        with pytest.raises(ax.errors.CollectiveRefusedError, match="another data-parallel replica refused its batch"):
+            pipe.train_step(x, y)
+    else:
+        _fails_on_every_rank(world, failing, lambda: pipe.train_step(x, y), ValueError, "a user's layer failed",
+                             "Pipeline.train_step")
+    stages[1][-1].arm(None)
+    for q in pipe.parameters():
+        q.grad = None
+    reference = nn.Sequential(*make_fault_stages(2))
+    loss_fn = nn.CrossEntropyLoss()
+    expected_loss = loss_fn(reference(x), y)
+    reference.backward(loss_fn.backward())
+    loss = pipe.train_step(x, y)  # the same batch on both replicas: their average is the reference's
+    if pipe.is_last:
+        close(loss, expected_loss, "loss after a replica's stage failed")
+    for s in pipe.stages:
+        for (name, q), (_, q_ref) in zip(stages[s].named_parameters(), reference[s].named_parameters()):
+            close(q.grad, q_ref.grad, f"stage {s} {name}.grad after a replica's stage failed")
+
+
+def case_a_stage_that_fails_in_forward_raises_on_every_rank(world):
+    """The same failures in ``forward`` (inference): every rank raises, and the next forward is the reference's."""
+    p, r = world.world_size, world.rank
+    x, _ = make_data(1)
+    for schedule, v, m in ((ONE_F_ONE_B, 1, 4), (INTERLEAVED, 2, 2 * p)):
+        stages = make_fault_stages(p * v)
+        pipe = ax.Pipeline.from_modules(stages, num_microbatches=m, schedule=schedule, stages_per_rank=v)
+        expected = nn.Sequential(*make_fault_stages(p * v))(x)
+        for stage, mode, at, error, match in fault_cases(p, v, m, training=False):
+            stages[stage][-1].arm(None if mode == "x" else mode, at)
+            xr = x[:, :IN - 1] if mode == "x" and r == 0 else x
+            _fails_on_every_rank(world, stage % p, lambda: pipe.forward(xr), error, match, "Pipeline.forward")
+            for s in range(p * v):
+                stages[s][-1].arm(None)
+            out = pipe.forward(x)
+            if pipe.is_last:
+                close(out, expected, f"{schedule.name}: forward after stage {stage} failed ({mode} at {at})")
+            else:
+                assert out is None
+
+
 def case_gather_timelines(world):
     p, r = world.world_size, world.rank
     x, y = make_data(0)

@@ -12,12 +12,29 @@ this is the gradient of the full-batch mean loss.
 
 [Note: a refused batch]
 A batch that does not split into ``num_microbatches`` is refused, but no rank may stop alone while the
-others wait for its messages. Rank 0, which reads ``x``, computes nothing: its refusal travels down the
-stages in place of their shape headers ([Note: a refused header] in ``transport``), every rank stops, and
-the step's vote ([Note: a batch refused on one rank]) raises everywhere: the refusing rank its
-``ShapeError``, the others ``CollectiveRefusedError`` naming it. A refused ``y`` on the last stage is a
-loss that refuses every micro-batch (a zero gradient goes back), and an array a rank was given but does not
-read is voted on alike, so every rank raises before the step returns.
+others wait for its messages. Rank 0, which reads ``x``, computes nothing: it is a failed stage from the
+start ([Note: a stage that fails]), so its refusal travels down the stages in place of their shape headers
+([Note: a refused header] in ``transport``), no rank computes anything, and the step's vote ([Note: a batch
+refused on one rank]) raises everywhere: the refusing rank its ``ShapeError``, the others
+``CollectiveRefusedError`` naming it. A refused ``y`` on the last stage is a loss that refuses every
+micro-batch (a zero gradient goes back), and an array a rank was given but does not read is voted on alike,
+so every rank raises before the step returns.
+
+[Note: a stage that fails]
+A stage's forward, backward or send may raise on one rank alone (a layer given the wrong feature count, an
+output the transport cannot carry, a bug in a user's layer) while the other ranks wait for its messages. As
+DDP does for a failed backward ([Note: a failed backward] in ``ddp.wrapper``), the failing rank does not
+raise there: it keeps the error as the step's problem and walks the rest of its schedule computing nothing
+(``_StepState.failed``), with each of its ops replaced by the message it owes (``_PLACEHOLDERS``): a
+refused header where its header had not gone out, else zeros of the promised shape, zeros for the
+gradients it owes, and the receives it was due, whose contents it drops. A rank that hears a refused header
+has nothing to compute either and goes on alike, so the refusal reaches every stage after the failed one,
+across the interleaved wrap-around from the last rank to rank 0 too. Every message of the schedule is then
+sent and received, each rank waits for its sends, and the vote at the step's end raises everywhere: the
+failing rank its own error, the others ``CollectiveRefusedError`` naming it; the gradients of that step are
+partial. Any ``Exception`` is passed on this way, a user's ``ValueError`` as much as an ``AxonError``,
+except ``GROUP_FAILURES``, which the group knows already (they are raised at once). ``forward`` does the
+same over its (micro-batch, stage) walk and ends with the same vote.
 """
 from __future__ import annotations
 
@@ -29,7 +46,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from ..._dtypes import array_module
-from ...errors import AxonError, ConfigurationError, ShapeError, UsageError
+from ...errors import GROUP_FAILURES, AxonError, ConfigurationError, ShapeError, UsageError
 from ...groups import ProcessGroup, resolve_group
 from ...collectives.p2p import largest_tag
 from ...collectives.refusal import batch_refused, vote
@@ -253,20 +270,19 @@ class Pipeline:
         Raises:
             ConfigurationError: no ``loss_fn`` was given.
             ShapeError: the batch size is not a multiple of ``num_microbatches`` on this rank (the other ranks
-                raise ``CollectiveRefusedError`` naming it: [Note: a refused batch]).
+                raise ``CollectiveRefusedError`` naming it: [Note: a refused batch]), or a stage's output is not
+                one array that messages carry (dtype, at most 16 dimensions).
+            Exception: what a stage's forward or backward raised on this rank; the other ranks raise
+                ``CollectiveRefusedError`` naming it, after the step's messages ([Note: a stage that fails]).
         """
         if self.loss_fn is None:
             raise ConfigurationError("Pipeline.train_step needs a loss_fn (pass loss_fn= to from_modules)")
         st = _StepState(None, None, time.perf_counter())
         st.xs = self._batch(x, "x", self.rank == 0, st)
         st.ys = self._batch(y, "y", self.is_last, st)
-        st.refused = self.rank == 0 and st.xs is None
+        st.failed = self.rank == 0 and st.xs is None  # [Note: a refused batch]
         for step in self._steps:
-            if st.refused:
-                break
             self._run_step(step, st)
-        if st.refused:
-            self._transport.pass_on_refusal(self.stages, st.shapes, st.headers_sent, st.pending, st.handover, HDR)
         for work, _ in st.pending:
             work.wait()
         replicas = None if self._replicas is None else self._replicas.group
@@ -292,13 +308,13 @@ class Pipeline:
         # An action starts once its input has arrived: the wait for it is idle time (the bubble),
         # not part of the action.
         for op in step.waits:
-            self._OPS[op.kind](self, op, st)
-        if st.refused:  # the header said rank 0 refused its batch: nothing to compute
-            return
+            self._run_op(op, st)
         start = time.perf_counter() - st.start
         for op in step.work:
-            self._OPS[op.kind](self, op, st)
+            self._run_op(op, st)
         end = time.perf_counter() - st.start
+        if st.failed:  # nothing (or not all of it) was computed
+            return
         st.timeline.append((step.action, start, end))
         recorder = tracing.active()
         if recorder is not None:
@@ -307,19 +323,32 @@ class Pipeline:
             recorder.add(f"{kind} stage {s} mb {i}", "compute", st.start + start, st.start + end,
                          stage=s, microbatch=i)
 
+    def _run_op(self, op: Op, st: "_StepState") -> None:
+        """Run one op, or, once this rank failed or heard a refusal, what it owes in its place; an op that raises
+        makes this rank fail ([Note: a stage that fails])."""
+        if not st.failed:
+            try:
+                self._OPS[op.kind](self, op, st)
+                return
+            except Exception as exc:
+                if op.kind in (RECV_F, RECV_B) or isinstance(exc, GROUP_FAILURES):
+                    raise  # a message that did not arrive: the transport's own error, not this rank's to pass on
+                st.fail(exc)
+        self._PLACEHOLDERS[op.kind](self, op, st)
+
     # The ops of a lowered schedule (see lowering.py). Every hand-over, received or computed on this
     # rank, goes through ``st.handover`` under (receiving stage, micro-batch, message kind).
     def _op_recv_f(self, op: Op, st: "_StepState") -> None:
         got = self._transport.receive_activation(op.stage, op.microbatch, st.shapes, st.handover, ACT, HDR)
-        if got is None:
-            st.refused = True
+        if got is None:  # the stage before has no output: [Note: a refused header]
+            st.failed = True
         else:
             st.handover[(op.stage, op.microbatch, ACT)] = got
 
     def _op_forward(self, op: Op, st: "_StepState") -> None:
         s, i = op.stage, op.microbatch
         module = self.stage_modules[s]
-        out = module(st.xs[i] if s == 0 else st.handover.pop((s, i, ACT)))
+        out = _one_array(module(st.xs[i] if s == 0 else st.handover.pop((s, i, ACT))), s)
         seed = None
         if s == self.num_stages - 1:
             loss = None
@@ -345,9 +374,7 @@ class Pipeline:
 
     def _op_send_f(self, op: Op, st: "_StepState") -> None:
         out = st.handover.pop((op.stage + 1, op.microbatch, ACT))
-        self._transport.send_activation(out, op.stage, op.microbatch, st.pending, st.handover, ACT, HDR)
-        if op.microbatch == 0:
-            st.headers_sent.add(op.stage)
+        self._transport.send_activation(out, op.stage, op.microbatch, st.sent, st.pending, st.handover, ACT, HDR)
 
     def _op_recv_b(self, op: Op, st: "_StepState") -> None:
         _, out_meta, _ = self._stashed(op, st)
@@ -376,6 +403,25 @@ class Pipeline:
     _OPS = {RECV_F: _op_recv_f, FORWARD: _op_forward, SEND_F: _op_send_f,
             RECV_B: _op_recv_b, BACKWARD: _op_backward, SEND_B: _op_send_b}
 
+    # In place of each op once this rank has failed: only the messages it owes ([Note: a stage that fails]).
+    def _placeholder_recv_f(self, op: Op, st: "_StepState") -> None:
+        self._transport.receive_activation(op.stage, op.microbatch, st.shapes, st.handover, ACT, HDR)
+
+    def _placeholder_send_f(self, op: Op, st: "_StepState") -> None:
+        self._transport.send_placeholder(op.stage, op.microbatch, st.sent, st.pending, st.handover, ACT, HDR)
+
+    def _placeholder_recv_b(self, op: Op, st: "_StepState") -> None:
+        self._transport.drain_gradient(op.stage, op.microbatch, st.sent)
+
+    def _placeholder_send_b(self, op: Op, st: "_StepState") -> None:
+        self._transport.send_zero_gradient(op.stage, op.microbatch, st.shapes, st.pending, st.handover)
+
+    def _compute_nothing(self, op: Op, st: "_StepState") -> None:
+        pass
+
+    _PLACEHOLDERS = {RECV_F: _placeholder_recv_f, FORWARD: _compute_nothing, SEND_F: _placeholder_send_f,
+                     RECV_B: _placeholder_recv_b, BACKWARD: _compute_nothing, SEND_B: _placeholder_send_b}
+
     def _stashed(self, op: Op, st: "_StepState") -> Tuple[Any, Tuple[Any, Any, Any], Any]:
         """The stash of (stage, micro-batch) that a backward needs, or UsageError if its forward has not run."""
         key = (op.stage, op.microbatch)
@@ -387,45 +433,56 @@ class Pipeline:
     def forward(self, x: Any) -> Any:
         """Inference through the stages, keeping no caches; the whole output on the last stage's rank, None elsewhere.
 
-        ``x`` is read on rank 0 only: with no vote at its end, an unread array refused elsewhere could not reach
-        the other ranks, so it is not looked at.
+        Collective over the pipeline's group: it ends with a vote (one 8-byte all-reduce), so that a stage that
+        fails raises on every rank ([Note: a stage that fails]). ``x`` is read on rank 0 only, and not looked at
+        elsewhere.
 
         Raises:
-            ShapeError: on rank 0, ``x`` has no batch axis or one ``num_microbatches`` does not divide; the other
+            ShapeError: on rank 0, ``x`` has no batch axis or one ``num_microbatches`` does not divide, or, on
+                the failing rank, a stage's output is not one array that messages carry; the other
                 ranks raise ``CollectiveRefusedError`` naming it ([Note: a refused batch]).
+            Exception: what a stage's forward raised on this rank (the others: ``CollectiveRefusedError``).
         """
         st = _StepState(None, None, time.perf_counter())
-        xs = self._batch(x if self.rank == 0 else None, "x", self.rank == 0, st)
-        refused = self.rank == 0 and xs is None
-        local: Dict[Tuple[int, int, int], Any] = {}
-        shapes: Dict[int, Any] = {}
-        pending: List[Tuple[Any, Any]] = []
-        sent: set = set()
-        outputs = []
+        st.xs = self._batch(x if self.rank == 0 else None, "x", self.rank == 0, st)
+        st.failed = self.rank == 0 and st.xs is None  # [Note: a refused batch]
+        outputs: List[Any] = []
         # Every rank walks (micro-batch, stage) in increasing order; an input only ever comes
         # from an earlier pair, so with non-blocking sends this order cannot deadlock.
-        for i, s in [] if refused else ((i, s) for i in range(self.num_microbatches) for s in self.stages):
-            module = self.stage_modules[s]
-            inp = xs[i] if s == 0 else self._transport.receive_activation(s, i, shapes, local, EVAL_ACT, EVAL_HDR)
-            if inp is None:  # rank 0 refused its batch: [Note: a refused batch]
-                refused = True
-                break
-            out = module(inp)
-            module.stash_activations()  # drop the cache: no backward follows
-            if s == self.num_stages - 1:
-                outputs.append(out)
-            else:
-                self._transport.send_activation(out, s, i, pending, local, EVAL_ACT, EVAL_HDR)
-                sent.add(s)
-        if refused:
-            self._transport.pass_on_refusal(self.stages, shapes, sent, pending, local, EVAL_HDR)
-        for work, _ in pending:
+        for i in range(self.num_microbatches):
+            for s in self.stages:
+                self._evaluate(s, i, st, outputs)
+        for work, _ in st.pending:
             work.wait()
-        if refused:  # every rank knows: raise on all of them
-            vote(self.group, st.problem, batch_refused(self.group, "Pipeline.forward"))
+        vote(self.group, st.problem, batch_refused(self.group, "Pipeline.forward"))
         if not self.is_last:
             return None
         return array_module(outputs[0]).concatenate(outputs, axis=0)
+
+    def _evaluate(self, s: int, i: int, st: "_StepState", outputs: List[Any]) -> None:
+        """``forward``'s stage ``s`` on micro-batch ``i``: receive, compute, send (or, failed, what it owes)."""
+        inp = None
+        if s > 0:  # taken even when failed, so that nothing is left on the wire
+            inp = self._transport.receive_activation(s, i, st.shapes, st.handover, EVAL_ACT, EVAL_HDR)
+            if inp is None:  # the stage before has no output: [Note: a refused header]
+                st.failed = True
+        if not st.failed:
+            module = self.stage_modules[s]
+            try:
+                out = _one_array(module(st.xs[i] if s == 0 else inp), s)
+                module.stash_activations()  # drop the cache: no backward follows
+                if s == self.num_stages - 1:
+                    outputs.append(out)
+                else:
+                    self._transport.send_activation(out, s, i, st.sent, st.pending, st.handover, EVAL_ACT, EVAL_HDR)
+                return
+            except Exception as exc:
+                if isinstance(exc, GROUP_FAILURES):
+                    raise
+                module.stash_activations()
+                st.fail(exc)
+        if s < self.num_stages - 1:
+            self._transport.send_placeholder(s, i, st.sent, st.pending, st.handover, EVAL_ACT, EVAL_HDR)
 
     # -- batches ------------------------------------------------------------
     def _batch(self, a: Any, name: str, read_here: bool, st: "_StepState") -> Optional[List[Any]]:
@@ -455,7 +512,7 @@ class Pipeline:
 
 @dataclass
 class _StepState:
-    """What one ``train_step`` carries from op to op."""
+    """What one ``train_step`` (or ``forward``) carries from op to op."""
 
     xs: Optional[List[Any]]  # the micro-batches (rank 0), or None
     ys: Optional[List[Any]]  # the targets' micro-batches (last stage), or None
@@ -469,13 +526,28 @@ class _StepState:
     shapes: Dict[int, Tuple[Any, Tuple[int, ...], Any]] = field(default_factory=dict)  # stage -> its input's
     pending: List[Tuple[Any, Any]] = field(default_factory=list)  # (Work, buffer): the buffer lives until the wait
     losses: List[float] = field(default_factory=list)
-    problem: Optional[AxonError] = None  # a refused batch or micro-batch, voted on at the step's end
-    refused: bool = False  # rank 0 refused its batch: the step stops ([Note: a refused batch])
-    headers_sent: set = field(default_factory=set)  # the stages whose output's shape header went out
+    problem: Optional[BaseException] = None  # a refused batch or micro-batch, or a failed op: voted on at the end
+    # this rank failed or heard a refusal: it computes nothing more this step ([Note: a stage that fails])
+    failed: bool = False
+    # stage -> (array module, shape, dtype) its output's header described, or None where it sent a refusal
+    sent: Dict[int, Any] = field(default_factory=dict)
     timeline: List[Tuple[Action, float, float]] = field(default_factory=list)
     peak: int = 0
     held_bytes: int = 0
     peak_bytes: int = 0
+
+    def fail(self, exc: BaseException) -> None:
+        """This rank's op raised ``exc``: keep the step's first problem, compute nothing more."""
+        self.problem = self.problem or exc
+        self.failed = True
+
+
+def _one_array(out: Any, stage: int) -> Any:
+    """``out``, or ShapeError if it is not one array: what a stage's output must be, to be sent or stashed."""
+    if not all(hasattr(out, name) for name in ("shape", "dtype", "ndim")):
+        raise ShapeError(f"Pipeline: a stage's output must be one array (numpy or cupy), but stage {stage} "
+                         f"returned a {type(out).__name__}; return a single array from every stage's forward")
+    return out
 
 
 __all__ = ["Pipeline", "PipelineStage"]

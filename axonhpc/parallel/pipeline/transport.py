@@ -16,10 +16,13 @@ all micro-batches of a step share the shape, and headers are not cached across s
 change. Gradients need none: the output of stage s has the shape its receiver produced itself.
 
 [Note: a refused header]
-A header may say "refused" instead (ndim -1): rank 0 refused the step's batch before computing anything.
-Every rank that hears it sends one in place of each header of its own (``pass_on_refusal``) and takes every
-header still due to it, so the refusal reaches the last stage, every message sent is received, and nothing
-but headers was sent (each rank hears it in its first receive, before it has computed anything).
+A header may say "refused" instead (ndim -1): the sending stage has no output this step (rank 0 refused
+its batch, or the stage or one before it failed: [Note: a stage that fails] in ``executor``). That stage
+boundary then carries nothing else this step, neither activations nor gradients back, and its receiver,
+having nothing to compute, passes the refusal on. A stage whose header had already gone out when it
+failed sends zeros of that header's shape instead (``send_placeholder``), and the rank above it sends
+zeros back for gradients (``send_zero_gradient``): every message the schedule names is sent and received
+either way, so none is left on the wire to pair with the next step's (the tags repeat every step).
 """
 from __future__ import annotations
 
@@ -34,7 +37,7 @@ from ...errors import ShapeError
 
 _MAX_DIMS = 16
 _HEADER = 3 + _MAX_DIMS  # dtype index, ndim, on a device (0/1), dimensions
-_REFUSED = -1  # a header's ndim when the step was refused ([Note: a refused header])
+_REFUSED = -1  # a header's ndim when the sending stage has no output ([Note: a refused header])
 # Message kinds, the last component of a tag: a step's activations and gradients, the shape headers of its
 # activations, and forward()'s (inference) activations and headers.
 ACT, GRAD, HDR, EVAL_ACT, EVAL_HDR = range(5)
@@ -76,13 +79,21 @@ class Transport:
         buf = array_module(array).ascontiguousarray(array)
         pending.append((isend(buf, dst, tag=self._tag(microbatch, stage, kind), group=self.group), buf))
 
-    def send_activation(self, out: Any, stage: int, microbatch: int, pending: list, local: dict,
+    def send_activation(self, out: Any, stage: int, microbatch: int, sent: dict, pending: list, local: dict,
                         kind: int, header_kind: int) -> None:
-        """Send stage ``stage``'s output to stage + 1, after a shape header with micro-batch 0's.
+        """Send stage ``stage``'s output to stage + 1, after a shape header with micro-batch 0's; ``sent`` keeps,
+        per stage, the (array module, shape, dtype) its header described.
 
-        ShapeError if ``out`` has a dtype or more dimensions than a header can describe.
+        ShapeError, before anything is sent, if ``out`` has a dtype or more dimensions than a header can describe,
+        or another shape or dtype than the header said (which the receiver's buffer would not fit).
         """
         nxt = stage + 1
+        if microbatch > 0 and sent.get(stage) is not None:
+            _, shape, dtype = sent[stage]
+            if tuple(out.shape) != shape or out.dtype != dtype:
+                raise ShapeError(f"Pipeline: stage {stage} produced a {out.dtype} array of shape {tuple(out.shape)} "
+                                 f"for micro-batch {microbatch}, but {dtype} of {shape} for micro-batch 0; every "
+                                 f"micro-batch of a step must give the same")
         if microbatch == 0 and self.owner(nxt) != self.rank:
             dtypes = list(supported_dtypes())
             if out.dtype not in dtypes or out.ndim > _MAX_DIMS:
@@ -92,17 +103,19 @@ class Transport:
             header[0], header[1], header[2] = dtypes.index(out.dtype), out.ndim, int(is_cupy_array(out))
             header[3:3 + out.ndim] = out.shape
             self.send(header, nxt, 0, header_kind, pending, local)
+            sent[stage] = (array_module(out), tuple(out.shape), out.dtype)
         self.send(out, nxt, microbatch, kind, pending, local)
 
     def receive_activation(self, stage: int, microbatch: int, shapes: dict, local: dict,
                            kind: int, header_kind: int) -> Any:
         """Stage ``stage``'s input from stage - 1; ``shapes`` keeps, per stage, the header received this step.
 
-        None if the header said the step was refused ([Note: a refused header]).
+        None if the header said the step was refused ([Note: a refused header]), or nothing was handed over
+        locally (the stage before, on this rank, failed).
         """
         src = self.owner(stage - 1)
         if src == self.rank:
-            return local.pop((stage, microbatch, kind))
+            return local.pop((stage, microbatch, kind), None)
         if stage not in shapes:
             # The header always travels with micro-batch 0, whichever micro-batch comes first here.
             self._receive_header(stage, shapes, header_kind)
@@ -124,18 +137,34 @@ class Transport:
         xp = importlib.import_module("cupy") if header[2] else np
         shapes[stage] = (supported_dtypes()[int(header[0])], tuple(int(d) for d in header[3:3 + ndim]), xp)
 
-    def pass_on_refusal(self, stages: Any, shapes: dict, sent: set, pending: list, local: dict,
-                        header_kind: int) -> None:
-        """The step was refused: a refused header wherever one of ``stages`` has not sent its own (``sent``),
-        then every header still due to them (see [Note: a refused header])."""
-        for s in stages:
-            if s + 1 < self.num_stages and s not in sent and self.owner(s + 1) != self.rank:
-                header = np.zeros(_HEADER, dtype=np.int64)
-                header[1] = _REFUSED
-                self.send(header, s + 1, 0, header_kind, pending, local)
-        for s in stages:
-            if s > 0 and s not in shapes and self.owner(s - 1) != self.rank:
-                self._receive_header(s, shapes, header_kind)
+    def send_placeholder(self, stage: int, microbatch: int, sent: dict, pending: list, local: dict,
+                         kind: int, header_kind: int) -> None:
+        """What stage ``stage`` sends in place of an output it does not have ([Note: a refused header]): a
+        refused header if its own header has not gone out (``sent``), zeros of that header's shape if it has,
+        nothing if it already refused."""
+        nxt = stage + 1
+        if self.owner(nxt) == self.rank:
+            return
+        if stage not in sent:
+            header = np.zeros(_HEADER, dtype=np.int64)
+            header[1] = _REFUSED
+            self.send(header, nxt, 0, header_kind, pending, local)
+            sent[stage] = None
+        elif sent[stage] is not None:
+            xp, shape, dtype = sent[stage]
+            self.send(xp.zeros(shape, dtype=dtype), nxt, microbatch, kind, pending, local)
+
+    def send_zero_gradient(self, stage: int, microbatch: int, shapes: dict, pending: list, local: dict) -> None:
+        """Zeros in place of the gradient for stage ``stage``'s input, unless that input was refused."""
+        if self.owner(stage - 1) == self.rank or shapes.get(stage) is None:
+            return
+        dtype, shape, xp = shapes[stage]
+        self.send(xp.zeros(shape, dtype=dtype), stage - 1, microbatch, GRAD, pending, local)
+
+    def drain_gradient(self, stage: int, microbatch: int, sent: dict) -> None:
+        """Take (and drop) the gradient for stage ``stage``'s output, unless that output was refused."""
+        if sent.get(stage) is not None:
+            self.receive_gradient(stage, microbatch, sent[stage])
 
     def receive_gradient(self, stage: int, microbatch: int, out_meta: Tuple[Any, Any, Any]) -> Any:
         """The gradient for stage ``stage``'s output, from stage + 1; ``out_meta`` is that output's (xp, shape, dtype)."""

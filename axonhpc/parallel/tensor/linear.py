@@ -1,7 +1,7 @@
 """Column- and row-parallel linear layers, and the MLP made of one of each (see the package notes)."""
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -52,6 +52,10 @@ class ColumnParallelLinear(Module):
         # Copies, so the full draw is freed once construction returns.
         self.weight = Parameter(weight[start:stop].copy())
         self.bias = Parameter(bias_values[start:stop].copy()) if bias else None
+
+    def split_axes(self) -> List[Tuple[Parameter, int]]:
+        """The parameters this layer splits over its group, each with the axis it is cut along: weight and bias, 0."""
+        return [(p, 0) for p in (self.weight, self.bias) if p is not None]
 
     def forward(self, x: Any) -> Any:
         """This rank's output block (..., out_features / P), or the full output if ``gather_output``; ShapeError on a bad ``x``."""
@@ -140,6 +144,13 @@ class RowParallelLinear(Module):
         self.weight = Parameter(np.ascontiguousarray(weight[:, start:stop]))
         self.bias = Parameter(bias_values) if bias else None
 
+    def split_axes(self) -> List[Tuple[Parameter, int]]:
+        """The parameters this layer splits over its group, each with the axis it is cut along: the weight, 1.
+
+        The bias is added after the sum, whole and the same on every rank of the group.
+        """
+        return [(self.weight, 1)]
+
     def forward(self, x: Any) -> Any:
         """Collective: the full output (..., out_features), identical on every rank; ShapeError on a bad ``x``."""
         if self.input_is_parallel:
@@ -171,6 +182,20 @@ class RowParallelLinear(Module):
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"in_features_per_rank={self.in_features_per_rank}, tp_size={self.group.size}, "
                 f"input_is_parallel={self.input_is_parallel}, bias={self.bias is not None}")
+
+
+def split_parameters(module: Module) -> Dict[int, Tuple[Module, int]]:
+    """The parameters of ``module`` that its tensor-parallel layers split: ``id(Parameter)`` -> (layer, axis).
+
+    Each layer's ``split_axes``: a column-parallel layer's weight and bias along axis 0 (its output rows), a
+    row-parallel layer's weight along axis 1 (its input columns). Every other parameter, a row-parallel bias
+    or a norm layer's, is whole and the same on every rank of the layer's group.
+    """
+    out = {}
+    for _, m in module.named_modules():
+        if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
+            out.update((id(p), (m, axis)) for p, axis in m.split_axes())
+    return out
 
 
 class TensorParallelMLP(Module):
