@@ -208,9 +208,12 @@ class Settings:
         shm_min_bytes: the smallest message that takes the shared-memory path (``AXONHPC_SHM_MIN_BYTES``).
         shm_allgather_max_bytes: the largest all-gather result that takes the shared-memory path; beyond it MPI's
             single-copy transfers win (``AXONHPC_SHM_ALLGATHER_MAX_BYTES``).
-        deterministic: float all-reduces and reduce-scatters add in an order fixed by the group size alone, and
-            DDP's bucket size is not measured, so a job gives the same bits run after run
-            (``AXONHPC_DETERMINISTIC``).
+        deterministic: float SUM, AVG and PRODUCT all-reduces and reduce-scatters reduce in an order fixed by
+            the group size and the route, and DDP's bucket size is not measured, so the same job (same ranks,
+            placement and settings) gives the same bits run after run. The route: a group on one node with
+            ``shm_collectives`` on adds in rank order in the shared-memory engine; otherwise (several nodes,
+            the engine off, threads as ranks) the ring's order. From 3 ranks the two differ in the last bits,
+            so switching ``shm_collectives`` or the placement changes them (``AXONHPC_DETERMINISTIC``).
         bucket_size_mb: DDP's bucket cap when the call gives none: "auto" measures it at start-up
             (``parallel.ddp.autotune``), or a number of MiB (``AXONHPC_BUCKET_SIZE_MB``).
         shm_slot_bytes, shm_slots: each rank's segment: a message passes through ``shm_slots`` slots (1 to 63)

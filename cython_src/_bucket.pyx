@@ -17,7 +17,7 @@ import operator
 import numpy as np
 
 from axonhpc._ext._pack import checked_dtype, raise_unusable
-from axonhpc.errors import InvalidArgumentError
+from axonhpc.errors import ArgumentTypeError, InvalidArgumentError
 
 cnp.import_array()
 
@@ -30,6 +30,7 @@ cdef class GradientBucket:
         dtype: a supported dtype; if None it is taken from the first array added.
 
     Raises:
+        ArgumentTypeError: ``capacity`` is not an integer (a ``TypeError``).
         InvalidArgumentError: ``capacity`` is below 1 (a ``ValueError``).
         UnsupportedDtypeError: ``dtype`` is not supported.
     """
@@ -42,7 +43,11 @@ cdef class GradientBucket:
     cdef list _shapes       # shape of each added array
 
     def __init__(self, capacity, dtype=None):
-        capacity = operator.index(capacity)
+        try:
+            capacity = operator.index(capacity)
+        except TypeError:
+            raise ArgumentTypeError(f"GradientBucket capacity must be an int (a number of elements), got "
+                                    f"{type(capacity).__name__} {capacity!r}") from None
         if capacity < 1:
             raise InvalidArgumentError(f"GradientBucket capacity must be at least 1 element, got {capacity}")
         self._capacity = capacity

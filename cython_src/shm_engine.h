@@ -152,11 +152,15 @@ static int ax_wait_all(ax_shm *s, int field, uint64_t target, double timeout, un
  * p (numpy's `sum / p`, so the bits equal the MPI path's sum-then-divide). */
 #define AX_DIVIDE(T) for (size_t i = 0; i < m; i++) acc[i] = acc[i] / (T)p;
 
-#define AX_DEFINE_OPS(SUFFIX, T)                             \
-    AX_DEFINE_REDUCE(ax_sum_##SUFFIX, T, a + v, )            \
-    AX_DEFINE_REDUCE(ax_prod_##SUFFIX, T, a * v, )           \
-    AX_DEFINE_REDUCE(ax_min_##SUFFIX, T, (v < a ? v : a), )  \
-    AX_DEFINE_REDUCE(ax_max_##SUFFIX, T, (v > a ? v : a), )
+/* MIN and MAX are numpy's np.minimum / np.maximum: a NaN from any rank wins (a
+ * NaN accumulator stays: every comparison with it is false; a NaN v is taken:
+ * v != v), so every rank and every path (MPI: backends/mpi_work.py) agree.
+ * For integers v != v is false and the compiler drops it. */
+#define AX_DEFINE_OPS(SUFFIX, T)                                        \
+    AX_DEFINE_REDUCE(ax_sum_##SUFFIX, T, a + v, )                       \
+    AX_DEFINE_REDUCE(ax_prod_##SUFFIX, T, a * v, )                      \
+    AX_DEFINE_REDUCE(ax_min_##SUFFIX, T, ((v < a || v != v) ? v : a), ) \
+    AX_DEFINE_REDUCE(ax_max_##SUFFIX, T, ((v > a || v != v) ? v : a), )
 
 AX_DEFINE_OPS(f32, float)
 AX_DEFINE_OPS(f64, double)

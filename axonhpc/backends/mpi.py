@@ -20,7 +20,8 @@ from ..settings import settings
 from .base import Backend, CompletedWork, ReduceOp, Work
 from .mpi_arrivals import Arrivals
 from .mpi_p2p import Looker, drop, largest_tag, poll, refuse_other, wire_tag
-from .mpi_work import ChunkPlan, MPIWork, chunk_bounds, load_mpi, mpi_datatype, mpi_op, raise_failure
+from .mpi_work import (ChunkPlan, MPIWork, chunk_bounds, host_only_op, load_mpi, mpi_datatype, mpi_op, raise_failure,
+                       widened_for_mpi)
 
 
 def _cuda_aware() -> bool:
@@ -308,8 +309,10 @@ class MPIBackend(Backend):
 
     def reducer(self, buf: np.ndarray, op: ReduceOp, nonblocking: bool = False) -> Callable[[], None]:
         """One ``Allreduce`` (or ``Iallreduce`` and its wait) on the prepared buffer (see ``Backend.reducer``)."""
+        if widened_for_mpi(buf.dtype, op) is not None:
+            return super().reducer(buf, op, nonblocking)
         MPI, comm = load_mpi(), self.comm
-        args = (MPI.IN_PLACE, [buf, mpi_datatype(buf.dtype)], mpi_op(op))
+        args = (MPI.IN_PLACE, [buf, mpi_datatype(buf.dtype)], mpi_op(op, buf.dtype))
 
         def reduce() -> None:
             try:
@@ -325,11 +328,36 @@ class MPIBackend(Backend):
 
         return reduce_nonblocking if nonblocking else reduce
 
+    def _widened(self, method, args: tuple, wide: np.dtype, reads, writes, result=None) -> Work:
+        """Run ``method`` on ``wide`` copies of the arrays ``args[i]`` (``reads``: filled, ``writes``: cast back).
+
+        ``args`` ends with ``async_op``, as the method's own arguments do.
+        """
+        copies = list(args)
+        for i in set(reads) | set(writes):
+            copies[i] = args[i].astype(wide) if i in reads else array_module(args[i]).empty(args[i].shape, dtype=wide)
+
+        def back() -> None:
+            for i in writes:
+                args[i][...] = copies[i].astype(args[i].dtype)
+
+        work = method(self, *copies)
+        if not args[-1]:  # async_op=False: done on return (a caller need not wait on a CompletedWork)
+            work.wait()
+            back()
+            return CompletedWork(result)
+        work.then(back)
+        work._result = result
+        return work
+
     # -- collectives ------------------------------------------------------------
     def all_reduce(self, buf, op: ReduceOp, async_op: bool) -> Work:
-        MPI, comm, mop = load_mpi(), self.comm, mpi_op(op)
+        MPI, comm, mop = load_mpi(), self.comm, mpi_op(op, buf.dtype)
+        wide = widened_for_mpi(buf.dtype, op)
+        if wide is not None:  # mpi_work's note on uint8 sums
+            return self._widened(MPIBackend.all_reduce, (buf, op, async_op), wide, (0,), (0,))
         if is_cupy_array(buf):
-            if self._staged(buf):
+            if self._staged(buf) or host_only_op(op, buf.dtype):
                 return self._on_host(MPIBackend.all_reduce, (buf, op, async_op), (0,), (0,))
         elif not async_op and buf.size <= settings.max_message_elements:
             # The common case, kept short: small messages are dominated by
@@ -379,9 +407,12 @@ class MPIBackend(Backend):
         return plan.run(async_op, recv)
 
     def reduce_scatter(self, send, recv, op: ReduceOp, async_op: bool) -> Work:
-        if self._staged(send):
+        wide = widened_for_mpi(send.dtype, op)
+        if wide is not None:  # mpi_work's note on uint8 sums
+            return self._widened(MPIBackend.reduce_scatter, (send, recv, op, async_op), wide, (0,), (1,), recv)
+        if self._staged(send) or (is_cupy_array(send) and host_only_op(op, send.dtype)):
             return self._on_host(MPIBackend.reduce_scatter, (send, recv, op, async_op), (0,), (1,))
-        comm, size, mop = self.comm, self.size, mpi_op(op)
+        comm, size, mop = self.comm, self.size, mpi_op(op, send.dtype)
         rflat = self._flat(recv)
         rows = self._flat(send).reshape(size, rflat.size)
         plan = ChunkPlan(comm)

@@ -42,11 +42,13 @@ class Arrivals:
         self._sends = [side.Isend([self._note, MPI.INT64_T], dest=r, tag=tag) for r in self.peers]
         self._boxes = {r: np.full(2, -1, dtype=np.int64) for r in self.peers}
         self._recvs = {r: side.Irecv([self._boxes[r], MPI.INT64_T], source=r, tag=tag) for r in self.peers}
-        self._done = {r: False for r in self.peers}
+        self._done = {r: False for r in self.peers}  # True once the peer's notice has come
+        self._cancelled: set = set()  # peers whose receive was cancelled: no notice came, none will be counted
+        self._drained: Optional[List[int]] = None  # drain()'s answer, once drained
 
     def _poll(self) -> None:
         for r, request in self._recvs.items():
-            if not self._done[r] and request.Test():
+            if not self._done[r] and r not in self._cancelled and request.Test():
                 self._done[r] = True
 
     def missing(self) -> List[int]:
@@ -71,24 +73,48 @@ class Arrivals:
         sends none (its group has no timeout there): that receive is cancelled, its global rank returned, and
         that peer not waited for again until a notice of its comes. Polled, not ``MPI_Waitall``: a wait inside
         MPI could not be ended.
+
+        Drained once: a call whose agreement check and data call both complete under the same notices (each
+        waited for by ``watch.wait``) gets the first answer again, without waiting or cancelling anything.
         """
+        if self._drained is not None:
+            return self._drained
         MPI = load_mpi()
         awaited = [request for r, request in self._recvs.items() if r not in self._silent] + self._sends
-        if poll(lambda: MPI.Request.Testall(awaited), time.monotonic() + patience):
-            if not self._silent:
-                return []
+        if poll(lambda: MPI.Request.Testall(awaited), time.monotonic() + patience) and not self._silent:
+            self._drained = []
+            return self._drained
         self._poll()
         quiet = [r for r in self.peers if not self._done[r]]
         self._silent.difference_update(r for r in self.peers if self._done[r])
         self._silent.update(quiet)  # not waited for again: one such wait is enough to tell
         self.abandon()
-        return [self.global_ranks[r] for r in quiet]
+        self._drained = [self.global_ranks[r] for r in self.peers if not self._done[r]]
+        return self._drained
 
     def abandon(self) -> None:
-        """After a timeout: cancel the receives that never completed (the job is ending)."""
+        """Cancel the receives that never completed (after a timeout: the job is ending; or a peer that sends none).
+
+        A cancelled receive completes too, so it is completed here (a local wait, MPI says) and its peer counted
+        as arrived only if the notice came before the cancellation took effect; ``_poll`` never tests it again.
+        """
+        MPI = load_mpi()
+        status = MPI.Status()
         for r, request in self._recvs.items():
-            if not self._done[r]:
-                request.Cancel()
+            if self._done[r] or r in self._cancelled:
+                continue
+            request.Cancel()
+            try:
+                request.Wait(status)
+            except MPI.Exception:  # a failed peer (fault-tolerant jobs): nothing will come from it
+                self._cancelled.add(r)
+                continue
+            if status.Is_cancelled():
+                self._cancelled.add(r)
+            else:
+                self._done[r] = True
+                if r in self._silent:
+                    self._silent.discard(r)
 
 
 __all__ = ["Arrivals"]

@@ -55,14 +55,65 @@ def mpi_datatype(dtype: np.dtype):
     return _DATATYPES[np.dtype(dtype)]
 
 
-def mpi_op(op: ReduceOp):
+def mpi_op(op: ReduceOp, dtype: Optional[np.dtype] = None):
+    """The MPI op that reduces ``dtype`` with ``op`` (``dtype`` None: the built-in op).
+
+    [Note: MIN and MAX of floats over MPI]
+    MPI leaves NaN in ``MPI_MIN``/``MPI_MAX`` unspecified, and the libraries differ by rank and algorithm
+    (MPICH gave [40, 40, nan, 40] on 4 ranks for MAX of [10, nan, 30, 40]). Float MIN and MAX use user ops
+    that are ``np.minimum``/``np.maximum`` on each piece MPI hands them, so a NaN anywhere gives NaN on
+    every rank, as on the node engine and the thread backend. Cost at 2 ranks, float32, against the
+    built-in op (backend calls, interleaved rounds, medians): MPICH 4 KiB 8.1 -> 8.8 us, 16 MiB 5.0 -> 5.9 ms;
+    Open MPI 4 KiB 5.7 -> 7.9 us, 16 MiB 5.1 -> 5.3 ms. Declared commutative: a non-commutative op (which
+    MPI reduces in rank order) cost 30% (MPICH) to 100% (Open MPI) more at 16 MiB. Integers keep the
+    built-in ops, and so does everything but MIN and MAX.
+    """
     # Keyed by the member's string value: hashing an Enum member runs Python
     # code, hashing a str is cached, and this is on every call's path.
     if not _OPS:
         MPI = load_mpi()
         _OPS.update({ReduceOp.SUM.value: MPI.SUM, ReduceOp.PRODUCT.value: MPI.PROD,
                      ReduceOp.MIN.value: MPI.MIN, ReduceOp.MAX.value: MPI.MAX})
+    if dtype is not None and host_only_op(op, dtype):
+        return _float_op(op, dtype)
     return _OPS[op._value_]
+
+
+_FLOAT_OPS: dict = {}
+
+
+def _float_op(op: ReduceOp, dtype: np.dtype):
+    """The NaN-propagating user op for MIN or MAX of a float dtype (see the note in ``mpi_op``)."""
+    key = (op._value_, dtype)
+    found = _FLOAT_OPS.get(key)
+    if found is None:
+        ufunc = np.minimum if op is ReduceOp.MIN else np.maximum
+
+        def reduce(inbuf, inoutbuf, datatype, ufunc=ufunc, dtype=np.dtype(dtype)):
+            acc = np.frombuffer(inoutbuf, dtype)
+            ufunc(np.frombuffer(inbuf, dtype), acc, out=acc)
+
+        found = _FLOAT_OPS[key] = load_mpi().Op.Create(reduce, commute=True)
+    return found
+
+
+def host_only_op(op: ReduceOp, dtype: np.dtype) -> bool:
+    """True if ``mpi_op`` gives a user op, which runs numpy on the data: a device array must be staged."""
+    return dtype.kind == "f" and (op is ReduceOp.MIN or op is ReduceOp.MAX)
+
+
+# [Note: uint8 sums over MPI]
+# Open MPI's AVX ops add uint8 with saturation from 16 elements on (255 + 1 gives 255; open-mpi/ompi#8045),
+# where the collectives promise wrapping. uint8 SUM is therefore reduced in an int32 copy and cast back,
+# which wraps mod 256 on every MPI library (the same bits MPICH's uint8 SUM gives). PRODUCT wraps there.
+def widened_for_mpi(dtype: np.dtype, op: ReduceOp) -> Optional[np.dtype]:
+    """The dtype MPI reduces ``dtype`` with ``op`` in, when not ``dtype`` itself; else None."""
+    if op is ReduceOp.SUM and dtype == _UINT8:
+        return _INT32
+    return None
+
+
+_UINT8, _INT32 = np.dtype(np.uint8), np.dtype(np.int32)
 
 
 def chunk_bounds(n: int, step: int):
@@ -174,4 +225,4 @@ class ChunkPlan:
         return MPIWork([(nonblocking, after) for _, nonblocking, after in self.steps], result, sequential, self.comm)
 
 
-__all__ = ["MPIWork", "raise_failure"]
+__all__ = ["MPIWork", "host_only_op", "mpi_op", "raise_failure", "widened_for_mpi"]

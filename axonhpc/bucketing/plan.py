@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..errors import InvalidArgumentError
+from ..errors import ArgumentTypeError, InvalidArgumentError
 
 
 def bucket_capacity(bucket_size: int, dtype: np.dtype) -> int:
@@ -23,7 +23,11 @@ def bucket_capacity(bucket_size: int, dtype: np.dtype) -> int:
 
 
 def check_bucket_size(bucket_size: Any) -> int:
-    size = operator.index(bucket_size)
+    try:
+        size = operator.index(bucket_size)
+    except TypeError:
+        raise ArgumentTypeError(f"bucket_size must be an int (bytes), got {type(bucket_size).__name__} "
+                                f"{bucket_size!r}") from None
     if size < 1:
         raise InvalidArgumentError(f"bucket_size must be at least 1 byte, got {size}")
     return size

@@ -30,8 +30,9 @@ nonblocking every rank does (a blocking caller then waits at once), the rest of 
   (``_shm.Engine.agree``).
 
 The check's own MPI call is therefore nonblocking on every rank (``MPI_Iallreduce`` of 72 bytes: as fast
-as the blocking one under MPICH here, about 1 us slower under Open MPI). The fused call of ``carried``
-stays blocking: an asynchronous call makes it blocking too.
+as the blocking one under MPICH here, about 1 us slower under Open MPI), and so is the fused call of
+``carried``, which is the check too: with the group's timeout on some ranks only, a blocking fused call
+on the others never met the timed ranks' polled one.
 """
 from __future__ import annotations
 
@@ -266,13 +267,25 @@ class CheckedWork(Work):
         return self._inner._block(left)
 
     def _timeout_error(self, timeout: float) -> Exception:
-        return (self._inner or self._check)._timeout_error(timeout)
+        # The step waited for (the check, or the call once issued) says what the backend knows of the missing
+        # ranks; the call is named as a blocking call's timeout names it, with the array's dtype and shape.
+        step = self._inner or self._check
+        step.label = _call_text(self.label)
+        return step._timeout_error(timeout)
 
     def _finish(self) -> None:
         if not self._finished:
             self._inner._finish()
             self._result = self._inner._result
             super()._finish()
+
+
+def _call_text(label: Any) -> str:
+    """A call as a timeout names it: the label (call, number, group) and the array's dtype and shape, if any."""
+    x = getattr(label, "call", (None,))[0]
+    if x is None or not hasattr(x, "dtype"):
+        return str(label)
+    return f"{label} ({x.dtype}{' on device' if is_cupy_array(x) else ''}, shape {tuple(x.shape)})"
 
 
 def flush(pg: Any) -> None:
@@ -316,19 +329,30 @@ def refuse_locally(pg: Any, op: str, problem: BaseException, nonblocking: bool =
     except CollectiveMismatchError:
         raise problem from None
     pg.seq += 1
+    timeout = pg.effective_timeout()
+    checked = pg.size > 1 and settings.check_collectives
+    label = f"{op} #{seq} on group {pg.name} {list(pg.ranks)} (telling the group of a refusal)"
+    # The others announce their call under a timeout and wait for this rank's notice once their check is done:
+    # it is sent as for the call it stands for (it is in their check; with no check it is not in the call).
+    arrivals = pg.backend.announce(seq, op) if checked and timeout is not None else None
     try:
         def mismatch() -> None:
             fingerprint.check(pg, op, seq=seq, refused=reason)
 
-        if nonblocking and node_engine(pg) is None and pg.size > 1 and settings.check_collectives:
+        if nonblocking and node_engine(pg) is None and checked:
             work, verify = _start_mpi_check(pg, seq, op, describe("refused"), mismatch)
-            watch.wait(work, pg.effective_timeout(),
-                       f"{op} #{seq} on group {pg.name} {list(pg.ranks)} (telling the group of a refusal)", None, pg)
+            watch.wait(work, timeout, label, arrivals, pg)
             verify()
         else:
-            compare(pg, seq, op, lambda elsewhere: describe("refused", elsewhere=elsewhere), mismatch)
-    except (CollectiveMismatchError, CollectiveTimeoutError):
-        pass  # the others raise CollectiveRefusedError naming this rank; or nobody came to hear it
+            compare(pg, seq, op, lambda elsewhere: describe("refused", elsewhere=elsewhere), mismatch, arrivals,
+                    label)
+        heard = True
+    except CollectiveMismatchError:
+        heard = True  # the others raise CollectiveRefusedError naming this rank
+    except CollectiveTimeoutError:
+        heard = False  # nobody came to hear it
+    if heard and arrivals is not None:
+        watch.drain(arrivals, label)  # at once where the check took them in already
     if entry is not None:
         entry[flight.DONE] = True
     raise problem

@@ -23,7 +23,7 @@ from ..settings import settings
 from . import (agreement, fast_path, fingerprint, flight, graphed, routes, shm_path, staged_path, stragglers,
                watch, watchdog)
 from .ring import ring_all_reduce, ring_reduce_scatter
-from .widen import divide_average
+from .widen import divide_average, work_dtype
 
 
 def member(group: Optional[ProcessGroup], op: str) -> ProcessGroup:
@@ -164,12 +164,12 @@ def _trace(work: Work, start: float, label: Any, collective: bool) -> None:
 
 
 def _reduction(pg: ProcessGroup, x, out, op: ReduceOp, issue_on, result=None):
-    """Shared AVG / 16-bit handling for all_reduce and reduce_scatter; ``issue_on(src, dst, base_op, nonblocking)``."""
+    """Shared AVG / widening for all_reduce and reduce_scatter (``widen``); ``issue_on(src, dst, base_op, nonblocking)``."""
     base = ReduceOp.SUM if op is ReduceOp.AVG else op
-    xp = array_module(x)
-    if is_low_precision_float(x.dtype):
-        src = x.astype(np.float32)
-        dst = src if out is x else xp.empty(out.shape, dtype=np.float32)
+    wide = work_dtype(x.dtype, op)
+    if wide is not None:
+        src = x.astype(wide)
+        dst = src if out is x else array_module(x).empty(out.shape, dtype=wide)
     else:
         src, dst = x, out
 

@@ -10,6 +10,7 @@ collective on the group). With debug off the cost is one attribute test per call
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from typing import Any, Optional
@@ -102,13 +103,16 @@ def check(group, op: str, x: Any = None, reduce: Optional[str] = None, root: Opt
     mine[: len(raw)] = np.frombuffer(raw, dtype=np.uint8)
     table = np.empty((group.size, _SLOT), dtype=np.uint8)
     timeout = group.effective_timeout()
+    # Nonblocking on every rank, whatever its timeout: MPI never matches MPI_Allgather with MPI_Iallgather.
     if timeout is None:
-        side.all_gather(mine, table, async_op=False)
+        side.all_gather(mine, table, async_op=True).wait(math.inf)
     else:  # a rank that never comes must not hang the exchange: watch it like the collective
         from . import watch
 
         arrivals = group.backend.announce(seq, op)
-        label = f"{op} #{seq} on group {group.name} {list(group.ranks)} (debug fingerprint exchange)"
+        # In debug mode every call is exchanged; otherwise this one explains a difference the check found.
+        why = "debug fingerprint exchange" if group.debug_enabled() else "exchange of the calls after a mismatch"
+        label = f"{op} #{seq} on group {group.name} {list(group.ranks)} ({why})"
         watch.wait(side.all_gather(mine, table, async_op=True), timeout, label, arrivals, group)
     prints = [json.loads(bytes(row).rstrip(b"\0").decode()) for row in table]
     keys = {tuple(json.dumps(p.get(k)) for k in _COMPARED) + (bool(p.get("refused")),) for p in prints}

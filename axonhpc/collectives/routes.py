@@ -54,7 +54,7 @@ def choose(pg: Any, x: Any, op_name: str, op: Optional[ReduceOp] = None,
         if staged_path.takes(pg, x, op, async_op):
             return STAGED, None
     fixed = op is not None and shm_path.fixed_order(x, op)
-    node = shm_path.path(pg, x, op_name, reduction=op is not None, any_size=fixed)
+    node = shm_path.path(pg, x, op_name, reduction=op is not None, any_size=fixed, op=op)
     if node is not None:
         return (NODE if op is None or node.fuses(op, x) else NODE_WIDENED), node
     if fixed and pg.size > 1:

@@ -30,6 +30,7 @@ from ..errors import CollectiveStallError, CollectiveTimeoutError, PeerFailedErr
 from ..settings import settings
 from . import watchdog
 from .group_state import state_of
+from .widen import work_dtype
 
 _KERNEL_DTYPES = frozenset(np.dtype(t) for t in (np.float32, np.float64, np.int32, np.int64, np.uint8))
 
@@ -147,10 +148,12 @@ def fixed_order(x: Any, op: ReduceOp) -> bool:
             and op in (ReduceOp.SUM, ReduceOp.AVG, ReduceOp.PRODUCT))
 
 
-def path(pg: Any, x: Any, op_name: str, reduction: bool, any_size: bool = False) -> Optional[_Path]:
+def path(pg: Any, x: Any, op_name: str, reduction: bool, any_size: bool = False,
+         op: Optional[ReduceOp] = None) -> Optional[_Path]:
     """The shared-memory path for this call, or None for MPI (collective on a group's first use).
 
-    ``any_size`` takes it whatever the message size (deterministic mode).
+    ``any_size`` takes it whatever the message size (deterministic mode). ``op``: the reduction, if known; one
+    that runs on a widened copy (an integer AVG, ``widen``) cannot reduce an array in the window where it lies.
     """
     if settings.shm_collectives == "off" or pg.size == 1:
         return None
@@ -159,7 +162,8 @@ def path(pg: Any, x: Any, op_name: str, reduction: bool, any_size: bool = False)
         return None  # the common case of a small message, decided in a few attribute reads
     if is_cupy_array(x):
         return None
-    if op_name == "all_gather" or (op_name == "all_reduce" and np.dtype(x.dtype) in _KERNEL_DTYPES):
+    if op_name == "all_gather" or (op_name == "all_reduce" and np.dtype(x.dtype) in _KERNEL_DTYPES
+                                   and (op is None or work_dtype(x.dtype, op) is None)):
         in_window = engine_in_window(pg.backend, x)
         if in_window is not None:  # every rank's array is in the window (allocated collectively)
             set_timeout(in_window, pg)

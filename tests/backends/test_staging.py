@@ -317,6 +317,12 @@ cuda_aware.set_cached(cuda_aware.CudaAwareness(True, "test: CUDA-aware"))
 calls.clear(); syncs.clear()
 ops(b)
 print("direct copies", len(calls), "stream syncs", len(syncs) > 0)
+
+# float MIN/MAX run numpy in a user op (backends.mpi_work): even a CUDA-aware MPI gets host twins
+calls.clear()
+m = device(np.array([1.0, np.nan], dtype=np.float32))
+b.all_reduce(m, ax.ReduceOp.MAX, False)
+print("float max copies", len(calls), type(m).__name__, m.tolist())
 """
 
 
@@ -331,3 +337,4 @@ def test_mpi_backend_stages_device_arrays_or_passes_them_directly_on_a_one_rank_
     assert int(staged[3]) <= 4, f"host buffers must be reused across calls: {lines[0]}"
     assert lines[1] == "scatter DeviceArray [0.0, 1.0, 2.0, 3.0]"
     assert lines[2] == "direct copies 0 stream syncs True"
+    assert lines[3] == "float max copies 2 DeviceArray [1.0, nan]", lines[3]

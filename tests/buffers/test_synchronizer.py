@@ -10,7 +10,7 @@ import axonhpc as ax
 import axonhpc.bucketing.reducer as bucketing  # where the reducer calls all_reduce
 from axonhpc._dtypes import bfloat16_dtype
 from axonhpc.bucketing import GradientSynchronizer, GradSyncStrategy, plan_buckets
-from axonhpc.errors import NonContiguousBufferError, ReadOnlyBufferError, UnsupportedDtypeError
+from axonhpc.errors import ArgumentTypeError, NonContiguousBufferError, ReadOnlyBufferError, UnsupportedDtypeError
 
 pytestmark = pytest.mark.timeout(120)  # hang guard: a rank left waiting fails the test
 
@@ -346,3 +346,11 @@ def test_dtype_groups_keep_first_seen_order_and_split_by_library():
     boxes = [type("P", (), {"data": x})() for x in (a32, b64)]
     assert [g[0].data.dtype for g in dtype_groups(boxes, lambda p: p.data)] == [np.float32, np.float64]
     assert dtype_groups([]) == []
+
+
+@pytest.mark.parametrize("bucket_size", [1.5, "25MB"])
+def test_bucket_size_must_be_an_integer(bucket_size):
+    with pytest.raises(ArgumentTypeError, match=f"bucket_size must be an int .*got {type(bucket_size).__name__}"):
+        plan_buckets([(3, np.float32)], bucket_size)
+    with pytest.raises(ArgumentTypeError, match="bucket_size must be an int"):
+        GradientSynchronizer(bucket_size=bucket_size)

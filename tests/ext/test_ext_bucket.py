@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from axonhpc.bucketing import GradientBucket
-from axonhpc.errors import InvalidArgumentError, NonContiguousBufferError, UnsupportedDtypeError
+from axonhpc.errors import ArgumentTypeError, InvalidArgumentError, NonContiguousBufferError, UnsupportedDtypeError
 from support.buffer_cases import DTYPE_IDS, DTYPES, make
 
 
@@ -131,9 +131,10 @@ def test_capacity_below_one(capacity):
         GradientBucket(capacity)  # an InvalidArgumentError is a ValueError too
 
 
-def test_capacity_must_be_an_integer():
-    with pytest.raises(TypeError):
-        GradientBucket(2.5)
+@pytest.mark.parametrize("capacity", [2.5, "8", None])
+def test_capacity_must_be_an_integer(capacity):
+    with pytest.raises(ArgumentTypeError, match=f"capacity must be an int .*got {type(capacity).__name__}"):
+        GradientBucket(capacity)  # an ArgumentTypeError is a TypeError too
 
 
 def test_unsupported_dtype_argument():
