@@ -52,9 +52,17 @@ class Arrivals:
                 self._done[r] = True
 
     def missing(self) -> List[int]:
-        """Global ranks whose notice for this collective has not arrived (this rank is never among them)."""
+        """Global ranks whose notice for this collective has not arrived (this rank is never among them), but for
+        peers known to send none (``unknown``)."""
         self._poll()
-        return [self.global_ranks[r] for r in self.peers if not self._done[r] or self._other(r)]
+        return [self.global_ranks[r] for r in self.peers
+                if (self._done[r] and self._other(r)) or (not self._done[r] and r not in self._silent)]
+
+    def unknown(self) -> List[int]:
+        """Global ranks of peers known to send no notices (their timeout is off) and with none for this collective:
+        whether they have entered it cannot be told."""
+        self._poll()
+        return [self.global_ranks[r] for r in self.peers if not self._done[r] and r in self._silent]
 
     def _other(self, r: int) -> bool:
         return (int(self._boxes[r][0]), int(self._boxes[r][1])) != (self.seq, int(self._note[1]))

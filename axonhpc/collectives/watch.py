@@ -18,11 +18,17 @@ from . import flight, watchdog
 
 
 def _who(arrivals: Any, pg: Any, missing: Optional[list] = None) -> str:
-    """Who arrived and who did not (``missing``: known already), and where the missing ones are instead."""
+    """Who arrived and who did not (``missing``: known already), and where the missing ones are instead.
+
+    From the notices alone, a peer known to send none (its timeout is off) is neither: it is "not known".
+    """
+    unknown = []
     if missing is None:
-        missing = arrivals.missing()
-    arrived = [g for g in pg.ranks if g not in missing]
+        missing, unknown = arrivals.missing(), arrivals.unknown()
+    arrived = [g for g in pg.ranks if g not in missing and g not in unknown]
     text = f"arrived ranks: {arrived}; missing ranks: {missing}"
+    if unknown:
+        text += f"; not known: {unknown} (their timeout for this group is off, so they send no arrival notices)"
     elsewhere = {g: where for g, where in arrivals.elsewhere().items() if g in missing}
     if elsewhere:
         text += "; in another collective: " + ", ".join(f"rank {g} at {where}" for g, where in sorted(elsewhere.items()))

@@ -37,6 +37,19 @@ def test_a_sleeping_rank_is_named_and_the_job_ends():
 
 
 @pytest.mark.timeout(120)
+def test_a_rank_without_a_timeout_is_not_named_missing():
+    # Rank 1 has no timeout, so it sends no arrival notices: whether it arrived cannot be told. It was named
+    # among the missing ranks beside the sleeping rank 2, though it waited in the all-reduce like rank 0.
+    out, elapsed = _run("silent", AXONHPC_SHM_COLLECTIVES="off")  # the engine counts arrivals itself
+    text = out.stdout + out.stderr
+    assert out.returncode not in (0, 124), text[-3000:]
+    assert elapsed < 30, (elapsed, text[-3000:])  # one wait of 5 s for rank 1's notices, then the 1.5 s
+    assert "all_reduce #1 on group world" in text and "timed out after 1.5 s" in text, text[-3000:]
+    assert "arrived ranks: [0]; missing ranks: [2]; not known: [1]" in text, text[-3000:]
+    assert "finished" not in text
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("shm", ["auto", "off"])
 def test_wait_on_an_asynchronous_call_takes_the_groups_timeout(shm):
     # Work.wait() with no timeout used to wait forever on the MPI path, whatever the group's timeout.

@@ -9,6 +9,7 @@
     timeout_job.py async    the last rank sleeps past the timeout; the others wait() on an asynchronous all_reduce
     timeout_job.py irecv    rank 0 wait()s on an irecv from the last rank, which sleeps past the timeout
     timeout_job.py group    the last rank sleeps past the timeout where the others make a new group
+    timeout_job.py silent   as sleep, but rank 1 has no timeout, so it sends no arrival notices
 """
 import sys
 import time
@@ -19,6 +20,8 @@ import axonhpc as ax
 
 world = ax.init()
 ax.settings.timeout = 30 if sys.argv[1] in ("stall", "p2p") else 1.5
+if sys.argv[1] == "silent" and world.rank == 1:
+    ax.settings.timeout = None
 ax.settings.debug = sys.argv[1] in ("stall", "mismatch")
 ax.settings.stall_report = 0.3
 ax.barrier()
@@ -48,7 +51,7 @@ elif sys.argv[1] == "usr1":
     sys.stdout.flush()
     time.sleep(3)
     ax.barrier()
-elif sys.argv[1] in ("sleep", "async"):
+elif sys.argv[1] in ("sleep", "async", "silent"):
     if last:
         time.sleep(20)
     if sys.argv[1] == "async":
