@@ -328,26 +328,23 @@ class MPIBackend(Backend):
 
         return reduce_nonblocking if nonblocking else reduce
 
-    def _widened(self, method, args: tuple, wide: np.dtype, reads, writes, result=None) -> Work:
-        """Run ``method`` on ``wide`` copies of the arrays ``args[i]`` (``reads``: filled, ``writes``: cast back).
-
-        ``args`` ends with ``async_op``, as the method's own arguments do.
-        """
-        copies = list(args)
+    def _widened(self, method, args: tuple, wide: np.dtype, reads, writes) -> Work:
+        """Run ``method`` on ``wide`` twins of the arrays ``args[i]``: ``reads`` filled, ``writes`` cast back on
+        completion (as ``_on_host`` stages device arrays; ``args`` ends with ``async_op``)."""
+        twins = list(args)
         for i in set(reads) | set(writes):
-            copies[i] = args[i].astype(wide) if i in reads else array_module(args[i]).empty(args[i].shape, dtype=wide)
+            twins[i] = args[i].astype(wide) if i in reads else array_module(args[i]).empty(args[i].shape, dtype=wide)
 
         def back() -> None:
             for i in writes:
-                args[i][...] = copies[i].astype(args[i].dtype)
+                args[i][...] = twins[i].astype(args[i].dtype)
 
-        work = method(self, *copies)
-        if not args[-1]:  # async_op=False: done on return (a caller need not wait on a CompletedWork)
+        work = method(self, *twins).then(back)
+        for i in writes:
+            if work._result is twins[i]:  # the call's result is the caller's array, not its twin
+                work._result = args[i]
+        if not args[-1]:  # async_op=False: the cast back happens before returning
             work.wait()
-            back()
-            return CompletedWork(result)
-        work.then(back)
-        work._result = result
         return work
 
     # -- collectives ------------------------------------------------------------
@@ -409,7 +406,7 @@ class MPIBackend(Backend):
     def reduce_scatter(self, send, recv, op: ReduceOp, async_op: bool) -> Work:
         wide = widened_for_mpi(send.dtype, op)
         if wide is not None:  # mpi_work's note on uint8 sums
-            return self._widened(MPIBackend.reduce_scatter, (send, recv, op, async_op), wide, (0,), (1,), recv)
+            return self._widened(MPIBackend.reduce_scatter, (send, recv, op, async_op), wide, (0,), (1,))
         if self._staged(send) or (is_cupy_array(send) and host_only_op(op, send.dtype)):
             return self._on_host(MPIBackend.reduce_scatter, (send, recv, op, async_op), (0,), (1,))
         comm, size, mop = self.comm, self.size, mpi_op(op, send.dtype)

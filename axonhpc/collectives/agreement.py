@@ -268,7 +268,7 @@ class CheckedWork(Work):
 
     def _timeout_error(self, timeout: float) -> Exception:
         # The step waited for (the check, or the call once issued) says what the backend knows of the missing
-        # ranks; the call is named as a blocking call's timeout names it, with the array's dtype and shape.
+        # ranks; the call is named by its label, with the array's dtype and shape.
         step = self._inner or self._check
         step.label = _call_text(self.label)
         return step._timeout_error(timeout)
