@@ -64,10 +64,13 @@ def test_the_trainers_preemption_exit_on_every_rank_exits_without_an_abort(tmp_p
     assert "ending the job" not in out.stderr, out.stderr
 
 
+# Each rank writes its own file: two ranks printing at once may share a line of the launcher's output.
 SHOWS_WHAT_IT_SEES = """
 import json, os, sys
-print(json.dumps({"numpy_loaded": "numpy" in sys.modules, "axonhpc_loaded": "axonhpc" in sys.modules,
-                  "name": __name__, "file": __file__, "argv": sys.argv, "path0": sys.path[0]}), flush=True)
+seen = {"numpy_loaded": "numpy" in sys.modules, "axonhpc_loaded": "axonhpc" in sys.modules,
+        "name": __name__, "file": __file__, "argv": sys.argv, "path0": sys.path[0]}
+with open(f"seen-{os.getpid()}.json", "w") as f:
+    json.dump(seen, f)
 """
 
 
@@ -78,8 +81,10 @@ def test_the_script_sees_what_python_would_give_it(tmp_path):
     script.write_text(SHOWS_WHAT_IT_SEES)
     out = _launch(sys.executable, script, "--flag", "a b", env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert out.returncode == 0, out.stdout + out.stderr
-    for line in out.stdout.strip().splitlines():
-        seen = json.loads(line)
+    files = sorted(tmp_path.glob("seen-*.json"))
+    assert len(files) == 2, (files, out.stdout, out.stderr)
+    for path in files:
+        seen = json.loads(path.read_text())
         assert seen == {"numpy_loaded": False, "axonhpc_loaded": False, "name": "__main__", "file": str(script),
                         "argv": [str(script), "--flag", "a b"], "path0": str(tmp_path)}, seen
 
