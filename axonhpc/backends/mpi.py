@@ -308,19 +308,28 @@ class MPIBackend(Backend):
         return max(1, settings.max_message_elements // per_rank_parts)
 
     def reducer(self, buf: np.ndarray, op: ReduceOp, nonblocking: bool = False) -> Callable[[], None]:
-        """One ``Allreduce`` (or ``Iallreduce`` and its wait) on the prepared buffer (see ``Backend.reducer``)."""
+        """One ``Allreduce`` (or ``Iallreduce`` and its wait) on the prepared buffer (see ``Backend.reducer``).
+
+        A buffer longer than ``settings.max_message_elements`` goes in ``all_reduce``'s chunks, so that the calls
+        still meet those of ``all_reduce(buf, op, True)`` on a rank under a timeout (read at each call, as there).
+        """
         if widened_for_mpi(buf.dtype, op) is not None:
             return super().reducer(buf, op, nonblocking)
         MPI, comm = load_mpi(), self.comm
         args = (MPI.IN_PLACE, [buf, mpi_datatype(buf.dtype)], mpi_op(op, buf.dtype))
+        chunked = super().reducer(buf, op, nonblocking)
 
         def reduce() -> None:
+            if buf.size > settings.max_message_elements:
+                return chunked()
             try:
                 comm.Allreduce(*args)
             except MPI.Exception as exc:
                 raise_failure(comm, exc)
 
         def reduce_nonblocking() -> None:
+            if buf.size > settings.max_message_elements:
+                return chunked()
             try:
                 comm.Iallreduce(*args).Wait()
             except MPI.Exception as exc:

@@ -61,6 +61,17 @@ def case_small_all_reduces_meet_when_only_the_first_rank_times_out(world):
         assert (ax.all_gather(np.full(2, world.rank)) == np.arange(world.world_size)[:, None]).all()
 
 
+def case_small_all_reduces_meet_when_messages_are_capped_and_only_the_first_rank_times_out(world):
+    # With max_message_elements below the agreement check's nine words, the timed rank sent its check in
+    # chunks and the untimed ranks in one message: the calls paired wrongly (a wrong sum, then a hang).
+    n = world.world_size
+    with _timed_on(world, world.rank == 0, seconds=20.0), override(max_message_elements=8):
+        for k in range(8):
+            x = np.full(24, world.rank + 1.0 + k, dtype=np.float32)
+            ax.all_reduce(x)
+            assert (x == sum(r + 1.0 + k for r in range(n))).all(), (k, x[:2])
+
+
 def case_debug_exchange_meets_when_only_the_first_rank_times_out(world):
     # The debug fingerprint exchange was MPI_Allgather without a timeout and MPI_Iallgather under one.
     with _timed_on(world, world.rank == 0, seconds=20.0, debug=True):
