@@ -36,7 +36,7 @@ from .directory import (PER_RANK_FORMAT, begin_directory, put_in_place, rank_fil
                         write_member)
 from .format import MAX_DEPTH, checkpoint_path
 from .io import all_gather_over, share_outcome, write_file
-from .sharded import INDEX_FORMAT, shard_file
+from .sharded import shard_file, sharded_index
 from .sliced import prepare_slices
 
 
@@ -159,9 +159,7 @@ class AsyncCheckpointer:
         if fsdp.is_shard_writer:  # sharded_state_dict holds copies (parallel.fsdp.state.sharded_state): no second copy
             mine = (shard_file(fsdp.shard_rank, fsdp.shard_world_size),
                     host_copy(fsdp.sharded_state_dict(optimizer), copy=False))
-        index = {"format": INDEX_FORMAT, "shard_world_size": fsdp.shard_world_size,
-                 "units": {u.name: int(u.numel) for u in fsdp.units}, "extra": host_copy(extra)}
-        self._start_directory(checkpoint_path(path), mine, index)
+        self._start_directory(checkpoint_path(path), mine, sharded_index(fsdp, host_copy(extra)))
 
     def save_slices(self, path: "str | os.PathLike[str]", pieces: Any, extra: Any = None,
                     copy: bool = True) -> None:

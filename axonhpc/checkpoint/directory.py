@@ -181,6 +181,16 @@ def read_index(path: str, expected_format: str) -> Tuple[dict, bytes, Optional[s
     return index, digest, token
 
 
+def saved_extra(path: str) -> Any:
+    """The ``extra`` recorded in the index of checkpoint directory ``path``, whatever its format; None if the index
+    cannot be read or records none (the load that follows says why, in its own words)."""
+    try:
+        index = read_saved(member_path(path, INDEX, "index"))[0]
+    except (CheckpointError, OSError):
+        return None
+    return index.get("extra") if isinstance(index, dict) else None
+
+
 def check_save(path: str, name: str, what: str, expected: Optional[str], found: Any) -> None:
     """Raise CheckpointError if member file ``name`` comes from another save than the index.
 
@@ -243,4 +253,4 @@ def load_per_rank(path: "str | os.PathLike[str]", group: Any = None) -> Tuple[An
 
 __all__ = ["save_directory", "begin_directory", "write_member", "put_in_place", "temporary_directory", "read_index",
            "report", "save_per_rank", "load_per_rank", "rank_file", "INDEX", "MAX_WORLD_SIZE", "check_file_name",
-           "index_int", "member_path", "read_member", "check_save"]
+           "index_int", "member_path", "read_member", "check_save", "saved_extra"]

@@ -8,7 +8,7 @@ on M.
 from __future__ import annotations
 
 import os
-from typing import Any, List
+from typing import Any, List, Tuple
 
 from ..buffers import shard_size
 from ..errors import CheckpointError
@@ -32,12 +32,49 @@ def save_sharded(path: "str | os.PathLike[str]", fsdp: Any, optimizer: Any = Non
     mine = None
     if fsdp.is_shard_writer:
         mine = (shard_file(fsdp.shard_rank, fsdp.shard_world_size), lambda: fsdp.sharded_state_dict(optimizer))
-    save_directory(path, fsdp.group, mine,
-                   lambda: {"format": INDEX_FORMAT, "shard_world_size": fsdp.shard_world_size,
-                            "units": {u.name: int(u.numel) for u in fsdp.units}, "extra": extra})
+    save_directory(path, fsdp.group, mine, lambda: sharded_index(fsdp, extra))
+
+
+def sharded_index(fsdp: Any, extra: Any) -> dict:
+    """The index of a sharded checkpoint of ``fsdp``: the saved layout, each unit's parameter shapes (to name the
+    ones that differ from a model that loads it), and ``extra``."""
+    return {"format": INDEX_FORMAT, "shard_world_size": fsdp.shard_world_size,
+            "units": {u.name: int(u.numel) for u in fsdp.units},
+            "shapes": {u.name: [[name, list(shape)] for name, shape in _model_shapes(u)] for u in fsdp.units},
+            "extra": extra}
 
 
 _MAX_NUMEL = 1 << 62  # elements of one unit; more is a corrupt index, not a model
+
+
+def _model_shapes(unit: Any) -> List[Tuple[str, tuple]]:
+    """``(name, shape)`` of each parameter of FSDP unit ``unit`` (its layout's: a sharded parameter holds none)."""
+    return [(name, tuple(shape)) for name, shape in zip(unit.param_names, unit.flat.layout.shapes)]
+
+
+def _shown(shapes: List[Tuple[str, tuple]], most: int = 6) -> str:
+    text = ", ".join(f"{name} {shape}" for name, shape in shapes[:most])
+    return text + (f" and {len(shapes) - most} more" if len(shapes) > most else "")
+
+
+def _unit_mismatch(path: str, index: dict, unit: Any, numel: int) -> str:
+    """The message for a unit whose element count differs: the parameters that differ, where the index records
+    the saved shapes (older checkpoints do not: then the unit's counts and this model's parameters)."""
+    mine = _model_shapes(unit)
+    saved = index.get("shapes", {}).get(unit.name) if isinstance(index.get("shapes"), dict) else None
+    try:
+        theirs = [(str(name), tuple(int(d) for d in shape)) for name, shape in saved]
+    except (TypeError, ValueError):
+        theirs = None
+    head = f"{path!r}: FSDP unit {unit.name!r} holds {numel} elements in the checkpoint, {unit.numel} in this model"
+    if theirs is None:
+        return f"{head} ({_shown(mine)}): a checkpoint of another model"
+    saved_shapes, my_shapes = dict(theirs), dict(mine)
+    differ = [f"{name}: {saved_shapes[name]} saved, {shape} here" for name, shape in mine
+              if name in saved_shapes and saved_shapes[name] != shape]
+    differ += [f"{name} {shape}: not in the checkpoint" for name, shape in mine if name not in saved_shapes]
+    differ += [f"{name} {shape}: not in this model" for name, shape in theirs if name not in my_shapes]
+    return f"{head}; parameters that differ: {'; '.join(differ[:6])}: a checkpoint of another model"
 
 
 def _needed_files(index: dict, fsdp: Any, path: str) -> List[int]:
@@ -49,10 +86,13 @@ def _needed_files(index: dict, fsdp: Any, path: str) -> List[int]:
                               f"names to element counts (a corrupt or crafted index)")
     needed = set()
     for unit in fsdp.units:
-        numel = index_int(units, unit.name, path, 0, _MAX_NUMEL) if unit.name in units else -1
+        if unit.name not in units:
+            raise CheckpointError(f"{path!r} holds no FSDP unit {unit.name!r} (this model's holds "
+                                  f"{_shown(_model_shapes(unit))}); its units: {sorted(units)[:10]}: a checkpoint "
+                                  f"of another model or another unit plan")
+        numel = index_int(units, unit.name, path, 0, _MAX_NUMEL)
         if numel != unit.numel:
-            raise CheckpointError(f"the checkpoint's unit {unit.name!r} has {numel} elements, the model's "
-                                  f"{unit.numel} (-1: not in the checkpoint)")
+            raise CheckpointError(_unit_mismatch(path, index, unit, numel))
         # Saved shard k holds [k * chunk, (k + 1) * chunk) of the unit (shard_bounds), so the ones
         # overlapping [lo, hi) are found by division, whatever the saved world size.
         lo, hi = unit.unpadded_range()
@@ -86,4 +126,4 @@ def load_sharded(path: "str | os.PathLike[str]", fsdp: Any, optimizer: Any = Non
     return index["extra"]
 
 
-__all__ = ["save_sharded", "load_sharded", "shard_file"]
+__all__ = ["save_sharded", "load_sharded", "shard_file", "sharded_index"]

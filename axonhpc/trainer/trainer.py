@@ -39,6 +39,7 @@ import numpy as np
 from .._dtypes import array_module
 from ..checkpoint import clean_interrupted, latest
 from ..checkpoint.background import AsyncCheckpointer
+from ..checkpoint.directory import saved_extra
 from ..checkpoint.io import broadcast_text, failed_on
 from ..backends import ReduceOp
 from ..collectives import all_reduce, broadcast, stragglers
@@ -314,6 +315,14 @@ class DistributedTrainer:
 
     def load_checkpoint(self, path: str) -> Dict[str, Any]:
         """Collective: restore a checkpoint written by ``save_checkpoint``; returns where the run was."""
+        # The strategy first (group rank 0's reading, for all): another strategy's files fail the load in terms
+        # of its own format, which do not say why.
+        saved = saved_extra(path) if self.setup.group.rank == 0 else None
+        written = broadcast_text(saved.get("strategy") if isinstance(saved, dict) and isinstance(
+            saved.get("strategy"), str) else None, self.setup.group)
+        if written is not None and written != self.strategy:
+            raise ConfigurationError(f"{path!r} was written with strategy {written!r}, this trainer uses "
+                                     f"{self.strategy!r}")
         extra, rank_state = self.setup.load(path)
         if not isinstance(extra, dict):
             raise CheckpointError(f"{path!r} records no trainer state (its extra is a {type(extra).__name__}, not "

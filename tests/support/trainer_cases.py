@@ -309,6 +309,17 @@ def case_a_checkpoint_without_the_trainers_fields_is_refused(world):
                 trainer.load_checkpoint(path)
 
 
+def case_a_checkpoint_of_another_strategy_names_both_strategies(world):
+    # DDP's files resumed by zero1 or fsdp failed in terms of the other's format ("ZeroRedundancyOptimizer
+    # state dict must have keys ..."); the trainer's own check, made after the load, never ran.
+    with shared_dir(world, "axonhpc-trainer-") as directory:
+        train(world, epochs=1, checkpoint_dir=directory)
+        for strategy in ("zero1", "fsdp"):
+            with pytest.raises(ax.errors.ConfigurationError,
+                               match=f"was written with strategy 'ddp', this trainer uses '{strategy}'"):
+                train(world, strategy, epochs=2, checkpoint_dir=directory)
+
+
 def case_a_checkpoint_that_does_not_fit_changes_nothing_anywhere(world):
     # Saved with SGD and momentum; resumed by a trainer whose optimizer on the last rank is Adam: that rank
     # names the mismatch, the others refuse with it, and no rank's model or optimizer changed.

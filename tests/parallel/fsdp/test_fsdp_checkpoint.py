@@ -89,8 +89,25 @@ def test_a_different_model_is_refused(tmp_path):
     path = str(tmp_path / "ckpt")
     ax.run_local(lambda world: _save(path, world.default_group), world_size=2)
     other = ax.FSDP(nn.Sequential(nn.Linear(6, 3, dtype=np.float64)), group=ax.ProcessGroup.mock())
-    with pytest.raises(ax.errors.CheckpointError, match="unit '0' has 112 elements, the model's 21"):
+    with pytest.raises(ax.errors.CheckpointError, match=r"FSDP unit '0' holds 112 elements in the checkpoint, 21 in this model; parameters that differ: 0.weight: \(16, 6\) saved, \(3, 6\) here; 0.bias: \(16,\) saved, \(3,\) here"):
         checkpoint.load_sharded(path, other)
+
+
+def test_a_model_with_another_unit_plan_or_an_older_index_is_named_by_its_parameters(tmp_path):
+    from axonhpc.checkpoint.sharded import _unit_mismatch
+
+    path = str(tmp_path / "ckpt")
+    ax.run_local(lambda world: _save(path, world.default_group), world_size=2)
+    model = make_model()
+    other = ax.FSDP(model, group=ax.ProcessGroup.mock(), units=[model[0]])  # units '0' and the root
+    with pytest.raises(ax.errors.CheckpointError, match=r"holds no FSDP unit '<root>' \(this model's holds 2.weight \(8, 16\)"):
+        checkpoint.load_sharded(path, other)
+    # An index written before the shapes were recorded: the unit's counts and this model's parameters.
+    unit = other.units[0]
+    text = _unit_mismatch("ck", {"units": {"0": 7}}, unit, 7)
+    assert text == (f"'ck': FSDP unit '0' holds 7 elements in the checkpoint, {unit.numel} in this model "
+                    f"(0.weight {unit.flat.layout.shapes[0]}, 0.bias {unit.flat.layout.shapes[1]}): a checkpoint "
+                    f"of another model"), text
 
 
 @pytest.mark.mpi(min_size=1)
