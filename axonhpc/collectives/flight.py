@@ -27,6 +27,7 @@ _lock = threading.RLock()  # reentrant: the signal handler may interrupt a holde
 _buffers: Dict[int, Deque[Dict[str, Any]]] = {}
 _installed = False
 _offsets: Dict[int, float] = {}  # world rank -> its clock's offset to rank 0's (``World.clock_offset``)
+_runs: Dict[int, tuple] = {}  # world rank -> (``World.run_id``, world size): doctor keeps one run's dumps
 
 
 @functools.lru_cache(maxsize=64)
@@ -113,8 +114,10 @@ def _write(rank: int, reason: str) -> Optional[str]:
     directory = settings.flight_dir
     path = os.path.join(directory, f"flight-rank{rank:05d}.json")
     try:
+        run, world_size = _runs.get(rank, (None, None))
         write_json_atomic(path, {"rank": rank, "pid": os.getpid(), "reason": reason, "time": time.time(),
-                                 "clock_offset": _offsets.get(rank, 0.0), "records": records(rank)})
+                                 "run": run, "world_size": world_size, "clock_offset": _offsets.get(rank, 0.0),
+                                 "records": records(rank)})
     except OSError:
         return None  # a dump must never turn one failure into another
     return path
@@ -156,6 +159,7 @@ def install(world: Any = None) -> None:
     if world is not None:
         _rank[0] = world.rank
         _offsets[world.rank] = world.clock_offset  # the dumps carry it: doctor compares the ranks' times
+        _runs[world.rank] = (world.run_id, world.world_size)
     _install_signal()
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 import time
 import warnings
 from typing import List, Optional, Sequence, Tuple
@@ -51,15 +52,18 @@ class World:
         cores = usable_cores()
         mask = affinity_words(cores)
         # The process ids let a fault-tolerant job see a dead peer on its node (collectives.watchdog).
-        # So do the settings every rank must share ([Note: settings the ranks must share]).
+        # So do the settings every rank must share ([Note: settings the ranks must share]), and a random
+        # word: rank 0's names this run (flight dumps carry it, so doctor tells a stale dump from this run's).
         shared = shared_settings.codes()
-        mine = np.concatenate([np.array([self.node_rank, os.getpid()], dtype=np.int64), shared, mask.view(np.int64)])
+        head = np.array([self.node_rank, os.getpid(), secrets.randbits(63)], dtype=np.int64)
+        mine = np.concatenate([head, shared, mask.view(np.int64)])
         table = np.empty((self.world_size, mine.size), dtype=np.int64)
         backend.all_gather(mine, table, async_op=False).wait()
-        shared_settings.check(table[:, 2:2 + shared.size], list(range(self.world_size)))
+        shared_settings.check(table[:, head.size:head.size + shared.size], list(range(self.world_size)))
         self.node_of: Tuple[int, ...] = tuple(table[:, 0].tolist())
         self.pid_of: Tuple[int, ...] = tuple(table[:, 1].tolist())  # meaningful for the ranks of this node
-        node_masks = [table[r, 2 + shared.size:].view(np.uint64) for r in range(self.world_size)
+        self.run_id = f"{int(table[0, 2]):016x}"  # the same on every rank of this world
+        node_masks = [table[r, head.size + shared.size:].view(np.uint64) for r in range(self.world_size)
                       if self.node_of[r] == self.node_rank]
         self.usable_cores = len(cores)
         self.cpu_sharers = sharing_ranks(mask, node_masks)

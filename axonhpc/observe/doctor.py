@@ -10,6 +10,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 from typing import Any, Dict, List, Optional, Tuple
 
 from ..errors import ConfigurationError, NotFoundError
@@ -18,11 +19,12 @@ _COMPARED = ("op", "dtype", "shape", "reduce", "root")
 
 
 def _read_dump(path: str) -> dict:
-    """One rank's dump, checked to have the fields the diagnosis reads.
+    """One rank's dump, checked to have the fields the diagnosis reads, each of the type it reads.
 
     Raises:
         ConfigurationError: the file cannot be read, is not JSON (a truncated file: the rank died while
-            writing it, or the disk was full), or is not a flight-recorder dump; the message names the file.
+            writing it, or the disk was full), is not a flight-recorder dump, or is one of another rank than its
+            name says; the message names the file.
     """
     try:
         with open(path, encoding="utf-8") as f:
@@ -37,11 +39,115 @@ def _read_dump(path: str) -> dict:
             or not isinstance(data.get("records"), list)):
         raise ConfigurationError(f"flight dump {path!r} is not an axonhpc flight-recorder dump (no 'rank' and "
                                  f"'records' fields)")
+    rank = data["rank"]
+    if not _is_index(rank):
+        raise ConfigurationError(f"flight dump {path!r} records rank={rank!r}, not {_is_index.__doc__}")
+    named = _NAME.fullmatch(os.path.basename(path))
+    if named is not None and int(named.group(1)) != rank:
+        raise ConfigurationError(f"flight dump {path!r} says it is rank {rank!r}'s; its name says rank "
+                                 f"{int(named.group(1))} (a renamed or copied file?)")
+    for key, check in (("time", _is_number), ("clock_offset", _is_number), ("world_size", _is_index),
+                       ("run", _is_text)):
+        if data.get(key) is not None and not check(data[key]):
+            raise ConfigurationError(f"flight dump {path!r} records {key}={data[key]!r}, not {check.__doc__}")
+    for k, entry in enumerate(data["records"]):
+        problem = _record_problem(entry, rank)
+        if problem is not None:
+            raise ConfigurationError(f"flight dump {path!r}: record {k} {problem} (a dump of another axonhpc "
+                                     f"version, or an edited file)")
     return data
 
 
+_NAME = re.compile(r"flight-rank(\d+)\.json")
+
+
+def _is_index(value: Any) -> bool:
+    """an integer >= 0"""
+    return type(value) is int and value >= 0
+
+
+def _is_number(value: Any) -> bool:
+    """a number"""
+    return type(value) in (int, float)
+
+
+def _is_text(value: Any) -> bool:
+    """a string"""
+    return isinstance(value, str)
+
+
+def _is_shape(value: Any) -> bool:
+    """a list of integers >= 0"""
+    return isinstance(value, list) and all(_is_index(d) for d in value)
+
+
+def _is_ranks(value: Any) -> bool:
+    """a non-empty list of integers >= 0"""
+    return _is_shape(value) and len(value) > 0
+
+
+def _is_flag(value: Any) -> bool:
+    """true or false"""
+    return isinstance(value, bool)
+
+
+def _is_root(value: Any) -> bool:
+    """an integer"""
+    return type(value) is int
+
+
+# field -> its check, and whether it may be null (flight.FIELDS, as flight.records writes them)
+_FIELDS = {"t": (_is_number, False), "group": (_is_text, False), "ranks": (_is_ranks, False),
+           "seq": (_is_index, False), "op": (_is_text, False), "dtype": (_is_text, True), "shape": (_is_shape, True),
+           "reduce": (_is_text, True), "root": (_is_root, True), "where": (_is_text, True), "done": (_is_flag, False)}
+
+
+def _record_problem(entry: Any, rank: int) -> Optional[str]:
+    """What is wrong with one record of rank ``rank``'s dump, or None."""
+    if not isinstance(entry, dict):
+        return f"is a {type(entry).__name__}, not an object"
+    for key, (check, nullable) in _FIELDS.items():
+        if key not in entry:
+            return f"has no {key!r} field"
+        value = entry[key]
+        if not (check(value) or (nullable and value is None)):
+            return f"has {key}={value!r}, not {check.__doc__}"
+    if rank not in entry["ranks"]:
+        return f"is a call of group {entry['group']} {entry['ranks']}, which rank {rank} is not in"
+    return None
+
+
+def _one_run(dumps: Dict[int, dict], paths: Dict[int, str], broken: List[str]) -> Dict[int, dict]:
+    """The dumps of the run of the newest one: a dump left in the folder by an earlier run is named and left out
+    (its calls would be read as this run's: a divergence that never was)."""
+    runs = {_run_key(data) for data in dumps.values()}
+    if len(runs) < 2:
+        return dumps
+    newest = max(dumps.values(), key=lambda data: data.get("time") or 0.0)
+    kept = {rank: data for rank, data in dumps.items() if _run_key(data) == _run_key(newest)}
+    for rank in sorted(set(dumps) - set(kept)):
+        data = dumps[rank]
+        broken.append(f"flight dump {paths[rank]!r} (rank {rank}) comes from another run "
+                      f"({_run_text(data)}) than the newest dump ({_run_text(newest)})")
+    return kept
+
+
+def _run_key(data: dict) -> Any:
+    """What tells the dump's run apart: its id, else (a dump without one) the ranks of its world group."""
+    if data.get("run") is not None:
+        return data["run"]
+    return next((tuple(e["ranks"]) for e in data["records"] if e["group"] == "world"), None)
+
+
+def _run_text(data: dict) -> str:
+    run, size = data.get("run"), data.get("world_size")
+    if size is None and isinstance(_run_key(data), tuple):
+        size = len(_run_key(data))
+    return (f"run {run}" if run else "a run that records no id") + (f", {size} ranks" if size else "")
+
+
 def load_dumps(directory: str, broken: Optional[List[str]] = None) -> Dict[int, dict]:
-    """rank -> its dump, for every ``flight-rank*.json`` in ``directory``.
+    """rank -> its dump, for every ``flight-rank*.json`` in ``directory`` of the newest dump's run.
 
     ``broken``: where to put a line for each unusable file (then skipped); None raises instead.
 
@@ -51,17 +157,26 @@ def load_dumps(directory: str, broken: Optional[List[str]] = None) -> Dict[int, 
     """
     if not os.path.isdir(directory):
         raise NotFoundError(f"flight-recorder folder {directory!r} does not exist (give the job's AXONHPC_FLIGHT_DIR)")
-    dumps = {}
+    dumps: Dict[int, dict] = {}
+    where: Dict[int, str] = {}
+    skipped: List[str] = []
     paths = sorted(glob.glob(os.path.join(directory, "flight-rank*.json")))
     for path in paths:
         try:
             data = _read_dump(path)
         except ConfigurationError as exc:
-            if broken is None:
-                raise
-            broken.append(str(exc))
+            skipped.append(str(exc))
             continue
-        dumps[int(data["rank"])] = data
+        rank = data["rank"]
+        if rank in dumps:  # two names for one rank (flight-rank1.json beside flight-rank00001.json)
+            skipped.append(f"flight dump {path!r} is a second dump of rank {rank} (beside {where[rank]!r})")
+            continue
+        dumps[rank], where[rank] = data, path
+    dumps = _one_run(dumps, where, skipped)
+    if skipped and broken is None:
+        raise ConfigurationError(skipped[0])
+    if broken is not None:
+        broken.extend(skipped)
     if not dumps:
         why = f"none of its {len(paths)} flight-rank*.json can be used" if paths else "no flight-rank*.json"
         raise NotFoundError(f"{why} in {directory!r} (is AXONHPC_FLIGHT_DIR set to it?)")
@@ -129,7 +244,11 @@ def diagnose(dumps: Dict[int, dict]) -> List[str]:
             e = waiting[-1]
             lines.append(f"rank {rank} was waiting in group {e['group']} #{e['seq']}: {describe(e)} "
                          f"(dumped on {data.get('reason', '?')})")
-    missing = sorted(set(r for (_, ranks) in by_group for r in ranks) - set(dumps))
+    expected = set(r for (_, ranks) in by_group for r in ranks)
+    for data in dumps.values():
+        if data.get("world_size"):
+            expected.update(range(data["world_size"]))
+    missing = sorted(expected - set(dumps))
     if missing:
         lines.append(f"no dump from ranks {missing} (killed, hung outside Python, or never got there)")
     return lines

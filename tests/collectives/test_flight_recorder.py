@@ -51,7 +51,9 @@ def test_a_mismatch_is_dumped_by_every_rank_and_the_doctor_names_the_culprit(tmp
     out = subprocess.run(["timeout", "-k", "5", "60", MPIEXEC, "-n", "3", sys.executable, JOB, "mismatch"],
                          capture_output=True, text=True, env=_env(tmp_path))
     assert out.returncode != 0, out.stdout + out.stderr
-    assert sorted(load_dumps(str(tmp_path))) == [0, 1, 2]
+    dumps = load_dumps(str(tmp_path))
+    assert sorted(dumps) == [0, 1, 2]
+    assert len({d["run"] for d in dumps.values()}) == 1 and {d["world_size"] for d in dumps.values()} == {3}, dumps
     report = subprocess.run([sys.executable, "-m", "axonhpc", "doctor", str(tmp_path)], capture_output=True,
                             text=True, timeout=60)
     assert report.returncode == 0, report.stderr

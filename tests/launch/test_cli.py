@@ -184,6 +184,37 @@ def test_doctor_names_a_truncated_dump_and_uses_the_others(tmp_path):
     assert gone.returncode == 2 and "does not exist" in gone.stderr and "nowhere" in gone.stderr
 
 
+def test_doctor_skips_malformed_records_renamed_files_and_a_stale_run(tmp_path):
+    # Each crashed the doctor with a traceback (KeyError, TypeError) or was read as this run's: a stale
+    # flight-rank00003.json of a 4-rank run was a "divergence" of the 2-rank run beside it, a second file
+    # claiming rank 0 hid behind it, and a dump's rank outside its own groups ended in "max() arg is empty".
+    def write(name, data):
+        (tmp_path / name).write_text(json.dumps(data))
+
+    now = [_record(0, "all_reduce"), _record(1, "barrier", done=False)]
+    for rank in (0, 1):
+        write(f"flight-rank{rank:05d}.json", dict(_dump(rank, [dict(e, ranks=[0, 1]) for e in now]), run="b" * 16,
+                                                  world_size=2, time=20.0))
+    write("flight-rank00003.json", dict(_dump(3, [dict(_record(0, "broadcast"), ranks=[0, 1, 2, 3])]),
+                                        run="a" * 16, world_size=4, time=10.0))
+    write("flight-rank00004.json", _dump(4, [{"t": 1.0}]))
+    write("flight-rank00005.json", _dump(5, [dict(_record(0, "barrier"), seq="0", ranks=[5])]))
+    write("flight-rank00006.json", _dump(0, []))
+    write("flight-rank00007.json", _dump(7, [_record(0, "barrier")]))
+    out = run("doctor", str(tmp_path))
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
+    assert "flight records of ranks [0, 1]" in out.stdout and "diverged" not in out.stdout, out.stdout
+    assert "never reached" not in out.stdout and "no dump from" not in out.stdout, out.stdout
+    path = lambda rank: repr(str(tmp_path / f"flight-rank{rank:05d}.json"))  # noqa: E731
+    for text in (f"skipped flight dump {path(3)} (rank 3) comes from another run (run {'a' * 16}, 4 ranks) than "
+                 f"the newest dump (run {'b' * 16}, 2 ranks)",
+                 f"skipped flight dump {path(4)}: record 0 has no 'group' field",
+                 f"skipped flight dump {path(5)}: record 0 has seq='0', not an integer >= 0",
+                 f"skipped flight dump {path(6)} says it is rank 0's; its name says rank 6",
+                 f"skipped flight dump {path(7)}: record 0 is a call of group world [0, 1, 2], which rank 7 is not in"):
+        assert text in out.stderr, (text, out.stderr)
+
+
 SLEEPER = """
 import os, time
 rank = os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK"))
