@@ -421,7 +421,150 @@ def case_bad_arguments_raise_before_sending(world):
         ParameterServer(model, optimizer_class=object)
     with pytest.raises(bad, match="lr=-1 must be >= 0"):
         ParameterServer(model, optimizer_class=optim.SGD, lr=-1)
+    with pytest.raises(bad, match=r"SGD takes no hyperparameter 'momentun' \(got momentun=0.9\); it takes "
+                                  r"\[.*\]; did you mean 'momentum'\?"):
+        ParameterServer(model, optimizer_class=optim.SGD, lr=0.1, momentun=0.9)
+
+    class Picky(optim.SGD):
+        def __init__(self, params, lr=0.1, **rest):
+            if lr > 1:
+                raise ValueError(f"lr={lr} is too large")
+            super().__init__(params, lr=lr, **rest)
+
+    with pytest.raises(bad, match=r"Picky\(lr=2\) rejected its hyperparameters: ValueError: lr=2 is too large"):
+        ParameterServer(model, optimizer_class=Picky, lr=2)
     ax.barrier()  # every rank got here: nothing was sent by the failed constructors
+
+
+def _exploding_optimizer(world, failing_rank):
+    """SGD whose step raises on group rank ``failing_rank`` (a server: workers never step theirs)."""
+    class Exploding(optim.SGD):
+        def step(self):
+            if world.rank == failing_rank:
+                raise Boom(f"optimizer exploded on rank {world.rank}")
+            return super().step()
+
+    return Exploding
+
+
+@fits(3, 4, 5)
+def case_server_failure_on_the_last_update_stops_every_rank(world):
+    # The last server's optimizer raises on the only update, which the workers' DONE closes or follows: the
+    # workers are closed already, so only the servers can tell one another; none may wait for its slices.
+    last = world.world_size - 1
+    for mode, plan in (("sync", "push"), ("sync", "round_closed_by_done"), ("async", "push")):
+        if plan == "round_closed_by_done" and world.world_size - 2 < 2:
+            continue  # one worker: without its push there is no update
+        model = make_model(np.float64)
+        ps = ParameterServer(model, num_servers=2, mode=mode, max_staleness=0 if mode == "sync" else 1,
+                             optimizer_class=_exploding_optimizer(world, last), lr=0.05)
+        started = time.monotonic()
+        outcome, message = "ok", None
+        try:
+            with ps:
+                if ps.is_worker:
+                    w, n = ps.worker_index, ps.num_workers
+                    ps.pull()
+                    if plan == "push" or w != n - 1:  # else the last worker's DONE closes the round
+                        loss_fn = nn.CrossEntropyLoss()
+                        x, y = make_data(0)
+                        loss_fn(model(shard(x, w, n)), shard(y, w, n))
+                        model.backward(loss_fn.backward())
+                        ps.push()
+                    time.sleep(0.05 * w)  # the DONEs arrive after the pushes, one by one
+        except Boom as exc:
+            outcome, message = "boom", str(exc)
+        except PeerFailedError as exc:
+            outcome, message = "peer", str(exc)
+        cause = f"parameter server 1 (global rank {last}) failed: Boom: optimizer exploded on rank {last}"
+        if world.rank == last:
+            assert outcome == "boom", (mode, plan, outcome, message)
+        else:
+            assert outcome == "peer" and cause in message, (mode, plan, outcome, message)
+        if ps.server_index == 0:
+            assert message.startswith(f"parameter server 0 (global rank {last - 1}) stopped: "), message
+            assert cause in ps.stats()["failure"]
+        assert time.monotonic() - started < 60, (mode, plan)
+        ax.barrier()  # every rank got out: nobody is left waiting, no message is left unmatched
+
+
+def _built(world, model, **kwargs):
+    """("ok", ps) or (the error's type, its message) of building a ParameterServer here."""
+    try:
+        return "ok", ParameterServer(model, **kwargs)
+    except (ax.errors.ConfigurationError, ax.errors.UnsupportedDtypeError, ax.errors.ModelMismatchError) as exc:
+        return type(exc).__name__, str(exc)
+
+
+@fits(*ALL_SIZES)
+def case_a_refusal_on_one_rank_raises_on_every_rank(world):
+    # One rank's local check fails: it raises its own error, every other rank a ModelMismatchError naming it;
+    # nobody waits for it in the communicator split.
+    odd = world.world_size - 1 if world.world_size > 2 else 1
+    here = world.rank == odd
+    sgd = dict(optimizer_class=optim.SGD, lr=0.1)
+    with_complex = make_model(np.float64)
+    if here:
+        with_complex.parameters()[0].data = with_complex.parameters()[0].data.astype(np.complex128)
+    cases = [  # (model, arguments, the odd rank's error, what its message says)
+        (make_model(np.float64), dict(sgd, lr=-1.0 if here else 0.1), "ConfigurationError", "lr=-1.0 must be >= 0"),
+        (make_model(np.float64), dict(sgd, momentun=0.9) if here else dict(sgd, momentum=0.9),
+         "ConfigurationError", "SGD takes no hyperparameter 'momentun'"),
+        (nn.Sequential(nn.ReLU()) if here else make_model(np.float64), sgd, "ConfigurationError",
+         "needs a model with parameters"),
+        (with_complex, sgd, "UnsupportedDtypeError", "complex128"),
+        (make_model(np.float64), dict(sgd, mode="bogus" if here else "sync"), "UnknownChoiceError",
+         "unknown ParameterServer mode 'bogus'"),
+    ]
+    for model, kwargs, error, says in cases:
+        kind, message = _built(world, model, **kwargs)
+        if here:
+            assert kind == error and says in message, (kind, message)
+        else:
+            assert kind == "ModelMismatchError", (kind, message)
+            assert f"rank {odd} could not build it (rank {odd}: {error}: " in message and says in message, message
+            assert "nothing else was sent" in message
+    ax.barrier()
+
+
+@fits(*ALL_SIZES)
+def case_different_models_or_settings_raise_on_every_rank(world):
+    # The same element counts and dtypes would move without a word and train the wrong numbers: every rank
+    # raises, naming the first parameter or setting that differs and every rank's value.
+    size = world.world_size
+    odd = size - 1 if size > 2 else 1
+    here = world.rank == odd
+    others = [r for r in range(size) if r != odd]
+    who = f"{'ranks ' + str(others) if len(others) > 1 else 'rank ' + str(others[0])}"
+
+    def linear(fan_in, fan_out, dtype=np.float32):
+        return nn.Sequential(nn.Linear(fan_in, fan_out, bias=False, dtype=dtype, seed=0))
+
+    sgd = dict(optimizer_class=optim.SGD, lr=0.1)
+    cases = [  # (model, arguments, the difference as the message shows it)
+        (linear(6, 4) if here else linear(4, 6), sgd,
+         f"parameter '0.weight' (position 0, shown as name:dtype:shape): {who} "
+         f"{'have' if len(others) > 1 else 'has'} 0.weight:float32:(6, 4); rank {odd} has 0.weight:float32:(4, 6)"),
+        (linear(4, 6, np.float64 if here else np.float32), sgd,
+         f"rank {odd} has 0.weight:float64:(6, 4)"),
+        (linear(4, 6), dict(sgd, mode="async", max_staleness=1) if here else sgd,
+         f"'mode': {who} {'have' if len(others) > 1 else 'has'} mode: 'sync'; rank {odd} has mode: 'async'"),
+        (linear(4, 6), dict(sgd, mode="async", max_staleness=2 if here else 1),
+         f"'max_staleness': {who} {'have' if len(others) > 1 else 'has'} max_staleness: 1; "
+         f"rank {odd} has max_staleness: 2"),
+        (linear(4, 6), dict(sgd, lr=0.2 if here else 0.1), "'optimizer'"),
+        (linear(4, 6), dict(optimizer_class=optim.Adam if here else optim.SGD, lr=0.1), "axonhpc.optim.adam.Adam("),
+    ]
+    if size > 2:
+        cases.append((linear(4, 6), dict(sgd, num_servers=2 if here else 1),
+                      f"'num_servers': {who} have num_servers: 1; rank {odd} has num_servers: 2"))
+    for model, kwargs, says in cases:
+        kind, message = _built(world, model, **kwargs)
+        assert kind == "ModelMismatchError", (kind, message)
+        assert f"the {size} ranks hold different models; the first difference is " in message, message
+        assert says in message, (says, message)
+        assert "nothing else was sent" in message, message
+    ax.barrier()
 
 
 @fits(*ALL_SIZES)

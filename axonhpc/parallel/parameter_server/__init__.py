@@ -25,8 +25,11 @@ the fixed order no cycle can form (the lock-ordering argument).
 Every worker ends with each server with exactly one DONE or FAILED request, and ``serve()`` returns once
 every worker has sent one. A server that gets FAILED answers every pull with ABORT; a worker that gets ABORT
 sends FAILED to every server (spreading the news to servers that had not heard) and raises
-``PeerFailedError``, as the servers do once drained. No rank is left waiting; a rank that dies without a word
-is caught only by ``ax.settings.timeout``, as for any collective.
+``PeerFailedError``, as the servers do once drained. Once drained, the servers send one another OK or ABORT
+before they answer the final pulls and swap slices: a server whose optimizer failed on the last update (after
+every worker's DONE, so no worker spreads the news) makes the others answer ABORT and raise
+``PeerFailedError`` naming it instead of waiting for its slices. No rank is left waiting; a rank that dies
+without a word is caught only by ``ax.settings.timeout``, as for any collective.
 """
 # Modules: ``wrapper`` (ParameterServer, which runs one role and delegates to it),
 # ``worker`` (Worker: pull, push, finish), ``server`` (ServerLoop), ``slices``

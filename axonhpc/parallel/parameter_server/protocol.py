@@ -17,9 +17,9 @@ class Mode(enum.Enum):
 
 MODES = tuple(m.value for m in Mode)
 
-TAG_REQUEST, TAG_GRAD, TAG_REASON, TAG_REPLY, TAG_PARAMS, TAG_FINAL = 1, 2, 3, 4, 5, 6
+TAG_REQUEST, TAG_GRAD, TAG_REASON, TAG_REPLY, TAG_PARAMS, TAG_FINAL, TAG_VERDICT = 1, 2, 3, 4, 5, 6, 7
 PUSH, PULL, DONE, FAILED = 1, 2, 3, 4  # request kinds
-OK, ABORT = 0, 1  # reply statuses
+OK, ABORT = 0, 1  # reply statuses (and the servers' verdicts at the end)
 HEADER = 4  # int64 words of a request or reply header
 REASON_BYTES = 2000  # a failure's text is cut to this many bytes
 POLL_MIN, POLL_MAX = 1e-5, 1e-3  # seconds a server sleeps between idle sweeps

@@ -1,6 +1,7 @@
 """One server's state and its request loop (see the package notes on messages, deadlock freedom and failures)."""
 from __future__ import annotations
 
+import math
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -10,7 +11,7 @@ from ...collectives import irecv, isend, recv
 from ...errors import CollectiveTimeoutError, ParameterServerError, PeerFailedError
 from ...nn.parameter import Parameter
 from .protocol import (ABORT, DONE, FAILED, HEADER, OK, POLL_MAX, POLL_MIN, PULL, PUSH, TAG_FINAL, TAG_GRAD,
-                       TAG_PARAMS, TAG_REASON, TAG_REPLY, TAG_REQUEST, encode_reason)
+                       TAG_PARAMS, TAG_REASON, TAG_REPLY, TAG_REQUEST, TAG_VERDICT, encode_reason)
 from .slices import Slices
 from .staleness import StalenessBound
 
@@ -272,6 +273,12 @@ class ServerLoop:
                 own = exc
                 self._start_abort(f"{self.name} failed: {type(exc).__name__}: {exc}")
         timeout = self.comm.effective_timeout()
+        # Every worker has stopped; the servers tell each other how their run ended before
+        # anything else (see the note on shutdown): a server whose optimizer failed on the
+        # last update would otherwise leave the others waiting for its slices.
+        failed = self._verdicts()
+        if self.failure is None and failed:
+            self._start_abort(failed[0])  # the final pulls are answered with ABORT
         if self.failure is None:
             self._finish()
         for work, _ in self.sends:
@@ -281,6 +288,32 @@ class ServerLoop:
             raise own
         if self.failure is not None and failure is None:
             raise PeerFailedError(f"{self.name} stopped: {self.failure}")
+
+    def _verdicts(self) -> List[str]:
+        """Collective over the servers: send every other server OK or ABORT (with this server's failure);
+        returns the failures the others reported, in server order."""
+        ps = self.ps
+        others = [s for s in range(ps.num_servers) if s != self.index]
+        text = encode_reason(self.failure or "")
+        header = np.array([OK if self.failure is None else ABORT, text.size, 0, 0], dtype=np.int64)
+        for s in others:
+            self._isend(header, ps.server_rank(s), TAG_VERDICT)
+            if text.size:
+                self._isend(text, ps.server_rank(s), TAG_REASON)
+        timeout = self.comm.effective_timeout()
+        failed = []
+        for s in others:
+            src = ps.server_rank(s)
+            theirs = np.zeros(HEADER, dtype=np.int64)
+            irecv(theirs, src, TAG_VERDICT, self.comm).wait(math.inf if timeout is None else timeout)
+            if int(theirs[0]) == OK:
+                continue
+            reason = np.zeros(int(theirs[1]), dtype=np.uint8)
+            if reason.size:
+                recv(reason, src, TAG_REASON, self.comm)
+            failed.append(reason.tobytes().decode("utf-8", "replace")
+                          or f"parameter server {s} (global rank {ps.group.ranks[src]}) failed")
+        return failed
 
     def _finish(self) -> None:
         """Normal end: answer the final pulls, swap slices with the other servers, load the model."""

@@ -1,22 +1,27 @@
 """ParameterServer: the object every rank builds; it runs a ``Worker`` or a ``ServerLoop`` and delegates to it."""
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+import difflib
+import inspect
+from typing import Any, Dict, List, Optional
 
 from ..._choices import parse_choice
-from ..._dtypes import check_array
 from ...buffers import flat_ops_for
 # ParameterServerError and PeerFailedError live in errors (ax.errors.<Name>) and stay importable from here.
-from ...errors import ConfigurationError, ParameterServerError, PeerFailedError
+from ...errors import AxonError, ConfigurationError, ParameterServerError, PeerFailedError
 from ...groups import resolve_group
 from ...nn.parameter import Parameter
 from ...optim.optimizer import Optimizer
 from ...optim.sgd import SGD
 from ..replicate import broadcast_arrays
+from ..same_model import check_model_arrays, compared_model, parameter_lines
 from .protocol import MODES, NAME, Mode
 from .server import ServerLoop
 from .slices import Slices
 from .worker import Worker
+
+_HINT = (f"every rank of the group must build the same model (the same layers, sizes and dtypes, in the same "
+         f"order) and pass {NAME} the same num_servers, mode, max_staleness, optimizer_class and hyperparameters")
 
 
 def _parse_mode(mode: Any) -> str:
@@ -50,6 +55,53 @@ def _check_optimizer_class(optimizer_class: Any) -> type:
     return optimizer_class
 
 
+def _check_optimizer_args(optimizer_class: type, optimizer_args: Dict[str, Any]) -> None:
+    """ConfigurationError naming an argument that ``optimizer_class`` does not take (a misspelled hyperparameter)."""
+    try:
+        signature = inspect.signature(optimizer_class)
+    except (TypeError, ValueError):  # no signature to read: the constructor itself decides
+        return
+    taken = list(signature.parameters.values())
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in taken):
+        return
+    names = [p.name for p in taken[1:]  # the first takes the slices
+             if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
+    for key in optimizer_args:
+        if key not in names:
+            close = difflib.get_close_matches(key, names, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ConfigurationError(f"{NAME}: {optimizer_class.__name__} takes no hyperparameter {key!r} "
+                                     f"(got {key}={optimizer_args[key]!r}); it takes {names}{hint}")
+
+
+def _build_optimizer(optimizer_class: type, shards: List[Parameter], optimizer_args: Dict[str, Any]) -> Optimizer:
+    """``optimizer_class(shards, **optimizer_args)``; whatever it rejects as ConfigurationError naming the call."""
+    _check_optimizer_args(optimizer_class, optimizer_args)
+    try:
+        return optimizer_class(shards, **optimizer_args)
+    except AxonError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a user's Optimizer subclass: every rank must hear of it
+        shown = ", ".join(f"{k}={v!r}" for k, v in optimizer_args.items())
+        raise ConfigurationError(f"{NAME}: {optimizer_class.__name__}({shown}) rejected its hyperparameters: "
+                                 f"{type(exc).__name__}: {exc}") from exc
+
+
+def _shown(value: Any) -> str:
+    """A hyperparameter as every rank writes it alike (an object's default repr holds its address)."""
+    text = repr(value)
+    return f"<{type(value).__qualname__}>" if " at 0x" in text else text
+
+
+def _describe_optimizer(optimizer: Optimizer, optimizer_args: Dict[str, Any]) -> str:
+    """``axonhpc.optim.sgd.SGD(lr=0.1, momentum=0.9, ...)``: the class and its hyperparameters, defaults included."""
+    values = dict(optimizer_args)
+    values.update(optimizer.hyperparameters())
+    cls = type(optimizer)
+    shown = ", ".join(f"{k}={_shown(v)}" for k, v in sorted(values.items()))
+    return f"{cls.__module__}.{cls.__qualname__}({shown})"
+
+
 class ParameterServer:
     """Parameter server training: the last ``num_servers`` ranks hold parameter shards and the optimizer, workers compute.
 
@@ -72,43 +124,53 @@ class ParameterServer:
 
     Raises:
         ConfigurationError: a model without parameters, a group of one rank, a bad ``num_servers``, mode,
-            ``max_staleness`` or optimizer; on every rank before anything is sent.
-        UnsupportedDtypeError, NonContiguousBufferError, ReadOnlyBufferError: a parameter cannot be sent in place.
+            ``max_staleness``, optimizer class or hyperparameter (one it does not take or rejects).
+        UnsupportedDtypeError, NonContiguousBufferError, ReadOnlyBufferError: a parameter or buffer cannot be
+            sent in place.
+        ModelMismatchError: the ranks built different models (a parameter's name, dtype or shape) or passed
+            different settings (``num_servers``, mode, ``max_staleness``, optimizer and hyperparameters), or
+            another rank raised one of the errors above; every rank raises, before anything else is sent.
         NotAMemberError: this rank is not in ``group``.
     """
 
     def __init__(self, model: Any, group: Any = None, num_servers: int = 1, mode: str = "sync",
                  max_staleness: Optional[int] = 0, *, optimizer_class: Any = SGD, **optimizer_args: Any) -> None:
-        named = list(model.named_parameters()) if hasattr(model, "named_parameters") else None
-        if named is None:
-            raise ConfigurationError(f"{NAME} needs an axonhpc.nn.Module, got a {type(model).__name__}")
-        if not named:
-            raise ConfigurationError(f"{NAME} needs a model with parameters; {type(model).__name__} has none")
-        mode = _parse_mode(mode)
-        max_staleness = _check_staleness(mode, max_staleness)
-        optimizer_class = _check_optimizer_class(optimizer_class)
         group = resolve_group(group).require_member(NAME)
-        size = group.size
-        if size < 2:
-            raise ConfigurationError(f"{NAME} needs a group of at least 2 ranks (1 server and 1 worker), "
-                                     f"group {group.name} has {size}")
-        if isinstance(num_servers, bool) or not hasattr(num_servers, "__index__") \
-                or not 1 <= int(num_servers) <= size - 1:
-            raise ConfigurationError(f"{NAME}: num_servers={num_servers!r} must be an integer between 1 and "
-                                     f"the group size - 1 = {size - 1} (at least one rank must be a worker)")
-        num_servers = int(num_servers)
-        for name, p in named:
-            check_array(p.data, f"{NAME}: parameter {name!r}", writable=True)
-        ops = flat_ops_for([p.data for _, p in named], [n for n, _ in named], NAME)
-        slices = Slices([p for _, p in named], num_servers, ops)  # one flat vector per dtype, a part per server
-        num_workers = size - num_servers
-        rank = group.rank
-        server_index = rank - num_workers if rank >= num_workers else None
-        # The servers' optimizer over their slices; workers build a throwaway one so
-        # that bad hyperparameters fail on every rank alike, before anything is sent.
-        length = [sl.part_numel if server_index is not None else 1 for sl in slices.shards]
-        shards = [Parameter(ops.zeros(n, sl.dtype)) for sl, n in zip(slices.shards, length)]
-        optimizer = optimizer_class(shards, **optimizer_args)
+        named = list(model.named_parameters()) if hasattr(model, "named_parameters") else None
+        # Every check runs inside the model comparison (see same_model): a refusal on one rank, or
+        # another model or setting on one rank, raises on every rank before anything else is sent.
+        with compared_model(group, f"{NAME} over group {group.name}", hint=_HINT) as described:
+            if named is None:
+                raise ConfigurationError(f"{NAME} needs an axonhpc.nn.Module, got a {type(model).__name__}")
+            if not named:
+                raise ConfigurationError(f"{NAME} needs a model with parameters; {type(model).__name__} has none")
+            mode = _parse_mode(mode)
+            max_staleness = _check_staleness(mode, max_staleness)
+            optimizer_class = _check_optimizer_class(optimizer_class)
+            size = group.size
+            if size < 2:
+                raise ConfigurationError(f"{NAME} needs a group of at least 2 ranks (1 server and 1 worker), "
+                                         f"group {group.name} has {size}")
+            if isinstance(num_servers, bool) or not hasattr(num_servers, "__index__") \
+                    or not 1 <= int(num_servers) <= size - 1:
+                raise ConfigurationError(f"{NAME}: num_servers={num_servers!r} must be an integer between 1 and "
+                                         f"the group size - 1 = {size - 1} (at least one rank must be a worker)")
+            num_servers = int(num_servers)
+            check_model_arrays(model, NAME)
+            ops = flat_ops_for([p.data for _, p in named], [n for n, _ in named], NAME)
+            slices = Slices([p for _, p in named], num_servers, ops)  # one flat vector per dtype, a part per server
+            num_workers = size - num_servers
+            rank = group.rank
+            server_index = rank - num_workers if rank >= num_workers else None
+            # The servers' optimizer over their slices; workers build a throwaway one so
+            # that bad hyperparameters fail on every rank alike, before anything is sent.
+            length = [sl.part_numel if server_index is not None else 1 for sl in slices.shards]
+            shards = [Parameter(ops.zeros(n, sl.dtype)) for sl, n in zip(slices.shards, length)]
+            optimizer = _build_optimizer(optimizer_class, shards, optimizer_args)
+            described.lines = parameter_lines(named)
+            described.settings = [f"mode: {mode!r}", f"num_servers: {num_servers}",
+                                  f"max_staleness: {max_staleness!r}",
+                                  f"optimizer: {_describe_optimizer(optimizer, optimizer_args)}"]
 
         self.model = model
         self.group = group
@@ -225,7 +287,7 @@ class ParameterServer:
 
         Raises:
             ParameterServerError: called on a worker, or twice.
-            PeerFailedError: a worker failed (after every worker has stopped).
+            PeerFailedError: a worker or another server failed (after every worker has stopped).
             CollectiveTimeoutError: no request within the group's timeout; lists the workers as ``missing ranks``.
         """
         if not self.is_server:
