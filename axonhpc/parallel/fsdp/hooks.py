@@ -20,14 +20,38 @@ still calls ``child(x)`` and ``child.backward(g)`` as before):
   its parameters are freed.
 
 Every rank runs the same model code, so every rank issues the same
-all-gathers and reduce-scatters in the same order. At the end of
-``backward`` any unit whose backward did not run (unused in this step) is
-reduced too, with zero gradients, so all units are synchronised every step.
+all-gathers in the same order. Not so the reductions: a unit whose backward
+does not run on one rank (a layer skipped for this rank's batch) would be
+reduced at the end there and in its place elsewhere, and two units of one
+size would swap gradients without any check seeing a difference. So the
+reductions go in one order on every rank, the hooked units' reversed (the
+order a backward reaches them when the units are listed in forward order,
+as the default plan lists a Sequential's): a unit whose backward has run is
+reduced once every unit before it in that order has been; at the end of
+``backward`` the rest are reduced in that order, zeros where a rank had no
+gradient, then the root. Units listed out of forward order still give the
+right gradients; their reductions just wait for the end of the backward.
+
+[Note: a unit no rank's backward reached]
+Reduced zeros would give such a unit a zero gradient, and momentum, Adam's
+moments and weight decay would move it where a single process (and DDP with
+``find_unused_parameters``) leaves a parameter without a gradient alone. So
+a syncing backward ends with one small MAX all-reduce of a flag per unit
+(over the shard group, then the replicas): a unit whose flat gradient was
+None before the backward and that no rank had a gradient for gets None back,
+and the optimizer skips it. Not in a CUDA graph capture: a graph replays the
+same writes into every gradient buffer, so there every unit keeps its
+(zero) gradient, as before.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
+import numpy as np
+
+from ...backends import ReduceOp
+from ...collectives import all_reduce
+from ...cuda import capture
 from ...nn import call_backward
 from ...observe import tracing
 from .config import ShardingStrategy
@@ -61,6 +85,10 @@ class UnitHooks:
         self.last_order: List[FlatUnit] = list(self.hooked)
         self.pending: Optional[PendingReduction] = None
         self.reduced: set = set()
+        self.order: List[FlatUnit] = self.hooked[::-1]  # the reductions' order, every rank's (see the note)
+        self.ready: set = set()  # units whose backward has run in this backward, not reduced yet
+        self.next_reduced = 0  # where in ``order`` the reductions are
+        self.had_grads: Dict[FlatUnit, bool] = {}  # unit -> some gradient was reduced here, or it had one before
         self.syncing = True
         self.pinned = False
 
@@ -125,14 +153,53 @@ class UnitHooks:
 
     def _post_backward(self, unit: FlatUnit) -> None:
         if self.syncing:
-            self._reduce(unit)
+            if unit in self.reduced:  # a second backward through the unit (a module used twice): its new part
+                self._reduce(unit)
+            else:
+                self.ready.add(unit)
+                self._reduce_ready()
         if not self.pinned:
             unit.free()
 
     def _reduce(self, unit: FlatUnit) -> None:
         self._finish_pending()  # one reduction in flight at a time
+        had = self.had_grads.get(unit, False) or unit.has_local_grads() or unit.shard.grad is not None
+        self.had_grads[unit] = had
         self.pending = unit.start_reduction()
         self.reduced.add(unit)
+
+    def _reduce_ready(self) -> None:
+        """Reduce the units whose turn it is in ``order`` and whose backward has run."""
+        while self.next_reduced < len(self.order) and self.order[self.next_reduced] in self.ready:
+            self._reduce(self.order[self.next_reduced])
+            self.next_reduced += 1
+
+    def _reduce_rest(self) -> None:
+        """The end of a syncing backward: the units not reduced yet, in ``order`` then the root; then drop the
+        zero gradient of every unit no rank had a gradient for ([Note: a unit no rank's backward reached])."""
+        for unit in self.order[self.next_reduced:]:
+            self._reduce(unit)
+        self.next_reduced = len(self.order)
+        for unit in self.units:
+            if unit not in self.reduced:
+                self._reduce(unit)
+        self._finish_pending()
+        self._drop_gradients_nobody_had()
+
+    def _drop_gradients_nobody_had(self) -> None:
+        if capture.capturing():  # a graph replays its writes into every gradient: nothing to drop (see the note)
+            self.had_grads = {}
+            return
+        units = [u for u in self.units if u in self.had_grads]
+        groups = [g for g in (units[0].shard_group, units[0].replicate_group) if g is not None and g.size > 1] \
+            if units else []
+        flags = np.array([self.had_grads[u] for u in units], dtype=np.int32)
+        for group in groups:
+            all_reduce(flags, ReduceOp.MAX, group)
+        for unit, flag in zip(units, flags.tolist()):
+            if not flag:
+                unit.shard.grad = None
+        self.had_grads = {}
 
     def _finish_pending(self) -> None:
         if self.pending is not None:
@@ -159,15 +226,15 @@ class UnitHooks:
         """
         self.syncing = syncing
         self.reduced = set()
+        self.ready = set()
+        self.next_reduced = 0
+        self.had_grads = {}
         for unit in self.units:
             unit.drop_markers()  # layers add into p.grad: it must be None or a real gradient
         try:
             grad_in = backward(grad_out)
             if self.syncing:
-                for unit in self.units:
-                    if unit not in self.reduced:
-                        self._reduce(unit)
-                self._finish_pending()
+                self._reduce_rest()
         except Exception:
             self.abandon()
             raise
@@ -192,9 +259,10 @@ class UnitHooks:
 
     def reduce_all(self) -> None:
         """Reduce every unit's unsharded gradients now, one at a time (collective)."""
-        for unit in self.units:
-            self._reduce(unit)
-        self._finish_pending()
+        self.reduced = set()
+        self.next_reduced = 0
+        self.had_grads = {}
+        self._reduce_rest()
 
     def gather_all(self) -> None:
         """Gather every unit's full parameters and keep them (pinned) until ``free_all`` (collective)."""
