@@ -118,25 +118,30 @@ def _record_problem(entry: Any, rank: int) -> Optional[str]:
 
 
 def _one_run(dumps: Dict[int, dict], paths: Dict[int, str], broken: List[str]) -> Dict[int, dict]:
-    """The dumps of the run of the newest one: a dump left in the folder by an earlier run is named and left out
-    (its calls would be read as this run's: a divergence that never was)."""
+    """The dumps of the run seen last (its latest call): a dump an earlier run left in the folder is named and
+    left out (its calls would be read as this run's: a divergence that never was)."""
     runs = {_run_key(data) for data in dumps.values()}
     if len(runs) < 2:
         return dumps
-    newest = max(dumps.values(), key=lambda data: data.get("time") or 0.0)
+    newest = max(dumps.values(), key=_last_seen)
     kept = {rank: data for rank, data in dumps.items() if _run_key(data) == _run_key(newest)}
     for rank in sorted(set(dumps) - set(kept)):
         data = dumps[rank]
         broken.append(f"flight dump {paths[rank]!r} (rank {rank}) comes from another run "
-                      f"({_run_text(data)}) than the newest dump ({_run_text(newest)})")
+                      f"({_run_text(data)}) than the dump seen last ({_run_text(newest)})")
     return kept
 
 
 def _run_key(data: dict) -> Any:
-    """What tells the dump's run apart: its id, else (a dump without one) the ranks of its world group."""
+    """What tells the dump's run apart: its id, else (a dump without one) the ranks of its last world call."""
     if data.get("run") is not None:
         return data["run"]
-    return next((tuple(e["ranks"]) for e in data["records"] if e["group"] == "world"), None)
+    return next((tuple(e["ranks"]) for e in reversed(data["records"]) if e["group"] == "world"), None)
+
+
+def _last_seen(data: dict) -> float:
+    """When the dump's rank was last seen: its last call, else when it dumped."""
+    return max((e["t"] for e in data["records"]), default=data.get("time") or 0.0)
 
 
 def _run_text(data: dict) -> str:
@@ -147,7 +152,7 @@ def _run_text(data: dict) -> str:
 
 
 def load_dumps(directory: str, broken: Optional[List[str]] = None) -> Dict[int, dict]:
-    """rank -> its dump, for every ``flight-rank*.json`` in ``directory`` of the newest dump's run.
+    """rank -> its dump, for every ``flight-rank*.json`` in ``directory`` of the run seen last.
 
     ``broken``: where to put a line for each unusable file (then skipped); None raises instead.
 

@@ -195,7 +195,7 @@ def test_doctor_skips_malformed_records_renamed_files_and_a_stale_run(tmp_path):
     for rank in (0, 1):
         write(f"flight-rank{rank:05d}.json", dict(_dump(rank, [dict(e, ranks=[0, 1]) for e in now]), run="b" * 16,
                                                   world_size=2, time=20.0))
-    write("flight-rank00003.json", dict(_dump(3, [dict(_record(0, "broadcast"), ranks=[0, 1, 2, 3])]),
+    write("flight-rank00003.json", dict(_dump(3, [dict(_record(0, "broadcast", t=0.5), ranks=[0, 1, 2, 3])]),
                                         run="a" * 16, world_size=4, time=10.0))
     write("flight-rank00004.json", _dump(4, [{"t": 1.0}]))
     write("flight-rank00005.json", _dump(5, [dict(_record(0, "barrier"), seq="0", ranks=[5])]))
@@ -207,7 +207,7 @@ def test_doctor_skips_malformed_records_renamed_files_and_a_stale_run(tmp_path):
     assert "never reached" not in out.stdout and "no dump from" not in out.stdout, out.stdout
     path = lambda rank: repr(str(tmp_path / f"flight-rank{rank:05d}.json"))  # noqa: E731
     for text in (f"skipped flight dump {path(3)} (rank 3) comes from another run (run {'a' * 16}, 4 ranks) than "
-                 f"the newest dump (run {'b' * 16}, 2 ranks)",
+                 f"the dump seen last (run {'b' * 16}, 2 ranks)",
                  f"skipped flight dump {path(4)}: record 0 has no 'group' field",
                  f"skipped flight dump {path(5)}: record 0 has seq='0', not an integer >= 0",
                  f"skipped flight dump {path(6)} says it is rank 0's; its name says rank 6",
