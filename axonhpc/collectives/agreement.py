@@ -140,7 +140,7 @@ def _timeout_label(pg: Any, seq: int, op: str, timeout: Optional[float], label: 
     text is made on the untimed path)."""
     if label is not None or timeout is None:
         return label
-    return f"{op} #{seq} on group {pg.name} {list(pg.ranks)} (agreement check)"
+    return f"{fingerprint.call_name(op, seq, pg)} (agreement check)"
 
 
 def _mpi_compare(pg: Any, seq: int, op: str, desc: Desc, mismatch: Callable[[], None], arrivals: Any = None,
@@ -331,7 +331,7 @@ def refuse_locally(pg: Any, op: str, problem: BaseException, nonblocking: bool =
     pg.seq += 1
     timeout = pg.effective_timeout()
     checked = pg.size > 1 and settings.check_collectives
-    label = f"{op} #{seq} on group {pg.name} {list(pg.ranks)} (telling the group of a refusal)"
+    label = f"{fingerprint.call_name(op, seq, pg)} (telling the group of a refusal)"
     # The others announce their call under a timeout and wait for this rank's notice once their check is done:
     # it is sent as for the call it stands for (it is in their check; with no check it is not in the call).
     arrivals = pg.backend.announce(seq, op) if checked and timeout is not None else None

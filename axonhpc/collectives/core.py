@@ -59,7 +59,7 @@ class CallLabel:
         agreement.refuse(self.group, self.seq, self.op, *self.call)
 
     def __str__(self) -> str:
-        return f"{self.op} #{self.seq} on group {self.group.name} {list(self.group.ranks)}"
+        return fingerprint.call_name(self.op, self.seq, self.group)
 
 
 _OP_NAMES = {op: op.name for op in ReduceOp}  # Enum.name is a slow property; this is on every call

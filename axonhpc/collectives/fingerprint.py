@@ -26,6 +26,11 @@ _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _COMPARED = ("seq", "op", "dtype", "shape", "reduce", "root")
 
 
+def call_name(op: str, seq: int, group: Any) -> str:
+    """``all_reduce #7 on group world [0, 1]``: how messages name one call of a group."""
+    return f"{op} #{seq} on group {group.name} {list(group.ranks)}"
+
+
 def caller_location() -> str:
     """file:line of the first frame outside axonhpc (the user's call site)."""
     frame = sys._getframe(1)
@@ -112,7 +117,7 @@ def check(group, op: str, x: Any = None, reduce: Optional[str] = None, root: Opt
         arrivals = group.backend.announce(seq, op)
         # In debug mode every call is exchanged; otherwise this one explains a difference the check found.
         why = "debug fingerprint exchange" if group.debug_enabled() else "exchange of the calls after a mismatch"
-        label = f"{op} #{seq} on group {group.name} {list(group.ranks)} ({why})"
+        label = f"{call_name(op, seq, group)} ({why})"
         watch.wait(side.all_gather(mine, table, async_op=True), timeout, label, arrivals, group)
     prints = [json.loads(bytes(row).rstrip(b"\0").decode()) for row in table]
     keys = {tuple(json.dumps(p.get(k)) for k in _COMPARED) + (bool(p.get("refused")),) for p in prints}
@@ -121,7 +126,7 @@ def check(group, op: str, x: Any = None, reduce: Optional[str] = None, root: Opt
         refusing = [(group.ranks[i], p["refused"]) for i, p in enumerate(prints) if p.get("refused")]
         if refusing:  # a bad argument on some ranks, seen there before anything was sent: no dump
             rank, reason = refusing[0]
-            raise everywhere(CollectiveRefusedError(f"{op} #{seq} on group {group.name} {list(group.ranks)}: rank "
+            raise everywhere(CollectiveRefusedError(f"{call_name(op, seq, group)}: rank "
                                                     f"{rank} refused its part before anything was sent: {lines}", rank,
                                                     reason), group.ranks)
         from . import flight
