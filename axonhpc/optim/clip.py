@@ -28,8 +28,11 @@ def checked_norm_type(norm_type: Any) -> float:
 
 
 def checked_max_norm(max_norm: Any) -> float:
-    """``max_norm`` as a float, or InvalidArgumentError (a ``ValueError``) unless a number."""
-    return _number(max_norm, "max_norm")
+    """``max_norm`` as a float, or InvalidArgumentError (a ``ValueError``) unless a number other than NaN."""
+    value = _number(max_norm, "max_norm")
+    if math.isnan(value):  # no norm is at most NaN: torch would scale every gradient by NaN
+        raise InvalidArgumentError(f"clip_grad_norm max_norm must not be NaN, got {value!r}")
+    return value
 
 
 def _number(value: Any, name: str) -> float:
@@ -98,7 +101,7 @@ def clip_grad_norm(params: Union[Any, Iterable[Any]], max_norm: float, norm_type
     The norm is over all gradients together, as if concatenated; they are multiplied by ``min(1, max_norm /
     (total_norm + 1e-6))``, and parameters without a gradient are skipped. ``norm_type`` is p (``inf`` for the
     largest absolute value); InvalidArgumentError (a ``ValueError``) unless positive, or if ``max_norm`` is not a
-    number.
+    number or is NaN.
 
     Each gradient's part of the norm is accumulated in float64, so float16 and bfloat16 gradients get the norm
     their values have (a float16 sum of squares would overflow past a norm of 256).

@@ -19,25 +19,30 @@ from ..optim.clip import checked_max_norm, checked_norm_type, norm_part, scale_t
 
 
 def clip_grad_norm(grads: List[Any], max_norm: float, norm_type: float, shard_group: Any, xp: Any,
-                   uncounted: Sequence[Any] = ()) -> float:
+                   uncounted: Sequence[Any] = (), group: Any = None) -> float:
     """Scale this rank's gradients (its part of them all) in place so the global norm is at most ``max_norm``;
     returns the norm.
 
-    Collective over ``shard_group`` when it has more than one rank (None: nothing spread, as FSDP's NO_SHARD). ``norm_type`` is p (``inf``
-    for the max); ``uncounted``: more gradients scaled alike but counted on another rank (a copy of a tied
-    Parameter). InvalidArgumentError (a ``ValueError``) unless positive, or if ``max_norm`` is not a number,
-    before anything is sent: the group's other ranks raise ``CollectiveRefusedError`` naming this rank, from
-    the all-reduce of the norm they entered.
+    Collective over ``group``, every rank of which calls it (None: ``shard_group``), and over ``shard_group``
+    when it has more than one rank (None: nothing spread, as FSDP's NO_SHARD). The norm's parts are summed over
+    ``shard_group``; the arguments are compared over all of ``group`` (FSDP's replicas hold the same shards and
+    must clip them alike). ``norm_type`` is p (``inf`` for the max); ``uncounted``: more gradients scaled
+    alike but counted on another rank (a copy of a tied Parameter). InvalidArgumentError (a ``ValueError``)
+    unless positive, or if ``max_norm`` is not a number or is NaN, before anything is sent: the other ranks of
+    ``group`` raise ``CollectiveRefusedError`` naming this rank, from the all-reduce of the arguments they
+    entered.
     """
+    check = shard_group if group is None else group
+    spread = check is not None and check.size > 1
     try:
         norm_type = checked_norm_type(norm_type)
         max_norm = checked_max_norm(max_norm)
     except AxonError as exc:
-        if shard_group is not None and shard_group.size > 1:
-            refuse_call(shard_group, "all_reduce", exc)
+        if spread:
+            refuse_call(check, "all_reduce", exc)
         raise
-    if shard_group is not None and shard_group.size > 1:
-        _same_arguments(norm_type, max_norm, shard_group)
+    if spread:
+        _same_arguments(norm_type, max_norm, check)
     inf = np.isinf(norm_type)
     # Each shard's part stays on the device; the host reads their max or sum once.
     parts = [norm_part(g, norm_type) for g in grads]

@@ -24,13 +24,16 @@ they stay, but that piece of the optimizer state (momentum, moments, step count)
 """
 from __future__ import annotations
 
+import numbers
 from typing import Any, Dict, Iterable, List, NoReturn, Optional, Tuple
+
+import numpy as np
 
 from .._dtypes import check_array, dtype_groups
 from ..buffers import FlatOps, FlatShard, flat_ops_for
 from ..collectives import all_gather
 from ..collectives.core import refuse_call
-from ..errors import ConfigurationError, ShapeError, StateDictError, UsageError
+from ..errors import AxonError, ConfigurationError, ShapeError, StateDictError, UsageError
 from ..groups import resolve_group
 from ..nn.parameter import Parameter
 from ..optim.optimizer import Optimizer
@@ -118,6 +121,60 @@ def _check_not_fsdp(params: List[Any]) -> None:
                              f"(optim.Adam(fsdp.parameters(), ...)); {_NAME} is for DDP, over ddp.parameters()")
 
 
+_SAME = ("every rank must pass the same parameters (the same model's, in the same order), the same optimizer class "
+         "and the same hyperparameters")
+
+
+def _check_optimizer_class(optimizer_class: Any) -> None:
+    """ConfigurationError unless an Optimizer subclass or a function (not an Optimizer instance)."""
+    if isinstance(optimizer_class, Optimizer):
+        raise ConfigurationError(f"{_NAME}: optimizer_class must be an Optimizer class, got an instance of "
+                                 f"{type(optimizer_class).__name__}; pass the class and its hyperparameters, "
+                                 f"e.g. {_NAME}(optim.{type(optimizer_class).__name__}, params, lr=...)")
+    if (not callable(optimizer_class) or isinstance(optimizer_class, type)
+            and not issubclass(optimizer_class, Optimizer)):
+        raise ConfigurationError(f"{_NAME}: optimizer_class must be a subclass of axonhpc.optim.Optimizer "
+                                 f"(e.g. optim.Adam) or a function params -> Optimizer, got {optimizer_class!r}")
+
+
+def _build(optimizer_class: Any, shard_params: List[Any], optimizer_args: Dict[str, Any]) -> Optimizer:
+    """The wrapped optimizer over the shard Parameters; what it rejects is raised as an AxonError (a Python
+    TypeError, an unknown or misspelled keyword, becomes a ConfigurationError), for the model check to tell
+    every rank."""
+    try:
+        optimizer = optimizer_class(shard_params, **optimizer_args)
+    except TypeError as exc:
+        if isinstance(exc, AxonError):
+            raise
+        raise ConfigurationError(f"{_NAME}: {getattr(optimizer_class, '__name__', optimizer_class)!s}(params, "
+                                 f"**{optimizer_args!r}) raised TypeError: {exc}") from None
+    if not isinstance(optimizer, Optimizer):  # a function that returned something else
+        raise ConfigurationError(f"{_NAME}: {optimizer_class!r} returned a {type(optimizer).__name__}, not "
+                                 f"an axonhpc.optim.Optimizer")
+    return optimizer
+
+
+def _shown(value: Any) -> str:
+    """A hyperparameter as every rank writes it alike (0.1 and numpy's float64(0.1) the same; 1 and 1.0 too; a
+    function by its name)."""
+    if isinstance(value, (tuple, list)):
+        return "(" + ", ".join(_shown(v) for v in value) + ")"
+    if isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_)):
+        return repr(float(value))
+    if callable(value):  # its repr holds an address, another in every process
+        return getattr(value, "__qualname__", type(value).__name__)
+    return repr(value)
+
+
+def _optimizer_settings(optimizer: Optimizer, optimizer_args: Dict[str, Any]) -> List[str]:
+    """``optimizer: SGD`` and one ``optimizer <name>: value`` line per hyperparameter (the optimizer's, defaults
+    included, and any other argument given), sorted by name: what the ranks must pass alike."""
+    values = dict(optimizer_args)
+    values.update(optimizer.hyperparameters())
+    return [f"optimizer: {type(optimizer).__name__}"] + [f"optimizer {name}: {_shown(values[name])}"
+                                                          for name in sorted(values)]
+
+
 class ZeroRedundancyOptimizer:
     """ZeRO stage 1 under plain DDP: each rank keeps and updates 1/N of the optimizer state, then all-gathers.
 
@@ -137,36 +194,31 @@ class ZeroRedundancyOptimizer:
 
     Raises:
         ConfigurationError: a bad ``optimizer_class``, empty or duplicate ``params``, or hyperparameters the
-            wrapped optimizer rejects; before any communication but the model check.
+            wrapped optimizer rejects (or does not take: its ``TypeError``); before any communication but the
+            model check.
         UsageError: a parameter is one FSDP holds (FSDP shards the optimizer state itself).
-        ModelMismatchError: the ranks passed different parameters; raised on every rank.
+        ModelMismatchError: on every rank, the ranks passed different parameters, optimizer classes or
+            hyperparameters (naming the first that differs and each rank's value), or one of the errors above
+            was raised on another rank (naming it and its error).
         UnsupportedDtypeError, NonContiguousBufferError, ReadOnlyBufferError: a parameter cannot be gathered into.
     """
 
     def __init__(self, optimizer_class: Any, params: Iterable[Any], group: Any = None,
                  **optimizer_args: Any) -> None:
-        if isinstance(optimizer_class, Optimizer):
-            raise ConfigurationError(f"{_NAME}: optimizer_class must be an Optimizer class, got an instance of "
-                                     f"{type(optimizer_class).__name__}; pass the class and its hyperparameters, "
-                                     f"e.g. {_NAME}(optim.{type(optimizer_class).__name__}, params, lr=...)")
-        if (not callable(optimizer_class) or isinstance(optimizer_class, type)
-                and not issubclass(optimizer_class, Optimizer)):
-            raise ConfigurationError(f"{_NAME}: optimizer_class must be a subclass of axonhpc.optim.Optimizer "
-                                     f"(e.g. optim.Adam) or a function params -> Optimizer, got {optimizer_class!r}")
         group = resolve_group(group).require_member(_NAME)
-        # Before any other message: every rank shards the same parameters, or every rank raises.
-        same = "every rank must pass the same parameters (the same model's, in the same order)"
-        with compared_model(group, f"{_NAME} over group {group.name}", hint=same) as described:
+        # Before any other message: every rank shards the same parameters with the same optimizer and
+        # hyperparameters, or every rank raises (one rank's bad lr too: the others would wait in step()).
+        with compared_model(group, f"{_NAME} over group {group.name}", hint=_SAME) as described:
+            _check_optimizer_class(optimizer_class)
             params = _check_params(params)
             _check_not_fsdp(params)
             ops = flat_ops_for([p.data for p in params], what=_NAME)  # one kind of memory, or a clear refusal
+            shards = [_DtypeShard(members, group.rank, group.size, ops)
+                      for members in dtype_groups(params, lambda p: p.data)]
+            optimizer = _build(optimizer_class, [s.param for s in shards], optimizer_args)
             described.lines = parameter_lines((f"params[{i}]", p) for i, p in enumerate(params))
-        shards = [_DtypeShard(members, group.rank, group.size, ops)
-                  for members in dtype_groups(params, lambda p: p.data)]
-        self.optimizer: Optimizer = optimizer_class([s.param for s in shards], **optimizer_args)
-        if not isinstance(self.optimizer, Optimizer):  # a function that returned something else
-            raise ConfigurationError(f"{_NAME}: {optimizer_class!r} returned a {type(self.optimizer).__name__}, not "
-                                     f"an axonhpc.optim.Optimizer")
+            described.settings = _optimizer_settings(optimizer, optimizer_args)
+        self.optimizer: Optimizer = optimizer
         self.params: List[Any] = params
         self.group = group
         self._shards = shards

@@ -68,3 +68,16 @@ def test_a_pipeline_of_tensor_parallel_stages_is_refused_on_every_rank():
             pipe.clip_grad_norm(1.0)
 
     ax.run_local(job, world_size=2)
+
+
+def test_a_nan_max_norm_is_refused_before_anything_is_scaled():
+    """No norm is at most NaN: refused as single-process ``optim.clip_grad_norm`` and ``ax.clip_grad_norm`` on a
+    module, naming it (the distributed ones alike, on every rank: fsdp_cases)."""
+    model = _model()
+    for p in model.parameters():
+        p.grad = np.ones_like(p.data)
+    for clip in (optim.clip_grad_norm, lambda m, v: ax.clip_grad_norm(model, v)):
+        with pytest.raises(ax.errors.InvalidArgumentError, match="max_norm must not be NaN, got nan"):
+            clip(model.parameters(), float("nan"))
+    assert all(np.array_equal(p.grad, np.ones_like(p.data)) for p in model.parameters())
+    assert optim.clip_grad_norm(model.parameters(), float("inf")) == pytest.approx(np.sqrt(51))

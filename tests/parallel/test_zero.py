@@ -28,6 +28,9 @@ def test_bad_arguments():
         ax.ZeroRedundancyOptimizer(optim.Adam, [params[0], params[1], params[0]], group=mock)
     with pytest.raises(ax.errors.ConfigurationError, match=r"betas must be two numbers in \[0, 1\), got \(0\.9, 1\.5\)"):
         ax.ZeroRedundancyOptimizer(optim.Adam, params, group=mock, betas=(0.9, 1.5))
+    with pytest.raises(ax.errors.ConfigurationError, match=r"SGD\(params, \*\*\{'lr': 0.1, 'moment': 0.9\}\) raised "
+                                                          r"TypeError: .*'moment'"):
+        ax.ZeroRedundancyOptimizer(optim.SGD, params, group=mock, lr=0.1, moment=0.9)
     with pytest.raises(TypeError, match="group must be a ProcessGroup or None, got int"):
         ax.ZeroRedundancyOptimizer(optim.Adam, params, group=0)
     view = ax.nn.Parameter(np.zeros((4, 4))[:, ::2])

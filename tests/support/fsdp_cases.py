@@ -140,46 +140,63 @@ def case_clip_grad_norm_is_the_global_norm(world):
 
 
 def case_clip_grad_norm_refused_on_one_rank_raises_everywhere(world):
-    """A bad norm_type (or max_norm) on one rank: it raises its InvalidArgumentError, the shard group's others
-    CollectiveRefusedError naming it instead of waiting in the norm's all-reduce; nothing is scaled; NO_SHARD
-    makes no collective, so only the refusing rank raises there."""
+    """A bad norm_type (or max_norm) on one rank: it raises its InvalidArgumentError, the FSDP group's others
+    CollectiveRefusedError naming it instead of waiting in the arguments' all-reduce; nothing is scaled. The
+    whole group hears of it, NO_SHARD's and HYBRID_SHARD's replicas too (they compare the arguments)."""
     bad = world.world_size - 1
-    for strategy in ("full_shard", "no_shard"):
+    for strategy in ("full_shard", "no_shard", "hybrid_shard"):
         for norm_type, max_norm, match in ((0, 1.0, "norm_type must be positive, got 0"),
                                            ("two", 1.0, "norm_type must be a number, got 'two'"),
-                                           (2.0, "one", "max_norm must be a number, got 'one'")):
+                                           (2.0, "one", "max_norm must be a number, got 'one'"),
+                                           (2.0, float("nan"), "max_norm must not be NaN, got nan")):
             fsdp, _, _ = train_fsdp(world, np.float64, "sgd", strategy, steps=1)
             grads = [p.grad.copy() for p in fsdp.parameters()]
-            refuses = world.rank == bad or world.world_size == 1
-            if refuses:
+            if world.rank == bad or world.world_size == 1:
                 with pytest.raises(ax.errors.InvalidArgumentError, match=match):
                     fsdp.clip_grad_norm(max_norm, norm_type=norm_type)
-            elif strategy == "no_shard":
-                fsdp.clip_grad_norm(1e-3)
             else:
                 with pytest.raises(ax.errors.CollectiveRefusedError, match="InvalidArgumentError: clip_grad_norm") as info:
                     fsdp.clip_grad_norm(1e-3)
                 assert info.value.rank == bad, (info.value.rank, str(info.value))
-            if refuses or strategy != "no_shard":
-                assert all(np.array_equal(p.grad, g) for p, g in zip(fsdp.parameters(), grads))
+            assert all(np.array_equal(p.grad, g) for p, g in zip(fsdp.parameters(), grads))
             ax.barrier()  # every rank is still in step
 
 
 def case_clip_grad_norm_with_other_arguments_on_one_rank_raises_everywhere(world):
     """Another norm_type or max_norm on one rank: the ranks would add other powers into one sum (or clip by another
-    factor) and drift apart; every rank raises CollectiveMismatchError with the range of each, nothing scaled."""
+    factor) and drift apart; every rank raises CollectiveMismatchError with the range of each, nothing scaled.
+    NO_SHARD and HYBRID_SHARD too, whose replicas sum over a shard group without the odd rank (of one rank)."""
     if world.world_size == 1:
         return
     odd = world.rank == world.world_size - 1
-    for norm_type, max_norm, shown in (((3.0, 2.0), (1.0, 1.0), "norm_type from 2 to 3"),
-                                       ((2.0, 2.0), (0.5, 1.0), "max_norm from 0.5 to 1"),
-                                       ((float("inf"), 2.0), (1.0, 1.0), "norm_type from 2 to inf")):
-        fsdp, _, _ = train_fsdp(world, np.float64, "sgd", "full_shard", steps=1)
+    for strategy in STRATEGIES:
+        for norm_type, max_norm, shown in (((3.0, 2.0), (1.0, 1.0), "norm_type from 2 to 3"),
+                                           ((2.0, 2.0), (0.5, 1.0), "max_norm from 0.5 to 1"),
+                                           ((float("inf"), 2.0), (1.0, 1.0), "norm_type from 2 to inf")):
+            fsdp, _, _ = train_fsdp(world, np.float64, "sgd", strategy, steps=1)
+            grads = [p.grad.copy() for p in fsdp.parameters()]
+            with pytest.raises(ax.errors.CollectiveMismatchError, match=shown):
+                fsdp.clip_grad_norm(max_norm[odd], norm_type=norm_type[odd])
+            assert all(np.array_equal(p.grad, g) for p, g in zip(fsdp.parameters(), grads)), strategy
+            ax.barrier()  # every rank is still in step
+
+
+def case_clip_grad_norm_refuses_a_nan_max_norm_on_every_rank(world):
+    """max_norm=nan on every rank: no norm is at most NaN; every rank raises InvalidArgumentError naming it (not
+    a disagreement: NaN != NaN), nothing scaled, and the ranks stay in step; single-process clipping alike."""
+    for strategy in STRATEGIES:
+        fsdp, _, _ = train_fsdp(world, np.float64, "sgd", strategy, steps=1)
         grads = [p.grad.copy() for p in fsdp.parameters()]
-        with pytest.raises(ax.errors.CollectiveMismatchError, match=shown):
-            fsdp.clip_grad_norm(max_norm[odd], norm_type=norm_type[odd])
-        assert all(np.array_equal(p.grad, g) for p, g in zip(fsdp.parameters(), grads))
+        with pytest.raises(ax.errors.InvalidArgumentError, match="max_norm must not be NaN, got nan"):
+            fsdp.clip_grad_norm(float("nan"))
+        assert all(np.array_equal(p.grad, g) for p, g in zip(fsdp.parameters(), grads)), strategy
         ax.barrier()  # every rank is still in step
+    model = make_model()
+    for p in model.parameters():
+        p.grad = np.ones_like(p.data)
+    with pytest.raises(ax.errors.InvalidArgumentError, match="max_norm must not be NaN, got nan"):
+        optim.clip_grad_norm(model.parameters(), np.float64("nan"))
+    assert all(np.array_equal(p.grad, np.ones_like(p.data)) for p in model.parameters())
 
 
 def case_mixed_precision_float16(world):
@@ -490,6 +507,8 @@ def case_bad_arguments(world):
         ax.FSDP(model, prefetch=-1)
     with pytest.raises(errors, match="is not a submodule"):
         ax.FSDP(model, units=[nn.Linear(2, 2)])
+    with pytest.raises(errors, match=r"FSDP units\[2\] is units\[0\] again \(submodule '0'\); list each unit once"):
+        ax.FSDP(model, units=[model[0], model[2], model[0]])
     with pytest.raises(errors, match="mixes parameter dtypes"):
         ax.FSDP(nn.Sequential(nn.Sequential(nn.Linear(2, 2, dtype=np.float32), nn.Linear(2, 2, dtype=np.float64))))
     with pytest.raises(errors, match="param_dtype must be a floating dtype, got int32"):
@@ -499,6 +518,65 @@ def case_bad_arguments(world):
             ax.FSDP(model, sharding_strategy="hybrid_shard", ranks_per_node=5) if world.world_size % 5 else None
             raise errors(f"ranks_per_node=5 does not divide the group size {world.world_size}")
     ax.barrier()  # every rank is still in step: nothing was sent by the failed constructors
+
+
+def case_a_bad_option_on_one_rank_raises_everywhere(world):
+    """One rank's bad option: it raises its error, the others ModelMismatchError naming it (from the model check,
+    before any other message), instead of waiting for it in the first gather; then every rank is in step."""
+    n, last = world.world_size, world.world_size - 1
+    if n == 1:
+        return
+    good = {"sharding_strategy": "hybrid_shard", "ranks_per_node": 1}
+    for bad, error, match in (
+            ({"sharding_strategy": "zero4"}, ax.errors.UnknownChoiceError, "unknown sharding strategy 'zero4'"),
+            ({"mixed_precision": "fp16"}, ax.errors.ConfigurationError,
+             "mixed_precision must be an ax.MixedPrecision or None, got str 'fp16'"),
+            ({"cpu_offload": "gpu"}, ax.errors.UnknownChoiceError, "unknown cpu_offload option 'gpu'"),
+            ({"prefetch": -1}, ax.errors.ConfigurationError, "prefetch must be a non-negative int, got -1"),
+            ({"ranks_per_node": 2}, ax.errors.ConfigurationError, "ranks_per_node=2 only applies to HYBRID_SHARD"),
+            (dict(good, ranks_per_node=n + 1), ax.errors.ConfigurationError,
+             f"ranks_per_node={n + 1} does not divide the group size {n}")):
+        kwargs = bad if world.rank == last else (good if "ranks_per_node" in bad else {})
+        if world.rank == last:
+            with pytest.raises(error, match=match):
+                ax.FSDP(make_model(), **kwargs)
+        else:
+            with pytest.raises(ax.errors.ModelMismatchError,
+                               match=f"FSDP over group world: rank {last} could not build it \\(rank {last}: "
+                                     f"{error.__name__}: {match}") as info:
+                ax.FSDP(make_model(), **kwargs)
+            assert "nothing else was sent" in str(info.value), str(info.value)
+        ax.barrier()  # every rank is still in step
+
+
+def case_different_options_on_the_ranks_raise_everywhere(world):
+    """Valid but different options on one rank would shard, gather or reduce differently (a hang or silently
+    wrong numbers): every rank raises ModelMismatchError naming the option and each rank's value."""
+    n, last = world.world_size, world.world_size - 1
+    if n == 1:
+        return
+    hybrid = {"sharding_strategy": "hybrid_shard"}
+    for mine, theirs, label, shown in (
+            ({"sharding_strategy": "shard_grad_op"}, {}, "sharding_strategy", "SHARD_GRAD_OP"),
+            ({"sharding_strategy": "no_shard"}, {}, "sharding_strategy", "NO_SHARD"),
+            ({"cpu_offload": "full"}, {}, "cpu_offload", "FULL"),
+            ({"mixed_precision": ax.MixedPrecision(np.float16, np.float32)}, {}, "mixed_precision",
+             "param_dtype=float16, reduce_dtype=float32, buffer_dtype=None"),
+            ({"mixed_precision": ax.MixedPrecision(None, np.float16)},
+             {"mixed_precision": ax.MixedPrecision(None, np.float32)}, "mixed_precision",
+             "param_dtype=None, reduce_dtype=float16, buffer_dtype=None"),
+            (dict(hybrid, ranks_per_node=n), dict(hybrid, ranks_per_node=1), "ranks_per_node", str(n)),
+            ({"prefetch": 2}, {}, "prefetch", "2")):
+        with pytest.raises(ax.errors.ModelMismatchError) as info:
+            ax.FSDP(make_model(), **(mine if world.rank == last else theirs))
+        text = str(info.value)
+        assert f"the first difference is {label!r}" in text, text
+        assert f"rank {last} has {label}: {shown}. Every rank" in text, text
+        assert "pass the same FSDP options" in text, text
+        ax.barrier()  # every rank is still in step
+    # None and an all-None MixedPrecision are the same setting
+    fsdp = ax.FSDP(make_model(), mixed_precision=ax.MixedPrecision() if world.rank == last else None)
+    assert len(fsdp.parameters()) == 3
 
 
 def case_comm_hooks(world):

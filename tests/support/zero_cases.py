@@ -379,4 +379,60 @@ def case_bad_arguments_raise_before_sending(world):
     ax.barrier()  # every rank got here: nothing was sent by the failed constructors
 
 
+
+def case_a_bad_argument_on_one_rank_raises_everywhere(world):
+    """One rank's bad optimizer class or hyperparameter: it raises its error, the others ModelMismatchError naming
+    it, from the model check (not a wait in step()'s all-gather); then every rank is in step and builds."""
+    n, last = world.world_size, world.world_size - 1
+    if n == 1:
+        return
+    model = make_model(np.float64, seed=0)
+    ddp = ax.DDP(model)
+    for cls, kwargs, error, match in (
+            (optim.SGD, dict(lr=-1.0), ax.errors.ConfigurationError, "SGD: lr=-1.0 must be >= 0"),
+            (object, dict(lr=0.1), ax.errors.ConfigurationError,
+             "ZeroRedundancyOptimizer: optimizer_class must be a subclass of axonhpc.optim.Optimizer"),
+            (optim.SGD, dict(lr=0.1, momentun=0.9), ax.errors.ConfigurationError,
+             "ZeroRedundancyOptimizer: SGD\\(params, \\*\\*\\{'lr': 0.1, 'momentun': 0.9\\}\\) raised TypeError: "
+             ".*'momentun'"),
+            (lambda ps: [ps], {}, ax.errors.ConfigurationError,
+             "ZeroRedundancyOptimizer: <function .*> returned a list, not an axonhpc.optim.Optimizer")):
+        if world.rank == last:
+            with pytest.raises(error, match=match):
+                ax.ZeroRedundancyOptimizer(cls, ddp.parameters(), **kwargs)
+        else:
+            with pytest.raises(ax.errors.ModelMismatchError,
+                               match=f"rank {last} could not build it \\(rank {last}: {error.__name__}: {match}"):
+                ax.ZeroRedundancyOptimizer(optim.SGD, ddp.parameters(), lr=0.1)
+        _in_step(world)
+    ax.ZeroRedundancyOptimizer(optim.SGD, ddp.parameters(), lr=0.1)
+
+
+def case_different_hyperparameters_raise_everywhere(world):
+    """Another optimizer or hyperparameter on one rank would update its slice differently, a silently wrong model
+    on every rank: every rank raises ModelMismatchError naming the setting and each rank's value."""
+    n, last = world.world_size, world.world_size - 1
+    if n == 1:
+        return
+    odd = world.rank == last
+    ddp = ax.DDP(make_model(np.float64, seed=0))
+    for cls, kwargs, label, shown in (
+            (optim.SGD, dict(lr=1.0 if odd else 0.1, momentum=0.9), "optimizer lr", "1.0"),
+            (optim.SGD, dict(lr=0.1, momentum=0.9, nesterov=odd, weight_decay=1e-3), "optimizer nesterov", "True"),
+            (optim.Adam if odd else optim.SGD, dict(lr=0.1), "optimizer", "Adam"),
+            # the defaults count: betas given on one rank only, but other than the default
+            (optim.Adam, dict(lr=0.1, **(dict(betas=(0.8, 0.999)) if odd else {})), "optimizer betas", "(0.8, 0.999)"),
+            (lambda ps: optim.SGD(ps, lr=0.5 if odd else 0.1), {}, "optimizer lr", "0.5")):
+        with pytest.raises(ax.errors.ModelMismatchError) as info:
+            ax.ZeroRedundancyOptimizer(cls, ddp.parameters(), **kwargs)
+        text = str(info.value)
+        assert f"the first difference is {label!r}" in text, text
+        assert f"rank {last} has {label}: {shown}. Every rank must pass the same parameters" in text, text
+        assert "the same optimizer class and the same hyperparameters" in text, text
+        _in_step(world)
+    # the same values written otherwise are the same settings
+    opt = ax.ZeroRedundancyOptimizer(optim.SGD, ddp.parameters(), lr=np.float64(0.1) if odd else 0.1,
+                                     momentum=1 if odd else 1.0)
+    assert opt.lr == 0.1
+
 CASES = {name[len("case_"):]: fn for name, fn in sorted(globals().items()) if name.startswith("case_")}

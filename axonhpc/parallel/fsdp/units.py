@@ -24,7 +24,7 @@ def select_units(module: Any, units: Any) -> List[Tuple[str, Any]]:
         units: the submodules the user listed, or None for each top-level child with parameters.
 
     Raises:
-        ConfigurationError: a unit that is not a submodule, the model itself, or units that are nested.
+        ConfigurationError: a unit that is not a submodule, the model itself, listed twice, or units that are nested.
     """
     named = module.named_modules()
     if units is None:
@@ -32,11 +32,16 @@ def select_units(module: Any, units: Any) -> List[Tuple[str, Any]]:
     units = list(units)
     names = {id(m): name for name, m in named}
     out = []
+    listed: Dict[int, int] = {}
     for i, unit in enumerate(units):
         if id(unit) not in names:
             raise ConfigurationError(f"FSDP units[{i}] ({type(unit).__name__}) is not a submodule of the model")
         if unit is module:
             raise ConfigurationError(f"FSDP units[{i}] is the model itself; list its submodules instead")
+        if id(unit) in listed:
+            raise ConfigurationError(f"FSDP units[{i}] is units[{listed[id(unit)]}] again (submodule "
+                                     f"{names[id(unit)]!r}); list each unit once")
+        listed[id(unit)] = i
         out.append((names[id(unit)], unit))
     for a_name, a in out:
         for b_name, b in out:

@@ -40,6 +40,32 @@ from ..same_model import check_model_arrays, compared_model, parameter_lines
 from ..wrapping import WrapperModes
 
 
+_SAME = ("every rank must build the same model (the same layers, sizes and dtypes, in the same order) and pass the "
+         "same FSDP options (sharding_strategy, cpu_offload, mixed_precision, ranks_per_node, prefetch, units)")
+
+
+def _checked_options(sharding_strategy: Any, cpu_offload: Any, mixed_precision: Any, ranks_per_node: Any,
+                     prefetch: Any, group_size: int) -> Tuple[ShardingStrategy, CPUOffload, MixedPrecision]:
+    """The parsed strategy and offload, and the mixed precision (an all-None one for None), or ConfigurationError
+    naming the bad option: meant inside the model check, so that every rank hears of one rank's bad option."""
+    strategy = ShardingStrategy.parse(sharding_strategy)
+    offload = CPUOffload.parse(cpu_offload)
+    if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
+        raise ConfigurationError(f"mixed_precision must be an ax.MixedPrecision or None, got "
+                                 f"{type(mixed_precision).__name__} {mixed_precision!r}")
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+        raise ConfigurationError(f"prefetch must be a non-negative int, got {prefetch!r}")
+    if ranks_per_node is not None:
+        if strategy is not ShardingStrategy.HYBRID_SHARD:
+            raise ConfigurationError(f"ranks_per_node={ranks_per_node!r} only applies to HYBRID_SHARD, "
+                                     f"not {strategy.name}")
+        if isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or ranks_per_node < 1:
+            raise ConfigurationError(f"ranks_per_node must be a positive int, got {ranks_per_node!r}")
+        if group_size % ranks_per_node:
+            raise ConfigurationError(f"ranks_per_node={ranks_per_node} does not divide the group size {group_size}")
+    return strategy, offload, mixed_precision or MixedPrecision()
+
+
 class FullyShardedDataParallel(WrapperModes):
     """Sharded data parallelism (ZeRO-2/3, hybrid) over a process group; used like DDP, optimizer over ``fsdp.parameters()``.
 
@@ -52,29 +78,20 @@ class FullyShardedDataParallel(WrapperModes):
     Raises:
         ConfigurationError: before any communication but the model check, for a bad option, a model without
             parameters, overlapping units, a unit mixing dtypes, or a group ``ranks_per_node`` does not divide.
-        ModelMismatchError: the ranks hold different models (or another rank failed the checks above).
+        ModelMismatchError: on every rank, the ranks hold different models or passed different options (naming
+            the first that differs and each rank's value), or another rank failed the checks above.
     """
 
     def __init__(self, module: Any, group: Any = None, sharding_strategy: Any = ShardingStrategy.FULL_SHARD,
                  cpu_offload: Any = CPUOffload.NONE, mixed_precision: Optional[MixedPrecision] = None,
                  units: Any = None, ranks_per_node: Optional[int] = None, prefetch: int = 1):
-        self.strategy = ShardingStrategy.parse(sharding_strategy)
-        self.cpu_offload = CPUOffload.parse(cpu_offload)
-        if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
-            raise ConfigurationError(f"mixed_precision must be an ax.MixedPrecision or None, got "
-                                     f"{type(mixed_precision).__name__}")
-        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
-            raise ConfigurationError(f"prefetch must be a non-negative int, got {prefetch!r}")
-        if ranks_per_node is not None:
-            if self.strategy is not ShardingStrategy.HYBRID_SHARD:
-                raise ConfigurationError(f"ranks_per_node={ranks_per_node!r} only applies to HYBRID_SHARD, "
-                                         f"not {self.strategy.name}")
-            if isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or ranks_per_node < 1:
-                raise ConfigurationError(f"ranks_per_node must be a positive int, got {ranks_per_node!r}")
         self.group = resolve_group(group).require_member("FSDP")
         named = module.named_parameters() if isinstance(module, Module) else []
-        # Before any other message: every rank holds the same model and units, or every rank raises.
-        with compared_model(self.group, f"FSDP over group {self.group.name}") as described:
+        # Before any other message: every rank holds the same model, units and options, or every rank raises
+        # (a bad option on one rank too: the others would otherwise wait for it in the first gather).
+        with compared_model(self.group, f"FSDP over group {self.group.name}", hint=_SAME) as described:
+            self.strategy, self.cpu_offload, mp = _checked_options(sharding_strategy, cpu_offload, mixed_precision,
+                                                                   ranks_per_node, prefetch, self.group.size)
             require_module(module, "FSDP")
             if not named:
                 raise ConfigurationError(f"FSDP needs a module with parameters; {type(module).__name__} has none")
@@ -85,13 +102,13 @@ class FullyShardedDataParallel(WrapperModes):
             plan = assign_parameters(module, select_units(module, units))
             # Host or device buffers, chosen once; a model in both kinds of memory is refused before any message.
             ops = flat_ops_for([p.data for _, p in named], [n for n, _ in named], "FSDP")
-            described.lines, described.settings = parameter_lines(named), [f"units: {[name for name, _, _ in plan]}"]
-        if ranks_per_node is not None and self.group.size % ranks_per_node:
-            raise ConfigurationError(f"ranks_per_node={ranks_per_node} does not divide the group size "
-                                     f"{self.group.size}")
+            described.lines = parameter_lines(named)
+            described.settings = [f"sharding_strategy: {self.strategy.name}", f"cpu_offload: {self.cpu_offload.name}",
+                                  f"mixed_precision: param_dtype={mp.param_dtype}, reduce_dtype={mp.reduce_dtype}, "
+                                  f"buffer_dtype={mp.buffer_dtype}", f"ranks_per_node: {ranks_per_node}",
+                                  f"prefetch: {prefetch}", f"units: {[name for name, _, _ in plan]}"]
         self.module = module
         self.mixed_precision = mixed_precision
-        mp = mixed_precision or MixedPrecision()
         # -- communication starts here --
         self.shard_group, self.replicate_group = build_groups(self.strategy, self.group, ranks_per_node)
         all_params = [p for _, p in module.named_parameters()]
@@ -242,10 +259,17 @@ class FullyShardedDataParallel(WrapperModes):
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> float:
         """Collective: scale the gradient shards so the global ``norm_type`` norm is at most ``max_norm``; returns it unclipped.
 
-        Raises InvalidArgumentError for a non-positive ``norm_type``.
+        The norm is summed over the shard group; the arguments are compared over the whole FSDP group, so
+        replicas (NO_SHARD, HYBRID_SHARD) cannot clip alike-held shards by different factors.
+
+        Raises:
+            InvalidArgumentError: a non-positive ``norm_type``, or a ``max_norm`` that is not a number or is NaN;
+                the group's other ranks raise ``CollectiveRefusedError`` naming this rank.
+            CollectiveMismatchError: on every rank, the ranks passed different ``norm_type`` or ``max_norm``
+                (naming the range of each); nothing is scaled.
         """
         grads = [u.shard.grad for u in self._units if u.shard.grad is not None]
-        return clip_grad_norm(grads, max_norm, norm_type, self.shard_group, self._master_ops.xp)
+        return clip_grad_norm(grads, max_norm, norm_type, self.shard_group, self._master_ops.xp, group=self.group)
 
     # -- the optimizer's view ------------------------------------------------------------------
     def parameters(self) -> List[Any]:
