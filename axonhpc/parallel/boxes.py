@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 from ..nn import Checkpoint, Module
-from .tensor import split_parameters
+from .split import split_parameters
 
 
 def dense_names(module: Module) -> Dict[str, str]:

@@ -5,7 +5,8 @@
 of the model's gradients, that is a different norm, and so a different factor, on every rank: the model's
 copies then drift apart, and none of them is clipped as the unsplit model would be. The global norm sums
 each element's p-th power once over the ranks that hold the parts (a max for ``inf``): FSDP's shards over
-their shard group (``fsdp.clip_grad_norm``), a pipeline's stages over its group (``pipe.clip_grad_norm``),
+their shard group (``fsdp.clip_grad_norm``), a pipeline's stages over its group (``pipe.clip_grad_norm``;
+stages of tensor-parallel layers over their group first),
 and a tensor-parallel model's layers over their group, where a column-parallel layer's weight and bias and
 a row-parallel layer's weight are each rank's own rows or columns and every other parameter (a row-parallel
 bias, a norm layer) is the same on every rank of the group, counted on its rank 0. DDP's gradients are the
@@ -14,39 +15,19 @@ counted as above).
 """
 from __future__ import annotations
 
-from typing import Any, List, Tuple
+from typing import Any
 
 import numpy as np
 
 from .._dtypes import array_module
-from ..errors import ArgumentTypeError, ConfigurationError
+from ..errors import ArgumentTypeError
 from ..nn import Module
 from ..optim import clip_grad_norm as clip_local
 from .ddp import DDP
 from .fsdp import FSDP
-from .grad_norm import clip_grad_norm as clip_spread
+from .grad_norm import clip_grad_norm as clip_spread, counted_here, tensor_group
 from .pipeline import Pipeline
-from .tensor import split_parameters
-
-
-def _tensor_parallel_parts(module: Module) -> Tuple[Any, List[Any], List[Any]]:
-    """``(the layers' group or None, gradients counted here, gradients counted on another rank)``."""
-    split = split_parameters(module)
-    groups = {id(layer.group): layer.group for layer, _ in split.values()}
-    if len(groups) > 1:
-        names = sorted(g.name for g in groups.values())
-        raise ConfigurationError(f"clip_grad_norm: the model's tensor-parallel layers use {len(groups)} groups "
-                                 f"({names}); one norm over them needs a single tensor-parallel group")
-    group = next(iter(groups.values()), None)
-    counted, elsewhere = [], []
-    for p in module.parameters():
-        if p.grad is None:
-            continue
-        if group is None or id(p) in split or group.rank == 0:
-            counted.append(p.grad)
-        else:
-            elsewhere.append(p.grad)  # a replicated parameter: the same gradient as on group rank 0
-    return group, counted, elsewhere
+from .split import split_parameters
 
 
 def clip_grad_norm(model: Any, max_norm: float, norm_type: float = 2.0) -> float:
@@ -69,11 +50,13 @@ def clip_grad_norm(model: Any, max_norm: float, norm_type: float = 2.0) -> float
     if not isinstance(module, Module):
         raise ArgumentTypeError(f"clip_grad_norm takes an FSDP, a Pipeline, a DDP or an axonhpc.nn.Module, got "
                                 f"{type(model).__name__}")
-    group, counted, elsewhere = _tensor_parallel_parts(module)
+    split = split_parameters(module)
+    group = tensor_group(split, "clip_grad_norm")
     if group is None:
         return clip_local(module.parameters(), max_norm, norm_type)
+    counted, elsewhere = counted_here(module.parameters(), split, group)
     xp = array_module(counted[0]) if counted else (array_module(elsewhere[0]) if elsewhere else np)
-    return clip_spread(counted, max_norm, norm_type, group, xp, elsewhere)
+    return clip_spread(counted, max_norm, norm_type, xp, elsewhere, sum_over=[group])
 
 
 __all__ = ["clip_grad_norm"]

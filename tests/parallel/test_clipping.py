@@ -58,13 +58,73 @@ def test_what_it_cannot_clip_is_refused():
         ax.clip_grad_norm([1, 2], 1.0)
 
 
-def test_a_pipeline_of_tensor_parallel_stages_is_refused_on_every_rank():
+def _stage(index, tp=None):
+    """Stage 0: an MLP and a LayerNorm (whole on every rank of the tp group); stage 1: an MLP and a Linear. The
+    MLPs are tensor-parallel over ``tp``, or their dense equivalents without it."""
+    mlp = (ax.TensorParallelMLP(4, 8, group=tp, dtype=np.float64, seed=10 + index) if tp is not None
+           else ax.TensorParallelMLP.dense_equivalent(4, 8, dtype=np.float64, seed=10 + index))
+    last = nn.LayerNorm(4, dtype=np.float64) if index == 0 else nn.Linear(4, 3, dtype=np.float64, seed=30)
+    return nn.Sequential(mlp, last)
+
+
+@pytest.mark.parametrize("norm_type", [2.0, float("inf")])
+def test_a_pipeline_of_tensor_parallel_stages_gives_the_whole_models_norm(norm_type):
+    # Refused before: a sum over the pipeline alone would count the whole parameters once per tp rank.
+    rng = np.random.default_rng(1)
+    x, y = rng.standard_normal((8, 4)), rng.integers(0, 3, 8)
+    whole = nn.Sequential(_stage(0), _stage(1))
+    loss_fn = nn.CrossEntropyLoss()
+    loss_fn(whole(x), y)
+    whole.backward(loss_fn.backward())
+    want = optim.clip_grad_norm(whole.parameters(), 0.01, norm_type)
+
     def job(world):
-        tp = world.split(0)  # the layers' group: both ranks, as the pipeline's
+        mesh = world.mesh(pp=2, tp=2)
+        index = mesh.pp.rank
+        stage = ax.PipelineStage(_stage(index, mesh.tp), index, 2)
+        pipe = ax.Pipeline.from_stages([stage], group=mesh.pp, num_microbatches=2, loss_fn=nn.CrossEntropyLoss())
+        pipe.train_step(x, y)
+        return ax.clip_grad_norm(pipe, 0.01, norm_type)
+
+    assert ax.run_local(job, world_size=4) == pytest.approx([want] * 4, rel=1e-12)
+
+
+def _clip_on_a_mesh(world, max_norm):
+    mesh = world.mesh(pp=2, tp=2)
+    index = mesh.pp.rank
+    pipe = ax.Pipeline.from_stages([ax.PipelineStage(_stage(index, mesh.tp), index, 2)], group=mesh.pp,
+                                   num_microbatches=1, loss_fn=nn.CrossEntropyLoss())
+    pipe.train_step(np.ones((2, 4)), np.zeros(2, dtype=np.int64))
+    try:
+        pipe.clip_grad_norm(max_norm)
+    except ax.errors.AxonError as exc:
+        return type(exc).__name__, str(exc)
+    return None
+
+
+def test_a_refusal_in_a_pipeline_of_tensor_parallel_stages_reaches_every_rank():
+    # The last rank's NaN max_norm: its tp peer hears it in the tp group's check, the other stage's ranks in
+    # the pipeline's; none waits.
+    got = ax.run_local(lambda world: _clip_on_a_mesh(world, np.nan if world.rank == 3 else 1.0), world_size=4)
+    assert got[3][0] == "InvalidArgumentError" and "max_norm must not be NaN" in got[3][1], got[3]
+    for kind, text in got[:3]:
+        assert kind == "CollectiveRefusedError" and "rank 3 refused" in text, text
+    # Another max_norm on the last rank: its tp group finds the difference, and tells the other stage's ranks.
+    got = ax.run_local(lambda world: _clip_on_a_mesh(world, 0.5 if world.rank == 3 else 1.0), world_size=4)
+    for kind, text in got[2:]:
+        assert kind == "CollectiveMismatchError" and "max_norm from 0.5 to 1" in text, text
+    for kind, text in got[:2]:
+        assert kind == "CollectiveRefusedError" and "max_norm from 0.5 to 1" in text, text
+
+
+def test_a_tensor_parallel_group_across_the_pipelines_stages_is_refused_on_every_rank():
+    def job(world):
+        tp = world.split(0)  # the layers' group: both ranks, the pipeline's too
         stages = [nn.Sequential(ax.ColumnParallelLinear(4, 4, group=tp, dtype=np.float64, seed=0)),
                   nn.Sequential(ax.RowParallelLinear(4, 4, group=tp, dtype=np.float64, seed=1))]
         pipe = ax.Pipeline.from_modules(stages, num_microbatches=1, loss_fn=nn.MSELoss())
-        with pytest.raises(ax.errors.ConfigurationError, match=r"tensor-parallel: \['0'\]\), .* not implemented"):
+        with pytest.raises(ax.errors.ConfigurationError, match=r"the tensor-parallel group .* shares ranks with "
+                                                               r"this pipeline \[0, 1\] other than this one"):
             pipe.clip_grad_norm(1.0)
 
     ax.run_local(job, world_size=2)

@@ -52,7 +52,8 @@ from ...collectives.p2p import largest_tag
 from ...collectives.refusal import batch_refused, vote
 from ...nn import cached_nbytes, call_backward
 from ...observe import tracing
-from ..grad_norm import clip_grad_norm
+from ..grad_norm import clip_grad_norm, counted_here, tensor_group
+from ..split import split_parameters
 from ..same_model import check_same_model, compared_model
 from .lowering import RECV_B, RECV_F, SEND_B, SEND_F, Op, Step, lower_schedule
 from .render import format_schedule_table
@@ -231,26 +232,50 @@ class Pipeline:
         Call it between ``train_step`` (which sums tied gradients and averages over ``dp_group``: every replica
         computes the same norm) and the optimizer's step.
 
+        Stages of tensor-parallel layers are summed over their group first (a split parameter counted on every
+        rank of it, a whole one on its rank 0), then over the pipeline: every rank of the mesh gets the model's
+        norm.
+
         Raises:
             InvalidArgumentError: a non-positive ``norm_type`` or a ``max_norm`` that is not a number, on every
                 rank; CollectiveMismatchError on every rank if the ranks passed different ones.
-            ConfigurationError: a stage holds tensor-parallel layers (on every rank).
+            ConfigurationError: this rank's stages hold layers split over more than one group, over a group
+                that holds another rank of this pipeline, or over a group of some other kind of layer (raised
+                here, and as a refusal on every other rank).
         """
-        # A layer with a group of its own (tensor-parallel) splits its parameters over it, and holds others
-        # replicated there, which a sum over this group alone would count once per rank of that group.
-        split = sorted({name for stage in self.stage_modules if stage is not None for name, m in stage.named_modules()
-                        if isinstance(getattr(m, "group", None), ProcessGroup) and m.group.size > 1})
-        if split:  # the same list on every rank: every rank refuses alike, before anything is sent
-            raise ConfigurationError(f"Pipeline.clip_grad_norm: stages hold layers split over groups of their own "
-                                     f"(tensor-parallel: {split[:3]}), whose replicated parameters a sum over the "
-                                     f"pipeline would count once per rank of their group; a norm over pipeline and "
-                                     f"tensor parallelism together is not implemented")
+        params = self.parameters()
+        split: Dict[int, Any] = {}
+        for s in self.stages:
+            split.update(split_parameters(self.stage_modules[s]))
+        problem, tensor = None, None
+        try:
+            tensor = tensor_group(split, "Pipeline.clip_grad_norm")
+            self._check_tensor_layout(tensor, split)
+        except ConfigurationError as exc:
+            problem = exc
         elsewhere = self._tied.held_elsewhere()
-        params = [q for q in self.parameters() if q.grad is not None]
-        counted = [q.grad for q in params if id(q) not in elsewhere]
-        uncounted = [q.grad for q in params if id(q) in elsewhere]
-        xp = array_module(params[0].grad) if params else np
-        return clip_grad_norm(counted, max_norm, norm_type, self.group, xp, uncounted)
+        counted, uncounted = counted_here(params, split, None if problem else tensor, elsewhere)
+        grads = [q.grad for q in params if q.grad is not None]
+        xp = array_module(grads[0]) if grads else np
+        return clip_grad_norm(counted, max_norm, norm_type, xp, uncounted, sum_over=[tensor, self.group],
+                              problem=problem)
+
+    def _check_tensor_layout(self, tensor: Any, split: Dict[int, Any]) -> None:
+        """ConfigurationError unless every layer with a group of its own in this rank's stages is a tensor-parallel
+        one over ``tensor``, whose ranks hold this rank's stages (none of them is in this pipeline but this one)."""
+        layers = {id(layer) for layer, _ in split.values()}
+        other = sorted(name for s in self.stages for name, m in self.stage_modules[s].named_modules()
+                       if isinstance(getattr(m, "group", None), ProcessGroup) and m.group.size > 1
+                       and id(m) not in layers)
+        if other:
+            raise ConfigurationError(f"Pipeline.clip_grad_norm: stages hold layers split over groups of their own "
+                                     f"that are not tensor-parallel linear layers ({other[:3]}): how their "
+                                     f"parameters are split is not known, so no norm is computed")
+        if tensor is not None and set(tensor.ranks) & set(self.group.ranks) != {self.group.ranks[self.rank]}:
+            raise ConfigurationError(f"Pipeline.clip_grad_norm: the tensor-parallel group {tensor.name} "
+                                     f"{list(tensor.ranks)} shares ranks with this pipeline {list(self.group.ranks)} "
+                                     f"other than this one: its ranks must hold the same stages (a mesh's tp "
+                                     f"group beside its pp group)")
 
     def schedule_table(self) -> List[List[Action]]:
         """The per-rank action lists this pipeline runs (a fresh copy)."""

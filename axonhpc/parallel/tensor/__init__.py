@@ -22,7 +22,8 @@ gradient is computed from the replicated output gradient, so it is identical on 
 reduction across the group; DDP over ``mesh.dp`` composes unchanged.
 """
 from .attention import TensorParallelAttention
-from .linear import ColumnParallelLinear, RowParallelLinear, TensorParallelMLP, split_parameters
+from ..split import split_parameters
+from .linear import ColumnParallelLinear, RowParallelLinear, TensorParallelMLP
 from .partition import partition_range
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "TensorParallelAttention", "TensorParallelMLP",

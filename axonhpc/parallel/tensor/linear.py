@@ -1,7 +1,7 @@
 """Column- and row-parallel linear layers, and the MLP made of one of each (see the package notes)."""
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import numpy as np
 
@@ -182,20 +182,6 @@ class RowParallelLinear(Module):
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"in_features_per_rank={self.in_features_per_rank}, tp_size={self.group.size}, "
                 f"input_is_parallel={self.input_is_parallel}, bias={self.bias is not None}")
-
-
-def split_parameters(module: Module) -> Dict[int, Tuple[Module, int]]:
-    """The parameters of ``module`` that its tensor-parallel layers split: ``id(Parameter)`` -> (layer, axis).
-
-    Each layer's ``split_axes``: a column-parallel layer's weight and bias along axis 0 (its output rows), a
-    row-parallel layer's weight along axis 1 (its input columns). Every other parameter, a row-parallel bias
-    or a norm layer's, is whole and the same on every rank of the layer's group.
-    """
-    out = {}
-    for _, m in module.named_modules():
-        if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
-            out.update((id(p), (m, axis)) for p, axis in m.split_axes())
-    return out
 
 
 class TensorParallelMLP(Module):
