@@ -163,13 +163,16 @@ class TensorTables:
     """The device tables of a multi-tensor launch, kept while the arrays' addresses stay the same.
 
     The last ``KEEP`` address sets per key are kept: gradients made afresh each step come back from cupy's pool at
-    a few alternating addresses, and each new table is a host copy (25 us on an H100 machine).
+    a few alternating addresses, and each new table is a host copy (25 us on an H100 machine). A table a CUDA
+    graph captured is kept for good: the graph reads it at every replay, and nothing else holds it (dropped,
+    its memory would go back to the pool, and a replay would read whatever is written there next).
     """
 
     KEEP = 4
 
     def __init__(self) -> None:
         self._kept: Dict[Any, Dict[Tuple[Any, ...], Tuple[Any, ...]]] = {}
+        self._captured: Dict[Tuple[Any, Tuple[Any, ...]], Tuple[Any, ...]] = {}
 
     def tables(self, xp: Any, key: Any, lists: Sequence[Sequence[Any]]) -> Tuple[Any, ...]:
         """``(address table per list..., starts)`` for ``lists`` of arrays (each list in the same order)."""
@@ -178,6 +181,8 @@ class TensorTables:
         kept = self._kept.setdefault(key, {})
         made = kept.get(identity)
         if made is not None:
+            if capture.capturing():
+                self._captured[(key, identity)] = made
             return made
         capture.refuse("a fused optimizer update over arrays it has not updated before",
                         "its table of their device addresses would be copied to the device during the capture; "

@@ -10,7 +10,7 @@ gradients) and can skip the step.
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable, Union
+from typing import Any, Iterable, Sequence, Union
 
 import numpy as np
 
@@ -84,6 +84,20 @@ def norm_part(grad: Any, norm_type: float) -> Any:
     return g.sum()
 
 
+def joint_part(parts: Sequence[Any], norm_type: float) -> Any:
+    """The max (an infinite ``norm_type``) or the sum of ``norm_part``'s parts: a new 0-d float64 array of their
+    module, the parts added in turn. Not ``xp.stack``: cupy stacks more than 8 arrays through a table of their
+    addresses copied from the host, which a CUDA graph capture refuses."""
+    xp = array_module(parts[0])
+    total = xp.zeros((), dtype=np.float64)  # the parts are >= 0 (or NaN, which both keep)
+    for part in parts:
+        if math.isinf(norm_type):
+            xp.maximum(total, part, out=total)
+        else:
+            total += part
+    return total
+
+
 def scale_to_norm(grads: Iterable[Any], total: float, max_norm: float) -> None:
     """Multiply ``grads`` in place by ``min(1, max_norm / (total + 1e-6))``, ``total`` being their joint norm;
     leave them as they are if ``total`` is inf or NaN."""
@@ -118,10 +132,9 @@ def clip_grad_norm(params: Union[Any, Iterable[Any]], max_norm: float, norm_type
     max_norm = checked_max_norm(max_norm)
     if not grads:
         return 0.0
-    xp = array_module(grads[0])
     # Each gradient's part stays on the device; one read for all of them.
-    parts = xp.stack([norm_part(g, norm_type) for g in grads])
-    total = parts.max() if math.isinf(norm_type) else parts.sum() ** (1.0 / norm_type)
+    joint = joint_part([norm_part(g, norm_type) for g in grads], norm_type)
+    total = joint if math.isinf(norm_type) else joint ** (1.0 / norm_type)
     if capture.defers_reads() and is_cupy_array(total):
         return scale_on_device(grads, total, max_norm)
     total = float(total)

@@ -17,9 +17,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
-
-from .._dtypes import array_module
 from ..errors import ArgumentTypeError
 from ..nn import Module
 from ..optim import clip_grad_norm as clip_local
@@ -55,8 +52,7 @@ def clip_grad_norm(model: Any, max_norm: float, norm_type: float = 2.0) -> float
     if group is None:
         return clip_local(module.parameters(), max_norm, norm_type)
     counted, elsewhere = counted_here(module.parameters(), split, group)
-    xp = array_module(counted[0]) if counted else (array_module(elsewhere[0]) if elsewhere else np)
-    return clip_spread(counted, max_norm, norm_type, xp, elsewhere, sum_over=[group])
+    return clip_spread(counted, max_norm, norm_type, elsewhere, sum_over=[group])
 
 
 __all__ = ["clip_grad_norm"]

@@ -22,10 +22,10 @@ from ..backends import ReduceOp
 from ..collectives import all_reduce
 from ..collectives.core import refuse_call
 from ..errors import AxonError, CollectiveMismatchError, ConfigurationError, everywhere
-from ..optim.clip import checked_max_norm, checked_norm_type, norm_part, scale_to_norm
+from ..optim.clip import checked_max_norm, checked_norm_type, joint_part, norm_part, scale_to_norm
 
 
-def clip_grad_norm(grads: List[Any], max_norm: float, norm_type: float, xp: Any, uncounted: Sequence[Any] = (),
+def clip_grad_norm(grads: List[Any], max_norm: float, norm_type: float, uncounted: Sequence[Any] = (),
                    sum_over: Sequence[Any] = (), check_over: Optional[Sequence[Any]] = None,
                    problem: Optional[AxonError] = None) -> float:
     """Scale this rank's gradients (its part of them all) in place so the global norm is at most ``max_norm``;
@@ -66,7 +66,7 @@ def clip_grad_norm(grads: List[Any], max_norm: float, norm_type: float, xp: Any,
     inf = np.isinf(norm_type)
     # Each shard's part stays on the device; the host reads their max or sum once.
     parts = [norm_part(g, norm_type) for g in grads]
-    local = (float(xp.stack(parts).max()) if inf else float(xp.stack(parts).sum())) if parts else 0.0
+    local = float(joint_part(parts, norm_type)) if parts else 0.0
     value = np.array([local], dtype=np.float64)
     for group in sum_over:
         if group is not None and group.size > 1:

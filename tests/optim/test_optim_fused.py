@@ -149,6 +149,24 @@ def test_address_tables_are_kept_until_an_address_changes(strict_cupy):
     assert tables.tables(strict_cupy, "other", [[a, b]]) is not again  # kept per group
 
 
+def test_a_table_a_graph_captured_is_kept_past_the_eviction(strict_cupy, monkeypatch):
+    # Only the last KEEP address sets were kept: eager steps on new gradient arrays after a capture dropped the
+    # captured table, whose memory the graph's replays still read (the stand-in's replay holds its arrays, so
+    # only a real GPU would show it: here the reference itself is checked).
+    from axonhpc.cuda import capture
+
+    tables = cuda_kernels.TensorTables()
+    a, b = strict_cupy.zeros(3), strict_cupy.zeros(5)
+    captured = tables.tables(strict_cupy, "k", [[a, b]])  # made in a warm-up step
+    monkeypatch.setattr(capture, "capturing", lambda: True)
+    assert tables.tables(strict_cupy, "k", [[a, b]]) is captured  # the capture reads the kept table
+    monkeypatch.setattr(capture, "capturing", lambda: False)
+    for _ in range(tables.KEEP + 1):  # set_to_none=True steps: new addresses each time
+        tables.tables(strict_cupy, "k", [[a, strict_cupy.zeros(5)]])
+    kept = [made for made in tables._captured.values()]
+    assert len(kept) == 1 and kept[0] is captured
+
+
 def test_batches_cut_at_the_launch_limit_and_leave_a_larger_array_alone():
     assert cuda_kernels.batches([5, 3, 10, 1, 2], limit=8) == [[0, 1], [2], [3, 4]]
     assert cuda_kernels.batches([], limit=8) == []

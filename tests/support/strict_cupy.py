@@ -1017,6 +1017,12 @@ class StrictCupy(types.ModuleType):
             def joined(arrays, *args, **kwargs):
                 where = f"cupy.{name}"
                 parts = _unwrap_seq(list(arrays), where)
+                if len(parts) > 8 and len({p.dtype for p in parts}) == 1:
+                    # cupy's _concatenate: more than 8 arrays of one dtype are joined by one kernel over a
+                    # table of their addresses, made with core.array (a copy from pinned host memory whose
+                    # event cupy queries at once: cudaErrorCapturedEvent in a capture).
+                    refuse_in_capture(f"cupy.{name} of {len(parts)} arrays",
+                                      "operation not permitted when stream is capturing (cudaErrorCapturedEvent)")
                 kwargs = {k: _unwrap(v, where) for k, v in kwargs.items()}
                 return _wrap(_run(lambda: getattr(np, name)(parts, *args, **kwargs), tuple(parts)))
 

@@ -269,7 +269,7 @@ class FullyShardedDataParallel(WrapperModes):
                 (naming the range of each); nothing is scaled.
         """
         grads = [u.shard.grad for u in self._units if u.shard.grad is not None]
-        return clip_grad_norm(grads, max_norm, norm_type, self._master_ops.xp, sum_over=[self.shard_group],
+        return clip_grad_norm(grads, max_norm, norm_type, sum_over=[self.shard_group],
                               check_over=[self.group])
 
     # -- the optimizer's view ------------------------------------------------------------------

@@ -43,8 +43,6 @@ from dataclasses import dataclass, field
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
-import numpy as np
-
 from ..._dtypes import array_module
 from ...errors import GROUP_FAILURES, AxonError, ConfigurationError, ShapeError, UsageError
 from ...groups import ProcessGroup, resolve_group
@@ -255,9 +253,7 @@ class Pipeline:
             problem = exc
         elsewhere = self._tied.held_elsewhere()
         counted, uncounted = counted_here(params, split, None if problem else tensor, elsewhere)
-        grads = [q.grad for q in params if q.grad is not None]
-        xp = array_module(grads[0]) if grads else np
-        return clip_grad_norm(counted, max_norm, norm_type, xp, uncounted, sum_over=[tensor, self.group],
+        return clip_grad_norm(counted, max_norm, norm_type, uncounted, sum_over=[tensor, self.group],
                               problem=problem)
 
     def _check_tensor_layout(self, tensor: Any, split: Dict[int, Any]) -> None:

@@ -108,7 +108,15 @@ def check_last_axis(layer: Module, x: Any, expected: int, what: str) -> None:
 
 
 def gather_last_axis(x: Any, group: ProcessGroup) -> Any:
-    """Concatenate every rank's ``x`` along the last axis, in group-rank order (collective)."""
+    """Concatenate every rank's ``x`` along the last axis, in group-rank order (collective).
+
+    Each block is copied into its place (not ``xp.concatenate``: cupy joins more than 8 arrays through a table
+    of their addresses copied from the host, which a CUDA graph capture refuses).
+    """
     xp = array_module(x)
     stacked = all_gather(xp.ascontiguousarray(x), group=group)
-    return xp.concatenate([stacked[i] for i in range(group.size)], axis=-1)
+    width = x.shape[-1]
+    out = xp.empty(x.shape[:-1] + (width * group.size,), dtype=stacked.dtype)
+    for i in range(group.size):
+        out[..., i * width:(i + 1) * width] = stacked[i]
+    return out
