@@ -178,6 +178,29 @@ def test_a_rank_whose_call_is_asynchronous_takes_the_others_off_the_pipeline(mpi
 
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("shm", ["auto", "off"])
+def test_a_rank_under_a_timeout_takes_the_others_off_the_pipeline(mpi_world, staged, shm):
+    # A timed rank stages the whole array (its wait is polled); the others would pipeline chunks. Its call is
+    # nonblocking, and the agreement check says so to every rank, as for an asynchronous call.
+    def check():
+        ax.settings.shm_collectives = shm
+        r, n = mpi_world.rank, mpi_world.world_size
+        pg = mpi_world.default_group
+        data = np.full(37, float(r + 1))
+        saved = pg.timeout
+        try:
+            for timed_rank in (0, n - 1):
+                pg.timeout = 30.0 if r == timed_rank else None
+                for _ in range(3):
+                    got, chunks = _pipelined(staged, data, "sum")
+                    assert chunks == 0 and (got == n * (n + 1) / 2).all(), (timed_rank, chunks, got[:3])
+        finally:
+            pg.timeout = saved
+
+    collectively(mpi_world, check)
+
+
+@pytest.mark.mpi(min_size=2)
 def test_deterministic_mode_pipelines_through_the_engine_with_its_fixed_order(mpi_world, staged):
     def check():
         ax.settings.deterministic = True
