@@ -24,20 +24,18 @@ they stay, but that piece of the optimizer state (momentum, moments, step count)
 """
 from __future__ import annotations
 
-import numbers
 from typing import Any, Dict, Iterable, List, NoReturn, Optional, Tuple
-
-import numpy as np
 
 from .._dtypes import check_array, dtype_groups
 from ..buffers import FlatOps, FlatShard, flat_ops_for
 from ..collectives import all_gather
 from ..collectives.core import refuse_call
-from ..errors import AxonError, ConfigurationError, ShapeError, StateDictError, UsageError
+from ..errors import ConfigurationError, ShapeError, StateDictError, UsageError
 from ..groups import resolve_group
 from ..nn.parameter import Parameter
 from ..optim.optimizer import Optimizer
 from .fsdp import fsdp_role
+from .optimizer_args import build_optimizer, optimizer_settings
 from .same_model import compared_model, parameter_lines
 
 _NAME = "ZeroRedundancyOptimizer"
@@ -137,44 +135,6 @@ def _check_optimizer_class(optimizer_class: Any) -> None:
                                  f"(e.g. optim.Adam) or a function params -> Optimizer, got {optimizer_class!r}")
 
 
-def _build(optimizer_class: Any, shard_params: List[Any], optimizer_args: Dict[str, Any]) -> Optimizer:
-    """The wrapped optimizer over the shard Parameters; what it rejects is raised as an AxonError (a Python
-    TypeError, an unknown or misspelled keyword, becomes a ConfigurationError), for the model check to tell
-    every rank."""
-    try:
-        optimizer = optimizer_class(shard_params, **optimizer_args)
-    except TypeError as exc:
-        if isinstance(exc, AxonError):
-            raise
-        raise ConfigurationError(f"{_NAME}: {getattr(optimizer_class, '__name__', optimizer_class)!s}(params, "
-                                 f"**{optimizer_args!r}) raised TypeError: {exc}") from None
-    if not isinstance(optimizer, Optimizer):  # a function that returned something else
-        raise ConfigurationError(f"{_NAME}: {optimizer_class!r} returned a {type(optimizer).__name__}, not "
-                                 f"an axonhpc.optim.Optimizer")
-    return optimizer
-
-
-def _shown(value: Any) -> str:
-    """A hyperparameter as every rank writes it alike (0.1 and numpy's float64(0.1) the same; 1 and 1.0 too; a
-    function by its name)."""
-    if isinstance(value, (tuple, list)):
-        return "(" + ", ".join(_shown(v) for v in value) + ")"
-    if isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_)):
-        return repr(float(value))
-    if callable(value):  # its repr holds an address, another in every process
-        return getattr(value, "__qualname__", type(value).__name__)
-    return repr(value)
-
-
-def _optimizer_settings(optimizer: Optimizer, optimizer_args: Dict[str, Any]) -> List[str]:
-    """``optimizer: SGD`` and one ``optimizer <name>: value`` line per hyperparameter (the optimizer's, defaults
-    included, and any other argument given), sorted by name: what the ranks must pass alike."""
-    values = dict(optimizer_args)
-    values.update(optimizer.hyperparameters())
-    return [f"optimizer: {type(optimizer).__name__}"] + [f"optimizer {name}: {_shown(values[name])}"
-                                                          for name in sorted(values)]
-
-
 class ZeroRedundancyOptimizer:
     """ZeRO stage 1 under plain DDP: each rank keeps and updates 1/N of the optimizer state, then all-gathers.
 
@@ -215,9 +175,9 @@ class ZeroRedundancyOptimizer:
             ops = flat_ops_for([p.data for p in params], what=_NAME)  # one kind of memory, or a clear refusal
             shards = [_DtypeShard(members, group.rank, group.size, ops)
                       for members in dtype_groups(params, lambda p: p.data)]
-            optimizer = _build(optimizer_class, [s.param for s in shards], optimizer_args)
+            optimizer = build_optimizer(_NAME, optimizer_class, [s.param for s in shards], optimizer_args)
             described.lines = parameter_lines((f"params[{i}]", p) for i, p in enumerate(params))
-            described.settings = _optimizer_settings(optimizer, optimizer_args)
+            described.settings = optimizer_settings(optimizer, optimizer_args)
         self.optimizer: Optimizer = optimizer
         self.params: List[Any] = params
         self.group = group

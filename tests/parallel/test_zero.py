@@ -28,8 +28,8 @@ def test_bad_arguments():
         ax.ZeroRedundancyOptimizer(optim.Adam, [params[0], params[1], params[0]], group=mock)
     with pytest.raises(ax.errors.ConfigurationError, match=r"betas must be two numbers in \[0, 1\), got \(0\.9, 1\.5\)"):
         ax.ZeroRedundancyOptimizer(optim.Adam, params, group=mock, betas=(0.9, 1.5))
-    with pytest.raises(ax.errors.ConfigurationError, match=r"SGD\(params, \*\*\{'lr': 0.1, 'moment': 0.9\}\) raised "
-                                                          r"TypeError: .*'moment'"):
+    with pytest.raises(ax.errors.ConfigurationError, match=r"SGD takes no hyperparameter 'moment' \(got moment=0.9\); "
+                                                          r"it takes \['lr', 'momentum', .*\]; did you mean 'momentum'\?"):
         ax.ZeroRedundancyOptimizer(optim.SGD, params, group=mock, lr=0.1, moment=0.9)
     with pytest.raises(TypeError, match="group must be a ProcessGroup or None, got int"):
         ax.ZeroRedundancyOptimizer(optim.Adam, params, group=0)

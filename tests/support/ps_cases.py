@@ -552,8 +552,11 @@ def case_different_models_or_settings_raise_on_every_rank(world):
         (linear(4, 6), dict(sgd, mode="async", max_staleness=2 if here else 1),
          f"'max_staleness': {who} {'have' if len(others) > 1 else 'has'} max_staleness: 1; "
          f"rank {odd} has max_staleness: 2"),
-        (linear(4, 6), dict(sgd, lr=0.2 if here else 0.1), "'optimizer'"),
-        (linear(4, 6), dict(optimizer_class=optim.Adam if here else optim.SGD, lr=0.1), "axonhpc.optim.adam.Adam("),
+        (linear(4, 6), dict(sgd, lr=0.2 if here else 0.1),
+         f"'optimizer lr': {who} {'have' if len(others) > 1 else 'has'} optimizer lr: 0.1; rank {odd} has optimizer "
+         f"lr: 0.2"),
+        (linear(4, 6), dict(optimizer_class=optim.Adam if here else optim.SGD, lr=0.1),
+         f"rank {odd} has optimizer: axonhpc.optim.adam.Adam"),
     ]
     if size > 2:
         cases.append((linear(4, 6), dict(sgd, num_servers=2 if here else 1),

@@ -1,18 +1,17 @@
 """ParameterServer: the object every rank builds; it runs a ``Worker`` or a ``ServerLoop`` and delegates to it."""
 from __future__ import annotations
 
-import difflib
-import inspect
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Optional
 
 from ..._choices import parse_choice
 from ...buffers import flat_ops_for
 # ParameterServerError and PeerFailedError live in errors (ax.errors.<Name>) and stay importable from here.
-from ...errors import AxonError, ConfigurationError, ParameterServerError, PeerFailedError
+from ...errors import ConfigurationError, ParameterServerError, PeerFailedError
 from ...groups import resolve_group
 from ...nn.parameter import Parameter
 from ...optim.optimizer import Optimizer
 from ...optim.sgd import SGD
+from ..optimizer_args import build_optimizer, optimizer_settings
 from ..replicate import broadcast_arrays
 from ..same_model import check_model_arrays, compared_model, parameter_lines
 from .protocol import MODES, NAME, Mode
@@ -53,53 +52,6 @@ def _check_optimizer_class(optimizer_class: Any) -> type:
         raise ConfigurationError(f"{NAME}: optimizer_class must be a subclass of axonhpc.optim.Optimizer "
                                  f"(e.g. optim.SGD), got {optimizer_class!r}")
     return optimizer_class
-
-
-def _check_optimizer_args(optimizer_class: type, optimizer_args: Dict[str, Any]) -> None:
-    """ConfigurationError naming an argument that ``optimizer_class`` does not take (a misspelled hyperparameter)."""
-    try:
-        signature = inspect.signature(optimizer_class)
-    except (TypeError, ValueError):  # no signature to read: the constructor itself decides
-        return
-    taken = list(signature.parameters.values())
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in taken):
-        return
-    names = [p.name for p in taken[1:]  # the first takes the slices
-             if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
-    for key in optimizer_args:
-        if key not in names:
-            close = difflib.get_close_matches(key, names, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise ConfigurationError(f"{NAME}: {optimizer_class.__name__} takes no hyperparameter {key!r} "
-                                     f"(got {key}={optimizer_args[key]!r}); it takes {names}{hint}")
-
-
-def _build_optimizer(optimizer_class: type, shards: List[Parameter], optimizer_args: Dict[str, Any]) -> Optimizer:
-    """``optimizer_class(shards, **optimizer_args)``; whatever it rejects as ConfigurationError naming the call."""
-    _check_optimizer_args(optimizer_class, optimizer_args)
-    try:
-        return optimizer_class(shards, **optimizer_args)
-    except AxonError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - a user's Optimizer subclass: every rank must hear of it
-        shown = ", ".join(f"{k}={v!r}" for k, v in optimizer_args.items())
-        raise ConfigurationError(f"{NAME}: {optimizer_class.__name__}({shown}) rejected its hyperparameters: "
-                                 f"{type(exc).__name__}: {exc}") from exc
-
-
-def _shown(value: Any) -> str:
-    """A hyperparameter as every rank writes it alike (an object's default repr holds its address)."""
-    text = repr(value)
-    return f"<{type(value).__qualname__}>" if " at 0x" in text else text
-
-
-def _describe_optimizer(optimizer: Optimizer, optimizer_args: Dict[str, Any]) -> str:
-    """``axonhpc.optim.sgd.SGD(lr=0.1, momentum=0.9, ...)``: the class and its hyperparameters, defaults included."""
-    values = dict(optimizer_args)
-    values.update(optimizer.hyperparameters())
-    cls = type(optimizer)
-    shown = ", ".join(f"{k}={_shown(v)}" for k, v in sorted(values.items()))
-    return f"{cls.__module__}.{cls.__qualname__}({shown})"
 
 
 class ParameterServer:
@@ -166,11 +118,10 @@ class ParameterServer:
             # that bad hyperparameters fail on every rank alike, before anything is sent.
             length = [sl.part_numel if server_index is not None else 1 for sl in slices.shards]
             shards = [Parameter(ops.zeros(n, sl.dtype)) for sl, n in zip(slices.shards, length)]
-            optimizer = _build_optimizer(optimizer_class, shards, optimizer_args)
+            optimizer = build_optimizer(NAME, optimizer_class, shards, optimizer_args)
             described.lines = parameter_lines(named)
             described.settings = [f"mode: {mode!r}", f"num_servers: {num_servers}",
-                                  f"max_staleness: {max_staleness!r}",
-                                  f"optimizer: {_describe_optimizer(optimizer, optimizer_args)}"]
+                                  f"max_staleness: {max_staleness!r}"] + optimizer_settings(optimizer, optimizer_args)
 
         self.model = model
         self.group = group
