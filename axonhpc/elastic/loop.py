@@ -20,6 +20,18 @@ ranks, so the run follows the loss of the uninterrupted one. Where the state
 is not whole or the ranks left cannot divide the global batch, every
 survivor raises ``RecoveryError``; with ``save`` set, a whole state is first
 written there.
+
+[Note: a rank lost while the run is built]
+Building the first world's run is collective (a wrapper compares the model
+and broadcasts rank 0's parameters), so a rank can die in it, when some
+survivors have built their part and others have not. The working ranks
+therefore end the build with ``MPI_Comm_agree`` (ULFM's fault-tolerant
+agreement) on "built here": it raises ``MPI_ERR_PROC_FAILED`` on every
+survivor alike when a rank failed before taking part, so either every rank
+built its part or every survivor knows the build was cut short. In that case
+there is no state to gather: nothing was trained. The survivors shrink as for
+any loss and build the run's first world again on themselves (``start``, a
+checkpoint loaded there too), with the same global batch, then agree again.
 """
 from __future__ import annotations
 
@@ -33,14 +45,14 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import numpy as np
 
 from ..backends import shm
-from ..backends.failures import describe_ranks
+from ..backends.failures import describe_ranks, failure_classes
 from ..checkpoint.boxes import Box
 from ..checkpoint.io import gather_text
 from ..checkpoint.model_slices import fill_model_state, state_pieces
 from ..checkpoint.sliced import save_slices
 from ..backends import ReduceOp
 from ..collectives import all_reduce
-from ..errors import CheckpointError, ConfigurationError, PeerFailedError, RecoveryError
+from ..errors import CheckpointError, CollectiveRefusedError, ConfigurationError, PeerFailedError, RecoveryError
 from ..groups.runtime import current_world, init
 from ..observe.log import get_logger
 from ..parallel.comm_hooks import allreduce_hook
@@ -52,6 +64,7 @@ from .spares import Rendezvous
 from .state import describe_missing, gather_state
 
 KILL_POINTS = ("forward", "backward", "optimizer", "save", "spare")
+_BUILT, _NO_ERROR = 1, 2  # the bits of the first world's build agreement
 
 
 @dataclass
@@ -67,11 +80,13 @@ class Recovery:
     dp: int
     seconds: float
     caught: float = 0.0
+    fresh: bool = False  # lost while the run's first world was built: built anew on the survivors, nothing gathered
 
     def line(self) -> str:
         """``recovered: lost rank(s) 2 at step 4, continuing on 3 ranks (dp=3) in 0.41 s``."""
-        return (f"recovered: lost rank{'s' if len(self.lost) > 1 else ''} {', '.join(map(str, self.lost))} at step "
-                f"{self.step}, continuing on {self.ranks} rank{'s' if self.ranks != 1 else ''} (dp={self.dp}) in "
+        when = "while the run was built" if self.fresh else f"at step {self.step}"
+        return (f"recovered: lost rank{'s' if len(self.lost) > 1 else ''} {', '.join(map(str, self.lost))} {when}, "
+                f"continuing on {self.ranks} rank{'s' if self.ranks != 1 else ''} (dp={self.dp}) in "
                 f"{self.seconds:.2f} s")
 
 
@@ -118,6 +133,10 @@ class ElasticTraining:
             ``close`` after the last step.
         respawn: where no spare is left, ``MPI_Comm_spawn`` a replacement
             (``elastic.respawn``).
+        start: ``start(world)`` builds the run's first world (a checkpoint
+            loaded, say): at the start, and again on the survivors when ranks
+            are lost while it is built ([Note: a rank lost while the run is
+            built]). None: ``build``.
 
     Attributes:
         parts: the current ``build(world)`` result (None on a spare).
@@ -130,7 +149,8 @@ class ElasticTraining:
     """
 
     def __init__(self, build: Callable[[Any], Any], first_step: int = 0, simulate_failure: Optional[str] = None,
-                 save: Optional[str] = None, spares: int = 0, respawn: bool = False):
+                 save: Optional[str] = None, spares: int = 0, respawn: bool = False,
+                 start: Optional[Callable[[Any], Any]] = None):
         if not settings.fault_tolerant:
             raise ConfigurationError("ElasticTraining needs fault tolerance: ax.init(fault_tolerant=True) in a job "
                                      "started with axonhpc launch --fault-tolerant (Open MPI with ULFM)")
@@ -138,6 +158,9 @@ class ElasticTraining:
 
         self._MPI = MPI
         self.build = build
+        self.start = build if start is None else start
+        self.unbuilt = True  # no run built and agreed on yet: a loss now builds the first world anew
+        self._lost_unbuilt: List[int] = []  # ranks lost in a build of the first world that was cut short again
         self.done = int(first_step)
         self.save = save
         self.respawn = bool(respawn)
@@ -164,12 +187,12 @@ class ElasticTraining:
         self.rendezvous = Rendezvous(MPI, self.comm) if spares else None
         self._working_comm = self.comm  # the working ranks' communicator (the job's, without spares)
         if not spares:
-            self._set_up(current_world(), None, None)
+            self._build_first(current_world())
             return
         mine = self.comm.Split(0 if self.active else MPI.UNDEFINED, self.job_rank)
         if self.active:
             self._working_comm = mine
-            self._set_up(init(comm=mine), None, None)
+            self._build_first(init(comm=mine))
         else:
             self._wait_as_spare()
 
@@ -181,8 +204,9 @@ class ElasticTraining:
         self.shape = tuple(facts["shape"])
         self._working_comm = self.comm
         self._failures = [(k, where) for r, k, where in parse_failures(simulate_failure) if r == self.job_rank]
-        self._rebuild(self.comm, self.members, facts["lost"], facts["working"], None, False, False,
-                      facts["target"], facts["failed_step"], time.perf_counter(), time.time())
+        self._rebuild(self.comm, self.members, facts["lost"], facts["working"], None, False, False, facts["target"],
+                      facts["failed_step"], time.perf_counter(), time.time(), facts.get("fresh", False))
+        self._build_again()
 
     @property
     def active(self) -> bool:
@@ -196,6 +220,7 @@ class ElasticTraining:
             if self.rendezvous is None or self.rendezvous.wait():
                 return  # the run ended
             self._recover(False)
+        self._build_again()
 
     def close(self) -> None:
         """Collective: let the spares go (working ranks, after the last step); the communicator is then theirs alone."""
@@ -207,8 +232,50 @@ class ElasticTraining:
             self._recover(False, ending=True)
 
     # -- set-up -------------------------------------------------------------------------------
-    def _set_up(self, world: Any, whole: Optional[Dict[str, np.ndarray]], described: Any) -> None:
-        parts = self.build(world)
+    def _build_first(self, world: Any) -> None:
+        """Collective over the working ranks: the run's first world built and agreed on; after a rank lost in it,
+        built again on the survivors ([Note: a rank lost while the run is built])."""
+        if self._built_everywhere(world):
+            self.unbuilt = False
+            return
+        self._recover(False)
+        self._build_again()
+
+    def _build_again(self) -> None:
+        """After a recovery on a rank that trains: once more while the first world's build is cut short again."""
+        while self.active and self.unbuilt:
+            self._recover(False)
+
+    def _built_everywhere(self, world: Any) -> bool:
+        """Collective over the working ranks: ``start(world)``, then ``MPI_Comm_agree`` on whether every rank built.
+
+        Raises:
+            CollectiveRefusedError: on the other ranks, when one rank's build raised another error (raised there).
+        """
+        MPI = self._MPI
+        flags, problem = _BUILT | _NO_ERROR, None  # Agree ANDs the bits over the ranks
+        try:
+            self._set_up(world, None, None, first=True)
+        except PeerFailedError:
+            flags = _NO_ERROR
+        except Exception as exc:  # this rank's own: the others must not wait in the agreement for it
+            flags, problem = 0, exc
+        try:
+            flags = self._working_comm.Agree(flags)
+        except MPI.Exception as exc:  # raised on every survivor alike when a rank failed before taking part
+            if exc.Get_error_class() not in failure_classes(MPI):
+                raise
+            flags = 0 if problem is not None else _NO_ERROR
+        if problem is not None:
+            raise problem
+        if not flags & _NO_ERROR:
+            raise CollectiveRefusedError(f"another rank's build of the run's first world ({world.world_size} ranks) "
+                                         f"raised an error (shown by that rank), so job rank {self.job_rank} stops too")
+        return bool(flags & _BUILT)
+
+    def _set_up(self, world: Any, whole: Optional[Dict[str, np.ndarray]], described: Any, first: bool = False) -> None:
+        self.parts, self.buddy = None, None  # until this world's are built (a build cut short leaves none)
+        parts = (self.start if first else self.build)(world)
         model, optimizer = parts.model, parts.optimizer
         shape = tuple(getattr(getattr(model, axis, None), "size", 1) for axis in ("dp", "tp", "pp"))
         if getattr(model, "dp", None) is None or shape[0] * shape[1] * shape[2] != world.world_size:
@@ -312,12 +379,15 @@ class ElasticTraining:
         comm, survivors = self._shrink()
         lost = [m for m in self.members if m not in survivors]
         # Every survivor, spares too: the most steps any working rank finished, the fewest, whether the run ends,
-        # and the working ranks' mesh (a spare has built none).
-        facts = np.array([self.done, -self.done, int(ending), *self.shape] if was_active else
-                         [-1, -(1 << 62), int(ending), 0, 0, 0], dtype=np.int64)
+        # whether its first world's build was cut short (then on every working rank: [Note: a rank lost while the
+        # run is built]), and the working ranks' mesh (a spare has built none).
+        facts = np.array([self.done, -self.done, int(ending), int(self.unbuilt), *self.shape] if was_active else
+                         [-1, -(1 << 62), int(ending), 0, 0, 0, 0], dtype=np.int64)
         comm.Allreduce(MPI.IN_PLACE, facts, op=MPI.MAX)
-        target, failed_step, ending = int(facts[0]), 1 - int(facts[1]), bool(facts[2])
-        self.shape = tuple(int(v) for v in facts[3:])
+        target, failed_step, ending, fresh = int(facts[0]), 1 - int(facts[1]), bool(facts[2]), bool(facts[3])
+        self.shape = tuple(int(v) for v in facts[4:])
+        if fresh and int(np.prod(self.shape)) != len(old_working):  # no rank had built its part: the mesh is unknown
+            self.shape = (len(old_working), 1, 1)
         if ending:  # the working ranks had finished: the spares leave, the working ones go on as they are
             keep = [m for m in old_working if m in survivors]
             mine = comm.Split(0 if self.job_rank in keep else MPI.UNDEFINED, self.job_rank)
@@ -329,14 +399,19 @@ class ElasticTraining:
             ids = list(range(self.next_id, self.next_id + empty))
             self.next_id += len(ids)
             told = {"members": survivors + ids, "width": self.width, "working": old_working, "lost": lost,
-                    "target": target, "failed_step": failed_step, "next_id": self.next_id, "shape": self.shape}
+                    "target": target, "failed_step": failed_step, "next_id": self.next_id, "shape": self.shape,
+                    "fresh": fresh}
             comm, survivors = spawn(MPI, comm, told, ids), survivors + ids
         return self._rebuild(comm, survivors, lost, old_working, old_parts, was_active, entered, target, failed_step,
-                             start, caught)
+                             start, caught, fresh)
 
     def _rebuild(self, comm: Any, survivors: List[int], lost: List[int], old_working: List[int], old_parts: Any,
-                 was_active: bool, entered: bool, target: int, failed_step: int, start: float, caught: float) -> bool:
-        """Collective over ``comm`` (survivors and replacements): the new world, its run, and the state in it."""
+                 was_active: bool, entered: bool, target: int, failed_step: int, start: float, caught: float,
+                 fresh: bool = False) -> bool:
+        """Collective over ``comm`` (survivors and replacements): the new world, its run, and the state in it.
+
+        ``fresh``: the first world's build was cut short; it is built anew, nothing is gathered.
+        """
         MPI = self._MPI
         working, dp = replicas.plan(replicas.fill(old_working, survivors), self.shape)
         if dp == 0:
@@ -353,6 +428,9 @@ class ElasticTraining:
             return False  # a spare: back to waiting (or the run ended, or it took a place and is rebuilt)
         self._working_comm = mine
         world = init(comm=mine)
+        if fresh:
+            self.done = target
+            return self._rebuild_first(world, lost, failed_step, start, caught)
         finished = False
         if was_active and self.done < target:
             if self.done + 1 != target or not entered:
@@ -393,13 +471,36 @@ class ElasticTraining:
             saved = self._save_whole(world, whole, described) if self.save else ""
             raise RecoveryError(f"after the loss of {describe_ranks(lost)} the run cannot go on on {world.world_size} "
                                 f"rank{'s' if world.world_size != 1 else ''}: {problem}{saved}", lost) from problem
-        took = np.array([time.perf_counter() - start])  # the longest: a spare's or replacement's clock started late
-        all_reduce(took, ReduceOp.MAX, group=world.default_group)
-        record = Recovery(lost, failed_step, world.world_size, self.parts.model.dp.size, float(took[0]), caught)
-        self.recoveries.append(record)
-        if world.rank == 0:
-            get_logger("elastic").warning(record.line())
+        self.unbuilt = False  # a spare or replacement that took a place
+        self._record(Recovery(lost, failed_step, world.world_size, self.parts.model.dp.size, 0.0, caught), start)
         return finished
+
+    def _rebuild_first(self, world: Any, lost: List[int], failed_step: int, start: float, caught: float) -> bool:
+        """Collective over the new working ranks: the first world's run built anew on them, nothing gathered."""
+        try:
+            built = self._built_everywhere(world)
+        except (ConfigurationError, CheckpointError) as problem:
+            raise RecoveryError(f"after the loss of {describe_ranks(self._lost_unbuilt + lost)} while the run was "
+                                f"built, it cannot be built on {world.world_size} "
+                                f"rank{'s' if world.world_size != 1 else ''}: {problem}",
+                                self._lost_unbuilt + lost) from problem
+        if not built:  # cut short again: the caller recovers once more (_build_again)
+            self._lost_unbuilt += lost
+            self.unbuilt = True
+            return False
+        lost, self._lost_unbuilt, self.unbuilt = self._lost_unbuilt + lost, [], False
+        self._record(Recovery(lost, failed_step, world.world_size, self.parts.model.dp.size, 0.0, caught, True),
+                     start)
+        return False
+
+    def _record(self, record: Recovery, start: float) -> None:
+        """Collective: ``record`` with the longest recovery time of the new world's ranks, kept and logged."""
+        took = np.array([time.perf_counter() - start])  # the longest: a spare's or replacement's clock started late
+        all_reduce(took, ReduceOp.MAX, group=self.world.default_group)
+        record.seconds = float(took[0])
+        self.recoveries.append(record)
+        if self.world.rank == 0:
+            get_logger("elastic").warning(record.line())
 
     def _shrink(self) -> Tuple[Any, List[int]]:
         """Collective over the survivors: the run's communicator without the failed ranks, and its job ranks."""

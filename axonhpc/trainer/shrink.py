@@ -16,6 +16,14 @@ calls ``build``): a fresh copy of the model, taken from the one the trainer
 was given before it was first wrapped (one more copy of the model per rank
 for the whole run), wrapped for the new width, with a new optimizer of the
 given one's class and hyperparameters; the gathered state then fills it.
+
+[Note: a rank lost while the trainer is built]
+The first world's build (``start``: the strategy's wrapping, then the
+checkpoint ``fit`` resumes from) is collective. When a rank dies in it,
+``ElasticTraining`` has the survivors agree that it was cut short and call
+``start`` again on themselves (``elastic.loop``'s note): a fresh copy of the
+model as given, and the checkpoint loaded again, so nothing half-built or
+half-loaded is kept. The global batch stays that of the starting width.
 """
 from __future__ import annotations
 
@@ -130,19 +138,25 @@ class Shrinking:
             raise ConfigurationError(f"spares={trainer.spares} leaves no rank to train on {world.world_size}")
         self.global_batch = batch_size * width
         self.resume_point: Tuple[int, int] = (0, 0)
-        self._resume: Optional[Tuple[Any, bool]] = resume if replacing is None and world.rank < width else None
+        self._resume = resume  # loaded by every build of the first world (``start``), on whichever ranks build it
         self._built = False
         plan = resume[0]
         save = os.path.join(plan.checkpoint_dir, WHOLE_STATE) if plan.checkpoint_dir else None
         self.elastic = ElasticTraining(self.build, simulate_failure=trainer.simulate_failure, spares=trainer.spares,
-                                       save=save, respawn=trainer.respawn)
-        if self.elastic.active and not self.elastic.recoveries:
+                                       save=save, respawn=trainer.respawn, start=self.start)
+        if self.elastic.active and not self.joined:
             self.elastic.done = trainer.global_step  # a resumed run; a spare that took a place was told by the others
 
     @property
     def active(self) -> bool:
         """Whether this rank trains (False: a spare that never took a place, once the run has ended)."""
         return self.elastic.active
+
+    @property
+    def joined(self) -> bool:
+        """Whether this rank took a lost rank's place in a running run (a spare or a replacement): it has the
+        state the others had, and their step, not the checkpoint's (a build of the first world cut short is not)."""
+        return any(not record.fresh for record in self.elastic.recoveries)
 
     @property
     def recoveries(self) -> List[Recovery]:
@@ -165,10 +179,13 @@ class Shrinking:
                       t.options)
         setup.skip_nonfinite = t.skip_nonfinite_steps
         t.setup, t.model, t._mixed_precision = setup, module, self.mixed_precision
-        resume, self._resume = self._resume, None
-        if resume is not None:  # only the job's first world loads a checkpoint
-            self.resume_point = t._resume_point(*resume)
         return Parts(setup, t._abandon_save)
+
+    def start(self, world: Any) -> Parts:
+        """Collective over ``world``: ``build``, then the checkpoint to resume from loaded (the first world's)."""
+        parts = self.build(world)
+        self.resume_point = self.trainer._resume_point(*self._resume)
+        return parts
 
     def loader(self, x: Any, y: Any, seed: int) -> DataLoader:
         """This rank's share of every global batch at the current width (see the module note)."""

@@ -178,7 +178,8 @@ class DistributedTrainer:
         self.setup: Optional[Setup] = None
         self._shrinking: Optional[Shrinking] = None
         self._recoveries_seen = 0  # the recoveries said (by rank 0; a rank that took a place says its own)
-        self._sync_sums = self._joined = False  # after a recovery: take the epoch's sums from a survivor        self._mixed_precision: Any = None
+        self._sync_sums = self._joined = False  # after a recovery: take the epoch's sums from a survivor
+        self._mixed_precision: Any = None
         self.global_step = 0
         self.epoch = 0
         self._epoch_samples: Optional[int] = None  # in fit: the samples of every rank trained in this epoch
@@ -425,10 +426,11 @@ class DistributedTrainer:
         if self._shrinking is None:
             self._shrinking = Shrinking(self, mixed_precision, plan.batch_size, (plan, resume))
             start: Optional[Tuple[int, int]] = self._shrinking.resume_point
-            if self._shrinking.recoveries:  # a spare or replacement that took a place: where the others are
+            if self._shrinking.joined:  # a spare or replacement that took a place: where the others are
                 self.global_step, start = self._shrinking.elastic.done, None
+            if self._shrinking.recoveries:  # that, or ranks lost while the trainer was built
                 self._after_recovery()  # it may hold rank 0 now, and say the recovery
-                self._joined = True
+                self._joined = self._shrinking.joined
         elif mixed_precision is not None and mixed_precision is not self._mixed_precision:
             raise ConfigurationError("mixed_precision is fixed when the model is first wrapped (the first fit); "
                                      "pass it to the first fit")
