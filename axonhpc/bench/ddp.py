@@ -11,6 +11,12 @@ its time is the maximum over ranks, and the job reports the median. OVERLAPPED a
 raw ``MPI_Allreduce`` of all gradients, the floor for any synchronisation. The PyTorch job does the
 same with gloo. The machine is noisy, so the 1- and 2-rank jobs alternate ``--repeats`` times and
 the median of job medians is reported.
+
+[Note: one process as users run it]
+Pinning one thread per rank makes T1 / T2 a fair weak-scaling ratio, but nobody runs one process that
+way: ``axonhpc launch -n 1`` (and ``ax.init()``) give it the machine's cores. So each repeat also runs
+the plain model on one rank with the thread variables left unset, as a user starts it, and the table is
+followed by DDP's 2-rank step against that: what going from one process to two ranks gains here.
 """
 from __future__ import annotations
 
@@ -27,6 +33,7 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 
 from ..mpiexec import NOT_FOUND, find_mpiexec
+from ..settings import THREAD_VARIABLES, THREADS_SET_BY
 from .jobs import BenchError, check_counts, parse_counts, run_worker_job, write_result
 from .timing import human_bytes, pin_blas_threads
 
@@ -94,8 +101,8 @@ def _axon_worker(args) -> Optional[dict]:
     from ..optim import SGD
     from ..parallel import DDP
 
-    limiter = pin_blas_threads(1)  # noqa: F841 - keeps the limit in force
-    init()  # the default group DDP replicates over
+    limiter = pin_blas_threads(1) if args.threads == "one" else None  # noqa: F841 - keeps the limit in force
+    init()  # the default group DDP replicates over (and, with the variables unset, its own thread plan)
     comm = MPI.COMM_WORLD.Dup()
     rank, n = comm.Get_rank(), comm.Get_size()
     sizes = parse_sizes(args.sizes)
@@ -145,7 +152,10 @@ def _axon_worker(args) -> Optional[dict]:
         comm.Allreduce(MPI.IN_PLACE, [job, MPI.DOUBLE], op=MPI.MAX)  # a step lasts until its slowest rank ends
         return job
 
-    result = {"world_size": n, "configs": {}}
+    from ..threads import current_plan
+
+    plan = current_plan()
+    result = {"world_size": n, "configs": {}, "threads": 1 if args.threads == "one" or plan is None else plan.threads}
     for name in AXON_CONFIGS:
         result["configs"][name] = {"ms": float(np.median(slowest(times[name]))) * 1e3}
     for name, records in stats.items():
@@ -234,17 +244,35 @@ def torch_available(timeout: float = 120.0) -> bool:
     return out.returncode == 0
 
 
-def run_job(mpiexec: str, kind: str, n: int, args, timeout: float) -> dict:
-    """Run one worker job on ``n`` ranks and return rank 0's result.
+def run_job(mpiexec: str, kind: str, n: int, args, timeout: float, default_threads: bool = False) -> dict:
+    """Run one worker job on ``n`` ranks and return rank 0's result; ``default_threads``: with the thread
+    variables unset, as a user starts it ([Note: one process as users run it]).
 
     Raises:
         BenchError: the job failed, timed out or wrote no result.
     """
     worker_args = ["--worker", kind, "--sizes", args.sizes, "--batch", str(args.batch), "--steps", str(args.steps),
-                   "--warmup", str(args.warmup)]
+                   "--warmup", str(args.warmup), "--threads", "default" if default_threads else "one"]
     if kind == "torch":
         worker_args += ["--port", str(free_port())]
-    return run_worker_job(mpiexec, n, "axonhpc.bench.ddp", worker_args, f"{kind} job", timeout)
+    env = None
+    if default_threads:
+        env = {k: v for k, v in os.environ.items() if k not in THREAD_VARIABLES + (THREADS_SET_BY,)}
+    return run_worker_job(mpiexec, n, "axonhpc.bench.ddp", worker_args, f"{kind} job", timeout, env=env)
+
+
+def as_users_run_it(jobs: Dict[int, List[dict]], defaults: List[dict]) -> Optional[str]:
+    """DDP OVERLAPPED on 2 ranks against the plain model in one process with its default threads (medians of
+    per-repeat ratios), or None without those jobs."""
+    pairs = [(d, two) for d, two in zip(defaults, jobs[2]) if "overlapped" in two["configs"]]
+    if not pairs:
+        return None
+    one = statistics.median(d["configs"]["compute"]["ms"] for d, _ in pairs)
+    ratio = statistics.median(d["configs"]["compute"]["ms"] / two["configs"]["overlapped"]["ms"] for d, two in pairs)
+    threads = defaults[0]["threads"]
+    return (f"# one process as `axonhpc launch -n 1` runs it ({threads} BLAS thread{'s' if threads != 1 else ''}): "
+            f"plain model {one:.2f} ms/step; DDP OVERLAPPED on 2 ranks (1 thread each, twice the samples) "
+            f"{ratio * 100:.1f}% of its step rate per rank, {2 * ratio:.2f}x its samples/s")
 
 
 def summarize(jobs: Dict[int, List[dict]]) -> List[dict]:
@@ -320,6 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--worker", choices=("axon", "torch"), default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--threads", choices=("one", "default"), default="one", help=argparse.SUPPRESS)
     return parser
 
 
@@ -350,6 +379,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         else:
             print("# torch is not importable here: PyTorch DDP comparison skipped", file=sys.stderr)
     jobs: Dict[int, List[dict]] = {n: [] for n in RANKS}
+    defaults: List[dict] = []  # one process with its default threads, per repeat
     try:
         for rep in range(args.repeats):
             order = RANKS if rep % 2 == 0 else tuple(reversed(RANKS))  # alternate, so drift hits both alike
@@ -360,6 +390,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                     merged["configs"].update(result.pop("configs"))
                     merged.update(result)
                 jobs[n].append(merged)
+            defaults.append(run_job(mpiexec, "axon", 1, args, args.timeout, default_threads=True))
     except BenchError as exc:
         print(f"axonhpc bench ddp: {exc}", file=sys.stderr)
         return 1
@@ -372,6 +403,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         print("# overlap, from ddp.last_step (medians over steps and repeats), beside one raw MPI_Allreduce:")
     for line in lines:
         print("# " + line)
+    line = as_users_run_it(jobs, defaults)
+    if line:
+        print(line)
     sys.stdout.flush()
     return 0
 

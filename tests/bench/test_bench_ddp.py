@@ -4,6 +4,7 @@ It spawns mpiexec itself, so it belongs to the serial suite (never run it
 under mpiexec). No wall-clock assertions: only that every row and column is
 there and consistent.
 """
+import os
 import re
 import subprocess
 import sys
@@ -57,6 +58,13 @@ def test_driver_prints_table():
         assert low - 0.05 <= float(m["eff"]) <= high + 0.05
     overlap = [line for line in lines if line.startswith("# 2 ranks: OVERLAPPED")]
     assert len(overlap) == 1 and "buckets done before it" in overlap[0]
+    # One process as users start it (no thread variables): ax.init gives it the usable cores.
+    users = [line for line in lines if line.startswith("# one process as `axonhpc launch -n 1` runs it")]
+    assert len(users) == 1, lines
+    threads = len(os.sched_getaffinity(0))
+    assert f"({threads} BLAS thread{'s' if threads != 1 else ''})" in users[0], users[0]
+    m = re.search(r"plain model ([0-9.]+) ms/step; .* ([0-9.]+)% of its step rate per rank, ([0-9.]+)x", users[0])
+    assert m and float(m[1]) > 0 and abs(2 * float(m[2]) / 100 - float(m[3])) <= 0.011, users[0]
 
 
 @pytest.mark.skipif(bench_ddp.find_mpiexec() is None, reason="no mpiexec")
