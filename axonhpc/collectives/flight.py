@@ -27,7 +27,7 @@ _lock = threading.RLock()  # reentrant: the signal handler may interrupt a holde
 _buffers: Dict[int, Deque[Dict[str, Any]]] = {}
 _installed = False
 _offsets: Dict[int, float] = {}  # world rank -> its clock's offset to rank 0's (``World.clock_offset``)
-_runs: Dict[int, tuple] = {}  # world rank -> (``World.run_id``, world size): doctor keeps one run's dumps
+_worlds: Dict[int, Any] = {}  # world rank -> the world of its latest record: its run id and size go in the dump
 
 
 @functools.lru_cache(maxsize=64)
@@ -47,7 +47,9 @@ def record(pg: Any, op: str, x: Any, reduce: Optional[str], root: Optional[int],
     size = settings.flight_recorder
     if not size:
         return None
-    rank = pg.world.rank
+    world = pg.world
+    rank = world.rank
+    _worlds[rank] = world  # thread ranks of several run_local worlds share their numbers: the latest one's
     # The dtype object itself: its name is made when a dump is written (``str(dtype)`` costs ~10 us).
     entry = [time.time(), pg.name, pg.ranks, pg.seq, op, None if x is None else x.dtype,
              None if x is None else x.shape, reduce, root, where, False]
@@ -114,7 +116,8 @@ def _write(rank: int, reason: str) -> Optional[str]:
     directory = settings.flight_dir
     path = os.path.join(directory, f"flight-rank{rank:05d}.json")
     try:
-        run, world_size = _runs.get(rank, (None, None))
+        world = _worlds.get(rank)
+        run, world_size = getattr(world, "run_id", None), getattr(world, "world_size", None)
         write_json_atomic(path, {"rank": rank, "pid": os.getpid(), "reason": reason, "time": time.time(),
                                  "run": run, "world_size": world_size, "clock_offset": _offsets.get(rank, 0.0),
                                  "records": records(rank)})
@@ -159,7 +162,7 @@ def install(world: Any = None) -> None:
     if world is not None:
         _rank[0] = world.rank
         _offsets[world.rank] = world.clock_offset  # the dumps carry it: doctor compares the ranks' times
-        _runs[world.rank] = (world.run_id, world.world_size)
+        _worlds.setdefault(world.rank, world)  # a dump before any collective names the world too
     _install_signal()
 
 

@@ -110,4 +110,8 @@ def test_thread_ranks_keep_their_own_records(tmp_path):
         flight.dump("test")
     finally:
         ax.settings.flight_dir = before
-    assert {0, 1, 2} <= set(load_dumps(str(tmp_path)))
+    # Ranks that only an earlier run_local world of this process had (3, 4, ...) dump that world's records:
+    # the doctor leaves them out as another run's, and keeps this world's three.
+    broken = []
+    assert set(load_dumps(str(tmp_path), broken)) == {0, 1, 2}, broken
+    assert all("comes from another run" in line for line in broken), broken

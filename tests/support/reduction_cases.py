@@ -105,7 +105,7 @@ def case_inf_norm_clipping_with_a_nan(world):
     grad = np.full(4, 10.0 * (r + 1))
     if r == 1 % n:
         grad[0] = np.nan
-    norm = clip_grad_norm([grad], 1.0, float("inf"), world.default_group, np)
+    norm = clip_grad_norm([grad], 1.0, float("inf"), sum_over=[world.default_group])
     norms = ax.all_gather(np.array([norm]))
     assert np.all(np.isnan(norms)), f"the ranks' inf-norms: {norms.ravel().tolist()}, not NaN on every rank"
 
