@@ -40,6 +40,22 @@ def test_reduce_op_spellings_people_use():
     assert ax.run_local(fn, world_size=2) == [[1.5] * 3] * 2
 
 
+def test_a_reduce_op_name_is_parsed_once(monkeypatch):
+    # parse_choice walks the enum (about 10 us): on every all-reduce given "sum" or "avg", as the docs write them.
+    from axonhpc.backends import base
+
+    calls = []
+    real = base.parse_choice
+    monkeypatch.setattr(base, "parse_choice", lambda *a, **k: calls.append(a[1]) or real(*a, **k))
+    monkeypatch.setattr(base, "REDUCE_OP_NAMES", {})
+    for _ in range(3):
+        assert ReduceOp.parse("Sum") is ReduceOp.SUM and ReduceOp.parse("mean") is ReduceOp.AVG
+    assert calls == ["Sum", "mean"]
+    with pytest.raises(ax.errors.UnknownChoiceError):
+        ReduceOp.parse("median")
+    assert "median" not in base.REDUCE_OP_NAMES
+
+
 def test_launch_and_slurm_take_mpiexecs_and_slurms_spellings():
     args = build_parser().parse_args(["launch", "-np", "3", "--", "train.py", "--lr", "0.1"])
     assert args.n == 3 and args.command == ["--", "train.py", "--lr", "0.1"]

@@ -16,7 +16,7 @@ import numpy as np
 
 from .._dtypes import is_supported
 from ..backends import shm as shm_backend
-from ..backends.base import REDUCE_OP_NAMES, CompletedWork, ReduceOp, Work
+from ..backends.base import CompletedWork, ReduceOp, Work
 from ..cuda import capture
 from ..errors import PeerFailedError
 from ..groups import resolve_group
@@ -90,8 +90,6 @@ def attempt(spec: Spec, x: Any, group: Any, op: Any = None, root: Any = None, ou
     name = None
     if spec.reduces:
         names = shm_path.FUSED.get(x.dtype)  # supported dtypes only
-        if type(op) is str:  # "sum", "AVG": the name of a ReduceOp (a bad one is refused on the general path)
-            op = REDUCE_OP_NAMES.get(op, op)
         if names is None or type(op) is not ReduceOp:
             return NOT_TAKEN
         name = names.get(op._value_)
