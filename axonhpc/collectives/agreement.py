@@ -291,9 +291,8 @@ def _call_text(label: Any) -> str:
 def flush(pg: Any) -> None:
     """Issue every asynchronous call of the group still waiting for its check (before any other collective)."""
     state = pg.collective_state
-    waiting = None if state is None else state.unissued
-    while waiting:
-        waiting[0]._start()
+    if state is not None and state.unissued:
+        state.issue_unissued()
 
 
 def flush_before(work: "CheckedWork") -> None:

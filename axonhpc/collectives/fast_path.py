@@ -16,9 +16,9 @@ import numpy as np
 
 from .._dtypes import is_supported
 from ..backends import shm as shm_backend
-from ..backends.base import CompletedWork, ReduceOp, Work
+from ..backends.base import REDUCE_OP_NAMES, CompletedWork, ReduceOp, Work
 from ..cuda import capture
-from ..errors import PeerFailedError
+from ..errors import InvalidArgumentError, PeerFailedError
 from ..groups import resolve_group
 from ..observe import tracing
 from ..settings import settings
@@ -74,6 +74,14 @@ ALL_GATHER = Spec(
     lambda backend, x, out, op, root, nb: backend.all_gather(x, out, nb))
 
 
+def _named_op(name: str) -> Any:
+    """The ReduceOp ``name`` names (``ReduceOp.parse`` keeps it for the next call), or None if it names none."""
+    try:
+        return ReduceOp.parse(name)
+    except InvalidArgumentError:
+        return None
+
+
 def attempt(spec: Spec, x: Any, group: Any, op: Any = None, root: Any = None, out: Any = None) -> Any:
     """Run one blocking collective on the fast path, or return ``NOT_TAKEN`` having sent nothing.
 
@@ -90,6 +98,8 @@ def attempt(spec: Spec, x: Any, group: Any, op: Any = None, root: Any = None, ou
     name = None
     if spec.reduces:
         names = shm_path.FUSED.get(x.dtype)  # supported dtypes only
+        if type(op) is str:  # "sum", "AVG": the name of a ReduceOp (a bad one is refused on the general path)
+            op = REDUCE_OP_NAMES.get(op) or _named_op(op)
         if names is None or type(op) is not ReduceOp:
             return NOT_TAKEN
         name = names.get(op._value_)

@@ -24,6 +24,16 @@ class GroupState:
         self.unissued: List[Any] = []  # agreement.CheckedWork calls waiting for their check, oldest first
         self.arrivals: Any = None  # stragglers.Arrivals: group rank 0's lateness totals
 
+    def issue_unissued(self) -> None:
+        """Issue every asynchronous call still waiting for its check, oldest first (``agreement.flush``).
+
+        Before anything else goes over the group's communicator: a rank that made one of them blocking
+        waits in it, and would wait for good while this rank waited in something else.
+        """
+        waiting = self.unissued
+        while waiting:
+            waiting[0]._start()
+
 
 def state_of(pg: Any) -> GroupState:
     """The collective layer's state of ``pg``, made on first use."""

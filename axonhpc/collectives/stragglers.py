@@ -7,7 +7,9 @@ flight-recorder arrival times at the last ``COMPARED`` (100) calls, on rank 0's 
 ``settings.straggler_margin`` in at least 80% of them is logged by name with its median lateness
 and kept for ``summary``. A collective pays only a test of its sequence number; the comparison,
 about 60 us, is deterministic (every rank completes the same calls in order), so it needs no
-agreement check (``axonhpc bench allreduce --straggler-cost``).
+agreement check (``axonhpc bench allreduce --straggler-cost``). A rank whose last calls were
+asynchronous issues them first (``agreement.flush``): a rank that made one of them blocking waits in
+it, and would wait for good while this rank waited in the gather.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import numpy as np
 
 from ..observe.log import get_logger
 from ..settings import settings
-from . import flight
+from . import agreement, flight
 from .group_state import private_channel, state_of
 
 SHARE = 0.8  # of the compared calls a rank must be last in to be named
@@ -40,6 +42,7 @@ def compare(pg: Any, done: int) -> None:
     """Collective over ``pg``: compare the ranks' arrivals at its last calls (``done``: calls completed so far)."""
     if pg.size == 1:
         return
+    agreement.flush(pg)
     count = min(COMPARED, settings.straggler_every or COMPARED, done)  # windows never overlap
     mine = flight.arrival_times(pg, done - count, count) + pg.world.clock_offset
     channel = private_channel(pg, "arrivals")

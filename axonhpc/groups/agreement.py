@@ -62,12 +62,23 @@ class CheckLabel:
         return self.text
 
 
+def issue_waiting_calls(group: Any) -> None:
+    """Issue the group's asynchronous calls still waiting for their check (the collective layer's
+    ``GroupState.issue_unissued``) before a group-making step goes over its communicator: MPI needs every
+    rank to start the communicator's collectives in one order, and a rank that made such a call blocking
+    waits in it."""
+    state = getattr(group, "collective_state", None)
+    if state is not None and state.unissued:
+        state.issue_unissued()
+
+
 def _all_gather(group: Members, gather: Optional[Gather], mine: np.ndarray) -> np.ndarray:
     """The check's all-gather over ``group``, waited for under the group's timeout and seen by the watchdog:
     a rank that never makes its call (a ``new_group`` skipped on one rank) must not leave the others waiting
     without a word."""
     if gather is not None:
         return gather(mine)
+    issue_waiting_calls(group)
     table = np.empty((group.size,) + mine.shape, dtype=mine.dtype)
     work = group.backend.all_gather(mine, table, async_op=True)
     name = getattr(group, "name", None)

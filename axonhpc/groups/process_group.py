@@ -15,7 +15,7 @@ from ..backends.base import Backend
 from ..backends.shm import engine_for
 from ..errors import ArgumentTypeError, GroupMismatchError, InvalidArgumentError, NotAMemberError, RankError, everywhere
 from ..settings import settings
-from .agreement import compare
+from .agreement import compare, issue_waiting_calls
 
 
 class WorldFacts(Protocol):
@@ -199,6 +199,7 @@ class ProcessGroup:
                     f"group raises this"), self.ranks) from problem
         if problem is not None:
             raise problem
+        issue_waiting_calls(self)  # done by ``compare`` unless trusted
         backend = self.backend.split(color, int(key))
         if backend is None:
             return ProcessGroup(self.world, None, (), name or f"split(color=None) of {self.name}")

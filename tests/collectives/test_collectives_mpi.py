@@ -94,3 +94,27 @@ def test_mpi_backend_works_on_a_duplicate(mpi_world):
 
     collectively(mpi_world, check)
 
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_reduce_op_given_by_name_takes_the_fast_path(mpi_world, monkeypatch):
+    # "SUM" or "avg" (as the docs write them) went the general way on every call: 3-5x slower for 4 KiB.
+    from axonhpc.collectives import allreduce
+
+    general = []
+    checked = allreduce.checked_all_reduce
+    monkeypatch.setattr(allreduce, "checked_all_reduce", lambda *a, **k: general.append(a[1]) or checked(*a, **k))
+
+    def check():
+        n = mpi_world.world_size
+        for name, want in (("SUM", n * (n + 1) / 2), ("avg", (n + 1) / 2), ("Mean", (n + 1) / 2), ("max", n)):
+            for _ in range(3):
+                x = np.full(1024, mpi_world.rank + 1.0, dtype=np.float32)
+                ax.all_reduce(x, name)
+                assert (x == want).all(), (name, x[:2])
+        # Over MPI alone (no shared-memory engine) AVG, which MPI lacks, goes the general way.
+        assert not [op for op in general if op is not ax.ReduceOp.AVG], general
+        with pytest.raises(ax.errors.InvalidArgumentError, match="median"):  # refused on the general path, everywhere
+            ax.all_reduce(np.ones(1024, dtype=np.float32), "median")
+
+    collectively(mpi_world, check)

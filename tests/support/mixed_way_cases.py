@@ -70,4 +70,38 @@ def case_ways_change_from_call_to_call(world):
         _every_collective(world, (world.rank + step) % 2 == 0)
 
 
+def case_groups_made_after_a_call_still_waiting_for_its_check(world):
+    # new_group and split compare their arguments over the group's communicator; a rank whose nonblocking
+    # call had not been issued yet (it waits for its check) sent that first, and the ranks that made the
+    # call blocking waited in it for good (over MPI).
+    n, r = world.world_size, world.rank
+    for make in (lambda: world.new_group(list(range(n))), lambda: world.split(r % 2),
+                 lambda: world.default_group.split(0, n - r, trusted=True)):
+        x = np.full(4, float(r))
+        work = ax.all_reduce(x, op=ax.ReduceOp.MAX, async_op=True) if r == 0 else ax.all_reduce(x, op="max")
+        group = make()
+        if work is not None:
+            work.wait()
+        assert (x == n - 1).all(), x
+        y = np.ones(2)
+        ax.all_reduce(y, group=group)
+        assert (y == group.size).all(), (y, group.size)
+
+
 CASES = {name[len("case_"):]: fn for name, fn in dict(globals()).items() if name.startswith("case_")}
+
+
+def arrivals_compared_after_a_call_still_waiting_for_its_check(world, every):
+    # Run with ``settings.straggler_every`` set to ``every``. The straggler comparison's gather came right
+    # after a nonblocking call whose check had not been waited for: that rank had not issued the call the
+    # blocking ranks waited in, and every rank waited for good.
+    for step in range(3 * every + 1):
+        x = np.full(4, float(world.rank))
+        _call(world, (world.rank + step) % 2 == 0, ax.all_reduce, x, op=ax.ReduceOp.MAX)
+        assert (x == world.world_size - 1).all(), (step, x)
+        got = _call(world, world.rank == step % world.world_size, ax.all_gather, np.full(3, world.rank))
+        assert (got == np.arange(world.world_size)[:, None]).all(), (step, got)
+
+
+COMPARED_CASES = {"arrivals_compared_after_a_call_still_waiting_for_its_check":
+                  arrivals_compared_after_a_call_still_waiting_for_its_check}
