@@ -11,6 +11,7 @@ wraps these classes.
 from .adam import Adam, AdamW
 from .clip import clip_grad_norm
 from .optimizer import Optimizer
+from .segments import Segments
 from .sgd import SGD
 
-__all__ = ["Optimizer", "SGD", "Adam", "AdamW", "clip_grad_norm"]
+__all__ = ["Optimizer", "SGD", "Adam", "AdamW", "Segments", "clip_grad_norm"]

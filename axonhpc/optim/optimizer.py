@@ -6,7 +6,9 @@ views of the parameter arrays. State arrays use the parameter's array module, so
 
 [Note: state dict format]
 ``state_dict()`` is plain data a checkpoint stores without pickle: ``{"hyperparameters": {name: number |
-bool | list}, "state": [one dict per parameter, in order, of "step": int and array copies]}``.
+bool | list}, "state": [one dict per parameter, in order, of "step": int and array copies]}``. The state of
+a segmented Parameter may add ``"segments"``: a list of None or dicts of numbers ([Note: segmented
+parameters] in ``optim.segments``).
 """
 from __future__ import annotations
 
@@ -16,8 +18,10 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 import numpy as np
 
 from .._dtypes import array_module, is_cupy_array, is_floating
-from ..errors import ArgumentTypeError, ConfigurationError, StateDictError
+from ..cuda import capture
+from ..errors import ArgumentTypeError, ConfigurationError, GraphCaptureError, StateDictError
 from ..observe.tracing import span
+from .segments import STATE_KEY, SplitStep, check_entries, copy_entries
 
 
 def _as_array_like(value: Any, like: Any) -> Any:
@@ -49,6 +53,8 @@ def _plain(value: Any) -> Any:
     """Hyperparameter value as JSON-able data (tuples become lists, numpy scalars Python ones)."""
     if isinstance(value, (tuple, list)):
         return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
     if isinstance(value, np.generic):
         return value.item()
     return value
@@ -100,11 +106,36 @@ class Optimizer:
             _zero(p, set_to_none)
 
     def step(self) -> None:
-        """Update every parameter that has a gradient, in place."""
+        """Update every parameter that has a gradient, in place.
+
+        A segmented Parameter (``p.segments``, a flat shard) is updated piece by piece where its parameters
+        differ: one without a gradient is left alone ([Note: segmented parameters] in ``optim.segments``).
+
+        Raises:
+            GraphCaptureError: a segmented Parameter has to be updated piece by piece inside a CUDA graph capture.
+        """
         with span(f"{type(self).__name__}.step"):
-            pending = [(p, state) for p, state in zip(self.params, self.state) if p.grad is not None]
+            pending, split = [], []
+            for p, state in zip(self.params, self.state):
+                if p.grad is None:
+                    continue
+                segments = getattr(p, "segments", None)
+                if segments is None or not segments.needs_split(state):
+                    pending.append((p, state))
+                    continue
+                if capture.capturing():
+                    raise GraphCaptureError(
+                        f"{type(self).__name__}.step: a flat Parameter whose parameters have no gradient or have "
+                        f"taken different steps ({segments}) is updated piece by piece, which a CUDA graph "
+                        f"cannot replay; capture steps in which every parameter has a gradient from the start")
+                split.append(SplitStep(p, state))
+                pending.extend(split[-1].pending)
             for p, state in self._update_together(pending):
                 self._update(p, p.grad, state)
+            for one in split:
+                for piece, state in one.empty:
+                    self._update(piece, piece.grad, state)
+                one.finish()
 
     def _update_together(self, pending: List[Tuple[Any, Dict[str, Any]]]) -> List[Tuple[Any, Dict[str, Any]]]:
         """Update at once the pairs a subclass can (one kernel across them); return the rest (default: all)."""
@@ -146,10 +177,18 @@ class Optimizer:
                 if not isinstance(entry, dict):
                     problems.append(f"the state of parameter {i} is a {type(entry).__name__}, not a dict")
                     continue
-                if self.state_keys is not None and entry and set(entry) != set(self.state_keys):
+                keys = set(entry) - {STATE_KEY}
+                if self.state_keys is not None and entry and keys != set(self.state_keys):
                     problems.append(f"the state of parameter {i} has keys {sorted(entry)}; {name} keeps "
                                     f"{sorted(self.state_keys)} (or nothing before its first step)")
                 for k, v in entry.items():
+                    if k == STATE_KEY:
+                        segments = getattr(p, "segments", None)
+                        scalars = [key for key in keys if not hasattr(entry[key], "shape")
+                                   and not isinstance(entry[key], (list, tuple))]
+                        problems.extend(check_entries(v, None if segments is None else segments.count, scalars,
+                                                      f"parameter {i}"))
+                        continue
                     if k == "step":
                         if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 0:
                             problems.append(f"state 'step' of parameter {i} is {v!r}, not an int >= 0")
@@ -173,7 +212,8 @@ class Optimizer:
             value = hyper[name]
             setattr(self, name, tuple(value) if isinstance(current, tuple) else value)
         self.state = [
-            {k: (int(v) if k == "step" else _as_array_like(_state_array(v, p.data)[0], p.data))
+            {k: (int(v) if k == "step" else copy_entries(v) if k == STATE_KEY
+                 else _as_array_like(_state_array(v, p.data)[0], p.data))
              for k, v in entry.items()}
             for p, entry in zip(self.params, states)
         ]

@@ -15,12 +15,13 @@ The owned slice is copied from the live parameters at every ``step``: one copy o
 keeps the wrapper right when values change behind its back (``load_state_dict``, ``sync_parameters()``).
 
 [Note: a parameter without a gradient]
-As in PyTorch, a parameter whose ``grad`` is None is left as it is; but every rank makes the step's
-all-gathers whatever its gradients, so one rank's ``zero_grad(set_to_none=True)`` cannot leave the others
-waiting: its slices go out unchanged. A dtype none of whose parameters has a gradient here is skipped by the
-wrapped optimizer (its shard's ``grad`` is None), state included. Within a dtype the slice is stepped as one
-Parameter, so a gradient-less parameter's piece is stepped with zeros and its values put back afterwards:
-they stay, but that piece of the optimizer state (momentum, moments, step count) still sees a zero gradient.
+As in PyTorch, a parameter whose ``grad`` is None is left as it is, values and optimizer state; but every
+rank makes the step's all-gathers whatever its gradients, so one rank's ``zero_grad(set_to_none=True)``
+cannot leave the others waiting: its slices go out unchanged. A dtype none of whose parameters has a
+gradient here is skipped by the wrapped optimizer (its shard's ``grad`` is None), state included. Within a
+dtype the slice is one segmented Parameter ([Note: segmented parameters] in ``optim.segments``): its
+``segments`` say which parameters have a gradient, and the optimizer steps only their pieces, each with
+its own step count, as it would step the parameters one by one.
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ from ..errors import ConfigurationError, ShapeError, StateDictError, UsageError
 from ..groups import resolve_group
 from ..nn.parameter import Parameter
 from ..optim.optimizer import Optimizer
+from ..optim.segments import Segments
 from .fsdp import fsdp_role
 from .optimizer_args import build_optimizer, optimizer_settings
 from .same_model import compared_model, parameter_lines
@@ -51,6 +53,8 @@ class _DtypeShard:
         self.layout = self.flat.layout
         self.start, self.stop, self.pad = self.flat.bounds(rank)
         self.param = Parameter(ops.zeros(self.flat.part_numel, self.layout.dtype))
+        self.param.segments = Segments(len(params), [(i, at, last - first)
+                                                     for i, first, last, at in self.flat.spans(rank)])
         self._grad = self.param.grad = ops.zeros(self.flat.part_numel, self.layout.dtype)
         self.copy_values()
 
@@ -60,20 +64,15 @@ class _DtypeShard:
 
     def copy_grads(self) -> None:
         """The owned part of the parameters' gradients (None as zeros) into the shard's ``grad``; ``grad`` is
-        None when no parameter has one, so the optimizer skips the shard ([Note: a parameter without a gradient])."""
-        if all(p.grad is None for p in self.params):
+        None when no parameter has one, so the optimizer skips the shard, and otherwise its ``segments`` say
+        which parameters have one ([Note: a parameter without a gradient])."""
+        flags = [p.grad is not None for p in self.params]
+        if not any(flags):
             self.param.grad = None
             return
         self.param.grad = self._grad
+        self.param.segments.set_with_grad(flags)
         self.flat.pack_part([p.grad for p in self.params], self.rank, self.param.grad)
-
-    def keep_unstepped(self) -> None:
-        """Put back the owned values of the parameters without a gradient, which the step saw as zeros."""
-        if self.param.grad is None or all(p.grad is not None for p in self.params):
-            return
-        for i, first, last, at in self.flat.spans(self.rank):
-            if self.params[i].grad is None:
-                self.param.data[at:at + last - first] = self.params[i].data.reshape(-1)[first:last]
 
     def gather_into_params(self, group: Any) -> None:
         """All-gather every rank's part and write the values into the parameters in place."""
@@ -230,7 +229,6 @@ class ZeroRedundancyOptimizer:
         if any(shard.param.grad is not None for shard in self._shards):
             self.optimizer.step()
         for shard in self._shards:
-            shard.keep_unstepped()
             shard.gather_into_params(self.group)
 
     def _check_grads(self) -> Optional[ShapeError]:

@@ -6,6 +6,16 @@ the flat shard instead of the tensors). Freeing leaves each module Parameter an 
 layer computing with a freed parameter fails on the shape instead of using stale values (though ``.sum()`` of
 an empty array is 0: code outside a unit's forward and backward must use ``gather_parameters()``).
 
+[Note: parameters without a gradient inside a unit]
+One process steps a parameter only while its ``grad`` is not None. The flat shard has one gradient for the
+whole unit, so it is a segmented Parameter (``optim.Segments``, [Note: segmented parameters] there): its
+``segments`` name the piece of each unit parameter this rank's shard holds, and ``grad_flags`` which unit
+parameters the shard's gradient stands for. A reduction ORs in the parameters that had a gradient on this
+rank; the end of a syncing backward agrees the flags over the ranks ([Note: a unit no rank's backward
+reached] in ``hooks``) and sets them on ``shard.segments``, and the optimizer leaves the pieces of the others
+alone, values and state, with Adam's step counted per parameter. A gradient that was None before the backward
+stands for no parameter yet; one kept (zeroed, not dropped) stands for what it stood for.
+
 [Note: an optimizer over the module's own Parameters]
 ``optim.SGD(model.parameters())`` instead of ``fsdp.parameters()`` would silently update nothing, so a
 reduced module Parameter's ``grad`` is a ``MovedGradient`` whose arithmetic raises ``UsageError`` saying what
@@ -32,6 +42,7 @@ from ...errors import SharedMemoryError, UsageError
 from ...observe.log import get_logger
 from ..comm_hooks import GradBucket, finished
 from ...nn import Parameter
+from ...optim.segments import Segments
 from .config import CPUOffload
 
 
@@ -170,6 +181,10 @@ class FlatUnit:
         self.comm_hook: Optional[Tuple[Any, Any, int]] = None  # (state, hook, unit index): see comm_hooks
         full = self.flat.pack([p.data for p in self.params])
         self.shard = Parameter(placement.master(full[self.start:self.stop].copy()))
+        self.shard.segments = Segments(len(self.params), [(i, at, last - first)
+                                                          for i, first, last, at in self.held_spans()])
+        # Which unit parameters shard.grad stands for (see the note); a gradient FSDP did not make: all of them.
+        self.grad_flags: List[bool] = [True] * len(self.params)
         # The module Parameters' own arrays are released here (views of the master when kept).
         self.full: Optional[Any] = None
         self.persistent_views = self.shard_world == 1 and compute_dtype == self.layout.dtype and not placement.host_master
@@ -301,9 +316,18 @@ class FlatUnit:
         self._detach()
 
     # -- gradients -----------------------------------------------------------------------
-    def has_local_grads(self) -> bool:
-        """True if a module Parameter of the unit holds an unreduced gradient."""
-        return any(p.grad is not None and not moved(p.grad) for p in self.params)
+    def prior_flags(self) -> List[bool]:
+        """The unit parameters the shard's gradient stands for before a backward adds to it (none if it is None)."""
+        if self.shard.grad is None:
+            return [False] * len(self.params)
+        return list(self.grad_flags)
+
+    def set_grad_flags(self, flags: List[bool]) -> None:
+        """The flags the ranks agreed on: no gradient at all if none is set, else which parameters it stands for."""
+        self.grad_flags = flags
+        if not any(flags):
+            self.shard.grad = None
+        self.shard.segments.set_with_grad(flags)
 
     def release_module_params(self) -> None:
         """The module Parameters are the module's alone again (``FSDP.remove_hooks``): no markers, no role."""
@@ -317,16 +341,21 @@ class FlatUnit:
             if moved(p.grad):
                 p.grad = None
 
-    def start_reduction(self) -> "PendingReduction":
+    def start_reduction(self, flags: List[bool]) -> "PendingReduction":
         """Pack the module gradients (zeros where None), replace them by markers, start the reduce-scatter.
 
-        ``finish()`` on the result adds it into the master shard's gradient.
+        Sets ``flags[i]`` where parameter ``i`` had a gradient here. ``finish()`` on the result adds it into the
+        master shard's gradient.
         """
         # The module gradients in the compute dtype, as many bytes as the parameters (FlatShard.pack
         # takes a missing gradient as zeros and casts another dtype on the way).
         unsharded = self.numel * self.compute_layout.dtype.itemsize
         self.tracker.allocate("unsharded_grads", unsharded)
-        flat = self.compute_flat.pack([None if p.grad is None or moved(p.grad) else p.grad for p in self.params])
+        grads = [None if p.grad is None or moved(p.grad) else p.grad for p in self.params]
+        for i, g in enumerate(grads):
+            if g is not None:
+                flags[i] = True
+        flat = self.compute_flat.pack(grads)
         if flat.dtype != self.reduce_dtype:
             flat = flat.astype(self.reduce_dtype)
         self.tracker.allocate("communication", flat.nbytes)

@@ -35,13 +35,18 @@ right gradients; their reductions just wait for the end of the backward.
 [Note: a unit no rank's backward reached]
 Reduced zeros would give such a unit a zero gradient, and momentum, Adam's
 moments and weight decay would move it where a single process (and DDP with
-``find_unused_parameters``) leaves a parameter without a gradient alone. So
-a syncing backward ends with one small MAX all-reduce of a flag per unit
-(over the shard group, then the replicas): a unit whose flat gradient was
-None before the backward and that no rank had a gradient for gets None back,
-and the optimizer skips it. Not in a CUDA graph capture: a graph replays the
-same writes into every gradient buffer, so there every unit keeps its
-(zero) gradient, as before.
+``find_unused_parameters``) leaves a parameter without a gradient alone. The
+same holds for one parameter of a unit that was used (a branch taken only
+sometimes). So a syncing backward ends with one small MAX all-reduce of a
+flag per unit parameter (over the shard group, then the replicas): parameter
+i of a unit stands in its gradient if the gradient stood for it before the
+backward (kept, not set to None: [Note: parameters without a gradient inside
+a unit] in ``flat_param``) or any rank had a gradient for it in any of the
+reductions since (``no_sync`` micro-steps included). A unit none of whose
+parameters stands gets None back, and the optimizer skips it; otherwise the
+optimizer steps only the pieces of the parameters that stand. Not in a CUDA
+graph capture: a graph replays the same writes into every gradient buffer,
+so there every parameter keeps its (zero) gradient, as before.
 """
 from __future__ import annotations
 
@@ -88,7 +93,8 @@ class UnitHooks:
         self.order: List[FlatUnit] = self.hooked[::-1]  # the reductions' order, every rank's (see the note)
         self.ready: set = set()  # units whose backward has run in this backward, not reduced yet
         self.next_reduced = 0  # where in ``order`` the reductions are
-        self.had_grads: Dict[FlatUnit, bool] = {}  # unit -> some gradient was reduced here, or it had one before
+        # unit -> per parameter: its gradient was reduced here, or the shard's gradient stood for it before
+        self.had_grads: Dict[FlatUnit, List[bool]] = {}
         self.syncing = True
         self.pinned = False
 
@@ -163,9 +169,10 @@ class UnitHooks:
 
     def _reduce(self, unit: FlatUnit) -> None:
         self._finish_pending()  # one reduction in flight at a time
-        had = self.had_grads.get(unit, False) or unit.has_local_grads() or unit.shard.grad is not None
-        self.had_grads[unit] = had
-        self.pending = unit.start_reduction()
+        flags = self.had_grads.get(unit)
+        if flags is None:  # the unit's first reduction in this backward: what its gradient stood for before
+            flags = self.had_grads[unit] = unit.prior_flags()
+        self.pending = unit.start_reduction(flags)
         self.reduced.add(unit)
 
     def _reduce_ready(self) -> None:
@@ -176,7 +183,8 @@ class UnitHooks:
 
     def _reduce_rest(self) -> None:
         """The end of a syncing backward: the units not reduced yet, in ``order`` then the root; then drop the
-        zero gradient of every unit no rank had a gradient for ([Note: a unit no rank's backward reached])."""
+        zero gradient of every unit no rank had a gradient for, and mark the parameters without one
+        ([Note: a unit no rank's backward reached])."""
         for unit in self.order[self.next_reduced:]:
             self._reduce(unit)
         self.next_reduced = len(self.order)
@@ -187,18 +195,28 @@ class UnitHooks:
         self._drop_gradients_nobody_had()
 
     def _drop_gradients_nobody_had(self) -> None:
+        units = [u for u in self.units if u in self.had_grads]
         if capture.capturing():  # a graph replays its writes into every gradient: nothing to drop (see the note)
+            for unit in units:
+                unit.set_grad_flags([True] * len(unit.params))
             self.had_grads = {}
             return
-        units = [u for u in self.units if u in self.had_grads]
         groups = [g for g in (units[0].shard_group, units[0].replicate_group) if g is not None and g.size > 1] \
             if units else []
-        flags = np.array([self.had_grads[u] for u in units], dtype=np.int32)
-        for group in groups:
-            all_reduce(flags, ReduceOp.MAX, group)
-        for unit, flag in zip(units, flags.tolist()):
-            if not flag:
-                unit.shard.grad = None
+        local = [flag for u in units for flag in self.had_grads[u]]
+        if groups:  # one call per group for every parameter's flag
+            flags = np.array(local, dtype=np.int32)
+            for group in groups:
+                all_reduce(flags, ReduceOp.MAX, group)
+            everywhere = bool(flags.all())
+            local = local if everywhere else flags.astype(bool).tolist()
+        else:
+            everywhere = all(local)
+        at = 0
+        for unit in units:
+            count = len(unit.params)
+            unit.set_grad_flags([True] * count if everywhere else local[at:at + count])
+            at += count
         self.had_grads = {}
 
     def _finish_pending(self) -> None:
