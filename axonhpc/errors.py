@@ -68,6 +68,10 @@ class NotAMemberError(AxonError):
     """This process called an operation on a group it does not belong to."""
 
 
+class GroupDestroyedError(UsageError):
+    """An operation on a process group after its ``destroy()`` (the message names the group)."""
+
+
 class InvalidBufferError(AxonError, ValueError):
     """Base of local buffer problems found before communication."""
 
@@ -242,6 +246,7 @@ __all__ = [
     "ModuleNotInitializedError",
     "RankError",
     "NotAMemberError",
+    "GroupDestroyedError",
     "InvalidBufferError",
     "NonContiguousBufferError",
     "ReadOnlyBufferError",

@@ -253,6 +253,7 @@ def test_every_error_class_is_exported_documented_and_keeps_its_builtin_base():
     assert issubclass(errors.UsageError, RuntimeError)
     assert issubclass(errors.InvalidKeyError, KeyError)
     assert issubclass(errors.GroupMismatchError, errors.CollectiveMismatchError)
+    assert issubclass(errors.GroupDestroyedError, errors.UsageError)  # so also a RuntimeError
     assert str(errors.InvalidKeyError("mesh has no 'x'")) == "mesh has no 'x'"  # not KeyError's quoted repr
 
 

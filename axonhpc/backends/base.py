@@ -56,6 +56,10 @@ REDUCE_OP_NAMES: Dict[str, ReduceOp] = {}  # the names ReduceOp.parse has been g
 
 # (enter(work) -> key or None, leave(key)): the collectives' watchdog notes the waits, which may block for good.
 WAIT_OBSERVER: Optional[Tuple[Callable[["Work"], Any], Callable[[Any], None]]] = None
+# While asynchronous calls wait unissued for their check, the collective layer's hook that issues those whose
+# check is done (``collectives.agreement.progress``); a wait then polls and calls it each round instead of
+# blocking inside MPI. None otherwise.
+PROGRESS: List[Optional[Callable[[], None]]] = [None]
 
 
 class Work:
@@ -85,6 +89,11 @@ class Work:
         while not self._test():
             if deadline is not None and time.monotonic() >= deadline:
                 return False
+            progress = PROGRESS[0]
+            if progress is not None:
+                progress()
+                if self._test():
+                    break
             # Back off so that a rank waiting on an oversubscribed node
             # leaves the core to the rank it is waiting for.
             time.sleep(delay)

@@ -17,7 +17,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from ..errors import CollectiveMismatchError, CollectiveTimeoutError, InvalidArgumentError, LocalAbort, ShapeError
-from .base import Backend, CompletedWork, ReduceOp, Work
+from .base import PROGRESS, Backend, CompletedWork, ReduceOp, Work
 
 _POLL = 0.05  # seconds between checks of the abort flag while waiting
 
@@ -49,6 +49,7 @@ class _Hub:
         with self.lock:
             if key not in self.comms:
                 self.comms[key] = _Comm(self, global_ranks, next(self._ids))
+                self.comms[key].key = key
             return self.comms[key]
 
 
@@ -70,6 +71,7 @@ class _Comm:
         self.global_ranks = global_ranks
         self.ident = ident
         self.size = len(global_ranks)
+        self.key: Any = None  # its entry in the hub's table (``LocalBackend.free`` removes it)
         self.slots: Dict[int, _Slot] = {}
         self.mail: Dict[Tuple[int, int, int], collections.deque] = collections.defaultdict(collections.deque)
 
@@ -109,6 +111,8 @@ class _LocalWork(Work):
             return self._ready()
 
     def _block(self, timeout: Optional[float]) -> bool:
+        if PROGRESS[0] is not None:  # polled: calls waiting for their check (collectives.agreement) may be ready
+            return super()._block(timeout)
         with self._comm.hub.lock:
             return self._comm.wait_for(self._ready, timeout)
 
@@ -313,6 +317,13 @@ class LocalBackend(Backend):
     def _subgroup(self, key, ranks: List[int]) -> "LocalBackend":
         comm = self._comm.hub.comm(key, tuple(self._comm.global_ranks[r] for r in ranks))
         return LocalBackend(comm, ranks.index(self.rank))
+
+    def free(self) -> None:
+        """Forget this communicator in the world's table (the ranks that hold it finish what they started on it)."""
+        comm = self._comm
+        with comm.hub.lock:
+            if comm.hub.comms.get(comm.key) is comm:
+                del comm.hub.comms[comm.key]
 
     def abort(self, code: int = 1) -> None:
         self._comm.hub.abort(f"rank {self.global_ranks[self.rank]} called abort({code})")

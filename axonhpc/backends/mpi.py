@@ -232,7 +232,8 @@ def new_communicator(make: Callable[[], Any], what: str) -> Any:
     """``make()``'s communicator, or UsageError when MPI has run out of them (a raw mpi4py error otherwise).
 
     Each process group holds two or three MPI communicators (its own, the side channel of timed calls, and
-    a shared-memory window's), which live as long as the process: MPICH allows about 2,000 in all.
+    a shared-memory window's), more with the collective layer's private channels, until
+    ``ProcessGroup.destroy`` frees them: MPICH allows about 2,000 in all.
     """
     MPI = load_mpi()
     try:
@@ -243,9 +244,10 @@ def new_communicator(make: Callable[[], Any], what: str) -> Any:
         if not any(sign in text.lower() for sign in ("too many communicators", "context id", "out of resource")):
             raise
         raise UsageError(f"MPI could not make the communicator of {what}: it has run out of them. Every process "
-                         f"group (new_group, split, each group of a mesh) keeps two or three MPI communicators for "
-                         f"the life of the process, and MPI has a few thousand: make each group once and reuse it. "
-                         f"MPI said: {text.strip()}") from exc
+                         f"group (new_group, split, each group of a mesh) keeps two or three MPI communicators until "
+                         f"it is destroyed, and MPI has a few thousand: make each group once and reuse it, and call "
+                         f"group.destroy() (mesh.destroy() for a mesh's groups) on every member of a group you are "
+                         f"done with. MPI said: {text.strip()}") from exc
 
 
 class MPIBackend(Backend):

@@ -22,11 +22,11 @@ import numpy as np
 
 from .._dtypes import dtype_places, supported_dtypes
 from ..errors import InvalidArgumentError, ShapeError
-from .mpi_work import load_mpi
+from .base import PROGRESS
+from .mpi_work import POLL_SPINS, load_mpi
 
 DTYPE_TAGS = 8  # codes 1..7 for the supported dtypes (bfloat16 included), 0 unused
 CHECK_EVERY = 0.01  # seconds between the looks for a message of another dtype while a receive waits
-_SPINS = 200  # polls before a wait starts to yield the core
 
 
 @functools.lru_cache(maxsize=None)
@@ -132,9 +132,12 @@ def poll(done: Callable[[], bool], deadline: Optional[float] = None) -> bool:
     polls = 0
     while not done():
         polls += 1
-        if polls < _SPINS:
+        if polls < POLL_SPINS:
             continue
         os.sched_yield()
+        progress = PROGRESS[0]
+        if progress is not None:  # calls waiting for their check (collectives.agreement): issue those ready
+            progress()
         if deadline is not None and polls % 64 == 0 and time.monotonic() >= deadline:
             return False
     return True

@@ -6,13 +6,15 @@ nonblocking ones under an ``MPIWork``.
 """
 from __future__ import annotations
 
+import os
+import time
 from typing import Any, Callable, List, Optional, Tuple
 
 import numpy as np
 
 from .._dtypes import bfloat16_dtype
 from ..errors import replacing
-from .base import CompletedWork, ReduceOp, Work
+from .base import PROGRESS, CompletedWork, ReduceOp, Work
 from .failures import peer_failed
 
 
@@ -189,6 +191,8 @@ class MPIWork(Work):
         return True
 
     def _block(self, timeout: Optional[float]) -> bool:
+        if PROGRESS[0] is not None:
+            return self._poll(timeout)
         if timeout is None:
             MPI = load_mpi()
             try:
@@ -199,6 +203,27 @@ class MPIWork(Work):
                 raise_failure(self._comm, exc)
             return True
         return super()._block(timeout)
+
+
+    def _poll(self, timeout: Optional[float]) -> bool:
+        """Wait by testing, as MPI's own waits spin and then yield the core, calling the collective layer's hook
+        each round: calls waiting for their check may be issued meanwhile (``base.PROGRESS``)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        polls = 0
+        while not self._test():
+            progress = PROGRESS[0]
+            if progress is not None:
+                progress()
+            polls += 1
+            if polls < POLL_SPINS:
+                continue
+            os.sched_yield()
+            if deadline is not None and polls % 64 == 0 and time.monotonic() >= deadline:
+                return False
+        return True
+
+
+POLL_SPINS = 200  # polls before a wait starts to yield the core
 
 
 class ChunkPlan:

@@ -36,13 +36,16 @@ on the others never met the timed ranks' polled one.
 """
 from __future__ import annotations
 
+import threading
 import time
-from typing import Any, Callable, NoReturn, Optional, Tuple
+from threading import current_thread, get_ident
+from typing import Any, Callable, List, NoReturn, Optional, Set, Tuple
 
 import numpy as np
 
 from .._dtypes import is_cupy_array
 from .._ext import _shm
+from ..backends import base as backend_base
 from ..backends.base import ReduceOp, Work
 from ..errors import CollectiveMismatchError, CollectiveStallError, CollectiveTimeoutError, everywhere, replacing
 from ..settings import settings
@@ -157,7 +160,10 @@ def _mpi_compare(pg: Any, seq: int, op: str, desc: Desc, mismatch: Callable[[], 
             return CARRIED
     _put(desc, words, nonblocking)
     if timeout is None:
-        reduce_max()
+        if backend_base.PROGRESS[0] is None:
+            reduce_max()
+        else:  # polled ([Note: calls waiting for their check, across groups])
+            host.all_reduce(words, ReduceOp.MAX, True).wait()
     else:
         watch.wait(host.all_reduce(words, ReduceOp.MAX, True), timeout, what, arrivals, pg)
     if not _shm.words_agree(desc, words):
@@ -233,11 +239,21 @@ class CheckedWork(Work):
         self._issue = issue
         self._inner: Optional[Work] = None
         self._failed: Optional[BaseException] = None  # why the call was never issued: every later wait raises it
-        self._waiting = state_of(pg).unissued
+        state = state_of(pg)
+        self._waiting = state.unissued
+        if not self._waiting:
+            with _PENDING_LOCK:
+                _PENDING[:] = [entry for entry in _PENDING if entry[0].unissued and entry[1].is_alive()]
+                _PENDING.append((state, current_thread(), pg.world))
+                backend_base.PROGRESS[0] = progress
         self._waiting.append(self)
 
     def _start(self) -> None:
         self._waiting.remove(self)
+        if not self._waiting:
+            _prune()
+        me = get_ident()
+        _STARTING.add(me)  # the hook must not issue another call meanwhile: it could overtake this one
         try:
             self._check.wait()
             self._verify()  # raises CollectiveMismatchError on every rank on a difference
@@ -245,6 +261,8 @@ class CheckedWork(Work):
         except BaseException as exc:
             self._failed = exc
             raise
+        finally:
+            _STARTING.discard(me)
 
     def _test(self) -> bool:
         if self._inner is None:
@@ -293,6 +311,77 @@ def flush(pg: Any) -> None:
     state = pg.collective_state
     if state is not None and state.unissued:
         state.issue_unissued()
+
+
+# [Note: calls waiting for their check, across groups]
+# A nonblocking call is issued once its check is done. Its own group's next call issues it first
+# (``flush``), but a rank can go on to a blocking call on another group while a rank that made the call
+# blocking waits in it: over MPI each would wait for the other for good. So while any call waits
+# unissued (``_PENDING``), every wait polls instead of blocking inside MPI and calls ``progress`` each
+# round (``backend_base.PROGRESS``), which issues the calls whose check is done, in their groups' order;
+# a blocking call over MPI on another group is made nonblocking (``still_waiting_elsewhere``, after one
+# round of ``progress``: mostly the checks are back by then and nothing changes), which its check tells the
+# other ranks, and the fast path leaves it to the general one. The node's engine runs a call and its check
+# at once and waits inside C, so a call it carries is left as it is.
+
+# The GroupStates with calls waiting for their check, each with the thread that made them and their world
+# (the thread ranks of ``run_local`` share this process: each issues only its own), oldest first. A call
+# never waited for whose check never comes back (its world ended first) stays, and harms no other world.
+_PENDING: List[Tuple[Any, threading.Thread, Any]] = []
+_PENDING_LOCK = threading.Lock()
+_STARTING: Set[int] = set()  # threads inside CheckedWork._start (``progress`` leaves them be)
+
+
+def _prune() -> None:
+    """Forget the groups with no call waiting any more, and those of threads that ended."""
+    with _PENDING_LOCK:
+        _PENDING[:] = [entry for entry in _PENDING if entry[0].unissued and entry[1].is_alive()]
+        if not _PENDING:
+            backend_base.PROGRESS[0] = None
+
+
+def elsewhere(pg: Any, own_too: bool = False) -> bool:
+    """This thread made a call of another group of ``pg``'s world (or of ``pg`` too, with ``own_too``: a
+    message is not ordered with the group's collectives) that waits unissued for its check."""
+    me, own, world = current_thread(), getattr(pg, "collective_state", None), getattr(pg, "world", None)
+    return any(thread is me and of is world and (own_too or state is not own)
+               for state, thread, of in list(_PENDING))
+
+
+def still_waiting_elsewhere(pg: Any, own_too: bool = False) -> bool:
+    """``elsewhere``, after one round of ``progress``: usually the calls' checks are back by the next call, and
+    it may take its fast path."""
+    if not elsewhere(pg, own_too):
+        return False
+    progress()
+    return bool(_PENDING) and elsewhere(pg, own_too)
+
+
+def progress() -> None:
+    """Issue this thread's calls waiting for their check whose check is done, oldest first in each group (a
+    wait's hook)."""
+    if get_ident() in _STARTING:
+        return
+    me = current_thread()
+    for state, thread, _ in list(_PENDING):
+        if thread is not me:
+            continue
+        waiting = state.unissued
+        while waiting:
+            head = waiting[0]
+            try:
+                if not head._check._test():
+                    break
+            except Exception as exc:  # noqa: BLE001 - its check failed: never issued, its wait raises this
+                waiting.remove(head)
+                head._failed = exc
+                if not waiting:
+                    _prune()
+                break
+            try:
+                head._start()
+            except Exception:  # noqa: BLE001 - kept by the call (``_failed``), raised where it is waited for
+                break
 
 
 def flush_before(work: "CheckedWork") -> None:

@@ -30,6 +30,7 @@ from typing import Any, Dict, Optional, Tuple
 import numpy as np
 
 from .._ext import _shm
+from ..backends import base as backend_base
 from ..backends.base import ReduceOp
 from . import watch
 
@@ -177,11 +178,15 @@ def attempt(pg: Any, predictor: Predictor, desc: tuple, carry: Optional[Tuple[np
         else:
             x = None  # a device array, say: it votes no
     vote = plan.no if x is None else plan.yes
-    if timeout is None:
+    if timeout is None and backend_base.PROGRESS[0] is None:
         done = _shm.carry(buf, x, plan.reduce, vote, plan.all_yes)
     else:
         _shm.carry_in(buf, x, vote)
-        watch.wait(host.all_reduce(buf, plan.op, True), timeout, what, arrivals, pg)
+        work = host.all_reduce(buf, plan.op, True)
+        if timeout is None:  # polled (agreement's [Note: calls waiting for their check, across groups])
+            work.wait()
+        else:
+            watch.wait(work, timeout, what, arrivals, pg)
         done = _shm.carry_out(buf, x, plan.all_yes)
     if done:
         predictor.carried(plan)

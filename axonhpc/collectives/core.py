@@ -22,6 +22,7 @@ from ..observe import tracing
 from ..settings import settings
 from . import (agreement, fast_path, fingerprint, flight, graphed, routes, shm_path, staged_path, stragglers,
                watch, watchdog)
+from .group_state import state_of
 from .ring import ring_all_reduce, ring_reduce_scatter
 from .widen import divide_average, work_dtype
 
@@ -107,7 +108,12 @@ def _checked_run(pg: ProcessGroup, label: Any, issue, async_op: bool, carried: b
     """``run_call``'s body: the agreement check, the call, and the wait (a blocking call's, which the watchdog sees)."""
     pending = None
     way = agreement.AS_PLANNED
-    nonblocking = async_op or timeout is not None
+    # Nonblocking too while a call waits for its check ([Note: calls waiting for their check, across groups]
+    # in agreement): over MPI the wait must poll (the node's engine waits inside C either way). A collective's
+    # own group's calls were issued by start_call.
+    nonblocking = async_op or timeout is not None or (
+        bool(agreement._PENDING) and (not collective or agreement.node_engine(pg) is None)
+        and agreement.still_waiting_elsewhere(pg, own_too=not collective))
     if collective and not carried and async_op and not is_cupy_array(label.call[0]):
         # A host call may start once its check is done (MPI progresses each communicator on its own).
         # A device call may not: NCCL runs the calls of all its communicators in the order they were
@@ -135,6 +141,8 @@ def _checked_run(pg: ProcessGroup, label: Any, issue, async_op: bool, carried: b
     work.label = label
     _trace(work, start, label, collective)
     if async_op:
+        if type(work) is not CompletedWork:  # ProcessGroup.destroy waits for it (GroupState.complete)
+            state_of(pg).note_started(work)
         if entry is not None:
             work.then(lambda: entry.__setitem__(flight.DONE, True))
         if timeout is not None:  # wait() waits as long as a blocking call would

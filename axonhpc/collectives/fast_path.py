@@ -23,6 +23,7 @@ from ..groups import resolve_group
 from ..observe import tracing
 from ..settings import settings
 from . import agreement, flight, shm_path, stragglers, watchdog
+from .agreement import _PENDING
 
 NOT_TAKEN = object()  # what ``attempt`` returns when the general path must handle the call
 
@@ -138,6 +139,8 @@ def attempt(spec: Spec, x: Any, group: Any, op: Any = None, root: Any = None, ou
     else:
         out = None
     state = pg.collective_state  # made by plain_route
+    if _PENDING and engine is None and agreement.still_waiting_elsewhere(pg):
+        return NOT_TAKEN  # over MPI it must be made nonblocking ([Note: calls waiting for their check, across groups])
     if state.unissued:
         agreement.flush(pg)  # earlier asynchronous calls start first, in the same order on every rank
     entry = flight.record(pg, spec.op, x, name, root, None)

@@ -24,9 +24,10 @@ from ..errors import InvalidArgumentError, RankError
 from ..groups import ProcessGroup, resolve_group
 from ..observe import tracing
 from ..settings import settings
-from . import graphed, watchdog
+from . import agreement, graphed, watchdog
+from .agreement import _PENDING
 from .core import member, run_call
-from .group_state import state_of
+from .group_state import state_of, weak
 
 
 class _Kind(NamedTuple):
@@ -110,7 +111,16 @@ def _fast(kind: _Kind, x: Any, peer: Any, tag: Any, group: Optional[ProcessGroup
     if kind.async_op:  # started at once: the watchdog sees its wait (Work.wait), named by its label
         work = kind.call(backend)(x, peer, tag, True)
         work.label = label
+        state = pg.collective_state  # made by _route; ProcessGroup.destroy waits for the work (GroupState.note_started)
+        started = state.started
+        started.append(weak(work))
+        if len(started) >= state.prune_at:
+            state.prune()
         return work
+    if not kind.fills and _PENDING and agreement.still_waiting_elsewhere(pg, own_too=True):
+        # MPI_Send may wait inside C: made nonblocking and polled instead (agreement's [Note: calls waiting for
+        # their check, across groups]); a receive polls already, and calls the hook.
+        return NOT_TAKEN
     key = watchdog.blocking(pg, None, label)
     try:
         done = backend.recv_plain(x, peer, tag) if kind.fills else backend.send_plain(x, peer, tag)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from typing import Any, Optional
 
+from ..backends import base as backend_base
 from ..errors import CollectiveTimeoutError
 from ..observe.log import get_logger
 from . import flight, watchdog
@@ -60,6 +61,9 @@ def _wait(work: Any, timeout: Optional[float], label: Any, arrivals: Any, pg: An
             raise decided
         if timeout is not None and elapsed >= timeout:
             raise timed_out(work, timeout, label, arrivals, pg)
+        progress = backend_base.PROGRESS[0]
+        if progress is not None:  # another group's calls waiting for their check ([Note] in agreement)
+            progress()
         time.sleep(delay)  # leave the core to the rank this one waits for (oversubscribed nodes)
         delay = min(delay * 2, 1e-3)
     if arrivals is not None:

@@ -76,6 +76,15 @@ class Mesh:
         self.dp: "ProcessGroup" = world_group.split(c.pp * tp + c.tp, c.dp, name="mesh.dp", trusted=True)
         self.pp: "ProcessGroup" = world_group.split(c.dp * tp + c.tp, c.pp, name="mesh.pp", trusted=True)
 
+    def destroy(self) -> None:
+        """Collective over the world: destroy the mesh's tp, dp and pp groups, in that order on every rank.
+
+        See ``ProcessGroup.destroy``; a group of the mesh destroyed already is skipped. Afterwards each of
+        ``mesh.tp``, ``mesh.dp`` and ``mesh.pp`` raises ``GroupDestroyedError`` when used.
+        """
+        for name in ("tp", "dp", "pp"):  # the order they were made in
+            getattr(self, name).destroy()
+
     def __getitem__(self, name: str) -> "ProcessGroup":
         if name not in DIMENSIONS:
             raise InvalidKeyError(f"mesh has dimensions {DIMENSIONS}, not {name!r}")

@@ -3,6 +3,16 @@
 [Note: groups below the world]
 ``world.py`` imports this module, so this one never imports it: a group splits itself and reads its
 world through ``WorldFacts``; ``ProcessGroup.mock()`` needs a whole world, so ``world.py`` defines it.
+
+[Note: destroying a group]
+A group holds MPI communicators (its backend's own and side channel, the collective layer's private
+channels, its node's shared-memory window), and MPI has a few thousand. ``destroy`` frees them, layer by
+layer, without this layer importing the collectives: the collective layer's state of the group
+(``collective_state``, read as ``agreement.issue_waiting_calls`` reads it) is asked to ``complete`` (its
+waiting calls issued, its outstanding asynchronous calls waited for) before the members meet, and to
+``free`` its private channels after. The group is then left with no backend, so a later call takes the
+general path (the fast paths test ``member_backend is None`` already) and ``require_member`` raises
+``GroupDestroyedError`` there: nothing is added to the hot path.
 """
 from __future__ import annotations
 
@@ -12,10 +22,11 @@ from typing import Any, Callable, ClassVar, Dict, Optional, Protocol, Sequence, 
 import numpy as np
 
 from ..backends.base import Backend
-from ..backends.shm import engine_for
-from ..errors import ArgumentTypeError, GroupMismatchError, InvalidArgumentError, NotAMemberError, RankError, everywhere
+from ..backends.shm import engine_for, release
+from ..errors import (ArgumentTypeError, GroupDestroyedError, GroupMismatchError, InvalidArgumentError, NotAMemberError,
+                      RankError, UsageError, everywhere)
 from ..settings import settings
-from .agreement import compare, issue_waiting_calls
+from .agreement import CheckLabel, compare, issue_waiting_calls, who_passed
 
 
 class WorldFacts(Protocol):
@@ -35,9 +46,10 @@ class ProcessGroup:
         ranks: global ranks of the members, in group-rank order (empty for the non-member side of a
             ``split`` with ``color=None``).
         name: a label used in messages ("world", "mesh.tp", "group[0, 2]").
-        member_backend: the backend on a member, None on a non-member (``backend`` raises there).
+        member_backend: the backend on a member, None on a non-member and once destroyed (``backend`` raises there).
         timeout: seconds a blocking call may wait (None: ``ax.settings.timeout``).
         debug: check every collective across ranks first (None: ``ax.settings.debug``).
+        destroyed: True once ``destroy()`` ran on this rank; every later use raises ``GroupDestroyedError``.
     """
 
     # ``ProcessGroup.mock()``: a one-rank group with no MPI at all (defined in world.py, which makes its world).
@@ -55,19 +67,22 @@ class ProcessGroup:
         self.collective_state: Any = None
         self.node_levels: Dict[Optional[int], Any] = {}  # collectives.algorithms.node_levels's groups, made once
         self._one_node: Optional[bool] = None
+        self.destroyed = False
         if backend is not None:
             backend.global_ranks = self.ranks
 
     # -- facts --------------------------------------------------------------
     @property
     def is_member(self) -> bool:
-        """True on ranks that belong to the group."""
-        return self.member_backend is not None
+        """True on ranks that belong to the group (a destroyed group's members included)."""
+        return self.member_backend is not None or (self.destroyed and self.world.rank in self.ranks)
 
     @property
     def rank(self) -> int:
         """This process's rank inside the group, or -1 on a non-member."""
-        return self.member_backend.rank if self.member_backend is not None else -1
+        if self.member_backend is not None:
+            return self.member_backend.rank
+        return self.ranks.index(self.world.rank) if self.destroyed and self.world.rank in self.ranks else -1
 
     @property
     def size(self) -> int:
@@ -86,8 +101,13 @@ class ProcessGroup:
         return self.member_backend
 
     def require_member(self, what: str) -> "ProcessGroup":
-        """Self, or NotAMemberError naming ``what`` the caller tried to do."""
+        """Self, or NotAMemberError naming ``what`` the caller tried to do (GroupDestroyedError once destroyed)."""
         if self.member_backend is None:
+            if self.destroyed:
+                raise GroupDestroyedError(
+                    f"{what}: process group {self.name} (ranks {list(self.ranks)}) was destroyed on global rank "
+                    f"{self.world.rank} (ProcessGroup.destroy); make a new group (world.new_group, split) to "
+                    f"communicate over these ranks again")
             raise NotAMemberError(
                 f"{what}: global rank {self.world.rank} is not a member of process group {self.name} "
                 f"(ranks {list(self.ranks)}); only members may call it"
@@ -180,7 +200,9 @@ class ProcessGroup:
             InvalidArgumentError: ``color`` or ``key`` is not an integer (every rank passed such a value).
             GroupMismatchError: some ranks passed a non-integer ``color`` or ``key`` and others did not.
             NotAMemberError: this rank is not in the group.
+            GroupDestroyedError: the group was destroyed.
         """
+        self.require_member("split")
         problem: Optional[InvalidArgumentError] = None
         if color is not None:
             if isinstance(color, bool) or not hasattr(color, "__index__"):
@@ -210,5 +232,73 @@ class ProcessGroup:
                              name or f"split(color={color}) of {self.name}")
         return group.prepare_shared_memory()
 
+    # -- the end of a group -------------------------------------------------------
+    def destroy(self) -> None:
+        """Collective over the group's members: free every MPI resource the group holds (see the module note).
+
+        Each member first issues its asynchronous calls still waiting for their check and waits for the
+        asynchronous calls it started on the group (``async_op=True``, ``isend``, ``irecv``) that it still
+        holds a ``Work`` of; then the members meet (under the group's timeout, seen by the watchdog, so a
+        member that never calls ``destroy`` is named) and free, in one order on every rank: the
+        hierarchical all-reduce's node and cross-node groups, the collective layer's private channels, the
+        node's shared-memory window, and the backend's communicators. Afterwards every use of the group on
+        this rank raises ``GroupDestroyedError`` naming it; ``ranks``, ``name``, ``rank`` and
+        ``is_member`` still answer. A non-member's call marks the group destroyed on that rank and sends
+        nothing; a second call is a no-op. Arrays from ``shared_memory_array`` on the group stay valid
+        (their windows are freed at exit, or earlier by ``free_shared_memory_array`` before ``destroy``).
+
+        Raises:
+            UsageError: the group is its world's default group (it lives as long as the world); or a member
+                was in another of the group's checked calls instead (nothing is freed).
+            CollectiveTimeoutError: a member did not come, or an outstanding call did not complete, within
+                the group's timeout (nothing is freed).
+        """
+        if self.destroyed:
+            return
+        if self is self.world.default_group:
+            raise UsageError(f"destroy: {self.name} is the default group of its world (ranks {list(self.ranks)}); it "
+                             f"lives as long as the world (MPI frees it at exit). Destroy the groups made from it "
+                             f"(new_group, split, node_group, mesh) instead")
+        backend = self.member_backend
+        if backend is None:  # a non-member holds nothing of the group
+            self.destroyed = True
+            return
+        state = self.collective_state
+        if state is not None:
+            state.complete()  # waiting calls issued and outstanding ones waited for, before the members meet
+        if self.size > 1:
+            # The members meet: a member that never comes is named by the timeout and the watchdog, and one in
+            # another of the group's checked calls (a split, a wrapper's model check) is seen here.
+            seen = compare(self, True, "destroy", same=True, gather=self._meet)
+            if seen is not None:
+                raise UsageError(f"destroy of group {self.name}: not every member called destroy at this point "
+                                 f"({who_passed(seen, self.ranks)}); every member must call it at the same point of "
+                                 f"its program, as a collective; nothing was freed")
+        for levels in self.node_levels.values():  # collectives.algorithms's hierarchy, made on every member alike
+            levels.node.destroy()
+            if levels.cross is not None:
+                levels.cross.destroy()
+        self.node_levels = {}
+        if state is not None:
+            state.free()  # the collective layer's private channels
+        self.collective_state = None
+        release(backend)  # the node's shared-memory window (collective over the group's communicator)
+        backend.free()
+        self.member_backend = None
+        self.destroyed = True
+
+    def _meet(self, mine: np.ndarray) -> np.ndarray:
+        """``destroy``'s all-gather over the members (``agreement.compare``'s, named for what it is): waited for
+        under the group's timeout and seen by the watchdog."""
+        issue_waiting_calls(self)
+        table = np.empty((self.size,) + mine.shape, dtype=mine.dtype)
+        work = self.backend.all_gather(mine, table, async_op=True)
+        work.label = CheckLabel(self, f"destroy of group {self.name} {list(self.ranks)} (its members meet before "
+                                      f"it is freed)")
+        timeout = self.effective_timeout()
+        work.wait(math.inf if timeout is None else timeout)
+        return table
+
     def __repr__(self) -> str:
-        return f"ProcessGroup({self.name}, ranks={list(self.ranks)}, rank={self.rank})"
+        gone = ", destroyed" if self.destroyed else ""
+        return f"ProcessGroup({self.name}, ranks={list(self.ranks)}, rank={self.rank}{gone})"

@@ -9,8 +9,10 @@ path on and off
 (``tests/collectives/test_mixed_ways.py``).
 """
 import numpy as np
+import pytest
 
 import axonhpc as ax
+from axonhpc.errors import CollectiveMismatchError
 
 
 def _call(world, nonblocking, fn, *args, **kwargs):
@@ -86,6 +88,76 @@ def case_groups_made_after_a_call_still_waiting_for_its_check(world):
         y = np.ones(2)
         ax.all_reduce(y, group=group)
         assert (y == group.size).all(), (y, group.size)
+
+
+def case_another_groups_calls_while_one_waits_for_its_check(world):
+    # Rank 0's nonblocking call waits unissued for its check; it goes on to calls on another group. A rank
+    # that made the call blocking waits in it, then reaches those calls: over MPI both used to wait for
+    # good. Then the other order, which MPI allows too: the others make the other group's calls first.
+    n, r = world.world_size, world.rank
+    other = world.new_group(list(range(n)))
+    # On one node the engine makes a nonblocking call before returning (docs/performance.md): rank 0 would
+    # wait in it while the others wait in the other group's calls. Over MPI both orders work.
+    for others_first in (False, True) if ax.settings.shm_collectives == "off" else (False,):
+        x = np.full(4, float(r))
+        work = ax.all_reduce(x, op=ax.ReduceOp.MAX, async_op=True) if r == 0 else None
+        if r != 0 and not others_first:
+            ax.all_reduce(x, op=ax.ReduceOp.MAX)
+        small, large = np.ones(3), np.ones(70_000)
+        ax.all_reduce(small, group=other)
+        ax.all_reduce(large, group=other)
+        got = ax.all_gather(np.full(2, r), group=other)
+        ax.barrier(group=other)
+        if r != 0 and others_first:
+            ax.all_reduce(x, op=ax.ReduceOp.MAX)
+        if work is not None:
+            work.wait()
+        assert (x == n - 1).all() and (small == n).all() and (large == n).all(), (others_first, x, small[0])
+        assert (got == np.arange(n)[:, None]).all(), got
+    # A message sent or received meanwhile, both ways, small and large (MPI_Send waits for the receive).
+    for size, sender in ((4, 0), (4, 1), (200_000, 0), (200_000, 1)):
+        x = np.full(4, float(r))
+        work = ax.all_reduce(x, op=ax.ReduceOp.MAX, async_op=True) if r == 0 else None
+        if r != 0:
+            ax.all_reduce(x, op=ax.ReduceOp.MAX)
+        if r == sender:
+            ax.send(np.full(size, 7.0), dst=1 - sender)
+        elif r == 1 - sender:
+            got = np.zeros(size)
+            ax.recv(got, src=sender)
+            assert (got == 7.0).all(), (size, sender, got[:2])
+        if work is not None:
+            work.wait()
+        assert (x == n - 1).all(), (size, sender, x)
+    x = np.ones(5)
+    ax.all_reduce(x)  # and the fast path again
+    assert (x == n).all()
+
+
+def case_a_mismatch_found_while_another_groups_call_waits(world):
+    # Rank 0's nonblocking call differs from the others' blocking one; rank 0 learns it while it waits in a
+    # call on another group (the wait issues calls whose check is back): the call is never issued, its wait
+    # raises the mismatch, and the other group's call completes.
+    n, r = world.world_size, world.rank
+    other = world.new_group(list(range(n)))
+    y = np.ones(3)
+    if r == 0:
+        try:
+            work = ax.all_reduce(np.ones(3), async_op=True)
+        except CollectiveMismatchError:  # the node's engine compares the call as it makes it
+            work = None
+        ax.all_reduce(y, group=other)
+        if work is not None:
+            with pytest.raises(CollectiveMismatchError):
+                work.wait()
+    else:
+        with pytest.raises(CollectiveMismatchError):
+            ax.all_reduce(np.ones(4))
+        ax.all_reduce(y, group=other)
+    assert (y == n).all(), y
+    x = np.ones(2)
+    ax.all_reduce(x)
+    assert (x == n).all(), x
 
 
 CASES = {name[len("case_"):]: fn for name, fn in dict(globals()).items() if name.startswith("case_")}
