@@ -19,9 +19,9 @@ from ..errors import BackendUnavailableError, InvalidArgumentError, ShapeError, 
 from ..settings import settings
 from .base import Backend, CompletedWork, ReduceOp, Work
 from .mpi_arrivals import Arrivals
-from .mpi_p2p import Looker, drop, largest_tag, poll, refuse_other, wire_tag
+from .mpi_p2p import Looker, drop, largest_tag, refuse_other, wire_tag
 from .mpi_work import (ChunkPlan, MPIWork, chunk_bounds, host_only_op, load_mpi, mpi_datatype, mpi_op, raise_failure,
-                       widened_for_mpi)
+                       poll, widened_for_mpi)
 
 
 def _cuda_aware() -> bool:
@@ -81,7 +81,7 @@ def _probe(backend: "MPIBackend", buf, src: int, tag: int, wire: int, looker: Lo
 
 def _receive(backend: "MPIBackend", buf, flat, a: int, b: int, src: int, tag: int, wire: int,
              looker: Optional[Looker]) -> None:
-    """Wait for the message of ``flat[a:b]`` (polled: see ``mpi_p2p.poll``), check its size, receive it.
+    """Wait for the message of ``flat[a:b]`` (polled: see ``mpi_work.poll``), check its size, receive it.
 
     ``looker``: None makes one only if the message is not there at the first probe.
     """

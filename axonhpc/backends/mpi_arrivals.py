@@ -7,7 +7,7 @@ from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
-from .mpi_p2p import poll
+from .mpi_work import poll
 from .mpi_work import load_mpi
 
 

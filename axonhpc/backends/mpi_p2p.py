@@ -14,7 +14,6 @@ matched as before, at no cost but the multiplication. User tags go up to ``(MPI_
 from __future__ import annotations
 
 import functools
-import os
 import time
 from typing import Any, Callable, Optional
 
@@ -22,8 +21,7 @@ import numpy as np
 
 from .._dtypes import dtype_places, supported_dtypes
 from ..errors import InvalidArgumentError, ShapeError
-from .base import PROGRESS
-from .mpi_work import POLL_SPINS, load_mpi
+from .mpi_work import load_mpi
 
 DTYPE_TAGS = 8  # codes 1..7 for the supported dtypes (bfloat16 included), 0 unused
 CHECK_EVERY = 0.01  # seconds between the looks for a message of another dtype while a receive waits
@@ -126,22 +124,4 @@ class Looker:
         return other_dtype(self._comm, self._src, self._wire)
 
 
-def poll(done: Callable[[], bool], deadline: Optional[float] = None) -> bool:
-    """Call ``done()`` until it holds (True) or ``deadline`` (``time.monotonic``) passes (False): a spin first,
-    as MPI's own waits spin, then the core yielded between polls (an oversubscribed node)."""
-    polls = 0
-    while not done():
-        polls += 1
-        if polls < POLL_SPINS:
-            continue
-        os.sched_yield()
-        progress = PROGRESS[0]
-        if progress is not None:  # calls waiting for their check (collectives.agreement): issue those ready
-            progress()
-        if deadline is not None and polls % 64 == 0 and time.monotonic() >= deadline:
-            return False
-    return True
-
-
-__all__ = ["DTYPE_TAGS", "CHECK_EVERY", "drop", "largest_tag", "wire_tag", "other_dtype", "refuse_other", "Looker",
-           "poll"]
+__all__ = ["DTYPE_TAGS", "CHECK_EVERY", "drop", "largest_tag", "wire_tag", "other_dtype", "refuse_other", "Looker"]

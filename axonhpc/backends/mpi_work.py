@@ -204,26 +204,30 @@ class MPIWork(Work):
             return True
         return super()._block(timeout)
 
-
     def _poll(self, timeout: Optional[float]) -> bool:
-        """Wait by testing, as MPI's own waits spin and then yield the core, calling the collective layer's hook
-        each round: calls waiting for their check may be issued meanwhile (``base.PROGRESS``)."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        polls = 0
-        while not self._test():
-            progress = PROGRESS[0]
-            if progress is not None:
-                progress()
-            polls += 1
-            if polls < POLL_SPINS:
-                continue
-            os.sched_yield()
-            if deadline is not None and polls % 64 == 0 and time.monotonic() >= deadline:
-                return False
-        return True
+        """Wait by testing (``poll``), which calls the collective layer's hook: calls waiting for their check may
+        be issued meanwhile (``base.PROGRESS``)."""
+        return poll(self._test, None if timeout is None else time.monotonic() + timeout)
 
 
-POLL_SPINS = 200  # polls before a wait starts to yield the core
+_SPINS = 200  # polls before a wait starts to yield the core
+
+
+def poll(done: Callable[[], bool], deadline: Optional[float] = None) -> bool:
+    """Call ``done()`` until it holds (True) or ``deadline`` (``time.monotonic``) passes (False): a spin first,
+    as MPI's own waits spin, then the core yielded between polls (an oversubscribed node)."""
+    polls = 0
+    while not done():
+        polls += 1
+        if polls < _SPINS:
+            continue
+        os.sched_yield()
+        progress = PROGRESS[0]
+        if progress is not None:  # calls waiting for their check (collectives.agreement): issue those ready
+            progress()
+        if deadline is not None and polls % 64 == 0 and time.monotonic() >= deadline:
+            return False
+    return True
 
 
 class ChunkPlan:
@@ -250,4 +254,4 @@ class ChunkPlan:
         return MPIWork([(nonblocking, after) for _, nonblocking, after in self.steps], result, sequential, self.comm)
 
 
-__all__ = ["MPIWork", "host_only_op", "mpi_op", "raise_failure", "widened_for_mpi"]
+__all__ = ["MPIWork", "host_only_op", "mpi_op", "poll", "raise_failure", "widened_for_mpi"]
