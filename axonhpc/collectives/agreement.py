@@ -243,7 +243,7 @@ class CheckedWork(Work):
         self._waiting = state.unissued
         if not self._waiting:
             with _PENDING_LOCK:
-                _PENDING[:] = [entry for entry in _PENDING if entry[0].unissued and entry[1].is_alive()]
+                _forget_done()
                 _PENDING.append((state, current_thread(), pg.world))
                 backend_base.PROGRESS[0] = progress
         self._waiting.append(self)
@@ -332,10 +332,15 @@ _PENDING_LOCK = threading.Lock()
 _STARTING: Set[int] = set()  # threads inside CheckedWork._start (``progress`` leaves them be)
 
 
+def _forget_done() -> None:
+    """Forget the groups with no call waiting any more, and those of threads that ended (under the lock)."""
+    _PENDING[:] = [entry for entry in _PENDING if entry[0].unissued and entry[1].is_alive()]
+
+
 def _prune() -> None:
-    """Forget the groups with no call waiting any more, and those of threads that ended."""
+    """``_forget_done``, and no more polling once nothing waits."""
     with _PENDING_LOCK:
-        _PENDING[:] = [entry for entry in _PENDING if entry[0].unissued and entry[1].is_alive()]
+        _forget_done()
         if not _PENDING:
             backend_base.PROGRESS[0] = None
 

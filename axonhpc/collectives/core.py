@@ -112,8 +112,8 @@ def _checked_run(pg: ProcessGroup, label: Any, issue, async_op: bool, carried: b
     # in agreement): over MPI the wait must poll (the node's engine waits inside C either way). A collective's
     # own group's calls were issued by start_call.
     nonblocking = async_op or timeout is not None or (
-        bool(agreement._PENDING) and (not collective or agreement.node_engine(pg) is None)
-        and agreement.still_waiting_elsewhere(pg, own_too=not collective))
+        bool(agreement._PENDING) and agreement.still_waiting_elsewhere(pg, own_too=not collective)
+        and (not collective or agreement.node_engine(pg) is None))
     if collective and not carried and async_op and not is_cupy_array(label.call[0]):
         # A host call may start once its check is done (MPI progresses each communicator on its own).
         # A device call may not: NCCL runs the calls of all its communicators in the order they were
