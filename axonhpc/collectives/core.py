@@ -110,10 +110,14 @@ def _checked_run(pg: ProcessGroup, label: Any, issue, async_op: bool, carried: b
     way = agreement.AS_PLANNED
     # Nonblocking too while a call waits for its check ([Note: calls waiting for their check, across groups]
     # in agreement): over MPI the wait must poll (the node's engine waits inside C either way). A collective's
-    # own group's calls were issued by start_call.
+    # own group's calls were issued by start_call. ``elsewhere`` first (it reads a list: a group that never
+    # made a call has no engine to look up); ``still_waiting_elsewhere`` last, never for a call the engine
+    # carries: its round of ``progress`` may issue a call into the engine, which waits there for the others.
+    own_too = not collective
     nonblocking = async_op or timeout is not None or (
-        bool(agreement._PENDING) and agreement.still_waiting_elsewhere(pg, own_too=not collective)
-        and (not collective or agreement.node_engine(pg) is None))
+        bool(agreement._PENDING) and agreement.elsewhere(pg, own_too)
+        and (not collective or agreement.node_engine(pg) is None)
+        and agreement.still_waiting_elsewhere(pg, own_too))
     if collective and not carried and async_op and not is_cupy_array(label.call[0]):
         # A host call may start once its check is done (MPI progresses each communicator on its own).
         # A device call may not: NCCL runs the calls of all its communicators in the order they were
