@@ -144,6 +144,7 @@ def signal_dump(name: str) -> Optional[str]:
 
 
 _rank = [None]  # the world rank ``init`` gave this process
+_run = [None]  # and its world's ``run_id``
 
 
 def process_rank() -> Optional[int]:
@@ -156,11 +157,17 @@ def process_rank() -> Optional[int]:
     return ranks[0] if len(ranks) == 1 else None
 
 
+def process_run() -> Optional[str]:
+    """The ``run_id`` of the world ``init`` made in this process (None before it, and for ``run_local``)."""
+    return _run[0]
+
+
 def install(world: Any = None) -> None:
     """The flight signal's handler from ``init`` on (the watchdog calls it): a rank that has not made a
     collective yet answers a signal too."""
     if world is not None:
         _rank[0] = world.rank
+        _run[0] = getattr(world, "run_id", None)
         _offsets[world.rank] = world.clock_offset  # the dumps carry it: doctor compares the ranks' times
         _worlds.setdefault(world.rank, world)  # a dump before any collective names the world too
     _install_signal()

@@ -47,7 +47,14 @@ from . import flight
 TICK = 0.25  # seconds between the watchdog's looks
 ANSWER_WAIT = 2.0  # seconds a stalled rank gives the others to write their state before it reports
 RECHECK = 5.0  # seconds between a stalled rank's later looks for a deadlock
-REQUEST = "stall-request.json"
+# [Note: stall requests name their run]
+# Jobs started from one folder share its flight folder (the default is the working directory's
+# axonhpc-flight), and so may two jobs on one node. Each world's ranks draw one ``run_id`` together at
+# init; the request and the answers carry it in their names, so a rank of another job never answers, and
+# a stalled rank never reads another job's states (once a job's rank 1, blocked in its own group, answered
+# another job's request and made that job's rank 0 raise a DeadlockError no wait of its own proved).
+REQUEST = "stall-request-{run}.json"
+STATE = "state-{run}-rank{rank:05d}.json"
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # thread ident -> (group, flight entry or None, the call (its label)): what each thread is blocked in. The
@@ -218,19 +225,24 @@ class _Watchdog(threading.Thread):
         return os.path.abspath(settings.flight_dir)
 
     def _request(self, pg: Any) -> None:
-        """Ask every rank (through the flight folder) to write where it is, and write this rank's state."""
+        """Ask every rank of the run (through the flight folder) to write where it is, and write this rank's state."""
         ident = f"{pg.world.rank}-{os.getpid()}-{time.time():.6f}"
+        run = pg.world.run_id
         try:
-            write_json_atomic(os.path.join(self._state_dir(), REQUEST), {"id": ident, "time": time.time()})
+            write_json_atomic(os.path.join(self._state_dir(), REQUEST.format(run=run)),
+                              {"id": ident, "time": time.time()})
         except OSError:
             return
-        self._write_state(pg.world.rank, ident)
+        self._write_state(pg.world.rank, run, ident)
 
     def _answer_requests(self, now: float) -> None:
         if now < self.next_request_look:
             return
         self.next_request_look = now + 1.0
-        path = os.path.join(self._state_dir(), REQUEST)
+        rank, run = flight.process_rank(), flight.process_run()
+        if rank is None or run is None:
+            return  # no world made by init in this process (run_local's ranks are not watched)
+        path = os.path.join(self._state_dir(), REQUEST.format(run=run))
         try:
             with open(path) as f:
                 request = json.load(f)
@@ -238,11 +250,9 @@ class _Watchdog(threading.Thread):
             return
         if request.get("id") == self.answered or time.time() - float(request.get("time", 0)) > 60:
             return
-        rank = flight.process_rank()
-        if rank is not None:
-            self._write_state(rank, request["id"])
+        self._write_state(rank, run, request["id"])
 
-    def _write_state(self, rank: int, request: str) -> None:
+    def _write_state(self, rank: int, run: str, request: str) -> None:
         self.answered = request
         now = time.monotonic()
         mine = [(pg, entry, call, self._since(key, pg, entry, call, now))
@@ -255,11 +265,12 @@ class _Watchdog(threading.Thread):
         state = {"rank": rank, "pid": os.getpid(), "request": request, "time": time.time(), "blocked": blocked,
                  "where": user_location(), "entered": _entered(flight.records(rank))}
         try:
-            write_json_atomic(os.path.join(self._state_dir(), f"state-rank{rank:05d}.json"), state)
+            write_json_atomic(os.path.join(self._state_dir(), STATE.format(run=run, rank=rank)), state)
         except OSError:
             pass
 
-    def _states(self) -> Dict[int, dict]:
+    def _states(self, run: str) -> Dict[int, dict]:
+        """The states the ranks of run ``run`` wrote for this process's last request."""
         request = self.answered
         out: Dict[int, dict] = {}
         folder = self._state_dir()
@@ -267,8 +278,9 @@ class _Watchdog(threading.Thread):
             names = os.listdir(folder)
         except OSError:
             return out
+        prefix = STATE.split("{rank")[0].format(run=run)
         for name in names:
-            if name.startswith("state-rank") and name.endswith(".json"):
+            if name.startswith(prefix) and name.endswith(".json"):
                 try:
                     with open(os.path.join(folder, name)) as f:
                         state = json.load(f)
@@ -280,7 +292,7 @@ class _Watchdog(threading.Thread):
 
     def _report(self, key: int, seen: tuple, waited: float, log: bool = True) -> str:
         pg = seen[0]
-        states = self._states()
+        states = self._states(pg.world.run_id)
         world_ranks = range(pg.world.world_size)
         lines = []
         for r in world_ranks:

@@ -116,6 +116,37 @@ def test_sigusr1_dumps_within_a_second_while_the_rank_is_blocked(tmp_path):
     assert "rank 0: done" in out and "rank 1: done" in out
 
 
+@pytest.mark.timeout(180)
+def test_two_jobs_sharing_a_flight_folder_never_answer_each_others_stall_requests(tmp_path):
+    # Job B deadlocks and stays blocked (it never reports itself); job A, started from another folder with the
+    # same flight folder, stalls with rank 1 elsewhere. Before run-named requests B's ranks answered A's
+    # request and A's report showed B's calls (and could prove a deadlock A did not have).
+    flight_dir = tmp_path / "flight"
+    job_a, job_b = tmp_path / "a", tmp_path / "b"
+    job_a.mkdir()
+    job_b.mkdir()
+    other = subprocess.Popen([MPIEXEC, "-n", "2", sys.executable, JOB, "deadlock"], stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, cwd=job_b,
+                             env=_env(job_b, AXONHPC_FLIGHT_DIR=str(flight_dir), AXONHPC_STALL_REPORT="600",
+                                      AXONHPC_STALL_TIMEOUT="0"))
+    try:
+        deadline = time.monotonic() + 60
+        while not (job_b / "pid-rank1").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(2.0)  # both of B's ranks now wait in their first all-reduce
+        out, text = _run(job_a, "only_rank0", "12", AXONHPC_FLIGHT_DIR=str(flight_dir))
+    finally:
+        other.kill()
+        other.communicate(timeout=HANG_GUARD)
+    report = re.search(r"still waits after \d+ s; (who is where: .*)$", text, re.M)
+    assert report, text
+    assert "rank 0 waits in all_reduce #0 float64 (3,) on group world [0, 1]" in report.group(1), report.group(1)
+    assert re.search(r"rank 1 is not in a collective, at stall_job\.py:\d+ in train_on", report.group(1)), report
+    assert "(4,)" not in report.group(1) and "group sub" not in report.group(1)  # nothing of job B
+    assert out.returncode == 0, text
+    assert _rank_line(text, 0).startswith("CollectiveStallError: rank 0 waited 8 s in all_reduce #0"), text
+
+
 def test_a_failed_peer_found_while_a_call_waits_inside_mpi_revokes_in_a_fault_tolerant_job(monkeypatch):
     """The decision alone, with a stand-in communicator (the race it settles is rare in a real job: test_elastic hit
     it once in three full runs, when ULFM had not yet failed a survivor's MPI call): in a fault-tolerant job the
@@ -165,7 +196,7 @@ def _moving_thread(monkeypatch, tolerant):
     from axonhpc.settings import settings
 
     calls = []
-    world = types.SimpleNamespace(rank=0, world_size=3, abort=lambda code: calls.append(f"abort {code}"))
+    world = types.SimpleNamespace(rank=0, world_size=3, run_id="5eed", abort=lambda code: calls.append(f"abort {code}"))
     pg = types.SimpleNamespace(backend=types.SimpleNamespace(name="mpi"), world=world, name="pair", ranks=(0, 2))
     engine = _Engine()
     monkeypatch.setattr(watchdog, "cached_engine", lambda backend: engine)
