@@ -488,6 +488,117 @@ def case_server_failure_on_the_last_update_stops_every_rank(world):
         ax.barrier()  # every rank got out: nobody is left waiting, no message is left unmatched
 
 
+GUARD = 30.0  # seconds: the parameter server's time limit in the cases below, so that a rank left waiting fails them
+
+
+def _bad_request(ps, server, kind):
+    """Send ``server`` a request of a kind the protocol does not have, the way a worker sends its requests.
+
+    No method of the API sends one (and the parameter server's communicator is private): it stands for a corrupt
+    request, the one failure a server can meet in its loop after it has stopped updating.
+    """
+    ps._worker._send_request(server, kind)
+
+
+def _second_failure_run(world, mode, num_servers, plan):
+    """The last server fails, then fails again in its loop: ``plan`` says how (see the case). Returns
+    (ps, outcome, the error, seconds from the start until this rank got out)."""
+    last = world.world_size - 1
+    group = world.default_group
+    before = group.timeout
+    group.timeout = GUARD  # the parameter server's communicator takes the group's time limit when it is built
+    try:
+        ps = ParameterServer(make_model(np.float64), num_servers=num_servers, mode=mode,
+                             max_staleness=0 if mode == "sync" else None, lr=0.05,
+                             optimizer_class=_exploding_optimizer(world, last) if plan == "optimizer" else optim.SGD)
+    finally:
+        group.timeout = before
+    model, loss_fn = ps.model, nn.CrossEntropyLoss()
+    started = time.monotonic()
+    outcome, error = "ok", None
+    try:
+        with ps:
+            if plan == "aborted" and world.rank == last:
+                raise Boom(f"server {ps.server_index} gives up")
+            if ps.is_worker:
+                w, n = ps.worker_index, ps.num_workers
+                bad = ps.num_servers - 1  # the last server
+                if w == 0 and plan != "optimizer":
+                    for kind in ((98, 99) if plan == "twice" else (99,)):
+                        _bad_request(ps, bad, kind)
+                if w > 0 and plan == "optimizer":
+                    ax.recv(np.zeros(1), src=0)  # worker 0's gradient comes first: the update it makes fails
+                ps.pull()
+                for step in range(STEPS):
+                    ps.zero_grad()
+                    x, y = make_data(step)
+                    loss_fn(model(shard(x, w, n)), shard(y, w, n))
+                    model.backward(loss_fn.backward())
+                    ps.push()
+                    if w == 0 and step == 0 and plan == "optimizer":
+                        _bad_request(ps, bad, 99)  # after the gradient that failed the server's optimizer
+                        for other in range(1, n):
+                            ax.send(np.ones(1), dst=other)
+                    ps.pull()
+    except Boom as exc:
+        outcome, error = "boom", exc
+    except PeerFailedError as exc:
+        outcome, error = "peer", exc
+    except (ParameterServerError, ax.errors.CollectiveTimeoutError) as exc:
+        outcome, error = type(exc).__name__, exc
+    return ps, outcome, error, time.monotonic() - started
+
+
+def _check_second_failure(world, ps, outcome, error, seconds, plan, first):
+    """The checks of one run of the case below on this rank (AssertionError)."""
+    last = world.world_size - 1
+    s = ps.num_servers - 1
+    cause = f"parameter server {s} (global rank {last}) failed: {first.format(s=s)}"
+    kind99 = "unknown request kind 99 from worker 0 (global rank 0)"
+    where = (plan, ps.mode, ps.num_servers, outcome, str(error))
+    assert seconds < GUARD, where  # nobody waited for the time limit
+    if world.rank == last:  # its first failure, with what followed as a note
+        assert outcome == ("ParameterServerError" if plan == "twice" else "boom"), where
+        told = "\n".join(getattr(error, "__notes__", []))
+        if hasattr(error, "add_note"):
+            assert cause in told and kind99 in told, (where, told)
+        assert cause in ps.stats()["failure"] and kind99 in ps.stats()["failure"], ps.stats()
+    else:
+        assert outcome == "peer" and cause in str(error), where
+        if ps.is_server:  # the verdict carried both failures
+            assert str(error).startswith(f"parameter server {ps.server_index} (global rank {world.rank}) stopped: "), \
+                where
+            assert kind99 in str(error), where
+        elif ps.num_servers == 1 and ps.worker_index == 0:  # its pull came after its request
+            assert kind99 in str(error), where
+
+
+@fits(*ALL_SIZES)
+def case_a_second_failure_of_a_server_reaches_every_rank(world):
+    # The last server fails (its own code raises before it serves, or its optimizer on the first update, or a
+    # corrupt request), and then, while it answers ABORT until every worker has stopped, a corrupt request
+    # fails it again. It must go on serving and tell every rank, naming itself and both failures: before, it
+    # left at once, and the workers and servers still talking to it waited for their time limit (GUARD).
+    last = world.world_size - 1
+    for plan, modes in (("aborted", ("sync", "async")), ("optimizer", ("async",)), ("twice", ("sync", "async"))):
+        first = {"aborted": "Boom: server {s} gives up", "optimizer": f"Boom: optimizer exploded on rank {last}",
+                 "twice": "ParameterServerError: unknown request kind 98 from worker 0 (global rank 0)"}[plan]
+        for mode in modes:
+            for num_servers in server_counts(world):
+                run = _second_failure_run(world, mode, num_servers, plan)
+                failed = 1.0
+                try:
+                    _check_second_failure(world, *run, plan, first)
+                    failed = 0.0
+                finally:  # every rank stops at the same run, so that no collective is left waiting
+                    everywhere = np.array([failed])
+                    ax.all_reduce(everywhere)
+                if everywhere[0]:
+                    raise AssertionError(f"{int(everywhere[0])} other rank(s) failed the checks of {plan}, {mode}, "
+                                         f"{num_servers} server(s)")
+                ax.barrier()  # every rank got out: nobody is left waiting, no message is left unmatched
+
+
 def _built(world, model, **kwargs):
     """("ok", ps) or (the error's type, its message) of building a ParameterServer here."""
     try:

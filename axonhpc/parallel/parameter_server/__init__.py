@@ -28,8 +28,11 @@ sends FAILED to every server (spreading the news to servers that had not heard) 
 ``PeerFailedError``, as the servers do once drained. Once drained, the servers send one another OK or ABORT
 before they answer the final pulls and swap slices: a server whose optimizer failed on the last update (after
 every worker's DONE, so no worker spreads the news) makes the others answer ABORT and raise
-``PeerFailedError`` naming it instead of waiting for its slices. No rank is left waiting; a rank that dies
-without a word is caught only by ``ax.settings.timeout``, as for any collective.
+``PeerFailedError`` naming it instead of waiting for its slices. A server that fails, once or again while it
+answers ABORT, never leaves before the workers have stopped; each failure goes into its ABORT replies and its
+verdict ([Note: a server's own failures] in ``server``). No rank is left waiting; a rank that goes silent is
+caught only by ``ax.settings.timeout``, as for any collective, and a dead one under ULFM by the revoked
+communicator.
 """
 # Modules: ``wrapper`` (ParameterServer, which runs one role and delegates to it),
 # ``worker`` (Worker: pull, push, finish), ``server`` (ServerLoop), ``slices``

@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, NoReturn, Optional, Tuple
 
 import numpy as np
 
 from ...collectives import irecv, isend, recv
-from ...errors import CollectiveTimeoutError, ParameterServerError, PeerFailedError
+from ...errors import GROUP_FAILURES, CollectiveTimeoutError, ParameterServerError, PeerFailedError
 from ...nn.parameter import Parameter
 from .protocol import (ABORT, DONE, FAILED, HEADER, OK, POLL_MAX, POLL_MIN, PULL, PUSH, TAG_FINAL, TAG_GRAD,
                        TAG_PARAMS, TAG_REASON, TAG_REPLY, TAG_REQUEST, TAG_VERDICT, encode_reason)
@@ -16,8 +16,25 @@ from .slices import Slices
 from .staleness import StalenessBound
 
 
+def noted(error: BaseException, text: str) -> BaseException:
+    """``error`` with ``text`` added as a note, shown under its traceback (Python 3.11 and later)."""
+    if hasattr(error, "add_note"):
+        error.add_note(text)
+    return error
+
+
 class ServerLoop:
-    """One server's state and its request loop (see the module notes)."""
+    """One server's state and its request loop (see the package notes).
+
+    [Note: a server's own failures]
+    Whatever raises while a request is handled (the optimizer, a request the protocol does not know) fails this
+    server, the first time or any later time: it goes into ``failures``, which every later ABORT reply and the
+    verdict carry, and the server goes on answering ABORT until every worker has stopped, so that no worker and
+    no other server waits for it; ``run`` raises the first such error at the end, noting the rest. Only when the
+    messages themselves stop coming through (``GROUP_FAILURES``: a time limit, a dead peer's revoked
+    communicator) does it leave early, and it tells whom it still can first. Workers that send nothing for the
+    time limit are given up (a ``CollectiveTimeoutError`` naming them, raised at the end) and the others served.
+    """
 
     def __init__(self, ps: Any, comm: Any, slices: Slices, shards: List[Parameter]) -> None:
         self.ps = ps
@@ -40,7 +57,9 @@ class ServerLoop:
         self.deferred: List[int] = []  # pulls that wait, in arrival order
         self.finals: List[int] = []  # DONE requests waiting for the final parameters
         self.sends: List[Tuple[Any, Any]] = []  # (Work, buffer) of replies in flight
-        self.failure: Optional[str] = None
+        self.failures: List[str] = []  # why the run stopped, first first (see the note)
+        self.errors: List[Exception] = []  # this server's own, first first: run() raises the first
+        self.verdict_sent = False
         self.pushes = [0] * self.workers
         self.pulls = [0] * self.workers
         self.applied = [0] * self.workers
@@ -66,6 +85,11 @@ class ServerLoop:
                 "pushes": list(self.pushes), "pulls": list(self.pulls), "applied": list(self.applied),
                 "deferred_pulls": self.deferred_pulls, "deferred_gradients": self.deferred_gradients,
                 "failure": self.failure}
+
+    @property
+    def failure(self) -> Optional[str]:
+        """Why the run stopped, "; "-joined, first first; None while it runs."""
+        return "; ".join(self.failures) if self.failures else None
 
     def _global(self, worker: int) -> int:
         return self.ps.group.ranks[worker]
@@ -186,18 +210,34 @@ class ServerLoop:
             self._apply_ready()
             self._answer_deferred()
 
-    def _start_abort(self, reason: str) -> None:
-        """Stop updating; answer every waiting pull and final request with ABORT."""
-        if self.failure is not None:
+    def _add_failure(self, text: str) -> None:
+        """Record a failure. The first stops the updates and answers every waiting pull and final request with
+        ABORT; a later one that says something new goes into every later ABORT and the verdict."""
+        text = text.replace("\0", " ")  # "\0" separates the failures of a verdict
+        if any(text in known or known in text for known in self.failures):
+            return  # known already, or an account of a known one (a worker stopped by this or another server)
+        self.failures.append(text)
+        if len(self.failures) > 1:
             return
-        self.failure = reason
         for w in self.deferred + self.finals:
             self._reply_abort(w)
         self.deferred, self.finals = [], []
         self.round.clear()
 
+    def _describe(self, exc: BaseException) -> str:
+        """``exc`` as one of ``failures``: "parameter server 0 (global rank 3) failed: ValueError: ..."."""
+        text = str(exc)
+        if text.startswith(self.name):
+            text = text[len(self.name):].lstrip(": ")
+        return f"{self.name} failed: {type(exc).__name__}: {text}"
+
+    def _fail(self, exc: Exception) -> None:
+        """This server failed: every rank hears of it (ABORT replies, the verdict); ``run`` raises it at the end."""
+        self.errors.append(exc)
+        self._add_failure(self._describe(exc))
+
     def _handle(self, worker: int) -> None:
-        kind, version, length, want_final = (int(v) for v in self.headers[worker])
+        kind, version, length, flag = (int(v) for v in self.headers[worker])
         if kind == PUSH:
             for buf in self.grads[worker]:
                 if buf.size:
@@ -214,7 +254,7 @@ class ServerLoop:
             else:
                 self._on_pull(worker)
         elif kind == DONE:
-            if want_final:
+            if flag:  # it wants the final parameters
                 if self.failure is not None:
                     self._reply_abort(worker)
                 else:
@@ -224,11 +264,15 @@ class ServerLoop:
             text = np.zeros(length, dtype=np.uint8)
             if length:
                 recv(text, worker, TAG_REASON, self.comm)
-            self._start_abort(f"worker {worker} (global rank {self._global(worker)}) failed: "
-                              f"{text.tobytes().decode('utf-8', 'replace')}")
+            self.open.discard(worker)
+            if self.failure is None or not flag:  # flag: it passes on a server's ABORT, which the verdict brings too
+                self._add_failure(f"worker {worker} (global rank {self._global(worker)}) failed: "
+                                  f"{text.tobytes().decode('utf-8', 'replace')}")
             self._on_close(worker)
         else:
-            raise ParameterServerError(f"server {self.index}: unknown request kind {kind} from worker {worker}")
+            self._post(worker)  # the header came whole: the worker's next request comes next
+            raise ParameterServerError(f"{self.name}: unknown request kind {kind} from worker {worker} (global rank "
+                                       f"{self._global(worker)})")
 
     def _loop(self) -> None:
         timeout = self.comm.effective_timeout()
@@ -239,70 +283,111 @@ class ServerLoop:
                 work = self.requests[w]
                 if work is not None and work.is_completed():
                     self.requests[w] = None
-                    self._handle(w)
                     progressed = True
+                    try:
+                        self._handle(w)
+                    except GROUP_FAILURES:
+                        raise  # the messages stopped coming through: run() leaves
+                    except Exception as exc:  # noqa: BLE001 - every rank hears of it, run() raises it at the end
+                        self._fail(exc)
             self._reap_sends()
             now = time.monotonic()
             if progressed:
                 delay, last = POLL_MIN, now
                 continue
             if timeout is not None and now - last > timeout:
-                missing = sorted(self._global(w) for w in self.open if w not in self.deferred)
-                raise CollectiveTimeoutError(
-                    f"{self.name} timed out after {timeout:g} s waiting for requests of open workers (those not "
-                    f"waiting for a reply themselves); missing ranks: {missing}")
+                self._give_up(timeout)
+                delay, last = POLL_MIN, now
+                continue
             time.sleep(delay)
             delay = min(delay * 2, POLL_MAX)
 
+    def _give_up(self, timeout: float) -> None:
+        """Nothing came for ``timeout`` s: stop waiting for the open workers that are not waiting for a reply (a
+        ``CollectiveTimeoutError`` naming them, raised at the end) and answer those that are with ABORT."""
+        silent = sorted(w for w in self.open if w not in self.deferred)
+        self.open.difference_update(silent)
+        self._fail(CollectiveTimeoutError(
+            f"{self.name} timed out after {timeout:g} s waiting for requests of open workers (those not waiting for "
+            f"a reply themselves); missing ranks: {[self._global(w) for w in silent]}"))
+
     def run(self, failure: Optional[str] = None) -> None:
-        """Serve until every worker has sent DONE or FAILED; raise if the run failed."""
+        """Serve until every worker has sent DONE or FAILED (or was given up after the time limit); raise if the
+        run failed: this server's first own error, noting the rest, else ``PeerFailedError`` saying why.
+
+        ``failure``: this server failed before it served (``ParameterServer.abort``); then only what else failed
+        is raised.
+        """
         for w in range(self.workers):
             self._post(w)
         if failure is not None:
-            self._start_abort(failure)
-        own: Optional[BaseException] = None
-        while True:
-            try:
-                self._loop()
-                break
-            except CollectiveTimeoutError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - the workers are told, then it is re-raised
-                if own is not None or self.failure is not None:
-                    raise
-                own = exc
-                self._start_abort(f"{self.name} failed: {type(exc).__name__}: {exc}")
-        timeout = self.comm.effective_timeout()
-        # Every worker has stopped; the servers tell each other how their run ended before
-        # anything else (see the note on shutdown): a server whose optimizer failed on the
-        # last update would otherwise leave the others waiting for its slices.
-        failed = self._verdicts()
-        if self.failure is None and failed:
-            self._start_abort(failed[0])  # the final pulls are answered with ABORT
-        if self.failure is None:
-            self._finish()
-        for work, _ in self.sends:
-            work.wait(timeout)
-        self.sends = []
-        if own is not None:
-            raise own
-        if self.failure is not None and failure is None:
+            self._add_failure(failure)
+        given = list(self.failures)
+        ended: Optional[Exception] = None
+        try:
+            self._loop()
+            # Every worker has stopped; the servers tell each other how their run ended before
+            # anything else (see the note on shutdown): a server whose optimizer failed on the
+            # last update would otherwise leave the others waiting for its slices.
+            self._send_verdict()
+            for text in self._receive_verdicts():
+                self._add_failure(text)  # the first: the final pulls are answered with ABORT
+            if self.failure is None:
+                self._finish()
+            timeout = self.comm.effective_timeout()
+            for work, _ in self.sends:
+                work.wait(timeout)
+            self.sends = []
+        except Exception as exc:  # noqa: BLE001 - told to whom it can be, then raised (below, not inside this handler)
+            ended = exc
+        if ended is not None:
+            self._leave(ended)
+        if self.errors:
+            self._raise_own()
+        if self.failures != given:
             raise PeerFailedError(f"{self.name} stopped: {self.failure}")
 
-    def _verdicts(self) -> List[str]:
-        """Collective over the servers: send every other server OK or ABORT (with this server's failure);
-        returns the failures the others reported, in server order."""
+    def _leave(self, exc: Exception) -> NoReturn:
+        """The messages stopped coming through (a time limit, a dead peer, a failed send): tell whom this server
+        still can (ABORT to the pulls waiting here, its verdict to the other servers), then raise."""
+        self.errors.append(exc)
+        try:
+            self._add_failure(self._describe(exc))
+            self._send_verdict()
+        except Exception:  # noqa: BLE001 - as far as it goes: a dead peer's revoked communicator tells every rank
+            pass
+        self._raise_own()
+
+    def _raise_own(self) -> NoReturn:
+        """Raise this server's first error, with every failure of the run as a note when there is more to say."""
+        first = self.errors[0]
+        if self.failures != [self._describe(first)]:
+            noted(first, f"{self.name} stopped the run: {self.failure}")
+        raise first
+
+    def _send_verdict(self) -> None:
+        """Send every other server OK, or ABORT with this server's failures ("\\0"-separated); once."""
+        if self.verdict_sent:
+            return
+        self.verdict_sent = True
         ps = self.ps
-        others = [s for s in range(ps.num_servers) if s != self.index]
-        text = encode_reason(self.failure or "")
-        header = np.array([OK if self.failure is None else ABORT, text.size, 0, 0], dtype=np.int64)
-        for s in others:
-            self._isend(header, ps.server_rank(s), TAG_VERDICT)
-            if text.size:
-                self._isend(text, ps.server_rank(s), TAG_REASON)
+        text = encode_reason("\0".join(self.failures))
+        header = np.array([ABORT if self.failures else OK, text.size, 0, 0], dtype=np.int64)
+        for s in range(ps.num_servers):
+            if s != self.index:
+                self._isend(header, ps.server_rank(s), TAG_VERDICT)
+                if text.size:
+                    self._isend(text, ps.server_rank(s), TAG_REASON)
+
+    def _receive_verdicts(self) -> List[str]:
+        """Every other server's verdict (they send theirs as this one does): the failures they report, in server
+        order."""
+        ps = self.ps
         timeout = self.comm.effective_timeout()
         failed = []
-        for s in others:
+        for s in range(ps.num_servers):
+            if s == self.index:
+                continue
             src = ps.server_rank(s)
             theirs = np.zeros(HEADER, dtype=np.int64)
             irecv(theirs, src, TAG_VERDICT, self.comm).wait(math.inf if timeout is None else timeout)
@@ -311,8 +396,8 @@ class ServerLoop:
             reason = np.zeros(int(theirs[1]), dtype=np.uint8)
             if reason.size:
                 recv(reason, src, TAG_REASON, self.comm)
-            failed.append(reason.tobytes().decode("utf-8", "replace")
-                          or f"parameter server {s} (global rank {ps.group.ranks[src]}) failed")
+            texts = [t for t in reason.tobytes().decode("utf-8", "replace").split("\0") if t]
+            failed.extend(texts or [f"parameter server {s} (global rank {ps.group.ranks[src]}) failed"])
         return failed
 
     def _finish(self) -> None:

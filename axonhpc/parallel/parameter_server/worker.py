@@ -51,10 +51,10 @@ class Worker:
             raise ParameterServerError(f"{NAME}.{what}() on worker {self.ps.worker_index} after finish() or abort()")
 
     # -- messages ----------------------------------------------------------------------------------
-    def _send_request(self, server: int, kind: int, version: int = 0, reason: str = "",
-                      want_final: bool = False) -> None:
+    def _send_request(self, server: int, kind: int, version: int = 0, reason: str = "", flag: bool = False) -> None:
+        """One request; ``flag``: DONE wants the final parameters, FAILED passes on a server's ABORT."""
         text = encode_reason(reason) if reason else None
-        header = np.array([kind, version, 0 if text is None else text.size, int(want_final)], dtype=np.int64)
+        header = np.array([kind, version, 0 if text is None else text.size, int(flag)], dtype=np.int64)
         dst = self.ps.server_rank(server)
         send(header, dst, TAG_REQUEST, self.comm)
         if text is not None and text.size:
@@ -89,7 +89,7 @@ class Worker:
         if not self.closed:
             self.closed = True
             for s in range(self.ps.num_servers):
-                self._send_request(s, FAILED, reason=f"stopped after {message}")
+                self._send_request(s, FAILED, reason=f"stopped after {message}", flag=True)
         self.aborted = message
         return message
 
@@ -154,7 +154,7 @@ class Worker:
         if self.closed:
             return
         for s in range(self.ps.num_servers):
-            self._send_request(s, DONE, want_final=pull)
+            self._send_request(s, DONE, flag=pull)
         self.closed = True
         if pull:
             self._collect(list(range(self.ps.num_servers)))

@@ -15,7 +15,7 @@ from ..optimizer_args import build_optimizer, optimizer_settings
 from ..replicate import broadcast_arrays
 from ..same_model import check_model_arrays, compared_model, parameter_lines
 from .protocol import MODES, NAME, Mode
-from .server import ServerLoop
+from .server import ServerLoop, noted
 from .slices import Slices
 from .worker import Worker
 
@@ -223,7 +223,9 @@ class ParameterServer:
     def abort(self, reason: str = "aborted by the caller") -> None:
         """Stop the run because of a failure on this rank; every other rank stops with ``PeerFailedError``.
 
-        A server that has not served waits for each worker to stop (CollectiveTimeoutError beyond the group's timeout).
+        A server that has not served answers ABORT until each worker has stopped (giving up on those silent for the
+        group's timeout: CollectiveTimeoutError), then raises if anything else failed meanwhile (its own error
+        while it served, or another server's: ``PeerFailedError``).
         """
         if self.is_server:
             if not self._served:
@@ -274,13 +276,15 @@ class ParameterServer:
             if not self._served:
                 try:
                     self.abort(reason)
-                except Exception:  # noqa: BLE001 - the original exception is the one to see
-                    pass
+                except Exception:  # noqa: BLE001 - the original exception is the one to see; what followed, its note
+                    if exc is not None:
+                        noted(exc, f"{self._server.name} stopped the run: {self._server.failure}")
         elif not self._worker.closed:
             try:
                 self.abort(reason)
-            except Exception:  # noqa: BLE001 - the original exception is the one to see
-                pass
+            except Exception as later:  # noqa: BLE001 - the original exception is the one to see; this, its note
+                if exc is not None:
+                    noted(exc, f"telling the servers failed: {type(later).__name__}: {later}")
         return False
 
 __all__ = ["ParameterServer", "ParameterServerError", "PeerFailedError", "MODES"]

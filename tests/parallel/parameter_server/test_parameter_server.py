@@ -184,6 +184,35 @@ def test_a_silent_worker_times_the_server_out_naming_it():
     ax.run_local(body, world_size=3)
 
 
+@pytest.mark.timeout(60)
+def test_a_server_that_times_out_answers_the_workers_waiting_for_it():
+    # Worker 0's pull waits for the round that worker 1, silent, never completes. The server gives up on worker 1
+    # after its time limit and tells worker 0 at once, which would otherwise wait for a time limit of its own.
+    def body(world):
+        world.default_group.timeout = 5.0 if world.rank == 0 else 0.3  # the server's is the shortest
+        ps = ParameterServer(make_model(np.float64), optimizer_class=optim.SGD, lr=0.1)
+        started = time.monotonic()
+        if ps.is_server:
+            with pytest.raises(ax.errors.CollectiveTimeoutError, match=r"timed out after 0.3 s .* missing ranks: \[1\]"):
+                ps.serve()
+        elif ps.worker_index == 0:
+            ps.pull()
+            model = ps.model
+            model.parameters()[0].grad = np.zeros_like(model.parameters()[0].data)
+            with pytest.raises(PeerFailedError, match=r"parameter server 0 \(global rank 2\) failed: "
+                                                      r"CollectiveTimeoutError: timed out after 0.3 s .* missing "
+                                                      r"ranks: \[1\]"):
+                ps.step()  # its pull waits for worker 1's gradient
+            assert time.monotonic() - started < 4.0  # told by the server, not by its own time limit
+        else:
+            ps.pull()
+            time.sleep(1.0)  # says nothing until the server has given up
+            with pytest.raises(ax.errors.CollectiveTimeoutError, match="timed out"):
+                ps.pull()
+
+    ax.run_local(body, world_size=3)
+
+
 def test_public_methods_have_docstrings():
     for cls in (ParameterServer, StalenessBound, ParameterServerError, PeerFailedError):
         assert inspect.getdoc(cls), cls
