@@ -44,9 +44,12 @@ explains the disagreement on every rank.
 """
 import zlib
 
+from cpython.buffer cimport PyBUF_SIMPLE, PyBUF_WRITABLE, PyBuffer_Release, PyObject_GetBuffer
 from libc.stdint cimport int32_t, int64_t, uint64_t
 from libc.string cimport memset
 cimport numpy as cnp
+
+from _buffers cimport NOGIL_MIN_BYTES
 
 import numpy as np
 
@@ -280,6 +283,112 @@ def carry(cnp.ndarray buf not None, object x, object reduce, double vote, double
     _carry_in(buf, data, vote)
     reduce()
     return _carry_out(buf, data, all_yes)
+
+
+# -- float MIN and MAX of two buffers, as the engine reduces them (``backends.folding``) ------------
+cdef extern from "shm_engine.h":
+    float ax_fmin_f32(float a, float v) noexcept nogil
+    float ax_fmax_f32(float a, float v) noexcept nogil
+    double ax_fmin_f64(double a, double v) noexcept nogil
+    double ax_fmax_f64(double a, double v) noexcept nogil
+
+ctypedef void (*_fold_fn)(char *inout, const char *src, size_t n) noexcept nogil
+
+
+cdef void _min_f32(char *inout, const char *src, size_t n) noexcept nogil:
+    cdef float *d = <float*>inout
+    cdef const float *s = <const float*>src
+    cdef size_t i
+    for i in range(n):
+        d[i] = ax_fmin_f32(d[i], s[i])
+
+
+cdef void _max_f32(char *inout, const char *src, size_t n) noexcept nogil:
+    cdef float *d = <float*>inout
+    cdef const float *s = <const float*>src
+    cdef size_t i
+    for i in range(n):
+        d[i] = ax_fmax_f32(d[i], s[i])
+
+
+cdef void _min_f64(char *inout, const char *src, size_t n) noexcept nogil:
+    cdef double *d = <double*>inout
+    cdef const double *s = <const double*>src
+    cdef size_t i
+    for i in range(n):
+        d[i] = ax_fmin_f64(d[i], s[i])
+
+
+cdef void _max_f64(char *inout, const char *src, size_t n) noexcept nogil:
+    cdef double *d = <double*>inout
+    cdef const double *s = <const double*>src
+    cdef size_t i
+    for i in range(n):
+        d[i] = ax_fmax_f64(d[i], s[i])
+
+
+cdef class MinMax:
+    """``inout = min(in, inout)`` (or max) elementwise on float32 or float64, as the engine reduces.
+
+    The element function is the engine's (``shm_engine.h``): IEEE 754-2019 minimum and maximum, a NaN
+    wins and -0.0 is below +0.0, so whatever folds with it gives the engine's bits, in any order.
+    An instance is called as MPI calls a user op, ``kernel(inbuf, inoutbuf, datatype)`` (``datatype``
+    unused), so it can be one (``MPI.Op.Create(MinMax("MIN", np.float32), commute=True)``); it takes
+    any two contiguous buffers of equal length, numpy arrays too (their dtype is the caller's to check).
+
+    Attributes:
+        op: "MIN" or "MAX".
+        dtype: float32 or float64, as a numpy dtype.
+
+    Raises:
+        ValueError: an op other than MIN or MAX, or a dtype other than float32 and float64 (at
+            construction); buffers of different lengths, or not whole elements (at a call).
+        BufferError, ValueError (the buffer's own refusal, numpy's is ValueError): a buffer that is not
+            contiguous, or ``inout`` not writable.
+    """
+
+    cdef _fold_fn fn
+    cdef Py_ssize_t itemsize
+    cdef readonly str op
+    cdef readonly object dtype
+
+    def __init__(self, str op not None, dtype):
+        dt = np.dtype(dtype)
+        if op not in ("MIN", "MAX"):
+            raise ValueError(f"MinMax: op {op!r} is not MIN or MAX")
+        if dt == np.float32:
+            self.fn = _min_f32 if op == "MIN" else _max_f32
+        elif dt == np.float64:
+            self.fn = _min_f64 if op == "MIN" else _max_f64
+        else:
+            raise ValueError(f"MinMax: float32 or float64, not {dt}")
+        self.itemsize = dt.itemsize
+        self.op, self.dtype = op, dt
+
+    def __call__(self, inbuf, inoutbuf, datatype=None):
+        cdef Py_buffer src, dst
+        cdef _fold_fn fn = self.fn
+        cdef size_t n
+        PyObject_GetBuffer(inbuf, &src, PyBUF_SIMPLE)
+        try:
+            PyObject_GetBuffer(inoutbuf, &dst, PyBUF_WRITABLE)
+            try:
+                if src.len != dst.len or dst.len % self.itemsize:
+                    raise ValueError(f"MinMax: {src.len} bytes into {dst.len}, in elements of {self.itemsize} "
+                                     "bytes")
+                n = <size_t>(dst.len // self.itemsize)
+                if dst.len < NOGIL_MIN_BYTES:
+                    fn(<char*>dst.buf, <const char*>src.buf, n)
+                else:
+                    with nogil:
+                        fn(<char*>dst.buf, <const char*>src.buf, n)
+            finally:
+                PyBuffer_Release(&dst)
+        finally:
+            PyBuffer_Release(&src)
+
+    def __repr__(self):
+        return f"MinMax({self.op!r}, {self.dtype})"
 
 
 class EngineMismatch(CollectiveMismatchError):

@@ -152,21 +152,52 @@ static int ax_wait_all(ax_shm *s, int field, uint64_t target, double timeout, un
  * p (numpy's `sum / p`, so the bits equal the MPI path's sum-then-divide). */
 #define AX_DIVIDE(T) for (size_t i = 0; i < m; i++) acc[i] = acc[i] / (T)p;
 
-/* MIN and MAX are numpy's np.minimum / np.maximum: a NaN from any rank wins (a
- * NaN accumulator stays: every comparison with it is false; a NaN v is taken:
- * v != v), so every rank and every path (MPI: backends/mpi_work.py) agree.
- * For integers v != v is false and the compiler drops it. */
-#define AX_DEFINE_OPS(SUFFIX, T)                                        \
-    AX_DEFINE_REDUCE(ax_sum_##SUFFIX, T, a + v, )                       \
-    AX_DEFINE_REDUCE(ax_prod_##SUFFIX, T, a * v, )                      \
-    AX_DEFINE_REDUCE(ax_min_##SUFFIX, T, ((v < a || v != v) ? v : a), ) \
-    AX_DEFINE_REDUCE(ax_max_##SUFFIX, T, ((v > a || v != v) ? v : a), )
+/* MIN and MAX of floats are IEEE 754-2019 minimum and maximum: a NaN from any
+ * rank wins (a NaN accumulator stays: every comparison with it is false; a NaN v
+ * is taken: v != v), and -0 is below +0. On a tie (v == a: equal numbers, which
+ * have equal bits, or two zeros) MIN ORs the bits, so a sign from either side
+ * makes -0, and MAX ANDs them, so +0 unless both are -0. That makes both
+ * commutative and associative bit for bit (which NaN comes out aside), so every
+ * rank, every order and every path agree (MPI: backends/mpi_work.py; threads
+ * and ring/rhd: backends/folding.py). The tie is taken on the bits, not with
+ * signbit(): the f64 loops then vectorise without SSE4.2's 64-bit compare.
+ * Integers keep the plain comparison. */
+#define AX_DEFINE_IEEE_MINMAX(SUFFIX, T, U)                                \
+    static inline T ax_fmin_##SUFFIX(T a, T v) {                           \
+        T m = (v < a || v != v) ? v : a;                                   \
+        U mb, vb;                                                          \
+        memcpy(&mb, &m, sizeof mb);                                        \
+        memcpy(&vb, &v, sizeof vb);                                        \
+        mb |= (v == a) ? vb : (U)0;                                        \
+        memcpy(&m, &mb, sizeof m);                                         \
+        return m;                                                          \
+    }                                                                      \
+    static inline T ax_fmax_##SUFFIX(T a, T v) {                           \
+        T m = (v > a || v != v) ? v : a;                                   \
+        U mb, vb;                                                          \
+        memcpy(&mb, &m, sizeof mb);                                        \
+        memcpy(&vb, &v, sizeof vb);                                        \
+        mb &= (v == a) ? vb : ~(U)0;                                       \
+        memcpy(&m, &mb, sizeof m);                                         \
+        return m;                                                          \
+    }
 
-AX_DEFINE_OPS(f32, float)
-AX_DEFINE_OPS(f64, double)
-AX_DEFINE_OPS(i32, int32_t)
-AX_DEFINE_OPS(i64, int64_t)
-AX_DEFINE_OPS(u8, uint8_t)
+AX_DEFINE_IEEE_MINMAX(f32, float, uint32_t)
+AX_DEFINE_IEEE_MINMAX(f64, double, uint64_t)
+
+#define AX_DEFINE_OPS(SUFFIX, T, MIN, MAX)                  \
+    AX_DEFINE_REDUCE(ax_sum_##SUFFIX, T, a + v, )           \
+    AX_DEFINE_REDUCE(ax_prod_##SUFFIX, T, a * v, )          \
+    AX_DEFINE_REDUCE(ax_min_##SUFFIX, T, MIN, )             \
+    AX_DEFINE_REDUCE(ax_max_##SUFFIX, T, MAX, )
+#define AX_INT_MIN (v < a ? v : a)
+#define AX_INT_MAX (v > a ? v : a)
+
+AX_DEFINE_OPS(f32, float, ax_fmin_f32(a, v), ax_fmax_f32(a, v))
+AX_DEFINE_OPS(f64, double, ax_fmin_f64(a, v), ax_fmax_f64(a, v))
+AX_DEFINE_OPS(i32, int32_t, AX_INT_MIN, AX_INT_MAX)
+AX_DEFINE_OPS(i64, int64_t, AX_INT_MIN, AX_INT_MAX)
+AX_DEFINE_OPS(u8, uint8_t, AX_INT_MIN, AX_INT_MAX)
 AX_DEFINE_REDUCE(ax_avg_f32, float, a + v, AX_DIVIDE(float))
 AX_DEFINE_REDUCE(ax_avg_f64, double, a + v, AX_DIVIDE(double))
 

@@ -18,15 +18,9 @@ import numpy as np
 
 from ..errors import CollectiveMismatchError, CollectiveTimeoutError, InvalidArgumentError, LocalAbort, ShapeError
 from .base import PROGRESS, Backend, CompletedWork, ReduceOp, Work
+from .folding import fold
 
 _POLL = 0.05  # seconds between checks of the abort flag while waiting
-
-_REDUCERS: Dict[ReduceOp, Callable[[Any, Any], Any]] = {
-    ReduceOp.SUM: np.add,
-    ReduceOp.PRODUCT: np.multiply,
-    ReduceOp.MIN: np.minimum,
-    ReduceOp.MAX: np.maximum,
-}
 
 
 class _Hub:
@@ -189,12 +183,10 @@ class LocalBackend(Backend):
 
     # -- collectives ------------------------------------------------------
     def all_reduce(self, buf, op: ReduceOp, async_op: bool) -> Work:
-        reducer = _REDUCERS[op]
-
         def compute(args):
             total = args[0][0].copy()
             for (other,) in args[1:]:
-                reducer(total, other, out=total)
+                fold(op, total, other)  # float MIN/MAX: folding's note
             for (b,) in args:
                 b[...] = total
 
@@ -219,13 +211,12 @@ class LocalBackend(Backend):
         return self._collective("all_gather", (send.dtype, send.shape), (send, recv), compute, async_op, recv)
 
     def reduce_scatter(self, send, recv, op: ReduceOp, async_op: bool) -> Work:
-        reducer = _REDUCERS[op]
         n = self.size
 
         def compute(args):
             total = args[0][0].copy()
             for s, _ in args[1:]:
-                reducer(total, s, out=total)
+                fold(op, total, s)
             # explicit part length: with a zero in the trailing dimensions, -1 would be ambiguous
             parts = total.reshape((n, total.shape[0] // n) + total.shape[1:]) if total.ndim else total
             for i, (_, r) in enumerate(args):

@@ -23,6 +23,7 @@ from typing import Any, Callable, List, NamedTuple, Optional, Tuple
 
 from .._dtypes import array_module
 from ..backends.base import Backend, ReduceOp
+from ..backends.folding import fold
 from ..groups import ProcessGroup
 from .group_state import private_channel
 from .widen import reduce_widened
@@ -119,11 +120,6 @@ def rhd_schedule(size: int, rank: int) -> Schedule:
     return Schedule(pof2, tuple(steps))
 
 
-def _reducer(xp, op: ReduceOp) -> Callable:
-    return {ReduceOp.SUM: xp.add, ReduceOp.PRODUCT: xp.multiply,
-            ReduceOp.MIN: xp.minimum, ReduceOp.MAX: xp.maximum}[op]
-
-
 def channel(pg: ProcessGroup) -> Backend:
     """The private communicator of ``pg`` for these algorithms (collective on the first call)."""
     return private_channel(pg, "ring")
@@ -133,7 +129,6 @@ def execute(flat: Any, schedule: Schedule, op: ReduceOp, backend: Backend, tag: 
             timeout: Optional[float] = None, name: str = "all_reduce") -> None:
     """Run one rank's ``schedule`` on the contiguous 1-d array ``flat`` in place (not 16-bit floats)."""
     xp = array_module(flat)
-    reduce = _reducer(xp, op)
     off = chunk_offsets(flat.size, schedule.chunks)
     largest = max([off[s.recv[1]] - off[s.recv[0]] for s in schedule.steps if s.reduce] or [0])
     scratch = xp.empty(largest, dtype=flat.dtype) if largest else None
@@ -154,7 +149,7 @@ def execute(flat: Any, schedule: Schedule, op: ReduceOp, backend: Backend, tag: 
         for work in works:
             work.wait(timeout)
         if into is not None and step.reduce:
-            reduce(flat[ra:rb], into, out=flat[ra:rb])
+            fold(op, flat[ra:rb], into)  # float MIN/MAX: backends.folding's note
 
 
 def _all_reduce(x: Any, op: ReduceOp, pg: ProcessGroup, make: Callable[[int, int], Schedule], tag: int,

@@ -2,6 +2,9 @@
 
 - float MIN and MAX propagate NaN as ``np.minimum`` / ``np.maximum`` do, whichever rank holds it
   (the node engine kept a NaN only from rank 0; MPI's built-in ops differed by rank);
+- float MIN and MAX are IEEE 754-2019 minimum and maximum: -0.0 is below +0.0, so the sign of a zero
+  result is the same on every rank and path, and the IEEE one (``np.minimum`` returned the second of
+  two zeros, so MPI's rank-dependent order gave ranks different signs, and the engine kept rank 0's);
 - uint8 SUM wraps mod 256 (Open MPI's AVX op saturates at 255 from 16 elements on), PRODUCT too;
 - integer AVG is the floor of the exact mean: it sums in int64, so 200 + 200 as uint8 averages to 200.
 
@@ -108,6 +111,98 @@ def case_inf_norm_clipping_with_a_nan(world):
     norm = clip_grad_norm([grad], 1.0, float("inf"), sum_over=[world.default_group])
     norms = ax.all_gather(np.array([norm]))
     assert np.all(np.isnan(norms)), f"the ranks' inf-norms: {norms.ravel().tolist()}, not NaN on every rank"
+
+
+def _signed_zero_columns(n):
+    """Columns (one value per rank, shape (n, m)) of +0.0 and -0.0 in every sign pattern over the ranks,
+    alone, with a NaN on one rank, and with 1.0, -1.0, inf or -inf on one rank."""
+    patterns = [[-0.0 if c >> k & 1 else 0.0 for k in range(n)] for c in range(2 ** n)]
+    columns = [list(p) for p in patterns]
+    for other in (np.nan, 1.0, -1.0, np.inf, -np.inf):
+        for p in patterns:
+            for k in range(n):
+                columns.append(p[:k] + [other] + p[k + 1:])
+    return np.array(columns, dtype=np.float64).T
+
+
+def ieee_min_max(rows, op):
+    """IEEE 754-2019 minimum or maximum down ``rows`` (float64, ranks x elements), written out case by case."""
+    nan = np.isnan(rows).any(axis=0)
+    numbers = np.where(np.isnan(rows), 0.0, rows)
+    zero = rows == 0
+    if op is ax.ReduceOp.MIN:
+        out = numbers.min(axis=0)
+        negative_zero = (zero & np.signbit(rows)).any(axis=0)  # -0.0 on any rank: below every +0.0
+        out = np.where(out == 0, np.where(negative_zero, -0.0, 0.0), out)
+    else:
+        out = numbers.max(axis=0)
+        positive_zero = (zero & ~np.signbit(rows)).any(axis=0)  # +0.0 on any rank: above every -0.0
+        out = np.where(out == 0, np.where(positive_zero, 0.0, -0.0), out)
+    return np.where(nan, np.nan, out)
+
+
+def _bits(x):
+    x = np.ascontiguousarray(x).reshape(-1)
+    return x.view({2: np.uint16, 4: np.uint32, 8: np.uint64}[x.dtype.itemsize])
+
+
+def _check_ieee_bits(got, want, what, problems, everywhere=True):
+    """``got`` is NaN where ``want`` is, and has ``want``'s bits (sign of zero included) everywhere else; with
+    ``everywhere``, the non-NaN bits and the NaN places are the same on every rank (which NaN is not promised)."""
+    got, want = np.ascontiguousarray(got).reshape(-1), np.ascontiguousarray(want).reshape(-1)
+    nan_got, nan_want = np.isnan(got.astype(np.float64)), np.isnan(want.astype(np.float64))
+    if not np.array_equal(nan_got, nan_want):
+        problems.append(f"{what}: NaN at {np.flatnonzero(nan_got)[:5]}..., IEEE's at {np.flatnonzero(nan_want)[:5]}")
+    else:
+        wrong = np.flatnonzero(_bits(got)[~nan_got] != _bits(want)[~nan_want])
+        if wrong.size:
+            g, w = got[~nan_got][wrong[:4]].astype(np.float64), want[~nan_want][wrong[:4]].astype(np.float64)
+            problems.append(f"{what}: {wrong.size} elements differ from IEEE's, e.g. got {g.tolist()} "
+                            f"(sign bits {np.signbit(g).tolist()}), IEEE {w.tolist()} (sign bits {np.signbit(w).tolist()})")
+    if everywhere:
+        canonical = _bits(got).copy()
+        canonical[nan_got] = 1  # NaN as NaN, whatever its bits
+        _same_on_every_rank(canonical, what, problems)
+
+
+def case_min_max_of_signed_zeros(world):
+    """-0.0 on some ranks and +0.0 on others (alone, beside a NaN or a number): IEEE's bits on every rank.
+
+    Through the plain call, the general (asynchronous) path, reduce_scatter, the ring, rhd and
+    hierarchical algorithms, and a small call repeated (carried with its check over MPI).
+    """
+    n, r = world.world_size, world.rank
+    problems = []
+    columns = _signed_zero_columns(n)
+    m = columns.shape[1]
+    for dtype in FLOATS:
+        for op in (ax.ReduceOp.MIN, ax.ReduceOp.MAX):
+            for size in (m, 70001):
+                rows = np.tile(columns, -(-size * n // m))[:, :size * n]  # size * n: reduce_scatter's parts too
+                want = ieee_min_max(rows.astype(dtype).astype(np.float64), op).astype(dtype)
+                mine = rows[r].astype(dtype)
+                head = f"{op.name} {dtype} size {size} on {n} ranks"
+                x = mine[:size].copy()
+                ax.all_reduce(x, op)
+                _check_ieee_bits(x, want[:size], f"all_reduce {head}", problems)
+                y = mine[:size].copy()
+                ax.all_reduce(y, op, async_op=True).wait()
+                _check_ieee_bits(y, want[:size], f"all_reduce {head} (async)", problems)
+                part = ax.reduce_scatter(mine.reshape(n, size), op)
+                _check_ieee_bits(part, want.reshape(n, size)[r], f"reduce_scatter {head}", problems, everywhere=False)
+                for algorithm in ("ring", "rhd", "hierarchical"):
+                    z = mine[:size].copy()
+                    ax.all_reduce(z, op, algorithm=algorithm)
+                    _check_ieee_bits(z, want[:size], f"all_reduce {algorithm} {head}", problems)
+    for dtype in (np.float32, np.float64):  # small, and the same call again and again: carried over MPI
+        for op in (ax.ReduceOp.MIN, ax.ReduceOp.MAX):
+            rows = columns.astype(dtype)
+            want = ieee_min_max(columns, op).astype(dtype)
+            for step in range(5):
+                x = rows[r].copy()
+                ax.all_reduce(x, op)
+                _check_ieee_bits(x, want, f"all_reduce {op.name} {np.dtype(dtype)} of {m}, call {step + 1}", problems)
+    _report(problems, r)
 
 
 def case_uint8_sum_and_product_wrap(world):
