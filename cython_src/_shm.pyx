@@ -10,13 +10,16 @@ by the others with acquire loads, followed by ``nslots`` slots of
 slot ``g % nslots``; all-reduce of one chunk:
 
 1. wait until every rank is done with chunk ``g - nslots`` (the slot is free);
-2. copy the chunk into this rank's slot; publish *copied* = g + 1;
+2. copy the chunk into this rank's slot, all but this rank's own share (a
+   cache-line aligned ``1/p`` of the chunk), which no other rank reads;
+   publish *copied* = g + 1;
 3. wait until every rank has copied;
-4. reduce this rank's share of the chunk (a cache-line aligned ``1/p``) over
-   all ranks' slots, in rank order 0, 1, ..., p-1, into this rank's slot;
-   publish *reduced*;
-5. wait until every rank has reduced; copy every rank's share out of its
-   slot into the caller's array; publish *done*.
+4. reduce this rank's share over all ranks (its own part read from the
+   caller's array, the others' from their slots), in rank order 0, 1, ...,
+   p-1, into this rank's slot and the caller's array at once; publish
+   *reduced*;
+5. wait until every rank has reduced; copy the other ranks' shares out of
+   their slots into the caller's array; publish *done*.
 
 The memory touched per rank stays ``nslots * slot_bytes`` whatever the
 message size, so the chunks stay in the last-level cache between the copy in,

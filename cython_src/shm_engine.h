@@ -130,10 +130,11 @@ static int ax_wait_all(ax_shm *s, int field, uint64_t target, double timeout, un
 
 
 /* dst[i] = src[0][i] op src[1][i] op ... in rank order, blockwise through a small
- * accumulator, so dst may be one of the sources. */
+ * accumulator, so dst may be one of the sources; the same into dst2 too unless
+ * it is NULL (it may be a source as well). */
 #define AX_BLOCK 1024
 #define AX_DEFINE_REDUCE(NAME, T, EXPR, FINISH)                                      \
-    static void NAME(char *dst, char *const *srcs, int p, size_t n) {                \
+    static void NAME(char *dst, char *dst2, char *const *srcs, int p, size_t n) {    \
         T acc[AX_BLOCK];                                                              \
         for (size_t b = 0; b < n; b += AX_BLOCK) {                                    \
             size_t m = n - b < AX_BLOCK ? n - b : AX_BLOCK;                           \
@@ -145,6 +146,7 @@ static int ax_wait_all(ax_shm *s, int field, uint64_t target, double timeout, un
             }                                                                         \
             FINISH                                                                    \
             ax_copy((T *)dst + b, acc, m * sizeof(T));                                \
+            if (dst2) ax_copy((T *)dst2 + b, acc, m * sizeof(T));                     \
         }                                                                             \
     }
 
@@ -201,7 +203,7 @@ AX_DEFINE_OPS(u8, uint8_t, AX_INT_MIN, AX_INT_MAX)
 AX_DEFINE_REDUCE(ax_avg_f32, float, a + v, AX_DIVIDE(float))
 AX_DEFINE_REDUCE(ax_avg_f64, double, a + v, AX_DIVIDE(double))
 
-typedef void (*ax_reduce_fn)(char *, char *const *, int, size_t);
+typedef void (*ax_reduce_fn)(char *, char *, char *const *, int, size_t);
 
 /* op: SUM, PROD, MIN, MAX, and AVG for the float dtypes only (integer AVG
  * floors, which the caller does after a SUM). */
@@ -312,9 +314,13 @@ static int ax_agree(ax_shm *s, const int64_t *desc, double timeout, unsigned cha
 #define AX_CHECK_FIRST(g, first) \
     if ((first) == 0 && desc && !ax_agrees(s, g, desc)) return ax_refuse(s, g, timeout, lagging)
 
-/* In-place all-reduce of `count` elements at x. Per chunk: copy in, wait for
- * every copy, reduce this rank's share into its own slot, wait for every
- * share, copy every share out. `desc` describes the call (see ax_desc).
+/* In-place all-reduce of `count` elements at x. Per chunk: copy in what the
+ * other ranks reduce (all but this rank's share, which only it reads, from x),
+ * wait for every copy, reduce this rank's share into its own slot and into x
+ * at once, wait for every share, copy the other shares out. Compared with
+ * copying whole chunks through the slots, each rank moves 3/p of the message
+ * less through memory (4 against 5.5 message sizes at 2 ranks); the sum is
+ * the same, in rank order. `desc` describes the call (see ax_desc).
  * Returns 0, -1 (timeout, *lagging set), -2 (bad dtype/op) or AX_MISMATCH. */
 static int ax_allreduce(ax_shm *s, char *x, size_t count, int dtype, int op, size_t itemsize,
                         const int64_t *desc, double timeout, unsigned char *lagging) {
@@ -328,22 +334,24 @@ static int ax_allreduce(ax_shm *s, char *x, size_t count, int dtype, int op, siz
     for (size_t first = 0; first < count; first += per_chunk) {
         const uint64_t g = s->seq++;
         const size_t n = count - first < per_chunk ? count - first : per_chunk;
-        char *xc = x + first * itemsize;
+        char *xc = x + first * itemsize, *mine = ax_slot(s, me, g);
+        size_t lo, hi;
+        ax_share(n, me, p, align, &lo, &hi);
         if (ax_wait_slot(s, g, timeout, lagging)) return -1;
-        ax_copy(ax_slot(s, me, g), xc, n * itemsize);
+        ax_copy(mine, xc, lo * itemsize);
+        ax_copy(mine + hi * itemsize, xc + hi * itemsize, (n - hi) * itemsize);
         AX_PUBLISH_FIRST(g, first);
         ax_store(&s->ctrls[me]->copied, g + 1);
         if (ax_wait_all(s, AX_COPIED, g + 1, timeout, lagging)) return -1;
         AX_CHECK_FIRST(g, first);
-        size_t lo, hi;
-        ax_share(n, me, p, align, &lo, &hi);
         if (hi > lo) {
-            for (int r = 0; r < p; r++) srcs[r] = ax_slot(s, r, g) + lo * itemsize;
-            reduce(ax_slot(s, me, g) + lo * itemsize, srcs, p, hi - lo);
+            for (int r = 0; r < p; r++) srcs[r] = (r == me ? xc : ax_slot(s, r, g)) + lo * itemsize;
+            reduce(mine + lo * itemsize, xc + lo * itemsize, srcs, p, hi - lo);
         }
         ax_store(&s->ctrls[me]->reduced, g + 1);
         if (ax_wait_all(s, AX_REDUCED, g + 1, timeout, lagging)) return -1;
         for (int k = 0; k < p; k++) {
+            if (k == me) continue;
             ax_share(n, k, p, align, &lo, &hi);
             if (hi > lo) ax_copy(xc + lo * itemsize, ax_slot(s, k, g) + lo * itemsize, (hi - lo) * itemsize);
         }
@@ -354,8 +362,8 @@ static int ax_allreduce(ax_shm *s, char *x, size_t count, int dtype, int op, siz
 
 /* Reduce-scatter: x holds p blocks of `block` elements; out receives the
  * reduction of block `rank`. Per chunk every rank copies the same window of
- * each of the p blocks into its slot (p pieces), and the owner of a block
- * reduces its piece straight into `out`. */
+ * each other rank's block into its slot (p - 1 pieces), and the owner of a
+ * block reduces its piece straight into `out`, its own part read from x. */
 static int ax_reduce_scatter(ax_shm *s, const char *x, char *out, size_t block, int dtype, int op,
                              size_t itemsize, const int64_t *desc, double timeout, unsigned char *lagging) {
     ax_reduce_fn reduce = ax_reducer(dtype, op);
@@ -371,13 +379,16 @@ static int ax_reduce_scatter(ax_shm *s, const char *x, char *out, size_t block, 
         if (ax_wait_slot(s, g, timeout, lagging)) return -1;
         char *mine = ax_slot(s, me, g);
         for (int k = 0; k < p; k++)
-            ax_copy(mine + (size_t)k * piece * itemsize, x + ((size_t)k * block + first) * itemsize, n * itemsize);
+            if (k != me) /* its own piece only this rank reads, from x */
+                ax_copy(mine + (size_t)k * piece * itemsize, x + ((size_t)k * block + first) * itemsize, n * itemsize);
         AX_PUBLISH_FIRST(g, first);
         ax_store(&s->ctrls[me]->copied, g + 1);
         if (ax_wait_all(s, AX_COPIED, g + 1, timeout, lagging)) return -1;
         AX_CHECK_FIRST(g, first);
-        for (int r = 0; r < p; r++) srcs[r] = ax_slot(s, r, g) + (size_t)me * piece * itemsize;
-        reduce(out + first * itemsize, srcs, p, n);
+        for (int r = 0; r < p; r++)
+            srcs[r] = r == me ? (char *)x + ((size_t)me * block + first) * itemsize
+                              : ax_slot(s, r, g) + (size_t)me * piece * itemsize;
+        reduce(out + first * itemsize, NULL, srcs, p, n);
         ax_store(&s->ctrls[me]->reduced, g + 1);
         ax_store(&s->ctrls[me]->done, g + 1);
     }
@@ -458,7 +469,7 @@ static int ax_allreduce_direct(ax_shm *s, size_t offset, size_t count, int dtype
     ax_share(count, me, p, align, &lo, &hi);
     if (hi > lo) {
         for (int r = 0; r < p; r++) srcs[r] = s->segs[r] + offset + lo * itemsize;
-        reduce(s->segs[me] + offset + lo * itemsize, srcs, p, hi - lo);
+        reduce(s->segs[me] + offset + lo * itemsize, NULL, srcs, p, hi - lo);
     }
     ax_store(&s->ctrls[me]->reduced, g + 1);
     if (ax_wait_all(s, AX_REDUCED, g + 1, timeout, lagging)) return -1;
