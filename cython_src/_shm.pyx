@@ -290,44 +290,12 @@ def carry(cnp.ndarray buf not None, object x, object reduce, double vote, double
 
 # -- float MIN and MAX of two buffers, as the engine reduces them (``backends.folding``) ------------
 cdef extern from "shm_engine.h":
-    float ax_fmin_f32(float a, float v) noexcept nogil
-    float ax_fmax_f32(float a, float v) noexcept nogil
-    double ax_fmin_f64(double a, double v) noexcept nogil
-    double ax_fmax_f64(double a, double v) noexcept nogil
+    void ax_fold_min_f32(char *inout, const char *src, size_t n) noexcept nogil
+    void ax_fold_max_f32(char *inout, const char *src, size_t n) noexcept nogil
+    void ax_fold_min_f64(char *inout, const char *src, size_t n) noexcept nogil
+    void ax_fold_max_f64(char *inout, const char *src, size_t n) noexcept nogil
 
 ctypedef void (*_fold_fn)(char *inout, const char *src, size_t n) noexcept nogil
-
-
-cdef void _min_f32(char *inout, const char *src, size_t n) noexcept nogil:
-    cdef float *d = <float*>inout
-    cdef const float *s = <const float*>src
-    cdef size_t i
-    for i in range(n):
-        d[i] = ax_fmin_f32(d[i], s[i])
-
-
-cdef void _max_f32(char *inout, const char *src, size_t n) noexcept nogil:
-    cdef float *d = <float*>inout
-    cdef const float *s = <const float*>src
-    cdef size_t i
-    for i in range(n):
-        d[i] = ax_fmax_f32(d[i], s[i])
-
-
-cdef void _min_f64(char *inout, const char *src, size_t n) noexcept nogil:
-    cdef double *d = <double*>inout
-    cdef const double *s = <const double*>src
-    cdef size_t i
-    for i in range(n):
-        d[i] = ax_fmin_f64(d[i], s[i])
-
-
-cdef void _max_f64(char *inout, const char *src, size_t n) noexcept nogil:
-    cdef double *d = <double*>inout
-    cdef const double *s = <const double*>src
-    cdef size_t i
-    for i in range(n):
-        d[i] = ax_fmax_f64(d[i], s[i])
 
 
 cdef class MinMax:
@@ -360,9 +328,9 @@ cdef class MinMax:
         if op not in ("MIN", "MAX"):
             raise ValueError(f"MinMax: op {op!r} is not MIN or MAX")
         if dt == np.float32:
-            self.fn = _min_f32 if op == "MIN" else _max_f32
+            self.fn = ax_fold_min_f32 if op == "MIN" else ax_fold_max_f32
         elif dt == np.float64:
-            self.fn = _min_f64 if op == "MIN" else _max_f64
+            self.fn = ax_fold_min_f64 if op == "MIN" else ax_fold_max_f64
         else:
             raise ValueError(f"MinMax: float32 or float64, not {dt}")
         self.itemsize = dt.itemsize

@@ -187,6 +187,18 @@ static int ax_wait_all(ax_shm *s, int field, uint64_t target, double timeout, un
 AX_DEFINE_IEEE_MINMAX(f32, float, uint32_t)
 AX_DEFINE_IEEE_MINMAX(f64, double, uint64_t)
 
+/* inout[i] = F(inout[i], src[i]): one buffer folded into another (_shm.MinMax, MPI's user op). */
+#define AX_DEFINE_FOLD(NAME, T, F)                                        \
+    static void NAME(char *inout, const char *src, size_t n) {            \
+        T *d = (T *)inout;                                                \
+        const T *v = (const T *)src;                                      \
+        for (size_t i = 0; i < n; i++) d[i] = F(d[i], v[i]);              \
+    }
+AX_DEFINE_FOLD(ax_fold_min_f32, float, ax_fmin_f32)
+AX_DEFINE_FOLD(ax_fold_max_f32, float, ax_fmax_f32)
+AX_DEFINE_FOLD(ax_fold_min_f64, double, ax_fmin_f64)
+AX_DEFINE_FOLD(ax_fold_max_f64, double, ax_fmax_f64)
+
 #define AX_DEFINE_OPS(SUFFIX, T, MIN, MAX)                  \
     AX_DEFINE_REDUCE(ax_sum_##SUFFIX, T, a + v, )           \
     AX_DEFINE_REDUCE(ax_prod_##SUFFIX, T, a * v, )          \
