@@ -117,7 +117,7 @@ def main(argv=None):
                         help="go on when ranks die (axonhpc launch --fault-tolerant: Open MPI with ULFM)")
     parser.add_argument("--simulate-failure", default=None, metavar="R:K[:WHERE]",
                         help="with --elastic: rank R SIGKILLs itself once K steps are done (WHERE: forward, "
-                             "backward, optimizer, save, spare)")
+                             "backward, optimizer, save, spare; in a recovery: shrink, agree, split, restore)")
     parser.add_argument("--spares", type=int, default=0, metavar="N",
                         help="with --elastic: N of the ranks wait, and one takes the place of each rank lost")
     parser.add_argument("--respawn", action="store_true",

@@ -84,7 +84,8 @@ def parse_args(argv=None):
                         "divisible by every dp width it may reach)")
     p.add_argument("--simulate-failure", default=None, metavar="R:K[:WHERE]",
                    help="with --elastic: rank R SIGKILLs itself once K steps are done (WHERE: forward, backward, "
-                        "optimizer, save, or spare: a spare as it starts to wait); comma-separated for several")
+                        "optimizer, save, or spare: a spare as it starts to wait; in a recovery: shrink, agree, "
+                        "split, restore); comma-separated for several")
     p.add_argument("--spares", type=int, default=0, metavar="N",
                    help="with --elastic: N of the ranks wait, and one takes the place of each rank lost, so dp stays")
     p.add_argument("--respawn", action="store_true",

@@ -32,6 +32,24 @@ built its part or every survivor knows the build was cut short. In that case
 there is no state to gather: nothing was trained. The survivors shrink as for
 any loss and build the run's first world again on themselves (``start``, a
 checkpoint loaded there too), with the same global batch, then agree again.
+
+[Note: a failure during recovery]
+A rank can die while the survivors recover: in the shrink, the agreement on
+the step, the ``Split`` that brings spares in, the new world's set-up or the
+gathering of the state. A recovery is therefore made of attempts. Each starts
+from what the rank held when the recovery began (the old run is kept until
+the end: ``_Before``), shrinks the communicator once more, and ends with
+``MPI_Comm_agree`` over the attempt's communicator on "went through here".
+That agreement fails on every survivor alike when a rank failed in the
+attempt; a survivor that met the failure itself first revokes the attempt's
+communicators, so none is left waiting in one of its calls. The survivors
+then try again without the newly lost ranks, with every loss so far counted:
+a rank behind by one step has finished it on the old run (which the next
+attempt starts from), and an FSDP shard whose keeper died in the meantime is
+known lost, so every survivor raises ``RecoveryError`` naming both. Only an
+agreed attempt replaces the old run and records the ``Recovery``. An attempt
+that failed although the next shrink finds no rank lost ends the run with
+``RecoveryError`` instead of trying for ever.
 """
 from __future__ import annotations
 
@@ -45,7 +63,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import numpy as np
 
 from ..backends import shm
-from ..backends.failures import describe_ranks, failure_classes
+from ..backends.failures import describe_ranks, failure_classes, revoke
 from ..checkpoint.boxes import Box
 from ..checkpoint.io import gather_text
 from ..checkpoint.model_slices import fill_model_state, state_pieces
@@ -63,8 +81,24 @@ from .respawn import joined, spawn
 from .spares import Rendezvous
 from .state import describe_missing, gather_state
 
-KILL_POINTS = ("forward", "backward", "optimizer", "save", "spare")
+KILL_POINTS = ("forward", "backward", "optimizer", "save", "spare", "shrink", "agree", "split", "restore")
 _BUILT, _NO_ERROR = 1, 2  # the bits of the first world's build agreement
+
+
+@dataclass
+class _Before:
+    """What a rank held as a recovery began; every attempt starts from it ([Note: a failure during recovery])."""
+
+    active: bool
+    parts: Any
+    buddy: Optional[BuddyCopies]
+    working: List[int]
+    shape: replicas.Shape
+    entered: bool
+    unbuilt: bool
+
+
+_AGAIN = object()  # what ``_settle`` returns when a rank failed during the attempt, on every survivor alike
 
 
 @dataclass
@@ -94,7 +128,12 @@ def parse_failures(text: Optional[str]) -> List[Tuple[int, int, str]]:
     """``"R:K[:where][,...]"`` as ``(rank, steps done, where)``: rank R SIGKILLs itself once K steps are done.
 
     ``where``: "forward" (default), "backward", "optimizer", "save" or "spare"
-    (K is then the steps done when the run started).
+    (K is then the steps done when the run started); or a point of a recovery
+    this rank takes part in (K: the steps it had done when the recovery began;
+    [Note: a failure during recovery]): "shrink" (as the survivors enter
+    ``MPI_Comm_shrink``), "agree" (as they agree on the step), "split" (as they
+    and the spares enter the ``Split`` that makes the new working ranks) or
+    "restore" (as the state is gathered).
 
     Raises:
         ConfigurationError: another form, naming it.
@@ -160,7 +199,6 @@ class ElasticTraining:
         self.build = build
         self.start = build if start is None else start
         self.unbuilt = True  # no run built and agreed on yet: a loss now builds the first world anew
-        self._lost_unbuilt: List[int] = []  # ranks lost in a build of the first world that was cut short again
         self.done = int(first_step)
         self.save = save
         self.respawn = bool(respawn)
@@ -204,8 +242,14 @@ class ElasticTraining:
         self.shape = tuple(facts["shape"])
         self._working_comm = self.comm
         self._failures = [(k, where) for r, k, where in parse_failures(simulate_failure) if r == self.job_rank]
-        self._rebuild(self.comm, self.members, facts["lost"], facts["working"], None, False, False, facts["target"],
-                      facts["failed_step"], time.perf_counter(), time.time(), facts.get("fresh", False))
+        before = _Before(False, None, None, list(facts["working"]), self.shape, False, False)
+        at, lost, start, caught = [self.comm, self.members], list(facts["lost"]), time.perf_counter(), time.time()
+        def attempt() -> Optional[Callable[[], bool]]:  # the survivors' attempt, from where they spawned this process
+            return self._rebuild(at[0], at[1], lost, before, facts["target"], facts["failed_step"], start, caught,
+                                 facts.get("fresh", False))
+
+        if self._settle(at, lost, attempt) is _AGAIN:
+            self._recover_from(at[0], at[1], lost, before, False, start, caught)
         self._build_again()
 
     @property
@@ -371,89 +415,176 @@ class ElasticTraining:
 
     # -- recovery -----------------------------------------------------------------------------
     def _recover(self, entered: bool, ending: bool = False) -> bool:
-        """Shrink, agree, rebuild; True if this rank's interrupted step was finished. ``ending``: failure came in ``close``."""
-        MPI, start, caught = self._MPI, time.perf_counter(), time.time()
-        was_active, old_parts, old_working = self.active, self.parts, self.working
-        if self.rendezvous is not None:
-            self.rendezvous.revoke()  # wake the spares
-        comm, survivors = self._shrink()
-        lost = [m for m in self.members if m not in survivors]
+        """Shrink, agree, rebuild; True if this rank's interrupted step was finished. ``ending``: failure came in ``close``.
+
+        Collective over the survivors; tried again, on fewer ranks, while ranks fail during it ([Note: a failure
+        during recovery]).
+        """
+        before = _Before(self.active, self.parts, self.buddy, list(self.working), self.shape, entered, self.unbuilt)
+        return self._recover_from(self.comm, self.members, [], before, ending, time.perf_counter(), time.time())
+
+    def _recover_from(self, comm: Any, members: List[int], lost: List[int], before: "_Before", ending: bool,
+                      start: float, caught: float) -> bool:
+        """Attempts at a recovery, each on ``comm`` shrunk, until one is agreed on by every survivor."""
+        again = False
+        while True:
+            if self.rendezvous is not None:
+                self.rendezvous.revoke()  # wake the spares
+            self._maybe_fail("shrink")
+            comm, survivors = self._shrink(comm, members)
+            if again and survivors == members:  # alike on every survivor: the shrink agreed on who is left
+                raise RecoveryError(f"a recovery from the loss of {describe_ranks(lost)} failed on "
+                                    f"{len(members)} ranks, and no more ranks were lost; resume from the last "
+                                    f"checkpoint", lost)
+            lost = sorted(lost + [m for m in members if m not in survivors])
+            self.parts, self.buddy, self.working, self.shape = before.parts, before.buddy, before.working, before.shape
+            self.unbuilt = before.unbuilt
+            at = [comm, survivors]  # where this attempt is agreed on: the communicator merged with replacements
+            finished = self._settle(at, lost, lambda: self._attempt(at, lost, before, ending, start, caught))
+            if finished is not _AGAIN:
+                return finished
+            comm, members, again = at[0], at[1], True
+
+    def _attempt(self, at: List[Any], lost: List[int], before: "_Before", ending: bool, start: float,
+                 caught: float) -> Optional[Callable[[], bool]]:
+        """One attempt at a recovery on ``at`` = [communicator, job ranks]: up to the agreement that settles it."""
+        MPI = self._MPI
+        comm, survivors = at
+        self._maybe_fail("agree")
         # Every survivor, spares too: the most steps any working rank finished, the fewest, whether the run ends,
         # whether its first world's build was cut short (then on every working rank: [Note: a rank lost while the
-        # run is built]), and the working ranks' mesh (a spare has built none).
-        facts = np.array([self.done, -self.done, int(ending), int(self.unbuilt), *self.shape] if was_active else
-                         [-1, -(1 << 62), int(ending), 0, 0, 0, 0], dtype=np.int64)
+        # run is built]), whether the run is sharded (FSDP), and the working ranks' mesh (a spare has built none).
+        sharded = before.buddy is not None or (before.parts is not None and
+                                               shard_parameters(before.parts.model) is not None)
+        facts = np.array([self.done, -self.done, int(ending), int(before.unbuilt), int(sharded), *before.shape]
+                         if before.active else [-1, -(1 << 62), int(ending), 0, 0, 0, 0, 0], dtype=np.int64)
         comm.Allreduce(MPI.IN_PLACE, facts, op=MPI.MAX)
         target, failed_step, ending, fresh = int(facts[0]), 1 - int(facts[1]), bool(facts[2]), bool(facts[3])
-        self.shape = tuple(int(v) for v in facts[4:])
-        if fresh and int(np.prod(self.shape)) != len(old_working):  # no rank had built its part: the mesh is unknown
-            self.shape = (len(old_working), 1, 1)
+        sharded = bool(facts[4])
+        self.shape = tuple(int(v) for v in facts[5:])
+        if fresh and int(np.prod(self.shape)) != len(before.working):  # no rank had built its part: mesh unknown
+            self.shape = (len(before.working), 1, 1)
         if ending:  # the working ranks had finished: the spares leave, the working ones go on as they are
-            keep = [m for m in old_working if m in survivors]
+            keep = [m for m in before.working if m in survivors]
             mine = comm.Split(0 if self.job_rank in keep else MPI.UNDEFINED, self.job_rank)
-            self.rendezvous, self.working, self.members = None, keep, keep
-            self.comm = self._working_comm = mine if self.active else comm
-            return False
-        empty = replicas.fill(old_working, survivors).count(None)
+
+            def ended() -> bool:
+                self.rendezvous, self.working, self.members = None, keep, keep
+                self.comm = self._working_comm = mine if self.active else comm
+                return False
+            return ended
+        if sharded and not fresh:  # every survivor alike, before anything is built: a lost shard and keeper end it
+            pairs = replicas.unkept_shards(before.working, replicas.plan(replicas.fill(before.working, survivors),
+                                                                         self.shape)[0], lost, self.shape)
+            if pairs:
+                raise RecoveryError(f"FSDP shards are lost with their buddy copies: {'; '.join(pairs)} "
+                                    f"({describe_ranks(lost)} of the job); resume from the last checkpoint", lost)
+        empty = replicas.fill(before.working, survivors).count(None)
         if self.respawn and empty:
             ids = list(range(self.next_id, self.next_id + empty))
             self.next_id += len(ids)
-            told = {"members": survivors + ids, "width": self.width, "working": old_working, "lost": lost,
+            told = {"members": survivors + ids, "width": self.width, "working": before.working, "lost": lost,
                     "target": target, "failed_step": failed_step, "next_id": self.next_id, "shape": self.shape,
                     "fresh": fresh}
-            comm, survivors = spawn(MPI, comm, told, ids), survivors + ids
-        return self._rebuild(comm, survivors, lost, old_working, old_parts, was_active, entered, target, failed_step,
-                             start, caught, fresh)
+            at[:] = spawn(MPI, comm, told, ids), survivors + ids
+        return self._rebuild(at[0], at[1], lost, before, target, failed_step, start, caught, fresh)
 
-    def _rebuild(self, comm: Any, survivors: List[int], lost: List[int], old_working: List[int], old_parts: Any,
-                 was_active: bool, entered: bool, target: int, failed_step: int, start: float, caught: float,
-                 fresh: bool = False) -> bool:
-        """Collective over ``comm`` (survivors and replacements): the new world, its run, and the state in it.
+    def _settle(self, at: List[Any], lost: List[int], attempt: Callable[[], Optional[Callable[[], bool]]]) -> Any:
+        """Collective over ``at[0]``: ``attempt()``, then ``MPI_Comm_agree`` on whether it went through everywhere.
 
-        ``fresh``: the first world's build was cut short; it is built anew, nothing is gathered.
+        ``attempt()`` returns what to do once it went through everywhere, or None where it did not (a rank failed).
+
+        Returns:
+            What that continuation returns, once every rank's attempt went through; ``_AGAIN`` (on every survivor
+            alike) when a rank failed during the attempt: shrink and try again.
+
+        Raises:
+            RecoveryError: this rank's, or on the others when one rank's attempt raised an error.
         """
         MPI = self._MPI
-        working, dp = replicas.plan(replicas.fill(old_working, survivors), self.shape)
+        then, problem = None, None
+        try:
+            then = attempt()
+        except RecoveryError as exc:  # a PeerFailedError too, but one that ends the run
+            problem = exc
+        except PeerFailedError:
+            pass
+        except MPI.Exception as exc:
+            if exc.Get_error_class() not in failure_classes(MPI):
+                problem = exc
+        except Exception as exc:  # this rank's own: the others learn of it in the agreement, none waits for it
+            problem = exc
+        comm = at[0]
+        if then is None:  # a survivor still waiting in this attempt (a Split, an all-reduce, init) stops
+            for waited in (comm, self._working_comm):
+                if waited != MPI.COMM_WORLD:  # never revoked: failures.py drives MPI's progress through it
+                    revoke(MPI, waited)
+        flags = (_BUILT if then is not None else 0) | (_NO_ERROR if problem is None else 0)
+        try:
+            flags = comm.Agree(flags)
+        except MPI.Exception as exc:  # raised on every survivor alike when a rank failed during the attempt
+            if exc.Get_error_class() not in failure_classes(MPI):
+                raise
+            flags = 0 if problem is not None else _NO_ERROR
+        if problem is not None:
+            raise problem
+        if not flags & _NO_ERROR:
+            raise RecoveryError(f"after the loss of {describe_ranks(lost)} another rank could not go on (its error is "
+                                f"shown by that rank), so job rank {self.job_rank} stops too", lost)
+        if not flags & _BUILT:
+            return _AGAIN
+        return then()
+
+    def _rebuild(self, comm: Any, survivors: List[int], lost: List[int], before: "_Before", target: int,
+                 failed_step: int, start: float, caught: float, fresh: bool = False) -> Optional[Callable[[], bool]]:
+        """Collective over ``comm`` (survivors and replacements): the new world, its run, and the state in it.
+
+        ``fresh``: the first world's build was cut short; it is built anew, nothing is gathered. Returns what to
+        do once every rank's rebuild went through (``_settle``); the old run is kept until then.
+        """
+        MPI = self._MPI
+        working, dp = replicas.plan(replicas.fill(before.working, survivors), self.shape)
         if dp == 0:
             raise RecoveryError(f"after the loss of {describe_ranks(lost)} no data-parallel replica is whole "
                                 f"(dp x tp x pp = {' x '.join(map(str, self.shape))}); resume from the last checkpoint",
                                 lost)
         self.comm, self.members, self.working = comm, survivors, working
         self.rendezvous = Rendezvous(MPI, comm) if len(survivors) > len(working) else None
+        self._maybe_fail("split")
         mine = comm.Split(0 if self.active else MPI.UNDEFINED, working.index(self.job_rank) if self.active else 0)
         shm.abandon_open_windows()  # the old world's: freeing them would wait for the dead
         if not self.active:
-            if was_active:  # its replica was dropped: it waits as a spare, and may take a place later
-                self._wait_as_spare()
-            return False  # a spare: back to waiting (or the run ended, or it took a place and is rebuilt)
+            def wait() -> bool:
+                if before.active:  # its replica was dropped: it waits as a spare, and may take a place later
+                    self._forget(before)
+                    self._wait_as_spare()
+                return False  # a spare: back to waiting (or the run ended, or it took a place and is rebuilt)
+            return wait
         self._working_comm = mine
         world = init(comm=mine)
         if fresh:
             self.done = target
             return self._rebuild_first(world, lost, failed_step, start, caught)
         finished = False
-        if was_active and self.done < target:
-            if self.done + 1 != target or not entered:
+        if before.active and self.done < target:
+            if self.done + 1 != target or not before.entered:
                 raise RecoveryError(f"after the loss of {describe_ranks(lost)} this rank had done {self.done} steps and "
                                     f"another {target}; the step's last collective should have made that impossible",
                                     lost)
-            self._finish()
+            self._finish()  # on the old run, kept whatever happens next: a later attempt starts from it
             finished = True
         self.done = target
-        buddy, shape = self.buddy, self.shape
-        if buddy is not None or (old_parts is not None and shard_parameters(old_parts.model) is not None):
-            pairs = replicas.unkept_shards(old_working, working, lost, shape)
-            if pairs:
-                raise RecoveryError(f"FSDP shards are lost with their buddy copies: {'; '.join(pairs)} "
-                                    f"({describe_ranks(lost)} of the job); resume from the last checkpoint", lost)
+        old_parts, buddy, shape = before.parts, before.buddy, self.shape
         pieces, described = [], None
         if old_parts is not None:
             pieces, described = state_pieces(old_parts.model.parameter_boxes(), old_parts.optimizer)
-        source = old_working[replicas.neighbour(old_working.index(self.job_rank), shape, -1)] if was_active else None
+        source = (before.working[replicas.neighbour(before.working.index(self.job_rank), shape, -1)]
+                  if before.active else None)
         if buddy is not None and source not in working:  # the source's own shards are not in the new run
             copy, _ = state_pieces(old_parts.model.parameter_boxes(shard_rank=buddy.source, shards=buddy.copies),
                                    buddy.copy_optimizer)
             pieces += copy
+        self._maybe_fail("restore")
         whole, missing = gather_state(world.default_group, pieces)
         described = next(d for d in map(json.loads, gather_text(json.dumps(described), world.default_group))
                          if d is not None)  # a spare has none, and may hold rank 0 now
@@ -462,55 +593,74 @@ class ElasticTraining:
                                 f"resume from the last checkpoint", lost)
         abandon = getattr(old_parts, "abandon", None)
         if abandon is not None:
-            abandon()
-        del old_parts, pieces
-        self.buddy = None
+            abandon()  # local: a save in flight is dropped (again, in a later attempt)
+        del pieces
         try:
             self._set_up(world, whole, described)
         except (ConfigurationError, CheckpointError) as problem:
             saved = self._save_whole(world, whole, described) if self.save else ""
             raise RecoveryError(f"after the loss of {describe_ranks(lost)} the run cannot go on on {world.world_size} "
                                 f"rank{'s' if world.world_size != 1 else ''}: {problem}{saved}", lost) from problem
-        self.unbuilt = False  # a spare or replacement that took a place
-        self._record(Recovery(lost, failed_step, world.world_size, self.parts.model.dp.size, 0.0, caught), start)
-        return finished
+        del whole
+        record = Recovery(lost, failed_step, world.world_size, self.parts.model.dp.size, 0.0, caught)
+        self._timed(record, start)
 
-    def _rebuild_first(self, world: Any, lost: List[int], failed_step: int, start: float, caught: float) -> bool:
-        """Collective over the new working ranks: the first world's run built anew on them, nothing gathered."""
+        def rebuilt() -> bool:
+            self.unbuilt = False  # a spare or replacement that took a place
+            self._forget(before)
+            self._keep(record)
+            return finished
+        return rebuilt
+
+    def _rebuild_first(self, world: Any, lost: List[int], failed_step: int, start: float,
+                       caught: float) -> Optional[Callable[[], bool]]:
+        """Collective over the new working ranks: the first world's run built anew on them, nothing gathered.
+
+        None when it was cut short again (a rank failed in it): the attempt did not go through.
+        """
         try:
             built = self._built_everywhere(world)
         except (ConfigurationError, CheckpointError) as problem:
-            raise RecoveryError(f"after the loss of {describe_ranks(self._lost_unbuilt + lost)} while the run was "
-                                f"built, it cannot be built on {world.world_size} "
-                                f"rank{'s' if world.world_size != 1 else ''}: {problem}",
-                                self._lost_unbuilt + lost) from problem
-        if not built:  # cut short again: the caller recovers once more (_build_again)
-            self._lost_unbuilt += lost
-            self.unbuilt = True
-            return False
-        lost, self._lost_unbuilt, self.unbuilt = self._lost_unbuilt + lost, [], False
-        self._record(Recovery(lost, failed_step, world.world_size, self.parts.model.dp.size, 0.0, caught, True),
-                     start)
-        return False
+            raise RecoveryError(f"after the loss of {describe_ranks(lost)} while the run was built, it cannot be "
+                                f"built on {world.world_size} rank{'s' if world.world_size != 1 else ''}: {problem}",
+                                lost) from problem
+        if not built:  # cut short again: every survivor tries again ([Note: a failure during recovery])
+            return None
+        record = Recovery(lost, failed_step, world.world_size, self.parts.model.dp.size, 0.0, caught, True)
+        self._timed(record, start)
 
-    def _record(self, record: Recovery, start: float) -> None:
-        """Collective: ``record`` with the longest recovery time of the new world's ranks, kept and logged."""
+        def rebuilt() -> bool:
+            self.unbuilt = False
+            self._keep(record)
+            return False
+        return rebuilt
+
+    @staticmethod
+    def _forget(before: "_Before") -> None:
+        """Once a recovery is agreed on: the old run is no longer needed for another attempt."""
+        before.parts = before.buddy = None
+
+    def _timed(self, record: Recovery, start: float) -> None:
+        """Collective over the new world: ``record.seconds``, the longest recovery time of its ranks."""
         took = np.array([time.perf_counter() - start])  # the longest: a spare's or replacement's clock started late
         all_reduce(took, ReduceOp.MAX, group=self.world.default_group)
         record.seconds = float(took[0])
+
+    def _keep(self, record: Recovery) -> None:
+        """Local, once every survivor agreed on the recovery: ``record`` kept and logged (by the new rank 0)."""
         self.recoveries.append(record)
         if self.world.rank == 0:
             get_logger("elastic").warning(record.line())
 
-    def _shrink(self) -> Tuple[Any, List[int]]:
-        """Collective over the survivors: the run's communicator without the failed ranks, and its job ranks."""
+    def _shrink(self, comm: Any, members: List[int]) -> Tuple[Any, List[int]]:
+        """Collective over the survivors: ``comm`` without the failed ranks, and its job ranks (``members``' order)."""
         MPI = self._MPI
-        comm = self.comm.Shrink()
-        comm.Set_errhandler(MPI.ERRORS_RETURN)
-        group, old = comm.Get_group(), self.comm.Get_group()
+        shrunk = comm.Shrink()
+        shrunk.Set_errhandler(MPI.ERRORS_RETURN)
+        group, old = shrunk.Get_group(), comm.Get_group()
         try:  # by the old communicator's ranks: replacements are in no COMM_WORLD the others know
-            ranks = MPI.Group.Translate_ranks(group, list(range(comm.Get_size())), old)
-            return comm, [self.members[r] for r in ranks]
+            ranks = MPI.Group.Translate_ranks(group, list(range(shrunk.Get_size())), old)
+            return shrunk, [members[r] for r in ranks]
         finally:
             group.Free()
             old.Free()

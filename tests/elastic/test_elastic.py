@@ -170,6 +170,48 @@ def test_spares_keep_the_width_with_the_uninterrupted_loss(tmp_path, uninterrupt
 
 @needs_openmpi
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("n,extra,failure,line", [
+    # A working rank dies as the survivors and the spare enter the Split that brings the spare in: the spare
+    # takes rank 1's place, and rank 2's is given up (dp 3 -> 2).
+    (4, ["--spares", "1"], "1:3,2:3:split", ("1, 2", 4, 2, 2)),
+    (4, ["--spares", "1", "--fsdp"], "1:3,3:0:split", ("1, 3", 4, 2, 2)),            # the spare itself dies there
+    (5, ["--tp", "2", "--spares", "1"], "1:3,4:0:split", ("1, 4", 4, 2, 1)),         # ... with tp: replica dropped
+    (4, [], "1:3,3:3:agree", ("1, 3", 4, 2, 2)),                    # as the survivors agree on the step
+    (4, [], "1:3,2:3:shrink", ("1, 2", 4, 2, 2)),                   # as they enter MPI_Comm_shrink
+    (4, ["--fsdp"], "1:3,3:3:restore", ("1, 3", 4, 2, 2)),          # as the state is gathered (not 1's keeper)
+    (3, ["--respawn"], "2:3,1:3:restore", ("1, 2", 4, 3, 3)),       # ... after a replacement was spawned: another
+])
+def test_a_rank_lost_during_recovery_is_survived_with_the_uninterrupted_loss(tmp_path, uninterrupted, n, extra,
+                                                                            failure, line):
+    """A second rank SIGKILLs itself at a named point of the recovery from the first: the survivors shrink again."""
+    spawned = "--respawn" in extra
+    code, out, err = launch_fault_tolerant(tmp_path, n, EXAMPLE, ["--elastic", *RUN, "--batch", "12",
+                                                                  "--simulate-failure", failure, *extra],
+                                           "peak activations", may_linger=spawned)
+    # Known (docs/fault-tolerance.md, replacements): with spawned processes Open MPI's launcher sometimes stays
+    # once every rank has ended (1 run in 3 here); the output is checked all the same.
+    assert code in ((0, None) if spawned else (0,)), out[-3000:] + err[-5000:]
+    assert [(ranks, int(at), int(left), int(dp)) for ranks, at, left, dp, _ in RECOVERED.findall(out)] == [line], out
+    loss = _final_loss(out)
+    assert abs(loss - uninterrupted[12]) <= 1e-10 * abs(uninterrupted[12]), (loss, uninterrupted[12])
+
+
+@needs_openmpi
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("extra,failure,said,survivors", [
+    ([], "1:3,2:3:restore", "dp rank 1 and its keeper 2 both failed (ranks 1, 2 of the job)", 2),
+    (["--spares", "1"], "1:3,0:3:agree", "dp rank 0 and its keeper 1 both failed (ranks 0, 1 of the job)", 2),
+])
+def test_a_keeper_lost_during_recovery_ends_every_survivor_with_the_reason(tmp_path, extra, failure, said, survivors):
+    """The lost shard's keeper dies while the survivors recover: its state is gone, and every survivor says so."""
+    code, out, err = _run(tmp_path, 4, "--fsdp", "--batch", "12", "--simulate-failure", failure, *extra)
+    assert code != 0 and "final loss" not in out
+    text = f"RecoveryError: FSDP shards are lost with their buddy copies: {said}; resume from the last checkpoint"
+    assert err.count(text) == survivors, err[-5000:]  # every survivor, the spare too
+
+
+@needs_openmpi
+@pytest.mark.timeout(300)
 def test_a_shard_lost_with_its_buddy_copy_ends_every_survivor_with_the_reason(tmp_path):
     code, out, err = _run(tmp_path, 4, "--fsdp", "--batch", "12", "--simulate-failure", "1:3,2:3")
     assert code != 0 and "final loss" not in out

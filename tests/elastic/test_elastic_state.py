@@ -139,6 +139,7 @@ def test_simulated_failures_are_read_and_refused_clearly():
     assert parse_failures("1:3:backward, 3:3") == [(1, 3, "backward"), (3, 3, "forward")]
     assert parse_failures(None) == []
     assert parse_failures("3:0:spare") == [(3, 0, "spare")]
+    assert parse_failures("1:3,2:3:split") == [(1, 3, "forward"), (2, 3, "split")]
     for bad in ("2", "a:3", "2:3:sideways", "-1:2", "1:2:3:4"):
         with pytest.raises(ConfigurationError, match="RANK:STEPS"):
             parse_failures(bad)

@@ -62,6 +62,9 @@ def uninterrupted(tmp_path_factory):
     (4, "fsdp", "0:35:save", ["--spares", "1", "--checkpoint-every", "5"], [("0", 36, 3)]),  # a spare takes over
     (3, "ddp", "2:10", ["--respawn"], [("2", 11, 3)]),                   # a replacement is spawned
     (3, "fsdp", "0:10:backward", ["--respawn"], [("0", 11, 3)]),
+    (4, "fsdp", "1:10,3:10:restore", [], [("1, 3", 11, 2)]),              # another dies as the state is gathered
+    (4, "ddp", "1:10,2:10:agree", [], [("1, 2", 11, 2)]),                 # ... as the survivors agree on the step
+    (4, "ddp", "1:10,2:10:split", ["--spares", "1"], [("1, 2", 11, 2)]),   # ... in the Split that brings the spare in
 ])
 def test_a_killed_rank_is_survived_by_the_trainer_with_the_uninterrupted_loss(tmp_path, uninterrupted, n, strategy,
                                                                              failure, extra, lines):
