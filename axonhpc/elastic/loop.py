@@ -296,7 +296,6 @@ class ElasticTraining:
         Raises:
             CollectiveRefusedError: on the other ranks, when one rank's build raised another error (raised there).
         """
-        MPI = self._MPI
         flags, problem = _BUILT | _NO_ERROR, None  # Agree ANDs the bits over the ranks
         try:
             self._set_up(world, None, None, first=True)
@@ -304,18 +303,26 @@ class ElasticTraining:
             flags = _NO_ERROR
         except Exception as exc:  # this rank's own: the others must not wait in the agreement for it
             flags, problem = 0, exc
+        flags = self._agree(self._working_comm, flags, problem)
+        if not flags & _NO_ERROR:
+            raise CollectiveRefusedError(f"another rank's build of the run's first world ({world.world_size} ranks) "
+                                         f"raised an error (shown by that rank), so job rank {self.job_rank} stops too")
+        return bool(flags & _BUILT)
+
+    def _agree(self, comm: Any, flags: int, problem: Optional[BaseException]) -> int:
+        """``MPI_Comm_agree`` of ``flags`` (_BUILT, _NO_ERROR: ANDed over the ranks) on ``comm``; then this rank's own
+        ``problem``, if any, is raised. A rank that failed before taking part fails the agreement on every survivor
+        alike: then nothing counts as built."""
+        MPI = self._MPI
         try:
-            flags = self._working_comm.Agree(flags)
-        except MPI.Exception as exc:  # raised on every survivor alike when a rank failed before taking part
+            flags = comm.Agree(flags)
+        except MPI.Exception as exc:
             if exc.Get_error_class() not in failure_classes(MPI):
                 raise
             flags = 0 if problem is not None else _NO_ERROR
         if problem is not None:
             raise problem
-        if not flags & _NO_ERROR:
-            raise CollectiveRefusedError(f"another rank's build of the run's first world ({world.world_size} ranks) "
-                                         f"raised an error (shown by that rank), so job rank {self.job_rank} stops too")
-        return bool(flags & _BUILT)
+        return flags
 
     def _set_up(self, world: Any, whole: Optional[Dict[str, np.ndarray]], described: Any, first: bool = False) -> None:
         self.parts, self.buddy = None, None  # until this world's are built (a build cut short leaves none)
@@ -519,15 +526,7 @@ class ElasticTraining:
             for waited in (comm, self._working_comm):
                 if waited != MPI.COMM_WORLD:  # never revoked: failures.py drives MPI's progress through it
                     revoke(MPI, waited)
-        flags = (_BUILT if then is not None else 0) | (_NO_ERROR if problem is None else 0)
-        try:
-            flags = comm.Agree(flags)
-        except MPI.Exception as exc:  # raised on every survivor alike when a rank failed during the attempt
-            if exc.Get_error_class() not in failure_classes(MPI):
-                raise
-            flags = 0 if problem is not None else _NO_ERROR
-        if problem is not None:
-            raise problem
+        flags = self._agree(comm, (_BUILT if then is not None else 0) | (_NO_ERROR if problem is None else 0), problem)
         if not flags & _NO_ERROR:
             raise RecoveryError(f"after the loss of {describe_ranks(lost)} another rank could not go on (its error is "
                                 f"shown by that rank), so job rank {self.job_rank} stops too", lost)
