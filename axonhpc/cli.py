@@ -19,7 +19,8 @@ import signal
 import subprocess
 import sys
 import tempfile
-from typing import List, NoReturn, Optional
+import time
+from typing import List, NoReturn, Optional, Tuple
 
 from .errors import AxonError
 from .mpiexec import NOT_FOUND, find_mpiexec, launch_command, mpiexec_flavour
@@ -155,13 +156,55 @@ def _cmd_launch(args) -> int:
 
         env.update(launch_environment(args.n, env))
     sessions = _fresh_session_directory(flavour, args.hosts, env)
+    # Each rank writes its exit status here ([Note: the job's exit status under --fault-tolerant] in launched.py).
+    # Fault-tolerant jobs only (without ULFM a rank that fails ends the job, and mpiexec reports its status), on
+    # one machine only: across hosts the ranks' records would be written on their own hosts.
+    statuses = tempfile.mkdtemp(prefix="axonhpc-status-") if args.fault_tolerant and args.hosts is None else None
+    if statuses is not None:
+        env["AXONHPC_LAUNCH_STATUS_DIR"] = statuses
     if args.verbose:
         print("axonhpc launch:", " ".join(cmd), file=sys.stderr)
     try:
-        return _run_forwarding_signals(cmd, env)
+        status = _run_forwarding_signals(cmd, env, statuses, args.n)
+        if statuses is not None:
+            verdict, why = _ranks_verdict(statuses, args.n)
+            if status == 0 and why:
+                print(f"axonhpc launch: mpiexec exited with 0, but {why}; exiting with {verdict}", file=sys.stderr)
+                status = verdict
+            elif why.endswith(_OWN):  # under ULFM prterun's status is not the failed rank's: give the rank's
+                status = verdict
+        return status
     finally:
-        if sessions is not None:
-            shutil.rmtree(sessions, ignore_errors=True)
+        for folder in (sessions, statuses):
+            if folder is not None:
+                shutil.rmtree(folder, ignore_errors=True)
+
+
+_OWN = " (its own error, not a peer's failure)"
+
+
+def _ranks_verdict(folder: str, n: int) -> Tuple[int, str]:
+    """The job's exit status from its ranks' records in ``folder`` (written by launched.py), and why, when
+    ``mpiexec`` reported 0: the first non-zero status a rank exited with; else 1 if a rank left no record (it was
+    killed, or ended inside MPI) and no survivor recovered from its loss; else ``(0, "")``."""
+    records = {}
+    for rank in range(n):
+        try:
+            with open(os.path.join(folder, f"rank{rank}")) as f:
+                status, survived, peer = (f.read().rstrip("\n").split(" ") + ["", ""])[:3]
+            records[rank] = (int(status), {int(r) for r in survived.split(",") if r}, peer == "peer")
+        except (OSError, ValueError):
+            continue
+    # A rank's own failure first; a survivor's PeerFailedError (status 1) only if no rank failed on its own.
+    for rank, (status, _, peer) in sorted(records.items(), key=lambda item: (item[1][2], item[0])):
+        if status != 0:
+            return status, f"rank {rank} of the job exited with status {status}" + ("" if peer else _OWN)
+    survived = set().union(*(s for _, s, _ in records.values()))
+    vanished = [r for r in range(n) if r not in records and r not in survived]
+    if vanished:
+        return 1, (f"rank{'s' if len(vanished) > 1 else ''} {', '.join(map(str, vanished))} of the job ended without "
+                   f"exiting (killed by a signal?) and no survivor recovered from the loss (axonhpc.elastic)")
+    return 0, ""
 
 
 def _fresh_session_directory(flavour: str, hosts: Optional[str], env: dict) -> Optional[str]:
@@ -190,16 +233,44 @@ def _end_with_parent() -> None:
         pass  # not Linux: SIGTERM and SIGHUP are still passed on
 
 
-def _run_forwarding_signals(cmd: List[str], env: dict) -> int:
+# Seconds a fault-tolerant job may take to end once every rank has left its script ([Note: the job's exit status
+# under --fault-tolerant] in launched.py). Under ULFM, a rank that ended (os._exit) while the others were in
+# MPI_Finalize left them there for ever, in the agreement of its shrink; normally the job ends within a second.
+FINISH_GRACE = 10.0
+
+
+def _run_forwarding_signals(cmd: List[str], env: dict, statuses: Optional[str] = None, n: int = 0) -> int:
     """Run ``cmd`` and pass on SIGTERM, SIGHUP and SIGINT to it, so that ending the launcher (``timeout``, a
     batch system, Ctrl-C, even SIGKILL on Linux) ends the job and its ranks too, instead of leaving them
     running; the launcher itself waits for the job, so it exits with the job's status (a preempted trainer's
-    75), never with a traceback of its own. Returns that status."""
+    75), never with a traceback of its own. Returns that status.
+
+    ``statuses``: the folder of the ranks' records (fault-tolerant jobs); once all ``n`` ranks have written theirs,
+    a job still running after ``FINISH_GRACE`` seconds is ended, and the status is the ranks' verdict."""
     proc = subprocess.Popen(cmd, env=env, preexec_fn=_end_with_parent if sys.platform.startswith("linux") else None)
     forwarded = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
     previous = {s: signal.signal(s, lambda signum, frame: proc.send_signal(signum)) for s in forwarded}
     try:
-        return proc.wait()
+        if statuses is None:
+            return proc.wait()
+        finished = None
+        while proc.poll() is None:
+            if finished is None and all(os.path.exists(os.path.join(statuses, f"rank{r}")) for r in range(n)):
+                finished = time.monotonic()
+            if finished is not None and time.monotonic() - finished > FINISH_GRACE:
+                status, why = _ranks_verdict(statuses, n)
+                print(f"axonhpc launch: every rank has left its script ({why or 'all with status 0'}), but the job "
+                      f"has not ended {FINISH_GRACE:g} s later (ranks waiting in MPI_Finalize for one that failed); "
+                      f"ending it, and exiting with {status}", file=sys.stderr)
+                proc.terminate()
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+                return status
+            time.sleep(0.1)
+        return proc.returncode
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)

@@ -18,8 +18,27 @@ mpiexec's exit status under MPICH and Open MPI alike (measured here), so the job
 ``axonhpc launch`` exits with the rank's code. Status 0 exits as usual, and so does a ``SystemExit`` whose
 ``every_rank`` attribute is True: every rank raises it together (the trainer's preemption exit, 75), so none
 waits for another, and under ``srun`` (the SLURM templates run scripts through this file too) an abort would
-turn the 75 into the step's 137. Under ``--fault-tolerant`` the rank just exits: ULFM's survivors go on
-without it. ``AXONHPC_ABORT_ON_EXCEPTION=0`` turns this off, as it does the abort on an uncaught exception.
+turn the 75 into the step's 137. ``AXONHPC_ABORT_ON_EXCEPTION=0`` turns this off, as it does the abort on an
+uncaught exception.
+
+Under ``--fault-tolerant`` the rank ends its process at once with its status (``os._exit``), as the runtime's
+excepthook ends one with an uncaught exception there (SIGKILL; ``os._exit(1)`` for a survivor's
+``PeerFailedError``): ULFM's survivors see a failed process, which is what it is built for, and go on without it
+(or raise ``PeerFailedError``). ``MPI_Abort`` is no use there: under
+``--with-ft ulfm`` prterun does not end the other ranks (they waited for ever at exit, in the collective free
+of a shared-memory window, with 4 ranks), and a plain exit would wait there the same way.
+
+[Note: the job's exit status under --fault-tolerant]
+Under ULFM prterun exits 0 when a rank was killed by a signal and the others finished, and its status for a
+rank that failed is whatever its bookkeeping kept. So ``axonhpc launch`` asks the ranks: it names a folder in
+``AXONHPC_LAUNCH_STATUS_DIR``, and each rank of the job (not a replacement spawned later) writes there, as it
+leaves this module, ``rank<r>``: its exit status, and the job ranks whose loss it survived by recovering
+(``axonhpc.elastic`` notes them in ``axonhpc.backends.failures.SURVIVED``). When mpiexec reports 0, the
+launcher exits instead with the first rank's non-zero status, or 1 for a rank that left no record (killed)
+unless a survivor recovered from its loss (``cli._ranks_verdict``). Under ``--fault-tolerant`` a rank's own
+non-zero status also replaces prterun's (the survivors' ``PeerFailedError`` gives 1), and a job that has not
+ended ``cli.FINISH_GRACE`` seconds after every rank wrote its record is ended: a rank that ended while the
+others were in ``MPI_Finalize`` left them there for ever, in the agreement of ULFM's shrink.
 """
 from __future__ import annotations
 
@@ -38,21 +57,68 @@ def _status(code: Any) -> int:
     return 1  # a message: printed to stderr, status 1
 
 
-def _end_job(status: int, message: Any) -> None:
-    """Abort the MPI job with ``status`` if this rank is one of several (see the note); else return."""
+def _live_mpi() -> Any:
+    """mpi4py's MPI module if the script initialised MPI and has not finalised it; else None."""
     mpi = sys.modules.get("mpi4py.MPI")
-    if mpi is None or not mpi.Is_initialized() or mpi.Is_finalized() or mpi.COMM_WORLD.Get_size() == 1:
-        return
-    if os.environ.get("AXONHPC_ABORT_ON_EXCEPTION", "1") == "0" or os.environ.get("AXONHPC_FAULT_TOLERANT") == "1":
+    if mpi is None or not mpi.Is_initialized() or mpi.Is_finalized():
+        return None
+    return mpi
+
+
+def _end_job(status: int, message: Any) -> None:
+    """End the MPI job (or, fault-tolerant, this rank) with ``status`` if this rank is one of several (see the
+    note); else return."""
+    mpi = _live_mpi()
+    if mpi is None or mpi.COMM_WORLD.Get_size() == 1 or os.environ.get("AXONHPC_ABORT_ON_EXCEPTION", "1") == "0":
         return
     if message is not None and not isinstance(message, int):
         print(message, file=sys.stderr)  # what Python would have printed for SystemExit("...")
     rank = mpi.COMM_WORLD.Get_rank()
-    sys.stderr.write(f"[axonhpc rank {rank}] exits with status {status}: ending the job, whose other ranks could "
-                     f"wait for it (AXONHPC_ABORT_ON_EXCEPTION=0: just exit)\n")
+    fault_tolerant = os.environ.get("AXONHPC_FAULT_TOLERANT") == "1"
+    what = "ending this rank at once: the survivors go on without it" if fault_tolerant else \
+        "ending the job, whose other ranks could wait for it"
+    sys.stderr.write(f"[axonhpc rank {rank}] exits with status {status}: {what} (AXONHPC_ABORT_ON_EXCEPTION=0: "
+                     f"just exit)\n")
     sys.stdout.flush()
     sys.stderr.flush()
+    if fault_tolerant:
+        os._exit(status)
     mpi.COMM_WORLD.Abort(status)
+
+
+def _job_rank() -> Any:
+    """This process's rank in the launched job, or None for a process the job spawned (a replacement)."""
+    mpi = _live_mpi()
+    if mpi is not None:
+        if mpi.Comm.Get_parent() != mpi.COMM_NULL:
+            return None
+        return mpi.COMM_WORLD.Get_rank()
+    for name in ("OMPI_COMM_WORLD_RANK", "PMI_RANK"):
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name])
+    return None
+
+
+def _record(status: int, cause: Any = None) -> None:
+    """Write this rank's exit status, and the job ranks it survived, for ``axonhpc launch`` (see the note)."""
+    folder = os.environ.get("AXONHPC_LAUNCH_STATUS_DIR")
+    if not folder:
+        return
+    try:
+        rank = _job_rank()
+        if rank is None:
+            return
+        failures = sys.modules.get("axonhpc.backends.failures")
+        survived = sorted(getattr(failures, "SURVIVED", ()))
+        errors = sys.modules.get("axonhpc.errors")
+        # A survivor's PeerFailedError: the launcher prefers the failed rank's own status to this rank's 1.
+        peer = errors is not None and isinstance(cause, errors.PeerFailedError)
+        path = os.path.join(folder, f"rank{rank}")
+        with open(path + ".tmp", "w") as f:
+            f.write(f"{status} {','.join(map(str, survived))} {'peer' if peer else ''}\n")
+        os.replace(path + ".tmp", path)
+    except Exception as exc:  # noqa: BLE001 - the record must never change how the rank ends
+        sys.stderr.write(f"[axonhpc] could not record this rank's exit status for axonhpc launch: {exc}\n")
 
 
 def main(argv: List[str]) -> None:
@@ -74,9 +140,14 @@ def main(argv: List[str]) -> None:
             runpy.run_path(argv[0], run_name="__main__")
     except SystemExit as exc:
         status = _status(exc.code)
+        _record(status)
         if status != 0 and getattr(exc, "every_rank", False) is not True:
             _end_job(status, exc.code)
         raise
+    except BaseException as exc:
+        _record(1, exc)  # what Python exits with; the runtime's excepthook then ends the job (or, fault-tolerant, the rank)
+        raise
+    _record(0)
 
 
 if __name__ == "__main__":

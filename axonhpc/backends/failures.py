@@ -17,11 +17,21 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Tuple
 
 from ..errors import PeerFailedError
 
 _NAMING_SECONDS = 2.0  # how long a rank that saw only a revocation asks who failed
+
+# The job ranks whose loss this process survived by recovering from it (``axonhpc.elastic``). ``axonhpc
+# launch`` counts a rank that vanished as a failure of the job unless a survivor lists it here
+# ([Note: the job's exit status under --fault-tolerant] in axonhpc/launched.py, which reads this set).
+SURVIVED: set = set()
+
+
+def note_survived(ranks: Any) -> None:
+    """Record that this process recovered from the loss of ``ranks`` (job ranks): the job may still end well."""
+    SURVIVED.update(int(r) for r in ranks)
 
 
 def failure_classes(MPI: Any) -> frozenset:
@@ -156,23 +166,32 @@ def dead_node_peers(world: Any, ranks: Any) -> List[int]:
             and process_gone(world.pid_of[r])]
 
 
-def _job_ranks(world: Any, ranks: List[int]) -> List[int]:
-    """``world``'s ranks in the job's numbering (COMM_WORLD's), as ``PeerFailedError.lost`` names them."""
+def _job_ranks(world: Any, ranks: List[int]) -> Tuple[List[int], List[int]]:
+    """``world``'s ranks in the job's numbering (COMM_WORLD's), as ``PeerFailedError.lost`` names them; and those
+    of ``ranks`` that are in no rank of this process's COMM_WORLD, in ``world``'s numbering.
+
+    A replacement (``axonhpc.elastic`` with ``respawn``) is in a COMM_WORLD of its own: for the job's first
+    ranks it has no job rank, and they have none for it. MPI answers ``MPI.UNDEFINED`` (-32766) for those.
+    """
     comm = getattr(world.backend, "comm", None)
     if comm is None:
-        return list(ranks)
+        return list(ranks), []
     from mpi4py import MPI
 
     group, job = comm.Get_group(), MPI.COMM_WORLD.Get_group()
     try:
-        return [int(r) for r in MPI.Group.Translate_ranks(group, list(ranks), job)]
+        translated = MPI.Group.Translate_ranks(group, list(ranks), job)
     finally:
         group.Free()
         job.Free()
+    inside = [int(j) for j in translated if j != MPI.UNDEFINED]
+    outside = [int(r) for r, j in zip(ranks, translated) if j == MPI.UNDEFINED]
+    return inside, outside
 
 
-def lost_while_waiting(world: Any, ranks: Any) -> List[int]:
-    """The job ranks a rank waiting in the node's shared memory for ``ranks`` (``world``'s) must give up on.
+def lost_while_waiting(world: Any, ranks: Any) -> Tuple[List[int], List[int]]:
+    """Whom a rank waiting in the node's shared memory for ``ranks`` (``world``'s) must give up on: job ranks,
+    and ``world``'s ranks of processes outside this process's COMM_WORLD (see ``_job_ranks``).
 
     A peer of the wait whose process on this node has ended; else any rank that ULFM knows to have
     failed (a peer of the wait may be stuck on it). Called by the watchdog in a fault-tolerant job only.
@@ -182,18 +201,32 @@ def lost_while_waiting(world: Any, ranks: Any) -> List[int]:
         return _job_ranks(world, dead)
     comm = getattr(world.backend, "comm", None)
     if comm is None:
-        return []
+        return [], []
     from mpi4py import MPI
 
-    return _failed_ranks(MPI, comm)
+    return _failed_ranks(MPI, comm), []
 
 
-def node_peer_failed(ranks: List[int], what: str) -> PeerFailedError:
-    """The error of a rank that waits in the node's shared memory for peers whose processes have ended."""
-    return PeerFailedError(f"{describe_ranks(ranks)} of the job failed (the process is gone) while this rank waited "
-                           f"in {what} through the node's shared memory; save what this rank holds and exit, or go on "
-                           f"without it (axonhpc.elastic; docs/fault-tolerance.md)", ranks)
+def describe_lost(ranks: List[int], outside: List[int] = ()) -> str:
+    """'rank 2 of the job', or for processes outside this one's COMM_WORLD 'world rank 3 (in no ...)'."""
+    parts = [f"{describe_ranks(list(ranks))} of the job"] if ranks else []
+    if outside:
+        parts.append(f"world {describe_ranks(list(outside))} (a process spawned apart from this one's job, such as a "
+                     f"replacement, or the job that spawned this one: it has no rank in this process's COMM_WORLD)")
+    return " and ".join(parts)
+
+
+def node_peer_failed(ranks: List[int], what: str, outside: List[int] = ()) -> PeerFailedError:
+    """The error of a rank that waits in the node's shared memory for peers whose processes have ended.
+
+    ``ranks``: job ranks; ``outside``: the world's ranks of processes that have none (see ``_job_ranks``).
+    """
+    error = PeerFailedError(f"{describe_lost(ranks, outside)} failed (the process is gone) while this rank waited "
+                            f"in {what} through the node's shared memory; save what this rank holds and exit, or go "
+                            f"on without it (axonhpc.elastic; docs/fault-tolerance.md)", list(ranks))
+    error.outside = list(outside)
+    return error
 
 
 __all__ = ["failure_classes", "peer_failed", "revoke", "ulfm_problem", "process_gone", "dead_node_peers", "node_peer_failed",
-           "describe_ranks", "lost_while_waiting"]
+           "describe_ranks", "describe_lost", "lost_while_waiting", "SURVIVED", "note_survived"]

@@ -182,9 +182,9 @@ class _Watchdog(threading.Thread):
             waited = now - since
             if settings.fault_tolerant and key not in self.verdicts and (
                     key in engines or cached_engine(pg.backend) is not None):
-                dead = lost_while_waiting(pg.world, pg.ranks)  # the engine's waits see no MPI error: look
-                if dead:
-                    self._end(key, seen, node_peer_failed(dead, _call_text(pg, entry, call)))
+                dead, outside = lost_while_waiting(pg.world, pg.ranks)  # the engine's waits see no MPI error
+                if dead or outside:
+                    self._end(key, seen, node_peer_failed(dead, _call_text(pg, entry, call), outside))
                     continue
             mark = (key, since)
             if waited >= settings.stall_report and mark not in self.reported:
@@ -449,7 +449,7 @@ def delivered(error: BaseException) -> None:
     if named is None or seen is None or named is seen or not isinstance(error, PeerFailedError):
         return
     error._axonhpc_call = seen
-    error.args = (node_peer_failed(list(error.lost), _call_text(*seen)).args[0],)
+    error.args = (node_peer_failed(list(error.lost), _call_text(*seen), getattr(error, "outside", ())).args[0],)
 
 
 def _register() -> None:

@@ -63,7 +63,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import numpy as np
 
 from ..backends import shm
-from ..backends.failures import describe_ranks, failure_classes, revoke
+from ..backends.failures import describe_ranks, failure_classes, note_survived, revoke
 from ..checkpoint.boxes import Box
 from ..checkpoint.io import gather_text
 from ..checkpoint.model_slices import fill_model_state, state_pieces
@@ -444,6 +444,7 @@ class ElasticTraining:
                                     f"{len(members)} ranks, and no more ranks were lost; resume from the last "
                                     f"checkpoint", lost)
             lost = sorted(lost + [m for m in members if m not in survivors])
+            note_survived(lost)  # axonhpc launch: their loss alone does not fail the job (a RecoveryError does)
             self.parts, self.buddy, self.working, self.shape = before.parts, before.buddy, before.working, before.shape
             self.unbuilt = before.unbuilt
             at = [comm, survivors]  # where this attempt is agreed on: the communicator merged with replacements

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import numbers
 import os
+import signal
 import sys
 import threading
 import time
@@ -189,11 +190,19 @@ def install_abort_on_exception(world: World) -> None:
         sys.stderr.flush()
         sys.stdout.flush()
         time.sleep(0.5 if elsewhere is None else 1.5)  # the traceback's rank aborts first, once it is printed
-        if settings.fault_tolerant and isinstance(exc, PeerFailedError):
-            # Every survivor raised it: none is left waiting. After a failure, MPI_Abort has left Open MPI's
-            # launcher deadlocked (prterun blocked on a lock, the ranks gone); a process that ends is what ULFM
-            # is built to survive, and the launcher ends the job with an error once every rank has.
-            os._exit(1)
+        if settings.fault_tolerant:
+            # A process that ends is what ULFM is built to survive: the others raise PeerFailedError in their
+            # next call that needs this rank (or, elastic, go on without it). MPI_Abort is not: under
+            # --with-ft ulfm prterun does not end the other ranks, which then waited for ever at exit (the
+            # collective free of a shared-memory window, 4 ranks), and after a failure it has left prterun
+            # deadlocked (blocked on a lock, the ranks gone). axonhpc launch still exits with an error
+            # ([Note: the job's exit status under --fault-tolerant] in axonhpc/launched.py).
+            if not isinstance(exc, PeerFailedError):
+                # This rank's own error. Survivors waiting for it in an MPI all-reduce (4 ranks, shared memory
+                # off) never learnt of a process that ended with os._exit(1); of one killed, at once. Its
+                # status is kept for axonhpc launch all the same (launched.py recorded 1 before this hook).
+                os.kill(os.getpid(), signal.SIGKILL)
+            os._exit(1)  # a survivor's PeerFailedError: every survivor raised it, none is left waiting
         world.abort(1)
 
     sys.excepthook = hook

@@ -1,0 +1,123 @@
+"""A fault-tolerant job whose rank fails never exits 0 ([Note: the job's exit status under --fault-tolerant] in
+axonhpc/launched.py).
+
+Under ``mpiexec --with-ft ulfm`` prterun exited 0 when a rank was SIGKILLed and the others finished, and a rank's
+``MPI_Abort`` (an uncaught exception) left the others waiting for ever at exit with 4 ranks. Each job here is
+started as a user would (``axonhpc launch --fault-tolerant``, .venv-openmpi) under an outer guard.
+"""
+import os
+import signal
+import subprocess
+import sys
+import time
+import types
+
+import pytest
+
+from support.openmpi import OPENMPI_PYTHON, job_env, needs_openmpi
+
+GUARD = 60  # seconds: the outer timeout of every job (each ends within 15 s)
+
+SCRIPT = """
+import os, signal, sys, time
+import numpy as np
+import axonhpc as ax
+
+how, wait = sys.argv[1], sys.argv[2] == "wait"
+world = ax.init()
+if world.rank == 1:
+    if how == "raise":
+        raise ValueError("a bug on rank 1")
+    if how == "exit":
+        sys.exit(3)
+    os.kill(os.getpid(), signal.SIGKILL)
+if wait:
+    ax.all_reduce(np.ones(4))  # the others wait for rank 1 here
+else:
+    time.sleep(1)
+print(f"rank {world.rank} finished", flush=True)
+"""
+
+
+def _launch(tmp_path, n, *args, **extra):
+    """The launcher's exit status, its output, and whether the guard had to kill it."""
+    script = tmp_path / "job.py"
+    script.write_text(SCRIPT)
+    cmd = [OPENMPI_PYTHON, "-m", "axonhpc", "launch", "--fault-tolerant", "-n", str(n), "--", str(script), *args]
+    with open(tmp_path / "out.txt", "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=tmp_path,
+                                env=job_env(tmp_path, **extra), start_new_session=True)
+        deadline = time.monotonic() + GUARD
+        while proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        killed = proc.poll() is None
+        if killed:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    return proc.returncode, (tmp_path / "out.txt").read_text(errors="replace"), killed
+
+
+@needs_openmpi
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("n,how,wait,shm,status", [
+    (4, "raise", "wait", "off", 1),     # before: the survivors waited for ever in the all-reduce (MPI_Abort)
+    (4, "raise", "nowait", "auto", 1),  # before: the survivors waited for ever at exit, in a window's free
+    (3, "exit", "wait", "auto", 3),     # before: for ever; now the rank's own status, not the survivors' 1
+    (3, "kill", "nowait", "auto", 1),   # before: 0, prterun's verdict on a job whose survivors finished
+])
+def test_a_failed_rank_fails_the_fault_tolerant_job(tmp_path, n, how, wait, shm, status):
+    code, out, killed = _launch(tmp_path, n, how, wait, AXONHPC_SHM_COLLECTIVES=shm)
+    assert not killed, f"the job did not end within {GUARD} s\n{out}"
+    assert code == status, out
+    if how == "kill" and wait == "nowait":
+        assert "rank 1 of the job ended without exiting" in out, out
+
+
+def _write(folder, rank, text):
+    (folder / f"rank{rank}").write_text(text + "\n")
+
+
+def test_the_ranks_verdict(tmp_path):
+    from axonhpc.cli import _ranks_verdict
+
+    for r in range(3):
+        _write(tmp_path, r, "0 ")
+    assert _ranks_verdict(str(tmp_path), 3) == (0, "")
+    os.remove(tmp_path / "rank2")  # killed: a failure unless a survivor recovered from it
+    status, why = _ranks_verdict(str(tmp_path), 3)
+    assert status == 1 and "rank 2 of the job ended without exiting" in why, why
+    _write(tmp_path, 0, "0 2")  # axonhpc.elastic recovered from rank 2's loss
+    assert _ranks_verdict(str(tmp_path), 3) == (0, "")
+    # A rank's own status comes before a survivor's PeerFailedError, whatever their order
+    _write(tmp_path, 0, "1  peer")
+    _write(tmp_path, 1, "3  ")
+    status, why = _ranks_verdict(str(tmp_path), 3)
+    assert status == 3 and why.startswith("rank 1 of the job exited with status 3"), why
+
+
+def test_a_lost_process_outside_comm_world_is_named_by_its_world_rank(monkeypatch):
+    # A replacement (elastic respawn) is in a COMM_WORLD of its own: MPI translates it to MPI.UNDEFINED, which
+    # an error once printed as "rank -32766".
+    from axonhpc.backends import failures
+
+    undefined = -32766
+
+    class Group:
+        def Free(self):
+            pass
+
+        @staticmethod
+        def Translate_ranks(group, ranks, other):
+            return [undefined if r == 3 else r for r in ranks]
+
+    comm = types.SimpleNamespace(Get_group=Group)
+    mpi = types.SimpleNamespace(UNDEFINED=undefined, Group=Group, COMM_WORLD=types.SimpleNamespace(Get_group=Group))
+    monkeypatch.setitem(sys.modules, "mpi4py", types.SimpleNamespace(MPI=mpi))
+    world = types.SimpleNamespace(backend=types.SimpleNamespace(comm=comm))
+    inside, outside = failures._job_ranks(world, [1, 3])
+    assert (inside, outside) == ([1], [3])
+    error = failures.node_peer_failed(inside, "all_reduce #7", outside)
+    assert "-32766" not in str(error) and error.lost == [1], error
+    assert str(error).startswith("rank 1 of the job and world rank 3 (a process spawned apart"), error
+    alone = failures.node_peer_failed([], "all_reduce #7", [3])
+    assert str(alone).startswith("world rank 3 (") and alone.lost == [], alone
