@@ -228,7 +228,7 @@ def test_a_peer_failure_found_during_one_call_names_the_call_it_ends(monkeypatch
 
     def slow_look(world, ranks):  # the thread moves on to a later call while ULFM is asked
         watchdog._blocked[key] = later
-        return [1]
+        return [1], []  # job rank 1 is lost; no process outside COMM_WORLD
 
     monkeypatch.setattr(watchdog, "lost_while_waiting", slow_look)
     dog = watchdog._dog
