@@ -3,7 +3,7 @@
     axonhpc info                         what MPI, threads, GPU libraries, ranks and nodes this is
     axonhpc bench NAME [args]            benchmarks (allreduce, ddp, elastic, fsdp, gpt, p2p, pack, pipeline, step)
     axonhpc launch -n N [--] script.py   mpiexec wrapper that works as root and aborts on errors
-    axonhpc doctor DIR                   which rank diverged first, from the flight recorder dumps
+    axonhpc doctor DIR [--run ID]        which rank diverged first, from the flight recorder dumps
     axonhpc timeline merge DIR [-o F]    one Chrome trace from the ranks' timeline-rank*.json files
     axonhpc slurm render TEMPLATE ...    a SLURM batch script from a template in slurm/ (docs/launching.md)
 """
@@ -88,7 +88,7 @@ def _cmd_bench(args) -> int:
 def _cmd_doctor(args) -> int:
     from .observe.doctor import main
 
-    return main(args.directory)
+    return main(args.directory, run=args.run)
 
 
 def _cmd_timeline(args) -> int:
@@ -383,7 +383,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="arguments of the benchmark (axonhpc bench NAME --help)").required = False
     p.set_defaults(func=_cmd_bench)
     p = sub.add_parser("doctor", help="merge the ranks' flight recorder dumps; say who diverged first and where")
-    p.add_argument("directory", help="the AXONHPC_FLIGHT_DIR of the job (flight-rank*.json)")
+    p.add_argument("directory", help="the AXONHPC_FLIGHT_DIR of the job (flight-<run>-rank<r>.json)")
+    p.add_argument("--run", metavar="ID", default=None,
+                   help="the run to read, by its id or the start of it (default: the newest run in DIR)")
     p.set_defaults(func=_cmd_doctor)
     p = sub.add_parser("timeline", help="merge per-rank timelines (AXONHPC_TIMELINE_DIR) into one Chrome trace")
     p.add_argument("action", choices=["merge"])

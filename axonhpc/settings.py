@@ -185,7 +185,7 @@ class Settings:
             0 turns it off; must be the same on every rank (``AXONHPC_STRAGGLER_EVERY``).
         straggler_margin: seconds a last rank must trail the next by to count as late
             (``AXONHPC_STRAGGLER_MARGIN``).
-        flight_dir: where the recorder writes ``flight-rank<r>.json`` (``AXONHPC_FLIGHT_DIR``).
+        flight_dir: where the recorder writes ``flight-<run>-rank<r>.json`` (``AXONHPC_FLIGHT_DIR``).
         flight_signal: the signal that makes every rank dump its recorder, or "" (``AXONHPC_FLIGHT_SIGNAL``).
         skip_nonfinite_steps: the trainer skips an optimizer step on every rank if any rank's gradients hold an
             inf or NaN (``AXONHPC_SKIP_NONFINITE_STEPS``).

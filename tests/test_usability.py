@@ -138,7 +138,10 @@ def test_sigusr1_says_where_the_flight_recorder_went(tmp_path):
     assert out.returncode == 0, out.stderr
     assert f"SIGUSR1: wrote the flight recorder to {tmp_path / 'flight'}" in out.stderr, out.stderr
     assert f"axonhpc doctor {tmp_path / 'flight'}" in out.stderr
-    assert os.path.exists(tmp_path / "flight" / "flight-rank00000.json")
+    written = re.search(r"wrote the flight recorder to (\S+) .*axonhpc doctor \S+ --run ([0-9a-f]{16})\)", out.stderr)
+    assert written and written.group(1) == str(tmp_path / "flight" / f"flight-{written.group(2)}-rank00000.json"), \
+        out.stderr
+    assert os.path.exists(written.group(1))
 
 
 def test_bandwidth_is_printed_as_a_rate():

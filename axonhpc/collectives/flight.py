@@ -4,10 +4,18 @@
 Each collective appends a small record to a ring buffer of the last ``settings.flight_recorder``
 calls (0: off): time (the dump carries the offset to rank 0's clock), group, sequence number, call,
 dtype, shape, op, root, completion, and file:line in debug mode only (finding it costs a stack
-walk). It is written atomically to ``<settings.flight_dir>/flight-rank<r>.json`` on a timeout, a
+walk). It is written atomically to ``<settings.flight_dir>/flight-<run>-rank<r>.json`` on a timeout, a
 mismatch, an uncaught exception that aborts the job, and on ``settings.flight_signal`` (SIGUSR1,
 which ``sbatch --signal`` can send; the handler chains to any earlier one). ``axonhpc doctor DIR``
 merges the dumps and says which rank diverged first and which arrived last how often.
+
+[Note: dumps name their run]
+Jobs started from one folder share its flight folder (the default is the working directory's
+axonhpc-flight), and so may two jobs on one node. A dump's name carries its world's ``run_id`` (drawn
+by the ranks together at ``init``), so a second job's dumps never replace the first's, and
+``axonhpc doctor DIR --run ID`` reads one run's (by default the newest). Versions before named them
+``flight-rank<r>.json``; the doctor still reads those (their run is the id inside), and a world
+without a ``run_id`` (a stand-in) is dumped under that name.
 """
 from __future__ import annotations
 
@@ -105,19 +113,27 @@ def dump(reason: str, rank: Optional[int] = None) -> Optional[str]:
     if not settings.flight_recorder:
         return None
     with _lock:
-        ranks = sorted(_buffers) if rank is None else [rank]
+        # The ranks whose last call is newest are written last: buffers an earlier run_local world of this
+        # process left (ranks 3, 4 of a 5-rank world before this 3-rank one) are not the newest dumps in
+        # the folder, which the doctor reads by default.
+        ranks = sorted(_buffers, key=lambda r: (_buffers[r][-1][0] if _buffers[r] else 0.0, r)) \
+            if rank is None else [rank]
     path = None
     for r in ranks:
         path = _write(r, reason) or path
     return path
 
 
+def _dump_name(run: Optional[str], rank: int) -> str:
+    """The file name of world rank ``rank``'s dump in run ``run`` ([Note: dumps name their run])."""
+    return f"flight-rank{rank:05d}.json" if run is None else f"flight-{run}-rank{rank:05d}.json"
+
+
 def _write(rank: int, reason: str) -> Optional[str]:
-    directory = settings.flight_dir
-    path = os.path.join(directory, f"flight-rank{rank:05d}.json")
+    world = _worlds.get(rank)
+    run, world_size = getattr(world, "run_id", None), getattr(world, "world_size", None)
+    path = os.path.join(settings.flight_dir, _dump_name(run, rank))
     try:
-        world = _worlds.get(rank)
-        run, world_size = getattr(world, "run_id", None), getattr(world, "world_size", None)
         write_json_atomic(path, {"rank": rank, "pid": os.getpid(), "reason": reason, "time": time.time(),
                                  "run": run, "world_size": world_size, "clock_offset": _offsets.get(rank, 0.0),
                                  "records": records(rank)})
@@ -138,8 +154,12 @@ def signal_dump(name: str) -> Optional[str]:
         from ..observe.log import get_logger
 
         directory = os.path.dirname(os.path.abspath(path))
+        with _lock:
+            runs = {getattr(_worlds.get(r), "run_id", None) for r in _buffers}
+        run = process_run() or (runs.pop() if len(runs) == 1 else None)  # run_local's threads: one world's
         get_logger("flight").warning(f"{name}: wrote the flight recorder to {path} (AXONHPC_FLIGHT_DIR; merge every "
-                                     f"rank's with: axonhpc doctor {directory})")
+                                     f"rank's with: axonhpc doctor {directory}"
+                                     + (f" --run {run})" if run is not None else ")"))
     return path
 
 
@@ -196,5 +216,6 @@ def _install_signal() -> None:
     signal.signal(number, handler)
 
 
-__all__ = ["record", "records", "dump", "signal_dump", "process_rank", "FIELDS", "DTYPE", "SHAPE", "DONE"]
+__all__ = ["record", "records", "dump", "signal_dump", "process_rank", "process_run", "FIELDS", "DTYPE", "SHAPE",
+           "DONE"]
 

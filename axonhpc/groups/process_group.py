@@ -39,13 +39,27 @@ class WorldFacts(Protocol):
     default_group: "ProcessGroup"
 
 
+def _distinct(world: Any, name: str, ranks: Tuple[int, ...]) -> str:
+    """``name``, or "name #k" for the k-th group of the world made with that name and those ranks.
+
+    Every member made the same earlier groups of those ranks (making one is collective over its members, in
+    one order), so every member names the group alike.
+    """
+    made = world.__dict__.setdefault("_group_names", {})
+    count = made[(name, ranks)] = made.get((name, ranks), 0) + 1
+    return name if count == 1 else f"{name} #{count}"
+
+
 class ProcessGroup:
     """An ordered set of global ranks and, on its members, a backend; on non-members collectives raise ``NotAMemberError``.
 
     Attributes:
         ranks: global ranks of the members, in group-rank order (empty for the non-member side of a
             ``split`` with ``color=None``).
-        name: a label used in messages ("world", "mesh.tp", "group[0, 2]").
+        name: a label used in messages ("world", "mesh.tp", "group[0, 2]"), distinct among the world's groups of
+            the same ranks: the second group made with a name and ranks already taken is "group[0, 2] #2"
+            (messages, the flight recorder, ``axonhpc doctor`` and the watchdog's deadlock proof tell groups
+            apart by name and ranks).
         member_backend: the backend on a member, None on a non-member and once destroyed (``backend`` raises there).
         timeout: seconds a blocking call may wait (None: ``ax.settings.timeout``).
         debug: check every collective across ranks first (None: ``ax.settings.debug``).
@@ -59,7 +73,7 @@ class ProcessGroup:
         self.world = world
         self.member_backend = backend
         self.ranks: Tuple[int, ...] = tuple(int(r) for r in ranks)
-        self.name = name
+        self.name = _distinct(world, name, self.ranks) if self.ranks else name
         self._timeout: Optional[float] = None
         self.debug: Optional[bool] = None
         self.seq = 0  # collectives issued on this group by this rank

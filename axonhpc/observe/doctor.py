@@ -4,14 +4,19 @@ A group's collectives must match across its ranks call by call, so the diagnosis
 sequence numbers and reports the first where the ranks called different things or some never
 reached it; it lists ranks still waiting when they dumped, and how often each arrived last
 (``lateness``, on rank 0's clock), which names a straggler after the fact.
+
+A folder may hold the dumps of several runs (``flight-<run>-rank<r>.json``, [Note: dumps name their
+run] in ``collectives/flight.py``; ``flight-rank<r>.json`` of earlier versions, whose run is the id
+inside). ``find_runs`` sorts them into runs, newest first (by the time their ranks wrote them);
+the doctor reads the newest, or the one ``--run ID`` names, and says which it read and what else is there.
 """
 from __future__ import annotations
 
-import glob
 import json
 import os
 import re
-from typing import Any, Dict, List, Optional, Tuple
+import time
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 from ..errors import ConfigurationError, NotFoundError
 
@@ -23,8 +28,8 @@ def _read_dump(path: str) -> dict:
 
     Raises:
         ConfigurationError: the file cannot be read, is not JSON (a truncated file: the rank died while
-            writing it, or the disk was full), is not a flight-recorder dump, or is one of another rank than its
-            name says; the message names the file.
+            writing it, or the disk was full), is not a flight-recorder dump, or is one of another rank or run
+            than its name says; the message names the file.
     """
     try:
         with open(path, encoding="utf-8") as f:
@@ -43,13 +48,16 @@ def _read_dump(path: str) -> dict:
     if not _is_index(rank):
         raise ConfigurationError(f"flight dump {path!r} records rank={rank!r}, not {_is_index.__doc__}")
     named = _NAME.fullmatch(os.path.basename(path))
-    if named is not None and int(named.group(1)) != rank:
+    if named is not None and int(named.group("rank")) != rank:
         raise ConfigurationError(f"flight dump {path!r} says it is rank {rank!r}'s; its name says rank "
-                                 f"{int(named.group(1))} (a renamed or copied file?)")
+                                 f"{int(named.group('rank'))} (a renamed or copied file?)")
     for key, check in (("time", _is_number), ("clock_offset", _is_number), ("world_size", _is_index),
                        ("run", _is_text)):
         if data.get(key) is not None and not check(data[key]):
             raise ConfigurationError(f"flight dump {path!r} records {key}={data[key]!r}, not {check.__doc__}")
+    if named is not None and named.group("run") is not None and data.get("run") != named.group("run"):
+        raise ConfigurationError(f"flight dump {path!r} says it is run {data.get('run')!r}'s; its name says run "
+                                 f"{named.group('run')!r} (a renamed or copied file?)")
     for k, entry in enumerate(data["records"]):
         problem = _record_problem(entry, rank)
         if problem is not None:
@@ -58,7 +66,8 @@ def _read_dump(path: str) -> dict:
     return data
 
 
-_NAME = re.compile(r"flight-rank(\d+)\.json")
+# flight-<run>-rank<r>.json, or flight-rank<r>.json (earlier versions, and a world without a run id)
+_NAME = re.compile(r"flight-(?:(?P<run>.+)-)?rank(?P<rank>\d+)\.json")
 
 
 def _is_index(value: Any) -> bool:
@@ -117,19 +126,25 @@ def _record_problem(entry: Any, rank: int) -> Optional[str]:
     return None
 
 
-def _one_run(dumps: Dict[int, dict], paths: Dict[int, str], broken: List[str]) -> Dict[int, dict]:
-    """The dumps of the run seen last (its latest call): a dump an earlier run left in the folder is named and
-    left out (its calls would be read as this run's: a divergence that never was)."""
-    runs = {_run_key(data) for data in dumps.values()}
-    if len(runs) < 2:
-        return dumps
-    newest = max(dumps.values(), key=_last_seen)
-    kept = {rank: data for rank, data in dumps.items() if _run_key(data) == _run_key(newest)}
-    for rank in sorted(set(dumps) - set(kept)):
-        data = dumps[rank]
-        broken.append(f"flight dump {paths[rank]!r} (rank {rank}) comes from another run "
-                      f"({_run_text(data)}) than the dump seen last ({_run_text(newest)})")
-    return kept
+class Run(NamedTuple):
+    """The dumps of one run found in a flight folder."""
+
+    id: Optional[str]  # its run_id (None: dumps of a version that recorded none)
+    dumps: Dict[int, dict]  # rank -> its dump
+    paths: Dict[int, str]  # rank -> its file
+    written: float  # when its newest dump was written (the time the dump records, else the file's)
+
+    @property
+    def name(self) -> str:
+        """``run 3f2a...``, or what stands for a run of a version that recorded no id."""
+        return f"run {self.id}" if self.id is not None else "a run that records no id"
+
+    def describe(self) -> str:
+        """``run 3f2a... (ranks [0, 1] of 2, last written 2026-11-28 11:20:03)``."""
+        sizes = {d["world_size"] for d in self.dumps.values() if d.get("world_size")}
+        of = f" of {sizes.pop()}" if len(sizes) == 1 else ""
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.written))
+        return f"{self.name} (ranks {sorted(self.dumps)}{of}, last written {when})"
 
 
 def _run_key(data: dict) -> Any:
@@ -139,20 +154,18 @@ def _run_key(data: dict) -> Any:
     return next((tuple(e["ranks"]) for e in reversed(data["records"]) if e["group"] == "world"), None)
 
 
-def _last_seen(data: dict) -> float:
-    """When the dump's rank was last seen: its last call, else when it dumped."""
-    return max((e["t"] for e in data["records"]), default=data.get("time") or 0.0)
+def _written(data: dict, path: str) -> float:
+    """When the dump was written: the time its rank recorded (a copy keeps it), else the file's."""
+    if data.get("time"):
+        return float(data["time"])
+    try:
+        return os.path.getmtime(path)
+    except OSError:
+        return 0.0
 
 
-def _run_text(data: dict) -> str:
-    run, size = data.get("run"), data.get("world_size")
-    if size is None and isinstance(_run_key(data), tuple):
-        size = len(_run_key(data))
-    return (f"run {run}" if run else "a run that records no id") + (f", {size} ranks" if size else "")
-
-
-def load_dumps(directory: str, broken: Optional[List[str]] = None) -> Dict[int, dict]:
-    """rank -> its dump, for every ``flight-rank*.json`` in ``directory`` of the run seen last.
+def find_runs(directory: str, broken: Optional[List[str]] = None) -> List[Run]:
+    """Every run with a usable dump in ``directory``, newest first (ties: the latest recorded call first).
 
     ``broken``: where to put a line for each unusable file (then skipped); None raises instead.
 
@@ -162,30 +175,73 @@ def load_dumps(directory: str, broken: Optional[List[str]] = None) -> Dict[int, 
     """
     if not os.path.isdir(directory):
         raise NotFoundError(f"flight-recorder folder {directory!r} does not exist (give the job's AXONHPC_FLIGHT_DIR)")
-    dumps: Dict[int, dict] = {}
-    where: Dict[int, str] = {}
+    runs: Dict[Any, Run] = {}
     skipped: List[str] = []
-    paths = sorted(glob.glob(os.path.join(directory, "flight-rank*.json")))
+    paths = sorted(os.path.join(directory, name) for name in os.listdir(directory) if _NAME.fullmatch(name))
     for path in paths:
         try:
             data = _read_dump(path)
         except ConfigurationError as exc:
             skipped.append(str(exc))
             continue
-        rank = data["rank"]
-        if rank in dumps:  # two names for one rank (flight-rank1.json beside flight-rank00001.json)
-            skipped.append(f"flight dump {path!r} is a second dump of rank {rank} (beside {where[rank]!r})")
+        key, rank = _run_key(data), data["rank"]
+        run = runs.get(key)
+        if run is None:
+            run = runs[key] = Run(data.get("run"), {}, {}, 0.0)
+        if rank in run.dumps:  # two names for one rank (flight-rank1.json beside flight-rank00001.json)
+            skipped.append(f"flight dump {path!r} is a second dump of rank {rank} of {run.name} "
+                           f"(beside {run.paths[rank]!r})")
             continue
-        dumps[rank], where[rank] = data, path
-    dumps = _one_run(dumps, where, skipped)
+        run.dumps[rank], run.paths[rank] = data, path
+        runs[key] = run._replace(written=max(run.written, _written(data, path)))
     if skipped and broken is None:
         raise ConfigurationError(skipped[0])
     if broken is not None:
         broken.extend(skipped)
-    if not dumps:
-        why = f"none of its {len(paths)} flight-rank*.json can be used" if paths else "no flight-rank*.json"
-        raise NotFoundError(f"{why} in {directory!r} (is AXONHPC_FLIGHT_DIR set to it?)")
-    return dumps
+    if not runs:
+        why = f"none of its {len(paths)} flight dumps can be used" if paths else "no flight dump"
+        raise NotFoundError(f"{why} in {directory!r} (flight-<run>-rank<r>.json or flight-rank<r>.json; is "
+                            f"AXONHPC_FLIGHT_DIR set to it?)")
+    return sorted(runs.values(), key=lambda run: (run.written, max(map(_last_seen, run.dumps.values()))),
+                  reverse=True)
+
+
+def _last_seen(data: dict) -> float:
+    """When the dump's rank was last seen: its last call, else when it dumped."""
+    return max((e["t"] for e in data["records"]), default=data.get("time") or 0.0)
+
+
+def pick_run(runs: List[Run], run: Optional[str], directory: str) -> Run:
+    """The run ``run`` names (its id, or the start of just one run's id), or the newest of ``runs`` for None.
+
+    Raises:
+        NotFoundError: no run's id is or starts with ``run``; the message lists the folder's runs.
+        ConfigurationError: the ids of several runs start with ``run``; the message lists them.
+    """
+    if run is None:
+        return runs[0]
+    exact = [r for r in runs if r.id == run]
+    if exact:
+        return exact[0]
+    starting = [r for r in runs if r.id is not None and r.id.startswith(run)]
+    if len(starting) == 1:
+        return starting[0]
+    if starting:
+        raise ConfigurationError(f"run {run!r} is the start of {len(starting)} runs' ids in {directory!r}: "
+                                 + "; ".join(r.describe() for r in starting) + " (give more of the id)")
+    raise NotFoundError(f"no run {run!r} in {directory!r}; its runs: " + "; ".join(r.describe() for r in runs))
+
+
+def load_dumps(directory: str, broken: Optional[List[str]] = None, run: Optional[str] = None) -> Dict[int, dict]:
+    """rank -> its dump, of run ``run`` (its id, or the start of it) in ``directory``; None: the newest run.
+
+    ``broken``: where to put a line for each unusable file (then skipped); None raises instead.
+
+    Raises:
+        NotFoundError: the folder does not exist, holds no usable dump, or no dump of run ``run``.
+        ConfigurationError: a dump cannot be used and ``broken`` is None, or ``run`` starts several runs' ids.
+    """
+    return pick_run(find_runs(directory, broken), run, directory).dumps
 
 
 def describe(entry: dict) -> str:
@@ -294,28 +350,38 @@ def lateness(dumps: Dict[int, dict], margin: float = 0.001) -> List[str]:
     return lines
 
 
-def main(directory: str, out: Optional[Any] = None) -> int:
-    """Print the diagnosis of ``directory``; 0 when a report was made, 2 without usable dumps.
+def main(directory: str, out: Optional[Any] = None, run: Optional[str] = None) -> int:
+    """Print the diagnosis of run ``run`` in ``directory`` (None: the newest run there); 0 when a report was
+    made, 2 without usable dumps or without that run.
 
-    An unreadable dump is named on stderr and skipped; the diagnosis uses the others.
+    An unreadable dump is named on stderr and skipped; the diagnosis uses the others. Other runs in the
+    folder are named after the first line.
     """
     import sys
 
     out = out or sys.stdout
     broken: List[str] = []
     try:
-        dumps = load_dumps(directory, broken)
-    except NotFoundError as exc:
+        runs = find_runs(directory, broken)
+        chosen = pick_run(runs, run, directory)
+    except (NotFoundError, ConfigurationError) as exc:
         for line in broken:
             print(f"axonhpc doctor: skipped {line}", file=sys.stderr)
         print(f"axonhpc doctor: {exc}", file=sys.stderr)
         return 2
     for line in broken:
         print(f"axonhpc doctor: skipped {line}; diagnosing from the other dumps", file=sys.stderr)
-    print(f"flight records of ranks {sorted(dumps)} in {directory}:", file=out)
+    dumps = chosen.dumps
+    print(f"flight records of ranks {sorted(dumps)} of {chosen.name} in {directory}:", file=out)
+    others = [r for r in runs if r is not chosen]
+    if others:
+        which = f"the newest of {len(runs)} runs in {directory}" if run is None else \
+            f"one of {len(runs)} runs in {directory}"
+        print(f"  ({which}; the other{'s' if len(others) > 1 else ''}: "
+              + "; ".join(r.describe() for r in others) + "; read another with --run ID)", file=out)
     for line in diagnose(dumps) + lateness(dumps):
         print("  " + line, file=out)
     return 0
 
 
-__all__ = ["load_dumps", "diagnose", "lateness", "describe", "main"]
+__all__ = ["Run", "find_runs", "pick_run", "load_dumps", "diagnose", "lateness", "describe", "main"]

@@ -93,6 +93,7 @@ def test_thread_ranks_keep_their_own_records(tmp_path):
 
     import axonhpc as ax
     from axonhpc.collectives import flight
+    from axonhpc.observe.doctor import find_runs
 
     def body(world):
         for _ in range(2):
@@ -100,18 +101,118 @@ def test_thread_ranks_keep_their_own_records(tmp_path):
         ax.broadcast(np.ones(3), src=0)
         ax.barrier()  # every thread has recorded all three before any reads: a shared buffer would interleave
         mine = flight.records(world.rank)[-4:-1]
-        return [e["op"] for e in mine], mine[-1]["root"]
+        return [e["op"] for e in mine], mine[-1]["root"], world.run_id
 
     before = ax.settings.flight_dir
     ax.settings.flight_dir = str(tmp_path)
     try:
+        earlier = ax.run_local(body, world_size=5)[0][2]
         results = ax.run_local(body, world_size=3)
-        assert results == [(["all_reduce", "all_reduce", "broadcast"], 0)] * 3
+        run = results[0][2]
+        assert results == [(["all_reduce", "all_reduce", "broadcast"], 0, run)] * 3
         flight.dump("test")
     finally:
         ax.settings.flight_dir = before
-    # Ranks that only an earlier run_local world of this process had (3, 4, ...) dump that world's records:
-    # the doctor leaves them out as another run's, and keeps this world's three.
+    # Ranks 3 and 4, which only the earlier 5-rank world had, dump that world's records under its run id
+    # (ranks of worlds before it, in other tests of this process, theirs): the doctor reads this world's
+    # three, the newest run, though all were written at once.
     broken = []
-    assert set(load_dumps(str(tmp_path), broken)) == {0, 1, 2}, broken
-    assert all("comes from another run" in line for line in broken), broken
+    assert set(load_dumps(str(tmp_path), broken)) == {0, 1, 2} and broken == [], broken
+    runs = find_runs(str(tmp_path))
+    assert runs[0].id == run and sorted(runs[0].dumps) == [0, 1, 2], [r.describe() for r in runs]
+    stale = {r.id: sorted(r.dumps) for r in runs[1:]}
+    assert {3, 4} <= set(stale[earlier]) and not {0, 1, 2} & {k for ks in stale.values() for k in ks}, stale
+    assert sorted(load_dumps(str(tmp_path), run=earlier)) == stale[earlier]
+
+
+# Both ranks time out (rank 0 waits in an all-reduce of the world, rank 1 in one of another group), dump and say
+# so; each leaves once the other has too (mpiexec ends a job's other ranks when one exits with an error), without
+# MPI's finalize (where it could wait for the other's unmatched call). argv[1] good all-reduces come first, so the
+# two jobs' dumps differ in where the ranks parted.
+TWO_TIMEOUTS = """
+import os, sys, time
+import numpy as np
+import axonhpc as ax
+from axonhpc.errors import CollectiveTimeoutError
+
+world = ax.init(timeout=1.5)
+sub = world.new_group([0, 1], name="sub")
+x = np.ones(4)
+for _ in range(int(sys.argv[1])):
+    ax.all_reduce(x)
+try:
+    if world.rank == 1:
+        ax.all_reduce(np.ones(3), group=sub)
+    else:
+        ax.all_reduce(x)
+except CollectiveTimeoutError:
+    print(f"run {world.run_id} rank {world.rank} timed out", flush=True)
+    open(f"timed-out-{world.rank}", "w").close()
+    deadline = time.monotonic() + 30
+    while not os.path.exists(f"timed-out-{1 - world.rank}") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os._exit(3)
+print(f"rank {world.rank} did not time out", flush=True)
+"""
+
+
+def _two_timeouts(folder, flight_dir, good_calls):
+    """Run the job above on 2 ranks from ``folder``, dumping to ``flight_dir``; its run id."""
+    folder.mkdir()
+    script = folder / "job.py"
+    script.write_text(TWO_TIMEOUTS)
+    env = dict(_env(flight_dir), AXONHPC_ABORT_ON_EXCEPTION="0")
+    out = subprocess.run(["timeout", "-k", "5", "60", MPIEXEC, "-n", "2", sys.executable, str(script), str(good_calls)],
+                         capture_output=True, text=True, cwd=folder, env=env)
+    text = out.stdout + out.stderr
+    runs = set(re.findall(r"^run ([0-9a-f]{16}) rank \d timed out$", out.stdout, re.M))
+    assert out.returncode not in (0, 124) and len(runs) == 1, text[-3000:]
+    assert sorted(re.findall(r"rank (\d) timed out", out.stdout)) == ["0", "1"], text[-3000:]
+    return runs.pop()
+
+
+def _doctor(flight_dir, *args):
+    return subprocess.run(["timeout", "-k", "5", "60", sys.executable, "-m", "axonhpc", "doctor", str(flight_dir),
+                           *args], capture_output=True, text=True)
+
+
+@pytest.mark.timeout(240)
+def test_two_jobs_sharing_a_flight_folder_keep_their_dumps_and_the_doctor_tells_them_apart(tmp_path):
+    # The dumps were flight-rank<r>.json: the second job's replaced the first's, and the doctor could only
+    # read the second.
+    flight_dir = tmp_path / "flight"
+    first = _two_timeouts(tmp_path / "a", flight_dir, 1)
+    second = _two_timeouts(tmp_path / "b", flight_dir, 3)
+    assert first != second
+    names = sorted(p.name for p in flight_dir.iterdir())
+    assert names == sorted(f"flight-{run}-rank{r:05d}.json" for run in (first, second) for r in (0, 1)), names
+    for run, good in ((first, 1), (second, 3)):
+        dumps = load_dumps(str(flight_dir), run=run)
+        assert sorted(dumps) == [0, 1] and {d["run"] for d in dumps.values()} == {run}, dumps
+        last = [(e["group"], e["seq"], e["done"]) for e in (dumps[r]["records"][-1] for r in (0, 1))]
+        assert last == [("world", good, False), ("sub", 0, False)], last
+        assert [e["seq"] for e in dumps[1]["records"] if e["group"] == "world"] == list(range(good)), dumps[1]
+        assert all(d["reason"].startswith("timeout in") for d in dumps.values()), dumps
+
+    newest = _doctor(flight_dir)
+    assert newest.returncode == 0, newest.stderr
+    header, note = newest.stdout.splitlines()[:2]
+    assert header == f"flight records of ranks [0, 1] of run {second} in {flight_dir}:", newest.stdout
+    assert f"the newest of 2 runs in {flight_dir}" in note and f"run {first} (ranks [0, 1] of 2" in note, note
+    assert "--run ID" in note, note
+    for run, good in ((first, 1), (second, 3)):
+        out = newest if run == second else _doctor(flight_dir, "--run", run)
+        assert out.returncode == 0 and out.stderr == "", out.stderr
+        assert f"of run {run} in" in out.stdout, out.stdout
+        assert (f"ranks [1] never reached group world #{good}, where ranks [0] called all_reduce float64 (4,) "
+                "op=SUM") in out.stdout, out.stdout
+        assert f"rank 0 was waiting in group world #{good}: all_reduce float64 (4,) op=SUM" in out.stdout, out.stdout
+        assert "rank 1 was waiting in group sub #0: all_reduce float64 (3,) op=SUM" in out.stdout, out.stdout
+        assert "no dump from" not in out.stdout, out.stdout
+    by_prefix = _doctor(flight_dir, "--run", first[:6])
+    assert by_prefix.returncode == 0 and f"of run {first} in" in by_prefix.stdout, by_prefix.stdout + by_prefix.stderr
+
+    unknown = _doctor(flight_dir, "--run", "feedface")
+    assert unknown.returncode == 2 and unknown.stdout == "", unknown.stdout
+    assert f"no run 'feedface' in {str(flight_dir)!r}; its runs:" in unknown.stderr, unknown.stderr
+    assert first in unknown.stderr and second in unknown.stderr, unknown.stderr

@@ -137,7 +137,9 @@ def test_under_mpi_rank_0_warns_and_the_doctor_names_the_straggler(tmp_path):
     warnings = [line for line in out.stderr.splitlines() if "axonhpc.stragglers" in line]
     assert len(warnings) == 3 and all("[axonhpc rank 0/3]" in w for w in warnings), out.stderr[-3000:]
     assert "rank 1 was the last to arrive in" in warnings[0] and "of the last 100 collectives on group world" in warnings[0]
-    dumps = [json.loads((tmp_path / "f" / f"flight-rank{r:05d}.json").read_text()) for r in range(3)]
+    dumps = [json.loads(path.read_text()) for r in range(3)
+             for path in (tmp_path / "f").glob(f"flight-*-rank{r:05d}.json")]  # flight-<run>-rank<r>.json
+    assert len(dumps) == 3 and len({d["run"] for d in dumps}) == 1, dumps
     assert dumps[0]["clock_offset"] == 0.0 and all(abs(d["clock_offset"]) < 0.01 for d in dumps)
     doctor = subprocess.run([sys.executable, "-m", "axonhpc", "doctor", str(tmp_path / "f")], capture_output=True,
                             text=True, timeout=60)

@@ -61,6 +61,18 @@ def test_two_groups_entered_in_different_orders_raise_deadlock_error_on_every_ra
 
 
 @pytest.mark.timeout(180)
+def test_two_groups_of_one_name_and_the_same_ranks_are_told_apart_in_a_deadlock(tmp_path):
+    # Two unnamed groups of ranks [0, 1] were both "group[0, 1]": the proof saw one group whose call #0 both ranks
+    # had entered, found no deadlock, and the job only warned until it was killed.
+    out, text = _run(tmp_path, "twins", AXONHPC_STALL_TIMEOUT="30")
+    assert out.returncode == 0, text
+    for rank in (0, 1):
+        line = _rank_line(text, rank)
+        assert line and line.startswith("DeadlockError: deadlock: "), text
+        assert "on group group[0, 1] [0, 1]" in line and "on group group[0, 1] #2 [0, 1]" in line, line
+
+
+@pytest.mark.timeout(180)
 def test_a_deadlock_inside_mpi_ends_the_job_with_the_error_on_every_rank(tmp_path):
     out, text = _run(tmp_path, "deadlock", AXONHPC_SHM_COLLECTIVES="off", AXONHPC_STALL_TIMEOUT="30")
     assert out.returncode != 0, text  # blocked in MPI, which cannot be interrupted: the job is aborted
@@ -106,7 +118,7 @@ def test_sigusr1_dumps_within_a_second_while_the_rank_is_blocked(tmp_path):
         time.sleep(2.0)  # rank 0 now waits inside the all-reduce; rank 1 sleeps
         os.kill(int((tmp_path / "pid-rank0").read_text()), signal.SIGUSR1)
         time.sleep(1.0)
-        dumps = glob.glob(str(tmp_path / "flight" / "flight-rank00000.json"))
+        dumps = glob.glob(str(tmp_path / "flight" / "flight-*-rank00000.json"))  # flight-<run>-rank<r>.json
         out, _ = job.communicate(timeout=HANG_GUARD)
     finally:
         if job.poll() is None:

@@ -178,7 +178,7 @@ def test_doctor_names_a_truncated_dump_and_uses_the_others(tmp_path):
     (tmp_path / "flight-rank00000.json").write_text("{")
     (tmp_path / "flight-rank00001.json").write_text("[]")
     none = run("doctor", str(tmp_path))
-    assert none.returncode == 2 and "none of its 3 flight-rank*.json can be used" in none.stderr, none.stderr
+    assert none.returncode == 2 and "none of its 3 flight dumps can be used" in none.stderr, none.stderr
     assert "is not an axonhpc flight-recorder dump" in none.stderr
     gone = run("doctor", str(tmp_path / "nowhere"))
     assert gone.returncode == 2 and "does not exist" in gone.stderr and "nowhere" in gone.stderr
@@ -186,8 +186,11 @@ def test_doctor_names_a_truncated_dump_and_uses_the_others(tmp_path):
 
 def test_doctor_skips_malformed_records_renamed_files_and_a_stale_run(tmp_path):
     # Each crashed the doctor with a traceback (KeyError, TypeError) or was read as this run's: a stale
-    # flight-rank00003.json of a 4-rank run was a "divergence" of the 2-rank run beside it, a second file
-    # claiming rank 0 hid behind it, and a dump's rank outside its own groups ended in "max() arg is empty".
+    # flight-rank00003.json of a 4-rank run was a "divergence" of the 2-rank run beside it (now it is named as
+    # another run), a second file claiming rank 0 hid behind it, and a dump's rank outside its own groups ended
+    # in "max() arg is empty". These are the names of versions before dumps carried their run's id in the name.
+    import time
+
     def write(name, data):
         (tmp_path / name).write_text(json.dumps(data))
 
@@ -203,16 +206,68 @@ def test_doctor_skips_malformed_records_renamed_files_and_a_stale_run(tmp_path):
     write("flight-rank00007.json", _dump(7, [_record(0, "barrier")]))
     out = run("doctor", str(tmp_path))
     assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
-    assert "flight records of ranks [0, 1]" in out.stdout and "diverged" not in out.stdout, out.stdout
+    assert f"flight records of ranks [0, 1] of run {'b' * 16} in" in out.stdout and "diverged" not in out.stdout, \
+        out.stdout
     assert "never reached" not in out.stdout and "no dump from" not in out.stdout, out.stdout
+    when = time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(10.0))  # the time the dump records
+    assert (f"(the newest of 2 runs in {tmp_path}; the other: run {'a' * 16} (ranks [3] of 4, last written {when}); "
+            "read another with --run ID)") in out.stdout, out.stdout
     path = lambda rank: repr(str(tmp_path / f"flight-rank{rank:05d}.json"))  # noqa: E731
-    for text in (f"skipped flight dump {path(3)} (rank 3) comes from another run (run {'a' * 16}, 4 ranks) than "
-                 f"the dump seen last (run {'b' * 16}, 2 ranks)",
-                 f"skipped flight dump {path(4)}: record 0 has no 'group' field",
+    assert path(3) not in out.stderr, out.stderr
+    stale = run("doctor", str(tmp_path), "--run", "a" * 16)
+    assert stale.returncode == 0 and f"flight records of ranks [3] of run {'a' * 16} in" in stale.stdout, stale.stdout
+    assert f"(one of 2 runs in {tmp_path}; the other: run {'b' * 16} (ranks [0, 1] of 2," in stale.stdout, stale.stdout
+    assert "no dump from ranks [0, 1, 2]" in stale.stdout, stale.stdout
+    for text in (f"skipped flight dump {path(4)}: record 0 has no 'group' field",
                  f"skipped flight dump {path(5)}: record 0 has seq='0', not an integer >= 0",
                  f"skipped flight dump {path(6)} says it is rank 0's; its name says rank 6",
                  f"skipped flight dump {path(7)}: record 0 is a call of group world [0, 1, 2], which rank 7 is not in"):
         assert text in out.stderr, (text, out.stderr)
+
+
+def test_doctor_reads_old_and_new_names_and_skips_a_dump_filed_under_another_run(tmp_path):
+    # A folder after an upgrade: an earlier version's flight-rank<r>.json (its run is the id inside) beside two runs
+    # named flight-<run>-rank<r>.json. A file whose name and contents name different runs, or that repeats a rank of
+    # its run, is skipped; an id's start that fits two runs is refused, naming both.
+    old, new, newer = "0" * 16, "ab" + "1" * 14, "ab" + "2" * 14
+
+    def write(name, rank, run, when, records):
+        data = dict(_dump(rank, [dict(e, ranks=[0, 1]) for e in records]), run=run, world_size=2, time=when)
+        (tmp_path / name).write_text(json.dumps(data))
+
+    for rank in (0, 1):
+        write(f"flight-rank{rank:05d}.json", rank, old, 30.0, [_record(0, "all_reduce", done=rank == 1)])
+        write(f"flight-{new}-rank{rank:05d}.json", rank, new, 10.0, [_record(0, "broadcast")])
+        write(f"flight-{newer}-rank{rank:05d}.json", rank, newer, 20.0,
+              [_record(0, "barrier"), _record(1, "all_reduce", done=False)][:2 - rank])
+    write(f"flight-{new}-rank00002.json", 0, newer, 20.0, [_record(0, "barrier")])  # rank 0 of newer, misnamed
+    write(f"flight-{newer}-rank1.json", 1, newer, 20.0, [])  # a second dump of newer's rank 1
+    out = run("doctor", str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    assert f"flight records of ranks [0, 1] of run {old} in {tmp_path}:" in out.stdout, out.stdout
+    assert f"the newest of 3 runs in {tmp_path}; the others: run {newer} (ranks [0, 1] of 2, " in out.stdout
+    assert f"run {new} (ranks [0, 1] of 2, " in out.stdout, out.stdout
+    assert "rank 0 was waiting in group world #0: all_reduce" in out.stdout, out.stdout
+    misnamed = repr(str(tmp_path / f"flight-{new}-rank00002.json"))
+    assert (f"skipped flight dump {misnamed} says it is rank 0's; its name says rank 2") in out.stderr, out.stderr
+    second = repr(str(tmp_path / f"flight-{newer}-rank1.json"))
+    first = repr(str(tmp_path / f"flight-{newer}-rank00001.json"))
+    assert f"skipped flight dump {second} is a second dump of rank 1 of run {newer} (beside {first})" in out.stderr, \
+        out.stderr
+    chosen = run("doctor", str(tmp_path), "--run", newer)
+    assert chosen.returncode == 0 and f"flight records of ranks [0, 1] of run {newer} in" in chosen.stdout
+    assert "ranks [1] never reached group world #1, where ranks [0] called all_reduce" in chosen.stdout, chosen.stdout
+    both = run("doctor", str(tmp_path), "--run", "ab")
+    assert both.returncode == 2 and both.stdout == "", both.stdout
+    assert f"run 'ab' is the start of 2 runs' ids in {str(tmp_path)!r}: run {newer} (" in both.stderr, both.stderr
+    assert f"; run {new} (" in both.stderr and "(give more of the id)" in both.stderr, both.stderr
+    (tmp_path / f"flight-{new}-rank00002.json").write_text(
+        json.dumps(dict(_dump(2, [dict(_record(0, "barrier"), ranks=[0, 1, 2])]), run=newer)))
+    renamed = run("doctor", str(tmp_path), "--run", new)
+    misnamed = repr(str(tmp_path / f"flight-{new}-rank00002.json"))
+    assert (f"skipped flight dump {misnamed} says it is run {newer!r}'s; its name says run {new!r} (a renamed or "
+            f"copied file?)") in renamed.stderr, renamed.stderr
+    assert renamed.returncode == 0 and f"flight records of ranks [0, 1] of run {new} in" in renamed.stdout
 
 
 SLEEPER = """

@@ -3,6 +3,7 @@
     mpiexec -n 2 python tests/support/jobs/stall_job.py MODE
 
 deadlock: rank 0 all-reduces on the world and then on a subgroup of the same ranks, rank 1 the other way round;
+twins: two unnamed groups of the same ranks, entered in opposite orders by blocking all-reduces;
 missing: rank 1 sleeps in Python (it is computing, as far as anyone can tell) while rank 0 all-reduces;
 only_rank0: an evaluation that calls a collective inside ``if rank == 0:`` while rank 1 goes on training;
 slow: rank 1 is late, then joins (the report, and no error).
@@ -36,6 +37,11 @@ def main():
     try:
         if mode == "deadlock":
             first, second = (world.default_group, sub) if world.rank == 0 else (sub, world.default_group)
+            ax.all_reduce(np.ones(4), group=first)
+            ax.all_reduce(np.ones(4), group=second)
+        elif mode == "twins":
+            a, b = world.new_group([0, 1]), world.new_group([0, 1])  # "group[0, 1]" and "group[0, 1] #2"
+            first, second = (a, b) if world.rank == 0 else (b, a)
             ax.all_reduce(np.ones(4), group=first)
             ax.all_reduce(np.ones(4), group=second)
         elif mode == "missing":
