@@ -22,22 +22,27 @@ could otherwise block a gradient that another worker, holding s + 1 and waiting 
 the fixed order no cycle can form (the lock-ordering argument).
 
 [Note: shutdown and failure]
-Every worker ends with each server with exactly one DONE or FAILED request, and ``serve()`` returns once
-every worker has sent one. A server that gets FAILED answers every pull with ABORT; a worker that gets ABORT
+Every worker ends with each server with exactly one DONE or FAILED request (none after that server's last word,
+below), and ``serve()`` returns once every worker has sent one; each DONE is answered. A server that gets FAILED
+answers every pull and DONE with ABORT; a worker that gets ABORT
 sends FAILED to every server (spreading the news to servers that had not heard) and raises
 ``PeerFailedError``, as the servers do once drained. Once drained, the servers send one another OK or ABORT
 before they answer the final pulls and swap slices: a server whose optimizer failed on the last update (after
 every worker's DONE, so no worker spreads the news) makes the others answer ABORT and raise
 ``PeerFailedError`` naming it instead of waiting for its slices. A server that fails, once or again while it
 answers ABORT, never leaves before the workers have stopped; each failure goes into its ABORT replies and its
-verdict ([Note: a server's own failures] in ``server``). No rank is left waiting; a rank that goes silent is
-caught only by ``ax.settings.timeout``, as for any collective, and a dead one under ULFM by the revoked
-communicator.
+verdict ([Note: a server's own failures] in ``server``). A server that stops listening to a worker still open (it
+gave the worker up after the time limit, or leaves early: a ``KeyboardInterrupt``, messages that stopped coming
+through) sends it its last word first, an ABORT marked CLOSED that the worker takes as its next answer however late
+it comes ([Note: a server's last word] in ``server``); an interrupted server re-raises the interrupt. No rank is
+left waiting; a rank that goes silent is caught only by ``ax.settings.timeout``, as for any collective, and a dead
+one under ULFM by the revoked communicator.
 """
 # Modules: ``wrapper`` (ParameterServer, which runs one role and delegates to it),
 # ``worker`` (Worker: pull, push, finish), ``server`` (ServerLoop), ``slices``
 # (the flat vectors both sides hold), ``protocol`` (tags, kinds, header),
-# ``staleness`` (the async bound).
+# ``staleness`` (the async bound), ``interrupts`` (a Ctrl-C held until the
+# server's messages are whole).
 from ...errors import ParameterServerError, PeerFailedError
 from .protocol import MODES
 from .staleness import StalenessBound

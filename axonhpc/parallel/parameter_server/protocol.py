@@ -20,7 +20,12 @@ MODES = tuple(m.value for m in Mode)
 TAG_REQUEST, TAG_GRAD, TAG_REASON, TAG_REPLY, TAG_PARAMS, TAG_FINAL, TAG_VERDICT = 1, 2, 3, 4, 5, 6, 7
 PUSH, PULL, DONE, FAILED = 1, 2, 3, 4  # request kinds
 OK, ABORT = 0, 1  # reply statuses (and the servers' verdicts at the end)
-HEADER = 4  # int64 words of a request or reply header
+# A reply header's flag: CLOSED marks an ABORT after which this server answers that worker nothing more (it gave
+# the worker up, or it is leaving: its last word), so the worker sends it nothing more; BARE marks an OK without
+# parameters (the answer to a DONE that wants none).
+CLOSED, BARE = 1, 2
+HEADER = 4  # int64 words of a request header (kind, version, reason bytes, flag) or reply (status, version,
+# reason bytes, CLOSED or BARE)
 REASON_BYTES = 2000  # a failure's text is cut to this many bytes
 POLL_MIN, POLL_MAX = 1e-5, 1e-3  # seconds a server sleeps between idle sweeps
 

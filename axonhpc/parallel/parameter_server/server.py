@@ -10,8 +10,9 @@ import numpy as np
 from ...collectives import irecv, isend, recv
 from ...errors import GROUP_FAILURES, CollectiveTimeoutError, ParameterServerError, PeerFailedError
 from ...nn.parameter import Parameter
-from .protocol import (ABORT, DONE, FAILED, HEADER, OK, POLL_MAX, POLL_MIN, PULL, PUSH, TAG_FINAL, TAG_GRAD,
-                       TAG_PARAMS, TAG_REASON, TAG_REPLY, TAG_REQUEST, TAG_VERDICT, encode_reason)
+from .interrupts import HeldInterrupt
+from .protocol import (ABORT, BARE, CLOSED, DONE, FAILED, HEADER, OK, POLL_MAX, POLL_MIN, PULL, PUSH, TAG_FINAL,
+                       TAG_GRAD, TAG_PARAMS, TAG_REASON, TAG_REPLY, TAG_REQUEST, TAG_VERDICT, encode_reason)
 from .slices import Slices
 from .staleness import StalenessBound
 
@@ -34,6 +35,16 @@ class ServerLoop:
     messages themselves stop coming through (``GROUP_FAILURES``: a time limit, a dead peer's revoked
     communicator) does it leave early, and it tells whom it still can first. Workers that send nothing for the
     time limit are given up (a ``CollectiveTimeoutError`` naming them, raised at the end) and the others served.
+
+    [Note: a server's last word]
+    A server that stops listening to a worker before that worker has stopped (it gave the worker up after the time
+    limit, or it leaves early: the messages stopped coming through, or a ``KeyboardInterrupt`` or another
+    ``BaseException`` ended its loop) sends that worker, unasked, one ABORT marked CLOSED that carries the run's
+    failures, and answers it nothing more. Only replies travel on TAG_REPLY and a worker waits for one after each
+    pull and finish, so whenever it comes back it takes that ABORT as its next answer and raises
+    ``PeerFailedError`` naming this server and its verdict; it sends the server nothing more, and its gradients
+    in flight to it (``isend``) are dropped rather than waited for. A server that leaves early also sends the
+    other servers its verdict, and re-raises a ``BaseException`` itself.
     """
 
     def __init__(self, ps: Any, comm: Any, slices: Slices, shards: List[Parameter]) -> None:
@@ -60,6 +71,8 @@ class ServerLoop:
         self.failures: List[str] = []  # why the run stopped, first first (see the note)
         self.errors: List[Exception] = []  # this server's own, first first: run() raises the first
         self.verdict_sent = False
+        self.closed: set = set()  # workers sent this server's last word: answered nothing more (see the note)
+        self.leaving = False  # this server leaves before every worker has stopped: every ABORT is its last word
         self.pushes = [0] * self.workers
         self.pulls = [0] * self.workers
         self.applied = [0] * self.workers
@@ -103,15 +116,24 @@ class ServerLoop:
     def _isend(self, buf: Any, dst: int, tag: int) -> None:
         self.sends.append((isend(buf, dst, tag, self.comm), buf))
 
-    def _reply_ok(self, worker: int) -> None:
-        self._isend(np.array([OK, self.version, 0, 0], dtype=np.int64), worker, TAG_REPLY)
-        for shard in self.shards:
+    def _reply_ok(self, worker: int, bare: bool = False) -> None:
+        """OK and this server's slices; ``bare``: OK alone (a DONE that wants no parameters)."""
+        self._isend(np.array([OK, self.version, 0, BARE if bare else 0], dtype=np.int64), worker, TAG_REPLY)
+        for shard in [] if bare else self.shards:
             if shard.data.size:
                 self._isend(shard.data.copy(), worker, TAG_PARAMS)
 
-    def _reply_abort(self, worker: int) -> None:
+    def _reply_abort(self, worker: int, last: bool = False) -> None:
+        """ABORT with the run's failures; ``last`` (or leaving): this server's last word to ``worker`` (see the
+        note), after which it answers that worker nothing more."""
+        if worker in self.closed:
+            return  # it has this server's last word already, and takes it as its answer
+        last = last or self.leaving
+        if last:
+            self.closed.add(worker)
         text = encode_reason(self.failure or "")
-        self._isend(np.array([ABORT, self.version, text.size, 0], dtype=np.int64), worker, TAG_REPLY)
+        self._isend(np.array([ABORT, self.version, text.size, CLOSED if last else 0], dtype=np.int64), worker,
+                    TAG_REPLY)
         if text.size:
             self._isend(text, worker, TAG_REASON)
 
@@ -254,11 +276,12 @@ class ServerLoop:
             else:
                 self._on_pull(worker)
         elif kind == DONE:
-            if flag:  # it wants the final parameters
-                if self.failure is not None:
-                    self._reply_abort(worker)
-                else:
-                    self.finals.append(worker)
+            if self.failure is not None:
+                self._reply_abort(worker)
+            elif flag:  # it wants the final parameters
+                self.finals.append(worker)
+            else:
+                self._reply_ok(worker, bare=True)
             self._on_close(worker)
         elif kind == FAILED:
             text = np.zeros(length, dtype=np.uint8)
@@ -274,10 +297,11 @@ class ServerLoop:
             raise ParameterServerError(f"{self.name}: unknown request kind {kind} from worker {worker} (global rank "
                                        f"{self._global(worker)})")
 
-    def _loop(self) -> None:
+    def _loop(self, held: HeldInterrupt) -> None:
         timeout = self.comm.effective_timeout()
         delay, last = POLL_MIN, time.monotonic()
         while self.open:
+            held.check()  # a Ctrl-C raises here, where no message is half sent (see interrupts)
             progressed = False
             for w in range(self.workers):
                 work = self.requests[w]
@@ -310,6 +334,8 @@ class ServerLoop:
         self._fail(CollectiveTimeoutError(
             f"{self.name} timed out after {timeout:g} s waiting for requests of open workers (those not waiting for "
             f"a reply themselves); missing ranks: {[self._global(w) for w in silent]}"))
+        for w in silent:  # their next request may come after this server has left: the verdict waits for it
+            self._reply_abort(w, last=True)
 
     def run(self, failure: Optional[str] = None) -> None:
         """Serve until every worker has sent DONE or FAILED (or was given up after the time limit); raise if the
@@ -325,7 +351,8 @@ class ServerLoop:
         given = list(self.failures)
         ended: Optional[Exception] = None
         try:
-            self._loop()
+            with HeldInterrupt() as held:
+                self._loop(held)
             # Every worker has stopped; the servers tell each other how their run ended before
             # anything else (see the note on shutdown): a server whose optimizer failed on the
             # last update would otherwise leave the others waiting for its slices.
@@ -340,6 +367,11 @@ class ServerLoop:
             self.sends = []
         except Exception as exc:  # noqa: BLE001 - told to whom it can be, then raised (below, not inside this handler)
             ended = exc
+        except BaseException as exc:  # a KeyboardInterrupt, a SystemExit: every rank hears of it, then it goes on
+            self._say_goodbye(f"{self.name} left: {type(exc).__name__}{': ' if str(exc) else ''}{exc}")
+            if self.failures[1:] or self.errors:
+                noted(exc, f"{self.name} stopped the run: {self.failure}")
+            raise
         if ended is not None:
             self._leave(ended)
         if self.errors:
@@ -349,14 +381,25 @@ class ServerLoop:
 
     def _leave(self, exc: Exception) -> NoReturn:
         """The messages stopped coming through (a time limit, a dead peer, a failed send): tell whom this server
-        still can (ABORT to the pulls waiting here, its verdict to the other servers), then raise."""
+        still can (its last word to every open worker, its verdict to the other servers), then raise."""
         self.errors.append(exc)
-        try:
-            self._add_failure(self._describe(exc))
-            self._send_verdict()
-        except Exception:  # noqa: BLE001 - as far as it goes: a dead peer's revoked communicator tells every rank
-            pass
+        self._say_goodbye(self._describe(exc))
         self._raise_own()
+
+    def _say_goodbye(self, text: str) -> None:
+        """Leave before every worker has stopped: record ``text``, send every worker still open this server's last
+        word (see the note) and the other servers its verdict."""
+        self.leaving = True
+        for tell in (lambda: self._add_failure(text), self._send_verdict, self._tell_open_workers):
+            try:
+                tell()
+            except Exception:  # noqa: BLE001 - as far as it goes: a dead peer's revoked communicator tells all
+                pass
+
+    def _tell_open_workers(self) -> None:
+        """This server's last word to every worker still open that has not had it."""
+        for w in sorted(self.open):
+            self._reply_abort(w)  # its last word: none is sent twice
 
     def _raise_own(self) -> NoReturn:
         """Raise this server's first error, with every failure of the run as a note when there is more to say."""

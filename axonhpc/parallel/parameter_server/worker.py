@@ -12,10 +12,10 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from ...collectives import irecv, recv, send
+from ...collectives import irecv, isend, recv, send
 from ...errors import ParameterServerError, PeerFailedError, ShapeError
-from .protocol import (DONE, FAILED, HEADER, NAME, OK, PULL, PUSH, TAG_GRAD, TAG_PARAMS, TAG_REASON, TAG_REPLY,
-                       TAG_REQUEST, encode_reason)
+from .protocol import (BARE, CLOSED, DONE, FAILED, HEADER, NAME, OK, PULL, PUSH, TAG_GRAD, TAG_PARAMS, TAG_REASON,
+                       TAG_REPLY, TAG_REQUEST, encode_reason)
 from .slices import Slices
 
 
@@ -42,6 +42,10 @@ class Worker:
         self.pulled = False  # a pull since the last push
         self.closed = False  # DONE or FAILED sent to every server
         self.aborted: Optional[str] = None  # why the servers stopped this worker
+        self.gone: set = set()  # servers that sent their last word: nothing more is sent to them
+        # Gradients sent to each server and not yet known received: a server's answer (other than its last word)
+        # comes after it has read them, so they are waited for then; its last word drops them.
+        self.in_flight: List[List[Tuple[Any, Any]]] = [[] for _ in range(ps.num_servers)]
         self.counts = {"pushes": 0, "pulls": 0, "pull_wait_s": 0.0}
 
     def _require_open(self, what: str) -> None:
@@ -61,17 +65,26 @@ class Worker:
             send(text, dst, TAG_REASON, self.comm)
 
     def _receive_reply(self, server: int) -> Tuple[bool, int, str]:
-        """One server's answer: (OK?, its version, its reason if it aborted); an OK fills the slices' ``values``."""
+        """One server's answer: (OK?, its version, its reason if it aborted); an OK fills the slices' ``values``,
+        unless BARE. An ABORT marked CLOSED is the server's last word (see ``server``'s note): it has left or
+        given this worker up, so nothing more is sent to it and the gradients in flight to it are dropped."""
         src = self.ps.server_rank(server)
         header = np.zeros(HEADER, dtype=np.int64)
         # A reply may be long in coming (a pull waiting for the bound); waiting with a finite
         # (or infinite) limit polls with back-off instead of spinning in MPI_Recv, which on an
         # oversubscribed node would take the core from the very server being waited for.
         timeout = self.comm.effective_timeout()
-        irecv(header, src, TAG_REPLY, self.comm).wait(math.inf if timeout is None else timeout)
-        status, version, length = int(header[0]), int(header[1]), int(header[2])
+        limit = math.inf if timeout is None else timeout
+        irecv(header, src, TAG_REPLY, self.comm).wait(limit)
+        status, version, length, flags = (int(v) for v in header)
+        sent, self.in_flight[server] = self.in_flight[server], []
+        if status != OK and flags == CLOSED:
+            self.gone.add(server)
+        else:
+            for work, _ in sent:
+                work.wait(limit)
         if status == OK:
-            for part in self.slices.parts(self.slices.values, server):
+            for part in [] if flags == BARE else self.slices.parts(self.slices.values, server):
                 if part.size:
                     recv(part, src, TAG_PARAMS, self.comm)
             return True, version, ""
@@ -89,21 +102,23 @@ class Worker:
         if not self.closed:
             self.closed = True
             for s in range(self.ps.num_servers):
-                self._send_request(s, FAILED, reason=f"stopped after {message}", flag=True)
+                if s not in self.gone:
+                    self._send_request(s, FAILED, reason=f"stopped after {message}", flag=True)
         self.aborted = message
         return message
 
     def _collect(self, servers: List[int]) -> None:
-        """Receive the replies of ``servers`` in order; on an ABORT close everywhere, then raise."""
+        """Receive the replies of ``servers`` in order; on an ABORT close everywhere (once every reply is in, so
+        that no server whose last word came is sent more), then raise."""
         failure = None
         for s in servers:
             ok, version, reason = self._receive_reply(s)
             if ok:
                 self.versions[s] = version
             elif failure is None:
-                failure = self._stopped_by(s, reason)
+                failure = (s, reason)
         if failure is not None:
-            raise PeerFailedError(failure)
+            raise PeerFailedError(self._stopped_by(*failure))
 
     # -- ParameterServer's worker methods (see their docstrings there) ---------------------------------
     def pull(self) -> None:
@@ -141,9 +156,9 @@ class Worker:
         for s in range(self.ps.num_servers):
             self._send_request(s, PUSH, version=self.versions[s])
             dst = self.ps.server_rank(s)
-            for part in self.slices.parts(self.grad_flats, s):
-                if part.size:
-                    send(part, dst, TAG_GRAD, self.comm)
+            # Not waited for here: a server that has left never reads them (see ``in_flight``).
+            self.in_flight[s] = [(isend(part, dst, TAG_GRAD, self.comm), part)
+                                 for part in self.slices.parts(self.grad_flats, s) if part.size]
         self.pulled = False
         self.counts["pushes"] += 1
 
@@ -156,8 +171,10 @@ class Worker:
         for s in range(self.ps.num_servers):
             self._send_request(s, DONE, flag=pull)
         self.closed = True
+        # Each server answers (OK alone when no parameters are wanted), so a failed run, or a server that gave
+        # this worker up, raises here too.
+        self._collect(list(range(self.ps.num_servers)))
         if pull:
-            self._collect(list(range(self.ps.num_servers)))
             self.slices.load_values()
 
     def abort(self, reason: str) -> None:
@@ -166,7 +183,8 @@ class Worker:
             return
         self.closed = True
         for s in range(self.ps.num_servers):
-            self._send_request(s, FAILED, reason=reason)
+            if s not in self.gone:
+                self._send_request(s, FAILED, reason=reason)
 
     def stats(self) -> Dict[str, Any]:
         """``ParameterServer.stats`` on this worker."""

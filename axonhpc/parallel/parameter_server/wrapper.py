@@ -216,7 +216,8 @@ class ParameterServer:
     def finish(self, pull: bool = True) -> None:
         """Tell every server this worker is done; with ``pull``, wait for every worker and load the final parameters.
 
-        Idempotent. ParameterServerError on a server; PeerFailedError if the run stopped.
+        Each server answers (at once without ``pull``). Idempotent. ParameterServerError on a server;
+        PeerFailedError if the run stopped, or a server gave this worker up after its time limit.
         """
         self._worker_for("finish").finish(pull)
 
@@ -241,7 +242,10 @@ class ParameterServer:
         Raises:
             ParameterServerError: called on a worker, or twice.
             PeerFailedError: a worker or another server failed (after every worker has stopped).
-            CollectiveTimeoutError: no request within the group's timeout; lists the workers as ``missing ranks``.
+            CollectiveTimeoutError: no request within the group's timeout; lists the workers as ``missing ranks``
+                (each of them raises ``PeerFailedError`` saying so when it comes back).
+            KeyboardInterrupt: (or another BaseException) raised while it serves: re-raised once every open worker
+                and the other servers were told (they raise ``PeerFailedError`` naming it).
         """
         if not self.is_server:
             raise ParameterServerError(f"{NAME}.serve() is for servers, but group rank {self.group.rank} is "

@@ -3,11 +3,11 @@
     python ps_death_job.py NUM_SERVERS
 
 Async mode, workers 0 and 1, the last NUM_SERVERS ranks servers. The last server's optimizer raises on its
-first update (worker 0's gradient), so it answers ABORT from then on; worker 0 hears it in its next pull and
-raises. Worker 1, which pulled once and then computes, SIGKILLs itself once worker 0 has raised: the servers,
-still waiting for it, meet its death in their loop (under ULFM: ``PeerFailedError``). Each survivor writes
-verdict-rank<R>.txt: its error's type, its text and its notes, one a line; and how many seconds after the kill
-it got out (a first line "<seconds>").
+first update (worker 0's gradient, sent once worker 1's first pull was answered), so it answers ABORT from then
+on; worker 0 hears it in its next pull and raises. Worker 1, which pulled once and then computes, SIGKILLs itself
+once worker 0 has raised: the servers, still waiting for it, meet its death in their loop (under ULFM:
+``PeerFailedError``). Each survivor writes verdict-rank<R>.txt: its error's type, its text and its notes, one a
+line; and how many seconds after the kill it got out (a first line "<seconds>").
 """
 import os
 import signal
@@ -48,13 +48,18 @@ def main():
         with ps:
             if ps.is_worker:
                 ps.pull()
+                pulled = os.path.join(os.getcwd(), "worker1-pulled.txt")
                 if world.rank == VICTIM:
+                    open(pulled, "w").close()
                     deadline = time.monotonic() + 60
                     while not os.path.exists(told) and time.monotonic() < deadline:
                         time.sleep(0.01)
                     with open(died_at, "w") as f:
                         f.write(repr(time.time()))
                     os.kill(os.getpid(), signal.SIGKILL)
+                deadline = time.monotonic() + 60
+                while not os.path.exists(pulled) and time.monotonic() < deadline:
+                    time.sleep(0.01)  # worker 1's first pull is answered before the server fails on this gradient
                 rng = np.random.default_rng(0)
                 loss_fn = nn.CrossEntropyLoss()
                 loss_fn(model(rng.standard_normal((8, 6))), rng.integers(0, 3, 8))
