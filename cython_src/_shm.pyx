@@ -83,21 +83,28 @@ cdef extern from "shm_engine.h":
         long spin_iters
         long yield_iters
         int abandon
-    int ax_agree(ax_shm *s, const int64_t *desc, double timeout, unsigned char *lagging) nogil
-    int ax_agree_loosely(ax_shm *s, const int64_t *desc, int64_t loose, int64_t *seen, double timeout,
-                         unsigned char *lagging) nogil
-    int ax_allreduce(ax_shm *s, char *x, size_t count, int dtype, int op, size_t itemsize,
-                     const int64_t *desc, double timeout, unsigned char *lagging) nogil
-    int ax_reduce_scatter(ax_shm *s, const char *x, char *out, size_t block, int dtype, int op,
-                          size_t itemsize, const int64_t *desc, double timeout, unsigned char *lagging) nogil
-    int ax_allreduce_direct(ax_shm *s, size_t offset, size_t count, int dtype, int op, size_t itemsize,
-                            const int64_t *desc, double timeout, unsigned char *lagging) nogil
-    int ax_broadcast(ax_shm *s, char *x, size_t count, size_t itemsize, int root, const int64_t *desc,
-                     double timeout, unsigned char *lagging) nogil
-    int ax_allgather(ax_shm *s, const char *x, char *out, size_t nbytes, const int64_t *desc, double timeout,
-                     unsigned char *lagging) nogil
-    int ax_allgather_direct(ax_shm *s, size_t offset, size_t nbytes, char *out, const int64_t *desc,
-                            double timeout, unsigned char *lagging) nogil
+    ctypedef struct ax_op:
+        int phase
+        int rc
+        int checked
+        int64_t loose
+        int64_t seen
+    enum:
+        AX_OP_ALLREDUCE
+        AX_OP_REDUCE_SCATTER
+        AX_OP_BROADCAST
+        AX_OP_ALLGATHER
+        AX_OP_ALLREDUCE_DIRECT
+        AX_OP_ALLGATHER_DIRECT
+        AX_OP_AGREE
+    enum: AX_PHASE_DONE
+    int ax_op_init(ax_op *o, ax_shm *s, int kind, char *x, char *out, size_t count, int dtype, int op,
+                   size_t itemsize, int root, size_t offset, const int64_t *desc) nogil
+    int ax_step(ax_shm *s, ax_op *o) nogil
+    int ax_step_spinning(ax_shm *s, ax_op *o, long spins) nogil
+    int ax_run(ax_shm *s, ax_op *o, double timeout, unsigned char *lagging) nogil
+    void ax_lagging(ax_shm *s, const ax_op *o, unsigned char *lagging) nogil
+    void ax_op_moved(ax_op *o) nogil
 
 CTRL_BYTES = AX_CTRL_BYTES
 MAX_RANKS = AX_MAX_RANKS
@@ -391,6 +398,7 @@ cdef class Engine:
     cdef public double timeout
     cdef public bint check
     cdef object _verdict
+    cdef list _queue  # the nonblocking calls in flight (EngineOp), oldest first
 
     def __init__(self, addresses, int rank, Py_ssize_t slot_bytes, int nslots):
         cdef Py_ssize_t k, size = len(addresses)
@@ -412,6 +420,7 @@ cdef class Engine:
             self.s.segs[k] = <char*><size_t>addresses[k] + AX_CTRL_BYTES
         self.timeout = 0.0
         self.check = True
+        self._queue = []
 
     @property
     def chunks(self):
@@ -433,6 +442,11 @@ cdef class Engine:
         """How many waits had to yield or sleep (a rank arrived late)."""
         return self.s.waits
 
+    @property
+    def busy(self):
+        """True while nonblocking calls are in flight (``progress`` steps them)."""
+        return bool(self._queue)
+
     def abandon(self, error):
         """Make the call waiting in this engine (from another thread: the watchdog) give up and raise ``error``.
 
@@ -440,6 +454,11 @@ cdef class Engine:
         """
         self._verdict = error
         self.s.abandon = 1
+
+    @property
+    def verdict(self):
+        """The error ``abandon`` was given, or None."""
+        return self._verdict if self.s.abandon else None
 
     cdef _check(self, int code, str what):
         cdef int k
@@ -457,137 +476,207 @@ cdef class Engine:
         if code != 0:
             raise ValueError(f"shared-memory {what}: unsupported dtype, operation or geometry")
 
-    def agree(self, tuple desc not None, bint nonblocking=False):
+    cdef object _go(self, ax_op *o, int init_code, str what, bint later, object keep):
+        """Make the call ``o``: at once (blocking), or (``later``) queued as an ``EngineOp``, which it returns."""
+        cdef int code
+        cdef double timeout = self.timeout
+        cdef EngineOp call
+        self._check(init_code, what)
+        if not later:
+            if self._queue:
+                raise RuntimeError(f"shared-memory {what}: a blocking call while nonblocking ones are in flight "
+                                   "(the caller must queue it after them)")
+            with nogil:
+                code = ax_run(&self.s, o, timeout, self._lagging)
+            self._check(code, what)
+            return None
+        call = EngineOp.__new__(EngineOp)
+        call.o = o[0]
+        ax_op_moved(&call.o)
+        call.engine = self
+        call.what = what
+        call.keep = keep
+        self._queue.append(call)
+        return call
+
+    def progress(self, long spins=0):
+        """Step the calls in flight, oldest first, as far as they go without waiting; True once none is left.
+
+        ``spins``: busy polls of what the oldest waits for before giving up (a wait's, to stay in C a while).
+        A call that ended is taken off the queue; its ``EngineOp`` says how it ended.
+        """
+        cdef EngineOp head
+        cdef int finished
+        while self._queue:
+            head = <EngineOp>self._queue[0]
+            with nogil:
+                finished = ax_step_spinning(&self.s, &head.o, spins)
+            if not finished:
+                return False
+            del self._queue[0]
+        return True
+
+    def agree(self, tuple desc not None, bint nonblocking=False, bint later=False):
         """One step that moves nothing: raise ``EngineMismatch`` unless every rank passes the same ``desc``.
 
         ``nonblocking``: this rank makes the call (which another transport carries) as a nonblocking one; the
-        ranks may differ in that. Returns True if some rank does ([Note: blocking and nonblocking twins]).
+        ranks may differ in that. Returns True if some rank does ([Note: blocking and nonblocking twins]);
+        ``later``: the queued ``EngineOp`` instead, whose ``seen`` says so once done.
         """
         cdef int64_t w[4]
-        cdef int64_t seen = 0, loose = NONBLOCKING << 8
+        cdef ax_op o
         cdef int code
-        cdef double timeout = self.timeout
         _fill(w, desc, 0, None, 0, -1)
         if nonblocking:
-            w[0] |= loose
-        with nogil:
-            code = ax_agree_loosely(&self.s, w, loose, &seen, timeout, self._lagging)
-        self._check(code, "agreement check")
-        return seen != 0
+            w[0] |= NONBLOCKING << 8
+        code = ax_op_init(&o, &self.s, AX_OP_AGREE, NULL, NULL, 0, 0, 0, 1, -1, 0, w)
+        o.loose = NONBLOCKING << 8
+        call = self._go(&o, code, "agreement check", later, None)
+        return call if later else o.seen != 0
 
-    def all_reduce(self, cnp.ndarray x not None, str op, tuple desc=None):
+    def all_reduce(self, cnp.ndarray x not None, str op, tuple desc=None, bint later=False):
         """Reduce ``x`` (C-contiguous, a kernel dtype) over the node's ranks, in place.
 
         ``desc``: the call's descriptor (``describe``), when ``x`` is not the
         caller's own array (a widened copy); by default it is taken from ``x`` and ``op``.
+        ``later``: queue the call and return its ``EngineOp`` (``x`` must stay untouched until it is done).
         """
-        cdef int dtype = DTYPES[x.dtype], code, opcode = OPS[op]
-        cdef size_t count = <size_t>x.size, itemsize = <size_t>x.itemsize
-        cdef char* data = _address(x)
-        cdef double timeout = self.timeout
         cdef int64_t w[4]
-        cdef int64_t *dp = w if self.check else NULL
-        if dp != NULL:
+        cdef ax_op o
+        cdef int code
+        if self.check:
             _fill(w, desc, 1, x, DESC_OPS[op], -1)
-        with nogil:
-            code = ax_allreduce(&self.s, data, count, dtype, opcode, itemsize, dp, timeout, self._lagging)
-        self._check(code, "all_reduce")
+        code = ax_op_init(&o, &self.s, AX_OP_ALLREDUCE, _address(x), NULL, <size_t>x.size, DTYPES[x.dtype], OPS[op],
+                          <size_t>x.itemsize, -1, 0, w if self.check else NULL)
+        return self._go(&o, code, "all_reduce", later, x)
 
-    def reduce_scatter(self, cnp.ndarray x not None, cnp.ndarray out not None, str op, tuple desc=None):
+    def reduce_scatter(self, cnp.ndarray x not None, cnp.ndarray out not None, str op, tuple desc=None,
+                       bint later=False):
         """``out`` = the reduction over the ranks of block ``rank`` of ``x`` (``size`` blocks of ``out.size``)."""
-        cdef int dtype = DTYPES[x.dtype], code, opcode = OPS[op]
-        cdef size_t block = <size_t>out.size, itemsize = <size_t>x.itemsize
-        cdef char* src = _address(x)
-        cdef char* dst = _address(out)
-        cdef double timeout = self.timeout
         cdef int64_t w[4]
-        cdef int64_t *dp = w if self.check else NULL
-        if dp != NULL:
+        cdef ax_op o
+        cdef int code
+        if self.check:
             _fill(w, desc, 2, x, DESC_OPS[op], -1)
-        with nogil:
-            code = ax_reduce_scatter(&self.s, src, dst, block, dtype, opcode, itemsize, dp, timeout, self._lagging)
-        self._check(code, "reduce_scatter")
+        code = ax_op_init(&o, &self.s, AX_OP_REDUCE_SCATTER, _address(x), _address(out), <size_t>out.size,
+                          DTYPES[x.dtype], OPS[op], <size_t>x.itemsize, -1, 0, w if self.check else NULL)
+        return self._go(&o, code, "reduce_scatter", later, (x, out))
 
-    def all_reduce_in_window(self, cnp.ndarray x not None, str op, tuple desc=None):
+    cdef size_t _offset_in_window(self, cnp.ndarray x, str what) except? 0:
+        cdef char* data = _address(x)
+        cdef char* base = self.s.segs[self.s.rank]
+        if data < base or data + <size_t>x.nbytes > base + self.s.slot_bytes * self.s.nslots:
+            raise ValueError(f"{what}: the array does not lie in this rank's segment")
+        return <size_t>(data - base)
+
+    def all_reduce_in_window(self, cnp.ndarray x not None, str op, tuple desc=None, bint later=False):
         """Reduce ``x``, which lies in this rank's segment, over the node in place, with no copy in.
 
         Every rank passes the array at the same offset of its own segment
-        (a buffer the window allocated); see ``ax_allreduce_direct``.
+        (a buffer the window allocated); see ``ax_step_allreduce_direct``.
         """
-        cdef int dtype = DTYPES[x.dtype], code, opcode = OPS[op]
-        cdef size_t count = <size_t>x.size, itemsize = <size_t>x.itemsize
-        cdef char* data = _address(x)
-        cdef char* base = self.s.segs[self.s.rank]
-        cdef double timeout = self.timeout
         cdef int64_t w[4]
-        cdef int64_t *dp = w if self.check else NULL
-        if data < base or data + count * itemsize > base + self.s.slot_bytes * self.s.nslots:
-            raise ValueError("all_reduce_in_window: the array does not lie in this rank's segment")
-        if dp != NULL:
-            _fill(w, desc, 1, x, DESC_OPS[op], -1)
-            w[2] += <int64_t>(data - base) << 16  # and every rank's array at the same offset
-        with nogil:
-            code = ax_allreduce_direct(&self.s, <size_t>(data - base), count, dtype, opcode, itemsize, dp, timeout,
-                                       self._lagging)
-        self._check(code, "all_reduce")
-
-    def all_gather(self, cnp.ndarray x not None, cnp.ndarray out not None, tuple desc=None):
-        """``out`` = every rank's ``x`` in rank order (both C-contiguous; ``out`` holds size x ``x.nbytes``)."""
+        cdef ax_op o
         cdef int code
-        cdef size_t nbytes = <size_t>x.nbytes
-        cdef char* src = _address(x)
-        cdef char* dst = _address(out)
-        cdef double timeout = self.timeout
-        cdef int64_t w[4]
-        cdef int64_t *dp = w if self.check else NULL
-        if <size_t>out.nbytes != nbytes * <size_t>self.s.size:
-            raise ValueError(f"all_gather: out holds {out.nbytes} bytes, not {self.s.size} x {nbytes}")
-        if dp != NULL:
-            _fill(w, desc, 4, x, 0, -1)
-        with nogil:
-            code = ax_allgather(&self.s, src, dst, nbytes, dp, timeout, self._lagging)
-        self._check(code, "all_gather")
+        cdef size_t offset = self._offset_in_window(x, "all_reduce_in_window")
+        if self.check:
+            _fill(w, desc, 1, x, DESC_OPS[op], -1)
+            w[2] += <int64_t>offset << 16  # and every rank's array at the same offset
+        code = ax_op_init(&o, &self.s, AX_OP_ALLREDUCE_DIRECT, NULL, NULL, <size_t>x.size, DTYPES[x.dtype], OPS[op],
+                          <size_t>x.itemsize, -1, offset, w if self.check else NULL)
+        return self._go(&o, code, "all_reduce", later, x)
 
-    def all_gather_in_window(self, cnp.ndarray x not None, cnp.ndarray out not None, tuple desc=None):
+    def all_gather(self, cnp.ndarray x not None, cnp.ndarray out not None, tuple desc=None, bint later=False):
+        """``out`` = every rank's ``x`` in rank order (both C-contiguous; ``out`` holds size x ``x.nbytes``)."""
+        cdef int64_t w[4]
+        cdef ax_op o
+        cdef int code
+        if <size_t>out.nbytes != <size_t>x.nbytes * <size_t>self.s.size:
+            raise ValueError(f"all_gather: out holds {out.nbytes} bytes, not {self.s.size} x {x.nbytes}")
+        if self.check:
+            _fill(w, desc, 4, x, 0, -1)
+        code = ax_op_init(&o, &self.s, AX_OP_ALLGATHER, _address(x), _address(out), <size_t>x.nbytes, 0, 0, 1, -1, 0,
+                          w if self.check else NULL)
+        return self._go(&o, code, "all_gather", later, (x, out))
+
+    def all_gather_in_window(self, cnp.ndarray x not None, cnp.ndarray out not None, tuple desc=None,
+                             bint later=False):
         """``out`` = every rank's ``x``, read where it lies in each rank's segment (no copy in).
 
         Every rank passes the array at the same offset of its own segment, like
         ``all_reduce_in_window``; ``out`` is any C-contiguous array of size x ``x.nbytes``.
         """
-        cdef int code
-        cdef size_t nbytes = <size_t>x.nbytes
-        cdef char* data = _address(x)
-        cdef char* dst = _address(out)
-        cdef char* base = self.s.segs[self.s.rank]
-        cdef double timeout = self.timeout
         cdef int64_t w[4]
-        cdef int64_t *dp = w if self.check else NULL
-        if data < base or data + nbytes > base + self.s.slot_bytes * self.s.nslots:
-            raise ValueError("all_gather_in_window: the array does not lie in this rank's segment")
-        if <size_t>out.nbytes != nbytes * <size_t>self.s.size:
-            raise ValueError(f"all_gather_in_window: out holds {out.nbytes} bytes, not {self.s.size} x {nbytes}")
-        if dp != NULL:
+        cdef ax_op o
+        cdef int code
+        cdef size_t offset = self._offset_in_window(x, "all_gather_in_window")
+        if <size_t>out.nbytes != <size_t>x.nbytes * <size_t>self.s.size:
+            raise ValueError(f"all_gather_in_window: out holds {out.nbytes} bytes, not {self.s.size} x {x.nbytes}")
+        if self.check:
             _fill(w, desc, 4, x, 0, -1)
-            w[2] += <int64_t>(data - base) << 16  # and every rank's array at the same offset
-        with nogil:
-            code = ax_allgather_direct(&self.s, <size_t>(data - base), nbytes, dst, dp, timeout, self._lagging)
-        self._check(code, "all_gather")
+            w[2] += <int64_t>offset << 16  # and every rank's array at the same offset
+        code = ax_op_init(&o, &self.s, AX_OP_ALLGATHER_DIRECT, NULL, _address(out), <size_t>x.nbytes, 0, 0, 1, -1,
+                          offset, w if self.check else NULL)
+        return self._go(&o, code, "all_gather", later, (x, out))
 
-    def broadcast(self, cnp.ndarray x not None, int root, tuple desc=None):
+    def broadcast(self, cnp.ndarray x not None, int root, tuple desc=None, bint later=False):
         """Copy ``root``'s ``x`` into ``x`` on every rank."""
-        cdef int code
-        cdef size_t count = <size_t>x.nbytes
-        cdef char* data = _address(x)
-        cdef double timeout = self.timeout
         cdef int64_t w[4]
-        cdef int64_t *dp = w if self.check else NULL
+        cdef ax_op o
+        cdef int code
         if not 0 <= root < self.s.size:
             raise ValueError(f"broadcast: root {root} is not a rank of this node's {self.s.size}")
-        if dp != NULL:
+        if self.check:
             _fill(w, desc, 3, x, 0, root)
-        with nogil:
-            code = ax_broadcast(&self.s, data, count, 1, root, dp, timeout, self._lagging)
-        self._check(code, "broadcast")
+        code = ax_op_init(&o, &self.s, AX_OP_BROADCAST, _address(x), NULL, <size_t>x.nbytes, 0, 0, 1, root, 0,
+                          w if self.check else NULL)
+        return self._go(&o, code, "broadcast", later, x)
+
+
+cdef class EngineOp:
+    """A nonblocking call of an ``Engine``, in flight until ``done``: ``Engine.progress`` steps it.
+
+    The arrays it reads and writes are kept alive with it; the caller leaves them untouched until it is done.
+
+    Attributes:
+        what: the collective, as errors name it ("all_reduce", "agreement check").
+    """
+
+    cdef ax_op o
+    cdef Engine engine
+    cdef object keep
+    cdef readonly str what
+
+    @property
+    def done(self):
+        """True once the call ended (well or not: ``result`` says)."""
+        return self.o.phase == AX_PHASE_DONE
+
+    @property
+    def failed(self):
+        """True once the call ended with an error (``result`` raises it)."""
+        return self.o.phase == AX_PHASE_DONE and self.o.rc != 0
+
+    @property
+    def checked(self):
+        """True once every rank was found making the same call (or it is not compared): it will not be refused."""
+        return self.o.checked != 0
+
+    @property
+    def seen(self):
+        """An agreement step's answer: some rank makes the call nonblocking."""
+        return self.o.seen != 0
+
+    def result(self):
+        """Raise what the call ended with (``EngineMismatch``, ``ValueError``), if anything; it must be done."""
+        self.engine._check(self.o.rc, self.what)
+
+    def lagging(self):
+        """The ranks (of this node's group) this call waits for now; empty once done."""
+        cdef unsigned char behind[256]
+        cdef int k
+        ax_lagging(&self.engine.s, &self.o, behind)
+        return [k for k in range(self.engine.s.size) if behind[k]]
 
 
 cdef int _fill(int64_t *w, tuple desc, int64_t kind, cnp.ndarray x, int64_t op, int64_t root) except -1:

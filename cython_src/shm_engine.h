@@ -278,53 +278,146 @@ static inline int ax_agrees_loosely(ax_shm *s, uint64_t g, const int64_t *desc, 
     return 1;
 }
 
-/* The ranks disagree about the call begun at chunk g: finish the chunk's steps
- * without touching any data, and wait until every rank has (so no descriptor
- * is rewritten while a slower rank still reads it). */
-static int ax_refuse(ax_shm *s, uint64_t g, double timeout, unsigned char *lagging) {
-    ax_store(&s->ctrls[s->rank]->reduced, g + 1);
-    ax_store(&s->ctrls[s->rank]->done, g + 1);
-    if (ax_wait_all(s, AX_DONE, g + 1, timeout, lagging)) return -1;
-    return AX_MISMATCH;
-}
-
 static inline char *ax_slot(ax_shm *s, int rank, uint64_t g) {
     return s->segs[rank] + (size_t)(g % (uint64_t)s->nslots) * s->slot_bytes;
 }
 
-/* The slot of chunk g may be filled once every rank is done with chunk g - nslots. */
-static inline int ax_wait_slot(ax_shm *s, uint64_t g, double timeout, unsigned char *lagging) {
-    if (g < (uint64_t)s->nslots) return 0;
-    return ax_wait_all(s, AX_DONE, g - (uint64_t)s->nslots + 1, timeout, lagging);
+/* 1 once every rank's counter `field` is at least `target` (ax_wait_all without the wait). */
+static inline int ax_ready(ax_shm *s, int field, uint64_t target) {
+    for (int r = 0; r < s->size; r++)
+        if (ax_load(ax_field(s->ctrls[r], field)) < target) return 0;
+    return 1;
 }
 
-/* One step that moves no data: every rank publishes its call's descriptor and
- * checks the others' (blind to the bits `loose` of word 0, whose OR over the
- * ranks goes to *seen). Used for a call that moves nothing, and before a call
- * that another transport (MPI) will carry. Returns 0, -1 or AX_MISMATCH. */
-static int ax_agree_loosely(ax_shm *s, const int64_t *desc, int64_t loose, int64_t *seen, double timeout,
-                            unsigned char *lagging) {
-    const uint64_t g = s->seq++;
-    if (ax_wait_slot(s, g, timeout, lagging)) return -1;
-    ax_publish(s, g, desc);
-    ax_store(&s->ctrls[s->rank]->copied, g + 1);
-    if (ax_wait_all(s, AX_COPIED, g + 1, timeout, lagging)) return -1;
-    if (!ax_agrees_loosely(s, g, desc, loose, seen)) return ax_refuse(s, g, timeout, lagging);
-    ax_store(&s->ctrls[s->rank]->reduced, g + 1);
-    ax_store(&s->ctrls[s->rank]->done, g + 1);
+/* [Note: a call as a state machine]
+ * Every collective is an ax_op that ax_step advances as far as it can go
+ * without waiting for another rank; where it must wait it returns 0 and says
+ * for what (every rank's counter `wait_field` at `wait_target`), and the next
+ * ax_step goes on from there. ax_run makes a blocking call of it: step, wait
+ * (ax_wait_all: spin, yield, sleep, timeout), step again. A nonblocking call
+ * keeps its ax_op and is stepped by whoever waits (_shm.Engine.progress), so
+ * one thread can have calls of several engines in flight at once and wait for
+ * them in any order. The steps are the protocol's, in its order: a call made
+ * blocking on one rank and nonblocking on another meets itself chunk by chunk.
+ * The calls of one engine run one after another (the caller queues them): a
+ * call takes its chunk numbers from s->seq as it goes. */
+enum { AX_OP_ALLREDUCE, AX_OP_REDUCE_SCATTER, AX_OP_BROADCAST, AX_OP_ALLGATHER, AX_OP_ALLREDUCE_DIRECT,
+       AX_OP_ALLGATHER_DIRECT, AX_OP_AGREE };
+enum { AX_PHASE_DONE = 100, AX_PHASE_REFUSED = 101 };
+
+typedef struct {
+    int kind;
+    int phase;                 /* the step the current chunk is at (0: the chunk begins) */
+    int rc;                    /* once done: 0, -2 (bad dtype, op or geometry) or AX_MISMATCH */
+    int checked;               /* every rank's descriptor was found equal (or the call is not compared) */
+    char *x;                   /* the data: in place (all-reduce, broadcast), or the input */
+    char *out;                 /* reduce-scatter's block, all-gather's p blocks */
+    size_t count;              /* elements of x (reduce-scatter: of one block; broadcast, all-gather: bytes) */
+    size_t itemsize;
+    size_t offset;             /* the direct calls: x's offset in every rank's segment */
+    int root;
+    ax_reduce_fn reduce;
+    const int64_t *desc;       /* NULL: not compared (settings.check_collectives off); else points at w */
+    int64_t w[AX_DESC_WORDS];
+    int64_t loose, seen;       /* AX_OP_AGREE: the bits of word 0 left out of the comparison, and their OR */
+    size_t first;              /* the first element of the current chunk */
+    uint64_t g;                /* the current chunk's number */
+    int wait_field;            /* what it waits for, when ax_step returns 0 */
+    uint64_t wait_target;
+} ax_op;
+
+/* Fill `o` for a call; returns 0, or -2 for an operation or geometry the kernels do not take. */
+static int ax_op_init(ax_op *o, ax_shm *s, int kind, char *x, char *out, size_t count, int dtype, int op,
+                      size_t itemsize, int root, size_t offset, const int64_t *desc) {
+    memset(o, 0, sizeof *o);
+    o->kind = kind;
+    o->x = x;
+    o->out = out;
+    o->count = count;
+    o->itemsize = itemsize;
+    o->root = root;
+    o->offset = offset;
+    if (desc) {
+        for (int k = 0; k < AX_DESC_WORDS; k++) o->w[k] = desc[k];
+        o->desc = o->w;
+    } else {
+        o->checked = 1;
+    }
+    if (kind == AX_OP_ALLREDUCE || kind == AX_OP_REDUCE_SCATTER || kind == AX_OP_ALLREDUCE_DIRECT) {
+        o->reduce = ax_reducer(dtype, op);
+        if (o->reduce == NULL) return -2;
+    }
+    if (kind == AX_OP_REDUCE_SCATTER && s->slot_bytes / itemsize / (size_t)s->size == 0) return -2;
+    /* nothing to move: one step that only compares (or nothing at all, unchecked) */
+    if (count == 0 && kind != AX_OP_ALLREDUCE_DIRECT && kind != AX_OP_ALLGATHER_DIRECT && kind != AX_OP_AGREE) {
+        o->kind = AX_OP_AGREE;
+        if (!desc) o->phase = AX_PHASE_DONE;
+    }
     return 0;
 }
 
-static int ax_agree(ax_shm *s, const int64_t *desc, double timeout, unsigned char *lagging) {
-    int64_t seen;
-    return ax_agree_loosely(s, desc, 0, &seen, timeout, lagging);
+#define AX_WAIT_FOR(F, T)                                               \
+    do {                                                                \
+        if (!ax_ready(s, (F), (T))) {                                   \
+            o->wait_field = (F);                                        \
+            o->wait_target = (T);                                       \
+            return 0;                                                   \
+        }                                                               \
+    } while (0)
+#define AX_FINISH(RC)                                                   \
+    do {                                                                \
+        o->rc = (RC);                                                   \
+        o->phase = AX_PHASE_DONE;                                       \
+        return 1;                                                       \
+    } while (0)
+/* The slot of chunk g may be filled once every rank is done with chunk g - nslots. */
+#define AX_WAIT_SLOT()                                                  \
+    if (o->g >= (uint64_t)s->nslots) AX_WAIT_FOR(AX_DONE, o->g - (uint64_t)s->nslots + 1)
+
+/* The ranks disagree about the call begun at chunk g: finish the chunk's steps
+ * without touching any data, then wait until every rank has (so no descriptor
+ * is rewritten while a slower rank still reads it) and end with AX_MISMATCH. */
+static int ax_refuse(ax_shm *s, ax_op *o) {
+    ax_store(&s->ctrls[s->rank]->reduced, o->g + 1);
+    ax_store(&s->ctrls[s->rank]->done, o->g + 1);
+    o->phase = AX_PHASE_REFUSED;
+    AX_WAIT_FOR(AX_DONE, o->g + 1);
+    AX_FINISH(AX_MISMATCH);
 }
 
-/* The first chunk of a call: publish before the *copied* store, check after
- * the wait for every rank's. */
-#define AX_PUBLISH_FIRST(g, first) if ((first) == 0 && desc) ax_publish(s, g, desc)
-#define AX_CHECK_FIRST(g, first) \
-    if ((first) == 0 && desc && !ax_agrees(s, g, desc)) return ax_refuse(s, g, timeout, lagging)
+/* The first chunk of a call: publish before the *copied* store, check after the wait for every rank's. */
+#define AX_PUBLISH_FIRST() if (o->first == 0 && o->desc) ax_publish(s, o->g, o->desc)
+#define AX_CHECK_FIRST()                                                        \
+    if (o->first == 0) {                                                        \
+        if (o->desc && !ax_agrees(s, o->g, o->desc)) return ax_refuse(s, o);    \
+        o->checked = 1;                                                         \
+    }
+
+/* One step that moves no data: every rank publishes its call's descriptor and
+ * checks the others' (blind to the bits `loose` of word 0, whose OR over the
+ * ranks goes to `seen`). Used for a call that moves nothing, and before a call
+ * that another transport (MPI) will carry. */
+static int ax_step_agree(ax_shm *s, ax_op *o) {
+    switch (o->phase) {
+    case 0:
+        o->g = s->seq++;
+        o->phase = 1;
+        /* fallthrough */
+    case 1:
+        AX_WAIT_SLOT();
+        ax_publish(s, o->g, o->desc);
+        ax_store(&s->ctrls[s->rank]->copied, o->g + 1);
+        o->phase = 2;
+        /* fallthrough */
+    default:
+        AX_WAIT_FOR(AX_COPIED, o->g + 1);
+        if (!ax_agrees_loosely(s, o->g, o->desc, o->loose, &o->seen)) return ax_refuse(s, o);
+        o->checked = 1;
+        ax_store(&s->ctrls[s->rank]->reduced, o->g + 1);
+        ax_store(&s->ctrls[s->rank]->done, o->g + 1);
+        AX_FINISH(0);
+    }
+}
 
 /* In-place all-reduce of `count` elements at x. Per chunk: copy in what the
  * other ranks reduce (all but this rank's share, which only it reads, from x),
@@ -332,132 +425,179 @@ static int ax_agree(ax_shm *s, const int64_t *desc, double timeout, unsigned cha
  * at once, wait for every share, copy the other shares out. Compared with
  * copying whole chunks through the slots, each rank moves 3/p of the message
  * less through memory (4 against 5.5 message sizes at 2 ranks); the sum is
- * the same, in rank order. `desc` describes the call (see ax_desc).
- * Returns 0, -1 (timeout, *lagging set), -2 (bad dtype/op) or AX_MISMATCH. */
-static int ax_allreduce(ax_shm *s, char *x, size_t count, int dtype, int op, size_t itemsize,
-                        const int64_t *desc, double timeout, unsigned char *lagging) {
-    ax_reduce_fn reduce = ax_reducer(dtype, op);
-    if (reduce == NULL) return -2;
-    if (count == 0) return desc ? ax_agree(s, desc, timeout, lagging) : 0;
+ * the same, in rank order. */
+static int ax_step_allreduce(ax_shm *s, ax_op *o) {
     const int p = s->size, me = s->rank;
-    const size_t per_chunk = s->slot_bytes / itemsize;
-    const size_t align = 64 / itemsize; /* shares start on cache lines */
+    const size_t isz = o->itemsize, per_chunk = s->slot_bytes / isz, align = 64 / isz; /* shares on cache lines */
     char *srcs[AX_MAX_RANKS];
-    for (size_t first = 0; first < count; first += per_chunk) {
-        const uint64_t g = s->seq++;
-        const size_t n = count - first < per_chunk ? count - first : per_chunk;
-        char *xc = x + first * itemsize, *mine = ax_slot(s, me, g);
-        size_t lo, hi;
-        ax_share(n, me, p, align, &lo, &hi);
-        if (ax_wait_slot(s, g, timeout, lagging)) return -1;
-        ax_copy(mine, xc, lo * itemsize);
-        ax_copy(mine + hi * itemsize, xc + hi * itemsize, (n - hi) * itemsize);
-        AX_PUBLISH_FIRST(g, first);
-        ax_store(&s->ctrls[me]->copied, g + 1);
-        if (ax_wait_all(s, AX_COPIED, g + 1, timeout, lagging)) return -1;
-        AX_CHECK_FIRST(g, first);
-        if (hi > lo) {
-            for (int r = 0; r < p; r++) srcs[r] = (r == me ? xc : ax_slot(s, r, g)) + lo * itemsize;
-            reduce(mine + lo * itemsize, xc + lo * itemsize, srcs, p, hi - lo);
+    size_t lo, hi;
+    for (;;) {
+        const size_t n = o->count - o->first < per_chunk ? o->count - o->first : per_chunk;
+        char *xc = o->x + o->first * isz;
+        switch (o->phase) {
+        case 0:
+            if (o->first >= o->count) AX_FINISH(0);
+            o->g = s->seq++;
+            o->phase = 1;
+            /* fallthrough */
+        case 1: {
+            AX_WAIT_SLOT();
+            char *mine = ax_slot(s, me, o->g);
+            ax_share(n, me, p, align, &lo, &hi);
+            ax_copy(mine, xc, lo * isz);
+            ax_copy(mine + hi * isz, xc + hi * isz, (n - hi) * isz);
+            AX_PUBLISH_FIRST();
+            ax_store(&s->ctrls[me]->copied, o->g + 1);
+            o->phase = 2;
         }
-        ax_store(&s->ctrls[me]->reduced, g + 1);
-        if (ax_wait_all(s, AX_REDUCED, g + 1, timeout, lagging)) return -1;
-        for (int k = 0; k < p; k++) {
-            if (k == me) continue;
-            ax_share(n, k, p, align, &lo, &hi);
-            if (hi > lo) ax_copy(xc + lo * itemsize, ax_slot(s, k, g) + lo * itemsize, (hi - lo) * itemsize);
+            /* fallthrough */
+        case 2:
+            AX_WAIT_FOR(AX_COPIED, o->g + 1);
+            AX_CHECK_FIRST();
+            ax_share(n, me, p, align, &lo, &hi);
+            if (hi > lo) {
+                for (int r = 0; r < p; r++) srcs[r] = (r == me ? xc : ax_slot(s, r, o->g)) + lo * isz;
+                o->reduce(ax_slot(s, me, o->g) + lo * isz, xc + lo * isz, srcs, p, hi - lo);
+            }
+            ax_store(&s->ctrls[me]->reduced, o->g + 1);
+            o->phase = 3;
+            /* fallthrough */
+        default:
+            AX_WAIT_FOR(AX_REDUCED, o->g + 1);
+            for (int k = 0; k < p; k++) {
+                if (k == me) continue;
+                ax_share(n, k, p, align, &lo, &hi);
+                if (hi > lo) ax_copy(xc + lo * isz, ax_slot(s, k, o->g) + lo * isz, (hi - lo) * isz);
+            }
+            ax_store(&s->ctrls[me]->done, o->g + 1);
+            o->first += per_chunk;
+            o->phase = 0;
         }
-        ax_store(&s->ctrls[me]->done, g + 1);
     }
-    return 0;
 }
 
-/* Reduce-scatter: x holds p blocks of `block` elements; out receives the
+/* Reduce-scatter: x holds p blocks of `count` elements; out receives the
  * reduction of block `rank`. Per chunk every rank copies the same window of
  * each other rank's block into its slot (p - 1 pieces), and the owner of a
  * block reduces its piece straight into `out`, its own part read from x. */
-static int ax_reduce_scatter(ax_shm *s, const char *x, char *out, size_t block, int dtype, int op,
-                             size_t itemsize, const int64_t *desc, double timeout, unsigned char *lagging) {
-    ax_reduce_fn reduce = ax_reducer(dtype, op);
-    if (reduce == NULL) return -2;
+static int ax_step_reduce_scatter(ax_shm *s, ax_op *o) {
     const int p = s->size, me = s->rank;
-    const size_t piece = s->slot_bytes / itemsize / (size_t)p;
-    if (piece == 0) return -2;
-    if (block == 0) return desc ? ax_agree(s, desc, timeout, lagging) : 0;
+    const size_t isz = o->itemsize, piece = s->slot_bytes / isz / (size_t)p, block = o->count;
     char *srcs[AX_MAX_RANKS];
-    for (size_t first = 0; first < block; first += piece) {
-        const uint64_t g = s->seq++;
-        const size_t n = block - first < piece ? block - first : piece;
-        if (ax_wait_slot(s, g, timeout, lagging)) return -1;
-        char *mine = ax_slot(s, me, g);
-        for (int k = 0; k < p; k++)
-            if (k != me) /* its own piece only this rank reads, from x */
-                ax_copy(mine + (size_t)k * piece * itemsize, x + ((size_t)k * block + first) * itemsize, n * itemsize);
-        AX_PUBLISH_FIRST(g, first);
-        ax_store(&s->ctrls[me]->copied, g + 1);
-        if (ax_wait_all(s, AX_COPIED, g + 1, timeout, lagging)) return -1;
-        AX_CHECK_FIRST(g, first);
-        for (int r = 0; r < p; r++)
-            srcs[r] = r == me ? (char *)x + ((size_t)me * block + first) * itemsize
-                              : ax_slot(s, r, g) + (size_t)me * piece * itemsize;
-        reduce(out + first * itemsize, NULL, srcs, p, n);
-        ax_store(&s->ctrls[me]->reduced, g + 1);
-        ax_store(&s->ctrls[me]->done, g + 1);
-    }
-    return 0;
-}
-
-/* Broadcast of `count` elements at x from `root`: the root copies each chunk
- * into its slot, the others copy it out. */
-static int ax_broadcast(ax_shm *s, char *x, size_t count, size_t itemsize, int root, const int64_t *desc,
-                        double timeout, unsigned char *lagging) {
-    const int me = s->rank;
-    const size_t per_chunk = s->slot_bytes / itemsize;
-    if (count == 0) return desc ? ax_agree(s, desc, timeout, lagging) : 0;
-    for (size_t first = 0; first < count; first += per_chunk) {
-        const uint64_t g = s->seq++;
-        const size_t n = count - first < per_chunk ? count - first : per_chunk;
-        if (ax_wait_slot(s, g, timeout, lagging)) return -1;
-        if (me == root) ax_copy(ax_slot(s, me, g), x + first * itemsize, n * itemsize);
-        AX_PUBLISH_FIRST(g, first);
-        ax_store(&s->ctrls[me]->copied, g + 1);
-        if (first == 0) { /* *reduced* after the check: a refusal must be able to finish the step */
-            if (ax_wait_all(s, AX_COPIED, g + 1, timeout, lagging)) return -1;
-            AX_CHECK_FIRST(g, first);
-            ax_store(&s->ctrls[me]->reduced, g + 1);
-        } else {
-            ax_store(&s->ctrls[me]->reduced, g + 1);
-            if (ax_wait_all(s, AX_COPIED, g + 1, timeout, lagging)) return -1;
+    for (;;) {
+        const size_t n = block - o->first < piece ? block - o->first : piece;
+        switch (o->phase) {
+        case 0:
+            if (o->first >= block) AX_FINISH(0);
+            o->g = s->seq++;
+            o->phase = 1;
+            /* fallthrough */
+        case 1: {
+            AX_WAIT_SLOT();
+            char *mine = ax_slot(s, me, o->g);
+            for (int k = 0; k < p; k++)
+                if (k != me) /* its own piece only this rank reads, from x */
+                    ax_copy(mine + (size_t)k * piece * isz, o->x + ((size_t)k * block + o->first) * isz, n * isz);
+            AX_PUBLISH_FIRST();
+            ax_store(&s->ctrls[me]->copied, o->g + 1);
+            o->phase = 2;
         }
-        if (me != root) ax_copy(x + first * itemsize, ax_slot(s, root, g), n * itemsize);
-        ax_store(&s->ctrls[me]->done, g + 1);
+            /* fallthrough */
+        default:
+            AX_WAIT_FOR(AX_COPIED, o->g + 1);
+            AX_CHECK_FIRST();
+            for (int r = 0; r < p; r++)
+                srcs[r] = r == me ? o->x + ((size_t)me * block + o->first) * isz
+                                  : ax_slot(s, r, o->g) + (size_t)me * piece * isz;
+            o->reduce(o->out + o->first * isz, NULL, srcs, p, n);
+            ax_store(&s->ctrls[me]->reduced, o->g + 1);
+            ax_store(&s->ctrls[me]->done, o->g + 1);
+            o->first += piece;
+            o->phase = 0;
+        }
     }
-    return 0;
 }
 
-/* All-gather of `nbytes` bytes at x from every rank into out (p blocks of
- * `nbytes`, in rank order): per chunk each rank copies its piece into its
- * slot, and once every piece is there copies all of them out. */
-static int ax_allgather(ax_shm *s, const char *x, char *out, size_t nbytes, const int64_t *desc, double timeout,
-                        unsigned char *lagging) {
-    const int p = s->size, me = s->rank;
+/* Broadcast of `count` bytes at x from `root`: the root copies each chunk
+ * into its slot, the others copy it out. */
+static int ax_step_broadcast(ax_shm *s, ax_op *o) {
+    const int me = s->rank;
     const size_t per_chunk = s->slot_bytes;
-    if (nbytes == 0) return desc ? ax_agree(s, desc, timeout, lagging) : 0;
-    for (size_t first = 0; first < nbytes; first += per_chunk) {
-        const uint64_t g = s->seq++;
-        const size_t n = nbytes - first < per_chunk ? nbytes - first : per_chunk;
-        if (ax_wait_slot(s, g, timeout, lagging)) return -1;
-        ax_copy(ax_slot(s, me, g), x + first, n);
-        AX_PUBLISH_FIRST(g, first);
-        ax_store(&s->ctrls[me]->copied, g + 1);
-        if (ax_wait_all(s, AX_COPIED, g + 1, timeout, lagging)) return -1;
-        AX_CHECK_FIRST(g, first);
-        ax_store(&s->ctrls[me]->reduced, g + 1);
-        for (int k = 0; k < p; k++) ax_copy(out + (size_t)k * nbytes + first, ax_slot(s, k, g), n);
-        ax_store(&s->ctrls[me]->done, g + 1);
+    for (;;) {
+        const size_t n = o->count - o->first < per_chunk ? o->count - o->first : per_chunk;
+        switch (o->phase) {
+        case 0:
+            if (o->first >= o->count) AX_FINISH(0);
+            o->g = s->seq++;
+            o->phase = 1;
+            /* fallthrough */
+        case 1:
+            AX_WAIT_SLOT();
+            if (me == o->root) ax_copy(ax_slot(s, me, o->g), o->x + o->first, n);
+            AX_PUBLISH_FIRST();
+            ax_store(&s->ctrls[me]->copied, o->g + 1);
+            /* *reduced* after the check on the first chunk: a refusal must be able to finish the step */
+            if (o->first != 0) ax_store(&s->ctrls[me]->reduced, o->g + 1);
+            o->phase = 2;
+            /* fallthrough */
+        default:
+            AX_WAIT_FOR(AX_COPIED, o->g + 1);
+            if (o->first == 0) {
+                AX_CHECK_FIRST();
+                ax_store(&s->ctrls[me]->reduced, o->g + 1);
+            }
+            if (me != o->root) ax_copy(o->x + o->first, ax_slot(s, o->root, o->g), n);
+            ax_store(&s->ctrls[me]->done, o->g + 1);
+            o->first += per_chunk;
+            o->phase = 0;
+        }
     }
-    return 0;
 }
+
+/* All-gather of `count` bytes at x from every rank into out (p blocks of
+ * `count`, in rank order): per chunk each rank copies its piece into its
+ * slot, and once every piece is there copies all of them out. */
+static int ax_step_allgather(ax_shm *s, ax_op *o) {
+    const int p = s->size, me = s->rank;
+    const size_t per_chunk = s->slot_bytes, nbytes = o->count;
+    for (;;) {
+        const size_t n = nbytes - o->first < per_chunk ? nbytes - o->first : per_chunk;
+        switch (o->phase) {
+        case 0:
+            if (o->first >= nbytes) AX_FINISH(0);
+            o->g = s->seq++;
+            o->phase = 1;
+            /* fallthrough */
+        case 1:
+            AX_WAIT_SLOT();
+            ax_copy(ax_slot(s, me, o->g), o->x + o->first, n);
+            AX_PUBLISH_FIRST();
+            ax_store(&s->ctrls[me]->copied, o->g + 1);
+            o->phase = 2;
+            /* fallthrough */
+        default:
+            AX_WAIT_FOR(AX_COPIED, o->g + 1);
+            AX_CHECK_FIRST();
+            ax_store(&s->ctrls[me]->reduced, o->g + 1);
+            for (int k = 0; k < p; k++) ax_copy(o->out + (size_t)k * nbytes + o->first, ax_slot(s, k, o->g), n);
+            ax_store(&s->ctrls[me]->done, o->g + 1);
+            o->first += per_chunk;
+            o->phase = 0;
+        }
+    }
+}
+
+/* The direct calls (arrays in the window): one step of the counters per call. Arrive: publish the descriptor
+ * and *copied*; after the wait for every rank's, compare. */
+static inline void ax_arrive(ax_shm *s, ax_op *o) {
+    o->g = s->seq++;
+    if (o->desc) ax_publish(s, o->g, o->desc);
+    ax_store(&s->ctrls[s->rank]->copied, o->g + 1);
+    o->phase = 1;
+}
+#define AX_CHECK_DIRECT()                                                       \
+    if (o->desc && !ax_agrees(s, o->g, o->desc)) return ax_refuse(s, o);       \
+    o->checked = 1
 
 /* All-reduce of an array that lives in every rank's segment at the same
  * offset (a buffer allocated in the window: no copy in). Arrive, wait for
@@ -465,55 +605,116 @@ static int ax_allgather(ax_shm *s, const char *x, char *out, size_t nbytes, cons
  * wait; copy the other ranks' shares from their arrays; wait until every
  * rank has copied, because the caller may write into the array as soon as
  * the call returns. One call is one step of the counters. */
-static int ax_allreduce_direct(ax_shm *s, size_t offset, size_t count, int dtype, int op, size_t itemsize,
-                               const int64_t *desc, double timeout, unsigned char *lagging) {
-    ax_reduce_fn reduce = ax_reducer(dtype, op);
-    if (reduce == NULL) return -2;
+static int ax_step_allreduce_direct(ax_shm *s, ax_op *o) {
     const int p = s->size, me = s->rank;
-    const size_t align = 64 / itemsize;
+    const size_t isz = o->itemsize, align = 64 / isz, off = o->offset;
     char *srcs[AX_MAX_RANKS];
-    const uint64_t g = s->seq++;
     size_t lo, hi;
-    if (desc) ax_publish(s, g, desc);
-    ax_store(&s->ctrls[me]->copied, g + 1);
-    if (ax_wait_all(s, AX_COPIED, g + 1, timeout, lagging)) return -1;
-    if (desc && !ax_agrees(s, g, desc)) return ax_refuse(s, g, timeout, lagging);
-    ax_share(count, me, p, align, &lo, &hi);
-    if (hi > lo) {
-        for (int r = 0; r < p; r++) srcs[r] = s->segs[r] + offset + lo * itemsize;
-        reduce(s->segs[me] + offset + lo * itemsize, NULL, srcs, p, hi - lo);
+    switch (o->phase) {
+    case 0:
+        ax_arrive(s, o);
+        /* fallthrough */
+    case 1:
+        AX_WAIT_FOR(AX_COPIED, o->g + 1);
+        AX_CHECK_DIRECT();
+        ax_share(o->count, me, p, align, &lo, &hi);
+        if (hi > lo) {
+            for (int r = 0; r < p; r++) srcs[r] = s->segs[r] + off + lo * isz;
+            o->reduce(s->segs[me] + off + lo * isz, NULL, srcs, p, hi - lo);
+        }
+        ax_store(&s->ctrls[me]->reduced, o->g + 1);
+        o->phase = 2;
+        /* fallthrough */
+    case 2:
+        AX_WAIT_FOR(AX_REDUCED, o->g + 1);
+        for (int k = 0; k < p; k++) {
+            if (k == me) continue;
+            ax_share(o->count, k, p, align, &lo, &hi);
+            if (hi > lo) ax_copy(s->segs[me] + off + lo * isz, s->segs[k] + off + lo * isz, (hi - lo) * isz);
+        }
+        ax_store(&s->ctrls[me]->done, o->g + 1);
+        o->phase = 3;
+        /* fallthrough */
+    default:
+        AX_WAIT_FOR(AX_DONE, o->g + 1);
+        AX_FINISH(0);
     }
-    ax_store(&s->ctrls[me]->reduced, g + 1);
-    if (ax_wait_all(s, AX_REDUCED, g + 1, timeout, lagging)) return -1;
-    for (int k = 0; k < p; k++) {
-        if (k == me) continue;
-        ax_share(count, k, p, align, &lo, &hi);
-        if (hi > lo) ax_copy(s->segs[me] + offset + lo * itemsize, s->segs[k] + offset + lo * itemsize,
-                            (hi - lo) * itemsize);
-    }
-    ax_store(&s->ctrls[me]->done, g + 1);
-    if (ax_wait_all(s, AX_DONE, g + 1, timeout, lagging)) return -1;
-    return 0;
 }
 
-/* All-gather of `nbytes` bytes that live in every rank's segment at the same
+/* All-gather of `count` bytes that live in every rank's segment at the same
  * offset, into out (p blocks, rank order), with no copy in: arrive, wait for
  * every rank, copy each rank's part straight from its segment, then wait
  * until every rank has copied (the caller may write into its part as soon
  * as the call returns). One call is one step of the counters. */
-static int ax_allgather_direct(ax_shm *s, size_t offset, size_t nbytes, char *out, const int64_t *desc,
-                               double timeout, unsigned char *lagging) {
+static int ax_step_allgather_direct(ax_shm *s, ax_op *o) {
     const int p = s->size, me = s->rank;
-    const uint64_t g = s->seq++;
-    if (desc) ax_publish(s, g, desc);
-    ax_store(&s->ctrls[me]->copied, g + 1);
-    if (ax_wait_all(s, AX_COPIED, g + 1, timeout, lagging)) return -1;
-    if (desc && !ax_agrees(s, g, desc)) return ax_refuse(s, g, timeout, lagging);
-    ax_store(&s->ctrls[me]->reduced, g + 1);
-    for (int k = 0; k < p; k++) ax_copy(out + (size_t)k * nbytes, s->segs[k] + offset, nbytes);
-    ax_store(&s->ctrls[me]->done, g + 1);
-    if (ax_wait_all(s, AX_DONE, g + 1, timeout, lagging)) return -1;
-    return 0;
+    switch (o->phase) {
+    case 0:
+        ax_arrive(s, o);
+        /* fallthrough */
+    case 1:
+        AX_WAIT_FOR(AX_COPIED, o->g + 1);
+        AX_CHECK_DIRECT();
+        ax_store(&s->ctrls[me]->reduced, o->g + 1);
+        for (int k = 0; k < p; k++) ax_copy(o->out + (size_t)k * o->count, s->segs[k] + o->offset, o->count);
+        ax_store(&s->ctrls[me]->done, o->g + 1);
+        o->phase = 2;
+        /* fallthrough */
+    default:
+        AX_WAIT_FOR(AX_DONE, o->g + 1);
+        AX_FINISH(0);
+    }
+}
+
+/* Advance `o` as far as it goes without waiting: 1 once done (o->rc says how
+ * it ended), 0 where it waits for every rank's counter o->wait_field to reach
+ * o->wait_target. */
+static int ax_step(ax_shm *s, ax_op *o) {
+    if (o->phase == AX_PHASE_DONE) return 1;
+    if (o->phase == AX_PHASE_REFUSED) {
+        AX_WAIT_FOR(AX_DONE, o->g + 1);
+        AX_FINISH(AX_MISMATCH);
+    }
+    switch (o->kind) {
+    case AX_OP_ALLREDUCE: return ax_step_allreduce(s, o);
+    case AX_OP_REDUCE_SCATTER: return ax_step_reduce_scatter(s, o);
+    case AX_OP_BROADCAST: return ax_step_broadcast(s, o);
+    case AX_OP_ALLGATHER: return ax_step_allgather(s, o);
+    case AX_OP_ALLREDUCE_DIRECT: return ax_step_allreduce_direct(s, o);
+    case AX_OP_ALLGATHER_DIRECT: return ax_step_allgather_direct(s, o);
+    default: return ax_step_agree(s, o);
+    }
+}
+
+/* ax_step, then up to `spins` busy polls of what it waits for, stepping on as
+ * soon as that is there: a nonblocking call's wait (_shm.Engine.progress) stays
+ * in C for as long as a blocking call's first spins. */
+static int ax_step_spinning(ax_shm *s, ax_op *o, long spins) {
+    int finished = ax_step(s, o);
+    for (long k = 0; !finished && k < spins; k++) {
+        if (ax_ready(s, o->wait_field, o->wait_target)) finished = ax_step(s, o);
+        else AX_CPU_RELAX();
+    }
+    return finished;
+}
+
+/* A blocking call: step, and wait where it must. Returns o->rc, or -1 once a
+ * wait timed out or was abandoned (lagging[r] set for every rank behind). */
+static int ax_run(ax_shm *s, ax_op *o, double timeout, unsigned char *lagging) {
+    while (!ax_step(s, o))
+        if (ax_wait_all(s, o->wait_field, o->wait_target, timeout, lagging)) return -1;
+    return o->rc;
+}
+
+/* `o` was copied to where it now lies: its descriptor pointer follows it. */
+static inline void ax_op_moved(ax_op *o) {
+    if (o->desc) o->desc = o->w;
+}
+
+/* lagging[r] = 1 for every rank r whose counter keeps `o` waiting (0 for the others). */
+static void ax_lagging(ax_shm *s, const ax_op *o, unsigned char *lagging) {
+    for (int r = 0; r < s->size; r++)
+        lagging[r] = o->phase != AX_PHASE_DONE && ax_load(ax_field(s->ctrls[r], o->wait_field)) < o->wait_target;
 }
 
 #endif /* AXONHPC_SHM_ENGINE_H */

@@ -49,7 +49,7 @@ from ..backends import base as backend_base
 from ..backends.base import ReduceOp, Work
 from ..errors import CollectiveMismatchError, CollectiveStallError, CollectiveTimeoutError, everywhere, replacing
 from ..settings import settings
-from . import carried, fingerprint, flight, shm_path, watch
+from . import carried, engine_calls, fingerprint, flight, shm_path, watch
 from .group_state import state_of
 
 Desc = Tuple[int, int, int, int]
@@ -105,7 +105,7 @@ def compare(pg: Any, seq: int, op: str, desc_of: Callable[[bool], Desc], mismatc
         engine = node_engine(pg)
     if engine:
         try:
-            if engine.agree(desc_of(True), nonblocking) and not nonblocking:
+            if engine_calls.run(engine, "agree", desc_of(True), nonblocking) and not nonblocking:
                 return NONBLOCKING
         except EngineMismatch as exc:
             explain_mismatch(mismatch, exc)
@@ -307,10 +307,14 @@ def _call_text(label: Any) -> str:
 
 
 def flush(pg: Any) -> None:
-    """Issue every asynchronous call of the group still waiting for its check (before any other collective)."""
+    """Issue every asynchronous call of the group still waiting for its check (before any other collective); raise
+    the error of one the ranks disagreed about, as the node's engine found it too (``engine_calls.raise_refused``)."""
     state = pg.collective_state
-    if state is not None and state.unissued:
-        state.issue_unissued()
+    if state is not None:
+        if state.unissued:
+            state.issue_unissued()
+        if state.in_engine:
+            engine_calls.raise_refused(state.in_engine)
 
 
 # [Note: calls waiting for their check, across groups]
@@ -338,11 +342,11 @@ def _forget_done() -> None:
 
 
 def _prune() -> None:
-    """``_forget_done``, and no more polling once nothing waits."""
+    """``_forget_done``, and no more polling once nothing waits (but the engines' calls in flight)."""
     with _PENDING_LOCK:
         _forget_done()
         if not _PENDING:
-            backend_base.PROGRESS[0] = None
+            backend_base.PROGRESS[0] = engine_calls.progress if engine_calls.BUSY else None
 
 
 def elsewhere(pg: Any, own_too: bool = False) -> bool:
@@ -365,6 +369,8 @@ def still_waiting_elsewhere(pg: Any, own_too: bool = False) -> bool:
 def progress() -> None:
     """Issue this thread's calls waiting for their check whose check is done, oldest first in each group (a
     wait's hook)."""
+    if engine_calls.BUSY:
+        engine_calls.progress()
     if get_ident() in _STARTING:
         return
     me = current_thread()

@@ -20,8 +20,8 @@ from ..errors import AxonError, CollectiveStallError, CollectiveTimeoutError, Re
 from ..groups import ProcessGroup, resolve_group
 from ..observe import tracing
 from ..settings import settings
-from . import (agreement, fast_path, fingerprint, flight, graphed, routes, shm_path, staged_path, stragglers,
-               watch, watchdog)
+from . import (agreement, engine_calls, fast_path, fingerprint, flight, graphed, routes, shm_path, staged_path,
+               stragglers, watch, watchdog)
 from .group_state import state_of
 from .ring import ring_all_reduce, ring_reduce_scatter
 from .widen import divide_average, work_dtype
@@ -113,11 +113,14 @@ def _checked_run(pg: ProcessGroup, label: Any, issue, async_op: bool, carried: b
     # own group's calls were issued by start_call. ``elsewhere`` first (it reads a list: a group that never
     # made a call has no engine to look up); ``still_waiting_elsewhere`` last, never for a call the engine
     # carries: its round of ``progress`` may issue a call into the engine, which waits there for the others.
+    # Over MPI it must poll as well while calls are in flight in the node's engine ([Note: calls in flight in
+    # the engine]); a call the engine carries goes in its queue whatever ``nonblocking`` says.
     own_too = not collective
     nonblocking = async_op or timeout is not None or (
         bool(agreement._PENDING) and agreement.elsewhere(pg, own_too)
         and (not collective or agreement.node_engine(pg) is None)
-        and agreement.still_waiting_elsewhere(pg, own_too))
+        and agreement.still_waiting_elsewhere(pg, own_too)) or (
+        bool(engine_calls.BUSY) and engine_calls.busy_here())
     if collective and not carried and async_op and not is_cupy_array(label.call[0]):
         # A host call may start once its check is done (MPI progresses each communicator on its own).
         # A device call may not: NCCL runs the calls of all its communicators in the order they were
@@ -145,6 +148,8 @@ def _checked_run(pg: ProcessGroup, label: Any, issue, async_op: bool, carried: b
     work.label = label
     _trace(work, start, label, collective)
     if async_op:
+        if type(work) is engine_calls.EngineWork:
+            work.labelled()
         if type(work) is not CompletedWork:  # ProcessGroup.destroy waits for it (GroupState.complete)
             state_of(pg).note_started(work)
         if entry is not None:
@@ -237,10 +242,10 @@ def checked_all_reduce(x: Any, op: ReduceOp, pg: ProcessGroup, async_op: bool) -
         return CompletedWork() if async_op else None
     if route is routes.NODE:
         desc = label.desc()
-        return run_call(pg, label, lambda nb: node.all_reduce(x, x, op, desc), async_op, carried=True)
+        return run_call(pg, label, lambda nb: node.all_reduce(x, x, op, desc, async_op), async_op, carried=True)
     if route is routes.NODE_WIDENED:
         desc = label.desc()
-        issue = _reduction(pg, x, x, op, lambda s, d, base, nb: node.all_reduce(s, d, base, desc))
+        issue = _reduction(pg, x, x, op, lambda s, d, base, nb: node.all_reduce(s, d, base, desc, async_op))
         return run_call(pg, label, issue, async_op, carried=True)
     # A blocking call that ``_reduction`` passes through unchanged may go with its check (collectives.carried).
     carry = op if not async_op and op is not ReduceOp.AVG and not is_low_precision_float(x.dtype) else None
@@ -303,10 +308,10 @@ def reduce_scatter(x, op=ReduceOp.SUM, group: Optional[ProcessGroup] = None, asy
         return run_call(pg, label, lambda nb: ring_reduce_scatter(x, out, op, pg), async_op)
     if route is routes.NODE:
         desc = label.desc()
-        return run_call(pg, label, lambda nb: node.reduce_scatter(x, out, op, desc), async_op, carried=True)
+        return run_call(pg, label, lambda nb: node.reduce_scatter(x, out, op, desc, async_op), async_op, carried=True)
     if route is routes.NODE_WIDENED:
         desc = label.desc()
-        issue = _reduction(pg, x, out, op, lambda s, d, base, nb: node.reduce_scatter(s, d, base, desc), out)
+        issue = _reduction(pg, x, out, op, lambda s, d, base, nb: node.reduce_scatter(s, d, base, desc, async_op), out)
         return run_call(pg, label, issue, async_op, carried=True)
     backend = pg.backend
     issue = _reduction(pg, x, out, op, lambda s, d, base, nb: backend.reduce_scatter(s, d, base, nb), out)
@@ -353,7 +358,7 @@ def broadcast(x, src: int = 0, group: Optional[ProcessGroup] = None, async_op: b
     route, node = routes.choose(pg, x, "broadcast")
     if route is routes.NODE:
         desc = label.desc()
-        return run_call(pg, label, lambda nb: node.broadcast(x, src, desc), async_op, carried=True)
+        return run_call(pg, label, lambda nb: node.broadcast(x, src, desc, async_op), async_op, carried=True)
     return run_call(pg, label, lambda nb: backend.broadcast(x, src, nb), async_op)
 
 
@@ -382,7 +387,7 @@ def all_gather(x, group: Optional[ProcessGroup] = None, async_op: bool = False, 
     route, node = routes.choose(pg, x, "all_gather")
     if route is routes.NODE:
         desc = label.desc()
-        return run_call(pg, label, lambda nb: node.all_gather(x, out, desc), async_op, carried=True)
+        return run_call(pg, label, lambda nb: node.all_gather(x, out, desc, async_op), async_op, carried=True)
     backend = pg.backend
     return run_call(pg, label, lambda nb: backend.all_gather(x, out, nb), async_op)
 

@@ -24,6 +24,7 @@ from ..observe import tracing
 from ..settings import settings
 from . import agreement, flight, shm_path, stragglers, watchdog
 from .agreement import _PENDING
+from .engine_calls import BUSY
 
 NOT_TAKEN = object()  # what ``attempt`` returns when the general path must handle the call
 
@@ -94,8 +95,8 @@ def attempt(spec: Spec, x: Any, group: Any, op: Any = None, root: Any = None, ou
     Returns:
         The result buffer (``out``, or a new array), None for an in-place call, or ``NOT_TAKEN``.
     """
-    if type(x) is not np.ndarray or not x.nbytes:
-        return NOT_TAKEN
+    if type(x) is not np.ndarray or not x.nbytes or BUSY:
+        return NOT_TAKEN  # BUSY: calls in flight in an engine, which the general path advances while it waits
     name = None
     if spec.reduces:
         names = shm_path.FUSED.get(x.dtype)  # supported dtypes only
@@ -141,7 +142,7 @@ def attempt(spec: Spec, x: Any, group: Any, op: Any = None, root: Any = None, ou
     state = pg.collective_state  # made by plain_route
     if _PENDING and engine is None and agreement.still_waiting_elsewhere(pg):
         return NOT_TAKEN  # over MPI it must be made nonblocking ([Note: calls waiting for their check, across groups])
-    if state.unissued:
+    if state.unissued or state.in_engine:
         agreement.flush(pg)  # earlier asynchronous calls start first, in the same order on every rank
     entry = flight.record(pg, spec.op, x, name, root, None)
     seq = pg.seq

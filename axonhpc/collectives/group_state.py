@@ -17,7 +17,7 @@ weak = weakref.ref
 class GroupState:
     """The collective layer's state of one group (see the module docstring)."""
 
-    __slots__ = ("route", "p2p", "channels", "check", "unissued", "arrivals", "started", "prune_at")
+    __slots__ = ("route", "p2p", "channels", "check", "unissued", "in_engine", "arrivals", "started", "prune_at")
 
     def __init__(self) -> None:
         self.route: Optional[tuple] = None  # shm_path.plain_route: (key, (engine, backend))
@@ -26,6 +26,8 @@ class GroupState:
         # agreement's MPI check: (words, reduce_max, host, the guess of the next call: carried.Predictor)
         self.check: Optional[tuple] = None
         self.unissued: List[Any] = []  # agreement.CheckedWork calls waiting for their check, oldest first
+        # engine_calls.EngineWork calls in flight in the node's engine that may still be refused, oldest first
+        self.in_engine: List[Any] = []
         self.arrivals: Any = None  # stragglers.Arrivals: group rank 0's lateness totals
         # Weak references to the Works of asynchronous calls started on the group, which ``complete`` waits for
         # (one the caller dropped is gone: nothing can wait for it after the group is destroyed).

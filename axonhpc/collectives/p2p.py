@@ -26,6 +26,7 @@ from ..observe import tracing
 from ..settings import settings
 from . import agreement, graphed, watchdog
 from .agreement import _PENDING
+from .engine_calls import BUSY
 from .core import member, run_call
 from .group_state import state_of, weak
 
@@ -117,9 +118,10 @@ def _fast(kind: _Kind, x: Any, peer: Any, tag: Any, group: Optional[ProcessGroup
         if len(started) >= state.prune_at:
             state.prune()
         return work
-    if not kind.fills and _PENDING and agreement.still_waiting_elsewhere(pg, own_too=True):
+    if not kind.fills and ((_PENDING and agreement.still_waiting_elsewhere(pg, own_too=True)) or BUSY):
         # MPI_Send may wait inside C: made nonblocking and polled instead (agreement's [Note: calls waiting for
-        # their check, across groups]); a receive polls already, and calls the hook.
+        # their check, across groups]; calls in flight in the node's engine likewise, see engine_calls); a
+        # receive polls already, and calls the hook.
         return NOT_TAKEN
     key = watchdog.blocking(pg, None, label)
     try:

@@ -12,9 +12,7 @@ alike. The window is set up when the group is made, so a timeout is never stuck 
 ``plain_route`` keeps per settings revision the route of a plain blocking call, and
 ``fast_path.attempt`` makes it with nothing else looked up: about 2-3 us over the engine's time.
 
-The engine completes before returning, so ``async_op=True`` gets a finished ``Work``: DDP's
-overlap is lost on this path, which on a node costs little (the copies are the calling rank's work
-either way; there is no network card to overlap with).
+A call with ``async_op=True`` is queued in the engine and returned in flight (``engine_calls``).
 """
 from __future__ import annotations
 
@@ -28,7 +26,7 @@ from ..backends import shm as shm_backend
 from ..backends.shm import allocate_array, engine_for, engine_in_window, free_array
 from ..errors import CollectiveStallError, CollectiveTimeoutError, PeerFailedError, replacing
 from ..settings import settings
-from . import watchdog
+from . import engine_calls, watchdog
 from .group_state import state_of
 from .widen import work_dtype
 
@@ -45,58 +43,64 @@ class _Path:
         """True if the kernels finish ``op`` themselves: every op but AVG, and AVG of float32/float64."""
         return op.value in FUSED.get(np.dtype(x.dtype), ())
 
-    def _call(self, method: str, *args: Any) -> None:
+    def _call(self, method: str, *args: Any, later: bool = False, result: Any = None) -> Work:
+        """Run ``engine.method(*args)``: its Work, finished unless ``later`` (then an ``EngineWork`` in flight)."""
         # The watchdog, which sees the wait (``core.run_call`` notes every call), learns which engine to end it
         # in: an array's window has its own.
         ident = watchdog.get_ident()
         watchdog.engines[ident] = self.engine
         try:
-            getattr(self.engine, method)(*args)
+            if later:
+                op = engine_calls.queue(self.engine, method, *args)
+                return engine_calls.EngineWork(op, self.engine, self._timed_out, result, state_of(self.pg).in_engine)
+            engine_calls.run(self.engine, method, *args)
         except CollectiveStallError:
             raise  # the watchdog's verdict, which says all there is to say
         except CollectiveTimeoutError as exc:
-            raise replacing(timed_out(exc, self.engine, self.pg, self.op_name), exc, settings.debug)
+            raise replacing(self._timed_out(exc), exc, settings.debug)
         except PeerFailedError as exc:
             watchdog.delivered(exc)  # an abandoned engine's error names this call
             raise
         finally:
             del watchdog.engines[ident]
+        return _done(result)
+
+    def _timed_out(self, exc: Exception) -> CollectiveTimeoutError:
+        return timed_out(exc, self.engine, self.pg, self.op_name)
 
     # ``desc``: the call's descriptor (``agreement.describe``), taken from the caller's own array: the
     # engine sees flattened, byte or widened views of it, and compares ``desc`` across the node.
-    def all_reduce(self, src: Any, dst: Any, op: ReduceOp, desc: tuple) -> Work:
+    # ``later``: the call is asynchronous (``async_op=True``): it is queued and its Work returned in flight.
+    def all_reduce(self, src: Any, dst: Any, op: ReduceOp, desc: tuple, later: bool = False) -> Work:
         """Reduce ``src`` into ``dst`` (the same array, or a copy target) over the node."""
         if dst is not src:
             dst[...] = src
-        self._call("all_reduce", dst.reshape(-1), op.name, desc)
-        return _done()
+        return self._call("all_reduce", dst.reshape(-1), op.name, desc, later=later)
 
-    def reduce_scatter(self, src: Any, dst: Any, op: ReduceOp, desc: tuple) -> Work:
+    def reduce_scatter(self, src: Any, dst: Any, op: ReduceOp, desc: tuple, later: bool = False) -> Work:
         """This rank's block of the reduction of ``src`` into ``dst``."""
-        self._call("reduce_scatter", np.ascontiguousarray(src).reshape(-1), dst.reshape(-1), op.name, desc)
-        return _done(dst)
+        return self._call("reduce_scatter", np.ascontiguousarray(src).reshape(-1), dst.reshape(-1), op.name, desc,
+                          later=later, result=dst)
 
-    def all_gather(self, x: Any, out: Any, desc: tuple) -> Work:
+    def all_gather(self, x: Any, out: Any, desc: tuple, later: bool = False) -> Work:
         """Every rank's ``x`` into ``out`` (group size blocks, in rank order)."""
-        self._call("all_gather", x.reshape(-1).view(np.uint8), out.reshape(-1).view(np.uint8), desc)
-        return _done(out)
+        return self._call("all_gather", x.reshape(-1).view(np.uint8), out.reshape(-1).view(np.uint8), desc,
+                          later=later, result=out)
 
-    def broadcast(self, x: Any, src: int, desc: tuple) -> Work:
+    def broadcast(self, x: Any, src: int, desc: tuple, later: bool = False) -> Work:
         """Group rank ``src``'s ``x`` into ``x``."""
-        self._call("broadcast", x.reshape(-1).view(np.uint8), src, desc)
-        return _done()
+        return self._call("broadcast", x.reshape(-1).view(np.uint8), src, desc, later=later)
 
 
 class _InWindowPath(_Path):
     """All-reduce or all-gather of an array that ``shared_memory_array`` placed in the window: no copy in."""
 
-    def all_reduce(self, src: Any, dst: Any, op: ReduceOp, desc: tuple) -> Work:
-        self._call("all_reduce_in_window", dst.reshape(-1), op.name, desc)
-        return _done()
+    def all_reduce(self, src: Any, dst: Any, op: ReduceOp, desc: tuple, later: bool = False) -> Work:
+        return self._call("all_reduce_in_window", dst.reshape(-1), op.name, desc, later=later)
 
-    def all_gather(self, x: Any, out: Any, desc: tuple) -> Work:
-        self._call("all_gather_in_window", x.reshape(-1).view(np.uint8), out.reshape(-1).view(np.uint8), desc)
-        return _done(out)
+    def all_gather(self, x: Any, out: Any, desc: tuple, later: bool = False) -> Work:
+        return self._call("all_gather_in_window", x.reshape(-1).view(np.uint8), out.reshape(-1).view(np.uint8),
+                          desc, later=later, result=out)
 
 
 def timed_out(exc: Exception, engine: Any, pg: Any, op_name: str) -> CollectiveTimeoutError:

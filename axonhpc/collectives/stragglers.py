@@ -13,6 +13,8 @@ it, and would wait for good while this rank waited in the gather.
 """
 from __future__ import annotations
 
+import math
+
 from typing import Any, Dict, Optional
 
 import numpy as np
@@ -47,7 +49,10 @@ def compare(pg: Any, done: int) -> None:
     mine = flight.arrival_times(pg, done - count, count) + pg.world.clock_offset
     channel = private_channel(pg, "arrivals")
     table = np.empty((pg.size, count), dtype=np.float64) if pg.rank == 0 else None
-    channel.gather(mine, table, 0, async_op=False).wait()
+    # Nonblocking on every rank (MPI never matches a blocking gather with a nonblocking one): the wait polls
+    # while a rank's asynchronous call of the group is still in flight in the node's engine, and advances it
+    # for the ranks that made the call blocking and wait in it ([Note: calls in flight in the engine]).
+    channel.gather(mine, table, 0, async_op=True).wait(math.inf)
     if pg.rank != 0:
         return
     table = table[:, ~np.isnan(table).any(axis=0)]  # calls some rank no longer holds

@@ -21,6 +21,7 @@ from typing import (TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional
 
 import numpy as np
 
+from ..backends import base as backend_base
 from ..errors import AxonError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -70,6 +71,9 @@ def issue_waiting_calls(group: Any) -> None:
     state = getattr(group, "collective_state", None)
     if state is not None and state.unissued:
         state.issue_unissued()
+    settle = backend_base.SETTLE[0]
+    if settle is not None:  # calls in flight in the node's engine: completed, as MPI would progress them here
+        settle()
 
 
 def _all_gather(group: Members, gather: Optional[Gather], mine: np.ndarray) -> np.ndarray:

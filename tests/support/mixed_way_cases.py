@@ -160,6 +160,61 @@ def case_a_mismatch_found_while_another_groups_call_waits(world):
     assert (x == n).all(), x
 
 
+def case_asynchronous_calls_of_two_groups_in_opposite_orders(world):
+    # MPI lets a rank start nonblocking calls of two groups in any order. The node's engine used to complete an
+    # asynchronous call before returning, so with shared memory on, ranks entering two groups of the same ranks
+    # in opposite orders each waited in the first group's call for good (a DeadlockError after 30 s). Each
+    # collective the engine carries, one chunk and many (4 KiB slots in test_shm_collectives do more), waited for
+    # in either order; then calls of the other group made blocking, a message, an all-gather too large for the
+    # engine (MPI, polled), and a group made, all while a call is in flight.
+    n, r = world.world_size, world.rank
+    a, b = world.new_group(list(range(n))), world.new_group(list(range(n)))
+    flip = r % 2 == 1
+    for size in (5, 300_000):
+        x, y = np.full(size, r + 1.0), np.full(size, 10.0 * (r + 1))
+        first, second = ((b, y), (a, x)) if flip else ((a, x), (b, y))
+        works = [ax.all_reduce(v, group=g, async_op=True) for g, v in (first, second)]
+        for work in (works[::-1] if r % 3 == 2 else works):
+            work.wait()
+        assert (x == n * (n + 1) / 2).all() and (y == 10 * n * (n + 1) / 2).all(), (size, x[:2], y[:2])
+        parts = np.arange(n * 4 * size, dtype=np.float64).reshape(n * size, 4) + r
+        calls = [(a, lambda g: ax.reduce_scatter(parts, group=g, async_op=True)),
+                 (b, lambda g: ax.broadcast(z, src=n - 1, group=g, async_op=True)),
+                 (a, lambda g: ax.all_gather(np.full(3, r), group=g, async_op=True))]
+        z = np.full(size, float(r))
+        order = [calls[1], calls[0], calls[2]] if flip else calls  # each group's calls in one order everywhere
+        results = {id(g_call): g_call[1](g_call[0]) for g_call in order}
+        mine = results[id(calls[0])].wait()
+        expected = (np.arange(n * 4 * size, dtype=np.float64).reshape(n * size, 4) * n + n * (n - 1) / 2)
+        np.testing.assert_array_equal(mine, expected[r * size:(r + 1) * size])
+        results[id(calls[1])].wait()
+        assert (z == n - 1).all(), z[:3]
+        got = results[id(calls[2])].wait()
+        assert (got == np.arange(n)[:, None]).all(), got
+    x = np.full(1000, r + 1.0)
+    work = ax.all_reduce(x, group=a, async_op=True) if r == 0 else None
+    if r != 0:
+        ax.all_reduce(x, group=a)  # blocking here, in flight on rank 0 while it makes the calls below
+    small = np.ones(7)
+    ax.all_reduce(small, group=b)  # made blocking on every rank
+    gathered = ax.all_gather(np.full(50_000, float(r)), group=b)  # over MPI: too large for the engine
+    if n > 1:
+        if r == 0:
+            ax.send(np.full(100_000, 7.0), dst=1, group=b)
+        elif r == 1:
+            got = np.zeros(100_000)
+            ax.recv(got, src=0, group=b)
+            assert (got == 7.0).all()
+    made = world.new_group(list(range(n)))
+    if work is not None:
+        work.wait()
+    assert (x == n * (n + 1) / 2).all() and (small == n).all(), (x[:2], small)
+    assert (gathered == np.arange(n)[:, None]).all()
+    done = np.ones(2)
+    ax.all_reduce(done, group=made)
+    assert (done == n).all()
+
+
 CASES = {name[len("case_"):]: fn for name, fn in dict(globals()).items() if name.startswith("case_")}
 
 

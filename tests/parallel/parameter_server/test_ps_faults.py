@@ -12,7 +12,7 @@ import subprocess
 import pytest
 
 from support.openmpi import OPENMPI_PYTHON, job_env, needs_openmpi
-from support.paths import JOBS
+from support.paths import JOBS, timed_verdicts
 
 JOB = os.path.join(JOBS, "ps_death_job.py")
 GUARD = 120  # seconds: the outer timeout of every job
@@ -25,13 +25,7 @@ def _job(tmp_path, n, num_servers):
            str(n), "--", JOB, str(num_servers)]
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env=job_env(tmp_path),
                          stdin=subprocess.DEVNULL, timeout=GUARD + 20, errors="replace")
-    verdicts = {}
-    for rank in range(n):
-        path = tmp_path / f"verdict-rank{rank}.txt"
-        if path.exists():
-            seconds, text = path.read_text().split("\n", 1)
-            verdicts[rank] = (float(seconds), text)
-    return out.stdout[-3000:] + out.stderr[-3000:], verdicts
+    return out.stdout[-3000:] + out.stderr[-3000:], timed_verdicts(tmp_path, n)
 
 
 @needs_openmpi

@@ -16,7 +16,7 @@ import time
 import pytest
 
 from axonhpc.parallel.parameter_server.interrupts import HeldInterrupt
-from support.paths import JOBS
+from support.paths import JOBS, timed_verdicts
 
 JOB = os.path.join(JOBS, "ps_interrupt_job.py")
 MPIEXEC = os.path.join(os.path.dirname(sys.executable), "mpiexec")
@@ -29,13 +29,7 @@ def _job(tmp_path, n, num_servers, mode):
     cmd = ["timeout", "-k", "5", str(GUARD), MPIEXEC, "-n", str(n), sys.executable, JOB, str(num_servers), mode]
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env=env, stdin=subprocess.DEVNULL,
                          timeout=GUARD + 20, errors="replace")
-    verdicts = {}
-    for rank in range(n):
-        path = tmp_path / f"verdict-rank{rank}.txt"
-        if path.exists():
-            seconds, text = path.read_text().split("\n", 1)
-            verdicts[rank] = (float(seconds), text)
-    return out.stdout[-3000:] + out.stderr[-3000:], verdicts
+    return out.stdout[-3000:] + out.stderr[-3000:], timed_verdicts(tmp_path, n)
 
 
 @pytest.mark.timeout(150)
