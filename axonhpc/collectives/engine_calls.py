@@ -62,7 +62,10 @@ def progress(spins: int = 0) -> None:
     """Advance this thread's calls in flight in every engine as far as they go without waiting (``spins``: busy
     polls in each engine first, see ``Engine.progress``); conclude those that ended."""
     me = get_ident()
-    idle = [entry for entry in list(BUSY) if entry[1] == me and entry[0].progress(spins)]
+    # An engine the watchdog gave a verdict is out of step with the others for good: its calls are dropped (their
+    # waits raise the verdict).
+    idle = [entry for entry in list(BUSY)
+            if entry[1] == me and (entry[0].verdict is not None or entry[0].progress(spins))]
     if idle:
         with _LOCK:
             for entry in idle:
@@ -106,12 +109,42 @@ def wait_for(op: Any, engine: Any, timeout: Optional[float], check: bool = True)
 
 
 def settle() -> None:
-    """Complete this thread's calls in flight in every engine (``backend_base.SETTLE``); their waits raise what
-    they ended with."""
+    """Complete this thread's asynchronous calls in flight (``backend_base.SETTLE``); their waits raise what they
+    ended with."""
     me = get_ident()
-    for engine, thread in list(BUSY):
-        if thread == me:
-            _poll(lambda: not engine.busy, engine, None, "call in flight", lambda: [])
+    for work, thread in list(_ENDING):
+        op = work._op
+        if thread == me and not op.done and work._engine.verdict is None:
+            _wait_noted(work, lambda: op.done)
+
+
+def forget_all() -> None:
+    """Forget every call in flight, without waiting (``axonhpc.elastic``: their world lost a rank, its windows are
+    abandoned); their waits raise the watchdog's verdict or wait no more than a group's timeout."""
+    with _LOCK:
+        BUSY.clear()
+        _ENDING.clear()
+        backend_base.SETTLE[0] = None
+        if backend_base.PROGRESS[0] is progress:
+            backend_base.PROGRESS[0] = None
+
+
+def _wait_noted(work: "EngineWork", done: Any) -> None:
+    """``_poll`` until ``done()`` for ``work``'s call, seen by the watchdog as a wait in that call (a dead peer or a
+    deadlock gets its verdict, which the engine raises)."""
+    label = work.label
+    pg = getattr(label, "group", None)
+    key = watchdog.blocking(pg, getattr(label, "entry", None), label) if pg is not None else None
+    ident = get_ident()
+    mine = ident not in watchdog.engines
+    if mine:
+        watchdog.engines[ident] = work._engine
+    try:
+        _poll(done, work._engine, None, work._op.what, work._op.lagging)
+    finally:
+        if mine:
+            watchdog.engines.pop(ident, None)
+        watchdog.unblocked(key)
 
 
 def _poll(done: Any, engine: Any, timeout: Optional[float], what: str, lagging: Any) -> bool:
@@ -258,7 +291,7 @@ def raise_refused(group_calls: List[EngineWork]) -> None:
         work = group_calls[0]
         op = work._op
         if not (op.checked or op.done):
-            _poll(lambda: op.checked or op.done, work._engine, None, op.what, op.lagging)
+            _wait_noted(work, lambda: op.checked or op.done)
         if op.done:
             work._conclude()
         if group_calls and group_calls[0] is work:
@@ -288,4 +321,5 @@ def _conclude_ended() -> None:
         _CONCLUDING.discard(me)
 
 
-__all__ = ["BUSY", "busy_here", "queue", "progress", "run", "wait_for", "settle", "raise_refused", "EngineWork"]
+__all__ = ["BUSY", "busy_here", "queue", "progress", "run", "wait_for", "settle", "forget_all", "raise_refused",
+           "EngineWork"]

@@ -69,7 +69,7 @@ from ..checkpoint.io import gather_text
 from ..checkpoint.model_slices import fill_model_state, state_pieces
 from ..checkpoint.sliced import save_slices
 from ..backends import ReduceOp
-from ..collectives import all_reduce
+from ..collectives import all_reduce, engine_calls
 from ..errors import CheckpointError, CollectiveRefusedError, ConfigurationError, PeerFailedError, RecoveryError
 from ..groups.runtime import current_world, init
 from ..observe.log import get_logger
@@ -553,6 +553,7 @@ class ElasticTraining:
         self._maybe_fail("split")
         mine = comm.Split(0 if self.active else MPI.UNDEFINED, working.index(self.job_rank) if self.active else 0)
         shm.abandon_open_windows()  # the old world's: freeing them would wait for the dead
+        engine_calls.forget_all()  # and their calls in flight, which no new world's wait may wait for
         if not self.active:
             def wait() -> bool:
                 if before.active:  # its replica was dropped: it waits as a spare, and may take a place later
