@@ -45,6 +45,7 @@ from __future__ import annotations
 import os
 import runpy
 import sys
+import time
 from typing import Any, List
 
 
@@ -83,6 +84,9 @@ def _end_job(status: int, message: Any) -> None:
     sys.stderr.flush()
     if fault_tolerant:
         os._exit(status)
+    # MPI_Abort kills the ranks at once, and mpiexec may stop forwarding this rank's output before it read the line
+    # above (a full run lost it once, under load): a moment first, as the watchdog gives its error before aborting.
+    time.sleep(0.5)
     mpi.COMM_WORLD.Abort(status)
 
 
