@@ -95,8 +95,8 @@ def wait_for(op: Any, engine: Any, timeout: Optional[float], check: bool = True)
     """Advance every call of this thread until ``op`` is done, then raise what it ended with (unless not
     ``check``).
 
-    ``timeout``: seconds, after which False is returned (None: the engine's own timeout, which raises
-    ``CollectiveTimeoutError`` naming the ranks it waits for, as a blocking call's wait does; 0: forever).
+    ``timeout``: seconds, after which False is returned; None: the engine's own timeout (none where it is 0),
+    after which ``CollectiveTimeoutError`` names the ranks it waits for, as a blocking call's wait does.
 
     Raises:
         The watchdog's verdict, once it gave one to the engine (``Engine.abandon``).
