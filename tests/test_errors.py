@@ -39,6 +39,7 @@ FACTORIES = {
     ("backends/base.py", "self._timeout_error"): "CollectiveTimeoutError (Work._timeout_error)",
     ("backends/base.py", "explain"): "CollectiveTimeoutError naming the missing ranks (Work.explain_timeout)",
     ("collectives/watch.py", "timed_out"): "CollectiveTimeoutError naming the missing ranks (watch.timed_out)",
+    ("collectives/engine_calls.py", "_lagging_error"): "CollectiveTimeoutError naming the ranks a call waits for",
     ("checkpoint/format.py", "self.fail"): "CheckpointError naming the file and the metadata path",
     ("backends/mpi.py", "backend._size_problem"): "ShapeError naming the message's and the buffer's sizes",
     ("backends/mpi.py", "self._problem"): "ShapeError naming the message's and the buffer's sizes",

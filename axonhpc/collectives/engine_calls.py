@@ -101,7 +101,7 @@ def wait_for(op: Any, engine: Any, timeout: Optional[float], check: bool = True)
     Raises:
         The watchdog's verdict, once it gave one to the engine (``Engine.abandon``).
     """
-    if not _poll(lambda: op.done, engine, timeout, op.what, op.lagging):
+    if not _poll(lambda: op.done, op, engine, timeout):
         return False
     if check:
         op.result()
@@ -140,15 +140,16 @@ def _wait_noted(work: "EngineWork", done: Any) -> None:
     if mine:
         watchdog.engines[ident] = work._engine
     try:
-        _poll(done, work._engine, None, work._op.what, work._op.lagging)
+        _poll(done, work._op, work._engine, None)
     finally:
         if mine:
             watchdog.engines.pop(ident, None)
         watchdog.unblocked(key)
 
 
-def _poll(done: Any, engine: Any, timeout: Optional[float], what: str, lagging: Any) -> bool:
-    """Advance this thread's calls (and MPI's waiting for their check) until ``done()``; see ``wait_for``."""
+def _poll(done: Any, op: Any, engine: Any, timeout: Optional[float]) -> bool:
+    """Advance this thread's calls (and MPI's waiting for their check) until ``done()``, waiting for ``op`` of
+    ``engine``; see ``wait_for``."""
     start = time.monotonic()
     polls = 0
     nap = 2e-6
@@ -168,11 +169,7 @@ def _poll(done: Any, engine: Any, timeout: Optional[float], what: str, lagging: 
             if timeout is not None and waited >= timeout:
                 return False
             if timeout is None and engine.timeout > 0 and waited >= engine.timeout:
-                missing = lagging()
-                error = CollectiveTimeoutError(f"shared-memory {what} timed out after {engine.timeout:g} s; missing "
-                                               f"ranks (of this node's group): {missing}")
-                error.missing = missing
-                raise error
+                raise _lagging_error(op, f"shared-memory {op.what}", engine.timeout, "")
         if polls < SPINS:
             continue
         if polls < YIELDS:
@@ -180,6 +177,16 @@ def _poll(done: Any, engine: Any, timeout: Optional[float], what: str, lagging: 
         else:
             time.sleep(nap)
             nap = min(nap * 1.25, MAX_SLEEP)
+
+
+def _lagging_error(op: Any, what: str, seconds: float, where: str) -> CollectiveTimeoutError:
+    """``what`` timed out after ``seconds`` waiting for ``op``: the error, naming the ranks it waits for (``missing``:
+    group ranks, as the engine's own timeout names them)."""
+    missing = op.lagging()
+    error = CollectiveTimeoutError(f"{what} timed out after {seconds:g} s{where}; missing ranks (of this node's "
+                                   f"group): {missing}")
+    error.missing = missing
+    return error
 
 
 class EngineWork(Work):
@@ -277,11 +284,7 @@ class EngineWork(Work):
         raise told
 
     def _timeout_error(self, timeout: float) -> Exception:
-        missing = self._op.lagging()
-        error = CollectiveTimeoutError(f"{self.label} timed out after {timeout:g} s in the shared-memory path; "
-                                       f"missing ranks (of this node's group): {missing}")
-        error.missing = missing
-        return error
+        return _lagging_error(self._op, str(self.label), timeout, " in the shared-memory path")
 
 
 def raise_refused(group_calls: List[EngineWork]) -> None:
