@@ -20,8 +20,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import List, NoReturn, Optional, Tuple
+from typing import List, NoReturn, Optional
 
+from . import job_status
 from .errors import AxonError
 from .mpiexec import NOT_FOUND, find_mpiexec, launch_command, mpiexec_flavour
 
@@ -167,12 +168,7 @@ def _cmd_launch(args) -> int:
     try:
         status = _run_forwarding_signals(cmd, env, statuses, args.n)
         if statuses is not None:
-            verdict, why = _ranks_verdict(statuses, args.n)
-            if status == 0 and why:
-                print(f"axonhpc launch: mpiexec exited with 0, but {why}; exiting with {verdict}", file=sys.stderr)
-                status = verdict
-            elif why.endswith(_OWN):  # under ULFM prterun's status is not the failed rank's: give the rank's
-                status = verdict
+            status = _job_verdict(status, job_status.read_records(statuses), args.n)
         return status
     finally:
         for folder in (sessions, statuses):
@@ -180,31 +176,22 @@ def _cmd_launch(args) -> int:
                 shutil.rmtree(folder, ignore_errors=True)
 
 
-_OWN = " (its own error, not a peer's failure)"
-
-
-def _ranks_verdict(folder: str, n: int) -> Tuple[int, str]:
-    """The job's exit status from its ranks' records in ``folder`` (written by launched.py), and why, when
-    ``mpiexec`` reported 0: the first non-zero status a rank exited with; else 1 if a rank left no record (it was
-    killed, or ended inside MPI) and no survivor recovered from its loss; else ``(0, "")``."""
-    records = {}
-    for rank in range(n):
-        try:
-            with open(os.path.join(folder, f"rank{rank}")) as f:
-                status, survived, peer = (f.read().rstrip("\n").split(" ") + ["", ""])[:3]
-            records[rank] = (int(status), {int(r) for r in survived.split(",") if r}, peer == "peer")
-        except (OSError, ValueError):
-            continue
-    # A rank's own failure first; a survivor's PeerFailedError (status 1) only if no rank failed on its own.
-    for rank, (status, _, peer) in sorted(records.items(), key=lambda item: (item[1][2], item[0])):
-        if status != 0:
-            return status, f"rank {rank} of the job exited with status {status}" + ("" if peer else _OWN)
-    survived = set().union(*(s for _, s, _ in records.values()))
-    vanished = [r for r in range(n) if r not in records and r not in survived]
-    if vanished:
-        return 1, (f"rank{'s' if len(vanished) > 1 else ''} {', '.join(map(str, vanished))} of the job ended without "
-                   f"exiting (killed by a signal?) and no survivor recovered from the loss (axonhpc.elastic)")
-    return 0, ""
+def _job_verdict(status: int, records: dict, n: int) -> int:
+    """A fault-tolerant job's exit status: mpiexec's ``status``, or the ranks' verdict from their ``records`` where
+    it tells more ([Note: the job's exit status under --fault-tolerant] in launched.py)."""
+    verdict, why = job_status.verdict(records, n)
+    if status == 0 and why:
+        print(f"axonhpc launch: mpiexec exited with 0, but {why}; exiting with {verdict}", file=sys.stderr)
+        return verdict
+    if why.endswith(job_status.OWN):  # under ULFM prterun's status is not the failed rank's: give the rank's
+        return verdict
+    lost = job_status.survived(records)
+    if status != 0 and not why and lost:
+        # prterun reports a spawned process that died (137), though the survivors recovered from its loss
+        print(f"axonhpc launch: mpiexec exited with {status}, but every rank of the job finished or was recovered "
+              f"from (lost: {', '.join(map(str, sorted(lost)))}); exiting with 0", file=sys.stderr)
+        return 0
+    return status
 
 
 def _fresh_session_directory(flavour: str, hosts: Optional[str], env: dict) -> Optional[str]:
@@ -233,35 +220,34 @@ def _end_with_parent() -> None:
         pass  # not Linux: SIGTERM and SIGHUP are still passed on
 
 
-# Seconds a fault-tolerant job may take to end once every rank has left its script ([Note: the job's exit status
-# under --fault-tolerant] in launched.py). Under ULFM, a rank that ended (os._exit) while the others were in
-# MPI_Finalize left them there for ever, in the agreement of its shrink; normally the job ends within a second.
-FINISH_GRACE = 10.0
-
-
 def _run_forwarding_signals(cmd: List[str], env: dict, statuses: Optional[str] = None, n: int = 0) -> int:
     """Run ``cmd`` and pass on SIGTERM, SIGHUP and SIGINT to it, so that ending the launcher (``timeout``, a
     batch system, Ctrl-C, even SIGKILL on Linux) ends the job and its ranks too, instead of leaving them
     running; the launcher itself waits for the job, so it exits with the job's status (a preempted trainer's
     75), never with a traceback of its own. Returns that status.
 
-    ``statuses``: the folder of the ranks' records (fault-tolerant jobs); once all ``n`` ranks have written theirs,
-    a job still running after ``FINISH_GRACE`` seconds is ended, and the status is the ranks' verdict."""
+    ``statuses``: the folder of the ranks' records (fault-tolerant jobs); once each of the ``n`` ranks has left its
+    script or was lost and recovered from (``job_status.all_accounted``), a job still running
+    ``job_status.FINISH_GRACE`` seconds later is ended, and the status is the ranks' verdict."""
     proc = subprocess.Popen(cmd, env=env, preexec_fn=_end_with_parent if sys.platform.startswith("linux") else None)
     forwarded = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
     previous = {s: signal.signal(s, lambda signum, frame: proc.send_signal(signum)) for s in forwarded}
     try:
         if statuses is None:
             return proc.wait()
-        finished = None
+        finished, seen = None, None
         while proc.poll() is None:
-            if finished is None and all(os.path.exists(os.path.join(statuses, f"rank{r}")) for r in range(n)):
-                finished = time.monotonic()
-            if finished is not None and time.monotonic() - finished > FINISH_GRACE:
-                status, why = _ranks_verdict(statuses, n)
-                print(f"axonhpc launch: every rank has left its script ({why or 'all with status 0'}), but the job "
-                      f"has not ended {FINISH_GRACE:g} s later (ranks waiting in MPI_Finalize for one that failed); "
-                      f"ending it, and exiting with {status}", file=sys.stderr)
+            names = _listing(statuses)
+            if finished is None and names != seen:  # read the records again only when one was added
+                seen = names
+                if job_status.all_accounted(job_status.read_records(statuses), n):
+                    finished = time.monotonic()
+            if finished is not None and time.monotonic() - finished > job_status.FINISH_GRACE:
+                status, why = job_status.verdict(job_status.read_records(statuses), n)
+                print(f"axonhpc launch: every rank has left its script or was recovered from "
+                      f"({why or 'all with status 0'}), but the job has not ended {job_status.FINISH_GRACE:g} s later "
+                      f"(processes waiting in MPI_Finalize for one that failed); ending it, and exiting with {status}",
+                      file=sys.stderr)
                 proc.terminate()
                 try:
                     proc.wait(timeout=10)
@@ -274,6 +260,14 @@ def _run_forwarding_signals(cmd: List[str], env: dict, statuses: Optional[str] =
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+def _listing(folder: str) -> frozenset:
+    """The names in ``folder`` (none if it cannot be read)."""
+    try:
+        return frozenset(os.listdir(folder))
+    except OSError:
+        return frozenset()
 
 
 def _cmd_slurm_render(args) -> int:

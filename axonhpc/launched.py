@@ -29,16 +29,19 @@ excepthook ends one with an uncaught exception there (SIGKILL; ``os._exit(1)`` f
 of a shared-memory window, with 4 ranks), and a plain exit would wait there the same way.
 
 [Note: the job's exit status under --fault-tolerant]
-Under ULFM prterun exits 0 when a rank was killed by a signal and the others finished, and its status for a
-rank that failed is whatever its bookkeeping kept. So ``axonhpc launch`` asks the ranks: it names a folder in
-``AXONHPC_LAUNCH_STATUS_DIR``, and each rank of the job (not a replacement spawned later) writes there, as it
-leaves this module, ``rank<r>``: its exit status, and the job ranks whose loss it survived by recovering
-(``axonhpc.elastic`` notes them in ``axonhpc.backends.failures.SURVIVED``). When mpiexec reports 0, the
-launcher exits instead with the first rank's non-zero status, or 1 for a rank that left no record (killed)
-unless a survivor recovered from its loss (``cli._ranks_verdict``). Under ``--fault-tolerant`` a rank's own
-non-zero status also replaces prterun's (the survivors' ``PeerFailedError`` gives 1), and a job that has not
-ended ``cli.FINISH_GRACE`` seconds after every rank wrote its record is ended: a rank that ended while the
-others were in ``MPI_Finalize`` left them there for ever, in the agreement of ULFM's shrink.
+Under ULFM prterun exits 0 when a rank was killed by a signal and the others finished, 137 when a process a
+recovery spawned was killed even though the survivors recovered from it, and its status for a rank that failed
+is whatever its bookkeeping kept. So ``axonhpc launch`` asks the ranks: it names a folder in
+``AXONHPC_LAUNCH_STATUS_DIR``, and each rank of the job writes there, as it leaves this module, ``rank<r>``: its
+exit status, and the job ranks whose loss it survived by recovering (``axonhpc.elastic`` notes them in
+``axonhpc.backends.failures.SURVIVED``). A replacement spawned by a recovery writes one too, under the job rank
+the survivors gave it (``n`` and up). The launcher then decides (``axonhpc.job_status``): a rank's own non-zero
+status first (before a survivor's ``PeerFailedError``, 1), then 1 for one of the ``n`` ranks that left no record
+(killed) unless a survivor recovered from its loss, else 0, which also replaces prterun's non-zero status when
+a loss was recovered from. And once each of the ``n`` ranks has left its script or was recovered from, a job
+still running ``job_status.FINISH_GRACE`` seconds later is ended: a rank that ended while the others were in
+``MPI_Finalize`` left them there for ever, in the agreement of ULFM's shrink, and a replacement sometimes waits
+there for good in its disconnect from the job.
 """
 from __future__ import annotations
 
@@ -91,11 +94,13 @@ def _end_job(status: int, message: Any) -> None:
 
 
 def _job_rank() -> Any:
-    """This process's rank in the launched job, or None for a process the job spawned (a replacement)."""
+    """This process's rank in the launched job: for a replacement the job rank its survivors gave it (``n`` and
+    up), None for one that never joined them."""
     mpi = _live_mpi()
     if mpi is not None:
         if mpi.Comm.Get_parent() != mpi.COMM_NULL:
-            return None
+            respawn = sys.modules.get("axonhpc.elastic.respawn")
+            return getattr(respawn, "_joined", {}).get("id")
         return mpi.COMM_WORLD.Get_rank()
     for name in ("OMPI_COMM_WORLD_RANK", "PMI_RANK"):
         if os.environ.get(name, "").isdigit():

@@ -85,10 +85,13 @@ def test_a_replacement_that_dies_is_replaced_in_turn(tmp_path, uninterrupted):
     code, out, err = launch_fault_tolerant(
         tmp_path, 3, EXAMPLE, [*RUN, "--checkpoint-dir", str(tmp_path / "ckpt"), "--strategy", "fsdp", "--batch-size",
                                "16", "--respawn", "--simulate-failure", "1:10,3:20:backward"],
-        "final test loss", may_linger=True)
-    # Known (docs/fault-tolerance.md): once a spawned process was killed, Open MPI's launcher ends with 137, and in
-    # about 2 runs of 5 the last replacement waits in MPI_Finalize (ompi_dpm_dyn_finalize) until the job is killed.
-    assert code in (0, 137, None), out[-3000:] + err[-5000:]
+        "final test loss")
+    # Once a spawned process was killed, Open MPI's launcher ends with 137, and sometimes the last replacement
+    # waits in MPI_Finalize (ompi_dpm_dyn_finalize) for good: axonhpc launch ends the job, and exits with the ranks'
+    # verdict, 0, saying why.
+    assert code == 0, out[-3000:] + err[-5000:]
+    assert "mpiexec exited with 137, but every rank of the job finished or was recovered from (lost: 1, 3)" in err \
+        or "mpiexec exited" not in err, err[-5000:]
     assert [(ranks, int(at), int(dp)) for ranks, at, _, dp, _ in RECOVERED.findall(out)] == [("1", 11, 3), ("3", 21, 3)]
     loss = _final_loss(out)
     assert abs(loss - uninterrupted[0]) <= 1e-10 * abs(uninterrupted[0]), (loss, uninterrupted)

@@ -77,22 +77,73 @@ def _write(folder, rank, text):
     (folder / f"rank{rank}").write_text(text + "\n")
 
 
-def test_the_ranks_verdict(tmp_path):
-    from axonhpc.cli import _ranks_verdict
+def _verdict(folder, n):
+    from axonhpc import job_status
 
+    return job_status.verdict(job_status.read_records(str(folder)), n)
+
+
+def test_the_ranks_verdict(tmp_path):
     for r in range(3):
         _write(tmp_path, r, "0 ")
-    assert _ranks_verdict(str(tmp_path), 3) == (0, "")
+    assert _verdict(tmp_path, 3) == (0, "")
     os.remove(tmp_path / "rank2")  # killed: a failure unless a survivor recovered from it
-    status, why = _ranks_verdict(str(tmp_path), 3)
+    status, why = _verdict(tmp_path, 3)
     assert status == 1 and "rank 2 of the job ended without exiting" in why, why
     _write(tmp_path, 0, "0 2")  # axonhpc.elastic recovered from rank 2's loss
-    assert _ranks_verdict(str(tmp_path), 3) == (0, "")
+    assert _verdict(tmp_path, 3) == (0, "")
     # A rank's own status comes before a survivor's PeerFailedError, whatever their order
     _write(tmp_path, 0, "1  peer")
     _write(tmp_path, 1, "3  ")
-    status, why = _ranks_verdict(str(tmp_path), 3)
+    status, why = _verdict(tmp_path, 3)
     assert status == 3 and why.startswith("rank 1 of the job exited with status 3"), why
+
+
+def test_a_replacements_record_counts_and_a_record_being_written_does_not(tmp_path):
+    from axonhpc import job_status
+
+    _write(tmp_path, 0, "0 1")
+    _write(tmp_path, 2, "0 1")
+    (tmp_path / "rank1.tmp").write_text("5 \n")  # not complete: never read
+    assert _verdict(tmp_path, 3) == (0, "")
+    _write(tmp_path, 3, "4 ")  # the replacement given job rank 3 failed on its own
+    status, why = _verdict(tmp_path, 3)
+    assert status == 4 and why == "replacement rank 3 exited with status 4 (its own error, not a peer's failure)", why
+    assert job_status.all_accounted(job_status.read_records(str(tmp_path)), 3)
+
+
+def test_the_job_ends_once_every_rank_left_its_script_or_was_recovered_from(tmp_path):
+    from axonhpc import job_status
+
+    def accounted():
+        return job_status.all_accounted(job_status.read_records(str(tmp_path)), 3)
+
+    assert not accounted()
+    _write(tmp_path, 0, "0 ")
+    _write(tmp_path, 1, "0 ")
+    assert not accounted()  # rank 2 may still be training
+    _write(tmp_path, 0, "0 2")  # rank 0 recovered from rank 2's loss (its replacement may linger in MPI_Finalize)
+    assert accounted()
+    assert job_status.read_records(str(tmp_path / "absent")) == {}
+
+
+def test_a_dead_replacement_that_was_recovered_from_does_not_fail_the_job(tmp_path, capsys):
+    from axonhpc import job_status
+    from axonhpc.cli import _job_verdict
+
+    for r in range(3):
+        _write(tmp_path, r, "0 1,3" if r != 1 else "0 ")
+    os.remove(tmp_path / "rank1")
+    records = job_status.read_records(str(tmp_path))
+    # prterun's 137 for the killed replacement 3: every rank finished or was recovered from
+    assert _job_verdict(137, records, 3) == 0
+    assert "mpiexec exited with 137, but every rank of the job finished or was recovered from (lost: 1, 3)" in \
+        capsys.readouterr().err
+    assert _job_verdict(0, records, 3) == 0
+    # without a recovery prterun's own status stands (a launch that failed, a signal from outside)
+    assert _job_verdict(143, {0: (0, set(), False), 1: (0, set(), False)}, 2) == 143
+    # a rank killed with nobody recovering: prterun's 0 becomes 1
+    assert _job_verdict(0, {0: (0, set(), False)}, 2) == 1
 
 
 def test_a_lost_process_outside_comm_world_is_named_by_its_world_rank(monkeypatch):
