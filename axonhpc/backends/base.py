@@ -60,10 +60,6 @@ WAIT_OBSERVER: Optional[Tuple[Callable[["Work"], Any], Callable[[Any], None]]] =
 # check is done (``collectives.agreement.progress``); a wait then polls and calls it each round instead of
 # blocking inside MPI. None otherwise.
 PROGRESS: List[Optional[Callable[[], None]]] = [None]
-# While asynchronous calls are in flight in the node's shared-memory engine, the collective layer's function that
-# completes this thread's (``collectives.engine_calls.settle``): a blocking step that cannot poll (making a
-# communicator) calls it first, as the ranks that made those calls blocking may wait in them. None otherwise.
-SETTLE: List[Optional[Callable[[], None]]] = [None]
 
 
 class Work:

@@ -53,7 +53,6 @@ def queue(engine: Any, method: str, *args: Any) -> Any:
             BUSY.append((engine, me))
         if backend_base.PROGRESS[0] is None:
             backend_base.PROGRESS[0] = progress
-        backend_base.SETTLE[0] = settle
     progress(SPINS)  # it goes as far as it can at once (a small one often to its end) before the caller goes on
     return op
 
@@ -72,7 +71,6 @@ def progress(spins: int = 0) -> None:
                 if entry in BUSY:
                     BUSY.remove(entry)
             if not BUSY:
-                backend_base.SETTLE[0] = None
                 if backend_base.PROGRESS[0] is progress:
                     backend_base.PROGRESS[0] = None
     if _ENDING:
@@ -108,23 +106,12 @@ def wait_for(op: Any, engine: Any, timeout: Optional[float], check: bool = True)
     return True
 
 
-def settle() -> None:
-    """Complete this thread's asynchronous calls in flight (``backend_base.SETTLE``); their waits raise what they
-    ended with."""
-    me = get_ident()
-    for work, thread in list(_ENDING):
-        op = work._op
-        if thread == me and not op.done and work._engine.verdict is None:
-            _wait_noted(work, lambda: op.done)
-
-
 def forget_all() -> None:
     """Forget every call in flight, without waiting (``axonhpc.elastic``: their world lost a rank, its windows are
     abandoned); their waits raise the watchdog's verdict or wait no more than a group's timeout."""
     with _LOCK:
         BUSY.clear()
         _ENDING.clear()
-        backend_base.SETTLE[0] = None
         if backend_base.PROGRESS[0] is progress:
             backend_base.PROGRESS[0] = None
 
@@ -324,5 +311,5 @@ def _conclude_ended() -> None:
         _CONCLUDING.discard(me)
 
 
-__all__ = ["BUSY", "busy_here", "queue", "progress", "run", "wait_for", "settle", "forget_all", "raise_refused",
+__all__ = ["BUSY", "busy_here", "queue", "progress", "run", "wait_for", "forget_all", "raise_refused",
            "EngineWork"]

@@ -21,7 +21,6 @@ from typing import (TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional
 
 import numpy as np
 
-from ..backends import base as backend_base
 from ..errors import AxonError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -63,6 +62,17 @@ class CheckLabel:
         return self.text
 
 
+# [Note: making a group while calls are in flight]
+# MPI advances a rank's nonblocking calls while it makes a communicator, so a rank may start a call on group B,
+# then make a group, while another rank makes that group first and then calls B, or makes B's call blocking
+# first. The node's engine carries such a call in flight (collectives.engine_calls), but the steps of making a
+# group that cannot poll (``MPI_Comm_split``, the window of the new group's engine) would not advance it, and
+# completing it first would wait for a rank already in those steps. So the members first meet in a wait that
+# polls, advancing this thread's calls: the comparison of their arguments (``compare``, one small all-gather,
+# made by every group-making call of more than one rank). Once every member has come, none waits for this
+# rank's calls to get there, and the blocking steps may go on while a call is still in flight.
+
+
 def issue_waiting_calls(group: Any) -> None:
     """Issue the group's asynchronous calls still waiting for their check (the collective layer's
     ``GroupState.issue_unissued``) before a group-making step goes over its communicator: MPI needs every
@@ -71,9 +81,6 @@ def issue_waiting_calls(group: Any) -> None:
     state = getattr(group, "collective_state", None)
     if state is not None and state.unissued:
         state.issue_unissued()
-    settle = backend_base.SETTLE[0]
-    if settle is not None:  # calls in flight in the node's engine: completed, as MPI would progress them here
-        settle()
 
 
 def _all_gather(group: Members, gather: Optional[Gather], mine: np.ndarray) -> np.ndarray:

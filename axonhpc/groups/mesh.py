@@ -72,9 +72,9 @@ class Mesh:
         c = self.coords
         # Every rank takes part in every split, in the same order.
         world_group = world.default_group
-        self.tp: "ProcessGroup" = world_group.split(c.pp * dp + c.dp, c.tp, name="mesh.tp", trusted=True)
-        self.dp: "ProcessGroup" = world_group.split(c.pp * tp + c.tp, c.dp, name="mesh.dp", trusted=True)
-        self.pp: "ProcessGroup" = world_group.split(c.dp * tp + c.tp, c.pp, name="mesh.pp", trusted=True)
+        self.tp: "ProcessGroup" = world_group.split(c.pp * dp + c.dp, c.tp, name="mesh.tp")
+        self.dp: "ProcessGroup" = world_group.split(c.pp * tp + c.tp, c.dp, name="mesh.dp")
+        self.pp: "ProcessGroup" = world_group.split(c.dp * tp + c.tp, c.pp, name="mesh.pp")
 
     def destroy(self) -> None:
         """Collective over the world: destroy the mesh's tp, dp and pp groups, in that order on every rank.

@@ -201,14 +201,12 @@ class ProcessGroup:
         return int(rank)
 
     # -- derived groups --------------------------------------------------------
-    def split(self, color: Optional[int], key: int = 0, *, name: Optional[str] = None,
-              trusted: bool = False) -> "ProcessGroup":
+    def split(self, color: Optional[int], key: int = 0, *, name: Optional[str] = None) -> "ProcessGroup":
         """Collective over this group: like ``MPI_Comm_split``.
 
         Args:
             color: members with the same color form one new group; None (or negative) gets a non-member group.
             key: orders the ranks inside a new group (ties: by group rank).
-            trusted: every rank computed ``color`` and ``key`` by one rule, so they are not compared.
 
         Raises:
             InvalidArgumentError: ``color`` or ``key`` is not an integer (every rank passed such a value).
@@ -225,7 +223,7 @@ class ProcessGroup:
                 color = None if int(color) < 0 else int(color)
         if problem is None and (isinstance(key, bool) or not hasattr(key, "__index__")):
             problem = InvalidArgumentError(f"split key must be an integer, got {key!r}")
-        if not trusted and self.size > 1:
+        if self.size > 1:  # the members meet first, polling ([Note: making a group while calls are in flight])
             seen = compare(self.require_member("split"), problem is None, f"color={color!r}, key={key!r}", same=False)
             if seen is not None and not all(not ok for ok, _ in seen):
                 bad = "; ".join(f"rank {self.ranks[r]} passed {text}" for r, (ok, text) in enumerate(seen) if not ok)
@@ -235,7 +233,7 @@ class ProcessGroup:
                     f"group raises this"), self.ranks) from problem
         if problem is not None:
             raise problem
-        issue_waiting_calls(self)  # done by ``compare`` unless trusted
+        issue_waiting_calls(self)  # done by ``compare`` (a group of more than one)
         backend = self.backend.split(color, int(key))
         if backend is None:
             return ProcessGroup(self.world, None, (), name or f"split(color=None) of {self.name}")

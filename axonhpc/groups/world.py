@@ -183,7 +183,7 @@ class World:
 
     def node_group(self) -> ProcessGroup:
         """Collective: the group of the ranks on this node (in world-rank order)."""
-        return self.default_group.split(self.node_rank, self.rank, name=f"node{self.node_rank}", trusted=True)
+        return self.default_group.split(self.node_rank, self.rank, name=f"node{self.node_rank}")
 
     def mesh(self, dp: int = 1, tp: int = 1, pp: int = 1) -> Mesh:
         """Collective: dp/tp/pp groups whose sizes multiply to the world size (tp fastest)."""

@@ -78,7 +78,7 @@ def case_groups_made_after_a_call_still_waiting_for_its_check(world):
     # call blocking waited in it for good (over MPI).
     n, r = world.world_size, world.rank
     for make in (lambda: world.new_group(list(range(n))), lambda: world.split(r % 2),
-                 lambda: world.default_group.split(0, n - r, trusted=True)):
+                 lambda: world.default_group.split(0, n - r, name="reversed")):
         x = np.full(4, float(r))
         work = ax.all_reduce(x, op=ax.ReduceOp.MAX, async_op=True) if r == 0 else ax.all_reduce(x, op="max")
         group = make()
@@ -213,6 +213,34 @@ def case_asynchronous_calls_of_two_groups_in_opposite_orders(world):
     done = np.ones(2)
     ax.all_reduce(done, group=made)
     assert (done == n).all()
+
+
+def case_a_group_made_while_another_groups_call_is_in_flight_on_one_rank(world):
+    # MPI progresses a rank's nonblocking calls while it makes a communicator. Rank 0 starts a call on group a,
+    # then makes a group; the others make that group first, then call a. Completing rank 0's call before the
+    # group was made waited for good. Then the same with every rank's call in flight, in both orders.
+    n, r = world.world_size, world.rank
+    a = world.new_group(list(range(n)))
+    for blocking in (True, False):
+        x = np.full(300_000 if blocking else 5, r + 1.0)
+        if r == 0:
+            work = ax.all_reduce(x, group=a, async_op=True)
+            made = world.new_group(list(range(n)))
+            work.wait()
+        else:
+            made = world.new_group(list(range(n)))
+            _call(world, not blocking, ax.all_reduce, x, group=a)
+        assert (x == n * (n + 1) / 2).all(), (blocking, x[:2])
+        done = np.ones(2)
+        ax.all_reduce(done, group=made)
+        assert (done == n).all()
+    y = np.full(1000, r + 1.0)
+    work = ax.all_gather(y, group=a, async_op=True)
+    made = world.new_group(list(range(n)), name="made with calls in flight")
+    ones = np.ones(3)
+    z = ax.all_reduce(ones, group=made, async_op=True)
+    got = {id(w): w.wait() for w in ((z, work) if r % 2 else (work, z))}
+    assert (got[id(work)] == np.arange(1, n + 1)[:, None]).all() and (ones == n).all(), (got, ones)
 
 
 CASES = {name[len("case_"):]: fn for name, fn in dict(globals()).items() if name.startswith("case_")}

@@ -81,9 +81,7 @@ class TiedParameters:
         self.sets: List[Tuple[Any, List[Any]]] = []  # (group of the owners, their shared Parameters)
         for owners in sorted(by_owners):  # the same order on every rank: the splits pair up
             mine = group.rank in owners
-            # Every rank computed the ties by one rule, and the constructor compared them: trusted.
-            sub = group.split(0 if mine else None, group.rank, name=f"tied{list(owners)} of {group.name}",
-                              trusted=True)
+            sub = group.split(0 if mine else None, group.rank, name=f"tied{list(owners)} of {group.name}")
             if mine:
                 params = by_owners[owners]
                 broadcast_arrays([q.data for q in params], sub)  # from the lowest owner (key = pipeline rank)
