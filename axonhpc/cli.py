@@ -158,11 +158,12 @@ def _cmd_launch(args) -> int:
         env.update(launch_environment(args.n, env))
     sessions = _fresh_session_directory(flavour, args.hosts, env)
     # Each rank writes its exit status here ([Note: the job's exit status under --fault-tolerant] in launched.py).
-    # Fault-tolerant jobs only (without ULFM a rank that fails ends the job, and mpiexec reports its status), on
-    # one machine only: across hosts the ranks' records would be written on their own hosts.
-    statuses = tempfile.mkdtemp(prefix="axonhpc-status-") if args.fault_tolerant and args.hosts is None else None
+    # Fault-tolerant jobs only (without ULFM a rank that fails ends the job, and mpiexec reports its status). The
+    # folder is on this host: ranks on other hosts (--hosts, an allocation of several nodes) write nothing.
+    statuses = tempfile.mkdtemp(prefix="axonhpc-status-") if args.fault_tolerant else None
     if statuses is not None:
         env["AXONHPC_LAUNCH_STATUS_DIR"] = statuses
+        env["AXONHPC_LAUNCH_RANKS"] = str(args.n)
     if args.verbose:
         print("axonhpc launch:", " ".join(cmd), file=sys.stderr)
     try:
@@ -176,7 +177,7 @@ def _cmd_launch(args) -> int:
                 shutil.rmtree(folder, ignore_errors=True)
 
 
-def _job_verdict(status: int, records: dict, n: int) -> int:
+def _job_verdict(status: int, records: "job_status.Records", n: int) -> int:
     """A fault-tolerant job's exit status: mpiexec's ``status``, or the ranks' verdict from their ``records`` where
     it tells more ([Note: the job's exit status under --fault-tolerant] in launched.py)."""
     verdict, why = job_status.verdict(records, n)

@@ -35,10 +35,13 @@ is whatever its bookkeeping kept. So ``axonhpc launch`` asks the ranks: it names
 ``AXONHPC_LAUNCH_STATUS_DIR``, and each rank of the job writes there, as it leaves this module, ``rank<r>``: its
 exit status, and the job ranks whose loss it survived by recovering (``axonhpc.elastic`` notes them in
 ``axonhpc.backends.failures.SURVIVED``). A replacement spawned by a recovery writes one too, under the job rank
-the survivors gave it (``n`` and up). The launcher then decides (``axonhpc.job_status``): a rank's own non-zero
-status first (before a survivor's ``PeerFailedError``, 1), then 1 for one of the ``n`` ranks that left no record
-(killed) unless a survivor recovered from its loss, else 0, which also replaces prterun's non-zero status when
-a loss was recovered from. And once each of the ``n`` ranks has left its script or was recovered from, a job
+the survivors gave it (``n`` and up). The folder is on the launcher's host: a job whose ranks span hosts (an
+allocation of several nodes, a hostfile) has ranks that cannot see it, so each rank that can first says so
+(``start<r>``, as it starts) and a rank on another host writes nothing. The launcher then decides
+(``axonhpc.job_status``): a rank's own non-zero status first (before a survivor's ``PeerFailedError``, 1), then 1
+for a rank that started here and left no record (killed) unless a survivor recovered from its loss, else 0,
+which also replaces prterun's non-zero status when a loss was recovered from. Ranks on other hosts are left to
+mpiexec's status. And once each of the ``n`` ranks has left its script or was recovered from, a job
 still running ``job_status.FINISH_GRACE`` seconds later is ended: a rank that ended while the others were in
 ``MPI_Finalize`` left them there for ever, in the agreement of ULFM's shrink, and a replacement sometimes waits
 there for good in its disconnect from the job.
@@ -108,11 +111,27 @@ def _job_rank() -> Any:
     return None
 
 
+def _started_here() -> None:
+    """Tell ``axonhpc launch`` that this rank of the job runs where it can read the records (see the note): its
+    host has the launcher's folder. A replacement (a job of its own, of fewer ranks) says nothing here."""
+    folder = os.environ.get("AXONHPC_LAUNCH_STATUS_DIR")
+    if not folder or not os.path.isdir(folder):
+        return  # a rank on another host
+    for rank_name, size_name in (("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"), ("PMI_RANK", "PMI_SIZE")):
+        rank, size = os.environ.get(rank_name, ""), os.environ.get(size_name, "")
+        if rank.isdigit() and size == os.environ.get("AXONHPC_LAUNCH_RANKS"):
+            try:
+                open(os.path.join(folder, f"start{rank}"), "w").close()
+            except OSError:
+                pass
+            return
+
+
 def _record(status: int, cause: Any = None) -> None:
     """Write this rank's exit status, and the job ranks it survived, for ``axonhpc launch`` (see the note)."""
     folder = os.environ.get("AXONHPC_LAUNCH_STATUS_DIR")
-    if not folder:
-        return
+    if not folder or not os.path.isdir(folder):
+        return  # none asked for, or a rank on another host than the launcher's
     try:
         rank = _job_rank()
         if rank is None:
@@ -140,6 +159,7 @@ def main(argv: List[str]) -> None:
         sys.path[0] = os.getcwd()
     else:
         sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
+    _started_here()
     try:
         if argv[0] == "-m":
             sys.argv = argv[1:]

@@ -77,6 +77,11 @@ def _write(folder, rank, text):
     (folder / f"rank{rank}").write_text(text + "\n")
 
 
+def _started(folder, *ranks):
+    for rank in ranks:  # what launched.py leaves as a rank that can see the folder starts
+        (folder / f"start{rank}").write_text("")
+
+
 def _verdict(folder, n):
     from axonhpc import job_status
 
@@ -84,6 +89,7 @@ def _verdict(folder, n):
 
 
 def test_the_ranks_verdict(tmp_path):
+    _started(tmp_path, 0, 1, 2)
     for r in range(3):
         _write(tmp_path, r, "0 ")
     assert _verdict(tmp_path, 3) == (0, "")
@@ -102,6 +108,7 @@ def test_the_ranks_verdict(tmp_path):
 def test_a_replacements_record_counts_and_a_record_being_written_does_not(tmp_path):
     from axonhpc import job_status
 
+    _started(tmp_path, 0, 1, 2)
     _write(tmp_path, 0, "0 1")
     _write(tmp_path, 2, "0 1")
     (tmp_path / "rank1.tmp").write_text("5 \n")  # not complete: never read
@@ -127,10 +134,46 @@ def test_the_job_ends_once_every_rank_left_its_script_or_was_recovered_from(tmp_
     assert job_status.read_records(str(tmp_path / "absent")) == {}
 
 
+def test_ranks_on_other_hosts_are_left_to_mpiexec(tmp_path):
+    # Ranks 2 and 3 run on another host (an allocation of two nodes): they cannot see the launcher's folder, so
+    # they leave neither a start nor a record, and their silence is not taken for a kill.
+    from axonhpc import job_status
+
+    _started(tmp_path, 0, 1)
+    _write(tmp_path, 0, "0 ")
+    _write(tmp_path, 1, "0 ")
+    records = job_status.read_records(str(tmp_path))
+    assert records.started == {0, 1} and job_status.verdict(records, 4) == (0, "")
+    assert not job_status.all_accounted(records, 4)  # the others may still be training: never ended early
+    os.remove(tmp_path / "rank1")  # a rank that started here and left no record: killed
+    status, why = job_status.verdict(job_status.read_records(str(tmp_path)), 4)
+    assert status == 1 and why.startswith("rank 1 of the job ended without exiting"), why
+
+
+def test_only_a_rank_that_sees_the_folder_says_it_started(tmp_path, monkeypatch):
+    from axonhpc import launched
+
+    monkeypatch.setenv("AXONHPC_LAUNCH_RANKS", "4")
+    monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "2")
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "4")
+    monkeypatch.setenv("AXONHPC_LAUNCH_STATUS_DIR", str(tmp_path / "on-another-host"))
+    launched._started_here()
+    launched._record(0)  # silently nothing: the folder is not on this host
+    assert not (tmp_path / "on-another-host").exists()
+    monkeypatch.setenv("AXONHPC_LAUNCH_STATUS_DIR", str(tmp_path))
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "1")  # a replacement: a job of its own, of fewer ranks
+    launched._started_here()
+    assert not list(tmp_path.iterdir())
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "4")
+    launched._started_here()
+    assert [p.name for p in tmp_path.iterdir()] == ["start2"]
+
+
 def test_a_dead_replacement_that_was_recovered_from_does_not_fail_the_job(tmp_path, capsys):
     from axonhpc import job_status
     from axonhpc.cli import _job_verdict
 
+    _started(tmp_path, 0, 1, 2)
     for r in range(3):
         _write(tmp_path, r, "0 1,3" if r != 1 else "0 ")
     os.remove(tmp_path / "rank1")
@@ -141,9 +184,9 @@ def test_a_dead_replacement_that_was_recovered_from_does_not_fail_the_job(tmp_pa
         capsys.readouterr().err
     assert _job_verdict(0, records, 3) == 0
     # without a recovery prterun's own status stands (a launch that failed, a signal from outside)
-    assert _job_verdict(143, {0: (0, set(), False), 1: (0, set(), False)}, 2) == 143
+    assert _job_verdict(143, job_status.Records({0: (0, set(), False), 1: (0, set(), False)}, {0, 1}), 2) == 143
     # a rank killed with nobody recovering: prterun's 0 becomes 1
-    assert _job_verdict(0, {0: (0, set(), False)}, 2) == 1
+    assert _job_verdict(0, job_status.Records({0: (0, set(), False)}, {0, 1}), 2) == 1
 
 
 def test_a_lost_process_outside_comm_world_is_named_by_its_world_rank(monkeypatch):
