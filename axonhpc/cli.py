@@ -24,7 +24,7 @@ from typing import List, NoReturn, Optional
 
 from . import job_status
 from .errors import AxonError
-from .mpiexec import NOT_FOUND, find_mpiexec, launch_command, mpiexec_flavour
+from .mpiexec import NOT_FOUND, find_mpiexec, launch_command, mpiexec_flavour, several_hosts
 
 # What a Python interpreter's file name looks like (python, python3, python3.11, pypy3).
 _PYTHON_NAME = re.compile(r"^(python|pypy)[0-9.]*$")
@@ -152,11 +152,12 @@ def _cmd_launch(args) -> int:
         env["AXONHPC_FAULT_TOLERANT"] = "1"
     # Under launch an uncaught exception on one rank ends the job (opt out with =0).
     env.setdefault("AXONHPC_ABORT_ON_EXCEPTION", "1")
-    if args.hosts is None:  # every rank on this machine: size their BLAS/OpenMP pools before numpy loads
+    across = args.hosts or several_hosts(env)
+    if not across:  # every rank on this machine: size their BLAS/OpenMP pools before numpy loads
         from .threads import launch_environment
 
         env.update(launch_environment(args.n, env))
-    sessions = _fresh_session_directory(flavour, args.hosts, env)
+    sessions = _fresh_session_directory(flavour, across, env)
     # Each rank writes its exit status here ([Note: the job's exit status under --fault-tolerant] in launched.py).
     # Fault-tolerant jobs only (without ULFM a rank that fails ends the job, and mpiexec reports its status). The
     # folder is on this host: ranks on other hosts (--hosts, an allocation of several nodes) write nothing.
@@ -195,16 +196,17 @@ def _job_verdict(status: int, records: "job_status.Records", n: int) -> int:
     return status
 
 
-def _fresh_session_directory(flavour: str, hosts: Optional[str], env: dict) -> Optional[str]:
+def _fresh_session_directory(flavour: str, across: Optional[str], env: dict) -> Optional[str]:
     """A new folder for Open MPI's session directory, set in ``env``, for a job on this machine whose user chose
     none; None otherwise.
 
     Open MPI keeps a job's session directory in ``/tmp/ompi.<pid of mpiexec>``. A job killed with SIGKILL leaves
     it behind, and a later mpiexec given the same pid (Linux reuses them past ``pid_max``) fails with "The PMIx
     server's listener thread failed to start". A folder of the job's own cannot meet a stale one. Jobs across
-    hosts keep Open MPI's default: the folder would be made on every host and removed on this one only.
+    hosts (``across``: ``--hosts``, or what ``mpiexec.several_hosts`` found) keep Open MPI's default: the folder
+    would be made on every host and removed on this one only.
     """
-    if flavour != "openmpi" or hosts is not None or env.get("PRTE_MCA_prte_tmpdir_base"):
+    if flavour != "openmpi" or across or env.get("PRTE_MCA_prte_tmpdir_base"):
         return None
     folder = tempfile.mkdtemp(prefix="axonhpc-ompi-")
     env["PRTE_MCA_prte_tmpdir_base"] = folder

@@ -9,7 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
-from typing import List, Optional
+from typing import List, Mapping, Optional
 
 
 NOT_FOUND = ("no mpiexec found beside this Python or on PATH; install one, e.g. pip install mpich "
@@ -48,18 +48,50 @@ FAULT_TOLERANT_ARGS = ("--with-ft", "ulfm", "--mca", "async_mpi_finalize", "1")
 LAUNCHED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "launched.py")  # run as a file (see there)
 
 
+def several_hosts(environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """What says that mpiexec will spread the ranks over several hosts of its own accord (a batch system's
+    allocation of more than one node, a default hostfile), or None."""
+    env = os.environ if environ is None else environ
+    for name in ("SLURM_JOB_NUM_NODES", "SLURM_NNODES"):
+        text = env.get(name, "").strip()
+        if text.isdigit() and int(text) > 1:
+            return f"a SLURM allocation of {int(text)} nodes ({name})"
+    nodefile = env.get("PBS_NODEFILE")
+    if nodefile:
+        try:
+            with open(nodefile) as f:
+                names = {line.strip() for line in f if line.strip()}
+        except OSError:
+            names = set()
+        if len(names) > 1:
+            return f"a PBS allocation of {len(names)} nodes (PBS_NODEFILE)"
+    words = env.get("LSB_MCPU_HOSTS", "").split()  # "host1 4 host2 4"
+    if len(set(words[0::2])) > 1:
+        return f"an LSF allocation of {len(set(words[0::2]))} hosts (LSB_MCPU_HOSTS)"
+    for name in ("PRTE_MCA_prte_default_hostfile", "OMPI_MCA_orte_default_hostfile"):
+        if env.get(name):
+            return f"a default hostfile ({name})"
+    return None
+
+
 def launch_command(mpiexec: str, flavour: str, n: int, script: str, script_args: List[str],
-                   hosts: Optional[str] = None, is_root: bool = False, fault_tolerant: bool = False) -> List[str]:
+                   hosts: Optional[str] = None, is_root: bool = False, fault_tolerant: bool = False,
+                   environ: Optional[Mapping[str, str]] = None) -> List[str]:
     """The argument list (never a shell string) that runs ``script`` on ``n`` ranks.
 
     ``fault_tolerant``: a rank that dies leaves the others running (Open
     MPI's ``FAULT_TOLERANT_ARGS``; the caller refuses it for other flavours).
+
+    Open MPI gets ``--oversubscribe`` (more ranks than cores) for a job on this machine alone. Not across
+    hosts (``hosts``, or ``several_hosts(environ)``): there it put every rank on the first host (measured on
+    simulated hosts), and the hosts' slots say how many ranks each takes.
     """
     cmd = [mpiexec]
     if flavour == "openmpi":
         if is_root:
             cmd.append("--allow-run-as-root")
-        cmd.append("--oversubscribe")
+        if not hosts and several_hosts(environ) is None:
+            cmd.append("--oversubscribe")
         if fault_tolerant:
             cmd += list(FAULT_TOLERANT_ARGS)
         if hosts:

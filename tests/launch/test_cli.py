@@ -112,6 +112,25 @@ def test_launch_command_is_an_argument_list_with_open_mpi_settings():
     assert mpich == ["/x/mpiexec", "-hosts", "a,b", "-n", "2", sys.executable, LAUNCHED, "t.py"]
 
 
+def test_open_mpi_is_not_told_to_oversubscribe_across_hosts(tmp_path):
+    # With --oversubscribe, Open MPI put every rank of `--host host1:2,host2:2 -n 4` on host1 (simulated hosts,
+    # tests/launch/test_multinode.py runs the job): across hosts the slots decide.
+    from axonhpc.mpiexec import several_hosts
+
+    across = launch_command("mpiexec", "openmpi", 4, "t.py", [], hosts="host1:2,host2:2", environ={})
+    assert "--oversubscribe" not in across and across[1:3] == ["--host", "host1:2,host2:2"]
+    assert "--oversubscribe" in launch_command("mpiexec", "openmpi", 4, "t.py", [], environ={"SLURM_NNODES": "1"})
+    nodefile = tmp_path / "nodes"
+    nodefile.write_text("n1\nn1\nn2\nn2\n")
+    for env, said in (({"SLURM_JOB_NUM_NODES": "2"}, "a SLURM allocation of 2 nodes"),
+                      ({"PBS_NODEFILE": str(nodefile)}, "a PBS allocation of 2 nodes"),
+                      ({"LSB_MCPU_HOSTS": "n1 4 n2 4"}, "an LSF allocation of 2 hosts"),
+                      ({"PRTE_MCA_prte_default_hostfile": "/etc/hosts.mpi"}, "a default hostfile")):
+        assert several_hosts(env).startswith(said), env
+        assert "--oversubscribe" not in launch_command("mpiexec", "openmpi", 4, "t.py", [], environ=env)
+    assert several_hosts({"LSB_MCPU_HOSTS": "n1 8", "PBS_NODEFILE": str(tmp_path / "absent")}) is None
+
+
 MPIEXEC = os.path.join(os.path.dirname(sys.executable), "mpiexec")
 
 

@@ -13,6 +13,7 @@ import time
 import pytest
 
 from support.cluster import netns
+from support.openmpi import NO_FABRIC_BTL
 from support.paths import CLUSTER, ROOT, TESTS
 
 REASON = netns.unavailable_reason()
@@ -123,3 +124,29 @@ def test_a_rank_killed_on_one_host_leaves_the_survivors_on_both_hosts_training(h
     got = [float(v) for v in re.findall(r"^final loss (\S+)$", result.stdout, re.M)]
     assert len(got) == 1 and abs(got[0] - want) <= 1e-10, (got, want)
     assert hosts.rx_bytes("host1") - before > 100_000  # the state and gradients crossed the link
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif("openmpi" not in FLAVOURS, reason="needs the Open MPI environment (.venv-openmpi): ULFM")
+def test_a_fault_tolerant_launch_across_hosts_judges_only_the_ranks_on_its_own_host(hosts, tmp_path):
+    """``axonhpc launch --fault-tolerant`` across two hosts, each with a /tmp of its own, as inside a batch system's
+    allocation (here a default hostfile; no --hosts): the ranks on host2 cannot see the launcher's records folder.
+    Before, they counted as killed: a job that finished exited 1, and each of them printed that it could not record
+    its status. (And Open MPI, told to oversubscribe, put every rank on host1.)"""
+    python = netns.venv_python("openmpi")
+    script = os.path.join(CLUSTER, "node_facts.py")  # not under /tmp: host2 has a /tmp of its own
+    hostfile = tmp_path / "hostfile"  # read by mpiexec, on host1
+    hostfile.write_text("host1 slots=2\nhost2 slots=2\n")
+    inner = " ".join([python, "-m", "axonhpc", "launch", "--fault-tolerant", "-n", "4", "--", script])
+    env = dict(hosts.env, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMP_NUM_THREADS="1",
+               PRTE_MCA_plm_ssh_agent=os.path.join(CLUSTER, "netns-launch"), AXONHPC_NETNS_PRIVATE_TMP="1",
+               OMPI_MCA_btl=NO_FABRIC_BTL, UCX_TLS="tcp,self", UCX_NET_DEVICES="eth0",
+               PRTE_MCA_prte_default_hostfile=str(hostfile))
+    env.pop("PRTE_MCA_rmaps_default_mapping_policy", None)  # the host slots decide where the ranks go
+    env.pop("PRTE_MCA_prte_tmpdir_base", None)  # a folder of host1's /tmp: not on host2
+    result = subprocess.run(["timeout", "-k", "5", "120", "ip", "netns", "exec", "host1", "unshare", "--uts", "sh",
+                             "-c", f"hostname host1; exec {inner}"], env=env, capture_output=True, text=True,
+                            timeout=150)
+    out = result.stdout + result.stderr
+    assert [row["host"] for row in _facts(result)] == ["host1", "host1", "host2", "host2"], out[-4000:]
+    assert "could not record" not in out and "ended without exiting" not in out, out[-4000:]
