@@ -84,7 +84,8 @@ def launch_command(mpiexec: str, flavour: str, n: int, script: str, script_args:
 
     Open MPI gets ``--oversubscribe`` (more ranks than cores) for a job on this machine alone. Not across
     hosts (``hosts``, or ``several_hosts(environ)``): there it put every rank on the first host (measured on
-    simulated hosts), and the hosts' slots say how many ranks each takes.
+    simulated hosts with ``--host``, a hostfile, and a SLURM allocation of two nodes), and the hosts' slots say
+    how many ranks each takes.
     """
     cmd = [mpiexec]
     if flavour == "openmpi":

