@@ -188,8 +188,9 @@ def _job_verdict(status: int, records: "job_status.Records", n: int) -> int:
     if why.endswith(job_status.OWN):  # under ULFM prterun's status is not the failed rank's: give the rank's
         return verdict
     lost = job_status.survived(records)
-    if status != 0 and not why and lost:
-        # prterun reports a spawned process that died (137), though the survivors recovered from its loss
+    if status != 0 and not why and lost and job_status.all_accounted(records, n):
+        # prterun reports a spawned process that died (137), though the survivors recovered from its loss (every
+        # rank is seen here: a rank on another host could have failed on its own)
         print(f"axonhpc launch: mpiexec exited with {status}, but every rank of the job finished or was recovered "
               f"from (lost: {', '.join(map(str, sorted(lost)))}); exiting with 0", file=sys.stderr)
         return 0

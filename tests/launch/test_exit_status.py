@@ -183,6 +183,8 @@ def test_a_dead_replacement_that_was_recovered_from_does_not_fail_the_job(tmp_pa
     assert "mpiexec exited with 137, but every rank of the job finished or was recovered from (lost: 1, 3)" in \
         capsys.readouterr().err
     assert _job_verdict(0, records, 3) == 0
+    # a rank this host cannot see (another host's) might have failed on its own: prterun's status stands
+    assert _job_verdict(137, job_status.Records({0: (0, {3}, False), 1: (0, {3}, False)}, {0, 1}), 3) == 137
     # without a recovery prterun's own status stands (a launch that failed, a signal from outside)
     assert _job_verdict(143, job_status.Records({0: (0, set(), False), 1: (0, set(), False)}, {0, 1}), 2) == 143
     # a rank killed with nobody recovering: prterun's 0 becomes 1
