@@ -705,6 +705,67 @@ def case_parameters_without_a_gradient_are_skipped_by_the_optimizer(world):
                 np.testing.assert_allclose(p.data, q.data, rtol=1e-12, atol=1e-13, err_msg=f"{strategy} {name}")
 
 
+def _accumulated_steps(world, mode, strategy, find_unused, used, steps, opt_cls, kwargs):
+    """Train SometimesBranch for ``steps`` steps of two micro-steps each (``mode``: "NO_SYNC", every backward
+    unsynchronised and ``sync_gradients()`` after; "no_sync", the first inside ``ddp.no_sync()``), ``side`` used where
+    ``used(step, micro, rank)``; compare with one process accumulating every rank's micro-steps."""
+    n, r = world.world_size, world.rank
+    x_of = lambda step, micro, rank: np.linspace(-1, 1, 12).reshape(3, 4) * (rank + 1) + step + micro  # noqa: E731
+    reference, model = SometimesBranch(), SometimesBranch()
+    ref_opt = opt_cls(reference.parameters(), **kwargs)
+    ddp = ax.DDP(model, strategy=GradSyncStrategy.NO_SYNC if mode == "NO_SYNC" else strategy,
+                 find_unused_parameters=find_unused, bucket_size_mb=1e-4)
+    opt = opt_cls(ddp.parameters(), **kwargs)
+    for step in range(steps):
+        ref_opt.zero_grad(set_to_none=True)
+        for q in range(n):
+            for micro in range(2):
+                reference.use_side = used(step, micro, q)
+                out = reference(x_of(step, micro, q))
+                reference.backward(np.ones_like(out) / n)
+        ref_opt.step()
+        opt.zero_grad(set_to_none=True)
+        for micro in range(2):
+            model.use_side = used(step, micro, r)
+            if mode == "no_sync" and micro == 0:
+                with ddp.no_sync():
+                    out = ddp(x_of(step, micro, r))
+                    ddp.backward(np.ones_like(out))
+            else:
+                out = ddp(x_of(step, micro, r))
+                ddp.backward(np.ones_like(out))
+        if mode == "NO_SYNC":
+            ddp.sync_gradients()
+        anyone = any(used(step, micro, q) for micro in range(2) for q in range(n))
+        assert (model.side.weight.grad is None) == (not anyone), (mode, step)
+        opt.step()
+    for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+        np.testing.assert_allclose(p.data, q.data, rtol=1e-12, atol=1e-13, err_msg=f"{mode} {strategy} {name}")
+
+
+def case_accumulated_micro_steps_skip_a_parameter_no_rank_used(world):
+    # "No gradient" counts every backward since the last synchronisation. Before, NO_SYNC's sync_gradients() gave
+    # a parameter no rank used a zero gradient, which weight decay, momentum and Adam then stepped (8e-3 here).
+    used = lambda step, micro, rank: (step % 3 == 0 and micro == 0) or (step % 3 == 1 and rank == 0)  # noqa: E731
+    for mode, strategy in (("NO_SYNC", None), ("no_sync", GradSyncStrategy.OVERLAPPED),
+                           ("no_sync", GradSyncStrategy.SYNCHRONOUS)):
+        for opt_cls, kwargs in ((optim.Adam, dict(lr=1e-2)), (optim.SGD, dict(lr=0.1, momentum=0.9,
+                                                                               weight_decay=1e-2))):
+            _accumulated_steps(world, mode, strategy, True, used, 6, opt_cls, kwargs)
+
+
+def case_a_parameter_used_in_one_micro_step_only_is_not_unused(world):
+    # Without find_unused_parameters: a parameter every rank used in the first micro-step only was refused as
+    # unused by the synchronising backward; NO_SYNC's sync_gradients() refused nothing, even a parameter no
+    # backward reached. Now both count the micro-steps, and refuse on every rank what none of them reached.
+    sgd = (optim.SGD, dict(lr=0.1, momentum=0.9))
+    for mode, strategy in (("NO_SYNC", None), ("no_sync", GradSyncStrategy.OVERLAPPED),
+                           ("no_sync", GradSyncStrategy.SYNCHRONOUS)):
+        _accumulated_steps(world, mode, strategy, False, lambda step, micro, rank: micro == 0, 3, *sgd)
+        with pytest.raises(UnusedParameterError, match=r"side\.weight"):
+            _accumulated_steps(world, mode, strategy, False, lambda step, micro, rank: False, 1, *sgd)
+
+
 def case_synchronous_refuses_an_unused_parameter_too(world):
     model = WithBuffer(use_extra=False)
     ddp = ax.DDP(model, strategy=GradSyncStrategy.SYNCHRONOUS, bucket_size_mb=1e-5)

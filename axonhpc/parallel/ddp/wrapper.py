@@ -36,7 +36,9 @@ reduced all the same (zeros where the rank had no gradient), but a parameter who
 the reduction, as PyTorch's DDP leaves it: the optimizer then skips it (no momentum, moments or weight
 decay for it), exactly as it would without DDP. Which ones is one small MIN all-reduce of a flag per
 parameter, made only with ``find_unused_parameters=True`` (PyTorch makes the same one there). Without it a
-parameter that gets no gradient raises ``UnusedParameterError`` (OVERLAPPED and SYNCHRONOUS alike).
+parameter that gets no gradient raises ``UnusedParameterError`` (OVERLAPPED and SYNCHRONOUS alike). "No gradient"
+counts every backward since the last synchronisation: the micro-steps of ``no_sync()``, and with ``NO_SYNC`` all
+the backwards before ``sync_gradients()``, which checks and restores the same way.
 
 [Note: gradients as bucket views]
 With ``gradient_as_bucket_view=True`` each ``p.grad`` is a view into its bucket, so the averaged values need
@@ -129,6 +131,7 @@ class DistributedDataParallel(WrapperModes):
         self._pending: List[int] = []
         self._reset_ready()
         self._gradless: set = set()  # ids of parameters whose grad was None and that got none since
+        self._since_sync: set = set()  # ids of parameters that got a gradient since the last synchronisation
         self._where: Dict[int, Tuple[int, int]] = {}
         for k, params in enumerate(self._bucket_params):
             for slot, p in enumerate(params):
@@ -254,6 +257,7 @@ class DistributedDataParallel(WrapperModes):
     def _fail_step(self, problem: Exception) -> None:
         """This rank's synchronising backward raised: tell the group if it still waits for buckets, then wait
         for the reductions in flight ([Note: a failed backward]). Raises ``problem`` when it told the group."""
+        self._since_sync.clear()
         try:
             if self._launches < len(self._buckets) and not isinstance(problem, GROUP_FAILURES):
                 bucket = self._buckets[self._launches]
@@ -270,6 +274,7 @@ class DistributedDataParallel(WrapperModes):
         self._launches = 0  # buckets launched in this step, by either strategy
 
     def _on_grad_ready(self, param: Any) -> None:
+        self._since_sync.add(id(param))
         if self.find_unused_parameters:
             self._gradless.discard(id(param))
         if not self._tracking:
@@ -328,12 +333,16 @@ class DistributedDataParallel(WrapperModes):
         self._gradless.clear()
 
     def _check_unused(self) -> None:
-        unused = [name for b, ready in zip(self._buckets, self._ready) for name, ok in zip(b.names, ready) if not ok]
+        """UnusedParameterError (without ``find_unused_parameters``) for a parameter that got no gradient in this
+        backward or another since the last synchronisation ([Note: parameters without a gradient])."""
+        since = self._since_sync
+        unused = [name for b, ready, params in zip(self._buckets, self._ready, self._bucket_params)
+                  for name, ok, p in zip(b.names, ready, params) if not ok and id(p) not in since]
         if unused and not self.find_unused_parameters:
             raise UnusedParameterError(
-                f"parameters {unused} received no gradient in this backward; pass "
-                "find_unused_parameters=True to DDP to synchronise their (zero) gradients, "
-                "or remove them from the model"
+                f"parameters {unused} received no gradient in this backward (nor in the backwards accumulated since "
+                "the last synchronisation); pass find_unused_parameters=True to DDP to synchronise their (zero) "
+                "gradients, or remove them from the model"
             )
         self._pending = [0] * len(self._pending)
 
@@ -350,14 +359,32 @@ class DistributedDataParallel(WrapperModes):
             done_before_wait = 0
         if self.find_unused_parameters:
             self._restore_gradless()
+        self._since_sync.clear()
         wait_s = time.perf_counter() - start
         self.last_step = {"backward_s": backward_s, "final_wait_s": wait_s, "buckets": len(self._buckets),
                           "completed_before_wait": done_before_wait}
 
     def sync_gradients(self) -> None:
-        """Average the gradients across the group now (collective), bucket by bucket."""
-        self._attach_grads()
-        self._launch_all(async_op=False)
+        """Average the gradients across the group now (collective), bucket by bucket: with ``NO_SYNC``, what the
+        backwards since the last synchronisation accumulated.
+
+        Raises:
+            UnusedParameterError: a parameter got no gradient in any of those backwards (without
+                ``find_unused_parameters``; with it, one that had none on every rank keeps ``grad`` None, as after a
+                synchronising backward). The other ranks get ``CollectiveRefusedError`` naming it.
+        """
+        self._reducer.reset()
+        self._reset_ready()
+        try:
+            self._attach_grads()
+            self._check_unused()
+            self._launch_all(async_op=False)
+        except Exception as exc:
+            self._fail_step(exc)
+            raise
+        if self.find_unused_parameters:
+            self._restore_gradless()
+        self._since_sync.clear()
 
     def register_comm_hook(self, state: Any, hook: Any) -> None:
         """Average each bucket with ``hook(state, bucket)`` instead of an all-reduce.
