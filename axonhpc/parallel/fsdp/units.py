@@ -54,19 +54,34 @@ def assign_parameters(module: Any, units: List[Tuple[str, Any]]) -> List[Tuple[s
     """Each unit's named parameters, then the root's leftovers (name ROOT), checked.
 
     Raises:
-        ConfigurationError: a parameter shared by two units, or a unit whose
-            parameters mix dtypes or are not floating.
+        ConfigurationError: a parameter shared by two units, or by a unit and a
+            module left to the root unit; a unit whose parameters mix dtypes or
+            are not floating.
     """
-    owner: Dict[int, str] = {}
+    owner: Dict[int, Tuple[str, str]] = {}  # id(parameter) -> (unit, the parameter's name there)
     plan = []
     for name, unit in units:
         params = unit.named_parameters(prefix=name)
         for pname, p in params:
             if id(p) in owner:
-                raise ConfigurationError(f"parameter {pname!r} is shared by FSDP units {owner[id(p)]!r} and "
+                raise ConfigurationError(f"parameter {pname!r} is shared by FSDP units {owner[id(p)][0]!r} and "
                                          f"{name!r}; put the modules that share it into one unit")
-            owner[id(p)] = name
+            owner[id(p)] = (name, pname)
         plan.append((name, unit, params))
+    # A module outside every unit holding a unit's parameter (weight tying across the two): the root unit would
+    # run it with the unit's parameter, which is only gathered inside the unit's own forward and backward.
+    in_units = {id(m) for _, unit in units for m in unit.modules()}
+    for mod_name, m in module.named_modules():
+        if id(m) in in_units:
+            continue
+        for pname, p in m.named_parameters(prefix=mod_name, recurse=False):
+            if id(p) in owner:
+                unit_name, held = owner[id(p)]
+                where = f"module {mod_name!r}" if mod_name else "the model itself"
+                raise ConfigurationError(
+                    f"parameter {held!r} of FSDP unit {unit_name!r} is also {pname!r} of {where}, which no unit "
+                    f"holds (it is left to the root unit); list the modules that share it in one unit, or leave "
+                    f"both out of units=[...]")
     leftovers = [(n, p) for n, p in module.named_parameters() if id(p) not in owner]
     if leftovers:
         plan.append((ROOT, module, leftovers))
