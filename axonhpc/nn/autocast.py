@@ -10,6 +10,7 @@ host autocast models the device arithmetic but is no speed-up.
 """
 from __future__ import annotations
 
+import math
 import threading
 from typing import Any, Optional, Tuple
 
@@ -102,7 +103,13 @@ def like(grad: Any, dtype: Any) -> Any:
 
 
 def matmul_2d(a: Any, b: Any) -> Any:
-    """``a @ b`` as one 2-D GEMM when ``a`` is C-contiguous (numpy's stacked product is 1.3-3x slower)."""
+    """``a @ b`` as one 2-D GEMM when ``a`` is C-contiguous (numpy's stacked product is 1.3-3x slower).
+
+    A zero width (``Linear(3, 0)``'s output, ``Linear(0, 2)``'s input) has no 2-D view to take: ``@`` gives
+    its zero-size product, or zeros for an empty sum.
+    """
+    if a.shape[-1] == 0 or b.shape[-1] == 0:
+        return a @ b
     return product_2d(a, b)
 
 
@@ -136,12 +143,13 @@ def linear_input_grad(grad_out: Any, saved: Tuple[Any, Any, Any], weight: Any) -
 
 def linear_param_grads(grad_out: Any, saved: Tuple[Any, Any, Any], weight: Any, bias: Any = None) -> None:
     """Add d loss / d bias (summed in float32 under autocast) and d loss / d weight into their ``grad``."""
-    g2 = grad_out.reshape(-1, grad_out.shape[-1])
+    xc = saved[0]
+    # Rows counted, not reshape(-1, width): -1 is undecided for a zero width (Linear(3, 0), Linear(0, 2)).
+    g2 = grad_out.reshape(math.prod(grad_out.shape[:-1]), grad_out.shape[-1])
     # Bias before weight: hooks fire in reverse registration order.
     if bias is not None:
         bias.accumulate_grad(g2.sum(axis=0) if saved[1] is None else g2.sum(axis=0, dtype=bias.dtype))
-    xc = saved[0]
-    weight.accumulate_product(g2.T, xc.reshape(-1, xc.shape[-1]))
+    weight.accumulate_product(g2.T, xc.reshape(math.prod(xc.shape[:-1]), xc.shape[-1]))
 
 
 def linear_backward(grad_out: Any, saved: Tuple[Any, Any, Any], weight: Any, bias: Any = None,
