@@ -645,9 +645,10 @@ def make_token_data(step):
     return rng.integers(0, VOCAB, (BATCH, SEQ)), rng.integers(0, VOCAB, (BATCH, SEQ))
 
 
-def tied_parity(world, schedule, m, kind, v=1, mesh=None, clip=None):
+def tied_parity(world, schedule, m, kind, v=1, mesh=None, clip=None, accumulate=1):
     """The tied stages pipelined (over ``mesh.pp``, replicated over ``mesh.dp``, when given) against one
-    process; every copy of a tied Parameter also equals rank 0's bit for bit."""
+    process, ``accumulate`` train steps (backwards in one process) per optimizer step with no zeroing between;
+    every copy of a tied Parameter also equals rank 0's bit for bit."""
     group = None if mesh is None else mesh.pp
     dp = 1 if mesh is None else mesh.dp.size
     p = world.world_size // dp
@@ -665,22 +666,23 @@ def tied_parity(world, schedule, m, kind, v=1, mesh=None, clip=None):
     shard = BATCH // dp
     lo = 0 if mesh is None else mesh.dp.rank * shard
     for step in range(STEPS):
-        x, y = make_token_data(step)
         ref_opt.zero_grad()
-        expected = loss_fn(model(x), y)
-        model.backward(loss_fn.backward())
+        opt.zero_grad()
+        for part in range(accumulate):
+            x, y = make_token_data(step * accumulate + part)
+            expected = loss_fn(model(x), y)
+            model.backward(loss_fn.backward())
+            loss = pipe.train_step(x[lo:lo + shard], y[lo:lo + shard])
+            if pipe.is_last:
+                close(loss, expected, f"tied loss at step {step}")
         if clip is not None:  # the norm of the whole model's gradients, the tied ones once
             ref_norm = optim.clip_grad_norm(model.parameters(), clip[0], clip[1])
         ref_opt.step()
-        opt.zero_grad()
-        loss = pipe.train_step(x[lo:lo + shard], y[lo:lo + shard])
-        if pipe.is_last:
-            close(loss, expected, f"tied loss at step {step}")
         if clip is not None:
             assert ref_norm > clip[0]  # so the step clips
             close(pipe.clip_grad_norm(clip[0], clip[1]), ref_norm, f"norm at step {step}")
         opt.step()
-    what = f"({schedule.name}, m={m}, {kind}, v={v}, dp={dp})"
+    what = f"({schedule.name}, m={m}, {kind}, v={v}, dp={dp}, accumulate={accumulate})"
     for s in pipe.stages:
         for (name, q), (_, q_ref) in zip(stages[s].named_parameters(), ref_stages[s].named_parameters()):
             close(q.data, q_ref.data, f"stage {s} {name} {what}")
@@ -704,6 +706,17 @@ def case_tied_parameters_across_stages(world):
     if p == 4:
         tied_parity(world, ONE_F_ONE_B, 4, "adam", mesh=world.mesh(dp=2, pp=2))
         tied_parity(world, INTERLEAVED, 2, "sgd", v=2, mesh=world.mesh(dp=2, pp=2))
+
+
+def case_tied_gradients_accumulate_over_train_steps(world):
+    """Train steps without zeroing between add up, tied Parameters too: each step's sum over the ranks that hold
+    one is added once. Before, the whole gradient was summed each step, so what an earlier step left counted once
+    per holder (off by as much as the gradient itself)."""
+    p = world.world_size
+    tied_parity(world, ONE_F_ONE_B, 4, "sgd", accumulate=3)
+    tied_parity(world, INTERLEAVED, 2 * p, "adam", v=2, accumulate=2, clip=(0.05, 2.0))
+    if p == 4:
+        tied_parity(world, ONE_F_ONE_B, 2, "sgd", mesh=world.mesh(dp=2, pp=2), accumulate=2)
 
 
 def case_clip_grad_norm_over_every_stage(world):

@@ -258,11 +258,21 @@ class Pipeline:
 
     def _check_tensor_layout(self, tensor: Any, split: Dict[int, Any]) -> None:
         """ConfigurationError unless every layer with a group of its own in this rank's stages is a tensor-parallel
-        one over ``tensor``, whose ranks hold this rank's stages (none of them is in this pipeline but this one)."""
+        one over ``tensor``, whose ranks hold this rank's stages (none of them is in this pipeline but this one).
+
+        A block with a group of its own (``TensorParallelAttention``) is one of them when every parameter it holds
+        is held by its tensor-parallel linear layers over the same ranks: they say how each is split.
+        """
         layers = {id(layer) for layer, _ in split.values()}
+
+        def built_of_split_layers(m: Any) -> bool:
+            held = {id(p) for layer in m.modules() if id(layer) in layers
+                    and tuple(layer.group.ranks) == tuple(m.group.ranks) for p in layer.parameters()}
+            return all(id(p) in held for p in m.parameters())
+
         other = sorted(name for s in self.stages for name, m in self.stage_modules[s].named_modules()
                        if isinstance(getattr(m, "group", None), ProcessGroup) and m.group.size > 1
-                       and id(m) not in layers)
+                       and id(m) not in layers and not built_of_split_layers(m))
         if other:
             raise ConfigurationError(f"Pipeline.clip_grad_norm: stages hold layers split over groups of their own "
                                      f"that are not tensor-parallel linear layers ({other[:3]}): how their "
@@ -286,7 +296,8 @@ class Pipeline:
     def train_step(self, x: Any, y: Any) -> Optional[float]:
         """One forward and backward of the whole batch; the mean micro-batch loss on the last stage's rank, else None.
 
-        Gradients add into the Parameters: zero them before every step. ``x`` is read on rank 0, ``y`` on the last.
+        Gradients add into the Parameters, as in one process (zero them before a step that should not accumulate;
+        a Parameter tied across ranks adds this step's sum once). ``x`` is read on rank 0, ``y`` on the last.
 
         Raises:
             ConfigurationError: no ``loss_fn`` was given.
@@ -302,13 +313,18 @@ class Pipeline:
         st.xs = self._batch(x, "x", self.rank == 0, st)
         st.ys = self._batch(y, "y", self.is_last, st)
         st.failed = self.rank == 0 and st.xs is None  # [Note: a refused batch]
-        for step in self._steps:
-            self._run_step(step, st)
-        for work, _ in st.pending:
-            work.wait()
-        replicas = None if self._replicas is None else self._replicas.group
-        vote(self.group, st.problem, batch_refused(self.group, "Pipeline.train_step"), wider=replicas,
-             elsewhere="Pipeline.train_step: the loss of another data-parallel replica refused its batch")
+        self._tied.set_aside()  # only this step's part of a tied gradient is summed over its owners
+        try:
+            for step in self._steps:
+                self._run_step(step, st)
+            for work, _ in st.pending:
+                work.wait()
+            replicas = None if self._replicas is None else self._replicas.group
+            vote(self.group, st.problem, batch_refused(self.group, "Pipeline.train_step"), wider=replicas,
+                 elsewhere="Pipeline.train_step: the loss of another data-parallel replica refused its batch")
+        except BaseException:
+            self._tied.put_back()
+            raise
         loss = sum(st.losses) / self.num_microbatches if self.is_last else None
         self._tied.sum_gradients()  # a Parameter stages on other ranks share: its whole gradient everywhere
         dp_sync_time = 0.0

@@ -9,6 +9,11 @@ the backward: every copy then holds the whole gradient, and the optimizer, which
 over it with the same state, keeps the copies equal. At construction the copies take the values of the lowest
 of those ranks, so they also start equal.
 
+Only the step's own part is summed. A gradient a tied Parameter held before the step (steps accumulated
+without zeroing, or a Parameter no optimizer zeroes) is the same on every owner already: summed with the rest it
+would count once per owner. ``set_aside`` takes it out as the step starts and ``sum_gradients`` adds it back to
+the sum, into the same array.
+
 ``stage_modules`` is the same list on every rank, so every rank finds the same ties by identity with no
 message; their description is part of the constructor's comparison, so ranks that disagree raise before the
 groups are made. ``Pipeline.from_stages`` gives each rank only its own stages: ties between ranks cannot be
@@ -91,8 +96,33 @@ class TiedParameters:
         """Ids of this rank's tied Parameters that a lower rank also holds: a sum over the ranks counts them there."""
         return {id(q) for sub, params in self.sets if sub.rank != 0 for q in params}
 
+    def set_aside(self) -> None:
+        """As a step starts: take out what this rank's tied Parameters' gradients hold (see the note)."""
+        self._before = {}
+        for _, params in self.sets:
+            for q in params:
+                if q.grad is not None:
+                    self._before[id(q)] = q.grad
+                    q.grad = None
+
+    def put_back(self) -> None:
+        """A step that failed: add what was set aside back to the step's part, as an untied Parameter keeps it."""
+        for _, params in self.sets:
+            for q in params:
+                self._add_before(q)
+        self._before = {}
+
+    def _add_before(self, q: Any) -> None:
+        before = getattr(self, "_before", {}).pop(id(q), None)
+        if before is None:
+            return
+        if q.grad is not None:
+            before += q.grad
+        q.grad = before  # the gradient stays the array it was
+
     def sum_gradients(self) -> None:
-        """Collective over each set's owners: every copy of a tied Parameter gets the sum of their gradients."""
+        """Collective over each set's owners: every copy of a tied Parameter gets the sum of their gradients in this
+        step, added to what it held before it (``set_aside``)."""
         for sub, params in self.sets:
             for q in params:
                 xp = array_module(q.data)
@@ -102,6 +132,8 @@ class TiedParameters:
                 all_reduce(buf, ReduceOp.SUM, sub)
                 if buf is not q.grad:  # the gradient stays the same array, updated in place
                     q.grad[...] = buf
+                self._add_before(q)
+        self._before = {}
 
 
 __all__ = ["TiedParameters", "describe_ties", "find_ties", "unique_parameters"]
