@@ -259,7 +259,8 @@ class LocalBackend(Backend):
 
     def recv(self, buf, src: int, tag: int, async_op: bool) -> Work:
         comm = self._comm
-        box = comm.mail[(src, self.rank, tag)]
+        with comm.hub.lock:  # made under the lock the sender takes: a mailbox made twice at once loses a message
+            box = comm.mail[(src, self.rank, tag)]
         state = {"taken": False}
 
         def ready() -> bool:
