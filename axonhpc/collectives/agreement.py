@@ -39,7 +39,7 @@ from __future__ import annotations
 import threading
 import time
 from threading import current_thread, get_ident
-from typing import Any, Callable, List, NoReturn, Optional, Set, Tuple
+from typing import Any, Callable, Dict, List, NoReturn, Optional, Set, Tuple
 
 import numpy as np
 
@@ -202,18 +202,54 @@ def start_check(pg: Any, seq: int, op: str, x: Any = None, reduce: Optional[str]
         return None
     engine = node_engine(pg)
     if engine is not None:
-        check(pg, seq, op, x, reduce, root, engine=engine, nonblocking=True)
-        return None
+        return _start_engine_check(pg, op, engine, describe(op, x, reduce, root, True),
+                                   lambda: refuse(pg, seq, op, x, reduce, root))
     return _start_mpi_check(pg, seq, op, describe(op, x, reduce, root), lambda: refuse(pg, seq, op, x, reduce, root))
+
+
+class _EngineCheck(Work):
+    """The engine's agreement step of an asynchronous call that MPI carries, queued on the group's engine and
+    advanced by every wait of the thread ([Note: calls in flight in the engine] in engine_calls.py): the call
+    returns at once, as over MPI, instead of waiting in the step for ranks that may be in other calls first."""
+
+    def __init__(self, op: Any, engine: Any):
+        super().__init__(None)
+        self._op, self._engine = op, engine
+
+    def _test(self) -> bool:
+        if not self._op.done:
+            engine_calls.progress()
+        return self._op.done
+
+    def _block(self, timeout: Optional[float]) -> bool:
+        return engine_calls.wait_for(self._op, self._engine, timeout, check=False)
+
+
+def _start_engine_check(pg: Any, op: str, engine: Any, desc: Desc,
+                        mismatch: Callable[[], None]) -> Tuple[Work, Callable[[], None]]:
+    """The engine's check of an asynchronous call, started: ``(work, verify)`` as ``_start_mpi_check``'s."""
+    step = engine_calls.queue(engine, "agree", desc, True)
+
+    def verify() -> None:
+        try:
+            step.result()
+        except EngineMismatch as exc:
+            explain_mismatch(mismatch, exc)
+        except CollectiveStallError:
+            raise  # the watchdog's verdict, which says all there is to say
+        except CollectiveTimeoutError as exc:
+            raise replacing(shm_path.timed_out(exc, engine, pg, op), exc, settings.debug)
+
+    return _EngineCheck(step, engine), verify
 
 
 def _start_mpi_check(pg: Any, seq: int, op: str, desc: Desc,
                      mismatch: Callable[[], None]) -> Tuple[Work, Callable[[], None]]:
     """The MPI check of an asynchronous call, started: ``(work, verify)``; ``verify()`` calls ``mismatch()`` on a
-    difference. A fused call the group expects is made first (blocking), with a "no" (``carried``)."""
+    difference. A fused call the group expects is started first, with a "no" (``carried.vote_no``): like the
+    check, it is not waited for here (the ranks that make the call blocking may be in other calls first)."""
     predictor = _mpi_check(pg)[3]
-    timeout = pg.effective_timeout()
-    _, tried = carried.attempt(pg, predictor, desc, None, timeout, _timeout_label(pg, seq, op, timeout), None)
+    fused, tried = carried.vote_no(pg, predictor)
     words = np.zeros(_WAY + 1, dtype=np.int64)  # its own: several asynchronous checks may be in flight
     _put(desc, words, True)
 
@@ -223,7 +259,28 @@ def _start_mpi_check(pg: Any, seq: int, op: str, desc: Desc,
             mismatch()
         predictor.record(desc, tried)
 
-    return pg.backend.host_side().all_reduce(words, ReduceOp.MAX, True), verify
+    check = pg.backend.host_side().all_reduce(words, ReduceOp.MAX, True)
+    return (check if fused is None else _Both(fused, check)), verify
+
+
+class _Both(Work):
+    """Two operations in flight, done when both are (an asynchronous call's fused vote and its check)."""
+
+    def __init__(self, first: Work, second: Work):
+        super().__init__(None)
+        self._works = (first, second)
+
+    def _test(self) -> bool:
+        return all(work.is_completed() for work in self._works)
+
+    def _block(self, timeout: Optional[float]) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for work in self._works:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not work._block(left):
+                return False
+            work._finish()
+        return True
 
 
 class CheckedWork(Work):
@@ -252,8 +309,9 @@ class CheckedWork(Work):
         self._waiting.remove(self)
         if not self._waiting:
             _prune()
-        me = get_ident()
-        _STARTING.add(me)  # the hook must not issue another call meanwhile: it could overtake this one
+        me, group = get_ident(), id(self._waiting)
+        starting = _STARTING.setdefault(me, set())
+        starting.add(group)  # the hook must not issue this group's next call meanwhile: it would overtake this one
         try:
             self._check.wait()
             self._verify()  # raises CollectiveMismatchError on every rank on a difference
@@ -262,7 +320,9 @@ class CheckedWork(Work):
             self._failed = exc
             raise
         finally:
-            _STARTING.discard(me)
+            starting.discard(group)
+            if not starting:
+                _STARTING.pop(me, None)
 
     def _test(self) -> bool:
         if self._inner is None:
@@ -333,7 +393,10 @@ def flush(pg: Any) -> None:
 # never waited for whose check never comes back (its world ended first) stays, and harms no other world.
 _PENDING: List[Tuple[Any, threading.Thread, Any]] = []
 _PENDING_LOCK = threading.Lock()
-_STARTING: Set[int] = set()  # threads inside CheckedWork._start (``progress`` leaves them be)
+# Thread ident -> the groups (their lists of waiting calls, by id) whose next call that thread is issuing
+# (``CheckedWork._start``): ``progress`` issues none of those groups' calls meanwhile, which would overtake it,
+# and goes on issuing the other groups' ready calls, which the ranks that made them blocking may wait in.
+_STARTING: Dict[int, Set[int]] = {}
 
 
 def _forget_done() -> None:
@@ -371,11 +434,10 @@ def progress() -> None:
     wait's hook)."""
     if engine_calls.BUSY:
         engine_calls.progress()
-    if get_ident() in _STARTING:
-        return
+    starting = _STARTING.get(get_ident(), ())
     me = current_thread()
     for state, thread, _ in list(_PENDING):
-        if thread is not me:
+        if thread is not me or id(state.unissued) in starting:
             continue
         waiting = state.unissued
         while waiting:

@@ -193,6 +193,19 @@ def attempt(pg: Any, predictor: Predictor, desc: tuple, carry: Optional[Tuple[np
     return done, plan
 
 
+def vote_no(pg: Any, predictor: Predictor) -> Tuple[Optional[Any], Optional[Plan]]:
+    """The fused call of a rank whose call cannot be carried, started and not waited for (an asynchronous call's
+    check: ``(Work, plan tried)``; ``(None, None)`` when none is expected). Its vote is no, so it carries nothing
+    and its result tells this rank nothing new; its buffer is its own, as it may still be in flight when the plan's
+    next fused call is made."""
+    plan = predictor.expected()
+    if plan is None:
+        return None, None
+    own = np.zeros(plan.count + 1, dtype=plan.dtype)
+    _shm.carry_in(own, None, plan.no)
+    return pg.backend.host_side().all_reduce(own, plan.op, True), plan
+
+
 def quick(pg: Any, predictor: Predictor, x: np.ndarray, op: ReduceOp) -> Tuple[bool, Optional[Plan]]:
     """``attempt`` for the fast path's blocking all-reduce, when the expected call is ``x``'s as seen before.
 
