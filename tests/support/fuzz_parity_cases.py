@@ -220,6 +220,27 @@ def shard(a, rank, n):
     return a[rank * k:(rank + 1) * k]
 
 
+def _train_wrapped(cfg, wrapper, opt, r, n, clip, sync=None):
+    """``cfg``'s steps through a DDP or FSDP ``wrapper``: each step's micro-batches (all but the last under
+    ``no_sync()``), ``sync()`` after them if given (``NO_SYNC``), clipping with ``clip``, then the optimizer."""
+    loss_fn = make_loss(cfg)
+    for step in range(cfg["steps"]):
+        _decay(opt, cfg, step)
+        opt.zero_grad(set_to_none=cfg["set_to_none"])
+        for micro in range(cfg["accumulate"]):
+            x, y = make_batch(cfg, step, micro)
+            loss_fn(wrapper(shard(x, r, n)), shard(y, r, n))
+            if micro < cfg["accumulate"] - 1:
+                with wrapper.no_sync():
+                    _backward(wrapper, loss_fn.backward(), cfg)
+            else:
+                _backward(wrapper, loss_fn.backward(), cfg)
+        if sync is not None:
+            sync()
+        _clip(cfg, clip)
+        opt.step()
+
+
 def _frozen(params, names, frozen):
     return [p for p, name in zip(params, names) if name not in frozen]
 
@@ -510,22 +531,8 @@ def run_ddp(world, cfg):
         opt = ax.ZeroRedundancyOptimizer(cls, params, **kwargs)
     else:
         opt = make_optimizer(cfg["optimizer"], params)
-    loss_fn = make_loss(cfg)
-    for step in range(cfg["steps"]):
-        _decay(opt, cfg, step)
-        opt.zero_grad(set_to_none=cfg["set_to_none"])
-        for micro in range(cfg["accumulate"]):
-            x, y = make_batch(cfg, step, micro)
-            loss_fn(ddp(shard(x, r, n)), shard(y, r, n))
-            if micro < cfg["accumulate"] - 1:
-                with ddp.no_sync():
-                    _backward(ddp, loss_fn.backward(), cfg)
-            else:
-                _backward(ddp, loss_fn.backward(), cfg)
-        if d["strategy"] == "NO_SYNC":
-            ddp.sync_gradients()
-        _clip(cfg, lambda c, p: ax.clip_grad_norm(ddp, c, p))
-        opt.step()
+    _train_wrapped(cfg, ddp, opt, r, n, lambda c, p: ax.clip_grad_norm(ddp, c, p),
+                   ddp.sync_gradients if d["strategy"] == "NO_SYNC" else None)
     reference = train_reference(cfg)
     for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
         assert_close(p.data, q.data, f"{name} on rank {r}")
@@ -572,20 +579,7 @@ def run_fsdp(world, cfg):
                    cpu_offload=fs.get("cpu_offload", "none"),
                    units=_fsdp_units(model, fs), **kwargs)
     opt = make_optimizer(cfg["optimizer"], fsdp.parameters())
-    loss_fn = make_loss(cfg)
-    for step in range(cfg["steps"]):
-        _decay(opt, cfg, step)
-        opt.zero_grad(set_to_none=cfg["set_to_none"])
-        for micro in range(cfg["accumulate"]):
-            x, y = make_batch(cfg, step, micro)
-            loss_fn(fsdp(shard(x, r, n)), shard(y, r, n))
-            if micro < cfg["accumulate"] - 1:
-                with fsdp.no_sync():
-                    _backward(fsdp, loss_fn.backward(), cfg)
-            else:
-                _backward(fsdp, loss_fn.backward(), cfg)
-        _clip(cfg, fsdp.clip_grad_norm)
-        opt.step()
+    _train_wrapped(cfg, fsdp, opt, r, n, fsdp.clip_grad_norm)
     full = fsdp.full_state_dict(rank0_only=False)
     reference = train_reference(cfg)
     for name, value in reference.state_dict().items():
