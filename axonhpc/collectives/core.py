@@ -103,24 +103,32 @@ def run_call(pg: ProcessGroup, label: CallLabel, issue, async_op: bool, carried:
     return result
 
 
+def makes_nonblocking(pg: ProcessGroup, async_op: bool, timeout: Optional[float], collective: bool = True) -> bool:
+    """Whether this rank makes a call nonblocking (its check tells the other ranks, [Note: blocking and nonblocking
+    twins] in agreement): asked to, under a timeout, or while another call of this thread waits.
+
+    Nonblocking too while a call waits for its check ([Note: calls waiting for their check, across groups]
+    in agreement): over MPI the wait must poll (the node's engine waits inside C either way). A collective's
+    own group's calls were issued by start_call. ``elsewhere`` first (it reads a list: a group that never
+    made a call has no engine to look up); ``still_waiting_elsewhere`` last, never for a call the engine
+    carries: its round of ``progress`` may issue a call into the engine, which waits there for the others.
+    Over MPI it must poll as well while calls are in flight in the node's engine ([Note: calls in flight in
+    the engine]); a call the engine carries goes in its queue whatever ``nonblocking`` says.
+    """
+    own_too = not collective
+    return async_op or timeout is not None or (
+        bool(agreement._PENDING) and agreement.elsewhere(pg, own_too)
+        and (not collective or agreement.node_engine(pg) is None)
+        and agreement.still_waiting_elsewhere(pg, own_too)) or (
+        bool(engine_calls.BUSY) and engine_calls.busy_here())
+
+
 def _checked_run(pg: ProcessGroup, label: Any, issue, async_op: bool, carried: bool, timeout: Optional[float],
                  collective: bool, arrivals: Any, entry: Optional[list], carry: Optional[ReduceOp] = None) -> Any:
     """``run_call``'s body: the agreement check, the call, and the wait (a blocking call's, which the watchdog sees)."""
     pending = None
     way = agreement.AS_PLANNED
-    # Nonblocking too while a call waits for its check ([Note: calls waiting for their check, across groups]
-    # in agreement): over MPI the wait must poll (the node's engine waits inside C either way). A collective's
-    # own group's calls were issued by start_call. ``elsewhere`` first (it reads a list: a group that never
-    # made a call has no engine to look up); ``still_waiting_elsewhere`` last, never for a call the engine
-    # carries: its round of ``progress`` may issue a call into the engine, which waits there for the others.
-    # Over MPI it must poll as well while calls are in flight in the node's engine ([Note: calls in flight in
-    # the engine]); a call the engine carries goes in its queue whatever ``nonblocking`` says.
-    own_too = not collective
-    nonblocking = async_op or timeout is not None or (
-        bool(agreement._PENDING) and agreement.elsewhere(pg, own_too)
-        and (not collective or agreement.node_engine(pg) is None)
-        and agreement.still_waiting_elsewhere(pg, own_too)) or (
-        bool(engine_calls.BUSY) and engine_calls.busy_here())
+    nonblocking = makes_nonblocking(pg, async_op, timeout, collective)
     if collective and not carried and async_op and not is_cupy_array(label.call[0]):
         # A host call may start once its check is done (MPI progresses each communicator on its own).
         # A device call may not: NCCL runs the calls of all its communicators in the order they were
@@ -453,24 +461,54 @@ def scatter(x, src: int = 0, group: Optional[ProcessGroup] = None, async_op: boo
             problem = exc
             header[0] = _SCATTER_FAILED
     label = start_call(pg, "scatter", None, root=src)
-    nonblocking = async_op or pg.effective_timeout() is not None
-    # Before the header: every rank must name one src ([Note: blocking and nonblocking twins] for the way).
-    nonblocking |= agreement.check(pg, label.seq, "scatter", None, None, src,
-                                   nonblocking=nonblocking) == agreement.NONBLOCKING
-    backend.broadcast(header, src, async_op=False)
-    if header[0] not in (_SCATTER_OK, _SCATTER_OK_DEVICE):
-        if problem is not None:
-            raise problem
-        raise ShapeError(f"scatter: the source array on group rank {src} was invalid (see the error on that rank)")
-    dtype = supported_dtypes()[int(header[1])]
-    shape = tuple(int(d) for d in header[3:3 + int(header[2])])
-    if pg.rank == src:
-        xp = array_module(x)
-    else:
-        xp = importlib.import_module("cupy") if header[0] == _SCATTER_OK_DEVICE else np
-    out = xp.empty(shape, dtype=dtype)
     send = x if pg.rank == src else None
-    return run_call(pg, label, lambda nb: backend.scatter(send, out, src, nb or nonblocking), async_op, carried=True)
+    # A device call must be queued when it is made (NCCL runs its communicators' calls in the order they were
+    # queued, see ``_checked_run``), and only the source knows whether its array is one: where the backend
+    # carries device arrays the part goes at once, after the header (waited for). Elsewhere the header and the
+    # part are the steps of one nonblocking call, issued in the group's order like any other.
+    eager = backend.host_side() is not backend
+
+    def issue_part(nb: bool) -> Work:
+        """The part, once the header is in: raise the source's problem on every rank, or scatter."""
+        if header[0] not in (_SCATTER_OK, _SCATTER_OK_DEVICE):
+            if problem is not None:
+                raise problem
+            raise ShapeError(f"scatter: the source array on group rank {src} was invalid (see the error on that "
+                             f"rank)")
+        dtype = supported_dtypes()[int(header[1])]
+        shape = tuple(int(d) for d in header[3:3 + int(header[2])])
+        if pg.rank == src:
+            xp = array_module(x)
+        else:
+            xp = importlib.import_module("cupy") if header[0] == _SCATTER_OK_DEVICE else np
+        return backend.scatter(send, xp.empty(shape, dtype=dtype), src, nb)
+
+    def issue(nb: bool) -> Work:
+        """The header, then the part, both made as the check agreed (every rank blocking, or every rank not:
+        [Note: blocking and nonblocking twins])."""
+        head = backend.broadcast(header, src, nb)
+        if not nb or eager:
+            head.wait()
+            return issue_part(nb)
+        # The part is issued once the header is in, before anything else of the group goes (a CheckedWork
+        # whose "check" is the header), so ahead of the group's calls made after this one.
+        part = agreement.CheckedWork(pg, (head, _nothing), lambda: issue_part(True))
+        waiting = state_of(pg).unissued
+        if waiting[0] is not part:
+            waiting.remove(part)
+            waiting.insert(0, part)
+        part.label = label
+        return part
+
+    if async_op and eager:  # checked before it returns, as a device call is (the part goes at once)
+        agreement.check(pg, label.seq, "scatter", None, None, src, nonblocking=True)
+        return run_call(pg, label, issue, async_op, carried=True)
+    # Every rank must name one src before the header: the check, as for any call (its way, ``makes_nonblocking``).
+    return run_call(pg, label, issue, async_op)
+
+
+def _nothing() -> None:
+    """A step with nothing to verify."""
 
 
 def barrier(group: Optional[ProcessGroup] = None, async_op: bool = False):

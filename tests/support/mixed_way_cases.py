@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import axonhpc as ax
-from axonhpc.errors import CollectiveMismatchError
+from axonhpc.errors import CollectiveMismatchError, ShapeError
 
 
 def _call(world, nonblocking, fn, *args, **kwargs):
@@ -241,6 +241,87 @@ def case_a_group_made_while_another_groups_call_is_in_flight_on_one_rank(world):
     z = ax.all_reduce(ones, group=made, async_op=True)
     got = {id(w): w.wait() for w in ((z, work) if r % 2 else (work, z))}
     assert (got[id(work)] == np.arange(1, n + 1)[:, None]).all() and (ones == n).all(), (got, ones)
+
+
+def case_a_scatter_made_while_another_groups_call_waits(world):
+    # A rank with a nonblocking call of another group still waiting for its check (or in flight in the node's
+    # engine) makes a blocking scatter nonblocking. Its check told the others the scatter was blocking, so they
+    # waited in MPI_Scatter while it sent MPI_Iscatter, for good. The rank that waits is the source, then not.
+    n, r = world.world_size, world.rank
+    other = world.new_group(list(range(n)))
+    for waiter, src in ((n - 1, n - 1), (n - 1, 0), (0, n - 1)):
+        a = np.full(3, r + 1.0)
+        parts = np.arange(2 * n, dtype=np.float64).reshape(n, 2) if r == src else None
+        if r == waiter:
+            work = ax.all_reduce(a, group=other, async_op=True)
+            got = ax.scatter(parts, src=src)
+            work.wait()
+        else:
+            got = ax.scatter(parts, src=src)
+            ax.all_reduce(a, group=other)
+        assert (a == n * (n + 1) / 2).all() and (got == [2 * r, 2 * r + 1]).all(), (waiter, src, a, got)
+
+
+def case_a_nonblocking_scatter_returns_before_the_others_come(world):
+    # scatter(async_op=True) waited for its check and its header, both blocking, before it returned: the source
+    # went on to a nonblocking all-reduce of the world only after the others had come to the scatter, and they
+    # made that all-reduce first, blocking. Then the receivers nonblocking and the source blocking.
+    n, r = world.world_size, world.rank
+    other = world.new_group(list(range(n)))
+    for async_source in (True, False):
+        nonblocking = (r == 0) == async_source
+        x = np.full(3, r + 1.0)
+        parts = np.arange(2 * n, dtype=np.float64).reshape(n, 2) if r == 0 else None
+        if nonblocking:
+            scattered = ax.scatter(parts, src=0, group=other, async_op=True)
+            reduced = ax.all_reduce(x, async_op=True)
+            got = scattered.wait()
+            reduced.wait()
+        else:
+            ax.all_reduce(x)
+            got = ax.scatter(parts, src=0, group=other)
+        assert (x == n * (n + 1) / 2).all() and (got == [2 * r, 2 * r + 1]).all(), (async_source, x, got)
+
+
+def case_nonblocking_scatters_then_the_groups_next_calls(world):
+    # Two nonblocking scatters of different shapes and sources, then the group's next calls before either is
+    # waited for, the scatters waited in the other order, beside ranks that made them all blocking: each part
+    # follows its own header, ahead of the calls made after it. Then a source with a wrong array: every rank's
+    # wait raises, and the group's next call is made alike.
+    n, r = world.world_size, world.rank
+    other = world.new_group(list(range(n)))
+    # With shared memory on, the ranks that make the scatters nonblocking beside blocking ones are left out: a
+    # rank whose MPI_Iscatter is in flight then waits in the node's engine (the next scatter's check, the
+    # all-reduce), which does not advance MPI, while a blocking rank waits in MPI_Scatter for that rank's part
+    # of the tree (3 ranks and more; the engine's waits drive only the checks and the engine's calls).
+    for nonblocking in (r == 0, r != 0, True) if ax.settings.shm_collectives == "off" else (True,):
+        first = np.arange(2 * n, dtype=np.float64).reshape(n, 2) if r == 0 else None
+        second = np.arange(3 * n, dtype=np.int32).reshape(n, 3) if r == n - 1 else None
+        y = np.full(4, r + 1.0)
+        if nonblocking:
+            works = [ax.scatter(first, src=0, group=other, async_op=True),
+                     ax.scatter(second, src=n - 1, group=other, async_op=True)]
+            ax.all_reduce(y, group=other)
+            gathered = ax.all_gather(np.full(2, r), group=other)
+            b, a = works[1].wait(), works[0].wait()
+        else:
+            a = ax.scatter(first, src=0, group=other)
+            b = ax.scatter(second, src=n - 1, group=other)
+            ax.all_reduce(y, group=other)
+            gathered = ax.all_gather(np.full(2, r), group=other)
+        assert (a == [2 * r, 2 * r + 1]).all() and a.dtype == np.float64, (nonblocking, a)
+        assert (b == [3 * r, 3 * r + 1, 3 * r + 2]).all() and b.dtype == np.int32, (nonblocking, b)
+        assert (y == n * (n + 1) / 2).all() and (gathered == np.arange(n)[:, None]).all(), (nonblocking, y)
+    for nonblocking in (r == 0, r != 0):
+        bad = np.zeros((n + 1, 2)) if r == 0 else None
+        with pytest.raises(ShapeError, match="scatter: the source array on group rank 0"):
+            if nonblocking:
+                ax.scatter(bad, src=0, group=other, async_op=True).wait()
+            else:
+                ax.scatter(bad, src=0, group=other)
+        z = np.ones(2)
+        ax.all_reduce(z, group=other)
+        assert (z == n).all(), z
 
 
 CASES = {name[len("case_"):]: fn for name, fn in dict(globals()).items() if name.startswith("case_")}
