@@ -130,7 +130,7 @@ class DistributedDataParallel(WrapperModes):
         self._ready: List[List[bool]] = []
         self._pending: List[int] = []
         self._reset_ready()
-        self._gradless: set = set()  # ids of parameters whose grad was None and that got none since
+        self._gradless: set = set()  # ids of parameters whose grad was None and that got none since (until a sync)
         self._since_sync: set = set()  # ids of parameters that got a gradient since the last synchronisation
         self._where: Dict[int, Tuple[int, int]] = {}
         for k, params in enumerate(self._bucket_params):
@@ -203,7 +203,7 @@ class DistributedDataParallel(WrapperModes):
         """Make every ``p.grad`` its bucket view (or a separate array), keeping its values."""
         for bucket, params in zip(self._buckets, self._bucket_params):
             for p, view in zip(params, bucket.views):
-                if p.grad is None and self.find_unused_parameters:
+                if p.grad is None:
                     self._gradless.add(id(p))
                 if self.gradient_as_bucket_view:
                     if p.grad is not view:
@@ -258,6 +258,7 @@ class DistributedDataParallel(WrapperModes):
         """This rank's synchronising backward raised: tell the group if it still waits for buckets, then wait
         for the reductions in flight ([Note: a failed backward]). Raises ``problem`` when it told the group."""
         self._since_sync.clear()
+        self._gradless.clear()
         try:
             if self._launches < len(self._buckets) and not isinstance(problem, GROUP_FAILURES):
                 bucket = self._buckets[self._launches]
@@ -275,8 +276,7 @@ class DistributedDataParallel(WrapperModes):
 
     def _on_grad_ready(self, param: Any) -> None:
         self._since_sync.add(id(param))
-        if self.find_unused_parameters:
-            self._gradless.discard(id(param))
+        self._gradless.discard(id(param))
         if not self._tracking:
             return
         k, slot = self._where[id(param)]
@@ -332,12 +332,15 @@ class DistributedDataParallel(WrapperModes):
                 p.grad = None
         self._gradless.clear()
 
-    def _check_unused(self) -> None:
+    def _check_unused(self, backward: bool = True) -> None:
         """UnusedParameterError (without ``find_unused_parameters``) for a parameter that got no gradient in this
-        backward or another since the last synchronisation ([Note: parameters without a gradient])."""
-        since = self._since_sync
+        backward or another since the last synchronisation ([Note: parameters without a gradient]); for
+        ``sync_gradients`` (not ``backward``), one whose ``grad`` was None and got none since (a gradient set by
+        hand counts)."""
+        since, gradless = self._since_sync, self._gradless
         unused = [name for b, ready, params in zip(self._buckets, self._ready, self._bucket_params)
-                  for name, ok, p in zip(b.names, ready, params) if not ok and id(p) not in since]
+                  for name, ok, p in zip(b.names, ready, params)
+                  if (not ok and id(p) not in since if backward else id(p) in gradless)]
         if unused and not self.find_unused_parameters:
             raise UnusedParameterError(
                 f"parameters {unused} received no gradient in this backward (nor in the backwards accumulated since "
@@ -360,6 +363,7 @@ class DistributedDataParallel(WrapperModes):
         if self.find_unused_parameters:
             self._restore_gradless()
         self._since_sync.clear()
+        self._gradless.clear()
         wait_s = time.perf_counter() - start
         self.last_step = {"backward_s": backward_s, "final_wait_s": wait_s, "buckets": len(self._buckets),
                           "completed_before_wait": done_before_wait}
@@ -377,7 +381,7 @@ class DistributedDataParallel(WrapperModes):
         self._reset_ready()
         try:
             self._attach_grads()
-            self._check_unused()
+            self._check_unused(backward=False)
             self._launch_all(async_op=False)
         except Exception as exc:
             self._fail_step(exc)
@@ -385,6 +389,7 @@ class DistributedDataParallel(WrapperModes):
         if self.find_unused_parameters:
             self._restore_gradless()
         self._since_sync.clear()
+        self._gradless.clear()
 
     def register_comm_hook(self, state: Any, hook: Any) -> None:
         """Average each bucket with ``hook(state, bucket)`` instead of an all-reduce.
