@@ -220,9 +220,10 @@ def shard(a, rank, n):
     return a[rank * k:(rank + 1) * k]
 
 
-def _train_wrapped(cfg, wrapper, opt, r, n, clip, sync=None):
-    """``cfg``'s steps through a DDP or FSDP ``wrapper``: each step's micro-batches (all but the last under
-    ``no_sync()``), ``sync()`` after them if given (``NO_SYNC``), clipping with ``clip``, then the optimizer."""
+def _train_wrapped(cfg, wrapper, opt, r, n, clip, sync=None, local_steps=True):
+    """``cfg``'s steps through a DDP or FSDP ``wrapper``, on part ``r`` of ``n`` of each batch: each step's
+    micro-batches (all but the last under ``no_sync()`` when ``local_steps``), ``sync()`` after them if given
+    (``NO_SYNC``), clipping with ``clip``, then the optimizer."""
     loss_fn = make_loss(cfg)
     for step in range(cfg["steps"]):
         _decay(opt, cfg, step)
@@ -230,7 +231,7 @@ def _train_wrapped(cfg, wrapper, opt, r, n, clip, sync=None):
         for micro in range(cfg["accumulate"]):
             x, y = make_batch(cfg, step, micro)
             loss_fn(wrapper(shard(x, r, n)), shard(y, r, n))
-            if micro < cfg["accumulate"] - 1:
+            if local_steps and micro < cfg["accumulate"] - 1:
                 with wrapper.no_sync():
                     _backward(wrapper, loss_fn.backward(), cfg)
             else:
@@ -626,20 +627,8 @@ def run_tp(world, cfg):
         opt = ax.ZeroRedundancyOptimizer(cls, params, group=dp_group, **kwargs)
     else:
         opt = make_optimizer(cfg["optimizer"], params)
-    loss_fn = make_loss(cfg)
-    for step in range(cfg["steps"]):
-        _decay(opt, cfg, step)
-        opt.zero_grad(set_to_none=cfg["set_to_none"])
-        for micro in range(cfg["accumulate"]):
-            x, y = make_batch(cfg, step, micro)
-            loss_fn(wrapper(shard(x, dp_rank, dp)), shard(y, dp_rank, dp))
-            if dp > 1 and micro < cfg["accumulate"] - 1:
-                with wrapper.no_sync():
-                    _backward(wrapper, loss_fn.backward(), cfg)
-            else:
-                _backward(wrapper, loss_fn.backward(), cfg)
-        _clip(cfg, lambda c, p: ax.clip_grad_norm(wrapper, c, p))
-        opt.step()
+    _train_wrapped(cfg, wrapper, opt, dp_rank, dp, lambda c, p: ax.clip_grad_norm(wrapper, c, p),
+                   local_steps=dp > 1)
     dense_cfg = dict(cfg, model={"layers": _dense_spec(cfg["model"]["layers"]), "spare": None})
     reference = train_reference(dense_cfg)
     for i, (spec, mine, ref) in enumerate(zip(cfg["model"]["layers"], model, reference.body)):
