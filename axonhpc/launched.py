@@ -96,6 +96,10 @@ def _end_job(status: int, message: Any) -> None:
     mpi.COMM_WORLD.Abort(status)
 
 
+# The launchers' variables for a process's rank and the size of its job: Open MPI's, then a PMI launcher's (MPICH).
+_LAUNCHER_RANKS = (("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"), ("PMI_RANK", "PMI_SIZE"))
+
+
 def _job_rank() -> Any:
     """This process's rank in the launched job: for a replacement the job rank its survivors gave it (``n`` and
     up), None for one that never joined them."""
@@ -105,7 +109,7 @@ def _job_rank() -> Any:
             respawn = sys.modules.get("axonhpc.elastic.respawn")
             return getattr(respawn, "_joined", {}).get("id")
         return mpi.COMM_WORLD.Get_rank()
-    for name in ("OMPI_COMM_WORLD_RANK", "PMI_RANK"):
+    for name, _ in _LAUNCHER_RANKS:
         if os.environ.get(name, "").isdigit():
             return int(os.environ[name])
     return None
@@ -117,7 +121,7 @@ def _started_here() -> None:
     folder = os.environ.get("AXONHPC_LAUNCH_STATUS_DIR")
     if not folder or not os.path.isdir(folder):
         return  # a rank on another host
-    for rank_name, size_name in (("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"), ("PMI_RANK", "PMI_SIZE")):
+    for rank_name, size_name in _LAUNCHER_RANKS:
         rank, size = os.environ.get(rank_name, ""), os.environ.get(size_name, "")
         if rank.isdigit() and size == os.environ.get("AXONHPC_LAUNCH_RANKS"):
             try:

@@ -204,7 +204,7 @@ def start_check(pg: Any, seq: int, op: str, x: Any = None, reduce: Optional[str]
     if engine is not None:
         return _start_engine_check(pg, op, engine, describe(op, x, reduce, root, True),
                                    lambda: refuse(pg, seq, op, x, reduce, root))
-    return _start_mpi_check(pg, seq, op, describe(op, x, reduce, root), lambda: refuse(pg, seq, op, x, reduce, root))
+    return _start_mpi_check(pg, describe(op, x, reduce, root), lambda: refuse(pg, seq, op, x, reduce, root))
 
 
 class _EngineCheck(Work):
@@ -243,8 +243,7 @@ def _start_engine_check(pg: Any, op: str, engine: Any, desc: Desc,
     return _EngineCheck(step, engine), verify
 
 
-def _start_mpi_check(pg: Any, seq: int, op: str, desc: Desc,
-                     mismatch: Callable[[], None]) -> Tuple[Work, Callable[[], None]]:
+def _start_mpi_check(pg: Any, desc: Desc, mismatch: Callable[[], None]) -> Tuple[Work, Callable[[], None]]:
     """The MPI check of an asynchronous call, started: ``(work, verify)``; ``verify()`` calls ``mismatch()`` on a
     difference. A fused call the group expects is started first, with a "no" (``carried.vote_no``): like the
     check, it is not waited for here (the ranks that make the call blocking may be in other calls first)."""
@@ -501,7 +500,7 @@ def refuse_locally(pg: Any, op: str, problem: BaseException, nonblocking: bool =
             fingerprint.check(pg, op, seq=seq, refused=reason)
 
         if nonblocking and node_engine(pg) is None and checked:
-            work, verify = _start_mpi_check(pg, seq, op, describe("refused"), mismatch)
+            work, verify = _start_mpi_check(pg, describe("refused"), mismatch)
             watch.wait(work, timeout, label, arrivals, pg)
             verify()
         else:
