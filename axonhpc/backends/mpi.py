@@ -192,7 +192,7 @@ class _PostedReceive(MPIWork):
                                 chunk=None if len(blocks) == 1 else (a, b)) from None
         return None if done is False else statuses
 
-    def _test(self) -> bool:
+    def _test_requests(self) -> bool:
         if not self._requests:
             return True
         MPI = load_mpi()
@@ -225,6 +225,8 @@ class _PostedReceive(MPIWork):
 
     def _block(self, timeout: Optional[float]) -> bool:
         # Polled, not MPI_Waitall: the wait must look for the message under another dtype's tag.
+        if self._kept is not None:
+            raise self._kept
         return poll(self._test, None if timeout is None else time.monotonic() + timeout)
 
 

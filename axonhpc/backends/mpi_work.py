@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Callable, List, Optional, Tuple
+from threading import get_ident
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -140,6 +141,52 @@ def raise_failure(comm: Any, exc: BaseException):
     raise replacing(error, exc)
 
 
+# [Note: MPI requests in flight while the node's engine waits]
+# MPI moves a large message (past its eager limit) only while both ends make progress: a rank that posted a
+# receive, or started a send, and then waits inside the node's shared-memory engine makes none, so its peer,
+# blocked in the matching send or receive before the same engine call, waits for it for good (a valid MPI
+# program: MPI progresses every request inside every call). So each thread's MPI works in flight are noted here
+# (``IN_FLIGHT``), and while it has any, its engine calls are polled rather than waited for inside C, and every
+# poll tests them (``advance_in_flight``; ``collectives.engine_calls``). A test that ends in an error keeps it for
+# the work's own wait. A work is advanced only by the thread that started it (MPI forbids two threads testing
+# one request at once).
+IN_FLIGHT: Dict[int, List["MPIWork"]] = {}  # thread ident -> its MPI works started and not yet seen done
+_PRUNE_AT = 64  # a thread's list is pruned of finished works when it grows past this
+
+
+def _in_flight(work: "MPIWork") -> bool:
+    return not work._finished and bool(work._requests) and work._kept is None
+
+
+def in_flight_here() -> bool:
+    """True if this thread has MPI works in flight (the finished ones are forgotten on the way)."""
+    me = get_ident()
+    works = IN_FLIGHT.get(me)
+    if works is None:
+        return False
+    works[:] = [work for work in works if _in_flight(work)]
+    if not works:
+        del IN_FLIGHT[me]
+        return False
+    return True
+
+
+def advance_in_flight() -> None:
+    """Test this thread's MPI works in flight, which lets MPI move their data (see the note above)."""
+    works = IN_FLIGHT.get(get_ident())
+    if works:
+        for work in list(works):
+            if _in_flight(work):
+                work.advance()
+
+
+def _note_in_flight(work: "MPIWork") -> None:
+    works = IN_FLIGHT.setdefault(get_ident(), [])
+    works.append(work)
+    if len(works) > _PRUNE_AT:
+        works[:] = [work for work in works if _in_flight(work)]
+
+
 class MPIWork(Work):
     """The requests of one operation (several when it is chunked).
 
@@ -147,6 +194,7 @@ class MPIWork(Work):
     ``MPI_Ireduce_scatter_block`` calls (seen here with 3 ranks), and posting all chunks gains nothing.
     Point-to-point chunks are all posted at once: a receiver waiting for chunk 2 must not depend on its
     peer calling ``wait`` on the send. ``comm``: the communicator, whose failed peers an error names.
+    Subclasses test their requests in ``_test_requests``.
     """
 
     def __init__(self, steps: List[Tuple[Callable[[], Any], Optional[Callable[[], None]]]], result=None,
@@ -156,6 +204,7 @@ class MPIWork(Work):
         self._sequential = sequential
         self._comm = comm
         self._next = 0
+        self._kept: Optional[BaseException] = None  # what a test made by another wait ended with (``advance``)
         try:
             if sequential:
                 self._requests = [steps[0][0]()]
@@ -163,6 +212,23 @@ class MPIWork(Work):
                 self._requests = [start() for start, _ in steps]
         except load_mpi().Exception as exc:
             raise_failure(comm, exc)
+        _note_in_flight(self)
+
+    def advance(self) -> None:
+        """Test from a wait of something else: what the test raises is kept for this work's own wait."""
+        try:
+            self._test()
+        except Exception:  # noqa: BLE001 - kept by _test, raised again by this work's wait
+            pass
+
+    def _test(self) -> bool:
+        if self._kept is not None:
+            raise self._kept
+        try:
+            return self._test_requests()
+        except Exception as exc:
+            self._kept = exc  # the requests' state is MPI's error now: every later wait raises it
+            raise
 
     def _advance(self) -> bool:
         """The requests in flight are done: finish them, start the next chunk; True when all are done."""
@@ -182,7 +248,7 @@ class MPIWork(Work):
         self._requests = [self._steps[self._next][0]()]
         return False
 
-    def _test(self) -> bool:
+    def _test_requests(self) -> bool:
         MPI = load_mpi()
         try:
             while self._requests:
@@ -195,6 +261,8 @@ class MPIWork(Work):
         return True
 
     def _block(self, timeout: Optional[float]) -> bool:
+        if self._kept is not None:
+            raise self._kept
         if PROGRESS[0] is not None:
             return self._poll(timeout)
         if timeout is None:
@@ -258,4 +326,4 @@ class ChunkPlan:
         return MPIWork([(nonblocking, after) for _, nonblocking, after in self.steps], result, sequential, self.comm)
 
 
-__all__ = ["MPIWork", "host_only_op", "mpi_op", "poll", "raise_failure", "widened_for_mpi"]
+__all__ = ["IN_FLIGHT", "MPIWork", "advance_in_flight", "in_flight_here", "host_only_op", "mpi_op", "poll", "raise_failure", "widened_for_mpi"]

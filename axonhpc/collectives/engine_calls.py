@@ -24,6 +24,7 @@ from threading import get_ident
 from typing import Any, List, Optional, Tuple
 
 from ..backends import base as backend_base
+from ..backends import mpi_work
 from ..backends.base import Work
 from ..errors import CollectiveMismatchError, CollectiveStallError, CollectiveTimeoutError, replacing
 from ..settings import settings
@@ -78,11 +79,13 @@ def progress(spins: int = 0) -> None:
 
 
 def run(engine: Any, method: str, *args: Any) -> Any:
-    """``engine.method(*args)`` as a blocking call: at once, or queued and waited for while calls are in flight.
+    """``engine.method(*args)`` as a blocking call: at once, or queued and waited for while calls are in flight
+    (in an engine; calls waiting to be issued, [Note: calls waiting for their check, across groups]; or this
+    thread's MPI requests, [Note: MPI requests in flight while the node's engine waits]).
 
     Returns what the method returns (``agree``'s answer; None for the others).
     """
-    if not BUSY:
+    if not BUSY and backend_base.PROGRESS[0] is None and not (mpi_work.IN_FLIGHT and mpi_work.in_flight_here()):
         return getattr(engine, method)(*args)
     op = queue(engine, method, *args)
     wait_for(op, engine, None)
@@ -145,6 +148,8 @@ def _poll(done: Any, op: Any, engine: Any, timeout: Optional[float]) -> bool:
         hook = backend_base.PROGRESS[0]
         if hook is not None and hook is not progress:
             hook()  # MPI's calls waiting for their check (``agreement.progress``)
+        if mpi_work.IN_FLIGHT:
+            mpi_work.advance_in_flight()  # [Note: MPI requests in flight while the node's engine waits]
         if done():
             return True
         verdict = engine.verdict
@@ -274,13 +279,20 @@ class EngineWork(Work):
         return _lagging_error(self._op, str(self.label), timeout, " in the shared-memory path")
 
 
-def raise_refused(group_calls: List[EngineWork]) -> None:
+def raise_refused(group_calls: List[EngineWork], wait: bool = True) -> None:
     """Before a group's next call: wait until each of its calls in flight was found alike on every rank; raise the
-    error of one that was not (``agreement.flush``). Each is raised here once, and by its own waits."""
+    error of one that was not (``agreement.flush``). Each is raised here once, and by its own waits.
+
+    ``wait`` False (the next call is asynchronous): only those found so far; the others are raised by their own
+    waits. An asynchronous call returns at once, as over MPI: the ranks that make the earlier calls later may be
+    in a blocking call of another group first, which this rank has yet to reach.
+    """
     while group_calls:
         work = group_calls[0]
         op = work._op
         if not (op.checked or op.done):
+            if not wait:
+                return
             _wait_noted(work, lambda: op.checked or op.done)
         if op.done:
             work._conclude()

@@ -15,14 +15,14 @@ from typing import Any, Callable, NamedTuple, Optional
 import numpy as np
 
 from .._dtypes import is_supported
-from ..backends import shm as shm_backend
+from ..backends import mpi_work, shm as shm_backend
 from ..backends.base import REDUCE_OP_NAMES, CompletedWork, ReduceOp, Work
 from ..cuda import capture
 from ..errors import InvalidArgumentError, PeerFailedError
 from ..groups import resolve_group
 from ..observe import tracing
 from ..settings import settings
-from . import agreement, flight, shm_path, stragglers, watchdog
+from . import agreement, engine_calls, flight, shm_path, stragglers, watchdog
 from .agreement import _PENDING
 from .engine_calls import BUSY
 
@@ -47,9 +47,16 @@ class Spec(NamedTuple):
     # The engine carries calls of at least ``settings.shm_min_bytes``; with this flag, only while the whole
     # result (x.nbytes times the group size) fits ``settings.shm_allgather_max_bytes``.
     bounded_result: bool
-    on_engine: Callable[[Any, Any, Any, Optional[str], Optional[int]], None]  # (engine, x, out, op name, root)
+    # (run, engine, x, out, op name, root): ``run(engine, method, *args)`` makes the engine's call (``_now``, or
+    # ``engine_calls.run`` where the wait must poll)
+    on_engine: Callable[[Callable, Any, Any, Any, Optional[str], Optional[int]], None]
     # (backend, x, out, op, root, nonblocking): nonblocking where another rank makes the call so
     on_backend: Callable[[Any, Any, Any, Optional[ReduceOp], Optional[int], bool], Work]
+
+
+def _now(engine: Any, method: str, *args: Any) -> None:
+    """The engine's call, waited for inside C."""
+    getattr(engine, method)(*args)
 
 
 def _part_shape(shape: tuple, size: int) -> Optional[tuple]:
@@ -60,19 +67,19 @@ def _part_shape(shape: tuple, size: int) -> Optional[tuple]:
 
 ALL_REDUCE = Spec(
     "all_reduce", True, True, False, None, False,
-    lambda engine, x, out, name, root: engine.all_reduce(x, name),
+    lambda run, engine, x, out, name, root: run(engine, "all_reduce", x, name),
     lambda backend, x, out, op, root, nb: backend.all_reduce(x, op, nb))
 REDUCE_SCATTER = Spec(
     "reduce_scatter", False, True, False, _part_shape, False,
-    lambda engine, x, out, name, root: engine.reduce_scatter(x, out, name),
+    lambda run, engine, x, out, name, root: run(engine, "reduce_scatter", x, out, name),
     lambda backend, x, out, op, root, nb: backend.reduce_scatter(x, out, op, nb))
 BROADCAST = Spec(
     "broadcast", True, False, True, None, False,
-    lambda engine, x, out, name, root: engine.broadcast(x, root),
+    lambda run, engine, x, out, name, root: run(engine, "broadcast", x, root),
     lambda backend, x, out, op, root, nb: backend.broadcast(x, root, nb))
 ALL_GATHER = Spec(
     "all_gather", False, False, False, lambda shape, size: (size,) + shape, True,
-    lambda engine, x, out, name, root: engine.all_gather(x, out),
+    lambda run, engine, x, out, name, root: run(engine, "all_gather", x, out),
     lambda backend, x, out, op, root, nb: backend.all_gather(x, out, nb))
 
 
@@ -144,6 +151,10 @@ def attempt(spec: Spec, x: Any, group: Any, op: Any = None, root: Any = None, ou
         return NOT_TAKEN  # over MPI it must be made nonblocking ([Note: calls waiting for their check, across groups])
     if state.unissued or state.in_engine:
         agreement.flush(pg)  # earlier asynchronous calls start first, in the same order on every rank
+    # Calls of other groups waiting to be issued, or MPI requests in flight (those just issued too): the engine's
+    # wait must issue or advance them, so it polls (engine_calls.run).
+    run = engine_calls.run if use_engine and (
+        (_PENDING and agreement.elsewhere(pg)) or (mpi_work.IN_FLIGHT and mpi_work.in_flight_here())) else _now
     entry = flight.record(pg, spec.op, x, name, root, None)
     seq = pg.seq
     pg.seq += 1
@@ -151,7 +162,7 @@ def attempt(spec: Spec, x: Any, group: Any, op: Any = None, root: Any = None, ou
     blocked[key] = (pg, entry, None)
     try:
         if use_engine:
-            spec.on_engine(engine, x, out, name, root)  # compares the call across the node as it goes
+            spec.on_engine(run, engine, x, out, name, root)  # compares the call across the node as it goes
         elif engine is None and spec is ALL_REDUCE:
             # Over MPI a small all-reduce the group expects goes with its check in one call (carried).
             way = agreement.check_all_reduce(pg, seq, x, name, op)

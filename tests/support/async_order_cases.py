@@ -81,4 +81,47 @@ def case_an_asynchronous_call_after_calls_its_group_expected_to_carry_returns_at
     assert (x == world.world_size).all(), x
 
 
+
+_BIG = 1 << 17  # float64 elements: 1 MiB, past MPI's eager limit (MPICH and Open MPI hand it over in rendezvous)
+
+
+def case_a_posted_receive_is_advanced_while_its_rank_waits_in_the_nodes_engine(world):
+    # Rank 0 posts a receive of a large message, then enters the world's all-reduce (the node's engine); rank 1
+    # sends the message, blocking, then enters the all-reduce. MPI hands a large message over only while the
+    # receiver's MPI makes progress: rank 0 waited inside the engine, which made none, and rank 1 in its send.
+    r = world.rank
+    x = np.ones(3)
+    if r == 0:
+        msg = np.zeros(_BIG)
+        work = ax.irecv(msg, src=1, tag=4)
+        ax.all_reduce(x)
+        work.wait()
+        assert (msg == np.arange(_BIG)).all()
+    else:
+        if r == 1:
+            ax.send(np.arange(_BIG, dtype=np.float64), dst=0, tag=4)
+        ax.all_reduce(x)
+    assert (x == world.world_size).all(), x
+
+
+def case_a_nonblocking_scatter_is_advanced_while_its_rank_waits_in_the_nodes_engine(world):
+    # Rank 0 starts a scatter of group `other` (its part: 1 MiB from rank 1), then enters the world's all-reduce;
+    # rank 1 scatters, blocking, then enters the all-reduce. Rank 0's part is received only once its header is
+    # in and the part issued and moved, all of which needed rank 0's MPI progress, which the engine's wait did
+    # not make: rank 1 waited in the scatter, rank 0 in the engine.
+    r = world.rank
+    other = world.new_group([0, 1])
+    x = np.ones(3)
+    if r == 0:
+        work = ax.scatter(None, src=1, group=other, async_op=True)
+        ax.all_reduce(x)
+        part = work.wait()
+        assert (part == np.arange(_BIG)).all()
+    else:
+        if r == 1:
+            part = ax.scatter(np.stack([np.arange(_BIG, dtype=np.float64)] * 2), src=1, group=other)
+            assert (part == np.arange(_BIG)).all()
+        ax.all_reduce(x)
+    assert (x == world.world_size).all(), x
+
 CASES = {name[len("case_"):]: fn for name, fn in dict(globals()).items() if name.startswith("case_")}
