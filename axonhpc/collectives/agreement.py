@@ -46,7 +46,7 @@ import numpy as np
 from .._dtypes import is_cupy_array
 from .._ext import _shm
 from ..backends import base as backend_base
-from ..backends.base import CompletedWork, ReduceOp, Work
+from ..backends.base import ReduceOp, Work
 from ..errors import CollectiveMismatchError, CollectiveStallError, CollectiveTimeoutError, everywhere, replacing
 from ..settings import settings
 from . import carried, engine_calls, fingerprint, flight, shm_path, watch
@@ -282,31 +282,16 @@ class _Both(Work):
         return True
 
 
-def no_verify() -> None:
-    """The verification of a check with nothing to verify (a scatter's header; checks turned off)."""
-
-
 class CheckedWork(Work):
     """An asynchronous collective issued once its (nonblocking) agreement check is done.
 
-    MPI needs every rank to start the group's collectives in one order, so the next blocking collective first
-    issues every call still waiting for its check (``flush``), whatever order the waits come in.
-
-    [Note: an asynchronous call behind calls waiting for their check]
-    An asynchronous call made while calls of its group still wait for their check is queued behind them with
-    its check not yet started (``begin``): the check and the data share the group's communicator, so every
-    rank must see the earlier calls' data before this call's check. Its check starts once the calls before it
-    are issued (by ``progress``, or a wait), and the call returns at once, as MPI's nonblocking calls do. It
-    used to issue the earlier calls first, waiting for their checks, while a rank that makes the calls later
-    could be in a blocking call of another group that this rank had yet to reach: each waited for the other.
+    MPI needs every rank to start the group's collectives in one order, so the next collective first issues
+    every call still waiting for its check (``flush``), whatever order the waits come in.
     """
 
-    def __init__(self, pg: Any, pending: Optional[Tuple[Work, Callable[[], None]]], issue: Callable[[], Work],
-                 begin: Optional[Callable[[], Optional[Tuple[Work, Callable[[], None]]]]] = None):
+    def __init__(self, pg: Any, pending: Tuple[Work, Callable[[], None]], issue: Callable[[], Work]):
         super().__init__()
-        # ``pending`` None: the check starts with ``begin()`` once the calls before it are issued (see the note)
-        self._check, self._verify = pending if pending is not None else (None, no_verify)
-        self._begin = begin
+        self._check, self._verify = pending
         self._issue = issue
         self._inner: Optional[Work] = None
         self._failed: Optional[BaseException] = None  # why the call was never issued: every later wait raises it
@@ -319,16 +304,7 @@ class CheckedWork(Work):
                 backend_base.PROGRESS[0] = progress
         self._waiting.append(self)
 
-    def _open(self) -> None:
-        """Start the deferred check (every call of the group before this one is issued)."""
-        pending = self._begin()
-        self._check, self._verify = pending if pending is not None else (CompletedWork(), no_verify)
-
     def _start(self) -> None:
-        if self._check is None:
-            while self._waiting[0] is not self:  # the calls before it go first (a wait on this one)
-                self._waiting[0]._start()
-            self._open()
         self._waiting.remove(self)
         if not self._waiting:
             _prune()
@@ -351,14 +327,6 @@ class CheckedWork(Work):
         if self._inner is None:
             if self._failed is not None:
                 raise self._failed
-            if self._check is None:  # deferred: issue the calls before it that are ready, start its check
-                progress()
-                if self._inner is not None:
-                    return self._inner._test()
-                if self._failed is not None:
-                    raise self._failed
-                if self._check is None:
-                    return False
             if not self._check._test():
                 return False
             flush_before(self)
@@ -369,12 +337,7 @@ class CheckedWork(Work):
         if self._inner is None:
             if self._failed is not None:
                 raise self._failed
-            if self._check is None:  # deferred: the calls before it go first, then its check starts
-                while self._waiting and self._waiting[0] is not self:
-                    self._waiting[0]._start()
-                if self._inner is None:
-                    self._open()
-            if self._inner is None and not self._check._block(timeout):
+            if not self._check._block(timeout):
                 return False
             flush_before(self)
         left = None if timeout is None else max(0.0, timeout - (time.monotonic() - start))
@@ -384,8 +347,6 @@ class CheckedWork(Work):
         # The step waited for (the check, or the call once issued) says what the backend knows of the missing
         # ranks; the call is named by its label, with the array's dtype and shape.
         step = self._inner or self._check
-        if step is None:  # its check never started: the calls before it did not complete
-            return super()._timeout_error(timeout)
         step.label = _call_text(self.label)
         return step._timeout_error(timeout)
 
@@ -404,18 +365,15 @@ def _call_text(label: Any) -> str:
     return f"{label} ({x.dtype}{' on device' if is_cupy_array(x) else ''}, shape {tuple(x.shape)})"
 
 
-def flush(pg: Any, issue: bool = True) -> None:
+def flush(pg: Any) -> None:
     """Issue every asynchronous call of the group still waiting for its check (before any other collective); raise
-    the error of one the ranks disagreed about, as the node's engine found it too (``engine_calls.raise_refused``).
-
-    ``issue`` False (an asynchronous call that may queue behind them: ``core._checked_run``): neither issue them nor
-    wait for the engine's calls to be found alike, only raise the errors found so far."""
+    the error of one the ranks disagreed about, as the node's engine found it too (``engine_calls.raise_refused``)."""
     state = pg.collective_state
     if state is not None:
-        if issue and state.unissued:
+        if state.unissued:
             state.issue_unissued()
         if state.in_engine:
-            engine_calls.raise_refused(state.in_engine, wait=issue)
+            engine_calls.raise_refused(state.in_engine)
 
 
 # [Note: calls waiting for their check, across groups]
@@ -484,8 +442,6 @@ def progress() -> None:
         while waiting:
             head = waiting[0]
             try:
-                if head._check is None:  # the calls before it are issued: its check starts
-                    head._open()
                 if not head._check._test():
                     break
             except Exception as exc:  # noqa: BLE001 - its check failed: never issued, its wait raises this

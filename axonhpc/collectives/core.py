@@ -67,13 +67,9 @@ _OP_NAMES = {op: op.name for op in ReduceOp}  # Enum.name is a slow property; th
 
 
 def start_call(pg: ProcessGroup, op: str, x: Any = None, reduce: Optional[ReduceOp] = None,
-           root: Optional[int] = None, async_op: bool = False) -> CallLabel:
-    """Flight record, debug check and sequence number; returns the label used in messages.
-
-    Earlier asynchronous calls of the group waiting for their check are issued first, in the same order on every
-    rank; an asynchronous call (``async_op``) leaves that to ``run_call``, where it may queue behind them.
-    """
-    agreement.flush(pg, issue=not async_op)
+           root: Optional[int] = None) -> CallLabel:
+    """Flight record, debug check and sequence number; returns the label used in messages."""
+    agreement.flush(pg)  # earlier asynchronous calls start first, in the same order on every rank
     debug = pg.debug_enabled()
     reduce_name = None if reduce is None else _OP_NAMES[reduce]
     entry = flight.record(pg, op, x, reduce_name, root, fingerprint.caller_location() if debug else None)
@@ -132,33 +128,19 @@ def _checked_run(pg: ProcessGroup, label: Any, issue, async_op: bool, carried: b
     """``run_call``'s body: the agreement check, the call, and the wait (a blocking call's, which the watchdog sees)."""
     pending = None
     way = agreement.AS_PLANNED
-    # A host call may start once its check is done (MPI progresses each communicator on its own). A device call
-    # may not: NCCL runs the calls of all its communicators in the order they were queued, so one started later
-    # on some ranks than on others could deadlock the GPUs.
-    checked_later = collective and not carried and async_op and not is_cupy_array(label.call[0])
-    if collective and async_op and not checked_later:
-        # start_call left it to this call. The node's engine orders its own calls (the checks of the waiting
-        # calls are among them) apart from the MPI calls that wait: an asynchronous call it carries goes after
-        # them in its queue as it is.
-        agreement.flush(pg, issue=not (carried and agreement.node_engine(pg) is not None))
     nonblocking = makes_nonblocking(pg, async_op, timeout, collective)
-    if checked_later:
-        def begin():
-            return agreement.start_check(pg, label.seq, label.op, *label.call)
-
-        # Queued behind the calls waiting for their check, its check not yet started (CheckedWork's note);
-        # where the node's engine makes the checks, its queue orders them: started at once.
-        if not state_of(pg).unissued or agreement.node_engine(pg) is not None:
-            pending, begin = begin(), None
-    else:
-        begin = None
-        if collective and not carried:
-            way = agreement.check(pg, label.seq, label.op, *label.call, arrivals=arrivals, label=label, carry=carry,
-                                  nonblocking=nonblocking)
+    if collective and not carried and async_op and not is_cupy_array(label.call[0]):
+        # A host call may start once its check is done (MPI progresses each communicator on its own).
+        # A device call may not: NCCL runs the calls of all its communicators in the order they were
+        # queued, so one started later on some ranks than on others could deadlock the GPUs.
+        pending = agreement.start_check(pg, label.seq, label.op, *label.call)
+    elif collective and not carried:
+        way = agreement.check(pg, label.seq, label.op, *label.call, arrivals=arrivals, label=label, carry=carry,
+                              nonblocking=nonblocking)
     start = time.perf_counter()
     try:
-        if pending is not None or begin is not None:  # issued once the check is done (agreement.CheckedWork)
-            work: Work = agreement.CheckedWork(pg, pending, lambda: issue(True), begin)
+        if pending is not None:  # issued once the check is done (agreement.CheckedWork)
+            work: Work = agreement.CheckedWork(pg, pending, lambda: issue(True))
         elif way == agreement.CARRIED:
             work = CompletedWork()
         else:  # nonblocking where any rank makes it so ([Note: blocking and nonblocking twins])
@@ -251,7 +233,7 @@ def native_all_reduce(x, op=ReduceOp.SUM, group: Optional[ProcessGroup] = None, 
 def checked_all_reduce(x: Any, op: ReduceOp, pg: ProcessGroup, async_op: bool) -> Any:
     """The native all-reduce's general path, once ``x``, ``op`` and membership of ``pg`` are checked."""
     graphed.admit(pg, "all_reduce", x, _OP_NAMES[op], why_not=_RING_IN_GRAPH if shm_path.fixed_order(x, op) else None)
-    label = start_call(pg, "all_reduce", x, op, async_op=async_op)
+    label = start_call(pg, "all_reduce", x, op)
     route, node = routes.choose(pg, x, "all_reduce", op, async_op)
     if route is routes.ONE_RANK:
         work = CompletedWork()
@@ -328,7 +310,7 @@ def reduce_scatter(x, op=ReduceOp.SUM, group: Optional[ProcessGroup] = None, asy
     x = _apart(x, out)
     graphed.admit(pg, "reduce_scatter", x, _OP_NAMES[op],
                   why_not=_RING_IN_GRAPH if shm_path.fixed_order(x, op) else None)
-    label = start_call(pg, "reduce_scatter", x, op, async_op=async_op)
+    label = start_call(pg, "reduce_scatter", x, op)
     route, node = routes.choose(pg, x, "reduce_scatter", op)
     if route is routes.RING:
         return run_call(pg, label, lambda nb: ring_reduce_scatter(x, out, op, pg), async_op)
@@ -379,7 +361,7 @@ def broadcast(x, src: int = 0, group: Optional[ProcessGroup] = None, async_op: b
     except AxonError as exc:
         refuse_call(pg, "broadcast", exc, x, async_op)
     graphed.admit(pg, "broadcast", x, root=src)
-    label = start_call(pg, "broadcast", x, root=src, async_op=async_op)
+    label = start_call(pg, "broadcast", x, root=src)
     backend = pg.backend
     route, node = routes.choose(pg, x, "broadcast")
     if route is routes.NODE:
@@ -409,7 +391,7 @@ def all_gather(x, group: Optional[ProcessGroup] = None, async_op: bool = False, 
         refuse_call(pg, "all_gather", exc, x, async_op)
     x = _apart(x, out)
     graphed.admit(pg, "all_gather", x)
-    label = start_call(pg, "all_gather", x, async_op=async_op)
+    label = start_call(pg, "all_gather", x)
     route, node = routes.choose(pg, x, "all_gather")
     if route is routes.NODE:
         desc = label.desc()
@@ -433,7 +415,7 @@ def gather(x, dst: int = 0, group: Optional[ProcessGroup] = None, async_op: bool
     graphed.admit(pg, "gather", x, root=dst, why_not="NCCL has no gather (it is grouped sends and receives, "
                                                      "which axonhpc does not capture)")
     out = array_module(x).empty((pg.size,) + tuple(x.shape), dtype=x.dtype) if pg.rank == dst else None
-    label = start_call(pg, "gather", x, root=dst, async_op=async_op)
+    label = start_call(pg, "gather", x, root=dst)
     backend = pg.backend
     return run_call(pg, label, lambda nb: backend.gather(x, out, dst, nb), async_op)
 
@@ -478,14 +460,13 @@ def scatter(x, src: int = 0, group: Optional[ProcessGroup] = None, async_op: boo
         except Exception as exc:  # noqa: BLE001 - reported to every rank, then raised here
             problem = exc
             header[0] = _SCATTER_FAILED
-    eager = backend.host_side() is not backend
-    # an eager scatter is checked before its run_call: the group's waiting calls go first (start_call)
-    label = start_call(pg, "scatter", None, root=src, async_op=async_op and not eager)
+    label = start_call(pg, "scatter", None, root=src)
     send = x if pg.rank == src else None
     # A device call must be queued when it is made (NCCL runs its communicators' calls in the order they were
     # queued, see ``_checked_run``), and only the source knows whether its array is one: where the backend
     # carries device arrays the part goes at once, after the header (waited for). Elsewhere the header and the
     # part are the steps of one nonblocking call, issued in the group's order like any other.
+    eager = backend.host_side() is not backend
 
     def issue_part(nb: bool) -> Work:
         """The part, once the header is in: raise the source's problem on every rank, or scatter."""
@@ -511,7 +492,7 @@ def scatter(x, src: int = 0, group: Optional[ProcessGroup] = None, async_op: boo
             return issue_part(nb)
         # The part is issued once the header is in, before anything else of the group goes (a CheckedWork
         # whose "check" is the header), so ahead of the group's calls made after this one.
-        part = agreement.CheckedWork(pg, (head, agreement.no_verify), lambda: issue_part(True))
+        part = agreement.CheckedWork(pg, (head, _nothing), lambda: issue_part(True))
         waiting = state_of(pg).unissued
         if waiting[0] is not part:
             waiting.remove(part)
@@ -526,11 +507,15 @@ def scatter(x, src: int = 0, group: Optional[ProcessGroup] = None, async_op: boo
     return run_call(pg, label, issue, async_op)
 
 
+def _nothing() -> None:
+    """A step with nothing to verify."""
+
+
 def barrier(group: Optional[ProcessGroup] = None, async_op: bool = False):
     """Return once every rank of the group has entered the barrier."""
     pg = member(group, "barrier")
     graphed.admit(pg, "barrier", why_not="a barrier waits on the host, which a graph's replay does not")
-    label = start_call(pg, "barrier", async_op=async_op)
+    label = start_call(pg, "barrier")
     backend = pg.backend
     return run_call(pg, label, lambda nb: backend.barrier(nb), async_op)
 

@@ -279,20 +279,13 @@ class EngineWork(Work):
         return _lagging_error(self._op, str(self.label), timeout, " in the shared-memory path")
 
 
-def raise_refused(group_calls: List[EngineWork], wait: bool = True) -> None:
+def raise_refused(group_calls: List[EngineWork]) -> None:
     """Before a group's next call: wait until each of its calls in flight was found alike on every rank; raise the
-    error of one that was not (``agreement.flush``). Each is raised here once, and by its own waits.
-
-    ``wait`` False (the next call is asynchronous): only those found so far; the others are raised by their own
-    waits. An asynchronous call returns at once, as over MPI: the ranks that make the earlier calls later may be
-    in a blocking call of another group first, which this rank has yet to reach.
-    """
+    error of one that was not (``agreement.flush``). Each is raised here once, and by its own waits."""
     while group_calls:
         work = group_calls[0]
         op = work._op
         if not (op.checked or op.done):
-            if not wait:
-                return
             _wait_noted(work, lambda: op.checked or op.done)
         if op.done:
             work._conclude()

@@ -124,4 +124,5 @@ def case_a_nonblocking_scatter_is_advanced_while_its_rank_waits_in_the_nodes_eng
         ax.all_reduce(x)
     assert (x == world.world_size).all(), x
 
+
 CASES = {name[len("case_"):]: fn for name, fn in dict(globals()).items() if name.startswith("case_")}
