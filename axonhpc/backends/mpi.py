@@ -224,9 +224,8 @@ class _PostedReceive(MPIWork):
         return self._advance()
 
     def _block(self, timeout: Optional[float]) -> bool:
-        # Polled, not MPI_Waitall: the wait must look for the message under another dtype's tag.
-        if self._kept is not None:
-            raise self._kept
+        # Polled, not MPI_Waitall: the wait must look for the message under another dtype's tag (a test that ended
+        # in an error, from another wait, raises it again: ``MPIWork._test``).
         return poll(self._test, None if timeout is None else time.monotonic() + timeout)
 
 

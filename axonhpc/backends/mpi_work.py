@@ -326,4 +326,5 @@ class ChunkPlan:
         return MPIWork([(nonblocking, after) for _, nonblocking, after in self.steps], result, sequential, self.comm)
 
 
-__all__ = ["IN_FLIGHT", "MPIWork", "advance_in_flight", "in_flight_here", "host_only_op", "mpi_op", "poll", "raise_failure", "widened_for_mpi"]
+__all__ = ["IN_FLIGHT", "MPIWork", "advance_in_flight", "in_flight_here", "host_only_op", "mpi_op", "poll",
+           "raise_failure", "widened_for_mpi"]

@@ -9,7 +9,7 @@ by default; ``AXONHPC_FUZZ_SEEDS`` runs others instead (``"40"``: seeds 0-39, ``
 A program that works takes well under a second; on threads one that hangs is aborted after ``HANG_SECONDS``
 and fails with every rank's stack (on MPI ranks the test's timeout ends the job).
 
-Found so far (2026-11-28): nine hangs, eight fixed (tests/support/async_order_cases.py and mixed_way_cases.py
+Found so far (2026-11-28): eight hangs, seven fixed (tests/support/async_order_cases.py and mixed_way_cases.py
 hold their reduced programs; the last fixed: a rank waiting inside the node's engine did not advance its MPI
 requests in flight, [Note: MPI requests in flight while the node's engine waits] in backends/mpi_work.py). One is
 known and not fixed, so its seeds are expected failures here and the MPI runs are opt-in (``AXONHPC_FUZZ_MPI=1``),
