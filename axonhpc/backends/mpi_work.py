@@ -158,13 +158,17 @@ def _in_flight(work: "MPIWork") -> bool:
     return not work._finished and bool(work._requests) and work._kept is None
 
 
+def _forget_finished(works: List["MPIWork"]) -> None:
+    works[:] = [work for work in works if _in_flight(work)]
+
+
 def in_flight_here() -> bool:
     """True if this thread has MPI works in flight (the finished ones are forgotten on the way)."""
     me = get_ident()
     works = IN_FLIGHT.get(me)
     if works is None:
         return False
-    works[:] = [work for work in works if _in_flight(work)]
+    _forget_finished(works)
     if not works:
         del IN_FLIGHT[me]
         return False
@@ -184,7 +188,7 @@ def _note_in_flight(work: "MPIWork") -> None:
     works = IN_FLIGHT.setdefault(get_ident(), [])
     works.append(work)
     if len(works) > _PRUNE_AT:
-        works[:] = [work for work in works if _in_flight(work)]
+        _forget_finished(works)
 
 
 class MPIWork(Work):

@@ -81,7 +81,6 @@ def case_an_asynchronous_call_after_calls_its_group_expected_to_carry_returns_at
     assert (x == world.world_size).all(), x
 
 
-
 _BIG = 1 << 17  # float64 elements: 1 MiB, past MPI's eager limit (MPICH and Open MPI hand it over in rendezvous)
 
 
