@@ -18,7 +18,7 @@ import numpy as np
 
 from .._dtypes import floating_dtype, is_floating, is_low_precision_float
 from ..errors import ConfigurationError
-from .matmul import product_2d
+from .matmul import column_sums, product_2d
 
 _FLOAT32 = np.dtype(np.float32)
 _state = threading.local()
@@ -148,7 +148,7 @@ def linear_param_grads(grad_out: Any, saved: Tuple[Any, Any, Any], weight: Any, 
     g2 = grad_out.reshape(math.prod(grad_out.shape[:-1]), grad_out.shape[-1])
     # Bias before weight: hooks fire in reverse registration order.
     if bias is not None:
-        bias.accumulate_grad(g2.sum(axis=0) if saved[1] is None else g2.sum(axis=0, dtype=bias.dtype))
+        bias.accumulate_grad(column_sums(g2) if saved[1] is None else column_sums(g2, bias.dtype))
     weight.accumulate_product(g2.T, xc.reshape(math.prod(xc.shape[:-1]), xc.shape[-1]))
 
 

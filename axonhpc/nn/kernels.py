@@ -37,6 +37,7 @@ from .._dtypes import array_module
 from .._ext import host_modules
 from ..cuda import kernels as cuda_kernels
 from ..settings import settings
+from .matmul import column_sums
 
 INV_SQRT2 = 1.0 / math.sqrt(2.0)
 INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
@@ -362,7 +363,7 @@ def layer_norm_forward(x: Any, weight: Any, bias: Any, eps: float) -> Tuple[Any,
 
 def layer_norm_backward(grad_out: Any, xhat: Any, rstd: Any, weight: Any) -> Tuple[Any, Any, Any]:
     """LayerNorm's ``(dx, dweight, dbias)`` (the last two None without ``weight``). Host arrays: one pass;
-    device arrays: five launches with ``weight``, three without."""
+    device arrays: four launches and two column-sum GEMMs with ``weight``, three launches without."""
     if type(grad_out) is not np.ndarray:
         return _layer_norm_backward_device(grad_out, xhat, rstd, weight)
     dx = np.empty_like(grad_out)
@@ -378,9 +379,11 @@ def _layer_norm_backward_device(g: Any, xhat: Any, rstd: Any, weight: Any) -> Tu
     affine = weight is not None
     dweight = dbias = None
     if affine:
-        lead = tuple(range(g.ndim - 1))
-        dbias = g.sum(axis=lead)
-        dweight = cuda_kernels.reduction(xp, "sum_product", (), _sum_product_source)(g, xhat, axis=lead)
+        # Column sums by GEMM ([Note: column sums by GEMM]): cupy's reductions over the leading axes read each
+        # column down its stride; the product g * xhat is one element-wise pass.
+        width = g.shape[-1]
+        dbias = column_sums(g.reshape(-1, width))
+        dweight = column_sums((g * xhat).reshape(-1, width))
         m1 = _rows(xp, "mean_product", (2,), _mean_product_source, g, weight, n)
         m2 = _rows(xp, "mean_product", (3,), _mean_product_source, g, weight, xhat, n)
         args = (g, weight, xhat, rstd, m1, m2)

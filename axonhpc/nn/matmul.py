@@ -13,6 +13,17 @@ A weight gradient is ``grad += a @ b``; numpy computes ``a @ b`` into a temporar
 over the gradient. On cupy ``nn.gemm`` calls ``cublasGemmEx`` with ``beta=1``, adding the product inside the
 GEMM with no temporary, as frameworks' fused weight-gradient GEMMs do. ``product_2d`` likewise goes through
 ``nn.gemm`` on cupy, so a CUDA graph can hold the product.
+
+[Note: column sums by GEMM]
+A bias gradient is the column sum of a (rows, width) gradient. cupy reduces over the leading axis with each
+column read down its stride, uncoalesced: on an H200 a (2048, 4096) float32 sum took 38-50 us where PyTorch's
+took 17, and (2048, 768) sums about 29 us. ``column_sums`` computes ``ones(1, rows) @ a`` by ``cublasGemmEx``
+instead, with the factors' own compute type (never TF32, which would round the summands): a product by one is
+exact, so the result is the same sum in another order, as PyTorch's reduction also sums in its own order.
+16-bit gradients are summed into a float32 output inside the GEMM. The ones row is made afresh by each call
+(one small fill, on the stream and in the capture the GEMM runs in), rather than kept: a kept one would be
+ordered with only the stream that filled it. Host arrays, and everything with ``settings.fused_kernels`` off,
+keep ``a.sum(axis=0)``.
 """
 from __future__ import annotations
 
@@ -116,4 +127,17 @@ def product_2d(a: Any, b: Any, dtype: Any = None) -> Any:
     return a @ b
 
 
-__all__ = ["sync_matmul_precision", "apply_matmul_precision", "add_product", "product_2d"]
+def column_sums(a: Any, dtype: Any = None) -> Any:
+    """``a.sum(axis=0, dtype=dtype)`` of a 2-D array: on a cupy array ``nn.gemm`` takes, one GEMM with a row of
+    ones (see [Note: column sums by GEMM]); ``dtype`` float32 for 16-bit ``a`` is written by the GEMM itself."""
+    cupy = gemm.module_of(a)
+    if cupy is not None and a.ndim == 2 and a.shape[0] > 0 and settings.fused_kernels:
+        want = a.dtype if dtype is None else np.dtype(dtype)
+        if gemm.can_write(want, a.dtype) and gemm.handles(a, a, cupy):
+            out = cupy.empty((1, a.shape[1]), dtype=want)
+            gemm.gemm(cupy.ones((1, a.shape[0]), dtype=a.dtype), a, cupy, out=out)
+            return out.reshape(a.shape[1])
+    return a.sum(axis=0) if dtype is None else a.sum(axis=0, dtype=dtype)
+
+
+__all__ = ["sync_matmul_precision", "apply_matmul_precision", "add_product", "product_2d", "column_sums"]

@@ -280,3 +280,26 @@ def test_gelu_on_16_bit_floats_computes_in_float32_and_rounds_once(low, approxim
     dx, want_dx = ours.backward(g), ref.backward(g)
     assert dx.dtype == dtype
     np.testing.assert_array_equal(dx, want_dx.astype(dtype))
+
+
+def test_relu_keeps_bfloat16_on_the_device_where_cupys_where_has_no_bfloat16_loop(monkeypatch):
+    # On an H200 a bfloat16 MLP's ReLU came back float32 (cupy's where selects in float32), so each next layer
+    # cast it back and the backward carried float32 gradients. The strict stand-in plays that where.
+    import sys
+
+    from support.strict_cupy import StrictCupy, device, host
+
+    bf16 = _bf16()
+    cupy = StrictCupy()
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    assert cupy.where(device(np.ones(2, bf16)) > 0, device(np.ones(2, bf16)), 0).dtype == np.float32
+    x = np.array([-2.0, -0.0, 0.0, 1.5, np.inf, -np.inf, np.nan], bf16)
+    g = np.array([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0], bf16)
+    relu = nn.ReLU()
+    y = relu(device(x))
+    assert y.dtype == bf16
+    want = np.where(x < 0, 0, x)
+    assert host(y).view(np.uint16).tolist() == want.view(np.uint16).tolist()  # -0.0 stays -0.0, NaN passes
+    dx = relu.backward(device(g))
+    assert dx.dtype == bf16
+    assert host(dx).astype(np.float32).tolist() == [0.0, 0.0, 0.0, 4.0, 5.0, 0.0, 7.0]

@@ -82,10 +82,11 @@ def test_device_gradient_accumulates_inside_the_gemm_and_matches_the_host(fake_c
     got_w, got_b = _two_backwards(layer, device(x), device(g))
     blas = fake_cupy._axonhpc_cublas
     # every product through nn.gemm, none through cupy (which refuses cuBLAS in a graph capture):
-    # per pass the forward, the input gradient and the weight gradient
-    assert fake_cupy.cublas.calls == 0 and blas.calls == 6
-    # per pass: forward, weight gradient, input gradient; the second weight gradient adds into the first
-    assert blas.betas == [0.0, 0.0, 0.0, 0.0, 1.0, 0.0]
+    # per pass the forward, the bias gradient (a column sum, [Note: column sums by GEMM]), the weight gradient
+    # and the input gradient
+    assert fake_cupy.cublas.calls == 0 and blas.calls == 8
+    # the second weight gradient adds into the first
+    assert blas.betas == [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0]
     assert set(blas.computes) == {70 if dtype == np.float64 else 68}  # 64F, or 32F (TF32 off)
     rtol = 1e-6 if dtype == np.float32 else 1e-15
     np.testing.assert_allclose(host(got_w), want_w, rtol=rtol)
@@ -97,7 +98,7 @@ def test_half_precision_device_gradients_go_through_the_gemm_in_float32_accumula
     layer.to("cuda")
     got_w, _ = _two_backwards(layer, device(x), device(g))
     blas = fake_cupy._axonhpc_cublas
-    assert blas.calls == 6 and set(blas.computes) == {68} and got_w.dtype == np.float16
+    assert blas.calls == 8 and set(blas.computes) == {68} and got_w.dtype == np.float16
     host_layer, x, g = _layer_and_data(np.float32)
     want_w, _ = _two_backwards(host_layer, x, g)
     np.testing.assert_allclose(host(got_w).astype(np.float32), want_w, rtol=2e-2, atol=2e-2)
@@ -119,12 +120,14 @@ def test_allow_tf32_sets_cupy_compute_type_at_the_next_module_call_and_restores_
         layer.backward(device(g))
         layer(device(x))
         layer.backward(device(g))
-        assert blas.computes[1:] == [77] * 6  # forward, input and weight gradients (beta=1 too) in TF32
-        assert blas.betas[1:] == [0.0, 0.0, 0.0, 0.0, 1.0, 0.0]
+        # forward, weight and input gradients (beta=1 too) in TF32; the bias's column sums never (32F: TF32
+        # would round the summands)
+        assert blas.computes[1:] == [77, 68, 77, 77] * 2
+        assert blas.betas[1:] == [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0]
     layer(device(x))
     assert table.compute_types[1] == table.COMPUTE_TYPE_DEFAULT
     layer.backward(device(g))
-    assert blas.computes[-3:] == [68] * 3 and fake_cupy.cublas.calls == 0
+    assert blas.computes[-4:] == [68] * 4 and fake_cupy.cublas.calls == 0
 
 
 def test_cupy_tf32_from_the_environment_is_left_alone_and_respected(fake_cupy, monkeypatch):
@@ -134,7 +137,7 @@ def test_cupy_tf32_from_the_environment_is_left_alone_and_respected(fake_cupy, m
     layer.to("cuda")
     _two_backwards(layer, device(x), device(g))
     assert table.get_compute_type(np.float32) == table.COMPUTE_TYPE_TF32
-    assert set(fake_cupy._axonhpc_cublas.computes) == {77}
+    assert fake_cupy._axonhpc_cublas.computes == [77, 68, 77, 77] * 2  # the bias's column sums: 32F
 
 
 def test_apply_matmul_precision_acts_before_any_module_call(fake_cupy):
@@ -167,3 +170,29 @@ def test_numpy_ignores_allow_tf32():
 def test_allow_tf32_reads_its_environment_variable():
     assert ax.settings.allow_tf32 is False
     assert Settings().load_environment({"AXONHPC_ALLOW_TF32": "1"}).allow_tf32 is True
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16, "bfloat16"])
+def test_column_sums_on_the_device_are_one_gemm_in_the_factors_compute_type(fake_cupy, dtype):
+    from axonhpc.nn.matmul import column_sums
+
+    if dtype == "bfloat16":
+        dtype = pytest.importorskip("ml_dtypes").bfloat16
+    rng = np.random.default_rng(3)
+    a = rng.standard_normal((37, 11)).astype(dtype)
+    blas = fake_cupy._axonhpc_cublas
+    with override(allow_tf32=True):  # a column sum never runs in TF32: it would round the summands
+        nn.apply_matmul_precision()
+        low = np.dtype(dtype).itemsize == 2
+        got = column_sums(device(a), np.float32 if low else None)
+    assert blas.calls == 1 and blas.computes == [70 if np.dtype(dtype) == np.float64 else 68]
+    want = a.astype(np.float64).sum(axis=0)
+    assert host(got).dtype == (np.float32 if low else np.dtype(dtype)) and got.shape == (11,)
+    eps = float(np.finfo(np.float32 if low else dtype).eps)
+    np.testing.assert_allclose(host(got), want, rtol=0, atol=64 * eps * np.abs(a.astype(np.float64)).sum(axis=0).max())
+    # what nn.gemm does not take, and the setting off: the array code itself
+    assert column_sums(device(a)[:, ::2]).shape == (6,) and blas.calls == 1
+    with override(fused_kernels=False):
+        column_sums(device(a))
+    assert blas.calls == 1
+    assert host(column_sums(device(a[:0]))).tolist() == [0.0] * 11

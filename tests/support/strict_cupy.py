@@ -16,7 +16,9 @@ device arrays with numpy subclasses, which accept every numpy-only call. The
   ``writeable``; there is no ``.ctypes``, ``setflags`` or ``tobytes``;
 - reductions return 0-d device arrays, not numpy scalars;
 - ``.data.ptr``, ``__cuda_array_interface__`` and ``cupy.get_array_module``
-  are there, as in cupy.
+  are there, as in cupy;
+- ``cupy.where`` of bfloat16 values returns float32 (cupy has no bfloat16
+  loop for it; an H200 run showed the float32 kernel).
 
 Stream capture (``fake_cuda``'s ``Stream.begin_capture``/``end_capture``) is
 played as CUDA plays it: while a thread captures, nothing it asks of the
@@ -569,6 +571,20 @@ def _strict_function(source: Any, name: str) -> Any:
     return call
 
 
+_numpy_where = _strict_function(np.where, "where")
+
+
+def _where(condition: Any, *values: Any) -> Any:
+    """``cupy.where``: its loops have no bfloat16 (ml_dtypes) one, so bfloat16 choices are selected in float32
+    and the result is float32, as cupy gives it."""
+    from axonhpc._dtypes import bfloat16_dtype
+
+    bf16 = bfloat16_dtype()
+    if bf16 is not None and builtins.any(type(v) is DeviceArray and v.dtype == bf16 for v in values):
+        values = tuple(v.astype(np.float32) if type(v) is DeviceArray and v.dtype == bf16 else v for v in values)
+    return _numpy_where(condition, *values)
+
+
 class _Linalg(types.ModuleType):
     """``cupy.linalg``: the few functions numpy's linalg shares with it that code here may reach."""
 
@@ -1027,6 +1043,8 @@ class StrictCupy(types.ModuleType):
                 return _wrap(_run(lambda: getattr(np, name)(parts, *args, **kwargs), tuple(parts)))
 
             return joined
+        if name == "where":
+            return _where
         if name in _FUNCTIONS and source is not None:
             return _strict_function(source, name)
         raise AttributeError(f"module 'cupy' (strict stand-in) has no attribute {name!r}")
