@@ -150,3 +150,27 @@ def test_a_captured_product_replays_on_a_gpu():
     graph.launch(stream)
     stream.synchronize()
     assert float(out[0, 0]) == 96.0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_cupy is None, reason="needs cupy and a CUDA device")
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "bfloat16"])
+def test_column_sums_and_a_bfloat16_relu_on_a_gpu(dtype):
+    from axonhpc import nn
+    from axonhpc.nn.matmul import column_sums
+
+    cp = _cupy
+    if dtype == "bfloat16":
+        dtype = pytest.importorskip("ml_dtypes").bfloat16
+    low = np.dtype(dtype).itemsize == 2
+    a = np.random.default_rng(5).standard_normal((2048, 96)).astype(dtype)
+    got = column_sums(cp.asarray(a), np.float32 if low else None).get()
+    exact = a.astype(np.float64)
+    eps = float(np.finfo(np.float32 if low else dtype).eps)
+    assert got.dtype == (np.float32 if low else np.dtype(dtype))
+    np.testing.assert_allclose(got, exact.sum(axis=0), rtol=0, atol=64 * eps * np.abs(exact).sum(axis=0).max())
+    if np.dtype(dtype).name == "bfloat16":  # ReLU keeps bfloat16 (cupy's where would not)
+        relu = nn.ReLU()
+        y = relu(cp.asarray(a))
+        assert y.dtype == a.dtype and np.array_equal(y.get().view(np.uint16), np.where(a < 0, 0, a).view(np.uint16))
+        assert relu.backward(cp.asarray(a)).dtype == a.dtype
