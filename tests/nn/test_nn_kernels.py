@@ -126,6 +126,13 @@ def _linear_run(xp, activation, dtype, fused_bias):
     return [a if isinstance(a, np.ndarray) else a.get() for a in out]
 
 
+def _same_bias_sum(a, b, dtype):
+    """Two bias gradients of ``_linear_run``: a column sum by GEMM (fused kernels on) against ``a.sum(axis=0)``
+    (off), the same sum of its 35 rows of |g| < 4 in another order ([Note: column sums by GEMM])."""
+    eps = float(np.finfo(dtype).eps)
+    np.testing.assert_allclose(a, b, rtol=16 * eps, atol=16 * eps * 35 * 4)
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("activation", sorted(ACTIVATED))
 def test_a_linear_with_an_activation_is_the_linear_then_the_activation(activation, dtype, c_math, monkeypatch):
@@ -142,10 +149,7 @@ def test_a_linear_with_an_activation_is_the_linear_then_the_activation(activatio
         _same_bits(a, b)
     for a, c in zip(fused[:3], array_code[:3]):
         _same_bits(a, c)
-    # the bias gradient: a column sum by GEMM with fused kernels on, a.sum(axis=0) off ([Note: column sums by
-    # GEMM]): the same sum in another order
-    eps = float(np.finfo(dtype).eps)
-    np.testing.assert_allclose(fused[3], array_code[3], rtol=16 * eps, atol=16 * eps * 35 * 4)  # 35 rows of |g| < 4
+    _same_bias_sum(fused[3], array_code[3], dtype)
     for a, b in zip(_linear_run(np, activation, dtype, True), _linear_run(np, activation, dtype, False)):
         _same_bits(a, b)  # the host: Sequential(Linear, activation)'s code, so its bits
 
@@ -340,9 +344,8 @@ def test_fused_matches_the_array_code_on_a_gpu(name, dtype):
         assert runs[0][0] == pytest.approx(runs[1][0], rel=8 * eps)
         np.testing.assert_allclose(runs[0][1], runs[1][1], rtol=8 * eps, atol=1e-7)
         return
-    if name.startswith("linear_"):  # the bias gradient: a column sum by GEMM against a.sum(axis=0), another order
-        eps = float(np.finfo(dtype).eps)
-        np.testing.assert_allclose(runs[0][3], runs[1][3], rtol=16 * eps, atol=16 * eps * 35 * 4)
+    if name.startswith("linear_"):
+        _same_bias_sum(runs[0][3], runs[1][3], dtype)
         runs = [run[:3] for run in runs]
     for a, b in zip(*runs):
         _same_bits(a, b)
